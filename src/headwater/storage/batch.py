@@ -1,0 +1,392 @@
+"""Record batches: the unit the log stores, checks and serves.
+
+An append of N events becomes one batch: one header, one CRC-32C, one write. The
+layout (docs/storage-format.md) puts every event's value first as ``u64 length | bytes``,
+which is exactly how Kimberlite encodes ``Vec<Vec<u8>>`` on the wire, so reads can hand a
+stored values section to a socket without decoding the events inside it.
+
+Header, little-endian, 64 bytes::
+
+    0  u32 batch_length    whole batch, header included
+    4  u32 crc32c          CRC-32C (Castagnoli) of bytes [8, batch_length)
+    8  u8  magic           1
+    9  u8  attributes      bit 0 keys section, bit 1 headers section, bit 2 offset deltas
+    10 u16 reserved        0
+    12 u32 count           events in the batch (>= 1)
+    16 u64 base_offset     offset of the first event
+    24 i64 first_timestamp_ms
+    32 i64 max_timestamp_ms
+    40 u64 first_position  tenant log position of the first event
+    48 u32 values_length
+    52 u32 keys_length
+    56 u32 headers_length
+    60 u32 deltas_length
+
+Sections follow in that order. values: count x (u64 len, bytes). keys: count x (u8 flags
+[1 = has key, 2 = tombstone], u32 len, bytes). headers: count x (u32 n, n x (u32 len, name,
+u32 len, value)). deltas: count x u32 (event i has offset base_offset + delta[i] and
+position first_position + delta[i]); without deltas the batch is dense (delta[i] = i).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import crc32c
+
+from headwater.errors import CorruptBatchError, UsageError
+
+MAGIC = 1
+HEADER = struct.Struct("<IIBBHIQqqQIIII")
+HEADER_SIZE = HEADER.size  # 64
+ATTR_KEYS = 0x01
+ATTR_HEADERS = 0x02
+ATTR_DELTAS = 0x04
+KEY_PRESENT = 0x01
+KEY_TOMBSTONE = 0x02
+MAX_BATCH_BYTES = 0x7FFF_FFFF
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_KEY = struct.Struct("<BI")
+_U32_AT = _U32.unpack_from
+_U64_AT = _U64.unpack_from
+_LENGTH_CRC = struct.Struct("<II")
+
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One decoded event, for callers that need events rather than stored bytes."""
+
+    offset: int
+    position: int
+    timestamp_ms: int
+    value: bytes
+    key: bytes | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    tombstone: bool = False
+
+
+def encode_values(values: Sequence[bytes]) -> bytes:
+    """The values section for ``values``: ``u64 len | bytes`` per event."""
+    pack = _U64.pack
+    parts: list[bytes] = []
+    append = parts.append
+    for value in values:
+        append(pack(len(value)))
+        append(value)
+    return b"".join(parts)
+
+
+def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list[int]:
+    """Boundaries of ``count`` values in a values section: ``count + 1`` byte positions.
+
+    Raises ValueError when the section does not hold exactly ``count`` well-formed values.
+    """
+    end = len(section)
+    bounds = [start]
+    pos = start
+    for _ in range(count):
+        if pos + 8 > end:
+            raise ValueError("values section truncated")
+        pos += 8 + _U64_AT(section, pos)[0]
+        if pos > end:
+            raise ValueError("value overruns its section")
+        bounds.append(pos)
+    return bounds
+
+
+def _encode_keys(keys: Sequence[bytes | None], tombstones: Sequence[bool] | None) -> bytes:
+    pack = _KEY.pack
+    parts: list[bytes] = []
+    for i, key in enumerate(keys):
+        flags = KEY_TOMBSTONE if tombstones is not None and tombstones[i] else 0
+        if key is None:
+            parts.append(pack(flags, 0))
+        else:
+            parts.append(pack(flags | KEY_PRESENT, len(key)))
+            parts.append(key)
+    return b"".join(parts)
+
+
+def _encode_headers(headers: Sequence[Headers]) -> bytes:
+    pack = _U32.pack
+    parts: list[bytes] = []
+    for event_headers in headers:
+        parts.append(pack(len(event_headers)))
+        for name, value in event_headers:
+            parts += (pack(len(name)), name, pack(len(value)), value)
+    return b"".join(parts)
+
+
+def build_batch(
+    values_section: bytes | memoryview,
+    count: int,
+    *,
+    base_offset: int,
+    first_position: int,
+    timestamp_ms: int,
+    max_timestamp_ms: int | None = None,
+    keys: Sequence[bytes | None] | None = None,
+    tombstones: Sequence[bool] | None = None,
+    headers: Sequence[Headers] | None = None,
+    deltas: Sequence[int] | None = None,
+) -> bytes:
+    """Assemble one batch from an already encoded values section (trusted: the caller
+    checked it with :func:`value_spans` or built it with :func:`encode_values`)."""
+    if count < 1:
+        raise UsageError("a batch holds at least one event")
+    attributes = 0
+    sections = [values_section]
+    keys_bytes = headers_bytes = deltas_bytes = b""
+    if keys is not None or tombstones is not None:
+        if keys is None:
+            keys = [None] * count
+        if len(keys) != count or (tombstones is not None and len(tombstones) != count):
+            raise UsageError("keys and tombstones need one entry per event")
+        attributes |= ATTR_KEYS
+        keys_bytes = _encode_keys(keys, tombstones)
+        sections.append(keys_bytes)
+    if headers is not None and any(headers):
+        if len(headers) != count:
+            raise UsageError("headers need one entry per event")
+        attributes |= ATTR_HEADERS
+        headers_bytes = _encode_headers(headers)
+        sections.append(headers_bytes)
+    if deltas is not None:
+        if len(deltas) != count:
+            raise UsageError("deltas need one entry per event")
+        attributes |= ATTR_DELTAS
+        deltas_bytes = struct.pack(f"<{count}I", *deltas)
+        sections.append(deltas_bytes)
+    total = HEADER_SIZE + len(values_section) + len(keys_bytes)
+    total += len(headers_bytes) + len(deltas_bytes)
+    if total > MAX_BATCH_BYTES:
+        raise UsageError("batch larger than 2 GiB")
+    header = HEADER.pack(
+        total,
+        0,
+        MAGIC,
+        attributes,
+        0,
+        count,
+        base_offset,
+        timestamp_ms,
+        timestamp_ms if max_timestamp_ms is None else max_timestamp_ms,
+        first_position,
+        len(values_section),
+        len(keys_bytes),
+        len(headers_bytes),
+        len(deltas_bytes),
+    )
+    crc = crc32c.crc32c(header[8:])
+    for section in sections:
+        crc = crc32c.crc32c(section, crc)
+    return b"".join((_LENGTH_CRC.pack(total, crc), header[8:], *sections))
+
+
+def encode_batch(
+    values: Sequence[bytes],
+    *,
+    base_offset: int,
+    first_position: int,
+    timestamp_ms: int,
+    keys: Sequence[bytes | None] | None = None,
+    tombstones: Sequence[bool] | None = None,
+    headers: Sequence[Headers] | None = None,
+) -> bytes:
+    """Encode a list of event values (and optional keys/headers) as one batch."""
+    return build_batch(
+        encode_values(values),
+        len(values),
+        base_offset=base_offset,
+        first_position=first_position,
+        timestamp_ms=timestamp_ms,
+        keys=keys,
+        tombstones=tombstones,
+        headers=headers,
+    )
+
+
+class Batch:
+    """A stored batch, checked on construction; its bytes are never copied."""
+
+    __slots__ = (
+        "attributes",
+        "base_offset",
+        "buffer",
+        "count",
+        "first_position",
+        "first_timestamp_ms",
+        "max_timestamp_ms",
+        "_deltas",
+        "_section_bounds",
+    )
+
+    def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
+        if len(buffer) < HEADER_SIZE:
+            raise CorruptBatchError("batch shorter than its header")
+        (
+            length,
+            crc,
+            magic,
+            self.attributes,
+            _reserved,
+            self.count,
+            self.base_offset,
+            self.first_timestamp_ms,
+            self.max_timestamp_ms,
+            self.first_position,
+            values_length,
+            keys_length,
+            headers_length,
+            deltas_length,
+        ) = HEADER.unpack_from(buffer)
+        if length != len(buffer):
+            raise CorruptBatchError(f"batch length {length} does not match {len(buffer)} bytes")
+        if verify and crc32c.crc32c(buffer[8:]) != crc:
+            raise CorruptBatchError(f"CRC mismatch in batch at offset {self.base_offset}")
+        if magic != MAGIC:
+            raise CorruptBatchError(f"unknown batch magic {magic}")
+        v_end = HEADER_SIZE + values_length
+        k_end = v_end + keys_length
+        h_end = k_end + headers_length
+        if h_end + deltas_length != length or self.count < 1:
+            raise CorruptBatchError("batch sections do not add up to its length")
+        self._section_bounds = (v_end, k_end, h_end)
+        self.buffer = buffer
+        self._deltas: tuple[int, ...] | None = None
+        if self.attributes & ATTR_DELTAS:
+            if deltas_length != 4 * self.count:
+                raise CorruptBatchError("offset deltas do not match the event count")
+            self._deltas = struct.unpack_from(f"<{self.count}I", buffer, h_end)
+
+    @property
+    def length(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + (self._deltas[-1] if self._deltas else self.count - 1)
+
+    @property
+    def next_offset(self) -> int:
+        return self.last_offset + 1
+
+    @property
+    def dense(self) -> bool:
+        return self._deltas is None
+
+    def offsets(self) -> list[int]:
+        base = self.base_offset
+        if self._deltas is None:
+            return list(range(base, base + self.count))
+        return [base + d for d in self._deltas]
+
+    def values_section(self) -> memoryview:
+        return self.buffer[HEADER_SIZE : self._section_bounds[0]]
+
+    def value_bounds(self) -> list[int]:
+        """Byte positions (within the values section) bounding each value's record."""
+        try:
+            return value_spans(self.values_section(), self.count)
+        except ValueError as exc:
+            raise CorruptBatchError(str(exc)) from None
+
+    def index_of(self, offset: int) -> int:
+        """Index of the first event at or after ``offset`` (``count`` if none)."""
+        if self._deltas is None:
+            return min(max(offset - self.base_offset, 0), self.count)
+        rel = offset - self.base_offset
+        for i, d in enumerate(self._deltas):
+            if d >= rel:
+                return i
+        return self.count
+
+    def events(self, start: int = 0) -> Iterator[Event]:
+        """Decode events from index ``start`` on."""
+        values = self.values_section()
+        bounds = self.value_bounds()
+        keys = self._keys() if self.attributes & ATTR_KEYS else None
+        headers = self._headers() if self.attributes & ATTR_HEADERS else None
+        offsets = self.offsets()
+        ts = self.first_timestamp_ms
+        for i in range(start, self.count):
+            key, tombstone = keys[i] if keys is not None else (None, False)
+            yield Event(
+                offset=offsets[i],
+                position=self.first_position + offsets[i] - self.base_offset,
+                timestamp_ms=ts,
+                value=bytes(values[bounds[i] + 8 : bounds[i + 1]]),
+                key=key,
+                headers=headers[i] if headers is not None else (),
+                tombstone=tombstone,
+            )
+
+    def _keys(self) -> list[tuple[bytes | None, bool]]:
+        v_end, k_end, _ = self._section_bounds
+        buf = self.buffer
+        pos = v_end
+        out: list[tuple[bytes | None, bool]] = []
+        for _ in range(self.count):
+            if pos + 5 > k_end:
+                raise CorruptBatchError("keys section truncated")
+            flags, n = _KEY.unpack_from(buf, pos)
+            pos += 5
+            if pos + n > k_end:
+                raise CorruptBatchError("key overruns its section")
+            key = bytes(buf[pos : pos + n]) if flags & KEY_PRESENT else None
+            out.append((key, bool(flags & KEY_TOMBSTONE)))
+            pos += n
+        return out
+
+    def _headers(self) -> list[tuple[tuple[bytes, bytes], ...]]:
+        _, k_end, h_end = self._section_bounds
+        buf = self.buffer
+        pos = k_end
+
+        def take() -> bytes:
+            nonlocal pos
+            if pos + 4 > h_end:
+                raise CorruptBatchError("headers section truncated")
+            (n,) = _U32_AT(buf, pos)
+            pos += 4
+            if pos + n > h_end:
+                raise CorruptBatchError("header overruns its section")
+            data = bytes(buf[pos : pos + n])
+            pos += n
+            return data
+
+        out: list[tuple[tuple[bytes, bytes], ...]] = []
+        for _ in range(self.count):
+            if pos + 4 > h_end:
+                raise CorruptBatchError("headers section truncated")
+            (n,) = _U32_AT(buf, pos)
+            pos += 4
+            if n > (h_end - pos) // 8:
+                raise CorruptBatchError("header count overruns its section")
+            out.append(tuple((take(), take()) for _ in range(n)))
+        return out
+
+
+def peek_length(buffer: bytes | memoryview, pos: int = 0) -> int:
+    """The batch_length field of the batch starting at ``pos`` (unchecked)."""
+    return int(_U32_AT(buffer, pos)[0])
+
+
+def iter_batches(buffer: memoryview, *, verify: bool = True) -> Iterator[Batch]:
+    """Batches laid end to end in ``buffer``; raises CorruptBatchError at the first bad one."""
+    pos = 0
+    end = len(buffer)
+    while pos < end:
+        if end - pos < HEADER_SIZE:
+            raise CorruptBatchError("truncated batch header")
+        length = peek_length(buffer, pos)
+        if length < HEADER_SIZE or pos + length > end:
+            raise CorruptBatchError("truncated batch")
+        yield Batch(buffer[pos : pos + length], verify=verify)
+        pos += length

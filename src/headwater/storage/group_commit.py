@@ -1,0 +1,131 @@
+"""Acknowledging appends under a sync policy, from asyncio, without blocking the loop.
+
+Group commit: for a log under the ``fsync`` policy at most one ``fdatasync`` is in flight.
+Appends that arrive while it runs wait for the next one, which covers all of them, so N
+concurrent writers share one fsync instead of queueing N. The fsync itself runs in a
+worker thread. ``interval:<ms>`` acknowledges on write and syncs in the background;
+``none`` never syncs until the log is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from headwater.errors import StorageError
+from headwater.storage.log import PartitionLog
+
+log = logging.getLogger(__name__)
+
+CommitListener = Callable[[int], None]
+
+
+class GroupCommitter:
+    """Durability for one partition log."""
+
+    def __init__(self, plog: PartitionLog, executor: Executor | None = None) -> None:
+        self.log = plog
+        self.policy = plog.config.sync
+        self._executor = executor
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._sync_task: asyncio.Task[None] | None = None
+        self._interval_task: asyncio.Task[None] | None = None
+        self._listeners: list[CommitListener] = []
+        self.fsyncs = 0
+        self.fsync_seconds_total = 0.0
+        self.last_fsync_seconds = 0.0
+
+    def add_listener(self, listener: CommitListener) -> None:
+        """Call ``listener(committed_offset)`` whenever more events become readable."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: CommitListener) -> None:
+        with contextlib.suppress(ValueError):
+            self._listeners.remove(listener)
+
+    def _notify(self) -> None:
+        committed = self.log.committed_offset
+        for listener in list(self._listeners):
+            try:
+                listener(committed)
+            except Exception:  # a listener's bug must not fail the append
+                log.exception("commit listener failed")
+
+    def start(self) -> None:
+        if self.policy.kind == "interval" and self._interval_task is None:
+            self._interval_task = asyncio.get_running_loop().create_task(self._interval_loop())
+
+    async def committed(self, next_offset: int) -> None:
+        """Return once events below ``next_offset`` are acknowledged under the policy."""
+        if self.policy.kind != "fsync":
+            self._notify()
+            return
+        if self.log.durable_offset >= next_offset:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((next_offset, fut))
+        if self._sync_task is None:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+        await fut
+
+    async def _run_sync(self) -> int:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        durable = await loop.run_in_executor(self._executor, self.log.sync)
+        elapsed = loop.time() - started
+        self.fsyncs += 1
+        self.fsync_seconds_total += elapsed
+        self.last_fsync_seconds = elapsed
+        return durable
+
+    async def _sync_loop(self) -> None:
+        try:
+            while self._waiters:
+                try:
+                    durable = await self._run_sync()
+                except Exception as exc:
+                    error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
+                    waiters, self._waiters = self._waiters, []
+                    for _, fut in waiters:
+                        if not fut.done():
+                            fut.set_exception(error)
+                    return
+                still: list[tuple[int, asyncio.Future[None]]] = []
+                for target, fut in self._waiters:
+                    if target <= durable:
+                        if not fut.done():
+                            fut.set_result(None)
+                    else:
+                        still.append((target, fut))
+                self._waiters = still
+                self._notify()
+        finally:
+            self._sync_task = None
+
+    async def _interval_loop(self) -> None:
+        interval = self.policy.interval_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if self.log.closed:
+                return
+            if self.log.durable_offset < self.log.end_offset:
+                try:
+                    await self._run_sync()
+                except StorageError:
+                    log.exception("interval fsync failed for %s", self.log.directory)
+                    return
+
+    async def aclose(self) -> None:
+        """Stop background syncing and make everything written durable."""
+        if self._interval_task is not None:
+            self._interval_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._interval_task
+            self._interval_task = None
+        if self._sync_task is not None:
+            await asyncio.wait([self._sync_task])
+        if not self.log.closed and self.log.failed is None:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.log.sync)

@@ -1,0 +1,621 @@
+"""A partition log: an ordered list of segments with append, read, sync, roll,
+retention and key compaction.
+
+Thread model: one writer at a time (appends take ``_lock`` for the few microseconds of a
+``pwrite``); readers look up positions under the lock and ``pread`` outside it; ``sync``
+snapshots what is dirty under the lock and runs ``fdatasync`` outside it, so readers and
+writers never wait for the disk. Compaction and retention run in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headwater.errors import CorruptBatchError, StorageError, UsageError
+from headwater.storage.batch import (
+    HEADER_SIZE,
+    Batch,
+    Event,
+    Headers,
+    build_batch,
+    encode_values,
+)
+from headwater.storage.segment import Segment, segment_name
+
+log = logging.getLogger(__name__)
+
+GRAVEYARD_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """When an append is acknowledged: after fdatasync (``fsync``, the default), when
+    written with an fdatasync at least every ``interval_ms`` (``interval``), or when
+    written with no fsync at all (``none``)."""
+
+    kind: str = "fsync"
+    interval_ms: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> SyncPolicy:
+        text = text.strip()
+        if text in ("fsync", "none"):
+            return cls(text)
+        if text.startswith("interval:"):
+            try:
+                ms = int(text.split(":", 1)[1])
+            except ValueError:
+                ms = -1
+            if ms > 0:
+                return cls("interval", ms)
+        raise ValueError(f"sync policy must be fsync, none or interval:<ms>, not {text!r}")
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_ms}" if self.kind == "interval" else self.kind
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    segment_bytes: int = 128 << 20
+    segment_ms: int | None = 7 * 86_400_000
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+    cleanup_policy: str = "delete"  # or "compact"
+    delete_retention_ms: int = 86_400_000
+    index_interval_bytes: int = 4096
+    sync: SyncPolicy = field(default_factory=SyncPolicy)
+
+    def __post_init__(self) -> None:
+        if not (HEADER_SIZE * 2 <= self.segment_bytes <= 1 << 31):
+            raise ValueError("segment_bytes must be between 128 bytes and 2 GiB")
+        if self.cleanup_policy not in ("delete", "compact"):
+            raise ValueError("cleanup_policy must be 'delete' or 'compact'")
+
+
+@dataclass(frozen=True)
+class AppendInfo:
+    base_offset: int
+    count: int
+    first_position: int
+    timestamp_ms: int
+
+    @property
+    def next_offset(self) -> int:
+        return self.base_offset + self.count
+
+
+@dataclass
+class ReadSpan:
+    """Events [start, stop) (indexes within ``batch``) of one stored batch."""
+
+    batch: Batch
+    start: int
+    stop: int
+    bounds: list[int] | None = None  # value record boundaries when the span is partial
+
+    def values_chunk(self) -> memoryview:
+        """The span's values, still in stored ``u64 len | bytes`` form."""
+        section = self.batch.values_section()
+        if self.bounds is None:
+            return section
+        return section[self.bounds[self.start] : self.bounds[self.stop]]
+
+
+@dataclass
+class ReadResult:
+    spans: list[ReadSpan]
+    count: int
+    value_bytes: int
+    next_offset: int | None  # offset after the last event returned; None at the end
+
+    def values_chunks(self) -> list[memoryview]:
+        return [span.values_chunk() for span in self.spans]
+
+    def events(self) -> Iterator[Event]:
+        for span in self.spans:
+            events = span.batch.events(span.start)
+            for _ in range(span.stop - span.start):
+                yield next(events)
+
+
+@dataclass
+class CompactionResult:
+    segments_rewritten: int = 0
+    events_removed: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+class PartitionLog:
+    """One ordered log of batches in one directory."""
+
+    def __init__(self, directory: Path, config: LogConfig) -> None:
+        self.directory = directory
+        self.config = config
+        self.segments: list[Segment] = []
+        self._lock = threading.RLock()
+        self._dirty: set[int] = set()  # base offsets of segments written since last sync
+        self._dir_dirty = False
+        self._graveyard: list[tuple[float, Segment]] = []
+        self.durable_offset = 0
+        self.failed: str | None = None
+        self.closed = False
+
+    # ---- open / close ---------------------------------------------------------------
+
+    @classmethod
+    def open(cls, directory: Path, config: LogConfig | None = None) -> PartitionLog:
+        """Open (creating if needed) and recover a partition log."""
+        plog = cls(directory, config or LogConfig())
+        directory.mkdir(parents=True, exist_ok=True)
+        for leftover in directory.glob("*.cleaned"):
+            leftover.unlink()  # a compaction that did not finish: the original is intact
+        for leftover in directory.glob("*.tmp"):
+            leftover.unlink()
+        bases = sorted(int(p.name[:-4]) for p in directory.glob("*.log") if p.name[:-4].isdigit())
+        interval = plog.config.index_interval_bytes
+        for i, base in enumerate(bases):
+            if i == len(bases) - 1:
+                seg = Segment.open_tail(directory, base, interval)
+            else:
+                seg = Segment.open_sealed(directory, base, interval)
+            plog.segments.append(seg)
+        # An empty tail left by a crash right after a roll is harmless; an empty log
+        # gets its first segment now.
+        if not plog.segments:
+            plog.segments.append(Segment.create(directory, 0, interval))
+            fsync_directory(directory)
+        plog.durable_offset = plog.end_offset
+        return plog
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            if self.failed is None:
+                self.sync()
+            for seg in self.segments:
+                seg.close()
+            for _, seg in self._graveyard:
+                seg.close()
+            self._graveyard.clear()
+            self.closed = True
+
+    # ---- properties -----------------------------------------------------------------
+
+    @property
+    def active(self) -> Segment:
+        return self.segments[-1]
+
+    @property
+    def start_offset(self) -> int:
+        return self.segments[0].base_offset
+
+    @property
+    def end_offset(self) -> int:
+        """Offset the next appended event will take."""
+        return self.active.next_offset
+
+    @property
+    def committed_offset(self) -> int:
+        """Events below this offset are acknowledged under the sync policy and readable."""
+        if self.config.sync.kind == "fsync":
+            return self.durable_offset
+        return self.end_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(seg.size for seg in self.segments)
+
+    @property
+    def last_position(self) -> int | None:
+        """Tenant log position after the last stored event (None when empty)."""
+        for seg in reversed(self.segments):
+            if seg.size:
+                pos = seg.position_for(seg.next_offset - 1)
+                last = None
+                for batch in seg.batches_from(pos, seg.size):
+                    last = batch
+                if last is not None:
+                    return last.first_position + (last.last_offset - last.base_offset) + 1
+        return None
+
+    # ---- append ---------------------------------------------------------------------
+
+    def append(
+        self,
+        values: Sequence[bytes],
+        *,
+        first_position: int,
+        timestamp_ms: int | None = None,
+        keys: Sequence[bytes | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+        headers: Sequence[Headers] | None = None,
+    ) -> AppendInfo:
+        return self.append_encoded(
+            encode_values(values),
+            len(values),
+            first_position=first_position,
+            timestamp_ms=timestamp_ms,
+            keys=keys,
+            tombstones=tombstones,
+            headers=headers,
+        )
+
+    def append_encoded(
+        self,
+        values_section: bytes | memoryview,
+        count: int,
+        *,
+        first_position: int,
+        timestamp_ms: int | None = None,
+        keys: Sequence[bytes | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+        headers: Sequence[Headers] | None = None,
+    ) -> AppendInfo:
+        """Append ``count`` events whose values are already in stored form: one batch,
+        one CRC, one write, at most one index entry."""
+        if count < 1:
+            raise UsageError("append needs at least one event")
+        ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        with self._lock:
+            self._check_writable()
+            base = self.end_offset
+            data = build_batch(
+                values_section,
+                count,
+                base_offset=base,
+                first_position=first_position,
+                timestamp_ms=ts,
+                keys=keys,
+                tombstones=tombstones,
+                headers=headers,
+            )
+            if len(data) > self.config.segment_bytes:
+                raise UsageError("batch larger than a segment")
+            self._maybe_roll(len(data), ts)
+            seg = self.active
+            try:
+                seg.append(data, Batch(memoryview(data), verify=False))
+            except OSError as exc:
+                raise StorageError(f"write failed: {exc}") from exc
+            self._dirty.add(seg.base_offset)
+            return AppendInfo(base, count, first_position, ts)
+
+    def _check_writable(self) -> None:
+        if self.closed:
+            raise StorageError("log is closed")
+        if self.failed is not None:
+            raise StorageError(f"log failed earlier and accepts no writes: {self.failed}")
+
+    def _maybe_roll(self, incoming: int, now_ms: int) -> None:
+        seg = self.active
+        if seg.size == 0:
+            return
+        too_big = seg.size + incoming > self.config.segment_bytes
+        first_ts = seg.first_timestamp_ms
+        too_old = (
+            self.config.segment_ms is not None
+            and first_ts is not None
+            and now_ms - first_ts >= self.config.segment_ms
+        )
+        if too_big or too_old:
+            self.roll()
+
+    def roll(self) -> None:
+        """Seal the active segment and start a new one at the log end."""
+        with self._lock:
+            seg = self.active
+            if seg.size == 0:
+                return
+            seg.flush_indexes()
+            new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
+            self.segments.append(new)
+            self._dir_dirty = True
+
+    # ---- durability -----------------------------------------------------------------
+
+    def sync(self) -> int:
+        """fdatasync everything written so far; returns the offset now durable.
+
+        Safe to call from any thread; concurrent writers keep writing meanwhile.
+        """
+        with self._lock:
+            if self.closed:
+                return self.durable_offset
+            target = self.end_offset
+            active = self.active
+            dirty = [s for s in self.segments if s.base_offset in self._dirty]
+            self._dirty.clear()
+            dir_dirty = self._dir_dirty
+            self._dir_dirty = False
+            for seg in dirty:
+                seg.flush_indexes()
+        try:
+            for seg in dirty:
+                os.fdatasync(seg.fd)
+                if seg is not active:
+                    seg.sync_indexes()  # sealed: its index must survive as written
+            if dir_dirty:
+                fsync_directory(self.directory)
+        except OSError as exc:
+            # After a failed fsync the page cache state is unknown (fsyncgate): refuse
+            # further writes rather than acknowledge data that may be gone.
+            with self._lock:
+                self.failed = f"fsync failed: {exc}"
+            raise StorageError(self.failed) from exc
+        with self._lock:
+            self.durable_offset = max(self.durable_offset, target)
+            return self.durable_offset
+
+    # ---- reads ----------------------------------------------------------------------
+
+    def _segment_index(self, offset: int) -> int:
+        bases = [s.base_offset for s in self.segments]
+        return max(bisect_right(bases, offset) - 1, 0)
+
+    def batches(self, from_offset: int, upto: int | None = None) -> Iterator[Batch]:
+        """Checked batches holding events at or after ``from_offset`` and below ``upto``
+        (default: the committed offset). Bad batches raise CorruptBatchError."""
+        end = self.committed_offset if upto is None else upto
+        with self._lock:
+            if from_offset >= end:
+                return
+            segments = list(self.segments)
+            i = self._segment_index(from_offset)
+        for seg in segments[i:]:
+            with self._lock:
+                pos = seg.position_for(from_offset) if seg is segments[i] else 0
+                seg_end = seg.size
+            if seg.base_offset >= end:
+                return
+            try:
+                for batch in seg.batches_from(pos, seg_end):
+                    if batch.base_offset >= end:
+                        return
+                    if batch.last_offset < from_offset:
+                        continue
+                    yield batch
+            except CorruptBatchError as exc:
+                log.error("%s: %s", seg.log_path, exc)
+                raise CorruptBatchError(f"{seg.log_path.name}: {exc}") from None
+
+    def read(
+        self,
+        from_offset: int,
+        max_bytes: int = 1 << 20,
+        *,
+        max_events: int | None = None,
+        upto: int | None = None,
+    ) -> ReadResult:
+        """Committed events from ``from_offset``, stopping before the sum of value lengths
+        would pass ``max_bytes`` (always at least one event when one exists). Whole
+        batches are returned as stored; only the first and last may be cut."""
+        if from_offset < 0:
+            raise UsageError("offsets are non-negative")
+        spans: list[ReadSpan] = []
+        count = value_bytes = 0
+        next_offset: int | None = None
+        budget_events = max_events if max_events is not None else 1 << 62
+        from_offset = max(from_offset, self.start_offset)
+        for batch in self.batches(from_offset, upto):
+            start = batch.index_of(from_offset)
+            whole_bytes = len(batch.values_section()) - 8 * batch.count
+            n_avail = batch.count - start
+            if start == 0 and value_bytes + whole_bytes <= max_bytes and n_avail <= budget_events:
+                spans.append(ReadSpan(batch, 0, batch.count))
+                count += batch.count
+                value_bytes += whole_bytes
+                budget_events -= batch.count
+                next_offset = batch.next_offset
+            else:
+                bounds = batch.value_bounds()
+                stop = start
+                while stop < batch.count and budget_events > 0:
+                    size = bounds[stop + 1] - bounds[stop] - 8
+                    if value_bytes + size > max_bytes and count > 0:
+                        break
+                    value_bytes += size
+                    count += 1
+                    budget_events -= 1
+                    stop += 1
+                if stop > start:
+                    spans.append(ReadSpan(batch, start, stop, bounds))
+                    offsets = batch.offsets()
+                    next_offset = offsets[stop] if stop < batch.count else batch.next_offset
+                if stop < batch.count:
+                    break
+            if value_bytes >= max_bytes or budget_events <= 0:
+                break
+        if next_offset is not None and next_offset >= self.committed_offset:
+            next_offset = None
+        return ReadResult(spans, count, value_bytes, next_offset)
+
+    def events(self, from_offset: int = 0, upto: int | None = None) -> Iterator[Event]:
+        """Decoding iterator over committed events from ``from_offset``."""
+        for batch in self.batches(max(from_offset, self.start_offset), upto):
+            for event in batch.events(batch.index_of(from_offset)):
+                if upto is not None and event.offset >= upto:
+                    return
+                yield event
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """Offset of the first batch whose timestamp is at or after ``timestamp_ms``."""
+        with self._lock:
+            segments = list(self.segments)
+        committed = self.committed_offset
+        for seg in segments:
+            if seg.max_timestamp_ms < timestamp_ms:
+                continue
+            pos = seg.position_for_timestamp(timestamp_ms)
+            if pos is None:
+                continue
+            for batch in seg.batches_from(pos, seg.size):
+                if batch.base_offset >= committed:
+                    return None
+                if batch.max_timestamp_ms >= timestamp_ms:
+                    return batch.base_offset
+        return None
+
+    # ---- retention and compaction ---------------------------------------------------
+
+    def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Delete whole sealed segments past the age or size limit; returns how many."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        cfg = self.config
+        removed = 0
+        with self._lock:
+            total = self.size_bytes
+            while len(self.segments) > 1:
+                oldest = self.segments[0]
+                if oldest.next_offset > self.durable_offset and cfg.sync.kind == "fsync":
+                    break  # never drop what is not yet durable behind it
+                expired = cfg.retention_ms is not None and (
+                    oldest.max_timestamp_ms >= 0 and now - oldest.max_timestamp_ms > cfg.retention_ms
+                )
+                oversize = cfg.retention_bytes is not None and total > cfg.retention_bytes
+                if not (expired or oversize):
+                    break
+                self.segments.pop(0)
+                total -= oldest.size
+                oldest.delete_files()
+                self._graveyard.append((time.monotonic(), oldest))
+                removed += 1
+            if removed:
+                self._dir_dirty = True
+            self._bury()
+        return removed
+
+    def _bury(self) -> None:
+        # Readers may still hold a deleted segment for a moment; close its file later.
+        now = time.monotonic()
+        keep = []
+        for when, seg in self._graveyard:
+            if now - when > GRAVEYARD_SECONDS:
+                seg.close()
+            else:
+                keep.append((when, seg))
+        self._graveyard = keep
+
+    def compact(self, now_ms: int | None = None) -> CompactionResult:
+        """Keep only the latest event per key in sealed segments; tombstones older than
+        ``delete_retention_ms`` go too. Each segment is rewritten to a temporary file,
+        fsynced and renamed over the original, so a crash at any point loses nothing."""
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        result = CompactionResult()
+        with self._lock:
+            sealed = list(self.segments[:-1])
+            upto = self.committed_offset
+        if not sealed:
+            return result
+        latest: dict[bytes, int] = {}
+        for event in self.events(self.start_offset, upto):
+            if event.key is not None:
+                latest[event.key] = event.offset
+        horizon = now - self.config.delete_retention_ms
+        for seg in sealed:
+            rewritten = self._compact_segment(seg, latest, horizon, result)
+            if rewritten is not None:
+                with self._lock:
+                    i = next((k for k, s in enumerate(self.segments) if s is seg), None)
+                    if i is None:  # removed by retention meanwhile
+                        rewritten.close()
+                        continue
+                    self.segments[i] = rewritten
+                    self._graveyard.append((time.monotonic(), seg))
+        return result
+
+    def _compact_segment(
+        self,
+        seg: Segment,
+        latest: dict[bytes, int],
+        horizon_ms: int,
+        result: CompactionResult,
+    ) -> Segment | None:
+        out: list[bytes] = []
+        removed = 0
+        for batch in seg.batches_from(0, seg.size):
+            kept: list[Event] = []
+            for event in batch.events():
+                if event.key is not None and latest.get(event.key) != event.offset:
+                    continue
+                if event.tombstone and batch.max_timestamp_ms < horizon_ms:
+                    continue
+                kept.append(event)
+            removed += batch.count - len(kept)
+            if len(kept) == batch.count:
+                out.append(bytes(batch.buffer))
+            elif kept:
+                out.append(
+                    build_batch(
+                        encode_values([e.value for e in kept]),
+                        len(kept),
+                        base_offset=batch.base_offset,
+                        first_position=batch.first_position,
+                        timestamp_ms=batch.first_timestamp_ms,
+                        max_timestamp_ms=batch.max_timestamp_ms,
+                        keys=[e.key for e in kept],
+                        tombstones=[e.tombstone for e in kept],
+                        headers=[e.headers for e in kept],
+                        deltas=[e.offset - batch.base_offset for e in kept],
+                    )
+                )
+        if removed == 0:
+            return None
+        result.segments_rewritten += 1
+        result.events_removed += removed
+        result.bytes_before += seg.size
+        cleaned = seg.log_path.with_name(seg.log_path.name + ".cleaned")
+        with open(cleaned, "wb") as f:
+            for data in out:
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        # Drop the old indexes first: a crash between here and the rename leaves the
+        # original .log with no index (rebuilt on open), never a mismatched one.
+        seg.index_path.unlink(missing_ok=True)
+        seg.time_index_path.unlink(missing_ok=True)
+        os.replace(cleaned, seg.log_path)
+        fsync_directory(self.directory)
+        new = Segment.open_sealed(self.directory, seg.base_offset, seg.index_interval_bytes)
+        # A segment emptied by compaction still marks where its offsets began.
+        new.next_offset = max(new.next_offset, seg.next_offset)
+        result.bytes_after += new.size
+        return new
+
+    # ---- deletion -------------------------------------------------------------------
+
+    def delete(self) -> None:
+        """Close and remove the whole log directory."""
+        with self._lock:
+            for seg in self.segments:
+                seg.close()
+            self.closed = True
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def describe(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "start_offset": self.start_offset,
+                "end_offset": self.end_offset,
+                "committed_offset": self.committed_offset,
+                "segments": len(self.segments),
+                "size_bytes": self.size_bytes,
+                "segment_files": [segment_name(s.base_offset, ".log") for s in self.segments],
+            }
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

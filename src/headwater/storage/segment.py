@@ -1,0 +1,356 @@
+"""One segment of a partition log: a ``.log`` of batches plus its two sparse indexes.
+
+Files are named by the zero-padded base offset (``00000000000000000000.log``). The offset
+index (``.index``) holds ``u32 relative offset | u32 file position`` entries, one for the
+first batch and then one whenever ``index_interval_bytes`` have been written since the last
+entry, so a lookup is a binary search and a short scan. The time index (``.timeindex``)
+holds ``i64 max timestamp | u32 relative offset`` entries whenever a batch raises the
+segment's maximum timestamp. Index files are derived data: a missing or damaged one is
+rebuilt from the ``.log``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headwater.errors import CorruptBatchError
+from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
+
+log = logging.getLogger(__name__)
+
+INDEX_ENTRY = struct.Struct("<II")
+TIME_ENTRY = struct.Struct("<qI")
+SCAN_CHUNK = 8 << 20
+NAME_DIGITS = 20
+
+
+def segment_name(base_offset: int, suffix: str) -> str:
+    return f"{base_offset:0{NAME_DIGITS}d}{suffix}"
+
+
+@dataclass
+class ScanReport:
+    """What a full scan of one segment found."""
+
+    path: Path
+    batches: int = 0
+    events: int = 0
+    valid_bytes: int = 0
+    file_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class Segment:
+    """A segment file with in-memory copies of its indexes."""
+
+    def __init__(self, directory: Path, base_offset: int, index_interval_bytes: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.index_interval_bytes = index_interval_bytes
+        self.log_path = directory / segment_name(base_offset, ".log")
+        self.index_path = directory / segment_name(base_offset, ".index")
+        self.time_index_path = directory / segment_name(base_offset, ".timeindex")
+        self.size = 0
+        self.next_offset = base_offset
+        self.event_count = 0
+        self.first_timestamp_ms: int | None = None
+        self.max_timestamp_ms = -1
+        self.index_offsets = array("Q")
+        self.index_positions = array("Q")
+        self.time_timestamps = array("q")
+        self.time_offsets = array("Q")
+        self._bytes_since_index = 0
+        self._pending_index = bytearray()
+        self._pending_time = bytearray()
+        self.fd = -1
+
+    # ---- opening -------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
+        seg = cls(directory, base_offset, index_interval_bytes)
+        seg.fd = os.open(seg.log_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        for path in (seg.index_path, seg.time_index_path):
+            path.write_bytes(b"")
+        return seg
+
+    @classmethod
+    def open_tail(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
+        """Open the active segment after a possible crash: check every batch's CRC,
+        truncate a torn or corrupt tail, and rebuild both indexes from what remains."""
+        seg = cls(directory, base_offset, index_interval_bytes)
+        seg.fd = os.open(seg.log_path, os.O_RDWR)
+        report = seg._scan(verify=True, stop_at_error=True)
+        file_size = os.fstat(seg.fd).st_size
+        if report.valid_bytes < file_size:
+            log.warning(
+                "truncating %s from %d to %d bytes: %s",
+                seg.log_path,
+                file_size,
+                report.valid_bytes,
+                "; ".join(report.errors) or "torn tail",
+            )
+            os.ftruncate(seg.fd, report.valid_bytes)
+            os.fsync(seg.fd)
+        seg._rewrite_index_files()
+        return seg
+
+    @classmethod
+    def open_sealed(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
+        """Open a sealed segment from its index, rebuilding the index if it is damaged."""
+        seg = cls(directory, base_offset, index_interval_bytes)
+        seg.fd = os.open(seg.log_path, os.O_RDWR)
+        seg.size = os.fstat(seg.fd).st_size
+        if not seg._load_index():
+            log.warning("rebuilding index of %s", seg.log_path)
+            seg._reset_index()
+            report = seg._scan(verify=True, stop_at_error=False)
+            for error in report.errors:
+                log.error("sealed segment %s: %s", seg.log_path, error)
+            seg.size = os.fstat(seg.fd).st_size
+            seg._rewrite_index_files()
+        return seg
+
+    def _reset_index(self) -> None:
+        self.size = 0
+        self.next_offset = self.base_offset
+        self.event_count = 0
+        self.first_timestamp_ms = None
+        self.max_timestamp_ms = -1
+        for arr in (self.index_offsets, self.index_positions):
+            del arr[:]
+        del self.time_timestamps[:]
+        del self.time_offsets[:]
+        self._bytes_since_index = 0
+
+    def _load_index(self) -> bool:
+        """Load both index files; False when they do not describe the .log exactly."""
+        try:
+            raw = self.index_path.read_bytes()
+            raw_time = self.time_index_path.read_bytes()
+        except FileNotFoundError:
+            return False
+        if len(raw) % INDEX_ENTRY.size or len(raw_time) % TIME_ENTRY.size:
+            return False
+        if self.size == 0:
+            return not raw
+        if not raw:
+            return False
+        prev_off = prev_pos = -1
+        for rel, pos in INDEX_ENTRY.iter_unpack(raw):
+            if rel <= prev_off or pos <= prev_pos or pos >= self.size:
+                return False
+            self.index_offsets.append(self.base_offset + rel)
+            self.index_positions.append(pos)
+            prev_off, prev_pos = rel, pos
+        if self.index_positions[0] != 0:
+            return False
+        for ts, rel in TIME_ENTRY.iter_unpack(raw_time):
+            self.time_timestamps.append(ts)
+            self.time_offsets.append(self.base_offset + rel)
+        # The first indexed batch and everything after the last entry must check out.
+        try:
+            first = self._read_batch_at(0)
+            if first.base_offset != self.index_offsets[0]:
+                return False
+            self.first_timestamp_ms = first.first_timestamp_ms
+            pos = int(self.index_positions[-1])
+            expected = int(self.index_offsets[-1])
+            while pos < self.size:
+                batch = self._read_batch_at(pos)
+                if pos == self.index_positions[-1] and batch.base_offset != expected:
+                    return False
+                self.next_offset = batch.next_offset
+                self.max_timestamp_ms = max(self.max_timestamp_ms, batch.max_timestamp_ms)
+                pos += batch.length
+        except CorruptBatchError:
+            return False
+        if self.time_timestamps:
+            self.max_timestamp_ms = max(self.max_timestamp_ms, self.time_timestamps[-1])
+        self.event_count = -1  # unknown without a full scan; only used for reports
+        return pos == self.size
+
+    def _scan(self, *, verify: bool, stop_at_error: bool) -> ScanReport:
+        """Walk every batch from the start, indexing each one; returns what was found."""
+        report = ScanReport(path=self.log_path, file_bytes=os.fstat(self.fd).st_size)
+        pos = 0
+        end = report.file_bytes
+        while pos < end:
+            try:
+                if end - pos < HEADER_SIZE:
+                    raise CorruptBatchError(f"torn batch header at byte {pos}")
+                length = peek_length(os.pread(self.fd, 4, pos))
+                if length < HEADER_SIZE or pos + length > end:
+                    raise CorruptBatchError(f"torn or corrupt batch at byte {pos}")
+                batch = self._read_batch_at(pos, verify=verify)
+                if batch.base_offset < self.next_offset:
+                    raise CorruptBatchError(
+                        f"batch at byte {pos} has offset {batch.base_offset}, "
+                        f"expected at least {self.next_offset}"
+                    )
+            except CorruptBatchError as exc:
+                report.errors.append(str(exc))
+                if stop_at_error:
+                    break
+                # A bad batch in a sealed segment: skip it by its length when that can
+                # be trusted, so later batches stay reachable; the bad one is not indexed.
+                length = peek_length(os.pread(self.fd, 4, pos)) if end - pos >= 4 else 0
+                if length < HEADER_SIZE or pos + length > end:
+                    break
+                pos += length
+                continue
+            self._index_batch(batch, pos)
+            report.batches += 1
+            report.events += batch.count
+            pos += batch.length
+            report.valid_bytes = pos
+        self.size = report.valid_bytes if stop_at_error else end
+        return report
+
+    def _rewrite_index_files(self) -> None:
+        index = b"".join(
+            INDEX_ENTRY.pack(o - self.base_offset, p)
+            for o, p in zip(self.index_offsets, self.index_positions, strict=True)
+        )
+        times = b"".join(
+            TIME_ENTRY.pack(t, o - self.base_offset)
+            for t, o in zip(self.time_timestamps, self.time_offsets, strict=True)
+        )
+        for path, data in ((self.index_path, index), (self.time_index_path, times)):
+            tmp = path.with_suffix(path.suffix + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        self._pending_index.clear()
+        self._pending_time.clear()
+
+    # ---- writing -------------------------------------------------------------------
+
+    def _index_batch(self, batch: Batch, pos: int) -> None:
+        if not self.index_offsets or self._bytes_since_index >= self.index_interval_bytes:
+            self.index_offsets.append(batch.base_offset)
+            self.index_positions.append(pos)
+            self._pending_index += INDEX_ENTRY.pack(batch.base_offset - self.base_offset, pos)
+            self._bytes_since_index = 0
+        self._bytes_since_index += batch.length
+        if batch.max_timestamp_ms > self.max_timestamp_ms:
+            self.max_timestamp_ms = batch.max_timestamp_ms
+            self.time_timestamps.append(batch.max_timestamp_ms)
+            self.time_offsets.append(batch.base_offset)
+            self._pending_time += TIME_ENTRY.pack(
+                batch.max_timestamp_ms, batch.base_offset - self.base_offset
+            )
+        if self.first_timestamp_ms is None:
+            self.first_timestamp_ms = batch.first_timestamp_ms
+        self.next_offset = batch.next_offset
+        self.event_count += batch.count
+
+    def append(self, data: bytes, batch_header: Batch) -> int:
+        """Write one encoded batch at the end; returns its file position."""
+        pos = self.size
+        written = os.pwrite(self.fd, data, pos)
+        if written != len(data):  # disk full or similar: leave no torn batch behind
+            os.ftruncate(self.fd, pos)
+            raise OSError(f"short write to {self.log_path}: {written} of {len(data)} bytes")
+        self.size = pos + len(data)
+        self._index_batch(batch_header, pos)
+        return pos
+
+    def flush_indexes(self) -> None:
+        """Write index entries gathered since the last flush (index files are derived
+        data, so they need no fsync of their own until the segment is sealed)."""
+        for path, pending in (
+            (self.index_path, self._pending_index),
+            (self.time_index_path, self._pending_time),
+        ):
+            if pending:
+                with open(path, "ab") as f:
+                    f.write(pending)
+                pending.clear()
+
+    def sync_indexes(self) -> None:
+        self.flush_indexes()
+        for path in (self.index_path, self.time_index_path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    # ---- reading -------------------------------------------------------------------
+
+    def _read_batch_at(self, pos: int, *, verify: bool = True) -> Batch:
+        head = os.pread(self.fd, HEADER_SIZE, pos)
+        if len(head) < HEADER_SIZE:
+            raise CorruptBatchError(f"truncated batch header at byte {pos} of {self.log_path}")
+        length = peek_length(head)
+        if length < HEADER_SIZE:
+            raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
+        data = os.pread(self.fd, length, pos)
+        if len(data) < length:
+            raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
+        return Batch(memoryview(data), verify=verify)
+
+    def position_for(self, offset: int) -> int:
+        """File position of the indexed batch at or before ``offset`` (binary search)."""
+        i = bisect_right(self.index_offsets, offset) - 1
+        return int(self.index_positions[i]) if i >= 0 else 0
+
+    def position_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """File position from which to scan for the first batch with max ts >= timestamp."""
+        i = bisect_left(self.time_timestamps, timestamp_ms)
+        if i >= len(self.time_timestamps):
+            return None
+        return self.position_for(int(self.time_offsets[i]))
+
+    def batches_from(self, pos: int, end: int, chunk: int = 1 << 20) -> Iterator[Batch]:
+        """Checked batches from file position ``pos`` up to ``end`` (exclusive), read in
+        chunks so a scan of many small batches costs few system calls."""
+        while pos < end:
+            want = min(max(chunk, HEADER_SIZE), end - pos)
+            data = os.pread(self.fd, want, pos)
+            view = memoryview(data)
+            consumed = 0
+            while consumed + HEADER_SIZE <= len(view):
+                length = peek_length(view, consumed)
+                if length < HEADER_SIZE:
+                    raise CorruptBatchError(f"bad batch length at byte {pos + consumed}")
+                if consumed + length > len(view):
+                    break
+                yield Batch(view[consumed : consumed + length])
+                consumed += length
+            if consumed == 0:
+                # The next batch is larger than the chunk: read exactly that batch.
+                batch = self._read_batch_at(pos)
+                if pos + batch.length > end:
+                    raise CorruptBatchError(f"batch at byte {pos} runs past the segment end")
+                yield batch
+                consumed = batch.length
+            pos += consumed
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.flush_indexes()
+            os.close(self.fd)
+            self.fd = -1
+
+    def delete_files(self) -> None:
+        for path in (self.log_path, self.index_path, self.time_index_path):
+            path.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.log_path.name}, size={self.size}, next={self.next_offset})"
+
+
+def read_header_fields(data: bytes) -> tuple[int, ...]:
+    """Header fields of a raw batch (for reports and tests)."""
+    return HEADER.unpack_from(data)
