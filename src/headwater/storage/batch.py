@@ -216,6 +216,8 @@ class Batch:
     """A stored batch, checked on construction; its bytes are never copied."""
 
     __slots__ = (
+        "_deltas",
+        "_section_bounds",
         "attributes",
         "base_offset",
         "buffer",
@@ -223,8 +225,6 @@ class Batch:
         "first_position",
         "first_timestamp_ms",
         "max_timestamp_ms",
-        "_deltas",
-        "_section_bounds",
     )
 
     def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
@@ -259,7 +259,7 @@ class Batch:
             raise CorruptBatchError("batch sections do not add up to its length")
         self._section_bounds = (v_end, k_end, h_end)
         self.buffer = buffer
-        self._deltas: tuple[int, ...] | None = None
+        self._deltas = None
         if self.attributes & ATTR_DELTAS:
             if deltas_length != 4 * self.count:
                 raise CorruptBatchError("offset deltas do not match the event count")
@@ -271,7 +271,7 @@ class Batch:
 
     @property
     def last_offset(self) -> int:
-        return self.base_offset + (self._deltas[-1] if self._deltas else self.count - 1)
+        return int(self.base_offset + (self._deltas[-1] if self._deltas else self.count - 1))
 
     @property
     def next_offset(self) -> int:
@@ -300,12 +300,12 @@ class Batch:
     def index_of(self, offset: int) -> int:
         """Index of the first event at or after ``offset`` (``count`` if none)."""
         if self._deltas is None:
-            return min(max(offset - self.base_offset, 0), self.count)
+            return int(min(max(offset - self.base_offset, 0), self.count))
         rel = offset - self.base_offset
         for i, d in enumerate(self._deltas):
             if d >= rel:
                 return i
-        return self.count
+        return int(self.count)
 
     def events(self, start: int = 0) -> Iterator[Event]:
         """Decode events from index ``start`` on."""

@@ -225,7 +225,7 @@ class PartitionLog:
                 for batch in seg.batches_from(pos, seg.size):
                     last = batch
                 if last is not None:
-                    return last.first_position + (last.last_offset - last.base_offset) + 1
+                    return int(last.first_position + last.last_offset - last.base_offset + 1)
         return None
 
     # ---- append ---------------------------------------------------------------------
@@ -462,7 +462,7 @@ class PartitionLog:
                 if batch.base_offset >= committed:
                     return None
                 if batch.max_timestamp_ms >= timestamp_ms:
-                    return batch.base_offset
+                    return int(batch.base_offset)
         return None
 
     # ---- retention and compaction ---------------------------------------------------
@@ -479,7 +479,8 @@ class PartitionLog:
                 if oldest.next_offset > self.durable_offset and cfg.sync.kind == "fsync":
                     break  # never drop what is not yet durable behind it
                 expired = cfg.retention_ms is not None and (
-                    oldest.max_timestamp_ms >= 0 and now - oldest.max_timestamp_ms > cfg.retention_ms
+                    oldest.max_timestamp_ms >= 0
+                    and now - oldest.max_timestamp_ms > cfg.retention_ms
                 )
                 oversize = cfg.retention_bytes is not None and total > cfg.retention_bytes
                 if not (expired or oversize):

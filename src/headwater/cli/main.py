@@ -1,0 +1,89 @@
+"""The ``headwater`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+err = Console(stderr=True)
+out = Console()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from headwater.server.app import serve
+    from headwater.server.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        return 2
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    return serve(args.data_dir, config, args.ports_file)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from headwater.storage.check import check_data_dir
+
+    if not args.data_dir.is_dir():
+        err.print(f"[red]error:[/] {args.data_dir} is not a directory")
+        return 2
+    reports = check_data_dir(args.data_dir)
+    table = Table(title=f"headwater check {args.data_dir}")
+    for column in ("partition", "segment", "batches", "events", "bytes", "status"):
+        table.add_column(
+            column, justify="right" if column in ("batches", "events", "bytes") else "left"
+        )
+    damaged = 0
+    for report in reports:
+        rel = report.path.relative_to(args.data_dir)
+        for seg in report.segments:
+            status = (
+                "[green]ok[/]" if not seg.problems else "[red]" + "; ".join(seg.problems) + "[/]"
+            )
+            damaged += bool(seg.problems)
+            table.add_row(
+                str(rel), seg.path.name, str(seg.batches), str(seg.events), str(seg.bytes), status
+            )
+    out.print(table)
+    segments = sum(len(r.segments) for r in reports)
+    if damaged:
+        out.print(f"[red]{damaged} of {segments} segments damaged[/]")
+        return 1
+    out.print(
+        f"[green]{segments} segments in {len(reports)} partitions: all CRCs and indexes ok[/]"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headwater", description="headwater event platform")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the server")
+    serve.add_argument("--data-dir", type=Path, default=Path("./data"))
+    serve.add_argument("--config", type=Path, default=None, help="TOML configuration file")
+    serve.add_argument("--ports-file", type=Path, default=None, help="write bound ports as JSON")
+    serve.set_defaults(func=cmd_serve)
+
+    check = sub.add_parser("check", help="verify every CRC and index of a data directory")
+    check.add_argument("data_dir", type=Path)
+    check.set_defaults(func=cmd_check)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

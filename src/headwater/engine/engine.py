@@ -1,0 +1,550 @@
+"""The engine: tenants, streams and the tenant log, behind one API every front end calls.
+
+The engine runs on the asyncio loop thread. Appends are assigned their offsets and tenant
+log positions on that thread (so positions follow commit order per stream), written with
+one ``pwrite``, and acknowledged by the stream's group committer under its sync policy.
+Anything that may wait for the disk (fsync, metadata writes, recovery, retention,
+compaction, large reads) runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from headwater.engine.names import check_name
+from headwater.errors import (
+    InvalidRequest,
+    StorageError,
+    StreamAlreadyExists,
+    StreamNotFound,
+    TenantNotFound,
+)
+from headwater.storage.batch import Event, Headers, encode_values
+from headwater.storage.group_commit import GroupCommitter
+from headwater.storage.log import AppendInfo, LogConfig, PartitionLog, ReadResult, SyncPolicy
+from headwater.storage.metadata import read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+MAX_APPEND_EVENTS = 10_000
+MAX_APPEND_BYTES = 4 << 20
+STREAM_META = "stream.json"
+TENANT_META = "tenant.json"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Server-wide storage defaults; a stream may override each of them."""
+
+    sync: SyncPolicy = field(default_factory=SyncPolicy)
+    segment_bytes: int = 128 << 20
+    segment_ms: int | None = 7 * 86_400_000
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+    delete_retention_ms: int = 86_400_000
+    maintenance_interval_ms: int = 30_000
+    tenants: dict[int, str] = field(default_factory=lambda: {0: "default"})
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """Per-stream overrides; ``None`` means "the server's default"."""
+
+    sync: str | None = None
+    segment_bytes: int | None = None
+    segment_ms: int | None = None
+    retention_ms: int | None = None
+    retention_bytes: int | None = None
+    cleanup_policy: str = "delete"
+    delete_retention_ms: int | None = None
+
+    def log_config(self, defaults: EngineConfig) -> LogConfig:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return LogConfig(
+            segment_bytes=pick(self.segment_bytes, defaults.segment_bytes),
+            segment_ms=pick(self.segment_ms, defaults.segment_ms),
+            retention_ms=pick(self.retention_ms, defaults.retention_ms),
+            retention_bytes=pick(self.retention_bytes, defaults.retention_bytes),
+            cleanup_policy=self.cleanup_policy,
+            delete_retention_ms=pick(self.delete_retention_ms, defaults.delete_retention_ms),
+            sync=SyncPolicy.parse(self.sync) if self.sync else defaults.sync,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StreamSettings:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        settings = cls(**known)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        try:
+            if self.sync is not None:
+                SyncPolicy.parse(self.sync)
+            LogConfig(
+                segment_bytes=self.segment_bytes or LogConfig.segment_bytes,
+                cleanup_policy=self.cleanup_policy,
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        for name in ("segment_ms", "retention_ms", "retention_bytes", "delete_retention_ms"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise InvalidRequest(f"{name} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    tenant_id: int
+    stream_id: int
+    name: str
+    created_ns: int
+    start_offset: int
+    next_offset: int
+    size_bytes: int
+    segments: int
+    settings: StreamSettings
+    sync: str
+
+
+class Stream:
+    """One stream: a single partition log in this version (``partition-0``)."""
+
+    def __init__(
+        self,
+        tenant: Tenant,
+        stream_id: int,
+        name: str,
+        created_ns: int,
+        settings: StreamSettings,
+        plog: PartitionLog,
+        committer: GroupCommitter,
+    ) -> None:
+        self.tenant = tenant
+        self.stream_id = stream_id
+        self.name = name
+        self.created_ns = created_ns
+        self.settings = settings
+        self.log = plog
+        self.committer = committer
+        self.deleted = False
+        self.delete_listeners: list[Callable[[], None]] = []
+
+    @property
+    def directory(self) -> Path:
+        return self.log.directory.parent
+
+    def info(self) -> StreamInfo:
+        return StreamInfo(
+            tenant_id=self.tenant.tenant_id,
+            stream_id=self.stream_id,
+            name=self.name,
+            created_ns=self.created_ns,
+            start_offset=self.log.start_offset,
+            next_offset=self.log.committed_offset,
+            size_bytes=self.log.size_bytes,
+            segments=len(self.log.segments),
+            settings=self.settings,
+            sync=str(self.log.config.sync),
+        )
+
+
+class Tenant:
+    """A tenant: its streams and its log position counter."""
+
+    def __init__(self, tenant_id: int, name: str, directory: Path) -> None:
+        self.tenant_id = tenant_id
+        self.name = name
+        self.directory = directory
+        self.streams: dict[int, Stream] = {}
+        self.by_name: dict[str, int] = {}
+        self.next_stream_id = 1
+        self.next_position = 0
+        self.position_floor = 0  # positions of deleted streams are never reused
+        self._inflight: dict[int, int] = {}  # first position -> count, not yet committed
+        self.reserved_names: set[str] = set()
+
+    @property
+    def committed_position(self) -> int:
+        """Every position below this is committed (the tenant log's head)."""
+        return min(self._inflight) if self._inflight else self.next_position
+
+    def claim_positions(self, count: int) -> int:
+        first = self.next_position
+        self.next_position += count
+        self._inflight[first] = count
+        return first
+
+    def release_positions(self, first: int) -> None:
+        self._inflight.pop(first, None)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "id": self.tenant_id,
+            "name": self.name,
+            "next_stream_id": self.next_stream_id,
+            "position_floor": max(self.position_floor, self.next_position),
+        }
+
+
+class Engine:
+    """Owns every tenant and stream under one data directory."""
+
+    def __init__(self, data_dir: Path, config: EngineConfig) -> None:
+        self.data_dir = data_dir
+        self.config = config
+        self.tenants: dict[int, Tenant] = {}
+        self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hw-io")
+        self._maintenance: asyncio.Task[None] | None = None
+        self._inflight_appends = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.closing = False
+        self.closed = False
+        self.events_appended = 0
+        self.bytes_appended = 0
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, data_dir: Path | str, config: EngineConfig | None = None) -> Engine:
+        """Open the data directory, recovering every log (in a worker thread)."""
+        engine = cls(Path(data_dir), config or EngineConfig())
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        await loop.run_in_executor(engine.executor, engine._load)
+        streams = sum(len(t.streams) for t in engine.tenants.values())
+        log.info(
+            "recovered %d tenants, %d streams in %.3fs",
+            len(engine.tenants),
+            streams,
+            time.monotonic() - started,
+        )
+        for tenant in engine.tenants.values():
+            for stream in tenant.streams.values():
+                stream.committer.start()
+        interval = engine.config.maintenance_interval_ms
+        if interval > 0:
+            engine._maintenance = loop.create_task(engine._maintenance_loop(interval / 1000))
+        return engine
+
+    def _load(self) -> None:
+        tenants_dir = self.data_dir / "tenants"
+        tenants_dir.mkdir(parents=True, exist_ok=True)
+        known: dict[int, str] = dict(self.config.tenants)
+        known.setdefault(0, "default")
+        for path in tenants_dir.iterdir():
+            if path.is_dir() and path.name.isdigit():
+                meta_path = path / TENANT_META
+                name = read_json(meta_path)["name"] if meta_path.exists() else str(path.name)
+                known.setdefault(int(path.name), name)
+        for tenant_id, name in sorted(known.items()):
+            self.tenants[tenant_id] = self._load_tenant(tenant_id, name)
+
+    def _load_tenant(self, tenant_id: int, name: str) -> Tenant:
+        directory = self.data_dir / "tenants" / str(tenant_id)
+        tenant = Tenant(tenant_id, name, directory)
+        streams_dir = directory / "streams"
+        streams_dir.mkdir(parents=True, exist_ok=True)
+        meta_path = directory / TENANT_META
+        if meta_path.exists():
+            meta = read_json(meta_path)
+            tenant.next_stream_id = int(meta.get("next_stream_id", 1))
+            tenant.position_floor = int(meta.get("position_floor", 0))
+        for path in streams_dir.iterdir():
+            if path.name.startswith(".deleted-"):
+                shutil.rmtree(path, ignore_errors=True)  # a delete that did not finish
+                continue
+            if not (path / STREAM_META).exists():
+                continue
+            stream = self._open_stream(tenant, path, read_json(path / STREAM_META))
+            tenant.streams[stream.stream_id] = stream
+            tenant.by_name[stream.name] = stream.stream_id
+            tenant.next_stream_id = max(tenant.next_stream_id, stream.stream_id + 1)
+        last_positions = [
+            p for s in tenant.streams.values() if (p := s.log.last_position) is not None
+        ]
+        tenant.next_position = max([tenant.position_floor, *last_positions])
+        write_json_atomic(meta_path, tenant.meta())
+        return tenant
+
+    def _open_stream(self, tenant: Tenant, path: Path, meta: dict[str, Any]) -> Stream:
+        settings = StreamSettings.from_dict(meta.get("settings", {}))
+        plog = PartitionLog.open(path / "partition-0", settings.log_config(self.config))
+        return Stream(
+            tenant,
+            int(meta["id"]),
+            str(meta["name"]),
+            int(meta["created_ns"]),
+            settings,
+            plog,
+            GroupCommitter(plog, self.executor),
+        )
+
+    async def close(self) -> None:
+        """Graceful stop: refuse new appends, finish in-flight ones, fsync, close."""
+        if self.closed:
+            return
+        self.closing = True
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+        await self._idle.wait()
+        for tenant in self.tenants.values():
+            for stream in tenant.streams.values():
+                await stream.committer.aclose()
+                stream.log.close()
+        loop = asyncio.get_running_loop()
+        for tenant in self.tenants.values():
+            await loop.run_in_executor(
+                self.executor, write_json_atomic, tenant.directory / TENANT_META, tenant.meta()
+            )
+        self.executor.shutdown(wait=True)
+        self.closed = True
+
+    # ---- lookups --------------------------------------------------------------------
+
+    def tenant(self, tenant_id: int) -> Tenant:
+        try:
+            return self.tenants[tenant_id]
+        except KeyError:
+            raise TenantNotFound(f"tenant {tenant_id} does not exist") from None
+
+    def stream(self, tenant_id: int, stream_id: int) -> Stream:
+        stream = self.tenant(tenant_id).streams.get(stream_id)
+        if stream is None or stream.deleted:
+            raise StreamNotFound(f"stream {stream_id} does not exist")
+        return stream
+
+    def stream_by_name(self, tenant_id: int, name: str) -> Stream:
+        tenant = self.tenant(tenant_id)
+        stream_id = tenant.by_name.get(name)
+        if stream_id is None:
+            raise StreamNotFound(f"stream {name!r} does not exist")
+        return self.stream(tenant_id, stream_id)
+
+    def list_streams(self, tenant_id: int) -> list[StreamInfo]:
+        tenant = self.tenant(tenant_id)
+        return [s.info() for _, s in sorted(tenant.streams.items()) if not s.deleted]
+
+    # ---- stream admin ---------------------------------------------------------------
+
+    async def create_stream(
+        self,
+        tenant_id: int,
+        name: str,
+        settings: StreamSettings | None = None,
+        *,
+        internal: bool = False,
+    ) -> StreamInfo:
+        tenant = self.tenant(tenant_id)
+        check_name(name, internal=internal)
+        settings = settings or StreamSettings()
+        settings.validate()
+        if name in tenant.by_name or name in tenant.reserved_names:
+            raise StreamAlreadyExists(f"stream {name!r} already exists")
+        self._check_open()
+        stream_id = tenant.next_stream_id
+        tenant.next_stream_id += 1
+        tenant.reserved_names.add(name)
+        meta = {
+            "id": stream_id,
+            "name": name,
+            "created_ns": time.time_ns(),
+            "partitions": 1,
+            "settings": {k: v for k, v in asdict(settings).items() if v is not None},
+        }
+        path = tenant.directory / "streams" / str(stream_id)
+
+        def create() -> Stream:
+            path.mkdir(parents=True)
+            stream = self._open_stream(tenant, path, meta)
+            write_json_atomic(path / STREAM_META, meta)
+            write_json_atomic(tenant.directory / TENANT_META, tenant.meta())
+            return stream
+
+        try:
+            stream = await asyncio.get_running_loop().run_in_executor(self.executor, create)
+        finally:
+            tenant.reserved_names.discard(name)
+        stream.committer.start()
+        tenant.streams[stream_id] = stream
+        tenant.by_name[name] = stream_id
+        log.info("created stream %s (tenant %d, id %d)", name, tenant_id, stream_id)
+        return stream.info()
+
+    async def delete_stream(self, tenant_id: int, stream_id: int) -> None:
+        stream = self.stream(tenant_id, stream_id)
+        tenant = stream.tenant
+        stream.deleted = True
+        tenant.by_name.pop(stream.name, None)
+        for listener in list(stream.delete_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("stream delete listener failed")
+        await stream.committer.aclose()
+        stream.log.close()
+        tenant.position_floor = max(tenant.position_floor, tenant.next_position)
+        tomb = stream.directory.with_name(f".deleted-{stream_id}")
+
+        def remove() -> None:
+            # The floor first: a crash after the rename must not let positions go back.
+            write_json_atomic(tenant.directory / TENANT_META, tenant.meta())
+            os.replace(stream.directory, tomb)
+            shutil.rmtree(tomb, ignore_errors=True)
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, remove)
+        tenant.streams.pop(stream_id, None)
+        log.info("deleted stream %s (tenant %d, id %d)", stream.name, tenant_id, stream_id)
+
+    # ---- appends and reads ----------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closing:
+            raise StorageError("server is shutting down")
+
+    async def append(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values: Sequence[bytes],
+        *,
+        keys: Sequence[bytes | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+        headers: Sequence[Headers] | None = None,
+        timestamp_ms: int | None = None,
+    ) -> AppendInfo:
+        """Append a batch of events; returns once they are acknowledged."""
+        return await self.append_encoded(
+            tenant_id,
+            stream_id,
+            encode_values(values),
+            len(values),
+            value_bytes=sum(map(len, values)),
+            keys=keys,
+            tombstones=tombstones,
+            headers=headers,
+            timestamp_ms=timestamp_ms,
+        )
+
+    async def append_encoded(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values_section: bytes | memoryview,
+        count: int,
+        *,
+        value_bytes: int | None = None,
+        keys: Sequence[bytes | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+        headers: Sequence[Headers] | None = None,
+        timestamp_ms: int | None = None,
+    ) -> AppendInfo:
+        """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
+        wire carries them), without touching each event again."""
+        stream = self.stream(tenant_id, stream_id)
+        self._check_open()
+        if not 1 <= count <= MAX_APPEND_EVENTS:
+            raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
+        payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
+        if payload > MAX_APPEND_BYTES:
+            raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+        tenant = stream.tenant
+        first_position = tenant.claim_positions(count)
+        self._inflight_appends += 1
+        self._idle.clear()
+        try:
+            info = stream.log.append_encoded(
+                values_section,
+                count,
+                first_position=first_position,
+                timestamp_ms=timestamp_ms,
+                keys=keys,
+                tombstones=tombstones,
+                headers=headers,
+            )
+            await stream.committer.committed(info.next_offset)
+        finally:
+            tenant.release_positions(first_position)
+            self._inflight_appends -= 1
+            if self._inflight_appends == 0:
+                self._idle.set()
+        self.events_appended += count
+        self.bytes_appended += payload
+        return info
+
+    def read_now(
+        self, tenant_id: int, stream_id: int, from_offset: int, max_bytes: int = 1 << 20
+    ) -> ReadResult:
+        """Read on the calling thread (for small reads and worker threads)."""
+        return self.stream(tenant_id, stream_id).log.read(from_offset, max_bytes)
+
+    async def read(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        max_bytes: int = 1 << 20,
+        *,
+        max_events: int | None = None,
+    ) -> ReadResult:
+        """Committed events from ``from_offset``; the disk is read in a worker thread."""
+        stream = self.stream(tenant_id, stream_id)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            lambda: stream.log.read(from_offset, max_bytes, max_events=max_events),
+        )
+
+    async def read_events(
+        self, tenant_id: int, stream_id: int, from_offset: int, limit: int = 1000
+    ) -> list[Event]:
+        result = await self.read(tenant_id, stream_id, from_offset, 1 << 62, max_events=limit)
+        return list(result.events())
+
+    async def offset_for_timestamp(
+        self, tenant_id: int, stream_id: int, timestamp_ms: int
+    ) -> int | None:
+        stream = self.stream(tenant_id, stream_id)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, stream.log.offset_for_timestamp, timestamp_ms
+        )
+
+    # ---- maintenance ----------------------------------------------------------------
+
+    async def run_maintenance(self) -> dict[str, int]:
+        """Apply retention and compaction to every stream once (in a worker thread)."""
+        removed = compacted = 0
+        loop = asyncio.get_running_loop()
+        for tenant in list(self.tenants.values()):
+            for stream in list(tenant.streams.values()):
+                if stream.deleted or stream.log.closed:
+                    continue
+                removed += await loop.run_in_executor(self.executor, stream.log.enforce_retention)
+                if stream.log.config.cleanup_policy == "compact":
+                    result = await loop.run_in_executor(self.executor, stream.log.compact)
+                    compacted += result.events_removed
+        return {"segments_removed": removed, "events_compacted": compacted}
+
+    async def _maintenance_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.run_maintenance()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("maintenance failed")

@@ -1,0 +1,155 @@
+"""`headwater serve`: start-up, listeners, ports file and graceful shutdown.
+
+Start-up order: recover the engine, start every configured listener, then write the ports
+file, so a process that sees the file can connect to every port in it. SIGTERM/SIGINT:
+stop accepting, let in-flight appends finish, fsync, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from headwater.engine.engine import Engine
+from headwater.server.config import ServerConfig
+
+log = logging.getLogger("headwater.server")
+
+
+class Listener:
+    """A started front end: its bound port and how to stop it."""
+
+    def __init__(self, name: str, port: int, stop: Callable[[], Awaitable[None]]) -> None:
+        self.name = name
+        self.port = port
+        self.stop = stop
+
+
+# name -> factory(server, host, port) -> Listener; each protocol issue adds its own.
+ListenerFactory = Callable[["Server", str, int], Awaitable[Listener]]
+LISTENERS: dict[str, ListenerFactory] = {}
+
+
+def register_listener(name: str, factory: ListenerFactory) -> None:
+    LISTENERS[name] = factory
+
+
+class Server:
+    def __init__(self, data_dir: Path, config: ServerConfig, ports_file: Path | None = None):
+        self.data_dir = data_dir
+        self.config = config
+        self.ports_file = ports_file
+        self.engine: Engine | None = None
+        self.listeners: list[Listener] = []
+        self.stopping = asyncio.Event()
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        self.engine = await Engine.open(self.data_dir, self.config.engine)
+        for name, factory in LISTENERS.items():
+            address = self.config.address(name)
+            if address is None:
+                continue
+            listener = await factory(self, *address)
+            self.listeners.append(listener)
+            log.info(
+                "listening", extra={"listener": name, "host": address[0], "port": listener.port}
+            )
+        if self.ports_file is not None:
+            ports = {lst.name: lst.port for lst in self.listeners}
+            tmp = self.ports_file.with_name(self.ports_file.name + ".tmp")
+            tmp.write_text(json.dumps(ports))
+            os.replace(tmp, self.ports_file)
+        log.info("headwater ready", extra={"data_dir": str(self.data_dir)})
+
+    async def stop(self) -> None:
+        log.info("shutting down")
+        for listener in reversed(self.listeners):
+            try:
+                await listener.stop()
+            except Exception:
+                log.exception("stopping listener %s failed", listener.name)
+        if self.engine is not None:
+            await self.engine.close()
+        log.info("stopped cleanly")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.start()
+        await self.stopping.wait()
+        await self.stop()
+
+
+class _JsonFormatter(logging.Formatter):
+    _skip = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in self._skip})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class _TextFormatter(logging.Formatter):
+    _skip = _JsonFormatter._skip
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = " ".join(f"{k}={v}" for k, v in record.__dict__.items() if k not in self._skip)
+        line = (
+            f"{self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} {record.levelname:<7} "
+            f"{record.name}: {record.getMessage()}"
+        )
+        if extras:
+            line += f" {extras}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
+    setup_logging(config.log_level, config.log_format)
+    _load_front_ends()
+    server = Server(data_dir, config, ports_file)
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional off Linux/macOS
+        asyncio.run(server.run())
+    else:
+        uvloop.run(server.run())
+    return 0
+
+
+def _load_front_ends() -> None:
+    """Import the protocol front ends so they register their listeners."""
+    import importlib
+
+    for module in ("headwater.server.kimberlite",):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise

@@ -1,0 +1,153 @@
+"""Server configuration from TOML (``headwater serve --config F``).
+
+Keys documented in spec/PROTOCOLS.md are never renamed; headwater's own additions live in
+the same tables (docs/operations.md lists them all).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from headwater.engine.engine import EngineConfig
+from headwater.storage.log import SyncPolicy
+
+DEFAULT_LISTEN = {
+    "http": "127.0.0.1:7400",
+    "kimberlite": "127.0.0.1:7401",
+    "convergedb": "127.0.0.1:7402",
+    "ripple": "127.0.0.1:7403",
+}
+
+
+class ConfigError(ValueError):
+    """The configuration file is unreadable or holds a bad value."""
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    required: bool = False
+    tokens: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def tenants_for(self, token: str | None) -> frozenset[int] | None:
+        """Tenants a token grants; None for an unknown or missing token."""
+        return None if token is None else self.tokens.get(token)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LISTEN))
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    log_level: str = "INFO"
+    log_format: str = "text"
+    raw: dict[str, Any] = field(default_factory=dict)  # sections later issues read
+
+    def address(self, name: str) -> tuple[str, int] | None:
+        """(host, port) of a listener, or None when it is switched off."""
+        text = self.listen.get(name, "")
+        if not text:
+            return None
+        return parse_address(text, name)
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen.{what}: expected host:port, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _positive_int(section: dict[str, Any], key: str, where: str) -> int | None:
+    value = section.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{where}.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def load_config(path: Path | None) -> ServerConfig:
+    if path is None:
+        return ServerConfig()
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> ServerConfig:
+    listen = dict(DEFAULT_LISTEN)
+    for name, value in data.get("listen", {}).items():
+        if name not in DEFAULT_LISTEN:
+            raise ConfigError(f"listen.{name}: unknown listener (one of {', '.join(listen)})")
+        if not isinstance(value, str):
+            raise ConfigError(f"listen.{name} must be a string like '127.0.0.1:7400'")
+        if value:
+            parse_address(value, name)
+        listen[name] = value
+
+    storage = data.get("storage", {})
+    try:
+        sync = SyncPolicy.parse(storage.get("sync", "fsync"))
+    except (ValueError, AttributeError) as exc:
+        raise ConfigError(f"storage.sync: {exc}") from None
+    defaults = EngineConfig()
+    tenants = {0: "default"}
+    for entry in data.get("tenants", []):
+        tenant_id = entry.get("id")
+        if not isinstance(tenant_id, int) or tenant_id < 0:
+            raise ConfigError(f"tenants: id must be a non-negative integer, got {tenant_id!r}")
+        tenants[tenant_id] = str(entry.get("name", f"tenant{tenant_id}"))
+
+    def opt(key: str, default: int | None) -> int | None:
+        value = _positive_int(storage, key, "storage")
+        return default if value is None else value
+
+    engine = EngineConfig(
+        sync=sync,
+        segment_bytes=opt("segment_bytes", defaults.segment_bytes) or defaults.segment_bytes,
+        segment_ms=opt("segment_ms", defaults.segment_ms),
+        retention_ms=opt("retention_ms", defaults.retention_ms),
+        retention_bytes=opt("retention_bytes", defaults.retention_bytes),
+        delete_retention_ms=opt("delete_retention_ms", defaults.delete_retention_ms)
+        or defaults.delete_retention_ms,
+        maintenance_interval_ms=opt("maintenance_interval_ms", defaults.maintenance_interval_ms)
+        or defaults.maintenance_interval_ms,
+        tenants=tenants,
+    )
+
+    auth_data = data.get("auth", {})
+    tokens: dict[str, frozenset[int]] = {}
+    for entry in auth_data.get("tokens", []):
+        token = entry.get("token")
+        granted = entry.get("tenants", [0])
+        if not isinstance(token, str) or not token:
+            raise ConfigError("auth.tokens: every entry needs a non-empty token string")
+        if not isinstance(granted, list) or not all(isinstance(t, int) for t in granted):
+            raise ConfigError(f"auth.tokens: tenants of token {token[:2]}… must be integers")
+        tokens[token] = frozenset(granted)
+    required = auth_data.get("required", False)
+    if not isinstance(required, bool):
+        raise ConfigError("auth.required must be true or false")
+
+    logging_data = data.get("logging", {})
+    level = str(logging_data.get("level", "INFO")).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"logging.level must be DEBUG, INFO, WARNING or ERROR, not {level}")
+    fmt = str(logging_data.get("format", "text"))
+    if fmt not in ("text", "json"):
+        raise ConfigError("logging.format must be 'text' or 'json'")
+    return ServerConfig(
+        listen=listen,
+        engine=engine,
+        auth=AuthConfig(required=required, tokens=tokens),
+        log_level=level,
+        log_format=fmt,
+        raw=data,
+    )
