@@ -317,6 +317,7 @@ class PartitionLog:
             if seg.size == 0:
                 return
             seg.flush_indexes()
+            self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
             new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
             self.segments.append(new)
             self._dir_dirty = True

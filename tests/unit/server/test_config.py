@@ -1,0 +1,88 @@
+"""TOML configuration: documented keys parse, bad values fail with a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from headwater.server.config import ConfigError, config_from_dict, load_config
+
+FULL = """
+[listen]
+http = "127.0.0.1:0"
+kimberlite = "127.0.0.1:0"
+convergedb = ""
+ripple = "127.0.0.1:7403"
+
+[storage]
+sync = "interval:20"
+retention_ms = 3600000
+segment_bytes = 1048576
+
+[auth]
+required = true
+[[auth.tokens]]
+token = "s3cret"
+tenants = [0, 42]
+
+[[tenants]]
+id = 42
+name = "acme"
+
+[logging]
+level = "debug"
+format = "json"
+"""
+
+
+def test_full_config(tmp_path: Path) -> None:
+    path = tmp_path / "headwater.toml"
+    path.write_text(FULL)
+    config = load_config(path)
+    assert config.address("http") == ("127.0.0.1", 0)
+    assert config.address("convergedb") is None
+    assert config.address("ripple") == ("127.0.0.1", 7403)
+    assert str(config.engine.sync) == "interval:20"
+    assert config.engine.retention_ms == 3_600_000
+    assert config.engine.segment_bytes == 1 << 20
+    assert config.engine.tenants == {0: "default", 42: "acme"}
+    assert config.auth.required is True
+    assert config.auth.tenants_for("s3cret") == frozenset({0, 42})
+    assert config.auth.tenants_for("wrong") is None
+    assert (config.log_level, config.log_format) == ("DEBUG", "json")
+
+
+def test_defaults_without_a_file() -> None:
+    config = load_config(None)
+    assert config.address("kimberlite") == ("127.0.0.1", 7401)
+    assert str(config.engine.sync) == "fsync"
+    assert config.auth.required is False
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"storage": {"sync": "sometimes"}}, "storage.sync"),
+        ({"storage": {"sync": "interval:0"}}, "storage.sync"),
+        ({"storage": {"retention_ms": -1}}, "storage.retention_ms"),
+        ({"listen": {"http": "nowhere"}}, "listen.http"),
+        ({"listen": {"gopher": "127.0.0.1:70"}}, "unknown listener"),
+        ({"auth": {"required": "yes"}}, "auth.required"),
+        ({"auth": {"tokens": [{"tenants": [0]}]}}, "non-empty token"),
+        ({"tenants": [{"id": -3}]}, "tenants"),
+        ({"logging": {"level": "chatty"}}, "logging.level"),
+    ],
+)
+def test_bad_values_are_named(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(data)
+
+
+def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[listen\nhttp=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
