@@ -215,6 +215,9 @@ class Engine:
         self.closed = False
         self.events_appended = 0
         self.bytes_appended = 0
+        # Hooks for layers built on the engine (SQL projections, subscriptions, metrics).
+        self.stream_created_listeners: list[Callable[[Stream], None]] = []
+        self.stream_deleted_listeners: list[Callable[[Stream], None]] = []
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -315,6 +318,17 @@ class Engine:
         self.executor.shutdown(wait=True)
         self.closed = True
 
+    @staticmethod
+    def _fire(listeners: list[Callable[[Stream], None]], stream: Stream) -> None:
+        for listener in list(listeners):
+            try:
+                listener(stream)
+            except Exception:
+                log.exception("engine listener failed")
+
+    def all_streams(self) -> list[Stream]:
+        return [s for t in self.tenants.values() for s in t.streams.values() if not s.deleted]
+
     # ---- lookups --------------------------------------------------------------------
 
     def tenant(self, tenant_id: int) -> Tenant:
@@ -383,6 +397,7 @@ class Engine:
         stream.committer.start()
         tenant.streams[stream_id] = stream
         tenant.by_name[name] = stream_id
+        self._fire(self.stream_created_listeners, stream)
         log.info("created stream %s (tenant %d, id %d)", name, tenant_id, stream_id)
         return stream.info()
 
@@ -396,6 +411,7 @@ class Engine:
                 listener()
             except Exception:
                 log.exception("stream delete listener failed")
+        self._fire(self.stream_deleted_listeners, stream)
         await stream.committer.aclose()
         stream.log.close()
         tenant.position_floor = max(tenant.position_floor, tenant.next_position)
