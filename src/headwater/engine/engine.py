@@ -469,6 +469,7 @@ class Engine:
         tombstones: Sequence[bool] | None = None,
         headers: Sequence[Headers] | None = None,
         timestamp_ms: int | None = None,
+        producer: tuple[int, int] | None = None,
     ) -> AppendInfo:
         """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
         wire carries them), without touching each event again."""
@@ -479,6 +480,11 @@ class Engine:
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
         if payload > MAX_APPEND_BYTES:
             raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+        if producer is not None:
+            stored = stream.log.check_producer(*producer)
+            if stored is not None:  # a retry: answer as the first time, append nothing
+                await stream.committer.committed(stored.base_offset + stored.count)
+                return AppendInfo(stored.base_offset, stored.count, -1, 0)
         tenant = stream.tenant
         first_position = tenant.claim_positions(count)
         self._inflight_appends += 1
@@ -492,6 +498,7 @@ class Engine:
                 keys=keys,
                 tombstones=tombstones,
                 headers=headers,
+                producer=producer,
             )
             await stream.committer.committed(info.next_offset)
         finally:
@@ -502,6 +509,25 @@ class Engine:
         self.events_appended += count
         self.bytes_appended += payload
         return info
+
+    async def append_idempotent(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        producer_id: int,
+        sequence: int,
+        values: Sequence[bytes],
+    ) -> AppendInfo:
+        """Append unless ``(producer_id, sequence)`` was applied already, in which case
+        the original offsets come back and nothing is appended."""
+        return await self.append_encoded(
+            tenant_id,
+            stream_id,
+            encode_values(values),
+            len(values),
+            value_bytes=sum(map(len, values)),
+            producer=(producer_id, sequence),
+        )
 
     def read_now(
         self, tenant_id: int, stream_id: int, from_offset: int, max_bytes: int = 1 << 20

@@ -10,7 +10,7 @@ Header, little-endian, 64 bytes::
     0  u32 batch_length    whole batch, header included
     4  u32 crc32c          CRC-32C (Castagnoli) of bytes [8, batch_length)
     8  u8  magic           1
-    9  u8  attributes      bit 0 keys section, bit 1 headers section, bit 2 offset deltas
+    9  u8  attributes      bit 0 keys, bit 1 headers, bit 2 offset deltas, bit 3 producer
     10 u16 reserved        0
     12 u32 count           events in the batch (>= 1)
     16 u64 base_offset     offset of the first event
@@ -26,6 +26,7 @@ Sections follow in that order. values: count x (u64 len, bytes). keys: count x (
 [1 = has key, 2 = tombstone], u32 len, bytes). headers: count x (u32 n, n x (u32 len, name,
 u32 len, value)). deltas: count x u32 (event i has offset base_offset + delta[i] and
 position first_position + delta[i]); without deltas the batch is dense (delta[i] = i).
+producer (16 bytes, last): u64 producer_id, u64 sequence of an idempotent append.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ HEADER_SIZE = HEADER.size  # 64
 ATTR_KEYS = 0x01
 ATTR_HEADERS = 0x02
 ATTR_DELTAS = 0x04
+ATTR_PRODUCER = 0x08
+PRODUCER = struct.Struct("<QQ")
 KEY_PRESENT = 0x01
 KEY_TOMBSTONE = 0x02
 MAX_BATCH_BYTES = 0x7FFF_FFFF
@@ -135,6 +138,7 @@ def build_batch(
     tombstones: Sequence[bool] | None = None,
     headers: Sequence[Headers] | None = None,
     deltas: Sequence[int] | None = None,
+    producer: tuple[int, int] | None = None,
 ) -> bytes:
     """Assemble one batch from an already encoded values section (trusted: the caller
     checked it with :func:`value_spans` or built it with :func:`encode_values`)."""
@@ -163,8 +167,13 @@ def build_batch(
         attributes |= ATTR_DELTAS
         deltas_bytes = struct.pack(f"<{count}I", *deltas)
         sections.append(deltas_bytes)
+    producer_bytes = b""
+    if producer is not None:
+        attributes |= ATTR_PRODUCER
+        producer_bytes = PRODUCER.pack(*producer)
+        sections.append(producer_bytes)
     total = HEADER_SIZE + len(values_section) + len(keys_bytes)
-    total += len(headers_bytes) + len(deltas_bytes)
+    total += len(headers_bytes) + len(deltas_bytes) + len(producer_bytes)
     if total > MAX_BATCH_BYTES:
         raise UsageError("batch larger than 2 GiB")
     header = HEADER.pack(
@@ -225,6 +234,7 @@ class Batch:
         "first_position",
         "first_timestamp_ms",
         "max_timestamp_ms",
+        "producer",
     )
 
     def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
@@ -255,11 +265,13 @@ class Batch:
         v_end = HEADER_SIZE + values_length
         k_end = v_end + keys_length
         h_end = k_end + headers_length
-        if h_end + deltas_length != length or self.count < 1:
+        producer_length = PRODUCER.size if self.attributes & ATTR_PRODUCER else 0
+        if h_end + deltas_length + producer_length != length or self.count < 1:
             raise CorruptBatchError("batch sections do not add up to its length")
         self._section_bounds = (v_end, k_end, h_end)
         self.buffer = buffer
         self._deltas = None
+        self.producer = PRODUCER.unpack_from(buffer, length - 16) if producer_length else None
         if self.attributes & ATTR_DELTAS:
             if deltas_length != 4 * self.count:
                 raise CorruptBatchError("offset deltas do not match the event count")

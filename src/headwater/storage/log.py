@@ -28,6 +28,12 @@ from headwater.storage.batch import (
     build_batch,
     encode_values,
 )
+from headwater.storage.producers import (
+    ProducerEntry,
+    ProducerTable,
+    load_snapshot,
+    write_snapshot,
+)
 from headwater.storage.segment import Segment, segment_name
 
 log = logging.getLogger(__name__)
@@ -148,6 +154,7 @@ class PartitionLog:
         self.durable_offset = 0
         self.failed: str | None = None
         self.closed = False
+        self.producers = ProducerTable()
 
     # ---- open / close ---------------------------------------------------------------
 
@@ -174,7 +181,15 @@ class PartitionLog:
             plog.segments.append(Segment.create(directory, 0, interval))
             fsync_directory(directory)
         plog.durable_offset = plog.end_offset
+        plog._load_producers()
         return plog
+
+    def _load_producers(self) -> None:
+        snap_offset, table = load_snapshot(self.directory, self.end_offset)
+        for batch in self.batches(max(snap_offset, self.start_offset)):
+            if batch.producer is not None:
+                table.observe(batch)
+        self.producers = table
 
     def close(self) -> None:
         with self._lock:
@@ -182,6 +197,7 @@ class PartitionLog:
                 return
             if self.failed is None:
                 self.sync()
+                write_snapshot(self.directory, self.end_offset, self.producers)
             for seg in self.segments:
                 seg.close()
             for _, seg in self._graveyard:
@@ -260,14 +276,18 @@ class PartitionLog:
         keys: Sequence[bytes | None] | None = None,
         tombstones: Sequence[bool] | None = None,
         headers: Sequence[Headers] | None = None,
+        producer: tuple[int, int] | None = None,
     ) -> AppendInfo:
         """Append ``count`` events whose values are already in stored form: one batch,
-        one CRC, one write, at most one index entry."""
+        one CRC, one write, at most one index entry. With ``producer`` (id, sequence) the
+        append is idempotent: check it first with :meth:`check_producer`."""
         if count < 1:
             raise UsageError("append needs at least one event")
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         with self._lock:
             self._check_writable()
+            if producer is not None and self.producers.check(*producer) is not None:
+                raise UsageError("duplicate producer sequence: check_producer() first")
             base = self.end_offset
             data = build_batch(
                 values_section,
@@ -278,6 +298,7 @@ class PartitionLog:
                 keys=keys,
                 tombstones=tombstones,
                 headers=headers,
+                producer=producer,
             )
             if len(data) > self.config.segment_bytes:
                 raise UsageError("batch larger than a segment")
@@ -288,7 +309,14 @@ class PartitionLog:
             except OSError as exc:
                 raise StorageError(f"write failed: {exc}") from exc
             self._dirty.add(seg.base_offset)
+            if producer is not None:
+                self.producers.record(producer[0], producer[1], base, count)
             return AppendInfo(base, count, first_position, ts)
+
+    def check_producer(self, producer_id: int, sequence: int) -> ProducerEntry | None:
+        """Where a retried idempotent append was stored, or None when it is new."""
+        with self._lock:
+            return self.producers.check(producer_id, sequence)
 
     def _check_writable(self) -> None:
         if self.closed:
@@ -321,6 +349,8 @@ class PartitionLog:
             new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
             self.segments.append(new)
             self._dir_dirty = True
+            # Even an empty table is worth a file: recovery then scans only from here.
+            write_snapshot(self.directory, new.base_offset, self.producers)
 
     # ---- durability -----------------------------------------------------------------
 
@@ -568,6 +598,7 @@ class PartitionLog:
                         tombstones=[e.tombstone for e in kept],
                         headers=[e.headers for e in kept],
                         deltas=[e.offset - batch.base_offset for e in kept],
+                        producer=batch.producer,
                     )
                 )
         if removed == 0:
