@@ -121,6 +121,18 @@ class ReadResult:
     count: int
     value_bytes: int
     next_offset: int | None  # offset after the last event returned; None at the end
+    end_offset: int = 0  # offset after the last event returned (the from offset if none)
+
+    @property
+    def first_offset(self) -> int | None:
+        if not self.spans:
+            return None
+        span = self.spans[0]
+        return (
+            span.batch.offsets()[span.start]
+            if not span.batch.dense
+            else (span.batch.base_offset + span.start)
+        )
 
     def values_chunks(self) -> list[memoryview]:
         return [span.values_chunk() for span in self.spans]
@@ -466,9 +478,10 @@ class PartitionLog:
                     break
             if value_bytes >= max_bytes or budget_events <= 0:
                 break
+        end_offset = from_offset if next_offset is None else next_offset
         if next_offset is not None and next_offset >= self.committed_offset:
             next_offset = None
-        return ReadResult(spans, count, value_bytes, next_offset)
+        return ReadResult(spans, count, value_bytes, next_offset, end_offset)
 
     def events(self, from_offset: int = 0, upto: int | None = None) -> Iterator[Event]:
         """Decoding iterator over committed events from ``from_offset``."""

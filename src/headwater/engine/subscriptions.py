@@ -1,0 +1,305 @@
+"""Push subscriptions with credit flow control and durable consumer groups.
+
+One credit is one event. A subscription's pump task sleeps until its stream commits more
+events or it gets credit (no polling), then reads at most ``PUSH_MAX_EVENTS`` events /
+``PUSH_MAX_BYTES`` bytes as stored batches and hands them to the front end's ``deliver``
+callback, which returns once the bytes are with the transport. A peer that stops reading
+holds only its own pump; after ``backpressure_timeout`` it is closed.
+
+Consumer groups: a durable position per (group, stream). Granting credit acknowledges
+everything delivered before the grant. One subscription of a group delivers at a time;
+later ones wait and take over, from the acknowledged position, when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from headwater.engine.engine import Engine, Stream
+from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
+from headwater.storage.metadata import read_json, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+PUSH_MAX_EVENTS = 64
+PUSH_MAX_BYTES = 1 << 20
+RESUME = (1 << 64) - 1  # from_offset meaning "the group's position" (or the end, no group)
+MAX_CREDITS = (1 << 32) - 1
+GROUPS_FILE = "groups.json"
+
+
+class CloseReason(enum.IntEnum):
+    CLIENT_CANCELLED = 0
+    SERVER_SHUTDOWN = 1
+    STREAM_DELETED = 2
+    BACKPRESSURE_TIMEOUT = 3
+    PROTOCOL_ERROR = 4
+
+
+Deliver = Callable[["Subscription", int, int, list[memoryview]], Awaitable[None]]
+OnClose = Callable[["Subscription", CloseReason], None]
+
+
+class GroupOffsets:
+    """Acknowledged positions of the consumer groups of one stream, in groups.json."""
+
+    def __init__(self, directory: Path, engine: Engine) -> None:
+        self.path = directory / GROUPS_FILE
+        self.engine = engine
+        self.offsets: dict[str, int] = {}
+        if self.path.exists():
+            self.offsets = {str(k): int(v) for k, v in read_json(self.path).items()}
+        self.active: dict[str, Subscription] = {}
+        self.waiting: dict[str, list[Subscription]] = {}
+        self._flush: asyncio.Task[None] | None = None
+        self._dirty = False
+
+    def commit(self, group: str, offset: int) -> None:
+        if self.offsets.get(group, -1) >= offset:
+            return
+        self.offsets[group] = offset
+        self._dirty = True
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._dirty:
+                self._dirty = False
+                snapshot = dict(self.offsets)
+                await loop.run_in_executor(
+                    self.engine.executor, write_json_atomic, self.path, snapshot
+                )
+        except OSError:
+            log.exception("writing %s failed", self.path)
+        finally:
+            self._flush = None
+
+    async def flush(self) -> None:
+        if self._flush is not None:
+            await asyncio.wait([self._flush])
+
+
+class Subscription:
+    def __init__(
+        self,
+        manager: Subscriptions,
+        subscription_id: int,
+        stream: Stream,
+        next_offset: int,
+        credits: int,
+        group: str | None,
+        deliver: Deliver,
+        on_close: OnClose,
+    ) -> None:
+        self.manager = manager
+        self.subscription_id = subscription_id
+        self.stream = stream
+        self.next_offset = next_offset
+        self.credits = credits
+        self.group = group
+        self.deliver = deliver
+        self.on_close = on_close
+        self.closed = False
+        self.active = group is None
+        self.delivered_events = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _pump(self) -> None:
+        engine = self.manager.engine
+        plog = self.stream.log
+        timeout = self.manager.backpressure_timeout
+        try:
+            while not self.closed:
+                if (
+                    not self.active
+                    or self.credits <= 0
+                    or self.next_offset >= plog.committed_offset
+                ):
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                if self.next_offset < plog.start_offset:
+                    self.next_offset = plog.start_offset  # retention removed what we wanted
+                result = await engine.read(
+                    self.stream.tenant.tenant_id,
+                    self.stream.stream_id,
+                    self.next_offset,
+                    PUSH_MAX_BYTES,
+                    max_events=min(PUSH_MAX_EVENTS, self.credits),
+                )
+                if self.closed:
+                    return
+                if result.count == 0:
+                    continue
+                first = result.first_offset
+                assert first is not None
+                self.credits -= result.count
+                self.next_offset = result.end_offset
+                self.delivered_events += result.count
+                try:
+                    await asyncio.wait_for(
+                        self.deliver(self, first, result.count, result.values_chunks()),
+                        timeout,
+                    )
+                except TimeoutError:
+                    self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except (StreamNotFound, ConnectionError):
+            self.manager.close(self, CloseReason.STREAM_DELETED)
+        except Exception:
+            log.exception("subscription %d failed", self.subscription_id)
+            self.manager.close(self, CloseReason.PROTOCOL_ERROR)
+
+
+class Subscriptions:
+    """Every live subscription of the server."""
+
+    def __init__(self, engine: Engine, backpressure_timeout: float = 30.0) -> None:
+        self.engine = engine
+        self.backpressure_timeout = backpressure_timeout
+        self.by_stream: dict[tuple[int, int], set[Subscription]] = {}
+        self.groups: dict[tuple[int, int], GroupOffsets] = {}
+        self._next_id = 1
+        self._listening: set[tuple[int, int]] = set()
+
+    def _groups_for(self, stream: Stream) -> GroupOffsets:
+        key = (stream.tenant.tenant_id, stream.stream_id)
+        groups = self.groups.get(key)
+        if groups is None:
+            groups = self.groups[key] = GroupOffsets(stream.directory, self.engine)
+        return groups
+
+    def _listen(self, stream: Stream) -> None:
+        key = (stream.tenant.tenant_id, stream.stream_id)
+        if key in self._listening:
+            return
+        self._listening.add(key)
+
+        def committed(_offset: int) -> None:
+            for sub in self.by_stream.get(key, ()):
+                sub.wake()
+
+        def deleted() -> None:
+            for sub in list(self.by_stream.get(key, ())):
+                self.close(sub, CloseReason.STREAM_DELETED)
+
+        stream.committer.add_listener(committed)
+        stream.delete_listeners.append(deleted)
+
+    def subscribe(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        credits: int,
+        group: str | None,
+        deliver: Deliver,
+        on_close: OnClose,
+    ) -> Subscription:
+        """Start a subscription; its start offset is ``next_offset`` on return."""
+        stream = self.engine.stream(tenant_id, stream_id)
+        if not 0 <= credits <= MAX_CREDITS:
+            raise InvalidRequest("credits must fit in u32")
+        if group is not None and not group:
+            raise InvalidRequest("a consumer group name must not be empty")
+        plog = stream.log
+        groups = self._groups_for(stream) if group is not None else None
+        if from_offset == RESUME:
+            if groups is not None and group is not None:
+                start = groups.offsets.get(group, 0)
+            else:
+                start = plog.committed_offset
+        elif from_offset > plog.committed_offset:
+            raise InvalidOffset(
+                f"offset {from_offset} is beyond the end of the stream ({plog.committed_offset})"
+            )
+        else:
+            start = from_offset
+        start = max(start, plog.start_offset)
+        sub = Subscription(self, self._next_id, stream, start, credits, group, deliver, on_close)
+        self._next_id += 1
+        self._listen(stream)
+        self.by_stream.setdefault((tenant_id, stream_id), set()).add(sub)
+        if groups is not None and group is not None:
+            if group in groups.active:
+                groups.waiting.setdefault(group, []).append(sub)
+            else:
+                groups.active[group] = sub
+                sub.active = True
+        sub.start()
+        return sub
+
+    def grant(self, sub: Subscription, credits: int) -> int:
+        """Add credit; for a group, acknowledge everything delivered so far."""
+        if sub.closed:
+            raise InvalidRequest(f"subscription {sub.subscription_id} is closed")
+        if credits < 0 or sub.credits + credits > MAX_CREDITS:
+            raise InvalidRequest("credit balance must fit in u32")
+        sub.credits += credits
+        if sub.group is not None and sub.active:
+            self._groups_for(sub.stream).commit(sub.group, sub.next_offset)
+        sub.wake()
+        return sub.credits
+
+    def close(self, sub: Subscription, reason: CloseReason) -> None:
+        """End a subscription: nothing more is delivered; the front end is told why."""
+        if sub.closed:
+            return
+        sub.closed = True
+        sub.wake()
+        if sub._task is not None and sub._task is not asyncio.current_task():
+            sub._task.cancel()
+        subs = self.by_stream.get((sub.stream.tenant.tenant_id, sub.stream.stream_id))
+        if subs is not None:
+            subs.discard(sub)
+        if sub.group is not None:
+            self._hand_over(sub)
+        try:
+            sub.on_close(sub, reason)
+        except Exception:
+            log.exception("subscription close callback failed")
+
+    def _hand_over(self, sub: Subscription) -> None:
+        groups = self._groups_for(sub.stream)
+        assert sub.group is not None
+        waiting = groups.waiting.get(sub.group, [])
+        if sub in waiting:
+            waiting.remove(sub)
+            return
+        if groups.active.get(sub.group) is not sub:
+            return
+        del groups.active[sub.group]
+        while waiting:
+            successor = waiting.pop(0)
+            if successor.closed:
+                continue
+            groups.active[sub.group] = successor
+            successor.active = True
+            # Resume from what the group acknowledged: unacknowledged events come again.
+            successor.next_offset = max(
+                groups.offsets.get(sub.group, successor.next_offset), sub.stream.log.start_offset
+            )
+            successor.wake()
+            return
+
+    async def close_all(self, reason: CloseReason = CloseReason.SERVER_SHUTDOWN) -> None:
+        for subs in list(self.by_stream.values()):
+            for sub in list(subs):
+                self.close(sub, reason)
+        for groups in self.groups.values():
+            await groups.flush()

@@ -1,0 +1,184 @@
+"""Push subscriptions: credits bound delivery, order and exactly-once across grants,
+consumer groups resume and hand over, deletion and shutdown close subscriptions."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from headwater.engine.engine import Engine, EngineConfig
+from headwater.engine.subscriptions import (
+    PUSH_MAX_EVENTS,
+    RESUME,
+    CloseReason,
+    Subscription,
+    Subscriptions,
+)
+from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.storage.batch import value_spans
+
+CONFIG = EngineConfig(maintenance_interval_ms=0)
+
+
+class Recorder:
+    """A front end stand-in: records pushes and close reasons."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, bytes]] = []
+        self.pushes: list[int] = []
+        self.closed: list[CloseReason] = []
+        self.arrived = asyncio.Event()
+        self.stall: asyncio.Event | None = None
+
+    async def deliver(
+        self, sub: Subscription, start: int, count: int, chunks: list[memoryview]
+    ) -> None:
+        data = b"".join(chunks)
+        bounds = value_spans(data, count)
+        for i in range(count):
+            self.events.append((start + i, data[bounds[i] + 8 : bounds[i + 1]]))
+        self.pushes.append(count)
+        self.arrived.set()
+        if self.stall is not None:
+            await self.stall.wait()
+
+    def on_close(self, sub: Subscription, reason: CloseReason) -> None:
+        self.closed.append(reason)
+        self.arrived.set()
+
+    async def wait_for(self, n: int, timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout):
+            while len(self.events) < n:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+
+
+def test_credits_bound_delivery_and_grants_continue_in_order(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        await engine.append(0, sid, [b"e%d" % i for i in range(100)])
+        rec = Recorder()
+        sub = subs.subscribe(0, sid, 0, 10, None, rec.deliver, rec.on_close)
+        await rec.wait_for(10)
+        await settle()
+        assert len(rec.events) == 10  # never beyond the credits
+        assert sub.credits == 0
+        assert subs.grant(sub, 95) == 95
+        await engine.append(0, sid, [b"e%d" % i for i in range(100, 120)])
+        await rec.wait_for(105)
+        await settle()
+        assert [o for o, _ in rec.events] == list(range(105))
+        assert [v for _, v in rec.events] == [b"e%d" % i for i in range(105)]
+        assert max(rec.pushes) <= PUSH_MAX_EVENTS
+        subs.close(sub, CloseReason.CLIENT_CANCELLED)
+        await engine.append(0, sid, [b"late"])
+        with pytest.raises(InvalidRequest, match="closed"):
+            subs.grant(sub, 1)
+        await settle()
+        assert len(rec.events) == 105
+        assert rec.closed == [CloseReason.CLIENT_CANCELLED]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_live_tail_and_offsets(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        await engine.append(0, sid, [b"old"] * 5)
+        with pytest.raises(InvalidOffset):
+            subs.subscribe(0, sid, 6, 10, None, Recorder().deliver, Recorder().on_close)
+        rec = Recorder()
+        sub = subs.subscribe(0, sid, RESUME, 100, None, rec.deliver, rec.on_close)
+        assert sub.next_offset == 5  # RESUME without a group: from the end
+        await engine.append(0, sid, [b"new1", b"new2"])
+        await rec.wait_for(2)
+        assert rec.events == [(5, b"new1"), (6, b"new2")]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_consumer_group_resumes_after_client_dies_and_hands_over(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        await engine.append(0, sid, [b"%d" % i for i in range(30)])
+        first = Recorder()
+        a = subs.subscribe(0, sid, RESUME, 10, "g", first.deliver, first.on_close)
+        second = Recorder()
+        b = subs.subscribe(0, sid, RESUME, 100, "g", second.deliver, second.on_close)
+        await first.wait_for(10)
+        await settle()
+        assert second.events == []  # one active delivery per group
+        subs.grant(a, 5)  # acknowledges 0..9
+        await first.wait_for(15)
+        # The first consumer dies without acknowledging 10..14.
+        subs.close(a, CloseReason.CLIENT_CANCELLED)
+        await second.wait_for(20)
+        assert [o for o, _ in second.events] == list(range(10, 30))
+        subs.grant(b, 0)  # acknowledges up to 30
+        await subs.close_all()
+        await engine.close()
+
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        await engine.append(0, sid, [b"30"])
+        third = Recorder()
+        subs.subscribe(0, sid, RESUME, 10, "g", third.deliver, third.on_close)
+        await third.wait_for(1)
+        assert third.events == [(30, b"30")]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_stream_delete_and_shutdown_close_with_reasons(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        s1 = (await engine.create_stream(0, "one")).stream_id
+        s2 = (await engine.create_stream(0, "two")).stream_id
+        r1, r2 = Recorder(), Recorder()
+        subs.subscribe(0, s1, 0, 10, None, r1.deliver, r1.on_close)
+        subs.subscribe(0, s2, 0, 10, None, r2.deliver, r2.on_close)
+        await engine.delete_stream(0, s1)
+        assert r1.closed == [CloseReason.STREAM_DELETED]
+        await subs.close_all()
+        assert r2.closed == [CloseReason.SERVER_SHUTDOWN]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_stalled_consumer_is_closed_and_does_not_block_others(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine, backpressure_timeout=0.2)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        stalled, healthy = Recorder(), Recorder()
+        stalled.stall = asyncio.Event()
+        subs.subscribe(0, sid, 0, 1000, None, stalled.deliver, stalled.on_close)
+        subs.subscribe(0, sid, 0, 1000, None, healthy.deliver, healthy.on_close)
+        for i in range(10):
+            await engine.append(0, sid, [b"%d" % i])
+        await healthy.wait_for(10)
+        async with asyncio.timeout(5):
+            while not stalled.closed:
+                await asyncio.sleep(0.05)
+        assert stalled.closed == [CloseReason.BACKPRESSURE_TIMEOUT]
+        await engine.close()
+
+    asyncio.run(main())
