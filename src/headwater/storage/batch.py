@@ -100,6 +100,8 @@ def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list
         if pos > end:
             raise ValueError("value overruns its section")
         bounds.append(pos)
+    if pos != end:
+        raise ValueError(f"{end - pos} bytes after the last value")
     return bounds
 
 

@@ -421,7 +421,7 @@ class PartitionLog:
             if seg.base_offset >= end:
                 return
             try:
-                for batch in seg.batches_from(pos, seg_end):
+                for batch in seg.batches_from(pos, seg_end, stop_offset=end):
                     if batch.base_offset >= end:
                         return
                     if batch.last_offset < from_offset:
@@ -557,8 +557,10 @@ class PartitionLog:
         now = int(time.time() * 1000) if now_ms is None else now_ms
         result = CompactionResult()
         with self._lock:
-            sealed = list(self.segments[:-1])
             upto = self.committed_offset
+            # Only segments that are wholly committed: an unsynced event may not decide
+            # which value of a key survives (a power loss could still take it away).
+            sealed = [s for s in self.segments[:-1] if s.next_offset <= upto]
         if not sealed:
             return result
         latest: dict[bytes, int] = {}

@@ -26,6 +26,7 @@ from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
 log = logging.getLogger(__name__)
 
 INDEX_ENTRY = struct.Struct("<II")
+_BASE_OFFSET = struct.Struct("<Q")
 TIME_ENTRY = struct.Struct("<qI")
 SCAN_CHUNK = 8 << 20
 NAME_DIGITS = 20
@@ -155,18 +156,25 @@ class Segment:
         for ts, rel in TIME_ENTRY.iter_unpack(raw_time):
             self.time_timestamps.append(ts)
             self.time_offsets.append(self.base_offset + rel)
-        # The first indexed batch and everything after the last entry must check out.
+        # Every offset-index entry must point at the start of the batch it names, every
+        # time entry at a batch with that maximum timestamp, and everything after the last
+        # entry must parse and pass its CRC up to the exact end of the file.
         try:
+            for off, pos in zip(self.index_offsets, self.index_positions, strict=True):
+                head = self._header_at(int(pos))
+                if head is None or head[0] != off:
+                    return False
+            prev_ts = -(1 << 63)
+            prev_off = -1
+            for ts, off in zip(self.time_timestamps, self.time_offsets, strict=True):
+                if ts <= prev_ts or off <= prev_off or not self._time_entry_ok(ts, int(off)):
+                    return False
+                prev_ts, prev_off = ts, off
             first = self._read_batch_at(0)
-            if first.base_offset != self.index_offsets[0]:
-                return False
             self.first_timestamp_ms = first.first_timestamp_ms
             pos = int(self.index_positions[-1])
-            expected = int(self.index_offsets[-1])
             while pos < self.size:
                 batch = self._read_batch_at(pos)
-                if pos == self.index_positions[-1] and batch.base_offset != expected:
-                    return False
                 self.next_offset = batch.next_offset
                 self.max_timestamp_ms = max(self.max_timestamp_ms, batch.max_timestamp_ms)
                 pos += batch.length
@@ -176,6 +184,29 @@ class Segment:
             self.max_timestamp_ms = max(self.max_timestamp_ms, self.time_timestamps[-1])
         self.event_count = -1  # unknown without a full scan; only used for reports
         return pos == self.size
+
+    def _header_at(self, pos: int) -> tuple[int, int, int] | None:
+        """(base_offset, max_timestamp_ms, length) of the batch header at ``pos``, or None
+        when no plausible header starts there (no CRC check: that is the reader's job)."""
+        head = os.pread(self.fd, HEADER_SIZE, pos)
+        if len(head) < HEADER_SIZE:
+            return None
+        fields = HEADER.unpack(head)
+        length, magic, base_offset, max_ts = fields[0], fields[2], fields[6], fields[8]
+        if magic != 1 or length < HEADER_SIZE or pos + length > self.size:
+            return None
+        return int(base_offset), int(max_ts), int(length)
+
+    def _time_entry_ok(self, timestamp_ms: int, offset: int) -> bool:
+        pos = self.position_for(offset)
+        while pos < self.size:
+            head = self._header_at(pos)
+            if head is None or head[0] > offset:
+                return False
+            if head[0] == offset:
+                return head[1] == timestamp_ms
+            pos += head[2]
+        return False
 
     def _scan(self, *, verify: bool, stop_at_error: bool) -> ScanReport:
         """Walk every batch from the start, indexing each one; returns what was found."""
@@ -312,9 +343,12 @@ class Segment:
             return None
         return self.position_for(int(self.time_offsets[i]))
 
-    def batches_from(self, pos: int, end: int, chunk: int = 1 << 20) -> Iterator[Batch]:
-        """Checked batches from file position ``pos`` up to ``end`` (exclusive), read in
-        chunks so a scan of many small batches costs few system calls."""
+    def batches_from(
+        self, pos: int, end: int, chunk: int = 1 << 20, stop_offset: int = 1 << 64
+    ) -> Iterator[Batch]:
+        """Checked batches from file position ``pos`` up to ``end`` (exclusive) and below
+        ``stop_offset``, read in chunks so a scan of many small batches costs few system
+        calls."""
         while pos < end:
             want = min(max(chunk, HEADER_SIZE), end - pos)
             data = os.pread(self.fd, want, pos)
@@ -324,11 +358,16 @@ class Segment:
                 length = peek_length(view, consumed)
                 if length < HEADER_SIZE:
                     raise CorruptBatchError(f"bad batch length at byte {pos + consumed}")
+                if _BASE_OFFSET.unpack_from(view, consumed + 16)[0] >= stop_offset:
+                    return  # past what the caller wants: do not even check it
                 if consumed + length > len(view):
                     break
                 yield Batch(view[consumed : consumed + length])
                 consumed += length
             if consumed == 0:
+                head = self._header_at(pos)
+                if head is not None and head[0] >= stop_offset:
+                    return
                 # The next batch is larger than the chunk: read exactly that batch.
                 batch = self._read_batch_at(pos)
                 if pos + batch.length > end:
