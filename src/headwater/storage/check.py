@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headwater.storage.segment import INDEX_ENTRY, TIME_ENTRY, Segment
+from headwater.storage.segment import Segment
 
 
 @dataclass
@@ -58,14 +58,10 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
         if prev_next is not None and base < prev_next:
             sreport.problems.append(f"base offset {base} overlaps the previous segment")
         prev_next = seg.next_offset
-        expected_index = b"".join(
-            INDEX_ENTRY.pack(o - base, p)
-            for o, p in zip(seg.index_offsets, seg.index_positions, strict=True)
-        )
-        expected_time = b"".join(
-            TIME_ENTRY.pack(t, o - base)
-            for t, o in zip(seg.time_timestamps, seg.time_offsets, strict=True)
-        )
+        report.segments.append(sreport)
+        if base == bases[-1]:
+            continue  # the active segment's indexes live in memory, rebuilt on every open
+        expected_index, expected_time = seg.index_bytes()
         for path, expected in (
             (seg.index_path, expected_index),
             (seg.time_index_path, expected_time),
@@ -76,7 +72,6 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
                 sreport.problems.append(
                     f"{path.name} does not match the log (rebuilt on next open)"
                 )
-        report.segments.append(sreport)
     return report
 
 

@@ -35,6 +35,8 @@ class GroupCommitter:
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
         self.fsyncs = 0
+        self._interval_sync: asyncio.Future[int] | None = None
+        self._last_sync_started = 0.0
         self.fsync_seconds_total = 0.0
         self.last_fsync_seconds = 0.0
 
@@ -61,6 +63,8 @@ class GroupCommitter:
     async def committed(self, next_offset: int) -> None:
         """Return once events below ``next_offset`` are acknowledged under the policy."""
         if self.policy.kind != "fsync":
+            if self.policy.kind == "interval":
+                self._sync_if_overdue()
             self._notify()
             return
         if self.log.durable_offset >= next_offset:
@@ -70,6 +74,27 @@ class GroupCommitter:
         if self._sync_task is None:
             self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
         await fut
+
+    def _sync_if_overdue(self) -> None:
+        """Start an fsync now when the last one began an interval ago or more. Submitted
+        straight to a worker thread, so the promise holds even while a writer keeps the
+        loop busy and the background timer cannot run."""
+        loop = asyncio.get_running_loop()
+        if self._interval_sync is not None:
+            return
+        if loop.time() - self._last_sync_started < self.policy.interval_ms / 1000:
+            return
+        self._last_sync_started = loop.time()
+        fut = loop.run_in_executor(self._executor, self.log.sync)
+        self._interval_sync = fut
+
+        def done(f: asyncio.Future[int]) -> None:
+            self._interval_sync = None
+            self.fsyncs += 1
+            if f.exception() is not None:
+                log.error("interval fsync failed for %s: %s", self.log.directory, f.exception())
+
+        fut.add_done_callback(done)
 
     async def _run_sync(self) -> int:
         loop = asyncio.get_running_loop()
@@ -111,7 +136,8 @@ class GroupCommitter:
             await asyncio.sleep(interval)
             if self.log.closed:
                 return
-            if self.log.durable_offset < self.log.end_offset:
+            if self.log.durable_offset < self.log.end_offset and self._interval_sync is None:
+                self._last_sync_started = asyncio.get_running_loop().time()
                 try:
                     await self._run_sync()
                 except StorageError:
@@ -127,5 +153,7 @@ class GroupCommitter:
             self._interval_task = None
         if self._sync_task is not None:
             await asyncio.wait([self._sync_task])
+        if self._interval_sync is not None:
+            await asyncio.wait([self._interval_sync])
         if not self.log.closed and self.log.failed is None:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.log.sync)

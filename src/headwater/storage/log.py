@@ -356,7 +356,7 @@ class PartitionLog:
             seg = self.active
             if seg.size == 0:
                 return
-            seg.flush_indexes()
+            seg.write_index_files(sync=False)
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
             new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
             self.segments.append(new)
@@ -380,13 +380,11 @@ class PartitionLog:
             self._dirty.clear()
             dir_dirty = self._dir_dirty
             self._dir_dirty = False
-            for seg in dirty:
-                seg.flush_indexes()
         try:
             for seg in dirty:
                 os.fdatasync(seg.fd)
                 if seg is not active:
-                    seg.sync_indexes()  # sealed: its index must survive as written
+                    seg.sync_index_files()  # sealed: its index must survive as written
             if dir_dirty:
                 fsync_directory(self.directory)
         except OSError as exc:

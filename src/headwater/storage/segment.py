@@ -20,12 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import crc32c
+
 from headwater.errors import CorruptBatchError
 from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
 
 log = logging.getLogger(__name__)
 
 INDEX_ENTRY = struct.Struct("<II")
+INDEX_TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32C of the entries, .log size
+INDEX_MAGIC = b"HWIX"
 _BASE_OFFSET = struct.Struct("<Q")
 TIME_ENTRY = struct.Struct("<qI")
 SCAN_CHUNK = 8 << 20
@@ -68,8 +72,6 @@ class Segment:
         self.time_timestamps = array("q")
         self.time_offsets = array("Q")
         self._bytes_since_index = 0
-        self._pending_index = bytearray()
-        self._pending_time = bytearray()
         self.fd = -1
 
     # ---- opening -------------------------------------------------------------------
@@ -78,8 +80,6 @@ class Segment:
     def create(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
         seg = cls(directory, base_offset, index_interval_bytes)
         seg.fd = os.open(seg.log_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        for path in (seg.index_path, seg.time_index_path):
-            path.write_bytes(b"")
         return seg
 
     @classmethod
@@ -100,7 +100,9 @@ class Segment:
             )
             os.ftruncate(seg.fd, report.valid_bytes)
             os.fsync(seg.fd)
-        seg._rewrite_index_files()
+        # The active segment's indexes live in memory; files appear when it is sealed.
+        seg.index_path.unlink(missing_ok=True)
+        seg.time_index_path.unlink(missing_ok=True)
         return seg
 
     @classmethod
@@ -116,7 +118,7 @@ class Segment:
             for error in report.errors:
                 log.error("sealed segment %s: %s", seg.log_path, error)
             seg.size = os.fstat(seg.fd).st_size
-            seg._rewrite_index_files()
+            seg.write_index_files(sync=True)
         return seg
 
     def _reset_index(self) -> None:
@@ -132,49 +134,38 @@ class Segment:
         self._bytes_since_index = 0
 
     def _load_index(self) -> bool:
-        """Load both index files; False when they do not describe the .log exactly."""
+        """Load both index files; False unless their trailers vouch for them (CRC of the
+        entries and the size of the .log they describe) and the batches after the last
+        entry run exactly to the end of the file."""
         try:
-            raw = self.index_path.read_bytes()
-            raw_time = self.time_index_path.read_bytes()
-        except FileNotFoundError:
-            return False
-        if len(raw) % INDEX_ENTRY.size or len(raw_time) % TIME_ENTRY.size:
+            raw = _read_index_file(self.index_path, INDEX_ENTRY.size, self.size)
+            raw_time = _read_index_file(self.time_index_path, TIME_ENTRY.size, self.size)
+        except ValueError:
             return False
         if self.size == 0:
             return not raw
         if not raw:
             return False
-        prev_off = prev_pos = -1
         for rel, pos in INDEX_ENTRY.iter_unpack(raw):
-            if rel <= prev_off or pos <= prev_pos or pos >= self.size:
-                return False
             self.index_offsets.append(self.base_offset + rel)
             self.index_positions.append(pos)
-            prev_off, prev_pos = rel, pos
-        if self.index_positions[0] != 0:
-            return False
         for ts, rel in TIME_ENTRY.iter_unpack(raw_time):
             self.time_timestamps.append(ts)
             self.time_offsets.append(self.base_offset + rel)
-        # Every offset-index entry must point at the start of the batch it names, every
-        # time entry at a batch with that maximum timestamp, and everything after the last
-        # entry must parse and pass its CRC up to the exact end of the file.
+        if self.index_positions[0] != 0:
+            return False
         try:
-            for off, pos in zip(self.index_offsets, self.index_positions, strict=True):
-                head = self._header_at(int(pos))
-                if head is None or head[0] != off:
-                    return False
-            prev_ts = -(1 << 63)
-            prev_off = -1
-            for ts, off in zip(self.time_timestamps, self.time_offsets, strict=True):
-                if ts <= prev_ts or off <= prev_off or not self._time_entry_ok(ts, int(off)):
-                    return False
-                prev_ts, prev_off = ts, off
             first = self._read_batch_at(0)
+            if first.base_offset != self.index_offsets[0]:
+                return False
             self.first_timestamp_ms = first.first_timestamp_ms
             pos = int(self.index_positions[-1])
+            expected = int(self.index_offsets[-1])
             while pos < self.size:
                 batch = self._read_batch_at(pos)
+                if expected >= 0 and batch.base_offset != expected:
+                    return False
+                expected = -1
                 self.next_offset = batch.next_offset
                 self.max_timestamp_ms = max(self.max_timestamp_ms, batch.max_timestamp_ms)
                 pos += batch.length
@@ -197,30 +188,32 @@ class Segment:
             return None
         return int(base_offset), int(max_ts), int(length)
 
-    def _time_entry_ok(self, timestamp_ms: int, offset: int) -> bool:
-        pos = self.position_for(offset)
-        while pos < self.size:
-            head = self._header_at(pos)
-            if head is None or head[0] > offset:
-                return False
-            if head[0] == offset:
-                return head[1] == timestamp_ms
-            pos += head[2]
-        return False
-
     def _scan(self, *, verify: bool, stop_at_error: bool) -> ScanReport:
-        """Walk every batch from the start, indexing each one; returns what was found."""
+        """Walk every batch from the start, indexing each one; returns what was found.
+
+        Reads the file in large chunks and walks batch headers in memory, so a log of
+        small batches costs few system calls."""
         report = ScanReport(path=self.log_path, file_bytes=os.fstat(self.fd).st_size)
-        pos = 0
         end = report.file_bytes
+        pos = 0  # file position of the next batch
+        buf = memoryview(b"")
+        buf_start = 0  # file position of buf[0]
         while pos < end:
+            off = pos - buf_start
+            avail = len(buf) - off
+            need = HEADER_SIZE
+            if avail >= 4:
+                need = max(HEADER_SIZE, min(peek_length(buf, off), end - pos))
+            if avail < need:
+                buf = memoryview(os.pread(self.fd, min(max(SCAN_CHUNK, need), end - pos), pos))
+                buf_start, off, avail = pos, 0, len(buf)
+            length = peek_length(buf, off) if avail >= 4 else 0
             try:
-                if end - pos < HEADER_SIZE:
+                if avail < HEADER_SIZE:
                     raise CorruptBatchError(f"torn batch header at byte {pos}")
-                length = peek_length(os.pread(self.fd, 4, pos))
                 if length < HEADER_SIZE or pos + length > end:
                     raise CorruptBatchError(f"torn or corrupt batch at byte {pos}")
-                batch = self._read_batch_at(pos, verify=verify)
+                batch = Batch(buf[off : off + length], verify=verify)
                 if batch.base_offset < self.next_offset:
                     raise CorruptBatchError(
                         f"batch at byte {pos} has offset {batch.base_offset}, "
@@ -232,7 +225,6 @@ class Segment:
                     break
                 # A bad batch in a sealed segment: skip it by its length when that can
                 # be trusted, so later batches stay reachable; the bad one is not indexed.
-                length = peek_length(os.pread(self.fd, 4, pos)) if end - pos >= 4 else 0
                 if length < HEADER_SIZE or pos + length > end:
                     break
                 pos += length
@@ -240,12 +232,13 @@ class Segment:
             self._index_batch(batch, pos)
             report.batches += 1
             report.events += batch.count
-            pos += batch.length
+            pos += length
             report.valid_bytes = pos
         self.size = report.valid_bytes if stop_at_error else end
         return report
 
-    def _rewrite_index_files(self) -> None:
+    def index_bytes(self) -> tuple[bytes, bytes]:
+        """Both index files' contents (entries plus trailer) for the current .log size."""
         index = b"".join(
             INDEX_ENTRY.pack(o - self.base_offset, p)
             for o, p in zip(self.index_offsets, self.index_positions, strict=True)
@@ -254,15 +247,20 @@ class Segment:
             TIME_ENTRY.pack(t, o - self.base_offset)
             for t, o in zip(self.time_timestamps, self.time_offsets, strict=True)
         )
+        return _with_trailer(index, self.size), _with_trailer(times, self.size)
+
+    def write_index_files(self, *, sync: bool) -> None:
+        """Write both index files whole (temp file + rename). Done when a segment is
+        sealed; the fsync may be left to the next log sync."""
+        index, times = self.index_bytes()
         for path, data in ((self.index_path, index), (self.time_index_path, times)):
-            tmp = path.with_suffix(path.suffix + ".tmp")
+            tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                if sync:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
-        self._pending_index.clear()
-        self._pending_time.clear()
 
     # ---- writing -------------------------------------------------------------------
 
@@ -270,16 +268,12 @@ class Segment:
         if not self.index_offsets or self._bytes_since_index >= self.index_interval_bytes:
             self.index_offsets.append(batch.base_offset)
             self.index_positions.append(pos)
-            self._pending_index += INDEX_ENTRY.pack(batch.base_offset - self.base_offset, pos)
             self._bytes_since_index = 0
         self._bytes_since_index += batch.length
         if batch.max_timestamp_ms > self.max_timestamp_ms:
             self.max_timestamp_ms = batch.max_timestamp_ms
             self.time_timestamps.append(batch.max_timestamp_ms)
             self.time_offsets.append(batch.base_offset)
-            self._pending_time += TIME_ENTRY.pack(
-                batch.max_timestamp_ms, batch.base_offset - self.base_offset
-            )
         if self.first_timestamp_ms is None:
             self.first_timestamp_ms = batch.first_timestamp_ms
         self.next_offset = batch.next_offset
@@ -296,22 +290,12 @@ class Segment:
         self._index_batch(batch_header, pos)
         return pos
 
-    def flush_indexes(self) -> None:
-        """Write index entries gathered since the last flush (index files are derived
-        data, so they need no fsync of their own until the segment is sealed)."""
-        for path, pending in (
-            (self.index_path, self._pending_index),
-            (self.time_index_path, self._pending_time),
-        ):
-            if pending:
-                with open(path, "ab") as f:
-                    f.write(pending)
-                pending.clear()
-
-    def sync_indexes(self) -> None:
-        self.flush_indexes()
+    def sync_index_files(self) -> None:
         for path in (self.index_path, self.time_index_path):
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
             try:
                 os.fsync(fd)
             finally:
@@ -378,7 +362,6 @@ class Segment:
 
     def close(self) -> None:
         if self.fd >= 0:
-            self.flush_indexes()
             os.close(self.fd)
             self.fd = -1
 
@@ -388,6 +371,25 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.log_path.name}, size={self.size}, next={self.next_offset})"
+
+
+def _with_trailer(entries: bytes, log_size: int) -> bytes:
+    return entries + INDEX_TRAILER.pack(INDEX_MAGIC, crc32c.crc32c(entries), log_size)
+
+
+def _read_index_file(path: Path, entry_size: int, log_size: int) -> bytes:
+    """The entries of an index file whose trailer checks out; ValueError otherwise."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{path.name} is missing") from None
+    if len(data) < INDEX_TRAILER.size or (len(data) - INDEX_TRAILER.size) % entry_size:
+        raise ValueError(f"{path.name} has a bad size")
+    entries = data[: -INDEX_TRAILER.size]
+    magic, crc, size = INDEX_TRAILER.unpack_from(data, len(entries))
+    if magic != INDEX_MAGIC or crc != crc32c.crc32c(entries) or size != log_size:
+        raise ValueError(f"{path.name} does not match its log")
+    return entries
 
 
 def read_header_fields(data: bytes) -> tuple[int, ...]:

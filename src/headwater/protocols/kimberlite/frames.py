@@ -1,0 +1,191 @@
+"""Kimberlite framing: a 14-byte big-endian header, then the payload.
+
+Header: magic u32 ``0x56444220`` (``b"VDB "``), version u16 = 1, payload_len u32 (at most
+16 MiB), crc32 u32 = IEEE CRC-32 of the payload (``zlib.crc32``).
+
+The decoder checks in the seed's order (magic, version, length, then the CRC once the
+payload is in) and checks each header field as soon as its bytes arrive, so a bad or
+oversized header is refused before a single payload byte is kept: a length field of
+4 GiB never allocates. What a failure means for the connection differs:
+
+- bad magic or CRC: :class:`FatalFrameError`, close at once (the stream cannot be
+  trusted, nothing sensible can be said to the peer);
+- unsupported version or oversized payload: :class:`RejectFrameError`, whose ``reply``
+  is the framed Error(request_id 0, InvalidRequest) to send before closing.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+
+from headwater.errors import ProtocolError, UsageError
+
+from .messages import Buffer, ErrorCode, Response, encode_response, error_response
+
+MAGIC = 0x56444220
+MAGIC_BYTES = b"VDB "
+VERSION = 1
+HEADER = struct.Struct(">IHII")  # magic, version, payload_len, crc32
+HEADER_SIZE = HEADER.size  # 14
+MAX_FRAME = 16 * 1024 * 1024
+"""Largest payload a frame may carry (16 MiB)."""
+
+_VERSION_AT = struct.Struct(">H")
+_LENGTH_AT = struct.Struct(">I")
+
+
+class FrameError(ProtocolError):
+    """The byte stream is not valid Kimberlite framing; the connection must close."""
+
+
+class FatalFrameError(FrameError):
+    """Bad magic or CRC: close without replying."""
+
+
+class RejectFrameError(FrameError):
+    """Unsupported version or oversized payload: send ``reply``, then close."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.response: Response = error_response(0, ErrorCode.INVALID_REQUEST, message)
+
+    @property
+    def reply(self) -> bytes:
+        """The framed Error response to send before closing."""
+        return encode_frame(encode_response(self.response))
+
+
+def frame_header(payload_len: int, crc: int) -> bytes:
+    if payload_len > MAX_FRAME:
+        raise UsageError(f"a {payload_len}-byte payload exceeds the {MAX_FRAME}-byte frame limit")
+    return HEADER.pack(MAGIC, VERSION, payload_len, crc)
+
+
+def encode_frame(payload: Buffer) -> bytes:
+    """One frame: header then ``payload``."""
+    return frame_header(len(payload), zlib.crc32(payload)) + payload
+
+
+def encode_frame_chunks(chunks: Iterable[Buffer]) -> list[Buffer]:
+    """Frame a payload given as chunks without joining them: ``[header, *chunks]``.
+
+    Hand the list to ``writelines`` (no copy), or ``b"".join`` it (one copy).
+    """
+    parts: list[Buffer] = [b""]
+    crc = 0
+    length = 0
+    for chunk in chunks:
+        crc = zlib.crc32(chunk, crc)
+        length += memoryview(chunk).nbytes
+        parts.append(chunk)
+    parts[0] = frame_header(length, crc)
+    return parts
+
+
+class FrameDecoder:
+    """Incremental frame decoder: :meth:`feed` bytes, then take payloads.
+
+    ``for payload in decoder`` (or :meth:`next_payload` until None) yields each complete,
+    CRC-checked payload in order, then raises the first framing error found after them.
+    After an error the decoder is dead: fed bytes are dropped and the same error is raised
+    again, so its buffer never grows past the bytes of one chunk.
+    """
+
+    __slots__ = ("_buffer", "_crc", "_error", "_length", "max_payload")
+
+    def __init__(self, max_payload: int = MAX_FRAME) -> None:
+        self.max_payload = max_payload
+        self._buffer = bytearray()
+        self._length = -1  # payload length from a checked header at the buffer head
+        self._crc = 0
+        self._error: FrameError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held and not yet returned as payloads."""
+        return len(self._buffer)
+
+    @property
+    def at_frame_boundary(self) -> bool:
+        """True when no partial frame is held (EOF here is a clean end)."""
+        return not self._buffer
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def feed(self, data: Buffer) -> None:
+        if self._error is not None:
+            return
+        self._buffer += data
+        if self._length < 0:
+            # Check the head frame's header now, so a bad one is refused before the
+            # caller has a chance to pile payload bytes behind it.
+            self._check_header()
+
+    def next_payload(self) -> bytes | None:
+        """The next complete payload, None when more bytes are needed; raises FrameError."""
+        if self._error is not None:
+            raise self._error
+        if self._length < 0 and not self._check_header():
+            if self._error is not None:
+                raise self._error
+            return None
+        end = HEADER_SIZE + self._length
+        buffer = self._buffer
+        if len(buffer) < end:
+            return None
+        with memoryview(buffer) as view:
+            payload = bytes(view[HEADER_SIZE:end])
+        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
+        self._length = -1
+        if zlib.crc32(payload) != self._crc:
+            raise self._fail(FatalFrameError(f"frame CRC mismatch ({len(payload)}-byte payload)"))
+        return payload
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        payload = self.next_payload()
+        if payload is None:
+            raise StopIteration
+        return payload
+
+    def _check_header(self) -> bool:
+        """Check the header fields present at the buffer head; True once all are good."""
+        buffer = self._buffer
+        have = len(buffer)
+        if have == 0:
+            return False
+        head = min(have, 4)
+        if buffer[:head] != MAGIC_BYTES[:head]:
+            self._fail(FatalFrameError(f"bad frame magic {bytes(buffer[:head]).hex()}"))
+            return False
+        if have >= 6:
+            (version,) = _VERSION_AT.unpack_from(buffer, 4)
+            if version != VERSION:
+                self._fail(RejectFrameError(f"unsupported protocol version {version}"))
+                return False
+        if have >= 10:
+            (length,) = _LENGTH_AT.unpack_from(buffer, 6)
+            if length > self.max_payload:
+                self._fail(
+                    RejectFrameError(
+                        f"frame payload of {length} bytes exceeds the {self.max_payload}-byte limit"
+                    )
+                )
+                return False
+        if have < HEADER_SIZE:
+            return False
+        _, _, self._length, self._crc = HEADER.unpack_from(buffer)
+        return True
+
+    def _fail(self, error: FrameError) -> FrameError:
+        self._error = error
+        self._buffer = bytearray()
+        self._length = -1
+        return error

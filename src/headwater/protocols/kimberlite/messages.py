@@ -1,0 +1,1125 @@
+"""Kimberlite messages: every request and response payload, and their byte encoding.
+
+Encoding (docs/protocols/kimberlite.md): little-endian fixed-width integers; bool is one
+byte (0 or 1); String and Vec<T> are a u64 count then the items; Vec<u8> is raw bytes
+after its u64 length; Option<T> is a u32 tag (0 None, 1 Some) then T; enums are a u32
+discriminant then the variant's fields.
+
+Decoders never trust a length: every count is checked against the bytes that remain
+before anything is sliced, allocated or looped over, so a frame of at most 16 MiB costs
+at most work proportional to its size. Anything malformed raises :class:`DecodeError`.
+Encoders raise :class:`~headwater.errors.UsageError` for values the wire cannot carry
+(an integer out of its field's range, an unencodable string).
+
+Event batches (AppendEvents, AppendIdempotent, ReadEvents, SubscriptionEvents) travel as
+``Vec<Vec<u8>>``: a u64 count then ``u64 len | bytes`` per event. That records section is
+byte for byte the values section the storage layer keeps (``headwater.storage.batch``),
+so :class:`EventBatch` carries it undecoded and the read/push encoders accept stored
+sections as chunks without touching the events inside.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar, Self, TypeAlias, TypeVar
+
+from headwater.errors import HeadwaterError, ProtocolError, UsageError, error_for_code
+from headwater.storage.batch import encode_values, value_spans
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+PROTOCOL_VERSION = 1
+MAX_EVENTS = 10_000
+"""Most events one AppendEvents / AppendIdempotent may carry."""
+MAX_APPEND_BYTES = 4 * 1024 * 1024
+"""Most event bytes (the sum of the event lengths) one append may carry."""
+RESUME_GROUP_OFFSET = 2**64 - 1
+"""Subscribe.from_offset meaning "resume from the consumer group's position"."""
+
+U64_MAX = 2**64 - 1
+
+_E = TypeVar("_E", bound=IntEnum)
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+_REQUEST_HEAD = struct.Struct("<QQI")  # id, tenant_id, discriminant
+_RESPONSE_HEAD = struct.Struct("<QI")  # request_id, discriminant
+_TAG_U64 = struct.Struct("<IQ")
+_TAG_I64 = struct.Struct("<Iq")
+_TAG_BOOL = struct.Struct("<IB")
+_NONE = b"\x00\x00\x00\x00"  # Option None / QueryValue Null: a zero u32 tag
+_SOME = b"\x01\x00\x00\x00"
+
+
+class DecodeError(ProtocolError):
+    """A frame's payload is not a well-formed Kimberlite message.
+
+    The frame itself was intact (its CRC matched), so the connection can answer with an
+    InvalidRequest error: ``request_id`` is the id read from the payload's first 8 bytes,
+    or None when even that was missing.
+    """
+
+    def __init__(self, message: str, request_id: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+
+class RequestLimitError(DecodeError):
+    """A well-formed append outside the protocol's limits (no events, more than
+    MAX_EVENTS events, more than MAX_APPEND_BYTES of event bytes): InvalidRequest."""
+
+
+# --- enums ---------------------------------------------------------------------------
+
+
+class DataClass(IntEnum):
+    PHI = 0
+    NON_PHI = 1
+    DEIDENTIFIED = 2
+
+
+class Placement(IntEnum):
+    GLOBAL = 0
+    REGIONAL = 1
+
+
+class CloseReason(IntEnum):
+    CLIENT_CANCELLED = 0
+    SERVER_SHUTDOWN = 1
+    STREAM_DELETED = 2
+    BACKPRESSURE_TIMEOUT = 3
+    PROTOCOL_ERROR = 4
+
+
+class ErrorCode(IntEnum):
+    """Kimberlite error codes; the same numbers as ``HeadwaterError.code``."""
+
+    UNKNOWN = 0
+    INTERNAL_ERROR = 1
+    INVALID_REQUEST = 2
+    AUTHENTICATION_FAILED = 3
+    TENANT_NOT_FOUND = 4
+    STREAM_NOT_FOUND = 5
+    TABLE_NOT_FOUND = 6
+    QUERY_PARSE_ERROR = 7
+    QUERY_EXECUTION_ERROR = 8
+    POSITION_AHEAD = 9
+    STREAM_ALREADY_EXISTS = 10
+    INVALID_OFFSET = 11
+    STORAGE_ERROR = 12
+    PROJECTION_LAG = 13
+    RATE_LIMITED = 14
+    NOT_LEADER = 15
+
+    @property
+    def retryable(self) -> bool:
+        return self in _RETRYABLE
+
+
+_RETRYABLE = frozenset(
+    {
+        ErrorCode.INTERNAL_ERROR,
+        ErrorCode.STORAGE_ERROR,
+        ErrorCode.PROJECTION_LAG,
+        ErrorCode.RATE_LIMITED,
+        ErrorCode.NOT_LEADER,
+    }
+)
+
+
+# --- query values --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Timestamp:
+    """A Timestamp query value: nanoseconds since the Unix epoch (a bare int is BigInt)."""
+
+    ns: int
+
+
+QueryValue: TypeAlias = bool | int | str | Timestamp | None
+"""Null -> None, BigInt -> int, Text -> str, Boolean -> bool, Timestamp -> Timestamp."""
+QueryParam: TypeAlias = QueryValue
+"""Parameters share the value encoding (discriminants 0..4)."""
+
+
+# --- event batches -------------------------------------------------------------------
+
+
+class EventBatch:
+    """``count`` events encoded as the wire's records section: ``u64 len | bytes`` each.
+
+    Decoders produce batches whose section is a memoryview into the frame's payload (no
+    copy) and has been checked to hold exactly ``count`` records. Constructing one
+    directly trusts the caller the same way; :meth:`of` builds one from plain values.
+    """
+
+    __slots__ = ("count", "section")
+    __hash__ = None  # type: ignore[assignment]  # holds a buffer; compared by content
+
+    def __init__(self, count: int, section: bytes | memoryview) -> None:
+        self.count = count
+        self.section = section
+
+    @classmethod
+    def of(cls, events: Sequence[bytes]) -> EventBatch:
+        return cls(len(events), encode_values(events))
+
+    def values(self) -> list[bytes]:
+        """The events as separate ``bytes`` objects (copies)."""
+        section = self.section
+        bounds = value_spans(section, self.count)
+        return [bytes(section[bounds[i] + 8 : bounds[i + 1]]) for i in range(self.count)]
+
+    @property
+    def event_bytes(self) -> int:
+        """Sum of the event lengths (what MAX_APPEND_BYTES limits)."""
+        return len(self.section) - 8 * self.count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self.values())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EventBatch):
+            return NotImplemented
+        return self.count == other.count and self.section == other.section
+
+    def __repr__(self) -> str:
+        return f"EventBatch(count={self.count}, section_bytes={len(self.section)})"
+
+
+# --- reading -------------------------------------------------------------------------
+
+
+class _Reader:
+    """A cursor over a payload that refuses to read past its end."""
+
+    __slots__ = ("buf", "end", "pos")
+
+    def __init__(self, buf: memoryview, pos: int = 0) -> None:
+        self.buf = buf
+        self.pos = pos
+        self.end = len(buf)
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.pos
+
+    def _need(self, n: int, what: str) -> int:
+        pos = self.pos
+        if n > self.end - pos:
+            raise DecodeError(
+                f"truncated {what}: needs {n} bytes at offset {pos}, {self.end - pos} left"
+            )
+        self.pos = pos + n
+        return pos
+
+    def u8(self, what: str) -> int:
+        value: int = _U8.unpack_from(self.buf, self._need(1, what))[0]
+        return value
+
+    def u16(self, what: str) -> int:
+        value: int = _U16.unpack_from(self.buf, self._need(2, what))[0]
+        return value
+
+    def u32(self, what: str) -> int:
+        value: int = _U32.unpack_from(self.buf, self._need(4, what))[0]
+        return value
+
+    def u64(self, what: str) -> int:
+        value: int = _U64.unpack_from(self.buf, self._need(8, what))[0]
+        return value
+
+    def i64(self, what: str) -> int:
+        value: int = _I64.unpack_from(self.buf, self._need(8, what))[0]
+        return value
+
+    def boolean(self, what: str) -> bool:
+        byte = self.u8(what)
+        if byte > 1:
+            raise DecodeError(f"{what}: bool byte {byte} is neither 0 nor 1")
+        return byte == 1
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"{what} length")
+        pos = self._need(n, what)
+        try:
+            return str(self.buf[pos : pos + n], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise DecodeError(f"{what}: invalid UTF-8 ({exc.reason})") from None
+
+    def count(self, min_item_bytes: int, what: str) -> int:
+        """A Vec's u64 count, refused when the items cannot fit in what remains."""
+        n = self.u64(f"{what} count")
+        if n > self.remaining // min_item_bytes:
+            raise DecodeError(f"{what}: {n} items cannot fit in the {self.remaining} bytes left")
+        return n
+
+    def option(self, what: str) -> bool:
+        tag = self.u32(f"{what} option tag")
+        if tag > 1:
+            raise DecodeError(f"{what}: option tag {tag} is neither 0 nor 1")
+        return tag == 1
+
+    def enum(self, enum: type[_E], what: str) -> _E:
+        value = self.u32(what)
+        try:
+            return enum(value)
+        except ValueError:
+            raise DecodeError(f"{what}: unknown discriminant {value}") from None
+
+    def events(self, what: str, trailers: Sequence[int] = (0,)) -> EventBatch:
+        """A Vec<Vec<u8>> kept as its raw records section.
+
+        value_spans wants the exact section, so the section's end is found from the size
+        of the fields after it: ``trailers`` lists the possible sizes, likeliest first
+        (a records section has one end, so at most one candidate can fit).
+        """
+        count = self.count(8, what)
+        start = self.pos
+        problem = "records do not fill their section"
+        for trailer in trailers:
+            end = self.end - trailer
+            if end < start:
+                continue
+            section = self.buf[start:end]
+            try:
+                bounds = value_spans(section, count)
+            except ValueError as exc:
+                problem = str(exc)
+                continue
+            if bounds[-1] != len(section):  # the records must fill the section exactly
+                continue
+            self.pos = end
+            return EventBatch(count, section)
+        raise DecodeError(f"{what}: {problem}")
+
+    def strings(self, what: str) -> list[str]:
+        return [self.string(what) for _ in range(self.count(8, what))]
+
+    def value(self, what: str) -> QueryValue:
+        kind = self.u32(what)
+        if kind == 0:
+            return None
+        if kind == 1:
+            return self.i64(what)
+        if kind == 2:
+            return self.string(what)
+        if kind == 3:
+            return self.boolean(what)
+        if kind == 4:
+            return Timestamp(self.i64(what))
+        raise DecodeError(f"{what}: unknown discriminant {kind}")
+
+    def values(self, what: str) -> list[QueryValue]:
+        return [self.value(what) for _ in range(self.count(4, what))]
+
+    def finish(self, what: str) -> None:
+        if self.pos != self.end:
+            raise DecodeError(f"{self.end - self.pos} trailing bytes after {what}")
+
+
+# --- writing -------------------------------------------------------------------------
+
+
+def _put_string(out: list[Buffer], text: str) -> None:
+    data = text.encode()
+    out.append(_U64.pack(len(data)))
+    out.append(data)
+
+
+def _put_strings(out: list[Buffer], texts: Sequence[str]) -> None:
+    out.append(_U64.pack(len(texts)))
+    for text in texts:
+        _put_string(out, text)
+
+
+def _put_value(out: list[Buffer], value: QueryValue) -> None:
+    # bool before int: bool is an int subclass.
+    if value is None:
+        out.append(_NONE)
+    elif isinstance(value, bool):
+        out.append(_TAG_BOOL.pack(3, value))
+    elif isinstance(value, int):
+        out.append(_TAG_I64.pack(1, value))
+    elif isinstance(value, str):
+        data = value.encode()
+        out.append(_TAG_U64.pack(2, len(data)))
+        out.append(data)
+    elif isinstance(value, Timestamp):
+        out.append(_TAG_I64.pack(4, value.ns))
+    else:
+        raise UsageError(f"{type(value).__name__} is not a Kimberlite query value")
+
+
+def _put_values(out: list[Buffer], values: Sequence[QueryValue]) -> None:
+    out.append(_U64.pack(len(values)))
+    for value in values:
+        _put_value(out, value)
+
+
+def _put_events(out: list[Buffer], events: EventBatch) -> None:
+    out.append(_U64.pack(events.count))
+    out.append(events.section)
+
+
+def _put_table(
+    out: list[Buffer], columns: Sequence[str], rows: Sequence[Sequence[QueryValue]]
+) -> None:
+    _put_strings(out, columns)
+    out.append(_U64.pack(len(rows)))
+    for row in rows:
+        _put_values(out, row)
+
+
+def _read_table(r: _Reader) -> tuple[list[str], list[list[QueryValue]]]:
+    columns = r.strings("columns")
+    return columns, [r.values("row") for _ in range(r.count(8, "rows"))]
+
+
+def _put_option_u64(out: list[Buffer], value: int | None) -> None:
+    out.append(_NONE if value is None else _TAG_U64.pack(1, value))
+
+
+# --- payloads ------------------------------------------------------------------------
+#
+# Each payload class knows its discriminant, how to write its fields (_encode) and how to
+# read them back (_decode). Field order is the wire order.
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeRequest:
+    discriminant: ClassVar[int] = 0
+    client_version: int = PROTOCOL_VERSION
+    auth_token: str | None = None
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U16.pack(self.client_version))
+        if self.auth_token is None:
+            out.append(_NONE)
+        else:
+            out.append(_U32.pack(1))
+            _put_string(out, self.auth_token)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        version = r.u16("client_version")
+        token = r.string("auth_token") if r.option("auth_token") else None
+        return cls(version, token)
+
+
+@dataclass(frozen=True, slots=True)
+class CreateStreamRequest:
+    discriminant: ClassVar[int] = 1
+    name: str
+    data_class: DataClass = DataClass.NON_PHI
+    placement: Placement = Placement.GLOBAL
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_string(out, self.name)
+        out.append(struct.pack("<II", self.data_class, self.placement))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        name = r.string("name")
+        return cls(name, r.enum(DataClass, "data_class"), r.enum(Placement, "placement"))
+
+
+@dataclass(frozen=True, slots=True)
+class AppendEventsRequest:
+    discriminant: ClassVar[int] = 2
+    stream_id: int
+    events: EventBatch
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(self.stream_id))
+        _put_events(out, self.events)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("stream_id"), r.events("events"))
+
+
+@dataclass(frozen=True, slots=True)
+class QueryRequest:
+    discriminant: ClassVar[int] = 3
+    sql: str
+    params: Sequence[QueryParam] = ()
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_string(out, self.sql)
+        _put_values(out, self.params)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.string("sql"), r.values("params"))
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAtRequest:
+    discriminant: ClassVar[int] = 4
+    sql: str
+    params: Sequence[QueryParam]
+    position: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_string(out, self.sql)
+        _put_values(out, self.params)
+        out.append(_U64.pack(self.position))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.string("sql"), r.values("params"), r.u64("position"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEventsRequest:
+    discriminant: ClassVar[int] = 5
+    stream_id: int
+    from_offset: int
+    max_bytes: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QQQ", self.stream_id, self.from_offset, self.max_bytes))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("stream_id"), r.u64("from_offset"), r.u64("max_bytes"))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeRequest:
+    discriminant: ClassVar[int] = 6
+    stream_id: int
+    from_offset: int
+    initial_credits: int
+    consumer_group: str | None = None
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QQI", self.stream_id, self.from_offset, self.initial_credits))
+        if self.consumer_group is None:
+            out.append(_NONE)
+        else:
+            out.append(_U32.pack(1))
+            _put_string(out, self.consumer_group)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        stream_id, from_offset = r.u64("stream_id"), r.u64("from_offset")
+        credits = r.u32("initial_credits")
+        group = r.string("consumer_group") if r.option("consumer_group") else None
+        return cls(stream_id, from_offset, credits, group)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRequest:
+    discriminant: ClassVar[int] = 7
+
+    def _encode(self, out: list[Buffer]) -> None:
+        pass
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeCreditRequest:
+    discriminant: ClassVar[int] = 8
+    subscription_id: int
+    additional_credits: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QI", self.subscription_id, self.additional_credits))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("subscription_id"), r.u32("additional_credits"))
+
+
+@dataclass(frozen=True, slots=True)
+class UnsubscribeRequest:
+    discriminant: ClassVar[int] = 9
+    subscription_id: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(self.subscription_id))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("subscription_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class AppendIdempotentRequest:
+    discriminant: ClassVar[int] = 10
+    stream_id: int
+    producer_id: int
+    sequence: int
+    events: EventBatch
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QQQ", self.stream_id, self.producer_id, self.sequence))
+        _put_events(out, self.events)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        stream_id, producer_id = r.u64("stream_id"), r.u64("producer_id")
+        return cls(stream_id, producer_id, r.u64("sequence"), r.events("events"))
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteStreamRequest:
+    discriminant: ClassVar[int] = 11
+    stream_id: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(self.stream_id))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("stream_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class ListStreamsRequest:
+    discriminant: ClassVar[int] = 12
+
+    def _encode(self, out: list[Buffer]) -> None:
+        pass
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls()
+
+
+RequestPayload: TypeAlias = (
+    HandshakeRequest
+    | CreateStreamRequest
+    | AppendEventsRequest
+    | QueryRequest
+    | QueryAtRequest
+    | ReadEventsRequest
+    | SubscribeRequest
+    | SyncRequest
+    | SubscribeCreditRequest
+    | UnsubscribeRequest
+    | AppendIdempotentRequest
+    | DeleteStreamRequest
+    | ListStreamsRequest
+)
+
+REQUEST_TYPES: tuple[type[RequestPayload], ...] = (
+    HandshakeRequest,
+    CreateStreamRequest,
+    AppendEventsRequest,
+    QueryRequest,
+    QueryAtRequest,
+    ReadEventsRequest,
+    SubscribeRequest,
+    SyncRequest,
+    SubscribeCreditRequest,
+    UnsubscribeRequest,
+    AppendIdempotentRequest,
+    DeleteStreamRequest,
+    ListStreamsRequest,
+)
+"""Request payload classes, indexed by discriminant."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorResponse:
+    discriminant: ClassVar[int] = 0
+    code: int
+    """An :class:`ErrorCode` when known; codes from 16 up (reserved) stay plain ints."""
+    message: str
+
+    @classmethod
+    def from_exception(cls, exc: HeadwaterError) -> Self:
+        return cls(exc.code, exc.message)
+
+    def to_exception(self) -> HeadwaterError:
+        """The headwater exception for this error (unknown codes become UnknownError)."""
+        return error_for_code(self.code, self.message)
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U16.pack(self.code))
+        _put_string(out, self.message)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        code = r.u16("code")
+        known: int = ErrorCode(code) if code in _KNOWN_CODES else code
+        return cls(known, r.string("message"))
+
+
+_KNOWN_CODES = frozenset(int(code) for code in ErrorCode)
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeResponse:
+    discriminant: ClassVar[int] = 1
+    server_version: int
+    authenticated: bool
+    capabilities: Sequence[str]
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<HB", self.server_version, self.authenticated))
+        _put_strings(out, self.capabilities)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        version = r.u16("server_version")
+        return cls(version, r.boolean("authenticated"), r.strings("capabilities"))
+
+
+@dataclass(frozen=True, slots=True)
+class CreateStreamResponse:
+    discriminant: ClassVar[int] = 2
+    stream_id: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(self.stream_id))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("stream_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class AppendEventsResponse:
+    discriminant: ClassVar[int] = 3
+    first_offset: int
+    count: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QI", self.first_offset, self.count))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("first_offset"), r.u32("count"))
+
+
+@dataclass(frozen=True, slots=True)
+class QueryResponse:
+    discriminant: ClassVar[int] = 4
+    columns: Sequence[str]
+    rows: Sequence[Sequence[QueryValue]]
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_table(out, self.columns, self.rows)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(*_read_table(r))
+
+
+@dataclass(frozen=True, slots=True)
+class QueryAtResponse:
+    """Same body as :class:`QueryResponse`, its own discriminant."""
+
+    discriminant: ClassVar[int] = 5
+    columns: Sequence[str]
+    rows: Sequence[Sequence[QueryValue]]
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_table(out, self.columns, self.rows)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(*_read_table(r))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadEventsResponse:
+    discriminant: ClassVar[int] = 6
+    events: EventBatch
+    next_offset: int | None
+
+    def _encode(self, out: list[Buffer]) -> None:
+        _put_events(out, self.events)
+        _put_option_u64(out, self.next_offset)
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        # next_offset is a u32 tag (None) or a tag and a u64 (Some): 4 or 12 bytes.
+        some_tag = r.end - 12 >= r.pos and r.buf[r.end - 12 : r.end - 8] == _SOME
+        events = r.events("events", (12, 4) if some_tag else (4, 12))
+        return cls(events, r.u64("next_offset") if r.option("next_offset") else None)
+
+
+@dataclass(frozen=True, slots=True)
+class SubscribeResponse:
+    discriminant: ClassVar[int] = 7
+    subscription_id: int
+    start_offset: int
+    credits: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QQI", self.subscription_id, self.start_offset, self.credits))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        subscription_id, start = r.u64("subscription_id"), r.u64("start_offset")
+        return cls(subscription_id, start, r.u32("credits"))
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResponse:
+    discriminant: ClassVar[int] = 8
+    success: bool
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U8.pack(self.success))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.boolean("success"))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionEventsResponse:
+    """Pushed while credits remain; its request_id is the Subscribe's."""
+
+    discriminant: ClassVar[int] = 9
+    subscription_id: int
+    start_offset: int
+    events: EventBatch
+    credits_remaining: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QQ", self.subscription_id, self.start_offset))
+        _put_events(out, self.events)
+        out.append(_U32.pack(self.credits_remaining))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        subscription_id, start = r.u64("subscription_id"), r.u64("start_offset")
+        events = r.events("events", (4,))  # credits_remaining: u32
+        return cls(subscription_id, start, events, r.u32("credits_remaining"))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionClosedResponse:
+    discriminant: ClassVar[int] = 10
+    subscription_id: int
+    reason: CloseReason
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QI", self.subscription_id, self.reason))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("subscription_id"), r.enum(CloseReason, "reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionCreditResponse:
+    discriminant: ClassVar[int] = 11
+    subscription_id: int
+    credits: int
+    """The subscription's credit balance after the grant."""
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(struct.pack("<QI", self.subscription_id, self.credits))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("subscription_id"), r.u32("credits"))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDeletedResponse:
+    discriminant: ClassVar[int] = 12
+    stream_id: int
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(self.stream_id))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        return cls(r.u64("stream_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    stream_id: int
+    name: str
+    next_offset: int
+    size_bytes: int
+    created_ns: int
+
+    # u64 stream_id, String name (u64 length at least), u64, u64, i64
+    MIN_BYTES: ClassVar[int] = 40
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsResponse:
+    discriminant: ClassVar[int] = 13
+    streams: Sequence[StreamInfo]
+
+    def _encode(self, out: list[Buffer]) -> None:
+        out.append(_U64.pack(len(self.streams)))
+        for info in self.streams:
+            out.append(_U64.pack(info.stream_id))
+            _put_string(out, info.name)
+            out.append(struct.pack("<QQq", info.next_offset, info.size_bytes, info.created_ns))
+
+    @classmethod
+    def _decode(cls, r: _Reader) -> Self:
+        streams = []
+        for _ in range(r.count(StreamInfo.MIN_BYTES, "streams")):
+            stream_id, name = r.u64("stream_id"), r.string("name")
+            next_offset, size = r.u64("next_offset"), r.u64("size_bytes")
+            streams.append(StreamInfo(stream_id, name, next_offset, size, r.i64("created_ns")))
+        return cls(streams)
+
+
+ResponsePayload: TypeAlias = (
+    ErrorResponse
+    | HandshakeResponse
+    | CreateStreamResponse
+    | AppendEventsResponse
+    | QueryResponse
+    | QueryAtResponse
+    | ReadEventsResponse
+    | SubscribeResponse
+    | SyncResponse
+    | SubscriptionEventsResponse
+    | SubscriptionClosedResponse
+    | SubscriptionCreditResponse
+    | StreamDeletedResponse
+    | StreamsResponse
+)
+
+RESPONSE_TYPES: tuple[type[ResponsePayload], ...] = (
+    ErrorResponse,
+    HandshakeResponse,
+    CreateStreamResponse,
+    AppendEventsResponse,
+    QueryResponse,
+    QueryAtResponse,
+    ReadEventsResponse,
+    SubscribeResponse,
+    SyncResponse,
+    SubscriptionEventsResponse,
+    SubscriptionClosedResponse,
+    SubscriptionCreditResponse,
+    StreamDeletedResponse,
+    StreamsResponse,
+)
+"""Response payload classes, indexed by discriminant."""
+
+
+# --- envelopes -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    id: int
+    tenant_id: int
+    payload: RequestPayload
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    request_id: int
+    payload: ResponsePayload
+
+
+def _encoding_guard(what: str, exc: Exception) -> UsageError:
+    return UsageError(f"cannot encode {what}: {exc}")
+
+
+def encode_body(payload: RequestPayload | ResponsePayload) -> bytes:
+    """A payload's fields alone: no envelope, no discriminant (as the seed's examples)."""
+    out: list[Buffer] = []
+    try:
+        payload._encode(out)
+    except (struct.error, UnicodeEncodeError, OverflowError) as exc:
+        raise _encoding_guard(type(payload).__name__, exc) from None
+    return b"".join(out)
+
+
+def encode_request_chunks(request: Request) -> list[Buffer]:
+    """The request's payload bytes as chunks; event sections are passed through uncopied."""
+    payload = request.payload
+    try:
+        out: list[Buffer] = [
+            _REQUEST_HEAD.pack(request.id, request.tenant_id, payload.discriminant)
+        ]
+        payload._encode(out)
+    except (struct.error, UnicodeEncodeError, OverflowError) as exc:
+        raise _encoding_guard(f"request {request.id} ({type(payload).__name__})", exc) from None
+    return out
+
+
+def encode_request(request: Request) -> bytes:
+    return b"".join(encode_request_chunks(request))
+
+
+def encode_response_chunks(response: Response) -> list[Buffer]:
+    """The response's payload bytes as chunks; event sections are passed through uncopied."""
+    payload = response.payload
+    try:
+        out: list[Buffer] = [_RESPONSE_HEAD.pack(response.request_id, payload.discriminant)]
+        payload._encode(out)
+    except (struct.error, UnicodeEncodeError, OverflowError) as exc:
+        what = f"response to {response.request_id} ({type(payload).__name__})"
+        raise _encoding_guard(what, exc) from None
+    return out
+
+
+def encode_response(response: Response) -> bytes:
+    return b"".join(encode_response_chunks(response))
+
+
+def encode_read_events_response(
+    request_id: int, count: int, chunks: Iterable[Buffer], next_offset: int | None
+) -> list[Buffer]:
+    """A ReadEvents response payload built from already-encoded records.
+
+    ``chunks`` must hold exactly ``count`` ``u64 len | bytes`` records between them (for
+    example stored values sections or slices of them); they are not re-checked or copied.
+    """
+    try:
+        out: list[Buffer] = [_RESPONSE_HEAD.pack(request_id, 6), _U64.pack(count)]
+        out.extend(chunks)
+        _put_option_u64(out, next_offset)
+    except struct.error as exc:
+        raise _encoding_guard("ReadEventsResponse", exc) from None
+    return out
+
+
+def encode_subscription_events(
+    request_id: int,
+    subscription_id: int,
+    start_offset: int,
+    count: int,
+    chunks: Iterable[Buffer],
+    credits_remaining: int,
+) -> list[Buffer]:
+    """A SubscriptionEvents push payload built from already-encoded records (see
+    :func:`encode_read_events_response` for what ``chunks`` must hold)."""
+    try:
+        head = struct.pack("<QIQQQ", request_id, 9, subscription_id, start_offset, count)
+        out: list[Buffer] = [head]
+        out.extend(chunks)
+        out.append(_U32.pack(credits_remaining))
+    except struct.error as exc:
+        raise _encoding_guard("SubscriptionEventsResponse", exc) from None
+    return out
+
+
+def _view(payload: Buffer) -> memoryview:
+    view = memoryview(payload)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def decode_request_body(discriminant: int, body: Buffer) -> RequestPayload:
+    """Decode a request payload's fields alone (the inverse of :func:`encode_body`)."""
+    if not 0 <= discriminant < len(REQUEST_TYPES):
+        raise DecodeError(f"unknown request discriminant {discriminant}")
+    reader = _Reader(_view(body))
+    cls = REQUEST_TYPES[discriminant]
+    payload = cls._decode(reader)
+    reader.finish(cls.__name__)
+    return payload
+
+
+def decode_response_body(discriminant: int, body: Buffer) -> ResponsePayload:
+    """Decode a response payload's fields alone (the inverse of :func:`encode_body`)."""
+    if not 0 <= discriminant < len(RESPONSE_TYPES):
+        raise DecodeError(f"unknown response discriminant {discriminant}")
+    reader = _Reader(_view(body))
+    cls = RESPONSE_TYPES[discriminant]
+    payload = cls._decode(reader)
+    reader.finish(cls.__name__)
+    return payload
+
+
+def decode_request(payload: Buffer, *, enforce_limits: bool = True) -> Request:
+    """Decode one frame payload as a Request.
+
+    Decoded event batches are views into ``payload`` (keep it alive and unchanged). With
+    ``enforce_limits`` an append outside 1..MAX_EVENTS events or over MAX_APPEND_BYTES
+    raises :class:`RequestLimitError`; the event count is checked before the events are
+    walked, so an oversized batch costs nothing to refuse.
+    """
+    reader = _Reader(_view(payload))
+    request_id: int | None = None
+    try:
+        request_id = reader.u64("request id")
+        tenant_id = reader.u64("tenant_id")
+        discriminant = reader.u32("request discriminant")
+        if discriminant >= len(REQUEST_TYPES):
+            raise DecodeError(f"unknown request discriminant {discriminant}")
+        cls = REQUEST_TYPES[discriminant]
+        if enforce_limits and cls in _APPEND_TYPES:
+            _check_append_count(reader, 24 if cls is AppendIdempotentRequest else 8)
+        body = cls._decode(reader)
+        reader.finish(cls.__name__)
+        if enforce_limits and isinstance(body, AppendEventsRequest | AppendIdempotentRequest):
+            check_append_limits(body.events)
+    except DecodeError as exc:
+        exc.request_id = request_id
+        raise
+    return Request(request_id, tenant_id, body)
+
+
+_APPEND_TYPES = (AppendEventsRequest, AppendIdempotentRequest)
+
+
+def _check_append_count(reader: _Reader, fields_before_events: int) -> None:
+    """Refuse an append's event count before value_spans walks that many events."""
+    at = reader.pos + fields_before_events
+    if at + 8 <= reader.end:
+        count: int = _U64.unpack_from(reader.buf, at)[0]
+        if count > MAX_EVENTS:
+            raise RequestLimitError(f"{count} events in one append; the limit is {MAX_EVENTS}")
+
+
+def check_append_limits(events: EventBatch) -> None:
+    """Raise :class:`RequestLimitError` unless 1..MAX_EVENTS events of at most
+    MAX_APPEND_BYTES event bytes in all."""
+    if events.count == 0:
+        raise RequestLimitError("an append needs at least one event")
+    if events.count > MAX_EVENTS:
+        raise RequestLimitError(f"{events.count} events in one append; the limit is {MAX_EVENTS}")
+    if events.event_bytes > MAX_APPEND_BYTES:
+        raise RequestLimitError(
+            f"{events.event_bytes} event bytes in one append; the limit is {MAX_APPEND_BYTES}"
+        )
+
+
+def decode_response(payload: Buffer) -> Response:
+    """Decode one frame payload as a Response (event batches are views into it)."""
+    reader = _Reader(_view(payload))
+    request_id = reader.u64("request id")
+    discriminant = reader.u32("response discriminant")
+    if discriminant >= len(RESPONSE_TYPES):
+        raise DecodeError(f"unknown response discriminant {discriminant}", request_id)
+    cls = RESPONSE_TYPES[discriminant]
+    try:
+        body = cls._decode(reader)
+        reader.finish(cls.__name__)
+    except DecodeError as exc:
+        exc.request_id = request_id
+        raise
+    return Response(request_id, body)
+
+
+def error_response(request_id: int, code: int, message: str) -> Response:
+    return Response(request_id, ErrorResponse(code, message))

@@ -1,0 +1,431 @@
+"""Stream projections: each stream's committed events as Arrow record batches.
+
+A projection follows its stream's log incrementally. Every commit notification raises
+its target; at most one catch-up runs per stream, in a worker thread, so a burst of
+commits becomes one catch-up. A catch-up reads stored batches from the projection's next
+offset and builds the columns in bulk from the batch headers and values sections, never
+decoding events one by one in Python:
+
+* ``offset`` / ``position``: a shared ``0..n`` array plus the batch's base offset /
+  first position (offset deltas are honoured for sparse batches);
+* ``ts``: the batch's timestamp repeated (microseconds, DuckDB ``TIMESTAMP``);
+* ``data``: the values section viewed as an Arrow binary array of ``u64 len | bytes``
+  records (offsets from the batch's value bounds), then ``binary_slice(8)`` drops the
+  length prefixes in one kernel;
+* ``json``: the very same offsets and bytes as an Arrow ``arrow.json`` string array whose
+  validity is DuckDB's ``json_valid`` over the chunk, so events that are not JSON (or not
+  UTF-8) are NULL and no bytes are copied twice.
+
+Chunks are immutable; a query captures the tuple of chunks and the position it reads at,
+so later catch-ups never disturb it. Small trailing chunks are merged binary-counter
+style (amortised O(log n) copies per row) so a slow trickle of commits does not leave
+thousands of tiny batches for every query to scan.
+
+Coverage: ``covered`` is a tenant log position such that every event of this stream with
+a smaller position is projected. Positions grow with offsets inside a stream, so after
+projecting up to the last event at position q, ``covered >= q + 1``; and when the
+projection has consumed everything below the stream's committed offset, every position
+below the tenant's committed head (read before that offset) is covered, because each of
+those events was committed, hence below the committed offset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from headwater.sql.duck import Database
+
+if TYPE_CHECKING:
+    import duckdb
+
+    from headwater.engine.engine import Stream
+    from headwater.storage.batch import Batch
+    from headwater.storage.log import PartitionLog
+
+log = logging.getLogger(__name__)
+
+JSON_TYPE = pa.json_(pa.string())
+TS_TYPE = pa.timestamp("us")
+SCHEMA = pa.schema(
+    [
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("position", pa.int64(), nullable=False),
+        pa.field("ts", TS_TYPE, nullable=False),
+        pa.field("data", pa.binary(), nullable=False),
+        pa.field("json", JSON_TYPE),
+    ]
+)
+ROUND_ROWS = 65_536  # events per catch-up round
+ROUND_BYTES = 32 << 20  # values-section bytes per catch-up round
+SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
+SEAL_BYTES = 64 << 20  # (so merged data stays far below the 2 GiB of int32 offsets)
+RETRY_SECONDS = 1.0
+_ARANGE = pa.array(range(ROUND_ROWS), pa.int64())
+_JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One immutable record batch of a projection and the positions it spans."""
+
+    batch: pa.RecordBatch
+    min_position: int
+    max_position: int
+    monotonic: bool  # positions strictly increase with the row (always, in practice)
+    first_offset: int
+    last_offset: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.batch.num_rows)
+
+    @property
+    def small(self) -> bool:
+        """Still merged with its neighbours (see :meth:`ChunkBuilder.extend`)."""
+        values = self.batch.column(3).buffers()[2]
+        return self.rows < SEAL_ROWS and (values is None or values.size < SEAL_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    batch: Batch
+    start: int
+    stop: int
+
+
+def _int(value: int) -> pa.Scalar:
+    """An int64 scalar: a bare Python int makes pyarrow try (and fail, without numpy) an
+    import on every compute call."""
+    return pa.scalar(value, pa.int64())
+
+
+def _arange(start: int, count: int) -> pa.Array:
+    if start + count <= ROUND_ROWS:
+        return _ARANGE.slice(start, count)
+    return pa.array(range(start, start + count), pa.int64())
+
+
+def read_round(plog: PartitionLog, from_offset: int, upto: int) -> tuple[list[_Piece], int]:
+    """Stored batches holding events in [from_offset, upto), at most one round's worth;
+    returns them and the offset the next round starts at."""
+    pieces: list[_Piece] = []
+    rows = size = 0
+    for batch in plog.batches(from_offset, upto):
+        start = batch.index_of(from_offset) if batch.base_offset < from_offset else 0
+        stop = batch.index_of(upto) if batch.last_offset >= upto else batch.count
+        if stop <= start:
+            continue
+        n = stop - start
+        section = len(batch.values_section())
+        if pieces and (rows + n > ROUND_ROWS or size + section > ROUND_BYTES):
+            first = batch.base_offset + start if batch.dense else batch.offsets()[start]
+            return pieces, int(first)
+        pieces.append(_Piece(batch, start, stop))
+        rows += n
+        size += section
+    return pieces, upto
+
+
+class ChunkBuilder:
+    """Builds chunks; each worker thread keeps its own DuckDB cursor for ``json_valid``."""
+
+    def __init__(self, db: Database) -> None:
+        self._db = db
+        self._local = threading.local()
+        self._cursors: list[duckdb.DuckDBPyConnection] = []
+        self._lock = threading.Lock()
+
+    def _cursor(self) -> duckdb.DuckDBPyConnection:
+        cur: duckdb.DuckDBPyConnection | None = getattr(self._local, "cursor", None)
+        if cur is None:
+            cur = self._db.new_cursor()
+            self._local.cursor = cur
+            with self._lock:
+                self._cursors.append(cur)
+        return cur
+
+    def close(self) -> None:
+        with self._lock:
+            cursors, self._cursors = self._cursors, []
+        for cur in cursors:
+            self._db.release(cur)
+
+    def json_validity(self, data: pa.Array) -> pa.Buffer | None:
+        """Validity bitmap of the events that are JSON text (None when all are)."""
+        cur = self._cursor()
+        cur.register("hw_chunk", pa.table({"data": data}))
+        try:
+            result = cur.sql(_JSON_VALID_SQL).to_arrow_table()
+        finally:
+            cur.unregister("hw_chunk")
+        chunks = result.column(0).chunks
+        valid = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
+        if valid.null_count:
+            valid = pc.fill_null(valid, False)
+        if valid.true_count == len(valid):
+            return None
+        if valid.offset:
+            valid = pc.invert(pc.invert(valid))  # a fresh array: its bitmap starts at bit 0
+        return valid.buffers()[1]
+
+    def build(self, pieces: Sequence[_Piece]) -> Chunk:
+        """One chunk from stored batch pieces, column by column in bulk."""
+        offsets: list[pa.Array] = []
+        positions: list[pa.Array] = []
+        stamps: list[pa.Array] = []
+        bounds: list[pa.Array] = []
+        sections: list[memoryview] = []
+        shift = 0
+        rows = 0
+        for piece in pieces:
+            batch = piece.batch
+            n = piece.stop - piece.start
+            if batch.dense:
+                offs = pc.add(_arange(piece.start, n), _int(batch.base_offset))
+            else:
+                offs = pa.array(batch.offsets()[piece.start : piece.stop], pa.int64())
+            offsets.append(offs)
+            positions.append(pc.add(offs, _int(batch.first_position - batch.base_offset)))
+            stamps.append(pa.repeat(pa.scalar(batch.first_timestamp_ms * 1000, TS_TYPE), n))
+            record = batch.value_bounds()
+            lo, hi = record[piece.start], record[piece.stop]
+            sections.append(batch.values_section()[lo:hi])
+            starts = pa.array(record[piece.start : piece.stop], pa.int64())
+            bounds.append(pc.add(starts, _int(shift - lo)))
+            shift += hi - lo
+            rows += n
+        bounds.append(pa.array([shift], pa.int64()))
+        record_bounds = pa.concat_arrays(bounds)
+        longest = pc.max(pc.pairwise_diff(record_bounds)).as_py()
+        records = pa.Array.from_buffers(
+            pa.binary(),
+            rows,
+            [None, record_bounds.cast(pa.int32()).buffers()[1], pa.py_buffer(b"".join(sections))],
+        )
+        # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
+        # output from it, and the default overflows).
+        data = pc.binary_slice(records, 8, longest)
+        return self._chunk(
+            pa.concat_arrays(offsets),
+            pa.concat_arrays(positions),
+            pa.concat_arrays(stamps),
+            data,
+            self.json_validity(data),
+        )
+
+    def _chunk(
+        self,
+        offsets: pa.Array,
+        positions: pa.Array,
+        stamps: pa.Array,
+        data: pa.Array,
+        json_valid: pa.Buffer | None,
+    ) -> Chunk:
+        rows = len(data)
+        if data.offset:
+            data = pa.concat_arrays([data, pa.array([], pa.binary())])
+        _, value_offsets, value_bytes = data.buffers()
+        storage = pa.Array.from_buffers(pa.string(), rows, [json_valid, value_offsets, value_bytes])
+        json = pa.ExtensionArray.from_storage(JSON_TYPE, storage)
+        batch = pa.RecordBatch.from_arrays([offsets, positions, stamps, data, json], schema=SCHEMA)
+        bounds = pc.min_max(positions)
+        monotonic = rows < 2 or pc.min(pc.pairwise_diff(positions)).as_py() > 0
+        return Chunk(
+            batch,
+            bounds["min"].as_py(),
+            bounds["max"].as_py(),
+            monotonic,
+            offsets[0].as_py(),
+            offsets[-1].as_py(),
+        )
+
+    def merge(self, chunks: Sequence[Chunk]) -> Chunk:
+        """One chunk holding the rows of ``chunks``; data and json keep sharing bytes."""
+        batches = [c.batch for c in chunks]
+
+        def column(i: int) -> pa.Array:
+            return pa.concat_arrays([b.column(i) for b in batches])
+
+        valid = pa.concat_arrays([pc.is_valid(b.column(4).storage) for b in batches])
+        bitmap = None if valid.true_count == len(valid) else valid.buffers()[1]
+        return self._chunk(column(0), column(1), column(2), column(3), bitmap)
+
+    def extend(self, tail: Sequence[Chunk], new: Chunk) -> list[Chunk]:
+        """``tail + [new]`` with small trailing chunks merged (a binary counter)."""
+        out = [*tail, new]
+        while len(out) >= 2 and out[-1].small and out[-2].small and out[-2].rows <= out[-1].rows:
+            out[-2:] = [self.merge(out[-2:])]
+        return out
+
+
+def table_at(chunks: Sequence[Chunk], position: int, start_offset: int = 0) -> pa.Table:
+    """The rows of ``chunks`` whose tenant log position is below ``position`` and whose
+    offset is not below ``start_offset`` (where retention has moved the log's start).
+    Zero-copy, unless a chunk's positions were ever out of order."""
+    batches: list[pa.RecordBatch] = []
+    for chunk in chunks:
+        if chunk.last_offset < start_offset or chunk.min_position >= position:
+            continue
+        batch = chunk.batch
+        if chunk.first_offset < start_offset:  # offsets always ascend within a chunk
+            expired = pc.sum(pc.less(batch.column(0), _int(start_offset))).as_py()
+            batch = batch.slice(expired)
+        if chunk.max_position >= position:
+            below = pc.less(batch.column(1), _int(position))
+            if chunk.monotonic:
+                batch = batch.slice(0, pc.sum(below).as_py())
+            else:
+                batch = batch.filter(below)
+        batches.append(batch)
+    return pa.Table.from_batches(batches, SCHEMA)
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundResult:
+    tail: list[Chunk]
+    replaced: int
+    next_offset: int
+    max_position: int | None
+
+
+class StreamProjection:
+    """The SQL table of one stream. Every attribute is owned by the loop thread."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        builder: ChunkBuilder,
+        executor: Executor,
+        on_progress: Callable[[], None],
+    ) -> None:
+        self.stream = stream
+        self.name = stream.name
+        self.tenant_id = stream.tenant.tenant_id
+        self.chunks: tuple[Chunk, ...] = ()
+        self.next_offset = 0
+        self.covered = 0
+        self.paused = False
+        self.closed = False
+        self.error: str | None = None
+        self._builder = builder
+        self._executor = executor
+        self._on_progress = on_progress
+        self._target = 0
+        self._retry_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        stream.committer.add_listener(self._on_commit)
+        self.request_catch_up()
+
+    # ---- coverage and snapshots (loop thread) -----------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return sum(c.rows for c in self.chunks)
+
+    def covered_position(self, head: int) -> int:
+        """Every event of this stream below the returned position is projected. ``head``
+        is the tenant's committed position, read before this call."""
+        if self.next_offset >= self.stream.log.committed_offset and head > self.covered:
+            self.covered = head
+        return self.covered
+
+    def snapshot(self, position: int) -> Callable[[], pa.Table]:
+        chunks = self.chunks
+        start = self.stream.log.start_offset
+        return lambda: table_at(chunks, position, start)
+
+    # ---- catch-up ----------------------------------------------------------------------
+
+    def _on_commit(self, committed_offset: int) -> None:
+        if committed_offset > self._target:
+            self._target = committed_offset
+        self._kick()
+
+    def request_catch_up(self) -> None:
+        if not self.closed:
+            self._on_commit(self.stream.log.committed_offset)
+
+    def pause(self) -> None:
+        """Stop projecting after the round in flight (for tests and operations)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self.request_catch_up()
+
+    def _kick(self) -> None:
+        if self.closed or self.paused or self._task is not None:
+            return
+        if self.error is not None and self._loop.time() < self._retry_at:
+            return  # failed recently: the retry is scheduled
+        if self.next_offset >= self._target:
+            return
+        self._task = self._loop.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            while not self.closed and not self.paused and self.next_offset < self._target:
+                small = 0
+                while small < len(self.chunks) and self.chunks[-1 - small].small:
+                    small += 1
+                tail = self.chunks[len(self.chunks) - small :]
+                result = await self._loop.run_in_executor(
+                    self._executor, self._round, self.next_offset, self._target, tail
+                )
+                if self.closed:
+                    return
+                self._install(result)
+            self.error = None
+        except Exception as exc:
+            if self.closed:
+                return
+            error = f"{type(exc).__name__}: {exc}"
+            if error != self.error:
+                log.exception("projecting stream %s (tenant %d) failed", self.name, self.tenant_id)
+            self.error = error
+            self._retry_at = self._loop.time() + RETRY_SECONDS
+            self._loop.call_later(RETRY_SECONDS, self._kick)
+        finally:
+            self._task = None
+
+    def _round(self, from_offset: int, upto: int, tail: Sequence[Chunk]) -> _RoundResult:
+        """Worker thread: read and build one round."""
+        pieces, next_offset = read_round(self.stream.log, from_offset, upto)
+        if not pieces:
+            return _RoundResult(list(tail), len(tail), next_offset, None)
+        chunk = self._builder.build(pieces)
+        new_tail = self._builder.extend(tail, chunk)
+        return _RoundResult(new_tail, len(tail), next_offset, chunk.max_position)
+
+    def _install(self, result: _RoundResult) -> None:
+        kept = self.chunks[: len(self.chunks) - result.replaced]
+        chunks = kept + tuple(result.tail)
+        start = self.stream.log.start_offset
+        if chunks and chunks[0].last_offset < start:  # retention: free expired chunks
+            chunks = tuple(c for c in chunks if c.last_offset >= start)
+        self.chunks = chunks
+        self.next_offset = max(self.next_offset, result.next_offset)
+        if result.max_position is not None and result.max_position + 1 > self.covered:
+            self.covered = result.max_position + 1
+        self.covered_position(self.stream.tenant.committed_position)
+        self._on_progress()
+
+    async def close(self) -> None:
+        self.closed = True
+        self.stream.committer.remove_listener(self._on_commit)
+        task = self._task
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

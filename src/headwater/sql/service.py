@@ -1,0 +1,411 @@
+"""SQL over a tenant's streams: Query, QueryAt and INSERT INTO (spec/PROTOCOLS.md §1).
+
+Everything here is called on the engine's loop thread; DuckDB runs in worker threads.
+
+* ``query`` reads your writes: it notes the tenant's next log position when it arrives
+  (every acknowledged event lies below it) and waits, bounded, until the committed head
+  and every projection of the tenant have passed it. It then reads a consistent prefix
+  of the tenant log: the lowest position every projection covers (at least that one),
+  so no event is seen without every earlier one.
+* ``query_at(position)`` reads exactly the events below ``position``: beyond the committed
+  head it is PositionAhead; a position some projection has not reached yet is
+  ProjectionLag (retryable), without waiting.
+* ``INSERT INTO <stream> ...`` evaluates its rows in DuckDB and appends them to the
+  stream as one batch, answering ``rows_affected`` and ``log_offset`` (the first offset).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from headwater.engine.engine import MAX_APPEND_EVENTS
+from headwater.errors import (
+    HeadwaterError,
+    InvalidRequest,
+    PositionAhead,
+    ProjectionLag,
+    QueryExecutionError,
+    QueryParseError,
+    StreamNotFound,
+    TableNotFound,
+)
+from headwater.sql.duck import Database
+from headwater.sql.projection import ChunkBuilder
+from headwater.sql.statements import CATALOG_WORDS, InsertPlan, ParsedQuery, parse_query
+from headwater.sql.tables import SqlTable, StreamTables, TableSource
+from headwater.sql.values import (
+    QueryResult,
+    QueryValue,
+    column_values,
+    rows_from_columns,
+    to_duckdb_param,
+)
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+INSERT_COLUMNS = ["rows_affected", "log_offset"]
+POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """An INSERT's evaluated rows, ready to append."""
+
+    table: str
+    values: list[bytes]
+
+
+def _table_error(exc: duckdb.Error) -> HeadwaterError:
+    message = str(exc)
+    if isinstance(exc, duckdb.ParserException):
+        return QueryParseError(message)
+    if isinstance(exc, duckdb.CatalogException) and "Table with name" in message:
+        return TableNotFound(message)
+    return QueryExecutionError(message)
+
+
+class SqlService:
+    """DuckDB over Arrow projections of every tenant's streams (and later kinds)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        query_workers: int | None = None,
+        projection_workers: int = 2,
+        read_timeout: float = 30.0,
+        duckdb_threads: int | None = None,
+        memory_limit: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.read_timeout = read_timeout
+        workers = query_workers or min(4, (os.cpu_count() or 1) * 2)
+        self._query_pool = ThreadPoolExecutor(workers, thread_name_prefix="hw-sql")
+        self._project_pool = ThreadPoolExecutor(projection_workers, thread_name_prefix="hw-proj")
+        self._db = Database(threads=duckdb_threads, memory_limit=memory_limit)
+        self._builder = ChunkBuilder(self._db)
+        self._progress = asyncio.Event()
+        self.streams = StreamTables(engine, self._builder, self._project_pool, self._signal)
+        self.sources: list[TableSource] = [self.streams]
+        self._started = False
+        self._closed = False
+        self.queries = 0
+        self.query_seconds_total = 0.0
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Hook the engine and start projecting every existing stream (loop thread)."""
+        if self._started:
+            return
+        self._started = True
+        for source in self.sources:
+            source.start()
+
+    def add_source(self, source: TableSource) -> None:
+        """Plug in another family of tables (e.g. entity kinds)."""
+        self.sources.append(source)
+        if self._started:
+            source.start()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for source in self.sources:
+            await source.close()
+        self._signal()
+        self._db.interrupt_all()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._query_pool.shutdown, True)
+        await loop.run_in_executor(None, self._project_pool.shutdown, True)
+        self._builder.close()
+        self._db.close()
+
+    def _signal(self) -> None:
+        """A projection moved: wake everyone waiting for one."""
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    # ---- positions ------------------------------------------------------------------
+
+    def tables(self, tenant_id: int) -> list[SqlTable]:
+        return [t for source in self.sources for t in source.tables(tenant_id)]
+
+    def covered_position(self, tenant_id: int) -> int:
+        """The tenant log position below which every table has projected everything."""
+        tenant = self.engine.tenant(tenant_id)
+        head = tenant.committed_position
+        covered = head
+        for table in self.tables(tenant_id):
+            covered = min(covered, table.covered_position(head))
+        return covered
+
+    def _lag_message(self, tenant_id: int, covered: int, position: int) -> str:
+        message = f"SQL projections reached position {covered}, not yet {position}"
+        errors = [
+            f"{t.name}: {error}"
+            for t in self.tables(tenant_id)
+            if (error := getattr(t, "error", None)) is not None
+        ]
+        return message + (f" (failing: {'; '.join(errors)})" if errors else "")
+
+    async def wait_for_position(self, tenant_id: int, position: int, timeout: float) -> int:
+        """Wait until every table of the tenant covers ``position``; returns the covered
+        position (>= ``position``). ProjectionLag after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            progress = self._progress
+            covered = self.covered_position(tenant_id)
+            if covered >= position:
+                return covered
+            if self._closed:
+                raise ProjectionLag("the SQL service is shutting down")
+            head = self.engine.tenant(tenant_id).committed_position
+            for table in self.tables(tenant_id):
+                if table.covered_position(head) < position:
+                    table.request_catch_up()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ProjectionLag(self._lag_message(tenant_id, covered, position))
+            # Woken by projection progress; the poll covers heads that move without any
+            # (an in-flight append to another stream finishing, or failing).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(progress.wait(), min(remaining, POLL_SECONDS))
+
+    # ---- queries --------------------------------------------------------------------
+
+    async def query(self, tenant_id: int, sql: str, params: Sequence[object] = ()) -> QueryResult:
+        """Run ``sql`` over a prefix of the tenant log holding every event acknowledged
+        before the call (read your writes)."""
+        # Appends to different streams are acknowledged out of position order (each
+        # stream fsyncs on its own), so the committed head may still sit below an event
+        # already acknowledged. Every position claimed before now is below
+        # ``next_position``: wait for that (in-flight appends finish within an fsync).
+        claimed = self.engine.tenant(tenant_id).next_position
+        position = await self.wait_for_position(tenant_id, claimed, self.read_timeout)
+        outcome = await self._run(tenant_id, sql, params, position, allow_insert=True)
+        if isinstance(outcome, QueryResult):
+            return outcome
+        return await self._append(tenant_id, outcome)
+
+    async def query_at(
+        self, tenant_id: int, sql: str, params: Sequence[object], position: int
+    ) -> QueryResult:
+        """Run ``sql`` over exactly the tenant log positions below ``position``."""
+        tenant = self.engine.tenant(tenant_id)
+        head = tenant.committed_position
+        if position < 0:
+            raise InvalidRequest("a position is non-negative")
+        if position > head:
+            raise PositionAhead(f"position {position} is ahead of the log head {head}")
+        covered = self.covered_position(tenant_id)
+        if covered < position:
+            for table in self.tables(tenant_id):
+                table.request_catch_up()
+            raise ProjectionLag(self._lag_message(tenant_id, covered, position))
+        outcome = await self._run(tenant_id, sql, params, position, allow_insert=False)
+        assert isinstance(outcome, QueryResult)
+        return outcome
+
+    async def _run(
+        self,
+        tenant_id: int,
+        sql: str,
+        params: Sequence[object],
+        position: int,
+        *,
+        allow_insert: bool,
+    ) -> QueryResult | _Rows:
+        if self._closed:
+            raise QueryExecutionError("the SQL service is shutting down")
+        snapshots = {t.name: t.snapshot(position) for t in self.tables(tenant_id)}
+        started = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._query_pool, self._execute, sql, list(params), snapshots, allow_insert
+            )
+        finally:
+            self.queries += 1
+            self.query_seconds_total += time.perf_counter() - started
+
+    async def _append(self, tenant_id: int, rows: _Rows) -> QueryResult:
+        try:
+            stream = self.engine.stream_by_name(tenant_id, rows.table)
+        except StreamNotFound:
+            raise TableNotFound(f"no stream named {rows.table!r} to insert into") from None
+        if not rows.values:
+            return QueryResult(list(INSERT_COLUMNS), [[0, stream.log.committed_offset]])
+        try:
+            info = await self.engine.append(tenant_id, stream.stream_id, rows.values)
+        except InvalidRequest as exc:
+            raise QueryExecutionError(f"INSERT refused: {exc.message}") from None
+        return QueryResult(list(INSERT_COLUMNS), [[info.count, info.base_offset]])
+
+    # ---- worker threads -------------------------------------------------------------
+
+    def _execute(
+        self,
+        sql: str,
+        params: list[object],
+        snapshots: dict[str, Callable[[], pa.Table]],
+        allow_insert: bool,
+    ) -> QueryResult | _Rows:
+        parsed = parse_query(sql, allow_insert=allow_insert)
+        values = [to_duckdb_param(p) for p in params]
+        with self._db.cursor() as cur:
+            try:
+                self._register(cur, parsed, snapshots)
+                if parsed.insert is not None:
+                    return self._evaluate_insert(cur, parsed.insert, values, snapshots)
+                return self._select(cur, parsed.text, values)
+            except duckdb.Error as exc:
+                raise _table_error(exc) from None
+            except pa.ArrowException as exc:
+                raise QueryExecutionError(str(exc)) from None
+
+    @staticmethod
+    def _register(
+        cur: duckdb.DuckDBPyConnection,
+        parsed: ParsedQuery,
+        snapshots: dict[str, Callable[[], pa.Table]],
+    ) -> None:
+        """Register the tables the query names (all of them when it reads the catalog).
+        DuckDB resolves names case-insensitively: on a clash the exact spelling wins."""
+        everything = not CATALOG_WORDS.isdisjoint(parsed.words)
+        chosen: dict[str, str] = {}
+        for name in snapshots:
+            key = name.lower()
+            if not everything and key not in parsed.words:
+                continue
+            if key not in chosen or name in parsed.text:
+                chosen[key] = name
+        for name in chosen.values():
+            cur.register(name, snapshots[name]())
+
+    def _select(
+        self, cur: duckdb.DuckDBPyConnection, text: str, values: list[object]
+    ) -> QueryResult:
+        rel = cur.sql(text, params=values or None)
+        if rel is None:
+            return QueryResult([], [])
+        columns = list(rel.columns)
+        type_ids = [str(t.id) for t in rel.types]
+        table = rel.to_arrow_table()
+
+        def text_cast(column: pa.ChunkedArray) -> list[Any]:
+            cur.register("hw_text", pa.table({"c": column}))
+            try:
+                out = cur.sql("SELECT CAST(c AS VARCHAR) FROM hw_text").to_arrow_table()
+            finally:
+                cur.unregister("hw_text")
+            return list(out.column(0).to_pylist())
+
+        converted: list[list[QueryValue]] = [
+            column_values(table.column(i), type_ids[i], text_cast) for i in range(len(columns))
+        ]
+        return QueryResult(columns, rows_from_columns(converted, table.num_rows))
+
+    def _evaluate_insert(
+        self,
+        cur: duckdb.DuckDBPyConnection,
+        plan: InsertPlan,
+        values: list[object],
+        snapshots: dict[str, Callable[[], pa.Table]],
+    ) -> _Rows:
+        target = plan.table
+        if target not in snapshots:
+            folded = [n for n in snapshots if n.lower() == target.lower()]
+            if len(folded) != 1:
+                raise TableNotFound(f"no stream named {target!r} to insert into")
+            target = folded[0]
+        rel = cur.sql(plan.source, params=values or None)
+        if rel is None:
+            raise QueryExecutionError("the INSERT source produced no rows")
+        names = [c.lower() for c in rel.columns]
+        table = rel.to_arrow_table()
+        if plan.columns is not None:
+            if len(plan.columns) != len(names):
+                raise QueryExecutionError(
+                    f"INSERT names {len(plan.columns)} columns but the rows have {len(names)}"
+                )
+            targets = list(plan.columns)
+        elif plan.by_name:
+            targets = names
+        elif len(names) == 5:
+            targets = ["offset", "position", "ts", "data", "json"]
+        else:
+            raise QueryExecutionError("INSERT INTO a stream needs a column list: (data) or (json)")
+        if "data" not in targets and "json" not in targets:
+            raise QueryExecutionError("INSERT INTO a stream gives data or json")
+        if table.num_rows > MAX_APPEND_EVENTS:
+            raise QueryExecutionError(
+                f"INSERT appends at most {MAX_APPEND_EVENTS} rows at once, not {table.num_rows}"
+            )
+        if table.num_rows == 0:
+            return _Rows(target, [])
+        event: pa.Array | None = None
+        if "json" in targets:
+            event = self._json_bytes(cur, table.column(targets.index("json")))
+        if "data" in targets:
+            data = self._data_bytes(table.column(targets.index("data")))
+            event = data if event is None else pc.if_else(pc.is_valid(data), data, event)
+        assert event is not None
+        if event.null_count:
+            raise QueryExecutionError("every inserted row needs a non-NULL data or json value")
+        return _Rows(target, event.to_pylist())
+
+    @staticmethod
+    def _data_bytes(column: pa.ChunkedArray) -> pa.Array:
+        t = column.type
+        if isinstance(t, pa.ExtensionType):
+            column = column.cast(t.storage_type)
+            t = t.storage_type
+        if pa.types.is_null(t):
+            return pa.nulls(len(column), pa.binary())
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            return column.combine_chunks().cast(pa.binary())
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            return column.combine_chunks().cast(pa.binary())
+        raise QueryExecutionError(f"data takes BLOB or VARCHAR values, not {t}")
+
+    @staticmethod
+    def _json_bytes(cur: duckdb.DuckDBPyConnection, column: pa.ChunkedArray) -> pa.Array:
+        """JSON text of each value: text is checked and kept as written, anything else
+        (numbers, lists, structs ...) is rendered by DuckDB's to_json."""
+        t = column.type
+        storage = t.storage_type if isinstance(t, pa.ExtensionType) else t
+        textual = pa.types.is_string(storage) or pa.types.is_large_string(storage)
+        if isinstance(t, pa.ExtensionType):
+            column = column.cast(storage)
+        if pa.types.is_null(storage):
+            return pa.nulls(len(column), pa.binary())
+        cur.register("hw_insert", pa.table({"c": column}))
+        try:
+            if textual:
+                sql = "SELECT CASE WHEN c IS NULL OR json_valid(c) THEN c END, " + (
+                    "c IS NOT NULL AND NOT json_valid(c) FROM hw_insert"
+                )
+            else:
+                sql = "SELECT to_json(c)::VARCHAR, false FROM hw_insert"
+            result = cur.sql(sql).to_arrow_table()
+        finally:
+            cur.unregister("hw_insert")
+        if pc.any(result.column(1)).as_py():
+            raise QueryExecutionError("json takes valid JSON text")
+        return result.column(0).combine_chunks().cast(pa.binary())
