@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 INDEX_ENTRY = struct.Struct("<II")
 INDEX_TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32C of the entries, .log size
 INDEX_MAGIC = b"HWIX"
-_BASE_OFFSET = struct.Struct("<Q")
 TIME_ENTRY = struct.Struct("<qI")
 SCAN_CHUNK = 8 << 20
 NAME_DIGITS = 20
@@ -342,21 +341,21 @@ class Segment:
                 length = peek_length(view, consumed)
                 if length < HEADER_SIZE:
                     raise CorruptBatchError(f"bad batch length at byte {pos + consumed}")
-                if _BASE_OFFSET.unpack_from(view, consumed + 16)[0] >= stop_offset:
-                    return  # past what the caller wants: do not even check it
                 if consumed + length > len(view):
                     break
-                yield Batch(view[consumed : consumed + length])
+                batch = Batch(view[consumed : consumed + length])
+                yield batch
                 consumed += length
+                if batch.next_offset >= stop_offset:
+                    return  # the caller wants nothing past this: do not even read it
             if consumed == 0:
-                head = self._header_at(pos)
-                if head is not None and head[0] >= stop_offset:
-                    return
                 # The next batch is larger than the chunk: read exactly that batch.
                 batch = self._read_batch_at(pos)
                 if pos + batch.length > end:
                     raise CorruptBatchError(f"batch at byte {pos} runs past the segment end")
                 yield batch
+                if batch.next_offset >= stop_offset:
+                    return
                 consumed = batch.length
             pos += consumed
 

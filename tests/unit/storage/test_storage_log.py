@@ -230,6 +230,8 @@ def test_read_max_bytes_and_max_events_match_model(tmp_path: Path) -> None:
                 assert result.count == len(want)
                 assert result.value_bytes == sum(len(v) for _, v in want)
                 assert result.value_bytes <= max_bytes or result.count == 1
+                assert result.first_offset == (want[0][0] if want else None)
+                assert result.end_offset == (want[-1][0] + 1 if want else start)
                 chunks = b"".join(bytes(c) for c in result.values_chunks())
                 assert chunks == encode_values([v for _, v in want])
                 if want and want[-1][0] + 1 < end:
@@ -414,7 +416,7 @@ def test_plausible_but_wrong_offset_index_entry_is_rebuilt(tmp_path: Path) -> No
     index.write_bytes(bytes(raw))
     assert check_partition(tmp_path, 1).damaged  # the checker does see the damage
     plog = open_log(tmp_path, segment_bytes=10_000, index_interval_bytes=1)
-    assert all_events(plog, 6) == w.events[6:] + [(18, b"tail")]
+    assert all_events(plog, 6) == [*w.events[6:], (18, b"tail")]
     plog.close()
 
 
@@ -552,6 +554,39 @@ def test_flipped_byte_in_sealed_segment(tmp_path: Path, reopen: bool) -> None:
     report = check_partition(tmp_path, 1)
     assert report.damaged
     assert report.segments[0].problems and not report.segments[1].problems
+
+
+@pytest.mark.parametrize("reopen", [False, True])
+def test_any_flipped_header_byte_in_sealed_segment_is_reported(
+    tmp_path: Path, reopen: bool
+) -> None:
+    # Whatever header byte of a sealed batch is damaged (here bit 7 of each in turn),
+    # reading through that batch must fail; it must never quietly end the segment early
+    # and go on with the next one, which would hand a reader a gap as if it were data.
+    plog, w = build_sealed(tmp_path)
+    expected = w.events
+    _base, _values, _seg, pos, _length = w.batches[2]
+    plog.close()
+    log_path = seg_file(tmp_path, 0)
+    pristine = log_path.read_bytes()
+    silent: dict[int, list[int]] = {}
+    for byte in range(HEADER_SIZE):
+        raw = bytearray(pristine)
+        raw[pos + byte] ^= 0x80
+        if not reopen:
+            plog = open_log(tmp_path, segment_bytes=10_000, index_interval_bytes=1)
+        log_path.write_bytes(bytes(raw))
+        if reopen:
+            plog = open_log(tmp_path, segment_bytes=10_000, index_interval_bytes=1)
+        try:
+            got = all_events(plog)
+        except CorruptBatchError:
+            got = None
+        if got is not None and got != expected:
+            silent[byte] = [o for o, _ in got]
+        plog.close()
+        log_path.write_bytes(pristine)
+    assert silent == {}, f"header bytes whose damage was served silently: {sorted(silent)}"
 
 
 def test_events_before_a_corrupt_batch_are_readable_with_upto(tmp_path: Path) -> None:

@@ -1,0 +1,207 @@
+"""GroupCommitter: shared fsyncs under ``fsync``, background syncs under ``interval``,
+none under ``none`` (plain asyncio.run; no pytest-asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from headwater.errors import StorageError
+from headwater.storage.group_commit import GroupCommitter
+from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+
+
+def open_log(path: Path, policy: str) -> PartitionLog:
+    return PartitionLog.open(path, LogConfig(sync=SyncPolicy.parse(policy)))
+
+
+def count_syncs(plog: PartitionLog) -> list[int]:
+    """Wrap ``plog.sync`` so every call (from any thread) is recorded."""
+    calls: list[int] = []
+    real: Callable[[], int] = plog.sync
+
+    def counting() -> int:
+        calls.append(1)
+        return real()
+
+    plog.sync = counting  # type: ignore[method-assign]
+    return calls
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()
+
+
+def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, "fsync")
+    calls = count_syncs(plog)
+    writers, rounds = 20, 3
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        seen: list[int] = []
+        committer.add_listener(seen.append)
+
+        async def writer(w: int) -> list[int]:
+            acked = []
+            for r in range(rounds):
+                await asyncio.sleep(0)
+                info = plog.append([b"w%d-r%d" % (w, r)], first_position=0, timestamp_ms=0)
+                await committer.committed(info.next_offset)
+                # Acknowledged means durable and readable.
+                assert plog.durable_offset >= info.next_offset
+                assert plog.committed_offset >= info.next_offset
+                acked.append(info.base_offset)
+            return acked
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(writer(w) for w in range(writers))), timeout=60
+        )
+        total = writers * rounds
+        assert sorted(o for acked in results for o in acked) == list(range(total))
+        assert plog.committed_offset == plog.durable_offset == total
+        assert 1 <= committer.fsyncs < total
+        assert len(calls) == committer.fsyncs
+        assert committer.fsync_seconds_total >= committer.last_fsync_seconds >= 0
+        # Listeners heard about the commits, ending at the final committed offset.
+        assert seen and seen == sorted(seen) and seen[-1] == total
+        await committer.aclose()
+
+    asyncio.run(main())
+    assert [e.value for e in plog.read(0, max_events=1).events()] == [b"w0-r0"]
+    plog.close()
+
+
+def test_one_appender_after_another_each_gets_an_fsync(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, "fsync")
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        for i in range(3):
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await committer.committed(info.next_offset)
+            assert plog.committed_offset == i + 1
+        assert committer.fsyncs == 3
+        # Waiting for something already durable costs nothing.
+        await committer.committed(2)
+        await committer.committed(3)
+        assert committer.fsyncs == 3
+
+    asyncio.run(main())
+    plog.close()
+
+
+def test_failed_fsync_fails_every_waiter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plog = open_log(tmp_path, "fsync")
+    plog.append([b"ok"], first_position=0, timestamp_ms=0)
+    plog.sync()
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        monkeypatch.setattr(os, "fdatasync", broken)
+
+        async def writer(i: int) -> None:
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await committer.committed(info.next_offset)
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(writer(i) for i in range(5)), return_exceptions=True), timeout=30
+        )
+        assert len(results) == 5
+        assert all(isinstance(r, StorageError) for r in results)
+        assert plog.committed_offset == 1  # nothing new was acknowledged
+        # After a failed fsync the log refuses further writes.
+        with pytest.raises(StorageError):
+            plog.append([b"later"], first_position=0, timestamp_ms=0)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    plog.close()
+
+
+def test_interval_policy_syncs_in_the_background(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, "interval:20")
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        committer.start()
+        committer.start()  # idempotent
+        info = plog.append([b"a", b"b"], first_position=0, timestamp_ms=0)
+        # Acknowledged on write: no fsync is awaited.
+        await asyncio.wait_for(committer.committed(info.next_offset), timeout=5)
+        assert plog.committed_offset == 2
+        assert await wait_until(lambda: plog.durable_offset == 2 and committer.fsyncs >= 1)
+        await asyncio.sleep(0.1)  # let a finishing fsync's bookkeeping land
+        # Nothing new written: the background loop has nothing to sync.
+        settled = committer.fsyncs
+        await asyncio.sleep(0.15)
+        assert committer.fsyncs == settled
+        info = plog.append([b"c"], first_position=2, timestamp_ms=0)
+        assert await wait_until(lambda: plog.durable_offset == 3 and committer.fsyncs > settled)
+        await committer.aclose()
+        assert committer._interval_task is None
+
+    asyncio.run(main())
+    plog.close()
+
+
+def test_none_policy_never_fsyncs_until_close(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, "none")
+    calls = count_syncs(plog)
+    heard: list[int] = []
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        committer.add_listener(heard.append)
+        committer.start()  # no background task for 'none'
+        for i in range(10):
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await asyncio.wait_for(committer.committed(info.next_offset), timeout=5)
+            assert plog.committed_offset == i + 1
+        await asyncio.sleep(0.1)
+        assert committer.fsyncs == 0
+        assert calls == []
+        assert plog.durable_offset == 0
+        assert heard == list(range(1, 11))
+        await committer.aclose()  # closing makes everything durable
+        assert len(calls) == 1
+        assert plog.durable_offset == 10
+
+    asyncio.run(main())
+    plog.close()
+
+
+def test_listener_errors_do_not_fail_appends(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, "fsync")
+    good: list[int] = []
+
+    def bad(_offset: int) -> None:
+        raise RuntimeError("listener bug")
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        committer.add_listener(bad)
+        committer.add_listener(good.append)
+        info = plog.append([b"x"], first_position=0, timestamp_ms=0)
+        await committer.committed(info.next_offset)
+        committer.remove_listener(good.append)
+        committer.remove_listener(good.append)  # removing twice is harmless
+        info = plog.append([b"y"], first_position=0, timestamp_ms=0)
+        await committer.committed(info.next_offset)
+
+    asyncio.run(main())
+    assert good == [1]
+    plog.close()
