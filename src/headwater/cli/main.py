@@ -52,6 +52,11 @@ def cmd_check(args: argparse.Namespace) -> int:
             )
     out.print(table)
     segments = sum(len(r.segments) for r in reports)
+    for report in reports:  # plain lines too, so a narrow terminal still names the file
+        rel = report.path.relative_to(args.data_dir)
+        for seg in report.segments:
+            for problem in seg.problems:
+                out.print(f"{rel}/{seg.path.name}: {problem}", soft_wrap=True, highlight=False)
     if damaged:
         out.print(f"[red]{damaged} of {segments} segments damaged[/]")
         return 1

@@ -31,7 +31,14 @@ from headwater.errors import (
 )
 from headwater.storage.batch import Event, Headers, encode_values
 from headwater.storage.group_commit import GroupCommitter
-from headwater.storage.log import AppendInfo, LogConfig, PartitionLog, ReadResult, SyncPolicy
+from headwater.storage.log import (
+    AppendInfo,
+    LogConfig,
+    PartitionLog,
+    ReadResult,
+    SyncPolicy,
+    fsync_directory,
+)
 from headwater.storage.metadata import read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -267,9 +274,11 @@ class Engine:
             tenant.next_stream_id = int(meta.get("next_stream_id", 1))
             tenant.position_floor = int(meta.get("position_floor", 0))
         for path in streams_dir.iterdir():
-            if path.name.startswith(".deleted-"):
-                shutil.rmtree(path, ignore_errors=True)  # a delete that did not finish
+            if path.name.startswith((".deleted-", ".creating-")):
+                shutil.rmtree(path, ignore_errors=True)  # a delete or create cut short
                 continue
+            if path.name.isdigit():
+                tenant.next_stream_id = max(tenant.next_stream_id, int(path.name) + 1)
             if not (path / STREAM_META).exists():
                 continue
             stream = self._open_stream(tenant, path, read_json(path / STREAM_META))
@@ -384,11 +393,16 @@ class Engine:
         path = tenant.directory / "streams" / str(stream_id)
 
         def create() -> Stream:
-            path.mkdir(parents=True)
-            stream = self._open_stream(tenant, path, meta)
-            write_json_atomic(path / STREAM_META, meta)
+            # Built under a temporary name and renamed into place: a crash part-way
+            # leaves nothing that could block the id or pass for a stream.
+            building = path.with_name(f".creating-{stream_id}")
+            shutil.rmtree(building, ignore_errors=True)
+            (building / "partition-0").mkdir(parents=True)
+            write_json_atomic(building / STREAM_META, meta)
+            os.replace(building, path)
+            fsync_directory(path.parent)
             write_json_atomic(tenant.directory / TENANT_META, tenant.meta())
-            return stream
+            return self._open_stream(tenant, path, meta)
 
         try:
             stream = await asyncio.get_running_loop().run_in_executor(self.executor, create)
@@ -563,6 +577,14 @@ class Engine:
         stream = self.stream(tenant_id, stream_id)
         return await asyncio.get_running_loop().run_in_executor(
             self.executor, stream.log.offset_for_timestamp, timestamp_ms
+        )
+
+    async def sync_tenant(self, tenant_id: int) -> None:
+        """fsync every stream of a tenant, whatever its sync policy."""
+        loop = asyncio.get_running_loop()
+        streams = [s for s in self.tenant(tenant_id).streams.values() if not s.deleted]
+        await asyncio.gather(
+            *(loop.run_in_executor(self.executor, s.log.sync) for s in streams if not s.log.closed)
         )
 
     # ---- maintenance ----------------------------------------------------------------
