@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from headwater.engine.engine import Engine
+from headwater.engine.subscriptions import CloseReason, Subscriptions
 from headwater.server.config import ServerConfig
+from headwater.sql.service import SqlService
 
 log = logging.getLogger("headwater.server")
 
@@ -48,12 +50,27 @@ class Server:
         self.config = config
         self.ports_file = ports_file
         self.engine: Engine | None = None
+        self._subscriptions: Subscriptions | None = None
+        self._sql: SqlService | None = None
         self.listeners: list[Listener] = []
         self.stopping = asyncio.Event()
         self.started_at = time.time()
 
+    @property
+    def subscriptions(self) -> Subscriptions:
+        assert self._subscriptions is not None, "server not started"
+        return self._subscriptions
+
+    @property
+    def sql(self) -> SqlService:
+        assert self._sql is not None, "server not started"
+        return self._sql
+
     async def start(self) -> None:
         self.engine = await Engine.open(self.data_dir, self.config.engine)
+        self._subscriptions = Subscriptions(self.engine)
+        self._sql = SqlService(self.engine)
+        self._sql.start()
         for name, factory in LISTENERS.items():
             address = self.config.address(name)
             if address is None:
@@ -72,11 +89,15 @@ class Server:
 
     async def stop(self) -> None:
         log.info("shutting down")
+        if self._subscriptions is not None:
+            await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
         for listener in reversed(self.listeners):
             try:
                 await listener.stop()
             except Exception:
                 log.exception("stopping listener %s failed", listener.name)
+        if self._sql is not None:
+            await self._sql.close()
         if self.engine is not None:
             await self.engine.close()
         log.info("stopped cleanly")
@@ -144,12 +165,5 @@ def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
 
 
 def _load_front_ends() -> None:
-    """Import the protocol front ends so they register their listeners."""
-    import importlib
-
-    for module in ("headwater.server.kimberlite",):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
+    """Import the protocol front ends; each registers its listener."""
+    import headwater.server.kimberlite.listener  # noqa: F401

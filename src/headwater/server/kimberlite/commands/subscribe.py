@@ -1,0 +1,72 @@
+"""Subscribe, SubscribeCredit and Unsubscribe: credit-based push from the log."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from headwater.engine.subscriptions import CloseReason, Subscription
+from headwater.errors import InvalidRequest
+from headwater.protocols.kimberlite import messages as m
+
+if TYPE_CHECKING:
+    from headwater.server.kimberlite.listener import KimberliteConnection
+
+
+async def subscribe(
+    conn: KimberliteConnection, request: m.Request, payload: m.SubscribeRequest
+) -> m.ResponsePayload:
+    subscribe_id = request.id
+
+    async def deliver(sub: Subscription, start: int, count: int, chunks: list[memoryview]) -> None:
+        conn.write_chunks(
+            conn.protocol.send_subscription_events(
+                subscribe_id, sub.subscription_id, start, count, chunks, sub.credits
+            )
+        )
+        await conn.drained()
+
+    def on_close(sub: Subscription, reason: CloseReason) -> None:
+        conn.session.subscriptions.pop(sub.subscription_id, None)
+        if sub.subscription_id in conn.session.cancelling:
+            return  # Unsubscribe answers for itself, with its own request id
+        conn.send(
+            subscribe_id,
+            m.SubscriptionClosedResponse(sub.subscription_id, m.CloseReason(int(reason))),
+        )
+
+    sub = conn.server.subscriptions.subscribe(
+        request.tenant_id,
+        payload.stream_id,
+        payload.from_offset,
+        payload.initial_credits,
+        payload.consumer_group,
+        deliver,
+        on_close,
+    )
+    conn.session.subscriptions[sub.subscription_id] = (sub, request.tenant_id)
+    return m.SubscribeResponse(sub.subscription_id, sub.next_offset, sub.credits)
+
+
+def _owned(conn: KimberliteConnection, request: m.Request, subscription_id: int) -> Subscription:
+    entry = conn.session.subscriptions.get(subscription_id)
+    if entry is None or entry[1] != request.tenant_id:
+        raise InvalidRequest(f"no subscription {subscription_id} on this connection")
+    return entry[0]
+
+
+async def credit(
+    conn: KimberliteConnection, request: m.Request, payload: m.SubscribeCreditRequest
+) -> m.ResponsePayload:
+    sub = _owned(conn, request, payload.subscription_id)
+    balance = conn.server.subscriptions.grant(sub, payload.additional_credits)
+    return m.SubscriptionCreditResponse(sub.subscription_id, balance)
+
+
+async def unsubscribe(
+    conn: KimberliteConnection, request: m.Request, payload: m.UnsubscribeRequest
+) -> m.ResponsePayload:
+    sub = _owned(conn, request, payload.subscription_id)
+    conn.session.cancelling.add(sub.subscription_id)
+    conn.server.subscriptions.close(sub, CloseReason.CLIENT_CANCELLED)
+    conn.session.cancelling.discard(sub.subscription_id)
+    return m.SubscriptionClosedResponse(sub.subscription_id, m.CloseReason.CLIENT_CANCELLED)

@@ -1,0 +1,187 @@
+"""The asyncio shell of the Kimberlite front end: it only moves bytes.
+
+Each decoded request runs as its own task, so answers go out in completion order and a
+slow query never holds up an append on the same connection. Reading pauses while too
+many requests are in flight; pushes wait for the transport to drain, so a slow reader
+holds back only its own subscriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
+from headwater.engine.subscriptions import CloseReason
+from headwater.errors import HeadwaterError, InternalError, InvalidRequest
+from headwater.protocols.kimberlite import messages as m
+from headwater.protocols.kimberlite.connection import (
+    Close,
+    Reject,
+    Reply,
+    ServerConnection,
+)
+from headwater.server.app import Listener, register_listener
+from headwater.server.kimberlite.commands import HANDLERS
+from headwater.server.kimberlite.session import Session
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Engine
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.kimberlite")
+
+MAX_INFLIGHT = 1024  # requests per connection before reading pauses
+RESUME_INFLIGHT = MAX_INFLIGHT // 2
+
+
+class KimberliteConnection(asyncio.Protocol):
+    def __init__(self, server: Server, connections: set[KimberliteConnection]) -> None:
+        self.server = server
+        self.protocol = ServerConnection()
+        self.session = Session(server.config.auth)
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._connections = connections
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._reading_paused = False
+        self.closed = False
+
+    @property
+    def engine(self) -> Engine:
+        assert self.server.engine is not None
+        return self.server.engine
+
+    # ---- transport callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        peer = self.transport.get_extra_info("peername")
+        self.session.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._connections.discard(self)
+        self._writable.set()  # wake pushes so they notice the connection is gone
+        subscriptions = self.server.subscriptions
+        for sub, _tenant in list(self.session.subscriptions.values()):
+            self.session.cancelling.add(sub.subscription_id)
+            subscriptions.close(sub, CloseReason.CLIENT_CANCELLED)
+        self.session.subscriptions.clear()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.protocol.receive_data(data):
+            if isinstance(event, m.Request):
+                self._dispatch(event)
+            elif isinstance(event, Reply):
+                self._write(event.data)
+            elif isinstance(event, Reject):
+                log.info("rejecting %s: %s", self.session.peer, event.reason)
+                self._write(event.data)
+                self.close()
+                return
+            elif isinstance(event, Close):
+                log.info("closing %s: %s", self.session.peer, event.reason)
+                self.close(abort=True)
+                return
+
+    def eof_received(self) -> bool | None:
+        self.protocol.receive_eof()
+        return False  # close our side once buffered writes are out
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _dispatch(self, request: m.Request) -> None:
+        task = asyncio.get_running_loop().create_task(self._handle(request))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
+            self._reading_paused = False
+            if not self.closed:
+                self.transport.resume_reading()
+
+    async def _handle(self, request: m.Request) -> None:
+        payload = request.payload
+        try:
+            if not isinstance(payload, m.HandshakeRequest):
+                self.session.check_tenant(request.tenant_id)
+                self.engine.tenant(request.tenant_id)  # TenantNotFound before anything else
+            handler = HANDLERS.get(type(payload))
+            if handler is None:
+                raise InvalidRequest(f"{type(payload).__name__} is not a request")
+            response = await handler(self, request, payload)
+        except HeadwaterError as exc:
+            response = m.ErrorResponse.from_exception(exc)
+        except Exception as exc:  # a bug of ours: answer, log, keep serving
+            log.exception("request %d (%s) failed", request.id, type(payload).__name__)
+            response = m.ErrorResponse.from_exception(InternalError(f"internal error: {exc}"))
+        if response is not None:
+            self.send(request.id, response)
+
+    # ---- output ---------------------------------------------------------------------
+
+    def send(self, request_id: int, payload: m.ResponsePayload) -> None:
+        self.write_chunks(self.protocol.send_chunks(m.Response(request_id, payload)))
+
+    def write_chunks(self, chunks: Iterable[m.Buffer]) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.writelines(chunks)
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    async def drained(self) -> None:
+        """Return once the transport accepts more (a push waits here, nothing else)."""
+        if self.closed:
+            raise ConnectionResetError("connection closed")
+        await self._writable.wait()
+        if self.closed:
+            raise ConnectionResetError("connection closed")
+
+    def close(self, *, abort: bool = False) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
+    connections: set[KimberliteConnection] = set()
+    loop = asyncio.get_running_loop()
+    tcp = await loop.create_server(
+        lambda: KimberliteConnection(server, connections), host, port, reuse_address=True
+    )
+    bound = tcp.sockets[0].getsockname()[1]
+
+    async def stop() -> None:
+        tcp.close()  # stop accepting
+        # Let requests already received finish (in-flight appends get their answers).
+        pending = [t for c in connections for t in c.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+        for conn in list(connections):
+            conn.close()
+        await tcp.wait_closed()
+
+    return Listener("kimberlite", bound, stop)
+
+
+register_listener("kimberlite", start_kimberlite)

@@ -1,0 +1,48 @@
+"""Per-connection state of a Kimberlite client: handshake, auth, tenants, subscriptions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headwater.engine.subscriptions import Subscription
+from headwater.errors import AuthenticationFailed
+from headwater.server.config import AuthConfig
+
+CAPABILITIES = (
+    "query",
+    "append",
+    "subscribe",
+    "query_at",
+    "sync",
+    "idempotent_append",
+    "admin",
+)
+
+
+@dataclass
+class Session:
+    auth: AuthConfig
+    peer: str = "?"
+    authenticated: bool = False
+    granted: frozenset[int] | None = None  # None: every tenant (auth off, no token)
+    rejected: bool = False  # auth required and the token was unknown
+    subscriptions: dict[int, tuple[Subscription, int]] = field(default_factory=dict)
+    cancelling: set[int] = field(default_factory=set)
+
+    def handshake(self, token: str | None) -> bool:
+        """Apply the Handshake's token; returns whether the client is authenticated."""
+        tenants = self.auth.tenants_for(token)
+        if tenants is not None:
+            self.granted, self.authenticated = tenants, True
+        elif self.auth.required:
+            self.rejected, self.authenticated = True, False
+        else:
+            self.granted, self.authenticated = None, token is None
+        return self.authenticated
+
+    def check_tenant(self, tenant_id: int) -> None:
+        """AuthenticationFailed unless this session may act for ``tenant_id``."""
+        if self.rejected:
+            raise AuthenticationFailed("the handshake's token was not accepted")
+        if self.granted is not None and tenant_id not in self.granted:
+            raise AuthenticationFailed(f"the token does not grant tenant {tenant_id}")
