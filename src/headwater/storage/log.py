@@ -160,8 +160,12 @@ class PartitionLog:
         self.config = config
         self.segments: list[Segment] = []
         self._lock = threading.RLock()
-        self._dirty: set[int] = set()  # base offsets of segments written since last sync
-        self._dir_dirty = False
+        # Sealed segments (base offsets) not yet fsynced since sealing. The active segment
+        # is fsynced by every sync. Entries leave only when a sync of them succeeded, so
+        # syncs may run concurrently and each one is complete on its own.
+        self._dirty: set[int] = set()
+        self._dir_changes = 0  # directory entries created or removed
+        self._dir_synced = 0  # ... of which an fsync of the directory has covered
         self._graveyard: list[tuple[float, Segment]] = []
         self.durable_offset = 0
         self.failed: str | None = None
@@ -320,7 +324,6 @@ class PartitionLog:
                 seg.append(data, Batch(memoryview(data), verify=False))
             except OSError as exc:
                 raise StorageError(f"write failed: {exc}") from exc
-            self._dirty.add(seg.base_offset)
             if producer is not None:
                 self.producers.record(producer[0], producer[1], base, count)
             return AppendInfo(base, count, first_position, ts)
@@ -360,7 +363,7 @@ class PartitionLog:
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
             new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
             self.segments.append(new)
-            self._dir_dirty = True
+            self._dir_changes += 1
             # Even an empty table is worth a file: recovery then scans only from here.
             write_snapshot(self.directory, new.base_offset, self.producers)
 
@@ -369,23 +372,22 @@ class PartitionLog:
     def sync(self) -> int:
         """fdatasync everything written so far; returns the offset now durable.
 
-        Safe to call from any thread; concurrent writers keep writing meanwhile.
+        Safe to call from any thread, and several at once (a disk may flush several in
+        parallel faster than one after another); writers keep writing meanwhile.
         """
         with self._lock:
             if self.closed:
                 return self.durable_offset
             target = self.end_offset
             active = self.active
-            dirty = [s for s in self.segments if s.base_offset in self._dirty]
-            self._dirty.clear()
-            dir_dirty = self._dir_dirty
-            self._dir_dirty = False
+            sealed = [s for s in self.segments if s.base_offset in self._dirty and s is not active]
+            dir_changes = self._dir_changes
         try:
-            for seg in dirty:
+            for seg in sealed:
                 os.fdatasync(seg.fd)
-                if seg is not active:
-                    seg.sync_index_files()  # sealed: its index must survive as written
-            if dir_dirty:
+                seg.sync_index_files()  # sealed: its index must survive as written
+            os.fdatasync(active.fd)
+            if dir_changes > self._dir_synced:
                 fsync_directory(self.directory)
         except OSError as exc:
             # After a failed fsync the page cache state is unknown (fsyncgate): refuse
@@ -394,6 +396,9 @@ class PartitionLog:
                 self.failed = f"fsync failed: {exc}"
             raise StorageError(self.failed) from exc
         with self._lock:
+            for seg in sealed:
+                self._dirty.discard(seg.base_offset)
+            self._dir_synced = max(self._dir_synced, dir_changes)
             self.durable_offset = max(self.durable_offset, target)
             return self.durable_offset
 
@@ -533,7 +538,7 @@ class PartitionLog:
                 self._graveyard.append((time.monotonic(), oldest))
                 removed += 1
             if removed:
-                self._dir_dirty = True
+                self._dir_changes += 1
             self._bury()
         return removed
 
