@@ -1,0 +1,235 @@
+"""ConvergeDB framing: a 12-byte little-endian header, then the payload.
+
+Header (offsets in bytes)::
+
+    0 version u8 (1) | 1 flags u8 (0) | 2 stream_id u16 | 4 opcode u16 |
+    6 payload_len u32 (at most 16 MiB) | 10 crc16 u16
+
+``crc16`` is CRC-16/XMODEM of header bytes 0..9; the payload has no checksum.
+
+The decoder refuses a bad header before it keeps a single payload byte: the version byte
+is checked as soon as it arrives, the CRC and then the length as soon as the 12 header
+bytes are in. A length field of 4 GiB therefore never allocates. Both failures end the
+connection, after an ERROR the server sends first (:class:`FrameError` says which).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import ClassVar
+
+from headwater.errors import ProtocolError, UsageError
+
+from ._reader import Buffer
+from .codes import MAX_PAYLOAD, VERSION, ErrorCode
+
+HEADER = struct.Struct("<BBHHIH")  # version, flags, stream_id, opcode, payload_len, crc16
+HEADER_SIZE = HEADER.size  # 12
+_CRC_SPAN = 10
+_CHECKED = struct.Struct("<BBHHI")  # the header bytes the CRC covers
+
+
+# --- CRC-16/XMODEM ---------------------------------------------------------------------
+# Polynomial 0x1021, initial value 0, no reflection, no final XOR; check("123456789") =
+# 0x31C3. Table-driven: one lookup per byte.
+
+
+def _crc16_table() -> tuple[int, ...]:
+    table = []
+    for byte in range(256):
+        crc = byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+        table.append(crc & 0xFFFF)
+    return tuple(table)
+
+
+_CRC16_TABLE = _crc16_table()
+
+
+def crc16_xmodem(data: Buffer, crc: int = 0) -> int:
+    """CRC-16/XMODEM of ``data`` (continue a running CRC by passing it as ``crc``)."""
+    table = _CRC16_TABLE
+    for byte in memoryview(data).cast("B"):
+        crc = ((crc << 8) & 0xFFFF) ^ table[(crc >> 8) ^ byte]
+    return crc
+
+
+# --- errors ----------------------------------------------------------------------------
+
+
+class FrameError(ProtocolError):
+    """The byte stream is not valid ConvergeDB framing: send ERROR ``code`` on
+    ``stream_id`` with ``ref_opcode``, then close the connection."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.BAD_FRAME
+
+    def __init__(self, message: str, stream_id: int = 0, ref_opcode: int = 0) -> None:
+        super().__init__(message)
+        self.message = message
+        self.stream_id = stream_id
+        self.ref_opcode = ref_opcode
+
+
+class BadFrameError(FrameError):
+    """Header CRC mismatch or unsupported version: ERROR BAD_FRAME (stream 0,
+    ref_opcode 0), then close."""
+
+
+class FrameTooLargeError(FrameError):
+    """payload_len over the limit (in a header whose CRC matched): ERROR LIMIT_EXCEEDED on
+    the frame's stream_id with its opcode, then close (the payload is never read)."""
+
+    code = ErrorCode.LIMIT_EXCEEDED
+
+
+# --- encoding --------------------------------------------------------------------------
+
+
+def encode_header(stream_id: int, opcode: int, payload_len: int, *, flags: int = 0) -> bytes:
+    """The 12 header bytes, CRC included."""
+    if payload_len > MAX_PAYLOAD:
+        raise UsageError(f"a {payload_len}-byte payload exceeds the {MAX_PAYLOAD}-byte frame limit")
+    try:
+        checked = _CHECKED.pack(VERSION, flags, stream_id, opcode, payload_len)
+    except struct.error as exc:
+        raise UsageError(f"cannot encode frame header: {exc}") from None
+    return checked + struct.pack("<H", crc16_xmodem(checked))
+
+
+def encode_frame(stream_id: int, opcode: int, payload: Buffer = b"", *, flags: int = 0) -> bytes:
+    """One frame: header then ``payload``."""
+    return encode_header(stream_id, opcode, memoryview(payload).nbytes, flags=flags) + payload
+
+
+def encode_frame_chunks(stream_id: int, opcode: int, chunks: Iterable[Buffer]) -> list[Buffer]:
+    """Frame a payload given as chunks without joining them: ``[header, *chunks]``."""
+    parts: list[Buffer] = [b""]
+    length = 0
+    for chunk in chunks:
+        length += memoryview(chunk).nbytes
+        parts.append(chunk)
+    parts[0] = encode_header(stream_id, opcode, length)
+    return parts
+
+
+# --- decoding --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RawFrame:
+    """A frame whose header checked out; the payload is not decoded yet."""
+
+    stream_id: int
+    opcode: int
+    payload: bytes
+    flags: int = 0
+
+
+class FrameDecoder:
+    """Incremental frame decoder: :meth:`feed` bytes, then take frames.
+
+    ``for frame in decoder`` (or :meth:`next_frame` until None) yields each complete frame
+    in order, then raises the first :class:`FrameError` found after them. After an error
+    the decoder is dead: fed bytes are dropped and the same error is raised again, so its
+    buffer never grows past one fed chunk.
+    """
+
+    __slots__ = ("_buffer", "_error", "_header", "max_payload")
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
+        self.max_payload = max_payload
+        self._buffer = bytearray()
+        self._header: tuple[int, int, int, int] | None = None  # flags, stream, opcode, length
+        self._error: FrameError | None = None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes held and not yet returned as frames."""
+        return len(self._buffer)
+
+    @property
+    def at_frame_boundary(self) -> bool:
+        """True when no partial frame is held (EOF here is a clean end)."""
+        return not self._buffer
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def feed(self, data: Buffer) -> None:
+        if self._error is not None:
+            return
+        self._buffer += data
+        if self._header is None:
+            # Check the head frame's header now, before payload bytes pile up behind it.
+            self._check_header()
+
+    def next_frame(self) -> RawFrame | None:
+        """The next complete frame, None when more bytes are needed; raises FrameError."""
+        if self._error is not None:
+            raise self._error
+        header = self._header
+        if header is None:
+            header = self._check_header()
+            if header is None:
+                if self._error is not None:
+                    raise self._error
+                return None
+        flags, stream_id, opcode, length = header
+        end = HEADER_SIZE + length
+        buffer = self._buffer
+        if len(buffer) < end:
+            return None
+        with memoryview(buffer) as view:
+            payload = bytes(view[HEADER_SIZE:end])
+        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
+        self._header = None
+        return RawFrame(stream_id, opcode, payload, flags)
+
+    def __iter__(self) -> Iterator[RawFrame]:
+        return self
+
+    def __next__(self) -> RawFrame:
+        frame = self.next_frame()
+        if frame is None:
+            raise StopIteration
+        return frame
+
+    def _check_header(self) -> tuple[int, int, int, int] | None:
+        """Check the header bytes present at the buffer head; the header once all passed."""
+        buffer = self._buffer
+        have = len(buffer)
+        if have == 0:
+            return None
+        if buffer[0] != VERSION:
+            self._fail(BadFrameError(f"unsupported protocol version {buffer[0]}"))
+            return None
+        if have < HEADER_SIZE:
+            return None
+        _, flags, stream_id, opcode, length, crc = HEADER.unpack_from(buffer)
+        with memoryview(buffer) as view:
+            expected = crc16_xmodem(view[:_CRC_SPAN])
+        if crc != expected:
+            self._fail(
+                BadFrameError(f"header CRC mismatch: got {crc:#06x}, computed {expected:#06x}")
+            )
+            return None
+        if length > self.max_payload:
+            self._fail(
+                FrameTooLargeError(
+                    f"frame payload of {length} bytes exceeds the {self.max_payload}-byte limit",
+                    stream_id,
+                    opcode,
+                )
+            )
+            return None
+        self._header = (flags, stream_id, opcode, length)
+        return self._header
+
+    def _fail(self, error: FrameError) -> None:
+        self._error = error
+        self._buffer = bytearray()
+        self._header = None

@@ -1,0 +1,1002 @@
+"""ConvergeDB messages: one frozen dataclass per payload, and their byte encoding.
+
+Payloads are little-endian, fixed width: ``str16`` is a u16 length then UTF-8,
+``entity_id`` is 32 raw bytes, ``metadata`` is a u16 length then raw bytes and
+``field_data`` a u32 length then raw bytes (decoded against a schema with
+:mod:`.fields`, which the codec does not know). Each message class has ``opcode``,
+``encode() -> bytes`` (the payload) and ``decode(payload)``; :class:`Frame` pairs a
+message with its stream_id and does the framing.
+
+Decoders never trust a length: every count is checked against the bytes that remain
+before anything is sliced or looped over, a payload must be consumed exactly, and flag
+bytes with bits the protocol does not define are refused. Anything malformed raises
+:class:`~.codes.DecodeError` (or a subclass naming a more precise ERROR code). Encoders
+raise :class:`~headwater.errors.UsageError` for values the wire cannot carry.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import ClassVar, Self, TypeAlias
+
+from headwater.errors import UsageError
+
+from ._reader import BoundedReader, Buffer, as_view
+from .codes import (
+    CLIENT_OPCODES,
+    DEFAULT_LIVENESS_MS,
+    ENTITY_ID_SIZE,
+    MAX_FIELDS,
+    MAX_SOURCE_ID,
+    NO_SOURCE,
+    DecodeError,
+    ErrorCode,
+    LimitExceededError,
+    Opcode,
+)
+from .fields import (
+    FieldSpec,
+    FieldType,
+    FieldValue,
+    SchemaLike,
+    decode_fields,
+    decode_present_fields,
+    decode_record,
+    encode_fields,
+    encode_present_fields,
+)
+from .frames import RawFrame, encode_frame
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_MAX16 = 0xFFFF
+_MAX32 = 0xFFFF_FFFF
+
+
+class Change(IntEnum):
+    """STATE's change byte."""
+
+    CREATED = 0
+    UPDATED = 1
+    BOOTSTRAP = 2
+    QUERY = 3
+
+
+# --- field helpers ---------------------------------------------------------------------
+
+
+def _reader(payload: Buffer) -> BoundedReader:
+    return BoundedReader(as_view(payload), DecodeError)
+
+
+def _put_str16(out: list[bytes], text: str, what: str) -> None:
+    data = text.encode()  # UnicodeEncodeError is turned into UsageError by encode()
+    if len(data) > _MAX16:
+        raise UsageError(f"{what}: {len(data)} bytes exceed the {_MAX16}-byte str16 limit")
+    out.append(_U16.pack(len(data)))
+    out.append(data)
+
+
+def _put_blob16(out: list[bytes], data: bytes, what: str) -> None:
+    if len(data) > _MAX16:
+        raise UsageError(f"{what}: {len(data)} bytes exceed the {_MAX16}-byte limit")
+    out.append(_U16.pack(len(data)))
+    out.append(bytes(data))
+
+
+def _put_blob32(out: list[bytes], data: bytes, what: str) -> None:
+    if len(data) > _MAX32:
+        raise UsageError(f"{what}: {len(data)} bytes exceed the u32 length limit")
+    out.append(_U32.pack(len(data)))
+    out.append(bytes(data))
+
+
+def _put_entity(out: list[bytes], entity_id: bytes) -> None:
+    if len(entity_id) != ENTITY_ID_SIZE:
+        raise UsageError(f"an entity_id is {ENTITY_ID_SIZE} bytes, not {len(entity_id)}")
+    out.append(bytes(entity_id))
+
+
+def _read_str16(r: BoundedReader, what: str) -> str:
+    n = r.u16(f"{what} length")
+    pos = r.need(n, what)
+    try:
+        return str(r.buf[pos : pos + n], "utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"{what}: invalid UTF-8 ({exc.reason})") from None
+
+
+def _read_blob16(r: BoundedReader, what: str) -> bytes:
+    return r.take(r.u16(f"{what} length"), what)
+
+
+def _read_blob32(r: BoundedReader, what: str) -> bytes:
+    return r.take(r.u32(f"{what} length"), what)
+
+
+def _read_entity(r: BoundedReader) -> bytes:
+    return r.take(ENTITY_ID_SIZE, "entity_id")
+
+
+def _read_flags(r: BoundedReader, defined: int, what: str) -> int:
+    flags = r.u8(what)
+    if flags & ~defined:
+        raise DecodeError(f"{what} {flags:#04x} sets undefined bits")
+    return flags
+
+
+def _read_source(r: BoundedReader, what: str) -> int:
+    source = r.u8(what)
+    if source > MAX_SOURCE_ID:
+        raise DecodeError(f"{what} {source} is outside 0..{MAX_SOURCE_ID}")
+    return source
+
+
+def _check_u16(value: int, what: str) -> None:
+    if not 0 <= value <= _MAX16:
+        raise UsageError(f"{what} {value} is not a u16")
+
+
+class _Message:
+    """What every message has: ``opcode``, ``encode()`` and ``decode()``."""
+
+    __slots__ = ()
+    opcode: ClassVar[Opcode]
+
+    def _write(self, out: list[bytes]) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        raise NotImplementedError
+
+    def encode(self) -> bytes:
+        """The payload bytes (no header)."""
+        out: list[bytes] = []
+        try:
+            self._write(out)
+        except (struct.error, UnicodeEncodeError, OverflowError, TypeError) as exc:
+            raise UsageError(f"cannot encode {type(self).__name__}: {exc}") from None
+        return b"".join(out)
+
+    @classmethod
+    def decode(cls, payload: Buffer) -> Self:
+        """Decode exactly one payload of this message type; raises DecodeError."""
+        r = _reader(payload)
+        message = cls._read(r)
+        r.finish(cls.__name__)
+        return message
+
+
+# --- client -> server ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Connect(_Message):
+    """CONNECT: u8 flags (bit0 source_id given, bit1 read-only), u8 source_id,
+    u32 liveness_deadline_ms, str16 name, str16 auth_token. Answered by ConnectAck."""
+
+    opcode: ClassVar[Opcode] = Opcode.CONNECT
+    name: str = ""
+    auth_token: str = ""
+    source_id: int | None = None
+    """The source slot asked for (0..63), None to let the server pick a free one."""
+    read_only: bool = False
+    liveness_deadline_ms: int = 0
+    """0 means the default, 30,000 ms (see :attr:`deadline_ms`)."""
+
+    FLAG_SOURCE_ID: ClassVar[int] = 0x01
+    FLAG_READ_ONLY: ClassVar[int] = 0x02
+
+    @property
+    def deadline_ms(self) -> int:
+        """The liveness deadline in effect."""
+        return self.liveness_deadline_ms or DEFAULT_LIVENESS_MS
+
+    def _write(self, out: list[bytes]) -> None:
+        flags = self.FLAG_READ_ONLY if self.read_only else 0
+        source = 0
+        if self.source_id is not None:
+            if not 0 <= self.source_id <= MAX_SOURCE_ID:
+                raise UsageError(f"source_id {self.source_id} is outside 0..{MAX_SOURCE_ID}")
+            flags |= self.FLAG_SOURCE_ID
+            source = self.source_id
+        out.append(struct.pack("<BBI", flags, source, self.liveness_deadline_ms))
+        _put_str16(out, self.name, "name")
+        _put_str16(out, self.auth_token, "auth_token")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        flags = _read_flags(r, cls.FLAG_SOURCE_ID | cls.FLAG_READ_ONLY, "CONNECT flags")
+        source: int | None = r.u8("source_id")
+        if not flags & cls.FLAG_SOURCE_ID:
+            source = None  # the byte means nothing without its flag
+        elif source is not None and source > MAX_SOURCE_ID:
+            raise DecodeError(f"source_id {source} is outside 0..{MAX_SOURCE_ID}")
+        deadline = r.u32("liveness_deadline_ms")
+        name = _read_str16(r, "name")
+        token = _read_str16(r, "auth_token")
+        return cls(name, token, source, bool(flags & cls.FLAG_READ_ONLY), deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class Assert(_Message):
+    """ASSERT: u16 kind_id, entity_id, u32 fd_len + field_data (fields 0..k-1),
+    u16 meta_len + metadata. Sets the writer's source bit and replaces the fields."""
+
+    opcode: ClassVar[Opcode] = Opcode.ASSERT
+    kind_id: int
+    entity_id: bytes
+    field_data: bytes = b""
+    metadata: bytes = b""
+
+    MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 4 + 2
+
+    @classmethod
+    def of(
+        cls,
+        schema: SchemaLike,
+        kind_id: int,
+        entity_id: bytes,
+        values: Sequence[FieldValue],
+        metadata: bytes = b"",
+    ) -> Self:
+        """Encode ``values`` (fields 0..len(values)-1 of ``schema``) into an ASSERT."""
+        return cls(kind_id, entity_id, encode_fields(schema, values), metadata)
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        """``(kind_id, entity_id)``: what the engine partitions writes by."""
+        return self.kind_id, self.entity_id
+
+    def fields(self, schema: SchemaLike) -> list[FieldValue]:
+        """Every field's new value: the sent prefix, defaults after it."""
+        return decode_fields(schema, self.field_data, complete=True)
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+        _put_blob32(out, self.field_data, "field_data")
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        field_data = _read_blob32(r, "field_data")
+        return cls(kind_id, entity_id, field_data, _read_blob16(r, "metadata"))
+
+
+@dataclass(frozen=True, slots=True)
+class Retract(_Message):
+    """RETRACT: u16 kind_id, entity_id, u16 meta_len + metadata. Clears the writer's bit."""
+
+    opcode: ClassVar[Opcode] = Opcode.RETRACT
+    kind_id: int
+    entity_id: bytes
+    metadata: bytes = b""
+
+    MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 2
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return self.kind_id, self.entity_id
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        return cls(kind_id, entity_id, _read_blob16(r, "metadata"))
+
+
+@dataclass(frozen=True, slots=True)
+class Patch(_Message):
+    """PATCH: u16 kind_id, entity_id, u64 presence_mask, u32 fd_len + field_data (exactly
+    the fields whose bit is set), u16 meta_len + metadata."""
+
+    opcode: ClassVar[Opcode] = Opcode.PATCH
+    kind_id: int
+    entity_id: bytes
+    presence_mask: int
+    field_data: bytes = b""
+    metadata: bytes = b""
+
+    MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 8 + 4 + 2
+
+    @classmethod
+    def of(
+        cls,
+        schema: SchemaLike,
+        kind_id: int,
+        entity_id: bytes,
+        values: Mapping[int, FieldValue],
+        metadata: bytes = b"",
+    ) -> Self:
+        """Encode ``{field ordinal: value}`` into a PATCH."""
+        mask, data = encode_present_fields(schema, values)
+        return cls(kind_id, entity_id, mask, data, metadata)
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        return self.kind_id, self.entity_id
+
+    def fields(self, schema: SchemaLike) -> dict[int, FieldValue]:
+        """``{field ordinal: new value}`` for the fields present."""
+        return decode_present_fields(schema, self.presence_mask, self.field_data)
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(struct.pack("<H", self.kind_id))
+        _put_entity(out, self.entity_id)
+        out.append(_U64.pack(self.presence_mask))
+        _put_blob32(out, self.field_data, "field_data")
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        mask = r.u64("presence_mask")
+        field_data = _read_blob32(r, "field_data")
+        return cls(kind_id, entity_id, mask, field_data, _read_blob16(r, "metadata"))
+
+
+WriteOp: TypeAlias = Assert | Retract | Patch
+"""A BATCH sub-op."""
+_SUB_OPS: dict[int, type[WriteOp]] = {
+    Opcode.ASSERT: Assert,
+    Opcode.RETRACT: Retract,
+    Opcode.PATCH: Patch,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Query(_Message):
+    """QUERY: u16 kind_id, entity_id. Answered by STATE (change 3) or ENTITY_NOT_FOUND."""
+
+    opcode: ClassVar[Opcode] = Opcode.QUERY
+    kind_id: int
+    entity_id: bytes
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(r.u16("kind_id"), _read_entity(r))
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe(_Message):
+    """SUBSCRIBE: u16 kind_id, u8 flags (bit0 bootstrap, bit1 include_previous,
+    bit2 events)."""
+
+    opcode: ClassVar[Opcode] = Opcode.SUBSCRIBE
+    kind_id: int
+    bootstrap: bool = False
+    include_previous: bool = False
+    events: bool = False
+    """EVENT frames of an event-stream kind instead of STATE/DELETED."""
+
+    FLAG_BOOTSTRAP: ClassVar[int] = 0x01
+    FLAG_INCLUDE_PREVIOUS: ClassVar[int] = 0x02
+    FLAG_EVENTS: ClassVar[int] = 0x04
+
+    def _write(self, out: list[bytes]) -> None:
+        flags = (
+            (self.FLAG_BOOTSTRAP if self.bootstrap else 0)
+            | (self.FLAG_INCLUDE_PREVIOUS if self.include_previous else 0)
+            | (self.FLAG_EVENTS if self.events else 0)
+        )
+        out.append(struct.pack("<HB", self.kind_id, flags))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id = r.u16("kind_id")
+        flags = _read_flags(r, 0x07, "SUBSCRIBE flags")
+        return cls(
+            kind_id,
+            bool(flags & cls.FLAG_BOOTSTRAP),
+            bool(flags & cls.FLAG_INCLUDE_PREVIOUS),
+            bool(flags & cls.FLAG_EVENTS),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe(_Message):
+    """UNSUBSCRIBE: u16 kind_id. Answered by ACK."""
+
+    opcode: ClassVar[Opcode] = Opcode.UNSUBSCRIBE
+    kind_id: int
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(r.u16("kind_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(_Message):
+    """HEARTBEAT: empty. stream_id 0: liveness only; non-zero: a write barrier (ACK)."""
+
+    opcode: ClassVar[Opcode] = Opcode.HEARTBEAT
+
+    def _write(self, out: list[bytes]) -> None:
+        pass
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class SourceEpochBegin(_Message):
+    """SOURCE_EPOCH_BEGIN: empty; spans every kind of this source."""
+
+    opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_BEGIN
+
+    def _write(self, out: list[bytes]) -> None:
+        pass
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class SourceEpochEnd(_Message):
+    """SOURCE_EPOCH_END: empty. Answered (non-zero stream_id) by EpochEndAck."""
+
+    opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_END
+
+    def _write(self, out: list[bytes]) -> None:
+        pass
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Batch(_Message):
+    """BATCH: u16 op_count, then op_count sub-ops, each ``u8 op_type`` (0x02 ASSERT,
+    0x03 RETRACT, 0x08 PATCH) followed by that single op's payload layout."""
+
+    opcode: ClassVar[Opcode] = Opcode.BATCH
+    ops: Sequence[WriteOp] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+
+    def _write(self, out: list[bytes]) -> None:
+        if len(self.ops) > _MAX16:
+            raise UsageError(f"{len(self.ops)} sub-ops; a BATCH holds at most {_MAX16}")
+        out.append(_U16.pack(len(self.ops)))
+        for op in self.ops:
+            if type(op) not in _SUB_OP_TYPES:
+                raise UsageError(f"{type(op).__name__} cannot be a BATCH sub-op")
+            out.append(_U8.pack(op.opcode))
+            op._write(out)
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        count = r.u16("op_count")
+        smallest = 1 + Retract.MIN_SIZE
+        if count > r.remaining // smallest:
+            raise DecodeError(f"{count} sub-ops cannot fit in the {r.remaining} bytes left")
+        ops: list[WriteOp] = []
+        for i in range(count):
+            op_type = r.u8("op_type")
+            sub = _SUB_OPS.get(op_type)
+            if sub is None:
+                raise DecodeError(f"sub-op {i}: op_type {op_type:#04x} is not 0x02, 0x03 or 0x08")
+            ops.append(sub._read(r))
+        return cls(ops)
+
+
+_SUB_OP_TYPES = frozenset(_SUB_OPS.values())
+
+
+def _write_kind(
+    out: list[bytes], name: str, event_stream: bool, fields: Sequence[FieldSpec]
+) -> None:
+    if len(fields) > MAX_FIELDS:
+        raise UsageError(f"a kind has at most {MAX_FIELDS} fields, not {len(fields)}")
+    _put_str16(out, name, "name")
+    out.append(struct.pack("<BB", 1 if event_stream else 0, len(fields)))
+    for spec in fields:
+        _put_str16(out, spec.name, "field name")
+        out.append(_U8.pack(spec.type))
+
+
+def _read_kind(r: BoundedReader) -> tuple[str, bool, list[FieldSpec]]:
+    name = _read_str16(r, "name")
+    flags = _read_flags(r, 0x01, "kind flags")
+    count = r.u8("field_count")
+    if count > MAX_FIELDS:
+        raise LimitExceededError(f"{count} fields; a kind has at most {MAX_FIELDS}")
+    fields = []
+    for i in range(count):
+        field_name = _read_str16(r, f"field {i} name")
+        code = r.u8(f"field {i} type")
+        try:
+            field_type = FieldType(code)
+        except ValueError:
+            raise DecodeError(f"field {i} ({field_name!r}): unknown type code {code}") from None
+        fields.append(FieldSpec(field_name, field_type))
+    return name, bool(flags & 1), fields
+
+
+def _normal_fields(fields: Sequence[tuple[str, int]]) -> tuple[FieldSpec, ...]:
+    try:
+        return tuple(FieldSpec(name, FieldType(code)) for name, code in fields)
+    except ValueError as exc:
+        raise UsageError(f"bad field list: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CreateKind(_Message):
+    """CREATE_KIND: str16 name, u8 flags (bit0 event_stream), u8 field_count, then per
+    field str16 name + u8 type. Answered by KindAck."""
+
+    opcode: ClassVar[Opcode] = Opcode.CREATE_KIND
+    name: str
+    fields: Sequence[FieldSpec] = ()
+    event_stream: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", _normal_fields(self.fields))
+
+    def _write(self, out: list[bytes]) -> None:
+        _write_kind(out, self.name, self.event_stream, self.fields)
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        name, event_stream, fields = _read_kind(r)
+        return cls(name, fields, event_stream)
+
+
+@dataclass(frozen=True, slots=True)
+class GetKind(_Message):
+    """GET_KIND: CREATE_KIND's layout. No fields: resolve by name; otherwise the fields
+    must be a prefix of the kind's schema (else SCHEMA_INCOMPATIBLE). Answered by KindAck."""
+
+    opcode: ClassVar[Opcode] = Opcode.GET_KIND
+    name: str
+    fields: Sequence[FieldSpec] = ()
+    event_stream: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", _normal_fields(self.fields))
+
+    def _write(self, out: list[bytes]) -> None:
+        _write_kind(out, self.name, self.event_stream, self.fields)
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        name, event_stream, fields = _read_kind(r)
+        return cls(name, fields, event_stream)
+
+
+# --- server -> client ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class State(_Message):
+    """STATE: u16 kind_id, entity_id, u8 change, u64 version, u64 source_set,
+    u64 changed_fields, u32 fd_len + field_data (every field), [u32 prev_len + previous
+    field_data: only for change UPDATED on an include_previous subscription],
+    u16 meta_len + metadata.
+
+    The optional previous section is recognised from the bytes alone (see the decoder),
+    so decoding needs no subscription context.
+    """
+
+    opcode: ClassVar[Opcode] = Opcode.STATE
+    kind_id: int
+    entity_id: bytes
+    change: Change
+    version: int
+    source_set: int
+    changed_fields: int
+    field_data: bytes = b""
+    previous: bytes | None = None
+    """The previous field_data (UPDATED under include_previous), else None."""
+    metadata: bytes = b""
+
+    def fields(self, schema: SchemaLike) -> list[FieldValue]:
+        return decode_record(schema, self.field_data)
+
+    def previous_fields(self, schema: SchemaLike) -> list[FieldValue] | None:
+        return None if self.previous is None else decode_record(schema, self.previous)
+
+    def _write(self, out: list[bytes]) -> None:
+        change = Change(self.change)
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+        out.append(struct.pack("<BQQQ", change, self.version, self.source_set, self.changed_fields))
+        _put_blob32(out, self.field_data, "field_data")
+        if self.previous is not None:
+            if change is not Change.UPDATED:
+                raise UsageError(f"a {change.name} STATE carries no previous field_data")
+            _put_blob32(out, self.previous, "previous field_data")
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        code = r.u8("change")
+        try:
+            change = Change(code)
+        except ValueError:
+            raise DecodeError(f"unknown STATE change {code}") from None
+        version, source_set = r.u64("version"), r.u64("source_set")
+        changed = r.u64("changed_fields")
+        field_data = _read_blob32(r, "field_data")
+        previous = None
+        if change is Change.UPDATED:
+            # Either "u16 meta_len + metadata" ends the payload exactly, or a previous
+            # section comes first. Both cannot fit: with a previous section the u16 read
+            # here is the low half of prev_len P, and 2 + (P mod 2^16) < 6 + P + meta_len.
+            meta_len = r.peek_u16()
+            if meta_len is None or r.remaining != 2 + meta_len:
+                previous = _read_blob32(r, "previous field_data")
+        metadata = _read_blob16(r, "metadata")
+        return cls(
+            kind_id, entity_id, change, version, source_set, changed, field_data, previous, metadata
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted(_Message):
+    """DELETED: u16 kind_id, entity_id, u64 version, u16 meta_len + metadata."""
+
+    opcode: ClassVar[Opcode] = Opcode.DELETED
+    kind_id: int
+    entity_id: bytes
+    version: int
+    metadata: bytes = b""
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+        out.append(_U64.pack(self.version))
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        version = r.u64("version")
+        return cls(kind_id, entity_id, version, _read_blob16(r, "metadata"))
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapBegin(_Message):
+    """BOOTSTRAP_BEGIN: u16 kind_id."""
+
+    opcode: ClassVar[Opcode] = Opcode.BOOTSTRAP_BEGIN
+    kind_id: int
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(r.u16("kind_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapEnd(_Message):
+    """BOOTSTRAP_END: u16 kind_id."""
+
+    opcode: ClassVar[Opcode] = Opcode.BOOTSTRAP_END
+    kind_id: int
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(r.u16("kind_id"))
+
+
+_BODY_ACKS = frozenset(
+    {Opcode.CONNECT, Opcode.CREATE_KIND, Opcode.GET_KIND, Opcode.SOURCE_EPOCH_END}
+)
+_PLAIN_ACKS = CLIENT_OPCODES - _BODY_ACKS
+
+
+def _read_acked(r: BoundedReader, allowed: frozenset[Opcode]) -> Opcode:
+    code = r.u16("acked_opcode")
+    if code not in allowed:
+        raise DecodeError(f"ACK of opcode {code:#06x} with this body")
+    return Opcode(code)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(_Message):
+    """ACK with an empty body: u16 acked_opcode (any request but CONNECT, CREATE_KIND,
+    GET_KIND and SOURCE_EPOCH_END, whose ACKs have their own classes)."""
+
+    opcode: ClassVar[Opcode] = Opcode.ACK
+    acked_opcode: Opcode
+
+    def _write(self, out: list[bytes]) -> None:
+        if self.acked_opcode not in _PLAIN_ACKS:
+            raise UsageError(f"an ACK of {self.acked_opcode!r} carries a body: use its class")
+        out.append(_U16.pack(self.acked_opcode))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(_read_acked(r, _PLAIN_ACKS))
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectAck(_Message):
+    """ACK of CONNECT: u16 0x0001, u8 source_id (0xFF for a read-only connection)."""
+
+    opcode: ClassVar[Opcode] = Opcode.ACK
+    acked_opcode: ClassVar[Opcode] = Opcode.CONNECT
+    source_id: int
+
+    @property
+    def read_only(self) -> bool:
+        return self.source_id == NO_SOURCE
+
+    def _write(self, out: list[bytes]) -> None:
+        if not (0 <= self.source_id <= MAX_SOURCE_ID or self.source_id == NO_SOURCE):
+            raise UsageError(f"source_id {self.source_id} is neither 0..63 nor 0xFF")
+        out.append(struct.pack("<HB", Opcode.CONNECT, self.source_id))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        _read_acked(r, frozenset({Opcode.CONNECT}))
+        source = r.u8("source_id")
+        if source > MAX_SOURCE_ID and source != NO_SOURCE:
+            raise DecodeError(f"source_id {source} is neither 0..63 nor 0xFF")
+        return cls(source)
+
+
+@dataclass(frozen=True, slots=True)
+class KindAck(_Message):
+    """ACK of CREATE_KIND / GET_KIND: u16 acked_opcode, u16 kind_id, u16 schema_version,
+    u8 field_count."""
+
+    opcode: ClassVar[Opcode] = Opcode.ACK
+    acked_opcode: Opcode
+    kind_id: int
+    schema_version: int
+    field_count: int
+
+    def _write(self, out: list[bytes]) -> None:
+        if self.acked_opcode not in (Opcode.CREATE_KIND, Opcode.GET_KIND):
+            raise UsageError(
+                f"a KindAck acknowledges CREATE_KIND or GET_KIND, not {self.acked_opcode!r}"
+            )
+        out.append(
+            struct.pack(
+                "<HHHB", self.acked_opcode, self.kind_id, self.schema_version, self.field_count
+            )
+        )
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        acked = _read_acked(r, frozenset({Opcode.CREATE_KIND, Opcode.GET_KIND}))
+        kind_id, schema_version = r.u16("kind_id"), r.u16("schema_version")
+        return cls(acked, kind_id, schema_version, r.u8("field_count"))
+
+
+@dataclass(frozen=True, slots=True)
+class EpochEndAck(_Message):
+    """ACK of SOURCE_EPOCH_END: u16 0x000A, u32 retracted_count."""
+
+    opcode: ClassVar[Opcode] = Opcode.ACK
+    acked_opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_END
+    retracted_count: int
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(struct.pack("<HI", Opcode.SOURCE_EPOCH_END, self.retracted_count))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        _read_acked(r, frozenset({Opcode.SOURCE_EPOCH_END}))
+        return cls(r.u32("retracted_count"))
+
+
+AnyAck: TypeAlias = Ack | ConnectAck | KindAck | EpochEndAck
+
+_KNOWN_ERRORS = frozenset(int(code) for code in ErrorCode)
+_KNOWN_OPCODES = frozenset(int(op) for op in Opcode)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMessage(_Message):
+    """ERROR: u16 code, u16 ref_opcode, str16 message.
+
+    ``code`` and ``ref_opcode`` decode to :class:`ErrorCode` / :class:`Opcode` when known
+    and stay plain ints otherwise (a BAD_FRAME may name an opcode that does not exist).
+    """
+
+    opcode: ClassVar[Opcode] = Opcode.ERROR
+    code: int
+    ref_opcode: int
+    message: str = ""
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(struct.pack("<HH", self.code, self.ref_opcode))
+        _put_str16(out, self.message, "message")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        code, ref = r.u16("code"), r.u16("ref_opcode")
+        return cls(
+            ErrorCode(code) if code in _KNOWN_ERRORS else code,
+            Opcode(ref) if ref in _KNOWN_OPCODES else ref,
+            _read_str16(r, "message"),
+        )
+
+
+_EVENT_OPS = frozenset({Opcode.ASSERT, Opcode.RETRACT, Opcode.PATCH})
+
+
+@dataclass(frozen=True, slots=True)
+class Event(_Message):
+    """EVENT: u16 kind_id, entity_id, u8 op (0x02, 0x03, 0x08), u8 source_id,
+    u64 sequence, u64 presence_mask, u32 fd_len + field_data (the fields named by
+    presence_mask), u16 meta_len + metadata."""
+
+    opcode: ClassVar[Opcode] = Opcode.EVENT
+    kind_id: int
+    entity_id: bytes
+    op: Opcode
+    source_id: int
+    sequence: int
+    presence_mask: int = 0
+    field_data: bytes = b""
+    metadata: bytes = b""
+
+    def fields(self, schema: SchemaLike) -> dict[int, FieldValue]:
+        return decode_present_fields(schema, self.presence_mask, self.field_data)
+
+    def _write(self, out: list[bytes]) -> None:
+        if self.op not in _EVENT_OPS:
+            raise UsageError(f"an EVENT's op is ASSERT, RETRACT or PATCH, not {self.op!r}")
+        if not 0 <= self.source_id <= MAX_SOURCE_ID:
+            raise UsageError(f"source_id {self.source_id} is outside 0..{MAX_SOURCE_ID}")
+        out.append(_U16.pack(self.kind_id))
+        _put_entity(out, self.entity_id)
+        out.append(struct.pack("<BBQQ", self.op, self.source_id, self.sequence, self.presence_mask))
+        _put_blob32(out, self.field_data, "field_data")
+        _put_blob16(out, self.metadata, "metadata")
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
+        op = r.u8("op")
+        if op not in _EVENT_OPS:
+            raise DecodeError(f"EVENT op {op:#04x} is not 0x02, 0x03 or 0x08")
+        source = _read_source(r, "source_id")
+        sequence, mask = r.u64("sequence"), r.u64("presence_mask")
+        field_data = _read_blob32(r, "field_data")
+        metadata = _read_blob16(r, "metadata")
+        return cls(kind_id, entity_id, Opcode(op), source, sequence, mask, field_data, metadata)
+
+
+# --- dispatch --------------------------------------------------------------------------
+
+ClientMessage: TypeAlias = (
+    Connect
+    | Assert
+    | Retract
+    | Patch
+    | Query
+    | Subscribe
+    | Unsubscribe
+    | Heartbeat
+    | SourceEpochBegin
+    | SourceEpochEnd
+    | Batch
+    | CreateKind
+    | GetKind
+)
+ServerMessage: TypeAlias = (
+    State
+    | Deleted
+    | BootstrapBegin
+    | BootstrapEnd
+    | Ack
+    | ConnectAck
+    | KindAck
+    | EpochEndAck
+    | ErrorMessage
+    | Event
+)
+Message: TypeAlias = ClientMessage | ServerMessage
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.opcode: cls
+    for cls in (
+        Connect,
+        Assert,
+        Retract,
+        Patch,
+        Query,
+        Subscribe,
+        Unsubscribe,
+        Heartbeat,
+        SourceEpochBegin,
+        SourceEpochEnd,
+        Batch,
+        CreateKind,
+        GetKind,
+        State,
+        Deleted,
+        BootstrapBegin,
+        BootstrapEnd,
+        ErrorMessage,
+        Event,
+    )
+}
+"""Message class per opcode, except ACK (four classes, chosen by acked_opcode)."""
+
+ACK_TYPES: dict[int, type[AnyAck]] = {
+    Opcode.CONNECT: ConnectAck,
+    Opcode.CREATE_KIND: KindAck,
+    Opcode.GET_KIND: KindAck,
+    Opcode.SOURCE_EPOCH_END: EpochEndAck,
+}
+"""ACK classes with a body, by acked_opcode (every other acked opcode: :class:`Ack`)."""
+
+
+def decode_message(opcode: int, payload: Buffer) -> Message:
+    """Decode a payload given its frame's opcode; raises DecodeError."""
+    if opcode == Opcode.ACK:
+        acked = _reader(payload).peek_u16()
+        ack_cls: type[AnyAck] = Ack
+        if acked is not None:
+            ack_cls = ACK_TYPES.get(acked, Ack)
+        return ack_cls.decode(payload)
+    cls = MESSAGE_TYPES.get(opcode)
+    if cls is None:
+        raise DecodeError(f"unknown opcode {opcode:#06x}")
+    return cls.decode(payload)
+
+
+def encode_message(message: Message) -> bytes:
+    """The message's payload (same as ``message.encode()``)."""
+    return message.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A message and the stream_id of the frame carrying it."""
+
+    stream_id: int
+    message: Message
+
+    def encode(self) -> bytes:
+        """The whole frame: header (with CRC) and payload."""
+        _check_u16(self.stream_id, "stream_id")
+        return encode_frame(self.stream_id, self.message.opcode, self.message.encode())
+
+    @classmethod
+    def decode(cls, raw: RawFrame) -> Frame:
+        """Decode a raw frame's payload; raises DecodeError (non-zero header flags
+        included: no flag is defined yet)."""
+        if raw.flags:
+            raise DecodeError(f"header flags {raw.flags:#04x} are reserved and must be 0")
+        return cls(raw.stream_id, decode_message(raw.opcode, raw.payload))
+
+
+def encode(stream_id: int, message: Message) -> bytes:
+    """Shorthand for ``Frame(stream_id, message).encode()``."""
+    return Frame(stream_id, message).encode()
