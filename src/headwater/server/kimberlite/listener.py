@@ -47,6 +47,7 @@ class KimberliteConnection(asyncio.Protocol):
         self._writable = asyncio.Event()
         self._writable.set()
         self._reading_paused = False
+        self._eof = False
         self.closed = False
 
     @property
@@ -66,6 +67,9 @@ class KimberliteConnection(asyncio.Protocol):
         self.closed = True
         self._connections.discard(self)
         self._writable.set()  # wake pushes so they notice the connection is gone
+        self._end_subscriptions()
+
+    def _end_subscriptions(self) -> None:
         subscriptions = self.server.subscriptions
         for sub, _tenant in list(self.session.subscriptions.values()):
             self.session.cancelling.add(sub.subscription_id)
@@ -95,8 +99,14 @@ class KimberliteConnection(asyncio.Protocol):
                 return
 
     def eof_received(self) -> bool | None:
+        # The peer will send no more, but may still read: answer what it already sent,
+        # then close. Its subscriptions end now (nothing more can be granted).
         self.protocol.receive_eof()
-        return False  # close our side once buffered writes are out
+        self._eof = True
+        self._end_subscriptions()
+        if not self.tasks:
+            self.close()
+        return True
 
     # ---- requests -------------------------------------------------------------------
 
@@ -110,6 +120,9 @@ class KimberliteConnection(asyncio.Protocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
+        if self._eof and not self.tasks:
+            self.close()
+            return
         if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
             self._reading_paused = False
             if not self.closed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headwater.engine.subscriptions import Subscription
-from headwater.errors import AuthenticationFailed
+from headwater.errors import AuthenticationFailed, InvalidRequest
 from headwater.server.config import AuthConfig
 
 CAPABILITIES = (
@@ -23,6 +23,7 @@ CAPABILITIES = (
 class Session:
     auth: AuthConfig
     peer: str = "?"
+    handshaken: bool = False  # only a Handshake that succeeded sets it
     authenticated: bool = False
     granted: frozenset[int] | None = None  # None: every tenant (auth off, no token)
     rejected: bool = False  # auth required and the token was unknown
@@ -31,6 +32,7 @@ class Session:
 
     def handshake(self, token: str | None) -> bool:
         """Apply the Handshake's token; returns whether the client is authenticated."""
+        self.handshaken = True
         tenants = self.auth.tenants_for(token)
         if tenants is not None:
             self.granted, self.authenticated = tenants, True
@@ -42,6 +44,8 @@ class Session:
 
     def check_tenant(self, tenant_id: int) -> None:
         """AuthenticationFailed unless this session may act for ``tenant_id``."""
+        if not self.handshaken:  # deny by default, e.g. after a refused Handshake
+            raise InvalidRequest("a successful Handshake must come first")
         if self.rejected:
             raise AuthenticationFailed("the handshake's token was not accepted")
         if self.granted is not None and tenant_id not in self.granted:
