@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from headwater.cli.client_cmds import add_client_commands
+
 err = Console(stderr=True)
 out = Console()
 
@@ -79,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="verify every CRC and index of a data directory")
     check.add_argument("data_dir", type=Path)
     check.set_defaults(func=cmd_check)
+
+    add_client_commands(sub)
     return parser
 
 

@@ -1,0 +1,660 @@
+"""Client commands of ``headwater``: stream, append, read, tail, sql, bench.
+
+Every command talks to a running server through the SDK (``--server``, ``--token``,
+``--tenant``). An unreachable server is one line on stderr and exit status 2; an error
+answered by the server is one line and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from headwater.client import Client, QueryResult
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+EXIT_SERVER_ERROR = 1
+EXIT_UNREACHABLE = 2
+
+# Lines read from a file or stdin are sent in chunks this big (the SDK splits each chunk
+# into protocol-sized, pipelined appends).
+APPEND_CHUNK_EVENTS = 50_000
+APPEND_CHUNK_BYTES = 8 << 20
+
+
+def fail(message: str, status: int) -> int:
+    """One plain line on stderr (never wrapped, no markup), and the exit status."""
+    sys.stderr.write(f"headwater: error: {message}\n")
+    sys.stderr.flush()
+    return status
+
+
+def client_command(
+    func: Callable[[argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """Turn SDK and server errors into one-line messages and exit statuses."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        from headwater.client import ClientError, ServerUnavailable
+        from headwater.errors import HeadwaterError
+
+        try:
+            return func(args)
+        except ServerUnavailable as exc:
+            return fail(str(exc), EXIT_UNREACHABLE)
+        except HeadwaterError as exc:
+            return fail(f"{exc.name}: {exc.message}", EXIT_SERVER_ERROR)
+        except ClientError as exc:
+            return fail(str(exc), EXIT_UNREACHABLE)
+        except BrokenPipeError:
+            # stdout closed early (`headwater read s | head`): not an error. Point stdout
+            # at /dev/null so the interpreter's final flush does not complain again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 0
+
+    return run
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    import headwater
+
+    return headwater.connect(args.server, token=args.token, tenant=args.tenant)
+
+
+# ---- formatting ------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_created(ns: int) -> str:
+    when = _dt.datetime.fromtimestamp(ns / 1e9, _dt.UTC).astimezone()
+    return when.strftime("%Y-%m-%d %H:%M:%S")
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+    0x7F: "\\x7f",
+}
+
+
+def format_value(value: bytes) -> str:
+    """UTF-8 text as itself (control characters escaped), anything else as hex."""
+    try:
+        text = value.decode()
+    except UnicodeDecodeError:
+        return "0x" + value.hex()
+    return text.translate(_CONTROL)
+
+
+def format_cell(value: object) -> str:
+    from headwater.client import Timestamp
+    from headwater.client.results import timestamp_to_datetime
+
+    if value is None:
+        return "NULL"
+    if isinstance(value, Timestamp):
+        return timestamp_to_datetime(value).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return str(value)
+
+
+def parse_param(text: str) -> object:
+    """--param values: integers, true/false, null; anything else is text."""
+    lowered = text.lower()
+    if lowered == "null":
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_offset(text: str) -> int | str:
+    if text in ("latest", "earliest", "resume"):
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an offset, 'earliest', 'latest' or 'resume', not {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("offsets are >= 0")
+    return value
+
+
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+# ---- stream -------------------------------------------------------------------------------
+
+
+@client_command
+def cmd_stream_create(args: argparse.Namespace) -> int:
+    with _connect(args) as hw:
+        stream_id = hw.create_stream(args.name)
+    out.print(f"created stream {args.name} (id {stream_id})", markup=False, soft_wrap=True)
+    return 0
+
+
+@client_command
+def cmd_stream_list(args: argparse.Namespace) -> int:
+    with _connect(args) as hw:
+        streams = hw.list_streams()
+    if args.json:
+        import json
+
+        rows = [
+            {
+                "id": s.stream_id,
+                "name": s.name,
+                "next_offset": s.next_offset,
+                "size_bytes": s.size_bytes,
+                "created_ns": s.created_ns,
+            }
+            for s in streams
+        ]
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    table = Table(title=f"streams of tenant {args.tenant} at {args.server}")
+    table.add_column("id", justify="right")
+    table.add_column("name", no_wrap=True)
+    table.add_column("next offset", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("created")
+    for s in sorted(streams, key=lambda s: s.stream_id):
+        table.add_row(
+            str(s.stream_id),
+            s.name,
+            f"{s.next_offset:,}",
+            human_bytes(s.size_bytes),
+            format_created(s.created_ns),
+        )
+    out.print(table)
+    out.print(f"{len(streams)} stream{'s' if len(streams) != 1 else ''}")
+    return 0
+
+
+@client_command
+def cmd_stream_describe(args: argparse.Namespace) -> int:
+    with _connect(args) as hw:
+        info = hw.stream_info(args.name)
+        last = None
+        if info.next_offset > 0:
+            events = hw.read(info.stream_id, info.next_offset - 1, 1 << 16).events
+            last = events[0] if events else None
+    table = Table(show_header=False, title=f"stream {info.name}")
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("id", str(info.stream_id))
+    table.add_row("name", info.name)
+    table.add_row("next offset", f"{info.next_offset:,}")
+    table.add_row("size", f"{human_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
+    table.add_row("created", format_created(info.created_ns))
+    if last is not None:
+        preview = format_value(last.value)
+        if len(preview) > 120:
+            preview = preview[:117] + "..."
+        table.add_row("last event", f"{last.offset}: {preview}")
+    out.print(table)
+    return 0
+
+
+@client_command
+def cmd_stream_delete(args: argparse.Namespace) -> int:
+    with _connect(args) as hw:
+        hw.delete_stream(args.name)
+    out.print(f"deleted stream {args.name}", markup=False, soft_wrap=True)
+    return 0
+
+
+# ---- append / read / tail -------------------------------------------------------------------
+
+
+def _chunks(source: IO[bytes], *, live: bool) -> Iterator[tuple[list[bytes], int]]:
+    """(events, bytes consumed) chunks of the non-empty lines of ``source``.
+
+    A chunk ends at APPEND_CHUNK_EVENTS / APPEND_CHUNK_BYTES; with ``live`` (a pipe or a
+    terminal) also whenever the input pauses, so `producer | headwater append s` sends
+    lines as they come instead of waiting for the end of the input.
+    """
+    read = getattr(source, "read1", source.read)
+    chunk: list[bytes] = []
+    size = consumed = 0
+    partial = b""
+    while True:
+        data = read(1 << 20)
+        if not data:
+            break
+        consumed += len(data)
+        lines = (partial + data).split(b"\n")
+        partial = lines.pop()
+        for line in lines:
+            event = line.rstrip(b"\r")
+            if event:
+                chunk.append(event)
+                size += len(event)
+        if chunk and (live or len(chunk) >= APPEND_CHUNK_EVENTS or size >= APPEND_CHUNK_BYTES):
+            yield chunk, consumed
+            chunk, size, consumed = [], 0, 0
+    event = partial.rstrip(b"\r")
+    if event:
+        chunk.append(event)
+    if chunk or consumed:
+        yield chunk, consumed
+
+
+@client_command
+def cmd_append(args: argparse.Namespace) -> int:
+    from headwater.client import AppendResult
+
+    source: IO[bytes]
+    total = None
+    if args.file is not None:
+        path = Path(args.file)
+        try:
+            source = path.open("rb")
+        except OSError as exc:
+            return fail(f"cannot read {path}: {exc.strerror}", 2)
+        total = path.stat().st_size
+    else:
+        source = sys.stdin.buffer
+    count = 0
+    first = last = None
+    results: list[AppendResult] = []
+    with _connect(args) as hw, source:
+        hw.stream_id(args.stream)  # StreamNotFound before reading any input
+        progress = _progress("bytes") if total is not None else None
+        task = progress.add_task("appending", total=total) if progress else None
+        try:
+            if progress is not None:
+                progress.start()
+            for chunk, consumed in _chunks(source, live=total is None):
+                if chunk:
+                    result = hw.append(args.stream, chunk)
+                    results.append(result)
+                    count += result.count
+                    if first is None:
+                        first = result.first_offset
+                    last = result.last_offset
+                if progress is not None and task is not None:
+                    progress.update(task, advance=consumed)
+        finally:
+            if progress is not None:
+                progress.stop()
+    if count == 0:
+        out.print(
+            f"no events appended to {args.stream} (the input had no lines)",
+            markup=False,
+            soft_wrap=True,
+        )
+        return 0
+    out.print(
+        f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: "
+        f"offsets {first}..{last}",
+        markup=False,
+        soft_wrap=True,
+    )
+    return 0
+
+
+class _EventRateColumn(ProgressColumn):
+    """Events per second of a task counted in events."""
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:,.0f} events/s", style="progress.data.speed")
+
+
+def _progress(unit: str = "events") -> Progress:
+    rate: ProgressColumn = TransferSpeedColumn() if unit == "bytes" else _EventRateColumn()
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        rate,
+        TimeRemainingColumn(),
+        console=err,
+        transient=False,
+    )
+
+
+def _write_event(offset: int, value: bytes, stream: IO[str]) -> None:
+    stream.write(f"{offset}\t{format_value(value)}\n")
+
+
+@client_command
+def cmd_read(args: argparse.Namespace) -> int:
+    with _connect(args) as hw:
+        stdout = sys.stdout
+        for event in hw.scan(args.stream, args.from_offset, limit=args.limit):
+            _write_event(event.offset, event.value, stdout)
+        stdout.flush()
+    return 0
+
+
+@client_command
+def cmd_tail(args: argparse.Namespace) -> int:
+    hw = _connect(args)
+    stdout = sys.stdout
+    try:
+        with hw.subscribe(
+            args.stream, args.from_offset, credits=args.credits, group=args.group
+        ) as sub:
+            err.print(
+                f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)",
+                markup=False,
+                soft_wrap=True,
+            )
+            for event in sub:
+                _write_event(event.offset, event.value, stdout)
+                stdout.flush()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with contextlib.suppress(KeyboardInterrupt):
+            hw.close()
+    return 0
+
+
+# ---- sql --------------------------------------------------------------------------------------
+
+
+@client_command
+def cmd_sql(args: argparse.Namespace) -> int:
+    params = [parse_param(p) for p in args.param or ()]
+    with _connect(args) as hw:
+        if args.at is not None:
+            result = hw.query_at(args.sql, args.at, *params)
+        else:
+            result = hw.query(args.sql, *params)
+    if args.format == "table":
+        _print_result(result)
+    elif args.format == "csv":
+        import csv
+
+        writer = csv.writer(sys.stdout)
+        writer.writerow(result.columns)
+        for row in result.rows:
+            writer.writerow(["" if v is None else format_cell(v) for v in row])
+    else:
+        import json
+
+        for row in result.rows:
+            record = {
+                c: (v if isinstance(v, int | str | bool) or v is None else format_cell(v))
+                for c, v in zip(result.columns, row, strict=True)
+            }
+            sys.stdout.write(json.dumps(record) + "\n")
+    return 0
+
+
+def _print_result(result: QueryResult) -> None:
+    table = Table()
+    for index, column in enumerate(result.columns):
+        sample = next((row[index] for row in result.rows if row[index] is not None), None)
+        numeric = isinstance(sample, int) and not isinstance(sample, bool)
+        table.add_column(column, justify="right" if numeric else "left")
+    for row in result.rows:
+        table.add_row(*(format_cell(v) for v in row))
+    out.print(table)
+    n = len(result.rows)
+    out.print(f"({n} row{'s' if n != 1 else ''})")
+
+
+# ---- bench --------------------------------------------------------------------------------------
+
+
+def _report(what: str, events: int, nbytes: int, seconds: float, extra: str = "") -> None:
+    seconds = max(seconds, 1e-9)
+    out.print(
+        f"{what}: {events:,} events, {human_bytes(nbytes)} in {seconds:.2f} s: "
+        f"[bold]{events / seconds:,.0f} events/s[/], "
+        f"[bold]{nbytes / seconds / 1e6:,.1f} MB/s[/]{extra}",
+        soft_wrap=True,
+    )
+
+
+@client_command
+def cmd_bench_produce(args: argparse.Namespace) -> int:
+    return asyncio.run(_bench_produce(args))
+
+
+async def _bench_produce(args: argparse.Namespace) -> int:
+    from headwater.client import connect_async
+    from headwater.errors import StreamAlreadyExists
+
+    client = await connect_async(args.server, token=args.token, tenant=args.tenant)
+    try:
+        with contextlib.suppress(StreamAlreadyExists):
+            await client.create_stream(args.stream)
+        value = (b"x" * args.size)[: args.size]
+        batch = [value] * args.batch
+        batches = [batch] * (args.events // args.batch)
+        if args.events % args.batch:
+            batches.append([value] * (args.events % args.batch))
+        latencies: list[float] = []
+        slots = asyncio.Semaphore(args.concurrency)
+        with _progress() as progress:
+            task = progress.add_task("producing", total=args.events)
+
+            async def one(events: list[bytes]) -> None:
+                async with slots:
+                    began = time.perf_counter()
+                    await client.append(args.stream, events)
+                    latencies.append(time.perf_counter() - began)
+                progress.update(task, advance=len(events))
+
+            started = time.perf_counter()
+            # Created in order, so the appends are sent in order; `slots` bounds how
+            # many are in flight on the one connection.
+            await asyncio.gather(*(one(b) for b in batches))
+            elapsed = time.perf_counter() - started
+        latencies.sort()
+        p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
+        p99 = (
+            latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
+            if latencies
+            else 0.0
+        )
+        _report(
+            "produce",
+            args.events,
+            args.events * args.size,
+            elapsed,
+            f" (batch {args.batch}, {args.concurrency} in flight; "
+            f"append latency p50 {p50:.1f} ms, p99 {p99:.1f} ms)",
+        )
+    finally:
+        await client.close()
+    return 0
+
+
+@client_command
+def cmd_bench_consume(args: argparse.Namespace) -> int:
+    return asyncio.run(_bench_consume(args))
+
+
+async def _bench_consume(args: argparse.Namespace) -> int:
+    from headwater.client import connect_async
+
+    client = await connect_async(args.server, token=args.token, tenant=args.tenant)
+    try:
+        info = await client.stream_info(args.stream)
+        end = info.next_offset
+        if args.events is not None:
+            end = min(end, args.from_offset + args.events)
+        total = max(0, end - args.from_offset)
+        events = nbytes = 0
+        with _progress() as progress:
+            task = progress.add_task(f"consuming ({args.mode})", total=total)
+            started = time.perf_counter()
+            if args.mode == "read":
+                offset = args.from_offset
+                while offset < end:
+                    result = await client.read(info.stream_id, offset, args.max_bytes)
+                    got = result.events[: end - offset]
+                    if not got:
+                        break
+                    events += len(got)
+                    nbytes += sum(len(e.value) for e in got)
+                    offset = got[-1].offset + 1
+                    progress.update(task, advance=len(got))
+            elif total:
+                async with client.subscribe(
+                    info.stream_id, args.from_offset, credits=args.credits
+                ) as sub:
+                    while events < total:
+                        batch = await sub.next_batch(total - events)
+                        if not batch:
+                            break
+                        events += len(batch)
+                        nbytes += sum(len(e.value) for e in batch)
+                        progress.update(task, advance=len(batch))
+            elapsed = time.perf_counter() - started
+        _report(f"consume ({args.mode})", events, nbytes, elapsed)
+    finally:
+        await client.close()
+    return 0
+
+
+# ---- parser -------------------------------------------------------------------------------------
+
+
+def connection_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("connection")
+    group.add_argument(
+        "--server",
+        default=os.environ.get("HEADWATER_SERVER", "127.0.0.1:7401"),
+        help="Kimberlite address host:port (default 127.0.0.1:7401, or $HEADWATER_SERVER)",
+    )
+    group.add_argument(
+        "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
+    )
+    group.add_argument("--tenant", type=non_negative, default=0, help="tenant id (default 0)")
+    return parent
+
+
+def add_client_commands(sub: Any) -> None:
+    conn = connection_options()
+
+    stream = sub.add_parser("stream", help="create, list, describe and delete streams")
+    stream_sub = stream.add_subparsers(dest="stream_command", required=True)
+    p = stream_sub.add_parser("create", parents=[conn], help="create a stream")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_stream_create)
+    p = stream_sub.add_parser("list", parents=[conn], help="list the tenant's streams")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_stream_list)
+    p = stream_sub.add_parser("describe", parents=[conn], help="show one stream")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_stream_describe)
+    p = stream_sub.add_parser("delete", parents=[conn], help="delete a stream and its events")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_stream_delete)
+
+    p = sub.add_parser(
+        "append", parents=[conn], help="append lines (stdin or --file) as events, one per line"
+    )
+    p.add_argument("stream")
+    p.add_argument("--file", "-f", default=None, help="read lines from this file (shows progress)")
+    p.set_defaults(func=cmd_append)
+
+    p = sub.add_parser("read", parents=[conn], help="print events: offset<TAB>value per line")
+    p.add_argument("stream")
+    p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
+    p.add_argument("--limit", type=non_negative, default=None, help="at most this many events")
+    p.set_defaults(func=cmd_read)
+
+    p = sub.add_parser("tail", parents=[conn], help="follow a stream live (Ctrl-C to stop)")
+    p.add_argument("stream")
+    p.add_argument(
+        "--from",
+        dest="from_offset",
+        type=parse_offset,
+        default="latest",
+        help="an offset, 'earliest', 'latest' (default) or 'resume' (with --group)",
+    )
+    p.add_argument("--group", default=None, help="consumer group (durable position)")
+    p.add_argument("--credits", type=positive, default=1000, help="flow-control window")
+    p.set_defaults(func=cmd_tail)
+
+    p = sub.add_parser("sql", parents=[conn], help="run a SQL query")
+    p.add_argument("sql")
+    p.add_argument("--at", type=non_negative, default=None, help="query as of a log position")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=None,
+        help="a parameter ($1, $2, ...): integers, true/false and null are typed, "
+        "anything else is text; repeat for more",
+    )
+    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    p.set_defaults(func=cmd_sql)
+
+    bench = sub.add_parser("bench", help="measure produce / consume throughput")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bench_sub.add_parser("produce", parents=[conn], help="append synthetic events")
+    p.add_argument("stream")
+    p.add_argument("--events", type=positive, default=100_000)
+    p.add_argument("--batch", type=positive, default=1000, help="events per append")
+    p.add_argument("--size", type=non_negative, default=100, help="bytes per event")
+    p.add_argument("--concurrency", type=positive, default=8, help="appends in flight")
+    p.set_defaults(func=cmd_bench_produce)
+    p = bench_sub.add_parser("consume", parents=[conn], help="read a stream as fast as possible")
+    p.add_argument("stream")
+    p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
+    p.add_argument("--events", type=positive, default=None, help="stop after this many")
+    p.add_argument("--mode", choices=("read", "subscribe"), default="read")
+    p.add_argument("--max-bytes", type=positive, default=4 << 20, help="bytes per read")
+    p.add_argument("--credits", type=positive, default=10_000, help="subscribe window")
+    p.set_defaults(func=cmd_bench_consume)

@@ -1,0 +1,1136 @@
+"""The asyncio client: :func:`connect_async` and :class:`AsyncClient`.
+
+One TCP connection carries every request of a client; concurrent coroutines share it and
+their requests are in flight together, matched to their answers by request id.
+
+Failures, and what the client does about them:
+
+* An Error response raises the matching ``headwater.errors`` class. When the error is
+  ``retryable`` and the request is safe to repeat (reads, queries, listing, sync,
+  subscribing, idempotent appends) it is retried up to ``retries`` times with
+  exponential backoff and jitter first.
+* When the connection breaks, the next request reconnects (exponential backoff and
+  jitter, at most ``reconnect_attempts`` attempts, then :class:`ServerUnavailable`).
+  Requests that were in flight are repeated when safe; the others (append, create,
+  delete) raise :class:`ConnectionLost` with ``maybe_applied=True``: the server may have
+  applied them and the client never resends them behind the caller's back. A request
+  that had not been written yet is simply sent on the new connection.
+* Subscriptions re-subscribe on the new connection from the next offset they have not
+  received, so no event is skipped and none is delivered twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as _dt
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Literal, TypeVar
+
+from headwater.errors import ProtocolError, StreamNotFound
+from headwater.protocols.kimberlite.connection import ClientConnection
+from headwater.protocols.kimberlite.messages import (
+    MAX_APPEND_BYTES,
+    MAX_EVENTS,
+    RESUME_GROUP_OFFSET,
+    AppendEventsRequest,
+    AppendEventsResponse,
+    AppendIdempotentRequest,
+    CloseReason,
+    CreateStreamRequest,
+    CreateStreamResponse,
+    DataClass,
+    DeleteStreamRequest,
+    ErrorResponse,
+    EventBatch,
+    HandshakeRequest,
+    HandshakeResponse,
+    ListStreamsRequest,
+    Placement,
+    QueryAtRequest,
+    QueryAtResponse,
+    QueryParam,
+    QueryRequest,
+    QueryResponse,
+    ReadEventsRequest,
+    ReadEventsResponse,
+    RequestPayload,
+    ResponsePayload,
+    StreamDeletedResponse,
+    StreamInfo,
+    StreamsResponse,
+    SubscribeCreditRequest,
+    SubscribeRequest,
+    SubscribeResponse,
+    SubscriptionClosedResponse,
+    SubscriptionEventsResponse,
+    SyncRequest,
+    SyncResponse,
+    Timestamp,
+    UnsubscribeRequest,
+)
+
+from ._connection import Connection, Lost, NotSent
+from .errors import (
+    ClientClosed,
+    ConnectionLost,
+    EventTooLarge,
+    RequestTimeout,
+    ServerUnavailable,
+    SubscriptionClosed,
+)
+from .results import AppendResult, Event, QueryResult, ReadResult, datetime_to_timestamp
+
+DEFAULT_SERVER = "127.0.0.1:7401"
+DEFAULT_PORT = 7401
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_CREDITS = 1000
+DEFAULT_READ_BYTES = 1 << 20
+MAX_CREDITS = (1 << 32) - 1
+
+StreamRef = str | int
+"""A stream by name (resolved through ListStreams, cached) or by id."""
+EventLike = bytes | bytearray | memoryview | str
+"""An event value: bytes, or text (sent as UTF-8)."""
+StartOffset = int | Literal["latest", "resume", "earliest"]
+"""Where a subscription starts: an offset, "earliest" (0), "latest" (only new events) or
+"resume" (the consumer group's acknowledged position; needs ``group``)."""
+
+_T = TypeVar("_T")
+_R = TypeVar("_R", bound=ResponsePayload)
+
+
+def parse_server(server: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``; the port defaults to 7401) as ``(host, port)``."""
+    text = server.strip()
+    if not text:
+        return "127.0.0.1", DEFAULT_PORT
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host or "127.0.0.1", DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"bad server address {server!r}: expected host:port")
+    return host or "127.0.0.1", int(port_text)
+
+
+def to_event_bytes(event: EventLike) -> bytes:
+    if isinstance(event, str):
+        return event.encode()
+    if isinstance(event, bytes):
+        return event
+    if isinstance(event, bytearray | memoryview):
+        return bytes(event)
+    raise TypeError(f"an event is bytes or str, not {type(event).__name__}")
+
+
+def split_events(values: Sequence[bytes]) -> list[list[bytes]]:
+    """Split events into appends within the protocol's limits (10,000 events and 4 MiB
+    of event bytes each), keeping their order. Raises :class:`EventTooLarge` for an
+    event that no append can carry, before anything is sent."""
+    batches: list[list[bytes]] = []
+    current: list[bytes] = []
+    size = 0
+    for index, value in enumerate(values):
+        n = len(value)
+        if n > MAX_APPEND_BYTES:
+            raise EventTooLarge(
+                f"event {index} is {n:,} bytes; one event may be at most "
+                f"{MAX_APPEND_BYTES:,} bytes (4 MiB). Nothing was appended."
+            )
+        if current and (len(current) >= MAX_EVENTS or size + n > MAX_APPEND_BYTES):
+            batches.append(current)
+            current, size = [], 0
+        current.append(value)
+        size += n
+    if current:
+        batches.append(current)
+    return batches
+
+
+def to_query_param(value: object) -> QueryParam:
+    """A Python value as a Kimberlite query parameter (datetime becomes Timestamp)."""
+    if value is None or isinstance(value, bool | int | str | Timestamp):
+        return value
+    if isinstance(value, _dt.datetime):
+        return datetime_to_timestamp(value)
+    raise TypeError(
+        f"a {type(value).__name__} cannot be a query parameter: the Kimberlite wire carries "
+        "None, int, str, bool and Timestamp/datetime (pass str(value) and CAST it in SQL)"
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is `headwater serve` running there?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
+
+
+def _retrieve(future: asyncio.Future[ResponsePayload]) -> None:
+    """Done-callback for answers nobody awaits: mark their exception as seen."""
+    if not future.cancelled():
+        future.exception()
+
+
+class AsyncClient:
+    """A headwater client for asyncio. Make one with :func:`connect_async`."""
+
+    def __init__(
+        self,
+        server: str = DEFAULT_SERVER,
+        *,
+        token: str | None = None,
+        tenant: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        reconnect: bool = True,
+        retries: int = 5,
+        reconnect_attempts: int = 10,
+        backoff_base: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        self.host, self.port = parse_server(server)
+        self.address = f"{self.host}:{self.port}"
+        self.token = token
+        self.tenant = tenant
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self.retries = retries
+        self.reconnect_attempts = max(1, reconnect_attempts)
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.server_version: int | None = None
+        self.capabilities: tuple[str, ...] = ()
+        self.authenticated = False
+        # Counters, handy in tests and for monitoring.
+        self.reconnects = 0
+        self.retried = 0
+        self._conn: Connection | None = None
+        self._lock: asyncio.Lock | None = None
+        self._next_id = 1
+        self._connected_once = False
+        self._reconnect_round = 0
+        self._reconnect_error: BaseException | None = None
+        self._closed = False
+        self._names: dict[str, int] = {}
+        self._subscriptions: set[AsyncSubscription] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncClient:
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and self._conn.usable
+
+    async def close(self) -> None:
+        """Unsubscribe every subscription and close the connection."""
+        if self._closed:
+            return
+        for sub in list(self._subscriptions):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(sub.close(), 2.0)
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        conn = self._conn
+        if conn is not None:
+            conn.close()
+            await asyncio.sleep(0)
+
+    def _backoff(self, attempt: int) -> float:
+        delay: float = min(self.backoff_max, self.backoff_base * (2 ** max(0, attempt - 1)))
+        return delay * random.uniform(0.5, 1.0)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- connecting -----------------------------------------------------------------------
+
+    async def _open(self) -> Connection:
+        """One connection attempt, handshake included."""
+        loop = asyncio.get_running_loop()
+        if self._conn is not None:
+            self._next_id = max(self._next_id, self._conn.last_id + 1)
+        codec = ClientConnection(self.tenant, first_request_id=self._next_id)
+        where = f"cannot connect to headwater at {self.address}"
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: Connection(codec, self._on_lost), self.host, self.port
+                ),
+                self.timeout,
+            )
+        except TimeoutError:
+            raise ServerUnavailable(f"{where}: timed out after {self.timeout}s") from None
+        except OSError as exc:
+            raise ServerUnavailable(f"{where}: {_reason(exc)}") from None
+        try:
+            _, future = conn.send(HandshakeRequest(auth_token=self.token))
+            reply = await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            conn.abort()
+            raise ServerUnavailable(
+                f"{where}: no handshake answer within {self.timeout}s"
+            ) from None
+        except (Lost, NotSent):
+            why = conn.close_reason or "the connection closed during the handshake"
+            raise ServerUnavailable(f"{where}: {why}") from None
+        if isinstance(reply, ErrorResponse):
+            conn.close()
+            raise reply.to_exception()
+        if not isinstance(reply, HandshakeResponse):
+            conn.abort()
+            raise ServerUnavailable(f"{where}: unexpected {type(reply).__name__} to Handshake")
+        self.server_version = reply.server_version
+        self.capabilities = tuple(reply.capabilities)
+        self.authenticated = reply.authenticated
+        return conn
+
+    async def _ensure(self) -> Connection:
+        """The live connection; (re)connects when there is none."""
+        conn = self._conn
+        if conn is not None and conn.usable:
+            return conn
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        round_seen = self._reconnect_round
+        async with self._lock:
+            conn = self._conn
+            if conn is not None and conn.usable:
+                return conn
+            if self._closed:
+                raise ClientClosed("the client is closed")
+            if round_seen != self._reconnect_round and self._reconnect_error is not None:
+                raise self._reconnect_error  # a reconnect failed while we waited: no storm
+            if not self._connected_once:
+                conn = await self._open()
+            elif not self.reconnect:
+                why = (self._conn.close_reason if self._conn else None) or "closed"
+                raise ConnectionLost(
+                    f"the connection to headwater at {self.address} was lost ({why}) "
+                    "and reconnect is off"
+                )
+            else:
+                try:
+                    conn = await self._reconnect()
+                except BaseException as exc:
+                    self._reconnect_error = exc
+                    raise
+                finally:
+                    self._reconnect_round += 1
+                self._reconnect_error = None
+            self._conn = conn
+            self._connected_once = True
+            return conn
+
+    async def _reconnect(self) -> Connection:
+        last: ServerUnavailable | None = None
+        for attempt in range(1, self.reconnect_attempts + 1):
+            await asyncio.sleep(self._backoff(attempt))
+            if self._closed:
+                raise ClientClosed("the client is closed")
+            try:
+                conn = await self._open()
+            except ServerUnavailable as exc:
+                last = exc
+                continue
+            self.reconnects += 1
+            return conn
+        why = str(last).split(": ", 1)[-1] if last else "unknown"
+        raise ServerUnavailable(
+            f"lost the connection to headwater at {self.address} and could not reconnect "
+            f"in {self.reconnect_attempts} attempts: {why}"
+        )
+
+    def _on_lost(self, conn: Connection, exc: BaseException | None) -> None:
+        self._next_id = max(self._next_id, conn.last_id + 1)
+        if conn.close_reason is None:
+            conn.close_reason = _reason(exc) if exc else "the connection closed"
+        pending = list(conn.pending.values())
+        conn.pending.clear()
+        conn.routes.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(Lost(conn.close_reason))
+        orphans = [s for s in self._subscriptions if s._conn is conn and s._state in _LIVE]
+        if not orphans or self._closed:
+            return
+        if self.reconnect:
+            for sub in orphans:
+                sub._state = "detached"
+            self._spawn(self._recover(orphans))
+        else:
+            for sub in orphans:
+                sub._fail(
+                    ConnectionLost(
+                        f"the connection to headwater at {self.address} was lost "
+                        f"({conn.close_reason}) and reconnect is off"
+                    )
+                )
+
+    async def _recover(self, subs: list[AsyncSubscription]) -> None:
+        for sub in subs:
+            try:
+                await sub._resubscribe()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                sub._fail(exc)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        payload: RequestPayload,
+        route: AsyncSubscription | None = None,
+        *,
+        pinned: Connection | None = None,
+    ) -> tuple[Connection, int, asyncio.Future[ResponsePayload]]:
+        """Write a request (connecting first if needed); a request that never reached a
+        socket is retried on the next connection."""
+        for _ in range(self.reconnect_attempts + 1):
+            conn = pinned if pinned is not None else await self._ensure()
+            try:
+                await conn.writable()
+                request_id, future = conn.send(payload, route)
+            except NotSent:
+                if pinned is not None:
+                    raise ConnectionLost(
+                        f"the connection to headwater at {self.address} was lost "
+                        f"({conn.close_reason or 'closed'})",
+                        maybe_applied=False,
+                    ) from None
+                continue
+            return conn, request_id, future
+        raise ServerUnavailable(f"headwater at {self.address} keeps closing the connection")
+
+    async def _answer(
+        self,
+        conn: Connection,
+        request_id: int,
+        future: asyncio.Future[ResponsePayload],
+        what: str,
+        *,
+        safe: bool,
+    ) -> ResponsePayload:
+        """The answer to a written request (ErrorResponse included). Raises ConnectionLost
+        (the connection broke) or RequestTimeout."""
+        try:
+            if self.timeout is None:
+                return await future
+            return await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            conn.pending.pop(request_id, None)
+            conn.routes.pop(request_id, None)
+            raise RequestTimeout(
+                f"no answer to {what} from headwater at {self.address} within {self.timeout}s"
+            ) from None
+        except Lost as exc:
+            conn.routes.pop(request_id, None)
+            tail = "" if safe else "; it may or may not have been applied"
+            raise ConnectionLost(
+                f"the connection to headwater at {self.address} was lost while {what} was "
+                f"in flight ({exc}){tail}",
+                maybe_applied=not safe,
+            ) from None
+
+    async def _request(
+        self,
+        payload: RequestPayload,
+        expect: type[_R],
+        *,
+        safe: bool,
+        route: AsyncSubscription | None = None,
+        on_sent: Callable[[Connection, int], None] | None = None,
+    ) -> _R:
+        """Send a request and return its answer, retrying when that is safe."""
+        what = type(payload).__name__.removesuffix("Request")
+        attempt = 0
+        while True:
+            conn, request_id, future = await self._send(payload, route)
+            if on_sent is not None:
+                on_sent(conn, request_id)
+            try:
+                reply = await self._answer(conn, request_id, future, what, safe=safe)
+            except ConnectionLost:
+                if safe and self.reconnect and attempt < self.retries and not self._closed:
+                    attempt += 1
+                    self.retried += 1
+                    await asyncio.sleep(self._backoff(attempt))
+                    continue
+                raise
+            if isinstance(reply, ErrorResponse):
+                conn.routes.pop(request_id, None)
+                exc = reply.to_exception()
+                if exc.retryable and safe and attempt < self.retries:
+                    attempt += 1
+                    self.retried += 1
+                    await asyncio.sleep(self._backoff(attempt))
+                    continue
+                raise exc
+            if not isinstance(reply, expect):
+                conn.routes.pop(request_id, None)
+                raise ProtocolError(
+                    f"headwater answered {what} with {type(reply).__name__}, "
+                    f"expected {expect.__name__}"
+                )
+            return reply
+
+    async def _request_on(
+        self, conn: Connection, payload: RequestPayload, timeout: float = 5.0
+    ) -> ResponsePayload | None:
+        """Best effort on one given connection: the answer, or None when it failed."""
+        try:
+            await conn.writable()
+            _, future = conn.send(payload)
+        except NotSent:
+            return None
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except (TimeoutError, Lost):
+            return None
+
+    def _grant(self, conn: Connection, subscription_id: int, credits: int) -> bool:
+        """Fire-and-forget SubscribeCredit (its answer only confirms the balance)."""
+        try:
+            _, future = conn.send(SubscribeCreditRequest(subscription_id, credits))
+        except NotSent:
+            return False
+        future.add_done_callback(_retrieve)
+        return True
+
+    # ---- streams --------------------------------------------------------------------------
+
+    async def create_stream(
+        self,
+        name: str,
+        *,
+        data_class: DataClass = DataClass.NON_PHI,
+        placement: Placement = Placement.GLOBAL,
+    ) -> int:
+        """Create a stream; returns its id. StreamAlreadyExists when the name is taken."""
+        reply = await self._request(
+            CreateStreamRequest(name, data_class, placement), CreateStreamResponse, safe=False
+        )
+        self._names[name] = reply.stream_id
+        return reply.stream_id
+
+    async def list_streams(self) -> list[StreamInfo]:
+        """Every stream of the tenant (and refresh the name -> id cache)."""
+        reply = await self._request(ListStreamsRequest(), StreamsResponse, safe=True)
+        streams = list(reply.streams)
+        self._names = {info.name: info.stream_id for info in streams}
+        return streams
+
+    async def stream_info(self, stream: StreamRef) -> StreamInfo:
+        """One stream's StreamInfo (by name or id); StreamNotFound when there is none."""
+        for info in await self.list_streams():
+            if info.name == stream or (
+                isinstance(stream, int)
+                and not isinstance(stream, bool)
+                and info.stream_id == stream
+            ):
+                return info
+        raise StreamNotFound(f"no stream {stream!r}")
+
+    async def stream_id(self, stream: StreamRef, *, refresh: bool = False) -> int:
+        """The id of a stream name (cached; looked up with ListStreams when unknown)."""
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            return stream
+        if not isinstance(stream, str):
+            raise TypeError(f"a stream is a name or an id, not {type(stream).__name__}")
+        if not refresh:
+            cached = self._names.get(stream)
+            if cached is not None:
+                return cached
+        await self.list_streams()
+        found = self._names.get(stream)
+        if found is None:
+            raise StreamNotFound(f"no stream named {stream!r}")
+        return found
+
+    async def _with_stream(self, stream: StreamRef, op: Callable[[int], Awaitable[_T]]) -> _T:
+        """Run ``op(stream_id)``; when a cached id turns out stale (the stream was
+        deleted and made again), look the name up again and retry once."""
+        was_cached = isinstance(stream, str) and stream in self._names
+        stream_id = await self.stream_id(stream)
+        try:
+            return await op(stream_id)
+        except StreamNotFound as exc:
+            if not was_cached or getattr(exc, "appended_batches", None):
+                raise
+            assert isinstance(stream, str)
+            self._names.pop(stream, None)
+            try:
+                fresh = await self.stream_id(stream)
+            except StreamNotFound:
+                raise exc from None
+            if fresh == stream_id:
+                raise
+            return await op(fresh)
+
+    async def delete_stream(self, stream: StreamRef) -> None:
+        """Delete a stream (by name or id) and everything in it."""
+
+        async def op(stream_id: int) -> None:
+            await self._request(DeleteStreamRequest(stream_id), StreamDeletedResponse, safe=False)
+            self._names = {n: i for n, i in self._names.items() if i != stream_id}
+
+        await self._with_stream(stream, op)
+
+    # ---- appends and reads ----------------------------------------------------------------
+
+    async def append(
+        self, stream: StreamRef, events: Iterable[EventLike], *, max_in_flight: int = 8
+    ) -> AppendResult:
+        """Append events in order; returns ``(first_offset, count)``.
+
+        More than 10,000 events or 4 MiB are split over several AppendEvents, pipelined
+        (up to ``max_in_flight`` at once) on one connection. One event over 4 MiB raises
+        :class:`EventTooLarge` before anything is sent. When a part fails, no later part
+        is sent; the exception's ``appended_batches`` lists the parts that were stored.
+        """
+        values = [to_event_bytes(e) for e in events]
+        if not values:
+            raise ValueError("append needs at least one event")
+        batches = split_events(values)
+        return await self._with_stream(
+            stream, lambda sid: self._append_batches(sid, batches, max(1, max_in_flight))
+        )
+
+    async def _append_batches(
+        self, stream_id: int, batches: list[list[bytes]], max_in_flight: int
+    ) -> AppendResult:
+        results: list[tuple[int, int] | None] = [None] * len(batches)
+        errors: list[tuple[int, BaseException]] = []
+        slots = asyncio.Semaphore(max_in_flight)
+        waiters: list[asyncio.Task[None]] = []
+        loop = asyncio.get_running_loop()
+
+        async def finish(
+            index: int, conn: Connection, request_id: int, future: asyncio.Future[ResponsePayload]
+        ) -> None:
+            try:
+                reply = await self._answer(conn, request_id, future, "AppendEvents", safe=False)
+                if isinstance(reply, ErrorResponse):
+                    raise reply.to_exception()
+                if not isinstance(reply, AppendEventsResponse):
+                    raise ProtocolError(f"headwater answered AppendEvents with {reply!r}")
+                results[index] = (reply.first_offset, reply.count)
+            except BaseException as exc:
+                errors.append((index, exc))
+            finally:
+                slots.release()
+
+        pinned: Connection | None = None
+        try:
+            for index, batch in enumerate(batches):
+                await slots.acquire()
+                if errors:
+                    slots.release()
+                    break
+                payload = AppendEventsRequest(stream_id, EventBatch.of(batch))
+                try:
+                    # Every part goes on one connection, so the parts stay in order.
+                    conn, request_id, future = await self._send(payload, pinned=pinned)
+                except BaseException as exc:
+                    slots.release()
+                    errors.append((index, exc))
+                    break
+                pinned = conn
+                waiters.append(loop.create_task(finish(index, conn, request_id, future)))
+        finally:
+            if waiters:
+                await asyncio.gather(*waiters, return_exceptions=True)
+        if errors:
+            first_error = min(errors, key=lambda item: item[0])[1]
+            done = [r for r in results if r is not None]
+            first_error.appended_batches = done  # type: ignore[attr-defined]
+            if len(batches) > 1:
+                first_error.add_note(
+                    f"{len(done)} of {len(batches)} parts of this append were stored: {done}"
+                )
+            raise first_error
+        stored = [r for r in results if r is not None]
+        return AppendResult(stored[0][0], sum(c for _, c in stored), stored)
+
+    async def append_idempotent(
+        self, stream: StreamRef, producer_id: int, sequence: int, events: Iterable[EventLike]
+    ) -> AppendResult:
+        """Append once per ``(producer_id, sequence)``: a repeat returns the original
+        offsets and appends nothing, so this is retried on connection loss and on
+        retryable errors. One call is one request (at most 10,000 events / 4 MiB)."""
+        values = [to_event_bytes(e) for e in events]
+        if not values:
+            raise ValueError("append_idempotent needs at least one event")
+        if len(split_events(values)) > 1:
+            raise ValueError(
+                f"an idempotent append is one request: at most {MAX_EVENTS:,} events and "
+                f"{MAX_APPEND_BYTES:,} bytes; use one sequence number per part"
+            )
+        batch = EventBatch.of(values)
+
+        async def op(stream_id: int) -> AppendResult:
+            reply = await self._request(
+                AppendIdempotentRequest(stream_id, producer_id, sequence, batch),
+                AppendEventsResponse,
+                safe=True,
+            )
+            return AppendResult(
+                reply.first_offset, reply.count, [(reply.first_offset, reply.count)]
+            )
+
+        return await self._with_stream(stream, op)
+
+    async def read(
+        self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
+    ) -> ReadResult:
+        """Events from ``from_offset`` until ``max_bytes`` of values (at least one event
+        when there is one). ``events, next_offset = await client.read(...)``."""
+
+        async def op(stream_id: int) -> ReadResult:
+            reply = await self._request(
+                ReadEventsRequest(stream_id, from_offset, max_bytes), ReadEventsResponse, safe=True
+            )
+            values = reply.events.values()
+            events = [Event(from_offset + i, value) for i, value in enumerate(values)]
+            at_end = reply.next_offset is None
+            next_offset = from_offset + len(values) if at_end else reply.next_offset
+            assert next_offset is not None
+            return ReadResult(events, next_offset, at_end)
+
+        return await self._with_stream(stream, op)
+
+    async def scan(
+        self,
+        stream: StreamRef,
+        from_offset: int = 0,
+        *,
+        limit: int | None = None,
+        max_bytes: int = DEFAULT_READ_BYTES,
+    ) -> AsyncIterator[Event]:
+        """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
+        offset = from_offset
+        left = limit
+        while left is None or left > 0:
+            result = await self.read(stream, offset, max_bytes)
+            events = result.events if left is None else result.events[:left]
+            for event in events:
+                yield event
+            if left is not None:
+                left -= len(events)
+            if result.at_end or not result.events:
+                return
+            offset = result.next_offset
+
+    # ---- SQL ------------------------------------------------------------------------------
+
+    async def query(self, sql: str, *params: object) -> QueryResult:
+        """Run SQL (DuckDB dialect) seeing every event acknowledged before it."""
+        reply = await self._request(
+            QueryRequest(sql, [to_query_param(p) for p in params]), QueryResponse, safe=True
+        )
+        return QueryResult(reply.columns, reply.rows)
+
+    async def query_at(self, sql: str, position: int, *params: object) -> QueryResult:
+        """Run SQL over exactly the first ``position`` positions of the tenant log."""
+        reply = await self._request(
+            QueryAtRequest(sql, [to_query_param(p) for p in params], position),
+            QueryAtResponse,
+            safe=True,
+        )
+        return QueryResult(reply.columns, reply.rows)
+
+    async def sync(self) -> bool:
+        """Make everything the tenant wrote durable (fsync), whatever the sync policy."""
+        reply = await self._request(SyncRequest(), SyncResponse, safe=True)
+        return reply.success
+
+    # ---- subscriptions --------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        stream: StreamRef,
+        from_offset: StartOffset = 0,
+        *,
+        credits: int = DEFAULT_CREDITS,
+        group: str | None = None,
+    ) -> AsyncSubscription:
+        """A live subscription (started by ``async with``, ``async for`` or ``start()``).
+
+        ``credits`` is the flow-control window: at most that many events are pushed
+        ahead of what the caller consumed; more credit is granted automatically when the
+        balance falls below half. With ``group`` the consumer group's durable position
+        advances only past events the caller has finished with (it asked for the next
+        one), so delivery is at-least-once; ``from_offset="resume"`` continues it.
+        """
+        return AsyncSubscription(self, stream, from_offset, credits, group)
+
+
+_LIVE = ("active", "detached")
+SubscriptionState = Literal["new", "subscribing", "active", "detached", "closed", "failed"]
+
+
+class AsyncSubscription:
+    """Events of one stream as they are appended, with automatic credit refill."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        stream: StreamRef,
+        from_offset: StartOffset,
+        credits: int,
+        group: str | None,
+    ) -> None:
+        if not 1 <= credits <= MAX_CREDITS:
+            raise ValueError(f"credits must be 1..{MAX_CREDITS}, not {credits}")
+        if isinstance(from_offset, str):
+            if from_offset not in ("latest", "resume", "earliest"):
+                raise ValueError(
+                    f"from_offset is an offset, 'earliest', 'latest' or 'resume', "
+                    f"not {from_offset!r}"
+                )
+            if from_offset == "resume" and group is None:
+                raise ValueError("from_offset='resume' continues a consumer group: pass group=")
+        elif from_offset < 0:
+            raise ValueError("from_offset must be >= 0")
+        self._client = client
+        self.stream = stream
+        self.group = group
+        self.credits = credits
+        self._from = from_offset
+        self.stream_id: int | None = None
+        self.subscription_id: int | None = None
+        self.start_offset: int | None = None
+        self.next_offset: int | None = None
+        """The next offset this subscription will receive (where it re-subscribes)."""
+        self.resubscribes = 0
+        self._buffer: deque[Event] = deque()
+        self._ready: asyncio.Event | None = None
+        self._unconsumed = 0  # server-side balance + events buffered here
+        self._handed = 0  # group subscriptions: events handed out, not yet finished
+        self._state: SubscriptionState = "new"
+        self._error: BaseException | None = None
+        self._conn: Connection | None = None
+        self._request_id: int | None = None
+        self._starting: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncSubscription(stream={self.stream!r}, state={self._state}, "
+            f"next_offset={self.next_offset})"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._state in ("closed", "failed")
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # ---- starting -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncSubscription:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> AsyncSubscription:
+        """Subscribe (once); raises the server's error (e.g. StreamNotFound)."""
+        if self._starting is None:
+            if self._state != "new":
+                return self
+            self._starting = asyncio.get_running_loop().create_task(self._first_subscribe())
+        await asyncio.shield(self._starting)  # a failed start raises its error every time
+        return self
+
+    async def _first_subscribe(self) -> None:
+        self._state = "subscribing"
+        client = self._client
+        client._subscriptions.add(self)  # on the loop: the client closes it with itself
+        try:
+            if self.group is not None and self._from == "latest":
+                info = await client.stream_info(self.stream)
+                self.stream_id, from_offset = info.stream_id, info.next_offset
+            else:
+                self.stream_id = await client.stream_id(self.stream)
+                if self._from == "earliest":
+                    from_offset = 0
+                elif isinstance(self._from, str):
+                    # "latest" without a group: the server starts at the end;
+                    # "resume" with a group: at the group's acknowledged position.
+                    from_offset = RESUME_GROUP_OFFSET
+                else:
+                    from_offset = self._from
+            await self._subscribe(from_offset, self.credits)
+        except BaseException as exc:
+            if not self.closed:
+                self._state = "failed"
+            client._subscriptions.discard(self)
+            raise exc
+
+    async def _subscribe(self, from_offset: int, initial: int) -> None:
+        assert self.stream_id is not None
+
+        def sent(conn: Connection, request_id: int) -> None:
+            self._conn, self._request_id = conn, request_id
+            # Pushes may arrive before this coroutine sees the reply: count the balance
+            # from the moment the request goes out.
+            self._unconsumed = initial + len(self._buffer)
+
+        reply = await self._client._request(
+            SubscribeRequest(self.stream_id, from_offset, initial, self.group),
+            SubscribeResponse,
+            safe=True,
+            route=self,
+            on_sent=sent,
+        )
+        if self.closed:  # closed while subscribing: undo
+            if self._conn is not None:
+                self._conn.routes.pop(self._request_id or 0, None)
+                await self._client._request_on(
+                    self._conn, UnsubscribeRequest(reply.subscription_id)
+                )
+            return
+        self.subscription_id = reply.subscription_id
+        if self.start_offset is None:
+            self.start_offset = reply.start_offset
+        if self.next_offset is None or reply.start_offset > self.next_offset:
+            self.next_offset = reply.start_offset
+        self._state = "active"
+        self._consumed(0)  # events taken while (re)subscribing may already call for credit
+        self._wake()
+
+    async def _resubscribe(self) -> None:
+        if self._state != "detached":
+            return
+        assert self.next_offset is not None
+        self.resubscribes += 1
+        await self._subscribe(self.next_offset, max(0, self.credits - len(self._buffer)))
+
+    # ---- pushes (called by the connection) -----------------------------------------------
+
+    def _wake(self) -> None:
+        if self._ready is not None:
+            self._ready.set()
+
+    def _on_events(self, payload: SubscriptionEventsResponse) -> None:
+        if self._state in ("closed", "failed"):
+            return
+        values = payload.events.values()
+        start = payload.start_offset
+        skip = 0
+        if self.next_offset is not None and start < self.next_offset:
+            skip = min(len(values), self.next_offset - start)  # already received
+        self._buffer.extend(Event(start + i, values[i]) for i in range(skip, len(values)))
+        end = start + len(values)
+        if self.next_offset is None or end > self.next_offset:
+            self.next_offset = end
+        self._wake()
+
+    def _on_closed(self, payload: SubscriptionClosedResponse) -> None:
+        if self._state in ("closed", "failed"):
+            return
+        reason = payload.reason
+        name = self.stream if isinstance(self.stream, str) else f"id {self.stream}"
+        if reason == CloseReason.SERVER_SHUTDOWN:
+            if self._client.reconnect:
+                self._state = "detached"  # re-subscribed once the connection is back
+            else:
+                self._fail(ConnectionLost("the server shut down and reconnect is off"))
+        elif reason == CloseReason.BACKPRESSURE_TIMEOUT:
+            self._state = "detached"
+            self._client._spawn(self._client._recover([self]))
+        elif reason == CloseReason.STREAM_DELETED:
+            self._fail(StreamNotFound(f"stream {name} was deleted"))
+        elif reason == CloseReason.CLIENT_CANCELLED:
+            self._state = "closed"
+            self._wake()
+        else:
+            self._fail(
+                SubscriptionClosed(
+                    f"the server closed the subscription to {name} ({reason.name})", int(reason)
+                )
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._state == "closed":
+            return
+        self._state = "failed"
+        self._error = exc
+        self._client._subscriptions.discard(self)
+        self._wake()
+
+    # ---- consuming ------------------------------------------------------------------------
+
+    def _consumed(self, count: int) -> None:
+        self._unconsumed -= count
+        if self._state != "active":
+            return
+        if self.group is not None:
+            # A grant acknowledges everything the server delivered before it, so a group
+            # grants only once every event it was sent has been handed out and finished
+            # with: the group's position never passes an event still being processed.
+            if self._unconsumed > 0:
+                return
+        elif self._unconsumed >= (self.credits + 1) // 2:
+            return
+        grant = self.credits - self._unconsumed
+        conn, subscription_id = self._conn, self.subscription_id
+        if grant <= 0 or conn is None or subscription_id is None:
+            return
+        if self._client._grant(conn, subscription_id, grant):
+            self._unconsumed += grant
+
+    async def _next_batch(
+        self, max_events: int | None = None, timeout: float | None = None
+    ) -> list[Event] | None:
+        """Buffered events (waiting for some); [] on timeout; None once closed."""
+        await self.start()
+        if self._handed:
+            # The caller is back for more: it has finished with the previous batch.
+            finished, self._handed = self._handed, 0
+            self._consumed(finished)
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        ready = self._ready
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not self._buffer:
+            if self._error is not None:
+                raise self._error
+            if self._state == "closed":
+                return None
+            ready.clear()
+            if deadline is None:
+                await ready.wait()
+            else:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    return []
+                try:
+                    await asyncio.wait_for(ready.wait(), remaining)
+                except TimeoutError:
+                    return []
+        buffer = self._buffer
+        n = len(buffer) if max_events is None else max(1, min(max_events, len(buffer)))
+        batch = [buffer.popleft() for _ in range(n)]
+        if self.group is None:
+            self._consumed(n)
+        else:
+            self._handed = n  # acknowledged once the caller asks for more
+        return batch
+
+    async def next_batch(
+        self, max_events: int | None = None, timeout: float | None = None
+    ) -> list[Event]:
+        """The events received so far (at most ``max_events``), waiting for at least one;
+        [] when ``timeout`` passes first or the subscription is closed."""
+        batch = await self._next_batch(max_events, timeout)
+        return batch or []
+
+    async def next(self, timeout: float | None = None) -> Event | None:
+        """One event, or None on timeout / once closed."""
+        batch = await self._next_batch(1, timeout)
+        return batch[0] if batch else None
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        try:
+            while True:
+                batch = await self._next_batch()
+                if batch is None:
+                    return
+                for event in batch:
+                    yield event
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Unsubscribe; nothing more is delivered."""
+        state = self._state
+        if state in ("closed", "failed"):
+            return
+        self._state = "closed"
+        self._buffer.clear()
+        self._wake()
+        self._client._subscriptions.discard(self)
+        conn, subscription_id = self._conn, self.subscription_id
+        if state == "active" and conn is not None and subscription_id is not None:
+            conn.routes.pop(self._request_id or 0, None)
+            if conn.usable:
+                await self._client._request_on(conn, UnsubscribeRequest(subscription_id))
+
+
+async def connect_async(
+    server: str = DEFAULT_SERVER,
+    *,
+    token: str | None = None,
+    tenant: int = 0,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    reconnect: bool = True,
+    retries: int = 5,
+    reconnect_attempts: int = 10,
+    backoff_base: float = 0.05,
+    backoff_max: float = 2.0,
+) -> AsyncClient:
+    """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401).
+
+    Raises :class:`ServerUnavailable` at once when nothing answers there.
+    """
+    client = AsyncClient(
+        server,
+        token=token,
+        tenant=tenant,
+        timeout=timeout,
+        reconnect=reconnect,
+        retries=retries,
+        reconnect_attempts=reconnect_attempts,
+        backoff_base=backoff_base,
+        backoff_max=backoff_max,
+    )
+    await client._ensure()
+    return client
+
+
+__all__ = [
+    "DEFAULT_SERVER",
+    "AsyncClient",
+    "AsyncSubscription",
+    "EventLike",
+    "StartOffset",
+    "StreamRef",
+    "connect_async",
+    "parse_server",
+    "split_events",
+]

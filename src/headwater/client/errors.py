@@ -1,0 +1,54 @@
+"""Errors the SDK raises on its own (server errors are the classes of ``headwater.errors``).
+
+* :class:`ServerUnavailable`: nothing answers at the address (refused, unreachable, the
+  handshake timed out), or reconnecting failed after the configured attempts.
+* :class:`ConnectionLost`: the connection broke while a request was in flight. For a
+  request that changes data (append, create, delete) the server may or may not have
+  applied it; ``maybe_applied`` says so and the SDK never resends it on its own.
+* :class:`RequestTimeout`: no answer within the client's ``timeout``.
+* :class:`EventTooLarge`: one event is bigger than an append may carry (4 MiB).
+* :class:`SubscriptionClosed`: the server ended a subscription for a reason the SDK cannot
+  recover from.
+"""
+
+from __future__ import annotations
+
+
+class ClientError(Exception):
+    """Root of the errors the SDK raises itself (not sent by the server)."""
+
+
+class ServerUnavailable(ClientError, ConnectionError):
+    """No headwater server could be reached at the address."""
+
+
+class ConnectionLost(ClientError, ConnectionError):
+    """The connection broke before the request was answered.
+
+    ``maybe_applied`` is True when the request changes data and had already been written
+    to the socket: the server may have applied it, so it is not resent automatically.
+    """
+
+    def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_applied = maybe_applied
+
+
+class RequestTimeout(ClientError, TimeoutError):
+    """The server did not answer within the client's timeout."""
+
+
+class EventTooLarge(ClientError, ValueError):
+    """An event exceeds what one append may carry; nothing was sent."""
+
+
+class SubscriptionClosed(ClientError):
+    """The server ended the subscription (``reason`` is the wire's CloseReason)."""
+
+    def __init__(self, message: str, reason: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ClientClosed(ClientError):
+    """The client was closed; open a new one with ``headwater.connect``."""

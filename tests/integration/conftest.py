@@ -1,0 +1,165 @@
+"""Shared fixtures of the integration tests.
+
+SDK and CLI tests (``test_sdk_*``, ``test_cli_*``) use the ``sdk_``-prefixed fixtures: a
+real ``headwater serve`` process with only the Kimberlite listener on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+SDK_START_SECONDS = 30.0  # generous: the machine is shared
+
+
+def sdk_free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class SdkServer:
+    """A real ``headwater serve`` process (Kimberlite only) on a data directory.
+
+    ``port=0`` lets the server pick; after the first start the port is kept, so
+    :meth:`restart` comes back on the same address (clients reconnect to it).
+    """
+
+    def __init__(self, root: Path, port: int = 0, extra_config: str = "") -> None:
+        self.root = root
+        self.data_dir = root / "data"
+        self.config = root / "headwater.toml"
+        self.ports_file = root / "ports.json"
+        self.log = root / "server.log"
+        self.port = port
+        self.extra_config = extra_config
+        self.proc: subprocess.Popen[bytes] | None = None
+        root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> SdkServer:
+        self.config.write_text(
+            f'[listen]\nkimberlite = "127.0.0.1:{self.port}"\nhttp = ""\n'
+            f'convergedb = ""\nripple = ""\n{self.extra_config}'
+        )
+        self.ports_file.unlink(missing_ok=True)
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "headwater.cli.main",
+                    "serve",
+                    "--data-dir",
+                    str(self.data_dir),
+                    "--ports-file",
+                    str(self.ports_file),
+                    "--config",
+                    str(self.config),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        deadline = time.monotonic() + SDK_START_SECONDS
+        while not self.ports_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"server did not start:\n{self.log_text()}")
+            time.sleep(0.02)
+        self.port = int(json.loads(self.ports_file.read_text())["kimberlite"])
+        return self
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM and wait (SIGKILL after ``timeout``); returns the exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        self.proc = None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> SdkServer:
+        self.stop()
+        return self.start()
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
+    """One server for every SDK / CLI test that does not restart it."""
+    server = SdkServer(tmp_path_factory.mktemp("sdk_server")).start()
+    try:
+        yield server
+    finally:
+        status = server.stop()
+        assert status == 0, f"server exited {status}:\n{server.log_text()}"
+
+
+@pytest.fixture
+def sdk_stream_name(request: pytest.FixtureRequest) -> str:
+    """A fresh stream name for this test (valid: [A-Za-z0-9_], at most 256 chars)."""
+    base = "".join(c if c.isalnum() else "_" for c in request.node.name)[:40]
+    return f"t_{base}_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def sdk_cli_env() -> dict[str, str]:
+    """Environment for ``headwater`` subprocesses: wide tables, no colour."""
+    env = dict(os.environ)
+    env.update({"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
+    env.pop("HEADWATER_SERVER", None)
+    env.pop("HEADWATER_TOKEN", None)
+    return env
+
+
+@pytest.fixture
+def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
+    """Start servers of this test's own (stopped at teardown): ``make(port=0)``."""
+    servers: list[SdkServer] = []
+
+    def make(port: int = 0, extra_config: str = "") -> SdkServer:
+        server = SdkServer(tmp_path / f"server{len(servers)}", port, extra_config)
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def sdk_unused_port() -> int:
+    return sdk_free_port()
