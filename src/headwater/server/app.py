@@ -166,4 +166,5 @@ def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
 
 def _load_front_ends() -> None:
     """Import the protocol front ends; each registers its listener."""
+    import headwater.server.http.listener
     import headwater.server.kimberlite.listener  # noqa: F401

@@ -25,6 +25,7 @@ from headwater.protocols.kimberlite.connection import (
 from headwater.server.app import Listener, register_listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
+from headwater.server.metrics import metrics_for
 
 if TYPE_CHECKING:
     from headwater.engine.engine import Engine
@@ -41,6 +42,7 @@ class KimberliteConnection(asyncio.Protocol):
         self.server = server
         self.protocol = ServerConnection()
         self.session = Session(server.config.auth)
+        self.metrics = metrics_for(server)
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
@@ -139,10 +141,13 @@ class KimberliteConnection(asyncio.Protocol):
                 raise InvalidRequest(f"{type(payload).__name__} is not a request")
             response = await handler(self, request, payload)
         except HeadwaterError as exc:
+            self.metrics.record_error("kimberlite", exc)
             response = m.ErrorResponse.from_exception(exc)
         except Exception as exc:  # a bug of ours: answer, log, keep serving
             log.exception("request %d (%s) failed", request.id, type(payload).__name__)
-            response = m.ErrorResponse.from_exception(InternalError(f"internal error: {exc}"))
+            internal = InternalError(f"internal error: {exc}")
+            self.metrics.record_error("kimberlite", internal)
+            response = m.ErrorResponse.from_exception(internal)
         if response is not None:
             self.send(request.id, response)
 
@@ -183,6 +188,11 @@ async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
         lambda: KimberliteConnection(server, connections), host, port, reuse_address=True
     )
     bound = tcp.sockets[0].getsockname()[1]
+    metrics = metrics_for(server)
+    metrics.add_connections_source("kimberlite", lambda: len(connections))
+    metrics.add_subscriptions_source(
+        "kimberlite", lambda: sum(len(c.session.subscriptions) for c in connections)
+    )
 
     async def stop() -> None:
         tcp.close()  # stop accepting

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from headwater.protocols.kimberlite import messages as m
@@ -13,27 +14,39 @@ if TYPE_CHECKING:
 async def append_events(
     conn: KimberliteConnection, request: m.Request, payload: m.AppendEventsRequest
 ) -> m.ResponsePayload:
-    events = payload.events
-    info = await conn.engine.append_encoded(
-        request.tenant_id,
-        payload.stream_id,
-        events.section,
-        events.count,
-        value_bytes=events.event_bytes,
-    )
-    return m.AppendEventsResponse(info.base_offset, info.count)
+    return await _append(conn, request, payload.stream_id, payload.events, None)
 
 
 async def append_idempotent(
     conn: KimberliteConnection, request: m.Request, payload: m.AppendIdempotentRequest
 ) -> m.ResponsePayload:
-    events = payload.events
+    producer = (payload.producer_id, payload.sequence)
+    return await _append(conn, request, payload.stream_id, payload.events, producer)
+
+
+async def _append(
+    conn: KimberliteConnection,
+    request: m.Request,
+    stream_id: int,
+    events: m.EventBatch,
+    producer: tuple[int, int] | None,
+) -> m.ResponsePayload:
+    started = time.perf_counter()
     info = await conn.engine.append_encoded(
         request.tenant_id,
-        payload.stream_id,
+        stream_id,
         events.section,
         events.count,
         value_bytes=events.event_bytes,
-        producer=(payload.producer_id, payload.sequence),
+        producer=producer,
+    )
+    name = conn.engine.stream(request.tenant_id, stream_id).name
+    conn.metrics.record_append(
+        "kimberlite",
+        request.tenant_id,
+        name,
+        info.count,
+        events.event_bytes,
+        time.perf_counter() - started,
     )
     return m.AppendEventsResponse(info.base_offset, info.count)

@@ -28,6 +28,9 @@ async def read_events(
     result = await conn.engine.read(
         request.tenant_id, payload.stream_id, payload.from_offset, max_bytes, max_events=max_events
     )
+    conn.metrics.record_read(
+        "kimberlite", request.tenant_id, stream.name, result.count, result.value_bytes
+    )
     conn.write_chunks(
         conn.protocol.send_read_events(
             request.id, result.count, result.values_chunks(), result.next_offset

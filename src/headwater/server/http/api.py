@@ -1,0 +1,340 @@
+"""REST handlers (docs/http-api.md; the contract is src/headwater/server/openapi.json)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+import headwater
+from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS, StreamInfo, StreamSettings
+from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.server.http.app import (
+    METRICS_KEY,
+    PROTOCOL,
+    engine_of,
+    json_response,
+    server_of,
+    tenant_of,
+)
+from headwater.server.http.events import NDJSON_TYPES, event_json, parse_json_array, parse_ndjson
+from headwater.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from headwater.sql.values import QueryValue, Timestamp
+
+DEFAULT_READ_LIMIT = 100
+MAX_READ_LIMIT = 10_000
+MAX_READ_BYTES = 16 << 20
+
+_OPENAPI: bytes | None = None
+
+
+def openapi_document() -> bytes:
+    global _OPENAPI
+    if _OPENAPI is None:
+        _OPENAPI = (resources.files("headwater.server") / "openapi.json").read_bytes()
+    return _OPENAPI
+
+
+def stream_json(info: StreamInfo) -> dict[str, Any]:
+    return {
+        "tenant_id": info.tenant_id,
+        "stream_id": info.stream_id,
+        "name": info.name,
+        "created_ns": info.created_ns,
+        "start_offset": info.start_offset,
+        "next_offset": info.next_offset,
+        "size_bytes": info.size_bytes,
+        "segments": info.segments,
+        "sync": info.sync,
+        "settings": {k: v for k, v in asdict(info.settings).items() if v is not None},
+    }
+
+
+async def _json_body(request: web.Request) -> Any:
+    body = await request.read()
+    if not body:
+        raise InvalidRequest("the request needs a JSON body")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def _int_param(request: web.Request, name: str, default: int | None) -> int | None:
+    text = request.query.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer, not {text!r}") from None
+    if value < 0:
+        raise InvalidRequest(f"{name} must be non-negative, not {value}")
+    return value
+
+
+# ---- service ------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    server = server_of(request)
+    engine = server.engine
+    if engine is None or server._sql is None:
+        return json_response({"status": "starting"}, 503)
+    if engine.closing or server.stopping.is_set():
+        return json_response({"status": "stopping"}, 503)
+    return json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=openapi_document(), content_type="application/json")
+
+
+async def info(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    server = server_of(request)
+    engine = engine_of(request)
+    tenant = engine.tenant(tenant_id)
+    return json_response(
+        {
+            "server": "headwater",
+            "version": headwater.__version__,
+            "uptime_seconds": round(time.time() - server.started_at, 3),
+            "listeners": {lst.name: lst.port for lst in server.listeners},
+            "auth_required": server.config.auth.required,
+            "tenant": {
+                "id": tenant_id,
+                "name": tenant.name,
+                "log_position": tenant.committed_position,
+                "streams": sum(1 for s in tenant.streams.values() if not s.deleted),
+            },
+            "limits": {
+                "append_max_events": MAX_APPEND_EVENTS,
+                "append_max_bytes": MAX_APPEND_BYTES,
+                "read_max_events": MAX_READ_LIMIT,
+            },
+        }
+    )
+
+
+# ---- streams ------------------------------------------------------------------------
+
+
+async def list_streams(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    streams = engine_of(request).list_streams(tenant_id)
+    return json_response({"streams": [stream_json(s) for s in streams]})
+
+
+async def create_stream(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise InvalidRequest('the body must be an object like {"name": "orders"}')
+    unknown = set(body) - {"name", "settings"}
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+    name = body.get("name")
+    if not isinstance(name, str):
+        raise InvalidRequest("name must be a string")
+    raw_settings = body.get("settings") or {}
+    if not isinstance(raw_settings, dict):
+        raise InvalidRequest("settings must be an object")
+    unknown = set(raw_settings) - set(StreamSettings.__dataclass_fields__)
+    if unknown:
+        raise InvalidRequest(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    try:
+        settings = StreamSettings.from_dict(raw_settings)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(f"invalid settings: {exc}") from None
+    created = await engine_of(request).create_stream(tenant_id, name, settings)
+    response = json_response(stream_json(created), 201)
+    response.headers["Location"] = f"/api/streams/{created.name}"
+    return response
+
+
+async def describe_stream(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    stream = engine_of(request).stream_by_name(tenant_id, request.match_info["name"])
+    return json_response(stream_json(stream.info()))
+
+
+async def delete_stream(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    engine = engine_of(request)
+    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
+    await engine.delete_stream(tenant_id, stream.stream_id)
+    return web.Response(status=204)
+
+
+# ---- events -------------------------------------------------------------------------
+
+
+async def append_events(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    engine = engine_of(request)
+    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
+    encoding = request.query.get("encoding", "text")
+    if encoding not in ("text", "base64"):
+        raise InvalidRequest("encoding must be 'text' or 'base64'")
+    body = await request.read()
+    if request.content_type in NDJSON_TYPES:
+        if encoding != "text":
+            raise InvalidRequest("encoding=base64 applies to JSON array bodies only")
+        values = parse_ndjson(body)
+    elif request.content_type in ("application/json", "application/octet-stream", ""):
+        values = parse_json_array(body, base64_strings=encoding == "base64")
+    else:
+        raise InvalidRequest(
+            f"unsupported Content-Type {request.content_type!r}: "
+            "use application/json (an array) or application/x-ndjson"
+        )
+    started = time.perf_counter()
+    appended = await engine.append(tenant_id, stream.stream_id, values)
+    value_bytes = sum(map(len, values))
+    request.app[METRICS_KEY].record_append(
+        PROTOCOL,
+        tenant_id,
+        stream.name,
+        appended.count,
+        value_bytes,
+        time.perf_counter() - started,
+    )
+    return json_response(
+        {
+            "base_offset": appended.base_offset,
+            "count": appended.count,
+            "next_offset": appended.next_offset,
+            "first_position": appended.first_position,
+            "timestamp_ms": appended.timestamp_ms,
+        }
+    )
+
+
+async def read_events(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    engine = engine_of(request)
+    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
+    start = _int_param(request, "from", 0)
+    assert start is not None
+    limit = _int_param(request, "limit", DEFAULT_READ_LIMIT)
+    assert limit is not None
+    if not 1 <= limit <= MAX_READ_LIMIT:
+        raise InvalidRequest(f"limit must be 1..{MAX_READ_LIMIT}, not {limit}")
+    end = _int_param(request, "to", None)
+    if end is not None:
+        if end < start:
+            raise InvalidRequest(f"to ({end}) must not be below from ({start})")
+        limit = min(limit, end - start)
+    if start < stream.log.start_offset:
+        raise InvalidOffset(
+            f"offset {start} was removed by retention; the stream starts at "
+            f"{stream.log.start_offset}"
+        )
+    events = []
+    if limit > 0:
+        result = await engine.read(
+            tenant_id, stream.stream_id, start, MAX_READ_BYTES, max_events=limit
+        )
+        events = list(result.events())
+    next_offset = events[-1].offset + 1 if events else max(start, stream.log.start_offset)
+    request.app[METRICS_KEY].record_read(
+        PROTOCOL, tenant_id, stream.name, len(events), sum(len(e.value) for e in events)
+    )
+    return json_response(
+        {
+            "events": [event_json(e) for e in events],
+            "next_offset": next_offset,
+            "start_offset": stream.log.start_offset,
+            "end_offset": stream.log.committed_offset,
+        }
+    )
+
+
+# ---- SQL ----------------------------------------------------------------------------
+
+
+def _sql_param(value: Any, index: int) -> object:
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, dict) and set(value) == {"timestamp_ns"}:
+        ns = value["timestamp_ns"]
+        if isinstance(ns, int) and not isinstance(ns, bool):
+            return Timestamp(ns)
+    raise InvalidRequest(
+        f'parameter {index}: use null, a boolean, an integer, a string or {{"timestamp_ns": N}}'
+    )
+
+
+def _sql_value(value: QueryValue) -> Any:
+    if isinstance(value, Timestamp):
+        return value.to_text()
+    return value
+
+
+async def sql(request: web.Request) -> web.Response:
+    tenant_id = tenant_of(request)
+    body = await _json_body(request)
+    if not isinstance(body, dict):
+        raise InvalidRequest('the body must be an object like {"sql": "SELECT 1"}')
+    unknown = set(body) - {"sql", "params", "position"}
+    if unknown:
+        raise InvalidRequest(f"unknown field(s): {', '.join(sorted(unknown))}")
+    text = body.get("sql")
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidRequest("sql must be a non-empty string")
+    raw_params = body.get("params") or []
+    if not isinstance(raw_params, list):
+        raise InvalidRequest("params must be an array")
+    params = [_sql_param(v, i) for i, v in enumerate(raw_params)]
+    position = body.get("position")
+    service = server_of(request).sql
+    if position is None:
+        result = await service.query(tenant_id, text, params)
+    else:
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise InvalidRequest("position must be a non-negative integer")
+        result = await service.query_at(tenant_id, text, params, position)
+    out: dict[str, Any] = {
+        "columns": result.columns,
+        "rows": [[_sql_value(v) for v in row] for row in result.rows],
+    }
+    if position is not None:
+        out["position"] = position
+    return json_response(out)
+
+
+# ---- routes -------------------------------------------------------------------------
+
+ROUTES: list[tuple[str, str, Any]] = [
+    ("GET", "/health", health),
+    ("GET", "/ready", ready),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+    ("GET", "/api/info", info),
+    ("GET", "/api/streams", list_streams),
+    ("POST", "/api/streams", create_stream),
+    ("GET", "/api/streams/{name}", describe_stream),
+    ("DELETE", "/api/streams/{name}", delete_stream),
+    ("POST", "/api/streams/{name}/events", append_events),
+    ("GET", "/api/streams/{name}/events", read_events),
+    ("POST", "/api/sql", sql),
+]
+
+
+def add_routes(app: web.Application) -> None:
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)

@@ -1,0 +1,171 @@
+"""The aiohttp application: JSON errors, authentication and the tenant of a request."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from headwater.errors import (
+    AuthenticationFailed,
+    HeadwaterError,
+    InternalError,
+    InvalidRequest,
+)
+from headwater.server.metrics import Metrics, metrics_for
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Engine
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.http")
+
+PROTOCOL = "http"
+# The largest body accepted: 4 MiB of event values plus JSON quoting and escaping.
+MAX_BODY_BYTES = 16 << 20
+
+SERVER_KEY: web.AppKey[Server] = web.AppKey("headwater_server")
+METRICS_KEY: web.AppKey[Metrics] = web.AppKey("headwater_metrics")
+
+# HTTP status of each error code (spec/PROTOCOLS.md §1); unknown codes answer 500.
+STATUS_BY_CODE = {
+    0: 500,  # Unknown
+    1: 500,  # InternalError
+    2: 400,  # InvalidRequest
+    3: 401,  # AuthenticationFailed (403 when the token is known but lacks the tenant)
+    4: 404,  # TenantNotFound
+    5: 404,  # StreamNotFound
+    6: 404,  # TableNotFound
+    7: 400,  # QueryParseError
+    8: 422,  # QueryExecutionError
+    9: 422,  # PositionAhead
+    10: 409,  # StreamAlreadyExists
+    11: 400,  # InvalidOffset
+    12: 503,  # StorageError
+    13: 503,  # ProjectionLag
+    14: 429,  # RateLimited
+    15: 503,  # NotLeader
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Forbidden(AuthenticationFailed):
+    """A known token that does not grant the requested tenant (HTTP 403)."""
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def error_body(code: int, name: str, message: str, retryable: bool) -> dict[str, Any]:
+    return {"error": {"code": code, "name": name, "message": message, "retryable": retryable}}
+
+
+def error_response(exc: HeadwaterError) -> web.Response:
+    status = 403 if isinstance(exc, Forbidden) else STATUS_BY_CODE.get(exc.code, 500)
+    response = json_response(error_body(exc.code, exc.name, exc.message, exc.retryable), status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = 'Bearer realm="headwater"'
+    if exc.retryable:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def server_of(request: web.Request) -> Server:
+    return request.app[SERVER_KEY]
+
+
+def engine_of(request: web.Request) -> Engine:
+    engine = server_of(request).engine
+    if engine is None:
+        raise InternalError("the engine is not open")
+    return engine
+
+
+def tenant_of(request: web.Request) -> int:
+    """The request's tenant (``X-Headwater-Tenant`` or ``?tenant=``, default 0), after
+    checking the bearer token grants it and the tenant exists."""
+    text = request.headers.get("X-Headwater-Tenant") or request.query.get("tenant") or "0"
+    try:
+        tenant_id = int(text)
+    except ValueError:
+        raise InvalidRequest(f"tenant must be a non-negative integer, not {text!r}") from None
+    if tenant_id < 0:
+        raise InvalidRequest(f"tenant must be a non-negative integer, not {text!r}")
+    auth = server_of(request).config.auth
+    header = request.headers.get("Authorization")
+    token: str | None = None
+    if header is not None:
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer" or not value.strip():
+            raise AuthenticationFailed("use 'Authorization: Bearer <token>'")
+        token = value.strip()
+    granted = auth.tenants_for(token)
+    if granted is None and auth.required:
+        raise AuthenticationFailed(
+            "a valid bearer token is required" if token is None else "unknown token"
+        )
+    if granted is not None and tenant_id not in granted:
+        raise Forbidden(f"the token does not grant tenant {tenant_id}")
+    engine_of(request).tenant(tenant_id)  # TenantNotFound
+    return tenant_id
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (no route, wrong method, body too large) as JSON."""
+    if exc.status == 413:
+        message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+    elif exc.status == 404:
+        message = "no such route"
+    elif exc.status == 405:
+        message = "method not allowed on this route"
+    else:
+        message = exc.reason
+    response = json_response(error_body(InvalidRequest.code, InvalidRequest.name, message, False))
+    response.set_status(exc.status, exc.reason)
+    for name in ("Allow",):
+        if name in exc.headers:
+            response.headers[name] = exc.headers[name]
+    return response
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[METRICS_KEY]
+    try:
+        return await handler(request)
+    except HeadwaterError as exc:
+        metrics.record_error(PROTOCOL, exc)
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status >= 500:
+            metrics.record_error(PROTOCOL, InternalError(exc.reason))
+        else:
+            metrics.record_error(PROTOCOL, InvalidRequest(exc.reason))
+        return _http_error(exc)
+    except Exception as exc:  # a bug of ours: answer, log, keep serving
+        log.exception("%s %s failed", request.method, request.path)
+        error = InternalError(f"internal error: {exc}")
+        metrics.record_error(PROTOCOL, error)
+        return error_response(error)
+
+
+def build_app(server: Server) -> web.Application:
+    """The application of ``server``; later issues add ``/ws`` and ``/`` to it."""
+    from headwater.server.http import api
+
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app[SERVER_KEY] = server
+    app[METRICS_KEY] = metrics_for(server)
+    api.add_routes(app)
+    return app

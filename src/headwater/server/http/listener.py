@@ -1,0 +1,41 @@
+"""Start and stop the HTTP listener (``[listen] http``, default 127.0.0.1:7400)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from headwater.server.app import Listener, register_listener
+from headwater.server.http.app import PROTOCOL, build_app
+from headwater.server.metrics import metrics_for
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+SHUTDOWN_SECONDS = 10.0
+
+
+async def start_http(server: Server, host: str, port: int) -> Listener:
+    app = build_app(server)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    sockets = runner.addresses
+    bound = int(sockets[0][1])
+
+    def open_connections() -> int:
+        web_server = runner.server
+        return 0 if web_server is None else len(web_server.connections)
+
+    metrics_for(server).add_connections_source(PROTOCOL, open_connections)
+
+    async def stop() -> None:
+        # Stops accepting, lets in-flight requests finish (bounded), closes the rest.
+        await runner.cleanup()
+
+    return Listener(PROTOCOL, bound, stop)
+
+
+register_listener(PROTOCOL, start_http)

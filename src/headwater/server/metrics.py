@@ -1,0 +1,325 @@
+"""Prometheus metrics of one server (served by the HTTP listener at ``/metrics``).
+
+Each :class:`Server` gets its own :class:`~prometheus_client.CollectorRegistry` (never the
+process-wide default one), so several servers can run in one process (tests).
+
+Most series are read from engine, subscription and SQL state at scrape time by a custom
+collector, so the hot path does no per-event Python work. What the engine does not keep
+is counted by the front ends once per batch through :class:`Metrics`:
+
+* ``record_append(protocol, tenant, stream, events, value_bytes, seconds)``
+* ``record_read(protocol, tenant, stream, events, value_bytes)``
+* ``record_error(protocol, exc)``
+* ``add_connections_source(protocol, fn)`` / ``add_subscriptions_source(protocol, fn)``:
+  a zero-argument callable returning the current count, read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from headwater.errors import HeadwaterError
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Stream
+    from headwater.server.app import Server
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+APPEND_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+_BY_SERVER: weakref.WeakKeyDictionary[Server, Metrics] = weakref.WeakKeyDictionary()
+
+
+def metrics_for(server: Server) -> Metrics:
+    """The :class:`Metrics` of ``server`` (created on first use)."""
+    metrics = _BY_SERVER.get(server)
+    if metrics is None:
+        metrics = _BY_SERVER[server] = Metrics(server)
+    return metrics
+
+
+class Metrics:
+    """The metrics registry of one server and the per-batch counting API."""
+
+    def __init__(self, server: Server | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.connection_sources: dict[str, list[Callable[[], int]]] = {}
+        self.subscription_sources: dict[str, list[Callable[[], int]]] = {}
+        self.bytes_appended = Counter(
+            "headwater_bytes_appended",
+            "Bytes of event values appended, per stream (counted by the front ends)",
+            ["tenant", "stream"],
+            registry=self.registry,
+        )
+        self.appends = Counter(
+            "headwater_appends",
+            "Append requests acknowledged, per protocol",
+            ["protocol"],
+            registry=self.registry,
+        )
+        self.events_read = Counter(
+            "headwater_events_read",
+            "Events read by clients, per stream",
+            ["tenant", "stream"],
+            registry=self.registry,
+        )
+        self.bytes_read = Counter(
+            "headwater_bytes_read",
+            "Bytes of event values read by clients, per stream",
+            ["tenant", "stream"],
+            registry=self.registry,
+        )
+        self.append_seconds = Histogram(
+            "headwater_append_seconds",
+            "Latency of an append until acknowledged (durable under the sync policy)",
+            ["protocol"],
+            buckets=APPEND_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "headwater_errors",
+            "Error replies sent, by protocol and error code (spec/PROTOCOLS.md §1)",
+            ["protocol", "code", "name"],
+            registry=self.registry,
+        )
+        self.server = server
+        if server is not None:
+            self.registry.register(_ServerCollector(self, server))
+
+    # ---- front-end API (one call per batch / request) -------------------------------
+
+    def record_append(
+        self,
+        protocol: str,
+        tenant: int,
+        stream: str,
+        events: int,
+        value_bytes: int,
+        seconds: float,
+    ) -> None:
+        """An acknowledged append of ``events`` events (``events`` is counted by the
+        engine-state collector; it is part of the call for front ends' convenience)."""
+        del events
+        self.bytes_appended.labels(str(tenant), stream).inc(value_bytes)
+        self.appends.labels(protocol).inc()
+        self.append_seconds.labels(protocol).observe(seconds)
+
+    def record_read(
+        self, protocol: str, tenant: int, stream: str, events: int, value_bytes: int
+    ) -> None:
+        del protocol
+        if events:
+            self.events_read.labels(str(tenant), stream).inc(events)
+            self.bytes_read.labels(str(tenant), stream).inc(value_bytes)
+
+    def record_error(self, protocol: str, exc: HeadwaterError) -> None:
+        self.errors.labels(protocol, str(exc.code), exc.name).inc()
+
+    def add_connections_source(self, protocol: str, source: Callable[[], int]) -> None:
+        self.connection_sources.setdefault(protocol, []).append(source)
+
+    def add_subscriptions_source(self, protocol: str, source: Callable[[], int]) -> None:
+        self.subscription_sources.setdefault(protocol, []).append(source)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series."""
+        return generate_latest(self.registry)
+
+
+def _sum_sources(sources: list[Callable[[], int]]) -> int:
+    total = 0
+    for source in sources:
+        try:
+            total += int(source())
+        except Exception:  # a broken source must not break the scrape
+            continue
+    return total
+
+
+class _ServerCollector(Collector):
+    """Series read from engine, subscription and SQL state at scrape time."""
+
+    def __init__(self, metrics: Metrics, server: Server) -> None:
+        self._metrics = metrics
+        self._server = weakref.ref(server)
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: the registry calls collect() for each scrape
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server()
+        if server is None:
+            return
+        metrics = self._metrics
+
+        connections = GaugeMetricFamily(
+            "headwater_connections", "Open client connections per protocol", labels=["protocol"]
+        )
+        for protocol, sources in sorted(metrics.connection_sources.items()):
+            connections.add_metric([protocol], _sum_sources(sources))
+        yield connections
+
+        per_protocol = GaugeMetricFamily(
+            "headwater_subscriptions", "Open subscriptions per protocol", labels=["protocol"]
+        )
+        for protocol, sources in sorted(metrics.subscription_sources.items()):
+            per_protocol.add_metric([protocol], _sum_sources(sources))
+        yield per_protocol
+
+        engine = server.engine
+        if engine is None:
+            return
+        uptime = GaugeMetricFamily("headwater_uptime_seconds", "Seconds since the server started")
+        uptime.add_metric([], time.time() - server.started_at)
+        yield uptime
+
+        yield CounterMetricFamily(
+            "headwater_engine_events_appended",
+            "Events appended since the process started (every protocol)",
+            value=engine.events_appended,
+        )
+        yield CounterMetricFamily(
+            "headwater_engine_bytes_appended",
+            "Bytes of event values appended since the process started (every protocol)",
+            value=engine.bytes_appended,
+        )
+
+        streams = GaugeMetricFamily("headwater_streams", "Streams per tenant", labels=["tenant"])
+        position = GaugeMetricFamily(
+            "headwater_tenant_log_position",
+            "Committed head of the tenant log (every position below it is committed)",
+            labels=["tenant"],
+        )
+        appended = CounterMetricFamily(
+            "headwater_events_appended",
+            "Events ever appended to the stream (its next offset), every protocol",
+            labels=["tenant", "stream"],
+        )
+        start = GaugeMetricFamily(
+            "headwater_stream_start_offset",
+            "First offset still stored (retention moves it)",
+            labels=["tenant", "stream"],
+        )
+        size = GaugeMetricFamily(
+            "headwater_stream_size_bytes", "Bytes on disk per stream", labels=["tenant", "stream"]
+        )
+        fsyncs = 0
+        fsync_seconds = 0.0
+        last_fsync = 0.0
+        for tenant_id, tenant in sorted(engine.tenants.items()):
+            tenant_label = str(tenant_id)
+            live = [s for s in tenant.streams.values() if not s.deleted]
+            streams.add_metric([tenant_label], len(live))
+            position.add_metric([tenant_label], tenant.committed_position)
+            for stream in live:
+                labels = [tenant_label, stream.name]
+                plog = stream.log
+                appended.add_metric(labels, plog.committed_offset)
+                start.add_metric(labels, plog.start_offset)
+                size.add_metric(labels, plog.size_bytes)
+                committer = stream.committer
+                fsyncs += committer.fsyncs
+                fsync_seconds += committer.fsync_seconds_total
+                last_fsync = max(last_fsync, committer.last_fsync_seconds)
+        yield from (streams, position, appended, start, size)
+
+        # The committers keep a count and a sum only, so the histogram has the +Inf
+        # bucket alone (rate(sum)/rate(count) gives the mean fsync time).
+        yield HistogramMetricFamily(
+            "headwater_fsync_seconds",
+            "Time spent in fsync by the group committers (live streams)",
+            buckets=[("+Inf", fsyncs)],
+            sum_value=fsync_seconds,
+        )
+        yield GaugeMetricFamily(
+            "headwater_fsync_last_seconds",
+            "Longest of the streams' most recent fsync times",
+            value=last_fsync,
+        )
+
+        yield from self._subscription_metrics(server)
+
+        sql = server._sql
+        if sql is not None:
+            yield CounterMetricFamily(
+                "headwater_sql_queries", "SQL statements run", value=sql.queries
+            )
+            yield CounterMetricFamily(
+                "headwater_sql_query_seconds",
+                "Seconds spent running SQL statements",
+                value=sql.query_seconds_total,
+            )
+
+    def _subscription_metrics(self, server: Server) -> Iterator[Metric]:
+        subs = server._subscriptions
+        if subs is None:
+            return
+        open_subs = GaugeMetricFamily(
+            "headwater_subscriptions_open",
+            "Open subscriptions per stream (every protocol)",
+            labels=["tenant", "stream"],
+        )
+        credits = GaugeMetricFamily(
+            "headwater_credits_outstanding",
+            "Unused delivery credits granted to subscriptions, per stream",
+            labels=["tenant", "stream"],
+        )
+        for (tenant_id, _stream_id), members in sorted(subs.by_stream.items()):
+            live = [s for s in members if not s.closed]
+            if not live:
+                continue
+            labels = [str(tenant_id), live[0].stream.name]
+            open_subs.add_metric(labels, len(live))
+            credits.add_metric(labels, sum(s.credits for s in live))
+        yield open_subs
+        yield credits
+
+        lag = GaugeMetricFamily(
+            "headwater_consumer_group_lag",
+            "Events between a consumer group's committed offset and the stream's end",
+            labels=["tenant", "stream", "group"],
+        )
+        for (tenant_id, stream_id), groups in sorted(subs.groups.items()):
+            stream = self._stream(server, tenant_id, stream_id)
+            if stream is None or stream.deleted:
+                continue
+            end = stream.log.committed_offset
+            for group, offset in sorted(groups.offsets.items()):
+                lag.add_metric([str(tenant_id), stream.name, group], max(0, end - offset))
+        yield lag
+
+    @staticmethod
+    def _stream(server: Server, tenant_id: int, stream_id: int) -> Stream | None:
+        engine = server.engine
+        if engine is None:
+            return None
+        tenant = engine.tenants.get(tenant_id)
+        return None if tenant is None else tenant.streams.get(stream_id)
