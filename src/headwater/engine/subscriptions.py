@@ -16,17 +16,20 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from headwater.engine.engine import Engine, Stream
 from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
+from headwater.storage.log import ReadResult
 from headwater.storage.metadata import read_json, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 PUSH_MAX_EVENTS = 64
 PUSH_MAX_BYTES = 1 << 20
+READ_MAX_EVENTS = 4096
+READ_MAX_BYTES = 4 << 20
 RESUME = (1 << 64) - 1  # from_offset meaning "the group's position" (or the end, no group)
 MAX_CREDITS = (1 << 32) - 1
 GROUPS_FILE = "groups.json"
@@ -42,6 +45,42 @@ class CloseReason(enum.IntEnum):
 
 Deliver = Callable[["Subscription", int, int, list[memoryview]], Awaitable[None]]
 OnClose = Callable[["Subscription", CloseReason], None]
+
+
+def split_pushes(
+    result: ReadResult, max_events: int, max_bytes: int
+) -> Iterator[tuple[int, int, list[memoryview]]]:
+    """Cut a read into pushes of at most ``max_events`` events and ``max_bytes`` bytes of
+    values (always at least one event), each a run of consecutive offsets, as
+    ``(first_offset, count, stored value chunks)``."""
+    first = -1
+    count = size = 0
+    chunks: list[memoryview] = []
+    for span in result.spans:
+        batch = span.batch
+        section = batch.values_section()
+        bounds = span.bounds if span.bounds is not None else batch.value_bounds()
+        offsets = batch.offsets()
+        i = span.start
+        while i < span.stop:
+            start = i
+            while i < span.stop:
+                n = bounds[i + 1] - bounds[i] - 8
+                contiguous = count == 0 or offsets[i] == first + count
+                if count and (count == max_events or size + n > max_bytes or not contiguous):
+                    break
+                if count == 0:
+                    first = offsets[i]
+                count += 1
+                size += n
+                i += 1
+            if i > start:
+                chunks.append(section[bounds[start] : bounds[i]])
+            if i < span.stop or count == max_events:
+                yield first, count, chunks
+                first, count, size, chunks = -1, 0, 0, []
+    if count:
+        yield first, count, chunks
 
 
 class GroupOffsets:
@@ -133,30 +172,33 @@ class Subscription:
                     continue
                 if self.next_offset < plog.start_offset:
                     self.next_offset = plog.start_offset  # retention removed what we wanted
+                # One read covers many pushes: the disk (or page cache) is visited once
+                # per READ_MAX_EVENTS, while each push still keeps to the wire limits.
                 result = await engine.read(
                     self.stream.tenant.tenant_id,
                     self.stream.stream_id,
                     self.next_offset,
-                    PUSH_MAX_BYTES,
-                    max_events=min(PUSH_MAX_EVENTS, self.credits),
+                    READ_MAX_BYTES,
+                    max_events=min(READ_MAX_EVENTS, self.credits),
                 )
                 if self.closed:
                     return
                 if result.count == 0:
                     continue
-                first = result.first_offset
-                assert first is not None
-                self.credits -= result.count
-                self.next_offset = result.end_offset
-                self.delivered_events += result.count
-                try:
-                    await asyncio.wait_for(
-                        self.deliver(self, first, result.count, result.values_chunks()),
-                        timeout,
-                    )
-                except TimeoutError:
-                    self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
-                    return
+                for first, count, chunks in split_pushes(result, PUSH_MAX_EVENTS, PUSH_MAX_BYTES):
+                    if self.closed:
+                        return
+                    # Advanced push by push: a group's grant acknowledges only what has
+                    # been handed to the transport.
+                    self.next_offset = first + count
+                    self.credits -= count
+                    self.delivered_events += count
+                    try:
+                        await asyncio.wait_for(self.deliver(self, first, count, chunks), timeout)
+                    except TimeoutError:
+                        self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
+                        return
+                self.next_offset = max(self.next_offset, result.end_offset)
         except asyncio.CancelledError:
             raise
         except (StreamNotFound, ConnectionError):
