@@ -289,6 +289,34 @@ def engine_append(
     return result
 
 
+def log_append(directory: Path, policy: str, batches: int, work: Workload) -> Measurement:
+    """The storage layer without asyncio: ``PartitionLog.append_encoded`` on this thread,
+    then ``sync()`` where the policy puts an fsync (after every batch for ``fsync``, once
+    ``interval_ms`` has passed for ``interval``). Separates the log's own cost from the
+    engine's (the event loop and the worker-thread hop of the group commit)."""
+    sync = SyncPolicy.parse(policy)
+    plog = PartitionLog.open(directory / "log", LogConfig(sync=sync))
+    sections = work.encoded
+    fsyncs = 0
+    last_sync = time.perf_counter()
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    for i in range(batches):
+        plog.append_encoded(sections[i % len(sections)], work.batch, first_position=0)
+        if sync.kind == "fsync" or (
+            sync.kind == "interval" and time.perf_counter() - last_sync >= sync.interval_ms / 1000
+        ):
+            plog.sync()
+            fsyncs += 1
+            last_sync = time.perf_counter()
+    seconds = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
+    stored = plog.size_bytes
+    plog.close()
+    events = batches * work.batch
+    return Measurement(seconds, events, stored, events * work.size, cpu, fsyncs, {})
+
+
 # ---- append: raw reference --------------------------------------------------------------
 
 
@@ -376,6 +404,7 @@ class Variant:
     writers: int
     shared_stream: bool
     encoded: bool
+    direct: bool = False  # the storage layer alone: PartitionLog on the caller's thread
 
 
 def variants(writer_counts: list[int], with_encoded: bool) -> list[Variant]:
@@ -385,6 +414,7 @@ def variants(writer_counts: list[int], with_encoded: bool) -> list[Variant]:
             out.append(Variant("1w", "1 writer", 1, False, False))
             if with_encoded:
                 out.append(Variant("1w-enc", "1 writer, append_encoded", 1, False, True))
+                out.append(Variant("1w-log", "1 writer, PartitionLog direct", 1, False, True, True))
         else:
             out.append(Variant(f"{w}w-{w}s", f"{w} writers, {w} streams", w, False, False))
             out.append(Variant(f"{w}w-1s", f"{w} writers, 1 stream", w, True, False))
@@ -403,19 +433,22 @@ def bench_appends(args: argparse.Namespace, root: Path, work: Workload) -> list[
                 # Interleave engine and raw so drifting machine load hits both alike.
                 d = fresh_dir(root, "append")
                 os.sync()
-                engine_runs.append(
-                    engine_append(
-                        d,
-                        policy,
-                        var.writers,
-                        var.shared_stream,
-                        batches,
-                        work,
-                        args.loop,
-                        var.encoded,
-                        args.yield_between,
+                if var.direct:
+                    engine_runs.append(log_append(d, policy, batches, work))
+                else:
+                    engine_runs.append(
+                        engine_append(
+                            d,
+                            policy,
+                            var.writers,
+                            var.shared_stream,
+                            batches,
+                            work,
+                            args.loop,
+                            var.encoded,
+                            args.yield_between,
+                        )
                     )
-                )
                 d = fresh_dir(root, "append")
                 os.sync()
                 raw_runs.append(raw_append(d, policy, var.writers, batches, work, False))
