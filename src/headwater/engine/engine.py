@@ -40,6 +40,7 @@ from headwater.storage.log import (
     fsync_directory,
 )
 from headwater.storage.metadata import read_json, write_json_atomic
+from headwater.storage.segment import WouldBlock, no_wait
 
 log = logging.getLogger(__name__)
 
@@ -558,8 +559,15 @@ class Engine:
         *,
         max_events: int | None = None,
     ) -> ReadResult:
-        """Committed events from ``from_offset``; the disk is read in a worker thread."""
+        """Committed events from ``from_offset``. Data in the page cache is read right
+        here on the loop (no-wait reads); anything that would wait for the disk is read
+        in a worker thread."""
         stream = self.stream(tenant_id, stream_id)
+        try:
+            with no_wait():
+                return stream.log.read(from_offset, max_bytes, max_events=max_events)
+        except WouldBlock:
+            pass
         return await asyncio.get_running_loop().run_in_executor(
             self.executor,
             lambda: stream.log.read(from_offset, max_bytes, max_events=max_events),

@@ -387,7 +387,7 @@ class Batch:
         return out
 
 
-def peek_length(buffer: bytes | memoryview, pos: int = 0) -> int:
+def peek_length(buffer: bytes | bytearray | memoryview, pos: int = 0) -> int:
     """The batch_length field of the batch starting at ``pos`` (unchecked)."""
     return int(_U32_AT(buffer, pos)[0])
 

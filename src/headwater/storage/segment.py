@@ -11,9 +11,12 @@ rebuilt from the ``.log``.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import struct
+import threading
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
@@ -32,7 +35,48 @@ INDEX_TRAILER = struct.Struct("<4sIQ")  # magic, CRC-32C of the entries, .log si
 INDEX_MAGIC = b"HWIX"
 TIME_ENTRY = struct.Struct("<qI")
 SCAN_CHUNK = 8 << 20
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 NAME_DIGITS = 20
+
+
+class WouldBlock(Exception):
+    """A read in no-wait mode needed the disk: retry it where blocking is allowed."""
+
+
+_nowait = threading.local()
+
+
+@contextlib.contextmanager
+def no_wait() -> Iterator[None]:
+    """Within this block, reads on this thread only take what is in the page cache
+    (``preadv`` with ``RWF_NOWAIT``) and raise :class:`WouldBlock` instead of waiting for
+    the disk. The event loop reads hot data this way without a hop to a worker thread."""
+    previous = getattr(_nowait, "on", False)
+    _nowait.on = True
+    try:
+        yield
+    finally:
+        _nowait.on = previous
+
+
+def _read(fd: int, length: int, pos: int) -> bytes | bytearray:
+    if not getattr(_nowait, "on", False) or _RWF_NOWAIT == 0:
+        return os.pread(fd, length, pos)
+    buf = bytearray(length)
+    try:
+        got = os.preadv(fd, [buf], pos, _RWF_NOWAIT)
+    except BlockingIOError:
+        raise WouldBlock from None
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return os.pread(fd, length, pos)  # filesystem without RWF_NOWAIT
+        raise
+    if got < length:
+        # Short: either the end of the file or a part not cached; let a thread decide.
+        if pos + got < os.fstat(fd).st_size:
+            raise WouldBlock
+        del buf[got:]
+    return buf
 
 
 def segment_name(base_offset: int, suffix: str) -> str:
@@ -303,13 +347,13 @@ class Segment:
     # ---- reading -------------------------------------------------------------------
 
     def _read_batch_at(self, pos: int, *, verify: bool = True) -> Batch:
-        head = os.pread(self.fd, HEADER_SIZE, pos)
+        head = _read(self.fd, HEADER_SIZE, pos)
         if len(head) < HEADER_SIZE:
             raise CorruptBatchError(f"truncated batch header at byte {pos} of {self.log_path}")
         length = peek_length(head)
         if length < HEADER_SIZE:
             raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
-        data = os.pread(self.fd, length, pos)
+        data = _read(self.fd, length, pos)
         if len(data) < length:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return Batch(memoryview(data), verify=verify)
@@ -334,7 +378,7 @@ class Segment:
         calls."""
         while pos < end:
             want = min(max(chunk, HEADER_SIZE), end - pos)
-            data = os.pread(self.fd, want, pos)
+            data = _read(self.fd, want, pos)
             view = memoryview(data)
             consumed = 0
             while consumed + HEADER_SIZE <= len(view):

@@ -9,7 +9,9 @@ holds back only its own subscriptions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -61,6 +63,10 @@ class KimberliteConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # answers are small and latency-bound: no Nagle delay
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = self.transport.get_extra_info("peername")
         self.session.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self._connections.add(self)
