@@ -408,7 +408,9 @@ class PartitionLog:
         bases = [s.base_offset for s in self.segments]
         return max(bisect_right(bases, offset) - 1, 0)
 
-    def batches(self, from_offset: int, upto: int | None = None) -> Iterator[Batch]:
+    def batches(
+        self, from_offset: int, upto: int | None = None, chunk: int = 1 << 20
+    ) -> Iterator[Batch]:
         """Checked batches holding events at or after ``from_offset`` and below ``upto``
         (default: the committed offset). Bad batches raise CorruptBatchError."""
         end = self.committed_offset if upto is None else upto
@@ -424,7 +426,7 @@ class PartitionLog:
             if seg.base_offset >= end:
                 return
             try:
-                for batch in seg.batches_from(pos, seg_end, stop_offset=end):
+                for batch in seg.batches_from(pos, seg_end, chunk, stop_offset=end):
                     if batch.base_offset >= end:
                         return
                     if batch.last_offset < from_offset:
@@ -452,7 +454,9 @@ class PartitionLog:
         next_offset: int | None = None
         budget_events = max_events if max_events is not None else 1 << 62
         from_offset = max(from_offset, self.start_offset)
-        for batch in self.batches(from_offset, upto):
+        # Read about as much as the answer needs: a small read must not copy a megabyte.
+        chunk = min(max(max_bytes + max_bytes // 4, 64 << 10), 8 << 20)
+        for batch in self.batches(from_offset, upto, chunk):
             start = batch.index_of(from_offset)
             whole_bytes = len(batch.values_section()) - 8 * batch.count
             n_avail = batch.count - start
