@@ -847,6 +847,23 @@ def test_query_errors(client: kr.RawClient) -> None:
     assert kr.query(client, f"SELECT count(*) FROM {name}").rows == [[1]]
 
 
+def test_a_result_over_the_frame_limit_is_an_error_not_silence(client: kr.RawClient) -> None:
+    """A query answer must fit one 16 MiB frame: one just past it gets an error naming the
+    limit, one just under it arrives whole, and the connection keeps serving."""
+    name = unique("big")
+    sid = kr.create_stream(client, name)
+    kr.append(client, sid, [b"x" * 1000] * 17)
+    # Text values travel as u64 length + bytes; 17 rows of 1 MiB are over the limit.
+    over = f"SELECT repeat(decode(data), 1024) FROM {name}"
+    for request in (QueryRequest(over, []), QueryAtRequest(over, [], 17)):
+        reply = client.call(request, timeout=60)
+        expect_error(reply, E.QUERY_EXECUTION_ERROR, over)
+        assert isinstance(reply, ErrorResponse) and "frame limit" in reply.message
+    under = f"SELECT repeat(decode(data), 1024) FROM {name} LIMIT 15"
+    assert [len(r[0]) for r in kr.query(client, under, timeout=60).rows] == [1024_000] * 15
+    assert kr.query(client, f"SELECT count(*) FROM {name}").rows == [[17]]
+
+
 def test_insert_into_appends(client: kr.RawClient) -> None:
     name = unique("ins")
     sid = kr.create_stream(client, name)
@@ -1367,9 +1384,17 @@ def test_acknowledged_appends_survive_sigkill(own_server: kr.ServerProcess, seed
             )
             assert served[first : first + n] == sent[key]
         assert len(acked) >= kills, f"only {len(acked)} appends acknowledged"
-        rows = kr.rows_of(
-            kr.query(c, 'SELECT "offset", position, data FROM durable ORDER BY "offset"')
-        )
+        rows = []
+        page = 20_000  # one answer must fit a 16 MiB frame
+        for start in range(0, len(served), page):
+            rows += kr.rows_of(
+                kr.query(
+                    c,
+                    'SELECT "offset", position, data FROM durable'
+                    ' WHERE "offset" >= $1 ORDER BY "offset" LIMIT $2',
+                    [start, page],
+                )
+            )
         assert [r[0] for r in rows] == list(range(len(served)))
         positions = [r[1] for r in rows]
         assert all(a < b for a, b in itertools.pairwise(positions)), "positions not increasing"

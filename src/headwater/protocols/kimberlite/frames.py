@@ -58,9 +58,17 @@ class RejectFrameError(FrameError):
         return encode_frame(encode_response(self.response))
 
 
+class FrameTooLarge(UsageError):
+    """A payload to send is over :data:`MAX_FRAME`: the sender must answer otherwise."""
+
+    def __init__(self, payload_len: int) -> None:
+        super().__init__(f"a {payload_len}-byte payload exceeds the {MAX_FRAME}-byte frame limit")
+        self.payload_len = payload_len
+
+
 def frame_header(payload_len: int, crc: int) -> bytes:
     if payload_len > MAX_FRAME:
-        raise UsageError(f"a {payload_len}-byte payload exceeds the {MAX_FRAME}-byte frame limit")
+        raise FrameTooLarge(payload_len)
     return HEADER.pack(MAGIC, VERSION, payload_len, crc)
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 from headwater.engine.subscriptions import CloseReason
-from headwater.errors import HeadwaterError, InternalError, InvalidRequest
+from headwater.errors import HeadwaterError, InternalError, InvalidRequest, QueryExecutionError
 from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import (
     Close,
@@ -24,6 +24,7 @@ from headwater.protocols.kimberlite.connection import (
     Reply,
     ServerConnection,
 )
+from headwater.protocols.kimberlite.frames import MAX_FRAME, FrameTooLarge
 from headwater.server.app import Listener, register_listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
@@ -154,8 +155,24 @@ class KimberliteConnection(asyncio.Protocol):
             internal = InternalError(f"internal error: {exc}")
             self.metrics.record_error("kimberlite", internal)
             response = m.ErrorResponse.from_exception(internal)
-        if response is not None:
-            self.send(request.id, response)
+        if response is None:
+            return
+        try:
+            chunks = self.protocol.send_chunks(m.Response(request.id, response))
+        except FrameTooLarge as exc:
+            # Only a query result is unbounded; say so rather than drop the answer.
+            too_large = (
+                QueryExecutionError
+                if isinstance(response, (m.QueryResponse, m.QueryAtResponse))
+                else InternalError
+            )(
+                f"the answer is {exc.payload_len} bytes, over the {MAX_FRAME}-byte frame limit: "
+                "ask for less (LIMIT, fewer columns)"
+            )
+            self.metrics.record_error("kimberlite", too_large)
+            error = m.ErrorResponse.from_exception(too_large)
+            chunks = self.protocol.send_chunks(m.Response(request.id, error))
+        self.write_chunks(chunks)
 
     # ---- output ---------------------------------------------------------------------
 
