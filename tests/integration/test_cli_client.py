@@ -167,6 +167,10 @@ def test_unreachable_server_is_one_clear_line(
     assert proc.stdout == ""
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_tail_follows_live_and_ctrl_c_exits_cleanly(
     sdk_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
 ) -> None:
@@ -182,6 +186,9 @@ def test_tail_follows_live_and_ctrl_c_exits_cleanly(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=sdk_cli_env,
+            # A runner started in the background (CI) ignores SIGINT, and Python keeps an
+            # inherited SIG_IGN: give the tail what a terminal user's shell gives it.
+            preexec_fn=_default_sigint,
         )
         try:
             assert proc.stdout is not None
