@@ -46,6 +46,8 @@ from .envelope import (
     fingerprint_text,
 )
 from .messages import (
+    MAX_OUTPUTS,
+    MAX_SCHEMA_FIELDS,
     PROTOCOL_VERSION,
     Atom,
     CheckpointAck,
@@ -93,7 +95,9 @@ __all__ = [
     "FINGERPRINT_SIZE",
     "HEADER_SIZE",
     "MAGIC",
+    "MAX_OUTPUTS",
     "MAX_PAYLOAD",
+    "MAX_SCHEMA_FIELDS",
     "OVERHEAD",
     "PROTOCOL_VERSION",
     "VERSION",

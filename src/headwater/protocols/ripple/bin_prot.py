@@ -457,20 +457,30 @@ def option(codec: Codec[T]) -> Codec[T | None]:
     return Codec(name, write, read, 1)
 
 
-def list_of(codec: Codec[T]) -> Codec[tuple[T, ...]]:
-    """``'a list``: nat0 count, then the items; decoded as a tuple."""
+def list_of(codec: Codec[T], max_len: int | None = None) -> Codec[tuple[T, ...]]:
+    """``'a list``: nat0 count, then the items; decoded as a tuple.
+
+    ``max_len`` (bin_prot's ``bin_read_list_with_max_len``) refuses longer lists on both
+    sides: a DecodeError when reading, a UsageError when writing.
+    """
     name = f"{codec.name} list"
     item_write, item_read, item_size = codec.write, codec.read, codec.min_size
 
     def write(w: Writer, items: Sequence[T]) -> None:
         if isinstance(items, str | bytes) or not isinstance(items, Sequence):
             raise UsageError(f"{name} must be a sequence, not {type(items).__name__}")
+        if max_len is not None and len(items) > max_len:
+            raise UsageError(f"{name}: {len(items)} items, at most {max_len} allowed")
         w.nat0(len(items))
         for item in items:
             item_write(w, item)
 
     def read(r: Reader) -> tuple[T, ...]:
-        return tuple(item_read(r) for _ in range(r.count(name, item_size)))
+        start = r.pos
+        n = r.count(name, item_size)
+        if max_len is not None and n > max_len:
+            raise DecodeError(f"{name}: {n} items, at most {max_len} allowed", start)
+        return tuple(item_read(r) for _ in range(n))
 
     return Codec(name, write, read, 1)
 

@@ -38,8 +38,10 @@ A ``Field_set`` value is an atom holding the field's text form (:func:`text_of_v
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from enum import IntEnum
 from functools import lru_cache
 from typing import Any, TypeAlias, cast
@@ -60,6 +62,11 @@ PROTOCOL_VERSION = 1
 """The ``protocol_version`` a Handshake must carry (the envelope's version byte too)."""
 MAX_SEXP_DEPTH = bp.MAX_DEPTH
 """Deepest sexp nesting accepted (and encoded): a decoder bound, not a contract rule."""
+MAX_SCHEMA_FIELDS = 1024
+"""Most fields a schema may declare on the wire (a decoder bound: an entity kind holds at
+most 64, so no accepted schema comes near it)."""
+MAX_OUTPUTS = 1024
+"""Most outputs one Handshake may declare (a decoder bound)."""
 
 
 class UnknownMessageTypeError(DecodeError):
@@ -94,6 +101,15 @@ class Schema:
     version: int
     fields: tuple[Field, ...]
     doc: str | None = None
+    _index: dict[str, Field] = dataclass_field(
+        init=False, repr=False, compare=False, hash=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        index: dict[str, Field] = {}
+        for declared in self.fields:
+            index.setdefault(declared.field_name, declared)  # the first declaration wins
+        object.__setattr__(self, "_index", index)
 
     @property
     def fingerprint(self) -> bytes:
@@ -101,10 +117,8 @@ class Schema:
         return fingerprint(self.name, self.version)
 
     def field(self, name: str) -> Field | None:
-        for candidate in self.fields:
-            if candidate.field_name == name:
-                return candidate
-        return None
+        """The field called ``name`` (the first one, should it be declared twice)."""
+        return self._index.get(name)
 
     @property
     def field_names(self) -> tuple[str, ...]:
@@ -118,8 +132,8 @@ def schema_problems(schema: Schema) -> list[str]:
         fingerprint(schema.name, schema.version)
     except UsageError as exc:
         problems.append(f"schema {schema.name!r}: {exc}")
-    names = [f.field_name for f in schema.fields]
-    for name in sorted({n for n in names if names.count(n) > 1}):
+    names = Counter(f.field_name for f in schema.fields)
+    for name in sorted(n for n, count in names.items() if count > 1):
         problems.append(f"schema {schema.name!r}: field {name!r} is declared twice")
     if "" in names:
         problems.append(f"schema {schema.name!r}: a field has an empty name")
@@ -461,13 +475,13 @@ SCHEMA: Codec[Schema] = bp.record(
     Schema,
     ("name", bp.STRING),
     ("version", bp.INT),
-    ("fields", bp.list_of(FIELD)),
+    ("fields", bp.list_of(FIELD, MAX_SCHEMA_FIELDS)),
     ("doc", bp.option(bp.STRING)),
 )
 HANDSHAKE: Codec[Handshake] = bp.record(
     Handshake,
     ("source_worker_id", bp.STRING),
-    ("output_schemas", bp.list_of(bp.pair(bp.STRING, SCHEMA))),
+    ("output_schemas", bp.list_of(bp.pair(bp.STRING, SCHEMA), MAX_OUTPUTS)),
     ("protocol_version", bp.INT),
 )
 SCHEMA_NEGOTIATION: Codec[SchemaNegotiation] = bp.record(
