@@ -59,7 +59,7 @@ def split_pushes(
     for span in result.spans:
         batch = span.batch
         section = batch.values_section()
-        bounds = span.bounds if span.bounds is not None else batch.value_bounds()
+        bounds = batch.value_bounds()
         offsets = batch.offsets()
         i = span.start
         while i < span.stop:

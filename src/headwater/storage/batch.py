@@ -311,6 +311,52 @@ class Batch:
         except ValueError as exc:
             raise CorruptBatchError(str(exc)) from None
 
+    def take_values(
+        self,
+        start: int,
+        max_bytes: int,
+        max_events: int,
+        *,
+        at_least_one: bool,
+        start_pos: int | None = None,
+    ) -> tuple[int, int, int, int]:
+        """Walk the value records from event ``start``, taking while their values' bytes
+        stay within ``max_bytes`` (one regardless when ``at_least_one``) and at most
+        ``max_events``: ``(stop, lo, hi, value_bytes)`` with ``[lo, hi)`` the taken
+        records' bytes in the values section. Reads no record past the cut, so cutting a
+        batch costs what is taken, not the whole batch; ``start_pos``, when the caller
+        knows it, is where event ``start``'s record begins (a previous call's ``hi``)."""
+        section = self.values_section()
+        end = len(section)
+        pos = 0
+        if start_pos is not None:
+            pos = start_pos
+        else:
+            for _ in range(start):
+                if pos + 8 > end:
+                    raise CorruptBatchError("values section truncated")
+                pos += 8 + _U64_AT(section, pos)[0]
+        lo = pos
+        taken = size = 0
+        limit = min(self.count - start, max_events)
+        while taken < limit:
+            if pos + 8 > end:
+                raise CorruptBatchError("values section truncated")
+            n = _U64_AT(section, pos)[0]
+            if size + n > max_bytes and (taken or not at_least_one):
+                break
+            pos += 8 + n
+            if pos > end:
+                raise CorruptBatchError("value overruns its section")
+            size += n
+            taken += 1
+        return start + taken, lo, pos, size
+
+    @property
+    def identity(self) -> tuple[int, bytes]:
+        """(base offset, stored CRC): tells this batch from a rewritten (compacted) one."""
+        return self.base_offset, bytes(self.buffer[4:8])
+
     def index_of(self, offset: int) -> int:
         """Index of the first event at or after ``offset`` (``count`` if none)."""
         if self._deltas is None:

@@ -105,14 +105,14 @@ class ReadSpan:
     batch: Batch
     start: int
     stop: int
-    bounds: list[int] | None = None  # value record boundaries when the span is partial
+    records: tuple[int, int] | None = None  # [lo, hi) in the values section, when partial
 
     def values_chunk(self) -> memoryview:
         """The span's values, still in stored ``u64 len | bytes`` form."""
         section = self.batch.values_section()
-        if self.bounds is None:
+        if self.records is None:
             return section
-        return section[self.bounds[self.start] : self.bounds[self.stop]]
+        return section[self.records[0] : self.records[1]]
 
 
 @dataclass
@@ -171,6 +171,8 @@ class PartitionLog:
         self.failed: str | None = None
         self.closed = False
         self.producers = ProducerTable()
+        # Where the last read cut a batch: (batch identity, event index, record position).
+        self._cut_hint: tuple[tuple[int, bytes], int, int] = ((-1, b""), 0, 0)
 
     # ---- open / close ---------------------------------------------------------------
 
@@ -455,7 +457,7 @@ class PartitionLog:
         budget_events = max_events if max_events is not None else 1 << 62
         from_offset = max(from_offset, self.start_offset)
         # Read about as much as the answer needs: a small read must not copy a megabyte.
-        chunk = min(max(max_bytes + max_bytes // 4, 64 << 10), 8 << 20)
+        chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), 8 << 20)
         for batch in self.batches(from_offset, upto, chunk):
             start = batch.index_of(from_offset)
             whole_bytes = len(batch.values_section()) - 8 * batch.count
@@ -467,18 +469,22 @@ class PartitionLog:
                 budget_events -= batch.count
                 next_offset = batch.next_offset
             else:
-                bounds = batch.value_bounds()
-                stop = start
-                while stop < batch.count and budget_events > 0:
-                    size = bounds[stop + 1] - bounds[stop] - 8
-                    if value_bytes + size > max_bytes and count > 0:
-                        break
-                    value_bytes += size
-                    count += 1
-                    budget_events -= 1
-                    stop += 1
+                hint = self._cut_hint
+                stop, lo, hi, size = batch.take_values(
+                    start,
+                    max_bytes - value_bytes,
+                    budget_events,
+                    at_least_one=count == 0,
+                    start_pos=hint[2] if hint[:2] == (batch.identity, start) else None,
+                )
+                if stop < batch.count:
+                    # A sequential reader's next read starts here: spare it the walk.
+                    self._cut_hint = (batch.identity, stop, hi)
+                value_bytes += size
+                count += stop - start
+                budget_events -= stop - start
                 if stop > start:
-                    spans.append(ReadSpan(batch, start, stop, bounds))
+                    spans.append(ReadSpan(batch, start, stop, (lo, hi)))
                     offsets = batch.offsets()
                     next_offset = offsets[stop] if stop < batch.count else batch.next_offset
                 if stop < batch.count:

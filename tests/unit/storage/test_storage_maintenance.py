@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from headwater.storage.batch import encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from headwater.storage.segment import segment_name
@@ -453,3 +454,22 @@ def test_check_data_dir_finds_nested_partitions(tmp_path: Path) -> None:
     reports = check_data_dir(tmp_path)
     assert [r.path for r in reports] == [a, b]
     assert all(len(r.segments) == 4 and not r.damaged for r in reports)
+
+
+def test_a_read_resuming_in_a_batch_that_compaction_rewrote(tmp_path: Path) -> None:
+    """A read that cut a batch remembers where the cut fell; when compaction rewrites that
+    batch under the same base offset before the next read, the next read must not trust
+    the remembered position (values of different sizes: positions really move)."""
+    plog = compact_log(tmp_path)
+    values = [b"%d" % i * (3 * i + 1) for i in range(6)]
+    plog.append(values, first_position=0, timestamp_ms=0, keys=[b"a", b"b", b"c", b"d", b"e", b"f"])
+    plog.roll()
+    put(plog, b"a", b"newest")  # supersedes offset 0 only
+    first = plog.read(0, max_bytes=sum(map(len, values[:3])))
+    assert [e.offset for e in first.events()] == [0, 1, 2]
+    assert plog.compact(now_ms=0).events_removed == 1
+    # Offset 4 is now the batch's fourth event, as offset 3 was when the read cut it.
+    rest = plog.read(4, max_bytes=len(values[4]))
+    assert [(e.offset, e.value) for e in rest.events()] == [(4, values[4])]
+    assert b"".join(bytes(c) for c in rest.values_chunks()) == encode_values(values[4:5])
+    plog.close()
