@@ -16,11 +16,12 @@ connection, after an ERROR the server sends first (:class:`FrameError` says whic
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from headwater.errors import ProtocolError, UsageError
+from headwater.protocols._stream import IncrementalDecoder
 
 from ._reader import Buffer
 from .codes import MAX_PAYLOAD, VERSION, ErrorCode
@@ -128,57 +129,32 @@ class RawFrame:
     flags: int = 0
 
 
-class FrameDecoder:
+class FrameDecoder(IncrementalDecoder[RawFrame, FrameError]):
     """Incremental frame decoder: :meth:`feed` bytes, then take frames.
 
     ``for frame in decoder`` (or :meth:`next_frame` until None) yields each complete frame
-    in order, then raises the first :class:`FrameError` found after them. After an error
-    the decoder is dead: fed bytes are dropped and the same error is raised again, so its
-    buffer never grows past one fed chunk.
+    in order, then raises the first :class:`FrameError` found after them (the decoder
+    stays dead after it: see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
-    __slots__ = ("_buffer", "_error", "_header", "max_payload")
+    __slots__ = ("_header",)
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
-        self.max_payload = max_payload
-        self._buffer = bytearray()
+        super().__init__(max_payload)
         self._header: tuple[int, int, int, int] | None = None  # flags, stream, opcode, length
-        self._error: FrameError | None = None
 
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes held and not yet returned as frames."""
-        return len(self._buffer)
+    next_frame = IncrementalDecoder.next_item
+    at_frame_boundary = IncrementalDecoder.at_boundary
 
-    @property
-    def at_frame_boundary(self) -> bool:
-        """True when no partial frame is held (EOF here is a clean end)."""
-        return not self._buffer
+    def _header_ready(self) -> bool:
+        return self._header is not None
 
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
+    def _forget_header(self) -> None:
+        self._header = None
 
-    def feed(self, data: Buffer) -> None:
-        if self._error is not None:
-            return
-        self._buffer += data
-        if self._header is None:
-            # Check the head frame's header now, before payload bytes pile up behind it.
-            self._check_header()
-
-    def next_frame(self) -> RawFrame | None:
-        """The next complete frame, None when more bytes are needed; raises FrameError."""
-        if self._error is not None:
-            raise self._error
-        header = self._header
-        if header is None:
-            header = self._check_header()
-            if header is None:
-                if self._error is not None:
-                    raise self._error
-                return None
-        flags, stream_id, opcode, length = header
+    def _take(self) -> RawFrame | None:
+        assert self._header is not None
+        flags, stream_id, opcode, length = self._header
         end = HEADER_SIZE + length
         buffer = self._buffer
         if len(buffer) < end:
@@ -189,26 +165,17 @@ class FrameDecoder:
         self._header = None
         return RawFrame(stream_id, opcode, payload, flags)
 
-    def __iter__(self) -> Iterator[RawFrame]:
-        return self
-
-    def __next__(self) -> RawFrame:
-        frame = self.next_frame()
-        if frame is None:
-            raise StopIteration
-        return frame
-
-    def _check_header(self) -> tuple[int, int, int, int] | None:
-        """Check the header bytes present at the buffer head; the header once all passed."""
+    def _check_header(self) -> bool:
+        """Check the header bytes present at the buffer head; True once all passed."""
         buffer = self._buffer
         have = len(buffer)
         if have == 0:
-            return None
+            return False
         if buffer[0] != VERSION:
             self._fail(BadFrameError(f"unsupported protocol version {buffer[0]}"))
-            return None
+            return False
         if have < HEADER_SIZE:
-            return None
+            return False
         _, flags, stream_id, opcode, length, crc = HEADER.unpack_from(buffer)
         with memoryview(buffer) as view:
             expected = crc16_xmodem(view[:_CRC_SPAN])
@@ -216,7 +183,7 @@ class FrameDecoder:
             self._fail(
                 BadFrameError(f"header CRC mismatch: got {crc:#06x}, computed {expected:#06x}")
             )
-            return None
+            return False
         if length > self.max_payload:
             self._fail(
                 FrameTooLargeError(
@@ -225,11 +192,6 @@ class FrameDecoder:
                     opcode,
                 )
             )
-            return None
+            return False
         self._header = (flags, stream_id, opcode, length)
-        return self._header
-
-    def _fail(self, error: FrameError) -> None:
-        self._error = error
-        self._buffer = bytearray()
-        self._header = None
+        return True

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from headwater.errors import ProtocolError, UsageError
+from headwater.protocols._stream import IncrementalDecoder
 
 from .messages import Buffer, ErrorCode, Response, encode_response, error_response
 
@@ -93,55 +94,31 @@ def encode_frame_chunks(chunks: Iterable[Buffer]) -> list[Buffer]:
     return parts
 
 
-class FrameDecoder:
+class FrameDecoder(IncrementalDecoder[bytes, FrameError]):
     """Incremental frame decoder: :meth:`feed` bytes, then take payloads.
 
     ``for payload in decoder`` (or :meth:`next_payload` until None) yields each complete,
-    CRC-checked payload in order, then raises the first framing error found after them.
-    After an error the decoder is dead: fed bytes are dropped and the same error is raised
-    again, so its buffer never grows past the bytes of one chunk.
+    CRC-checked payload in order, then raises the first framing error found after them
+    (the decoder stays dead after it: see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
-    __slots__ = ("_buffer", "_crc", "_error", "_length", "max_payload")
+    __slots__ = ("_crc", "_length")
 
     def __init__(self, max_payload: int = MAX_FRAME) -> None:
-        self.max_payload = max_payload
-        self._buffer = bytearray()
+        super().__init__(max_payload)
         self._length = -1  # payload length from a checked header at the buffer head
         self._crc = 0
-        self._error: FrameError | None = None
 
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes held and not yet returned as payloads."""
-        return len(self._buffer)
+    next_payload = IncrementalDecoder.next_item
+    at_frame_boundary = IncrementalDecoder.at_boundary
 
-    @property
-    def at_frame_boundary(self) -> bool:
-        """True when no partial frame is held (EOF here is a clean end)."""
-        return not self._buffer
+    def _header_ready(self) -> bool:
+        return self._length >= 0
 
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
+    def _forget_header(self) -> None:
+        self._length = -1
 
-    def feed(self, data: Buffer) -> None:
-        if self._error is not None:
-            return
-        self._buffer += data
-        if self._length < 0:
-            # Check the head frame's header now, so a bad one is refused before the
-            # caller has a chance to pile payload bytes behind it.
-            self._check_header()
-
-    def next_payload(self) -> bytes | None:
-        """The next complete payload, None when more bytes are needed; raises FrameError."""
-        if self._error is not None:
-            raise self._error
-        if self._length < 0 and not self._check_header():
-            if self._error is not None:
-                raise self._error
-            return None
+    def _take(self) -> bytes | None:
         end = HEADER_SIZE + self._length
         buffer = self._buffer
         if len(buffer) < end:
@@ -152,15 +129,6 @@ class FrameDecoder:
         self._length = -1
         if zlib.crc32(payload) != self._crc:
             raise self._fail(FatalFrameError(f"frame CRC mismatch ({len(payload)}-byte payload)"))
-        return payload
-
-    def __iter__(self) -> Iterator[bytes]:
-        return self
-
-    def __next__(self) -> bytes:
-        payload = self.next_payload()
-        if payload is None:
-            raise StopIteration
         return payload
 
     def _check_header(self) -> bool:
@@ -191,9 +159,3 @@ class FrameDecoder:
             return False
         _, _, self._length, self._crc = HEADER.unpack_from(buffer)
         return True
-
-    def _fail(self, error: FrameError) -> FrameError:
-        self._error = error
-        self._buffer = bytearray()
-        self._length = -1
-        return error

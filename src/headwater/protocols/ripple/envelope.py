@@ -31,13 +31,13 @@ type or a non-zero flags byte in an otherwise intact envelope.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
 import crc32c as _crc32c
 
 from headwater.errors import ProtocolError, UsageError
+from headwater.protocols._stream import IncrementalDecoder
 
 from .bin_prot import INT64_MAX, INT64_MIN, Buffer
 
@@ -217,56 +217,32 @@ def encode_envelope(
     return b"".join((head, payload, CRC.pack(crc)))
 
 
-class EnvelopeDecoder:
+class EnvelopeDecoder(IncrementalDecoder[Envelope, EnvelopeError]):
     """Incremental decoder for a byte stream of envelopes (e.g. one TCP connection).
 
     :meth:`feed` bytes in any split; ``for envelope in decoder`` (or
     :meth:`next_envelope` until None) yields each complete, CRC-checked envelope in
-    order, then raises the first :class:`EnvelopeError` found after them. After an error
-    the decoder is dead: further bytes are dropped and the same error is raised again.
+    order, then raises the first :class:`EnvelopeError` found after them (the decoder
+    stays dead after it: see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
-    __slots__ = ("_buffer", "_error", "_length", "max_payload")
+    __slots__ = ("_length",)
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         if not 0 <= max_payload <= 0x7FFF_FFFF:
             raise UsageError(f"max_payload {max_payload} is outside 0..2**31-1")
-        self.max_payload = max_payload
-        self._buffer = bytearray()
+        super().__init__(max_payload)
         self._length = -1  # payload length from a checked header at the buffer head
-        self._error: EnvelopeError | None = None
 
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes held and not yet returned as envelopes."""
-        return len(self._buffer)
+    next_envelope = IncrementalDecoder.next_item
 
-    @property
-    def at_boundary(self) -> bool:
-        """True when no partial envelope is held (end of input here is clean)."""
-        return not self._buffer
+    def _header_ready(self) -> bool:
+        return self._length >= 0
 
-    @property
-    def failed(self) -> bool:
-        return self._error is not None
+    def _forget_header(self) -> None:
+        self._length = -1
 
-    def feed(self, data: Buffer) -> None:
-        if self._error is not None:
-            return
-        self._buffer += data
-        if self._length < 0:
-            # Check the head envelope's header now, before payload bytes pile up behind it.
-            self._check_header()
-
-    def next_envelope(self) -> Envelope | None:
-        """The next complete envelope, None when more bytes are needed; raises
-        :class:`EnvelopeError`."""
-        if self._error is not None:
-            raise self._error
-        if self._length < 0 and not self._check_header():
-            if self._error is not None:
-                raise self._error
-            return None
+    def _take(self) -> Envelope | None:
         body_end = HEADER_SIZE + self._length
         end = body_end + CRC_SIZE
         buffer = self._buffer
@@ -286,15 +262,6 @@ class EnvelopeDecoder:
         del buffer[:end]  # CPython advances the start of a bytearray: no memmove
         self._length = -1
         return Envelope(message_type, sequence, timestamp, fp, payload, flags, version)
-
-    def __iter__(self) -> Iterator[Envelope]:
-        return self
-
-    def __next__(self) -> Envelope:
-        envelope = self.next_envelope()
-        if envelope is None:
-            raise StopIteration
-        return envelope
 
     def finish(self) -> None:
         """Declare the end of input: TruncatedEnvelopeError when it stopped mid-envelope."""
@@ -328,12 +295,6 @@ class EnvelopeDecoder:
             return False
         self._length = length
         return True
-
-    def _fail(self, error: EnvelopeError) -> EnvelopeError:
-        self._error = error
-        self._buffer = bytearray()
-        self._length = -1
-        return error
 
 
 def decode_envelope(data: Buffer, *, max_payload: int = MAX_PAYLOAD) -> Envelope:
