@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kimberlite_raw import ServerProcess
+
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import Opcode
 from headwater.protocols.convergedb.connection import ClientConnection
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
-
-from .kimberlite_raw import ServerProcess
 
 
 def cdb_config(extra: str = "") -> str:
@@ -121,20 +121,19 @@ class CdbClient:
             self._fill(deadline)
 
     def reply(self, stream: int, timeout: float | None = None) -> m.Frame:
-        return self.take(
-            lambda f: (
-                f.stream_id == stream
-                and isinstance(
-                    f.message, m.Ack | m.ConnectAck | m.KindAck | m.EpochEndAck | m.ErrorMessage
-                )
-                or (
-                    f.stream_id == stream
-                    and isinstance(f.message, m.State)
-                    and f.message.change == m.Change.QUERY
-                )
-            ),
-            timeout,
-        )
+        """The answer on ``stream`` (an ACK, an ERROR or a QUERY's STATE)."""
+
+        def is_reply(frame: m.Frame) -> bool:
+            if frame.stream_id != stream:
+                return False
+            msg = frame.message
+            if isinstance(msg, m.State):
+                return msg.change == m.Change.QUERY
+            return isinstance(
+                msg, m.Ack | m.ConnectAck | m.KindAck | m.EpochEndAck | m.ErrorMessage
+            )
+
+        return self.take(is_reply, timeout)
 
     def drain(self, duration: float) -> list[m.Frame]:
         """Everything that arrives within ``duration`` seconds (plus the inbox)."""
