@@ -371,3 +371,32 @@ def test_restart_rebuilds_identical_state(tmp_path: Path) -> None:
         assert info.first_position > max(e.version for e in tk.scan(kind.kind_id))  # type: ignore[attr-defined]
 
     run(tmp_path, reopened)
+
+
+def test_migration_while_a_window_is_open(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        events_kind = await tk.create_kind("ev", FIELDS, event_stream=True)
+        sub = tk.subscribe(kind.kind_id)
+        events = tk.subscribe(events_kind.kind_id, events=True)
+        await src.apply([assert_op(kind, eid(1), [1.0, "old"])]).durable()
+        src.apply([assert_op(kind, eid(2), [2.0]), assert_op(events_kind, eid(1), [3.0])])
+        wider = [*FIELDS, ("n", FieldType.I32)]
+        grown = await tk.create_kind("sensor", wider)
+        await tk.create_kind("ev", wider, event_stream=True)
+        await tk.barrier()
+        assert grown.schema_version == 2
+        old = tk.get(kind.kind_id, eid(1))
+        new = tk.get(kind.kind_id, eid(2))
+        assert old is not None and old.values == (1.0, "old", 0)
+        assert new is not None and new.values == (2.0, "", 0)
+        notes = [n for n in await sub.next_batch() if isinstance(n, StateChange)]
+        assert len(notes) == 2  # the first CREATED, then eid(2)'s
+        from headwater.protocols.convergedb.fields import decode_record
+
+        assert decode_record(wider, notes[-1].record) == [2.0, "", 0]
+        [event] = await events.next_batch()
+        assert isinstance(event, EventNote) and event.presence_mask == 0b111
+
+    run(tmp_path, body)

@@ -32,7 +32,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,6 +95,12 @@ KINDS_DIR = "kinds"
 def presence_entity_id(source_id: int) -> bytes:
     """The ``convergedb_connections`` entity of a source: its id byte, then 31 zeros."""
     return bytes([source_id]) + bytes(31)
+
+
+def _padded(record: bytes, state: KindState) -> bytes:
+    """A record written under an older schema, re-encoded with the new fields' defaults."""
+    fields = state.info.fields
+    return encode_fields(fields, decode_fields(fields, record, complete=True))
 
 
 # ---- working state ----------------------------------------------------------------------
@@ -633,6 +639,11 @@ class TenantKinds:
                 pending: list[tuple[bytes, _Work, EntityState | None, bytes | None]] = []
                 for eid, work in window.entities.get(kind_id, {}).items():
                     before = state.committed.get(eid)
+                    if work.values is not None and len(work.values) < len(fields):
+                        # written before a migration appended fields: they take defaults
+                        work.values.extend(
+                            default_value(f.type) for f in fields[len(work.values) :]
+                        )
                     if work.values is None:
                         if before is not None:
                             pending.append((eid, work, before, None))
@@ -717,7 +728,9 @@ class TenantKinds:
                     for d in drafts:
                         if d.op == OP_ASSERT:
                             assert isinstance(d.values, Sequence)
-                            mask, data = all_fields, encode_fields(fields, d.values)
+                            full = list(d.values)
+                            full += [default_value(f.type) for f in fields[len(full) :]]
+                            mask, data = all_fields, encode_fields(fields, full)
                         elif d.op == OP_PATCH:
                             assert isinstance(d.values, Mapping)
                             mask, data = encode_present_fields(fields, d.values)
@@ -746,20 +759,33 @@ class TenantKinds:
                 tenant.release_positions(first)
         for state, changes, notes, applied, next_sequence in plans:
             committed = state.committed
-            for change in changes:
+            fields_now = state.info.fields
+            for i, change in enumerate(changes):
                 if change.change is ChangeType.DELETED:
                     committed.pop(change.entity_id, None)
-                else:
-                    work = window.entities[state.info.kind_id][change.entity_id]
-                    assert work.values is not None
-                    committed[change.entity_id] = EntityState(
-                        change.kind_id,
-                        change.entity_id,
-                        change.version,
-                        change.source_set,
-                        tuple(work.values),
-                        change.record,
+                    continue
+                work = window.entities[state.info.kind_id][change.entity_id]
+                assert work.values is not None
+                if len(work.values) < len(fields_now):
+                    # The kind migrated while this window was being written.
+                    work.values.extend(
+                        default_value(f.type) for f in fields_now[len(work.values) :]
                     )
+                    change = changes[i] = replace(
+                        change,
+                        record=encode_fields(fields_now, work.values),
+                        previous=None
+                        if change.previous is None
+                        else _padded(change.previous, state),
+                    )
+                committed[change.entity_id] = EntityState(
+                    change.kind_id,
+                    change.entity_id,
+                    change.version,
+                    change.source_set,
+                    tuple(work.values),
+                    change.record,
+                )
             state.applied_position = applied
             state.next_sequence = next_sequence
             self.changes_committed += len(changes)
