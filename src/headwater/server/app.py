@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from headwater.engine.engine import Engine
+from headwater.engine.kinds import KindsEngine
 from headwater.engine.subscriptions import CloseReason, Subscriptions
 from headwater.server.config import ServerConfig
+from headwater.sql.kinds import KindTables
 from headwater.sql.service import SqlService
 
 log = logging.getLogger("headwater.server")
@@ -50,6 +52,7 @@ class Server:
         self.config = config
         self.ports_file = ports_file
         self.engine: Engine | None = None
+        self._kinds: KindsEngine | None = None
         self._subscriptions: Subscriptions | None = None
         self._sql: SqlService | None = None
         self.listeners: list[Listener] = []
@@ -62,6 +65,11 @@ class Server:
         return self._subscriptions
 
     @property
+    def kinds(self) -> KindsEngine:
+        assert self._kinds is not None, "server not started"
+        return self._kinds
+
+    @property
     def sql(self) -> SqlService:
         assert self._sql is not None, "server not started"
         return self._sql
@@ -69,7 +77,9 @@ class Server:
     async def start(self) -> None:
         self.engine = await Engine.open(self.data_dir, self.config.engine)
         self._subscriptions = Subscriptions(self.engine)
+        self._kinds = await KindsEngine.open(self.engine, self.config.kinds)
         self._sql = SqlService(self.engine)
+        self._sql.add_source(KindTables(self._kinds))
         self._sql.start()
         for name, factory in LISTENERS.items():
             address = self.config.address(name)
@@ -98,6 +108,8 @@ class Server:
                 log.exception("stopping listener %s failed", listener.name)
         if self._sql is not None:
             await self._sql.close()
+        if self._kinds is not None:
+            await self._kinds.close()
         if self.engine is not None:
             await self.engine.close()
         log.info("stopped cleanly")
@@ -166,5 +178,6 @@ def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
 
 def _load_front_ends() -> None:
     """Import the protocol front ends; each registers its listener."""
+    import headwater.server.convergedb.listener
     import headwater.server.http.listener
     import headwater.server.kimberlite.listener  # noqa: F401

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from headwater.engine.engine import EngineConfig
+from headwater.engine.kinds.model import KindsConfig
 from headwater.storage.log import SyncPolicy
 
 DEFAULT_LISTEN = {
@@ -41,6 +42,7 @@ class ServerConfig:
     listen: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LISTEN))
     engine: EngineConfig = field(default_factory=EngineConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    kinds: KindsConfig = field(default_factory=KindsConfig)
     log_level: str = "INFO"
     log_format: str = "text"
     raw: dict[str, Any] = field(default_factory=dict)  # sections later issues read
@@ -136,6 +138,22 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
     if not isinstance(required, bool):
         raise ConfigError("auth.required must be true or false")
 
+    convergedb = data.get("convergedb", {})
+    if not isinstance(convergedb, dict):
+        raise ConfigError("[convergedb] must be a table")
+    kind_defaults = KindsConfig()
+
+    def kopt(key: str) -> int:
+        value = _positive_int(convergedb, key, "convergedb")
+        return int(getattr(kind_defaults, key)) if value is None else value
+
+    kinds = KindsConfig(
+        coalesce_ms=kopt("coalesce_ms"),
+        live_buffer=kopt("live_buffer"),
+        default_liveness_ms=kopt("default_liveness_ms"),
+        liveness_check_ms=kopt("liveness_check_ms"),
+    )
+
     logging_data = data.get("logging", {})
     level = str(logging_data.get("level", "INFO")).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -147,6 +165,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         listen=listen,
         engine=engine,
         auth=AuthConfig(required=required, tokens=tokens),
+        kinds=kinds,
         log_level=level,
         log_format=fmt,
         raw=data,

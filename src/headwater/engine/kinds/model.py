@@ -1,0 +1,196 @@
+"""Values the kind engine hands out and takes in: kinds, entity states, write ops and
+notifications. All immutable; field values are the Python values of
+:mod:`headwater.protocols.convergedb.fields` (the wire's type codes are the schema's)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TypeAlias
+
+from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE, MAX_SOURCE_ID
+from headwater.protocols.convergedb.fields import FieldSpec, FieldType, FieldValue
+
+Key: TypeAlias = tuple[int, bytes]
+"""``(kind_id, entity_id)``."""
+
+ALL_SOURCES = (1 << (MAX_SOURCE_ID + 1)) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class KindInfo:
+    """One kind of one tenant: its id, name, schema and whether it is an event stream."""
+
+    tenant_id: int
+    kind_id: int
+    name: str
+    fields: tuple[FieldSpec, ...]
+    event_stream: bool = False
+    schema_version: int = 1
+    internal: bool = False  # the presence kind: written by headwater only
+
+    @property
+    def field_count(self) -> int:
+        return len(self.fields)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "id": self.kind_id,
+            "name": self.name,
+            "fields": [[f.name, int(f.type)] for f in self.fields],
+            "event_stream": self.event_stream,
+            "schema_version": self.schema_version,
+            "internal": self.internal,
+        }
+
+    @classmethod
+    def from_json(cls, tenant_id: int, data: Mapping[str, object]) -> KindInfo:
+        raw_fields = data["fields"]
+        assert isinstance(raw_fields, list)
+        return cls(
+            tenant_id,
+            int(str(data["id"])),
+            str(data["name"]),
+            tuple(FieldSpec(str(n), FieldType(int(t))) for n, t in raw_fields),
+            bool(data.get("event_stream", False)),
+            int(str(data.get("schema_version", 1))),
+            bool(data.get("internal", False)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EntityState:
+    """An entity as readers see it: committed (durable) and with its version.
+
+    ``record`` is the encoded field_data of every field, as STATE frames carry it.
+    """
+
+    kind_id: int
+    entity_id: bytes
+    version: int
+    source_set: int
+    values: tuple[FieldValue, ...]
+    record: bytes
+
+
+# ---- write ops ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AssertOp:
+    """Set the writer's source bit and replace every field with ``values`` (all of them:
+    a prefix must be completed with defaults, as :func:`~.ops.assert_op` does)."""
+
+    kind_id: int
+    entity_id: bytes
+    values: tuple[FieldValue, ...]
+    metadata: bytes = b""
+
+    @property
+    def key(self) -> Key:
+        return self.kind_id, self.entity_id
+
+
+@dataclass(frozen=True, slots=True)
+class PatchOp:
+    """Set the writer's bit and update the fields in ``values`` (ordinal -> value); an
+    absent entity is created with defaults first."""
+
+    kind_id: int
+    entity_id: bytes
+    values: Mapping[int, FieldValue]
+    metadata: bytes = b""
+
+    @property
+    def key(self) -> Key:
+        return self.kind_id, self.entity_id
+
+
+@dataclass(frozen=True, slots=True)
+class RetractOp:
+    """Clear the writer's bit; the entity is deleted when no source holds it."""
+
+    kind_id: int
+    entity_id: bytes
+    metadata: bytes = b""
+
+    @property
+    def key(self) -> Key:
+        return self.kind_id, self.entity_id
+
+
+WriteOp: TypeAlias = AssertOp | PatchOp | RetractOp
+
+OP_ASSERT, OP_RETRACT, OP_PATCH = 0x02, 0x03, 0x08
+
+
+def check_entity_id(entity_id: bytes) -> bytes:
+    if len(entity_id) != ENTITY_ID_SIZE:
+        from headwater.engine.kinds.errors import BadFieldData
+
+        raise BadFieldData(f"an entity id is {ENTITY_ID_SIZE} bytes, not {len(entity_id)}")
+    return entity_id
+
+
+# ---- notifications --------------------------------------------------------------------
+
+
+class ChangeType(IntEnum):
+    """What happened to an entity over one coalescing window (the net change)."""
+
+    CREATED = 0
+    UPDATED = 1
+    DELETED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class StateChange:
+    """The net change of one entity over one window, as subscribers get it.
+
+    ``changed_fields`` has bit i set when field i differs from the previous state (every
+    field for CREATED, none for DELETED); ``previous`` is the previous record for UPDATED.
+    ``metadata`` is that of the window's last op on the entity (never stored).
+    """
+
+    kind_id: int
+    entity_id: bytes
+    change: ChangeType
+    version: int
+    source_set: int
+    changed_fields: int
+    record: bytes
+    previous: bytes | None = None
+    metadata: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class EventNote:
+    """One op on an event-stream kind, delivered as EVENT (``sequence`` is per kind)."""
+
+    kind_id: int
+    entity_id: bytes
+    op: int  # OP_ASSERT, OP_RETRACT or OP_PATCH
+    source_id: int
+    sequence: int
+    presence_mask: int
+    field_data: bytes
+    metadata: bytes = b""
+
+
+Notification: TypeAlias = StateChange | EventNote
+
+
+@dataclass(frozen=True)
+class KindsConfig:
+    """Tunables of the kind engine (TOML ``[convergedb]``, see docs/operations.md)."""
+
+    coalesce_ms: int = 20
+    live_buffer: int = 4096
+    default_liveness_ms: int = 30_000
+    liveness_check_ms: int = 50
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def values_tuple(values: Sequence[FieldValue]) -> tuple[FieldValue, ...]:
+    return values if isinstance(values, tuple) else tuple(values)

@@ -1,0 +1,968 @@
+"""The kind engine: per-tenant kinds, multi-source entity state, coalesced durable
+windows, source epochs, liveness and subscriptions (spec/PROTOCOLS.md §2).
+
+How a write travels:
+
+1. ``TenantKinds.apply(source, ops)`` checks every op first (an op that does not fit
+   fails the whole call and nothing is applied), then applies the ops, grouped by
+   partition (one partition per kind), to the *working* state: the open window over the
+   window being flushed over the committed state. Rules: ASSERT sets the source's bit
+   and replaces the fields; PATCH sets the bit and updates the present fields (creating
+   the entity with defaults); RETRACT clears the bit; no bit left = deleted.
+2. The open window is flushed ``coalesce_ms`` (20 ms) after its first write: every
+   entity whose net state changed gets the next tenant log position as its version and
+   one record in its kind's changelog (a compacted partition log: key = entity id, value
+   = u64 source_set + field_data, a tombstone for a deletion), one append per kind, then
+   one group commit (fdatasync) per changelog for the whole window.
+3. Once durable, the committed state (what QUERY, scans, bootstrap and SQL read) moves
+   on, each subscriber gets the window's net changes (and EVENTs for event-stream
+   kinds), and the window's waiters (ACKed writes, HEARTBEAT barriers) are released.
+
+Restart rebuilds the committed state from the changelogs (the last record per entity
+wins; compaction keeps them small), so it is identical to the state before.
+
+Everything here runs on the asyncio loop thread; file work runs in the engine's workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from headwater.engine.kinds.errors import (
+    KindNotFound,
+    NoEpoch,
+    NoFreeSource,
+    ReadOnlySource,
+    SourceConflict,
+)
+from headwater.engine.kinds.model import (
+    OP_ASSERT,
+    OP_PATCH,
+    OP_RETRACT,
+    AssertOp,
+    ChangeType,
+    EntityState,
+    EventNote,
+    Key,
+    KindInfo,
+    KindsConfig,
+    Notification,
+    PatchOp,
+    RetractOp,
+    StateChange,
+    WriteOp,
+)
+from headwater.engine.kinds.registry import KindRegistry
+from headwater.engine.kinds.subscriptions import KindSubscription
+from headwater.protocols.convergedb.codes import MAX_SOURCE_ID
+from headwater.protocols.convergedb.fields import (
+    FieldSpec,
+    FieldType,
+    FieldValue,
+    decode_fields,
+    default_value,
+    encode_fields,
+    encode_present_fields,
+)
+from headwater.storage.group_commit import GroupCommitter
+from headwater.storage.log import LogConfig, PartitionLog
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Engine, Tenant
+
+log = logging.getLogger(__name__)
+
+PRESENCE_KIND = "convergedb_connections"
+PRESENCE_FIELDS = (
+    FieldSpec("source_id", FieldType.U8),
+    FieldSpec("name", FieldType.STRING),
+    FieldSpec("connected_at", FieldType.TIMESTAMP),
+    FieldSpec("liveness_deadline_ms", FieldType.U32),
+)
+SEQUENCE_KEY = b"hw_event_sequence"  # changelog key of an event kind's next sequence
+_SOURCE_SET = struct.Struct("<Q")
+KINDS_DIR = "kinds"
+
+
+def presence_entity_id(source_id: int) -> bytes:
+    """The ``convergedb_connections`` entity of a source: its id byte, then 31 zeros."""
+    return bytes([source_id]) + bytes(31)
+
+
+def _padded(record: bytes, state: KindState) -> bytes:
+    """A record written under an older schema, re-encoded with the new fields' defaults."""
+    fields = state.info.fields
+    return encode_fields(fields, decode_fields(fields, record, complete=True))
+
+
+# ---- working state ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Work:
+    """An entity as the open window leaves it (values None: absent)."""
+
+    source_set: int
+    values: list[FieldValue] | None
+    metadata: bytes = b""
+
+
+@dataclass(slots=True)
+class _EventDraft:
+    entity_id: bytes
+    op: int
+    source_id: int
+    values: Sequence[FieldValue] | Mapping[int, FieldValue] | None
+    metadata: bytes
+
+
+class Window:
+    """One coalescing window of one tenant; ``await window.durable()`` waits for it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.entities: dict[int, dict[bytes, _Work]] = {}
+        self.events: dict[int, list[_EventDraft]] = {}
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.scheduled = False
+        self.ops = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.ops == 0
+
+    async def durable(self) -> None:
+        """Return once everything in this window is durable and visible to readers."""
+        await asyncio.shield(self.done)
+
+
+# ---- kinds --------------------------------------------------------------------------
+
+
+class KindState:
+    """One kind of one tenant: its committed entities, changelog and subscribers."""
+
+    def __init__(self, info: KindInfo, plog: PartitionLog, committer: GroupCommitter) -> None:
+        self.info = info
+        self.committed: dict[bytes, EntityState] = {}
+        self.log = plog
+        self.committer = committer
+        self.next_sequence = 0
+        self.subscribers: list[KindSubscription] = []
+        self.applied_position = 0  # every change of this kind below it is committed
+        self.change_listeners: list[Callable[[KindState, list[StateChange]], None]] = []
+
+    def load(self) -> None:
+        """Rebuild the committed state from the changelog (worker thread, at open)."""
+        fields = self.info.fields
+        for event in self.log.events(self.log.start_offset):
+            self.applied_position = event.position + 1
+            if event.key is None:
+                continue
+            if event.key == SEQUENCE_KEY:
+                self.next_sequence = _SOURCE_SET.unpack_from(event.value)[0]
+                continue
+            if event.tombstone:
+                self.committed.pop(event.key, None)
+                continue
+            source_set = _SOURCE_SET.unpack_from(event.value)[0]
+            values = tuple(decode_fields(fields, memoryview(event.value)[8:], complete=True))
+            record = encode_fields(fields, values)
+            self.committed[event.key] = EntityState(
+                self.info.kind_id, event.key, event.position, source_set, values, record
+            )
+
+    def migrate(self, info: KindInfo) -> None:
+        """Fields were appended: committed entities take the new fields' defaults."""
+        added = [default_value(f.type) for f in info.fields[len(self.info.fields) :]]
+        self.info = info
+        for eid, state in list(self.committed.items()):
+            values = state.values + tuple(added)
+            self.committed[eid] = EntityState(
+                state.kind_id,
+                eid,
+                state.version,
+                state.source_set,
+                values,
+                encode_fields(info.fields, values),
+            )
+
+
+# ---- sources ------------------------------------------------------------------------
+
+
+class Source:
+    """A writer's slot (0..63) or a read-only reader (``source_id`` None).
+
+    Call :meth:`touch` whenever the peer is heard from; :meth:`disconnect` when its
+    connection ends (the liveness deadline then decides the fate of its entities).
+    """
+
+    def __init__(
+        self,
+        tenant: TenantKinds,
+        source_id: int | None,
+        name: str,
+        deadline_ms: int,
+        on_dead: Callable[[], None] | None,
+    ) -> None:
+        self.tenant = tenant
+        self.source_id = source_id
+        self.name = name
+        self.deadline_ms = deadline_ms
+        self.on_dead = on_dead
+        self.connected = True
+        self.last_seen = time.monotonic()
+        self.connected_at_ns = time.time_ns()
+
+    @property
+    def read_only(self) -> bool:
+        return self.source_id is None
+
+    @property
+    def bit(self) -> int:
+        if self.source_id is None:
+            raise ReadOnlySource("a read-only connection cannot write")
+        return 1 << self.source_id
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+    def apply(self, ops: Sequence[WriteOp]) -> Window:
+        return self.tenant.apply(self, ops)
+
+    def disconnect(self) -> None:
+        self.tenant.disconnect(self)
+
+
+# ---- a tenant's kinds -----------------------------------------------------------------
+
+
+class TenantKinds:
+    """Every kind, entity, source and subscription of one tenant."""
+
+    def __init__(self, owner: KindsEngine, tenant: Tenant, registry: KindRegistry) -> None:
+        self.owner = owner
+        self.engine_tenant = tenant
+        self.tenant_id = tenant.tenant_id
+        self.registry = registry
+        self.kinds: dict[int, KindState] = {}
+        self.sources: dict[int, Source] = {}  # slot -> holder (connected or in grace)
+        self.source_entities: dict[int, set[Key]] = {}  # working state's bit index
+        self.epochs: dict[int, set[Key]] = {}  # source -> not yet re-asserted
+        self._loop = asyncio.get_running_loop()
+        self._pending = Window(self._loop)
+        self._flushing: Window | None = None
+        self._flush_task: asyncio.Task[None] | None = None
+        self._flush_due = False
+        self.windows_flushed = 0
+        self.changes_committed = 0
+
+    @property
+    def config(self) -> KindsConfig:
+        return self.owner.config
+
+    # ---- kinds ------------------------------------------------------------------------
+
+    def kind(self, kind_id: int) -> KindInfo:
+        """The kind's current definition; KindNotFound when unknown."""
+        return self.registry.kind(kind_id)
+
+    def kind_state(self, kind_id: int) -> KindState:
+        state = self.kinds.get(kind_id)
+        if state is None:
+            raise KindNotFound(f"kind {kind_id} does not exist")
+        return state
+
+    def list_kinds(self) -> list[KindInfo]:
+        return self.registry.kinds()
+
+    def get_kind(self, name: str, fields: Sequence[tuple[str, int]] = ()) -> KindInfo:
+        """GET_KIND: by name; ``fields``, when given, must be a prefix of the schema
+        (SchemaIncompatible otherwise)."""
+        return self.registry.resolve(name, fields)
+
+    async def create_kind(
+        self,
+        name: str,
+        fields: Sequence[tuple[str, int]],
+        *,
+        event_stream: bool = False,
+        internal: bool = False,
+    ) -> KindInfo:
+        """CREATE_KIND: identical = the existing kind; appended fields = migration
+        (schema_version + 1); anything else SchemaConflict; ReservedName for the reserved
+        prefixes; KindLimitExceeded past 64 fields. Persisted before it returns."""
+        taken = set(self.engine_tenant.by_name)
+        kind, changed = self.registry.plan_create(
+            name, fields, event_stream=event_stream, internal=internal, taken_names=taken
+        )
+        if not changed:
+            return kind
+        loop = asyncio.get_running_loop()
+        state = self.kinds.get(kind.kind_id)
+        if state is None:
+            state = await loop.run_in_executor(self.owner.executor, self.owner.open_kind, kind)
+        self.registry.install(kind)
+        try:
+            await loop.run_in_executor(self.owner.executor, self.registry.save)
+        except BaseException:
+            log.exception("saving the kind registry failed")
+            raise
+        if kind.kind_id in self.kinds:
+            state.migrate(kind)
+        else:
+            self.kinds[kind.kind_id] = state
+            state.committer.start()
+            self.engine_tenant.reserved_names.add(kind.name)
+            self.owner.fire_kind_created(self, state)
+        log.info(
+            "kind %s (tenant %d, id %d) v%d",
+            name,
+            self.tenant_id,
+            kind.kind_id,
+            kind.schema_version,
+        )
+        return kind
+
+    # ---- sources ------------------------------------------------------------------------
+
+    def connect(
+        self,
+        name: str = "",
+        *,
+        source_id: int | None = None,
+        read_only: bool = False,
+        deadline_ms: int = 0,
+        on_dead: Callable[[], None] | None = None,
+    ) -> Source:
+        """CONNECT: a read-only reader, the slot asked for (SourceConflict while a live
+        connection holds it; a slot in its grace period is taken over with its
+        entities), or the lowest free slot (NoFreeSource when all 64 are taken)."""
+        deadline = deadline_ms or self.config.default_liveness_ms
+        if read_only:
+            return Source(self, None, name, deadline, on_dead)
+        if source_id is None:
+            free = [s for s in range(MAX_SOURCE_ID + 1) if s not in self.sources]
+            if not free:
+                raise NoFreeSource("all 64 source slots of the tenant are taken")
+            source_id = free[0]
+        elif not 0 <= source_id <= MAX_SOURCE_ID:
+            raise SourceConflict(f"source_id {source_id} is outside 0..{MAX_SOURCE_ID}")
+        else:
+            holder = self.sources.get(source_id)
+            if holder is not None and holder.connected:
+                raise SourceConflict(f"source {source_id} is held by a live connection")
+        source = Source(self, source_id, name, deadline, on_dead)
+        self.sources[source_id] = source
+        self._write_presence(source, present=True)
+        return source
+
+    def disconnect(self, source: Source) -> None:
+        """The source's connection ended: its epoch is abandoned, its presence entity
+        goes, and its entities stay until its liveness deadline passes."""
+        if not source.connected:
+            return
+        source.connected = False
+        if source.source_id is None or self.sources.get(source.source_id) is not source:
+            return
+        self.epochs.pop(source.source_id, None)
+        self._write_presence(source, present=False)
+
+    def _write_presence(self, source: Source, *, present: bool) -> None:
+        kind_id = self.registry.by_name.get(PRESENCE_KIND)
+        if kind_id is None or source.source_id is None:
+            return
+        eid = presence_entity_id(source.source_id)
+        op: WriteOp
+        if present:
+            values = (
+                source.source_id,
+                source.name[:1000],
+                source.connected_at_ns,
+                min(source.deadline_ms, 0xFFFF_FFFF),
+            )
+            op = AssertOp(kind_id, eid, values)
+        else:
+            op = RetractOp(kind_id, eid)
+        self._apply_ops(source.source_id, [op], internal=True)
+
+    def check_liveness(self, now: float) -> list[Source]:
+        """Retract for every source silent past its deadline; returns the dead."""
+        dead = [s for s in self.sources.values() if (now - s.last_seen) * 1000 > s.deadline_ms]
+        for source in dead:
+            assert source.source_id is not None
+            log.info(
+                "source %d (%s) of tenant %d is dead", source.source_id, source.name, self.tenant_id
+            )
+            was_connected = source.connected
+            self.disconnect(source)
+            self.retract_source(source.source_id)
+            del self.sources[source.source_id]
+            if was_connected and source.on_dead is not None:
+                try:
+                    source.on_dead()
+                except Exception:
+                    log.exception("on_dead callback failed")
+        return dead
+
+    def retract_source(self, source_id: int) -> int:
+        """Clear ``source_id``'s bit from every entity it holds; returns how many."""
+        keys = list(self.source_entities.get(source_id, ()))
+        ops = [RetractOp(k, e) for k, e in keys]
+        self._apply_ops(source_id, ops, internal=True)
+        return len(ops)
+
+    # ---- epochs -----------------------------------------------------------------------
+
+    def begin_epoch(self, source: Source) -> Window:
+        """SOURCE_EPOCH_BEGIN: remember the entities this source holds (of every kind);
+        an epoch already open is abandoned."""
+        sid = self._writer(source)
+        presence = self.registry.by_name.get(PRESENCE_KIND)
+        self.epochs[sid] = {k for k in self.source_entities.get(sid, ()) if k[0] != presence}
+        return self._pending
+
+    def end_epoch(self, source: Source) -> tuple[int, Window]:
+        """SOURCE_EPOCH_END: retract what was not re-asserted or patched since BEGIN;
+        ``(retracted_count, window)``. NoEpoch without an open epoch."""
+        sid = self._writer(source)
+        stale = self.epochs.pop(sid, None)
+        if stale is None:
+            raise NoEpoch("SOURCE_EPOCH_END without an open epoch")
+        held = self.source_entities.get(sid, set())
+        keys = [k for k in stale if k in held]
+        self._apply_ops(sid, [RetractOp(k, e) for k, e in keys])
+        return len(keys), self._pending
+
+    def _writer(self, source: Source) -> int:
+        if source.source_id is None:
+            raise ReadOnlySource("a read-only connection cannot write")
+        if self.sources.get(source.source_id) is not source:
+            raise SourceConflict(f"source {source.source_id} was taken over")
+        return source.source_id
+
+    # ---- writes -----------------------------------------------------------------------
+
+    def apply(self, source: Source, ops: Sequence[WriteOp]) -> Window:
+        """Apply write ops as ``source`` (all checked before any applies; grouped by
+        partition, each partition's ops in order); returns the window they are in."""
+        sid = self._writer(source)
+        for op in ops:
+            state = self.kinds.get(op.kind_id)
+            if state is None:
+                raise KindNotFound(f"kind {op.kind_id} does not exist")
+            if state.info.internal:
+                raise ReadOnlySource(f"kind {state.info.name!r} is written by headwater only")
+        if len({op.kind_id for op in ops}) > 1:
+            ops = sorted(ops, key=lambda op: op.kind_id)  # stable: order kept per kind
+        self._apply_ops(sid, ops)
+        return self._pending
+
+    def _apply_ops(self, sid: int, ops: Sequence[WriteOp], *, internal: bool = False) -> None:
+        if not ops:
+            return
+        bit = 1 << sid
+        window = self._pending
+        flushing = self._flushing
+        epoch = None if internal else self.epochs.get(sid)
+        held = self.source_entities.setdefault(sid, set())
+        last_kind = -1
+        entities: dict[bytes, _Work] = {}
+        state: KindState | None = None
+        for op in ops:
+            kind_id = op.kind_id
+            if kind_id != last_kind:
+                state = self.kinds[kind_id]
+                entities = window.entities.setdefault(kind_id, {})
+                last_kind = kind_id
+            assert state is not None
+            eid = op.entity_id
+            work = entities.get(eid)
+            if work is None:
+                work = self._working(state, flushing, eid)
+                if isinstance(op, RetractOp) and not work.source_set & bit:
+                    continue  # retracting what this source does not hold changes nothing
+                entities[eid] = work
+            key = (kind_id, eid)
+            if isinstance(op, AssertOp):
+                work.values = list(op.values)
+                work.source_set |= bit
+                held.add(key)
+                if epoch is not None:
+                    epoch.discard(key)
+            elif isinstance(op, PatchOp):
+                if work.values is None:
+                    work.values = [default_value(f.type) for f in state.info.fields]
+                for i, value in op.values.items():
+                    work.values[i] = value
+                work.source_set |= bit
+                held.add(key)
+                if epoch is not None:
+                    epoch.discard(key)
+            else:
+                if not work.source_set & bit:
+                    continue
+                work.source_set &= ~bit
+                held.discard(key)
+                if not work.source_set:
+                    work.values = None
+            work.metadata = op.metadata
+            window.ops += 1
+            if state.info.event_stream:
+                window.events.setdefault(kind_id, []).append(
+                    _EventDraft(
+                        eid,
+                        OP_ASSERT
+                        if isinstance(op, AssertOp)
+                        else OP_PATCH
+                        if isinstance(op, PatchOp)
+                        else OP_RETRACT,
+                        sid,
+                        op.values if not isinstance(op, RetractOp) else None,
+                        op.metadata,
+                    )
+                )
+        if not window.scheduled and window.ops:
+            window.scheduled = True
+            self._loop.call_later(self.config.coalesce_ms / 1000, self._window_due)
+
+    @staticmethod
+    def _working(state: KindState, flushing: Window | None, eid: bytes) -> _Work:
+        if flushing is not None:
+            prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
+            if prior is not None:
+                values = None if prior.values is None else list(prior.values)
+                return _Work(prior.source_set, values)
+        committed = state.committed.get(eid)
+        if committed is None:
+            return _Work(0, None)
+        return _Work(committed.source_set, list(committed.values))
+
+    async def barrier(self) -> None:
+        """Return once every write applied before the call is durable and visible."""
+        if not self._pending.empty:
+            await self._pending.durable()
+        elif self._flushing is not None:
+            await self._flushing.durable()
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def get(self, kind_id: int, entity_id: bytes) -> EntityState | None:
+        """The committed state of an entity (what QUERY answers), None when absent."""
+        return self.kind_state(kind_id).committed.get(entity_id)
+
+    def scan(self, kind_id: int) -> Iterator[EntityState]:
+        """Every committed entity of a kind, each read as it is when reached (so an
+        entity changed meanwhile comes out newer; one deleted meanwhile is skipped)."""
+        state = self.kind_state(kind_id)
+        for eid in list(state.committed):
+            current = state.committed.get(eid)
+            if current is not None:
+                yield current
+
+    def subscribe(
+        self, kind_id: int, *, include_previous: bool = False, events: bool = False
+    ) -> KindSubscription:
+        """Register a live subscription now (before any bootstrap :meth:`scan`)."""
+        state = self.kind_state(kind_id)
+
+        def remove(sub: KindSubscription) -> None:
+            with contextlib.suppress(ValueError):
+                state.subscribers.remove(sub)
+
+        sub = KindSubscription(
+            kind_id,
+            include_previous=include_previous,
+            events=events and state.info.event_stream,
+            capacity=self.config.live_buffer,
+            on_close=remove,
+        )
+        state.subscribers.append(sub)
+        return sub
+
+    # ---- flushing -----------------------------------------------------------------------
+
+    def _window_due(self) -> None:
+        self._flush_due = True
+        if self._flush_task is None:
+            self._flush_task = self._loop.create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        try:
+            while self._flush_due:
+                self._flush_due = False
+                await self.flush()
+        finally:
+            self._flush_task = None
+
+    async def flush(self) -> None:
+        """Make the open window durable and visible now (one flush at a time)."""
+        while self._flushing is not None:
+            await asyncio.shield(self._flushing.done)
+        window = self._pending
+        if window.empty:
+            return
+        self._pending = Window(self._loop)
+        self._flushing = window
+        try:
+            await self._flush_window(window)
+        except BaseException as exc:
+            log.exception("flushing a window of tenant %d failed", self.tenant_id)
+            if not window.done.done():
+                window.done.set_exception(
+                    exc if isinstance(exc, Exception) else RuntimeError("flush cancelled")
+                )
+                window.done.exception()  # retrieved: waiters may be gone
+            raise
+        finally:
+            self._flushing = None
+        window.done.set_result(None)
+
+    async def _flush_window(self, window: Window) -> None:
+        tenant = self.engine_tenant
+        plans: list[tuple[KindState, list[StateChange], list[EventNote], int, int]] = []
+        commits = []
+        claimed: list[int] = []
+        try:
+            for kind_id in set(window.entities) | set(window.events):
+                state = self.kinds[kind_id]
+                fields = state.info.fields
+                all_fields = (1 << len(fields)) - 1
+                pending: list[tuple[bytes, _Work, EntityState | None, bytes | None]] = []
+                for eid, work in window.entities.get(kind_id, {}).items():
+                    before = state.committed.get(eid)
+                    if work.values is not None and len(work.values) < len(fields):
+                        # written before a migration appended fields: they take defaults
+                        work.values.extend(
+                            default_value(f.type) for f in fields[len(work.values) :]
+                        )
+                    if work.values is None:
+                        if before is not None:
+                            pending.append((eid, work, before, None))
+                        continue
+                    if (
+                        before is not None
+                        and before.source_set == work.source_set
+                        and list(before.values) == work.values
+                    ):
+                        continue
+                    pending.append((eid, work, before, encode_fields(fields, work.values)))
+                drafts = window.events.get(kind_id, [])
+                count = len(pending) + (1 if drafts else 0)
+                if count == 0:
+                    continue
+                first = tenant.claim_positions(count)
+                claimed.append(first)
+                changes: list[StateChange] = []
+                values_out: list[bytes] = []
+                keys: list[bytes | None] = []
+                tombstones: list[bool] = []
+                for i, (eid, work, before, record) in enumerate(pending):
+                    version = first + i
+                    keys.append(eid)
+                    if record is None:
+                        assert before is not None
+                        values_out.append(b"")
+                        tombstones.append(True)
+                        changes.append(
+                            StateChange(
+                                kind_id,
+                                eid,
+                                ChangeType.DELETED,
+                                version,
+                                0,
+                                0,
+                                b"",
+                                None,
+                                work.metadata,
+                            )
+                        )
+                        continue
+                    values_out.append(_SOURCE_SET.pack(work.source_set) + record)
+                    tombstones.append(False)
+                    if before is None:
+                        changes.append(
+                            StateChange(
+                                kind_id,
+                                eid,
+                                ChangeType.CREATED,
+                                version,
+                                work.source_set,
+                                all_fields,
+                                record,
+                                None,
+                                work.metadata,
+                            )
+                        )
+                    else:
+                        assert work.values is not None
+                        changed = 0
+                        old_values = before.values
+                        for j, new in enumerate(work.values):
+                            if j >= len(old_values) or old_values[j] != new:
+                                changed |= 1 << j
+                        changes.append(
+                            StateChange(
+                                kind_id,
+                                eid,
+                                ChangeType.UPDATED,
+                                version,
+                                work.source_set,
+                                changed,
+                                record,
+                                before.record,
+                                work.metadata,
+                            )
+                        )
+                notes: list[EventNote] = []
+                if drafts:
+                    seq = state.next_sequence
+                    for d in drafts:
+                        if d.op == OP_ASSERT:
+                            assert isinstance(d.values, Sequence)
+                            full = list(d.values)
+                            full += [default_value(f.type) for f in fields[len(full) :]]
+                            mask, data = all_fields, encode_fields(fields, full)
+                        elif d.op == OP_PATCH:
+                            assert isinstance(d.values, Mapping)
+                            mask, data = encode_present_fields(fields, d.values)
+                        else:
+                            mask, data = 0, b""
+                        notes.append(
+                            EventNote(
+                                kind_id, d.entity_id, d.op, d.source_id, seq, mask, data, d.metadata
+                            )
+                        )
+                        seq += 1
+                    keys.append(SEQUENCE_KEY)
+                    values_out.append(_SOURCE_SET.pack(seq))
+                    tombstones.append(False)
+                info = state.log.append(
+                    values_out, first_position=first, keys=keys, tombstones=tombstones
+                )
+                commits.append(state.committer.committed(info.next_offset))
+                plans.append(
+                    (state, changes, notes, first + count, seq if drafts else state.next_sequence)
+                )
+            if commits:
+                await asyncio.gather(*commits)
+        finally:
+            for first in claimed:
+                tenant.release_positions(first)
+        for state, changes, notes, applied, next_sequence in plans:
+            committed = state.committed
+            fields_now = state.info.fields
+            for i, change in enumerate(changes):
+                if change.change is ChangeType.DELETED:
+                    committed.pop(change.entity_id, None)
+                    continue
+                work = window.entities[state.info.kind_id][change.entity_id]
+                assert work.values is not None
+                if len(work.values) < len(fields_now):
+                    # The kind migrated while this window was being written.
+                    work.values.extend(
+                        default_value(f.type) for f in fields_now[len(work.values) :]
+                    )
+                    change = changes[i] = replace(
+                        change,
+                        record=encode_fields(fields_now, work.values),
+                        previous=None
+                        if change.previous is None
+                        else _padded(change.previous, state),
+                    )
+                committed[change.entity_id] = EntityState(
+                    change.kind_id,
+                    change.entity_id,
+                    change.version,
+                    change.source_set,
+                    tuple(work.values),
+                    change.record,
+                )
+            state.applied_position = applied
+            state.next_sequence = next_sequence
+            self.changes_committed += len(changes)
+            if state.subscribers:
+                state_notes: list[Notification] = list(changes)
+                event_notes: list[Notification] = list(notes)
+                for sub in list(state.subscribers):
+                    sub.push(event_notes if sub.events else state_notes)
+            for listener in list(state.change_listeners):
+                try:
+                    listener(state, changes)
+                except Exception:
+                    log.exception("kind change listener failed")
+        self.windows_flushed += 1
+
+    async def close(self) -> None:
+        if self._flush_task is not None:
+            with contextlib.suppress(Exception):
+                await self._flush_task
+        await self.flush()
+        for state in self.kinds.values():
+            for sub in list(state.subscribers):
+                sub.close()
+            await state.committer.aclose()
+            state.log.close()
+
+
+# ---- the engine-wide object -------------------------------------------------------------
+
+
+@dataclass
+class _Hooks:
+    kind_created: list[Callable[[TenantKinds, KindState], None]] = field(default_factory=list)
+
+
+class KindsEngine:
+    """Entity kinds of every tenant, on top of an open :class:`Engine`."""
+
+    def __init__(self, engine: Engine, config: KindsConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.executor = engine.executor
+        self.tenants: dict[int, TenantKinds] = {}
+        self.hooks = _Hooks()
+        self._liveness: asyncio.Task[None] | None = None
+        self._maintenance: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @classmethod
+    async def open(cls, engine: Engine, config: KindsConfig | None = None) -> KindsEngine:
+        """Load every tenant's kinds and rebuild their state from the changelogs."""
+        kinds = cls(engine, config or KindsConfig())
+        loop = asyncio.get_running_loop()
+        for tenant in engine.tenants.values():
+            await kinds._open_tenant(tenant, loop)
+        kinds._liveness = loop.create_task(kinds._liveness_loop())
+        interval = engine.config.maintenance_interval_ms
+        if interval > 0:
+            kinds._maintenance = loop.create_task(kinds._maintenance_loop(interval / 1000))
+        return kinds
+
+    async def _open_tenant(self, tenant: Tenant, loop: asyncio.AbstractEventLoop) -> TenantKinds:
+        directory = tenant.directory / KINDS_DIR
+
+        def load() -> tuple[KindRegistry, list[KindState]]:
+            registry = KindRegistry.load(tenant.tenant_id, directory)
+            states = []
+            for info in registry.kinds():
+                state = self.open_kind(info)
+                state.load()
+                states.append(state)
+            return registry, states
+
+        registry, states = await loop.run_in_executor(self.executor, load)
+        tk = TenantKinds(self, tenant, registry)
+        for state in states:
+            tk.kinds[state.info.kind_id] = state
+            state.committer.start()
+            tenant.reserved_names.add(state.info.name)
+            last = state.log.last_position
+            if last is not None:
+                tenant.next_position = max(tenant.next_position, last)
+            for eid, entity in state.committed.items():
+                bits = entity.source_set
+                while bits:
+                    low = bits & -bits
+                    tk.source_entities.setdefault(low.bit_length() - 1, set()).add(
+                        (state.info.kind_id, eid)
+                    )
+                    bits ^= low
+        self.tenants[tenant.tenant_id] = tk
+        await tk.create_kind(PRESENCE_KIND, PRESENCE_FIELDS, internal=True)
+        # Nobody is connected after a restart: presence entities from before go, and
+        # every source holding entities gets one liveness deadline to come back.
+        presence_id = registry.by_name[PRESENCE_KIND]
+        for entity in list(tk.kinds[presence_id].committed.values()):
+            bits = entity.source_set
+            for sid in range(MAX_SOURCE_ID + 1):
+                if bits >> sid & 1:
+                    tk._apply_ops(sid, [RetractOp(presence_id, entity.entity_id)], internal=True)
+        for sid, keys in tk.source_entities.items():
+            if keys and sid not in tk.sources:
+                ghost = Source(tk, sid, "", self.config.default_liveness_ms, None)
+                ghost.connected = False
+                tk.sources[sid] = ghost
+        return tk
+
+    def open_kind(self, info: KindInfo) -> KindState:
+        """Open (creating) a kind's changelog; worker thread."""
+        tenant = self.engine.tenant(info.tenant_id)
+        directory = tenant.directory / KINDS_DIR / str(info.kind_id) / "changelog"
+        config = LogConfig(
+            segment_bytes=self.engine.config.segment_bytes,
+            cleanup_policy="compact",
+            delete_retention_ms=self.engine.config.delete_retention_ms,
+            sync=self.engine.config.sync,
+        )
+        plog = PartitionLog.open(Path(directory), config)
+        return KindState(info, plog, GroupCommitter(plog, self.executor))
+
+    def fire_kind_created(self, tenant: TenantKinds, state: KindState) -> None:
+        for hook in list(self.hooks.kind_created):
+            try:
+                hook(tenant, state)
+            except Exception:
+                log.exception("kind_created hook failed")
+
+    def tenant(self, tenant_id: int) -> TenantKinds:
+        """A tenant's kinds (TenantNotFound when the engine has no such tenant)."""
+        tk = self.tenants.get(tenant_id)
+        if tk is None:
+            self.engine.tenant(tenant_id)  # raises TenantNotFound
+            raise KindNotFound(f"tenant {tenant_id} has no kinds loaded")
+        return tk
+
+    async def _liveness_loop(self) -> None:
+        interval = self.config.liveness_check_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for tk in list(self.tenants.values()):
+                try:
+                    tk.check_liveness(now)
+                except Exception:
+                    log.exception("liveness check failed")
+
+    async def run_maintenance(self) -> int:
+        """Compact every kind changelog once; returns the records removed."""
+        removed = 0
+        loop = asyncio.get_running_loop()
+        for tk in list(self.tenants.values()):
+            for state in list(tk.kinds.values()):
+                if state.log.closed:
+                    continue
+                result = await loop.run_in_executor(self.executor, state.log.compact)
+                removed += result.events_removed
+        return removed
+
+    async def _maintenance_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.run_maintenance()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("kind changelog maintenance failed")
+
+    async def close(self) -> None:
+        """Flush every open window, make it durable, close the changelogs."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in (self._liveness, self._maintenance):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for tk in self.tenants.values():
+            await tk.close()

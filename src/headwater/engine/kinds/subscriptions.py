@@ -1,0 +1,78 @@
+"""Subscriptions to a kind: a bounded live buffer filled by the engine, drained by a
+front end.
+
+The engine pushes each window's notifications right after the window is durable and the
+state readers see has moved on, so a subscription registered before a bootstrap scan
+misses nothing (the scan may repeat what a live notification said: highest version
+wins). A live buffer holds at most ``capacity`` notifications; a push that would pass it
+ends the subscription with :class:`~.errors.SubscriptionOverflow` instead of waiting:
+one slow reader never holds back writers or other readers. Bootstrap is not buffered:
+the front end reads it from the state at its own pace (backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from headwater.engine.kinds.errors import SubscriptionOverflow
+from headwater.engine.kinds.model import Notification
+
+
+class KindSubscription:
+    """A live subscription to one kind (create it with ``TenantKinds.subscribe``)."""
+
+    def __init__(
+        self,
+        kind_id: int,
+        *,
+        include_previous: bool,
+        events: bool,
+        capacity: int,
+        on_close: Callable[[KindSubscription], None],
+    ) -> None:
+        self.kind_id = kind_id
+        self.include_previous = include_previous
+        self.events = events
+        self.capacity = capacity
+        self.buffer: deque[Notification] = deque()
+        self.overflowed = False
+        self.closed = False
+        self._wake = asyncio.Event()
+        self._on_close = on_close
+
+    def push(self, notes: Sequence[Notification]) -> None:
+        """Engine side: add a window's notifications, or overflow."""
+        if self.closed or not notes:
+            return
+        if len(self.buffer) + len(notes) > self.capacity:
+            self.overflowed = True
+            self.buffer.clear()  # the reader is told at once, not after the backlog
+            self.close()
+            return
+        self.buffer.extend(notes)
+        self._wake.set()
+
+    async def next_batch(self) -> list[Notification]:
+        """Everything buffered (waits while empty). Raises SubscriptionOverflow after an
+        overflow and returns [] once the subscription is closed otherwise."""
+        while not self.buffer:
+            if self.overflowed:
+                raise SubscriptionOverflow(
+                    f"the subscriber fell {self.capacity} notifications behind"
+                )
+            if self.closed:
+                return []
+            self._wake.clear()
+            await self._wake.wait()
+        notes = list(self.buffer)
+        self.buffer.clear()
+        return notes
+
+    def close(self) -> None:
+        """Stop delivering; wakes a waiting :meth:`next_batch`."""
+        if not self.closed:
+            self.closed = True
+            self._on_close(self)
+        self._wake.set()

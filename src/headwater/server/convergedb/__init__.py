@@ -1,0 +1,1 @@
+"""The ConvergeDB listener (entity kinds over TCP)."""

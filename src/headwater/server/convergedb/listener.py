@@ -1,0 +1,468 @@
+"""The asyncio shell of the ConvergeDB front end (127.0.0.1:7402).
+
+Frames are handled in arrival order, one connection at a time, by plain calls into the
+kind engine: writes apply at once (they are checked first, a BATCH as a whole), and an
+ACK that waits for durability is sent from a callback of the write's window, so a
+connection keeps streaming while its windows commit. Only CREATE_KIND waits (for the
+registry to be persisted); reading pauses meanwhile, so later frames see the new kind.
+
+Subscriptions: the live subscription is registered before a bootstrap scans the state.
+Live notifications go out from a pump task that waits whenever the socket's write buffer
+is full; the engine keeps at most ``live_buffer`` (4,096) notifications behind a pump,
+past that the subscriber gets ERROR SUBSCRIPTION_OVERFLOW and is disconnected. The
+bootstrap is read from the state at the socket's pace (backpressure, no buffer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, cast
+
+from headwater.engine.kinds import (
+    ChangeType,
+    EventNote,
+    KindSubscription,
+    Notification,
+    Source,
+    SubscriptionOverflow,
+    TenantKinds,
+    Window,
+    cdb_code_for,
+    from_wire,
+)
+from headwater.errors import HeadwaterError, InternalError
+from headwater.protocols.convergedb import messages as m
+from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
+from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
+from headwater.server.app import Listener, register_listener
+from headwater.server.metrics import metrics_for
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.convergedb")
+
+OVERFLOW_LINGER_S = 10.0  # how long an overflowed subscriber may take to read its ERROR
+BOOTSTRAP_CHUNK = 256  # bootstrap STATEs written between waits for the socket
+
+
+def encode_notification(stream_id: int, note: Notification, include_previous: bool) -> bytes:
+    """One notification as a frame on its subscription's stream."""
+    message: m.Message
+    if isinstance(note, EventNote):
+        message = m.Event(
+            note.kind_id,
+            note.entity_id,
+            Opcode(note.op),
+            note.source_id,
+            note.sequence,
+            note.presence_mask,
+            note.field_data,
+            note.metadata,
+        )
+    elif note.change is ChangeType.DELETED:
+        message = m.Deleted(note.kind_id, note.entity_id, note.version, note.metadata)
+    else:
+        message = m.State(
+            note.kind_id,
+            note.entity_id,
+            m.Change(int(note.change)),
+            note.version,
+            note.source_set,
+            note.changed_fields,
+            note.record,
+            note.previous if include_previous and note.change is ChangeType.UPDATED else None,
+            note.metadata,
+        )
+    return m.Frame(stream_id, message).encode()
+
+
+class _Subscription:
+    def __init__(self, stream_id: int, sub: KindSubscription) -> None:
+        self.stream_id = stream_id
+        self.sub = sub
+        self.tasks: list[asyncio.Task[None]] = []
+
+
+class ConvergeConnection(asyncio.Protocol):
+    def __init__(self, server: Server, connections: set[ConvergeConnection]) -> None:
+        self.server = server
+        self.protocol = ServerConnection()
+        self.metrics = metrics_for(server)
+        self.transport: asyncio.Transport | None = None
+        self.tenant: TenantKinds | None = None
+        self.source: Source | None = None
+        self.subscriptions: dict[int, _Subscription] = {}  # kind_id ->
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.peer = "?"
+        self._connections = connections
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._blocked = False
+        self.closed = False
+
+    # ---- transport callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = self.transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._connections.discard(self)
+        self._writable.set()
+        for entry in list(self.subscriptions.values()):
+            self._end_subscription(entry)
+        self.subscriptions.clear()
+        if self.source is not None:
+            self.source.disconnect()
+        for task in list(self.tasks):
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        if self.source is not None:
+            self.source.touch()
+        self.protocol.feed(data)
+        self._process()
+
+    def eof_received(self) -> bool | None:
+        for event in self.protocol.receive_eof():
+            if isinstance(event, Close):
+                self.close(abort=True)
+        return None  # close our side too
+
+    def _process(self) -> None:
+        while not self._blocked and not self.closed:
+            event = self.protocol.next_event()
+            if event is None:
+                return
+            if isinstance(event, m.Frame):
+                waiting = self._handle_frame(event)
+                if waiting is not None:
+                    self._block_on(waiting)
+            elif isinstance(event, Reply):
+                self.write(event.data)
+            elif isinstance(event, Reject):
+                log.info("rejecting %s: %s", self.peer, event.reason)
+                self.write(event.data)
+                self.close()
+            elif isinstance(event, Close):
+                self.close(abort=True)
+
+    def _block_on(self, waiting: Awaitable[None]) -> None:
+        self._blocked = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+        async def run() -> None:
+            try:
+                await waiting
+            finally:
+                self._blocked = False
+                if not self.closed and self.transport is not None:
+                    self.transport.resume_reading()
+                    self._process()
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _handle_frame(self, frame: m.Frame) -> Awaitable[None] | None:
+        msg, stream = frame.message, frame.stream_id
+        try:
+            if isinstance(msg, m.Connect):
+                self._connect(stream, msg)
+                return None
+            tenant = self.tenant
+            if tenant is None:  # a refused CONNECT: frames behind it were let through
+                self.error(stream, ErrorCode.NOT_CONNECTED, msg.opcode, "CONNECT must come first")
+                return None
+            if isinstance(msg, m.Assert | m.Patch | m.Retract):
+                self._write_ops(tenant, stream, msg.opcode, [msg])
+            elif isinstance(msg, m.Batch):
+                self._write_ops(tenant, stream, msg.opcode, msg.ops)
+            elif isinstance(msg, m.Heartbeat):
+                if stream:
+                    self._spawn(self._ack_after(tenant.barrier(), stream, m.Ack(Opcode.HEARTBEAT)))
+            elif isinstance(msg, m.Query):
+                self._query(tenant, stream, msg)
+            elif isinstance(msg, m.Subscribe):
+                self._subscribe(tenant, stream, msg)
+            elif isinstance(msg, m.Unsubscribe):
+                entry = self.subscriptions.pop(msg.kind_id, None)
+                if entry is not None:
+                    self._end_subscription(entry)
+                self.send(stream, m.Ack(Opcode.UNSUBSCRIBE))
+            elif isinstance(msg, m.SourceEpochBegin):
+                tenant.begin_epoch(self._source())
+                if stream:
+                    self.send(stream, m.Ack(Opcode.SOURCE_EPOCH_BEGIN))
+            elif isinstance(msg, m.SourceEpochEnd):
+                count, window = tenant.end_epoch(self._source())
+                if stream:
+                    self._ack_when(window, stream, m.EpochEndAck(count), Opcode.SOURCE_EPOCH_END)
+            elif isinstance(msg, m.CreateKind):
+                return self._create_kind(tenant, stream, msg)
+            elif isinstance(msg, m.GetKind):
+                kind = tenant.get_kind(msg.name, msg.fields)
+                self.send(
+                    stream,
+                    m.KindAck(Opcode.GET_KIND, kind.kind_id, kind.schema_version, kind.field_count),
+                )
+        except HeadwaterError as exc:
+            self._fail(stream, msg.opcode, exc)
+        except Exception as exc:
+            log.exception("%s failed for %s", msg.opcode.name, self.peer)
+            self._fail(stream, msg.opcode, InternalError(f"internal error: {exc}"))
+        return None
+
+    def _fail(self, stream: int, opcode: int, exc: HeadwaterError) -> None:
+        self.metrics.record_error("convergedb", exc)
+        self.error(stream, cdb_code_for(exc), opcode, exc.message)
+
+    def _source(self) -> Source:
+        assert self.source is not None
+        return self.source
+
+    def _connect(self, stream: int, msg: m.Connect) -> None:
+        auth = self.server.config.auth
+        granted = auth.tenants_for(msg.auth_token or None)
+        if granted is None and auth.required:
+            self.error(stream, ErrorCode.AUTH_FAILED, Opcode.CONNECT, "unknown auth token")
+            return
+        tenant_id = min(granted) if granted else 0
+        try:
+            tenant = self.server.kinds.tenant(tenant_id)
+            source = tenant.connect(
+                msg.name,
+                source_id=msg.source_id,
+                read_only=msg.read_only,
+                deadline_ms=msg.liveness_deadline_ms,
+                on_dead=self._source_dead,
+            )
+        except HeadwaterError as exc:
+            self._fail(stream, Opcode.CONNECT, exc)
+            return
+        self.tenant, self.source = tenant, source
+        self.send(stream, m.ConnectAck(NO_SOURCE if source.source_id is None else source.source_id))
+
+    def _source_dead(self) -> None:
+        log.info("%s: source silent past its liveness deadline, closing", self.peer)
+        self.close()
+
+    def _write_ops(
+        self,
+        tenant: TenantKinds,
+        stream: int,
+        opcode: Opcode,
+        ops: Sequence[m.WriteOp],
+    ) -> None:
+        engine_ops = from_wire(ops, tenant.kind)
+        window = tenant.apply(self._source(), engine_ops)
+        if stream:
+            self._ack_when(window, stream, m.Ack(opcode), opcode)
+
+    def _ack_when(self, window: Window, stream: int, ack: m.Message, opcode: Opcode) -> None:
+        def done(fut: asyncio.Future[None]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                self.error(
+                    stream, ErrorCode.INTERNAL, opcode, "the write could not be made durable"
+                )
+            else:
+                self.send(stream, ack)
+
+        if window.done.done():
+            done(window.done)
+        else:
+            window.done.add_done_callback(done)
+
+    async def _ack_after(self, waiting: Awaitable[None], stream: int, ack: m.Message) -> None:
+        try:
+            await waiting
+        except Exception as exc:
+            self.error(stream, ErrorCode.INTERNAL, ack.opcode, f"barrier failed: {exc}")
+            return
+        self.send(stream, ack)
+
+    async def _create_kind(self, tenant: TenantKinds, stream: int, msg: m.CreateKind) -> None:
+        try:
+            kind = await tenant.create_kind(msg.name, msg.fields, event_stream=msg.event_stream)
+        except HeadwaterError as exc:
+            self._fail(stream, Opcode.CREATE_KIND, exc)
+            return
+        except Exception as exc:
+            log.exception("CREATE_KIND failed")
+            self._fail(stream, Opcode.CREATE_KIND, InternalError(str(exc)))
+            return
+        self.send(
+            stream,
+            m.KindAck(Opcode.CREATE_KIND, kind.kind_id, kind.schema_version, kind.field_count),
+        )
+
+    def _query(self, tenant: TenantKinds, stream: int, msg: m.Query) -> None:
+        kind = tenant.kind(msg.kind_id)
+        state = tenant.get(msg.kind_id, msg.entity_id)
+        if state is None:
+            self.error(stream, ErrorCode.ENTITY_NOT_FOUND, Opcode.QUERY, "no such entity")
+            return
+        everything = (1 << kind.field_count) - 1
+        self.send(
+            stream,
+            m.State(
+                msg.kind_id,
+                msg.entity_id,
+                m.Change.QUERY,
+                state.version,
+                state.source_set,
+                everything,
+                state.record,
+            ),
+        )
+
+    # ---- subscriptions --------------------------------------------------------------
+
+    def _subscribe(self, tenant: TenantKinds, stream: int, msg: m.Subscribe) -> None:
+        if msg.kind_id in self.subscriptions:
+            text = f"kind {msg.kind_id} is already subscribed on this connection"
+            self.error(stream, ErrorCode.BAD_FRAME, Opcode.SUBSCRIBE, text)
+            return
+        sub = tenant.subscribe(
+            msg.kind_id, include_previous=msg.include_previous, events=msg.events
+        )  # live first: the bootstrap scan below then misses nothing
+        entry = _Subscription(stream, sub)
+        self.subscriptions[msg.kind_id] = entry
+        self.send(stream, m.Ack(Opcode.SUBSCRIBE))
+        entry.tasks.append(self._spawn(self._pump(entry)))
+        if msg.bootstrap:
+            entry.tasks.append(self._spawn(self._bootstrap(tenant, entry)))
+
+    async def _pump(self, entry: _Subscription) -> None:
+        sub, stream = entry.sub, entry.stream_id
+        include_previous = sub.include_previous
+        try:
+            while not self.closed:
+                notes = await sub.next_batch()
+                if not notes:
+                    return
+                if self.transport is None or self.closed:
+                    return
+                self.transport.writelines(
+                    [encode_notification(stream, n, include_previous) for n in notes]
+                )
+                await self._writable.wait()
+        except SubscriptionOverflow as exc:
+            log.info("%s: subscription overflow, disconnecting", self.peer)
+            self.metrics.record_error("convergedb", exc)
+            self.error(stream, ErrorCode.SUBSCRIPTION_OVERFLOW, Opcode.SUBSCRIBE, exc.message)
+            transport = self.transport
+            self.close()  # the ERROR goes out first if the peer reads at all
+            if transport is not None:
+                asyncio.get_running_loop().call_later(OVERFLOW_LINGER_S, transport.abort)
+
+    async def _bootstrap(self, tenant: TenantKinds, entry: _Subscription) -> None:
+        kind_id, stream = entry.sub.kind_id, entry.stream_id
+        everything = (1 << tenant.kind(kind_id).field_count) - 1
+        self.send(stream, m.BootstrapBegin(kind_id))
+        batch: list[bytes] = []
+        for state in tenant.scan(kind_id):
+            batch.append(
+                m.Frame(
+                    stream,
+                    m.State(
+                        kind_id,
+                        state.entity_id,
+                        m.Change.BOOTSTRAP,
+                        state.version,
+                        state.source_set,
+                        everything,
+                        state.record,
+                    ),
+                ).encode()
+            )
+            if len(batch) >= BOOTSTRAP_CHUNK:
+                if self.closed or self.transport is None:
+                    return
+                self.transport.writelines(batch)
+                batch = []
+                await asyncio.sleep(0)  # let writers and live pushes run between chunks
+                await self._writable.wait()
+        if not self.closed and self.transport is not None:
+            self.transport.writelines(batch)
+            self.send(stream, m.BootstrapEnd(kind_id))
+
+    def _end_subscription(self, entry: _Subscription) -> None:
+        entry.sub.close()
+        for task in entry.tasks:
+            task.cancel()
+
+    # ---- output ---------------------------------------------------------------------
+
+    def send(self, stream: int, message: m.Message) -> None:
+        self.write(self.protocol.send(stream, message))
+
+    def error(self, stream: int, code: int, ref_opcode: int, text: str) -> None:
+        self.write(self.protocol.send_error(stream, code, ref_opcode, text[:1000]))
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self, *, abort: bool = False) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self._writable.set()
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+async def start_convergedb(server: Server, host: str, port: int) -> Listener:
+    connections: set[ConvergeConnection] = set()
+    loop = asyncio.get_running_loop()
+    tcp = await loop.create_server(
+        lambda: ConvergeConnection(server, connections), host, port, reuse_address=True
+    )
+    bound = tcp.sockets[0].getsockname()[1]
+    metrics = metrics_for(server)
+    metrics.add_connections_source("convergedb", lambda: len(connections))
+    metrics.add_subscriptions_source(
+        "convergedb", lambda: sum(len(c.subscriptions) for c in connections)
+    )
+
+    async def stop() -> None:
+        tcp.close()
+        for tenant in server.kinds.tenants.values():
+            with contextlib.suppress(Exception):
+                await tenant.flush()  # pending ACKs go out before the sockets close
+        await asyncio.sleep(0)
+        for conn in list(connections):
+            conn.close()
+        await tcp.wait_closed()
+
+    return Listener("convergedb", bound, stop)
+
+
+register_listener("convergedb", start_convergedb)

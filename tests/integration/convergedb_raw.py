@@ -1,0 +1,189 @@
+"""A small raw ConvergeDB test client over one blocking socket and the sans-I/O
+:class:`~headwater.protocols.convergedb.connection.ClientConnection`, plus a real
+``headwater serve`` process with the ConvergeDB and Kimberlite listeners on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kimberlite_raw import ServerProcess
+
+from headwater.protocols.convergedb import messages as m
+from headwater.protocols.convergedb.codes import Opcode
+from headwater.protocols.convergedb.connection import ClientConnection
+from headwater.protocols.convergedb.fields import FieldSpec, FieldType
+
+
+def cdb_config(extra: str = "") -> str:
+    return (
+        '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
+        'http = ""\nripple = ""\n\n' + extra
+    )
+
+
+def cdb_port(server: ServerProcess) -> int:
+    return int(json.loads(server.ports_file.read_text())["convergedb"])
+
+
+class Closed(AssertionError):
+    """The server closed the connection."""
+
+
+class CdbClient:
+    """One ConvergeDB connection. Frames that arrive while waiting for another are kept
+    in arrival order in :attr:`inbox` until taken."""
+
+    def __init__(
+        self,
+        port: int,
+        *,
+        name: str = "",
+        token: str = "",
+        source_id: int | None = None,
+        read_only: bool = False,
+        deadline_ms: int = 0,
+        connect: bool = True,
+        timeout: float = 15.0,
+    ) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = ClientConnection()
+        self.timeout = timeout
+        self.inbox: list[m.Frame] = []
+        self.eof = False
+        self.source_id: int | None = None
+        if connect:
+            stream, data = self.conn.connect(
+                name,
+                token,
+                source_id=source_id,
+                read_only=read_only,
+                liveness_deadline_ms=deadline_ms,
+            )
+            self.sock.sendall(data)
+            reply = self.reply(stream).message
+            assert isinstance(reply, m.ConnectAck), reply
+            self.source_id = reply.source_id
+
+    # -- sending --
+
+    def send(self, message: m.ClientMessage, *, ack: bool = False) -> int:
+        stream, data = self.conn.send(message, ack=ack)
+        self.sock.sendall(data)
+        return stream
+
+    def call(self, message: m.ClientMessage) -> m.Message:
+        """Send a request that is answered and return the answer."""
+        return self.reply(self.send(message, ack=True)).message
+
+    def create_kind(
+        self, name: str, fields: Sequence[tuple[str, int]], *, event_stream: bool = False
+    ) -> m.KindAck:
+        specs = [FieldSpec(n, FieldType(t)) for n, t in fields]
+        reply = self.call(m.CreateKind(name, specs, event_stream))
+        assert isinstance(reply, m.KindAck), reply
+        return reply
+
+    def barrier(self) -> None:
+        reply = self.call(m.Heartbeat())
+        assert reply == m.Ack(Opcode.HEARTBEAT), reply
+
+    # -- receiving --
+
+    def _fill(self, deadline: float) -> bool:
+        if self.eof:
+            raise Closed("the server closed the connection")
+        self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            data = self.sock.recv(1 << 20)
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            data = b""
+        if not data:
+            self.eof = True
+            raise Closed("the server closed the connection")
+        self.inbox.extend(self.conn.receive_data(data))
+        return True
+
+    def take(self, match: Callable[[m.Frame], bool], timeout: float | None = None) -> m.Frame:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            for i, frame in enumerate(self.inbox):
+                if match(frame):
+                    return self.inbox.pop(i)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no matching frame in time; inbox: {self.inbox[:5]}")
+            self._fill(deadline)
+
+    def reply(self, stream: int, timeout: float | None = None) -> m.Frame:
+        """The answer on ``stream`` (an ACK, an ERROR or a QUERY's STATE)."""
+
+        def is_reply(frame: m.Frame) -> bool:
+            if frame.stream_id != stream:
+                return False
+            msg = frame.message
+            if isinstance(msg, m.State):
+                return msg.change == m.Change.QUERY
+            return isinstance(
+                msg, m.Ack | m.ConnectAck | m.KindAck | m.EpochEndAck | m.ErrorMessage
+            )
+
+        return self.take(is_reply, timeout)
+
+    def drain(self, duration: float) -> list[m.Frame]:
+        """Everything that arrives within ``duration`` seconds (plus the inbox)."""
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline:
+            try:
+                self._fill(deadline)
+            except Closed:
+                break
+        frames, self.inbox = self.inbox, []
+        return frames
+
+    def until_closed(self, timeout: float = 15.0) -> list[m.Frame]:
+        deadline = time.monotonic() + timeout
+        while not self.eof:
+            if time.monotonic() > deadline:
+                raise AssertionError("the server did not close the connection")
+            try:
+                self._fill(deadline)
+            except Closed:
+                break
+        frames, self.inbox = self.inbox, []
+        return frames
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def abort(self) -> None:
+        """Drop the connection with a RST, as a killed process would."""
+        self.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+        )
+        self.sock.close()
+
+    def __enter__(self) -> CdbClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def eid(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def query(client: CdbClient, kind_id: int, entity: bytes) -> m.State | m.ErrorMessage:
+    reply = client.call(m.Query(kind_id, entity))
+    assert isinstance(reply, m.State | m.ErrorMessage), reply
+    return reply
+
+
+def server_dir(tmp_path: Path) -> Path:
+    return tmp_path / "srv"

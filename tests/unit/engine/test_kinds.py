@@ -1,0 +1,402 @@
+"""The kind engine's rules: registry, multi-source state, windows, epochs, liveness,
+subscriptions, event-stream kinds, persistence across restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from headwater.engine.engine import Engine, EngineConfig
+from headwater.engine.kinds import (
+    PRESENCE_KIND,
+    BadFieldData,
+    ChangeType,
+    EventNote,
+    KindInfo,
+    KindLimitExceeded,
+    KindNotFound,
+    KindsConfig,
+    KindsEngine,
+    NoEpoch,
+    NoFreeSource,
+    ReservedName,
+    SchemaConflict,
+    SchemaIncompatible,
+    SourceConflict,
+    StateChange,
+    SubscriptionOverflow,
+    TenantKinds,
+    assert_op,
+    from_wire,
+    patch_op,
+    presence_entity_id,
+    retract_op,
+)
+from headwater.errors import StreamAlreadyExists
+from headwater.protocols.convergedb import messages as wire
+from headwater.protocols.convergedb.fields import FieldType
+
+ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 7: "seven"})
+FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
+
+
+def eid(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+Body = Callable[[Engine, KindsEngine, TenantKinds], Awaitable[None]]
+
+
+def run(tmp_path: Path, body: Body, config: KindsConfig | None = None) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, ENGINE)
+        kinds = await KindsEngine.open(engine, config or KindsConfig(coalesce_ms=5))
+        try:
+            await body(engine, kinds, kinds.tenant(0))
+        finally:
+            await kinds.close()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def sensor(tk: TenantKinds, *, event_stream: bool = False) -> KindInfo:
+    return await tk.create_kind("sensor", FIELDS, event_stream=event_stream)
+
+
+def test_registry_rules(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        assert (kind.schema_version, kind.field_count) == (1, 2)
+        assert await sensor(tk) == kind  # identical: no-op, same id
+        wider = await tk.create_kind("sensor", [*FIELDS, ("ok", FieldType.BOOL)])
+        assert (wider.kind_id, wider.schema_version, wider.field_count) == (kind.kind_id, 2, 3)
+        with pytest.raises(SchemaConflict):
+            await tk.create_kind("sensor", [("temp", FieldType.F32)])
+        with pytest.raises(SchemaConflict):
+            await tk.create_kind("sensor", FIELDS)  # dropping a field is no migration
+        with pytest.raises(SchemaConflict):
+            await tk.create_kind("sensor", [*FIELDS, ("ok", FieldType.BOOL)], event_stream=True)
+        with pytest.raises(ReservedName):
+            await tk.create_kind("hw_things", FIELDS)
+        with pytest.raises(KindLimitExceeded):
+            await tk.create_kind("wide", [(f"f{i}", FieldType.U8) for i in range(65)])
+        assert await tk.create_kind("wide", [(f"f{i}", FieldType.U8) for i in range(64)])
+        assert tk.get_kind("sensor", FIELDS[:1]) == wider
+        with pytest.raises(SchemaIncompatible):
+            tk.get_kind("sensor", [("label", FieldType.STRING)])
+        with pytest.raises(KindNotFound):
+            tk.get_kind("nope")
+        # Kinds and streams share one namespace.
+        with pytest.raises(StreamAlreadyExists):
+            await engine.create_stream(0, "sensor")
+        await engine.create_stream(0, "orders")
+        with pytest.raises(SchemaConflict):
+            await tk.create_kind("orders", FIELDS)
+        # Tenants are separate.
+        assert await kinds.tenant(7).create_kind("sensor", FIELDS[:1])
+
+    run(tmp_path, body)
+
+    async def reopened(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = tk.get_kind("sensor")
+        assert (kind.schema_version, kind.field_count) == (2, 3)
+        assert tk.get_kind(PRESENCE_KIND).internal
+        assert kinds.tenant(7).get_kind("sensor").field_count == 1
+
+    run(tmp_path, reopened)
+
+
+def test_multi_source_rules_and_versions(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        a, b = tk.connect("a", source_id=1), tk.connect("b", source_id=2)
+        await a.apply([assert_op(kind, eid(1), [20.0, "x"])]).durable()
+        first = tk.get(kind.kind_id, eid(1))
+        assert first is not None and first.source_set == 0b10 and first.values == (20.0, "x")
+        await b.apply([patch_op(kind, eid(1), {0: 21.0})]).durable()
+        second = tk.get(kind.kind_id, eid(1))
+        assert second is not None and second.source_set == 0b110
+        assert second.values == (21.0, "x") and second.version > first.version
+        await a.apply([retract_op(kind, eid(1))]).durable()
+        third = tk.get(kind.kind_id, eid(1))
+        assert third is not None and third.source_set == 0b100 and third.version > second.version
+        await b.apply([retract_op(kind, eid(1))]).durable()
+        assert tk.get(kind.kind_id, eid(1)) is None
+        # PATCH of an absent entity creates it with defaults; ASSERT of a prefix too.
+        await a.apply([patch_op(kind, eid(2), {1: "p"}), assert_op(kind, eid(3), [1.5])]).durable()
+        assert tk.get(kind.kind_id, eid(2)).values == (0.0, "p")  # type: ignore[union-attr]
+        assert tk.get(kind.kind_id, eid(3)).values == (1.5, "")  # type: ignore[union-attr]
+        # Versions are tenant log positions: the next stream append comes after them.
+        stream = await engine.create_stream(0, "s")
+        info = await engine.append(0, stream.stream_id, [b"x"])
+        assert info.first_position > tk.get(kind.kind_id, eid(3)).version  # type: ignore[union-attr]
+
+    run(tmp_path, body)
+
+
+def test_bad_ops_apply_nothing(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        with pytest.raises(BadFieldData):
+            assert_op(kind, eid(1), ["not a float"])
+        with pytest.raises(BadFieldData):
+            assert_op(kind, b"short", [1.0])
+        good = wire.Assert.of(kind.fields, kind.kind_id, eid(1), [1.0])
+        bad = wire.Assert(kind.kind_id, eid(2), b"\x01\x02")
+        with pytest.raises(BadFieldData):
+            from_wire([good, bad], tk.kind)
+        with pytest.raises(KindNotFound):
+            from_wire([wire.Retract(999, eid(1))], tk.kind)
+        ops = from_wire([good], tk.kind)
+        with pytest.raises(KindNotFound):
+            tk.apply(src, [*ops, retract_op(KindInfo(0, 999, "x", ()), eid(1))])
+        await tk.barrier()
+        assert tk.get(kind.kind_id, eid(1)) is None  # the good op was not applied either
+
+    run(tmp_path, body)
+
+
+def test_sources_slots_and_presence(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        presence = tk.get_kind(PRESENCE_KIND)
+        a = tk.connect("alpha", source_id=5, deadline_ms=60_000)
+        with pytest.raises(SourceConflict):
+            tk.connect("again", source_id=5)
+        auto = tk.connect("auto")
+        assert auto.source_id == 0
+        reader = tk.connect("reader", read_only=True)
+        assert reader.source_id is None
+        await tk.barrier()
+        row = tk.get(presence.kind_id, presence_entity_id(5))
+        assert row is not None and row.values[:2] == (5, "alpha") and row.values[3] == 60_000
+        others = [tk.connect(f"s{i}") for i in range(62)]
+        with pytest.raises(NoFreeSource):
+            tk.connect("one too many")
+        a.disconnect()
+        await tk.barrier()
+        assert tk.get(presence.kind_id, presence_entity_id(5)) is None
+        # In its grace period the slot is not handed out to others, but its owner may
+        # take it back.
+        with pytest.raises(NoFreeSource):
+            tk.connect("x")
+        assert tk.connect("alpha", source_id=5).source_id == 5
+        assert len(others) == 62
+
+    run(tmp_path, body)
+
+
+def test_coalescing_and_notifications(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a", source_id=3)
+        sub = tk.subscribe(kind.kind_id, include_previous=True)
+        # One window: created then updated then ... nets to CREATED with the last values.
+        src.apply([assert_op(kind, eid(1), [1.0, "a"]), patch_op(kind, eid(1), {0: 2.0})])
+        src.apply([assert_op(kind, eid(2), [1.0]), retract_op(kind, eid(2))])  # nets to nothing
+        await tk.barrier()
+        notes = await sub.next_batch()
+        assert len(notes) == 1
+        note = notes[0]
+        assert isinstance(note, StateChange) and note.change is ChangeType.CREATED
+        assert note.changed_fields == 0b11 and note.source_set == 1 << 3
+        # Re-asserting the same values is no change at all: no notification, same version.
+        version = note.version
+        src.apply([assert_op(kind, eid(1), [2.0, "a"], metadata=b"m")])
+        await tk.barrier()
+        assert not sub.buffer and tk.get(kind.kind_id, eid(1)).version == version  # type: ignore[union-attr]
+        src.apply([patch_op(kind, eid(1), {1: "b"}, metadata=b"meta")])
+        await tk.barrier()
+        [upd] = await sub.next_batch()
+        assert isinstance(upd, StateChange) and upd.change is ChangeType.UPDATED
+        assert upd.changed_fields == 0b10 and upd.metadata == b"meta"
+        assert upd.previous == note.record and upd.version > version
+        src.apply([retract_op(kind, eid(1))])
+        await tk.barrier()
+        [gone] = await sub.next_batch()
+        assert isinstance(gone, StateChange) and gone.change is ChangeType.DELETED
+
+    run(tmp_path, body)
+
+
+def test_epoch_retracts_stale(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        other = await tk.create_kind("other", FIELDS[:1])
+        a, b = tk.connect("a", source_id=1), tk.connect("b", source_id=2)
+        a.apply([assert_op(kind, eid(i), [float(i)]) for i in range(5)])
+        a.apply([assert_op(other, eid(9), [9.0])])
+        b.apply([assert_op(kind, eid(4), [4.0])])
+        with pytest.raises(NoEpoch):
+            tk.end_epoch(a)
+        tk.begin_epoch(a)
+        a.apply([assert_op(kind, eid(0), [0.0]), patch_op(kind, eid(1), {0: 1.5})])
+        count, window = tk.end_epoch(a)
+        await window.durable()
+        assert count == 4  # 2, 3, 4 of sensor and 9 of other
+        assert [e.entity_id for e in tk.scan(kind.kind_id)] == [eid(0), eid(1), eid(4)]
+        assert tk.get(kind.kind_id, eid(4)).source_set == 0b100  # type: ignore[union-attr]
+        assert tk.get(other.kind_id, eid(9)) is None
+        # A new BEGIN abandons the open epoch; a disconnect does as well.
+        tk.begin_epoch(a)
+        tk.begin_epoch(a)
+        assert tk.end_epoch(a)[0] == 2
+        tk.begin_epoch(b)
+        b.disconnect()
+        with pytest.raises(NoEpoch):
+            tk.end_epoch(b)  # the disconnect abandoned it
+        assert tk.get(kind.kind_id, eid(4)) is not None
+
+    run(tmp_path, body)
+
+
+def test_liveness_retracts_sole_owned(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        dead_calls: list[int] = []
+        a = tk.connect("a", source_id=1, deadline_ms=150, on_dead=lambda: dead_calls.append(1))
+        b = tk.connect("b", source_id=2, deadline_ms=60_000)
+        a.apply([assert_op(kind, eid(1), [1.0]), assert_op(kind, eid(2), [2.0])])
+        b.apply([assert_op(kind, eid(2), [2.0])])
+        await tk.barrier()
+        a.disconnect()
+        # Reconnecting in time keeps everything.
+        a2 = tk.connect("a", source_id=1, deadline_ms=150)
+        await asyncio.sleep(0.1)
+        a2.touch()
+        await asyncio.sleep(0.1)
+        assert tk.get(kind.kind_id, eid(1)) is not None
+        a2.disconnect()
+        deadline = time.monotonic() + 5
+        while tk.get(kind.kind_id, eid(1)) is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert tk.get(kind.kind_id, eid(1)) is None
+        assert tk.get(kind.kind_id, eid(2)).source_set == 0b100  # type: ignore[union-attr]
+        assert 1 not in tk.sources and not dead_calls  # it was not connected any more
+        # A connected source that goes silent is dead too, and its owner is told.
+        c = tk.connect("c", source_id=3, deadline_ms=100, on_dead=lambda: dead_calls.append(3))
+        c.apply([assert_op(kind, eid(3), [3.0])])
+        while not dead_calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        await tk.barrier()
+        assert dead_calls == [3] and tk.get(kind.kind_id, eid(3)) is None
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=10))
+
+
+def test_event_stream_kind(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk, event_stream=True)
+        src = tk.connect("a", source_id=4)
+        events = tk.subscribe(kind.kind_id, events=True)
+        states = tk.subscribe(kind.kind_id)
+        src.apply(
+            [assert_op(kind, eid(1), [1.0], metadata=b"m1"), patch_op(kind, eid(1), {0: 2.0})]
+        )
+        src.apply([retract_op(kind, eid(1))])
+        await tk.barrier()
+        notes = await events.next_batch()
+        assert all(isinstance(n, EventNote) for n in notes)
+        assert [(n.op, n.sequence, n.presence_mask) for n in notes] == [  # type: ignore[union-attr]
+            (0x02, 0, 0b11),
+            (0x08, 1, 0b01),
+            (0x03, 2, 0),
+        ]
+        assert notes[0].metadata == b"m1"
+        assert not states.buffer  # the net change was nothing
+        src.apply([assert_op(kind, eid(2), [5.0])])
+        await tk.barrier()
+        [note] = await events.next_batch()
+        assert isinstance(note, EventNote) and note.sequence == 3
+
+    run(tmp_path, body)
+
+    async def reopened(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = tk.get_kind("sensor")
+        src = tk.connect("a", source_id=4)
+        events = tk.subscribe(kind.kind_id, events=True)
+        src.apply([patch_op(kind, eid(2), {0: 6.0})])
+        await tk.barrier()
+        [note] = await events.next_batch()
+        assert isinstance(note, EventNote) and note.sequence == 4  # survives a restart
+
+    run(tmp_path, reopened)
+
+
+def test_overflow_ends_a_live_subscription(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        sub = tk.subscribe(kind.kind_id)
+        src.apply([assert_op(kind, eid(i), [1.0]) for i in range(8)])
+        await tk.barrier()
+        src.apply([assert_op(kind, eid(i), [2.0]) for i in range(3)])
+        await tk.barrier()  # 8 + 3 > 10: overflow
+        with pytest.raises(SubscriptionOverflow):
+            await sub.next_batch()
+        assert sub not in tk.kind_state(kind.kind_id).subscribers
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, live_buffer=10))
+
+
+def test_restart_rebuilds_identical_state(tmp_path: Path) -> None:
+    snapshot: dict[bytes, object] = {}
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        a, b = tk.connect("a", source_id=1), tk.connect("b", source_id=2)
+        for round_ in range(5):
+            a.apply([assert_op(kind, eid(i), [float(i + round_), f"r{round_}"]) for i in range(50)])
+            b.apply([patch_op(kind, eid(i), {1: "b"}) for i in range(0, 50, 3)])
+            a.apply([retract_op(kind, eid(i)) for i in range(0, 50, 5)])
+            await tk.barrier()
+        await tk.create_kind("sensor", [*FIELDS, ("extra", FieldType.I32)])
+        snapshot.update({e.entity_id: e for e in tk.scan(kind.kind_id)})
+        assert snapshot
+
+    run(tmp_path, body)
+
+    async def reopened(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = tk.get_kind("sensor")
+        assert {e.entity_id: e for e in tk.scan(kind.kind_id)} == snapshot
+        assert tk.sources[1].connected is False  # in its grace period after the restart
+        # The tenant log goes on after the kinds' positions.
+        stream = await engine.create_stream(0, "after")
+        info = await engine.append(0, stream.stream_id, [b"x"])
+        assert info.first_position > max(e.version for e in tk.scan(kind.kind_id))  # type: ignore[attr-defined]
+
+    run(tmp_path, reopened)
+
+
+def test_migration_while_a_window_is_open(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        events_kind = await tk.create_kind("ev", FIELDS, event_stream=True)
+        sub = tk.subscribe(kind.kind_id)
+        events = tk.subscribe(events_kind.kind_id, events=True)
+        await src.apply([assert_op(kind, eid(1), [1.0, "old"])]).durable()
+        src.apply([assert_op(kind, eid(2), [2.0]), assert_op(events_kind, eid(1), [3.0])])
+        wider = [*FIELDS, ("n", FieldType.I32)]
+        grown = await tk.create_kind("sensor", wider)
+        await tk.create_kind("ev", wider, event_stream=True)
+        await tk.barrier()
+        assert grown.schema_version == 2
+        old = tk.get(kind.kind_id, eid(1))
+        new = tk.get(kind.kind_id, eid(2))
+        assert old is not None and old.values == (1.0, "old", 0)
+        assert new is not None and new.values == (2.0, "", 0)
+        notes = [n for n in await sub.next_batch() if isinstance(n, StateChange)]
+        assert len(notes) == 2  # the first CREATED, then eid(2)'s
+        from headwater.protocols.convergedb.fields import decode_record
+
+        assert decode_record(wider, notes[-1].record) == [2.0, "", 0]
+        [event] = await events.next_batch()
+        assert isinstance(event, EventNote) and event.presence_mask == 0b111
+
+    run(tmp_path, body)
