@@ -85,9 +85,8 @@ def _prepare_write(options: WriteOptions, schema: StructType) -> None:
     check_write_columns(schema.fieldNames())
     if not options.create:
         return
-    with open_client(options.connection) as client:
-        with contextlib.suppress(StreamAlreadyExists):
-            client.create_stream(options.stream)
+    with open_client(options.connection) as client, contextlib.suppress(StreamAlreadyExists):
+        client.create_stream(options.stream)
 
 
 @dataclass(frozen=True)
