@@ -31,7 +31,9 @@ def cmd_pipeline_run(args: argparse.Namespace) -> int:
         f"transform(s), {len(spec.sinks)} sink(s) on {args.master}",
         soft_wrap=True,
     )
-    return run_pipeline(spec, args.master, lambda line: out.print(line, soft_wrap=True))
+    return run_pipeline(
+        spec, args.master, lambda line: out.print(line, soft_wrap=True, markup=False)
+    )
 
 
 def add_pipeline_commands(sub: Any) -> None:

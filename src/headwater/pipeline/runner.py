@@ -14,19 +14,21 @@ FORMAT = "headwater"
 Report = Callable[[str], None]
 
 
-def spark_session(master: str, app_name: str) -> Any:
+def spark_session(master: str, app_name: str, conf: dict[str, str]) -> Any:
     # Executors must run an interpreter that has headwater installed: this one.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    return (
+    builder = (
         SparkSession.builder.master(master)
         .appName(app_name)
         .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.streaming.schemaInference", "true")
-        .getOrCreate()
     )
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()
 
 
 def _connection_options(spec: PipelineSpec) -> dict[str, str]:
@@ -142,7 +144,7 @@ def _offset_lag(end: Any, latest: Any) -> int:
 def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = None) -> int:
     """Start every sink's query and wait; returns 0 when all ended without error."""
     if spark is None:
-        spark = spark_session(master, f"headwater-{spec.name}")
+        spark = spark_session(master, f"headwater-{spec.name}", spec.spark_conf)
     frames: dict[str, Any] = {}
     for source in spec.sources:
         frames[source.name] = _source(spark, spec, source)

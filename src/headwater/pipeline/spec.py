@@ -131,6 +131,7 @@ class PipelineSpec:
     checkpoint: Path
     trigger: dict[str, Any]
     output_mode: str = "append"
+    spark_conf: dict[str, str] = field(default_factory=dict)
     views: dict[str, Columns] = field(default_factory=dict)
 
     def streams_read(self) -> list[str]:
@@ -352,6 +353,7 @@ def parse_pipeline(data: Any, base: Path) -> PipelineSpec:
         "checkpoint",
         "trigger",
         "output_mode",
+        "spark_conf",
     }
     _expect(data, "pipeline", top, {"sources", "sinks", "checkpoint"})
     conn_opts = {k: str(data[k]) for k in ("server", "token", "tenant") if k in data}
@@ -410,7 +412,13 @@ def parse_pipeline(data: Any, base: Path) -> PipelineSpec:
     output_mode = str(data.get("output_mode", "append"))
     if output_mode not in ("append", "update", "complete"):
         raise PipelineError("output_mode must be append, update or complete")
+    spark_conf = data.get("spark_conf", {})
+    if not isinstance(spark_conf, dict):
+        raise PipelineError("spark_conf must map Spark settings to values")
     return PipelineSpec(
+        spark_conf={
+            str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in spark_conf.items()
+        },
         name=str(data.get("name", "pipeline")),
         connection=connection,
         sources=sources,

@@ -24,7 +24,12 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import StructType
 
 from headwater.errors import StreamAlreadyExists, UsageError
@@ -153,13 +158,17 @@ class HeadwaterBatchReader(DataSourceReader):
         return _read(self.options, self.schema, partition)
 
 
-class HeadwaterStreamReader(DataSourceStreamReader):
+class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batch reads. The driver-side client is made on first use and never pickled."""
 
     def __init__(self, options: ReadOptions, schema: StructType) -> None:
         self.options = options
         self.schema = schema
         self._client: Any = None
+        self._target: dict[str, int] | None = None  # Trigger.AvailableNow: ends fixed at start
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {s: b for s, (_, b) in self._bounds().items()}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -194,6 +203,8 @@ class HeadwaterStreamReader(DataSourceStreamReader):
         begin = self._checked_start(offsets_from_json(start), bounds)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         latest = {s: b for s, (_, b) in bounds.items()}
+        if self._target is not None:
+            latest = {s: min(b, self._target[s]) for s, b in latest.items()}
         return offsets_json(limit_offsets(begin, latest, max_rows))
 
     def reportLatestOffset(self) -> dict[str, Any]:
