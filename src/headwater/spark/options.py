@@ -144,6 +144,11 @@ class ReadOptions:
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
         # Spark lower-cases option keys on some paths: accept any case.
         lowered = {str(k).lower(): str(v) for k, v in options.items()}
+        if "kind" in lowered:
+            raise UsageError(
+                "option kind: reading entity kinds is not in this version of the connector "
+                "(streams only: use the option stream or streams)"
+            )
         one, many = lowered.get("stream"), lowered.get("streams")
         if (one is None) == (many is None):
             raise UsageError("set exactly one of the options stream or streams")
