@@ -19,9 +19,9 @@ import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
 from headwater.client.aio import split_events
-from headwater.client.results import RawReadResult
+from headwater.client.results import QueryResult, RawReadResult
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
-from headwater.storage.batch import value_spans
+from headwater.protocols.kimberlite.messages import EventBatch
 
 from .options import ConnectionOptions, DataLossError
 
@@ -54,23 +54,26 @@ def stream_bounds(client: Client, stream: str) -> Bounds:
     return Bounds(min(start, end), end)
 
 
-def _metadata_runs(client: Client, stream: str, start: int, end: int) -> list[tuple[int, ...]]:
+_RUNS_SQL = """
+    SELECT min(o), max(o), d, t FROM (
+        SELECT "offset" AS o, position - "offset" AS d, epoch_us(ts) AS t,
+               "offset" - row_number() OVER (PARTITION BY position - "offset", ts
+                                             ORDER BY "offset") AS g
+        FROM {table} WHERE "offset" >= ? AND "offset" < ?)
+    GROUP BY g, d, t ORDER BY 1"""
+
+
+def _metadata_runs(client: Client, stream: str, start: int, end: int) -> Future[QueryResult]:
     """(first, last, position - offset, timestamp µs) for each run of offsets appended in
-    one batch: a handful of rows per range instead of one per event."""
-    sql = f"""
-        SELECT min(o), max(o), d, t FROM (
-            SELECT "offset" AS o, position - "offset" AS d, epoch_us(ts) AS t,
-                   "offset" - row_number() OVER (PARTITION BY position - "offset", ts
-                                                 ORDER BY "offset") AS g
-            FROM {_quote(stream)} WHERE "offset" >= ? AND "offset" < ?)
-        GROUP BY g, d, t ORDER BY 1"""
-    rows = client.query(sql, start, end).rows
-    return [tuple(int(str(v)) for v in row) for row in rows]
+    one batch: a handful of rows per range instead of one per event. Runs on the client's
+    loop while the first page is read."""
+    sql = _RUNS_SQL.format(table=_quote(stream))
+    return client.submit(client.aio.query(sql, start, end))
 
 
 class _Metadata:
-    def __init__(self, runs: list[tuple[int, ...]]) -> None:
-        self.runs = runs
+    def __init__(self, result: QueryResult) -> None:
+        self.runs = [tuple(int(str(v)) for v in row) for row in result.rows]
         self.i = 0
 
     def columns(self, first: int, count: int) -> tuple[pa.Array, pa.Array]:
@@ -88,21 +91,27 @@ class _Metadata:
                 stamps.append(pa.nulls(n, pa.int64()))
             else:
                 n = min(stop, run[1] + 1) - offset
-                positions.append(pa.array(range(offset + run[2], offset + run[2] + n), pa.int64()))
+                positions.append(_counting(offset + run[2], n))
                 stamps.append(pa.repeat(pa.scalar(run[3], pa.int64()), n))
             offset += n
         return pa.concat_arrays(positions), pa.concat_arrays(stamps)
 
 
-def _binary_values(section: bytes | memoryview, count: int) -> pa.Array:
+def _binary_values(events: EventBatch) -> pa.Array:
     """The ``u64 len | bytes`` records of a wire page as an Arrow binary array: the record
     boundaries become Arrow offsets (each element = length prefix + value) and Arrow strips
     the 8-byte prefixes in C, instead of one Python bytes object per event."""
-    bounds = value_spans(section, count)
+    offsets = pa.array(events.spans(), pa.int32()).buffers()[1]
     records = pa.Array.from_buffers(
-        pa.binary(), count, [None, pa.array(bounds, pa.int32()).buffers()[1], pa.py_buffer(section)]
+        pa.binary(), events.count, [None, offsets, pa.py_buffer(events.section)]
     )
     return pc.binary_slice(records, 8, 1 << 30)  # an explicit stop: pyarrow 26 fails without
+
+
+def _counting(first: int, count: int) -> pa.Array:
+    """first, first + 1, ... as int64, computed in C."""
+    ones = pa.repeat(pa.scalar(1, pa.int64()), count)
+    return pc.add(pc.cumulative_sum(ones), first - 1)
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,7 @@ class RangeReader:
     def _batches(self, client: Client) -> Iterator[pa.RecordBatch]:
         offset = self.start
         meta: _Metadata | None = None
+        runs = _metadata_runs(client, self.stream, offset, self.end)
         # One read in flight while the previous page becomes Arrow: the socket and the
         # server work while this thread converts.
         pending = self._fetch(client, offset)
@@ -142,6 +152,7 @@ class RangeReader:
                     ) from None
                 offset = bounds.start
                 meta = None
+                runs = _metadata_runs(client, self.stream, offset, self.end)
                 pending = self._fetch(client, offset)
                 continue
             except StreamNotFound:
@@ -156,8 +167,8 @@ class RangeReader:
             if next_offset < self.end:
                 pending = self._fetch(client, next_offset)
             if meta is None:
-                meta = _Metadata(_metadata_runs(client, self.stream, offset, self.end))
-            values = _binary_values(result.events.section, result.events.count)
+                meta = _Metadata(runs.result())
+            values = _binary_values(result.events)
             yield self._record_batch(offset, values.slice(0, count), meta)
             offset = next_offset
 
@@ -171,7 +182,7 @@ class RangeReader:
             "key": pa.nulls(count, pa.binary()),
             "stream": pa.repeat(pa.scalar(self.stream, pa.string()), count),
             "partition": pa.repeat(pa.scalar(0, pa.int32()), count),
-            "offset": pa.array(range(first, first + count), pa.int64()),
+            "offset": _counting(first, count),
             "timestamp": stamps.cast(pa.timestamp("us", tz="UTC")),
             "timestampType": pa.repeat(pa.scalar(TIMESTAMP_TYPE_LOG_APPEND, pa.int32()), count),
             "position": position,
