@@ -13,8 +13,11 @@ out = Console(highlight=False)
 
 
 def cmd_pipeline_run(args: argparse.Namespace) -> int:
-    from headwater.pipeline.spec import PipelineError, check_streams, load_pipeline
-
+    try:
+        from headwater.pipeline.spec import PipelineError, check_streams, load_pipeline
+    except ImportError as exc:
+        err.print(f"[red]error:[/] pipelines need: pip install 'headwater[spark]' ({exc})")
+        return 2
     try:
         spec = load_pipeline(args.file)
         check_streams(spec)
