@@ -94,6 +94,26 @@ def test_csv_values_and_headers_column(spark: Any, sdk_server: Any, sdk_stream_n
     assert rows == [("AAA", 10.5, 3), ("BBB", 11.0, None), ("CCC", 9.25, 7)]
 
 
+def test_several_streams_and_explicit_register(spark: Any, sdk_server: Any, sdk_stream_name: str):
+    from headwater.spark import register
+
+    register(spark)  # the format is found without it too; registering again is harmless
+    a, b = sdk_stream_name + "_a", sdk_stream_name + "_b"
+    with headwater.connect(sdk_server.address) as hw:
+        for name, count in ((a, 5), (b, 3)):
+            hw.create_stream(name)
+            hw.append(name, [f"{name}:{i}".encode() for i in range(count)])
+    df = (
+        spark.read.format(FMT)
+        .option("server", sdk_server.address)
+        .option("streams", f"{b},{a}")
+        .option("startingOffsets", json.dumps({a: {"0": 2}}))
+        .load()
+    )
+    got = sorted((r.stream, r.offset, bytes(r.value).decode()) for r in df.collect())
+    assert got == [(a, i, f"{a}:{i}") for i in range(2, 5)] + [(b, i, f"{b}:{i}") for i in range(3)]
+
+
 def test_bad_options_and_unknown_stream_are_clear(spark: Any, sdk_server: Any):
     with pytest.raises(Exception, match="does not exist"):
         _read(spark, sdk_server.address, "no_such_stream_here").collect()
