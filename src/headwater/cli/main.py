@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from headwater.cli.client_cmds import add_client_commands
+from headwater.cli.pipeline_cmds import add_pipeline_commands
 
 err = Console(stderr=True)
 out = Console()
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_client_commands(sub)
+    add_pipeline_commands(sub)
     return parser
 
 

@@ -81,7 +81,14 @@ from .errors import (
     ServerUnavailable,
     SubscriptionClosed,
 )
-from .results import AppendResult, Event, QueryResult, ReadResult, datetime_to_timestamp
+from .results import (
+    AppendResult,
+    Event,
+    QueryResult,
+    RawReadResult,
+    ReadResult,
+    datetime_to_timestamp,
+)
 
 DEFAULT_SERVER = "127.0.0.1:7401"
 DEFAULT_PORT = 7401
@@ -724,6 +731,24 @@ class AsyncClient:
             next_offset = from_offset + len(values) if at_end else reply.next_offset
             assert next_offset is not None
             return ReadResult(events, next_offset, at_end)
+
+        return await self._with_stream(stream, op)
+
+    async def read_batch(
+        self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
+    ) -> RawReadResult:
+        """Like :meth:`read`, but the events stay in their wire form (an
+        :class:`~headwater.protocols.kimberlite.EventBatch` over the answer's bytes), for
+        bulk consumers that convert a whole page at once (e.g. into Arrow)."""
+
+        async def op(stream_id: int) -> RawReadResult:
+            reply = await self._request(
+                ReadEventsRequest(stream_id, from_offset, max_bytes), ReadEventsResponse, safe=True
+            )
+            at_end = reply.next_offset is None
+            next_offset = from_offset + reply.events.count if at_end else reply.next_offset
+            assert next_offset is not None
+            return RawReadResult(from_offset, reply.events, next_offset, at_end)
 
         return await self._with_stream(stream, op)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from headwater.protocols.kimberlite.messages import QueryValue, Timestamp
+from headwater.protocols.kimberlite.messages import EventBatch, QueryValue, Timestamp
 
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
 
@@ -44,6 +44,17 @@ class ReadResult:
 
     def __len__(self) -> int:
         return len(self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class RawReadResult:
+    """What one ``read_batch`` returned: ``events`` still in wire form, the first at
+    ``first_offset``; ``next_offset`` and ``at_end`` as in :class:`ReadResult`."""
+
+    first_offset: int
+    events: EventBatch
+    next_offset: int
+    at_end: bool
 
 
 @dataclass(frozen=True, slots=True)

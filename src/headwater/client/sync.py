@@ -30,7 +30,7 @@ from .aio import (
     StreamRef,
 )
 from .errors import ClientClosed
-from .results import AppendResult, Event, QueryResult, ReadResult
+from .results import AppendResult, Event, QueryResult, RawReadResult, ReadResult
 
 _T = TypeVar("_T")
 
@@ -215,6 +215,12 @@ class Client:
         self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
     ) -> ReadResult:
         return self._run(self._inner.read(stream, from_offset, max_bytes))
+
+    def read_batch(
+        self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
+    ) -> RawReadResult:
+        """Like :meth:`read`, events left in wire form (see ``AsyncClient.read_batch``)."""
+        return self._run(self._inner.read_batch(stream, from_offset, max_bytes))
 
     def scan(
         self,

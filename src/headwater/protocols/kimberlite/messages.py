@@ -161,12 +161,22 @@ class EventBatch:
     directly trusts the caller the same way; :meth:`of` builds one from plain values.
     """
 
-    __slots__ = ("count", "section")
+    __slots__ = ("_bounds", "count", "section")
     __hash__ = None  # type: ignore[assignment]  # holds a buffer; compared by content
 
-    def __init__(self, count: int, section: bytes | memoryview) -> None:
+    def __init__(
+        self, count: int, section: bytes | memoryview, bounds: list[int] | None = None
+    ) -> None:
         self.count = count
         self.section = section
+        self._bounds = bounds  # record boundaries, when a decoder already walked them
+
+    def spans(self) -> list[int]:
+        """``count + 1`` byte positions: record i is ``section[spans[i]:spans[i+1]]``
+        (its 8-byte length, then its value)."""
+        if self._bounds is None:
+            self._bounds = value_spans(self.section, self.count)
+        return self._bounds
 
     @classmethod
     def of(cls, events: Sequence[bytes]) -> EventBatch:
@@ -175,7 +185,7 @@ class EventBatch:
     def values(self) -> list[bytes]:
         """The events as separate ``bytes`` objects (copies)."""
         section = self.section
-        bounds = value_spans(section, self.count)
+        bounds = self.spans()
         return [bytes(section[bounds[i] + 8 : bounds[i + 1]]) for i in range(self.count)]
 
     @property
@@ -301,7 +311,7 @@ class _Reader:
             if bounds[-1] != len(section):  # the records must fill the section exactly
                 continue
             self.pos = end
-            return EventBatch(count, section)
+            return EventBatch(count, section, bounds)
         raise DecodeError(f"{what}: {problem}")
 
     def strings(self, what: str) -> list[str]:

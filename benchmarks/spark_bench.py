@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Spark reading and writing a headwater stream against Spark on local Parquet, one run.
+
+A real ``headwater serve`` (default ``fsync`` policy) holds ``--events`` JSON events of
+about 100 bytes in one stream. Spark (local[2], one session) then:
+
+* read: the whole stream through ``format("headwater")`` into Spark's ``noop`` sink (every
+  column of every row materialised), against the same rows (same columns, written once
+  by Spark beforehand, untimed) read from Parquet on local disk into ``noop``. Both sides
+  get 2 input partitions (the machine has 2 cores).
+* write: the ``value`` column of those rows from Parquet into a fresh headwater stream
+  (idempotent appends), against writing the same column to Parquet.
+
+Runs alternate between the two sides; the median of ``--repeat`` runs is reported as
+rows/s and the headwater / Parquet ratio. Markdown on stdout; JSON with ``--out``.
+
+    .venv/bin/python benchmarks/spark_bench.py            # 2,000,000 events
+    .venv/bin/python benchmarks/spark_bench.py --quick    # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import headwater
+
+
+def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    config = root / "hw.toml"
+    config.write_text(
+        '[listen]\nkimberlite = "127.0.0.1:0"\nhttp = ""\nconvergedb = ""\nripple = ""\n'
+    )
+    ports = root / "ports.json"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "headwater.cli.main",
+            "serve",
+            "--data-dir",
+            str(root / "data"),
+            "--config",
+            str(config),
+            "--ports-file",
+            str(ports),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(root / "server.log").open("wb"),
+    )
+    deadline = time.monotonic() + 30
+    while not ports.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((root / "server.log").read_text())
+        time.sleep(0.05)
+    return proc, f"127.0.0.1:{json.loads(ports.read_text())['kimberlite']}"
+
+
+def fill(server: str, stream: str, events: int) -> None:
+    with headwater.connect(server) as hw:
+        hw.create_stream(stream)
+        chunk = 100_000
+        for start in range(0, events, chunk):
+            hw.append(
+                stream,
+                [
+                    b'{"sym":"SYM%04d","px":%d.%d,"qty":%d,"venue":"XNAS","seq":%010d}'
+                    % (i % 100, 100 + i % 10, i % 10, 1 + i % 500, i)
+                    for i in range(start, min(events, start + chunk))
+                ],
+            )
+
+
+def timed(action: Any) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--events", type=int, default=2_000_000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="100,000 events, 1 repeat")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.events, args.repeat = 100_000, 1
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    root = Path(tempfile.mkdtemp(prefix="spark_bench_"))
+    proc, server = start_server(root)
+    try:
+        fill_s = timed(lambda: fill(server, "bench", args.events))
+        spark = (
+            SparkSession.builder.master("local[2]")
+            .config("spark.ui.enabled", "false")
+            .config("spark.driver.memory", "2g")
+            .config("spark.sql.session.timeZone", "UTC")
+            .getOrCreate()
+        )
+        spark.sparkContext.setLogLevel("ERROR")
+        half = str((args.events + 1) // 2)
+
+        def stream_df() -> Any:
+            return (
+                spark.read.format("headwater")
+                .option("server", server)
+                .option("stream", "bench")
+                .option("maxOffsetsPerPartition", half)
+                .load()
+            )
+
+        parquet = root / "parquet"
+        stream_df().repartition(2).write.parquet(str(parquet))
+        assert spark.read.parquet(str(parquet)).count() == args.events
+
+        read_hw, read_pq, write_hw, write_pq = [], [], [], []
+        for run in range(args.repeat):
+            sides = [("hw", read_hw), ("pq", read_pq)]
+            for side, out in sides if run % 2 == 0 else sides[::-1]:
+                df = stream_df() if side == "hw" else spark.read.parquet(str(parquet))
+                out.append(timed(lambda df=df: df.write.format("noop").mode("overwrite").save()))
+            for side in ("hw", "pq") if run % 2 == 0 else ("pq", "hw"):
+                values = spark.read.parquet(str(parquet)).select("value")
+                if side == "hw":
+                    writer = (
+                        values.write.format("headwater")
+                        .option("server", server)
+                        .option("stream", f"copy{run}")
+                        .mode("append")
+                    )
+                    write_hw.append(timed(writer.save))
+                else:
+                    target = str(root / f"copy{run}")
+                    write_pq.append(timed(lambda t=target, v=values: v.write.parquet(t)))
+                    shutil.rmtree(target)
+        with headwater.connect(server) as hw:
+            for run in range(args.repeat):
+                assert hw.stream_info(f"copy{run}").next_offset == args.events
+        spark.stop()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def rate(times: list[float]) -> float:
+        return args.events / statistics.median(times)
+
+    results = {
+        "events": args.events,
+        "repeat": args.repeat,
+        "fill_events_per_s": args.events / fill_s,
+        "read": {
+            "headwater": rate(read_hw),
+            "parquet": rate(read_pq),
+            "runs_s": {"headwater": read_hw, "parquet": read_pq},
+        },
+        "write": {
+            "headwater": rate(write_hw),
+            "parquet": rate(write_pq),
+            "runs_s": {"headwater": write_hw, "parquet": write_pq},
+        },
+        "load_after": os.getloadavg()[0],
+    }
+    print(markdown(results))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"{results['events']:,} events, median of {results['repeat']}",
+        "",
+        "| measurement | headwater rows/s | Parquet rows/s | headwater / Parquet |",
+        "|---|--:|--:|--:|",
+    ]
+    for name in ("read", "write"):
+        r = results[name]
+        lines.append(
+            f"| {name} | {r['headwater']:,.0f} | {r['parquet']:,.0f} | "
+            f"**{r['headwater'] / r['parquet']:.2f}** |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

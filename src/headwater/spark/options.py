@@ -1,0 +1,263 @@
+"""Options of the ``headwater`` Spark format, parsed without Spark.
+
+Offsets follow Spark's Kafka source: ``earliest``, ``latest`` or JSON such as
+``{"trades": {"0": 10}}`` where -2 means earliest and -1 latest. A stream is one partition
+("0") in this version of the protocol. Offsets that Spark checkpoints are plain JSON with
+streams in sorted order, because Spark compares offsets as JSON text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from headwater.client.aio import DEFAULT_SERVER, parse_server
+from headwater.errors import UsageError
+
+EARLIEST = -2
+LATEST = -1
+PARTITION = "0"  # a stream is one ordered log (one partition) in this protocol version
+_NAME = re.compile(r"^[A-Za-z0-9_]{1,256}$")
+VALUE_FORMATS = ("raw", "json", "csv")
+
+# Columns of a read, as Spark's Kafka source has them plus the tenant log position.
+METADATA_DDL = (
+    "stream STRING, partition INT, offset BIGINT, timestamp TIMESTAMP, timestampType INT, "
+    "position BIGINT"
+)
+HEADERS_DDL = "headers ARRAY<STRUCT<key: STRING, value: BINARY>>"
+DEFAULT_SPLIT = 1_000_000  # offsets per Spark partition before a range is split
+
+
+class DataLossError(RuntimeError):
+    """Offsets a query needed were removed by retention and failOnDataLoss is true."""
+
+
+def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
+    text = options.get(name)
+    if text is None:
+        return default
+    lowered = str(text).strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise UsageError(f"option {name} must be true or false, not {text!r}")
+
+
+def _positive(options: Mapping[str, str], name: str) -> int | None:
+    text = options.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(str(text))
+    except ValueError:
+        raise UsageError(f"option {name} must be a positive integer, not {text!r}") from None
+    if value <= 0:
+        raise UsageError(f"option {name} must be a positive integer, not {text!r}")
+    return value
+
+
+def check_stream_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise UsageError(f"stream name {name!r} must be 1..256 characters of [A-Za-z0-9_]")
+    return name
+
+
+@dataclass(frozen=True)
+class ConnectionOptions:
+    server: str = DEFAULT_SERVER
+    token: str | None = None
+    tenant: int = 0
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ConnectionOptions:
+        server = str(options.get("server", DEFAULT_SERVER))
+        try:
+            parse_server(server)
+        except Exception as exc:
+            raise UsageError(f"option server: {exc}") from None
+        tenant_text = options.get("tenant", "0")
+        try:
+            tenant = int(str(tenant_text))
+        except ValueError:
+            raise UsageError(f"option tenant must be an integer, not {tenant_text!r}") from None
+        token = options.get("token")
+        return cls(server, str(token) if token else None, tenant)
+
+
+def parse_offsets(text: str | None, streams: list[str], name: str, default: int) -> dict[str, int]:
+    """``earliest``/``latest``/Kafka JSON -> {stream: offset or EARLIEST/LATEST}."""
+    if text is None:
+        return dict.fromkeys(streams, default)
+    stripped = str(text).strip()
+    if stripped == "earliest":
+        return dict.fromkeys(streams, EARLIEST)
+    if stripped == "latest":
+        return dict.fromkeys(streams, LATEST)
+    try:
+        data = json.loads(stripped)
+    except ValueError:
+        raise UsageError(
+            f"option {name} must be earliest, latest or JSON like "
+            f'{{"{streams[0]}": {{"0": 10}}}}, not {text!r}'
+        ) from None
+    if not isinstance(data, dict):
+        raise UsageError(f"option {name}: JSON must be an object of streams, not {text!r}")
+    unknown = sorted(set(data) - set(streams))
+    if unknown:
+        raise UsageError(f"option {name} names streams that are not read: {', '.join(unknown)}")
+    result = dict.fromkeys(streams, default)
+    for stream, partitions in data.items():
+        if not isinstance(partitions, dict):
+            raise UsageError(f'option {name}: {stream} needs partitions, e.g. {{"0": 10}}')
+        for partition, offset in partitions.items():
+            if partition != PARTITION:
+                raise UsageError(
+                    f"option {name}: stream {stream} has one partition, '0', not {partition!r}"
+                )
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < EARLIEST:
+                raise UsageError(
+                    f"option {name}: offset of {stream} must be an integer >= -2, not {offset!r}"
+                )
+            result[stream] = offset
+    return result
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    connection: ConnectionOptions
+    streams: tuple[str, ...]
+    starting: dict[str, int]
+    ending: dict[str, int]
+    max_offsets_per_trigger: int | None
+    fail_on_data_loss: bool
+    include_headers: bool
+    value_format: str
+    value_schema: str | None
+    split: int
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> ReadOptions:
+        # Spark lower-cases option keys on some paths: accept any case.
+        lowered = {str(k).lower(): str(v) for k, v in options.items()}
+        if "kind" in lowered:
+            raise UsageError(
+                "option kind: reading entity kinds is not in this version of the connector "
+                "(streams only: use the option stream or streams)"
+            )
+        one, many = lowered.get("stream"), lowered.get("streams")
+        if (one is None) == (many is None):
+            raise UsageError("set exactly one of the options stream or streams")
+        names = [one] if one is not None else [s.strip() for s in str(many).split(",")]
+        streams = sorted({check_stream_name(s) for s in names if s})
+        if not streams:
+            raise UsageError("option streams names no stream")
+        value_format = lowered.get("valueformat", "raw").lower()
+        if value_format not in VALUE_FORMATS:
+            raise UsageError(f"option valueFormat must be one of {', '.join(VALUE_FORMATS)}")
+        value_schema = lowered.get("schema")
+        if value_format != "raw" and not value_schema:
+            raise UsageError(f"valueFormat {value_format} needs a schema option (Spark DDL)")
+        ending = parse_offsets(lowered.get("endingoffsets"), streams, "endingOffsets", LATEST)
+        if any(v == EARLIEST for v in ending.values()):
+            raise UsageError("option endingOffsets cannot be earliest (-2)")
+        return cls(
+            connection=ConnectionOptions.parse(lowered),
+            streams=tuple(streams),
+            starting=parse_offsets(
+                lowered.get("startingoffsets"), streams, "startingOffsets", EARLIEST
+            ),
+            ending=ending,
+            max_offsets_per_trigger=_positive(lowered, "maxoffsetspertrigger"),
+            fail_on_data_loss=_bool(lowered, "failondataloss", True),
+            include_headers=_bool(lowered, "includeheaders", False),
+            value_format=value_format,
+            value_schema=value_schema,
+            split=_positive(lowered, "maxoffsetsperpartition") or DEFAULT_SPLIT,
+        )
+
+    def schema_ddl(self) -> str:
+        parts = []
+        if self.value_format == "raw":
+            parts.append("key BINARY, value BINARY")
+        else:
+            parts.append(f"{self.value_schema}, key BINARY")
+        parts.append(METADATA_DDL)
+        if self.include_headers:
+            parts.append(HEADERS_DDL)
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    connection: ConnectionOptions
+    stream: str
+    create: bool
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> WriteOptions:
+        lowered = {str(k).lower(): str(v) for k, v in options.items()}
+        stream = lowered.get("stream")
+        if stream is None:
+            raise UsageError("writing needs the option stream")
+        return cls(
+            connection=ConnectionOptions.parse(lowered),
+            stream=check_stream_name(stream),
+            create=_bool(lowered, "createstream", True),
+        )
+
+
+def offsets_json(offsets: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    """Spark offset dict with a stable key order (Spark compares offsets as JSON text)."""
+    return {stream: {PARTITION: int(offsets[stream])} for stream in sorted(offsets)}
+
+
+def offsets_from_json(data: Mapping[str, object]) -> dict[str, int]:
+    result: dict[str, int] = {}
+    for stream, partitions in data.items():
+        if not isinstance(partitions, dict) or PARTITION not in partitions:
+            raise UsageError(f"checkpointed offset of {stream} is not {{'0': offset}}")
+        result[stream] = int(partitions[PARTITION])
+    return result
+
+
+def limit_offsets(
+    start: Mapping[str, int], latest: Mapping[str, int], max_rows: int | None
+) -> dict[str, int]:
+    """Admission control: at most ``max_rows`` offsets past ``start`` in all, shared out in
+    proportion to what each stream has waiting (like Kafka's maxOffsetsPerTrigger)."""
+    ends = {s: max(latest[s], start.get(s, 0)) for s in latest}
+    if max_rows is None:
+        return ends
+    waiting = {s: ends[s] - start.get(s, 0) for s in ends}
+    total = sum(waiting.values())
+    if total <= max_rows:
+        return ends
+    result: dict[str, int] = {}
+    left = max_rows
+    for stream in sorted(ends):
+        share = min(waiting[stream], waiting[stream] * max_rows // total)
+        result[stream] = start.get(stream, 0) + share
+        left -= share
+    for stream in sorted(ends):  # hand out what rounding down kept back, in name order
+        extra = min(left, ends[stream] - result[stream])
+        result[stream] += extra
+        left -= extra
+    return result
+
+
+def split_range(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    if end <= start:
+        return []
+    return [(a, min(a + size, end)) for a in range(start, end, size)]
+
+
+def producer_id(*parts: object) -> int:
+    """A stable u64 producer id for an idempotent writer (same inputs, same id, on any
+    machine: no Python hash randomisation)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

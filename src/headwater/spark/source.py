@@ -1,0 +1,323 @@
+"""The ``headwater`` format for Spark's Python Data Source API (pyspark >= 4).
+
+Only picklable options live in these objects: Spark ships readers and writers to executors,
+and every executor task connects to the server itself (see :mod:`.streams`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from headwater.errors import StreamAlreadyExists, UsageError
+
+from .options import (
+    EARLIEST,
+    LATEST,
+    ConnectionOptions,
+    DataLossError,
+    ReadOptions,
+    WriteOptions,
+    limit_offsets,
+    offsets_from_json,
+    offsets_json,
+    split_range,
+)
+from .streams import (
+    IdempotentAppender,
+    RangeReader,
+    check_write_columns,
+    open_client,
+    stream_bounds,
+)
+
+FORMAT = "headwater"
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # the id kept in the checkpoint
+
+
+class HeadwaterDataSource(DataSource):
+    """``spark.read.format("headwater")`` and friends; see docs/spark.md."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return ReadOptions.parse(self.options).schema_ddl()
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return HeadwaterBatchReader(ReadOptions.parse(self.options), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return HeadwaterStreamReader(ReadOptions.parse(self.options), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> HeadwaterBatchWriter:
+        options = WriteOptions.parse(self.options)
+        _prepare_write(options, schema)
+        return HeadwaterBatchWriter(options, job=uuid.uuid4().hex)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> HeadwaterStreamWriter:
+        options = WriteOptions.parse(self.options)
+        _prepare_write(options, schema)
+        return HeadwaterStreamWriter(options)
+
+
+def _prepare_write(options: WriteOptions, schema: StructType) -> None:
+    check_write_columns(schema.fieldNames())
+    if not options.create:
+        return
+    with open_client(options.connection) as client, contextlib.suppress(StreamAlreadyExists):
+        client.create_stream(options.stream)
+
+
+@dataclass(frozen=True)
+class OffsetRange(InputPartition):
+    stream: str
+    start: int
+    end: int
+
+
+def _arrow_schema(schema: StructType) -> pa.Schema:
+    return to_arrow_schema(schema, timezone="UTC")
+
+
+def _read(options: ReadOptions, schema: StructType, part: OffsetRange) -> Iterator[pa.RecordBatch]:
+    reader = RangeReader(
+        options.connection,
+        part.stream,
+        part.start,
+        part.end,
+        options.fail_on_data_loss,
+        options.value_format,
+        _arrow_schema(schema),
+    )
+    return reader.batches()
+
+
+def _resolve(spec: int, start: int, end: int, stream: str, name: str) -> int:
+    if spec == EARLIEST:
+        return start
+    if spec == LATEST:
+        return end
+    if spec > end:
+        raise UsageError(f"{name} offset {spec} of {stream} is past its end ({end})")
+    return spec
+
+
+class HeadwaterBatchReader(DataSourceReader):
+    def __init__(self, options: ReadOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+
+    def partitions(self) -> Sequence[InputPartition]:
+        parts: list[InputPartition] = []
+        with open_client(self.options.connection) as client:
+            for stream in self.options.streams:
+                bounds = stream_bounds(client, stream)
+                start = _resolve(
+                    self.options.starting[stream], bounds.start, bounds.end, stream, "start"
+                )
+                end = _resolve(self.options.ending[stream], bounds.start, bounds.end, stream, "end")
+                if start < bounds.start:
+                    if self.options.fail_on_data_loss:
+                        raise DataLossError(
+                            f"stream {stream}: offsets {start}..{bounds.start - 1} were removed "
+                            "by retention; set failOnDataLoss=false to skip them"
+                        )
+                    start = bounds.start
+                for a, b in split_range(start, end, self.options.split):
+                    parts.append(OffsetRange(stream, a, b))
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return _read(self.options, self.schema, partition)
+
+
+class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batch reads. The driver-side client is made on first use and never pickled."""
+
+    def __init__(self, options: ReadOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+        self._client: Any = None
+        self._target: dict[str, int] | None = None  # Trigger.AvailableNow: ends fixed at start
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = {s: b for s, (_, b) in self._bounds().items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None
+        return state
+
+    def _bounds(self) -> dict[str, tuple[int, int]]:
+        if self._client is None or self._client.closed:
+            self._client = open_client(self.options.connection)
+        result = {}
+        for stream in self.options.streams:
+            b = stream_bounds(self._client, stream)
+            result[stream] = (b.start, b.end)
+        return result
+
+    def initialOffset(self) -> dict[str, Any]:
+        bounds = self._bounds()
+        return offsets_json(
+            {
+                s: _resolve(self.options.starting[s], a, b, s, "start")
+                for s, (a, b) in bounds.items()
+            }
+        )
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_offsets_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.options.max_offsets_per_trigger)
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        bounds = self._bounds()
+        begin = self._checked_start(offsets_from_json(start), bounds)
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        latest = {s: b for s, (_, b) in bounds.items()}
+        if self._target is not None:
+            latest = {s: min(b, self._target[s]) for s, b in latest.items()}
+        return offsets_json(limit_offsets(begin, latest, max_rows))
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        return offsets_json({s: b for s, (_, b) in self._bounds().items()})
+
+    def _checked_start(
+        self, start: dict[str, int], bounds: dict[str, tuple[int, int]]
+    ) -> dict[str, int]:
+        """Where reading really starts: past what retention removed, or DataLossError."""
+        begin = {}
+        for stream, (first, _) in bounds.items():
+            offset = start.get(stream, first)
+            if offset < first:
+                if self.options.fail_on_data_loss:
+                    raise DataLossError(
+                        f"stream {stream}: offsets {offset}..{first - 1} were removed by "
+                        "retention before the query read them; set failOnDataLoss=false "
+                        "to skip them"
+                    )
+                offset = first
+            begin[stream] = offset
+        return begin
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        begin, stop = offsets_from_json(start), offsets_from_json(end)
+        parts: list[InputPartition] = []
+        for stream in self.options.streams:
+            a, b = begin.get(stream, stop.get(stream, 0)), stop.get(stream, 0)
+            for lo, hi in split_range(a, b, self.options.split):
+                parts.append(OffsetRange(stream, lo, hi))
+        return parts
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return _read(self.options, self.schema, partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # nothing is held server-side for a query: Spark's checkpoint has the offsets
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+@dataclass(frozen=True)
+class AppendCommit(WriterCommitMessage):
+    partition: int
+    events: int
+    appends: int
+
+
+def _task_partition() -> tuple[int, TaskContext | None]:
+    context = TaskContext.get()
+    return (context.partitionId() if context is not None else 0), context
+
+
+class HeadwaterBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("headwater")``: a retried task re-sends the same (producer,
+    sequence) pairs, which the server recognises, so nothing is appended twice."""
+
+    def __init__(self, options: WriteOptions, job: str) -> None:
+        self.options = options
+        self.job = job  # made once on the driver: every attempt of a task shares it
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> AppendCommit:
+        partition, _ = _task_partition()
+        appender = IdempotentAppender(
+            self.options.connection, self.options.stream, self.job, partition
+        )
+        result = appender.append(iterator)
+        return AppendCommit(partition, result.events, result.appends)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass  # every append is durable when acknowledged
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass  # appends cannot be withdrawn; a rerun of the job is a new job id
+
+
+class HeadwaterStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("headwater")``: producer ids come from (query id, batch id,
+    partition), both kept in Spark's checkpoint, so a batch Spark runs again after a
+    failure or a restart appends nothing twice."""
+
+    def __init__(self, options: WriteOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> AppendCommit:
+        partition, context = _task_partition()
+        if context is None:
+            raise RuntimeError("the headwater stream writer runs only inside a Spark task")
+        batch_id = context.getLocalProperty(BATCH_ID_PROPERTY)
+        query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
+        if batch_id is None or query_id is None:
+            raise RuntimeError(
+                f"Spark did not pass {BATCH_ID_PROPERTY} / {QUERY_ID_PROPERTY} to the task"
+            )
+        job = f"{query_id}/{batch_id}"
+        appender = IdempotentAppender(self.options.connection, self.options.stream, job, partition)
+        result = appender.append(iterator)
+        return AppendCommit(partition, result.events, result.appends)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass  # appends were durable when acknowledged
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass  # the rerun of this batch id re-sends the same (producer, sequence) pairs
+
+
+def register(spark: Any) -> None:
+    """Register the format with a SparkSession (installing the package does it too)."""
+    spark.dataSource.register(HeadwaterDataSource)
+
+
+__all__ = ["ConnectionOptions", "HeadwaterDataSource", "register"]

@@ -1,0 +1,299 @@
+"""``headwater pipeline run``: pipelines end to end against a real server, in the shared
+session and on a real standalone cluster."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import headwater
+from headwater.pipeline.runner import run_pipeline
+from headwater.pipeline.spec import load_pipeline
+
+pytestmark = pytest.mark.spark
+
+WINDOW_US = 60_000_000
+T0_NS = 1_700_000_040_000_000_000  # a whole minute
+
+
+def _trades(count: int, symbols: int, step_ms: int) -> list[dict[str, Any]]:
+    trades = []
+    for i in range(count):
+        trades.append(
+            {
+                "symbol": f"SYM{i % symbols:04d}",
+                "price": round(100.0 + (i * 7 % 101) / 10, 1),
+                "size": 1 + i % 13,
+                "timestamp_ns": T0_NS + i * step_ms * 1_000_000,
+                "venue": "XNAS" if i % 2 else "XNYS",
+            }
+        )
+    return trades
+
+
+def _expected_vwap(trades: list[dict[str, Any]], watermark_us: int) -> dict[tuple[str, int], float]:
+    sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for t in trades:
+        ts_us = t["timestamp_ns"] // 1000
+        key = (t["symbol"], ts_us - ts_us % WINDOW_US)
+        sums[key][0] += t["price"] * t["size"]
+        sums[key][1] += t["size"]
+    horizon = max(t["timestamp_ns"] // 1000 for t in trades) - watermark_us
+    return {k: pv / v for k, (pv, v) in sums.items() if k[1] + WINDOW_US <= horizon}
+
+
+def _vwap_pipeline(path: Path, server: str, source: str, sink: str) -> Path:
+    spec = {
+        "name": "vwap",
+        "server": server,
+        "sources": [
+            {
+                "name": "trades",
+                "type": "stream",
+                "stream": source,
+                "format": "json",
+                "schema": "symbol STRING, price DOUBLE, size INT, timestamp_ns BIGINT, "
+                "venue STRING",
+                "options": {"maxOffsetsPerTrigger": 2000},
+            }
+        ],
+        "transforms": [
+            {
+                "name": "timed",
+                "sql": "SELECT symbol, price, size, "
+                "timestamp_micros(timestamp_ns DIV 1000) AS ts FROM trades",
+            },
+            {
+                "name": "vwap",
+                "window": {
+                    "time": "ts",
+                    "duration": "60 seconds",
+                    "watermark": "10 seconds",
+                    "group_by": ["symbol"],
+                    "aggregations": {"vwap": "sum(price * size) / sum(size)"},
+                },
+            },
+            {
+                "name": "out",
+                "sql": "SELECT to_json(named_struct('symbol', symbol, 'start', "
+                "unix_micros(window_start), 'vwap', vwap)) AS value FROM vwap",
+            },
+        ],
+        "sinks": [{"name": "vwap_stream", "type": "stream", "stream": sink}],
+        "checkpoint": str(path.parent / "checkpoint"),
+        "trigger": "availableNow",
+        "spark_conf": {"spark.sql.shuffle.partitions": 2, "spark.ui.enabled": False},
+    }
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _check_vwap(hw: headwater.Client, sink: str, trades: list[dict[str, Any]]) -> None:
+    got = {}
+    for event in hw.scan(sink):
+        row = json.loads(event.value)
+        key = (row["symbol"], row["start"])
+        assert key not in got, f"window {key} emitted twice"
+        got[key] = row["vwap"]
+    expected = _expected_vwap(trades, 10_000_000)
+    assert expected and set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-12)
+
+
+def test_vwap_pipeline_in_process(spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path):
+    source, sink = sdk_stream_name + "_trades", sdk_stream_name + "_vwap"
+    trades = _trades(6000, symbols=7, step_ms=40)  # 4 minutes of trades
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.append(source, [json.dumps(t).encode() for t in trades])
+        spec = load_pipeline(_vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, source, sink))
+        lines: list[str] = []
+        assert run_pipeline(spec, "unused", lines.append, spark=spark) == 0
+        _check_vwap(hw, sink, trades)
+    batches = [line for line in lines if re.search(r"batch \d+: in 2000 rows", line)]
+    assert len(batches) == 3, lines  # 6000 trades, 2000 per trigger
+    assert all(re.search(r"lag \d+ offsets, \d+ ms", line) for line in lines)
+
+
+def test_filter_mask_rename_to_parquet(spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path):
+    people = [{"name": f"p{i}", "email": f"p{i}@example.com", "amount": i} for i in range(40)]
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+        hw.append(sdk_stream_name, [json.dumps(p).encode() for p in people])
+    spec_path = tmp_path / "p.yaml"
+    spec_path.write_text(
+        yaml.safe_dump(
+            {
+                "server": sdk_server.address,
+                "sources": [
+                    {
+                        "name": "people",
+                        "type": "stream",
+                        "stream": sdk_stream_name,
+                        "format": "json",
+                        "schema": "name STRING, email STRING, amount INT",
+                    }
+                ],
+                "transforms": [
+                    {"filter": "amount >= 30"},
+                    {"mask": ["email"]},
+                    {"select": {"name": "customer", "email": "email", "amount": "amount"}},
+                ],
+                "sinks": [{"type": "parquet", "path": str(tmp_path / "out")}],
+                "checkpoint": "cp",
+                "trigger": "availableNow",
+            },
+            sort_keys=False,
+        )
+    )
+    assert run_pipeline(load_pipeline(spec_path), "unused", lambda _: None, spark=spark) == 0
+    rows = sorted(tuple(r) for r in spark.read.parquet(str(tmp_path / "out")).collect())
+    assert rows == [
+        (f"p{i}", hashlib.sha256(f"p{i}@example.com".encode()).hexdigest(), i)
+        for i in range(30, 40)
+    ]
+
+
+def _cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "NO_COLOR": "1"})
+    return env
+
+
+def test_cli_reports_unknown_stream_before_spark(sdk_server: Any, tmp_path: Path):
+    path = _vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, "no_such_trades", "x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "headwater.cli.main", "pipeline", "run", str(path)],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "unknown stream(s)" in proc.stderr and "no_such_trades" in proc.stderr
+    assert not (tmp_path / "checkpoint").exists()
+
+
+def _spark_class() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent / "bin" / "spark-class"
+
+
+class _Daemon:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [str(_spark_class()), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=_cli_env(),
+                start_new_session=True,
+            )
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log.read_text(errors="replace"))
+            if match:
+                return match
+            assert self.proc.poll() is None, self.log.read_text(errors="replace")
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} not in {self.log}:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def standalone_cluster(tmp_path: Path) -> Iterator[str]:
+    """A Spark master and one worker from pyspark's own distribution, on loopback."""
+    master = _Daemon(
+        [
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--webui-port",
+            "0",
+        ],
+        tmp_path / "master.log",
+    )
+    worker = None
+    try:
+        url = master.wait_for(r"Starting Spark master at (spark://127\.0\.0\.1:\d+)").group(1)
+        worker = _Daemon(
+            [
+                "org.apache.spark.deploy.worker.Worker",
+                url,
+                "--host",
+                "127.0.0.1",
+                "--cores",
+                "2",
+                "--memory",
+                "1g",
+                "--webui-port",
+                "0",
+                "--work-dir",
+                str(tmp_path / "work"),
+            ],
+            tmp_path / "worker.log",
+        )
+        worker.wait_for(r"Successfully registered with master")
+        yield url
+    finally:
+        if worker is not None:
+            worker.stop()
+        master.stop()
+
+
+def test_vwap_pipeline_on_standalone_cluster(
+    standalone_cluster: str, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    source, sink = sdk_stream_name + "_trades", sdk_stream_name + "_vwap"
+    trades = _trades(3000, symbols=5, step_ms=50)
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.append(source, [json.dumps(t).encode() for t in trades])
+        path = _vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, source, sink)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "headwater.cli.main",
+                "pipeline",
+                "run",
+                str(path),
+                "--master",
+                standalone_cluster,
+            ],
+            capture_output=True,
+            text=True,
+            env=_cli_env(),
+            timeout=240,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"on {standalone_cluster}" in proc.stdout
+        assert re.search(r"\[vwap_vwap_stream\] batch 0: in 2000 rows", proc.stdout), proc.stdout
+        _check_vwap(hw, sink, trades)

@@ -1,0 +1,338 @@
+"""The headwater Spark format against a real server: reads, writes, offsets, restarts,
+retried tasks and retention."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import headwater
+
+pytestmark = pytest.mark.spark
+
+FMT = "headwater"
+
+
+def _read(spark: Any, server: str, stream: str, **options: str) -> Any:
+    reader = spark.read.format(FMT).option("server", server).option("stream", stream)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def _values(client: headwater.Client, stream: str) -> list[bytes]:
+    return [e.value for e in client.scan(stream)]
+
+
+def test_batch_read_schema_values_and_offsets(spark: Any, sdk_server: Any, sdk_stream_name: str):
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+        hw.append(sdk_stream_name, [json.dumps({"n": i, "s": f"x{i}"}).encode() for i in range(50)])
+        hw.append(sdk_stream_name, [b'{"n": 50, "s": "x50"}'])
+        end = hw.stream_info(sdk_stream_name).next_offset
+    df = _read(spark, sdk_server.address, sdk_stream_name)
+    assert [f.name for f in df.schema.fields] == [
+        "key",
+        "value",
+        "stream",
+        "partition",
+        "offset",
+        "timestamp",
+        "timestampType",
+        "position",
+    ]
+    rows = df.orderBy("offset").collect()
+    assert [r.offset for r in rows] == list(range(end))
+    assert json.loads(rows[7].value) == {"n": 7, "s": "x7"}
+    assert {r.stream for r in rows} == {sdk_stream_name} and {r.partition for r in rows} == {0}
+    assert all(r.timestamp is not None and r.timestampType == 1 for r in rows)
+    positions = [r.position for r in rows]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+
+    # Kafka's offset forms: JSON start, exclusive end; -2 earliest.
+    part = _read(
+        spark,
+        sdk_server.address,
+        sdk_stream_name,
+        startingOffsets=json.dumps({sdk_stream_name: {"0": 10}}),
+        endingOffsets=json.dumps({sdk_stream_name: {"0": 20}}),
+    )
+    assert sorted(r.offset for r in part.collect()) == list(range(10, 20))
+    parsed = _read(
+        spark,
+        sdk_server.address,
+        sdk_stream_name,
+        startingOffsets=json.dumps({sdk_stream_name: {"0": -2}}),
+        valueFormat="json",
+        schema="n INT, s STRING",
+        maxOffsetsPerPartition="7",
+    )
+    assert parsed.rdd.getNumPartitions() == 8  # 51 offsets split 7 at a time
+    got = sorted((r.n, r.s, r.offset) for r in parsed.collect())
+    assert got == [(i, f"x{i}", i) for i in range(51)]
+
+
+def test_csv_values_and_headers_column(spark: Any, sdk_server: Any, sdk_stream_name: str):
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+        hw.append(sdk_stream_name, [b"AAA,10.5,3", b"BBB,11.0,", b"CCC,9.25,7"])
+    df = _read(
+        spark,
+        sdk_server.address,
+        sdk_stream_name,
+        valueFormat="csv",
+        schema="sym STRING, px DOUBLE, qty INT",
+        includeHeaders="true",
+    )
+    assert "headers" in df.columns
+    rows = sorted((r.sym, r.px, r.qty) for r in df.collect())
+    assert rows == [("AAA", 10.5, 3), ("BBB", 11.0, None), ("CCC", 9.25, 7)]
+
+
+def test_several_streams_and_explicit_register(spark: Any, sdk_server: Any, sdk_stream_name: str):
+    from headwater.spark import register
+
+    register(spark)  # the format is found without it too; registering again is harmless
+    a, b = sdk_stream_name + "_a", sdk_stream_name + "_b"
+    with headwater.connect(sdk_server.address) as hw:
+        for name, count in ((a, 5), (b, 3)):
+            hw.create_stream(name)
+            hw.append(name, [f"{name}:{i}".encode() for i in range(count)])
+    df = (
+        spark.read.format(FMT)
+        .option("server", sdk_server.address)
+        .option("streams", f"{b},{a}")
+        .option("startingOffsets", json.dumps({a: {"0": 2}}))
+        .load()
+    )
+    got = sorted((r.stream, r.offset, bytes(r.value).decode()) for r in df.collect())
+    assert got == [(a, i, f"{a}:{i}") for i in range(2, 5)] + [(b, i, f"{b}:{i}") for i in range(3)]
+
+
+def test_bad_options_and_unknown_stream_are_clear(spark: Any, sdk_server: Any):
+    with pytest.raises(Exception, match="does not exist"):
+        _read(spark, sdk_server.address, "no_such_stream_here").collect()
+    with pytest.raises(Exception, match="startingOffsets must be earliest, latest or JSON"):
+        _read(spark, sdk_server.address, "s", startingOffsets="soon").collect()
+    with pytest.raises(Exception, match="needs a schema option"):
+        _read(spark, sdk_server.address, "s", valueFormat="json").collect()
+
+
+def test_batch_write_then_read_back(spark: Any, sdk_server: Any, sdk_stream_name: str):
+    df = spark.range(0, 2500, numPartitions=3).selectExpr("CAST(id AS STRING) AS value")
+    df.write.format(FMT).option("server", sdk_server.address).option(
+        "stream", sdk_stream_name
+    ).mode("append").save()
+    with headwater.connect(sdk_server.address) as hw:
+        values = _values(hw, sdk_stream_name)
+    assert sorted(int(v) for v in values) == list(range(2500))
+    with pytest.raises(Exception, match="stores event values only"):
+        spark.range(3).selectExpr("CAST(id AS STRING) AS value", "'k' AS key").write.format(
+            FMT
+        ).option("server", sdk_server.address).option("stream", sdk_stream_name).mode(
+            "append"
+        ).save()
+
+
+def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Callable[..., Any]:
+    """A UDF that, in the first attempt of its task, waits until the writer has appended
+    something and then fails, so the retry must not append those rows again."""
+    from pyspark.sql.functions import udf
+
+    def value(n: int) -> str:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if n == fail_at and context is not None and context.attemptNumber() == 0:
+            stored = 0
+            with headwater.connect(server) as hw:
+                for _ in range(100):
+                    stored = hw.stream_info(stream).next_offset
+                    if stored:
+                        break
+                    time.sleep(0.1)
+            marker.write_text(str(stored))
+            raise RuntimeError("injected failure")
+        return str(n)
+
+    return udf(value, "string")
+
+
+def test_retried_write_task_leaves_no_duplicate(
+    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    total = 40_000  # several Arrow batches of 10,000 rows in one task
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+    marker = tmp_path / "appended_before_failure"
+    fail = _failing_once(marker, sdk_server.address, sdk_stream_name, total - 100)
+    df = spark.range(0, total, numPartitions=1).select(fail("id").alias("value"))
+    df.write.format(FMT).option("server", sdk_server.address).option(
+        "stream", sdk_stream_name
+    ).mode("append").save()
+    assert int(marker.read_text()) > 0  # the first attempt had appended before it failed
+    with headwater.connect(sdk_server.address) as hw:
+        values = [int(v) for v in _values(hw, sdk_stream_name)]
+    assert len(values) == total and sorted(values) == list(range(total))
+
+
+def _pipe(
+    spark: Any,
+    server: str,
+    source: str,
+    sink: str,
+    checkpoint: Path,
+    *,
+    now: bool = True,
+    **options: str,
+) -> Any:
+    """source -> sink copy of values; ``now``: Trigger.AvailableNow, else micro-batches
+    back to back until stopped."""
+    reader = spark.readStream.format(FMT).option("server", server).option("stream", source)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    writer = (
+        reader.load()
+        .select("value")
+        .writeStream.format(FMT)
+        .option("server", server)
+        .option("stream", sink)
+        .option("checkpointLocation", str(checkpoint))
+    )
+    return writer.trigger(availableNow=True).start() if now else writer.start()
+
+
+def test_streaming_copy_resumes_from_checkpoint_without_loss_or_duplicates(
+    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
+    checkpoint = tmp_path / "checkpoint"
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.append(source, [f"a{i}".encode() for i in range(250)])
+        query = _pipe(
+            spark,
+            sdk_server.address,
+            source,
+            sink,
+            checkpoint,
+            now=False,
+            maxOffsetsPerTrigger="100",
+        )
+        query.processAllAvailable()
+        query.stop()
+        assert query.exception() is None
+        batches = [p for p in query.recentProgress if p["numInputRows"] > 0]
+        assert [p["numInputRows"] for p in batches] == [100, 100, 50]  # admission control
+        assert _values(hw, sink) == [f"a{i}".encode() for i in range(250)]
+
+        hw.append(source, [f"b{i}".encode() for i in range(30)])
+        query = _pipe(spark, sdk_server.address, source, sink, checkpoint)  # restart
+        query.awaitTermination(120)
+        assert query.exception() is None
+        expected = [f"a{i}".encode() for i in range(250)] + [f"b{i}".encode() for i in range(30)]
+        assert _values(hw, sink) == expected
+        offsets = sorted((checkpoint / "offsets").glob("[0-9]*"), key=lambda p: int(p.name))
+        last = json.loads(offsets[-1].read_text().splitlines()[-1])
+        assert last == {source: {"0": 280}}
+
+
+def test_streaming_write_retried_task_leaves_no_duplicate(
+    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
+    total = 25_000
+    marker = tmp_path / "appended_before_failure"
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.create_stream(sink)
+        hw.append(source, [str(i).encode() for i in range(total)])
+        fail = _failing_once(marker, sdk_server.address, sink, total - 10)
+        from pyspark.sql.functions import col
+
+        query = (
+            spark.readStream.format(FMT)
+            .option("server", sdk_server.address)
+            .option("stream", source)
+            .load()
+            .select(fail(col("value").cast("string").cast("long")).alias("value"))
+            .writeStream.format(FMT)
+            .option("server", sdk_server.address)
+            .option("stream", sink)
+            .option("checkpointLocation", str(tmp_path / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+        assert query.exception() is None
+        assert int(marker.read_text()) > 0
+        values = [int(v) for v in _values(hw, sink)]
+    assert len(values) == total and sorted(values) == list(range(total))
+
+
+RETENTION_CONFIG = """
+[storage]
+sync = "none"
+segment_bytes = 4096
+retention_bytes = 8192
+maintenance_interval_ms = 100
+"""
+
+
+def _to_parquet(spark: Any, server: str, source: str, out: Path, **options: str) -> Any:
+    reader = spark.readStream.format(FMT).option("server", server).option("stream", source)
+    return (
+        reader.options(**options)
+        .load()
+        .select("offset", "value")
+        .writeStream.format("parquet")
+        .option("path", str(out / "data"))
+        .option("checkpointLocation", str(out / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_retention_under_a_query(
+    spark: Any, sdk_make_server: Any, tmp_path: Path, fail_on_data_loss: bool
+):
+    # Small segments and a byte limit: retention drops whole old segments within 100 ms.
+    server = sdk_make_server(extra_config=RETENTION_CONFIG)
+    option = {"failOnDataLoss": str(fail_on_data_loss).lower()}
+    with headwater.connect(server.address) as hw:
+        hw.create_stream("src")
+        hw.append("src", [b"early%03d" % i for i in range(10)])
+        query = _to_parquet(spark, server.address, "src", tmp_path, **option)
+        query.awaitTermination(120)
+        assert query.exception() is None
+        for i in range(40):  # many small appends: segments roll, retention drops old ones
+            hw.append("src", [b"late%03d-%03d" % (i, k) + b"." * 100 for k in range(10)])
+        deadline = time.monotonic() + 30
+        # Until retention is done: the oldest read offset is gone and the log is back
+        # under its byte limit (so nothing more goes while Spark reads).
+        while (
+            int(str(hw.query('SELECT min("offset") FROM src').scalar())) <= 10
+            or hw.stream_info("src").size_bytes > 8192
+        ):
+            assert time.monotonic() < deadline, "retention did not remove the first segments"
+            time.sleep(0.1)
+        start = int(str(hw.query('SELECT min("offset") FROM src').scalar()))
+        retained = [(e.offset, e.value) for e in hw.scan("src", start)]
+    query = _to_parquet(spark, server.address, "src", tmp_path, **option)  # restart
+    if fail_on_data_loss:
+        with pytest.raises(Exception, match=r"offsets 10\.\.\d+ were removed by retention"):
+            query.awaitTermination(120)
+    else:
+        query.awaitTermination(120)
+        assert query.exception() is None
+    rows = sorted(
+        (r.offset, bytes(r.value)) for r in spark.read.parquet(str(tmp_path / "data")).collect()
+    )
+    early = [(i, b"early%03d" % i) for i in range(10)]
+    assert rows == (early if fail_on_data_loss else early + retained)

@@ -1,0 +1,145 @@
+"""Pipeline files are checked before Spark starts: every mistake gets a message that
+says where it is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from headwater.pipeline.spec import PipelineError, load_pipeline, parse_ddl, parse_pipeline
+from headwater.spark.options import limit_offsets, offsets_json, parse_offsets
+
+GOOD = {
+    "name": "p",
+    "sources": [
+        {
+            "name": "trades",
+            "type": "stream",
+            "stream": "raw_trades",
+            "format": "json",
+            "schema": "symbol STRING, price DOUBLE, size INT, ts TIMESTAMP, tags ARRAY<STRING>",
+        }
+    ],
+    "transforms": [
+        {"filter": "price > 0"},
+        {"mask": ["symbol"]},
+        {"select": {"symbol": "sym", "price": "px", "size": "size", "ts": "ts"}},
+        {
+            "window": {
+                "time": "ts",
+                "duration": "1 minute",
+                "watermark": "10 seconds",
+                "group_by": ["sym"],
+                "aggregations": {"vwap": "sum(px * size) / sum(size)"},
+            }
+        },
+    ],
+    "sinks": [{"type": "parquet", "path": "out"}],
+    "checkpoint": "cp",
+    "trigger": "5 seconds",
+}
+
+
+def _with(**changes: object) -> dict[str, object]:
+    data = dict(GOOD)
+    data.update(changes)
+    return data
+
+
+def test_good_pipeline_tracks_columns_through_steps(tmp_path: Path):
+    spec = parse_pipeline(GOOD, tmp_path)
+    assert [t.type for t in spec.transforms] == ["filter", "mask", "select", "window"]
+    assert spec.views["step2"] == {
+        "sym": "STRING",
+        "px": "DOUBLE",
+        "size": "INT",
+        "ts": "TIMESTAMP",
+    }
+    assert spec.checkpoint == tmp_path / "cp"
+    assert spec.trigger == {"processingTime": "5 seconds"}
+    assert spec.streams_read() == ["raw_trades"]
+    assert parse_ddl("a INT, m MAP<STRING, INT>, d DECIMAL(10, 2)", "x") == {
+        "a": "INT",
+        "m": "MAP<STRING, INT>",
+        "d": "DECIMAL(10, 2)",
+    }
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (["a list"], "must be a YAML mapping"),
+        (_with(sinks=[]), "sinks must be a non-empty list"),
+        (_with(colour="red"), "unknown key"),
+        (_with(sources=[{"name": "s", "type": "kafka"}]), r"sources\[0\]: type must be one of"),
+        (
+            _with(sources=[{"name": "s", "type": "stream", "stream": "bad-name"}]),
+            "must be 1..256 characters",
+        ),
+        (
+            _with(sources=[{"name": "s", "type": "stream", "stream": "x", "format": "json"}]),
+            r"sources\[0\]: schema must be",
+        ),
+        (_with(transforms=[{"filter": "a", "mask": ["b"]}]), "needs exactly one of"),
+        (_with(transforms=[{"mask": ["nope"]}]), r"transforms\[0\]: unknown column\(s\) nope"),
+        (_with(transforms=[{"filter": "x", "input": "ghost"}]), "input 'ghost' is not"),
+        (
+            _with(
+                transforms=[
+                    {
+                        "window": {
+                            "time": "size",
+                            "duration": "1 minute",
+                            "watermark": "1 minute",
+                            "aggregations": {"n": "count(*)"},
+                        }
+                    }
+                ]
+            ),
+            "window time column size is INT, not TIMESTAMP",
+        ),
+        (
+            _with(transforms=[], sinks=[{"type": "stream", "stream": "out"}]),
+            "a stream sink needs a value column",
+        ),
+        (
+            _with(
+                transforms=[{"select": {"price": "value"}}],
+                sinks=[{"type": "stream", "stream": "out"}],
+            ),
+            "value is DOUBLE; a stream sink needs STRING or BINARY",
+        ),
+        (_with(trigger=[1]), "trigger must be"),
+        (_with(server="host:notaport"), "option server"),
+    ],
+)
+def test_mistakes_are_reported_with_their_place(tmp_path: Path, data: object, message: str):
+    with pytest.raises(PipelineError, match=message):
+        parse_pipeline(data, tmp_path)
+
+
+def test_bad_yaml_and_missing_file(tmp_path: Path):
+    path = tmp_path / "p.yaml"
+    path.write_text("sources: [unclosed\n")
+    with pytest.raises(PipelineError, match="is not valid YAML"):
+        load_pipeline(path)
+    with pytest.raises(PipelineError, match="cannot read"):
+        load_pipeline(tmp_path / "missing.yaml")
+
+
+def test_offsets_forms_and_admission_control():
+    streams = ["a", "b"]
+    assert parse_offsets(None, streams, "startingOffsets", -2) == {"a": -2, "b": -2}
+    assert parse_offsets("latest", streams, "startingOffsets", -2) == {"a": -1, "b": -1}
+    assert parse_offsets('{"b": {"0": 7}}', streams, "startingOffsets", -2) == {"a": -2, "b": 7}
+    with pytest.raises(Exception, match="one partition"):
+        parse_offsets('{"a": {"1": 7}}', streams, "startingOffsets", -2)
+    with pytest.raises(Exception, match="not read"):
+        parse_offsets('{"c": {"0": 7}}', streams, "startingOffsets", -2)
+    # Spark compares offsets as JSON text: stable order whatever the input order.
+    assert list(offsets_json({"b": 1, "a": 2})) == ["a", "b"]
+    # At most max rows past start, shared by waiting amounts, never past the end.
+    assert limit_offsets({"a": 0, "b": 0}, {"a": 300, "b": 100}, 100) == {"a": 75, "b": 25}
+    assert limit_offsets({"a": 0, "b": 0}, {"a": 1, "b": 100}, 10) == {"a": 1, "b": 9}
+    assert limit_offsets({"a": 5}, {"a": 8}, 100) == {"a": 8}
