@@ -170,7 +170,7 @@ def test_epoch_retracts_stale_entities(port: int) -> None:
 def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> None:
     with CdbClient(port, name="keeper", source_id=20) as keeper:
         kind = keeper.create_kind("liveness", FIELDS)
-        victim = CdbClient(port, name="victim", source_id=21, deadline_ms=300)
+        victim = CdbClient(port, name="victim", source_id=21, deadline_ms=1000)
         victim.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
         victim.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
         keeper.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
@@ -185,13 +185,13 @@ def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> No
 
 def test_writer_reconnecting_in_time_keeps_its_entities(port: int) -> None:
     with CdbClient(port, read_only=True) as reader:
-        first = CdbClient(port, name="w", source_id=22, deadline_ms=600)
+        first = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
         kind = first.create_kind("reconnect", FIELDS)
         first.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
         first.abort()
         time.sleep(0.2)
-        second = CdbClient(port, name="w", source_id=22, deadline_ms=600)
-        for _ in range(8):  # well past the deadline, heartbeating
+        second = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
+        for _ in range(10):  # 1.5 s: past the deadline, heartbeating
             time.sleep(0.15)
             second.send(m.Heartbeat())
         assert state_of(query(reader, kind.kind_id, eid(1))).source_set == 1 << 22
