@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.errors import (
     KindNotFound,
     NoEpoch,
@@ -113,6 +114,7 @@ class _Work:
     source_set: int
     values: list[FieldValue] | None
     metadata: bytes = b""
+    record: bytes | None = None  # ``values`` encoded, when an ASSERT brought it
 
 
 @dataclass(slots=True)
@@ -494,6 +496,7 @@ class TenantKinds:
             key = (kind_id, eid)
             if isinstance(op, AssertOp):
                 work.values = list(op.values)
+                work.record = op.record
                 work.source_set |= bit
                 held.add(key)
                 if epoch is not None:
@@ -503,6 +506,7 @@ class TenantKinds:
                     work.values = [default_value(f.type) for f in state.info.fields]
                 for i, value in op.values.items():
                     work.values[i] = value
+                work.record = None
                 work.source_set |= bit
                 held.add(key)
                 if epoch is not None:
@@ -540,11 +544,11 @@ class TenantKinds:
             prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
             if prior is not None:
                 values = None if prior.values is None else list(prior.values)
-                return _Work(prior.source_set, values)
+                return _Work(prior.source_set, values, record=prior.record)
         committed = state.committed.get(eid)
         if committed is None:
             return _Work(0, None)
-        return _Work(committed.source_set, list(committed.values))
+        return _Work(committed.source_set, list(committed.values), record=committed.record)
 
     async def barrier(self) -> None:
         """Return once every write applied before the call is durable and visible."""
@@ -635,12 +639,14 @@ class TenantKinds:
             for kind_id in set(window.entities) | set(window.events):
                 state = self.kinds[kind_id]
                 fields = state.info.fields
+                codec = codec_for(fields)
                 all_fields = (1 << len(fields)) - 1
                 pending: list[tuple[bytes, _Work, EntityState | None, bytes | None]] = []
                 for eid, work in window.entities.get(kind_id, {}).items():
                     before = state.committed.get(eid)
                     if work.values is not None and len(work.values) < len(fields):
                         # written before a migration appended fields: they take defaults
+                        work.record = None
                         work.values.extend(
                             default_value(f.type) for f in fields[len(work.values) :]
                         )
@@ -654,7 +660,10 @@ class TenantKinds:
                         and list(before.values) == work.values
                     ):
                         continue
-                    pending.append((eid, work, before, encode_fields(fields, work.values)))
+                    record = work.record
+                    if record is None:
+                        record = codec.encode(work.values)
+                    pending.append((eid, work, before, record))
                 drafts = window.events.get(kind_id, [])
                 count = len(pending) + (1 if drafts else 0)
                 if count == 0:
@@ -730,7 +739,7 @@ class TenantKinds:
                             assert isinstance(d.values, Sequence)
                             full = list(d.values)
                             full += [default_value(f.type) for f in fields[len(full) :]]
-                            mask, data = all_fields, encode_fields(fields, full)
+                            mask, data = all_fields, codec.encode(full)
                         elif d.op == OP_PATCH:
                             assert isinstance(d.values, Mapping)
                             mask, data = encode_present_fields(fields, d.values)
