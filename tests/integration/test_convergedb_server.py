@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -367,3 +368,18 @@ def test_sigkill_restart_keeps_identical_state_and_sql(tmp_path: Path) -> None:
         sql.close()
     finally:
         proc.terminate()
+
+
+def test_acks_arrive_after_the_client_half_closes(port: int) -> None:
+    with CdbClient(port, name="half") as w:
+        kind = w.create_kind("halfclose", FIELDS)
+        streams = [
+            w.send(m.Assert.of(FIELDS, kind.kind_id, eid(i), [float(i)]), ack=True)
+            for i in range(5)
+        ]
+        w.sock.shutdown(socket.SHUT_WR)
+        frames = w.until_closed()
+        acked = {f.stream_id for f in frames if f.message == m.Ack(Opcode.ASSERT)}
+        assert acked == set(streams)
+    with CdbClient(port, read_only=True) as r:
+        assert all(isinstance(query(r, kind.kind_id, eid(i)), m.State) for i in range(5))

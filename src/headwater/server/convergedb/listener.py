@@ -151,10 +151,23 @@ class ConvergeConnection(asyncio.Protocol):
         self._process()
 
     def eof_received(self) -> bool | None:
+        # The peer sends no more but may still read: let the ACKs of what it wrote go
+        # out (one window at most), then close.
         for event in self.protocol.receive_eof():
             if isinstance(event, Close):
                 self.close(abort=True)
-        return None  # close our side too
+                return None
+        tenant = self.tenant
+
+        async def finish() -> None:
+            with contextlib.suppress(Exception):
+                if tenant is not None:
+                    await tenant.barrier()
+                await asyncio.sleep(0)  # the ACK callbacks of the window run first
+            self.close()
+
+        self._spawn(finish())
+        return True
 
     def _process(self) -> None:
         while not self._blocked and not self.closed:
