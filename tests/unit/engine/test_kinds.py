@@ -402,3 +402,22 @@ def test_migration_while_a_window_is_open(tmp_path: Path) -> None:
 
     # A window that never closes on its own: the test decides where windows end.
     run(tmp_path, body, KindsConfig(coalesce_ms=60_000))
+
+
+def test_a_waiting_reader_takes_a_window_larger_than_the_buffer(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        sub = tk.subscribe(kind.kind_id)
+        reader = asyncio.ensure_future(sub.next_batch())
+        await asyncio.sleep(0)  # the reader is now waiting
+        src.apply([assert_op(kind, eid(i), [1.0]) for i in range(25)])
+        await tk.barrier()
+        assert len(await reader) == 25  # one window, 2.5 times the buffer
+        # A reader that is not waiting is held to the limit.
+        src.apply([assert_op(kind, eid(i), [2.0]) for i in range(11)])
+        await tk.barrier()
+        with pytest.raises(SubscriptionOverflow):
+            await sub.next_batch()
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, live_buffer=10))
