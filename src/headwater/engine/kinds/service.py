@@ -63,6 +63,7 @@ from headwater.engine.kinds.model import (
 )
 from headwater.engine.kinds.registry import KindRegistry
 from headwater.engine.kinds.subscriptions import KindSubscription
+from headwater.errors import StorageError
 from headwater.protocols.convergedb.codes import MAX_SOURCE_ID
 from headwater.protocols.convergedb.fields import (
     FieldSpec,
@@ -266,6 +267,7 @@ class TenantKinds:
         self._flush_due = False
         self.windows_flushed = 0
         self.changes_committed = 0
+        self.closed = False
 
     @property
     def config(self) -> KindsConfig:
@@ -373,6 +375,8 @@ class TenantKinds:
         if not source.connected:
             return
         source.connected = False
+        if self.closed:  # shutting down: the restart takes care of presence and liveness
+            return
         if source.source_id is None or self.sources.get(source.source_id) is not source:
             return
         self.epochs.pop(source.source_id, None)
@@ -457,6 +461,8 @@ class TenantKinds:
         """Apply write ops as ``source`` (all checked before any applies; grouped by
         partition, each partition's ops in order); returns the window they are in."""
         sid = self._writer(source)
+        if self.closed:
+            raise StorageError("the server is shutting down")
         for op in ops:
             state = self.kinds.get(op.kind_id)
             if state is None:
@@ -595,6 +601,8 @@ class TenantKinds:
     # ---- flushing -----------------------------------------------------------------------
 
     def _window_due(self) -> None:
+        if self.closed:
+            return
         self._flush_due = True
         if self._flush_task is None:
             self._flush_task = self._loop.create_task(self._flush_loop())
@@ -811,10 +819,13 @@ class TenantKinds:
         self.windows_flushed += 1
 
     async def close(self) -> None:
-        if self._flush_task is not None:
-            with contextlib.suppress(Exception):
+        self.closed = True
+        try:
+            if self._flush_task is not None:
                 await self._flush_task
-        await self.flush()
+            await self.flush()
+        except Exception:
+            log.exception("the last window of tenant %d was not written", self.tenant_id)
         for state in self.kinds.values():
             for sub in list(state.subscribers):
                 sub.close()
