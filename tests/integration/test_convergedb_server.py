@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -170,7 +171,7 @@ def test_epoch_retracts_stale_entities(port: int) -> None:
 def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> None:
     with CdbClient(port, name="keeper", source_id=20) as keeper:
         kind = keeper.create_kind("liveness", FIELDS)
-        victim = CdbClient(port, name="victim", source_id=21, deadline_ms=300)
+        victim = CdbClient(port, name="victim", source_id=21, deadline_ms=1000)
         victim.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
         victim.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
         keeper.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
@@ -185,13 +186,13 @@ def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> No
 
 def test_writer_reconnecting_in_time_keeps_its_entities(port: int) -> None:
     with CdbClient(port, read_only=True) as reader:
-        first = CdbClient(port, name="w", source_id=22, deadline_ms=600)
+        first = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
         kind = first.create_kind("reconnect", FIELDS)
         first.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
         first.abort()
         time.sleep(0.2)
-        second = CdbClient(port, name="w", source_id=22, deadline_ms=600)
-        for _ in range(8):  # well past the deadline, heartbeating
+        second = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
+        for _ in range(10):  # 1.5 s: past the deadline, heartbeating
             time.sleep(0.15)
             second.send(m.Heartbeat())
         assert state_of(query(reader, kind.kind_id, eid(1))).source_set == 1 << 22
@@ -367,3 +368,18 @@ def test_sigkill_restart_keeps_identical_state_and_sql(tmp_path: Path) -> None:
         sql.close()
     finally:
         proc.terminate()
+
+
+def test_acks_arrive_after_the_client_half_closes(port: int) -> None:
+    with CdbClient(port, name="half") as w:
+        kind = w.create_kind("halfclose", FIELDS)
+        streams = [
+            w.send(m.Assert.of(FIELDS, kind.kind_id, eid(i), [float(i)]), ack=True)
+            for i in range(5)
+        ]
+        w.sock.shutdown(socket.SHUT_WR)
+        frames = w.until_closed()
+        acked = {f.stream_id for f in frames if f.message == m.Ack(Opcode.ASSERT)}
+        assert acked == set(streams)
+    with CdbClient(port, read_only=True) as r:
+        assert all(isinstance(query(r, kind.kind_id, eid(i)), m.State) for i in range(5))

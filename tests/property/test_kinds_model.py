@@ -11,6 +11,7 @@ deleted, in entity order per window), on epoch retraction counts, and after a re
 from __future__ import annotations
 
 import asyncio
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,14 @@ from headwater.engine.kinds import (
     patch_op,
     retract_op,
 )
-from headwater.protocols.convergedb.fields import FieldType, decode_record
+from headwater.engine.kinds.codec import codec_for
+from headwater.protocols.convergedb.fields import (
+    FieldSpec,
+    FieldType,
+    decode_fields,
+    decode_record,
+    encode_fields,
+)
 from headwater.storage.log import SyncPolicy
 
 FIELDS = [("n", FieldType.U8), ("s", FieldType.STRING)]
@@ -241,3 +249,41 @@ async def run_engine(data_dir: Path, windows: list[list[tuple[object, ...]]]) ->
 def test_engine_matches_model(windows: list[list[tuple[object, ...]]]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(run_engine(Path(tmp), windows))
+
+
+NUMERIC = [t for t in FieldType if t not in (FieldType.BOOL, FieldType.STRING, FieldType.BYTES)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(list(FieldType)), min_size=1, max_size=6),
+    st.randoms(use_true_random=False),
+)
+def test_record_codec_matches_the_general_codec(types: list[FieldType], rnd: object) -> None:
+    """The struct fast path gives exactly the general decoder's values and bytes."""
+    assert isinstance(rnd, random.Random)
+    fields = tuple(FieldSpec(f"f{i}", t) for i, t in enumerate(types))
+    values = [_random_value(t, rnd) for t in types]
+    data = encode_fields(fields, values)
+    codec = codec_for(fields)
+    assert codec.decode_assert(data) == tuple(decode_fields(fields, data, complete=True))
+    assert codec.encode(codec.decode_assert(data)) == data
+    prefix = encode_fields(fields, values[:-1])
+    assert codec.decode_assert(prefix) == tuple(decode_fields(fields, prefix, complete=True))
+    assert codec.is_complete(data) == all(t in NUMERIC for t in types)
+
+
+def _random_value(t: FieldType, rnd: random.Random) -> object:
+    if t is FieldType.BOOL:
+        return rnd.random() < 0.5
+    if t is FieldType.STRING:
+        return "s" * rnd.randrange(4)
+    if t is FieldType.BYTES:
+        return b"b" * rnd.randrange(4)
+    if t in (FieldType.F32, FieldType.F64):
+        return rnd.uniform(-1e6, 1e6)
+    bits = {FieldType.U8: 8, FieldType.U16: 16, FieldType.U32: 32, FieldType.U64: 64}.get(t)
+    if bits is not None:
+        return rnd.randrange(1 << bits)
+    bits = {FieldType.I8: 8, FieldType.I16: 16, FieldType.I32: 32}.get(t, 64)
+    return rnd.randrange(-(1 << (bits - 1)), 1 << (bits - 1))

@@ -266,6 +266,7 @@ class _ServerCollector(Collector):
         )
 
         yield from self._subscription_metrics(server)
+        yield from self._kind_metrics(server)
 
         sql = server._sql
         if sql is not None:
@@ -315,6 +316,36 @@ class _ServerCollector(Collector):
             for group, offset in sorted(groups.offsets.items()):
                 lag.add_metric([str(tenant_id), stream.name, group], max(0, end - offset))
         yield lag
+
+    @staticmethod
+    def _kind_metrics(server: Server) -> Iterator[Metric]:
+        kinds = server._kinds
+        if kinds is None:
+            return
+        entities = GaugeMetricFamily(
+            "headwater_kind_entities", "Live entities per kind", labels=["tenant", "kind"]
+        )
+        subscribers = GaugeMetricFamily(
+            "headwater_kind_subscribers", "Live subscriptions per kind", labels=["tenant", "kind"]
+        )
+        windows = CounterMetricFamily(
+            "headwater_kind_windows",
+            "Coalescing windows made durable (one group commit each)",
+            labels=["tenant"],
+        )
+        changes = CounterMetricFamily(
+            "headwater_kind_changes",
+            "Entity changes written to kind changelogs (net, after coalescing)",
+            labels=["tenant"],
+        )
+        for tenant_id, tenant in sorted(kinds.tenants.items()):
+            label = str(tenant_id)
+            windows.add_metric([label], tenant.windows_flushed)
+            changes.add_metric([label], tenant.changes_committed)
+            for state in tenant.kinds.values():
+                entities.add_metric([label, state.info.name], len(state.committed))
+                subscribers.add_metric([label, state.info.name], len(state.subscribers))
+        yield from (entities, subscribers, windows, changes)
 
     @staticmethod
     def _stream(server: Server, tenant_id: int, stream_id: int) -> Stream | None:

@@ -38,9 +38,17 @@ ARROW_TYPES: dict[FieldType, pa.DataType] = {
 }
 
 
+def column_name(field_name: str) -> str:
+    """A field's column: its name, or ``field_<name>`` where it would clash with
+    ``entity_id`` or ``version`` (SQL names are case-insensitive)."""
+    if field_name.lower() in ("entity_id", "version"):
+        return f"field_{field_name}"
+    return field_name
+
+
 def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
     columns = [pa.field("entity_id", pa.binary()), pa.field("version", pa.int64())]
-    columns += [pa.field(f.name, ARROW_TYPES[f.type]) for f in fields]
+    columns += [pa.field(column_name(f.name), ARROW_TYPES[f.type]) for f in fields]
     return pa.schema(columns)
 
 

@@ -38,7 +38,7 @@ from headwater.engine.kinds import (
 )
 from headwater.errors import StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
-from headwater.protocols.convergedb.fields import FieldType
+from headwater.protocols.convergedb.fields import FieldType, decode_record
 
 ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 7: "seven"})
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
@@ -259,17 +259,17 @@ def test_liveness_retracts_sole_owned(tmp_path: Path) -> None:
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk)
         dead_calls: list[int] = []
-        a = tk.connect("a", source_id=1, deadline_ms=150, on_dead=lambda: dead_calls.append(1))
+        a = tk.connect("a", source_id=1, deadline_ms=400, on_dead=lambda: dead_calls.append(1))
         b = tk.connect("b", source_id=2, deadline_ms=60_000)
         a.apply([assert_op(kind, eid(1), [1.0]), assert_op(kind, eid(2), [2.0])])
         b.apply([assert_op(kind, eid(2), [2.0])])
         await tk.barrier()
         a.disconnect()
         # Reconnecting in time keeps everything.
-        a2 = tk.connect("a", source_id=1, deadline_ms=150)
-        await asyncio.sleep(0.1)
-        a2.touch()
-        await asyncio.sleep(0.1)
+        a2 = tk.connect("a", source_id=1, deadline_ms=400)
+        for _ in range(5):  # 500 ms in all, past the deadline, touching
+            await asyncio.sleep(0.1)
+            a2.touch()
         assert tk.get(kind.kind_id, eid(1)) is not None
         a2.disconnect()
         deadline = time.monotonic() + 5
@@ -380,12 +380,14 @@ def test_migration_while_a_window_is_open(tmp_path: Path) -> None:
         events_kind = await tk.create_kind("ev", FIELDS, event_stream=True)
         sub = tk.subscribe(kind.kind_id)
         events = tk.subscribe(events_kind.kind_id, events=True)
-        await src.apply([assert_op(kind, eid(1), [1.0, "old"])]).durable()
+        src.apply([assert_op(kind, eid(1), [1.0, "old"])])
+        await tk.flush()
+        # Written under the old schema, flushed under the new one.
         src.apply([assert_op(kind, eid(2), [2.0]), assert_op(events_kind, eid(1), [3.0])])
         wider = [*FIELDS, ("n", FieldType.I32)]
         grown = await tk.create_kind("sensor", wider)
         await tk.create_kind("ev", wider, event_stream=True)
-        await tk.barrier()
+        await tk.flush()
         assert grown.schema_version == 2
         old = tk.get(kind.kind_id, eid(1))
         new = tk.get(kind.kind_id, eid(2))
@@ -393,10 +395,29 @@ def test_migration_while_a_window_is_open(tmp_path: Path) -> None:
         assert new is not None and new.values == (2.0, "", 0)
         notes = [n for n in await sub.next_batch() if isinstance(n, StateChange)]
         assert len(notes) == 2  # the first CREATED, then eid(2)'s
-        from headwater.protocols.convergedb.fields import decode_record
-
         assert decode_record(wider, notes[-1].record) == [2.0, "", 0]
+        assert decode_record(wider, old.record) == [1.0, "old", 0]
         [event] = await events.next_batch()
         assert isinstance(event, EventNote) and event.presence_mask == 0b111
 
-    run(tmp_path, body)
+    # A window that never closes on its own: the test decides where windows end.
+    run(tmp_path, body, KindsConfig(coalesce_ms=60_000))
+
+
+def test_a_waiting_reader_takes_a_window_larger_than_the_buffer(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a")
+        sub = tk.subscribe(kind.kind_id)
+        reader = asyncio.ensure_future(sub.next_batch())
+        await asyncio.sleep(0)  # the reader is now waiting
+        src.apply([assert_op(kind, eid(i), [1.0]) for i in range(25)])
+        await tk.barrier()
+        assert len(await reader) == 25  # one window, 2.5 times the buffer
+        # A reader that is not waiting is held to the limit.
+        src.apply([assert_op(kind, eid(i), [2.0]) for i in range(11)])
+        await tk.barrier()
+        with pytest.raises(SubscriptionOverflow):
+            await sub.next_batch()
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, live_buffer=10))

@@ -115,3 +115,30 @@ def test_engine_state_collector(tmp_path: Path) -> None:
     lag = value(data, "headwater_consumer_group_lag", tenant="0", stream="orders", group="g1")
     assert lag == 2
     assert value(data, "headwater_sql_queries_total") >= 0
+
+
+def test_kind_metrics(tmp_path: Path) -> None:
+    from headwater.engine.kinds import assert_op
+    from headwater.protocols.convergedb.fields import FieldType
+
+    async def scenario() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        server = Server(tmp_path, ServerConfig(listen=dict(OFF)))
+        await server.start()
+        try:
+            tk = server.kinds.tenant(0)
+            kind = await tk.create_kind("sensor", [("t", FieldType.F64)])
+            src = tk.connect("w")
+            tk.subscribe(kind.kind_id)
+            src.apply([assert_op(kind, bytes([i]) * 32, [1.0]) for i in range(3)])
+            await tk.barrier()
+            return samples(metrics_for(server).render())
+        finally:
+            await server.stop()
+
+    data = asyncio.run(scenario())
+    assert value(data, "headwater_kind_entities", tenant="0", kind="sensor") == 3
+    assert value(data, "headwater_kind_subscribers", tenant="0", kind="sensor") == 1
+    # The presence entity of the source is a change too.
+    assert value(data, "headwater_kind_changes_total", tenant="0") == 4
+    assert value(data, "headwater_kind_windows_total", tenant="0") >= 1
+    assert value(data, "headwater_kind_entities", tenant="0", kind="convergedb_connections") == 1

@@ -86,6 +86,8 @@ class AssertOp:
     entity_id: bytes
     values: tuple[FieldValue, ...]
     metadata: bytes = b""
+    record: bytes | None = None
+    """``values`` already encoded (every field), when the caller has it: saves a re-encode."""
 
     @property
     def key(self) -> Key:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.errors import BadFieldData
 from headwater.engine.kinds.model import (
     AssertOp,
@@ -23,7 +24,6 @@ from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.codes import DecodeError
 from headwater.protocols.convergedb.fields import (
     FieldValue,
-    decode_fields,
     decode_present_fields,
     default_value,
     encode_fields,
@@ -74,8 +74,11 @@ def from_wire(
             kind = kinds[op.kind_id] = kind_of(op.kind_id)
         try:
             if isinstance(op, wire.Assert):
-                values = decode_fields(kind.fields, op.field_data, complete=True)
-                append(AssertOp(op.kind_id, op.entity_id, tuple(values), op.metadata))
+                codec = codec_for(kind.fields)
+                data = op.field_data
+                record = data if codec.is_complete(data) else None
+                values = codec.decode_assert(data)
+                append(AssertOp(op.kind_id, op.entity_id, values, op.metadata, record))
             elif isinstance(op, wire.Patch):
                 present = decode_present_fields(kind.fields, op.presence_mask, op.field_data)
                 append(PatchOp(op.kind_id, op.entity_id, present, op.metadata))

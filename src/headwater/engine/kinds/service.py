@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.errors import (
     KindNotFound,
     NoEpoch,
@@ -62,6 +63,7 @@ from headwater.engine.kinds.model import (
 )
 from headwater.engine.kinds.registry import KindRegistry
 from headwater.engine.kinds.subscriptions import KindSubscription
+from headwater.errors import StorageError
 from headwater.protocols.convergedb.codes import MAX_SOURCE_ID
 from headwater.protocols.convergedb.fields import (
     FieldSpec,
@@ -113,6 +115,7 @@ class _Work:
     source_set: int
     values: list[FieldValue] | None
     metadata: bytes = b""
+    record: bytes | None = None  # ``values`` encoded, when an ASSERT brought it
 
 
 @dataclass(slots=True)
@@ -264,6 +267,7 @@ class TenantKinds:
         self._flush_due = False
         self.windows_flushed = 0
         self.changes_committed = 0
+        self.closed = False
 
     @property
     def config(self) -> KindsConfig:
@@ -371,6 +375,8 @@ class TenantKinds:
         if not source.connected:
             return
         source.connected = False
+        if self.closed:  # shutting down: the restart takes care of presence and liveness
+            return
         if source.source_id is None or self.sources.get(source.source_id) is not source:
             return
         self.epochs.pop(source.source_id, None)
@@ -455,6 +461,8 @@ class TenantKinds:
         """Apply write ops as ``source`` (all checked before any applies; grouped by
         partition, each partition's ops in order); returns the window they are in."""
         sid = self._writer(source)
+        if self.closed:
+            raise StorageError("the server is shutting down")
         for op in ops:
             state = self.kinds.get(op.kind_id)
             if state is None:
@@ -494,6 +502,7 @@ class TenantKinds:
             key = (kind_id, eid)
             if isinstance(op, AssertOp):
                 work.values = list(op.values)
+                work.record = op.record
                 work.source_set |= bit
                 held.add(key)
                 if epoch is not None:
@@ -503,6 +512,7 @@ class TenantKinds:
                     work.values = [default_value(f.type) for f in state.info.fields]
                 for i, value in op.values.items():
                     work.values[i] = value
+                work.record = None
                 work.source_set |= bit
                 held.add(key)
                 if epoch is not None:
@@ -540,11 +550,11 @@ class TenantKinds:
             prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
             if prior is not None:
                 values = None if prior.values is None else list(prior.values)
-                return _Work(prior.source_set, values)
+                return _Work(prior.source_set, values, record=prior.record)
         committed = state.committed.get(eid)
         if committed is None:
             return _Work(0, None)
-        return _Work(committed.source_set, list(committed.values))
+        return _Work(committed.source_set, list(committed.values), record=committed.record)
 
     async def barrier(self) -> None:
         """Return once every write applied before the call is durable and visible."""
@@ -591,6 +601,8 @@ class TenantKinds:
     # ---- flushing -----------------------------------------------------------------------
 
     def _window_due(self) -> None:
+        if self.closed:
+            return
         self._flush_due = True
         if self._flush_task is None:
             self._flush_task = self._loop.create_task(self._flush_loop())
@@ -635,12 +647,14 @@ class TenantKinds:
             for kind_id in set(window.entities) | set(window.events):
                 state = self.kinds[kind_id]
                 fields = state.info.fields
+                codec = codec_for(fields)
                 all_fields = (1 << len(fields)) - 1
                 pending: list[tuple[bytes, _Work, EntityState | None, bytes | None]] = []
                 for eid, work in window.entities.get(kind_id, {}).items():
                     before = state.committed.get(eid)
                     if work.values is not None and len(work.values) < len(fields):
                         # written before a migration appended fields: they take defaults
+                        work.record = None
                         work.values.extend(
                             default_value(f.type) for f in fields[len(work.values) :]
                         )
@@ -654,7 +668,10 @@ class TenantKinds:
                         and list(before.values) == work.values
                     ):
                         continue
-                    pending.append((eid, work, before, encode_fields(fields, work.values)))
+                    record = work.record
+                    if record is None:
+                        record = codec.encode(work.values)
+                    pending.append((eid, work, before, record))
                 drafts = window.events.get(kind_id, [])
                 count = len(pending) + (1 if drafts else 0)
                 if count == 0:
@@ -730,7 +747,7 @@ class TenantKinds:
                             assert isinstance(d.values, Sequence)
                             full = list(d.values)
                             full += [default_value(f.type) for f in fields[len(full) :]]
-                            mask, data = all_fields, encode_fields(fields, full)
+                            mask, data = all_fields, codec.encode(full)
                         elif d.op == OP_PATCH:
                             assert isinstance(d.values, Mapping)
                             mask, data = encode_present_fields(fields, d.values)
@@ -802,10 +819,13 @@ class TenantKinds:
         self.windows_flushed += 1
 
     async def close(self) -> None:
-        if self._flush_task is not None:
-            with contextlib.suppress(Exception):
+        self.closed = True
+        try:
+            if self._flush_task is not None:
                 await self._flush_task
-        await self.flush()
+            await self.flush()
+        except Exception:
+            log.exception("the last window of tenant %d was not written", self.tenant_id)
         for state in self.kinds.values():
             for sub in list(state.subscribers):
                 sub.close()

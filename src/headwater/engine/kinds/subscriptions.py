@@ -8,6 +8,10 @@ wins). A live buffer holds at most ``capacity`` notifications; a push that would
 ends the subscription with :class:`~.errors.SubscriptionOverflow` instead of waiting:
 one slow reader never holds back writers or other readers. Bootstrap is not buffered:
 the front end reads it from the state at its own pace (backpressure).
+
+The limit counts notifications waiting behind a reader that is busy (its socket is not
+taking more): a reader waiting in :meth:`KindSubscription.next_batch` takes a whole
+window at once, however large.
 """
 
 from __future__ import annotations
@@ -39,12 +43,19 @@ class KindSubscription:
         self.buffer: deque[Notification] = deque()
         self.overflowed = False
         self.closed = False
+        self.waiting = False  # the reader is blocked in next_batch, ready for more
         self._wake = asyncio.Event()
         self._on_close = on_close
 
     def push(self, notes: Sequence[Notification]) -> None:
         """Engine side: add a window's notifications, or overflow."""
         if self.closed or not notes:
+            return
+        if self.waiting and not self.buffer:
+            # The reader is waiting for this very push: it takes the whole window at
+            # once, so a window larger than the buffer never fails a reader keeping up.
+            self.buffer.extend(notes)
+            self._wake.set()
             return
         if len(self.buffer) + len(notes) > self.capacity:
             self.overflowed = True
@@ -65,7 +76,11 @@ class KindSubscription:
             if self.closed:
                 return []
             self._wake.clear()
-            await self._wake.wait()
+            self.waiting = True
+            try:
+                await self._wake.wait()
+            finally:
+                self.waiting = False
         notes = list(self.buffer)
         self.buffer.clear()
         return notes

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, cast
 
 from headwater.engine.kinds import (
@@ -38,6 +39,7 @@ from headwater.errors import HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
+from headwater.protocols.convergedb.frames import encode_frame
 from headwater.server.app import Listener, register_listener
 from headwater.server.metrics import metrics_for
 
@@ -52,6 +54,13 @@ BOOTSTRAP_CHUNK = 256  # bootstrap STATEs written between waits for the socket
 
 def encode_notification(stream_id: int, note: Notification, include_previous: bool) -> bytes:
     """One notification as a frame on its subscription's stream."""
+    opcode, payload = _notification_payload(note, include_previous)
+    return encode_frame(stream_id, opcode, payload)
+
+
+@lru_cache(maxsize=4096)  # about one window of notifications
+def _notification_payload(note: Notification, include_previous: bool) -> tuple[Opcode, bytes]:
+    """Encoded once however many subscribers get the notification."""
     message: m.Message
     if isinstance(note, EventNote):
         message = m.Event(
@@ -78,7 +87,7 @@ def encode_notification(stream_id: int, note: Notification, include_previous: bo
             note.previous if include_previous and note.change is ChangeType.UPDATED else None,
             note.metadata,
         )
-    return m.Frame(stream_id, message).encode()
+    return message.opcode, message.encode()
 
 
 class _Subscription:
@@ -142,10 +151,23 @@ class ConvergeConnection(asyncio.Protocol):
         self._process()
 
     def eof_received(self) -> bool | None:
+        # The peer sends no more but may still read: let the ACKs of what it wrote go
+        # out (one window at most), then close.
         for event in self.protocol.receive_eof():
             if isinstance(event, Close):
                 self.close(abort=True)
-        return None  # close our side too
+                return None
+        tenant = self.tenant
+
+        async def finish() -> None:
+            with contextlib.suppress(Exception):
+                if tenant is not None:
+                    await tenant.barrier()
+                await asyncio.sleep(0)  # the ACK callbacks of the window run first
+            self.close()
+
+        self._spawn(finish())
+        return True
 
     def _process(self) -> None:
         while not self._blocked and not self.closed:
