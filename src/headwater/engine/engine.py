@@ -29,7 +29,7 @@ from headwater.errors import (
     StreamNotFound,
     TenantNotFound,
 )
-from headwater.storage.batch import Event, Headers, encode_values
+from headwater.storage.batch import HEADER_SIZE, Event, Headers, encode_values
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import (
     AppendInfo,
@@ -495,6 +495,13 @@ class Engine:
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
         if payload > MAX_APPEND_BYTES:
             raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+        # A batch never spans segments: refuse before a position is claimed for it.
+        segment_bytes = stream.log.config.segment_bytes
+        if HEADER_SIZE + len(values_section) > segment_bytes:
+            raise InvalidRequest(
+                f"an append of {len(values_section)} stored bytes does not fit the stream's "
+                f"{segment_bytes}-byte segments (segment_bytes)"
+            )
         if producer is not None:
             stored = stream.log.check_producer(*producer)
             if stored is not None:  # a retry: answer as the first time, append nothing

@@ -236,3 +236,21 @@ def test_offset_for_timestamp(tmp_path: Path) -> None:
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_an_append_larger_than_a_segment_is_invalid_and_claims_no_position(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        sid = (await engine.create_stream(0, "small", StreamSettings(segment_bytes=4096))).stream_id
+        await engine.append(0, sid, [b"a" * 1000])
+        with pytest.raises(InvalidRequest, match="segment_bytes"):
+            await engine.append(0, sid, [b"x" * 2100, b"y" * 2100])
+        await engine.append(0, sid, [b"b" * 1000])  # the stream goes on, positions unbroken
+        events = await engine.read_events(0, sid, 0, limit=10)
+        assert [(e.offset, e.value[:1]) for e in events] == [(0, b"a"), (1, b"b")]
+        assert engine.tenant(0).next_position == 2
+        await engine.close()
+
+    asyncio.run(main())
