@@ -60,6 +60,7 @@ class EngineConfig:
     retention_ms: int | None = None
     retention_bytes: int | None = None
     delete_retention_ms: int = 86_400_000
+    producer_expiry_ms: int = 86_400_000
     maintenance_interval_ms: int = 30_000
     tenants: dict[int, str] = field(default_factory=lambda: {0: "default"})
 
@@ -87,6 +88,7 @@ class StreamSettings:
             retention_bytes=pick(self.retention_bytes, defaults.retention_bytes),
             cleanup_policy=self.cleanup_policy,
             delete_retention_ms=pick(self.delete_retention_ms, defaults.delete_retention_ms),
+            producer_expiry_ms=defaults.producer_expiry_ms,
             sync=SyncPolicy.parse(self.sync) if self.sync else defaults.sync,
         )
 

@@ -119,6 +119,8 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         retention_bytes=opt("retention_bytes", defaults.retention_bytes),
         delete_retention_ms=opt("delete_retention_ms", defaults.delete_retention_ms)
         or defaults.delete_retention_ms,
+        producer_expiry_ms=opt("producer_expiry_ms", defaults.producer_expiry_ms)
+        or defaults.producer_expiry_ms,
         maintenance_interval_ms=opt("maintenance_interval_ms", defaults.maintenance_interval_ms)
         or defaults.maintenance_interval_ms,
         tenants=tenants,

@@ -32,6 +32,7 @@ from headwater.storage.producers import (
     ProducerEntry,
     ProducerTable,
     load_snapshot,
+    now_ms,
     write_snapshot,
 )
 from headwater.storage.segment import Segment, segment_name
@@ -76,6 +77,7 @@ class LogConfig:
     retention_bytes: int | None = None
     cleanup_policy: str = "delete"  # or "compact"
     delete_retention_ms: int = 86_400_000
+    producer_expiry_ms: int = 86_400_000  # idle idempotent producers are forgotten after
     index_interval_bytes: int = 4096
     sync: SyncPolicy = field(default_factory=SyncPolicy)
 
@@ -215,7 +217,7 @@ class PartitionLog:
                 return
             if self.failed is None:
                 self.sync()
-                write_snapshot(self.directory, self.end_offset, self.producers)
+                self._snapshot_producers(self.end_offset)
             for seg in self.segments:
                 seg.close()
             for _, seg in self._graveyard:
@@ -327,7 +329,7 @@ class PartitionLog:
             except OSError as exc:
                 raise StorageError(f"write failed: {exc}") from exc
             if producer is not None:
-                self.producers.record(producer[0], producer[1], base, count)
+                self.producers.record(producer[0], producer[1], base, count, ts)
             return AppendInfo(base, count, first_position, ts)
 
     def check_producer(self, producer_id: int, sequence: int) -> ProducerEntry | None:
@@ -367,7 +369,11 @@ class PartitionLog:
             self.segments.append(new)
             self._dir_changes += 1
             # Even an empty table is worth a file: recovery then scans only from here.
-            write_snapshot(self.directory, new.base_offset, self.producers)
+            self._snapshot_producers(new.base_offset)
+
+    def _snapshot_producers(self, offset: int) -> None:
+        self.producers.expire(now_ms() - self.config.producer_expiry_ms)
+        write_snapshot(self.directory, offset, self.producers)
 
     # ---- durability -----------------------------------------------------------------
 

@@ -4,13 +4,16 @@ Each idempotent batch carries ``(producer_id, sequence)`` in its producer sectio
 table remembers, per producer, the last ``WINDOW`` sequences and where they were stored.
 It is rebuilt on open from the newest snapshot (written when a segment is sealed and at
 shutdown) plus the batches after it, so it survives restarts without a write of its own
-on the append path.
+on the append path. A producer idle for longer than the log's ``producer_expiry_ms`` is
+forgotten when the next snapshot is written (as Kafka expires producer ids), so writers
+that use a fresh producer id per task, such as the Spark sink, do not grow it forever.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,11 @@ from typing import Any
 
 from headwater.errors import InvalidRequest
 from headwater.storage.batch import Batch
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
 
 WINDOW = 64
 SNAPSHOT_SUFFIX = ".producers"
@@ -28,6 +36,7 @@ class ProducerEntry:
     sequence: int
     base_offset: int
     count: int
+    timestamp_ms: int  # of the batch: when the producer was last heard from
 
 
 class ProducerTable:
@@ -59,29 +68,49 @@ class ProducerTable:
             f"producer {producer_id} sequence {sequence} out of order: expected {last + 1}"
         )
 
-    def record(self, producer_id: int, sequence: int, base_offset: int, count: int) -> None:
+    def record(
+        self, producer_id: int, sequence: int, base_offset: int, count: int, timestamp_ms: int
+    ) -> None:
         history = self.producers.setdefault(producer_id, OrderedDict())
-        history[sequence] = ProducerEntry(sequence, base_offset, count)
+        history[sequence] = ProducerEntry(sequence, base_offset, count, timestamp_ms)
         while len(history) > WINDOW:
             history.popitem(last=False)
 
     def observe(self, batch: Batch) -> None:
         if batch.producer is not None:
             producer_id, sequence = batch.producer
-            self.record(producer_id, sequence, batch.base_offset, batch.count)
+            self.record(
+                producer_id, sequence, batch.base_offset, batch.count, batch.max_timestamp_ms
+            )
+
+    def expire(self, idle_before_ms: int) -> int:
+        """Forget producers last heard from before ``idle_before_ms``; how many."""
+        idle = [
+            pid
+            for pid, history in self.producers.items()
+            if history[next(reversed(history))].timestamp_ms < idle_before_ms
+        ]
+        for pid in idle:
+            del self.producers[pid]
+        return len(idle)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            str(pid): [[e.sequence, e.base_offset, e.count] for e in history.values()]
+            str(pid): [
+                [e.sequence, e.base_offset, e.count, e.timestamp_ms] for e in history.values()
+            ]
             for pid, history in self.producers.items()
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ProducerTable:
+    def from_json(cls, data: dict[str, Any], loaded_ms: int) -> ProducerTable:
+        """From :meth:`to_json`; entries written before timestamps were kept count as
+        heard from at ``loaded_ms``."""
         table = cls()
         for pid, entries in data.items():
-            for sequence, base_offset, count in entries:
-                table.record(int(pid), int(sequence), int(base_offset), int(count))
+            for sequence, base_offset, count, *rest in entries:
+                heard = int(rest[0]) if rest else loaded_ms
+                table.record(int(pid), int(sequence), int(base_offset), int(count), heard)
         return table
 
 
@@ -108,7 +137,7 @@ def load_snapshot(directory: Path, end_offset: int) -> tuple[int, ProducerTable]
             data = json.loads(path.read_text())
             offset = int(data["offset"])
             if offset <= end_offset:
-                return offset, ProducerTable.from_json(data["producers"])
+                return offset, ProducerTable.from_json(data["producers"], now_ms())
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return 0, ProducerTable()

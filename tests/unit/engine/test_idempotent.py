@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from headwater.engine.engine import Engine, EngineConfig, StreamSettings
 from headwater.errors import InvalidRequest
+from headwater.storage.batch import encode_values
 
 CONFIG = EngineConfig(maintenance_interval_ms=0)
 
@@ -92,3 +94,40 @@ def test_table_survives_clean_restart_roll_and_crash(tmp_path: Path) -> None:
     asyncio.run(retry_all(data, 30))
     asyncio.run(write(data, 31, 40, close=False))
     asyncio.run(retry_all(tmp_path / "crashed", 40))
+
+
+def test_idle_producers_are_forgotten_at_the_next_roll_and_active_ones_kept(
+    tmp_path: Path,
+) -> None:
+    """Writers with a producer id per task (the Spark sink) must not grow the table
+    forever: producers idle past producer_expiry_ms go when a snapshot is written, across
+    a restart too; a producer still writing keeps its dedupe history."""
+    config = EngineConfig(maintenance_interval_ms=0, producer_expiry_ms=60_000)
+    now = int(time.time() * 1000)
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, config)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        log = engine.stream(0, sid).log
+        for producer in range(100):  # one batch each, an hour ago
+            await engine.append_encoded(
+                0, sid, *_encoded([b"old"]), producer=(producer, 0), timestamp_ms=now - 3_600_000
+            )
+        await engine.append_encoded(
+            0, sid, *_encoded([b"new"]), producer=(1000, 0), timestamp_ms=now
+        )
+        assert len(log.producers.producers) == 101
+        log.roll()
+        assert set(log.producers.producers) == {1000}
+        again = await engine.append_idempotent(0, sid, 1000, 0, [b"new"])
+        assert again.base_offset == 100  # still deduplicated
+        await engine.close()
+        engine = await Engine.open(tmp_path, config)
+        assert set(engine.stream(0, sid).log.producers.producers) == {1000}
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def _encoded(values: list[bytes]) -> tuple[bytes, int]:
+    return encode_values(values), len(values)
