@@ -32,7 +32,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -40,6 +39,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchlib import (
+    HelpFormatter,
+    cpu_model,
+    default_root,
+    fsync_latency,
+    git_revision,
+    loadavg,
+    log,
+    mount_of,
+)
 from headwater.engine.engine import Engine, EngineConfig, StreamSettings
 from headwater.storage.batch import build_batch, encode_values
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
@@ -52,27 +61,6 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 # ---- environment ------------------------------------------------------------------------
 
 
-def mount_of(path: Path) -> dict[str, str]:
-    """The /proc/mounts entry (device, mountpoint, fstype) holding ``path``."""
-    best = {"device": "?", "mountpoint": "/", "fstype": "?"}
-    resolved = str(path.resolve())
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    best_len = -1
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        inside = resolved == mnt or resolved.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) > best_len:
-            best = {"device": parts[0], "mountpoint": mnt, "fstype": parts[2]}
-            best_len = len(mnt)
-    return best
-
-
 def can_drop_caches() -> bool:
     return os.access(DROP_CACHES, os.W_OK)
 
@@ -81,68 +69,6 @@ def drop_caches() -> None:
     """Write back dirty pages, then drop the page cache (needs root)."""
     os.sync()
     DROP_CACHES.write_text("3\n")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
-
-
-def git_revision() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=False,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=False,
-        )
-        rev = out.stdout.strip() or "?"
-        return rev + ("+dirty-src" if dirty.stdout.strip() else "")
-    except OSError:
-        return "?"
-
-
-def fsync_latency(directory: Path, batch_bytes: int, rounds: int) -> dict[str, float]:
-    """fdatasync latency after appending 4 KiB and after appending one batch."""
-    path = directory / "fsync-probe"
-    out: dict[str, float] = {}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for label, size in (("4k", 4096), ("batch", batch_bytes)):
-            buf = os.urandom(size)
-            lat = []
-            for _ in range(rounds):
-                os.write(fd, buf)
-                t = time.perf_counter()
-                os.fdatasync(fd)
-                lat.append(time.perf_counter() - t)
-            lat.sort()
-            out[f"{label}_p50_ms"] = lat[len(lat) // 2] * 1e3
-            out[f"{label}_p99_ms"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    return out
 
 
 def run_loop(main: Coroutine[Any, Any, Any], loop_kind: str) -> Any:
@@ -910,33 +836,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ---- main -------------------------------------------------------------------------------
-
-
-def default_root() -> Path:
-    """A scratch directory on the disk under test: under /work when it exists (not /tmp,
-    which may be tmpfs), else the system temp dir."""
-    base = Path("/work") if Path("/work").is_dir() else Path(tempfile.gettempdir())
-    return Path(tempfile.mkdtemp(prefix="headwater-bench-", dir=base))
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except for on/off flags and options without one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.nargs == 0 or action.default is None:
-            return action.help
-        return super()._get_help_string(action)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--events", type=int, default=2_000_000, help="events per append cell")
     p.add_argument("--batch", type=int, default=1000, help="events per append (batch)")
@@ -1038,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     log(f"scratch dir {root} ({fs['fstype']} on {fs['device']}), batch {work.batch_bytes} B")
     try:
-        results["environment"]["fsync"] = fsync_latency(root, work.batch_bytes, args.fsync_probes)
+        results["environment"]["fsync"] = fsync_latency(root, args.fsync_probes, work.batch_bytes)
         log(f"fdatasync latency: {results['environment']['fsync']}")
         if "append" in args.only:
             results["append"] = bench_appends(args, root, work)

@@ -38,18 +38,36 @@ import platform
 import random
 import select
 import shutil
-import signal
 import socket
 import statistics
 import string
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchlib import (
+    RECV,
+    HeadwaterServer,
+    HelpFormatter,
+    RedisServer,
+    RespClient,
+    RespError,
+    ServerProcess,
+    connect,
+    cpu_model,
+    default_root,
+    fsync_latency,
+    git_revision,
+    loadavg,
+    log,
+    mount_of,
+    pct,
+    proc_cpu,
+    resp_command,
+    settle,
+)
 from headwater.protocols.kimberlite import (
     MAX_APPEND_BYTES,
     MAX_EVENTS,
@@ -71,8 +89,6 @@ from headwater.protocols.kimberlite import (
     SubscriptionEventsResponse,
 )
 
-HOST = "127.0.0.1"
-RECV = 1 << 20
 REDIS_FIELD = b"v"
 STAMP_DIGITS = 19  # perf_counter_ns() as fixed-width ASCII at the start of a latency event
 MAX_CREDITS = (1 << 32) - 1
@@ -81,370 +97,10 @@ MAX_CREDITS = (1 << 32) - 1
 # ---- environment ------------------------------------------------------------------------
 
 
-def mount_of(path: Path) -> dict[str, str]:
-    """The /proc/mounts entry (device, mountpoint, fstype) holding ``path``."""
-    best = {"device": "?", "mountpoint": "/", "fstype": "?"}
-    resolved = str(path.resolve())
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    best_len = -1
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        inside = resolved == mnt or resolved.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) > best_len:
-            best = {"device": parts[0], "mountpoint": mnt, "fstype": parts[2]}
-            best_len = len(mnt)
-    return best
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
-def loadavg() -> list[float]:
-    try:
-        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-    except OSError:
-        return []
-
-
-def git_revision() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=here,
-            check=False,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "src"],
-            capture_output=True,
-            text=True,
-            cwd=here,
-            check=False,
-        ).stdout.strip()
-    except OSError:
-        return "?"
-    return (rev or "?") + ("+dirty-src" if dirty else "")
-
-
-def fsync_latency(directory: Path, rounds: int) -> dict[str, float]:
-    """fdatasync latency after a 4 KiB append, on the disk under test."""
-    path = directory / "fsync-probe"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    lat = []
-    try:
-        buf = os.urandom(4096)
-        for _ in range(rounds):
-            os.write(fd, buf)
-            t = time.perf_counter()
-            os.fdatasync(fd)
-            lat.append(time.perf_counter() - t)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    return {"p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3}
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) used so far by process ``pid``."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def settle(pids: list[int], timeout: float, busy: float = 0.03) -> float:
-    """Wait until every process in ``pids`` used under ``busy`` of a core over 0.25 s (a
-    run must not pay for work left over from the previous one, such as headwater's SQL
-    projections catching up); returns the seconds waited."""
-    started = time.perf_counter()
-    while time.perf_counter() - started < timeout:
-        before = [proc_cpu(p) for p in pids]
-        time.sleep(0.25)
-        if all(
-            proc_cpu(p) - b < busy * 0.25 + 1 / _TICK for p, b in zip(pids, before, strict=True)
-        ):
-            break
-    return time.perf_counter() - started
-
-
-def pct(samples: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(samples)
-    if not ordered:
-        return float("nan")
-    rank = max(1, -(-len(ordered) * p // 100))
-    return ordered[int(min(rank, len(ordered))) - 1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 # ---- servers ----------------------------------------------------------------------------
 
 
-class ServerProcess:
-    name = "?"
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.log_path: Path | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log_tail(self, lines: int = 30) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(
-                f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}"
-            )
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class HeadwaterServer(ServerProcess):
-    name = "headwater"
-
-    def start(self, root: Path, extra_config: str = "") -> None:
-        data_dir = root / "headwater-data"
-        ports_file = root / "headwater-ports.json"
-        config = root / "headwater.toml"
-        config.write_text(
-            '[listen]\nkimberlite = "127.0.0.1:0"\nhttp = ""\nconvergedb = ""\nripple = ""\n'
-            '\n[logging]\nlevel = "WARNING"\n' + extra_config
-        )
-        self.log_path = root / "headwater.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "headwater.cli.main",
-            "serve",
-            "--data-dir",
-            str(data_dir),
-            "--ports-file",
-            str(ports_file),
-            "--config",
-            str(config),
-        ]
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not ports_file.exists():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"headwater did not write {ports_file}:\n{self.log_tail()}")
-            time.sleep(0.05)
-        self.port = int(json.loads(ports_file.read_text())["kimberlite"])
-
-
-class RedisServer(ServerProcess):
-    name = "redis"
-
-    def __init__(self, binary: str) -> None:
-        super().__init__()
-        self.binary = binary
-        self.version = "?"
-
-    def start(self, root: Path, aof_rewrite: bool) -> None:
-        directory = root / "redis"
-        directory.mkdir()
-        self.log_path = root / "redis.log"
-        self.port = free_port()
-        cmd = [
-            self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            HOST,
-            "--protected-mode",
-            "no",
-            "--daemonize",
-            "no",
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "always",
-            "--save",
-            "",
-            "--dir",
-            str(directory),
-            "--logfile",
-            str(self.log_path),
-        ]
-        if not aof_rewrite:
-            cmd += ["--auto-aof-rewrite-percentage", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while True:
-            self.check_alive()
-            try:
-                client = RespClient(self.port)
-                if client.call(b"PING") == b"PONG":
-                    break
-            except (OSError, RespError):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not answer:\n{self.log_tail()}") from None
-                time.sleep(0.05)
-        info = client.call(b"INFO", b"server") + client.call(b"INFO", b"persistence")
-        fields = dict(line.split(":", 1) for line in info.decode().splitlines() if ":" in line)
-        self.version = fields.get("redis_version", "?")
-        if fields.get("aof_enabled") != "1":
-            raise RuntimeError("redis-server started without the append-only file")
-        policy = client.call(b"CONFIG", b"GET", b"appendfsync")
-        if policy != [b"appendfsync", b"always"]:
-            raise RuntimeError(f"redis appendfsync is {policy!r}, not always")
-        client.close()
-
-
 # ---- raw clients ------------------------------------------------------------------------
-
-
-def connect(port: int) -> socket.socket:
-    sock = socket.create_connection((HOST, port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-class RespError(Exception):
-    pass
-
-
-_INCOMPLETE = object()
-
-
-def resp_command(*args: bytes | str | int) -> bytes:
-    """One RESP command (an array of bulk strings) as bytes."""
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        data = (
-            arg.encode() if isinstance(arg, str) else b"%d" % arg if isinstance(arg, int) else arg
-        )
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
-
-
-def parse_reply(buf: bytes | bytearray, pos: int) -> tuple[Any, int]:
-    """One RESP2 reply at ``pos``: ``(value, next pos)``, or ``(_INCOMPLETE, pos)``.
-
-    Bulk strings become bytes, arrays lists, errors RespError instances (not raised).
-    """
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        return _INCOMPLETE, pos
-    kind = buf[pos]
-    line = bytes(buf[pos + 1 : end])
-    after = end + 2
-    if kind == 43:  # +
-        return line, after
-    if kind == 45:  # -
-        return RespError(line.decode(errors="replace")), after
-    if kind == 58:  # :
-        return int(line), after
-    if kind == 36:  # $
-        n = int(line)
-        if n < 0:
-            return None, after
-        if len(buf) < after + n + 2:
-            return _INCOMPLETE, pos
-        return bytes(buf[after : after + n]), after + n + 2
-    if kind == 42:  # *
-        n = int(line)
-        if n < 0:
-            return None, after
-        items = []
-        for _ in range(n):
-            item, after = parse_reply(buf, after)
-            if item is _INCOMPLETE:
-                return _INCOMPLETE, pos
-            items.append(item)
-        return items, after
-    raise RespError(f"unexpected RESP type byte {kind!r}")
-
-
-class RespClient:
-    """A blocking RESP2 client over one socket, for setup and the latency tests."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = connect(port)
-        self.buf = bytearray()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def feed(self, data: bytes) -> list[Any]:
-        """Add received bytes; return every reply now complete."""
-        self.buf += data
-        replies = []
-        pos = 0
-        while pos < len(self.buf):
-            reply, new = parse_reply(self.buf, pos)
-            if reply is _INCOMPLETE:
-                break
-            replies.append(reply)
-            pos = new
-        del self.buf[:pos]
-        return replies
-
-    def read_reply(self) -> Any:
-        while True:
-            reply, pos = parse_reply(self.buf, 0)
-            if reply is not _INCOMPLETE:
-                del self.buf[:pos]
-                return reply
-            data = self.sock.recv(RECV)
-            if not data:
-                raise ConnectionError("redis closed the connection")
-            self.buf += data
-
-    def call(self, *args: bytes | str | int) -> Any:
-        self.sock.sendall(resp_command(*args))
-        reply = self.read_reply()
-        if isinstance(reply, RespError):
-            raise reply
-        return reply
 
 
 class KimberliteClient:
@@ -1094,8 +750,8 @@ def markdown(results: dict[str, Any]) -> str:
     env, cfg = results["environment"], results["config"]
     lines = [
         f"Machine: {env['nproc']} CPUs ({env['cpu']}), {env['fs']['fstype']} on "
-        f"{env['fs']['device']}, fdatasync p50 {env['fsync']['p50_ms']:.2f} ms / p99 "
-        f"{env['fsync']['p99_ms']:.2f} ms after 4 KiB; load average before/after "
+        f"{env['fs']['device']}, fdatasync p50 {env['fsync']['4k_p50_ms']:.2f} ms / p99 "
+        f"{env['fsync']['4k_p99_ms']:.2f} ms after 4 KiB; load average before/after "
         f"{env['loadavg_before']} / {env.get('loadavg_after')}; Redis {env['redis_version']} "
         f"(appendfsync always, AOF rewrite {'on' if cfg['redis_aof_rewrite'] else 'off'}); "
         f"headwater {env['git']} (sync policy fsync, the default); {cfg['size']}-byte events, "
@@ -1167,24 +823,10 @@ def markdown(results: dict[str, Any]) -> str:
 # ---- main -------------------------------------------------------------------------------
 
 
-def default_root() -> Path:
-    """Scratch space on the disk under test: under /work when it exists (not /tmp, which
-    may be tmpfs), else the system temp dir."""
-    base = Path("/work") if Path("/work").is_dir() else Path(tempfile.gettempdir())
-    return Path(tempfile.mkdtemp(prefix="headwater-wire-bench-", dir=base))
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.nargs == 0 or action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--events", type=int, default=1_000_000, help="events per throughput run")
     p.add_argument("--batch", type=int, default=1000, help="events per append / XADD round")
@@ -1262,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
             "redis-server\n(or pass --redis-server /path/to/redis-server)"
         )
         return 2
-    root = args.dir.resolve() if args.dir else default_root()
+    root = args.dir.resolve() if args.dir else default_root("headwater-wire-bench-")
     root.mkdir(parents=True, exist_ok=True)
     fs = mount_of(root)
     if fs["fstype"] in ("tmpfs", "ramfs"):
