@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,36 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import headwater
-
-
-def start_server(root: Path) -> tuple[subprocess.Popen[bytes], str]:
-    config = root / "hw.toml"
-    config.write_text(
-        '[listen]\nkimberlite = "127.0.0.1:0"\nhttp = ""\nconvergedb = ""\nripple = ""\n'
-    )
-    ports = root / "ports.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "headwater.cli.main",
-            "serve",
-            "--data-dir",
-            str(root / "data"),
-            "--config",
-            str(config),
-            "--ports-file",
-            str(ports),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(root / "server.log").open("wb"),
-    )
-    deadline = time.monotonic() + 30
-    while not ports.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((root / "server.log").read_text())
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{json.loads(ports.read_text())['kimberlite']}"
+from benchlib import HeadwaterServer
 
 
 def fill(server: str, stream: str, events: int) -> None:
@@ -99,7 +69,9 @@ def main(argv: list[str]) -> int:
     from pyspark.sql import SparkSession
 
     root = Path(tempfile.mkdtemp(prefix="spark_bench_"))
-    proc, server = start_server(root)
+    hw_server = HeadwaterServer()
+    hw_server.start(root)
+    server = f"127.0.0.1:{hw_server.port}"
     try:
         fill_s = timed(lambda: fill(server, "bench", args.events))
         spark = (
@@ -150,8 +122,7 @@ def main(argv: list[str]) -> int:
                 assert hw.stream_info(f"copy{run}").next_offset == args.events
         spark.stop()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        hw_server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
     def rate(times: list[float]) -> float:
