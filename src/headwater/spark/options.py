@@ -61,9 +61,10 @@ def _positive(options: Mapping[str, str], name: str) -> int | None:
     return value
 
 
-def check_stream_name(name: str) -> str:
+def check_stream_name(name: str, what: str = "stream") -> str:
+    """``name`` when it is a valid stream (or kind) name; it is quoted into SQL as is."""
     if not _NAME.match(name):
-        raise UsageError(f"stream name {name!r} must be 1..256 characters of [A-Za-z0-9_]")
+        raise UsageError(f"{what} name {name!r} must be 1..256 characters of [A-Za-z0-9_]")
     return name
 
 
@@ -144,11 +145,6 @@ class ReadOptions:
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
         # Spark lower-cases option keys on some paths: accept any case.
         lowered = {str(k).lower(): str(v) for k, v in options.items()}
-        if "kind" in lowered:
-            raise UsageError(
-                "option kind: reading entity kinds is not in this version of the connector "
-                "(streams only: use the option stream or streams)"
-            )
         one, many = lowered.get("stream"), lowered.get("streams")
         if (one is None) == (many is None):
             raise UsageError("set exactly one of the options stream or streams")

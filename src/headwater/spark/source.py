@@ -34,6 +34,13 @@ from pyspark.sql.types import StructType
 
 from headwater.errors import StreamAlreadyExists, UsageError
 
+from .kinds import (
+    KindReadOptions,
+    kind_columns,
+    partition_count,
+    read_share,
+    schema_ddl,
+)
 from .options import (
     EARLIEST,
     LATEST,
@@ -66,13 +73,29 @@ class HeadwaterDataSource(DataSource):
     def name(cls) -> str:
         return FORMAT
 
+    def _kind_options(self) -> KindReadOptions | None:
+        lowered = {str(k).lower(): str(v) for k, v in self.options.items()}
+        return KindReadOptions.parse(lowered) if "kind" in lowered else None
+
     def schema(self) -> str:
+        kind = self._kind_options()
+        if kind is not None:
+            with open_client(kind.connection) as client:
+                return schema_ddl(kind_columns(client, kind))
         return ReadOptions.parse(self.options).schema_ddl()
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        kind = self._kind_options()
+        if kind is not None:
+            return HeadwaterKindReader(kind, schema)
         return HeadwaterBatchReader(ReadOptions.parse(self.options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        if self._kind_options() is not None:
+            raise UsageError(
+                "streaming reads of a kind (its changelog) are not in this version: read "
+                "the kind's state in batch (optionally asOf a position)"
+            )
         return HeadwaterStreamReader(ReadOptions.parse(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> HeadwaterBatchWriter:
@@ -156,6 +179,36 @@ class HeadwaterBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, OffsetRange)
         return _read(self.options, self.schema, partition)
+
+
+@dataclass(frozen=True)
+class KindShare(InputPartition):
+    index: int
+    parts: int
+
+
+class HeadwaterKindReader(DataSourceReader):
+    """A kind's state, split by entity id hash; each task asks the server for its share."""
+
+    def __init__(self, options: KindReadOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+
+    def partitions(self) -> Sequence[InputPartition]:
+        with open_client(self.options.connection) as client:
+            parts = partition_count(client, self.options)
+        return [KindShare(i, parts) for i in range(parts)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, KindShare)
+        with open_client(self.options.connection) as client:
+            yield from read_share(
+                client,
+                self.options,
+                _arrow_schema(self.schema),
+                partition.index,
+                partition.parts,
+            )
 
 
 class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -1,0 +1,127 @@
+"""Reading an entity kind with the headwater Spark format: current state, as of a log
+position, every field type, split into partitions, and the errors a user can meet."""
+
+from __future__ import annotations
+
+import decimal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from convergedb_raw import CdbClient, cdb_config, cdb_port, eid
+from kimberlite_raw import ServerProcess
+
+from headwater.protocols.convergedb import messages as m
+from headwater.protocols.convergedb.fields import FieldType
+
+pytestmark = pytest.mark.spark
+
+FIELDS = [
+    ("temp", FieldType.F64),
+    ("label", FieldType.STRING),
+    ("count", FieldType.U32),
+    ("big", FieldType.U64),
+    ("raw", FieldType.BYTES),
+    ("at", FieldType.TIMESTAMP),
+    ("ok", FieldType.BOOL),
+]
+BASE_NS = 1_700_000_000_123_456_000
+
+
+def values(i: int) -> list[Any]:
+    return [
+        i + 0.5,
+        f"s{i}",
+        i * 3,
+        2**64 - 1 - i,
+        bytes([i, 255 - i]),
+        BASE_NS + i * 1000,
+        i % 2 == 0,
+    ]
+
+
+@pytest.fixture(scope="module")
+def kind_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path_factory.mktemp("spark_kinds"), cdb_config()).start()
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+
+
+def _read(spark: Any, server: ServerProcess, **options: str) -> Any:
+    reader = spark.read.format("headwater").option("server", f"127.0.0.1:{server.port}")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def _sql_scalar(server: ServerProcess, sql: str) -> int:
+    import headwater
+
+    with headwater.connect(f"127.0.0.1:{server.port}") as hw:
+        return int(str(hw.query(sql).scalar()))
+
+
+def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProcess) -> None:
+    with CdbClient(cdb_port(kind_server), name="writer") as writer:
+        kind = writer.create_kind("sensors", [(n, int(t)) for n, t in FIELDS])
+        writer.send(
+            m.Batch(tuple(m.Assert.of(FIELDS, kind.kind_id, eid(i), values(i)) for i in range(30)))
+        )
+        writer.barrier()
+        before = _sql_scalar(kind_server, "SELECT max(version) + 1 FROM sensors")
+        writer.send(m.Retract(kind.kind_id, eid(0)))
+        writer.send(m.Patch.of(FIELDS, kind.kind_id, eid(1), {0: -7.25}))
+        writer.barrier()
+
+        now = _read(spark, kind_server, kind="sensors", rowsPerPartition="7")
+        assert [f.name for f in now.schema.fields] == ["entity_id", "version"] + [
+            n for n, _ in FIELDS
+        ]
+        assert now.rdd.getNumPartitions() == 5  # 29 entities, 7 per partition
+        rows = {bytes(r.entity_id): r for r in now.collect()}
+        assert sorted(rows) == [eid(i) for i in range(1, 30)]
+        assert rows[eid(1)].temp == -7.25 and rows[eid(2)].temp == 2.5
+        r = rows[eid(5)]
+        assert (r.label, r["count"], r.big, bytes(r.raw), r.ok) == (
+            "s5",
+            15,
+            decimal.Decimal(2**64 - 6),
+            bytes([5, 250]),
+            False,
+        )
+        micros = {
+            bytes(x.entity_id): x.us
+            for x in now.selectExpr("entity_id", "unix_micros(at) AS us").collect()
+        }
+        assert micros[eid(5)] == (BASE_NS + 5000) // 1000  # nanoseconds cut to Spark's micros
+        assert rows[eid(1)].version >= before > rows[eid(2)].version
+
+        then = _read(spark, kind_server, kind="sensors", asOf=str(before))
+        old = {bytes(r.entity_id): r for r in then.collect()}
+        assert sorted(old) == [eid(i) for i in range(30)]
+        assert old[eid(1)].temp == 1.5 and old[eid(0)].label == "s0"
+
+
+def test_kind_read_errors(spark: Any, kind_server: ServerProcess) -> None:
+    with pytest.raises(Exception, match="kind no_such_kind does not exist"):
+        _read(spark, kind_server, kind="no_such_kind").collect()
+    with pytest.raises(Exception, match="kind name"):
+        _read(spark, kind_server, kind='x" OR 1=1 --').collect()
+    with pytest.raises(Exception, match="asOf must be a log position"):
+        _read(spark, kind_server, kind="sensors", asOf="yesterday").collect()
+    with pytest.raises(Exception, match="does not go with kind"):
+        _read(spark, kind_server, kind="sensors", stream="s").collect()
+    stream = (
+        spark.readStream.format("headwater")
+        .option("kind", "sensors")
+        .option("server", f"127.0.0.1:{kind_server.port}")
+        .load()
+    )
+    with pytest.raises(Exception, match="streaming reads of a kind"):
+        query = stream.writeStream.format("noop").start()
+        try:
+            query.awaitTermination(60)
+        finally:
+            query.stop()
