@@ -91,6 +91,15 @@ def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list
     Raises ValueError when the section does not hold exactly ``count`` well-formed values.
     """
     end = len(section)
+    if count > 1 and end - start >= 8:
+        # Events of one size (fixed-width records are common) are checked with eight
+        # strided slices, one per byte of the length field, instead of a loop per event.
+        stride = 8 + _U64_AT(section, start)[0]
+        if end - start == count * stride:
+            view = memoryview(section).cast("B") if isinstance(section, memoryview) else section
+            head = bytes(view[start : start + 8])
+            if all(view[start + k : end : stride] == head[k : k + 1] * count for k in range(8)):
+                return list(range(start, end + 1, stride))
     bounds = [start]
     pos = start
     for _ in range(count):

@@ -6,6 +6,8 @@ import struct
 
 import crc32c
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from headwater.errors import CorruptBatchError, UsageError
 from headwater.storage.batch import (
@@ -425,3 +427,45 @@ def test_producer_section_round_trip_and_is_last() -> None:
     assert [e.key for e in batch.events()] == [b"k"]
     plain = Batch(memoryview(encode_batch([b"a"], base_offset=0, first_position=0, timestamp_ms=0)))
     assert plain.producer is None
+
+
+def _reference_spans(section: bytes, count: int, start: int) -> list[int] | None:
+    """value_spans as a plain loop over the length fields; None when malformed."""
+    bounds, pos = [start], start
+    for _ in range(count):
+        if pos + 8 > len(section):
+            return None
+        pos += 8 + struct.unpack_from("<Q", section, pos)[0]
+        if pos > len(section):
+            return None
+        bounds.append(pos)
+    return bounds if pos == len(section) else None
+
+
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 3, 7, 100]), min_size=0, max_size=12),
+    same=st.booleans(),
+    start=st.integers(0, 3),
+    claimed_extra=st.integers(-1, 1),
+    flip=st.integers(0, 10_000),
+)
+def test_value_spans_matches_a_plain_walk(
+    sizes: list[int], same: bool, start: int, claimed_extra: int, flip: int
+) -> None:
+    """The fixed-size fast path (all events one size) gives what walking every length
+    gives, and never accepts a section the walk refuses: uneven sizes with the same total,
+    a wrong count, or any one byte of a length field changed."""
+    if same and sizes:
+        sizes = [sizes[0]] * len(sizes)
+    values = [bytes([65 + i % 26]) * n for i, n in enumerate(sizes)]
+    section = bytearray(b"\xee" * start + encode_values(values))
+    if len(section) > start and flip % 3 == 0:
+        section[start + flip % (len(section) - start)] ^= 1 << (flip % 8)
+    count = max(0, len(values) + claimed_extra)
+    want = _reference_spans(bytes(section), count, start)
+    if want is None:
+        with pytest.raises(ValueError):
+            value_spans(bytes(section), count, start)
+    else:
+        assert value_spans(bytes(section), count, start) == want
+        assert value_spans(memoryview(bytes(section)), count, start) == want
