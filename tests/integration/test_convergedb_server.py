@@ -18,7 +18,7 @@ from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.fields import FieldType
 
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
-ALL_ROWS = "SELECT lower(hex(entity_id)), version, temp, label FROM durable ORDER BY entity_id"
+ALL_ROWS = "SELECT entity_id, version, temp, label FROM durable ORDER BY entity_id"
 AUTH = """
 [convergedb]
 liveness_check_ms = 20
@@ -348,7 +348,7 @@ def test_sigkill_restart_keeps_identical_state_and_sql(tmp_path: Path) -> None:
         a.call(m.Assert.of(FIELDS, kind.kind_id, marker, [1.0, "old"]))
         v1 = state_of(query(a, kind.kind_id, marker)).version
         a.call(m.Patch.of(FIELDS, kind.kind_id, marker, {1: "new"}))
-        where = f"SELECT label, version FROM durable WHERE lower(hex(entity_id)) = '{marker.hex()}'"
+        where = f"SELECT label, version FROM durable WHERE entity_id = '{marker.hex()}'"
         assert rows_of(query_at(sql, where, v1 + 1)) == [["old", v1]]
         assert rows_of(query_at(sql, where, v1)) == []
         assert rows_of(sql_query(sql, where))[0][0] == "new"

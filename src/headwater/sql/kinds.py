@@ -47,7 +47,8 @@ def column_name(field_name: str) -> str:
 
 
 def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
-    columns = [pa.field("entity_id", pa.binary()), pa.field("version", pa.int64())]
+    # PROTOCOLS.md §1: entity_id is VARCHAR, the 32-byte id in lowercase hex.
+    columns = [pa.field("entity_id", pa.string()), pa.field("version", pa.int64())]
     columns += [pa.field(column_name(f.name), ARROW_TYPES[f.type]) for f in fields]
     return pa.schema(columns)
 
@@ -56,7 +57,7 @@ def build_table(fields: Sequence[FieldSpec], states: Sequence[EntityState]) -> p
     """An Arrow table of entity states, rows ordered by entity id."""
     ordered = sorted(states, key=lambda s: s.entity_id)
     schema = kind_schema(fields)
-    columns: list[list[object]] = [[s.entity_id for s in ordered], [s.version for s in ordered]]
+    columns: list[list[object]] = [[s.entity_id.hex() for s in ordered], [s.version for s in ordered]]
     for i, _ in enumerate(fields):
         columns.append([s.values[i] if i < len(s.values) else None for s in ordered])
     return pa.Table.from_arrays(

@@ -80,10 +80,10 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProc
             n for n, _ in FIELDS
         ]
         assert now.rdd.getNumPartitions() == 5  # 29 entities, 7 per partition
-        rows = {bytes(r.entity_id): r for r in now.collect()}
-        assert sorted(rows) == [eid(i) for i in range(1, 30)]
-        assert rows[eid(1)].temp == -7.25 and rows[eid(2)].temp == 2.5
-        r = rows[eid(5)]
+        rows = {r.entity_id: r for r in now.collect()}
+        assert sorted(rows) == [eid(i).hex() for i in range(1, 30)]
+        assert rows[eid(1).hex()].temp == -7.25 and rows[eid(2).hex()].temp == 2.5
+        r = rows[eid(5).hex()]
         assert (r.label, r["count"], r.big, bytes(r.raw), r.ok) == (
             "s5",
             15,
@@ -92,16 +92,16 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProc
             False,
         )
         micros = {
-            bytes(x.entity_id): x.us
+            x.entity_id: x.us
             for x in now.selectExpr("entity_id", "unix_micros(at) AS us").collect()
         }
-        assert micros[eid(5)] == (BASE_NS + 5000) // 1000  # nanoseconds cut to Spark's micros
-        assert rows[eid(1)].version >= before > rows[eid(2)].version
+        assert micros[eid(5).hex()] == (BASE_NS + 5000) // 1000  # nanoseconds cut to Spark's micros
+        assert rows[eid(1).hex()].version >= before > rows[eid(2).hex()].version
 
         then = _read(spark, kind_server, kind="sensors", asOf=str(before))
-        old = {bytes(r.entity_id): r for r in then.collect()}
-        assert sorted(old) == [eid(i) for i in range(30)]
-        assert old[eid(1)].temp == 1.5 and old[eid(0)].label == "s0"
+        old = {r.entity_id: r for r in then.collect()}
+        assert sorted(old) == [eid(i).hex() for i in range(30)]
+        assert old[eid(1).hex()].temp == 1.5 and old[eid(0).hex()].label == "s0"
 
 
 def test_kind_read_errors(spark: Any, kind_server: ServerProcess) -> None:

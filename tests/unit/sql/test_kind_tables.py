@@ -39,6 +39,11 @@ def test_kind_table_current_and_as_of(tmp_path: Path) -> None:
             row = list(now.rows[0])
             # As SQL answers carry them: blobs in hex, floats as text, timestamps in ns.
             assert row[0] == ("01" * 32) and row[1] > first.version
+            # The contract's column type (PROTOCOLS.md §1): lowercase hex VARCHAR.
+            hex_id = await sql.query(
+                0, f"SELECT typeof(entity_id) FROM everything WHERE entity_id = '{'01' * 32}'"
+            )
+            assert [list(r) for r in hex_id.rows] == [["VARCHAR"]]
             assert row[2:11] == values[:9]
             assert [float(row[11]), float(row[12]), row[13], row[14]] == [1.5, 2.5, "t", "62"]
             assert getattr(row[15], "ns", None) == 1_000 and row[16] == 7
