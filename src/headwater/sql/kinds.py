@@ -57,7 +57,10 @@ def build_table(fields: Sequence[FieldSpec], states: Sequence[EntityState]) -> p
     """An Arrow table of entity states, rows ordered by entity id."""
     ordered = sorted(states, key=lambda s: s.entity_id)
     schema = kind_schema(fields)
-    columns: list[list[object]] = [[s.entity_id.hex() for s in ordered], [s.version for s in ordered]]
+    columns: list[list[object]] = [
+        [s.entity_id.hex() for s in ordered],
+        [s.version for s in ordered],
+    ]
     for i, _ in enumerate(fields):
         columns.append([s.values[i] if i < len(s.values) else None for s in ordered])
     return pa.Table.from_arrays(
