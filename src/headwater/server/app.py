@@ -180,4 +180,5 @@ def _load_front_ends() -> None:
     """Import the protocol front ends; each registers its listener."""
     import headwater.server.convergedb.listener
     import headwater.server.http.listener
-    import headwater.server.kimberlite.listener  # noqa: F401
+    import headwater.server.kimberlite.listener
+    import headwater.server.ripple.listener  # noqa: F401

@@ -448,6 +448,10 @@ class SequenceTracker:
     def last(self, source: object) -> int:
         return self._last.get(source, 0)
 
+    def items(self) -> list[tuple[object, int]]:
+        """``(source, last applied sequence_no)`` of every source seen (to save them)."""
+        return list(self._last.items())
+
     def observe(self, source: object, sequence_no: int) -> SequenceVerdict:
         last = self._last.get(source)
         if last is not None and sequence_no <= last:

@@ -1,0 +1,1 @@
+"""The Ripple front end: pipeline workers publish deltas into entity kinds."""

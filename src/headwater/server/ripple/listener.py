@@ -1,0 +1,346 @@
+"""The asyncio shell of the Ripple front end (127.0.0.1:7403): pipeline workers publish
+deltas into entity kinds (spec/PROTOCOLS.md §4, docs/protocols/ripple.md).
+
+Each connection is one worker holding one source slot in the tenant's kinds (as a
+ConvergeDB writer does), so a Remove clears only its own bit. The Handshake's outputs
+are checked against the kinds of the same names: a kind is created when absent and
+migrated when the schema appends fields; anything else is refused with the reasons.
+A Delta becomes an assert (Set), patch (Patch) or retract (Remove) of the entity whose
+id is the key (UTF-8 bytes zero-padded to 32, or their SHA-256 when longer).
+
+Per (worker, output) the last applied ``sequence_no`` is kept: a redelivered delta is
+dropped, a jump counts as a gap. The table is saved (write-temp, fsync, rename) once the
+kind writes before it are durable: at every checkpoint and when the listener stops. A
+delta re-applied after a crash between checkpoints changes nothing: Set, Patch and
+Remove give the same state applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from headwater.engine.kinds import (
+    KindInfo,
+    KindNotFound,
+    KindsError,
+    Source,
+    TenantKinds,
+    WriteOp,
+    assert_op,
+    patch_op,
+    retract_op,
+)
+from headwater.protocols.convergedb.fields import FieldType, default_value
+from headwater.protocols.ripple import connection as rc
+from headwater.protocols.ripple import messages as rm
+from headwater.server.app import Listener, register_listener
+from headwater.server.metrics import metrics_for
+from headwater.storage.metadata import read_json, write_json_atomic
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.ripple")
+
+TENANT_ID = 0  # the listener writes to one tenant (§4: no auth field)
+KIND_TYPES = {
+    rm.FieldType.STRING: FieldType.STRING,
+    rm.FieldType.INT: FieldType.I64,
+    rm.FieldType.INT64: FieldType.I64,
+    rm.FieldType.FLOAT: FieldType.F64,
+    rm.FieldType.BOOL: FieldType.BOOL,
+}
+
+
+def entity_id_for(key: bytes) -> bytes:
+    """§4: the key's bytes zero-padded to 32, or their SHA-256 when longer."""
+    return key.ljust(32, b"\0") if len(key) <= 32 else hashlib.sha256(key).digest()
+
+
+class RippleError(Exception):
+    """A delta the kind cannot take; the worker is told why and disconnected."""
+
+
+class RippleState:
+    """What outlives a connection: sequence numbers, watermarks, heartbeats, counters."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tracker = rc.SequenceTracker()
+        if path.exists():
+            for entry in read_json(path).get("sequences", []):
+                self.tracker.observe((entry["worker"], entry["output"]), int(entry["last"]))
+        self.tracker.duplicates = self.tracker.gaps = 0
+        self.watermarks: dict[tuple[str, str], int] = {}
+        self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
+        self.applied = 0
+
+    def save(self) -> None:
+        entries = []
+        for source, last in self.tracker.items():
+            worker, output = cast(tuple[str, str], source)
+            entries.append({"worker": worker, "output": output, "last": last})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.path, {"sequences": entries})
+
+
+class RippleConnection(asyncio.Protocol):
+    def __init__(self, server: Server, state: RippleState, live: set[RippleConnection]) -> None:
+        self.server = server
+        self.state = state
+        self.live = live
+        self.protocol = rc.ServerConnection()
+        self.transport: asyncio.Transport | None = None
+        self.kinds: TenantKinds = server.kinds.tenant(TENANT_ID)
+        self.source: Source | None = None
+        self.outputs: dict[str, KindInfo] = {}
+        self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+    # ---- transport ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.live.add(self)
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.protocol.receive_data(data):
+            self.queue.put_nowait(event)
+
+    def eof_received(self) -> bool | None:
+        for event in self.protocol.receive_eof():
+            self.queue.put_nowait(event)
+        self.queue.put_nowait(None)
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.live.discard(self)
+        self.queue.put_nowait(None)
+        if self.source is not None:
+            self.source.disconnect()
+            self.source = None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    # ---- events, in arrival order ---------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            while (event := await self.queue.get()) is not None:
+                if isinstance(event, rc.HandshakeReceived):
+                    await self._handshake(event.handshake)
+                elif isinstance(event, rc.DeltaReceived):
+                    self._delta(event)
+                elif isinstance(event, rc.MessageReceived):
+                    await self._message(event.message)
+                elif isinstance(event, rc.Reject):
+                    log.info("rejecting a worker: %s", event.reason)
+                    self._write(event.data)
+                    self.close()
+                    return
+                else:
+                    log.info("closing a worker connection: %s", event.reason)
+                    self.close()
+                    return
+        except (RippleError, KindsError) as exc:
+            log.info("refusing worker %s: %s", self.protocol.worker_id, exc)
+            if not self.protocol.closed:
+                with contextlib.suppress(Exception):
+                    self._write(self.protocol.send(rm.SchemaNegotiation(False, (str(exc),))))
+            self.close()
+        except Exception:
+            log.exception("ripple connection failed")
+            self.close()
+
+    async def _handshake(self, handshake: rm.Handshake) -> None:
+        errors: list[str] = []
+        outputs: dict[str, KindInfo] = {}
+        for name, schema in handshake.output_schemas:
+            fields = [(f.field_name, int(KIND_TYPES[f.field_type])) for f in schema.fields]
+            try:
+                outputs[name] = await self._kind_for(name, fields)
+            except KindsError as exc:
+                errors.append(f"output {name}: {exc}")
+        if errors:
+            self._write(self.protocol.reject_handshake(errors))
+            self.close()
+            return
+        try:
+            self.source = self.kinds.connect(handshake.source_worker_id)
+        except KindsError as exc:
+            self._write(self.protocol.reject_handshake([str(exc)]))
+            self.close()
+            return
+        self.outputs = outputs
+        self._write(self.protocol.accept_handshake())
+
+    async def _kind_for(self, name: str, fields: list[tuple[str, int]]) -> KindInfo:
+        try:
+            existing = self.kinds.get_kind(name)
+        except KindNotFound:
+            return await self.kinds.create_kind(name, fields)
+        have = [(f.name, int(f.type)) for f in existing.fields]
+        if fields[: len(have)] == have:
+            return await self.kinds.create_kind(name, fields)  # identical, or appended fields
+        if have[: len(fields)] == fields:
+            return existing  # an older schema: a prefix of the kind's fields
+        raise SchemaMismatch(f"fields {fields} do not fit kind {name} with fields {have}")
+
+    def _delta(self, event: rc.DeltaReceived) -> None:
+        message = event.message
+        worker = self.protocol.worker_id or ""
+        key = (worker, message.source_output)
+        if message.watermark_ns is not None:
+            self.state.watermarks[key] = message.watermark_ns
+        if not self.state.tracker.observe(key, message.sequence_no).apply:
+            return
+        kind = self.outputs[message.source_output]
+        assert self.source is not None
+        op = _op(kind, event.schema, entity_id_for(message.key), event.delta)
+        self.kinds.apply(self.source, [op])
+        self.state.applied += 1
+
+    async def _message(self, message: rm.Message) -> None:
+        if isinstance(message, rm.Heartbeat):
+            self.state.heartbeats[message.worker_id] = (time.time(), message.load)
+            if self.source is not None:
+                self.source.touch()
+        elif isinstance(message, rm.CheckpointRequest):
+            # Everything received before the request: durable and visible, then saved.
+            await self.kinds.barrier()
+            self.state.save()
+            worker = self.protocol.worker_id or ""
+            last = max((self.state.tracker.last((worker, out)) for out in self.outputs), default=0)
+            ack = rm.CheckpointAck(message.checkpoint_id, worker, message.epoch, last)
+            self._write(self.protocol.send(ack))
+        # A Checkpoint_ack answers a request of ours (none are sent); Schema_negotiation
+        # from a worker carries nothing to act on.
+
+
+class SchemaMismatch(KindsError):
+    """An output's schema neither matches, extends nor prefixes its kind's fields."""
+
+
+def _op(kind: KindInfo, schema: rm.Schema, entity_id: bytes, delta: rm.Delta) -> WriteOp:
+    by_name = {f.name: (i, f.type) for i, f in enumerate(kind.fields)}
+    if isinstance(delta, rm.Remove):
+        return retract_op(kind, entity_id)
+    if isinstance(delta, rm.Set):
+        record = [delta.values[f.field_name] for f in schema.fields]
+        if not all(isinstance(v, str | int | float) for v in record):
+            raise RippleError(f"a Set of {kind.name} carries a value that is not a field value")
+        return assert_op(kind, entity_id, cast(list[str | int | float | bool], record))
+    values: dict[int, Any] = {}
+    for patch in delta.ops:
+        if isinstance(patch, rm.FieldSet | rm.FieldRemove) and patch.field_name not in by_name:
+            raise RippleError(f"patch of unknown field {patch.field_name!r} of {kind.name}")
+        if isinstance(patch, rm.FieldSet):
+            ordinal, ftype = by_name[patch.field_name]
+            if not isinstance(patch.value, rm.Atom):
+                raise RippleError(f"field {patch.field_name}: a list is not a field value")
+            values[ordinal] = _parse(patch.value.text, ftype, patch.field_name)
+        elif isinstance(patch, rm.FieldRemove):
+            ordinal, ftype = by_name[patch.field_name]
+            values[ordinal] = default_value(ftype)
+        else:
+            raise RippleError(f"kind {kind.name} has no map fields: {type(patch).__name__}")
+    return patch_op(kind, entity_id, values)
+
+
+def _parse(text: str, ftype: FieldType, name: str) -> Any:
+    """A Field_set atom in its field's text form ("150.5", "true")."""
+    try:
+        if ftype is FieldType.BOOL:
+            if text not in ("true", "false"):
+                raise ValueError(text)
+            return text == "true"
+        if ftype is FieldType.I64:
+            return int(text)
+        if ftype is FieldType.F64:
+            return float(text)
+        return text
+    except ValueError:
+        raise RippleError(f"field {name}: {text!r} is not a {ftype.name.lower()}") from None
+
+
+class _RippleCollector(Collector):
+    def __init__(self, state: RippleState, live: set[RippleConnection]) -> None:
+        self.state = state
+        self.live = live
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        watermark = GaugeMetricFamily(
+            "headwater_ripple_watermark_ns",
+            "Latest event-time watermark per worker and output",
+            labels=["worker", "output"],
+        )
+        for (worker, output), ns in sorted(self.state.watermarks.items()):
+            watermark.add_metric([worker, output], ns)
+        heartbeat = GaugeMetricFamily(
+            "headwater_ripple_heartbeat_seconds",
+            "Unix time of each worker's last heartbeat",
+            labels=["worker"],
+        )
+        load = GaugeMetricFamily(
+            "headwater_ripple_load", "Load each worker last reported", labels=["worker"]
+        )
+        for worker, (when, level) in sorted(self.state.heartbeats.items()):
+            heartbeat.add_metric([worker], when)
+            load.add_metric([worker], level)
+        deltas = CounterMetricFamily(
+            "headwater_ripple_deltas", "Deltas received, by outcome", labels=["outcome"]
+        )
+        deltas.add_metric(["applied"], self.state.applied)
+        deltas.add_metric(["duplicate"], self.state.tracker.duplicates)
+        gaps = CounterMetricFamily(
+            "headwater_ripple_sequence_gaps", "Deltas that arrived after a sequence gap"
+        )
+        gaps.add_metric([], self.state.tracker.gaps)
+        yield from (watermark, heartbeat, load, deltas, gaps)
+
+
+async def start_ripple(server: Server, host: str, port: int) -> Listener:
+    state = RippleState(server.data_dir / "ripple" / f"tenant-{TENANT_ID}.json")
+    live: set[RippleConnection] = set()
+    loop = asyncio.get_running_loop()
+    tcp = await loop.create_server(
+        lambda: RippleConnection(server, state, live), host, port, reuse_address=True
+    )
+    bound = tcp.sockets[0].getsockname()[1]
+    metrics = metrics_for(server)
+    metrics.add_connections_source("ripple", lambda: len(live))
+    metrics.registry.register(_RippleCollector(state, live))
+
+    async def stop() -> None:
+        tcp.close()
+        for conn in list(live):
+            conn.close()
+        with contextlib.suppress(Exception):
+            await server.kinds.tenant(TENANT_ID).flush()
+            state.save()
+        await tcp.wait_closed()
+
+    return Listener("ripple", bound, stop)
+
+
+register_listener("ripple", start_ripple)

@@ -1,0 +1,179 @@
+"""The Ripple listener of a real ``headwater serve`` process: deltas into kinds,
+redelivery, checkpoints, schema checks and restarts."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from convergedb_raw import CdbClient, cdb_port
+from kimberlite_raw import ServerProcess, rows_of
+from kimberlite_raw import query as sql_query
+
+from headwater.protocols.convergedb import messages as cm
+from headwater.protocols.ripple import messages as rm
+from headwater.protocols.ripple.connection import ClientConnection
+
+CONFIG = (
+    '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
+    'ripple = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n'
+)
+VWAP = rm.Schema(
+    "vwap",
+    1,
+    (
+        rm.Field("symbol", rm.FieldType.STRING),
+        rm.Field("vwap", rm.FieldType.FLOAT),
+        rm.Field("volume", rm.FieldType.INT),
+        rm.Field("open", rm.FieldType.BOOL),
+    ),
+)
+
+
+class Worker:
+    """A blocking Ripple worker over the sans-I/O ClientConnection."""
+
+    def __init__(self, server: ServerProcess, worker_id: str, schemas: dict[str, rm.Schema]):
+        port = int(json.loads(server.ports_file.read_text())["ripple"])
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        self.conn = ClientConnection(worker_id)
+        self.sock.sendall(self.conn.handshake(schemas))
+        self.answer = self.next(rm.SchemaNegotiation)
+
+    def next(self, kind: type) -> rm.Message:
+        while True:
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            for received in self.conn.receive_data(data):
+                if isinstance(received.message, kind):
+                    return received.message
+
+    def send(self, output: str, key: str, delta: rm.Delta, **kw: object) -> None:
+        self.sock.sendall(self.conn.send_delta(output, key, delta, **kw))  # type: ignore[arg-type]
+
+    def checkpoint(self, checkpoint_id: str) -> rm.CheckpointAck:
+        self.sock.sendall(self.conn.checkpoint_request(checkpoint_id, 1))
+        ack = self.next(rm.CheckpointAck)
+        assert isinstance(ack, rm.CheckpointAck)
+        return ack
+
+    def closed_by_server(self) -> bool:
+        self.sock.settimeout(10)
+        try:
+            while self.sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            pass
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    proc = ServerProcess(tmp_path / "srv", CONFIG).start()
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+
+
+def state(server: ServerProcess) -> list[list[object]]:
+    with server.client() as c:
+        return rows_of(
+            sql_query(c, "SELECT entity_id, symbol, vwap, volume, open FROM vwap ORDER BY 1")
+        )
+
+
+def hex_key(key: str) -> str:
+    return key.encode().ljust(32, b"\0").hex()
+
+
+def quote(symbol: str, px: float, volume: int) -> rm.Set:
+    return rm.Set({"symbol": symbol, "vwap": px, "volume": volume, "open": True})
+
+
+def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerProcess) -> None:
+    worker = Worker(server, "w1", {"vwap": VWAP})
+    assert worker.answer == rm.SchemaNegotiation(True, ())
+    with CdbClient(cdb_port(server), read_only=True) as watcher:
+        kind = watcher.call(cm.GetKind("vwap"))
+        assert isinstance(kind, cm.KindAck), kind
+        watcher.reply(watcher.send(cm.Subscribe(kind.kind_id), ack=True))
+        worker.send("vwap", "AAA", quote("AAA", 10.5, 100), watermark_ns=1_000)
+        worker.send("vwap", "BBB", quote("BBB", 20.0, 5))
+        worker.send("vwap", "AAA", rm.Patch((rm.FieldSet("vwap", rm.Atom("11.25")),)))
+        assert worker.checkpoint("c1").last_sequence_no == 3
+        first = watcher.drain(0.3)
+        # The same three deltas again, with their sequence numbers: a redelivery.
+        for seq, (key, delta) in enumerate(
+            [("AAA", quote("AAA", 10.5, 100)), ("BBB", quote("BBB", 20.0, 5))], start=1
+        ):
+            worker.send("vwap", key, delta, sequence_no=seq)
+        worker.send("vwap", "BBB", rm.Remove(), sequence_no=3)  # also old: dropped
+        worker.checkpoint("c2")
+        assert watcher.drain(0.3) == []  # no notification for a redelivery
+    assert len([f for f in first if isinstance(f.message, cm.State)]) >= 2
+    assert state(server) == [
+        [hex_key("AAA"), "AAA", "11.25", 100, True],
+        [hex_key("BBB"), "BBB", "20.0", 5, True],
+    ]
+    worker.send("vwap", "BBB", rm.Remove())  # sequence 4: new
+    worker.checkpoint("c3")
+    assert [r[0] for r in state(server)] == [hex_key("AAA")]
+    http = int(json.loads(server.ports_file.read_text())["http"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as answer:
+        metrics = answer.read().decode()
+    assert 'headwater_ripple_watermark_ns{output="vwap",worker="w1"} 1000.0' in metrics
+    assert 'headwater_ripple_deltas_total{outcome="duplicate"} 3.0' in metrics
+    worker.close()
+
+
+def test_dedupe_survives_a_restart_and_a_restarted_worker_converges(
+    server: ServerProcess,
+) -> None:
+    worker = Worker(server, "w2", {"vwap": VWAP})
+    for i in range(20):
+        worker.send("vwap", f"S{i % 5}", quote(f"S{i % 5}", float(i), i))
+    worker.checkpoint("c1")
+    worker.close()
+    expected = state(server)
+    assert len(expected) == 5
+    assert server.terminate() == 0
+    server.start()
+    # The restarted worker replays from its last checkpoint's start: all 20 again.
+    again = Worker(server, "w2", {"vwap": VWAP})
+    for i in range(20):
+        again.send("vwap", f"S{i % 5}", quote(f"S{i % 5}", 99.0, 0), sequence_no=i + 1)
+    again.send("vwap", "S0", quote("S0", 1.0, 1), sequence_no=21)
+    again.checkpoint("c2")
+    now = state(server)
+    assert now[1:] == expected[1:]  # the replay changed nothing
+    assert now[0][1:4] == ["S0", "1.0", 1]  # the new delta applied
+    again.close()
+
+
+def test_an_incompatible_schema_is_refused_with_reasons(server: ServerProcess) -> None:
+    Worker(server, "w3", {"vwap": VWAP}).close()
+    clash = rm.Schema("vwap", 2, (rm.Field("symbol", rm.FieldType.INT),))
+    refused = Worker(server, "w4", {"vwap": clash})
+    assert refused.answer.ok is False  # type: ignore[union-attr]
+    assert "vwap" in " ".join(refused.answer.errors)  # type: ignore[union-attr]
+    assert refused.closed_by_server()
+    # Appending a field is a migration the kind accepts.
+    wider = rm.Schema("vwap", 2, (*VWAP.fields, rm.Field("venue", rm.FieldType.STRING)))
+    accepted = Worker(server, "w5", {"vwap": wider})
+    assert accepted.answer.ok is True  # type: ignore[union-attr]
+    accepted.send(
+        "vwap", "X", rm.Set({"symbol": "X", "vwap": 1.0, "volume": 1, "open": False, "venue": "N"})
+    )
+    accepted.checkpoint("c")
+    with server.client() as c:
+        assert rows_of(sql_query(c, "SELECT venue FROM vwap WHERE symbol = 'X'")) == [["N"]]
+    accepted.close()
