@@ -7,6 +7,7 @@ import json
 import socket
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from kimberlite_raw import query as sql_query
 from headwater.protocols.convergedb import messages as cm
 from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection
+from headwater.ripple import Worker as Worker_
+from headwater.ripple import WorkerError
 
 CONFIG = (
     '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
@@ -177,3 +180,105 @@ def test_an_incompatible_schema_is_refused_with_reasons(server: ServerProcess) -
     with server.client() as c:
         assert rows_of(sql_query(c, "SELECT venue FROM vwap WHERE symbol = 'X'")) == [["N"]]
     accepted.close()
+
+
+# ---- the Python worker (headwater.ripple.Worker) ---------------------------------------
+
+
+@dataclass
+class Quote:
+    symbol: str
+    vwap: float
+    volume: int
+    open: bool
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def fixed_server(tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
+    """A server whose Ripple port stays the same across restarts."""
+    address = f"127.0.0.1:{free_port()}"
+    config = CONFIG.replace('ripple = "127.0.0.1:0"', f'ripple = "{address}"')
+    proc = ServerProcess(tmp_path / "srv", config).start()
+    try:
+        yield proc, address
+    finally:
+        proc.terminate()
+
+
+def run(worker: Worker_, output: str, deltas: range) -> None:
+    """Deterministic deltas: sequence number n sets key K(n % 7) from n."""
+    for n in deltas:
+        key = f"K{n % 7}"
+        if n % 11 == 0:
+            worker.remove(output, key, sequence_no=n)
+        elif n % 5 == 0:
+            worker.patch(output, key, sequence_no=n, volume=n)
+        else:
+            worker.set(output, key, Quote(key, n / 4, n, n % 2 == 0), sequence_no=n)
+
+
+def table(server: ServerProcess, kind: str) -> list[list[object]]:
+    with server.client() as c:
+        return rows_of(
+            sql_query(c, f"SELECT entity_id, symbol, vwap, volume, open FROM {kind} ORDER BY 1")
+        )
+
+
+def test_worker_killed_and_restarted_from_its_checkpoint_converges(
+    fixed_server: tuple[ServerProcess, str],
+) -> None:
+    server, address = fixed_server
+    with Worker_("steady", {"steady": Quote}, address) as steady:
+        run(steady, "steady", range(1, 301))
+        steady.checkpoint()
+    crashy = Worker_("crashy", {"crashy": Quote}, address)
+    run(crashy, "crashy", range(1, 151))
+    crashy.checkpoint()
+    run(crashy, "crashy", range(151, 231))
+    crashy._sock.close()  # type: ignore[union-attr]  # killed: no goodbye, no checkpoint
+    crashy._stop.set()
+    # A new process restarts from the checkpoint and replays its deterministic input.
+    with Worker_("crashy", {"crashy": Quote}, address) as restarted:
+        run(restarted, "crashy", range(151, 301))
+        assert restarted.checkpoint() == 300
+    assert table(server, "crashy") == table(server, "steady")
+    assert len(table(server, "steady")) >= 5
+
+
+def test_worker_reconnects_and_resends_after_a_server_restart(
+    fixed_server: tuple[ServerProcess, str],
+) -> None:
+    server, address = fixed_server
+    with Worker_("w", {"quotes": Quote}, address, heartbeat_s=0.05) as worker:
+        worker.set("quotes", "A", Quote("A", 1.0, 1, True))
+        worker.checkpoint()
+        assert server.terminate() == 0
+        server.start()
+        worker.set("quotes", "B", Quote("B", 2.0, 2, False))  # the old socket is dead
+        worker.patch("quotes", "A", vwap=1.5)
+        assert worker.checkpoint() == 3
+        assert worker.reconnects >= 1
+    assert table(server, "quotes") == [
+        [hex_key("A"), "A", "1.5", 1, True],
+        [hex_key("B"), "B", "2.0", 2, False],
+    ]
+
+
+def test_worker_refused_for_an_incompatible_schema(
+    fixed_server: tuple[ServerProcess, str],
+) -> None:
+    _, address = fixed_server
+    Worker_("a", {"clash": Quote}, address).close()
+
+    @dataclass
+    class Other:
+        symbol: int
+
+    with pytest.raises(WorkerError, match="clash"):
+        Worker_("b", {"clash": Other}, address)

@@ -109,11 +109,18 @@ _T = TypeVar("_T")
 _R = TypeVar("_R", bound=ResponsePayload)
 
 
-def parse_server(server: str) -> tuple[str, int]:
+def backoff_delay(attempt: int, base: float, cap: float) -> float:
+    """Seconds to wait before reconnect ``attempt`` (1, 2, ...): exponential from
+    ``base`` up to ``cap``, with jitter so that many clients do not retry in step."""
+    delay: float = min(cap, base * (2 ** max(0, attempt - 1)))
+    return delay * random.uniform(0.5, 1.0)
+
+
+def parse_server(server: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
     """``host:port`` (``[v6]:port``; the port defaults to 7401) as ``(host, port)``."""
     text = server.strip()
     if not text:
-        return "127.0.0.1", DEFAULT_PORT
+        return "127.0.0.1", default_port
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -122,7 +129,7 @@ def parse_server(server: str) -> tuple[str, int]:
     else:
         host, port_text = text, ""
     if not port_text:
-        return host or "127.0.0.1", DEFAULT_PORT
+        return host or "127.0.0.1", default_port
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"bad server address {server!r}: expected host:port")
     return host or "127.0.0.1", int(port_text)
@@ -264,8 +271,7 @@ class AsyncClient:
             await asyncio.sleep(0)
 
     def _backoff(self, attempt: int) -> float:
-        delay: float = min(self.backoff_max, self.backoff_base * (2 ** max(0, attempt - 1)))
-        return delay * random.uniform(0.5, 1.0)
+        return backoff_delay(attempt, self.backoff_base, self.backoff_max)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         async def run() -> None:

@@ -77,9 +77,11 @@ class RippleState:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.tracker = rc.SequenceTracker()
+        self.slots: dict[str, int] = {}  # worker id -> its source slot in the tenant's kinds
         if path.exists():
             for entry in read_json(path).get("sequences", []):
                 self.tracker.observe((entry["worker"], entry["output"]), int(entry["last"]))
+            self.slots = {str(w): int(slot) for w, slot in read_json(path).get("slots", {}).items()}
         self.tracker.duplicates = self.tracker.gaps = 0
         self.watermarks: dict[tuple[str, str], int] = {}
         self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
@@ -91,7 +93,7 @@ class RippleState:
             worker, output = cast(tuple[str, str], source)
             entries.append({"worker": worker, "output": output, "last": last})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"sequences": entries})
+        write_json_atomic(self.path, {"sequences": entries, "slots": self.slots})
 
 
 class RippleConnection(asyncio.Protocol):
@@ -134,6 +136,14 @@ class RippleConnection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def fence(self) -> None:
+        """Give up the worker's slot to a newer connection of the same worker."""
+        if self.source is not None:
+            self.source.disconnect()
+            self.source = None
+        if self.transport is not None:
+            self.transport.abort()
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -182,8 +192,18 @@ class RippleConnection(asyncio.Protocol):
             self._write(self.protocol.reject_handshake(errors))
             self.close()
             return
+        worker = handshake.source_worker_id
+        for other in list(self.live):
+            # One connection per worker: a new Handshake fences the old connection (its
+            # process was restarted, or it reconnected before the old socket's end was seen).
+            if other is not self and other.protocol.worker_id == worker:
+                other.fence()
         try:
-            self.source = self.kinds.connect(handshake.source_worker_id)
+            # A worker keeps its slot across reconnections and restarts, so its Removes
+            # clear the bits its earlier connections set.
+            self.source = self.kinds.connect(worker, source_id=self.state.slots.get(worker))
+            assert self.source.source_id is not None
+            self.state.slots[worker] = self.source.source_id
         except KindsError as exc:
             self._write(self.protocol.reject_handshake([str(exc)]))
             self.close()
@@ -204,6 +224,8 @@ class RippleConnection(asyncio.Protocol):
         raise SchemaMismatch(f"fields {fields} do not fit kind {name} with fields {have}")
 
     def _delta(self, event: rc.DeltaReceived) -> None:
+        if self.source is None:
+            return  # fenced by a newer connection of this worker: it resends what counts
         message = event.message
         worker = self.protocol.worker_id or ""
         key = (worker, message.source_output)
@@ -212,7 +234,6 @@ class RippleConnection(asyncio.Protocol):
         if not self.state.tracker.observe(key, message.sequence_no).apply:
             return
         kind = self.outputs[message.source_output]
-        assert self.source is not None
         op = _op(kind, event.schema, entity_id_for(message.key), event.delta)
         self.kinds.apply(self.source, [op])
         self.state.applied += 1
