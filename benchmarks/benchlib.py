@@ -201,14 +201,18 @@ class ServerProcess:
 class HeadwaterServer(ServerProcess):
     name = "headwater"
 
-    def start(self, root: Path, extra_config: str = "") -> None:
+    def start(
+        self, root: Path, extra_config: str = "", listeners: tuple[str, ...] = ("kimberlite",)
+    ) -> None:
+        """Start with the ``listeners`` on ephemeral ports (all found in :attr:`ports`)."""
         data_dir = root / "headwater-data"
         ports_file = root / "headwater-ports.json"
         config = root / "headwater.toml"
-        config.write_text(
-            '[listen]\nkimberlite = "127.0.0.1:0"\nhttp = ""\nconvergedb = ""\nripple = ""\n'
-            '\n[logging]\nlevel = "WARNING"\n' + extra_config
+        listen = "".join(
+            f'{name} = "{"127.0.0.1:0" if name in listeners else ""}"\n'
+            for name in ("kimberlite", "http", "convergedb", "ripple")
         )
+        config.write_text("[listen]\n" + listen + '\n[logging]\nlevel = "WARNING"\n' + extra_config)
         self.log_path = root / "headwater.log"
         cmd = [
             sys.executable,
@@ -230,7 +234,8 @@ class HeadwaterServer(ServerProcess):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"headwater did not write {ports_file}:\n{self.log_tail()}")
             time.sleep(0.05)
-        self.port = int(json.loads(ports_file.read_text())["kimberlite"])
+        self.ports: dict[str, int] = json.loads(ports_file.read_text())
+        self.port = self.ports.get("kimberlite", 0)
 
 
 class RedisServer(ServerProcess):

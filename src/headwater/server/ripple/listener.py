@@ -157,7 +157,17 @@ class RippleConnection(asyncio.Protocol):
                 if isinstance(event, rc.HandshakeReceived):
                     await self._handshake(event.handshake)
                 elif isinstance(event, rc.DeltaReceived):
-                    self._delta(event)
+                    # Deltas already queued behind this one go to the kinds in one call.
+                    ops = [op] if (op := self._delta(event)) is not None else []
+                    while not self.queue.empty() and isinstance(
+                        self.queue._queue[0],  # type: ignore[attr-defined]
+                        rc.DeltaReceived,
+                    ):
+                        queued = self.queue.get_nowait()
+                        assert isinstance(queued, rc.DeltaReceived)
+                        if (op := self._delta(queued)) is not None:
+                            ops.append(op)
+                    self._apply(ops)
                 elif isinstance(event, rc.MessageReceived):
                     await self._message(event.message)
                 elif isinstance(event, rc.Reject):
@@ -223,20 +233,32 @@ class RippleConnection(asyncio.Protocol):
             return existing  # an older schema: a prefix of the kind's fields
         raise SchemaMismatch(f"fields {fields} do not fit kind {name} with fields {have}")
 
-    def _delta(self, event: rc.DeltaReceived) -> None:
+    def _delta(self, event: rc.DeltaReceived) -> WriteOp | None:
+        """The kind write of a delta; None for a redelivery (or after fencing)."""
         if self.source is None:
-            return  # fenced by a newer connection of this worker: it resends what counts
+            return None  # fenced by a newer connection of this worker: it resends
         message = event.message
         worker = self.protocol.worker_id or ""
         key = (worker, message.source_output)
         if message.watermark_ns is not None:
             self.state.watermarks[key] = message.watermark_ns
         if not self.state.tracker.observe(key, message.sequence_no).apply:
-            return
+            return None
         kind = self.outputs[message.source_output]
-        op = _op(kind, event.schema, entity_id_for(message.key), event.delta)
-        self.kinds.apply(self.source, [op])
-        self.state.applied += 1
+        return _op(kind, event.schema, entity_id_for(message.key), event.delta)
+
+    def _apply(self, ops: list[WriteOp]) -> None:
+        if not ops or self.source is None:
+            return
+        try:
+            self.kinds.apply(self.source, ops)
+        except KindsError:
+            # The engine takes a list all or nothing: apply one by one up to the culprit.
+            for op in ops:
+                self.kinds.apply(self.source, [op])
+                self.state.applied += 1
+            raise
+        self.state.applied += len(ops)
 
     async def _message(self, message: rm.Message) -> None:
         if isinstance(message, rm.Heartbeat):
