@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import pytest
 from convergedb_raw import CdbClient, cdb_port
 from kimberlite_raw import ServerProcess, rows_of
@@ -21,6 +23,7 @@ from headwater.protocols.ripple.connection import ClientConnection
 from headwater.ripple import Worker as Worker_
 from headwater.ripple import WorkerError
 
+OPENAPI = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
 CONFIG = (
     '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
     'ripple = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n'
@@ -135,6 +138,18 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerP
         metrics = answer.read().decode()
     assert 'headwater_ripple_watermark_ns{output="vwap",worker="w1"} 1000.0' in metrics
     assert 'headwater_ripple_deltas_total{outcome="duplicate"} 3.0' in metrics
+    # Liveness and progress per worker, as the HTTP API shows them (checked against
+    # the OpenAPI document's schema).
+    worker.sock.sendall(worker.conn.heartbeat(time.time_ns(), 0.75))
+    worker.checkpoint("c4")
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/ripple/workers") as answer:
+        shown = json.loads(answer.read())
+    spec = json.loads(OPENAPI.read_text())
+    jsonschema.validate(shown, spec["components"]["schemas"]["RippleWorkers"])
+    [w1] = shown["workers"]
+    assert (w1["worker_id"], w1["connected"], w1["load"]) == ("w1", True, 0.75)
+    assert w1["last_heartbeat"] > time.time() - 60
+    assert w1["outputs"] == [{"output": "vwap", "last_sequence_no": 4, "watermark_ns": 1000}]
     worker.close()
 
 

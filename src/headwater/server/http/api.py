@@ -319,6 +319,16 @@ async def sql(request: web.Request) -> web.Response:
 
 # ---- routes -------------------------------------------------------------------------
 
+
+async def ripple_workers(request: web.Request) -> web.Response:
+    """Pipeline workers of the Ripple listener: slots, heartbeats, sequence numbers and
+    watermarks per output (an empty list when the listener is off)."""
+    from headwater.server.ripple.listener import STATES
+
+    state = STATES.get(server_of(request))
+    return json_response({"workers": [] if state is None else state.workers()})
+
+
 ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/health", health),
     ("GET", "/ready", ready),
@@ -332,6 +342,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/api/streams/{name}/events", append_events),
     ("GET", "/api/streams/{name}/events", read_events),
     ("POST", "/api/sql", sql),
+    ("GET", "/api/ripple/workers", ripple_workers),
 ]
 
 

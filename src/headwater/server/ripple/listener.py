@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -67,6 +68,10 @@ def entity_id_for(key: bytes) -> bytes:
     return key.ljust(32, b"\0") if len(key) <= 32 else hashlib.sha256(key).digest()
 
 
+STATES: weakref.WeakKeyDictionary[Server, RippleState] = weakref.WeakKeyDictionary()
+"""The Ripple state of each running server (for the HTTP API)."""
+
+
 class RippleError(Exception):
     """A delta the kind cannot take; the worker is told why and disconnected."""
 
@@ -86,6 +91,37 @@ class RippleState:
         self.watermarks: dict[tuple[str, str], int] = {}
         self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
         self.applied = 0
+        self.live: set[RippleConnection] = set()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker seen: its slot, connection, last heartbeat and outputs (the HTTP
+        API's /api/ripple/workers)."""
+        connected = {c.protocol.worker_id for c in self.live if c.source is not None}
+        outputs: dict[str, list[dict[str, Any]]] = {}
+        for source, last in self.tracker.items():
+            worker, output = cast(tuple[str, str], source)
+            outputs.setdefault(worker, []).append(
+                {
+                    "output": output,
+                    "last_sequence_no": last,
+                    "watermark_ns": self.watermarks.get((worker, output)),
+                }
+            )
+        names = sorted(set(self.slots) | set(outputs) | set(self.heartbeats))
+        result = []
+        for worker in names:
+            beat = self.heartbeats.get(worker)
+            result.append(
+                {
+                    "worker_id": worker,
+                    "connected": worker in connected,
+                    "source_id": self.slots.get(worker),
+                    "last_heartbeat": None if beat is None else round(beat[0], 3),
+                    "load": None if beat is None else beat[1],
+                    "outputs": sorted(outputs.get(worker, []), key=lambda o: o["output"]),
+                }
+            )
+        return result
 
     def save(self) -> None:
         entries = []
@@ -364,7 +400,8 @@ class _RippleCollector(Collector):
 
 async def start_ripple(server: Server, host: str, port: int) -> Listener:
     state = RippleState(server.data_dir / "ripple" / f"tenant-{TENANT_ID}.json")
-    live: set[RippleConnection] = set()
+    STATES[server] = state
+    live = state.live
     loop = asyncio.get_running_loop()
     tcp = await loop.create_server(
         lambda: RippleConnection(server, state, live), host, port, reuse_address=True
