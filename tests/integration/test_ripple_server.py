@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from kimberlite_raw import ServerProcess, rows_of
 from kimberlite_raw import query as sql_query
 
 from headwater.protocols.convergedb import messages as cm
+from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection
 from headwater.ripple import Worker as Worker_
@@ -297,3 +299,42 @@ def test_worker_refused_for_an_incompatible_schema(
 
     with pytest.raises(WorkerError, match="clash"):
         Worker_("b", {"clash": Other}, address)
+
+
+def test_worker_answers_the_servers_checkpoint_request() -> None:
+    """Checkpoints go both ways: a server (here a stand-in speaking the server side of the
+    codec) asks, the worker acknowledges with its last sequence number."""
+    from headwater.protocols.ripple.connection import MessageReceived, ServerConnection
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    acks: list[rm.CheckpointAck] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        server = ServerConnection()
+        conn.settimeout(10)
+        while True:
+            data = conn.recv(1 << 16)
+            if not data:
+                return
+            for event in server.receive_data(data):
+                if isinstance(event, rc.HandshakeReceived):
+                    conn.sendall(server.accept_handshake())
+                elif isinstance(event, rc.DeltaReceived) and event.message.sequence_no == 2:
+                    conn.sendall(server.send(rm.CheckpointRequest("from-server", 7)))
+                elif isinstance(event, MessageReceived) and isinstance(
+                    event.message, rm.CheckpointAck
+                ):
+                    acks.append(event.message)
+                    conn.close()
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with Worker_("w", {"quotes": Quote}, f"127.0.0.1:{port}", heartbeat_s=0.05) as worker:
+        worker.set("quotes", "A", Quote("A", 1.0, 1, True))
+        worker.set("quotes", "B", Quote("B", 2.0, 2, True))
+        thread.join(10)
+    listener.close()
+    assert acks == [rm.CheckpointAck("from-server", "w", 7, 2)]

@@ -16,12 +16,15 @@ Sequence numbers are per output, 1, 2, 3, ... unless the caller passes its own (
 deterministic replay). Deltas sent since the last acknowledged checkpoint are kept; when
 the connection breaks, the worker reconnects (exponential backoff with jitter), says
 Handshake again and resends them with their original sequence numbers, which the server
-drops if it had applied them. A background thread sends heartbeats.
+drops if it had applied them. A background thread sends heartbeats and answers the
+server's Checkpoint_requests (everything sent before one is already on its way, so the
+acknowledgement is immediate).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import select
 import socket
 import threading
 import time
@@ -240,12 +243,22 @@ class Worker:
                 raise ConnectionResetError(f"bad bytes from the server: {exc}") from None
             for item in received:
                 message = item.message
+                if isinstance(message, rm.CheckpointRequest):
+                    self._answer(message)
+                    continue
                 refused = isinstance(message, rm.SchemaNegotiation) and not message.ok
                 if refused and kind is not rm.SchemaNegotiation:
                     assert isinstance(message, rm.SchemaNegotiation)
                     raise WorkerError("the server refused: " + "; ".join(message.errors))
                 if isinstance(message, kind):
                     return message
+
+    def _answer(self, request: rm.CheckpointRequest) -> None:
+        """The server's checkpoint: everything this worker sent before the request is in
+        the socket already (the server reads in order), so acknowledge at once."""
+        assert self._sock is not None and self._conn is not None
+        last = max(self._next.values(), default=1) - 1
+        self._sock.sendall(self._conn.checkpoint_ack(request.checkpoint_id, request.epoch, last))
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -254,8 +267,20 @@ class Worker:
                     return
                 try:
                     self._sock.sendall(self._conn.heartbeat(time.time_ns(), 0.0))
-                except OSError:
+                    self._poll()
+                except (OSError, ProtocolError):
                     continue  # the next send or checkpoint reconnects
+
+    def _poll(self) -> None:
+        """Answer what the server sent meanwhile (its Checkpoint_requests)."""
+        assert self._sock is not None and self._conn is not None
+        while select.select([self._sock], [], [], 0)[0]:
+            data = self._sock.recv(1 << 16)
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            for item in self._conn.receive_data(data):
+                if isinstance(item.message, rm.CheckpointRequest):
+                    self._answer(item.message)
 
 
 def _text(value: Any) -> str:
