@@ -153,6 +153,14 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerP
     assert w1["last_heartbeat"] > time.time() - 60
     assert w1["outputs"] == [{"output": "vwap", "last_sequence_no": 4, "watermark_ns": 1000}]
     worker.close()
+    # The server notices the worker leave (its slot's liveness deadline starts).
+    deadline = time.monotonic() + 10
+    while True:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/ripple/workers") as answer:
+            if not json.loads(answer.read())["workers"][0]["connected"]:
+                break
+        assert time.monotonic() < deadline, "the worker still shows as connected"
+        time.sleep(0.05)
 
 
 def test_dedupe_survives_a_restart_and_a_restarted_worker_converges(

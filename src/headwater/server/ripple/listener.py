@@ -223,6 +223,8 @@ class RippleConnection(asyncio.Protocol):
             self.close()
         except Exception:
             log.exception("ripple connection failed")
+        finally:
+            # The worker is gone (EOF) or refused: its slot starts its liveness deadline.
             self.close()
 
     async def _handshake(self, handshake: rm.Handshake) -> None:
