@@ -346,3 +346,21 @@ def test_worker_answers_the_servers_checkpoint_request() -> None:
         thread.join(10)
     listener.close()
     assert acks == [rm.CheckpointAck("from-server", "w", 7, 2)]
+
+
+def test_a_resuming_worker_numbers_after_what_the_server_applied(
+    fixed_server: tuple[ServerProcess, str],
+) -> None:
+    server, address = fixed_server
+    with Worker_("job", {"quotes": Quote}, address) as first:
+        first.set("quotes", "A", Quote("A", 1.0, 1, True))
+        first.set("quotes", "A", Quote("A", 2.0, 2, True))
+        first.checkpoint()
+    with Worker_("job", {"quotes": Quote}, address) as naive:
+        naive.set("quotes", "A", Quote("A", 9.0, 9, True))  # sequence 1 again: dropped
+        naive.checkpoint()
+    assert table(server, "quotes")[0][2] == "2.0"
+    with Worker_("job", {"quotes": Quote}, address, resume=True) as resumed:
+        assert resumed.set("quotes", "A", Quote("A", 3.0, 3, True)) == 3
+        resumed.checkpoint()
+    assert table(server, "quotes")[0][2] == "3.0"

@@ -86,7 +86,12 @@ class Worker:
         heartbeat_s: float = 5.0,
         timeout: float = 30.0,
         reconnect_attempts: int = 8,
+        resume: bool = False,
     ) -> None:
+        """``resume``: continue numbering after the last sequence number the server
+        applied for this worker (asked with a checkpoint at start), for a worker that
+        does not replay deterministically; by default numbering starts at 1, and a
+        restarted worker resending from its checkpoint gets its old deltas dropped."""
         self.worker_id = worker_id
         self.schemas = {
             out: s if isinstance(s, rm.Schema) else schema_of(s, out) for out, s in outputs.items()
@@ -102,6 +107,9 @@ class Worker:
         self._closed = False
         self.reconnects = 0
         self._connect()
+        if resume:
+            last = self.checkpoint()
+            self._next = {output: last + 1 for output in self.schemas}
         self._stop = threading.Event()
         self._heartbeats = threading.Thread(
             target=self._beat, args=(heartbeat_s,), name="ripple-heartbeat", daemon=True
