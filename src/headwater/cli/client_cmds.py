@@ -386,20 +386,24 @@ def cmd_tail(args: argparse.Namespace) -> int:
     hw = _connect(args)
     stdout = sys.stdout
     try:
-        with hw.subscribe(
+        sub = hw.subscribe(
             args.stream, args.from_offset, credits=args.credits, group=args.group
-        ) as sub:
-            err.print(
-                f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)",
-                markup=False,
-                soft_wrap=True,
-            )
-            for event in sub:
+        ).start()
+        err.print(
+            f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)",
+            markup=False,
+            soft_wrap=True,
+        )
+        # Short waits keep the main thread where Ctrl-C lands at once.
+        while not sub.closed:
+            for event in sub.next_batch(timeout=0.5):
                 _write_event(event.offset, event.value, stdout)
-                stdout.flush()
+            stdout.flush()
     except KeyboardInterrupt:
         pass
     finally:
+        # Bounded: cancels the subscription and closes the connection (the server ends
+        # the subscription with it), rather than waiting on an Unsubscribe answer.
         with contextlib.suppress(KeyboardInterrupt):
             hw.close()
     return 0
