@@ -65,6 +65,9 @@ class EngineConfig:
     tenants: dict[int, str] = field(default_factory=lambda: {0: "default"})
 
 
+_POSITIVE_SETTINGS = ("segment_ms", "retention_ms", "retention_bytes", "delete_retention_ms")
+
+
 @dataclass(frozen=True)
 class StreamSettings:
     """Per-stream overrides; ``None`` means "the server's default"."""
@@ -94,12 +97,28 @@ class StreamSettings:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StreamSettings:
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        # JSON has one number type: 60000.0 is the integer 60000 (as JSON Schema says).
+        known: dict[str, Any] = {
+            k: int(v) if isinstance(v, float) and v.is_integer() else v
+            for k, v in data.items()
+            if k in cls.__dataclass_fields__
+        }
         settings = cls(**known)
         settings.validate()
         return settings
 
     def validate(self) -> None:
+        # Settings arrive as JSON or wire values: check types before anything parses them.
+        if self.sync is not None and not isinstance(self.sync, str):
+            raise InvalidRequest("sync must be a string: fsync, none or interval:<ms>")
+        if not isinstance(self.cleanup_policy, str):
+            raise InvalidRequest("cleanup_policy must be 'delete' or 'compact'")
+        for name in ("segment_bytes", *_POSITIVE_SETTINGS):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise InvalidRequest(f"{name} must be a positive integer")
         try:
             if self.sync is not None:
                 SyncPolicy.parse(self.sync)
@@ -109,10 +128,6 @@ class StreamSettings:
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        for name in ("segment_ms", "retention_ms", "retention_bytes", "delete_retention_ms"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
-                raise InvalidRequest(f"{name} must be a positive integer")
 
 
 @dataclass(frozen=True)

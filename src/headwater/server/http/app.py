@@ -93,13 +93,13 @@ def engine_of(request: web.Request) -> Engine:
 def tenant_of(request: web.Request) -> int:
     """The request's tenant (``X-Headwater-Tenant`` or ``?tenant=``, default 0), after
     checking the bearer token grants it and the tenant exists."""
-    text = request.headers.get("X-Headwater-Tenant") or request.query.get("tenant") or "0"
-    try:
-        tenant_id = int(text)
-    except ValueError:
-        raise InvalidRequest(f"tenant must be a non-negative integer, not {text!r}") from None
-    if tenant_id < 0:
-        raise InvalidRequest(f"tenant must be a non-negative integer, not {text!r}")
+    # Both are checked; the header wins when both are given.
+    given = [
+        _tenant_number(text)
+        for text in (request.headers.get("X-Headwater-Tenant"), request.query.get("tenant"))
+        if text is not None
+    ]
+    tenant_id = given[0] if given else 0
     auth = server_of(request).config.auth
     header = request.headers.get("Authorization")
     token: str | None = None
@@ -116,6 +116,16 @@ def tenant_of(request: web.Request) -> int:
     if granted is not None and tenant_id not in granted:
         raise Forbidden(f"the token does not grant tenant {tenant_id}")
     engine_of(request).tenant(tenant_id)  # TenantNotFound
+    return tenant_id
+
+
+def _tenant_number(text: str) -> int:
+    try:
+        tenant_id = int(text)
+    except ValueError:
+        tenant_id = -1
+    if tenant_id < 0:
+        raise InvalidRequest(f"tenant must be a non-negative integer, not {text!r}")
     return tenant_id
 
 
