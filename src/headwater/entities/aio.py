@@ -31,7 +31,7 @@ import contextlib
 import enum
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -453,13 +453,23 @@ class AsyncEntityClient:
         return self._bind(kind_name, cls, fields, reply, False)
 
     async def kind_from_schema(
-        self, name: str, specs: list[tuple[str, int]]
+        self,
+        name: str,
+        specs: Sequence[tuple[str, int]],
+        *,
+        create: bool = False,
+        event_stream: bool = False,
     ) -> Kind[dict[str, Any]]:
-        """A kind read and written as dicts, from its schema (e.g. :func:`describe_kind`)."""
+        """A kind read and written as dicts of field values, from ``(name, type)`` pairs
+        (e.g. :func:`~.catalog.describe_kind_async`'s ``specs``): resolved with GET_KIND,
+        or with ``create`` made by CREATE_KIND."""
         fields = schema_fields(specs)
         wire = [FieldSpec(n, FieldType(t)) for n, t in specs]
-        reply = await self._call(m.GetKind(name, wire), safe=True)
-        return self._bind(name, dict, fields, reply, False)
+        request: m.ClientMessage = (
+            m.CreateKind(name, wire, event_stream) if create else m.GetKind(name, wire)
+        )
+        reply = await self._call(request, safe=not create)
+        return self._bind(name, dict, fields, reply, event_stream)
 
     def _bind(
         self, name: str, cls: type[_C], fields: Any, reply: m.Message, event_stream: bool

@@ -13,8 +13,11 @@ from typing import Any
 
 from headwater.client.aio import parse_server
 from headwater.client.errors import ServerUnavailable
-from headwater.errors import HeadwaterError, error_for_code
+from headwater.errors import TableNotFound, error_for_code
+from headwater.protocols.convergedb.codes import Opcode
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
+
+from .errors import KindNotFound
 
 DEFAULT_HTTP = "127.0.0.1:7400"
 
@@ -76,12 +79,8 @@ async def _get(http: str, path: str, token: str | None, tenant: int, timeout: fl
         raise ServerUnavailable(f"{url} answered {status} without JSON") from None
     if status != 200:
         error = data.get("error", {}) if isinstance(data, dict) else {}
-        raise _http_error(int(error.get("code", 0)), str(error.get("message", status)))
+        raise error_for_code(int(error.get("code", 0)), str(error.get("message", status)))
     return data
-
-
-def _http_error(code: int, message: str) -> HeadwaterError:
-    return error_for_code(code, message)
 
 
 async def list_kinds_async(
@@ -100,8 +99,11 @@ async def describe_kind_async(
     tenant: int = 0,
     timeout: float = 10.0,
 ) -> KindDescription:
-    """One kind (TableNotFound when the tenant has no kind of that name)."""
+    """One kind (KindNotFound when the tenant has no kind of that name)."""
     from urllib.parse import quote
 
-    data = await _get(http, f"/api/kinds/{quote(name, safe='')}", token, tenant, timeout)
+    try:
+        data = await _get(http, f"/api/kinds/{quote(name, safe='')}", token, tenant, timeout)
+    except TableNotFound as exc:
+        raise KindNotFound(exc.message, Opcode.GET_KIND) from None
     return KindDescription.from_json(data)

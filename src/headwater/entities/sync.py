@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -103,8 +103,18 @@ class EntityClient:
     def get_kind(self, cls: type[T], name: str | None = None) -> Kind[T]:
         return self._run(self._inner.get_kind(cls, name))
 
-    def kind_from_schema(self, name: str, specs: list[tuple[str, int]]) -> Kind[dict[str, Any]]:
-        return self._run(self._inner.kind_from_schema(name, specs))
+    def kind_from_schema(
+        self,
+        name: str,
+        specs: Sequence[tuple[str, int]],
+        *,
+        create: bool = False,
+        event_stream: bool = False,
+    ) -> Kind[dict[str, Any]]:
+        """A kind read and written as dicts (see ``AsyncEntityClient.kind_from_schema``)."""
+        return self._run(
+            self._inner.kind_from_schema(name, specs, create=create, event_stream=event_stream)
+        )
 
     # ---- writes -------------------------------------------------------------------------
 
