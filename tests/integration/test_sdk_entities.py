@@ -252,7 +252,7 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(server: SdkServer, kind_n
         bogus = entities.Kind("ghost", 0xFFF0, 1, 4, Sensor, kind.fields)
         src.assert_(kind, "same_batch", Sensor("lab", 5.0))
         src.assert_(bogus, "ghost", Sensor("lab", 5.0))
-        with pytest.raises(entities.KindNotFound, match="BATCH of 2 writes.*nothing of it"):
+        with pytest.raises(entities.KindNotFound, match=r"BATCH of 2 writes.*nothing of it"):
             src.flush()
         assert src.get(kind, "same_batch") is None
         state = src.get(kind, "kept")
