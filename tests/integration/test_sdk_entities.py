@@ -392,3 +392,31 @@ def test_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(entities.ServerUnavailable, match="connection refused"):
         entities.connect(f"127.0.0.1:{sdk_free_port()}", timeout=5)
+
+
+def test_buffer_and_in_flight_limits_apply_backpressure(
+    server: SdkServer, kind_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from headwater.entities import aio
+
+    # At most 2 unacknowledged batches: the third send waits for an ACK.
+    monkeypatch.setattr(aio, "MAX_IN_FLIGHT_BATCHES", 2)
+    with (
+        entities.connect(cdb(server), linger=60.0, buffer_bytes=2000) as src,
+        entities.connect(cdb(server), read_only=True) as reader,
+    ):
+        kind = src.create_kind(Sensor, kind_name)
+        in_flight: list[int] = []
+        transmit = src.aio._transmit
+
+        def counting(*args: Any) -> None:
+            transmit(*args)
+            in_flight.append(len(src.aio._sent))
+
+        monkeypatch.setattr(src.aio, "_transmit", counting)
+        for i in range(300):  # ~90 bytes each: the 2000-byte buffer fills every ~22 ops
+            src.assert_(kind, f"e{i}", Sensor("x" * 20, float(i)))
+            assert src.aio._buffered_bytes < 2000  # a full buffer was handed over at once
+        assert len(in_flight) > 10 and max(in_flight) <= 2
+        src.flush()
+        assert len(reader.scan(reader.get_kind(Sensor, kind_name))) == 300

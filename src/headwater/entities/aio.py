@@ -80,6 +80,7 @@ DEFAULT_BATCH_OPS = 1000
 DEFAULT_BUFFER_BYTES = 8 << 20
 BATCH_PAYLOAD_BYTES = 1 << 20  # a BATCH is closed at this size (the frame limit is 16 MiB)
 MAX_BATCH_OPS = 0xFFFF
+MAX_IN_FLIGHT_BATCHES = 1024  # unacknowledged batches before sending waits (stream ids)
 
 T = TypeVar("T")
 _C = TypeVar("_C")
@@ -202,15 +203,13 @@ class AsyncEntityClient:
         close the connection."""
         if self._closed:
             return
-        refused: EntityError | None = None
+        failed: Exception | None = None
         try:
-            if flush and (self._buffer or self._sent or self._errors) and self.connected:
+            if flush and (self._buffer or self._sent or self._errors):
                 try:
                     await asyncio.wait_for(self.flush(), self.timeout)
-                except EntityError as exc:
-                    refused = exc  # raised once the client is closed
-                except Exception:
-                    pass
+                except Exception as exc:
+                    failed = exc  # raised once the client is closed: writes were lost
             for sub in list(self._subscriptions):
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(sub.close(), 2.0)
@@ -221,8 +220,8 @@ class AsyncEntityClient:
             conn = self._conn
             if conn is not None:
                 conn.close()
-        if refused is not None:
-            raise refused
+        if failed is not None:
+            raise failed
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         async def run() -> None:
@@ -556,6 +555,9 @@ class AsyncEntityClient:
             try:
                 conn = await self._ensure()
                 await conn.writable()
+                if len(self._sent) >= MAX_IN_FLIGHT_BATCHES:
+                    await self._await_acks(conn)
+                    continue
             except NotSent:
                 continue
             except (ServerUnavailable, ConnectionLost, ClientClosed, EntityError) as exc:
@@ -582,6 +584,14 @@ class AsyncEntityClient:
                 self._sent[seq] = sent
                 self._transmit(conn, seq, sent)
             return
+
+    async def _await_acks(self, conn: CdbConnection) -> None:
+        """Backpressure: wait until the server ACKs a batch (or the connection breaks)."""
+        futures = [s.future for s in self._sent.values() if s.future is not None]
+        if futures:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+        elif not conn.usable:
+            raise NotSent()
 
     def _transmit(self, conn: CdbConnection, seq: int, sent: _Sent) -> None:
         message: m.ClientMessage = sent.ops[0] if len(sent.ops) == 1 else m.Batch(sent.ops)
@@ -877,6 +887,8 @@ class AsyncEntitySubscription(Generic[T]):
 
     async def _subscribe(self, *, resubscribe: bool) -> None:
         client = self._client
+        if self.closed:
+            return
         full = self.bootstrap if not resubscribe else self.resubscribe_mode is ResubscribeMode.FULL
         message = m.Subscribe(self.kind.kind_id, bootstrap=full)
         for _ in range(client.reconnect_attempts + 1):
