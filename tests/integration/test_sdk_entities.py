@@ -387,6 +387,34 @@ def test_catalog_lists_and_describes_kinds(server: SdkServer, kind_name: str) ->
         entities.describe_kind(kind_name + "_missing", http(server))
 
 
+def test_catalog_answers_match_the_openapi_document(server: SdkServer, kind_name: str) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    jsonschema = pytest.importorskip("jsonschema")
+    openapi = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
+    components = json.loads(openapi.read_text())["components"]
+
+    def check(name: str, instance: Any) -> None:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": components}
+        jsonschema.Draft202012Validator(schema).validate(instance)
+
+    with entities.connect(cdb(server)) as src:
+        src.create_kind(Sensor, kind_name)
+    base = f"http://{http(server)}/api/kinds"
+    with urllib.request.urlopen(base, timeout=10) as response:
+        check("Kinds", json.load(response))
+    with urllib.request.urlopen(f"{base}/{kind_name}", timeout=10) as response:
+        kind = json.load(response)
+    check("Kind", kind)
+    assert kind["fields"][2] == {"name": "count", "type": "u32", "code": 4}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base}/{kind_name}_missing", timeout=10)
+    assert refused.value.code == 404
+    check("Error", json.load(refused.value))
+
+
 def test_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
     from conftest import sdk_free_port
 
