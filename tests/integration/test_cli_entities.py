@@ -9,11 +9,13 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from conftest import SdkServer, sdk_free_port
 
 from headwater import entities
+from headwater.errors import AuthenticationFailed
 
 LISTEN = {"convergedb": "127.0.0.1:0", "http": "127.0.0.1:0"}
 
@@ -211,3 +213,33 @@ def test_unreachable_server(sdk_cli_env: dict[str, str], name: str) -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "HTTP API" in proc.stderr
+
+
+AUTH_CONFIG = """
+[auth]
+required = true
+[[auth.tokens]]
+token = "s3cret"
+tenants = [0]
+"""
+
+
+def test_token_is_required_and_passed_through(
+    sdk_make_server: Any, name: str, sdk_cli_env: dict[str, str]
+) -> None:
+    srv = sdk_make_server(extra_config=AUTH_CONFIG, listen=dict(LISTEN))
+    cdb = f"127.0.0.1:{srv.ports['convergedb']}"
+    with pytest.raises(entities.AuthFailed):
+        entities.connect(cdb)
+    with pytest.raises(AuthenticationFailed, match="bearer token is required"):
+        entities.list_kinds(f"127.0.0.1:{srv.ports['http']}")
+    refused = failed(run(srv, "kind", "create", name, "a:bool", env=sdk_cli_env), 1)
+    assert "AUTH_FAILED" in refused
+    env = {**sdk_cli_env, "HEADWATER_TOKEN": "s3cret"}
+    ok(run(srv, "kind", "create", name, "a:bool", env=env))
+    assert name in ok(run(srv, "kind", "list", env=env))
+    with entities.connect(cdb, token="s3cret") as src:
+        kind = src.kind_from_schema(name, [("a", 1)])
+        src.assert_(kind, "k", {"a": True})
+    doc = json.loads(ok(run(srv, "entity", "get", name, "k", "--json", env=env)))
+    assert doc["fields"] == {"a": True}
