@@ -34,10 +34,18 @@ class SdkServer:
     """A real ``headwater serve`` process (Kimberlite only) on a data directory.
 
     ``port=0`` lets the server pick; after the first start the port is kept, so
-    :meth:`restart` comes back on the same address (clients reconnect to it).
+    :meth:`restart` comes back on the same address (clients reconnect to it). ``listen``
+    turns other listeners on, e.g. ``{"convergedb": "127.0.0.1:0"}``; their ports are
+    kept across restarts too (:attr:`ports`).
     """
 
-    def __init__(self, root: Path, port: int = 0, extra_config: str = "") -> None:
+    def __init__(
+        self,
+        root: Path,
+        port: int = 0,
+        extra_config: str = "",
+        listen: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.data_dir = root / "data"
         self.config = root / "headwater.toml"
@@ -45,6 +53,8 @@ class SdkServer:
         self.log = root / "server.log"
         self.port = port
         self.extra_config = extra_config
+        self.listen = {"http": "", "convergedb": "", "ripple": "", **(listen or {})}
+        self.ports: dict[str, int] = {}
         self.proc: subprocess.Popen[bytes] | None = None
         root.mkdir(parents=True, exist_ok=True)
 
@@ -53,9 +63,9 @@ class SdkServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> SdkServer:
+        others = "".join(f'{name} = "{addr}"\n' for name, addr in self.listen.items())
         self.config.write_text(
-            f'[listen]\nkimberlite = "127.0.0.1:{self.port}"\nhttp = ""\n'
-            f'convergedb = ""\nripple = ""\n{self.extra_config}'
+            f'[listen]\nkimberlite = "127.0.0.1:{self.port}"\n{others}{self.extra_config}'
         )
         self.ports_file.unlink(missing_ok=True)
         with self.log.open("ab") as log:
@@ -83,7 +93,12 @@ class SdkServer:
                 self.kill()
                 raise RuntimeError(f"server did not start:\n{self.log_text()}")
             time.sleep(0.02)
-        self.port = int(json.loads(self.ports_file.read_text())["kimberlite"])
+        bound = json.loads(self.ports_file.read_text())
+        self.ports = {k: int(v) for k, v in bound.items() if v}
+        self.port = self.ports["kimberlite"]
+        for name, addr in self.listen.items():
+            if addr.endswith(":0") and self.ports.get(name):
+                self.listen[name] = f"{addr[:-2]}:{self.ports[name]}"
         return self
 
     def stop(self, timeout: float = 20.0) -> int | None:
@@ -148,8 +163,10 @@ def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
     """Start servers of this test's own (stopped at teardown): ``make(port=0)``."""
     servers: list[SdkServer] = []
 
-    def make(port: int = 0, extra_config: str = "") -> SdkServer:
-        server = SdkServer(tmp_path / f"server{len(servers)}", port, extra_config)
+    def make(
+        port: int = 0, extra_config: str = "", listen: dict[str, str] | None = None
+    ) -> SdkServer:
+        server = SdkServer(tmp_path / f"server{len(servers)}", port, extra_config, listen)
         servers.append(server)
         return server.start()
 

@@ -11,6 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from headwater.cli.client_cmds import add_client_commands
+from headwater.cli.entity_cmds import add_entity_commands
+from headwater.cli.kind_cmds import add_kind_commands
 from headwater.cli.pipeline_cmds import add_pipeline_commands
 
 err = Console(stderr=True)
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_client_commands(sub)
+    add_kind_commands(sub)
+    add_entity_commands(sub)
     add_pipeline_commands(sub)
     return parser
 

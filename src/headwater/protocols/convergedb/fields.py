@@ -241,6 +241,18 @@ def decode_record(schema: SchemaLike, data: Buffer) -> list[FieldValue]:
     return values
 
 
+def decode_prefix(schema: SchemaLike, data: Buffer) -> list[FieldValue]:
+    """The values of ``schema``'s fields from the start of a longer record.
+
+    A reader that knows only the first k fields of a kind (its schema is a prefix of the
+    kind's, e.g. before another writer appended fields) reads a STATE with it: the k
+    values are decoded and the bytes after them, the later fields, are left alone.
+    """
+    types = field_types(schema)
+    r = _reader(data)
+    return [_get(r, field_type, f"field {i}") for i, field_type in enumerate(types)]
+
+
 def decode_present_fields(schema: SchemaLike, mask: int, data: Buffer) -> dict[int, FieldValue]:
     """PATCH / EVENT field_data: exactly the fields whose bit is set in ``mask``."""
     types = field_types(schema)

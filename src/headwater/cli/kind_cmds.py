@@ -1,0 +1,211 @@
+"""``headwater kind create|list|describe``: entity kinds (ConvergeDB).
+
+Kinds are created over ConvergeDB (``--server``, default 127.0.0.1:7402). ConvergeDB has
+no request that lists kinds or returns their field names, so ``list`` and ``describe``
+read the catalog from the HTTP API (``--http``, default 127.0.0.1:7400).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from headwater.cli.client_cmds import client_command, fail, non_negative, out
+
+if TYPE_CHECKING:
+    from headwater.entities import EntityClient, KindDescription
+
+# A CLI connection that writes takes a source slot; a short liveness deadline frees the
+# slot soon after the command ends (the tenant has only 64).
+CLI_LIVENESS_MS = 2000
+
+
+def entity_options() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("connection")
+    group.add_argument(
+        "--server",
+        default=os.environ.get("HEADWATER_CONVERGEDB", "127.0.0.1:7402"),
+        help="ConvergeDB address host:port (default 127.0.0.1:7402, or $HEADWATER_CONVERGEDB)",
+    )
+    group.add_argument(
+        "--http",
+        default=os.environ.get("HEADWATER_HTTP", "127.0.0.1:7400"),
+        help="HTTP API address for the kind catalog (default 127.0.0.1:7400, or $HEADWATER_HTTP)",
+    )
+    group.add_argument(
+        "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
+    )
+    group.add_argument(
+        "--tenant",
+        type=non_negative,
+        default=0,
+        help="tenant id for the catalog (default 0; ConvergeDB picks the token's lowest tenant)",
+    )
+    return parent
+
+
+def connect_entities(
+    args: argparse.Namespace, *, read_only: bool, reconnect: bool = False
+) -> EntityClient:
+    from headwater import entities
+
+    return entities.connect(
+        args.server,
+        token=args.token,
+        name="headwater-cli",
+        read_only=read_only,
+        liveness_ms=0 if read_only else CLI_LIVENESS_MS,
+        reconnect=reconnect,
+        timeout=30.0,
+    )
+
+
+def describe(args: argparse.Namespace, name: str) -> KindDescription:
+    from headwater.entities import describe_kind
+
+    return describe_kind(name, args.http, token=args.token, tenant=args.tenant)
+
+
+def parse_field(text: str) -> tuple[str, int]:
+    """``name:type`` (types: bool, u8..u64, i8..i64, f32, f64, string, bytes, timestamp)."""
+    from headwater.entities.schema import parse_type
+    from headwater.errors import UsageError
+
+    name, sep, type_text = text.rpartition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected name:type, not {text!r}")
+    try:
+        return name, int(parse_type(type_text))
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def fields_text(kind: KindDescription) -> str:
+    from headwater.entities.schema import type_name
+
+    return ", ".join(f"{f.name}:{type_name(f.type)}" for f in kind.fields)
+
+
+@client_command
+def cmd_kind_create(args: argparse.Namespace) -> int:
+    if not args.fields:
+        return fail("a kind needs at least one field: headwater kind create NAME name:type ...", 2)
+    with connect_entities(args, read_only=False) as client:
+        kind = client.kind_from_schema(
+            args.name, args.fields, create=True, event_stream=args.event_stream
+        )
+    what = "event-stream kind" if args.event_stream else "kind"
+    out.print(
+        f"{what} {kind.name}: id {kind.kind_id}, schema version {kind.schema_version}, "
+        f"{kind.field_count} field{'s' if kind.field_count != 1 else ''}",
+        markup=False,
+        soft_wrap=True,
+    )
+    return 0
+
+
+def _kind_json(kind: KindDescription) -> dict[str, Any]:
+    from headwater.entities.schema import type_name
+
+    return {
+        "kind_id": kind.kind_id,
+        "name": kind.name,
+        "schema_version": kind.schema_version,
+        "event_stream": kind.event_stream,
+        "internal": kind.internal,
+        "fields": [{"name": f.name, "type": type_name(f.type)} for f in kind.fields],
+        "entities": kind.entities,
+        "subscribers": kind.subscribers,
+    }
+
+
+@client_command
+def cmd_kind_list(args: argparse.Namespace) -> int:
+    from headwater.entities import list_kinds
+
+    kinds = list_kinds(args.http, token=args.token, tenant=args.tenant)
+    if not args.all:
+        kinds = [k for k in kinds if not k.internal]
+    if args.json:
+        sys.stdout.write(json.dumps([_kind_json(k) for k in kinds]) + "\n")
+        return 0
+    table = Table(title=f"entity kinds of tenant {args.tenant}")
+    table.add_column("id", justify="right")
+    table.add_column("name", no_wrap=True)
+    table.add_column("version", justify="right")
+    table.add_column("fields")
+    table.add_column("entities", justify="right")
+    table.add_column("subscribers", justify="right")
+    for kind in kinds:
+        name = kind.name + (" (events)" if kind.event_stream else "")
+        table.add_row(
+            str(kind.kind_id),
+            name,
+            str(kind.schema_version),
+            fields_text(kind),
+            f"{kind.entities:,}",
+            str(kind.subscribers),
+        )
+    out.print(table)
+    out.print(f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''}")
+    return 0
+
+
+@client_command
+def cmd_kind_describe(args: argparse.Namespace) -> int:
+    from headwater.entities.schema import type_name
+
+    kind = describe(args, args.name)
+    if args.json:
+        sys.stdout.write(json.dumps(_kind_json(kind)) + "\n")
+        return 0
+    info = Table(show_header=False, title=f"kind {kind.name}")
+    info.add_column("what", style="bold")
+    info.add_column("value")
+    info.add_row("id", str(kind.kind_id))
+    info.add_row("schema version", str(kind.schema_version))
+    info.add_row("event stream", "yes" if kind.event_stream else "no")
+    info.add_row("entities", f"{kind.entities:,}")
+    info.add_row("subscribers", str(kind.subscribers))
+    out.print(info)
+    fields = Table(title="fields")
+    fields.add_column("#", justify="right")
+    fields.add_column("name", no_wrap=True)
+    fields.add_column("type")
+    fields.add_column("code", justify="right")
+    for index, spec in enumerate(kind.fields):
+        fields.add_row(str(index), spec.name, type_name(spec.type), str(int(spec.type)))
+    out.print(fields)
+    return 0
+
+
+def add_kind_commands(sub: Any) -> None:
+    conn = entity_options()
+    kind = sub.add_parser("kind", help="create, list and describe entity kinds (ConvergeDB)")
+    kind_sub = kind.add_subparsers(dest="kind_command", required=True)
+    p = kind_sub.add_parser(
+        "create",
+        parents=[conn],
+        help="create a kind (or append fields to it): NAME name:type ...",
+        description="Types: bool, u8, u16, u32, u64, i8, i16, i32, i64, f32, f64, string, "
+        "bytes, timestamp. Creating a kind again with the same fields changes nothing; "
+        "with fields appended it migrates the kind.",
+    )
+    p.add_argument("name")
+    p.add_argument("fields", nargs="*", type=parse_field, metavar="name:type")
+    p.add_argument("--event-stream", action="store_true", help="also deliver every op as EVENT")
+    p.set_defaults(func=cmd_kind_create)
+    p = kind_sub.add_parser("list", parents=[conn], help="list the tenant's kinds")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all", action="store_true", help="include headwater's own kinds")
+    p.set_defaults(func=cmd_kind_list)
+    p = kind_sub.add_parser("describe", parents=[conn], help="show one kind and its fields")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_kind_describe)

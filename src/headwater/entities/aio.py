@@ -1,0 +1,1102 @@
+"""The asyncio entities client: :func:`connect_async` and :class:`AsyncEntityClient`.
+
+One ConvergeDB connection per client, as a writer (a *source*, one of the tenant's 64
+slots) or read-only. What it does for its caller:
+
+* **Buffered writes.** ``assert_``/``patch``/``retract`` encode the value at once (a
+  wrong type raises there, nothing is sent) and append the op to a buffer. The buffer is
+  sent ``linger`` seconds after its first op, or as soon as it holds ``batch_ops`` ops,
+  as BATCH frames (a single op as its own frame), each on a stream id so the server ACKs
+  it once durable. A batch the server refuses is remembered and raised by the next
+  :meth:`~AsyncEntityClient.flush` (BATCH is all or nothing on the server).
+* **flush()** sends the buffer, then a HEARTBEAT on a stream id: its ACK means every
+  earlier write of this connection is durable and visible to readers.
+* **Epochs**: ``async with client.epoch() as epoch`` begins a source epoch and ends it
+  on a clean exit; ``epoch.retracted`` is how many entities the server retracted.
+* **Reconnects.** When the connection breaks, the client reconnects (exponential backoff
+  with jitter) with the *same source id*, so within the liveness deadline it keeps its
+  entities. Batches that were not ACKed yet are sent again (at least once: they may
+  have been applied already; asserts, patches and retracts are safe to repeat from one
+  source). An open epoch is abandoned by the server (nothing retracted); ending it
+  raises :class:`~.errors.NoEpoch`. Subscriptions subscribe again (see
+  :class:`ResubscribeMode`).
+* **Liveness**: a HEARTBEAT goes out whenever the connection has been silent for a
+  third of the liveness deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from headwater.client.aio import backoff_delay, parse_server
+from headwater.client.errors import (
+    ClientClosed,
+    ConnectionLost,
+    RequestTimeout,
+    ServerUnavailable,
+)
+from headwater.errors import UsageError
+from headwater.protocols.convergedb import messages as m
+from headwater.protocols.convergedb.codes import (
+    DEFAULT_LIVENESS_MS,
+    MAX_PAYLOAD,
+    NO_SOURCE,
+    ErrorCode,
+    Opcode,
+)
+from headwater.protocols.convergedb.fields import FieldSpec, FieldType
+
+from ._connection import CdbConnection, Lost, NotSent
+from .errors import (
+    EntityError,
+    NoEpoch,
+    ReadOnly,
+    SourceConflict,
+    SubscriptionOverflow,
+    error_for,
+)
+from .schema import (
+    Entity,
+    KeyLike,
+    Kind,
+    dataclass_fields,
+    entity_id,
+    kind_name_of,
+    schema_fields,
+)
+
+DEFAULT_SERVER = "127.0.0.1:7402"
+DEFAULT_PORT = 7402
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_LINGER = 0.002
+DEFAULT_BATCH_OPS = 1000
+DEFAULT_BUFFER_BYTES = 8 << 20
+BATCH_PAYLOAD_BYTES = 1 << 20  # a BATCH is closed at this size (the frame limit is 16 MiB)
+MAX_BATCH_OPS = 0xFFFF
+MAX_IN_FLIGHT_BATCHES = 1024  # unacknowledged batches before sending waits (stream ids)
+
+T = TypeVar("T")
+_C = TypeVar("_C")
+
+
+class ResubscribeMode(enum.Enum):
+    """What a subscription does when its connection comes back after a break.
+
+    ``FULL``: subscribe again with bootstrap; the current state of every entity comes
+    again (highest version wins, so nothing is delivered twice), and entities deleted
+    while the connection was down are reported as deleted. ``LIVE_ONLY``: subscribe again
+    without bootstrap; changes made while the connection was down are missed.
+    """
+
+    FULL = "full"
+    LIVE_ONLY = "live_only"
+
+
+def _describe(op: m.WriteOp) -> str:
+    return f"{op.opcode.name} (kind {op.kind_id}, entity 0x{op.entity_id.hex()[:16]}...)"
+
+
+def _op_size(op: m.WriteOp) -> int:
+    data = getattr(op, "field_data", b"")
+    return 1 + 2 + 32 + 8 + 4 + len(data) + 2 + len(op.metadata)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """A batch on the wire, kept until its ACK (resent after a reconnect)."""
+
+    ops: list[m.WriteOp]
+    future: asyncio.Future[m.Message] | None = None
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class _EpochState:
+    conn: CdbConnection | None = None
+
+
+class AsyncEntityClient:
+    """A ConvergeDB client for asyncio. Make one with :func:`connect_async`."""
+
+    def __init__(
+        self,
+        server: str = DEFAULT_SERVER,
+        *,
+        token: str | None = None,
+        name: str = "",
+        source_id: int | None = None,
+        read_only: bool = False,
+        liveness_ms: int = 0,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        reconnect: bool = True,
+        reconnect_attempts: int = 10,
+        backoff_base: float = 0.05,
+        backoff_max: float = 2.0,
+        linger: float = DEFAULT_LINGER,
+        batch_ops: int = DEFAULT_BATCH_OPS,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> None:
+        self.host, self.port = parse_server(server, DEFAULT_PORT)
+        self.address = f"{self.host}:{self.port}"
+        self.token = token or ""
+        self.name = name
+        self.requested_source = source_id
+        self.read_only = read_only
+        self.liveness_ms = liveness_ms
+        self.timeout = timeout
+        self.reconnect = reconnect
+        self.reconnect_attempts = max(1, reconnect_attempts)
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self.linger = linger
+        self.batch_ops = max(1, min(batch_ops, MAX_BATCH_OPS))
+        self.buffer_bytes = buffer_bytes
+        self.source_id: int | None = None
+        """The source slot the server granted (None when read-only)."""
+        self.reconnects = 0
+        self.resent_batches = 0
+        self._conn: CdbConnection | None = None
+        self._lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connected_once = False
+        self._closed = False
+        # The write buffer is filled from any thread (the blocking client encodes in the
+        # caller's thread) and emptied on the loop.
+        self._buffer_lock = threading.Lock()
+        self._buffer: list[m.WriteOp] = []
+        self._buffered_bytes = 0
+        self._send_scheduled = False
+        self._sent: dict[int, _Sent] = {}  # sequence -> batch awaiting its ACK
+        self._next_batch = 0
+        self._errors: list[EntityError | ConnectionLost] = []
+        self._epoch = _EpochState()
+        self._subscriptions: set[AsyncEntitySubscription[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._kinds: dict[str, Kind[Any]] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncEntityClient:
+        await self._ensure()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and self._conn.usable
+
+    async def close(self, *, flush: bool = True) -> None:
+        """Send what is buffered (``flush``: and wait until it is durable), unsubscribe and
+        close the connection."""
+        if self._closed:
+            return
+        failed: Exception | None = None
+        try:
+            if flush and (self._buffer or self._sent or self._errors):
+                try:
+                    await asyncio.wait_for(self.flush(), self.timeout)
+                except Exception as exc:
+                    failed = exc  # raised once the client is closed: writes were lost
+            for sub in list(self._subscriptions):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(sub.close(), 2.0)
+        finally:
+            self._closed = True
+            for task in list(self._tasks):
+                task.cancel()
+            conn = self._conn
+            if conn is not None:
+                conn.close()
+        if failed is not None:
+            raise failed
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- connecting ---------------------------------------------------------------------
+
+    async def _open(self) -> CdbConnection:
+        """One connection attempt, CONNECT included."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        where = f"cannot connect to ConvergeDB at {self.address}"
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: CdbConnection(self._on_lost, self._on_async_error),
+                    self.host,
+                    self.port,
+                ),
+                self.timeout,
+            )
+        except TimeoutError:
+            raise ServerUnavailable(f"{where}: timed out after {self.timeout}s") from None
+        except OSError as exc:
+            raise ServerUnavailable(f"{where}: {_reason(exc)}") from None
+        # After the first CONNECT, ask for the slot we were given: within the liveness
+        # deadline the server hands it back with its entities.
+        source = self.source_id if self.source_id is not None else self.requested_source
+        message = m.Connect(self.name, self.token, source, self.read_only, self.liveness_ms)
+        try:
+            _, future = conn.send(message)
+            assert future is not None
+            reply = await asyncio.wait_for(future, self.timeout)
+        except TimeoutError:
+            conn.abort()
+            raise ServerUnavailable(
+                f"{where}: no answer to CONNECT within {self.timeout}s"
+            ) from None
+        except (Lost, NotSent):
+            why = conn.close_reason or "the connection closed during CONNECT"
+            raise ServerUnavailable(f"{where}: {why}") from None
+        if isinstance(reply, m.ErrorMessage):
+            conn.close()
+            raise error_for(reply.code, reply.ref_opcode, reply.message)
+        if not isinstance(reply, m.ConnectAck):
+            conn.abort()
+            raise ServerUnavailable(f"{where}: unexpected {type(reply).__name__} to CONNECT")
+        conn.source_id = reply.source_id
+        self.source_id = None if reply.source_id == NO_SOURCE else reply.source_id
+        self._spawn(self._heartbeats(conn))
+        return conn
+
+    async def _ensure(self) -> CdbConnection:
+        """The live connection; (re)connects when there is none, then sends again the
+        batches the old one left unacknowledged."""
+        conn = self._conn
+        if conn is not None and conn.usable:
+            return conn
+        if self._closed:
+            raise ClientClosed("the entities client is closed")
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            conn = self._conn
+            if conn is not None and conn.usable:
+                return conn
+            if self._closed:
+                raise ClientClosed("the entities client is closed")
+            if not self._connected_once:
+                conn = await self._open()
+            elif not self.reconnect:
+                why = (self._conn.close_reason if self._conn else None) or "closed"
+                raise ConnectionLost(
+                    f"the connection to ConvergeDB at {self.address} was lost ({why}) "
+                    "and reconnect is off"
+                )
+            else:
+                conn = await self._reconnect()
+            self._conn = conn
+            self._connected_once = True
+            self._resend(conn)
+            return conn
+
+    async def _reconnect(self) -> CdbConnection:
+        last: Exception | None = None
+        for attempt in range(1, self.reconnect_attempts + 1):
+            await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_max))
+            if self._closed:
+                raise ClientClosed("the entities client is closed")
+            try:
+                conn = await self._open()
+            except (ServerUnavailable, SourceConflict) as exc:
+                # SourceConflict: the server has not yet noticed the old connection end.
+                last = exc
+                continue
+            self.reconnects += 1
+            return conn
+        raise ServerUnavailable(
+            f"lost the connection to ConvergeDB at {self.address} and could not reconnect "
+            f"in {self.reconnect_attempts} attempts: {last}"
+        )
+
+    def _on_lost(self, conn: CdbConnection, exc: BaseException | None) -> None:
+        if self._closed or conn is not self._conn:
+            return
+        subs = [s for s in self._subscriptions if s._conn is conn]
+        for sub in subs:
+            sub._detach()
+        if not self.reconnect:
+            error = ConnectionLost(
+                f"the connection to ConvergeDB at {self.address} was lost "
+                f"({conn.close_reason}) and reconnect is off"
+            )
+            if self._sent:
+                self._errors.append(
+                    ConnectionLost(
+                        f"{len(self._sent)} batches were in flight when the connection was "
+                        f"lost ({conn.close_reason}); they may or may not have been applied",
+                        maybe_applied=True,
+                    )
+                )
+                self._sent.clear()
+            for sub in subs:
+                sub._fail(error)
+            return
+        if subs or self._sent or self._buffer:
+            self._spawn(self._recover(subs))
+
+    async def _recover(self, subs: list[AsyncEntitySubscription[Any]]) -> None:
+        try:
+            await self._ensure()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            for sub in subs:
+                sub._fail(exc)
+            if isinstance(exc, EntityError | ConnectionLost):
+                self._errors.append(exc)
+            return
+        if self._buffer:
+            await self._send_buffer()
+        for sub in subs:
+            try:
+                await sub._subscribe(resubscribe=True)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:
+                sub._fail(exc)
+
+    async def _heartbeats(self, conn: CdbConnection) -> None:
+        deadline_ms = self.liveness_ms or DEFAULT_LIVENESS_MS
+        interval = max(0.05, deadline_ms / 3000)
+        loop = asyncio.get_running_loop()
+        while conn.usable:
+            await asyncio.sleep(interval)
+            if loop.time() - conn.last_send >= interval and conn.usable:
+                with contextlib.suppress(NotSent):
+                    conn.send(m.Heartbeat())
+
+    def _on_async_error(self, error: m.ErrorMessage) -> None:
+        # Only fire-and-forget requests fail on stream 0; this client sends none but
+        # liveness HEARTBEATs, so this is the server refusing something it cannot tie
+        # to a request: keep it for the next flush.
+        self._errors.append(error_for(error.code, error.ref_opcode, error.message))
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def _call(self, message: m.ClientMessage, *, safe: bool, ack: bool = False) -> m.Message:
+        """Send a request and return its reply (an ERROR raises its EntityError).
+
+        ``safe`` requests (reads) are sent again on a new connection when the old one
+        breaks; the others raise ConnectionLost with ``maybe_applied``.
+        """
+        what = message.opcode.name
+        for _ in range(self.reconnect_attempts + 1):
+            conn = await self._ensure()
+            try:
+                await conn.writable()
+                stream_id, future = conn.send(message, ack=ack)
+            except NotSent:
+                continue
+            assert future is not None
+            try:
+                reply = await asyncio.wait_for(future, self.timeout)
+            except TimeoutError:
+                conn.pending.pop(stream_id, None)
+                raise RequestTimeout(
+                    f"no answer to {what} from ConvergeDB at {self.address} within {self.timeout}s"
+                ) from None
+            except Lost as exc:
+                if safe and self.reconnect and not self._closed:
+                    continue
+                raise ConnectionLost(
+                    f"the connection to ConvergeDB at {self.address} was lost while {what} "
+                    f"was in flight ({exc})",
+                    maybe_applied=not safe,
+                ) from None
+            if isinstance(reply, m.ErrorMessage):
+                raise error_for(reply.code, reply.ref_opcode, reply.message)
+            return reply
+        raise ServerUnavailable(f"ConvergeDB at {self.address} keeps closing the connection")
+
+    # ---- kinds --------------------------------------------------------------------------
+
+    async def create_kind(
+        self, cls: type[T], name: str | None = None, *, event_stream: bool = False
+    ) -> Kind[T]:
+        """Create the kind the dataclass ``cls`` declares (a no-op when it exists with the
+        same fields; fields appended to the dataclass migrate it). The name is ``name``,
+        else ``cls.__kind__``, else the class name."""
+        fields = dataclass_fields(cls)
+        kind_name = name or kind_name_of(cls)
+        specs = [FieldSpec(f.name, f.type) for f in fields]
+        reply = await self._call(m.CreateKind(kind_name, specs, event_stream), safe=False)
+        return self._bind(kind_name, cls, fields, reply, event_stream)
+
+    async def get_kind(self, cls: type[T], name: str | None = None) -> Kind[T]:
+        """The existing kind ``cls`` reads and writes: its fields must be a prefix of the
+        kind's (SchemaIncompatible otherwise; KindNotFound when there is no such kind)."""
+        fields = dataclass_fields(cls)
+        kind_name = name or kind_name_of(cls)
+        specs = [FieldSpec(f.name, f.type) for f in fields]
+        reply = await self._call(m.GetKind(kind_name, specs), safe=True)
+        return self._bind(kind_name, cls, fields, reply, False)
+
+    async def kind_from_schema(
+        self,
+        name: str,
+        specs: Sequence[tuple[str, int]],
+        *,
+        create: bool = False,
+        event_stream: bool = False,
+    ) -> Kind[dict[str, Any]]:
+        """A kind read and written as dicts of field values, from ``(name, type)`` pairs
+        (e.g. :func:`~.catalog.describe_kind_async`'s ``specs``): resolved with GET_KIND,
+        or with ``create`` made by CREATE_KIND."""
+        fields = schema_fields(specs)
+        wire = [FieldSpec(n, FieldType(t)) for n, t in specs]
+        request: m.ClientMessage = (
+            m.CreateKind(name, wire, event_stream) if create else m.GetKind(name, wire)
+        )
+        reply = await self._call(request, safe=not create)
+        return self._bind(name, dict, fields, reply, event_stream)
+
+    def _bind(
+        self, name: str, cls: type[_C], fields: Any, reply: m.Message, event_stream: bool
+    ) -> Kind[_C]:
+        if not isinstance(reply, m.KindAck):
+            raise UsageError(f"unexpected {type(reply).__name__} to a kind request")
+        kind = Kind(
+            name,
+            reply.kind_id,
+            reply.schema_version,
+            reply.field_count,
+            cls,
+            fields,
+            event_stream,
+        )
+        self._kinds[name] = kind
+        return kind
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def _check_writer(self) -> None:
+        if self._closed:
+            raise ClientClosed("the entities client is closed")
+        if self.read_only:
+            raise ReadOnly(
+                "this client connected read-only: connect as a source (read_only=False) to "
+                "assert, patch or retract",
+                Opcode.ASSERT,
+            )
+
+    def buffer_assert(self, kind: Kind[T], key: KeyLike, value: T, metadata: bytes = b"") -> bool:
+        """Encode and buffer an ASSERT (any thread); True when the buffer is full."""
+        self._check_writer()
+        op = m.Assert(kind.kind_id, entity_id(key), kind.encode(value), bytes(metadata))
+        return self._buffer_op(op)
+
+    def buffer_patch(
+        self,
+        kind: Kind[Any],
+        key: KeyLike,
+        changes: Mapping[str, Any],
+        metadata: bytes = b"",
+    ) -> bool:
+        self._check_writer()
+        mask, data = kind.encode_patch(changes)
+        op = m.Patch(kind.kind_id, entity_id(key), mask, data, bytes(metadata))
+        return self._buffer_op(op)
+
+    def buffer_retract(self, kind: Kind[Any], key: KeyLike, metadata: bytes = b"") -> bool:
+        self._check_writer()
+        return self._buffer_op(m.Retract(kind.kind_id, entity_id(key), bytes(metadata)))
+
+    def _buffer_op(self, op: m.WriteOp) -> bool:
+        loop = self._loop
+        if loop is None:
+            raise UsageError("the entities client is not connected yet")
+        with self._buffer_lock:
+            self._buffer.append(op)
+            self._buffered_bytes += _op_size(op)
+            full = self._buffered_bytes >= self.buffer_bytes
+            now = len(self._buffer) % self.batch_ops == 0
+            kick = now or not self._send_scheduled
+            self._send_scheduled = True
+        if kick:
+            loop.call_soon_threadsafe(self._schedule_send, now)
+        return full
+
+    def _schedule_send(self, now: bool) -> None:
+        if self._closed:
+            return
+        if now or self.linger <= 0:
+            self._spawn(self._send_buffer())
+        else:
+            assert self._loop is not None
+            self._loop.call_later(self.linger, lambda: self._spawn(self._send_buffer()))
+
+    async def _send_buffer(self) -> None:
+        """Send every buffered op as batches, each ACKed once durable."""
+        while True:
+            with self._buffer_lock:
+                if not self._buffer:
+                    self._send_scheduled = False
+                    return
+            try:
+                conn = await self._ensure()
+                await conn.writable()
+                if len(self._sent) >= MAX_IN_FLIGHT_BATCHES:
+                    await self._await_acks(conn)
+                    continue
+            except NotSent:
+                continue
+            except (ServerUnavailable, ConnectionLost, ClientClosed, EntityError) as exc:
+                with self._buffer_lock:
+                    dropped = len(self._buffer)
+                    self._buffer.clear()
+                    self._buffered_bytes = 0
+                    self._send_scheduled = False
+                self._errors.append(
+                    ConnectionLost(f"{dropped} buffered writes were not sent: {exc}")
+                    if not isinstance(exc, EntityError)
+                    else exc
+                )
+                return
+            with self._buffer_lock:
+                ops, self._buffer = self._buffer, []
+                self._buffered_bytes = 0
+                self._send_scheduled = False
+            # No await from here on: batches leave in the order the ops were made.
+            for chunk in _chunks(ops, self.batch_ops):
+                seq = self._next_batch
+                self._next_batch += 1
+                sent = _Sent(chunk)
+                self._sent[seq] = sent
+                self._transmit(conn, seq, sent)
+            return
+
+    async def _await_acks(self, conn: CdbConnection) -> None:
+        """Backpressure: wait until the server ACKs a batch (or the connection breaks)."""
+        futures = [s.future for s in self._sent.values() if s.future is not None]
+        if futures:
+            await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+        elif not conn.usable:
+            raise NotSent()
+
+    def _transmit(self, conn: CdbConnection, seq: int, sent: _Sent) -> None:
+        message: m.ClientMessage = sent.ops[0] if len(sent.ops) == 1 else m.Batch(sent.ops)
+        try:
+            _, future = conn.send(message, ack=True)
+        except NotSent:
+            return  # stays in _sent: the reconnect sends it again
+        assert future is not None
+        sent.future = future
+        sent.attempts += 1
+        future.add_done_callback(lambda f: self._batch_done(seq, sent, f))
+
+    def _batch_done(self, seq: int, sent: _Sent, future: asyncio.Future[m.Message]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # Lost: kept in _sent for the reconnect to resend
+        if self._sent.get(seq) is not sent or sent.future is not future:
+            return
+        del self._sent[seq]
+        reply = future.result()
+        if isinstance(reply, m.ErrorMessage):
+            error = error_for(reply.code, reply.ref_opcode, reply.message)
+            what = _describe(sent.ops[0])
+            if len(sent.ops) > 1:
+                what = f"a BATCH of {len(sent.ops)} writes (the first: {what})"
+            error.message = f"{what} was refused, nothing of it applied: {reply.message}"
+            error.args = (error.message,)
+            self._errors.append(error)
+
+    def _resend(self, conn: CdbConnection) -> None:
+        for seq in sorted(self._sent):
+            sent = self._sent[seq]
+            if sent.future is not None and not sent.future.done():
+                continue  # in flight on this very connection
+            self.resent_batches += 1
+            self._transmit(conn, seq, sent)
+
+    async def assert_(
+        self, kind: Kind[T], key: KeyLike, value: T, *, metadata: bytes = b""
+    ) -> None:
+        """Buffer an ASSERT: this source holds the entity and sets every field."""
+        if self.buffer_assert(kind, key, value, metadata):
+            await self.drain()
+
+    async def patch(
+        self,
+        kind: Kind[Any],
+        key: KeyLike,
+        changes: Mapping[str, Any] | None = None,
+        *,
+        metadata: bytes = b"",
+        **fields: Any,
+    ) -> None:
+        """Buffer a PATCH of the named fields (``changes`` and/or keyword arguments)."""
+        if self.buffer_patch(kind, key, {**(changes or {}), **fields}, metadata):
+            await self.drain()
+
+    async def retract(self, kind: Kind[Any], key: KeyLike, *, metadata: bytes = b"") -> None:
+        """Buffer a RETRACT: this source no longer holds the entity."""
+        if self.buffer_retract(kind, key, metadata):
+            await self.drain()
+
+    async def drain(self) -> None:
+        """Hand the buffer to the connection now (waiting while the socket is full)."""
+        await self._send_buffer()
+
+    async def flush(self) -> None:
+        """Return once every write made before the call is durable and visible to
+        readers; raise the first write the server refused since the last flush."""
+        while True:
+            await self._send_buffer()
+            waiting = [s.future for s in self._sent.values() if s.future is not None]
+            try:
+                await self._call(m.Heartbeat(), safe=True, ack=True)
+            except ConnectionLost:
+                if self.reconnect and not self._closed:
+                    continue
+                raise
+            # The batch ACKs come before the barrier's; wait for them all the same (a
+            # batch resent after a reconnect has a new future: loop again for it).
+            if waiting:
+                await asyncio.gather(*waiting, return_exceptions=True)
+            if not self._sent and not self._buffer:
+                break
+            if not self.reconnect:
+                break
+        self._raise_errors()
+
+    def _raise_errors(self) -> None:
+        if not self._errors:
+            return
+        first, more = self._errors[0], len(self._errors) - 1
+        self._errors.clear()
+        if more:
+            first.add_note(f"{more} more write error(s) since the last flush were dropped")
+        raise first
+
+    # ---- epochs -------------------------------------------------------------------------
+
+    def epoch(self) -> AsyncEpoch:
+        """``async with client.epoch() as epoch:`` re-assert what this source still holds;
+        on a clean exit the server retracts every entity of this source not asserted or
+        patched inside the block (``epoch.retracted`` counts them). An exception leaves
+        the epoch open and retracts nothing (the next epoch starts over)."""
+        return AsyncEpoch(self)
+
+    async def begin_epoch(self) -> None:
+        self._check_writer()
+        await self._send_buffer()
+        await self._call(m.SourceEpochBegin(), safe=False, ack=True)
+        self._epoch.conn = self._conn
+
+    async def end_epoch(self) -> int:
+        """End the open epoch; returns how many entities the server retracted."""
+        self._check_writer()
+        await self._send_buffer()
+        started = self._epoch.conn
+        self._epoch.conn = None
+        if started is None or started is not self._conn:
+            raise NoEpoch(
+                "the connection was lost inside the epoch, so the server abandoned it and "
+                "retracted nothing; run the epoch again",
+                Opcode.SOURCE_EPOCH_END,
+            )
+        reply = await self._call(m.SourceEpochEnd(), safe=False, ack=True)
+        assert isinstance(reply, m.EpochEndAck)
+        await self.flush()
+        return reply.retracted_count
+
+    # ---- reads --------------------------------------------------------------------------
+
+    async def get(self, kind: Kind[T], key: KeyLike) -> Entity[T] | None:
+        """The entity's committed state, or None when it does not exist."""
+        try:
+            reply = await self._call(m.Query(kind.kind_id, entity_id(key)), safe=True)
+        except EntityError as exc:
+            if exc.cdb_code == ErrorCode.ENTITY_NOT_FOUND:
+                return None
+            raise
+        assert isinstance(reply, m.State)
+        return _entity(kind, reply)
+
+    async def scan(self, kind: Kind[T]) -> list[Entity[T]]:
+        """Every live entity of the kind, by entity id (a bootstrap, then unsubscribe)."""
+        sub = self.subscribe(kind, bootstrap=True)
+        async with sub:
+            await sub.wait_bootstrapped()
+            entities = list(sub.view.values())
+        return sorted(entities, key=lambda e: e.entity_id)
+
+    def subscribe(
+        self,
+        kind: Kind[T],
+        *,
+        bootstrap: bool = True,
+        resubscribe: ResubscribeMode = ResubscribeMode.FULL,
+    ) -> AsyncEntitySubscription[T]:
+        """A subscription to the kind's changes: ``async for entity in sub`` (start it
+        with ``async with`` or :meth:`AsyncEntitySubscription.start`)."""
+        return AsyncEntitySubscription(self, kind, bootstrap, resubscribe)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused (is `headwater serve` running with the ConvergeDB listener?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc) or type(exc).__name__
+
+
+def _chunks(ops: list[m.WriteOp], max_ops: int) -> list[list[m.WriteOp]]:
+    chunks: list[list[m.WriteOp]] = []
+    current: list[m.WriteOp] = []
+    size = 0
+    for op in ops:
+        n = _op_size(op)
+        if current and (len(current) >= max_ops or size + n > BATCH_PAYLOAD_BYTES):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(op)
+        size += n
+    if current:
+        chunks.append(current)
+    assert all(sum(map(_op_size, c)) < MAX_PAYLOAD for c in chunks)
+    return chunks
+
+
+_CHANGES = {
+    m.Change.CREATED: "created",
+    m.Change.UPDATED: "updated",
+    m.Change.BOOTSTRAP: "bootstrap",
+    m.Change.QUERY: "query",
+}
+
+
+def _entity(kind: Kind[T], state: m.State) -> Entity[T]:
+    return Entity(
+        kind.name,
+        state.entity_id,
+        state.version,
+        kind.decode(state.field_data),
+        _CHANGES[m.Change(state.change)],
+        state.source_set,
+        state.changed_fields,
+    )
+
+
+class AsyncEpoch:
+    """A source epoch as an async context manager (see :meth:`AsyncEntityClient.epoch`)."""
+
+    def __init__(self, client: AsyncEntityClient) -> None:
+        self._client = client
+        self.retracted: int | None = None
+
+    async def __aenter__(self) -> AsyncEpoch:
+        await self._client.begin_epoch()
+        return self
+
+    async def __aexit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.retracted = await self._client.end_epoch()
+
+
+@dataclass(slots=True)
+class _Bootstrap:
+    seen: set[bytes] = field(default_factory=set)
+    full_again: bool = False  # a re-bootstrap after a reconnect: report deletions missed
+
+
+class AsyncEntitySubscription(Generic[T]):
+    """Changes of one kind, highest version first-class.
+
+    Every notification is applied to :attr:`view` (entity id -> latest Entity) only when
+    its version is higher than what the subscription has seen for that entity, so the
+    bootstrap racing live changes, and a bootstrap repeated after a reconnect, deliver
+    each state at most once and never go back in time. Iterating yields the accepted
+    changes: Entity objects whose ``change`` is ``bootstrap``, ``created``, ``updated``
+    or ``deleted`` (``value`` None).
+    """
+
+    def __init__(
+        self,
+        client: AsyncEntityClient,
+        kind: Kind[T],
+        bootstrap: bool,
+        resubscribe: ResubscribeMode,
+    ) -> None:
+        self._client = client
+        self.kind = kind
+        self.bootstrap = bootstrap
+        self.resubscribe_mode = resubscribe
+        self.view: dict[bytes, Entity[T]] = {}
+        self.resubscribes = 0
+        self._versions: dict[bytes, int] = {}  # deleted entities too, until bootstrap end
+        self._queue: deque[Entity[T]] = deque()
+        self._wakeup = asyncio.Event()
+        self._bootstrapped = asyncio.Event()
+        self._bootstrap: _Bootstrap | None = None
+        self._conn: CdbConnection | None = None
+        self._state = "new"  # new, live, detached, closed, failed
+        self._stream_id = 0
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<AsyncEntitySubscription kind={self.kind.name} state={self._state} "
+            f"entities={len(self.view)}>"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._state in ("closed", "failed")
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    async def __aenter__(self) -> AsyncEntitySubscription[T]:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> AsyncEntitySubscription[T]:
+        if self._state == "new":
+            self._client._subscriptions.add(self)
+            try:
+                await self._subscribe(resubscribe=False)
+            except BaseException:
+                self._client._subscriptions.discard(self)
+                self._state = "failed"
+                raise
+        return self
+
+    async def _subscribe(self, *, resubscribe: bool) -> None:
+        client = self._client
+        if self.closed:
+            return
+        full = self.bootstrap if not resubscribe else self.resubscribe_mode is ResubscribeMode.FULL
+        message = m.Subscribe(self.kind.kind_id, bootstrap=full)
+        for _ in range(client.reconnect_attempts + 1):
+            conn = await client._ensure()
+            try:
+                await conn.writable()
+                stream_id, future = conn.send(message, route=self)
+            except NotSent:
+                continue
+            except UsageError as exc:
+                raise UsageError(
+                    f"kind {self.kind.name} already has a subscription on this client: {exc}"
+                ) from None
+            assert future is not None
+            self._conn = conn
+            self._bootstrap = _Bootstrap(full_again=resubscribe) if full else None
+            try:
+                reply = await asyncio.wait_for(future, client.timeout)
+            except TimeoutError:
+                conn.routes.pop(stream_id, None)
+                raise RequestTimeout(f"no answer to SUBSCRIBE within {client.timeout}s") from None
+            except Lost:
+                continue
+            if isinstance(reply, m.ErrorMessage):
+                conn.routes.pop(stream_id, None)
+                raise error_for(reply.code, reply.ref_opcode, reply.message)
+            self._stream_id = stream_id
+            if self._state in ("new", "detached"):
+                self._state = "live"
+            if resubscribe:
+                self.resubscribes += 1
+            if not full:
+                self._bootstrapped.set()
+            return
+        raise ServerUnavailable(f"ConvergeDB at {client.address} keeps closing the connection")
+
+    # ---- notifications ------------------------------------------------------------------
+
+    def _on_notification(self, message: m.Message) -> None:
+        if self._state not in ("live", "new", "detached"):
+            return
+        if isinstance(message, m.State):
+            self._accept(message.entity_id, message.version, lambda: _entity(self.kind, message))
+        elif isinstance(message, m.Deleted):
+            self._accept(
+                message.entity_id,
+                message.version,
+                lambda: Entity(self.kind.name, message.entity_id, message.version, None, "deleted"),
+            )
+        elif isinstance(message, m.BootstrapBegin):
+            pass
+        elif isinstance(message, m.BootstrapEnd):
+            self._end_bootstrap()
+        elif isinstance(message, m.ErrorMessage):
+            error = error_for(message.code, message.ref_opcode, message.message)
+            if isinstance(error, SubscriptionOverflow) and self._client.reconnect:
+                return  # the server closes the connection next: we resubscribe after it
+            self._fail(error)
+
+    def _accept(self, eid: bytes, version: int, make: Callable[[], Entity[T]]) -> None:
+        if self._bootstrap is not None:
+            self._bootstrap.seen.add(eid)
+        if version <= self._versions.get(eid, -1):
+            return  # stale: a newer state (or the deletion) is already known
+        entity = make()
+        self._versions[eid] = version
+        if entity.value is None:
+            self.view.pop(eid, None)
+        else:
+            self.view[eid] = entity
+        self._queue.append(entity)
+        self._wakeup.set()
+
+    def _end_bootstrap(self) -> None:
+        boot, self._bootstrap = self._bootstrap, None
+        if boot is not None and boot.full_again:
+            # Entities we knew that neither the new bootstrap nor a live change since the
+            # resubscribe mentioned were deleted while the connection was down.
+            for eid in [e for e in self.view if e not in boot.seen]:
+                old = self.view.pop(eid)
+                self._queue.append(Entity(self.kind.name, eid, old.version, None, "deleted"))
+                self._wakeup.set()
+        # Tombstones only guard against bootstrap states older than a deletion.
+        self._versions = {eid: self._versions[eid] for eid in self.view}
+        self._bootstrapped.set()
+        self._wakeup.set()
+
+    def _detach(self) -> None:
+        if self._state in ("live", "new"):
+            self._state = "detached"
+            self._conn = None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.closed:
+            return
+        self._state = "failed"
+        self._error = exc
+        self._client._subscriptions.discard(self)
+        self._bootstrapped.set()
+        self._wakeup.set()
+
+    # ---- consuming ----------------------------------------------------------------------
+
+    async def wait_bootstrapped(self, timeout: float | None = None) -> None:
+        """Return once the bootstrap is complete (:attr:`view` holds every entity)."""
+        await asyncio.wait_for(self._bootstrapped.wait(), timeout)
+        if self._error is not None and not self._queue:
+            raise self._error
+
+    @property
+    def bootstrapped(self) -> bool:
+        return self._bootstrapped.is_set()
+
+    async def next_batch(self, timeout: float | None = None) -> list[Entity[T]]:
+        """The changes accepted so far (waiting for one); [] on timeout or once closed.
+        A subscription the server ended raises its error once the changes before it are
+        taken."""
+        if not self._queue:
+            if self._state == "failed" and self._error is not None:
+                raise self._error
+            if self._state == "closed":
+                return []
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except TimeoutError:
+                return []
+        batch = list(self._queue)
+        self._queue.clear()
+        if not batch and self._state == "failed" and self._error is not None:
+            raise self._error
+        return batch
+
+    async def next(self, timeout: float | None = None) -> Entity[T] | None:
+        """The next accepted change, None on timeout or once closed."""
+        if not self._queue:
+            self._queue.extend(await self.next_batch(timeout))
+        return self._queue.popleft() if self._queue else None
+
+    def __aiter__(self) -> AsyncIterator[Entity[T]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Entity[T]]:
+        await self.start()
+        while True:
+            batch = await self.next_batch()
+            if not batch:
+                if self.closed:
+                    return
+                continue
+            for entity in batch:
+                yield entity
+
+    async def close(self) -> None:
+        """Unsubscribe (best effort, bounded) and stop."""
+        if self.closed:
+            return
+        conn, state = self._conn, self._state
+        self._state = "closed"
+        self._client._subscriptions.discard(self)
+        self._wakeup.set()
+        self._bootstrapped.set()
+        if conn is None or state != "live" or not conn.usable:
+            return
+        try:
+            _, future = conn.send(m.Unsubscribe(self.kind.kind_id))
+        except (NotSent, UsageError):
+            return
+        if future is not None:
+            with contextlib.suppress(TimeoutError, Lost):
+                await asyncio.wait_for(future, 5.0)
+        conn.routes.pop(self._stream_id, None)
+
+
+async def connect_async(
+    server: str = DEFAULT_SERVER,
+    *,
+    token: str | None = None,
+    name: str = "",
+    source_id: int | None = None,
+    read_only: bool = False,
+    liveness_ms: int = 0,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    reconnect: bool = True,
+    reconnect_attempts: int = 10,
+    backoff_base: float = 0.05,
+    backoff_max: float = 2.0,
+    linger: float = DEFAULT_LINGER,
+    batch_ops: int = DEFAULT_BATCH_OPS,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> AsyncEntityClient:
+    """Connect to the ConvergeDB listener (default 127.0.0.1:7402) as a source (a writer
+    slot: ``source_id`` or the lowest free one) or ``read_only``."""
+    client = AsyncEntityClient(
+        server,
+        token=token,
+        name=name,
+        source_id=source_id,
+        read_only=read_only,
+        liveness_ms=liveness_ms,
+        timeout=timeout,
+        reconnect=reconnect,
+        reconnect_attempts=reconnect_attempts,
+        backoff_base=backoff_base,
+        backoff_max=backoff_max,
+        linger=linger,
+        batch_ops=batch_ops,
+        buffer_bytes=buffer_bytes,
+    )
+    await client._ensure()
+    return client

@@ -1,0 +1,109 @@
+"""The kind catalog: which kinds a tenant has and their schemas.
+
+ConvergeDB can create a kind and resolve one by name (GET_KIND answers its id, schema
+version and field count) but has no request that lists kinds or returns field names and
+types, so the catalog comes from the HTTP API (``GET /api/kinds``, port 7400).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from headwater.client.aio import parse_server
+from headwater.client.errors import ServerUnavailable
+from headwater.errors import TableNotFound, error_for_code
+from headwater.protocols.convergedb.codes import Opcode
+from headwater.protocols.convergedb.fields import FieldSpec, FieldType
+
+from .errors import KindNotFound
+
+DEFAULT_HTTP = "127.0.0.1:7400"
+
+
+@dataclass(frozen=True, slots=True)
+class KindDescription:
+    """A kind as the server describes it."""
+
+    kind_id: int
+    name: str
+    schema_version: int
+    event_stream: bool
+    internal: bool
+    fields: tuple[FieldSpec, ...]
+    entities: int
+    subscribers: int
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KindDescription:
+        return cls(
+            int(data["kind_id"]),
+            str(data["name"]),
+            int(data["schema_version"]),
+            bool(data["event_stream"]),
+            bool(data.get("internal", False)),
+            tuple(FieldSpec(str(f["name"]), FieldType(int(f["code"]))) for f in data["fields"]),
+            int(data["entities"]),
+            int(data["subscribers"]),
+        )
+
+    @property
+    def specs(self) -> list[tuple[str, int]]:
+        return [(f.name, int(f.type)) for f in self.fields]
+
+
+async def _get(http: str, path: str, token: str | None, tenant: int, timeout: float) -> Any:
+    import aiohttp
+
+    host, port = parse_server(http, 7400)
+    headers = {"X-Headwater-Tenant": str(tenant)}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    url = f"http://{host}:{port}{path}"
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
+            session.get(url, headers=headers) as response,
+        ):
+            body = await response.read()
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise ServerUnavailable(
+            f"cannot reach the headwater HTTP API at {host}:{port} for the kind catalog: "
+            f"{exc or type(exc).__name__}"
+        ) from None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise ServerUnavailable(f"{url} answered {status} without JSON") from None
+    if status != 200:
+        error = data.get("error", {}) if isinstance(data, dict) else {}
+        raise error_for_code(int(error.get("code", 0)), str(error.get("message", status)))
+    return data
+
+
+async def list_kinds_async(
+    http: str = DEFAULT_HTTP, *, token: str | None = None, tenant: int = 0, timeout: float = 10.0
+) -> list[KindDescription]:
+    """Every kind of the tenant, by kind id."""
+    data = await _get(http, "/api/kinds", token, tenant, timeout)
+    return [KindDescription.from_json(k) for k in data["kinds"]]
+
+
+async def describe_kind_async(
+    name: str,
+    http: str = DEFAULT_HTTP,
+    *,
+    token: str | None = None,
+    tenant: int = 0,
+    timeout: float = 10.0,
+) -> KindDescription:
+    """One kind (KindNotFound when the tenant has no kind of that name)."""
+    from urllib.parse import quote
+
+    try:
+        data = await _get(http, f"/api/kinds/{quote(name, safe='')}", token, tenant, timeout)
+    except TableNotFound as exc:
+        raise KindNotFound(exc.message, Opcode.GET_KIND) from None
+    return KindDescription.from_json(data)
