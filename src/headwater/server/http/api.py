@@ -108,6 +108,7 @@ async def info(request: web.Request) -> web.Response:
     server = server_of(request)
     engine = engine_of(request)
     tenant = engine.tenant(tenant_id)
+    snapshot = request.app[METRICS_KEY].snapshot()
     return json_response(
         {
             "server": "headwater",
@@ -121,6 +122,8 @@ async def info(request: web.Request) -> web.Response:
                 "log_position": tenant.committed_position,
                 "streams": sum(1 for s in tenant.streams.values() if not s.deleted),
             },
+            "connections": snapshot["connections"],
+            "subscriptions": snapshot["subscriptions"],
             "limits": {
                 "append_max_events": MAX_APPEND_EVENTS,
                 "append_max_bytes": MAX_APPEND_BYTES,
