@@ -127,6 +127,8 @@ async def kind_sources(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
     tenant = server_of(request).kinds.tenant(tenant_id)
     now = time.monotonic()
+    # A source's own presence entity (the internal kind) is not one it asserted.
+    internal = {kind_id for kind_id, state in tenant.kinds.items() if state.info.internal}
     sources = [
         {
             "source_id": slot,
@@ -135,7 +137,9 @@ async def kind_sources(request: web.Request) -> web.Response:
             "connected_at_ms": source.connected_at_ns // 1_000_000,
             "idle_ms": max(0, round((now - source.last_seen) * 1000)),
             "liveness_deadline_ms": source.deadline_ms,
-            "entities": len(tenant.source_entities.get(slot, ())),
+            "entities": sum(
+                1 for kind_id, _ in tenant.source_entities.get(slot, ()) if kind_id not in internal
+            ),
         }
         for slot, source in sorted(tenant.sources.items())
     ]
