@@ -448,7 +448,10 @@
       socket.addEventListener("open", () => {
         this.retryMs = 500;
         setPill("ws-status", "ok", "live: connected");
-        if (this.current) this.send({ type: "SUBSCRIBE", sourceId: this.current.name, mode: "push" });
+        if (this.current) {
+          $("live-panel").dataset.subscribed = "false";
+          this.send({ type: "SUBSCRIBE", sourceId: this.current.name, mode: "push" });
+        }
       });
       socket.addEventListener("message", (event) => this.onFrame(event.data));
       socket.addEventListener("close", () => {
@@ -484,6 +487,9 @@
       $("tail-table").hidden = type !== "stream";
       $("kind-table").hidden = type !== "kind";
       this.info("subscribing…");
+      const panel = $("live-panel");
+      panel.dataset.subscribed = "false";
+      panel.dataset.loaded = "false";
       // Subscribe first (subscriptions start live), then load what is already there;
       // frames arriving meanwhile wait in `pending` and are merged by offset / version.
       this.send({ type: "SUBSCRIBE", sourceId: name, mode: "push" });
@@ -511,6 +517,7 @@
       tail.loading = false;
       for (const data of tail.pending) this.addTailRow(tail, data, true);
       tail.pending = [];
+      $("live-panel").dataset.loaded = "true";
       this.tailInfo();
     }
 
@@ -559,6 +566,7 @@
       kind.loading = false;
       for (const data of kind.pending) this.applyEntity(kind, data, true);
       kind.pending = [];
+      $("live-panel").dataset.loaded = "true";
       this.kindInfo();
     }
 
@@ -623,7 +631,7 @@
           }
           return;
         case "SUBSCRIBE_OK":
-          if (mine) this.info("live");
+          if (mine) $("live-panel").dataset.subscribed = "true";
           return;
         case "SUBSCRIBE_ERROR":
           if (mine) this.info("cannot subscribe: " + data.error);
