@@ -141,7 +141,13 @@
     return 10 * power;
   }
 
-  function drawChart(canvas, points, color, fill, format, floor) {
+  function niceBytes(value) {
+    // Round up in the value's own binary unit, so the axis reads 5 KiB, 10 KiB, ...
+    const unit = Math.pow(1024, Math.max(0, Math.floor(Math.log(Math.max(1, value)) / Math.log(1024))));
+    return niceMax(value / unit) * unit;
+  }
+
+  function drawChart(canvas, points, color, fill, format, floor, nice) {
     const ratio = window.devicePixelRatio || 1;
     const width = canvas.clientWidth;
     const height = canvas.clientHeight;
@@ -158,7 +164,7 @@
     const bottom = 22;
     const plotW = width - left - right;
     const plotH = height - top - bottom;
-    const max = niceMax(Math.max(floor, ...points.map((p) => p.v)) * 1.1);
+    const max = nice(Math.max(floor, ...points.map((p) => p.v)) * 1.1);
     ctx.font = "11px system-ui, sans-serif";
     ctx.textBaseline = "middle";
     ctx.textAlign = "right";
@@ -208,8 +214,8 @@
   function drawCharts() {
     const events = state.history.map((h) => ({ t: h.t, v: h.events }));
     const written = state.history.map((h) => ({ t: h.t, v: h.bytes }));
-    drawChart($("chart-events"), events, "#1f6feb", "rgba(31,111,235,0.12)", compact, 9);
-    drawChart($("chart-bytes"), written, "#0f9d8a", "rgba(15,157,138,0.12)", bytes, 900);
+    drawChart($("chart-events"), events, "#1f6feb", "rgba(31,111,235,0.12)", compact, 9, niceMax);
+    drawChart($("chart-bytes"), written, "#0f9d8a", "rgba(15,157,138,0.12)", bytes, 900, niceBytes);
     const last = state.history[state.history.length - 1];
     if (last) {
       $("chart-events-now").textContent = compact(last.events) + " events/s now";
@@ -283,8 +289,10 @@
     let entities = 0;
     let user = 0;
     for (const k of kinds) {
-      entities += k.entities;
-      if (!k.internal) user += 1;
+      if (!k.internal) {
+        user += 1;
+        entities += k.entities;
+      }
       const name = el("td", k.name, "name");
       if (k.internal) name.appendChild(el("span", "system", "badge"));
       if (k.event_stream) name.appendChild(el("span", "events", "badge"));
@@ -420,6 +428,27 @@
     }
     if (typeof value === "number" && !Number.isInteger(value)) return String(Number(value.toPrecision(8)));
     return String(value);
+  }
+
+  // Entity ids are 32 bytes: show text ids (NUL-padded ASCII) as text, small numbers
+  // without their leading zeros, anything else shortened; the row's title has all of it.
+  function entityLabel(hex) {
+    const trimmedEnd = hex.replace(/(00)+$/, "");
+    if (trimmedEnd.length > 0) {
+      let text = "";
+      for (let i = 0; i < trimmedEnd.length; i += 2) {
+        const code = parseInt(trimmedEnd.slice(i, i + 2), 16);
+        if (code < 0x20 || code > 0x7e) {
+          text = null;
+          break;
+        }
+        text += String.fromCharCode(code);
+      }
+      if (text) return text;
+    }
+    const trimmedStart = hex.replace(/^(00)+/, "");
+    if (trimmedStart.length <= 16) return "0x" + (trimmedStart || "0");
+    return hex.slice(0, 8) + "…" + hex.slice(-8);
   }
 
   class Live {
@@ -589,7 +618,7 @@
       }
       const fields = Object.assign({}, known ? known.fields : {}, data.fields || {});
       const tr = row([
-        { text: data.entityId.length > 16 ? data.entityId.slice(0, 16) + "…" : data.entityId, cls: "id" },
+        { text: entityLabel(data.entityId), cls: "id" },
         { text: data.version, cls: "num" },
         ...kind.fields.map((f) => ({ text: fieldText(f.type, fields[f.name]) })),
       ]);
