@@ -226,6 +226,10 @@ class Subscriptions:
             groups = self.groups[key] = GroupOffsets(stream.directory, self.engine)
         return groups
 
+    def groups_of(self, stream: Stream) -> GroupOffsets:
+        """The consumer groups of ``stream`` (read from its groups.json on first use)."""
+        return self._groups_for(stream)
+
     def _listen(self, stream: Stream) -> None:
         key = (stream.tenant.tenant_id, stream.stream_id)
         if key in self._listening:

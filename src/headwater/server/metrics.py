@@ -149,6 +149,19 @@ class Metrics:
     def add_subscriptions_source(self, protocol: str, source: Callable[[], int]) -> None:
         self.subscription_sources.setdefault(protocol, []).append(source)
 
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Open connections and subscriptions per protocol, as the scrape reports them."""
+        return {
+            "connections": {
+                protocol: _sum_sources(sources)
+                for protocol, sources in sorted(self.connection_sources.items())
+            },
+            "subscriptions": {
+                protocol: _sum_sources(sources)
+                for protocol, sources in sorted(self.subscription_sources.items())
+            },
+        }
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
         return generate_latest(self.registry)

@@ -12,8 +12,7 @@ from aiohttp import web
 
 import headwater
 from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS, StreamInfo, StreamSettings
-from headwater.engine.kinds import KindNotFound, KindState, TenantKinds
-from headwater.errors import InvalidOffset, InvalidRequest, TableNotFound
+from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.server.http.app import (
     METRICS_KEY,
     PROTOCOL,
@@ -109,6 +108,7 @@ async def info(request: web.Request) -> web.Response:
     server = server_of(request)
     engine = engine_of(request)
     tenant = engine.tenant(tenant_id)
+    snapshot = request.app[METRICS_KEY].snapshot()
     return json_response(
         {
             "server": "headwater",
@@ -122,6 +122,8 @@ async def info(request: web.Request) -> web.Response:
                 "log_position": tenant.committed_position,
                 "streams": sum(1 for s in tenant.streams.values() if not s.deleted),
             },
+            "connections": snapshot["connections"],
+            "subscriptions": snapshot["subscriptions"],
             "limits": {
                 "append_max_events": MAX_APPEND_EVENTS,
                 "append_max_bytes": MAX_APPEND_BYTES,
@@ -318,46 +320,6 @@ async def sql(request: web.Request) -> web.Response:
     return json_response(out)
 
 
-# ---- entity kinds ---------------------------------------------------------------------
-
-
-def kind_json(state: KindState) -> dict[str, Any]:
-    info = state.info
-    return {
-        "kind_id": info.kind_id,
-        "name": info.name,
-        "schema_version": info.schema_version,
-        "event_stream": info.event_stream,
-        "internal": info.internal,
-        "fields": [
-            {"name": f.name, "type": f.type.name.lower(), "code": int(f.type)} for f in info.fields
-        ],
-        "entities": len(state.committed),
-        "subscribers": len(state.subscribers),
-    }
-
-
-def _tenant_kinds(request: web.Request) -> TenantKinds:
-    return server_of(request).kinds.tenant(tenant_of(request))
-
-
-async def list_kinds(request: web.Request) -> web.Response:
-    """The tenant's entity kinds (ConvergeDB has no request that lists them)."""
-    tk = _tenant_kinds(request)
-    states = sorted(tk.kinds.values(), key=lambda s: s.info.kind_id)
-    return json_response({"kinds": [kind_json(s) for s in states]})
-
-
-async def describe_kind(request: web.Request) -> web.Response:
-    tk = _tenant_kinds(request)
-    name = request.match_info["name"]
-    try:
-        kind = tk.get_kind(name)
-    except KindNotFound:
-        raise TableNotFound(f"no entity kind {name!r}") from None
-    return json_response(kind_json(tk.kind_state(kind.kind_id)))
-
-
 # ---- routes -------------------------------------------------------------------------
 
 
@@ -383,8 +345,6 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/api/streams/{name}/events", append_events),
     ("GET", "/api/streams/{name}/events", read_events),
     ("POST", "/api/sql", sql),
-    ("GET", "/api/kinds", list_kinds),
-    ("GET", "/api/kinds/{name}", describe_kind),
     ("GET", "/api/ripple/workers", ripple_workers),
 ]
 

@@ -171,11 +171,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def build_app(server: Server) -> web.Application:
-    """The application of ``server``; later issues add ``/ws`` and ``/`` to it."""
-    from headwater.server.http import api
+    """The application of ``server``: REST API, metrics and the dashboard."""
+    from headwater.server.http import api, dashboard, overview
 
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server
     app[METRICS_KEY] = metrics_for(server)
     api.add_routes(app)
+    overview.add_routes(app)
+    dashboard.add_routes(app)
     return app

@@ -1,0 +1,741 @@
+// The headwater dashboard: polls the REST API for the overview and follows one stream
+// or kind live through the Kiwi WebSocket (/ws). Plain DOM, no framework, no build step.
+"use strict";
+
+(() => {
+  const POLL_MS = 2000;
+  const HISTORY_POINTS = 150; // 5 minutes of 2 s samples
+  const TAIL_ROWS = 200;
+  const TAIL_BACKFILL = 20;
+  const KIND_ROWS = 500;
+  const RECONNECT_MAX_MS = 10000;
+
+  const params = new URLSearchParams(location.search);
+  const TOKEN_KEY = "headwater.token";
+  const state = {
+    tenant: params.get("tenant") || "0",
+    token: params.get("token") || sessionStorage.getItem(TOKEN_KEY) || "",
+    previous: null, // the last poll's per-stream counters, for rates
+    history: [], // {t, events, bytes} per poll
+    streamRates: new Map(),
+  };
+
+  const $ = (id) => document.getElementById(id);
+
+  // ---- formatting ---------------------------------------------------------------------
+
+  function compact(n) {
+    if (n === null || n === undefined || Number.isNaN(n)) return "–";
+    const abs = Math.abs(n);
+    if (abs >= 1e9) return (n / 1e9).toFixed(abs >= 1e10 ? 0 : 1) + "G";
+    if (abs >= 1e6) return (n / 1e6).toFixed(abs >= 1e7 ? 0 : 1) + "M";
+    if (abs >= 1e3) return (n / 1e3).toFixed(abs >= 1e4 ? 0 : 1) + "k";
+    if (abs > 0 && abs < 10 && !Number.isInteger(n)) return n.toFixed(1);
+    return String(Math.round(n));
+  }
+
+  function grouped(n) {
+    return n === null || n === undefined ? "–" : Number(n).toLocaleString("en-US");
+  }
+
+  function bytes(n) {
+    if (n === null || n === undefined || Number.isNaN(n)) return "–";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let value = n;
+    let unit = 0;
+    while (Math.abs(value) >= 1024 && unit < units.length - 1) {
+      value /= 1024;
+      unit += 1;
+    }
+    return (unit === 0 ? String(Math.round(value)) : value.toFixed(value >= 100 ? 0 : 1)) + " " + units[unit];
+  }
+
+  function duration(seconds) {
+    const s = Math.floor(seconds);
+    if (s < 60) return s + "s";
+    if (s < 3600) return Math.floor(s / 60) + "m " + (s % 60) + "s";
+    if (s < 86400) return Math.floor(s / 3600) + "h " + Math.floor((s % 3600) / 60) + "m";
+    return Math.floor(s / 86400) + "d " + Math.floor((s % 86400) / 3600) + "h";
+  }
+
+  function clock(ms) {
+    const d = new Date(ms);
+    const pad = (v, w) => String(v).padStart(w, "0");
+    return pad(d.getHours(), 2) + ":" + pad(d.getMinutes(), 2) + ":" + pad(d.getSeconds(), 2) + "." + pad(d.getMilliseconds(), 3);
+  }
+
+  function ago(ms) {
+    if (ms < 1000) return "just now";
+    return duration(ms / 1000) + " ago";
+  }
+
+  // ---- DOM helpers --------------------------------------------------------------------
+
+  function el(tag, text, className) {
+    const node = document.createElement(tag);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    if (className) node.className = className;
+    return node;
+  }
+
+  function row(cells) {
+    const tr = document.createElement("tr");
+    for (const cell of cells) {
+      if (cell instanceof Node) {
+        tr.appendChild(cell);
+      } else {
+        tr.appendChild(el("td", cell.text, cell.cls));
+      }
+    }
+    return tr;
+  }
+
+  function badge(text, kind) {
+    const td = el("td");
+    td.appendChild(el("span", text, "badge" + (kind ? " " + kind : "")));
+    return td;
+  }
+
+  function fillTable(tableId, emptyId, rows) {
+    const tbody = $(tableId).tBodies[0];
+    tbody.replaceChildren(...rows);
+    $(emptyId).hidden = rows.length > 0;
+    $(tableId).hidden = rows.length === 0;
+  }
+
+  function setPill(id, pillState, text) {
+    const pill = $(id);
+    pill.dataset.state = pillState;
+    pill.querySelector("span").textContent = text;
+  }
+
+  // ---- REST ---------------------------------------------------------------------------
+
+  function headers() {
+    const out = { "X-Headwater-Tenant": state.tenant };
+    if (state.token) out.Authorization = "Bearer " + state.token;
+    return out;
+  }
+
+  class AuthNeeded extends Error {}
+
+  async function api(path) {
+    const response = await fetch(path, { headers: headers(), cache: "no-store" });
+    if (response.status === 401 || response.status === 403) throw new AuthNeeded(path);
+    const body = await response.json();
+    if (!response.ok) {
+      const message = body && body.error ? body.error.name + ": " + body.error.message : response.statusText;
+      throw new Error(path + ": " + message);
+    }
+    return body;
+  }
+
+  // ---- charts -------------------------------------------------------------------------
+
+  function niceMax(value) {
+    if (value <= 0) return 1;
+    const power = Math.pow(10, Math.floor(Math.log10(value)));
+    for (const step of [1, 2, 2.5, 5, 10]) {
+      if (value <= step * power) return step * power;
+    }
+    return 10 * power;
+  }
+
+  function niceBytes(value) {
+    // Round up in the value's own binary unit, so the axis reads 5 KiB, 10 KiB, ...
+    const unit = Math.pow(1024, Math.max(0, Math.floor(Math.log(Math.max(1, value)) / Math.log(1024))));
+    return niceMax(value / unit) * unit;
+  }
+
+  function drawChart(canvas, points, color, fill, format, floor, nice) {
+    const ratio = window.devicePixelRatio || 1;
+    const width = canvas.clientWidth;
+    const height = canvas.clientHeight;
+    if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+      canvas.width = Math.round(width * ratio);
+      canvas.height = Math.round(height * ratio);
+    }
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    const left = 56;
+    const right = 8;
+    const top = 8;
+    const bottom = 22;
+    const plotW = width - left - right;
+    const plotH = height - top - bottom;
+    const max = nice(Math.max(floor, ...points.map((p) => p.v)) * 1.1);
+    ctx.font = "11px system-ui, sans-serif";
+    ctx.textBaseline = "middle";
+    ctx.textAlign = "right";
+    for (let i = 0; i <= 4; i += 1) {
+      const y = top + plotH - (plotH * i) / 4;
+      ctx.strokeStyle = i === 0 ? "#cfd6df" : "#eef1f5";
+      ctx.lineWidth = 1;
+      ctx.beginPath();
+      ctx.moveTo(left, Math.round(y) + 0.5);
+      ctx.lineTo(left + plotW, Math.round(y) + 0.5);
+      ctx.stroke();
+      ctx.fillStyle = "#6b7685";
+      ctx.fillText(format((max * i) / 4), left - 8, y);
+    }
+    // Time axis: the window is the last HISTORY_POINTS polls, newest at the right.
+    const span = (HISTORY_POINTS - 1) * POLL_MS;
+    const now = points.length ? points[points.length - 1].t : Date.now();
+    ctx.textAlign = "center";
+    ctx.textBaseline = "alphabetic";
+    for (const minutes of [5, 4, 3, 2, 1, 0]) {
+      const x = left + plotW - (minutes * 60000 * plotW) / span;
+      if (x < left - 1) continue;
+      ctx.fillText(minutes === 0 ? "now" : "-" + minutes + "m", Math.min(x, left + plotW - 10), height - 6);
+    }
+    if (points.length < 2) {
+      ctx.fillStyle = "#9aa4b1";
+      ctx.fillText("collecting samples…", left + plotW / 2, top + plotH / 2);
+      return;
+    }
+    const xOf = (t) => left + plotW - ((now - t) * plotW) / span;
+    const yOf = (v) => top + plotH - (v / max) * plotH;
+    ctx.beginPath();
+    points.forEach((p, i) => (i === 0 ? ctx.moveTo(xOf(p.t), yOf(p.v)) : ctx.lineTo(xOf(p.t), yOf(p.v))));
+    ctx.lineTo(xOf(points[points.length - 1].t), top + plotH);
+    ctx.lineTo(xOf(points[0].t), top + plotH);
+    ctx.closePath();
+    ctx.fillStyle = fill;
+    ctx.fill();
+    ctx.beginPath();
+    points.forEach((p, i) => (i === 0 ? ctx.moveTo(xOf(p.t), yOf(p.v)) : ctx.lineTo(xOf(p.t), yOf(p.v))));
+    ctx.strokeStyle = color;
+    ctx.lineWidth = 1.8;
+    ctx.lineJoin = "round";
+    ctx.stroke();
+  }
+
+  function drawCharts() {
+    const events = state.history.map((h) => ({ t: h.t, v: h.events }));
+    const written = state.history.map((h) => ({ t: h.t, v: h.bytes }));
+    drawChart($("chart-events"), events, "#1f6feb", "rgba(31,111,235,0.12)", compact, 9, niceMax);
+    drawChart($("chart-bytes"), written, "#0f9d8a", "rgba(15,157,138,0.12)", bytes, 900, niceBytes);
+    const last = state.history[state.history.length - 1];
+    if (last) {
+      $("chart-events-now").textContent = compact(last.events) + " events/s now";
+      $("chart-bytes-now").textContent = bytes(last.bytes) + "/s on disk now";
+    }
+  }
+
+  // ---- overview -----------------------------------------------------------------------
+
+  function selectableRow(tr, type, name) {
+    tr.dataset.type = type;
+    tr.dataset.name = name;
+    if (live.current && live.current.type === type && live.current.name === name) tr.classList.add("selected");
+    tr.addEventListener("click", () => live.select(type, name));
+    return tr;
+  }
+
+  function renderStreams(streams, now) {
+    const previous = state.previous;
+    let totalEvents = 0;
+    let totalRate = 0;
+    let totalBytesRate = 0;
+    let totalSize = 0;
+    const counters = new Map();
+    const rows = [];
+    for (const s of streams) {
+      counters.set(s.name, { events: s.next_offset, size: s.size_bytes });
+      totalEvents += s.next_offset;
+      totalSize += s.size_bytes;
+      let rate = null;
+      let byteRate = null;
+      const before = previous && previous.streams.get(s.name);
+      if (before) {
+        const seconds = (now - previous.t) / 1000;
+        rate = Math.max(0, s.next_offset - before.events) / seconds;
+        byteRate = Math.max(0, s.size_bytes - before.size) / seconds;
+        totalRate += rate;
+        totalBytesRate += byteRate;
+      }
+      rows.push(
+        selectableRow(
+          row([
+            { text: s.name, cls: "name" },
+            { text: grouped(s.next_offset), cls: "num" },
+            { text: rate === null ? "–" : compact(rate), cls: "num" },
+            { text: byteRate === null ? "–" : bytes(byteRate), cls: "num" },
+            { text: bytes(s.size_bytes), cls: "num" },
+            { text: s.segments, cls: "num" },
+            { text: s.sync },
+          ]),
+          "stream",
+          s.name,
+        ),
+      );
+    }
+    fillTable("streams-table", "streams-empty", rows);
+    if (previous) {
+      state.history.push({ t: now, events: totalRate, bytes: totalBytesRate });
+      if (state.history.length > HISTORY_POINTS) state.history.shift();
+    }
+    state.previous = { t: now, streams: counters };
+    $("card-streams").textContent = grouped(streams.length);
+    $("card-streams-sub").textContent = compact(totalEvents) + " events · " + bytes(totalSize);
+    $("card-rate").textContent = previous ? compact(totalRate) : "–";
+    const peak = Math.max(0, ...state.history.map((h) => h.events));
+    $("card-rate-sub").textContent = "peak " + compact(peak) + "/s · " + bytes(totalBytesRate) + "/s";
+  }
+
+  function renderKinds(kinds) {
+    const rows = [];
+    let entities = 0;
+    let user = 0;
+    for (const k of kinds) {
+      if (!k.internal) {
+        user += 1;
+        entities += k.entities;
+      }
+      const name = el("td", k.name, "name");
+      if (k.internal) name.appendChild(el("span", "system", "badge"));
+      if (k.event_stream) name.appendChild(el("span", "events", "badge"));
+      rows.push(
+        selectableRow(
+          row([
+            name,
+            { text: grouped(k.entities), cls: "num" },
+            { text: k.fields.length, cls: "num" },
+            { text: k.subscribers, cls: "num" },
+            { text: bytes(k.changelog_bytes), cls: "num" },
+          ]),
+          "kind",
+          k.name,
+        ),
+      );
+    }
+    fillTable("kinds-table", "kinds-empty", rows);
+    $("card-kinds").textContent = grouped(user);
+    $("card-kinds-sub").textContent = grouped(entities) + " entities";
+  }
+
+  function renderGroups(groups) {
+    let total = 0;
+    const rows = groups.map((g) => {
+      total += g.lag;
+      let status;
+      if (g.active) status = badge(g.waiting ? "active +" + g.waiting + " waiting" : "active", "good");
+      else status = badge("idle");
+      return row([
+        { text: g.stream },
+        { text: g.group, cls: "name" },
+        { text: grouped(g.committed_offset), cls: "num" },
+        { text: grouped(g.end_offset), cls: "num" },
+        { text: grouped(g.lag), cls: "num" + (g.lag > 1000 ? " lag-high" : "") },
+        status,
+      ]);
+    });
+    fillTable("groups-table", "groups-empty", rows);
+    $("card-lag").textContent = compact(total);
+    $("card-lag-sub").textContent = groups.length + (groups.length === 1 ? " group" : " groups");
+  }
+
+  function renderSources(sources, workers) {
+    const bySlot = new Map();
+    for (const w of workers) if (w.connected && w.source_id !== null) bySlot.set(w.source_id, w);
+    const shown = new Set();
+    const rows = [];
+    for (const s of sources) {
+      const worker = bySlot.get(s.source_id);
+      if (worker) shown.add(worker.worker_id);
+      const name = el("td", s.name || (worker ? worker.worker_id : "(unnamed)"), "name");
+      if (worker && worker.outputs.length) {
+        name.appendChild(el("div", "→ " + worker.outputs.map((o) => o.output).join(", "), "muted"));
+      }
+      rows.push(
+        row([
+          { text: s.source_id, cls: "id" },
+          name,
+          { text: worker ? "Ripple worker" : "ConvergeDB" },
+          s.connected ? badge("connected", "good") : badge("grace " + Math.round(s.liveness_deadline_ms / 1000) + "s", "warn"),
+          { text: grouped(s.entities), cls: "num" },
+          { text: ago(s.idle_ms) },
+        ]),
+      );
+    }
+    for (const w of workers) {
+      if (shown.has(w.worker_id)) continue;
+      const name = el("td", w.worker_id, "name");
+      if (w.outputs.length) name.appendChild(el("div", "→ " + w.outputs.map((o) => o.output).join(", "), "muted"));
+      const heard = w.last_heartbeat === null ? "never" : ago(Math.max(0, Date.now() - w.last_heartbeat * 1000));
+      rows.push(
+        row([
+          { text: w.source_id === null ? "–" : w.source_id, cls: "id" },
+          name,
+          { text: "Ripple worker" },
+          w.connected ? badge("connected", "good") : badge("disconnected", "bad"),
+          { text: "–", cls: "num" },
+          { text: heard },
+        ]),
+      );
+    }
+    fillTable("sources-table", "sources-empty", rows);
+  }
+
+  function renderInfo(info) {
+    $("version").textContent = "v" + info.version;
+    $("uptime").textContent = "uptime " + duration(info.uptime_seconds);
+    $("tenant-pill").textContent = "tenant " + info.tenant.id + (info.tenant.name ? " · " + info.tenant.name : "");
+    const connections = info.connections || {};
+    const parts = Object.entries(connections).filter(([, n]) => n > 0);
+    const total = Object.values(connections).reduce((a, b) => a + b, 0);
+    $("card-conns").textContent = grouped(total);
+    $("card-conns-sub").textContent = parts.length ? parts.map(([p, n]) => p + " " + n).join(" · ") : "none open";
+    $("foot-text").textContent = "headwater " + info.version + " · log position " + grouped(info.tenant.log_position);
+  }
+
+  async function poll() {
+    const now = Date.now();
+    try {
+      const [info, streams, kinds, groups, sources, workers] = await Promise.all([
+        api("/api/info"),
+        api("/api/streams"),
+        api("/api/kinds"),
+        api("/api/consumer-groups"),
+        api("/api/sources"),
+        api("/api/ripple/workers"),
+      ]);
+      renderInfo(info);
+      renderStreams(streams.streams, now);
+      renderKinds(kinds.kinds);
+      renderGroups(groups.groups);
+      renderSources(sources.sources, workers.workers);
+      drawCharts();
+      setPill("api-status", "ok", "API");
+      $("token-form").hidden = true;
+    } catch (err) {
+      if (err instanceof AuthNeeded) {
+        $("token-form").hidden = false;
+        setPill("api-status", "error", "API: token needed");
+      } else {
+        setPill("api-status", "error", "API unreachable");
+      }
+    }
+  }
+
+  // ---- live view over /ws -------------------------------------------------------------
+
+  function fieldText(type, value) {
+    if (value === null || value === undefined) return "";
+    if (type === "timestamp" && typeof value === "number") {
+      return new Date(value / 1e6).toISOString().replace("T", " ").replace("Z", "");
+    }
+    if (typeof value === "number" && !Number.isInteger(value)) return String(Number(value.toPrecision(8)));
+    return String(value);
+  }
+
+  // Entity ids are 32 bytes: show text ids (NUL-padded ASCII) as text, small numbers
+  // without their leading zeros, anything else shortened; the row's title has all of it.
+  function entityLabel(hex) {
+    const trimmedEnd = hex.replace(/(00)+$/, "");
+    if (trimmedEnd.length > 0) {
+      let text = "";
+      for (let i = 0; i < trimmedEnd.length; i += 2) {
+        const code = parseInt(trimmedEnd.slice(i, i + 2), 16);
+        if (code < 0x20 || code > 0x7e) {
+          text = null;
+          break;
+        }
+        text += String.fromCharCode(code);
+      }
+      if (text) return text;
+    }
+    const trimmedStart = hex.replace(/^(00)+/, "");
+    if (trimmedStart.length <= 16) return "0x" + (trimmedStart || "0");
+    return hex.slice(0, 8) + "…" + hex.slice(-8);
+  }
+
+  class Live {
+    constructor() {
+      this.socket = null;
+      this.current = null; // {type, name}
+      this.retryMs = 500;
+      this.paused = false;
+      this.held = [];
+      this.tail = null; // {lastOffset, loading, pending}
+      this.kind = null; // {fields, rows: Map(entityId -> {version, fields, tr}), loading, pending}
+    }
+
+    url() {
+      const query = new URLSearchParams();
+      if (state.token) query.set("token", state.token);
+      if (state.tenant !== "0") query.set("tenant", state.tenant);
+      const qs = query.toString();
+      return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/ws" + (qs ? "?" + qs : "");
+    }
+
+    connect() {
+      setPill("ws-status", "connecting", "live: connecting");
+      const socket = new WebSocket(this.url());
+      this.socket = socket;
+      socket.addEventListener("open", () => {
+        this.retryMs = 500;
+        setPill("ws-status", "ok", "live: connected");
+        if (this.current) {
+          $("live-panel").dataset.subscribed = "false";
+          this.send({ type: "SUBSCRIBE", sourceId: this.current.name, mode: "push" });
+        }
+      });
+      socket.addEventListener("message", (event) => this.onFrame(event.data));
+      socket.addEventListener("close", () => {
+        if (this.socket !== socket) return;
+        this.socket = null;
+        setPill("ws-status", "error", "live: reconnecting");
+        setTimeout(() => this.connect(), this.retryMs);
+        this.retryMs = Math.min(RECONNECT_MAX_MS, this.retryMs * 2);
+      });
+    }
+
+    send(frame) {
+      if (this.socket && this.socket.readyState === WebSocket.OPEN) this.socket.send(JSON.stringify(frame));
+    }
+
+    info(text) {
+      $("live-info").textContent = text;
+    }
+
+    select(type, name) {
+      if (this.current && this.current.type === type && this.current.name === name) return;
+      if (this.current) this.send({ type: "UNSUBSCRIBE", sourceId: this.current.name });
+      this.current = { type, name };
+      this.held = [];
+      for (const tr of document.querySelectorAll("tr.selected")) tr.classList.remove("selected");
+      for (const tr of document.querySelectorAll("tr[data-type]")) {
+        if (tr.dataset.type === type && tr.dataset.name === name) tr.classList.add("selected");
+      }
+      $("live-empty").hidden = true;
+      $("live-pause").disabled = false;
+      $("live-clear").disabled = false;
+      $("live-title").textContent = (type === "stream" ? "Live tail: " : "Live table: ") + name;
+      $("tail-table").hidden = type !== "stream";
+      $("kind-table").hidden = type !== "kind";
+      this.info("subscribing…");
+      const panel = $("live-panel");
+      panel.dataset.subscribed = "false";
+      panel.dataset.loaded = "false";
+      // Subscribe first (subscriptions start live), then load what is already there;
+      // frames arriving meanwhile wait in `pending` and are merged by offset / version.
+      this.send({ type: "SUBSCRIBE", sourceId: name, mode: "push" });
+      if (type === "stream") this.startTail(name);
+      else this.startKind(name);
+    }
+
+    async startTail(name) {
+      const tail = { name, lastOffset: -1, loading: true, pending: [], count: 0 };
+      this.tail = tail;
+      this.kind = null;
+      $("tail-table").tBodies[0].replaceChildren();
+      try {
+        const info = await api("/api/streams/" + encodeURIComponent(name));
+        const from = Math.max(info.start_offset, info.next_offset - TAIL_BACKFILL);
+        const page = await api("/api/streams/" + encodeURIComponent(name) + "/events?from=" + from + "&limit=" + TAIL_BACKFILL);
+        if (this.tail !== tail) return;
+        for (const e of page.events) {
+          this.addTailRow(tail, { offset: e.offset, timestamp: e.timestamp_ms, key: e.key_b64 ? atob(e.key_b64) : null, value: e.value, payload: e.value_b64 }, false);
+        }
+      } catch (err) {
+        if (this.tail === tail) this.info("could not load recent events: " + err.message);
+      }
+      if (this.tail !== tail) return;
+      tail.loading = false;
+      for (const data of tail.pending) this.addTailRow(tail, data, true);
+      tail.pending = [];
+      $("live-panel").dataset.loaded = "true";
+      this.tailInfo();
+    }
+
+    tailInfo() {
+      if (this.tail) this.info(grouped(this.tail.count) + " events shown" + (this.paused ? " · paused" : ""));
+    }
+
+    addTailRow(tail, data, fresh) {
+      if (data.offset <= tail.lastOffset) return;
+      tail.lastOffset = data.offset;
+      tail.count += 1;
+      const value = data.value !== null && data.value !== undefined ? data.value : "base64:" + (data.payload || "");
+      const tr = row([
+        { text: data.offset, cls: "num id" },
+        { text: data.timestamp ? clock(data.timestamp) : "–" },
+        { text: data.key === null || data.key === undefined ? "–" : data.key },
+        { text: value, cls: "value" },
+      ]);
+      tr.dataset.offset = data.offset;
+      if (fresh) tr.classList.add("flash");
+      const tbody = $("tail-table").tBodies[0];
+      tbody.insertBefore(tr, tbody.firstChild);
+      while (tbody.rows.length > TAIL_ROWS) tbody.deleteRow(tbody.rows.length - 1);
+    }
+
+    async startKind(name) {
+      const kind = { name, fields: [], rows: new Map(), loading: true, pending: [], total: 0 };
+      this.kind = kind;
+      this.tail = null;
+      const table = $("kind-table");
+      table.tBodies[0].replaceChildren();
+      table.tHead.rows[0].replaceChildren();
+      try {
+        const page = await api("/api/kinds/" + encodeURIComponent(name) + "/entities?limit=" + KIND_ROWS);
+        if (this.kind !== kind) return;
+        kind.fields = page.fields;
+        kind.total = page.total;
+        const head = [el("th", "Entity"), el("th", "Version", "num")];
+        for (const f of page.fields) head.push(el("th", f.name));
+        table.tHead.rows[0].replaceChildren(...head);
+        for (const e of page.entities) this.applyEntity(kind, { entityId: e.entity_id, version: e.version, change: "created", fields: e.fields }, false);
+      } catch (err) {
+        if (this.kind === kind) this.info("could not load entities: " + err.message);
+      }
+      if (this.kind !== kind) return;
+      kind.loading = false;
+      for (const data of kind.pending) this.applyEntity(kind, data, true);
+      kind.pending = [];
+      $("live-panel").dataset.loaded = "true";
+      this.kindInfo();
+    }
+
+    kindInfo() {
+      if (this.kind) this.info(grouped(this.kind.rows.size) + " entities shown" + (this.paused ? " · paused" : ""));
+    }
+
+    applyEntity(kind, data, fresh) {
+      const known = kind.rows.get(data.entityId);
+      if (known && data.version < known.version) return;
+      const tbody = $("kind-table").tBodies[0];
+      if (data.change === "deleted") {
+        if (!known) return;
+        known.version = data.version;
+        known.tr.classList.remove("flash");
+        known.tr.classList.add("gone");
+        kind.rows.delete(data.entityId);
+        setTimeout(() => known.tr.remove(), 3000);
+        return;
+      }
+      const fields = Object.assign({}, known ? known.fields : {}, data.fields || {});
+      const tr = row([
+        { text: entityLabel(data.entityId), cls: "id" },
+        { text: data.version, cls: "num" },
+        ...kind.fields.map((f) => ({ text: fieldText(f.type, fields[f.name]) })),
+      ]);
+      tr.title = data.entityId;
+      tr.dataset.entity = data.entityId;
+      if (fresh) tr.classList.add("flash");
+      if (known) {
+        known.tr.replaceWith(tr);
+      } else if (fresh) {
+        tbody.insertBefore(tr, tbody.firstChild);
+      } else {
+        tbody.appendChild(tr);
+      }
+      kind.rows.set(data.entityId, { version: data.version, fields, tr });
+      if (!known && kind.rows.size > KIND_ROWS) {
+        const last = tbody.rows[tbody.rows.length - 1];
+        kind.rows.delete(last.dataset.entity);
+        last.remove();
+      }
+    }
+
+    onFrame(text) {
+      let frame;
+      try {
+        frame = JSON.parse(text);
+      } catch (err) {
+        return;
+      }
+      const data = frame.data || {};
+      const mine = this.current && data.sourceId === this.current.name;
+      switch (frame.type) {
+        case "RESULT":
+          if (!mine) return;
+          if (this.paused) {
+            this.held.push(data);
+            if (this.held.length > TAIL_ROWS * 10) this.held.shift();
+          } else {
+            this.deliver(data);
+          }
+          return;
+        case "SUBSCRIBE_OK":
+          if (mine) $("live-panel").dataset.subscribed = "true";
+          return;
+        case "SUBSCRIBE_ERROR":
+          if (mine) this.info("cannot subscribe: " + data.error);
+          return;
+        case "NOTICE":
+          if (!mine) return;
+          if (data.type === "LAG") this.info("skipped " + grouped(data.count) + " events (the browser fell behind)");
+          else if (data.type === "SUBSCRIPTION_CLOSED") this.info("subscription closed: " + data.message);
+          return;
+        default:
+          return;
+      }
+    }
+
+    deliver(data) {
+      if (this.tail && data.sourceType !== "entity") {
+        if (this.tail.loading) this.tail.pending.push(data);
+        else {
+          this.addTailRow(this.tail, data, true);
+          this.tailInfo();
+        }
+      } else if (this.kind && data.sourceType === "entity") {
+        if (this.kind.loading) this.kind.pending.push(data);
+        else {
+          this.applyEntity(this.kind, data, true);
+          this.kindInfo();
+        }
+      }
+    }
+
+    togglePause() {
+      this.paused = !this.paused;
+      $("live-pause").textContent = this.paused ? "Resume" : "Pause";
+      if (!this.paused) {
+        const held = this.held;
+        this.held = [];
+        for (const data of held) this.deliver(data);
+      }
+      if (this.tail) this.tailInfo();
+      else this.kindInfo();
+    }
+
+    clear() {
+      if (this.tail) {
+        $("tail-table").tBodies[0].replaceChildren();
+        this.tail.count = 0;
+        this.tailInfo();
+      } else if (this.kind) {
+        $("kind-table").tBodies[0].replaceChildren();
+        this.kind.rows.clear();
+        this.kindInfo();
+      }
+    }
+  }
+
+  const live = new Live();
+
+  // ---- start --------------------------------------------------------------------------
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("streams-table").classList.add("selectable");
+    $("kinds-table").classList.add("selectable");
+    $("live-pause").addEventListener("click", () => live.togglePause());
+    $("live-clear").addEventListener("click", () => live.clear());
+    $("token-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      state.token = $("token-input").value.trim();
+      sessionStorage.setItem(TOKEN_KEY, state.token);
+      if (live.socket) live.socket.close();
+      poll();
+    });
+    window.addEventListener("resize", drawCharts);
+    live.connect();
+    poll();
+    setInterval(poll, POLL_MS);
+    drawCharts();
+  });
+})();
