@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import SdkServer, sdk_free_port
+from sdk_server import SdkServer, sdk_free_port
 
 from headwater import entities
 from headwater.errors import AuthenticationFailed

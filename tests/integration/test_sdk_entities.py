@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SdkServer
+from sdk_server import SdkServer
 
 from headwater import entities
 from headwater.entities import Entity, ResubscribeMode
@@ -416,7 +416,7 @@ def test_catalog_answers_match_the_openapi_document(server: SdkServer, kind_name
 
 
 def test_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
-    from conftest import sdk_free_port
+    from sdk_server import sdk_free_port
 
     with pytest.raises(entities.ServerUnavailable, match="connection refused"):
         entities.connect(f"127.0.0.1:{sdk_free_port()}", timeout=5)
