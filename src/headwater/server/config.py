@@ -57,6 +57,7 @@ class KiwiConfig:
     buffer_capacity: int = 1024
     lag_notice_threshold: int = 1
     send_queue: int = 1024  # messages waiting for one connection's socket
+    socket_send_buffer: int | None = None  # SO_SNDBUF of each WebSocket; None: the OS's
     max_message_bytes: int = 64 << 10  # largest command a client may send
     counters: tuple[CounterSource, ...] = ()
 
@@ -225,6 +226,7 @@ def _kiwi_config(data: Any) -> KiwiConfig:
         buffer_capacity=sopt("buffer_capacity"),
         lag_notice_threshold=sopt("lag_notice_threshold"),
         send_queue=sopt("send_queue"),
+        socket_send_buffer=_positive_int(subscriber, "socket_send_buffer", "kiwi.subscriber"),
         max_message_bytes=sopt("max_message_bytes"),
         counters=tuple(counters),
     )

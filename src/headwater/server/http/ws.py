@@ -7,6 +7,8 @@ refused request gets the usual JSON error and no WebSocket.
 
 from __future__ import annotations
 
+import socket
+
 from aiohttp import web
 
 from headwater.errors import InvalidRequest
@@ -28,6 +30,12 @@ async def kiwi_socket(request: web.Request) -> web.StreamResponse:
     if not ws.can_prepare(request).ok:
         raise InvalidRequest("GET /ws needs a WebSocket upgrade")
     await ws.prepare(request)
+    if gateway.config.socket_send_buffer is not None and request.transport is not None:
+        # A smaller kernel buffer makes a stalled browser reach the send queue's bound
+        # (and LAG) sooner, instead of parking megabytes per connection in the kernel.
+        sock = request.transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, gateway.config.socket_send_buffer)
     session = KiwiSession(gateway, request, ws, tenant_id)
     gateway.sessions.add(session)
     try:
@@ -50,6 +58,6 @@ async def _shutdown(app: web.Application) -> None:
 
 def add_routes(app: web.Application) -> None:
     app[GATEWAY_KEY] = Gateway(app[SERVER_KEY], app[METRICS_KEY])
-    app.router.add_get("/ws", kiwi_socket)
+    app.router.add_route("GET", "/ws", kiwi_socket)
     app.on_startup.append(_start)
     app.on_shutdown.append(_shutdown)
