@@ -240,3 +240,16 @@ def test_consumer_groups_and_connections(api: Api, spec: dict[str, Any]) -> None
             lambda: not api.json("/api/consumer-groups")["groups"][0]["active"],
             "the group to go idle",
         )
+
+
+def test_entity_view_is_valid_json_for_non_finite_floats(api: Api) -> None:
+    fields = [("reading", FieldType.F64)]
+    with CdbClient(api.convergedb, name="gauges") as writer:
+        kind = writer.create_kind("gauges", [(n, int(t)) for n, t in fields])
+        for i, value in enumerate((float("nan"), float("inf"), -2.5)):
+            writer.call(m.Assert.of(fields, kind.kind_id, eid(i), [value]))
+        status, body, _ = api.get("/api/kinds/gauges/entities")
+    assert status == 200
+    # Strict JSON (what browsers parse): NaN and Infinity are not JSON, so they are null.
+    page = json.loads(body, parse_constant=lambda name: pytest.fail(f"{name} in the body"))
+    assert [e["fields"]["reading"] for e in page["entities"]] == [None, None, -2.5]

@@ -59,7 +59,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]
 
 @pytest.fixture
 def page(server: dict[str, int]) -> Iterator[tuple[Any, list[str]]]:
-    sync_api = pytest.importorskip("playwright.sync_api")
+    from playwright import sync_api  # a test dependency: missing it is an error, not a skip
+
     problems: list[str] = []
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
@@ -154,5 +155,11 @@ def test_dashboard_lists_and_follows_streams_and_kinds(
             in tab.locator(f'#kind-table tbody tr[data-entity="{eid(7).hex()}"]').inner_text()
         )
         keep_screenshot(tab, tmp_path, "dashboard-kind")
+        # A retraction strikes the row through, then takes it away.
+        writer.call(m.Retract(kind.kind_id, eid(2)))
+        gone = tab.locator(f'#kind-table tbody tr[data-entity="{eid(2).hex()}"]')
+        tab.locator(f'#kind-table tbody tr.gone[data-entity="{eid(2).hex()}"]').wait_for()
+        gone.wait_for(state="detached")
+        assert entities.count() == 3
 
     assert problems == []

@@ -4,7 +4,9 @@ One credit is one event. A subscription's pump task sleeps until its stream comm
 events or it gets credit (no polling), then reads at most ``PUSH_MAX_EVENTS`` events /
 ``PUSH_MAX_BYTES`` bytes as stored batches and hands them to the front end's ``deliver``
 callback, which returns once the bytes are with the transport. A peer that stops reading
-holds only its own pump; after ``backpressure_timeout`` it is closed.
+holds only its own pump; after ``backpressure_timeout`` it is closed. A front end that
+needs more than the values (keys, timestamps: Kiwi's RESULTs) passes ``deliver_read``
+instead and gets each read's stored batches whole.
 
 Consumer groups: a durable position per (group, stream). Granting credit acknowledges
 everything delivered before the grant. One subscription of a group delivers at a time;
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from headwater.engine.engine import Engine, Stream
-from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
+from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound, UsageError
 from headwater.storage.log import ReadResult
 from headwater.storage.metadata import read_json, write_json_atomic
 
@@ -44,6 +46,7 @@ class CloseReason(enum.IntEnum):
 
 
 Deliver = Callable[["Subscription", int, int, list[memoryview]], Awaitable[None]]
+DeliverRead = Callable[["Subscription", ReadResult], Awaitable[None]]
 OnClose = Callable[["Subscription", CloseReason], None]
 
 
@@ -133,8 +136,9 @@ class Subscription:
         next_offset: int,
         credits: int,
         group: str | None,
-        deliver: Deliver,
+        deliver: Deliver | None,
         on_close: OnClose,
+        deliver_read: DeliverRead | None = None,
     ) -> None:
         self.manager = manager
         self.subscription_id = subscription_id
@@ -143,6 +147,7 @@ class Subscription:
         self.credits = credits
         self.group = group
         self.deliver = deliver
+        self.deliver_read = deliver_read
         self.on_close = on_close
         self.closed = False
         self.active = group is None
@@ -185,6 +190,17 @@ class Subscription:
                     return
                 if result.count == 0:
                     continue
+                if self.deliver_read is not None:
+                    self.next_offset = result.end_offset
+                    self.credits -= result.count
+                    self.delivered_events += result.count
+                    try:
+                        await asyncio.wait_for(self.deliver_read(self, result), timeout)
+                    except TimeoutError:
+                        self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
+                        return
+                    continue
+                assert self.deliver is not None
                 for first, count, chunks in split_pushes(result, PUSH_MAX_EVENTS, PUSH_MAX_BYTES):
                     if self.closed:
                         return
@@ -254,10 +270,15 @@ class Subscriptions:
         from_offset: int,
         credits: int,
         group: str | None,
-        deliver: Deliver,
+        deliver: Deliver | None,
         on_close: OnClose,
+        *,
+        deliver_read: DeliverRead | None = None,
     ) -> Subscription:
-        """Start a subscription; its start offset is ``next_offset`` on return."""
+        """Start a subscription; its start offset is ``next_offset`` on return. Exactly
+        one of ``deliver`` (pushes of values) and ``deliver_read`` (whole reads) is given."""
+        if (deliver is None) == (deliver_read is None):
+            raise UsageError("give exactly one of deliver and deliver_read")
         stream = self.engine.stream(tenant_id, stream_id)
         if not 0 <= credits <= MAX_CREDITS:
             raise InvalidRequest("credits must fit in u32")
@@ -277,7 +298,9 @@ class Subscriptions:
         else:
             start = from_offset
         start = max(start, plog.start_offset)
-        sub = Subscription(self, self._next_id, stream, start, credits, group, deliver, on_close)
+        sub = Subscription(
+            self, self._next_id, stream, start, credits, group, deliver, on_close, deliver_read
+        )
         self._next_id += 1
         self._listen(stream)
         self.by_stream.setdefault((tenant_id, stream_id), set()).add(sub)

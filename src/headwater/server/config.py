@@ -13,6 +13,8 @@ from typing import Any
 
 from headwater.engine.engine import EngineConfig
 from headwater.engine.kinds.model import KindsConfig
+from headwater.engine.names import check_name
+from headwater.errors import InvalidRequest
 from headwater.storage.log import SyncPolicy
 
 DEFAULT_LISTEN = {
@@ -38,11 +40,35 @@ class AuthConfig:
 
 
 @dataclass(frozen=True)
+class CounterSource:
+    """A Kiwi counter source (``[[kiwi.sources]]`` with ``type = "counter"``)."""
+
+    source_id: str
+    interval_ms: int
+    min: int = 0
+    max: int | None = None  # the last count; the source then ends
+    lazy: bool = False  # start at the first subscription rather than at server start
+
+
+@dataclass(frozen=True)
+class KiwiConfig:
+    """The Kiwi WebSocket gateway (``[kiwi.subscriber]``, ``[[kiwi.sources]]``)."""
+
+    buffer_capacity: int = 1024
+    lag_notice_threshold: int = 1
+    send_queue: int = 1024  # messages waiting for one connection's socket
+    socket_send_buffer: int | None = None  # SO_SNDBUF of each WebSocket; None: the OS's
+    max_message_bytes: int = 64 << 10  # largest command a client may send
+    counters: tuple[CounterSource, ...] = ()
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     listen: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LISTEN))
     engine: EngineConfig = field(default_factory=EngineConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     kinds: KindsConfig = field(default_factory=KindsConfig)
+    kiwi: KiwiConfig = field(default_factory=KiwiConfig)
     log_level: str = "INFO"
     log_format: str = "text"
     raw: dict[str, Any] = field(default_factory=dict)  # sections later issues read
@@ -156,6 +182,8 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         liveness_check_ms=kopt("liveness_check_ms"),
     )
 
+    kiwi = _kiwi_config(data.get("kiwi", {}))
+
     logging_data = data.get("logging", {})
     level = str(logging_data.get("level", "INFO")).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -168,7 +196,70 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         engine=engine,
         auth=AuthConfig(required=required, tokens=tokens),
         kinds=kinds,
+        kiwi=kiwi,
         log_level=level,
         log_format=fmt,
         raw=data,
     )
+
+
+def _kiwi_config(data: Any) -> KiwiConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("[kiwi] must be a table")
+    subscriber = data.get("subscriber", {})
+    if not isinstance(subscriber, dict):
+        raise ConfigError("[kiwi.subscriber] must be a table")
+    defaults = KiwiConfig()
+
+    def sopt(key: str) -> int:
+        value = _positive_int(subscriber, key, "kiwi.subscriber")
+        return int(getattr(defaults, key)) if value is None else value
+
+    sources = data.get("sources", [])
+    if not isinstance(sources, list):
+        raise ConfigError("kiwi.sources must be an array of tables ([[kiwi.sources]])")
+    counters: list[CounterSource] = []
+    seen: set[str] = set()
+    for entry in sources:
+        counters.append(_counter_source(entry, seen))
+    return KiwiConfig(
+        buffer_capacity=sopt("buffer_capacity"),
+        lag_notice_threshold=sopt("lag_notice_threshold"),
+        send_queue=sopt("send_queue"),
+        socket_send_buffer=_positive_int(subscriber, "socket_send_buffer", "kiwi.subscriber"),
+        max_message_bytes=sopt("max_message_bytes"),
+        counters=tuple(counters),
+    )
+
+
+def _counter_source(entry: Any, seen: set[str]) -> CounterSource:
+    if not isinstance(entry, dict):
+        raise ConfigError("every [[kiwi.sources]] entry must be a table")
+    source_id = entry.get("id")
+    if not isinstance(source_id, str):
+        raise ConfigError(f"kiwi.sources: id must be a string, got {source_id!r}")
+    try:
+        check_name(source_id)
+    except InvalidRequest as exc:
+        raise ConfigError(f"kiwi.sources: {exc.message}") from None
+    where = f"kiwi.sources[{source_id}]"
+    if source_id in seen:
+        raise ConfigError(f"{where}: the id is used twice")
+    seen.add(source_id)
+    kind = entry.get("type", "counter")
+    if kind != "counter":
+        raise ConfigError(f"{where}: type must be 'counter' (streams and kinds need no entry)")
+    interval = _positive_int(entry, "interval_ms", where)
+    if interval is None:
+        raise ConfigError(f"{where}: interval_ms is required")
+    low = entry.get("min", 0)
+    high = entry.get("max")
+    for key, value in (("min", low), ("max", high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{where}.{key} must be an integer, got {value!r}")
+    if high is not None and high < low:
+        raise ConfigError(f"{where}: max ({high}) is below min ({low})")
+    lazy = entry.get("lazy", False)
+    if not isinstance(lazy, bool):
+        raise ConfigError(f"{where}.lazy must be true or false")
+    return CounterSource(source_id, interval, low, high, lazy)

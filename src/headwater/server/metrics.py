@@ -10,6 +10,7 @@ is counted by the front ends once per batch through :class:`Metrics`:
 * ``record_append(protocol, tenant, stream, events, value_bytes, seconds)``
 * ``record_read(protocol, tenant, stream, events, value_bytes)``
 * ``record_error(protocol, exc)``
+* ``record_ws_lag(protocol, events)``: events a WebSocket subscriber lost to lag
 * ``add_connections_source(protocol, fn)`` / ``add_subscriptions_source(protocol, fn)``:
   a zero-argument callable returning the current count, read at scrape time.
 """
@@ -110,6 +111,13 @@ class Metrics:
             ["protocol", "code", "name"],
             registry=self.registry,
         )
+        self.ws_lag_events = Counter(
+            "headwater_ws_lag_events",
+            "Events WebSocket subscribers lost to lag: push events dropped at a full send"
+            " queue and pull events overwritten in a full ring buffer",
+            ["protocol"],
+            registry=self.registry,
+        )
         self.server = server
         if server is not None:
             self.registry.register(_ServerCollector(self, server))
@@ -142,6 +150,10 @@ class Metrics:
 
     def record_error(self, protocol: str, exc: HeadwaterError) -> None:
         self.errors.labels(protocol, str(exc.code), exc.name).inc()
+
+    def record_ws_lag(self, protocol: str, events: int) -> None:
+        if events:
+            self.ws_lag_events.labels(protocol).inc(events)
 
     def add_connections_source(self, protocol: str, source: Callable[[], int]) -> None:
         self.connection_sources.setdefault(protocol, []).append(source)

@@ -90,9 +90,24 @@ def engine_of(request: web.Request) -> Engine:
     return engine
 
 
-def tenant_of(request: web.Request) -> int:
+def token_of(request: web.Request, *, query_token: bool = False) -> str | None:
+    """The request's bearer token: the ``Authorization: Bearer`` header, or, when
+    ``query_token`` (WebSocket upgrades: browsers cannot set headers there), the
+    ``?token=`` query parameter."""
+    header = request.headers.get("Authorization")
+    if header is not None:
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer" or not value.strip():
+            raise AuthenticationFailed("use 'Authorization: Bearer <token>'")
+        return value.strip()
+    if query_token:
+        return request.query.get("token") or None
+    return None
+
+
+def tenant_of(request: web.Request, *, query_token: bool = False) -> int:
     """The request's tenant (``X-Headwater-Tenant`` or ``?tenant=``, default 0), after
-    checking the bearer token grants it and the tenant exists."""
+    checking the bearer token (see :func:`token_of`) grants it and the tenant exists."""
     # Both are checked; the header wins when both are given.
     given = [
         _tenant_number(text)
@@ -101,13 +116,7 @@ def tenant_of(request: web.Request) -> int:
     ]
     tenant_id = given[0] if given else 0
     auth = server_of(request).config.auth
-    header = request.headers.get("Authorization")
-    token: str | None = None
-    if header is not None:
-        scheme, _, value = header.partition(" ")
-        if scheme.lower() != "bearer" or not value.strip():
-            raise AuthenticationFailed("use 'Authorization: Bearer <token>'")
-        token = value.strip()
+    token = token_of(request, query_token=query_token)
     granted = auth.tenants_for(token)
     if granted is None and auth.required:
         raise AuthenticationFailed(
@@ -171,8 +180,9 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def build_app(server: Server) -> web.Application:
-    """The application of ``server``: REST API, metrics and the dashboard."""
-    from headwater.server.http import api, dashboard, overview
+    """The application of ``server``: REST API, ``/metrics``, the Kiwi gateway
+    ``/ws`` and the dashboard."""
+    from headwater.server.http import api, dashboard, overview, ws
 
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server
@@ -180,4 +190,5 @@ def build_app(server: Server) -> web.Application:
     api.add_routes(app)
     overview.add_routes(app)
     dashboard.add_routes(app)
+    ws.add_routes(app)
     return app

@@ -3,7 +3,6 @@ docs/http-api.md). Everything is read from in-memory engine state: no disk, no S
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import Any
 
@@ -13,21 +12,11 @@ from headwater.engine.kinds import EntityState, KindInfo, KindState
 from headwater.engine.kinds.errors import KindNotFound
 from headwater.errors import InvalidRequest, TableNotFound
 from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE
-from headwater.protocols.convergedb.fields import FieldType, FieldValue
+from headwater.protocols.kiwi.results import field_json
 from headwater.server.http.app import engine_of, json_response, server_of, tenant_of
 
 DEFAULT_ENTITY_LIMIT = 500
 MAX_ENTITY_LIMIT = 10_000
-
-
-def field_json(field_type: FieldType, value: FieldValue) -> Any:
-    """A field value as JSON: numbers, strings and booleans as themselves, BYTES as
-    base64, TIMESTAMP as integer nanoseconds since the epoch."""
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if field_type is FieldType.TIMESTAMP:
-        return int(value)
-    return value
 
 
 def kind_json(state: KindState) -> dict[str, Any]:
@@ -54,7 +43,7 @@ def entity_json(info: KindInfo, entity: EntityState) -> dict[str, Any]:
         "entity_id": entity.entity_id.hex(),
         "version": entity.version,
         "fields": {
-            spec.name: field_json(spec.type, value)
+            spec.name: field_json(value)
             for spec, value in zip(info.fields, entity.values, strict=False)
         },
     }

@@ -386,7 +386,9 @@
     const parts = Object.entries(connections).filter(([, n]) => n > 0);
     const total = Object.values(connections).reduce((a, b) => a + b, 0);
     $("card-conns").textContent = grouped(total);
-    $("card-conns-sub").textContent = parts.length ? parts.map(([p, n]) => p + " " + n).join(" · ") : "none open";
+    const perProtocol = parts.length ? parts.map(([p, n]) => p + " " + n).join(" · ") : "none open";
+    $("card-conns-sub").textContent = perProtocol;
+    $("card-conns-sub").title = perProtocol;
     $("foot-text").textContent = "headwater " + info.version + " · log position " + grouped(info.tenant.log_position);
   }
 

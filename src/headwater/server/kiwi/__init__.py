@@ -1,0 +1,1 @@
+"""The Kiwi WebSocket gateway (``/ws`` on the HTTP listener, docs/protocols/kiwi.md)."""

@@ -1,0 +1,185 @@
+"""One Kiwi WebSocket connection: the sans-I/O :class:`KiwiConnection` plus its socket.
+
+Sources call :meth:`KiwiSession.deliver` and :meth:`KiwiSession.source_closed` from the
+event loop; both return at once. What the core queues is written straight to the
+transport while it takes more; once the transport pauses (the peer is not reading), the
+core's bounded outbox fills and then sheds push events (LAG), and a single drain task
+resumes writing when the transport has room again. A slow peer therefore costs the
+engine and the other connections nothing but the bounded memory of its own queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from aiohttp import WSMsgType, web
+
+from headwater.protocols.kiwi import messages as m
+from headwater.protocols.kiwi.connection import KiwiConnection
+from headwater.protocols.kiwi.frames import text_frame
+
+if TYPE_CHECKING:
+    from headwater.server.kiwi.gateway import Gateway
+
+log = logging.getLogger("headwater.kiwi")
+
+Detach = Callable[[], None]
+CLOSE_TIMEOUT_SECONDS = 2.0
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+class KiwiSession:
+    def __init__(
+        self, gateway: Gateway, request: web.Request, ws: web.WebSocketResponse, tenant_id: int
+    ) -> None:
+        config = gateway.config
+        self.gateway = gateway
+        self.request = request
+        self.ws = ws
+        self.tenant_id = tenant_id
+        self.core = KiwiConnection(
+            buffer_capacity=config.buffer_capacity,
+            lag_notice_threshold=config.lag_notice_threshold,
+            send_capacity=config.send_queue,
+            frame=text_frame,
+        )
+        self.detach: dict[str, Detach] = {}
+        self.closed = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._room.set()
+
+    # ---- commands -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Read commands until the peer closes, breaks the protocol or the server stops."""
+        async for msg in self.ws:
+            if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
+                try:
+                    command = m.parse_command(msg.data)
+                except m.KiwiProtocolError as exc:
+                    await self.close(exc.close_code, exc.reason)
+                    return
+                self.handle(command)
+                self.flush()
+                # Replies count against the send queue too: a peer that sends commands
+                # without reading the answers waits here instead of growing the queue.
+                if not self._room.is_set():
+                    await self._room.wait()
+            elif msg.type is WSMsgType.ERROR:
+                log.info("websocket error: %s", msg.data)
+                return
+
+    def handle(self, command: m.Command) -> None:
+        core = self.core
+        source_id = command.source_id
+        if isinstance(command, m.Subscribe):
+            if core.subscribed(source_id):
+                core.reject_subscribe(source_id, "already subscribed to this source")
+                return
+            try:
+                detach = self.gateway.attach(self, source_id)
+            except SourceUnavailable as exc:
+                core.reject_subscribe(source_id, str(exc))
+                return
+            self.detach[source_id] = detach
+            core.subscribe(source_id, command.mode)
+            self.gateway.subscriptions += 1
+        elif isinstance(command, m.Unsubscribe):
+            if core.unsubscribe(source_id):
+                self._detach(source_id)
+        else:
+            core.request(source_id, command.n)
+
+    def _detach(self, source_id: str) -> None:
+        detach = self.detach.pop(source_id, None)
+        if detach is not None:
+            self.gateway.subscriptions -= 1
+            try:
+                detach()
+            except Exception:
+                log.exception("detaching %s failed", source_id)
+
+    # ---- sources ------------------------------------------------------------------------
+
+    def deliver(self, source_id: str, results: Sequence[bytes]) -> None:
+        """A source's new events, as framed RESULT messages."""
+        core = self.core
+        lost = core.lost_events
+        core.deliver(source_id, results)
+        if core.lost_events != lost:
+            self.gateway.metrics.record_ws_lag("kiwi", core.lost_events - lost)
+        self.flush()
+
+    def source_closed(self, source_id: str, message: str) -> None:
+        """The source ended for this subscriber: SUBSCRIPTION_CLOSED."""
+        if source_id not in self.detach:
+            return
+        self.detach.pop(source_id)
+        self.gateway.subscriptions -= 1
+        self.core.close_subscription(source_id, message)
+        self.flush()
+
+    # ---- the socket ---------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write what the core has queued, unless the transport is paused."""
+        if self.closed or self._drain_task is not None:
+            return
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            return
+        frames = self.core.take_outgoing()
+        if frames:
+            transport.writelines(frames)
+        if self.request.protocol.writing_paused:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        self._update_room()
+
+    async def _drain(self) -> None:
+        try:
+            await self.request.writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            return
+        finally:
+            self._drain_task = None
+        self.flush()
+
+    def _update_room(self) -> None:
+        if self.core.full:
+            self._room.clear()
+        else:
+            self._room.set()
+
+    async def close(self, code: int, reason: str) -> None:
+        """Flush what is queued, then close the WebSocket with ``code``."""
+        self.flush()
+        self.release()
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(
+                self.ws.close(code=code, message=reason.encode()[:120]), CLOSE_TIMEOUT_SECONDS
+            )
+
+    async def shutdown(self) -> None:
+        """Server shutdown: SUBSCRIPTION_CLOSED for every subscription, then close 1001."""
+        for source_id in self.core.close_all(SHUTDOWN_MESSAGE):
+            self._detach(source_id)
+        await self.close(m.CLOSE_GOING_AWAY, SHUTDOWN_MESSAGE)
+
+    def release(self) -> None:
+        """Detach every source (the connection is ending); idempotent."""
+        for source_id in list(self.detach):
+            self._detach(source_id)
+        self.closed = True
+        self._room.set()
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            self._drain_task = None
+
+
+class SourceUnavailable(Exception):
+    """SUBSCRIBE_ERROR: the source does not exist, has ended or cannot be subscribed."""
