@@ -8,20 +8,22 @@ protocol over loopback: headwater's sans-I/O ConvergeDB codec on one side, RESP 
 
 * The update: a 32-byte entity id and 5 numeric fields (u64 ``batch``: the index of the
   frame that carried it, f64 ``bid``, ``ask``, ``last``, i64 ``volume``) over ``--keys``
-  entities. headwater: ``--batch`` ASSERTs per BATCH frame on stream 0 (fire and
-  forget), then a HEARTBEAT barrier whose ACK says everything is durable (policy
-  ``fsync``: fdatasync before the ACK). Redis (``appendfsync everysec``: an acknowledged
-  write may still be lost for up to a second): per update ``HSET id batch .. volume ..``
-  plus ``PUBLISH kinds <id + the same 40 bytes of field_data>``, ``--batch`` updates
-  pipelined per write. Redis keyspace notifications would carry only the key name, so a
-  subscriber would need a read per update to learn the values a ConvergeDB STATE carries:
-  PUBLISH of the update is the closest equivalent.
+  entities. headwater: ``--batch`` ASSERTs per BATCH frame, each ACKed once durable
+  (policy ``fsync``: fdatasync before the ACK), at most ``--depth`` frames in flight (a
+  writer that never waits fills windows faster than 10 subscribers on two cores drain
+  them, and the 4,096-notification buffer then disconnects them). Redis (``appendfsync
+  everysec``: an acknowledged write may still be lost for up to a second): per update
+  ``HSET id batch .. volume ..`` plus ``PUBLISH kinds <id + the same 40 bytes of
+  field_data>``, ``--batch`` updates pipelined per write, ``--depth`` pipelines in
+  flight. Redis keyspace notifications would carry only the key name, so a subscriber
+  would need a read per update to learn the values a ConvergeDB STATE carries: PUBLISH
+  of the update is the closest equivalent.
 * Subscribers: ConvergeDB SUBSCRIBE (no bootstrap): STATE per entity per 20 ms window
   (net change; an entity asserted twice in one window is notified once). Redis SUBSCRIBE:
   every published update.
 * Throughput: the writer sends ``--updates`` updates as fast as the socket takes them,
-  then a last update of an end-marker entity. ``durable``: until the barrier's ACK
-  (Redis: until every reply is read). ``delivered``: until the last subscriber has
+  then a last update of an end-marker entity. ``durable``: until the last ACK (Redis:
+  until every reply is read). ``delivered``: until the last subscriber has
   received the end marker.
 * Latency: the writer notes the time it sends each frame (each pipeline); a subscriber
   notes when each recv() returned, and after the run decodes what it got with the codec:
@@ -89,6 +91,7 @@ FIELDS = (
     FieldSpec("volume", FieldType.I64),
 )
 CHANNEL = b"kinds"
+WRITER_SOURCE = 1
 _BATCH_FIELD = struct.Struct("<Q")  # field 0 of a record: the frame index
 _REDIS_FIELDS = [f.name.encode() for f in FIELDS]
 
@@ -156,11 +159,21 @@ def redis_frames(work: list[list[tuple[bytes, list[Any]]]]) -> list[bytes]:
 class CdbSession:
     """A blocking ConvergeDB connection for setup: request, then wait for its answer."""
 
-    def __init__(self, port: int, *, read_only: bool = False, name: str = "") -> None:
+    def __init__(
+        self, port: int, *, read_only: bool = False, name: str = "", source_id: int | None = None
+    ) -> None:
         self.sock = connect(port)
         self.conn = ClientConnection()
         self.frames: list[m.Frame] = []
-        stream, data = self.conn.connect(name, read_only=read_only)
+        # The writer of every run takes over the same slot, with a deadline past the
+        # benchmark: its entities stay (a new slot would see the old one's retracted,
+        # a mass DELETE, in the middle of a later run).
+        stream, data = self.conn.connect(
+            name,
+            read_only=read_only,
+            source_id=source_id,
+            liveness_deadline_ms=3_600_000 if source_id is not None else 0,
+        )
         self.sock.sendall(data)
         self.wait(stream)
 
@@ -233,27 +246,45 @@ def hw_subscriber(port: int, run: int, ready: Any, results: Any) -> None:
 
 
 def hw_writer(port: int, run: int, args: Any, interval: float, results: Any) -> None:
-    session = CdbSession(port, name="writer")
+    session = CdbSession(port, name="writer", source_id=WRITER_SOURCE)
     kind_id = session.kind(create=True)
     updates = args.latency_updates if interval else args.updates
     batch = args.latency_batch if interval else args.batch
-    frames = hw_frames(session.conn, kind_id, plan(updates, batch, entity_ids(args.keys), run))
-    stream, barrier = session.conn.send(m.Heartbeat(), ack=True)
+    work = plan(updates, batch, entity_ids(args.keys), run)
+    frames = [
+        session.conn.send(
+            m.Batch(tuple(m.Assert.of(FIELDS, kind_id, eid, values) for eid, values in frame)),
+            ack=True,  # acknowledged once durable: at most --depth frames in flight
+        )[1]
+        for frame in work
+    ]
     sent = array("q")
+    acked = 0
     start = time.monotonic_ns()
     for i, frame in enumerate(frames):
         if interval:
             delay = start / 1e9 + i * interval - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
+        while i - acked >= args.depth:
+            acked += _hw_acks(session)
         sent.append(time.monotonic_ns())
         session.sock.sendall(frame)
-    session.sock.sendall(barrier)
-    reply = session.wait(stream)
-    if reply != m.Ack(Opcode.HEARTBEAT):
-        raise RuntimeError(f"barrier answered {reply}")
+    while acked < len(frames):
+        acked += _hw_acks(session)
     results.put({"start": start, "durable": time.monotonic_ns(), "sent": sent, "updates": updates})
     session.sock.close()
+
+
+def _hw_acks(session: CdbSession) -> int:
+    data = session.sock.recv(RECV)
+    if not data:
+        raise ConnectionError("headwater closed the connection")
+    frames = session.conn.receive_data(data)
+    for frame in frames:
+        if frame.message != m.Ack(Opcode.BATCH):
+            raise RuntimeError(f"a BATCH was answered {frame.message}")
+    return len(frames)
 
 
 # ---- redis clients ----------------------------------------------------------------------
@@ -298,7 +329,7 @@ def redis_writer(port: int, run: int, args: Any, interval: float, results: Any) 
     work = plan(updates, batch, entity_ids(args.keys), run)
     frames = redis_frames(work)
     want = 2 * sum(len(frame) for frame in work)  # one integer reply line per command
-    depth = 4  # pipelines in flight: Redis stops reading while its replies are not read
+    depth = args.depth
     sent = array("q")
     lines = 0
     start = time.monotonic_ns()
@@ -407,7 +438,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{cfg['repeat']} runs.",
         "",
         f"Throughput: {cfg['updates']:,} updates, {cfg['batch']:,} per BATCH / pipeline, "
-        "sent as fast as the server takes them.",
+        f"{cfg['depth']} in flight.",
         "",
         "| side | durable (acked) updates/s | delivered to all subscribers, updates/s | "
         "notifications per subscriber | latency p50 ms | p99 ms | server CPU s |",
@@ -457,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=300_000, help="updates per throughput run")
     p.add_argument("--keys", type=int, default=100_000, help="distinct entities")
     p.add_argument("--batch", type=int, default=1000, help="updates per BATCH / pipeline")
+    p.add_argument("--depth", type=int, default=4, help="BATCHes / pipelines in flight")
     p.add_argument("--subscribers", type=int, default=10, help="subscriber processes")
     p.add_argument("--repeat", type=int, default=3, help="throughput runs per side")
     p.add_argument("--latency-rate", type=int, default=20_000, help="paced updates/s")
