@@ -212,8 +212,7 @@ async def run_engine(data_dir: Path, windows: list[list[tuple[object, ...]]]) ->
                 tk.apply(source, [engine_op])
         await tk.flush()
         for k, (kind, sub) in enumerate(zip(kinds, subs, strict=True)):
-            notes = list(sub.buffer)
-            sub.buffer.clear()
+            notes = sub.take_buffered()
             got = [as_tuple(n, kinds) for n in notes if isinstance(n, StateChange)]
             assert len(got) == len(set(got)), "one net change per entity per window"
             assert set(got) == Model.net(before, model.state, k)

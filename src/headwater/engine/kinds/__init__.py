@@ -51,6 +51,7 @@ from headwater.engine.kinds.model import (
     PatchOp,
     RetractOp,
     StateChange,
+    WindowNotes,
     WriteOp,
 )
 from headwater.engine.kinds.ops import assert_op, from_wire, patch_op, retract_op
@@ -97,6 +98,7 @@ __all__ = [
     "SubscriptionOverflow",
     "TenantKinds",
     "Window",
+    "WindowNotes",
     "WriteOp",
     "assert_op",
     "cdb_code_for",

@@ -4,7 +4,7 @@ notifications. All immutable; field values are the Python values of
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TypeAlias
@@ -181,6 +181,17 @@ class EventNote:
 
 
 Notification: TypeAlias = StateChange | EventNote
+
+
+class WindowNotes(list[Notification]):
+    """One window's notifications of one kind: the same object goes to every subscriber,
+    so a front end derives what it needs from it (encoded payloads) once, in ``derived``."""
+
+    __slots__ = ("derived",)
+
+    def __init__(self, notes: Iterable[Notification] = ()) -> None:
+        super().__init__(notes)
+        self.derived: dict[object, object] = {}
 
 
 @dataclass(frozen=True)

@@ -55,10 +55,10 @@ from headwater.engine.kinds.model import (
     Key,
     KindInfo,
     KindsConfig,
-    Notification,
     PatchOp,
     RetractOp,
     StateChange,
+    WindowNotes,
     WriteOp,
 )
 from headwater.engine.kinds.registry import KindRegistry
@@ -807,8 +807,8 @@ class TenantKinds:
             state.next_sequence = next_sequence
             self.changes_committed += len(changes)
             if state.subscribers:
-                state_notes: list[Notification] = list(changes)
-                event_notes: list[Notification] = list(notes)
+                state_notes = WindowNotes(changes)
+                event_notes = WindowNotes(notes)
                 for sub in list(state.subscribers):
                     sub.push(event_notes if sub.events else state_notes)
             for listener in list(state.change_listeners):

@@ -12,6 +12,10 @@ the front end reads it from the state at its own pace (backpressure).
 The limit counts notifications waiting behind a reader that is busy (its socket is not
 taking more): a reader waiting in :meth:`KindSubscription.next_batch` takes a whole
 window at once, however large.
+
+The buffer keeps each window's notifications as the one sequence the engine pushed to
+every subscriber (:meth:`KindSubscription.next_windows`), so a front end can encode a
+window once and frame the same bytes for every subscriber.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class KindSubscription:
         self.include_previous = include_previous
         self.events = events
         self.capacity = capacity
-        self.buffer: deque[Notification] = deque()
+        self.buffer: deque[Sequence[Notification]] = deque()  # windows, as pushed
+        self.buffered = 0  # notifications in ``buffer``
         self.overflowed = False
         self.closed = False
         self.waiting = False  # the reader is blocked in next_batch, ready for more
@@ -54,20 +59,34 @@ class KindSubscription:
         if self.waiting and not self.buffer:
             # The reader is waiting for this very push: it takes the whole window at
             # once, so a window larger than the buffer never fails a reader keeping up.
-            self.buffer.extend(notes)
+            self.buffer.append(notes)
+            self.buffered += len(notes)
             self._wake.set()
             return
-        if len(self.buffer) + len(notes) > self.capacity:
+        if self.buffered + len(notes) > self.capacity:
             self.overflowed = True
-            self.buffer.clear()  # the reader is told at once, not after the backlog
+            self.take_buffered()  # the reader is told at once, not after the backlog
             self.close()
             return
-        self.buffer.extend(notes)
+        self.buffer.append(notes)
+        self.buffered += len(notes)
         self._wake.set()
+
+    def take_buffered(self) -> list[Notification]:
+        """Everything buffered, now (empty when nothing is)."""
+        notes = [note for window in self.buffer for note in window]
+        self.buffer.clear()
+        self.buffered = 0
+        return notes
 
     async def next_batch(self) -> list[Notification]:
         """Everything buffered (waits while empty). Raises SubscriptionOverflow after an
         overflow and returns [] once the subscription is closed otherwise."""
+        return [note for window in await self.next_windows() for note in window]
+
+    async def next_windows(self) -> list[Sequence[Notification]]:
+        """:meth:`next_batch`, as the sequences the engine pushed (one per window, the
+        same object for every subscriber of the kind)."""
         while not self.buffer:
             if self.overflowed:
                 raise SubscriptionOverflow(
@@ -81,9 +100,10 @@ class KindSubscription:
                 await self._wake.wait()
             finally:
                 self.waiting = False
-        notes = list(self.buffer)
+        windows = list(self.buffer)
         self.buffer.clear()
-        return notes
+        self.buffered = 0
+        return windows
 
     def close(self) -> None:
         """Stop delivering; wakes a waiting :meth:`next_batch`."""

@@ -656,6 +656,63 @@ class State(_Message):
         )
 
 
+_STATE_HEAD = struct.Struct("<H32sBQQQI")  # kind_id .. changed_fields, fd_len
+_CHANGES = frozenset(int(c) for c in Change)
+
+
+def _state_change(code: int) -> Change:
+    try:
+        return Change(code)
+    except ValueError:
+        raise UsageError(f"unknown STATE change {code!r}") from None
+
+
+def encode_state_payload(
+    kind_id: int,
+    entity_id: bytes,
+    change: int,
+    version: int,
+    source_set: int,
+    changed_fields: int,
+    field_data: bytes,
+    previous: bytes | None = None,
+    metadata: bytes = b"",
+) -> bytes:
+    """``State(...).encode()`` without building the message: one precompiled struct for
+    the fixed part (the notification hot path: every change of every window). Values the
+    wire cannot carry go through :class:`State`, which raises its UsageError."""
+    if (
+        len(entity_id) == ENTITY_ID_SIZE
+        and change in _CHANGES
+        and len(field_data) <= _MAX32
+        and len(metadata) <= _MAX16
+        and (previous is None or (change == Change.UPDATED and len(previous) <= _MAX32))
+    ):
+        try:
+            head = _STATE_HEAD.pack(
+                kind_id, entity_id, change, version, source_set, changed_fields, len(field_data)
+            )
+        except struct.error:
+            pass  # out of range: State says which value
+        else:
+            if previous is None:
+                return b"".join((head, field_data, _U16.pack(len(metadata)), metadata))
+            prev_len, meta_len = _U32.pack(len(previous)), _U16.pack(len(metadata))
+            return b"".join((head, field_data, prev_len, previous, meta_len, metadata))
+    checked = State(
+        kind_id,
+        entity_id,
+        _state_change(change),
+        version,
+        source_set,
+        changed_fields,
+        field_data,
+        previous,
+        metadata,
+    )
+    return checked.encode()
+
+
 @dataclass(frozen=True, slots=True)
 class Deleted(_Message):
     """DELETED: u16 kind_id, entity_id, u64 version, u16 meta_len + metadata."""

@@ -21,6 +21,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Sequence
 from functools import lru_cache
+from itertools import chain
 from typing import TYPE_CHECKING, cast
 
 from headwater.engine.kinds import (
@@ -29,9 +30,11 @@ from headwater.engine.kinds import (
     KindSubscription,
     Notification,
     Source,
+    StateChange,
     SubscriptionOverflow,
     TenantKinds,
     Window,
+    WindowNotes,
     cdb_code_for,
     from_wire,
 )
@@ -39,7 +42,7 @@ from headwater.errors import HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
-from headwater.protocols.convergedb.frames import encode_frame
+from headwater.protocols.convergedb.frames import encode_frame, encode_header
 from headwater.server.app import Listener, register_listener
 from headwater.server.metrics import metrics_for
 
@@ -58,9 +61,72 @@ def encode_notification(stream_id: int, note: Notification, include_previous: bo
     return encode_frame(stream_id, opcode, payload)
 
 
-@lru_cache(maxsize=4096)  # about one window of notifications
+def encode_window(stream_id: int, notes: Sequence[Notification], include_previous: bool) -> bytes:
+    """A window's notifications as frames on one subscription's stream.
+
+    The payloads are encoded once per window (kept on the engine's :class:`WindowNotes`,
+    the object every subscriber of the kind gets); a subscriber only adds its headers,
+    which depend on nothing but (stream, opcode, length) and come from a cache. A window
+    whose frames all have one opcode and length (a fixed-width schema) is joined in one
+    call."""
+    if isinstance(notes, WindowNotes):
+        key = ("convergedb", include_previous)
+        encoded = notes.derived.get(key)
+        if encoded is None:
+            encoded = notes.derived[key] = _encode_payloads(notes, include_previous)
+        assert isinstance(encoded, _Payloads)
+    else:
+        encoded = _encode_payloads(notes, include_previous)
+    if encoded.uniform is not None:
+        header = _frame_header(stream_id, *encoded.uniform)
+        return header + header.join(encoded.payloads)
+    headers = [_frame_header(stream_id, op, length) for op, length in encoded.shapes]
+    return b"".join(chain.from_iterable(zip(headers, encoded.payloads, strict=True)))
+
+
+class _Payloads:
+    """A window's notification payloads and each one's (opcode, length)."""
+
+    __slots__ = ("payloads", "shapes", "uniform")
+
+    def __init__(self, shapes: list[tuple[int, int]], payloads: list[bytes]) -> None:
+        self.shapes = shapes
+        self.payloads = payloads
+        first = shapes[0] if shapes else None
+        self.uniform = first if first is not None and shapes.count(first) == len(shapes) else None
+
+
+def _encode_payloads(notes: Sequence[Notification], include_previous: bool) -> _Payloads:
+    payloads: list[bytes] = []
+    shapes: list[tuple[int, int]] = []
+    updated = ChangeType.UPDATED
+    for note in notes:
+        if isinstance(note, StateChange) and note.change is not ChangeType.DELETED:
+            payload = m.encode_state_payload(
+                note.kind_id,
+                note.entity_id,
+                note.change,
+                note.version,
+                note.source_set,
+                note.changed_fields,
+                note.record,
+                note.previous if include_previous and note.change is updated else None,
+                note.metadata,
+            )
+            opcode: int = Opcode.STATE
+        else:
+            opcode, payload = _notification_payload(note, include_previous)
+        payloads.append(payload)
+        shapes.append((opcode, len(payload)))
+    return _Payloads(shapes, payloads)
+
+
+@lru_cache(maxsize=4096)
+def _frame_header(stream_id: int, opcode: int, length: int) -> bytes:
+    return encode_header(stream_id, opcode, length)
+
+
 def _notification_payload(note: Notification, include_previous: bool) -> tuple[Opcode, bytes]:
-    """Encoded once however many subscribers get the notification."""
     message: m.Message
     if isinstance(note, EventNote):
         message = m.Event(
@@ -385,13 +451,13 @@ class ConvergeConnection(asyncio.Protocol):
         include_previous = sub.include_previous
         try:
             while not self.closed:
-                notes = await sub.next_batch()
-                if not notes:
+                windows = await sub.next_windows()
+                if not windows:
                     return
                 if self.transport is None or self.closed:
                     return
                 self.transport.writelines(
-                    [encode_notification(stream, n, include_previous) for n in notes]
+                    [encode_window(stream, notes, include_previous) for notes in windows]
                 )
                 await self._writable.wait()
         except SubscriptionOverflow as exc:
