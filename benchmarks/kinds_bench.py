@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import shutil
 import signal
@@ -50,6 +51,7 @@ import socket
 import statistics
 import struct
 import subprocess
+import sys
 import time
 from array import array
 from pathlib import Path
@@ -245,6 +247,12 @@ def hw_subscriber(port: int, run: int, ready: Any, results: Any) -> None:
     session.sock.close()
 
 
+def in_flight(args: Any, interval: float) -> int:
+    """Frames in flight: ``--depth`` when writing flat out; when paced, enough for 250 ms
+    of frames, so the pace (not the 20 ms window + fsync before each ACK) sets the rate."""
+    return args.depth if not interval else max(args.depth, math.ceil(0.25 / interval))
+
+
 def hw_writer(port: int, run: int, args: Any, interval: float, results: Any) -> None:
     session = CdbSession(port, name="writer", source_id=WRITER_SOURCE)
     kind_id = session.kind(create=True)
@@ -266,7 +274,7 @@ def hw_writer(port: int, run: int, args: Any, interval: float, results: Any) -> 
             delay = start / 1e9 + i * interval - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-        while i - acked >= args.depth:
+        while i - acked >= in_flight(args, interval):
             acked += _hw_acks(session)
         sent.append(time.monotonic_ns())
         session.sock.sendall(frame)
@@ -329,7 +337,7 @@ def redis_writer(port: int, run: int, args: Any, interval: float, results: Any) 
     work = plan(updates, batch, entity_ids(args.keys), run)
     frames = redis_frames(work)
     want = 2 * sum(len(frame) for frame in work)  # one integer reply line per command
-    depth = args.depth
+    depth = in_flight(args, interval)
     sent = array("q")
     lines = 0
     start = time.monotonic_ns()
@@ -393,14 +401,15 @@ def one_run(side: str, port: int, pid: int, run: int, args: Any, interval: float
     for r in got:
         latencies += [(t - sent[b]) / 1e6 for b, t in zip(r["batches"], r["arrivals"], strict=True)]
     start, updates = wrote["start"], wrote["updates"]
-    delivered = max(r["end"] for r in got)
+    # With --subscribers 0 (the server's write path alone) delivery is the last ACK.
+    delivered = max((r["end"] for r in got), default=wrote["durable"])
     return {
         "updates": updates,
         "durable_s": (wrote["durable"] - start) / 1e9,
         "delivered_s": (delivered - start) / 1e9,
         "durable_rate": updates / ((wrote["durable"] - start) / 1e9),
         "delivered_rate": updates / ((delivered - start) / 1e9),
-        "notifications_per_subscriber": statistics.mean(r["notes"] for r in got),
+        "notifications_per_subscriber": statistics.mean(r["notes"] for r in got) if got else 0,
         "latency_p50_ms": pct(latencies, 50),
         "latency_p99_ms": pct(latencies, 99),
         "latency_max_ms": max(latencies) if latencies else float("nan"),
@@ -528,7 +537,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.py_spy:
             spy = subprocess.Popen(
                 [
-                    *("py-spy", "record", "-p", str(hw.pid), "-o", str(args.py_spy)),
+                    *(
+                        str(Path(sys.executable).with_name("py-spy")),
+                        "record",
+                        "-p",
+                        str(hw.pid),
+                        "-o",
+                        str(args.py_spy),
+                    ),
                     *("--format", "raw", "--nonblocking", "--rate", "200"),
                 ],
                 stdout=subprocess.DEVNULL,
@@ -575,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
         results["environment"]["loadavg_after"] = loadavg()
         shutil.rmtree(root, ignore_errors=True)
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        args.out.write_text(json.dumps(results, indent=2, default=str))
     print(markdown(results))
     return 0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from headwater.engine.kinds.codec import codec_for
+from headwater.engine.kinds.codec import RecordCodec, codec_for
 from headwater.engine.kinds.errors import BadFieldData
 from headwater.engine.kinds.model import (
     AssertOp,
@@ -67,23 +67,29 @@ def from_wire(
     BadFieldData for field_data that does not fit. Nothing is applied here."""
     out: list[WriteOp] = []
     append = out.append
-    kinds: dict[int, KindInfo] = {}
+    kinds: dict[int, tuple[KindInfo, RecordCodec]] = {}
     for op in ops:
-        kind = kinds.get(op.kind_id)
-        if kind is None:
-            kind = kinds[op.kind_id] = kind_of(op.kind_id)
+        kind_id = op.kind_id
+        known = kinds.get(kind_id)
+        if known is None:
+            kind = kind_of(kind_id)
+            known = kinds[kind_id] = (kind, codec_for(kind.fields))
+        kind, codec = known
         try:
-            if isinstance(op, wire.Assert):
-                codec = codec_for(kind.fields)
+            if type(op) is wire.Assert:
                 data = op.field_data
-                record = data if codec.is_complete(data) else None
-                values = codec.decode_assert(data)
-                append(AssertOp(op.kind_id, op.entity_id, values, op.metadata, record))
+                if codec.fixed is not None and len(data) == codec.fixed.size:
+                    # the whole record: it is stored and sent on as it came
+                    append(
+                        AssertOp(kind_id, op.entity_id, codec.fixed.unpack(data), op.metadata, data)
+                    )
+                else:
+                    append(AssertOp(kind_id, op.entity_id, codec.decode_assert(data), op.metadata))
             elif isinstance(op, wire.Patch):
                 present = decode_present_fields(kind.fields, op.presence_mask, op.field_data)
-                append(PatchOp(op.kind_id, op.entity_id, present, op.metadata))
+                append(PatchOp(kind_id, op.entity_id, present, op.metadata))
             else:
-                append(RetractOp(op.kind_id, op.entity_id, op.metadata))
+                append(RetractOp(kind_id, op.entity_id, op.metadata))
         except DecodeError as exc:
             raise BadFieldData(f"kind {kind.name!r}: {exc.message}") from None
     return out

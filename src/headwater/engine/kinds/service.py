@@ -32,7 +32,7 @@ import logging
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -495,6 +495,24 @@ class TenantKinds:
             eid = op.entity_id
             work = entities.get(eid)
             if work is None:
+                if type(op) is AssertOp:
+                    # The bulk of writes: an ASSERT replaces every value, so only the
+                    # source set is carried over from the state before it.
+                    entities[eid] = _Work(
+                        self._source_set(state, flushing, eid) | bit,
+                        list(op.values),
+                        op.metadata,
+                        op.record,
+                    )
+                    held.add((kind_id, eid))
+                    if epoch is not None:
+                        epoch.discard((kind_id, eid))
+                    window.ops += 1
+                    if state.info.event_stream:
+                        window.events.setdefault(kind_id, []).append(
+                            _EventDraft(eid, OP_ASSERT, sid, op.values, op.metadata)
+                        )
+                    continue
                 work = self._working(state, flushing, eid)
                 if isinstance(op, RetractOp) and not work.source_set & bit:
                     continue  # retracting what this source does not hold changes nothing
@@ -543,6 +561,17 @@ class TenantKinds:
         if not window.scheduled and window.ops:
             window.scheduled = True
             self._loop.call_later(self.config.coalesce_ms / 1000, self._window_due)
+
+    @staticmethod
+    def _source_set(state: KindState, flushing: Window | None, eid: bytes) -> int:
+        """The entity's source set as the window being flushed, else the committed state,
+        leaves it."""
+        if flushing is not None:
+            prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
+            if prior is not None:
+                return prior.source_set
+        committed = state.committed.get(eid)
+        return 0 if committed is None else committed.source_set
 
     @staticmethod
     def _working(state: KindState, flushing: Window | None, eid: bytes) -> _Work:
@@ -640,7 +669,17 @@ class TenantKinds:
 
     async def _flush_window(self, window: Window) -> None:
         tenant = self.engine_tenant
-        plans: list[tuple[KindState, list[StateChange], list[EventNote], int, int]] = []
+        plans: list[
+            tuple[
+                KindState,
+                tuple[FieldSpec, ...],
+                list[StateChange],
+                list[EntityState | None],
+                list[EventNote],
+                int,
+                int,
+            ]
+        ] = []
         commits = []
         claimed: list[int] = []
         try:
@@ -649,46 +688,31 @@ class TenantKinds:
                 fields = state.info.fields
                 codec = codec_for(fields)
                 all_fields = (1 << len(fields)) - 1
-                pending: list[tuple[bytes, _Work, EntityState | None, bytes | None]] = []
-                for eid, work in window.entities.get(kind_id, {}).items():
-                    before = state.committed.get(eid)
-                    if work.values is not None and len(work.values) < len(fields):
-                        # written before a migration appended fields: they take defaults
-                        work.record = None
-                        work.values.extend(
-                            default_value(f.type) for f in fields[len(work.values) :]
-                        )
-                    if work.values is None:
-                        if before is not None:
-                            pending.append((eid, work, before, None))
-                        continue
-                    if (
-                        before is not None
-                        and before.source_set == work.source_set
-                        and list(before.values) == work.values
-                    ):
-                        continue
-                    record = work.record
-                    if record is None:
-                        record = codec.encode(work.values)
-                    pending.append((eid, work, before, record))
+                # One pass: the net change of each entity, its changelog entry and the
+                # state readers will see (kept beside it, committed after the fsync).
+                committed_now = state.committed
+                pack_set = _SOURCE_SET.pack
+                encode = codec.encode
+                nfields = len(fields)
+                entities = window.entities.get(kind_id, {})
                 drafts = window.events.get(kind_id, [])
-                count = len(pending) + (1 if drafts else 0)
-                if count == 0:
-                    continue
-                first = tenant.claim_positions(count)
-                claimed.append(first)
+                # Positions are claimed below, once the count is known; nothing can claim
+                # in between (no await), so the versions handed out here are the claim's.
+                first = version = tenant.next_position
                 changes: list[StateChange] = []
+                new_states: list[EntityState | None] = []
                 values_out: list[bytes] = []
                 keys: list[bytes | None] = []
-                tombstones: list[bool] = []
-                for i, (eid, work, before, record) in enumerate(pending):
-                    version = first + i
-                    keys.append(eid)
-                    if record is None:
-                        assert before is not None
+                deletions = False
+                for eid, work in entities.items():
+                    before = committed_now.get(eid)
+                    values = work.values
+                    if values is None:
+                        if before is None:
+                            continue
+                        keys.append(eid)
                         values_out.append(b"")
-                        tombstones.append(True)
+                        deletions = True
                         changes.append(
                             StateChange(
                                 kind_id,
@@ -702,43 +726,59 @@ class TenantKinds:
                                 work.metadata,
                             )
                         )
+                        new_states.append(None)
+                        version += 1
                         continue
-                    values_out.append(_SOURCE_SET.pack(work.source_set) + record)
-                    tombstones.append(False)
+                    if len(values) < nfields:
+                        # written before a migration appended fields: they take defaults
+                        work.record = None
+                        values.extend(default_value(f.type) for f in fields[len(values) :])
+                    source_set = work.source_set
                     if before is None:
-                        changes.append(
-                            StateChange(
-                                kind_id,
-                                eid,
-                                ChangeType.CREATED,
-                                version,
-                                work.source_set,
-                                all_fields,
-                                record,
-                                None,
-                                work.metadata,
-                            )
+                        record = work.record or encode(values)
+                        change = StateChange(
+                            kind_id,
+                            eid,
+                            ChangeType.CREATED,
+                            version,
+                            source_set,
+                            all_fields,
+                            record,
+                            None,
+                            work.metadata,
                         )
                     else:
-                        assert work.values is not None
-                        changed = 0
                         old_values = before.values
-                        for j, new in enumerate(work.values):
+                        if before.source_set == source_set and old_values == tuple(values):
+                            continue
+                        record = work.record or encode(values)
+                        changed = 0
+                        for j, new in enumerate(values):
                             if j >= len(old_values) or old_values[j] != new:
                                 changed |= 1 << j
-                        changes.append(
-                            StateChange(
-                                kind_id,
-                                eid,
-                                ChangeType.UPDATED,
-                                version,
-                                work.source_set,
-                                changed,
-                                record,
-                                before.record,
-                                work.metadata,
-                            )
+                        change = StateChange(
+                            kind_id,
+                            eid,
+                            ChangeType.UPDATED,
+                            version,
+                            source_set,
+                            changed,
+                            record,
+                            before.record,
+                            work.metadata,
                         )
+                    keys.append(eid)
+                    values_out.append(pack_set(source_set) + record)
+                    changes.append(change)
+                    new_states.append(
+                        EntityState(kind_id, eid, version, source_set, tuple(values), record)
+                    )
+                    version += 1
+                count = version - first + (1 if drafts else 0)
+                if count == 0:
+                    continue
+                claimed.append(tenant.claim_positions(count))
+                assert claimed[-1] == first
                 notes: list[EventNote] = []
                 if drafts:
                     seq = state.next_sequence
@@ -761,48 +801,45 @@ class TenantKinds:
                         seq += 1
                     keys.append(SEQUENCE_KEY)
                     values_out.append(_SOURCE_SET.pack(seq))
-                    tombstones.append(False)
+                tombstones = [not v for v in values_out] if deletions else None
                 info = state.log.append(
                     values_out, first_position=first, keys=keys, tombstones=tombstones
                 )
                 commits.append(state.committer.committed(info.next_offset))
                 plans.append(
-                    (state, changes, notes, first + count, seq if drafts else state.next_sequence)
+                    (
+                        state,
+                        fields,
+                        changes,
+                        new_states,
+                        notes,
+                        first + count,
+                        seq if drafts else state.next_sequence,
+                    )
                 )
             if commits:
                 await asyncio.gather(*commits)
         finally:
             for first in claimed:
                 tenant.release_positions(first)
-        for state, changes, notes, applied, next_sequence in plans:
+        for state, fields_then, changes, new_states, notes, applied, next_sequence in plans:
             committed = state.committed
             fields_now = state.info.fields
-            for i, change in enumerate(changes):
-                if change.change is ChangeType.DELETED:
+            migrated = len(fields_now) != len(fields_then)
+            for i, entity in enumerate(new_states):
+                change = changes[i]
+                if entity is None:
                     committed.pop(change.entity_id, None)
                     continue
-                work = window.entities[state.info.kind_id][change.entity_id]
-                assert work.values is not None
-                if len(work.values) < len(fields_now):
+                if migrated and len(entity.values) < len(fields_now):
                     # The kind migrated while this window was being written.
-                    work.values.extend(
-                        default_value(f.type) for f in fields_now[len(work.values) :]
-                    )
-                    change = changes[i] = replace(
-                        change,
-                        record=encode_fields(fields_now, work.values),
-                        previous=None
-                        if change.previous is None
-                        else _padded(change.previous, state),
-                    )
-                committed[change.entity_id] = EntityState(
-                    change.kind_id,
-                    change.entity_id,
-                    change.version,
-                    change.source_set,
-                    tuple(work.values),
-                    change.record,
-                )
+                    values = list(entity.values)
+                    values.extend(default_value(f.type) for f in fields_now[len(values) :])
+                    entity.values = tuple(values)
+                    entity.record = change.record = encode_fields(fields_now, values)
+                    if change.previous is not None:
+                        change.previous = _padded(change.previous, state)
+                committed[change.entity_id] = entity
             state.applied_position = applied
             state.next_sequence = next_sequence
             self.changes_committed += len(changes)

@@ -494,16 +494,39 @@ class Batch(_Message):
         if count > r.remaining // smallest:
             raise DecodeError(f"{count} sub-ops cannot fit in the {r.remaining} bytes left")
         ops: list[WriteOp] = []
+        append = ops.append
+        buf, end = r.buf, r.end
+        assert_head, u16_from = _ASSERT_HEAD.unpack_from, _U16.unpack_from
         for i in range(count):
+            pos = r.pos
+            # ASSERTs are the bulk of any BATCH: one unpack for the fixed head, slices
+            # for the rest. Anything short or unusual takes the checked path below,
+            # which gives the exact error.
+            if end - pos >= _ASSERT_HEAD.size and buf[pos] == _OP_ASSERT:
+                _, kind_id, entity_id, fd_len = assert_head(buf, pos)
+                data_at = pos + _ASSERT_HEAD.size
+                meta_at = data_at + fd_len
+                if meta_at + 2 <= end:
+                    meta_len = u16_from(buf, meta_at)[0]
+                    meta_end = meta_at + 2 + meta_len
+                    if meta_end <= end:
+                        field_data = bytes(buf[data_at:meta_at])
+                        metadata = bytes(buf[meta_at + 2 : meta_end]) if meta_len else b""
+                        append(Assert(kind_id, entity_id, field_data, metadata))
+                        r.pos = meta_end
+                        continue
             op_type = r.u8("op_type")
             sub = _SUB_OPS.get(op_type)
             if sub is None:
                 raise DecodeError(f"sub-op {i}: op_type {op_type:#04x} is not 0x02, 0x03 or 0x08")
-            ops.append(sub._read(r))
+            append(sub._read(r))
         return cls(ops)
 
 
 _SUB_OP_TYPES = frozenset(_SUB_OPS.values())
+_OP_ASSERT = int(Opcode.ASSERT)
+# op_type, kind_id, entity_id, fd_len: the fixed head of an ASSERT sub-op
+_ASSERT_HEAD = struct.Struct(f"<BH{ENTITY_ID_SIZE}sI")
 
 
 def _write_kind(
@@ -656,7 +679,7 @@ class State(_Message):
         )
 
 
-_STATE_HEAD = struct.Struct("<H32sBQQQI")  # kind_id .. changed_fields, fd_len
+STATE_HEAD = struct.Struct("<H32sBQQQI")  # kind_id .. changed_fields, fd_len
 _CHANGES = frozenset(int(c) for c in Change)
 
 
@@ -689,7 +712,7 @@ def encode_state_payload(
         and (previous is None or (change == Change.UPDATED and len(previous) <= _MAX32))
     ):
         try:
-            head = _STATE_HEAD.pack(
+            head = STATE_HEAD.pack(
                 kind_id, entity_id, change, version, source_set, changed_fields, len(field_data)
             )
         except struct.error:
