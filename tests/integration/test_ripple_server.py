@@ -364,3 +364,22 @@ def test_a_resuming_worker_numbers_after_what_the_server_applied(
         assert resumed.set("quotes", "A", Quote("A", 3.0, 3, True)) == 3
         resumed.checkpoint()
     assert table(server, "quotes")[0][2] == "3.0"
+
+
+@pytest.mark.parametrize(("liveness_ms", "kept"), [(200, False), (60_000, True)])
+def test_a_gone_workers_entities_last_its_liveness_deadline(
+    tmp_path: Path, liveness_ms: int, kept: bool
+) -> None:
+    """``[ripple] liveness_ms``: how long what a worker wrote outlives its connection."""
+    config = CONFIG + f"\n[ripple]\nliveness_ms = {liveness_ms}\n"
+    proc = ServerProcess(tmp_path / "srv", config).start()
+    try:
+        address = f"127.0.0.1:{json.loads(proc.ports_file.read_text())['ripple']}"
+        with Worker_("batch-job", {"held": Quote}, address) as worker:
+            run(worker, "held", range(1, 8))
+            worker.checkpoint()
+        assert len(table(proc, "held")) == 7
+        time.sleep(1.5)  # past the short deadline, well within the long one
+        assert len(table(proc, "held")) == (7 if kept else 0)
+    finally:
+        proc.terminate()

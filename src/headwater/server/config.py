@@ -69,6 +69,7 @@ class ServerConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     kinds: KindsConfig = field(default_factory=KindsConfig)
     kiwi: KiwiConfig = field(default_factory=KiwiConfig)
+    ripple_liveness_ms: int = 0  # 0: the kinds' default_liveness_ms
     log_level: str = "INFO"
     log_format: str = "text"
     raw: dict[str, Any] = field(default_factory=dict)  # sections later issues read
@@ -79,6 +80,9 @@ class ServerConfig:
         if not text:
             return None
         return parse_address(text, name)
+
+
+MAX_LIVENESS_MS = 2**32 - 1  # a source's deadline is a u32 on the wire (presence kind)
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -184,6 +188,13 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
 
     kiwi = _kiwi_config(data.get("kiwi", {}))
 
+    ripple = data.get("ripple", {})
+    if not isinstance(ripple, dict):
+        raise ConfigError("[ripple] must be a table")
+    ripple_liveness = _positive_int(ripple, "liveness_ms", "ripple") or 0
+    if ripple_liveness > MAX_LIVENESS_MS:
+        raise ConfigError(f"ripple.liveness_ms must be at most {MAX_LIVENESS_MS} (a u32)")
+
     logging_data = data.get("logging", {})
     level = str(logging_data.get("level", "INFO")).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -197,6 +208,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         auth=AuthConfig(required=required, tokens=tokens),
         kinds=kinds,
         kiwi=kiwi,
+        ripple_liveness_ms=ripple_liveness,
         log_level=level,
         log_format=fmt,
         raw=data,

@@ -7,6 +7,7 @@ and every executor task connects to the server itself (see :mod:`.streams`).
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pyspark.sql.types import StructType
 
 from headwater.errors import StreamAlreadyExists, UsageError
 
+from .kind_writer import ROWS_PER_BATCH, KindWriteOptions, batch_job_sequence, write_rows
 from .kinds import (
     KindReadOptions,
     kind_columns,
@@ -98,12 +100,30 @@ class HeadwaterDataSource(DataSource):
             )
         return HeadwaterStreamReader(ReadOptions.parse(self.options), schema)
 
-    def writer(self, schema: StructType, overwrite: bool) -> HeadwaterBatchWriter:
+    def _kind_write_options(self, schema: StructType) -> KindWriteOptions | None:
+        lowered = {str(k).lower(): str(v) for k, v in self.options.items()}
+        if "kind" not in lowered:
+            return None
+        options = KindWriteOptions.parse(lowered)
+        options.ripple_schema(_arrow_schema(schema))  # a bad schema fails before any task
+        return options
+
+    def writer(
+        self, schema: StructType, overwrite: bool
+    ) -> HeadwaterBatchWriter | HeadwaterKindBatchWriter:
+        kind = self._kind_write_options(schema)
+        if kind is not None:
+            return HeadwaterKindBatchWriter(kind, batch_job_sequence(time.time_ns() // 10**6))
         options = WriteOptions.parse(self.options)
         _prepare_write(options, schema)
         return HeadwaterBatchWriter(options, job=uuid.uuid4().hex)
 
-    def streamWriter(self, schema: StructType, overwrite: bool) -> HeadwaterStreamWriter:
+    def streamWriter(
+        self, schema: StructType, overwrite: bool
+    ) -> HeadwaterStreamWriter | HeadwaterKindStreamWriter:
+        kind = self._kind_write_options(schema)
+        if kind is not None:
+            return HeadwaterKindStreamWriter(kind)
         options = WriteOptions.parse(self.options)
         _prepare_write(options, schema)
         return HeadwaterStreamWriter(options)
@@ -347,15 +367,7 @@ class HeadwaterStreamWriter(DataSourceStreamArrowWriter):
         self.options = options
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AppendCommit:
-        partition, context = _task_partition()
-        if context is None:
-            raise RuntimeError("the headwater stream writer runs only inside a Spark task")
-        batch_id = context.getLocalProperty(BATCH_ID_PROPERTY)
-        query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
-        if batch_id is None or query_id is None:
-            raise RuntimeError(
-                f"Spark did not pass {BATCH_ID_PROPERTY} / {QUERY_ID_PROPERTY} to the task"
-            )
+        partition, query_id, batch_id = _streaming_task()
         job = f"{query_id}/{batch_id}"
         appender = IdempotentAppender(self.options.connection, self.options.stream, job, partition)
         result = appender.append(iterator)
@@ -366,6 +378,70 @@ class HeadwaterStreamWriter(DataSourceStreamArrowWriter):
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         pass  # the rerun of this batch id re-sends the same (producer, sequence) pairs
+
+
+@dataclass(frozen=True)
+class KindCommit(WriterCommitMessage):
+    partition: int
+    rows: int
+
+
+def _streaming_task() -> tuple[int, str, int]:
+    """(partition, query id, batch id) of the running streaming task."""
+    partition, context = _task_partition()
+    if context is None:
+        raise RuntimeError("the headwater stream writer runs only inside a Spark task")
+    batch_id = context.getLocalProperty(BATCH_ID_PROPERTY)
+    query_id = context.getLocalProperty(QUERY_ID_PROPERTY)
+    if batch_id is None or query_id is None:
+        raise RuntimeError(
+            f"Spark did not pass {BATCH_ID_PROPERTY} / {QUERY_ID_PROPERTY} to the task"
+        )
+    return partition, query_id, int(batch_id)
+
+
+class HeadwaterKindBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("headwater").option("kind", ...)``: rows become Ripple deltas
+    from worker ``spark/<kind>/<partition>``, numbered from the job's first sequence
+    number (stamped on the driver), so a retried task's deltas are dropped."""
+
+    def __init__(self, options: KindWriteOptions, first_sequence: int) -> None:
+        self.options = options
+        self.first_sequence = first_sequence  # every attempt of a task shares it
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> KindCommit:
+        partition, _ = _task_partition()
+        worker = f"spark/{self.options.kind}/{partition}"
+        result = write_rows(self.options, iterator, worker, self.first_sequence)
+        return KindCommit(partition, result.rows)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass  # every task checkpointed its deltas before it reported success
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        pass  # applied deltas stay; a rerun is a later job with higher numbers
+
+
+class HeadwaterKindStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("headwater").option("kind", ...)``: worker
+    ``spark/<kind>/<query id>/<partition>``, sequence numbers from the batch id up, so a batch
+    run again after a failure or restart changes nothing twice."""
+
+    def __init__(self, options: KindWriteOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> KindCommit:
+        partition, query_id, batch_id = _streaming_task()
+        worker = f"spark/{self.options.kind}/{query_id}/{partition}"
+        first = batch_id * ROWS_PER_BATCH + 1
+        result = write_rows(self.options, iterator, worker, first_sequence=first)
+        return KindCommit(partition, result.rows)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass  # every task checkpointed its deltas before it reported success
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        pass  # the rerun of this batch id re-sends the same (worker, sequence) pairs
 
 
 def register(spark: Any) -> None:

@@ -72,11 +72,21 @@ def test_defaults_without_a_file() -> None:
         ({"auth": {"tokens": [{"tenants": [0]}]}}, "non-empty token"),
         ({"tenants": [{"id": -3}]}, "tenants"),
         ({"logging": {"level": "chatty"}}, "logging.level"),
+        ({"ripple": {"liveness_ms": 0}}, "ripple.liveness_ms"),
+        ({"ripple": {"liveness_ms": 2**32}}, "ripple.liveness_ms"),
+        ({"ripple": "often"}, r"\[ripple\]"),
     ],
 )
 def test_bad_values_are_named(data: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_dict(data)
+
+
+def test_ripple_liveness() -> None:
+    assert config_from_dict({}).ripple_liveness_ms == 0  # the kinds' default
+    assert config_from_dict({"ripple": {"liveness_ms": 86_400_000}}).ripple_liveness_ms == (
+        86_400_000
+    )
 
 
 def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:

@@ -249,7 +249,11 @@ class RippleConnection(asyncio.Protocol):
         try:
             # A worker keeps its slot across reconnections and restarts, so its Removes
             # clear the bits its earlier connections set.
-            self.source = self.kinds.connect(worker, source_id=self.state.slots.get(worker))
+            self.source = self.kinds.connect(
+                worker,
+                source_id=self.state.slots.get(worker),
+                deadline_ms=self.server.config.ripple_liveness_ms,
+            )
             assert self.source.source_id is not None
             self.state.slots[worker] = self.source.source_id
         except KindsError as exc:

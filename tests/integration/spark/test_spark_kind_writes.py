@@ -1,0 +1,176 @@
+"""Writing entity kinds from Spark (rows -> Ripple deltas): Set, Patch and Remove in batch
+and streaming, a retried task and a restarted query applying nothing twice, and the
+errors a user meets before any task runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sdk_server import SdkServer
+
+import headwater
+
+pytestmark = pytest.mark.spark
+
+FMT = "headwater"
+
+
+@pytest.fixture(scope="module")
+def ripple_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
+    server = SdkServer(
+        tmp_path_factory.mktemp("spark_kind_writes"),
+        listen={"ripple": "127.0.0.1:0", "http": "127.0.0.1:0"},
+    ).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _writer(df: Any, server: SdkServer, kind: str, **options: str) -> Any:
+    writer = (
+        df.write.format(FMT)
+        .option("server", server.address)
+        .option("rippleServer", f"127.0.0.1:{server.ports['ripple']}")
+        .option("kind", kind)
+    )
+    for key, value in options.items():
+        writer = writer.option(key, value)
+    return writer.mode("append")
+
+
+def _state(spark: Any, server: SdkServer, kind: str) -> dict[str, tuple[Any, ...]]:
+    """The kind's entities by key (Ripple keys are UTF-8, zero-padded to 32 bytes), read
+    back with the format's own kind reader."""
+    df = spark.read.format(FMT).option("server", server.address).option("kind", kind).load()
+    return {bytes.fromhex(r[0]).rstrip(b"\0").decode(): tuple(r[2:]) for r in df.collect()}
+
+
+def _ripple_deltas(server: SdkServer) -> dict[str, float]:
+    url = f"http://127.0.0.1:{server.ports['http']}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    found = re.findall(r'headwater_ripple_deltas_total\{outcome="(\w+)"\} (\S+)', text)
+    return {outcome: float(value) for outcome, value in found}
+
+
+def test_batch_set_patch_remove(spark: Any, ripple_server: SdkServer) -> None:
+    # Each partition is one Ripple source and a Remove clears only its own source's bit:
+    # every write partitions by key, so one key always comes from one partition.
+    rows = [(f"s{i}", float(i) + 0.5, i * 10, i % 2 == 0) for i in range(50)]
+    df = spark.createDataFrame(rows, "key string, price double, size long, ok boolean")
+    _writer(df.repartition(2, "key"), ripple_server, "kw_batch").save()
+    state = _state(spark, ripple_server, "kw_batch")
+    assert state == {k: (p, s, ok) for k, p, s, ok in rows}
+
+    patch = spark.createDataFrame([("s1", 99.25), ("s2", -1.0)], "key string, price double")
+    _writer(patch.repartition(2, "key"), ripple_server, "kw_batch", patchColumns="price").save()
+    removed = spark.createDataFrame(
+        [("s3", True), ("s4", False)], "key string, deleted boolean"
+    ).selectExpr("key", "cast(null as double) as price", "deleted")
+    _writer(removed.repartition(2, "key"), ripple_server, "kw_batch", patchColumns="price").save()
+
+    state = _state(spark, ripple_server, "kw_batch")
+    assert state["s1"] == (99.25, 10, False) and state["s2"] == (-1.0, 20, True)
+    assert "s3" not in state and state["s4"] == (4.5, 40, True)  # false: nothing removed
+    assert len(state) == 49
+
+
+def test_schema_errors_come_before_any_task(spark: Any, ripple_server: SdkServer) -> None:
+    no_key = spark.createDataFrame([(1.0,)], "price double")
+    with pytest.raises(Exception, match="needs a key column 'key'"):
+        _writer(no_key, ripple_server, "kw_errors").save()
+    binary = spark.createDataFrame([("a", bytearray(b"x"))], "key string, raw binary")
+    with pytest.raises(Exception, match="raw of type binary cannot be a kind field"):
+        _writer(binary, ripple_server, "kw_errors").save()
+    df = spark.createDataFrame([("a", 1.0)], "key string, price double")
+    with pytest.raises(Exception, match="patchColumns"):
+        _writer(df, ripple_server, "kw_errors", patchColumns="volume").save()
+    with headwater.connect(ripple_server.address) as hw:
+        assert "kw_errors" not in {str(t[0]) for t in hw.query("SHOW TABLES").rows}
+    # A null in a Set is found by the task that meets it (the job fails, nothing is set).
+    nulls = spark.createDataFrame([("a", None)], "key string, price double").coalesce(1)
+    with pytest.raises(Exception, match=r"\['price'\] are null"):
+        _writer(nulls, ripple_server, "kw_errors").save()
+    assert _state(spark, ripple_server, "kw_errors") == {}
+
+
+def _failing_once(marker: Path, fail_at: int) -> Callable[..., Any]:
+    """A UDF failing the first attempt of its task at row ``fail_at`` (after the rows
+    before it were sent as deltas), so the retry re-sends those."""
+    from pyspark.sql.functions import udf
+
+    def price(n: int) -> float:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if n == fail_at and context is not None and context.attemptNumber() == 0:
+            time.sleep(0.5)  # the deltas sent so far reach the server
+            marker.write_text("failed once")
+            raise RuntimeError("injected failure")
+        return n * 0.5
+
+    return udf(price, "double")
+
+
+def test_retried_task_applies_nothing_twice(
+    spark: Any, ripple_server: SdkServer, tmp_path: Path
+) -> None:
+    total = 25_000  # several Arrow batches of 10,000 rows: the first ones are sent before
+    before = _ripple_deltas(ripple_server)
+    marker = tmp_path / "marker"
+    price = _failing_once(marker, total - 100)  # ... the failure, in the last one
+    df = spark.range(0, total, numPartitions=1).selectExpr("id", "concat('k', id) as key")
+    df = df.select("key", price("id").alias("price"))
+    _writer(df, ripple_server, "kw_retry").save()
+    assert marker.exists()
+    after = _ripple_deltas(ripple_server)
+    state = _state(spark, ripple_server, "kw_retry")
+    assert state == {f"k{i}": (i * 0.5,) for i in range(total)}
+    # every row applied once; the retry's re-sent rows were recognised and dropped
+    assert after["applied"] - before.get("applied", 0) == total
+    assert after["duplicate"] - before.get("duplicate", 0) > 0
+
+
+def test_streaming_kind_write_resumes_from_checkpoint(
+    spark: Any, ripple_server: SdkServer, sdk_stream_name: str, tmp_path: Path
+) -> None:
+    with headwater.connect(ripple_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+        hw.append(sdk_stream_name, [json.dumps({"s": f"x{i % 5}", "p": i}) for i in range(20)])
+    checkpoint = tmp_path / "checkpoint"
+
+    def run() -> None:
+        query = (
+            spark.readStream.format(FMT)
+            .option("server", ripple_server.address)
+            .option("stream", sdk_stream_name)
+            .option("valueFormat", "json")
+            .option("schema", "s string, p long")
+            .load()
+            .selectExpr("s as key", "p as last")
+            .writeStream.format(FMT)
+            .option("server", ripple_server.address)
+            .option("rippleServer", f"127.0.0.1:{ripple_server.ports['ripple']}")
+            .option("kind", "kw_stream")
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        query.awaitTermination(120)
+
+    before = _ripple_deltas(ripple_server)
+    run()
+    assert _state(spark, ripple_server, "kw_stream") == {f"x{k}": (15 + k,) for k in range(5)}
+    with headwater.connect(ripple_server.address) as hw:
+        hw.append(sdk_stream_name, [json.dumps({"s": "x1", "p": 100})])
+    run()  # the same query (checkpoint): only the new event
+    assert _state(spark, ripple_server, "kw_stream")["x1"] == (100,)
+    after = _ripple_deltas(ripple_server)
+    assert after["applied"] - before.get("applied", 0) == 21
