@@ -90,6 +90,9 @@ def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any) -> Any:
     if sink.type == "stream":
         writer = writer.format(FORMAT).options(**_connection_options(spec))
         writer = writer.option("stream", sink.settings["stream"])
+    elif sink.type == "kind":
+        writer = writer.format(FORMAT).options(**_connection_options(spec))
+        writer = writer.options(**sink.settings)
     elif sink.type == "parquet":
         writer = writer.format("parquet").option("path", sink.settings["path"])
     else:

@@ -5,7 +5,7 @@ SparkSession (seconds to start) exists: YAML syntax, unknown keys, names that re
 nothing, streams the server does not have, and column types where the file declares them.
 
 Source and sink types are looked up in :data:`SOURCE_TYPES` / :data:`SINK_TYPES`; a new
-type (e.g. entity kinds) adds an entry there and a builder in :mod:`.runner`.
+type adds an entry there and a builder in :mod:`.runner`.
 """
 
 from __future__ import annotations
@@ -305,6 +305,48 @@ def _stream_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[
     return {"stream": stream}
 
 
+# Spark SQL types a kind field can take from a column (docs/spark.md, Writing entity kinds).
+KIND_COLUMN_TYPES = {"STRING", "BOOLEAN", "TINYINT", "SMALLINT", "INT", "BIGINT", "FLOAT", "DOUBLE"}
+
+
+def _kind_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[str, Any]:
+    _expect(
+        data, where, {"name", "type", "input", "kind", "key", "patch_columns", "options"}, {"kind"}
+    )
+    kind = _str(data, "kind", where)
+    try:
+        check_stream_name(kind, "kind")
+    except UsageError as exc:
+        raise PipelineError(f"{where}: {exc}") from None
+    key = str(data.get("key", "key"))
+    patch = data.get("patch_columns", [])
+    if not isinstance(patch, list) or not all(isinstance(c, str) for c in patch):
+        raise PipelineError(f"{where}: patch_columns must be a list of column names")
+    if columns is not None:
+        if key not in columns:
+            raise PipelineError(
+                f"{where}: the key column {key!r} is not among {', '.join(columns)} "
+                "(name it with key:)"
+            )
+        for name in patch:
+            if name not in columns:
+                raise PipelineError(f"{where}: patch column {name!r} is not a column")
+        for name, sql_type in columns.items():
+            if name == key or sql_type == "UNKNOWN":
+                continue
+            if name == "deleted" and sql_type != "BOOLEAN":
+                raise PipelineError(f"{where}: column deleted must be BOOLEAN, not {sql_type}")
+            if sql_type not in KIND_COLUMN_TYPES:
+                raise PipelineError(
+                    f"{where}: column {name} is {sql_type}; a kind field takes "
+                    f"{', '.join(sorted(KIND_COLUMN_TYPES))} (cast it in a sql step)"
+                )
+    settings: dict[str, Any] = {"kind": kind, "key": key}
+    if patch:
+        settings["patchColumns"] = ",".join(patch)
+    return settings
+
+
 def _parquet_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[str, Any]:
     _expect(data, where, {"name", "type", "input", "path", "options"}, {"path"})
     return {"path": _str(data, "path", where)}
@@ -317,6 +359,7 @@ def _console_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict
 
 SINK_TYPES: dict[str, Callable[[Mapping[str, Any], str, Columns], dict[str, Any]]] = {
     "stream": _stream_sink,
+    "kind": _kind_sink,
     "parquet": _parquet_sink,
     "console": _console_sink,
 }

@@ -110,6 +110,22 @@ def test_good_pipeline_tracks_columns_through_steps(tmp_path: Path):
             ),
             "value is DOUBLE; a stream sink needs STRING or BINARY",
         ),
+        (
+            _with(transforms=[], sinks=[{"type": "kind", "kind": "k", "key": "sym"}]),
+            r"sinks\[0\]: the key column 'sym' is not among",
+        ),
+        (
+            _with(transforms=[], sinks=[{"type": "kind", "kind": "k", "key": "symbol"}]),
+            "column ts is TIMESTAMP; a kind field takes",
+        ),
+        (
+            _with(
+                transforms=[{"select": {"symbol": "symbol", "price": "price"}}],
+                sinks=[{"type": "kind", "kind": "k", "key": "symbol", "patch_columns": ["px"]}],
+            ),
+            "patch column 'px' is not a column",
+        ),
+        (_with(sinks=[{"type": "kind", "kind": "bad-name"}]), r"sinks\[0\]: kind"),
         (_with(trigger=[1]), "trigger must be"),
         (_with(server="host:notaport"), "option server"),
     ],
@@ -117,6 +133,15 @@ def test_good_pipeline_tracks_columns_through_steps(tmp_path: Path):
 def test_mistakes_are_reported_with_their_place(tmp_path: Path, data: object, message: str):
     with pytest.raises(PipelineError, match=message):
         parse_pipeline(data, tmp_path)
+
+
+def test_kind_sink_settings(tmp_path: Path):
+    data = _with(
+        transforms=[{"select": {"symbol": "key", "price": "price", "size": "size"}}],
+        sinks=[{"type": "kind", "kind": "quotes", "patch_columns": ["price"]}],
+    )
+    [sink] = parse_pipeline(data, tmp_path).sinks
+    assert sink.settings == {"kind": "quotes", "key": "key", "patchColumns": "price"}
 
 
 def test_bad_yaml_and_missing_file(tmp_path: Path):
