@@ -679,7 +679,7 @@ class State(_Message):
         )
 
 
-STATE_HEAD = struct.Struct("<H32sBQQQI")  # kind_id .. changed_fields, fd_len
+_STATE_HEAD = struct.Struct("<H32sBQQQI")  # kind_id .. changed_fields, fd_len
 _CHANGES = frozenset(int(c) for c in Change)
 
 
@@ -712,7 +712,7 @@ def encode_state_payload(
         and (previous is None or (change == Change.UPDATED and len(previous) <= _MAX32))
     ):
         try:
-            head = STATE_HEAD.pack(
+            head = _STATE_HEAD.pack(
                 kind_id, entity_id, change, version, source_set, changed_fields, len(field_data)
             )
         except struct.error:

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import struct
 from collections.abc import Awaitable, Sequence
 from functools import lru_cache
 from itertools import chain
@@ -101,39 +100,7 @@ def _encode_payloads(notes: Sequence[Notification], include_previous: bool) -> _
     payloads: list[bytes] = []
     shapes: list[tuple[int, int]] = []
     updated = ChangeType.UPDATED
-    deleted = ChangeType.DELETED
-    state_head = m.STATE_HEAD.pack
-    no_metadata = b"\x00\x00"  # u16 meta_len 0
     for note in notes:
-        if (
-            type(note) is StateChange
-            and note.change is not deleted
-            and not note.metadata
-            and not (include_previous and note.change is updated)
-        ):
-            # The common STATE (no previous record, no metadata) in one pack and one
-            # concatenation; anything else is checked by encode_state_payload.
-            record = note.record
-            try:
-                payload = (
-                    state_head(
-                        note.kind_id,
-                        note.entity_id,
-                        note.change,
-                        note.version,
-                        note.source_set,
-                        note.changed_fields,
-                        len(record),
-                    )
-                    + record
-                    + no_metadata
-                )
-            except struct.error:
-                pass
-            else:
-                payloads.append(payload)
-                shapes.append((Opcode.STATE, len(payload)))
-                continue
         if isinstance(note, StateChange) and note.change is not ChangeType.DELETED:
             payload = m.encode_state_payload(
                 note.kind_id,
