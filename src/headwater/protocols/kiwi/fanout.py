@@ -9,8 +9,8 @@ partition's end when they join, but the shared reader may still be behind that p
 newcomer gets only the part from its start offset on. Once a read reaches past its start,
 the subscriber is live and gets every later read whole.
 
-Pure bookkeeping: the shell passes the end offset of each read and, only when some
-subscriber is still joining, the offsets of its events.
+Pure bookkeeping: the shell passes the first and end offsets of each read and, only when
+a subscriber joined after the first event of the read, the offsets of its events.
 """
 
 from __future__ import annotations
@@ -55,11 +55,14 @@ class Fanout(Generic[S]):
             return True
         return self._joining.pop(subscriber, None) is not None
 
-    def route(self, end_offset: int, offsets: Callable[[], Sequence[int]]) -> list[tuple[S, int]]:
-        """Who gets a read that ends before ``end_offset``: ``(subscriber, index)`` pairs,
-        each subscriber taking the read's events from ``index`` on. ``offsets`` gives
-        the offsets of the read's events, ascending; it is called only when a joining
-        subscriber's start falls inside the read."""
+    def route(
+        self, first_offset: int, end_offset: int, offsets: Callable[[], Sequence[int]]
+    ) -> list[tuple[S, int]]:
+        """Who gets a read of the events from ``first_offset`` (the first event's offset)
+        to before ``end_offset``: ``(subscriber, index)`` pairs, each subscriber taking the
+        read's events from ``index`` on. ``offsets`` gives the offsets of the read's events,
+        ascending; it is called only when a joining subscriber's start falls after the
+        first event (the reader was behind when it joined)."""
         out = [(subscriber, 0) for subscriber in self._live]
         if not self._joining:
             return out
@@ -67,10 +70,15 @@ class Fanout(Generic[S]):
         for subscriber, start in list(self._joining.items()):
             if start >= end_offset:
                 continue  # everything read so far is from before it subscribed
-            if event_offsets is None:
-                event_offsets = offsets()
-            index = bisect_left(event_offsets, start)
-            if index < len(event_offsets):
+            if start <= first_offset:
+                index = 0
+            else:
+                if event_offsets is None:
+                    event_offsets = offsets()
+                index = bisect_left(event_offsets, start)
+                if index == len(event_offsets):
+                    index = -1  # the read ends with offsets compacted away: nothing for it
+            if index >= 0:
                 out.append((subscriber, index))
             del self._joining[subscriber]
             self._live[subscriber] = None

@@ -83,7 +83,10 @@ class StreamFeed:
         if sub.credits < MAX_CREDITS // 2:
             self.gateway.server.subscriptions.grant(sub, MAX_CREDITS - sub.credits)
         self.reads += 1
-        routes = self.fanout.route(result.end_offset, lambda: _offsets(result))
+        first = result.first_offset
+        if first is None:
+            return
+        routes = self.fanout.route(first, result.end_offset, lambda: _offsets(result))
         if not routes:
             return
         source_id = self.source_id
