@@ -15,6 +15,7 @@ deleted, the server stops) every subscriber gets SUBSCRIPTION_CLOSED.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from headwater.engine.engine import Stream
@@ -27,6 +28,8 @@ from headwater.storage.log import ReadResult
 
 if TYPE_CHECKING:
     from headwater.server.kiwi.gateway import Gateway
+
+log = logging.getLogger("headwater.kiwi")
 
 CLOSE_MESSAGES = {
     CloseReason.SERVER_SHUTDOWN: "the server is shutting down",
@@ -50,7 +53,6 @@ class StreamFeed:
         self.key = feed_key(stream)
         self.fanout: Fanout[KiwiSession] = Fanout()
         self.closed = False
-        self.reads = 0  # log reads, each shared by every subscriber
         self.subscription: Subscription = gateway.server.subscriptions.subscribe(
             stream.tenant.tenant_id,
             stream.stream_id,
@@ -82,7 +84,6 @@ class StreamFeed:
     async def _deliver_read(self, sub: Subscription, result: ReadResult) -> None:
         if sub.credits < MAX_CREDITS // 2:
             self.gateway.server.subscriptions.grant(sub, MAX_CREDITS - sub.credits)
-        self.reads += 1
         first = result.first_offset
         if first is None:
             return
@@ -93,15 +94,23 @@ class StreamFeed:
         frames = [text_frame(p) for p in stream_results(source_id, result.events())]
         delivered, value_bytes = 0, 0
         for session, index in routes:
-            if index == 0:
-                session.deliver(source_id, frames)
-                delivered += result.count
-                value_bytes += result.value_bytes
-            else:  # joined while the feed was behind: from its start offset on
-                session.deliver(source_id, frames[index:])
-                delivered += len(frames) - index
-                value_bytes += sum(len(e.value) for e in list(result.events())[index:])
+            try:
+                if index == 0:
+                    session.deliver(source_id, frames)
+                    delivered += result.count
+                    value_bytes += result.value_bytes
+                else:  # joined while the feed was behind: from its start offset on
+                    session.deliver(source_id, frames[index:])
+                    delivered += len(frames) - index
+                    value_bytes += sum(len(e.value) for e in list(result.events())[index:])
+            except Exception:
+                # One broken connection must not end the feed for the others.
+                log.exception("delivering %s to a Kiwi session failed", source_id)
+                self.fanout.remove(session)
+                session.source_closed(source_id, CLOSE_MESSAGES[CloseReason.PROTOCOL_ERROR])
         self.gateway.metrics.record_read("kiwi", self.key[0], source_id, delivered, value_bytes)
+        if not self.fanout:
+            self.close()
 
     def _on_close(self, sub: Subscription, reason: CloseReason) -> None:
         self._forget()
