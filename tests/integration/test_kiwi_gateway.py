@@ -513,6 +513,18 @@ def test_a_lagging_subscriber_does_not_hold_back_the_others(gw: Gateway, name: s
         assert results_until(lagging, 10) == [10]  # 6 requested events still outstanding
 
 
+def test_a_read_larger_than_the_send_queue_reaches_a_subscriber_that_keeps_up(
+    gw: Gateway, name: str
+) -> None:
+    """send_queue = 64: one append of 200 small events is one read of the feed; the
+    socket takes it all (far below its buffer), so nothing is shed."""
+    gw.create_stream(name)
+    with gw.connect() as ws:
+        subscribe(ws, name)
+        gw.append(name, [str(i) for i in range(200)])
+        assert results_until(ws, 199) == list(range(200))
+
+
 def test_stream_deletion_closes_every_subscriber(gw: Gateway, name: str) -> None:
     gw.create_stream(name)
     with gw.connect() as a, gw.connect() as b, gw.connect() as c:
