@@ -409,6 +409,159 @@ def test_metrics_count_kiwi_connections_and_subscriptions(gw: Gateway, name: str
         assert gauges() == {"headwater_connections": 2, "headwater_subscriptions": 3}
 
 
+# ---- one shared feed per stream ----------------------------------------------------------
+
+
+def engine_subscriptions(gw: Gateway, name: str, tenant: int = 0) -> float:
+    """``headwater_subscriptions_open`` of the stream: the engine subscriptions reading it."""
+    text = gw.rest("GET", "/metrics").decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "headwater_subscriptions_open"
+                and sample.labels.get("stream") == name
+                and sample.labels.get("tenant") == str(tenant)
+            ):
+                return sample.value
+    return 0
+
+
+def results_until(ws: ClientConnection, last_offset: int) -> list[int]:
+    """Offsets of the RESULTs received up to and including ``last_offset``."""
+    got: list[int] = []
+    while not got or got[-1] < last_offset:
+        message = recv(ws)
+        assert message["type"] == "RESULT", message
+        got.append(message["data"]["offset"])
+    return got
+
+
+def test_subscribers_of_a_stream_share_one_engine_subscription(gw: Gateway, name: str) -> None:
+    gw.create_stream(name)
+    with gw.connect() as a, gw.connect() as b, gw.connect() as c:
+        subscribe(a, name)
+        subscribe(b, name)
+        subscribe(c, name, "pull")
+        assert engine_subscriptions(gw, name) == 1
+        gw.append(name, ["x", "y"])
+        assert results_until(a, 1) == [0, 1]
+        assert results_until(b, 1) == [0, 1]
+        send(c, {"type": "REQUEST", "sourceId": name, "n": 2})
+        assert recv(c)["type"] == "REQUEST_OK"
+        assert results_until(c, 1) == [0, 1]
+
+        # One leaves: the others keep the feed; it comes back from the end, not before.
+        send(a, {"type": "UNSUBSCRIBE", "sourceId": name})
+        assert recv(a)["type"] == "UNSUBSCRIBE_OK"
+        assert engine_subscriptions(gw, name) == 1
+        gw.append(name, ["z"])
+        assert results_until(b, 2) == [2]
+        subscribe(a, name)
+        gw.append(name, ["w"])
+        assert results_until(a, 3) == [3]
+        assert results_until(b, 3) == [3]
+
+        # Everyone leaves: the feed ends; a new subscriber starts a new one, live.
+        for ws in (a, b, c):
+            send(ws, {"type": "UNSUBSCRIBE", "sourceId": name})
+            assert recv(ws)["type"] == "UNSUBSCRIBE_OK"
+        assert engine_subscriptions(gw, name) == 0
+        gw.append(name, ["missed"])
+        subscribe(c, name, "pull")
+        assert engine_subscriptions(gw, name) == 1
+        gw.append(name, ["v"])
+        send(c, {"type": "REQUEST", "sourceId": name, "n": 5})
+        assert recv(c)["type"] == "REQUEST_OK"
+        assert results_until(c, 5) == [5]
+
+
+def test_subscribers_joining_at_different_positions(gw: Gateway, name: str) -> None:
+    gw.create_stream(name)
+    with gw.connect() as a, gw.connect() as b, gw.connect() as c:
+        subscribe(a, name)
+        gw.append(name, ["0", "1", "2"])
+        subscribe(b, name)  # the shared feed may not have read 0..2 yet: b never gets them
+        gw.append(name, ["3", "4"])
+        subscribe(c, name)
+        gw.append(name, ["5"])
+        assert results_until(a, 5) == [0, 1, 2, 3, 4, 5]
+        assert results_until(b, 5) == [3, 4, 5]
+        assert results_until(c, 5) == [5]
+
+
+def test_a_lagging_subscriber_does_not_hold_back_the_others(gw: Gateway, name: str) -> None:
+    """buffer_capacity = 4, lag_notice_threshold = 2: the pull subscriber that requests
+    nothing loses all but the newest 4 of 10 events while the push ones get all 10."""
+    gw.create_stream(name)
+    with gw.connect() as lagging, gw.connect() as a, gw.connect() as b:
+        subscribe(lagging, name, "pull")
+        subscribe(a, name)
+        subscribe(b, name)
+        gw.append(name, [str(i) for i in range(5)])
+        gw.append(name, [str(i) for i in range(5, 10)])
+        assert results_until(a, 9) == list(range(10))
+        assert results_until(b, 9) == list(range(10))
+        notice = recv(lagging)
+        while notice != lag(name, 6):  # the count grows while the notice waits to be sent
+            assert notice["type"] == "NOTICE" and notice["data"]["type"] == "LAG", notice
+            notice = recv(lagging)
+        send(lagging, {"type": "REQUEST", "sourceId": name, "n": 10})
+        assert recv(lagging)["type"] == "REQUEST_OK"
+        assert results_until(lagging, 9) == [6, 7, 8, 9]
+        gw.append(name, ["10"])
+        assert results_until(a, 10) == [10]
+        assert results_until(lagging, 10) == [10]  # 6 requested events still outstanding
+
+
+def test_a_read_larger_than_the_send_queue_reaches_a_subscriber_that_keeps_up(
+    gw: Gateway, name: str
+) -> None:
+    """send_queue = 64: one append of 200 small events is one read of the feed; the
+    socket takes it all (far below its buffer), so nothing is shed."""
+    gw.create_stream(name)
+    with gw.connect() as ws:
+        subscribe(ws, name)
+        gw.append(name, [str(i) for i in range(200)])
+        assert results_until(ws, 199) == list(range(200))
+
+
+def test_stream_deletion_closes_every_subscriber(gw: Gateway, name: str) -> None:
+    gw.create_stream(name)
+    with gw.connect() as a, gw.connect() as b, gw.connect() as c:
+        subscribe(a, name)
+        subscribe(b, name)
+        subscribe(c, name, "pull")
+        gw.rest("DELETE", f"/api/streams/{name}")
+        for ws in (a, b, c):
+            notice = recv(ws)
+            assert notice["type"] == "NOTICE", notice
+            assert notice["data"]["type"] == "SUBSCRIPTION_CLOSED"
+            assert notice["data"]["sourceId"] == name and "deleted" in notice["data"]["message"]
+        assert engine_subscriptions(gw, name) == 0
+        # A new stream of the same name is a new source with a feed of its own.
+        gw.create_stream(name)
+        subscribe(a, name)
+        subscribe(b, name)
+        gw.append(name, ["new"])
+        assert results_until(a, 0) == [0]
+        assert results_until(b, 0) == [0]
+
+
+def test_each_tenant_has_its_own_feed(gw: Gateway, name: str) -> None:
+    gw.create_stream(name)
+    gw.create_stream(name, tenant=42)
+    with gw.connect(tenant=0) as zero, gw.connect(tenant=42) as acme:
+        subscribe(zero, name)
+        subscribe(acme, name)
+        gw.append(name, ["acme 0", "acme 1"], tenant=42)
+        gw.append(name, ["zero 0"])
+        first = recv(zero)
+        assert first["data"]["offset"] == 0 and first["data"]["value"] == "zero 0"
+        got = [recv(acme)["data"]["value"] for _ in range(2)]
+        assert got == ["acme 0", "acme 1"]
+        assert engine_subscriptions(gw, name, 0) == engine_subscriptions(gw, name, 42) == 1
+
+
 # ---- shutdown --------------------------------------------------------------------------
 
 

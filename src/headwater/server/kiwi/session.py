@@ -110,7 +110,15 @@ class KiwiSession:
         """A source's new events, as framed RESULT messages."""
         core = self.core
         lost = core.lost_events
-        core.deliver(source_id, results)
+        # A read can hold more events than the outbox: hand them over an outbox at a time
+        # while the transport takes them, so only a peer that is not reading sheds.
+        step = core.send_capacity
+        start = 0
+        while len(results) - start > step and self._writable():
+            core.deliver(source_id, results[start : start + step])
+            self.flush()
+            start += step
+        core.deliver(source_id, results[start:] if start else results)
         if core.lost_events != lost:
             self.gateway.metrics.record_ws_lag("kiwi", core.lost_events - lost)
         self.flush()
@@ -126,13 +134,18 @@ class KiwiSession:
 
     # ---- the socket ---------------------------------------------------------------------
 
+    def _writable(self) -> bool:
+        if self.closed or self._drain_task is not None:
+            return False
+        transport = self.request.transport
+        return transport is not None and not transport.is_closing()
+
     def flush(self) -> None:
         """Write what the core has queued, unless the transport is paused."""
-        if self.closed or self._drain_task is not None:
+        if not self._writable():
             return
         transport = self.request.transport
-        if transport is None or transport.is_closing():
-            return
+        assert transport is not None
         frames = self.core.take_outgoing()
         if frames:
             transport.writelines(frames)

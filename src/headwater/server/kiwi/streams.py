@@ -1,18 +1,35 @@
-"""Streams as Kiwi sources: one engine subscription per (session, stream), from the live
-end, with credit the gateway keeps topped up (Kiwi has no credit: the session's own
-queues decide what a slow subscriber loses)."""
+"""Streams as Kiwi sources: one :class:`StreamFeed` per (tenant, stream, partition) with
+subscribers, shared by all of them.
+
+A feed holds one engine subscription from the live end, with credit it keeps topped up
+(Kiwi has no credit). Each commit wakes that one subscription, which reads the log once;
+the feed encodes each event once as a framed RESULT and hands the same frames to every
+subscriber's session (:class:`~headwater.protocols.kiwi.fanout.Fanout` says which part
+goes to a subscriber that joined while the feed was behind). A session never blocks: its
+own bounded queues decide what a slow subscriber loses (LAG), so one stalled browser
+costs the feed, the engine and the other subscribers nothing.
+
+The feed ends with its last subscriber; when the engine subscription ends (the stream was
+deleted, the server stops) every subscriber gets SUBSCRIPTION_CLOSED.
+"""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from headwater.engine.engine import Stream
 from headwater.engine.subscriptions import MAX_CREDITS, RESUME, CloseReason, Subscription
+from headwater.protocols.kiwi.fanout import Fanout
+from headwater.protocols.kiwi.frames import text_frame
+from headwater.protocols.kiwi.results import PARTITION, stream_results
 from headwater.server.kiwi.session import Detach, KiwiSession
 from headwater.storage.log import ReadResult
 
 if TYPE_CHECKING:
     from headwater.server.kiwi.gateway import Gateway
+
+log = logging.getLogger("headwater.kiwi")
 
 CLOSE_MESSAGES = {
     CloseReason.SERVER_SHUTDOWN: "the server is shutting down",
@@ -21,34 +38,101 @@ CLOSE_MESSAGES = {
     CloseReason.PROTOCOL_ERROR: "the subscription failed on the server",
 }
 
+FeedKey = tuple[int, int, int]  # (tenant, stream, partition)
+
+
+def feed_key(stream: Stream) -> FeedKey:
+    return (stream.tenant.tenant_id, stream.stream_id, PARTITION)
+
+
+class StreamFeed:
+    def __init__(self, gateway: Gateway, stream: Stream) -> None:
+        self.gateway = gateway
+        self.stream = stream
+        self.source_id = stream.name
+        self.key = feed_key(stream)
+        self.fanout: Fanout[KiwiSession] = Fanout()
+        self.closed = False
+        self.subscription: Subscription = gateway.server.subscriptions.subscribe(
+            stream.tenant.tenant_id,
+            stream.stream_id,
+            RESUME,
+            MAX_CREDITS,
+            None,
+            None,
+            self._on_close,
+            deliver_read=self._deliver_read,
+        )
+
+    def attach(self, session: KiwiSession) -> Detach:
+        """``session`` gets the events committed from now on."""
+        self.fanout.add(session, self.stream.log.committed_offset)
+
+        def detach() -> None:
+            if self.fanout.remove(session) and not self.fanout:
+                self.close()
+
+        return detach
+
+    def close(self) -> None:
+        """The last subscriber left: end the engine subscription."""
+        if self.closed:
+            return
+        self._forget()
+        self.gateway.server.subscriptions.close(self.subscription, CloseReason.CLIENT_CANCELLED)
+
+    async def _deliver_read(self, sub: Subscription, result: ReadResult) -> None:
+        if sub.credits < MAX_CREDITS // 2:
+            self.gateway.server.subscriptions.grant(sub, MAX_CREDITS - sub.credits)
+        first = result.first_offset
+        if first is None:
+            return
+        routes = self.fanout.route(first, result.end_offset, lambda: _offsets(result))
+        if not routes:
+            return
+        source_id = self.source_id
+        frames = [text_frame(p) for p in stream_results(source_id, result.events())]
+        delivered, value_bytes = 0, 0
+        for session, index in routes:
+            try:
+                if index == 0:
+                    session.deliver(source_id, frames)
+                    delivered += result.count
+                    value_bytes += result.value_bytes
+                else:  # joined while the feed was behind: from its start offset on
+                    session.deliver(source_id, frames[index:])
+                    delivered += len(frames) - index
+                    value_bytes += sum(len(e.value) for e in list(result.events())[index:])
+            except Exception:
+                # One broken connection must not end the feed for the others.
+                log.exception("delivering %s to a Kiwi session failed", source_id)
+                self.fanout.remove(session)
+                session.source_closed(source_id, CLOSE_MESSAGES[CloseReason.PROTOCOL_ERROR])
+        self.gateway.metrics.record_read("kiwi", self.key[0], source_id, delivered, value_bytes)
+        if not self.fanout:
+            self.close()
+
+    def _on_close(self, sub: Subscription, reason: CloseReason) -> None:
+        self._forget()
+        if reason is CloseReason.CLIENT_CANCELLED:
+            return
+        message = CLOSE_MESSAGES.get(reason, "the source ended")
+        for session in self.fanout:
+            session.source_closed(self.source_id, message)
+
+    def _forget(self) -> None:
+        self.closed = True
+        if self.gateway.feeds.get(self.key) is self:
+            del self.gateway.feeds[self.key]
+
+
+def _offsets(result: ReadResult) -> list[int]:
+    return [event.offset for event in result.events()]
+
 
 def attach_stream(gateway: Gateway, session: KiwiSession, stream: Stream) -> Detach:
-    subscriptions = gateway.server.subscriptions
-    source_id = stream.name
-    tenant_id = stream.tenant.tenant_id
-
-    async def deliver_read(sub: Subscription, result: ReadResult) -> None:
-        if sub.credits < MAX_CREDITS // 2:
-            subscriptions.grant(sub, MAX_CREDITS - sub.credits)
-        session.deliver(source_id, gateway.stream_frames(stream, result))
-        gateway.metrics.record_read("kiwi", tenant_id, source_id, result.count, result.value_bytes)
-
-    def on_close(sub: Subscription, reason: CloseReason) -> None:
-        if reason is not CloseReason.CLIENT_CANCELLED:
-            session.source_closed(source_id, CLOSE_MESSAGES.get(reason, "the source ended"))
-
-    sub = subscriptions.subscribe(
-        tenant_id,
-        stream.stream_id,
-        RESUME,
-        MAX_CREDITS,
-        None,
-        None,
-        on_close,
-        deliver_read=deliver_read,
-    )
-
-    def detach() -> None:
-        subscriptions.close(sub, CloseReason.CLIENT_CANCELLED)
-
-    return detach
+    """Subscribe ``session`` to ``stream`` through the stream's feed (started on first use)."""
+    feed = gateway.feeds.get(feed_key(stream))
+    if feed is None or feed.closed:
+        feed = gateway.feeds[feed_key(stream)] = StreamFeed(gateway, stream)
+    return feed.attach(session)
