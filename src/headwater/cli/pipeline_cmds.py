@@ -14,12 +14,17 @@ out = Console(highlight=False)
 
 def cmd_pipeline_run(args: argparse.Namespace) -> int:
     try:
-        from headwater.pipeline.spec import PipelineError, check_streams, load_pipeline
+        from headwater.pipeline.spec import (
+            PipelineError,
+            check_streams,
+            load_pipeline,
+            server_kind_columns,
+        )
     except ImportError as exc:
         err.print(f"[red]error:[/] pipelines need: pip install 'headwater[spark]' ({exc})")
         return 2
     try:
-        spec = load_pipeline(args.file)
+        spec = load_pipeline(args.file, server_kind_columns)
         check_streams(spec)
     except PipelineError as exc:
         err.print(f"[red]error:[/] {exc}", soft_wrap=True, highlight=False)

@@ -22,3 +22,11 @@ def check_name(name: str, *, internal: bool = False) -> str:
             f"invalid name {name!r}: the prefixes convergedb_ and hw_ are reserved"
         )
     return name
+
+
+# SQL's table of a kind's changelog; the reserved prefix keeps it clear of user names.
+CHANGES_PREFIX = "hw_changes_"
+
+
+def changes_table_name(kind: str) -> str:
+    return CHANGES_PREFIX + kind

@@ -47,6 +47,9 @@ def _source(spark: Any, spec: PipelineSpec, source: SourceSpec) -> Any:
             reader = reader.option("valueFormat", source.settings["format"])
             reader = reader.option("schema", source.settings["schema"])
         return reader.options(**source.options).load()
+    if source.type == "kind":
+        reader = reader.format(FORMAT).options(**_connection_options(spec))
+        return reader.option("kind", source.settings["kind"]).options(**source.options).load()
     reader = reader.format(source.type).options(**source.options)
     if source.settings["schema"]:
         reader = reader.schema(source.settings["schema"])
@@ -135,7 +138,9 @@ def _offset_lag(end: Any, latest: Any) -> int:
         return 0
     lag = 0
     for stream, parts in latest_d.items():
-        if isinstance(parts, dict):
+        if isinstance(parts, int) and isinstance(end_d.get(stream), int):
+            lag += max(0, parts - end_d[stream])  # a kind's changelog: {"position": N}
+        elif isinstance(parts, dict):
             for part, offset in parts.items():
                 done = (
                     end_d.get(stream, {}).get(part, 0) if isinstance(end_d.get(stream), dict) else 0

@@ -39,6 +39,8 @@ STREAM_COLUMNS = {
 }
 _TYPE_ALIASES = {"LONG": "BIGINT", "INTEGER": "INT", "SHORT": "SMALLINT", "BYTE": "TINYINT"}
 Columns = dict[str, str] | None  # name -> Spark SQL type; None when not known statically
+# (connection, kind) -> the columns of a streaming read of the kind (its changelog).
+KindColumns = Callable[[ConnectionOptions, str], dict[str, str]]
 
 
 def parse_ddl(text: str, where: str) -> dict[str, str]:
@@ -177,8 +179,20 @@ def _file_source(kind: str) -> Callable[[str, Mapping[str, Any], str], SourceSpe
     return build
 
 
+def _kind_source(name: str, data: Mapping[str, Any], where: str) -> SourceSpec:
+    _expect(data, where, {"name", "type", "kind", "options"}, {"kind"})
+    kind = _str(data, "kind", where)
+    try:
+        check_stream_name(kind, "kind")
+    except UsageError as exc:
+        raise PipelineError(f"{where}: {exc}") from None
+    # The columns come from the server (see parse_pipeline's kind_columns).
+    return SourceSpec(name, "kind", {"kind": kind}, _options(data, where), None)
+
+
 SOURCE_TYPES: dict[str, Callable[[str, Mapping[str, Any], str], SourceSpec]] = {
     "stream": _stream_source,
+    "kind": _kind_source,
     "csv": _file_source("csv"),
     "json": _file_source("json"),
     "parquet": _file_source("parquet"),
@@ -382,7 +396,9 @@ def _trigger(data: Any) -> dict[str, Any]:
     )
 
 
-def parse_pipeline(data: Any, base: Path) -> PipelineSpec:
+def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = None) -> PipelineSpec:
+    """Check a pipeline's YAML data. ``kind_columns`` gives the columns of each kind a
+    source reads (see :func:`server_kind_columns`); without it they are not checked."""
     if not isinstance(data, dict):
         raise PipelineError("a pipeline file must be a YAML mapping")
     top = {
@@ -420,6 +436,8 @@ def parse_pipeline(data: Any, base: Path) -> PipelineSpec:
         if name in views:
             raise PipelineError(f"{where}: name {name!r} is used twice")
         source = SOURCE_TYPES[kind](name, entry, where)
+        if source.type == "kind" and kind_columns is not None:
+            source.columns = kind_columns(connection, source.settings["kind"])
         sources.append(source)
         views[name] = source.columns
     transforms = []
@@ -474,7 +492,7 @@ def parse_pipeline(data: Any, base: Path) -> PipelineSpec:
     )
 
 
-def load_pipeline(path: Path) -> PipelineSpec:
+def load_pipeline(path: Path, kind_columns: KindColumns | None = None) -> PipelineSpec:
     try:
         text = path.read_text()
     except OSError as exc:
@@ -483,7 +501,22 @@ def load_pipeline(path: Path) -> PipelineSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PipelineError(f"{path} is not valid YAML: {exc}") from None
-    return parse_pipeline(data, path.parent)
+    return parse_pipeline(data, path.parent, kind_columns)
+
+
+def server_kind_columns(connection: ConnectionOptions, kind: str) -> dict[str, str]:
+    """The columns of a streaming read of ``kind``, asked of the server."""
+    from headwater.spark.kinds import KindReadOptions, kind_columns
+    from headwater.spark.streams import open_client
+
+    options = KindReadOptions(connection, kind, None, 1)
+    try:
+        with open_client(connection) as client:
+            return dict(kind_columns(client, options))
+    except UsageError as exc:
+        raise PipelineError(str(exc)) from None
+    except Exception as exc:
+        raise PipelineError(f"cannot reach the server {connection.server}: {exc}") from None
 
 
 def check_streams(spec: PipelineSpec) -> None:

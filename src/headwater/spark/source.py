@@ -36,10 +36,15 @@ from pyspark.sql.types import StructType
 from headwater.errors import StreamAlreadyExists, UsageError
 
 from .kind_writer import ROWS_PER_BATCH, KindWriteOptions, batch_job_sequence, write_rows
+from .kinds import EARLIEST as EARLIEST_POSITION
+from .kinds import LATEST as LATEST_POSITION
 from .kinds import (
     KindReadOptions,
+    changes_end,
+    changes_partition_count,
     kind_columns,
     partition_count,
+    read_changes,
     read_share,
     schema_ddl,
 )
@@ -93,11 +98,14 @@ class HeadwaterDataSource(DataSource):
         return HeadwaterBatchReader(ReadOptions.parse(self.options), schema)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        if self._kind_options() is not None:
-            raise UsageError(
-                "streaming reads of a kind (its changelog) are not in this version: read "
-                "the kind's state in batch (optionally asOf a position)"
-            )
+        kind = self._kind_options()
+        if kind is not None:
+            if kind.as_of is not None:
+                raise UsageError(
+                    "option asOf reads a kind's state in batch; a streaming read starts "
+                    "at startingPosition"
+                )
+            return HeadwaterKindChangesReader(kind, schema)
         return HeadwaterStreamReader(ReadOptions.parse(self.options), schema)
 
     def _kind_write_options(self, schema: StructType) -> KindWriteOptions | None:
@@ -229,6 +237,84 @@ class HeadwaterKindReader(DataSourceReader):
                 partition.index,
                 partition.parts,
             )
+
+
+@dataclass(frozen=True)
+class ChangesShare(InputPartition):
+    start: int
+    end: int
+    index: int
+    parts: int
+
+
+class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A kind's changelog as a stream; offsets are ``{"position": N}`` (see .kinds). The
+    driver-side client is made on first use and never pickled."""
+
+    def __init__(self, options: KindReadOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+        self._client: Any = None
+        self._target: int | None = None  # Trigger.AvailableNow: the end fixed at start
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_client"] = None
+        return state
+
+    def _end(self) -> int:
+        if self._client is None or self._client.closed:
+            self._client = open_client(self.options.connection)
+        return changes_end(self._client, self.options)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._end()
+
+    def initialOffset(self) -> dict[str, Any]:
+        starting = self.options.starting
+        if starting == EARLIEST_POSITION:
+            return {"position": 0}
+        if starting == LATEST_POSITION:
+            return {"position": self._end()}
+        return {"position": starting}
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        end = max(self._end(), int(start["position"]))
+        if self._target is not None:
+            end = min(end, max(self._target, int(start["position"])))
+        return {"position": end}
+
+    def reportLatestOffset(self) -> dict[str, Any]:
+        return {"position": self._end()}
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        lo, hi = int(start["position"]), int(end["position"])
+        if hi <= lo:
+            return []
+        if self._client is None or self._client.closed:
+            self._client = open_client(self.options.connection)
+        parts = changes_partition_count(self._client, self.options, lo, hi)
+        return [ChangesShare(lo, hi, i, parts) for i in range(parts)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, ChangesShare)
+        with open_client(self.options.connection) as client:
+            yield from read_changes(
+                client,
+                self.options,
+                _arrow_schema(self.schema),
+                (partition.start, partition.end),
+                partition.index,
+                partition.parts,
+            )
+
+    def commit(self, end: dict[str, Any]) -> None:
+        pass  # nothing is held server-side: Spark's checkpoint has the position
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
 
 class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -1,5 +1,6 @@
 """Entity kinds as SQL tables: ``(entity_id, version, <fields>...)``, current and as of
-a tenant log position.
+a tenant log position; and each kind's changelog as ``hw_changes_<kind>``:
+``(entity_id, version, deleted, <fields>...)``, one row per change in log order.
 
 The kind engine keeps each kind's committed state in memory and moves it forward only
 when a window is durable, which is also when the window's positions stop being
@@ -7,18 +8,33 @@ in flight; so a kind's table always covers the tenant's committed head. A query 
 after the kind's last change reads the in-memory state; a QueryAt older than that
 replays the kind's changelog up to the position (records removed by compaction are
 gone: an as-of read that old sees only what compaction kept).
+
+The changes table is what a streaming reader polls (``WHERE version >= start``) every
+trigger, so it keeps the changelog decoded per segment and decodes only what was appended
+since the last query; a segment rewritten by compaction is decoded again. The ``hw_``
+prefix is reserved, so no stream or kind can take a changes table's name.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from headwater.engine.kinds import EntityState, KindsEngine, KindState
+from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.service import SEQUENCE_KEY
+from headwater.engine.names import changes_table_name
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType, decode_fields
 from headwater.sql.tables import SqlTable
+from headwater.storage.log import PartitionLog
+from headwater.storage.segment import Segment
+
+# A decoded changelog nobody queried for this long is dropped (memory goes back).
+CHANGES_IDLE_SECONDS = 300.0
 
 ARROW_TYPES: dict[FieldType, pa.DataType] = {
     FieldType.BOOL: pa.bool_(),
@@ -38,12 +54,27 @@ ARROW_TYPES: dict[FieldType, pa.DataType] = {
 }
 
 
-def column_name(field_name: str) -> str:
-    """A field's column: its name, or ``field_<name>`` where it would clash with
-    ``entity_id`` or ``version`` (SQL names are case-insensitive)."""
-    if field_name.lower() in ("entity_id", "version"):
+def column_name(field_name: str, taken: tuple[str, ...] = ("entity_id", "version")) -> str:
+    """A field's column: its name, or ``field_<name>`` where it would clash with one of
+    the table's own columns (SQL names are case-insensitive)."""
+    if field_name.lower() in taken:
         return f"field_{field_name}"
     return field_name
+
+
+CHANGES_COLUMNS = ("entity_id", "version", "deleted")
+
+
+def changes_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
+    """``entity_id``, ``version`` (the change's tenant log position), ``deleted`` (the
+    entity is gone; its fields are NULL), then the fields."""
+    columns = [
+        pa.field("entity_id", pa.string()),
+        pa.field("version", pa.int64()),
+        pa.field("deleted", pa.bool_()),
+    ]
+    columns += [pa.field(column_name(f.name, CHANGES_COLUMNS), ARROW_TYPES[f.type]) for f in fields]
+    return pa.schema(columns)
 
 
 def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
@@ -113,11 +144,116 @@ class KindTable:
         return replay
 
 
+class _SegmentChanges:
+    """What of one segment is decoded: its changes below ``upto`` (an offset)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self.upto = segment.base_offset
+        self.batches: list[pa.RecordBatch] = []
+
+
+class DecodedChangelog:
+    """One kind's changelog decoded to Arrow, segment by segment (see the module
+    docstring). Built in query worker threads, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fields: tuple[FieldSpec, ...] = ()
+        self._segments: dict[int, _SegmentChanges] = {}
+        self.last_used = time.monotonic()
+
+    def table(
+        self, plog: PartitionLog, fields: tuple[FieldSpec, ...], upto: int, position: int
+    ) -> pa.Table:
+        """The changes at offsets below ``upto`` and positions below ``position``."""
+        schema = changes_schema(fields)
+        with self._lock:
+            if fields != self._fields:  # a migration appended fields: decode anew
+                self._fields, self._segments = fields, {}
+            kept: dict[int, _SegmentChanges] = {}
+            batches: list[pa.RecordBatch] = []
+            for segment in list(plog.segments):
+                entry = self._segments.get(segment.base_offset)
+                if entry is None or entry.segment is not segment:  # new, or compacted
+                    entry = _SegmentChanges(segment)
+                stop = min(segment.next_offset, upto)
+                if entry.upto < stop:
+                    batch = _decode_changes(plog, fields, schema, entry.upto, stop)
+                    if batch.num_rows:
+                        entry.batches.append(batch)
+                    entry.upto = stop
+                kept[segment.base_offset] = entry
+                batches += entry.batches
+            self._segments = kept
+        table = pa.Table.from_batches(batches, schema=schema)
+        # Changes are in position order; the cut keeps an as-of read exact.
+        if table.num_rows and table.column("version")[-1].as_py() >= position:
+            table = table.filter(pc.less(table.column("version"), position))
+        return table
+
+
+def _decode_changes(
+    plog: PartitionLog,
+    fields: tuple[FieldSpec, ...],
+    schema: pa.Schema,
+    start: int,
+    stop: int,
+) -> pa.RecordBatch:
+    codec = codec_for(fields)
+    ids: list[str] = []
+    versions: list[int] = []
+    deleted: list[bool] = []
+    records: list[tuple[object, ...] | None] = []
+    for event in plog.events(start, stop):
+        key = event.key
+        if key is None or key == SEQUENCE_KEY:
+            continue
+        ids.append(key.hex())
+        versions.append(event.position)
+        deleted.append(event.tombstone)
+        records.append(None if event.tombstone else codec.decode_assert(bytes(event.value[8:])))
+    columns: list[list[object]] = [ids, versions, deleted]  # type: ignore[list-item]
+    for i in range(len(fields)):
+        columns.append([None if r is None else r[i] for r in records])
+    return pa.RecordBatch.from_arrays(
+        [pa.array(col, type=schema.field(i).type) for i, col in enumerate(columns)],
+        schema=schema,
+    )
+
+
+class KindChangesTable:
+    """One kind's changelog as the table ``hw_changes_<kind>``."""
+
+    def __init__(self, state: KindState, decoded: DecodedChangelog) -> None:
+        self.state = state
+        self.decoded = decoded
+
+    @property
+    def name(self) -> str:
+        return changes_table_name(self.state.info.name)
+
+    def covered_position(self, head: int) -> int:
+        return head
+
+    def request_catch_up(self) -> None:
+        return None
+
+    def snapshot(self, position: int) -> Callable[[], pa.Table]:
+        state = self.state
+        fields, plog, decoded = state.info.fields, state.log, self.decoded
+        upto = plog.committed_offset
+        decoded.last_used = time.monotonic()
+        return lambda: decoded.table(plog, fields, upto, position)
+
+
 class KindTables:
-    """The table source of every tenant's kinds."""
+    """The table source of every tenant's kinds: each kind's state and its changelog."""
 
     def __init__(self, kinds: KindsEngine) -> None:
         self.kinds = kinds
+        self._decoded: dict[tuple[int, int], DecodedChangelog] = {}
+        self._swept = time.monotonic()
 
     def start(self) -> None:
         return None
@@ -126,7 +262,24 @@ class KindTables:
         tenant = self.kinds.tenants.get(tenant_id)
         if tenant is None:
             return []
-        return [KindTable(state) for state in tenant.kinds.values()]
+        tables: list[SqlTable] = []
+        for state in tenant.kinds.values():
+            tables.append(KindTable(state))
+            tables.append(KindChangesTable(state, self._changelog(tenant_id, state)))
+        return tables
+
+    def _changelog(self, tenant_id: int, state: KindState) -> DecodedChangelog:
+        now = time.monotonic()
+        if now - self._swept > CHANGES_IDLE_SECONDS / 10:
+            self._swept = now
+            idle = now - CHANGES_IDLE_SECONDS
+            for stale in [k for k, d in self._decoded.items() if d.last_used < idle]:
+                del self._decoded[stale]
+        key = (tenant_id, state.info.kind_id)
+        decoded = self._decoded.get(key)
+        if decoded is None:
+            decoded = self._decoded[key] = DecodedChangelog()
+        return decoded
 
     async def close(self) -> None:
         return None

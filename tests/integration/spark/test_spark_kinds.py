@@ -1,10 +1,13 @@
 """Reading an entity kind with the headwater Spark format: current state, as of a log
-position, every field type, split into partitions, and the errors a user can meet."""
+position, every field type, split into partitions; its changelog as a stream, resumed
+from a checkpoint and followed live; and the errors a user can meet."""
 
 from __future__ import annotations
 
 import decimal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,12 +79,13 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProc
         writer.barrier()
 
         now = _read(spark, kind_server, kind="sensors", rowsPerPartition="7")
-        assert [f.name for f in now.schema.fields] == ["entity_id", "version"] + [
+        assert [f.name for f in now.schema.fields] == ["entity_id", "version", "deleted"] + [
             n for n, _ in FIELDS
         ]
         assert now.rdd.getNumPartitions() == 5  # 29 entities, 7 per partition
         rows = {r.entity_id: r for r in now.collect()}
         assert sorted(rows) == [eid(i).hex() for i in range(1, 30)]
+        assert not any(r.deleted for r in rows.values())  # a state read: nothing deleted
         assert rows[eid(1).hex()].temp == -7.25 and rows[eid(2).hex()].temp == 2.5
         r = rows[eid(5).hex()]
         assert (r.label, r["count"], r.big, bytes(r.raw), r.ok) == (
@@ -116,12 +120,120 @@ def test_kind_read_errors(spark: Any, kind_server: ServerProcess) -> None:
     stream = (
         spark.readStream.format("headwater")
         .option("kind", "sensors")
+        .option("asOf", "3")
         .option("server", f"127.0.0.1:{kind_server.port}")
         .load()
     )
-    with pytest.raises(Exception, match="streaming reads of a kind"):
+    with pytest.raises(Exception, match="asOf reads a kind's state in batch"):
         query = stream.writeStream.format("noop").start()
         try:
             query.awaitTermination(60)
         finally:
             query.stop()
+    with pytest.raises(Exception, match="startingPosition must be a log position"):
+        _read(spark, kind_server, kind="sensors", startingPosition="soon").collect()
+
+
+READING = [("temp", FieldType.F64), ("deleted", FieldType.U8)]
+
+
+def _changes(spark: Any, server: ServerProcess, **options: str) -> Any:
+    reader = (
+        spark.readStream.format("headwater")
+        .option("server", f"127.0.0.1:{server.port}")
+        .option("kind", "readings")
+    )
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load()
+
+
+def _run_available_now(df: Any, out: Path, checkpoint: Path) -> None:
+    query = (
+        df.writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+
+
+def test_kind_changelog_stream_resumes_from_its_checkpoint(
+    spark: Any, kind_server: ServerProcess, tmp_path: Path
+) -> None:
+    """Every change once, in log order, deletions flagged; a restarted query reads only
+    what came after its checkpoint."""
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    with CdbClient(cdb_port(kind_server), name="changes-writer") as writer:
+        kind = writer.create_kind("readings", [(n, int(t)) for n, t in READING])
+        writer.send(
+            m.Batch(
+                tuple(m.Assert.of(READING, kind.kind_id, eid(i), [i + 0.5, i]) for i in range(10))
+            )
+        )
+        writer.barrier()
+        df = _changes(spark, kind_server, rowsPerPartition="4")
+        assert [f.name for f in df.schema.fields] == [
+            "entity_id",
+            "version",
+            "deleted",
+            "temp",
+            "field_deleted",
+        ]
+        _run_available_now(df, out, checkpoint)
+        first = spark.read.parquet(str(out)).orderBy("version").collect()
+        assert [(r.entity_id, r.deleted, r.temp, r.field_deleted) for r in first] == [
+            (eid(i).hex(), False, i + 0.5, i) for i in range(10)
+        ]
+
+        writer.send(m.Patch.of(READING, kind.kind_id, eid(1), {0: -1.0}))
+        writer.send(m.Retract(kind.kind_id, eid(2)))
+        writer.send(m.Assert.of(READING, kind.kind_id, eid(10), [10.5, 10]))
+        writer.barrier()
+        _run_available_now(_changes(spark, kind_server, rowsPerPartition="4"), out, checkpoint)
+        rows = spark.read.parquet(str(out)).orderBy("version").collect()
+    assert len(rows) == 13 and len({r.version for r in rows}) == 13
+    assert rows[:10] == first
+    assert {(r.entity_id, r.deleted, r.temp) for r in rows[10:]} == {
+        (eid(1).hex(), False, -1.0),
+        (eid(2).hex(), True, None),
+        (eid(10).hex(), False, 10.5),
+    }
+    # The versions are the kind's own: the state's version of eid 1 is its patch's.
+    state = {r.entity_id: r.version for r in _read(spark, kind_server, kind="readings").collect()}
+    assert state[eid(1).hex()] == next(r.version for r in rows[10:] if r.entity_id == eid(1).hex())
+
+
+def test_kind_changelog_stream_from_latest_follows_live_changes(
+    spark: Any, kind_server: ServerProcess
+) -> None:
+    with CdbClient(cdb_port(kind_server), name="live-writer") as writer:
+        kind = writer.create_kind("readings", [(n, int(t)) for n, t in READING])
+        writer.send(m.Assert.of(READING, kind.kind_id, eid(50), [50.0, 0]))
+        writer.barrier()
+        query = (
+            _changes(spark, kind_server, startingPosition="latest")
+            .writeStream.format("memory")
+            .queryName("live_changes")
+            .trigger(processingTime="500 milliseconds")
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not query.recentProgress and time.monotonic() < deadline:
+                time.sleep(0.2)  # the first trigger fixes "latest" before the writes
+            for i in range(51, 56):
+                writer.send(m.Assert.of(READING, kind.kind_id, eid(i), [float(i), 1]))
+                writer.barrier()
+            seen: list[Any] = []
+            while len(seen) < 5 and time.monotonic() < deadline:
+                time.sleep(0.3)
+                seen = spark.sql("SELECT * FROM live_changes ORDER BY version").collect()
+            assert query.exception() is None
+        finally:
+            query.stop()
+    assert [(r.entity_id, r.temp) for r in seen] == [
+        (eid(i).hex(), float(i)) for i in range(51, 56)
+    ]

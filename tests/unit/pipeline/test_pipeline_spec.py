@@ -144,6 +144,63 @@ def test_kind_sink_settings(tmp_path: Path):
     assert sink.settings == {"kind": "quotes", "key": "key", "patchColumns": "price"}
 
 
+KIND_SOURCE = {"name": "quotes", "type": "kind", "kind": "quotes"}
+QUOTE_COLUMNS = {
+    "entity_id": "STRING",
+    "version": "BIGINT",
+    "deleted": "BOOLEAN",
+    "px": "DOUBLE",
+    "at": "TIMESTAMP",
+}
+
+
+def test_kind_source_takes_its_columns_from_the_lookup(tmp_path: Path):
+    asked: list[tuple[str, str]] = []
+
+    def lookup(connection: object, kind: str) -> dict[str, str]:
+        asked.append((getattr(connection, "server", ""), kind))
+        return dict(QUOTE_COLUMNS)
+
+    data = _with(
+        server="127.0.0.1:7555",
+        sources=[{**KIND_SOURCE, "options": {"startingPosition": "latest"}}],
+        transforms=[{"filter": "NOT deleted"}, {"select": {"entity_id": "key", "px": "px"}}],
+        sinks=[{"type": "kind", "kind": "quotes_copy"}],
+    )
+    spec = parse_pipeline(data, tmp_path, lookup)
+    assert asked == [("127.0.0.1:7555", "quotes")]
+    [source] = spec.sources
+    assert (source.type, source.settings, source.options) == (
+        "kind",
+        {"kind": "quotes"},
+        {"startingPosition": "latest"},
+    )
+    assert spec.views["quotes"] == QUOTE_COLUMNS
+    # The columns are checked downstream: a TIMESTAMP cannot become a kind field.
+    bad = _with(
+        sources=[KIND_SOURCE],
+        transforms=[],
+        sinks=[{"type": "kind", "kind": "k2", "key": "entity_id"}],
+    )
+    with pytest.raises(PipelineError, match="column at is TIMESTAMP"):
+        parse_pipeline(bad, tmp_path, lookup)
+    # Without a lookup (no server at hand) the columns are unknown, not guessed.
+    assert parse_pipeline(bad, tmp_path).views["quotes"] is None
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"name": "q", "type": "kind"}, r"sources\[0\]: missing kind"),
+        ({"name": "q", "type": "kind", "kind": "bad-name"}, r"sources\[0\]: kind"),
+        ({"name": "q", "type": "kind", "kind": "k", "stream": "s"}, "unknown key"),
+    ],
+)
+def test_kind_source_mistakes(tmp_path: Path, source: dict[str, object], message: str):
+    with pytest.raises(PipelineError, match=message):
+        parse_pipeline(_with(sources=[source], transforms=[]), tmp_path)
+
+
 def test_bad_yaml_and_missing_file(tmp_path: Path):
     path = tmp_path / "p.yaml"
     path.write_text("sources: [unclosed\n")
@@ -168,3 +225,22 @@ def test_offsets_forms_and_admission_control():
     assert limit_offsets({"a": 0, "b": 0}, {"a": 300, "b": 100}, 100) == {"a": 75, "b": 25}
     assert limit_offsets({"a": 0, "b": 0}, {"a": 1, "b": 100}, 10) == {"a": 1, "b": 9}
     assert limit_offsets({"a": 5}, {"a": 8}, 100) == {"a": 8}
+
+
+def test_progress_line_counts_lag_of_streams_and_kinds():
+    from headwater.pipeline.runner import progress_line
+
+    progress = {
+        "name": "p_sink0",
+        "batchId": 4,
+        "numInputRows": 10,
+        "sink": {"numOutputRows": 3},
+        "durationMs": {"triggerExecution": 120},
+        "sources": [
+            {"endOffset": '{"t": {"0": 5}}', "latestOffset": '{"t": {"0": 12}}'},
+            {"endOffset": '{"position": 40}', "latestOffset": '{"position": 45}'},
+        ],
+    }
+    assert progress_line(progress) == (
+        "[p_sink0] batch 4: in 10 rows, out 3 rows, lag 12 offsets, 120 ms"
+    )

@@ -61,3 +61,103 @@ def test_kind_table_current_and_as_of(tmp_path: Path) -> None:
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_changes_table_lists_every_change_in_log_order(tmp_path: Path) -> None:
+    """``hw_changes_<kind>``: one row per change, deletions flagged with NULL fields, a
+    field named like a changes column renamed, as-of reads cut exactly."""
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, EngineConfig(maintenance_interval_ms=0))
+        kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
+        sql = SqlService(engine)
+        sql.add_source(KindTables(kinds))
+        sql.start()
+        try:
+            tk = kinds.tenant(0)
+            kind = await tk.create_kind("dev", [("temp", FieldType.F64), ("deleted", FieldType.U8)])
+            a, b = b"\x0a" * 32, b"\x0b" * 32
+            src = tk.connect("w")
+            src.apply([assert_op(kind, a, [1.5, 1]), assert_op(kind, b, [2.5, 0])])
+            await tk.flush()
+            src.apply([patch_op(kind, a, {0: 3.5})])
+            await tk.flush()
+            src.apply([retract_op(kind, b)])
+            await tk.flush()
+            result = await sql.query(0, "SELECT * FROM hw_changes_dev ORDER BY version")
+            assert result.columns == ["entity_id", "version", "deleted", "temp", "field_deleted"]
+            rows = [list(r) for r in result.rows]
+            assert [(r[0], r[2], r[3], r[4]) for r in rows] == [
+                ("0a" * 32, False, "1.5", 1),
+                ("0b" * 32, False, "2.5", 0),
+                ("0a" * 32, False, "3.5", 1),
+                ("0b" * 32, True, None, None),
+            ]
+            versions = [r[1] for r in rows]
+            assert versions == sorted(versions) and len(set(versions)) == 4
+            # Each upsert's version is the entity's version in the kind table.
+            current = await sql.query(0, "SELECT version FROM dev")
+            assert [list(r) for r in current.rows] == [[versions[2]]]
+            # As of the retraction's position: everything before it, nothing after.
+            before = await sql.query_at(0, "SELECT version FROM hw_changes_dev", [], versions[3])
+            assert sorted(r[0] for r in before.rows) == versions[:3]
+            since = await sql.query(
+                0, "SELECT count(*) FROM hw_changes_dev WHERE version >= ?", [versions[2]]
+            )
+            assert since.rows[0][0] == 2
+        finally:
+            await sql.close()
+            await kinds.close()
+            await engine.close()
+
+    asyncio.run(main())
+
+
+def test_changes_table_follows_appends_compaction_and_migration(tmp_path: Path) -> None:
+    """The decoded changelog is kept between queries: what is appended after a query,
+    what compaction rewrites and fields a migration appends all show in the next one."""
+
+    async def main() -> None:
+        config = EngineConfig(maintenance_interval_ms=0, segment_bytes=600)
+        engine = await Engine.open(tmp_path, config)
+        kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
+        sql = SqlService(engine)
+        sql.add_source(KindTables(kinds))
+        sql.start()
+        query = "SELECT entity_id, version, n FROM hw_changes_cnt ORDER BY version"
+        try:
+            tk = kinds.tenant(0)
+            kind = await tk.create_kind("cnt", [("n", FieldType.I64)])
+            src = tk.connect("w")
+            ids = [bytes([i]) * 32 for i in range(3)]
+            seen: list[list[object]] = []
+            for n in range(12):
+                src.apply([assert_op(kind, ids[n % 3], [n])])
+                await tk.flush()
+                rows = [list(r) for r in (await sql.query(0, query)).rows]
+                assert rows[: len(seen)] == seen and len(rows) == n + 1
+                assert rows[-1][0] == ids[n % 3].hex() and rows[-1][2] == n
+                seen = rows
+            state = tk.kinds[kind.kind_id]
+            assert len(state.log.segments) > 2  # small segments: some are sealed
+            removed = await kinds.run_maintenance()
+            assert removed > 0
+            after = [list(r) for r in (await sql.query(0, query)).rows]
+            # Compaction keeps each entity's last change (and the active segment whole).
+            assert len(after) < len(seen)
+            assert {tuple(r) for r in after} <= {tuple(r) for r in seen}
+            assert after[-3:] == seen[-3:]
+            last = {r[0]: r[2] for r in seen}
+            assert {r[0]: r[2] for r in after} == last
+            # A migration appends a field: every row has the column, old rows its default.
+            kind2 = await tk.create_kind("cnt", [("n", FieldType.I64), ("tag", FieldType.STRING)])
+            src.apply([assert_op(kind2, ids[0], [99, "x"])])
+            await tk.flush()
+            rows = (await sql.query(0, "SELECT n, tag FROM hw_changes_cnt ORDER BY version")).rows
+            assert [list(r) for r in rows][-2:] == [[11, ""], [99, "x"]]
+        finally:
+            await sql.close()
+            await kinds.close()
+            await engine.close()
+
+    asyncio.run(main())
