@@ -222,22 +222,17 @@ def _decode_changes(
     )
 
 
-class KindChangesTable:
-    """One kind's changelog as the table ``hw_changes_<kind>``."""
+class KindChangesTable(KindTable):
+    """One kind's changelog as the table ``hw_changes_<kind>``; it covers what the
+    kind's table covers."""
 
     def __init__(self, state: KindState, decoded: DecodedChangelog) -> None:
-        self.state = state
+        super().__init__(state)
         self.decoded = decoded
 
     @property
     def name(self) -> str:
         return changes_table_name(self.state.info.name)
-
-    def covered_position(self, head: int) -> int:
-        return head
-
-    def request_catch_up(self) -> None:
-        return None
 
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         state = self.state

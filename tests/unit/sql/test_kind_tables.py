@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from headwater.engine.engine import Engine, EngineConfig
@@ -14,14 +16,27 @@ from headwater.sql.service import SqlService
 ALL_TYPES = [(f"c_{t.name.lower()}", t) for t in FieldType] + [("Version", FieldType.U8)]
 
 
+@contextlib.asynccontextmanager
+async def kind_sql(
+    tmp_path: Path, config: EngineConfig | None = None
+) -> AsyncIterator[tuple[KindsEngine, SqlService]]:
+    """An engine with kinds (windows flushed by hand) and SQL over them."""
+    engine = await Engine.open(tmp_path, config or EngineConfig(maintenance_interval_ms=0))
+    kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
+    sql = SqlService(engine)
+    sql.add_source(KindTables(kinds))
+    sql.start()
+    try:
+        yield kinds, sql
+    finally:
+        await sql.close()
+        await kinds.close()
+        await engine.close()
+
+
 def test_kind_table_current_and_as_of(tmp_path: Path) -> None:
     async def main() -> None:
-        engine = await Engine.open(tmp_path, EngineConfig(maintenance_interval_ms=0))
-        kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
-        sql = SqlService(engine)
-        sql.add_source(KindTables(kinds))
-        sql.start()
-        try:
+        async with kind_sql(tmp_path) as (kinds, sql):
             tk = kinds.tenant(0)
             kind = await tk.create_kind("everything", ALL_TYPES)
             src = tk.connect("w")
@@ -55,10 +70,6 @@ def test_kind_table_current_and_as_of(tmp_path: Path) -> None:
                 [["s", first.version]],
                 [["s", first.version], ["", first.version + 1]],
             ]
-        finally:
-            await sql.close()
-            await kinds.close()
-            await engine.close()
 
     asyncio.run(main())
 
@@ -68,12 +79,7 @@ def test_changes_table_lists_every_change_in_log_order(tmp_path: Path) -> None:
     field named like a changes column renamed, as-of reads cut exactly."""
 
     async def main() -> None:
-        engine = await Engine.open(tmp_path, EngineConfig(maintenance_interval_ms=0))
-        kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
-        sql = SqlService(engine)
-        sql.add_source(KindTables(kinds))
-        sql.start()
-        try:
+        async with kind_sql(tmp_path) as (kinds, sql):
             tk = kinds.tenant(0)
             kind = await tk.create_kind("dev", [("temp", FieldType.F64), ("deleted", FieldType.U8)])
             a, b = b"\x0a" * 32, b"\x0b" * 32
@@ -105,10 +111,6 @@ def test_changes_table_lists_every_change_in_log_order(tmp_path: Path) -> None:
                 0, "SELECT count(*) FROM hw_changes_dev WHERE version >= ?", [versions[2]]
             )
             assert since.rows[0][0] == 2
-        finally:
-            await sql.close()
-            await kinds.close()
-            await engine.close()
 
     asyncio.run(main())
 
@@ -119,13 +121,8 @@ def test_changes_table_follows_appends_compaction_and_migration(tmp_path: Path) 
 
     async def main() -> None:
         config = EngineConfig(maintenance_interval_ms=0, segment_bytes=600)
-        engine = await Engine.open(tmp_path, config)
-        kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
-        sql = SqlService(engine)
-        sql.add_source(KindTables(kinds))
-        sql.start()
         query = "SELECT entity_id, version, n FROM hw_changes_cnt ORDER BY version"
-        try:
+        async with kind_sql(tmp_path, config) as (kinds, sql):
             tk = kinds.tenant(0)
             kind = await tk.create_kind("cnt", [("n", FieldType.I64)])
             src = tk.connect("w")
@@ -155,9 +152,5 @@ def test_changes_table_follows_appends_compaction_and_migration(tmp_path: Path) 
             await tk.flush()
             rows = (await sql.query(0, "SELECT n, tag FROM hw_changes_cnt ORDER BY version")).rows
             assert [list(r) for r in rows][-2:] == [[11, ""], [99, "x"]]
-        finally:
-            await sql.close()
-            await kinds.close()
-            await engine.close()
 
     asyncio.run(main())
