@@ -421,3 +421,60 @@ def test_a_waiting_reader_takes_a_window_larger_than_the_buffer(tmp_path: Path) 
             await sub.next_batch()
 
     run(tmp_path, body, KindsConfig(coalesce_ms=5, live_buffer=10))
+
+
+def test_concurrent_create_kind_gives_each_kind_its_own_id(tmp_path: Path) -> None:
+    names = [f"k{i}" for i in range(6)]
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        created = await asyncio.gather(*(tk.create_kind(n, FIELDS) for n in names))
+        assert len({k.kind_id for k in created}) == len(names)
+        for name, kind in zip(names, created, strict=True):
+            assert tk.get_kind(name) == kind
+
+    run(tmp_path, body)
+
+    async def reopened(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        ids = {tk.get_kind(n).kind_id for n in names}
+        assert len(ids) == len(names)
+
+    run(tmp_path, reopened)
+
+
+def test_writes_that_change_nothing_are_acknowledged(tmp_path: Path) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a", source_id=1)
+        await tk.barrier()  # the presence write is out of the way: a quiet tenant
+        # A retract of what the source does not hold, an empty batch, an epoch with
+        # nothing stale: nothing to flush, and each must still be acknowledged.
+        for window in (
+            src.apply([retract_op(kind, eid(1))]),
+            src.apply([]),
+            tk.end_epoch(src)[1] if tk.begin_epoch(src) else None,
+        ):
+            assert window is not None
+            await asyncio.wait_for(window.durable(), 1.0)
+        # Behind a write that is still being made durable, a no-op waits for it.
+        written = src.apply([assert_op(kind, eid(2), [1.0])])
+        noop = src.apply([retract_op(kind, eid(3))])
+        assert noop is written
+        await asyncio.wait_for(noop.durable(), 1.0)
+        assert tk.get(kind.kind_id, eid(2)) is not None
+
+    run(tmp_path, body)
+
+
+def test_event_stream_kind_sends_an_event_for_a_retract_that_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk, event_stream=True)
+        src = tk.connect("a", source_id=2)
+        events = tk.subscribe(kind.kind_id, events=True)
+        src.apply([retract_op(kind, eid(9))])  # never held: still an op of the stream
+        await tk.barrier()
+        [note] = await asyncio.wait_for(events.next_batch(), 1.0)
+        assert isinstance(note, EventNote) and (note.op, note.sequence) == (0x03, 0)
+
+    run(tmp_path, body)

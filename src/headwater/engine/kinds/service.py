@@ -265,6 +265,9 @@ class TenantKinds:
         self._flushing: Window | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self._flush_due = False
+        # CREATE_KIND picks the next kind id, then awaits the changelog's opening and the
+        # registry's save: one at a time, or two kinds would get one id.
+        self._create_lock = asyncio.Lock()
         self.windows_flushed = 0
         self.changes_committed = 0
         self.closed = False
@@ -304,6 +307,12 @@ class TenantKinds:
         """CREATE_KIND: identical = the existing kind; appended fields = migration
         (schema_version + 1); anything else SchemaConflict; ReservedName for the reserved
         prefixes; KindLimitExceeded past 64 fields. Persisted before it returns."""
+        async with self._create_lock:
+            return await self._create_kind(name, fields, event_stream, internal)
+
+    async def _create_kind(
+        self, name: str, fields: Sequence[tuple[str, int]], event_stream: bool, internal: bool
+    ) -> KindInfo:
         taken = set(self.engine_tenant.by_name)
         kind, changed = self.registry.plan_create(
             name, fields, event_stream=event_stream, internal=internal, taken_names=taken
@@ -446,7 +455,7 @@ class TenantKinds:
         held = self.source_entities.get(sid, set())
         keys = [k for k in stale if k in held]
         self._apply_ops(sid, [RetractOp(k, e) for k, e in keys])
-        return len(keys), self._pending
+        return len(keys), self._window_for_ack()
 
     def _writer(self, source: Source) -> int:
         if source.source_id is None:
@@ -472,7 +481,19 @@ class TenantKinds:
         if len({op.kind_id for op in ops}) > 1:
             ops = sorted(ops, key=lambda op: op.kind_id)  # stable: order kept per kind
         self._apply_ops(sid, ops)
-        return self._pending
+        return self._window_for_ack()
+
+    def _window_for_ack(self) -> Window:
+        """The window whose durability makes the writes applied so far durable: the open
+        one when it holds anything; else the one being flushed; else (writes that changed
+        nothing on a quiet tenant) one already done, so their ACK is not held forever."""
+        if not self._pending.empty:
+            return self._pending
+        if self._flushing is not None:
+            return self._flushing
+        done = Window(self._loop)
+        done.done.set_result(None)
+        return done
 
     def _apply_ops(self, sid: int, ops: Sequence[WriteOp], *, internal: bool = False) -> None:
         if not ops:
@@ -515,7 +536,11 @@ class TenantKinds:
                     continue
                 work = self._working(state, flushing, eid)
                 if isinstance(op, RetractOp) and not work.source_set & bit:
-                    continue  # retracting what this source does not hold changes nothing
+                    # Retracting what this source does not hold changes nothing, but an
+                    # event-stream kind still delivers the op.
+                    if state.info.event_stream:
+                        self._note_event(window, kind_id, eid, OP_RETRACT, sid, op.metadata)
+                    continue
                 entities[eid] = work
             key = (kind_id, eid)
             if isinstance(op, AssertOp):
@@ -537,6 +562,8 @@ class TenantKinds:
                     epoch.discard(key)
             else:
                 if not work.source_set & bit:
+                    if state.info.event_stream:
+                        self._note_event(window, kind_id, eid, OP_RETRACT, sid, op.metadata)
                     continue
                 work.source_set &= ~bit
                 held.discard(key)
@@ -561,6 +588,14 @@ class TenantKinds:
         if not window.scheduled and window.ops:
             window.scheduled = True
             self._loop.call_later(self.config.coalesce_ms / 1000, self._window_due)
+
+    @staticmethod
+    def _note_event(
+        window: Window, kind_id: int, eid: bytes, op: int, sid: int, metadata: bytes
+    ) -> None:
+        """An op of an event-stream kind that changes no state: only its EVENT."""
+        window.events.setdefault(kind_id, []).append(_EventDraft(eid, op, sid, None, metadata))
+        window.ops += 1
 
     @staticmethod
     def _source_set(state: KindState, flushing: Window | None, eid: bytes) -> int:
