@@ -65,6 +65,13 @@ def test_two_writers_converge_on_one_entity(port: int) -> None:
         assert reader.reply(stream).message == m.Ack(Opcode.SUBSCRIBE)
         ack = a.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [20.0, "a"], b"meta-a"))
         assert ack == m.Ack(Opcode.ASSERT)  # durable once ACKed
+        first = state_of(query(reader, kind.kind_id, eid(1)))
+        assert (first.change, first.source_set, first.changed_fields) == (
+            m.Change.QUERY,
+            0b10,
+            0b11,
+        )
+        assert first.fields(FIELDS) == [20.0, "a"] and first.metadata == b""  # never stored
         b.call(m.Patch.of(FIELDS, kind.kind_id, eid(1), {0: 21.5}))
         both = state_of(query(reader, kind.kind_id, eid(1)))
         assert both.source_set == 0b110 and both.fields(FIELDS) == [21.5, "a"]
@@ -77,11 +84,14 @@ def test_two_writers_converge_on_one_entity(port: int) -> None:
         notes = [f.message for f in reader.drain(0.2) if f.stream_id == stream]
         created, patched, retracted, deleted = notes
         assert isinstance(created, m.State) and created.change == m.Change.CREATED
-        assert created.metadata == b"meta-a"  # passed through, never stored
-        assert query(reader, kind.kind_id, eid(1)) is not None
+        assert created.metadata == b"meta-a"  # passed through (QUERY above had none)
+        assert created.version == first.version and created.source_set == 0b10
+        assert created.fields(FIELDS) == [20.0, "a"] and created.changed_fields == 0b11
         assert isinstance(patched, m.State) and patched.change == m.Change.UPDATED
         assert patched.changed_fields == 0b01 and patched.previous_fields(FIELDS) == [20.0, "a"]
         assert isinstance(retracted, m.State) and retracted.source_set == 0b100
+        assert retracted.version == still.version and retracted.changed_fields == 0
+        assert retracted.fields(FIELDS) == [21.5, "a"] and patched.version == both.version
         assert isinstance(deleted, m.Deleted) and deleted.metadata == b"bye"
         assert deleted.version > retracted.version > patched.version > created.version
 
@@ -130,6 +140,99 @@ def test_errors_on_the_wire(port: int) -> None:
         refused = taken.reply(stream).message
         assert isinstance(refused, m.ErrorMessage) and refused.code == ErrorCode.SOURCE_CONFLICT
         taken.close()
+
+
+PROMPT_SECONDS = 3.0  # an ACK that waited for a window would never come at all
+
+
+def test_writes_that_change_nothing_are_acked_on_a_quiet_server(port: int) -> None:
+    # The ACKs used to wait for a window that nothing opened, so they never came. The
+    # reads below give the server time to go quiet: nothing of this tenant is pending.
+    with CdbClient(port, name="noop", deadline_ms=2000) as w:
+        kind = w.create_kind("noops", FIELDS)
+        w.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
+        assert isinstance(query(w, kind.kind_id, eid(1)), m.State)
+        stream = w.send(m.Batch(()), ack=True)
+        assert stream != 0
+        assert w.reply(stream, PROMPT_SECONDS).message == m.Ack(Opcode.BATCH)
+        # An entity this source does not hold (it does not exist at all), then one that
+        # another source holds.
+        stream = w.send(m.Retract(kind.kind_id, eid(99)), ack=True)
+        assert w.reply(stream, PROMPT_SECONDS).message == m.Ack(Opcode.RETRACT)
+        with CdbClient(port, name="other", deadline_ms=2000) as other:
+            stream = other.send(m.Retract(kind.kind_id, eid(1)), ack=True)
+            assert other.reply(stream, PROMPT_SECONDS).message == m.Ack(Opcode.RETRACT)
+            assert w.source_id is not None
+            assert state_of(query(other, kind.kind_id, eid(1))).source_set == 1 << w.source_id
+        # An epoch in which everything is re-asserted unchanged: nothing is stale.
+        assert w.call(m.SourceEpochBegin()) == m.Ack(Opcode.SOURCE_EPOCH_BEGIN)
+        w.send(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
+        stream = w.send(m.SourceEpochEnd(), ack=True)
+        assert w.reply(stream, PROMPT_SECONDS).message == m.EpochEndAck(0)
+        # And an epoch over a source that holds nothing at all.
+        with CdbClient(port, name="empty", deadline_ms=2000) as empty:
+            assert empty.call(m.SourceEpochBegin()) == m.Ack(Opcode.SOURCE_EPOCH_BEGIN)
+            stream = empty.send(m.SourceEpochEnd(), ack=True)
+            assert empty.reply(stream, PROMPT_SECONDS).message == m.EpochEndAck(0)
+        assert state_of(query(w, kind.kind_id, eid(1))).fields(FIELDS) == [1.0, ""]
+
+
+def send_together(
+    go: threading.Barrier,
+    streams: dict[int, int],
+    n: int,
+    client: CdbClient,
+    name: str,
+    fields: list[tuple[str, FieldType]],
+) -> None:
+    specs = [m.FieldSpec(field, t) for field, t in fields]
+    go.wait()
+    streams[n] = client.send(m.CreateKind(name, specs), ack=True)
+
+
+def test_concurrent_create_kind_gets_distinct_kinds(port: int) -> None:
+    # Two CREATE_KINDs at once used to get one kind id and a broken registry. Each round
+    # sends both frames before either connection reads, with different field counts.
+    with (
+        CdbClient(port, name="ck1", deadline_ms=2000) as c1,
+        CdbClient(port, name="ck2", deadline_ms=2000) as c2,
+    ):
+        small = [("a", FieldType.U8)]
+        large = [(f"f{i}", FieldType.I64) for i in range(5)]
+        for round_ in range(10):
+            go = threading.Barrier(2)
+            streams: dict[int, int] = {}
+            threads = [
+                threading.Thread(
+                    target=send_together, args=(go, streams, n, client, f"race{round_}_{n}", fields)
+                )
+                for n, client, fields in [(1, c1, small), (2, c2, large)]
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            one = c1.reply(streams[1]).message
+            two = c2.reply(streams[2]).message
+            assert isinstance(one, m.KindAck) and isinstance(two, m.KindAck), (one, two)
+            assert one.kind_id != two.kind_id
+            assert (one.field_count, two.field_count) == (1, 5)
+            for client, name, ack, count in [
+                (c2, f"race{round_}_1", one, 1),
+                (c1, f"race{round_}_2", two, 5),
+            ]:
+                got = client.call(m.GetKind(name))
+                assert isinstance(got, m.KindAck), got
+                assert (got.kind_id, got.schema_version, got.field_count) == (
+                    ack.kind_id,
+                    1,
+                    count,
+                )
+            # Each kind takes writes of its own schema.
+            c1.call(m.Assert.of(small, one.kind_id, eid(1), [7]))
+            c2.call(m.Assert.of(large, two.kind_id, eid(1), [1, 2, 3, 4, 5]))
+            assert state_of(query(c1, two.kind_id, eid(1))).fields(large) == [1, 2, 3, 4, 5]
+            assert state_of(query(c2, one.kind_id, eid(1))).fields(small) == [7]
 
 
 def test_token_selects_the_tenant(port: int) -> None:
@@ -366,6 +469,70 @@ def test_sigkill_restart_keeps_identical_state_and_sql(tmp_path: Path) -> None:
         again = rows_of(sql_query(sql, ALL_ROWS))
         assert again == rows
         sql.close()
+    finally:
+        proc.terminate()
+
+
+def bootstrap_of(client: CdbClient, kind_id: int) -> list[m.State]:
+    """Subscribe with bootstrap and return its STATEs (change 2) once BOOTSTRAP_END came."""
+    stream = client.send(m.Subscribe(kind_id, bootstrap=True))
+    assert client.reply(stream).message == m.Ack(Opcode.SUBSCRIBE)
+    states: list[m.State] = []
+    while True:
+        msg = client.take(lambda f: f.stream_id == stream).message
+        if isinstance(msg, m.BootstrapEnd):
+            return states
+        if isinstance(msg, m.State) and msg.change == m.Change.BOOTSTRAP:
+            states.append(msg)
+
+
+def test_metadata_reaches_notifications_and_is_never_stored(tmp_path: Path) -> None:
+    proc = ServerProcess(tmp_path / "srv", cdb_config()).start()
+    try:
+        port = cdb_port(proc)
+        with CdbClient(port, name="w", source_id=5) as w, CdbClient(port, read_only=True) as r:
+            kind = w.create_kind("meta", FIELDS)
+            stream = r.send(m.Subscribe(kind.kind_id, bootstrap=False))
+            r.reply(stream)
+            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0, "one"], b"created-1"))
+            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0, "two"], b"created-2"))
+            w.call(m.Patch.of(FIELDS, kind.kind_id, eid(2), {1: "patched"}, b"patched-2"))
+            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(3), [3.0], b"created-3"))
+            w.call(m.Retract(kind.kind_id, eid(3), b"gone-3"))
+            live = [f.message for f in r.drain(0.3) if f.stream_id == stream]
+            got = [
+                (type(n).__name__, n.entity_id, n.metadata)
+                for n in live
+                if isinstance(n, m.State | m.Deleted)
+            ]
+            assert got == [
+                ("State", eid(1), b"created-1"),
+                ("State", eid(2), b"created-2"),
+                ("State", eid(2), b"patched-2"),
+                ("State", eid(3), b"created-3"),
+                ("Deleted", eid(3), b"gone-3"),
+            ]
+            queried = {i: state_of(query(w, kind.kind_id, eid(i))) for i in (1, 2)}
+            assert all(q.metadata == b"" for q in queried.values())
+            assert queried[2].fields(FIELDS) == [2.0, "patched"]
+        with CdbClient(port, read_only=True) as r:
+            booted = bootstrap_of(r, kind.kind_id)
+        assert sorted(s.entity_id for s in booted) == [eid(1), eid(2)]
+        assert all(s.metadata == b"" for s in booted)
+        # A crash and restart rebuild the state from the changelog: still no metadata,
+        # the same versions and values.
+        proc.kill()
+        proc.start()
+        port = cdb_port(proc)
+        with CdbClient(port, read_only=True) as r:
+            after = {i: state_of(query(r, kind.kind_id, eid(i))) for i in (1, 2)}
+            assert {i: (s.version, s.fields(FIELDS), s.metadata) for i, s in after.items()} == {
+                i: (q.version, q.fields(FIELDS), b"") for i, q in queried.items()
+            }
+            rebooted = bootstrap_of(r, kind.kind_id)
+        assert sorted((s.entity_id, s.version, s.metadata) for s in rebooted) == [
+            (eid(i), queried[i].version, b"") for i in (1, 2)
+        ]
     finally:
         proc.terminate()
 
