@@ -1,4 +1,5 @@
-"""The ``headwater`` format for Spark's Python Data Source API (pyspark >= 4).
+"""The ``headwater`` format for Spark's Python Data Source API (pyspark >= 4.2: admission
+control, ``latestOffset(start, limit)`` and Trigger.AvailableNow for Python sources).
 
 Only picklable options live in these objects: Spark ships readers and writers to executors,
 and every executor task connects to the server itself (see :mod:`.streams`).
