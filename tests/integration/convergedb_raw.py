@@ -48,8 +48,17 @@ class CdbClient:
         deadline_ms: int = 0,
         connect: bool = True,
         timeout: float = 15.0,
+        rcvbuf: int | None = None,
     ) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        if rcvbuf is None:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        else:
+            # Set before connecting, so the TCP window never grows past it: a client that
+            # stops reading holds back the server after little more than this.
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.settimeout(timeout)
+            self.sock.connect(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.conn = ClientConnection()
         self.timeout = timeout
@@ -135,6 +144,25 @@ class CdbClient:
 
         return self.take(is_reply, timeout)
 
+    def collect(
+        self, stop: Callable[[m.Frame], bool], timeout: float | None = None
+    ) -> list[m.Frame]:
+        """Every frame in arrival order (the inbox first) up to and including the first one
+        for which ``stop`` is true; ``stop`` sees each frame once, in order, so it may count
+        or remember. Frames after that one stay in the inbox."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        checked = 0
+        while True:
+            while checked < len(self.inbox):
+                frame = self.inbox[checked]
+                checked += 1
+                if stop(frame):
+                    frames, self.inbox = self.inbox[:checked], self.inbox[checked:]
+                    return frames
+            if time.monotonic() > deadline:
+                raise AssertionError(f"collect: no stop frame in time after {checked} frames")
+            self._fill(deadline)
+
     def drain(self, duration: float) -> list[m.Frame]:
         """Everything that arrives within ``duration`` seconds (plus the inbox)."""
         deadline = time.monotonic() + duration
@@ -183,6 +211,22 @@ def query(client: CdbClient, kind_id: int, entity: bytes) -> m.State | m.ErrorMe
     reply = client.call(m.Query(kind_id, entity))
     assert isinstance(reply, m.State | m.ErrorMessage), reply
     return reply
+
+
+def query_many(
+    client: CdbClient, kind_id: int, entities: Sequence[bytes], window: int = 512
+) -> dict[bytes, m.State | m.ErrorMessage]:
+    """QUERY each entity, ``window`` requests in flight at a time (one round trip each
+    would take seconds for tens of thousands)."""
+    out: dict[bytes, m.State | m.ErrorMessage] = {}
+    for start in range(0, len(entities), window):
+        chunk = entities[start : start + window]
+        streams = [(e, client.send(m.Query(kind_id, e), ack=True)) for e in chunk]
+        for entity, stream in streams:
+            reply = client.reply(stream).message
+            assert isinstance(reply, m.State | m.ErrorMessage), reply
+            out[entity] = reply
+    return out
 
 
 def server_dir(tmp_path: Path) -> Path:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from convergedb_raw import CdbClient, Closed, cdb_config, cdb_port, eid, query
+from convergedb_raw import CdbClient, Closed, cdb_config, cdb_port, eid, query, query_many
 from kimberlite_raw import ServerProcess, query_at, rows_of
 from kimberlite_raw import query as sql_query
 
@@ -364,6 +364,112 @@ def test_bootstrap_racing_live_writes_has_no_gaps(port: int) -> None:
         seen = {k: v for k, v in view.items() if v[1] is not None}
         assert seen == truth
         sub.close()
+
+
+def fold(view: dict[bytes, tuple[int, m.State | None]], msg: m.Message) -> None:
+    """Highest version wins; a deletion counts with its version."""
+    if isinstance(msg, m.State | m.Deleted):
+        seen = view.get(msg.entity_id)
+        if seen is None or seen[0] < msg.version:
+            view[msg.entity_id] = (msg.version, msg if isinstance(msg, m.State) else None)
+
+
+@pytest.mark.slow
+def test_bootstrap_misses_no_write_made_while_it_runs(port: int) -> None:
+    """While a long bootstrap is held back by its subscriber, a writer creates new
+    entities, updates and retracts old ones, each exactly once. New entities are in no
+    scan, so only the live subscription can deliver them: a server that scanned before it
+    registered the subscription (or registered it after the bootstrap) loses them, and
+    the entity written once right after SUBSCRIBE is the first to go."""
+    pad = "p" * 250
+    preload, fresh = 40_000, 1_000
+    with CdbClient(port, name="racer2", deadline_ms=5000) as writer:
+        kind = writer.create_kind("race_once", FIELDS)
+        k = kind.kind_id
+        for start in range(0, preload, 1000):
+            writer.send(
+                m.Batch(
+                    tuple(
+                        m.Assert.of(FIELDS, k, eid(i), [0.0, f"{i}{pad}"])
+                        for i in range(start, start + 1000)
+                    )
+                )
+            )
+        writer.barrier()
+        # About 12 MB of bootstrap against a 16 kB receive window: the server is held
+        # back long before the end, with the writes below in flight.
+        sub = CdbClient(port, read_only=True, rcvbuf=16 << 10)
+        stream = sub.send(m.Subscribe(k, bootstrap=True))
+        assert sub.reply(stream).message == m.Ack(Opcode.SUBSCRIBE)
+        first_new = eid(preload)
+        writer.call(m.Assert.of(FIELDS, k, first_new, [1.0, "right after SUBSCRIBE"]))
+        updated = range(3, preload, 37)  # spread over the whole scan order
+        retracted = [i for i in range(11, preload, 401) if (i - 3) % 37]  # none updated
+        for n in range(10):  # one window per round (a barrier each): < 4,096 live notes
+            ops: list[m.WriteOp] = [
+                m.Assert.of(FIELDS, k, eid(preload + 1 + i), [2.0, f"new {i}"])
+                for i in range(n * fresh // 10, (n + 1) * fresh // 10)
+            ]
+            ops += [m.Patch.of(FIELDS, k, eid(i), {0: 3.0}) for i in updated[n::10]]
+            ops += [m.Retract(k, eid(i)) for i in retracted[n::10]]
+            writer.send(m.Batch(tuple(ops)))
+            writer.barrier()
+        marker = eid(preload + fresh + 1)
+        writer.call(m.Assert.of(FIELDS, k, marker, [4.0, "last"]))  # a window of its own
+        # Now read: up to BOOTSTRAP_END, then up to the marker's STATE, which comes after
+        # every other live notification (a subscription gets windows in order).
+        frames = sub.collect(lambda f: isinstance(f.message, m.BootstrapEnd), timeout=60)
+        if not any(
+            isinstance(f.message, m.State) and f.message.entity_id == marker for f in frames
+        ):
+            frames += sub.collect(
+                lambda f: isinstance(f.message, m.State) and f.message.entity_id == marker,
+                timeout=10,
+            )
+        assert {f.stream_id for f in frames} == {stream}
+        notes = [f.message for f in frames]
+        sub.close()
+        end = next(i for i, msg in enumerate(notes) if isinstance(msg, m.BootstrapEnd))
+        live = [
+            i
+            for i, msg in enumerate(notes)
+            if isinstance(msg, m.Deleted)
+            or (isinstance(msg, m.State) and msg.change != m.Change.BOOTSTRAP)
+        ]
+        live_before_end = sum(1 for i in live if i < end)
+        booted_after_live = sum(
+            1
+            for msg in notes[live[0] : end]
+            if isinstance(msg, m.State) and msg.change == m.Change.BOOTSTRAP
+        )
+        # The writes really raced the bootstrap: most live notifications came inside it,
+        # and the scan went on after them.
+        expected_live = 1 + fresh + len(updated) + len(retracted) + 1
+        assert len(live) == expected_live, (len(live), expected_live)
+        assert live_before_end > expected_live // 2, (live_before_end, expected_live)
+        assert booted_after_live > 1000, booted_after_live
+        view: dict[bytes, tuple[int, m.State | None]] = {}
+        for msg in notes:
+            fold(view, msg)
+        booted = [
+            msg.entity_id
+            for msg in notes
+            if isinstance(msg, m.State) and msg.change == m.Change.BOOTSTRAP
+        ]
+        assert len(booted) == len(set(booted))  # one scan: each entity at most once
+        truth: dict[bytes, tuple[int, int, list[object]]] = {}
+        for e, reply in query_many(writer, k, [eid(i) for i in range(preload + fresh + 2)]).items():
+            if isinstance(reply, m.State):
+                truth[e] = (reply.version, reply.source_set, list(reply.fields(FIELDS)))
+        seen = {
+            e: (version, s.source_set, list(s.fields(FIELDS)))
+            for e, (version, s) in view.items()
+            if s is not None
+        }
+        assert first_new in seen and seen[first_new][2] == [1.0, "right after SUBSCRIBE"]
+        assert len(truth) == preload + fresh + 2 - len(retracted)
+        assert seen.keys() == truth.keys()
+        assert seen == truth
 
 
 def test_live_buffer_overflow_disconnects(port: int) -> None:
