@@ -72,6 +72,7 @@ from headwater.protocols.kimberlite import (
     Timestamp,
     UnsubscribeRequest,
 )
+from headwater.protocols.kimberlite.messages import ripple_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -355,8 +356,34 @@ def test_requests_before_the_handshake_are_refused_with_their_ids(
         caps = list(hello.capabilities)
         assert len(caps) == len(set(caps)), caps
         assert set(caps) >= REQUIRED_CAPABILITIES | ADDED_CAPABILITIES, caps
+        assert not [cap for cap in caps if cap.startswith("ripple:")], "the Ripple listener is off"
         assert name not in list_streams(c), "a request before the handshake was carried out"
         assert isinstance(c.call(SyncRequest()), SyncResponse)
+
+
+def test_handshake_advertises_the_ripple_port(tmp_path: Path) -> None:
+    """A client finds the Ripple listener through the Handshake: ``ripple:<bound port>``
+    (here a port the server picked, so not the default 7403)."""
+    config = kr.config_toml().replace('ripple = ""', 'ripple = "127.0.0.1:0"')
+    srv = kr.ServerProcess(tmp_path / "ripple_on", config).start()
+    try:
+        ripple = int(json.loads(srv.ports_file.read_text())["ripple"])
+        with RawClient(srv.port, handshake=False) as c:
+            hello = c.call_payload(c.conn.handshake())
+        assert isinstance(hello, HandshakeResponse), hello
+        assert [cap for cap in hello.capabilities if cap.startswith("ripple:")] == [
+            f"ripple:{ripple}"
+        ]
+        assert set(hello.capabilities) >= REQUIRED_CAPABILITIES | ADDED_CAPABILITIES
+        assert ripple_port(hello.capabilities) == ripple
+    finally:
+        stop_cleanly(srv)
+
+
+def test_ripple_port_ignores_what_it_does_not_know() -> None:
+    assert ripple_port(["query", "ripple:17403", "ripple:1"]) == 17403  # the first one
+    assert ripple_port(["ripple:", "ripple:x", "ripple:99999", "ripple:0", "rippled:5"]) is None
+    assert ripple_port([]) is None
 
 
 @pytest.mark.parametrize("version", [0, 2, 0xFFFF])

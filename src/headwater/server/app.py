@@ -82,7 +82,8 @@ class Server:
         self._sql = SqlService(self.engine)
         self._sql.add_source(KindTables(self._kinds))
         self._sql.start()
-        for name, factory in LISTENERS.items():
+        # Kimberlite starts last: its Handshake advertises the other listeners' ports.
+        for name, factory in sorted(LISTENERS.items(), key=lambda item: item[0] == "kimberlite"):
             address = self.config.address(name)
             if address is None:
                 continue

@@ -24,16 +24,17 @@ does; raise the deadline to keep what a batch job wrote after it ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
 
 from headwater.client.aio import parse_server
 from headwater.errors import UsageError
+from headwater.protocols.kimberlite.messages import ripple_port
 from headwater.protocols.ripple import messages as rm
-from headwater.ripple import Worker
+from headwater.ripple import Worker, WorkerError
 
 from .options import ConnectionOptions, check_stream_name
 
@@ -64,7 +65,7 @@ _RIPPLE_TYPES: list[tuple[Any, rm.FieldType]] = [
 class KindWriteOptions:
     connection: ConnectionOptions
     kind: str
-    ripple_server: str
+    ripple_server: str | None  # None until found (see with_ripple_server)
     key_column: str
     patch_columns: tuple[str, ...]
 
@@ -75,13 +76,11 @@ class KindWriteOptions:
             raise UsageError("options stream and kind both name a target: give one")
         connection = ConnectionOptions.parse(lowered)
         ripple = lowered.get("rippleserver")
-        if ripple is None:
-            host, _ = parse_server(connection.server)
-            ripple = f"{host}:{RIPPLE_PORT}"
-        try:
-            parse_server(ripple, RIPPLE_PORT)
-        except Exception as exc:
-            raise UsageError(f"option rippleServer: {exc}") from None
+        if ripple is not None:
+            try:
+                parse_server(ripple, RIPPLE_PORT)
+            except Exception as exc:
+                raise UsageError(f"option rippleServer: {exc}") from None
         patch = tuple(c.strip() for c in lowered.get("patchcolumns", "").split(",") if c.strip())
         return cls(
             connection=connection,
@@ -90,6 +89,16 @@ class KindWriteOptions:
             key_column=lowered.get("key", "key"),
             patch_columns=patch,
         )
+
+    def with_ripple_server(self, capabilities: Sequence[str]) -> KindWriteOptions:
+        """Where the tasks send deltas: option rippleServer, else the port the Kimberlite
+        Handshake advertises (``ripple:<port>``) on the ``server`` host, else that host on
+        the default port 7403 (a server too old to advertise it)."""
+        if self.ripple_server is not None:
+            return self
+        host, _ = parse_server(self.connection.server)
+        port = ripple_port(capabilities)
+        return replace(self, ripple_server=f"{host}:{port or RIPPLE_PORT}")
 
     def value_columns(self, schema: pa.Schema) -> list[str]:
         return [n for n in schema.names if n not in (self.key_column, DELETED_COLUMN)]
@@ -131,6 +140,19 @@ class KindWriteResult:
     removes: int
 
 
+def _connect(worker_id: str, options: KindWriteOptions, schema: rm.Schema) -> Worker:
+    try:
+        return Worker(worker_id, {options.kind: schema}, str(options.ripple_server))
+    except (OSError, WorkerError) as exc:
+        if isinstance(exc, WorkerError) and "refused" in str(exc):
+            raise  # the server answered: its reason says what is wrong
+        raise UsageError(
+            f"writing kind {options.kind}: cannot reach the Ripple listener at "
+            f"{options.ripple_server} ({exc}); set option rippleServer to the server's "
+            "[listen] ripple address"
+        ) from None
+
+
 def write_rows(
     options: KindWriteOptions,
     batches: Iterator[pa.RecordBatch],
@@ -139,6 +161,8 @@ def write_rows(
 ) -> KindWriteResult:
     """Send every row of ``batches`` as one delta, numbered from ``first_sequence``, then
     checkpoint: once this returns, every row is durable and visible in the kind."""
+    if options.ripple_server is None:
+        raise UsageError("the kind writer was planned without a Ripple server")
     worker: Worker | None = None
     sequence = first_sequence
     sets = patches = removes = 0
@@ -146,7 +170,7 @@ def write_rows(
         for batch in batches:
             if worker is None:
                 schema = options.ripple_schema(batch.schema)
-                worker = Worker(worker_id, {options.kind: schema}, options.ripple_server)
+                worker = _connect(worker_id, options, schema)
             values = options.value_columns(batch.schema)
             for row in batch.to_pylist():
                 key = row[options.key_column]

@@ -115,6 +115,10 @@ class HeadwaterDataSource(DataSource):
             return None
         options = KindWriteOptions.parse(lowered)
         options.ripple_schema(_arrow_schema(schema))  # a bad schema fails before any task
+        if options.ripple_server is None:
+            # Here, on the driver: the tasks get the Ripple address as a plain option.
+            with open_client(options.connection) as client:
+                options = options.with_ripple_server(client.capabilities)
         return options
 
     def writer(

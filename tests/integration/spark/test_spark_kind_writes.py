@@ -19,6 +19,7 @@ from sdk_server import SdkServer
 import headwater
 from headwater.pipeline.runner import run_pipeline
 from headwater.pipeline.spec import PipelineError, load_pipeline, server_kind_columns
+from headwater.spark.kind_writer import RIPPLE_PORT
 
 pytestmark = pytest.mark.spark
 
@@ -83,6 +84,20 @@ def test_batch_set_patch_remove(spark: Any, ripple_server: SdkServer) -> None:
     assert state["s1"] == (99.25, 10, False) and state["s2"] == (-1.0, 20, True)
     assert "s3" not in state and state["s4"] == (4.5, 40, True)  # false: nothing removed
     assert len(state) == 49
+
+
+def test_ripple_listener_found_through_the_handshake(spark: Any, ripple_server: SdkServer) -> None:
+    """Without rippleServer the driver asks the Kimberlite listener (capability
+    ``ripple:<port>``); a given rippleServer wins, and a task that cannot reach it says
+    where it looked."""
+    assert ripple_server.ports["ripple"] != RIPPLE_PORT
+    df = spark.createDataFrame([("a", 1.5), ("b", 2.5)], "key string, price double")
+    found = df.coalesce(1).write.format(FMT).option("server", ripple_server.address)
+    found.option("kind", "kw_found").mode("append").save()
+    assert _state(spark, ripple_server, "kw_found") == {"a": (1.5,), "b": (2.5,)}
+    wrong = f"127.0.0.1:{ripple_server.ports['http']}"  # not a Ripple listener
+    with pytest.raises(Exception, match="cannot reach the Ripple listener at " + re.escape(wrong)):
+        _writer(df.coalesce(1), ripple_server, "kw_found", rippleServer=wrong).save()
 
 
 def test_schema_errors_come_before_any_task(spark: Any, ripple_server: SdkServer) -> None:
@@ -159,8 +174,7 @@ def test_streaming_kind_write_resumes_from_checkpoint(
             .load()
             .selectExpr("s as key", "p as last")
             .writeStream.format(FMT)
-            .option("server", ripple_server.address)
-            .option("rippleServer", f"127.0.0.1:{ripple_server.ports['ripple']}")
+            .option("server", ripple_server.address)  # no rippleServer: the handshake's
             .option("kind", "kw_stream")
             .option("checkpointLocation", str(checkpoint))
             .trigger(availableNow=True)
@@ -168,6 +182,7 @@ def test_streaming_kind_write_resumes_from_checkpoint(
         )
         query.awaitTermination(120)
 
+    assert ripple_server.ports["ripple"] != RIPPLE_PORT  # found, not the default port
     before = _ripple_deltas(ripple_server)
     run()
     assert _state(spark, ripple_server, "kw_stream") == {f"x{k}": (15 + k,) for k in range(5)}
@@ -198,13 +213,8 @@ def test_pipeline_from_a_kind_changelog_to_a_kind(
                         "DISTRIBUTE BY key"
                     }
                 ],
-                "sinks": [
-                    {
-                        "type": "kind",
-                        "kind": "kw_double",
-                        "options": {"rippleServer": f"127.0.0.1:{ripple_server.ports['ripple']}"},
-                    }
-                ],
+                # No rippleServer: the sink finds the listener through the handshake.
+                "sinks": [{"type": "kind", "kind": "kw_double"}],
                 "checkpoint": str(tmp_path / "cp"),
                 "trigger": "availableNow",
             }

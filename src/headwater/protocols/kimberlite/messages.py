@@ -39,6 +39,22 @@ MAX_APPEND_BYTES = 4 * 1024 * 1024
 RESUME_GROUP_OFFSET = 2**64 - 1
 """Subscribe.from_offset meaning "resume from the consumer group's position"."""
 
+RIPPLE_CAPABILITY = "ripple:"
+"""Handshake capability prefix: ``ripple:<port>`` is the server's Ripple listener, on the
+host the client reached (absent when that listener is off)."""
+
+
+def ripple_port(capabilities: Sequence[str]) -> int | None:
+    """The Ripple port a Handshake advertises, or None. Unknown or malformed capabilities
+    are ignored, as clients must."""
+    for capability in capabilities:
+        if capability.startswith(RIPPLE_CAPABILITY):
+            text = capability[len(RIPPLE_CAPABILITY) :]
+            if text.isdigit() and 0 < int(text) < 65536:
+                return int(text)
+    return None
+
+
 U64_MAX = 2**64 - 1
 
 _E = TypeVar("_E", bound=IntEnum)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from headwater.engine.subscriptions import Subscription
 from headwater.errors import AuthenticationFailed, InvalidRequest
+from headwater.protocols.kimberlite.messages import RIPPLE_CAPABILITY
 from headwater.server.config import AuthConfig
 
 CAPABILITIES = (
@@ -17,6 +18,16 @@ CAPABILITIES = (
     "idempotent_append",
     "admin",
 )
+
+
+def capabilities(listeners: dict[str, int]) -> list[str]:
+    """What a Handshake advertises: the fixed capabilities, then ``ripple:<port>`` when
+    the Ripple listener is on (``listeners``: name -> bound port), so a client that
+    reached this listener finds the Ripple port on the same host without being told."""
+    result = list(CAPABILITIES)
+    if "ripple" in listeners:
+        result.append(f"{RIPPLE_CAPABILITY}{listeners['ripple']}")
+    return result
 
 
 @dataclass

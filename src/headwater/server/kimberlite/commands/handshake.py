@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from headwater.errors import InvalidRequest
 from headwater.protocols.kimberlite import messages as m
-from headwater.server.kimberlite.session import CAPABILITIES
+from headwater.server.kimberlite.session import capabilities
 
 if TYPE_CHECKING:
     from headwater.server.kimberlite.listener import KimberliteConnection
@@ -21,4 +21,5 @@ async def handle(
             f"this server speaks {m.PROTOCOL_VERSION}"
         )
     authenticated = conn.session.handshake(payload.auth_token)
-    return m.HandshakeResponse(m.PROTOCOL_VERSION, authenticated, list(CAPABILITIES))
+    ports = {listener.name: listener.port for listener in conn.server.listeners}
+    return m.HandshakeResponse(m.PROTOCOL_VERSION, authenticated, capabilities(ports))
