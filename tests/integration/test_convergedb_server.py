@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from convergedb_raw import CdbClient, Closed, cdb_config, cdb_port, eid, query, 
 from kimberlite_raw import ServerProcess, query_at, rows_of
 from kimberlite_raw import query as sql_query
 
+from headwater.entities import entity_id
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.fields import FieldType
@@ -285,6 +290,144 @@ def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> No
             assert time.monotonic() < deadline, "the dead writer's entity was never retracted"
             time.sleep(0.05)
         assert state_of(query(keeper, kind.kind_id, eid(2))).source_set == 1 << 20
+
+
+WRITER = Path(__file__).parent / "cdb_writer.py"
+WRITER_FIELDS = [("n", FieldType.U32), ("owner", FieldType.STRING)]
+WRITER_DEADLINE_MS = 1500
+
+
+class WriterProcess:
+    """``cdb_writer.py`` in a process of its own (see its docstring)."""
+
+    def __init__(
+        self, port: int, kind: str, source_id: int, first: int, count: int, *, wait: bool = False
+    ) -> None:
+        args = [str(WRITER), f"127.0.0.1:{port}", kind, str(source_id)]
+        args += [str(WRITER_DEADLINE_MS), str(first), str(count)] + (["--wait"] if wait else [])
+        self.proc = subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def expect(self, line: str, timeout: float = 30.0) -> None:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"the writer did not print {line!r} within {timeout}s"
+        got = self.proc.stdout.readline().decode().strip()
+        assert got == line, (got, line)
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+def sdk_key(i: int) -> bytes:
+    return entity_id(f"e{i}")
+
+
+def notes_until(
+    client: CdbClient, stream: int, done: Callable[[list[m.Message]], bool], timeout: float
+) -> list[m.Message]:
+    """Notifications on ``stream`` until ``done(all so far)``."""
+    notes: list[m.Message] = []
+    deadline = time.monotonic() + timeout
+    while not done(notes):
+        assert time.monotonic() < deadline, f"gave up waiting; got {notes}"
+        notes += [f.message for f in client.drain(0.05) if f.stream_id == stream]
+    return notes
+
+
+@pytest.fixture()
+def writers() -> Iterator[list[WriterProcess]]:
+    started: list[WriterProcess] = []
+    try:
+        yield started
+    finally:
+        for writer in started:
+            if writer.proc.poll() is None:
+                writer.kill()
+
+
+def test_killed_writer_process_loses_its_entities_after_its_deadline(
+    port: int, writers: list[WriterProcess]
+) -> None:
+    """A writer process SIGKILLed: after its liveness deadline the entities only it held
+    are DELETED, the ones another live source shares lose only its bit."""
+    with (
+        CdbClient(port, name="keeper", source_id=40, deadline_ms=30_000) as keeper,
+        CdbClient(port, read_only=True) as reader,
+    ):
+        kind = keeper.create_kind("killed", WRITER_FIELDS)
+        stream = reader.send(m.Subscribe(kind.kind_id))
+        reader.reply(stream)
+        victim = WriterProcess(port, "killed", 41, 0, 10)
+        writers.append(victim)
+        victim.expect("READY 41")
+        for i in range(5, 10):  # shared with the keeper
+            keeper.send(m.Assert.of(WRITER_FIELDS, kind.kind_id, sdk_key(i), [i, "keeper"]))
+        keeper.barrier()
+        notes_until(reader, stream, lambda ns: len(ns) == 15, timeout=10)  # 10 + 5 updates
+        victim.kill()
+        killed = time.monotonic()
+        # Nothing happens at once: the source is only dead once its deadline has passed
+        # (its last heartbeat was at most a third of the deadline before the kill).
+        assert state_of(query(keeper, kind.kind_id, sdk_key(0))).source_set == 1 << 41
+        notes = notes_until(reader, stream, lambda ns: len(ns) >= 10, timeout=15)
+        assert time.monotonic() - killed > 0.5
+        deleted = {n.entity_id for n in notes if isinstance(n, m.Deleted)}
+        updated = {
+            n.entity_id: (n.source_set, n.fields(WRITER_FIELDS))
+            for n in notes
+            if isinstance(n, m.State)
+        }
+        assert deleted == {sdk_key(i) for i in range(5)}
+        assert updated == {sdk_key(i): (1 << 40, [i, "keeper"]) for i in range(5, 10)}
+        assert len(notes) == 10
+        for i in range(5):
+            gone = query(keeper, kind.kind_id, sdk_key(i))
+            assert isinstance(gone, m.ErrorMessage) and gone.code == ErrorCode.ENTITY_NOT_FOUND
+        for i in range(5, 10):
+            assert state_of(query(keeper, kind.kind_id, sdk_key(i))).source_set == 1 << 40
+
+
+def test_writer_process_replaced_in_time_keeps_the_entities(
+    port: int, writers: list[WriterProcess]
+) -> None:
+    """A writer SIGKILLed and a new process connecting with its source_id before the
+    deadline: the entities stay, now held by the new process (killing that one later
+    retracts them, so they were not merely kept by a deadline that never fires)."""
+    with (
+        CdbClient(port, name="maker", deadline_ms=10_000) as maker,
+        CdbClient(port, read_only=True) as reader,
+    ):
+        kind = maker.create_kind("replaced", WRITER_FIELDS)
+        stream = reader.send(m.Subscribe(kind.kind_id))
+        reader.reply(stream)
+        first = WriterProcess(port, "replaced", 42, 0, 5)
+        writers.append(first)
+        second = WriterProcess(port, "replaced", 42, 0, 0, wait=True)
+        writers.append(second)
+        first.expect("READY 42")
+        second.expect("WAITING")
+        notes_until(reader, stream, lambda ns: len(ns) == 5, timeout=10)
+        first.kill()
+        second.go()
+        second.expect("READY 42")
+        time.sleep(2 * WRITER_DEADLINE_MS / 1000)  # well past the first one's deadline
+        assert reader.drain(0.1) == []  # no notification at all
+        for i in range(5):
+            kept = state_of(query(maker, kind.kind_id, sdk_key(i)))
+            assert kept.source_set == 1 << 42 and kept.fields(WRITER_FIELDS) == [i, "source 42"]
+        second.kill()
+        notes = notes_until(reader, stream, lambda ns: len(ns) >= 5, timeout=15)
+        assert {n.entity_id for n in notes if isinstance(n, m.Deleted)} == {
+            sdk_key(i) for i in range(5)
+        }
 
 
 def test_writer_reconnecting_in_time_keeps_its_entities(port: int) -> None:
