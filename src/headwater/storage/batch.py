@@ -76,6 +76,10 @@ class Event:
 
 def encode_values(values: Sequence[bytes]) -> bytes:
     """The values section for ``values``: ``u64 len | bytes`` per event."""
+    if values and len(set(map(len, values))) == 1:
+        # One size (fixed-width records): every length prefix is the same bytes.
+        prefix = _U64.pack(len(values[0]))
+        return prefix + prefix.join(values)
     pack = _U64.pack
     parts: list[bytes] = []
     append = parts.append
@@ -115,6 +119,12 @@ def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list
 
 
 def _encode_keys(keys: Sequence[bytes | None], tombstones: Sequence[bool] | None) -> bytes:
+    if tombstones is None and keys and None not in keys:
+        lengths = set(map(len, keys))  # type: ignore[arg-type]
+        if len(lengths) == 1:
+            # Present keys of one size (entity ids): every key's head is the same bytes.
+            head = _KEY.pack(KEY_PRESENT, lengths.pop())
+            return head + head.join(keys)  # type: ignore[arg-type]
     pack = _KEY.pack
     parts: list[bytes] = []
     for i, key in enumerate(keys):

@@ -469,3 +469,33 @@ def test_value_spans_matches_a_plain_walk(
     else:
         assert value_spans(bytes(section), count, start) == want
         assert value_spans(memoryview(bytes(section)), count, start) == want
+
+
+@given(
+    st.lists(st.binary(max_size=6), min_size=1, max_size=8),
+    st.lists(st.one_of(st.none(), st.binary(min_size=3, max_size=3), st.binary(max_size=4))),
+    st.booleans(),
+)
+def test_values_and_keys_of_one_size_encode_like_any_others(
+    values: list[bytes], drawn_keys: list[bytes | None], with_tombstones: bool
+) -> None:
+    """The one-size shortcuts (a shared length prefix, a shared key head) give the bytes
+    of the per-event encoding: the batch decodes to the same values, keys, tombstones."""
+    values = values + [values[0]] * 3  # often all of one size
+    keys = (drawn_keys + [b"abc"] * len(values))[: len(values)]
+    tombstones = [i % 3 == 0 for i in range(len(values))] if with_tombstones else None
+    section = encode_values(values)
+    assert section == b"".join(struct.pack("<Q", len(v)) + v for v in values)
+    data = build_batch(
+        section,
+        len(values),
+        base_offset=0,
+        first_position=0,
+        timestamp_ms=0,
+        keys=keys,
+        tombstones=tombstones,
+    )
+    events = list(Batch(memoryview(data)).events())
+    assert [e.value for e in events] == values
+    assert [e.key for e in events] == keys
+    assert [e.tombstone for e in events] == (tombstones or [False] * len(values))
