@@ -28,7 +28,7 @@ from headwater.engine.kinds import EntityState, KindsEngine, KindState
 from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.service import SEQUENCE_KEY
 from headwater.engine.names import changes_table_name
-from headwater.protocols.convergedb.fields import FieldSpec, FieldType, decode_fields
+from headwater.protocols.convergedb.fields import FieldSpec, FieldType
 from headwater.sql.tables import SqlTable
 from headwater.storage.log import PartitionLog
 from headwater.storage.segment import Segment
@@ -120,7 +120,7 @@ class KindTable:
         state = self.state
         fields = state.info.fields
         if position >= state.applied_position:
-            rows = list(state.committed.values())
+            rows = list(state.scan_entities())
             return lambda: build_table(fields, rows)
         kind_id = state.info.kind_id
         plog = state.log
@@ -137,8 +137,8 @@ class KindTable:
                 if event.tombstone:
                     found.pop(key, None)
                     continue
-                values = decode_fields(fields, memoryview(event.value)[8:], complete=True)
-                found[key] = EntityState(kind_id, key, event.position, 0, tuple(values), b"")
+                record = bytes(memoryview(event.value)[8:])
+                found[key] = EntityState(kind_id, key, event.position, 0, record, fields)
             return build_table(fields, list(found.values()))
 
         return replay

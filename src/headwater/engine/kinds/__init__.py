@@ -42,6 +42,7 @@ from headwater.engine.kinds.errors import (
 )
 from headwater.engine.kinds.model import (
     AssertOp,
+    AssertRecords,
     ChangeType,
     EntityState,
     EventNote,
@@ -51,6 +52,7 @@ from headwater.engine.kinds.model import (
     PatchOp,
     RetractOp,
     StateChange,
+    StateColumns,
     WindowNotes,
     WriteOp,
 )
@@ -69,6 +71,7 @@ from headwater.engine.kinds.subscriptions import KindSubscription
 __all__ = [
     "PRESENCE_KIND",
     "AssertOp",
+    "AssertRecords",
     "BadFieldData",
     "BadName",
     "ChangeType",
@@ -95,6 +98,7 @@ __all__ = [
     "Source",
     "SourceConflict",
     "StateChange",
+    "StateColumns",
     "SubscriptionOverflow",
     "TenantKinds",
     "Window",

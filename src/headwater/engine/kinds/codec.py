@@ -13,6 +13,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import chain
+
+import numpy as np
 
 from headwater.protocols.convergedb.fields import (
     FieldSpec,
@@ -44,8 +47,13 @@ class RecordCodec:
         self.fields = fields
         codes = [_CODES.get(f.type) for f in fields]
         self.fixed: struct.Struct | None = None
+        self._columns: np.dtype[np.void] | None = None
         if fields and all(c is not None for c in codes):
             self.fixed = struct.Struct("<" + "".join(c for c in codes if c is not None))
+            # The record as unsigned integers of each field's width: compared bitwise.
+            self._columns = np.dtype(
+                [(f"f{i}", f"<u{_WIDTHS[f.type]}") for i, f in enumerate(fields)]
+            )
 
     def decode_assert(self, data: bytes) -> tuple[FieldValue, ...]:
         """ASSERT field_data (a prefix) -> every field's value, defaults filled in."""
@@ -68,6 +76,67 @@ class RecordCodec:
     def is_complete(self, data: bytes) -> bool:
         """Whether ASSERT field_data already holds every field (it is then the record)."""
         return self.fixed is not None and len(data) == self.fixed.size
+
+    def changed_fields(self, new: Sequence[bytes], old: Sequence[bytes]) -> list[int]:
+        """For each pair of whole records: bit i set where field i's encoded bytes differ.
+
+        Bytes, not values: a NaN rewritten with the same bits is no change, and 0.0 after
+        -0.0 is one (what a reader of the records sees). Fixed-width schemas compare every
+        pair at once, one numpy column per field."""
+        if not new:
+            return []
+        fixed = self.fixed
+        if fixed is not None and all(len(r) == fixed.size for r in chain(new, old)):
+            columns = self._columns
+            assert columns is not None
+            a = np.frombuffer(b"".join(new), dtype=columns)
+            b = np.frombuffer(b"".join(old), dtype=columns)
+            masks = np.zeros(len(new), dtype=np.uint64)
+            for i, name in enumerate(columns.names or ()):
+                masks |= (a[name] != b[name]).astype(np.uint64) << np.uint64(i)
+            changed: list[int] = masks.tolist()
+            return changed
+        return [self._changed_pair(n, o) for n, o in zip(new, old, strict=True)]
+
+    def _changed_pair(self, new: bytes, old: bytes) -> int:
+        a, b = self.field_bytes(new), self.field_bytes(old)
+        mask = 0
+        for i in range(len(self.fields)):
+            # A record shorter than the schema (written before a migration) lacks the
+            # later fields: they count as changed.
+            if i >= len(a) or i >= len(b) or a[i] != b[i]:
+                mask |= 1 << i
+        return mask
+
+    def field_bytes(self, record: bytes) -> list[bytes]:
+        """A record cut into its fields' encoded bytes (as many fields as it holds)."""
+        out: list[bytes] = []
+        pos, end = 0, len(record)
+        for spec in self.fields:
+            if pos >= end:
+                break
+            width = _WIDTHS.get(spec.type)
+            if width is None:  # string / bytes: u16 length, then the data
+                width = 2 + int.from_bytes(record[pos : pos + 2], "little")
+            out.append(record[pos : pos + width])
+            pos += width
+        return out
+
+
+_WIDTHS = {
+    FieldType.BOOL: 1,
+    FieldType.U8: 1,
+    FieldType.U16: 2,
+    FieldType.U32: 4,
+    FieldType.U64: 8,
+    FieldType.I8: 1,
+    FieldType.I16: 2,
+    FieldType.I32: 4,
+    FieldType.I64: 8,
+    FieldType.TIMESTAMP: 8,
+    FieldType.F32: 4,
+    FieldType.F64: 8,
+}
 
 
 @lru_cache(maxsize=4096)

@@ -4,10 +4,10 @@ notifications. All immutable; field values are the Python values of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TypeAlias
+from typing import TypeAlias, overload
 
 from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE, MAX_SOURCE_ID
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType, FieldValue
@@ -59,19 +59,61 @@ class KindInfo:
         )
 
 
-@dataclass(slots=True)  # not frozen: built per entity per write, frozen init costs 4x
 class EntityState:
     """An entity as readers see it: committed (durable) and with its version.
 
-    ``record`` is the encoded field_data of every field, as STATE frames carry it.
+    ``record`` is the encoded field_data of every field, as STATE frames carry it; the
+    engine keeps only that (and the version and source set) and decodes ``values`` when a
+    reader asks for them.
     """
 
-    kind_id: int
-    entity_id: bytes
-    version: int
-    source_set: int
-    values: tuple[FieldValue, ...]
-    record: bytes
+    __slots__ = ("_values", "entity_id", "fields", "kind_id", "record", "source_set", "version")
+
+    def __init__(
+        self,
+        kind_id: int,
+        entity_id: bytes,
+        version: int,
+        source_set: int,
+        record: bytes,
+        fields: tuple[FieldSpec, ...],
+    ) -> None:
+        self.kind_id = kind_id
+        self.entity_id = entity_id
+        self.version = version
+        self.source_set = source_set
+        self.record = record
+        self.fields = fields
+        self._values: tuple[FieldValue, ...] | None = None
+
+    @property
+    def values(self) -> tuple[FieldValue, ...]:
+        """Every field's value (a record written under an older schema, shorter, gets the
+        newer fields' defaults)."""
+        if self._values is None:
+            from headwater.engine.kinds.codec import codec_for
+
+            self._values = codec_for(self.fields).decode_assert(self.record)
+        return self._values
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EntityState):
+            return NotImplemented
+        return (
+            self.kind_id == other.kind_id
+            and self.entity_id == other.entity_id
+            and self.version == other.version
+            and self.source_set == other.source_set
+            and self.values == other.values
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"EntityState(kind_id={self.kind_id}, entity_id={self.entity_id.hex()}, "
+            f"version={self.version}, source_set={self.source_set:#x}, values={self.values!r})"
+        )
 
 
 # ---- write ops ------------------------------------------------------------------------
@@ -122,7 +164,18 @@ class RetractOp:
         return self.kind_id, self.entity_id
 
 
-WriteOp: TypeAlias = AssertOp | PatchOp | RetractOp
+@dataclass(slots=True)
+class AssertRecords:
+    """ASSERTs of one kind, each of a whole record and with no metadata: a BATCH as the
+    codec decoded it (:class:`~headwater.protocols.convergedb.messages.AssertRun`), applied
+    as ``(entity_id, record)`` pairs without an op object per entity. Only for kinds that
+    are not event streams, with records already checked to fit the schema."""
+
+    kind_id: int
+    pairs: Sequence[tuple[bytes, bytes]]
+
+
+WriteOp: TypeAlias = AssertOp | PatchOp | RetractOp | AssertRecords
 
 OP_ASSERT, OP_RETRACT, OP_PATCH = 0x02, 0x03, 0x08
 
@@ -164,6 +217,90 @@ class StateChange:
     record: bytes
     previous: bytes | None = None
     metadata: bytes = b""
+
+
+class StateColumns(Sequence[StateChange]):
+    """One window's net changes of one kind, as columns: the window flush builds them
+    without an object per change, and a front end encodes them without one. As a sequence
+    it gives :class:`StateChange` objects, made when asked for.
+
+    Change ``i`` has version ``first_version + i``; ``previous[i]`` is the record before
+    an UPDATED change (None otherwise); ``metadata`` is None when no change carries any.
+    ``changed_fields`` is computed on first use (a kind nobody subscribes to never pays
+    for it). ``derived`` keeps what a front end encoded from the window once: every
+    subscriber of the kind gets this same object.
+    """
+
+    __slots__ = (
+        "_changed",
+        "_changed_of",
+        "changes",
+        "derived",
+        "entity_ids",
+        "first_version",
+        "kind_id",
+        "metadata",
+        "previous",
+        "records",
+        "source_sets",
+    )
+
+    def __init__(
+        self,
+        kind_id: int,
+        first_version: int,
+        entity_ids: list[bytes],
+        changes: list[int],
+        source_sets: list[int],
+        records: list[bytes],
+        previous: list[bytes | None],
+        metadata: list[bytes] | None,
+        changed_of: Callable[[StateColumns], list[int]],
+    ) -> None:
+        self.kind_id = kind_id
+        self.first_version = first_version
+        self.entity_ids = entity_ids
+        self.changes = changes
+        self.source_sets = source_sets
+        self.records = records
+        self.previous = previous
+        self.metadata = metadata
+        self._changed: list[int] | None = None
+        self._changed_of = changed_of
+        self.derived: dict[object, object] = {}
+
+    @property
+    def changed_fields(self) -> list[int]:
+        if self._changed is None:
+            self._changed = self._changed_of(self)
+        return self._changed
+
+    def __len__(self) -> int:
+        return len(self.entity_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> StateChange: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[StateChange]: ...
+    def __getitem__(self, index: int | slice) -> StateChange | list[StateChange]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        return StateChange(
+            self.kind_id,
+            self.entity_ids[index],
+            ChangeType(self.changes[index]),
+            self.first_version + index,
+            self.source_sets[index],
+            self.changed_fields[index],
+            self.records[index],
+            self.previous[index],
+            self.metadata[index] if self.metadata is not None else b"",
+        )
+
+    def __iter__(self) -> Iterator[StateChange]:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(frozen=True, slots=True)

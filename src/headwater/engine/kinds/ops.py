@@ -13,6 +13,7 @@ from headwater.engine.kinds.codec import RecordCodec, codec_for
 from headwater.engine.kinds.errors import BadFieldData
 from headwater.engine.kinds.model import (
     AssertOp,
+    AssertRecords,
     KindInfo,
     PatchOp,
     RetractOp,
@@ -64,7 +65,17 @@ def from_wire(
     ops: Sequence[wire.Assert | wire.Patch | wire.Retract], kind_of: Callable[[int], KindInfo]
 ) -> list[WriteOp]:
     """Decode wire ops against their kinds (``kind_of`` raises KindNotFound); raises
-    BadFieldData for field_data that does not fit. Nothing is applied here."""
+    BadFieldData for field_data that does not fit. Nothing is applied here.
+
+    A BATCH the codec read as an :class:`~wire.AssertRun` of whole fixed-width records
+    becomes one :class:`AssertRecords` (nothing decoded: any bytes of that length are a
+    valid record of such a schema), unless the kind is an event stream, whose EVENTs
+    need each op's values."""
+    if isinstance(ops, wire.AssertRun) and ops.pairs:
+        kind = kind_of(ops.kind_id)
+        fixed = codec_for(kind.fields).fixed
+        if not kind.event_stream and fixed is not None and ops.field_data_size == fixed.size:
+            return [AssertRecords(ops.kind_id, ops.pairs)]
     out: list[WriteOp] = []
     append = out.append
     kinds: dict[int, tuple[KindInfo, RecordCodec]] = {}

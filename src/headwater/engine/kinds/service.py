@@ -28,15 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
-from headwater.engine.kinds.codec import codec_for
+from headwater.engine.kinds.codec import RecordCodec, codec_for
 from headwater.engine.kinds.errors import (
     KindNotFound,
     NoEpoch,
@@ -49,15 +50,15 @@ from headwater.engine.kinds.model import (
     OP_PATCH,
     OP_RETRACT,
     AssertOp,
+    AssertRecords,
     ChangeType,
     EntityState,
     EventNote,
-    Key,
     KindInfo,
     KindsConfig,
     PatchOp,
     RetractOp,
-    StateChange,
+    StateColumns,
     WindowNotes,
     WriteOp,
 )
@@ -99,12 +100,6 @@ def presence_entity_id(source_id: int) -> bytes:
     return bytes([source_id]) + bytes(31)
 
 
-def _padded(record: bytes, state: KindState) -> bytes:
-    """A record written under an older schema, re-encoded with the new fields' defaults."""
-    fields = state.info.fields
-    return encode_fields(fields, decode_fields(fields, record, complete=True))
-
-
 # ---- working state ----------------------------------------------------------------------
 
 
@@ -116,6 +111,17 @@ class _Work:
     values: list[FieldValue] | None
     metadata: bytes = b""
     record: bytes | None = None  # ``values`` encoded, when an ASSERT brought it
+
+
+_Asserted: TypeAlias = tuple[int, bytes]
+"""A window entry left by an ASSERT of a whole record with no metadata, the bulk of all
+writes: ``(source_set, record)``, no object. Any other op on the entity in the same
+window turns it into a :class:`_Work`."""
+
+_Entry: TypeAlias = "_Work | _Asserted"
+
+_Committed: TypeAlias = tuple[int, int, bytes]
+"""A committed entity: ``(version, source_set, record)``, the record of every field."""
 
 
 @dataclass(slots=True)
@@ -131,7 +137,7 @@ class Window:
     """One coalescing window of one tenant; ``await window.durable()`` waits for it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.entities: dict[int, dict[bytes, _Work]] = {}
+        self.entities: dict[int, dict[bytes, _Entry]] = {}
         self.events: dict[int, list[_EventDraft]] = {}
         self.done: asyncio.Future[None] = loop.create_future()
         self.scheduled = False
@@ -146,6 +152,49 @@ class Window:
         await asyncio.shield(self.done)
 
 
+@dataclass(slots=True)
+class _FlushPlan:
+    """What a window writes for one kind, and what readers and subscribers get once it
+    is durable (the net changes as columns: see :class:`StateColumns`)."""
+
+    state: KindState
+    fields: tuple[FieldSpec, ...]  # the schema the records were made for
+    first: int  # the version (tenant log position) of the first change
+    entity_ids: list[bytes]
+    changes: list[int]
+    source_sets: list[int]
+    records: list[bytes]
+    previous: list[bytes | None]
+    metadata: list[bytes] | None
+    log_values: list[bytes]
+    deleted: list[int]  # indexes of DELETED changes
+    next_sequence: int
+    notes: list[EventNote] = field(default_factory=list)
+    applied: int = 0
+
+
+def _changed_fields(codec: RecordCodec, columns: StateColumns) -> list[int]:
+    """The changed_fields column of a window's changes: every field for CREATED, none
+    for DELETED, the fields whose bytes differ for UPDATED (all at once)."""
+    everything = (1 << len(codec.fields)) - 1
+    changes, records, previous = columns.changes, columns.records, columns.previous
+    created, deleted = int(ChangeType.CREATED), int(ChangeType.DELETED)
+    if deleted in changes:
+        updated = [i for i, c in enumerate(changes) if c == ChangeType.UPDATED]
+        out = [everything if c == created else 0 for c in changes]
+        news = [records[i] for i in updated]
+        olds = [previous[i] or b"" for i in updated]
+        for i, mask in zip(updated, codec.changed_fields(news, olds), strict=True):
+            out[i] = mask
+        return out
+    # A created entity is compared with itself (no bit), then gets every bit.
+    olds = [r if p is None else p for r, p in zip(records, previous, strict=True)]
+    masks = codec.changed_fields(records, olds)
+    if created in changes:
+        return [everything if c == created else m for c, m in zip(changes, masks, strict=True)]
+    return masks
+
+
 # ---- kinds --------------------------------------------------------------------------
 
 
@@ -154,48 +203,72 @@ class KindState:
 
     def __init__(self, info: KindInfo, plog: PartitionLog, committer: GroupCommitter) -> None:
         self.info = info
-        self.committed: dict[bytes, EntityState] = {}
+        self.codec = codec_for(info.fields)
+        self.committed: dict[bytes, _Committed] = {}
         self.log = plog
         self.committer = committer
         self.next_sequence = 0
         self.subscribers: list[KindSubscription] = []
         self.applied_position = 0  # every change of this kind below it is committed
-        self.change_listeners: list[Callable[[KindState, list[StateChange]], None]] = []
+
+    def entity(self, entity_id: bytes) -> EntityState | None:
+        """The committed state of an entity, None when absent."""
+        committed = self.committed.get(entity_id)
+        if committed is None:
+            return None
+        return self.entity_state(entity_id, committed)
+
+    def entity_state(self, entity_id: bytes, committed: _Committed) -> EntityState:
+        version, source_set, record = committed
+        return EntityState(
+            self.info.kind_id, entity_id, version, source_set, record, self.info.fields
+        )
+
+    def scan_entities(self) -> Iterator[EntityState]:
+        """Every committed entity, each as it is when reached."""
+        committed = self.committed
+        for eid in list(committed):
+            current = committed.get(eid)
+            if current is not None:
+                yield self.entity_state(eid, current)
+
+    def whole_record(self, record: bytes) -> bytes:
+        """A record written under an older (shorter) schema, with the newer fields'
+        defaults appended; a record of the current schema as it is."""
+        fixed = self.codec.fixed
+        if fixed is not None and len(record) == fixed.size:
+            return record
+        fields = self.info.fields
+        return encode_fields(fields, decode_fields(fields, record, complete=True))
 
     def load(self) -> None:
         """Rebuild the committed state from the changelog (worker thread, at open)."""
-        fields = self.info.fields
+        committed = self.committed
+        unpack_set = _SOURCE_SET.unpack_from
+        whole = self.whole_record
         for event in self.log.events(self.log.start_offset):
             self.applied_position = event.position + 1
-            if event.key is None:
+            key = event.key
+            if key is None:
                 continue
-            if event.key == SEQUENCE_KEY:
-                self.next_sequence = _SOURCE_SET.unpack_from(event.value)[0]
+            if key == SEQUENCE_KEY:
+                self.next_sequence = unpack_set(event.value)[0]
                 continue
             if event.tombstone:
-                self.committed.pop(event.key, None)
+                committed.pop(key, None)
                 continue
-            source_set = _SOURCE_SET.unpack_from(event.value)[0]
-            values = tuple(decode_fields(fields, memoryview(event.value)[8:], complete=True))
-            record = encode_fields(fields, values)
-            self.committed[event.key] = EntityState(
-                self.info.kind_id, event.key, event.position, source_set, values, record
-            )
+            value = event.value
+            committed[key] = (event.position, unpack_set(value)[0], whole(bytes(value[8:])))
 
     def migrate(self, info: KindInfo) -> None:
         """Fields were appended: committed entities take the new fields' defaults."""
-        added = [default_value(f.type) for f in info.fields[len(self.info.fields) :]]
+        added_fields = info.fields[len(self.info.fields) :]
+        added = encode_fields(added_fields, [default_value(f.type) for f in added_fields])
         self.info = info
-        for eid, state in list(self.committed.items()):
-            values = state.values + tuple(added)
-            self.committed[eid] = EntityState(
-                state.kind_id,
-                eid,
-                state.version,
-                state.source_set,
-                values,
-                encode_fields(info.fields, values),
-            )
+        self.codec = codec_for(info.fields)
+        committed = self.committed
+        for eid, (version, source_set, record) in list(committed.items()):
+            committed[eid] = (version, source_set, record + added)
 
 
 # ---- sources ------------------------------------------------------------------------
@@ -258,8 +331,10 @@ class TenantKinds:
         self.registry = registry
         self.kinds: dict[int, KindState] = {}
         self.sources: dict[int, Source] = {}  # slot -> holder (connected or in grace)
-        self.source_entities: dict[int, set[Key]] = {}  # working state's bit index
-        self.epochs: dict[int, set[Key]] = {}  # source -> not yet re-asserted
+        # The working state's bit index: source -> kind -> entity ids it holds.
+        self.source_entities: dict[int, dict[int, set[bytes]]] = {}
+        # Open epochs: source -> kind -> entity ids not re-asserted or patched since BEGIN.
+        self.epochs: dict[int, dict[int, set[bytes]]] = {}
         self._loop = asyncio.get_running_loop()
         self._pending = Window(self._loop)
         self._flushing: Window | None = None
@@ -331,6 +406,11 @@ class TenantKinds:
             raise
         if kind.kind_id in self.kinds:
             state.migrate(kind)
+            # Records asserted into the open window were whole for the old schema.
+            entries = self._pending.entities.get(kind.kind_id, {})
+            for eid, entry in entries.items():
+                if type(entry) is tuple:
+                    entries[eid] = (entry[0], state.whole_record(entry[1]))
         else:
             self.kinds[kind.kind_id] = state
             state.committer.start()
@@ -430,10 +510,20 @@ class TenantKinds:
 
     def retract_source(self, source_id: int) -> int:
         """Clear ``source_id``'s bit from every entity it holds; returns how many."""
-        keys = list(self.source_entities.get(source_id, ()))
-        ops = [RetractOp(k, e) for k, e in keys]
+        held = self.source_entities.get(source_id, {})
+        ops: list[WriteOp] = [RetractOp(k, e) for k, eids in held.items() for e in eids]
         self._apply_ops(source_id, ops, internal=True)
         return len(ops)
+
+    def _held(self, source_id: int, kind_id: int) -> set[bytes]:
+        """The entity ids of one kind that the working state says ``source_id`` holds."""
+        by_kind = self.source_entities.get(source_id)
+        if by_kind is None:
+            by_kind = self.source_entities[source_id] = {}
+        held = by_kind.get(kind_id)
+        if held is None:
+            held = by_kind[kind_id] = set()
+        return held
 
     # ---- epochs -----------------------------------------------------------------------
 
@@ -442,7 +532,8 @@ class TenantKinds:
         an epoch already open is abandoned."""
         sid = self._writer(source)
         presence = self.registry.by_name.get(PRESENCE_KIND)
-        self.epochs[sid] = {k for k in self.source_entities.get(sid, ()) if k[0] != presence}
+        held = self.source_entities.get(sid, {})
+        self.epochs[sid] = {k: set(eids) for k, eids in held.items() if k != presence}
         return self._pending
 
     def end_epoch(self, source: Source) -> tuple[int, Window]:
@@ -452,10 +543,14 @@ class TenantKinds:
         stale = self.epochs.pop(sid, None)
         if stale is None:
             raise NoEpoch("SOURCE_EPOCH_END without an open epoch")
-        held = self.source_entities.get(sid, set())
-        keys = [k for k in stale if k in held]
-        self._apply_ops(sid, [RetractOp(k, e) for k, e in keys])
-        return len(keys), self._window_for_ack()
+        held = self.source_entities.get(sid, {})
+        ops: list[WriteOp] = [
+            RetractOp(kind_id, eid)
+            for kind_id, eids in stale.items()
+            for eid in eids & held.get(kind_id, set())
+        ]
+        self._apply_ops(sid, ops)
+        return len(ops), self._window_for_ack()
 
     def _writer(self, source: Source) -> int:
         if source.source_id is None:
@@ -502,38 +597,47 @@ class TenantKinds:
         window = self._pending
         flushing = self._flushing
         epoch = None if internal else self.epochs.get(sid)
-        held = self.source_entities.setdefault(sid, set())
         last_kind = -1
-        entities: dict[bytes, _Work] = {}
+        entities: dict[bytes, _Entry] = {}
+        held: set[bytes] = set()
+        stale: set[bytes] | None = None
         state: KindState | None = None
         for op in ops:
             kind_id = op.kind_id
             if kind_id != last_kind:
                 state = self.kinds[kind_id]
                 entities = window.entities.setdefault(kind_id, {})
+                held = self._held(sid, kind_id)
+                stale = None if epoch is None else epoch.get(kind_id)
                 last_kind = kind_id
             assert state is not None
+            if type(op) is AssertRecords:
+                self._apply_records(state, op.pairs, bit, entities, flushing, held, stale)
+                window.ops += len(op.pairs)
+                continue
+            assert not isinstance(op, AssertRecords)
             eid = op.entity_id
-            work = entities.get(eid)
-            if work is None:
-                if type(op) is AssertOp:
-                    # The bulk of writes: an ASSERT replaces every value, so only the
-                    # source set is carried over from the state before it.
-                    entities[eid] = _Work(
-                        self._source_set(state, flushing, eid) | bit,
-                        list(op.values),
-                        op.metadata,
-                        op.record,
+            entry = entities.get(eid)
+            if type(op) is AssertOp and op.record is not None and not op.metadata:
+                # A whole record and no metadata: the entry is a plain tuple.
+                if entry is None:
+                    source_set = self._source_set(state, flushing, eid)
+                elif type(entry) is tuple:
+                    source_set = entry[0]
+                else:
+                    assert isinstance(entry, _Work)
+                    source_set = entry.source_set
+                entities[eid] = (source_set | bit, op.record)
+                held.add(eid)
+                if stale is not None:
+                    stale.discard(eid)
+                window.ops += 1
+                if state.info.event_stream:
+                    window.events.setdefault(kind_id, []).append(
+                        _EventDraft(eid, OP_ASSERT, sid, op.values, op.metadata)
                     )
-                    held.add((kind_id, eid))
-                    if epoch is not None:
-                        epoch.discard((kind_id, eid))
-                    window.ops += 1
-                    if state.info.event_stream:
-                        window.events.setdefault(kind_id, []).append(
-                            _EventDraft(eid, OP_ASSERT, sid, op.values, op.metadata)
-                        )
-                    continue
+                continue
+            if entry is None:
                 work = self._working(state, flushing, eid)
                 if isinstance(op, RetractOp) and not work.source_set & bit:
                     # Retracting what this source does not hold changes nothing, but an
@@ -542,14 +646,18 @@ class TenantKinds:
                         self._note_event(window, kind_id, eid, OP_RETRACT, sid, op.metadata)
                     continue
                 entities[eid] = work
-            key = (kind_id, eid)
+            elif type(entry) is tuple:
+                work = entities[eid] = self._as_work(state, entry)
+            else:
+                assert isinstance(entry, _Work)
+                work = entry
             if isinstance(op, AssertOp):
                 work.values = list(op.values)
                 work.record = op.record
                 work.source_set |= bit
-                held.add(key)
-                if epoch is not None:
-                    epoch.discard(key)
+                held.add(eid)
+                if stale is not None:
+                    stale.discard(eid)
             elif isinstance(op, PatchOp):
                 if work.values is None:
                     work.values = [default_value(f.type) for f in state.info.fields]
@@ -557,16 +665,16 @@ class TenantKinds:
                     work.values[i] = value
                 work.record = None
                 work.source_set |= bit
-                held.add(key)
-                if epoch is not None:
-                    epoch.discard(key)
+                held.add(eid)
+                if stale is not None:
+                    stale.discard(eid)
             else:
                 if not work.source_set & bit:
                     if state.info.event_stream:
                         self._note_event(window, kind_id, eid, OP_RETRACT, sid, op.metadata)
                     continue
                 work.source_set &= ~bit
-                held.discard(key)
+                held.discard(eid)
                 if not work.source_set:
                     work.values = None
             work.metadata = op.metadata
@@ -590,6 +698,44 @@ class TenantKinds:
             self._loop.call_later(self.config.coalesce_ms / 1000, self._window_due)
 
     @staticmethod
+    def _apply_records(
+        state: KindState,
+        pairs: Sequence[tuple[bytes, bytes]],
+        bit: int,
+        entities: dict[bytes, _Entry],
+        flushing: Window | None,
+        held: set[bytes],
+        stale: set[bytes] | None,
+    ) -> None:
+        """ASSERTs of whole records with no metadata, the hot path: per entity, only the
+        source set it had is looked up and a ``(source_set, record)`` tuple stored."""
+        committed = state.committed.get
+        earlier = None if flushing is None else flushing.entities.get(state.info.kind_id)
+        current = entities.get
+        for eid, record in pairs:
+            entry = current(eid)
+            if entry is None:
+                prior = None if earlier is None else earlier.get(eid)
+                if prior is None:
+                    before = committed(eid)
+                    source_set = 0 if before is None else before[1]
+                elif type(prior) is tuple:
+                    source_set = prior[0]
+                else:
+                    assert isinstance(prior, _Work)
+                    source_set = prior.source_set
+            elif type(entry) is tuple:
+                source_set = entry[0]
+            else:
+                assert isinstance(entry, _Work)
+                source_set = entry.source_set
+            entities[eid] = (source_set | bit, record)
+        ids = [eid for eid, _ in pairs]
+        held.update(ids)
+        if stale:
+            stale.difference_update(ids)
+
+    @staticmethod
     def _note_event(
         window: Window, kind_id: int, eid: bytes, op: int, sid: int, metadata: bytes
     ) -> None:
@@ -598,27 +744,35 @@ class TenantKinds:
         window.ops += 1
 
     @staticmethod
+    def _as_work(state: KindState, entry: _Asserted) -> _Work:
+        source_set, record = entry
+        return _Work(source_set, list(state.codec.decode_assert(record)), record=record)
+
+    @staticmethod
     def _source_set(state: KindState, flushing: Window | None, eid: bytes) -> int:
         """The entity's source set as the window being flushed, else the committed state,
         leaves it."""
         if flushing is not None:
             prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
             if prior is not None:
-                return prior.source_set
+                return prior[0] if type(prior) is tuple else prior.source_set  # type: ignore[union-attr]
         committed = state.committed.get(eid)
-        return 0 if committed is None else committed.source_set
+        return 0 if committed is None else committed[1]
 
-    @staticmethod
-    def _working(state: KindState, flushing: Window | None, eid: bytes) -> _Work:
+    @classmethod
+    def _working(cls, state: KindState, flushing: Window | None, eid: bytes) -> _Work:
         if flushing is not None:
             prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
+            if type(prior) is tuple:
+                return cls._as_work(state, prior)
             if prior is not None:
+                assert isinstance(prior, _Work)
                 values = None if prior.values is None else list(prior.values)
                 return _Work(prior.source_set, values, record=prior.record)
         committed = state.committed.get(eid)
         if committed is None:
             return _Work(0, None)
-        return _Work(committed.source_set, list(committed.values), record=committed.record)
+        return cls._as_work(state, (committed[1], committed[2]))
 
     async def barrier(self) -> None:
         """Return once every write applied before the call is durable and visible."""
@@ -631,16 +785,12 @@ class TenantKinds:
 
     def get(self, kind_id: int, entity_id: bytes) -> EntityState | None:
         """The committed state of an entity (what QUERY answers), None when absent."""
-        return self.kind_state(kind_id).committed.get(entity_id)
+        return self.kind_state(kind_id).entity(entity_id)
 
     def scan(self, kind_id: int) -> Iterator[EntityState]:
         """Every committed entity of a kind, each read as it is when reached (so an
         entity changed meanwhile comes out newer; one deleted meanwhile is skipped)."""
-        state = self.kind_state(kind_id)
-        for eid in list(state.committed):
-            current = state.committed.get(eid)
-            if current is not None:
-                yield current
+        return self.kind_state(kind_id).scan_entities()
 
     def subscribe(
         self, kind_id: int, *, include_previous: bool = False, events: bool = False
@@ -704,191 +854,188 @@ class TenantKinds:
 
     async def _flush_window(self, window: Window) -> None:
         tenant = self.engine_tenant
-        plans: list[
-            tuple[
-                KindState,
-                tuple[FieldSpec, ...],
-                list[StateChange],
-                list[EntityState | None],
-                list[EventNote],
-                int,
-                int,
-            ]
-        ] = []
+        plans: list[_FlushPlan] = []
         commits = []
         claimed: list[int] = []
         try:
             for kind_id in set(window.entities) | set(window.events):
                 state = self.kinds[kind_id]
-                fields = state.info.fields
-                codec = codec_for(fields)
-                all_fields = (1 << len(fields)) - 1
-                # One pass: the net change of each entity, its changelog entry and the
-                # state readers will see (kept beside it, committed after the fsync).
-                committed_now = state.committed
-                pack_set = _SOURCE_SET.pack
-                encode = codec.encode
-                nfields = len(fields)
                 entities = window.entities.get(kind_id, {})
                 drafts = window.events.get(kind_id, [])
                 # Positions are claimed below, once the count is known; nothing can claim
                 # in between (no await), so the versions handed out here are the claim's.
-                first = version = tenant.next_position
-                changes: list[StateChange] = []
-                new_states: list[EntityState | None] = []
-                values_out: list[bytes] = []
-                keys: list[bytes | None] = []
-                deletions = False
-                for eid, work in entities.items():
-                    before = committed_now.get(eid)
-                    values = work.values
-                    if values is None:
-                        if before is None:
-                            continue
-                        keys.append(eid)
-                        values_out.append(b"")
-                        deletions = True
-                        changes.append(
-                            StateChange(
-                                kind_id,
-                                eid,
-                                ChangeType.DELETED,
-                                version,
-                                0,
-                                0,
-                                b"",
-                                None,
-                                work.metadata,
-                            )
-                        )
-                        new_states.append(None)
-                        version += 1
-                        continue
-                    if len(values) < nfields:
-                        # written before a migration appended fields: they take defaults
-                        work.record = None
-                        values.extend(default_value(f.type) for f in fields[len(values) :])
-                    source_set = work.source_set
-                    if before is None:
-                        record = work.record or encode(values)
-                        change = StateChange(
-                            kind_id,
-                            eid,
-                            ChangeType.CREATED,
-                            version,
-                            source_set,
-                            all_fields,
-                            record,
-                            None,
-                            work.metadata,
-                        )
-                    else:
-                        old_values = before.values
-                        if before.source_set == source_set and old_values == tuple(values):
-                            continue
-                        record = work.record or encode(values)
-                        changed = 0
-                        for j, new in enumerate(values):
-                            if j >= len(old_values) or old_values[j] != new:
-                                changed |= 1 << j
-                        change = StateChange(
-                            kind_id,
-                            eid,
-                            ChangeType.UPDATED,
-                            version,
-                            source_set,
-                            changed,
-                            record,
-                            before.record,
-                            work.metadata,
-                        )
-                    keys.append(eid)
-                    values_out.append(pack_set(source_set) + record)
-                    changes.append(change)
-                    new_states.append(
-                        EntityState(kind_id, eid, version, source_set, tuple(values), record)
-                    )
-                    version += 1
-                count = version - first + (1 if drafts else 0)
+                first = tenant.next_position
+                plan = self._net_changes(state, entities, first)
+                count = len(plan.entity_ids) + (1 if drafts else 0)
                 if count == 0:
                     continue
                 claimed.append(tenant.claim_positions(count))
                 assert claimed[-1] == first
-                notes: list[EventNote] = []
+                keys: list[bytes | None] = list(plan.entity_ids)
+                values_out = plan.log_values
                 if drafts:
-                    seq = state.next_sequence
-                    for d in drafts:
-                        if d.op == OP_ASSERT:
-                            assert isinstance(d.values, Sequence)
-                            full = list(d.values)
-                            full += [default_value(f.type) for f in fields[len(full) :]]
-                            mask, data = all_fields, codec.encode(full)
-                        elif d.op == OP_PATCH:
-                            assert isinstance(d.values, Mapping)
-                            mask, data = encode_present_fields(fields, d.values)
-                        else:
-                            mask, data = 0, b""
-                        notes.append(
-                            EventNote(
-                                kind_id, d.entity_id, d.op, d.source_id, seq, mask, data, d.metadata
-                            )
-                        )
-                        seq += 1
+                    plan.notes, plan.next_sequence = self._event_notes(state, drafts)
                     keys.append(SEQUENCE_KEY)
-                    values_out.append(_SOURCE_SET.pack(seq))
-                tombstones = [not v for v in values_out] if deletions else None
+                    values_out.append(_SOURCE_SET.pack(plan.next_sequence))
+                tombstones = [not v for v in values_out] if plan.deleted else None
                 info = state.log.append(
                     values_out, first_position=first, keys=keys, tombstones=tombstones
                 )
+                plan.applied = first + count
                 commits.append(state.committer.committed(info.next_offset))
-                plans.append(
-                    (
-                        state,
-                        fields,
-                        changes,
-                        new_states,
-                        notes,
-                        first + count,
-                        seq if drafts else state.next_sequence,
-                    )
-                )
+                plans.append(plan)
             if commits:
                 await asyncio.gather(*commits)
         finally:
             for first in claimed:
                 tenant.release_positions(first)
-        for state, fields_then, changes, new_states, notes, applied, next_sequence in plans:
-            committed = state.committed
-            fields_now = state.info.fields
-            migrated = len(fields_now) != len(fields_then)
-            for i, entity in enumerate(new_states):
-                change = changes[i]
-                if entity is None:
-                    committed.pop(change.entity_id, None)
-                    continue
-                if migrated and len(entity.values) < len(fields_now):
-                    # The kind migrated while this window was being written.
-                    values = list(entity.values)
-                    values.extend(default_value(f.type) for f in fields_now[len(values) :])
-                    entity.values = tuple(values)
-                    entity.record = change.record = encode_fields(fields_now, values)
-                    if change.previous is not None:
-                        change.previous = _padded(change.previous, state)
-                committed[change.entity_id] = entity
-            state.applied_position = applied
-            state.next_sequence = next_sequence
-            self.changes_committed += len(changes)
-            if state.subscribers:
-                state_notes = WindowNotes(changes)
-                event_notes = WindowNotes(notes)
-                for sub in list(state.subscribers):
-                    sub.push(event_notes if sub.events else state_notes)
-            for listener in list(state.change_listeners):
-                try:
-                    listener(state, changes)
-                except Exception:
-                    log.exception("kind change listener failed")
+        for plan in plans:
+            self._commit(plan)
         self.windows_flushed += 1
+
+    @staticmethod
+    def _net_changes(state: KindState, entities: dict[bytes, _Entry], first: int) -> _FlushPlan:
+        """One pass over a kind's window entries: the net change of each entity (none when
+        it ends as it was committed), as columns, with its changelog value. Change i gets
+        version ``first + i``."""
+        info = state.info
+        fields = info.fields
+        nfields = len(fields)
+        encode = state.codec.encode
+        committed = state.committed.get
+        pack_set = _SOURCE_SET.pack
+        ids: list[bytes] = []
+        changes: list[int] = []
+        source_sets: list[int] = []
+        records: list[bytes] = []
+        previous: list[bytes | None] = []
+        log_values: list[bytes] = []
+        metadata: list[bytes] | None = None
+        deleted: list[int] = []
+        created, updated = int(ChangeType.CREATED), int(ChangeType.UPDATED)
+        for eid, entry in entities.items():
+            before = committed(eid)
+            meta = b""
+            if type(entry) is tuple:
+                source_set, record = entry
+            else:
+                assert isinstance(entry, _Work)
+                values = entry.values
+                meta = entry.metadata
+                if values is None:
+                    if before is None:
+                        continue  # created and deleted within the window: no trace
+                    if metadata is None and meta:
+                        metadata = [b""] * len(ids)
+                    deleted.append(len(ids))
+                    ids.append(eid)
+                    changes.append(int(ChangeType.DELETED))
+                    source_sets.append(0)
+                    records.append(b"")
+                    previous.append(None)
+                    log_values.append(b"")
+                    if metadata is not None:
+                        metadata.append(meta)
+                    continue
+                record_or_none = entry.record
+                if len(values) < nfields:
+                    # written before a migration appended fields: they take defaults
+                    values.extend(default_value(f.type) for f in fields[len(values) :])
+                    record_or_none = None
+                record = encode(values) if record_or_none is None else record_or_none
+                source_set = entry.source_set
+            if before is None:
+                changes.append(created)
+                previous.append(None)
+            elif before[1] == source_set and before[2] == record:
+                continue  # as it was: no version, no notification
+            else:
+                changes.append(updated)
+                previous.append(before[2])
+            if metadata is None and meta:
+                metadata = [b""] * len(ids)
+            ids.append(eid)
+            source_sets.append(source_set)
+            records.append(record)
+            log_values.append(pack_set(source_set) + record)
+            if metadata is not None:
+                metadata.append(meta)
+        return _FlushPlan(
+            state,
+            fields,
+            first,
+            ids,
+            changes,
+            source_sets,
+            records,
+            previous,
+            metadata,
+            log_values,
+            deleted,
+            state.next_sequence,
+        )
+
+    @staticmethod
+    def _event_notes(state: KindState, drafts: list[_EventDraft]) -> tuple[list[EventNote], int]:
+        """An event-stream kind's EVENTs for the window's ops; the next sequence after."""
+        fields = state.info.fields
+        codec = state.codec
+        everything = (1 << len(fields)) - 1
+        seq = state.next_sequence
+        notes: list[EventNote] = []
+        for d in drafts:
+            if d.op == OP_ASSERT:
+                assert isinstance(d.values, Sequence)
+                full = list(d.values)
+                full += [default_value(f.type) for f in fields[len(full) :]]
+                mask, data = everything, codec.encode(full)
+            elif d.op == OP_PATCH:
+                assert isinstance(d.values, Mapping)
+                mask, data = encode_present_fields(fields, d.values)
+            else:
+                mask, data = 0, b""
+            notes.append(
+                EventNote(
+                    state.info.kind_id, d.entity_id, d.op, d.source_id, seq, mask, data, d.metadata
+                )
+            )
+            seq += 1
+        return notes, seq
+
+    def _commit(self, plan: _FlushPlan) -> None:
+        """The window is durable: readers see its state, subscribers get its changes."""
+        state = plan.state
+        ids, records, previous = plan.entity_ids, plan.records, plan.previous
+        if state.info.fields != plan.fields:
+            # The kind migrated while this window was being written: pad what it wrote.
+            records[:] = [state.whole_record(r) if r else r for r in records]
+            previous[:] = [None if p is None else state.whole_record(p) for p in previous]
+        first = plan.first
+        versions = range(first, first + len(ids))
+        entries = zip(versions, plan.source_sets, records, strict=True)
+        state.committed.update(zip(ids, entries, strict=True))
+        for i in plan.deleted:
+            del state.committed[ids[i]]
+        state.applied_position = plan.applied
+        state.next_sequence = plan.next_sequence
+        self.changes_committed += len(ids)
+        if state.subscribers:
+            codec = state.codec
+            changes_of = functools.partial(_changed_fields, codec)
+            state_notes = StateColumns(
+                state.info.kind_id,
+                first,
+                ids,
+                plan.changes,
+                plan.source_sets,
+                records,
+                previous,
+                plan.metadata,
+                changes_of,
+            )
+            event_notes = WindowNotes(plan.notes)
+            for sub in list(state.subscribers):
+                sub.push(event_notes if sub.events else state_notes)
 
     async def close(self) -> None:
         self.closed = True
@@ -960,27 +1107,32 @@ class KindsEngine:
             last = state.log.last_position
             if last is not None:
                 tenant.next_position = max(tenant.next_position, last)
-            for eid, entity in state.committed.items():
-                bits = entity.source_set
+            kind_id = state.info.kind_id
+            for eid, (_, bits, _) in state.committed.items():
                 while bits:
                     low = bits & -bits
-                    tk.source_entities.setdefault(low.bit_length() - 1, set()).add(
-                        (state.info.kind_id, eid)
-                    )
+                    tk._held(low.bit_length() - 1, kind_id).add(eid)
                     bits ^= low
         self.tenants[tenant.tenant_id] = tk
         await tk.create_kind(PRESENCE_KIND, PRESENCE_FIELDS, internal=True)
         # Nobody is connected after a restart: presence entities from before go, and
-        # every source holding entities gets one liveness deadline to come back.
-        presence_id = registry.by_name[PRESENCE_KIND]
-        for entity in list(tk.kinds[presence_id].committed.values()):
+        # every source holding entities gets one liveness deadline (its own, which its
+        # presence entity kept) to come back.
+        presence = tk.kinds[registry.by_name[PRESENCE_KIND]]
+        deadlines: dict[int, int] = {}
+        for entity in list(presence.scan_entities()):
+            sid, _, _, deadline_ms = entity.values
+            assert isinstance(sid, int) and isinstance(deadline_ms, int)
+            deadlines[sid] = deadline_ms
             bits = entity.source_set
-            for sid in range(MAX_SOURCE_ID + 1):
-                if bits >> sid & 1:
-                    tk._apply_ops(sid, [RetractOp(presence_id, entity.entity_id)], internal=True)
-        for sid, keys in tk.source_entities.items():
-            if keys and sid not in tk.sources:
-                ghost = Source(tk, sid, "", self.config.default_liveness_ms, None)
+            for holder in range(MAX_SOURCE_ID + 1):
+                if bits >> holder & 1:
+                    retract = RetractOp(presence.info.kind_id, entity.entity_id)
+                    tk._apply_ops(holder, [retract], internal=True)
+        for sid, by_kind in tk.source_entities.items():
+            if any(by_kind.values()) and sid not in tk.sources:
+                deadline = deadlines.get(sid) or self.config.default_liveness_ms
+                ghost = Source(tk, sid, "", deadline, None)
                 ghost.connected = False
                 tk.sources[sid] = ghost
         return tk

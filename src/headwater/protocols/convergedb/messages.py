@@ -17,10 +17,11 @@ raise :class:`~headwater.errors.UsageError` for values the wire cannot carry.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self, TypeAlias
+from functools import lru_cache
+from typing import ClassVar, Self, TypeAlias, overload
 
 from headwater.errors import UsageError
 
@@ -466,16 +467,106 @@ class SourceEpochEnd(_Message):
         return cls()
 
 
+class AssertRun(Sequence[Assert]):
+    """The sub-ops of a BATCH that holds only ASSERTs of one kind, each with field_data of
+    one length and no metadata: the usual BATCH of a writer, recognised and decoded in one
+    pass (:meth:`Batch._read`) into ``(entity_id, field_data)`` pairs. It is a sequence of
+    :class:`Assert` like any other ``Batch.ops``; an ``Assert`` is made only when asked
+    for, so a consumer that takes ``pairs`` builds no object per op."""
+
+    __slots__ = ("kind_id", "pairs")
+
+    def __init__(self, kind_id: int, pairs: Sequence[tuple[bytes, bytes]]) -> None:
+        self.kind_id = kind_id
+        self.pairs = pairs
+
+    @property
+    def field_data_size(self) -> int:
+        return len(self.pairs[0][1]) if self.pairs else 0
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    @overload
+    def __getitem__(self, index: int) -> Assert: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Assert, ...]: ...
+    def __getitem__(self, index: int | slice) -> Assert | tuple[Assert, ...]:
+        if isinstance(index, slice):
+            return tuple(Assert(self.kind_id, e, d) for e, d in self.pairs[index])
+        entity_id, field_data = self.pairs[index]
+        return Assert(self.kind_id, entity_id, field_data)
+
+    def __iter__(self) -> Iterator[Assert]:
+        kind_id = self.kind_id
+        return (Assert(kind_id, e, d) for e, d in self.pairs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, AssertRun):
+            return self.kind_id == other.kind_id and list(self.pairs) == list(other.pairs)
+        if isinstance(other, Sequence):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"AssertRun(kind_id={self.kind_id}, {len(self.pairs)} ops)"
+
+
+@lru_cache(maxsize=256)
+def _assert_run_layout(fd_len: int) -> struct.Struct:
+    """One ASSERT sub-op with ``fd_len`` bytes of field_data and no metadata, skipping all
+    but entity_id and field_data."""
+    return struct.Struct(f"<3x{ENTITY_ID_SIZE}s4x{fd_len}s2x")
+
+
+def _read_assert_run(buf: memoryview, pos: int, end: int, count: int) -> AssertRun | None:
+    """The sub-ops in ``buf[pos:end]`` as an AssertRun, when they are ``count`` ASSERTs of
+    one kind with field_data of one length and no metadata, filling the span exactly;
+    else None (the sub-op by sub-op reader then decodes them, with its exact errors)."""
+    if count == 0 or end - pos < _ASSERT_HEAD.size or buf[pos] != _OP_ASSERT:
+        return None
+    _, kind_id, _, fd_len = _ASSERT_HEAD.unpack_from(buf, pos)
+    stride = _ASSERT_HEAD.size + fd_len + 2
+    if count * stride != end - pos:
+        return None
+    run = buf[pos:end]
+    # Every sub-op's fixed bytes, one column at a time (C speed): op_type, kind_id,
+    # fd_len and meta_len must equal the first sub-op's.
+    kind = _U16.pack(kind_id)
+    length = _U32.pack(fd_len)
+    for offset, expected in (
+        (0, _OP_ASSERT),
+        (1, kind[0]),
+        (2, kind[1]),
+        (3 + ENTITY_ID_SIZE, length[0]),
+        (4 + ENTITY_ID_SIZE, length[1]),
+        (5 + ENTITY_ID_SIZE, length[2]),
+        (6 + ENTITY_ID_SIZE, length[3]),
+        (stride - 2, 0),
+        (stride - 1, 0),
+    ):
+        if run[offset::stride] != bytes((expected,)) * count:
+            return None
+    return AssertRun(kind_id, list(_assert_run_layout(fd_len).iter_unpack(run)))
+
+
 @dataclass(frozen=True, slots=True)
 class Batch(_Message):
     """BATCH: u16 op_count, then op_count sub-ops, each ``u8 op_type`` (0x02 ASSERT,
-    0x03 RETRACT, 0x08 PATCH) followed by that single op's payload layout."""
+    0x03 RETRACT, 0x08 PATCH) followed by that single op's payload layout.
+
+    Decoded, ``ops`` is an :class:`AssertRun` when every sub-op is an ASSERT of one kind
+    with field_data of one length and no metadata, else a tuple."""
 
     opcode: ClassVar[Opcode] = Opcode.BATCH
     ops: Sequence[WriteOp] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ops", tuple(self.ops))
+        if not isinstance(self.ops, AssertRun):
+            object.__setattr__(self, "ops", tuple(self.ops))
 
     def _write(self, out: list[bytes]) -> None:
         if len(self.ops) > _MAX16:
@@ -493,6 +584,10 @@ class Batch(_Message):
         smallest = 1 + Retract.MIN_SIZE
         if count > r.remaining // smallest:
             raise DecodeError(f"{count} sub-ops cannot fit in the {r.remaining} bytes left")
+        run = _read_assert_run(r.buf, r.pos, r.end, count)
+        if run is not None:
+            r.pos = r.end
+            return cls(run)
         ops: list[WriteOp] = []
         append = ops.append
         buf, end = r.buf, r.end
@@ -688,6 +783,14 @@ def _state_change(code: int) -> Change:
         return Change(code)
     except ValueError:
         raise UsageError(f"unknown STATE change {code!r}") from None
+
+
+@lru_cache(maxsize=256)
+def state_payload_layout(fd_len: int) -> struct.Struct:
+    """A whole STATE payload with ``fd_len`` bytes of field_data, no previous record and
+    no metadata: kind_id, entity_id, change, version, source_set, changed_fields, fd_len,
+    field_data, meta_len (0). One ``pack`` per notification."""
+    return struct.Struct(_STATE_HEAD.format + f"{fd_len}sH")
 
 
 def encode_state_payload(

@@ -31,6 +31,7 @@ from headwater.engine.kinds import (
     Notification,
     Source,
     StateChange,
+    StateColumns,
     SubscriptionOverflow,
     TenantKinds,
     Window,
@@ -41,6 +42,7 @@ from headwater.engine.kinds import (
 from headwater.errors import HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
+from headwater.protocols.convergedb.columns import StateFrames, state_frames
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
 from headwater.protocols.convergedb.frames import encode_frame, encode_header
 from headwater.server.app import Listener, register_listener
@@ -64,13 +66,21 @@ def encode_notification(stream_id: int, note: Notification, include_previous: bo
 def encode_window(stream_id: int, notes: Sequence[Notification], include_previous: bool) -> bytes:
     """A window's notifications as frames on one subscription's stream.
 
-    The payloads are encoded once per window (kept on the engine's :class:`WindowNotes`,
-    the object every subscriber of the kind gets); a subscriber only adds its headers,
-    which depend on nothing but (stream, opcode, length) and come from a cache. A window
-    whose frames all have one opcode and length (a fixed-width schema) is joined in one
-    call."""
-    if isinstance(notes, WindowNotes):
+    A window is encoded once (kept on the engine's :class:`StateColumns` or
+    :class:`WindowNotes`, the object every subscriber of the kind gets). A window of STATE
+    frames of one layout (a fixed-width schema) is one record array that each subscriber
+    stamps its header into (:mod:`~headwater.protocols.convergedb.columns`); otherwise the
+    payloads are kept and a subscriber only adds its headers, which depend on nothing but
+    (stream, opcode, length) and come from a cache."""
+    if isinstance(notes, StateColumns):
         key = ("convergedb", include_previous)
+        frames = notes.derived.get(key)
+        if frames is None:
+            frames = notes.derived[key] = _state_frames(notes, include_previous)
+        if isinstance(frames, StateFrames):
+            return frames.for_stream(stream_id)
+    if isinstance(notes, WindowNotes | StateColumns):
+        key = ("convergedb-payloads", include_previous)
         encoded = notes.derived.get(key)
         if encoded is None:
             encoded = notes.derived[key] = _encode_payloads(notes, include_previous)
@@ -82,6 +92,25 @@ def encode_window(stream_id: int, notes: Sequence[Notification], include_previou
         return header + header.join(encoded.payloads)
     headers = [_frame_header(stream_id, op, length) for op, length in encoded.shapes]
     return b"".join(chain.from_iterable(zip(headers, encoded.payloads, strict=True)))
+
+
+def _state_frames(notes: StateColumns, include_previous: bool) -> StateFrames | bool:
+    """The window as one block of STATE frames when its changes share one layout (no
+    metadata, no previous record sent, no deletion, one record length); else False."""
+    if notes.metadata is not None:
+        return False
+    if include_previous and int(ChangeType.UPDATED) in notes.changes:
+        return False
+    frames = state_frames(
+        notes.kind_id,
+        notes.first_version,
+        notes.entity_ids,
+        notes.changes,
+        notes.source_sets,
+        notes.changed_fields,
+        notes.records,
+    )
+    return False if frames is None else frames
 
 
 class _Payloads:

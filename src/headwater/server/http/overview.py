@@ -90,7 +90,10 @@ async def kind_entities(request: web.Request) -> web.Response:
     out.update(
         {
             "total": len(ids),
-            "entities": [entity_json(state.info, state.committed[eid]) for eid in ids[:limit]],
+            "entities": [
+                entity_json(state.info, state.entity_state(eid, state.committed[eid]))
+                for eid in ids[:limit]
+            ],
         }
     )
     return json_response(out)
@@ -105,7 +108,7 @@ async def get_entity(request: web.Request) -> web.Response:
         raise InvalidRequest(f"entity id must be hex, not {text!r}") from None
     if len(entity_id) != ENTITY_ID_SIZE:
         raise InvalidRequest(f"an entity id is {ENTITY_ID_SIZE} bytes ({2 * ENTITY_ID_SIZE} hex)")
-    entity = state.committed.get(entity_id)
+    entity = state.entity(entity_id)
     if entity is None:
         # No wire code names a missing row; ConvergeDB answers DELETED for it.
         raise TableNotFound(f"kind {state.info.name!r} has no entity {text}")
@@ -154,7 +157,9 @@ async def kind_sources(request: web.Request) -> web.Response:
             "idle_ms": max(0, round((now - source.last_seen) * 1000)),
             "liveness_deadline_ms": source.deadline_ms,
             "entities": sum(
-                1 for kind_id, _ in tenant.source_entities.get(slot, ()) if kind_id not in internal
+                len(eids)
+                for kind_id, eids in tenant.source_entities.get(slot, {}).items()
+                if kind_id not in internal
             ),
         }
         for slot, source in sorted(tenant.sources.items())
