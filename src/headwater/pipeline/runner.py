@@ -88,6 +88,12 @@ def _transform(spark: Any, frames: dict[str, Any], step: TransformSpec) -> Any:
 
 
 def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any) -> Any:
+    if sink.type == "kind" and sink.partitions is not None:
+        # Each writing partition is a Ripple worker holding one of the tenant's 64 source
+        # slots: a bounded number of partitions, and hashed by the key so that a key
+        # always comes from the same worker (a Remove clears only what its worker set),
+        # whatever spark.sql.shuffle.partitions the steps before had.
+        df = df.repartition(sink.partitions, df[sink.settings["key"]])
     writer = df.writeStream.queryName(f"{spec.name}_{sink.name}").outputMode(spec.output_mode)
     writer = writer.option("checkpointLocation", str(spec.checkpoint / sink.name))
     if sink.type == "stream":

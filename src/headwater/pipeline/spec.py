@@ -119,8 +119,9 @@ class SinkSpec:
     name: str
     type: str
     input: str
-    settings: dict[str, Any]
+    settings: dict[str, Any]  # data source options the sink's type derives from the file
     options: dict[str, str]
+    partitions: int | None = None  # kind sinks: Spark partitions (Ripple workers) writing
 
 
 @dataclass
@@ -323,10 +324,26 @@ def _stream_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[
 KIND_COLUMN_TYPES = {"STRING", "BOOLEAN", "TINYINT", "SMALLINT", "INT", "BIGINT", "FLOAT", "DOUBLE"}
 
 
+# Spark partitions a kind sink writes from by default: each is a Ripple worker holding one
+# of the tenant's 64 source slots (docs/spark.md, "Sources and liveness").
+KIND_SINK_PARTITIONS = 8
+MAX_KIND_SINK_PARTITIONS = 64
+
+
 def _kind_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[str, Any]:
-    _expect(
-        data, where, {"name", "type", "input", "kind", "key", "patch_columns", "options"}, {"kind"}
-    )
+    allowed = {"name", "type", "input", "kind", "key", "patch_columns", "partitions", "options"}
+    _expect(data, where, allowed, {"kind"})
+    partitions = data.get("partitions", KIND_SINK_PARTITIONS)
+    if (
+        not isinstance(partitions, int)
+        or isinstance(partitions, bool)
+        or not 1 <= partitions <= MAX_KIND_SINK_PARTITIONS
+    ):
+        raise PipelineError(
+            f"{where}: partitions must be an integer from 1 to {MAX_KIND_SINK_PARTITIONS} "
+            f"(each is a Ripple source of the tenant's {MAX_KIND_SINK_PARTITIONS}), "
+            f"not {partitions!r}"
+        )
     kind = _str(data, "kind", where)
     try:
         check_stream_name(kind, "kind")
@@ -355,7 +372,7 @@ def _kind_sink(data: Mapping[str, Any], where: str, columns: Columns) -> dict[st
                     f"{where}: column {name} is {sql_type}; a kind field takes "
                     f"{', '.join(sorted(KIND_COLUMN_TYPES))} (cast it in a sql step)"
                 )
-    settings: dict[str, Any] = {"kind": kind, "key": key}
+    settings: dict[str, Any] = {"kind": kind, "key": key, "partitions": partitions}
     if patch:
         settings["patchColumns"] = ",".join(patch)
     return settings
@@ -467,8 +484,9 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
         if input_name not in views:
             raise PipelineError(f"{where}: input {input_name!r} is not a source or transform")
         settings = SINK_TYPES[kind](entry, where, views[input_name])
+        partitions = settings.pop("partitions", None)
         name = str(entry.get("name", f"sink{i}"))
-        sinks.append(SinkSpec(name, kind, input_name, settings, _options(entry, where)))
+        sinks.append(SinkSpec(name, kind, input_name, settings, _options(entry, where), partitions))
     checkpoint = Path(_str(data, "checkpoint", "pipeline"))
     output_mode = str(data.get("output_mode", "append"))
     if output_mode not in ("append", "update", "complete"):

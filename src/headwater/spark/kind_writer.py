@@ -39,6 +39,7 @@ from headwater.ripple import Worker, WorkerError
 from .options import ConnectionOptions, check_stream_name
 
 RIPPLE_PORT = 7403
+MAX_SOURCES = 64  # source slots of a tenant's kinds (spec/PROTOCOLS.md §4)
 ROWS_PER_BATCH = 1 << 32  # sequence numbers a streaming batch's task may use
 ROWS_PER_MS = 1 << 21  # sequence numbers per millisecond of a batch job's start
 EPOCH_2025_MS = 1_735_689_600_000
@@ -144,6 +145,14 @@ def _connect(worker_id: str, options: KindWriteOptions, schema: rm.Schema) -> Wo
     try:
         return Worker(worker_id, {options.kind: schema}, str(options.ripple_server))
     except (OSError, WorkerError) as exc:
+        if isinstance(exc, WorkerError) and "source slots" in str(exc):
+            raise UsageError(
+                f"writing kind {options.kind}: worker {worker_id} got no source slot ({exc}). "
+                f"Each Spark partition writing kinds is a Ripple source, and a tenant's kinds "
+                f"take at most {MAX_SOURCES} at once (with ConvergeDB writers and sources gone "
+                "for less than their liveness deadline): write from fewer partitions, e.g. "
+                "df.repartition(8, key) or a pipeline kind sink's partitions:"
+            ) from None
         if isinstance(exc, WorkerError) and "refused" in str(exc):
             raise  # the server answered: its reason says what is wrong
         raise UsageError(

@@ -257,3 +257,83 @@ def test_pipeline_from_a_kind_changelog_to_a_kind(
 
 def _ripple_key(key: str) -> bytes:
     return key.encode().ljust(32, b"\0")
+
+
+def _ripple_workers(server: SdkServer, kind: str) -> list[str]:
+    url = f"http://127.0.0.1:{server.ports['http']}/api/ripple/workers"
+    workers = json.loads(urllib.request.urlopen(url, timeout=10).read())["workers"]
+    return sorted(w["worker_id"] for w in workers if any(o["output"] == kind for o in w["outputs"]))
+
+
+def test_kind_sink_after_an_aggregation_with_200_shuffle_partitions(
+    spark: Any, sdk_make_server: Any, tmp_path: Path
+) -> None:
+    """Spark's default spark.sql.shuffle.partitions (200) puts 150 keys in ~100 partitions,
+    each a Ripple worker: more than a tenant's 64 source slots. A pipeline's kind sink
+    writes from 8 partitions (hashed by key) and gets every sum in; the format alone,
+    given those partitions, fails with an error that says what to change."""
+    server = sdk_make_server(listen={"ripple": "127.0.0.1:0", "http": "127.0.0.1:0"})
+    keys = 150
+    with headwater.connect(server.address) as hw:
+        hw.create_stream("amounts")
+        hw.append("amounts", [json.dumps({"k": f"k{i % keys}", "n": i}) for i in range(600)])
+    expected = {f"k{k}": (sum(range(k, 600, keys)), 4) for k in range(keys)}
+    spec_path = tmp_path / "p.yaml"
+    spec_path.write_text(
+        json.dumps(
+            {
+                "server": server.address,
+                "sources": [
+                    {
+                        "name": "amounts",
+                        "type": "stream",
+                        "stream": "amounts",
+                        "format": "json",
+                        "schema": "k STRING, n BIGINT",
+                    }
+                ],
+                "transforms": [
+                    {
+                        "sql": "SELECT k AS key, sum(n) AS total, count(*) AS n "
+                        "FROM amounts GROUP BY k"
+                    }
+                ],
+                "sinks": [{"type": "kind", "kind": "kw_totals"}],
+                "checkpoint": str(tmp_path / "cp"),
+                "trigger": "availableNow",
+                "output_mode": "complete",
+            }
+        )
+    )
+    default = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", "200")
+    try:
+        assert run_pipeline(load_pipeline(spec_path), "unused", print, spark=spark) == 0
+        assert _state(spark, server, "kw_totals") == expected
+        workers = _ripple_workers(server, "kw_totals")
+        assert 1 < len(workers) <= 8, workers
+        assert all(re.fullmatch(r"spark/kw_totals/[0-9a-f-]+/[0-7]", w) for w in workers)
+
+        query = (
+            spark.readStream.format(FMT)
+            .option("server", server.address)
+            .option("stream", "amounts")
+            .option("valueFormat", "json")
+            .option("schema", "k STRING, n BIGINT")
+            .load()
+            .groupBy("k")
+            .agg({"n": "sum"})
+            .withColumnRenamed("k", "key")
+            .withColumnRenamed("sum(n)", "total")
+            .writeStream.format(FMT)
+            .option("server", server.address)
+            .option("kind", "kw_totals_direct")
+            .option("checkpointLocation", str(tmp_path / "cp_direct"))
+            .outputMode("complete")
+            .trigger(availableNow=True)
+            .start()
+        )
+        with pytest.raises(Exception, match=r"got no source slot .*at most 64 at once"):
+            query.awaitTermination(300)
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", default)

@@ -142,6 +142,13 @@ def test_kind_sink_settings(tmp_path: Path):
     )
     [sink] = parse_pipeline(data, tmp_path).sinks
     assert sink.settings == {"kind": "quotes", "key": "key", "patchColumns": "price"}
+    assert sink.partitions == 8  # Ripple workers (source slots) the sink writes from
+    data["sinks"] = [{"type": "kind", "kind": "quotes", "partitions": 64}]
+    assert parse_pipeline(data, tmp_path).sinks[0].partitions == 64
+    for bad in (0, 65, "4", True):
+        data["sinks"] = [{"type": "kind", "kind": "quotes", "partitions": bad}]
+        with pytest.raises(PipelineError, match=r"sinks\[0\]: partitions must be .* 1 to 64"):
+            parse_pipeline(data, tmp_path)
 
 
 KIND_SOURCE = {"name": "quotes", "type": "kind", "kind": "quotes"}
