@@ -9,9 +9,12 @@ protocol over loopback: headwater's sans-I/O ConvergeDB codec on one side, RESP 
 * The update: a 32-byte entity id and 5 numeric fields (u64 ``batch``: the index of the
   frame that carried it, f64 ``bid``, ``ask``, ``last``, i64 ``volume``) over ``--keys``
   entities. headwater: ``--batch`` ASSERTs per BATCH frame, each ACKed once durable
-  (policy ``fsync``: fdatasync before the ACK), at most ``--depth`` frames in flight (a
-  writer that never waits fills windows faster than 10 subscribers on two cores drain
-  them, and the 4,096-notification buffer then disconnects them). Redis (``appendfsync
+  (policy ``fsync``: fdatasync before the ACK), at most ``--depth`` frames in flight.
+  Each ACK waits for its 20 ms window and the fdatasync, so a writer is held to about
+  ``depth * batch`` updates per window: 4 frames of 1,000 cap it near 170k/s whatever
+  the server does, hence 16 by default (the entities SDK keeps up to 1,024). A writer
+  that never waits at all fills windows faster than 10 subscribers on two cores drain
+  them, and the 4,096-notification buffer then disconnects them. Redis (``appendfsync
   everysec``: an acknowledged write may still be lost for up to a second): per update
   ``HSET id batch .. volume ..`` plus ``PUBLISH kinds <id + the same 40 bytes of
   field_data>``, ``--batch`` updates pipelined per write, ``--depth`` pipelines in
@@ -497,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=300_000, help="updates per throughput run")
     p.add_argument("--keys", type=int, default=100_000, help="distinct entities")
     p.add_argument("--batch", type=int, default=1000, help="updates per BATCH / pipeline")
-    p.add_argument("--depth", type=int, default=4, help="BATCHes / pipelines in flight")
+    p.add_argument("--depth", type=int, default=16, help="BATCHes / pipelines in flight")
     p.add_argument("--subscribers", type=int, default=10, help="subscriber processes")
     p.add_argument("--repeat", type=int, default=3, help="throughput runs per side")
     p.add_argument("--latency-rate", type=int, default=20_000, help="paced updates/s")

@@ -86,7 +86,7 @@ class RecordCodec:
         if not new:
             return []
         fixed = self.fixed
-        if fixed is not None and all(len(r) == fixed.size for r in chain(new, old)):
+        if fixed is not None and set(map(len, chain(new, old))) == {fixed.size}:
             columns = self._columns
             assert columns is not None
             a = np.frombuffer(b"".join(new), dtype=columns)
