@@ -372,6 +372,171 @@ def test_async_client(server: SdkServer, kind_name: str) -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_include_previous_and_metadata_on_changes(server: SdkServer, kind_name: str) -> None:
+    key = entities.entity_id("p")
+    with (
+        entities.connect(cdb(server), name="prev") as src,
+        entities.connect(cdb(server), read_only=True) as reader,
+        entities.connect(cdb(server), read_only=True) as plain_reader,
+    ):
+        kind = src.create_kind(Sensor, kind_name)
+        src.assert_(kind, "p", Sensor("lab", 1.0), metadata=b"first")
+        src.flush()
+        with_prev = reader.subscribe(reader.get_kind(Sensor, kind_name), include_previous=True)
+        plain = plain_reader.subscribe(plain_reader.get_kind(Sensor, kind_name), bootstrap=False)
+        with with_prev, plain:
+            booted = drain_until(with_prev, lambda: key in with_prev.view)
+            src.patch(kind, "p", temp=2.5, metadata=b"second")
+            src.flush()
+            changes = drain_until(with_prev, lambda: with_prev.view[key].change == "updated")
+            plain_changes = drain_until(plain, lambda: key in plain.view)
+        assert [(c.change, c.previous, c.metadata) for c in booted] == [
+            ("bootstrap", None, b"")  # metadata is never stored: a bootstrap has none
+        ]
+        [updated] = changes
+        assert updated.value == Sensor("lab", 2.5) and updated.changed_fields == 0b10
+        assert updated.previous == Sensor("lab", 1.0)  # only with include_previous
+        assert updated.metadata == b"second"
+        [plain_updated] = plain_changes
+        assert plain_updated.value == Sensor("lab", 2.5) and plain_updated.previous is None
+        assert plain_updated.metadata == b"second"
+        queried = src.get(kind, "p")
+        assert queried is not None and queried.metadata == b"" and queried.previous is None
+
+
+def test_events_of_an_event_stream_kind(server: SdkServer, kind_name: str) -> None:
+    with (
+        entities.connect(cdb(server), name="ev") as src,
+        entities.connect(cdb(server), name="ev2") as other,
+        entities.connect(cdb(server), read_only=True) as reader,
+    ):
+        kind = src.create_kind(Sensor, kind_name, event_stream=True)
+        other_kind = other.get_kind(Sensor, kind_name)
+        src.assert_(kind, "a", Sensor("lab", 1.0))  # sequence 0, before the subscription
+        src.flush()
+        sub = reader.subscribe(reader.get_kind(Sensor, kind_name), events=True).start()
+        sub.wait_bootstrapped(WAIT_SECONDS)
+        assert [(c.change, c.key) for c in sub.next_batch(timeout=0)] == [("bootstrap", "a")]
+        src.patch(kind, "a", temp=2.0, metadata=b"m")
+        src.assert_(kind, "b", Sensor("x", 3.0, 7, False))
+        src.flush()
+        other.retract(other_kind, "a")  # not other's: changes nothing, still an EVENT
+        other.flush()
+        src.retract(kind, "b")
+        src.flush()
+        events: list[entities.EntityEvent] = []
+        for event in sub.events():  # leaving the loop unsubscribes
+            events.append(event)
+            if len(events) == 4:
+                break
+        assert sub.closed
+        assert [(e.op, e.key, e.source_id, e.sequence, e.fields) for e in events] == [
+            ("patch", "a", src.source_id, 1, {"temp": 2.0}),
+            ("assert", "b", src.source_id, 2, {"site": "x", "temp": 3.0, "count": 7, "ok": False}),
+            ("retract", "a", other.source_id, 3, {}),
+            ("retract", "b", src.source_id, 4, {}),
+        ]
+        assert (events[0].metadata, events[0].presence_mask) == (b"m", 0b10)
+        # Events are not states: the view is the bootstrap, and no change came live.
+        assert sub.next_batch(timeout=0) == []
+        assert [(e.key, e.value) for e in sub.view.values()] == [("a", Sensor("lab", 1.0))]
+
+
+def test_events_decode_the_fields_an_old_dataclass_knows(server: SdkServer, kind_name: str) -> None:
+    @dataclass
+    class SensorV2:
+        site: str
+        temp: float
+        count: entities.U32 = 0
+        ok: bool = True
+        note: str = ""
+
+    with (
+        entities.connect(cdb(server), name="v2") as src,
+        entities.connect(cdb(server), read_only=True) as reader,
+    ):
+        src.create_kind(Sensor, kind_name, event_stream=True)
+        new = src.create_kind(SensorV2, kind_name, event_stream=True)  # appends "note"
+        old = reader.get_kind(Sensor, kind_name)  # knows the first four fields only
+        with reader.subscribe(old, events=True, bootstrap=False) as sub:
+            src.assert_(new, "k", SensorV2("s", 1.0, 2, False, "n"))
+            src.patch(new, "k", note="only the new field")
+            src.patch(new, "k", temp=4.0, note="both")
+            src.flush()
+            events: list[entities.EntityEvent] = []
+            deadline = time.monotonic() + WAIT_SECONDS
+            while len(events) < 3:
+                assert time.monotonic() < deadline, events
+                events += sub.next_events(timeout=0.2)
+        assert [(e.op, e.fields, e.presence_mask) for e in events] == [
+            ("assert", {"site": "s", "temp": 1.0, "count": 2, "ok": False}, 0b11111),
+            ("patch", {}, 0b10000),
+            ("patch", {"temp": 4.0}, 0b10010),
+        ]
+
+
+def test_events_on_a_kind_that_is_no_event_stream_are_changes(
+    server: SdkServer, kind_name: str
+) -> None:
+    with (
+        entities.connect(cdb(server), name="noev") as src,
+        entities.connect(cdb(server), read_only=True) as reader,
+    ):
+        kind = src.create_kind(Sensor, kind_name)
+        with reader.subscribe(reader.get_kind(Sensor, kind_name), events=True) as sub:
+            sub.wait_bootstrapped(WAIT_SECONDS)
+            src.assert_(kind, "c", Sensor("c", 1.0))
+            src.flush()
+            changes = drain_until(sub, lambda: entities.entity_id("c") in sub.view)
+            assert [(c.change, c.key) for c in changes] == [("created", "c")]
+            assert sub.next_events(timeout=0.2) == []
+
+
+def test_async_events_and_include_previous(server: SdkServer, kind_name: str) -> None:
+    async def main() -> None:
+        src = await entities.connect_async(cdb(server), name="aio-ev")
+        reader = await entities.connect_async(cdb(server), read_only=True)
+        changes_reader = await entities.connect_async(cdb(server), read_only=True)
+        try:
+            kind = await src.create_kind(Sensor, kind_name, event_stream=True)
+            read_kind = await reader.get_kind(Sensor, kind_name)
+            async with (
+                reader.subscribe(read_kind, events=True, bootstrap=False) as sub,
+                changes_reader.subscribe(
+                    await changes_reader.get_kind(Sensor, kind_name),
+                    bootstrap=False,
+                    include_previous=True,
+                ) as changes,
+            ):
+                await src.assert_(kind, "e", Sensor("a", 1.0), metadata=b"x")
+                await src.flush()  # a window each: created, then updated
+                await src.patch(kind, "e", count=3)
+                await src.flush()
+                got: list[entities.EntityEvent] = []
+                async for event in sub.events():
+                    got.append(event)
+                    if len(got) == 2:
+                        break
+                seen: list[Entity[Sensor]] = []
+                async for change in changes:
+                    seen.append(change)
+                    if change.change == "updated":
+                        break
+            assert [(e.op, e.key, e.sequence, e.fields, e.metadata) for e in got] == [
+                ("assert", "e", 0, {"site": "a", "temp": 1.0, "count": 0, "ok": True}, b"x"),
+                ("patch", "e", 1, {"count": 3}, b""),
+            ]
+            assert [c.change for c in seen] == ["created", "updated"]
+            assert seen[1].previous == Sensor("a", 1.0) and seen[1].value == Sensor("a", 1.0, 3)
+            assert seen[0].previous is None and seen[0].metadata == b"x"
+        finally:
+            await src.close()
+            await reader.close()
+            await changes_reader.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_catalog_lists_and_describes_kinds(server: SdkServer, kind_name: str) -> None:
     with entities.connect(cdb(server)) as src:
         kind = src.create_kind(Sensor, kind_name, event_stream=True)

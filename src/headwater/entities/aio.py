@@ -64,6 +64,7 @@ from .errors import (
 )
 from .schema import (
     Entity,
+    EntityEvent,
     KeyLike,
     Kind,
     dataclass_fields,
@@ -747,10 +748,20 @@ class AsyncEntityClient:
         *,
         bootstrap: bool = True,
         resubscribe: ResubscribeMode = ResubscribeMode.FULL,
+        include_previous: bool = False,
+        events: bool = False,
     ) -> AsyncEntitySubscription[T]:
         """A subscription to the kind's changes: ``async for entity in sub`` (start it
-        with ``async with`` or :meth:`AsyncEntitySubscription.start`)."""
-        return AsyncEntitySubscription(self, kind, bootstrap, resubscribe)
+        with ``async with`` or :meth:`AsyncEntitySubscription.start`).
+
+        ``include_previous``: an ``updated`` change carries the value before it
+        (``entity.previous``). ``events``: on an event-stream kind, every write comes as
+        an :class:`~.schema.EntityEvent` (``async for event in sub.events()``) instead of
+        as changes; the bootstrap still comes as changes. On other kinds the server
+        ignores ``events`` and sends changes."""
+        return AsyncEntitySubscription(
+            self, kind, bootstrap, resubscribe, include_previous=include_previous, events=events
+        )
 
 
 def _reason(exc: BaseException) -> str:
@@ -795,6 +806,24 @@ def _entity(kind: Kind[T], state: m.State) -> Entity[T]:
         _CHANGES[m.Change(state.change)],
         state.source_set,
         state.changed_fields,
+        None if state.previous is None else kind.decode(state.previous),
+        state.metadata,
+    )
+
+
+_OPS = {Opcode.ASSERT: "assert", Opcode.PATCH: "patch", Opcode.RETRACT: "retract"}
+
+
+def _event(kind: Kind[Any], event: m.Event) -> EntityEvent:
+    return EntityEvent(
+        kind.name,
+        event.entity_id,
+        _OPS[Opcode(event.op)],
+        event.source_id,
+        event.sequence,
+        kind.decode_present(event.presence_mask, event.field_data),
+        event.presence_mask,
+        event.metadata,
     )
 
 
@@ -829,6 +858,12 @@ class AsyncEntitySubscription(Generic[T]):
     each state at most once and never go back in time. Iterating yields the accepted
     changes: Entity objects whose ``change`` is ``bootstrap``, ``created``, ``updated``
     or ``deleted`` (``value`` None).
+
+    With ``events`` on an event-stream kind, the server sends each write as an EVENT
+    instead of a change: :meth:`events` yields them as :class:`~.schema.EntityEvent` in
+    the kind's sequence order. They do not touch :attr:`view` (an op is not a state), so
+    the view then holds the bootstrap only. EVENTs sent while the connection was down are
+    not sent again after a reconnect: the gap shows in ``sequence``.
     """
 
     def __init__(
@@ -837,16 +872,23 @@ class AsyncEntitySubscription(Generic[T]):
         kind: Kind[T],
         bootstrap: bool,
         resubscribe: ResubscribeMode,
+        *,
+        include_previous: bool = False,
+        events: bool = False,
     ) -> None:
         self._client = client
         self.kind = kind
         self.bootstrap = bootstrap
         self.resubscribe_mode = resubscribe
+        self.include_previous = include_previous
+        self.events_requested = events
         self.view: dict[bytes, Entity[T]] = {}
         self.resubscribes = 0
         self._versions: dict[bytes, int] = {}  # deleted entities too, until bootstrap end
         self._queue: deque[Entity[T]] = deque()
         self._wakeup = asyncio.Event()
+        self._events: deque[EntityEvent] = deque()
+        self._events_wakeup = asyncio.Event()
         self._bootstrapped = asyncio.Event()
         self._bootstrap: _Bootstrap | None = None
         self._conn: CdbConnection | None = None
@@ -890,7 +932,12 @@ class AsyncEntitySubscription(Generic[T]):
         if self.closed:
             return
         full = self.bootstrap if not resubscribe else self.resubscribe_mode is ResubscribeMode.FULL
-        message = m.Subscribe(self.kind.kind_id, bootstrap=full)
+        message = m.Subscribe(
+            self.kind.kind_id,
+            bootstrap=full,
+            include_previous=self.include_previous,
+            events=self.events_requested,
+        )
         for _ in range(client.reconnect_attempts + 1):
             conn = await client._ensure()
             try:
@@ -938,6 +985,9 @@ class AsyncEntitySubscription(Generic[T]):
                 message.version,
                 lambda: Entity(self.kind.name, message.entity_id, message.version, None, "deleted"),
             )
+        elif isinstance(message, m.Event):
+            self._events.append(_event(self.kind, message))
+            self._events_wakeup.set()
         elif isinstance(message, m.BootstrapBegin):
             pass
         elif isinstance(message, m.BootstrapEnd):
@@ -989,6 +1039,7 @@ class AsyncEntitySubscription(Generic[T]):
         self._client._subscriptions.discard(self)
         self._bootstrapped.set()
         self._wakeup.set()
+        self._events_wakeup.set()
 
     # ---- consuming ----------------------------------------------------------------------
 
@@ -1042,6 +1093,39 @@ class AsyncEntitySubscription(Generic[T]):
             for entity in batch:
                 yield entity
 
+    async def next_events(self, timeout: float | None = None) -> list[EntityEvent]:
+        """The EVENTs received so far (waiting for one); [] on timeout or once closed. A
+        subscription the server ended raises its error once the events before it are
+        taken."""
+        if not self._events:
+            if self._state == "failed" and self._error is not None:
+                raise self._error
+            if self._state == "closed":
+                return []
+            self._events_wakeup.clear()
+            try:
+                await asyncio.wait_for(self._events_wakeup.wait(), timeout)
+            except TimeoutError:
+                return []
+        events = list(self._events)
+        self._events.clear()
+        if not events and self._state == "failed" and self._error is not None:
+            raise self._error
+        return events
+
+    async def events(self) -> AsyncIterator[EntityEvent]:
+        """``async for event in sub.events()``: the EVENTs of an event-stream kind
+        subscribed with ``events=True``, until the subscription is closed."""
+        await self.start()
+        while True:
+            batch = await self.next_events()
+            if not batch:
+                if self.closed:
+                    return
+                continue
+            for event in batch:
+                yield event
+
     async def close(self) -> None:
         """Unsubscribe (best effort, bounded) and stop."""
         if self.closed:
@@ -1050,6 +1134,7 @@ class AsyncEntitySubscription(Generic[T]):
         self._state = "closed"
         self._client._subscriptions.discard(self)
         self._wakeup.set()
+        self._events_wakeup.set()
         self._bootstrapped.set()
         if conn is None or state != "live" or not conn.usable:
             return

@@ -314,6 +314,14 @@ class Kind(Generic[T]):
             return typing.cast(T, kwargs)
         return self.cls(**kwargs)
 
+    def decode_present(self, presence_mask: int, field_data: bytes) -> dict[str, Any]:
+        """``{field name: value}`` of an EVENT's (or PATCH's) present fields. Present
+        fields past ours (appended by a migration this dataclass does not know) come
+        after ours in field_data and are skipped."""
+        present = [f for i, f in enumerate(self.fields) if presence_mask >> i & 1]
+        values = decode_prefix([FieldSpec(f.name, f.type) for f in present], field_data)
+        return {f.name: from_wire(f, v) for f, v in zip(present, values, strict=True)}
+
 
 @dataclass(frozen=True, slots=True, repr=False)
 class Entity(Generic[T]):
@@ -330,6 +338,12 @@ class Entity(Generic[T]):
     change: str
     source_set: int = 0
     changed_fields: int = 0
+    previous: T | None = None
+    """The value before an ``updated`` change, on a subscription with
+    ``include_previous``; None otherwise."""
+    metadata: bytes = b""
+    """The metadata of the last write in the change's window (live changes only: the
+    server never stores metadata, so QUERY and bootstrap states have none)."""
 
     def __repr__(self) -> str:
         return (
@@ -350,6 +364,37 @@ class Entity(Generic[T]):
     def sources(self) -> list[int]:
         """The source ids that assert the entity."""
         return [i for i in range(64) if self.source_set >> i & 1]
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class EntityEvent:
+    """One write to an event-stream kind, as an EVENT delivers it (a subscription with
+    ``events=True``): every ASSERT, PATCH and RETRACT, even one that changed nothing.
+
+    ``op`` is ``assert``, ``patch`` or ``retract``; ``fields`` maps the name of each
+    field the op carried to its value (an assert: every field; a patch: the patched
+    ones; a retract: none). ``sequence`` counts the kind's ops from 0, without gaps.
+    """
+
+    kind: str
+    entity_id: bytes
+    op: str
+    source_id: int
+    sequence: int
+    fields: dict[str, Any]
+    presence_mask: int = 0
+    metadata: bytes = b""
+
+    def __repr__(self) -> str:
+        return (
+            f"EntityEvent(kind={self.kind!r}, key={self.key!r}, op={self.op!r}, "
+            f"source_id={self.source_id}, sequence={self.sequence}, fields={self.fields!r})"
+        )
+
+    @property
+    def key(self) -> str:
+        """The entity id as :func:`key_text` shows it."""
+        return key_text(self.entity_id)
 
 
 def schema_fields(specs: Sequence[tuple[str, int]]) -> tuple[FieldInfo, ...]:

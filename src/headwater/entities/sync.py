@@ -28,7 +28,7 @@ from .aio import (
     ResubscribeMode,
 )
 from .catalog import DEFAULT_HTTP, KindDescription, describe_kind_async, list_kinds_async
-from .schema import Entity, KeyLike, Kind
+from .schema import Entity, EntityEvent, KeyLike, Kind
 
 T = TypeVar("T")
 _R = TypeVar("_R")
@@ -164,11 +164,22 @@ class EntityClient:
         *,
         bootstrap: bool = True,
         resubscribe: ResubscribeMode = ResubscribeMode.FULL,
+        include_previous: bool = False,
+        events: bool = False,
     ) -> EntitySubscription[T]:
         """A subscription: iterate it (``for entity in sub``) or use it in a ``with``
-        block; it unsubscribes when the block or the loop ends."""
+        block; it unsubscribes when the block or the loop ends. ``include_previous`` and
+        ``events``: see :meth:`AsyncEntityClient.subscribe` (``for event in
+        sub.events()``)."""
         return EntitySubscription(
-            self, self._inner.subscribe(kind, bootstrap=bootstrap, resubscribe=resubscribe)
+            self,
+            self._inner.subscribe(
+                kind,
+                bootstrap=bootstrap,
+                resubscribe=resubscribe,
+                include_previous=include_previous,
+                events=events,
+            ),
         )
 
 
@@ -232,6 +243,25 @@ class EntitySubscription(Generic[T]):
 
     def next(self, timeout: float | None = None) -> Entity[T] | None:
         return self._client._run(self._inner.next(timeout))
+
+    def events(self) -> Iterator[EntityEvent]:
+        """The EVENTs of an event-stream kind subscribed with ``events=True``, in
+        sequence order; it unsubscribes when the loop ends."""
+        self.start()
+        try:
+            while True:
+                batch = self._client._run(self._inner.next_events())
+                if not batch:
+                    if self._inner.closed:
+                        return
+                    continue
+                yield from batch
+        finally:
+            self.close()
+
+    def next_events(self, timeout: float | None = None) -> list[EntityEvent]:
+        """The EVENTs received so far (waiting for one); [] on timeout or once closed."""
+        return self._client._run(self._inner.next_events(timeout))
 
     def wait_bootstrapped(self, timeout: float | None = None) -> None:
         self._client._run(self._inner.wait_bootstrapped(timeout))
