@@ -336,3 +336,114 @@ def test_retention_under_a_query(
     )
     early = [(i, b"early%03d" % i) for i in range(10)]
     assert rows == (early if fail_on_data_loss else early + retained)
+
+
+def _held_back(gate: Path) -> Callable[..., Any]:
+    """A UDF passing values through that, until ``gate/go`` exists, holds every task it
+    runs in (after leaving ``gate/blocked-<partition>``): the tasks that started have
+    read their ranges, the others wait for a free core."""
+    from pyspark.sql.functions import udf
+
+    def value(v: bytes) -> bytes:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        if context is not None and not (gate / "go").exists():
+            (gate / f"blocked-{context.partitionId()}").touch()
+            deadline = time.monotonic() + 120
+            while not (gate / "go").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return v
+
+    return udf(value, "binary")
+
+
+READ_RETENTION_CONFIG = """
+[storage]
+sync = "none"
+segment_bytes = 4096
+retention_bytes = 49152
+maintenance_interval_ms = 100
+"""
+SPLIT = 100  # offsets per Spark partition: batch 0 is 3 tasks on 2 cores
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_retention_while_a_query_reads(
+    spark: Any, sdk_make_server: Any, tmp_path: Path, fail_on_data_loss: bool
+):
+    """Retention removes offsets that a running micro-batch planned but a task has not
+    read yet, up to the middle of that task's range: the executor's read meets
+    InvalidOffset. failOnDataLoss=true fails the query naming the lost offsets; false
+    reads on from the first stored offset, and the next batches go on from there."""
+    server = sdk_make_server(extra_config=READ_RETENTION_CONFIG)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+
+    def event(i: int) -> bytes:
+        return b"%05d" % i + b"." * 100
+
+    with headwater.connect(server.address) as hw:
+        hw.create_stream("src")
+        for i in range(0, 3 * SPLIT, 10):  # 300 events, ~40 KiB: under the retention limit
+            hw.append("src", [event(i + k) for k in range(10)])
+        query = (
+            spark.readStream.format(FMT)
+            .option("server", server.address)
+            .option("stream", "src")
+            .option("maxOffsetsPerPartition", str(SPLIT))
+            .option("failOnDataLoss", str(fail_on_data_loss).lower())
+            .load()
+            .select("offset", _held_back(gate)("value").alias("value"))
+            .writeStream.format("parquet")
+            .option("path", str(tmp_path / "data"))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .start()
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while len(list(gate.glob("blocked-*"))) < 2:
+                assert time.monotonic() < deadline, "two tasks of batch 0 did not start"
+                assert query.exception() is None, query.exception()
+                time.sleep(0.05)
+            time.sleep(0.5)  # no third task starts: both cores are held
+            blocked = sorted(int(p.name.split("-")[1]) for p in gate.glob("blocked-*"))
+            assert len(blocked) == 2
+            (waiting,) = set(range(3)) - set(blocked)
+
+            def first_stored() -> int:
+                return int(str(hw.query('SELECT min("offset") FROM src').scalar()))
+
+            # Append until retention has cut past two thirds of batch 0, a segment
+            # (~35 events) at a time, then let it settle under the byte limit.
+            i = 3 * SPLIT
+            deadline = time.monotonic() + 60
+            while first_stored() <= 2 * SPLIT:
+                assert time.monotonic() < deadline, "retention did not remove the first segments"
+                hw.append("src", [event(i + k) for k in range(10)])
+                i += 10
+                time.sleep(0.15)
+            while hw.stream_info("src").size_bytes > 49152:
+                assert time.monotonic() < deadline, "retention did not settle"
+                time.sleep(0.1)
+            first = first_stored()
+            end = hw.stream_info("src").next_offset
+            assert 2 * SPLIT < first < 3 * SPLIT, first  # inside the last task's range
+            (gate / "go").touch()  # the waiting task starts now
+            if fail_on_data_loss:
+                lost = rf"offsets {waiting * SPLIT}\.\.{first - 1} were removed by retention"
+                with pytest.raises(Exception, match=lost + " before they were read"):
+                    query.awaitTermination(120)
+                return
+            query.processAllAvailable()
+            assert query.exception() is None
+        finally:
+            (gate / "go").touch()
+            query.stop()
+    rows = sorted(
+        (r.offset, bytes(r.value)) for r in spark.read.parquet(str(tmp_path / "data")).collect()
+    )
+    expected = [o for p in blocked for o in range(p * SPLIT, (p + 1) * SPLIT)]
+    expected += range(max(first, waiting * SPLIT), (waiting + 1) * SPLIT)  # read on from first
+    expected += range(3 * SPLIT, end)  # the batches after batch 0
+    assert rows == [(o, event(o)) for o in sorted(expected)]
