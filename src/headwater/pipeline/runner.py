@@ -53,6 +53,8 @@ def _source(spark: Any, spec: PipelineSpec, source: SourceSpec) -> Any:
     reader = reader.format(source.type).options(**source.options)
     if source.settings["schema"]:
         reader = reader.schema(source.settings["schema"])
+    else:  # parquet: the schema its files carry (without the session's schemaInference)
+        reader = reader.schema(spark.read.parquet(source.settings["path"]).schema)
     return reader.load(source.settings["path"])
 
 

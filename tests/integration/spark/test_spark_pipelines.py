@@ -12,6 +12,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,7 @@ def test_filter_mask_rename_to_parquet(spark: Any, sdk_server: Any, sdk_stream_n
 def _cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "NO_COLOR": "1"})
+    env["JAVA_TOOL_OPTIONS"] = "-XX:TieredStopAtLevel=1"  # as the shared session: starts faster
     return env
 
 
@@ -297,3 +299,200 @@ def test_vwap_pipeline_on_standalone_cluster(
         assert f"on {standalone_cluster}" in proc.stdout
         assert re.search(r"\[vwap_vwap_stream\] batch 0: in 2000 rows", proc.stdout), proc.stdout
         _check_vwap(hw, sink, trades)
+
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "spark.md"
+PROGRESS = re.compile(
+    r"^\[(\w+)\] batch (\d+): in (\d+) rows, out (\d+|\?) rows, lag (\d+) offsets, (\d+) ms$",
+    re.MULTILINE,
+)
+
+
+def _docs_pipeline() -> dict[str, Any]:
+    (block,) = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), re.DOTALL)
+    data = yaml.safe_load(block)
+    assert isinstance(data, dict)
+    return data
+
+
+def _progress(stdout: str) -> dict[str, list[tuple[int, int, int | None, int]]]:
+    """query name -> (batch, rows in, rows out or None for '?', lag) per progress line."""
+    lines: dict[str, list[tuple[int, int, int | None, int]]] = defaultdict(list)
+    for name, batch, rows_in, rows_out, lag, _ms in PROGRESS.findall(stdout):
+        out = None if rows_out == "?" else int(rows_out)
+        lines[name].append((int(batch), int(rows_in), out, int(lag)))
+    return lines
+
+
+def test_docs_pipeline_example_runs(
+    spark: Any, sdk_make_server: Any, sdk_stream_name: str, tmp_path: Path
+) -> None:
+    """The pipeline of docs/spark.md, as it is there (only its server, paths and trigger
+    pointed at the test's), run by `headwater pipeline run`: two sources (a stream and a
+    kind's changelog), every transform type, the five sinks, progress lines."""
+    server = sdk_make_server(
+        extra_config="[ripple]\nliveness_ms = 600000\n", listen={"ripple": "127.0.0.1:0"}
+    )
+    trades = _trades(3000, symbols=5, step_ms=50)  # 150 s: two windows close
+    with headwater.connect(server.address) as hw:
+        hw.create_stream("raw_trades")
+        hw.append("raw_trades", [json.dumps(t).encode() for t in trades])
+    limits = spark.createDataFrame(
+        [(f"L{i}", 10.0 + i, False) for i in range(4)],
+        "key string, max_price double, deleted boolean",
+    )
+    for df in (limits, spark.createDataFrame([("L2", None, True)], limits.schema)):
+        df.coalesce(1).write.format("headwater").option("server", server.address).option(
+            "kind", "price_limits"
+        ).mode("append").save()
+
+    data = _docs_pipeline()
+    assert data["server"] == "127.0.0.1:7401" and data["trigger"] == "1 second"
+    data["server"] = server.address
+    data["checkpoint"] = str(tmp_path / "checkpoints")
+    data["trigger"] = "availableNow"  # ends once it has read what is there
+    (parquet,) = [s for s in data["sinks"] if s["type"] == "parquet"]
+    parquet["path"] = str(tmp_path / "vwap_parquet")
+    path = tmp_path / "docs_example.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    proc = subprocess.run(
+        [sys.executable, "-m", "headwater.cli.main", "pipeline", "run", str(path)],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    expected = {
+        (hashlib.sha256(sym.encode()).hexdigest(), start): vwap
+        for (sym, start), vwap in _expected_vwap(trades, 10_000_000).items()
+    }
+    assert len(expected) == 10  # 5 symbols x 2 closed windows
+
+    def check(values: list[str]) -> None:
+        got = {}
+        for value in values:
+            row = json.loads(value)
+            start = datetime.fromisoformat(row["start"]).timestamp()
+            got[(row["sym"], round(start * 1_000_000))] = row["vwap"]
+        assert set(got) == set(expected) and len(values) == len(expected)
+        assert all(got[k] == pytest.approx(v, rel=1e-12) for k, v in expected.items())
+
+    with headwater.connect(server.address) as hw:
+        stream_values = [e.value.decode() for e in hw.scan("vwap_out")]
+    check(stream_values)
+    check([r.value for r in spark.read.parquet(str(tmp_path / "vwap_parquet")).collect()])
+    check([v for v in stream_values if v in proc.stdout])  # the console sink printed each
+
+    def kind(name: str) -> list[Any]:
+        reader = spark.read.format("headwater").option("server", server.address)
+        return reader.option("kind", name).load().collect()
+
+    by_entity = {r.entity_id: (r.sym, r.vwap) for r in kind("vwap")}  # key: "<sym>/<start>"
+    assert by_entity.keys() == {
+        hashlib.sha256(f"{sym}/{start}".encode()).hexdigest() for sym, start in expected
+    }
+    for (sym, start), vwap in expected.items():
+        got_sym, got_vwap = by_entity[hashlib.sha256(f"{sym}/{start}".encode()).hexdigest()]
+        assert got_sym == sym and got_vwap == pytest.approx(vwap, rel=1e-12)
+    limit_ids = {r.entity_id: r.max_price for r in kind("price_limits")}
+    assert sorted(limit_ids.values()) == [10.0, 11.0, 13.0]  # L2 removed
+    doubled = {r.entity_id: r.max_price2 for r in kind("doubled_limits")}
+    assert doubled == {
+        hashlib.sha256(entity.encode()).hexdigest(): 2 * price
+        for entity, price in limit_ids.items()
+    }
+
+    # One progress line per micro-batch of each of the five queries, with real numbers.
+    progress = _progress(proc.stdout)
+    assert sorted(progress) == [f"vwap_sink{i}" for i in range(5)], proc.stdout
+    for name, lines in progress.items():
+        assert [b for b, *_ in lines] == list(range(len(lines))), (name, lines)
+        if name != "vwap_sink4":  # the trades, all in the first batch (<= 10000 per trigger)
+            assert sum(rows_in for _, rows_in, _, _ in lines) == 3000
+            assert lines[0][3] == 0  # nothing left behind: lag 0 offsets
+        outs = [out for _, _, out, _ in lines]
+        if name == "vwap_sink1":
+            assert set(outs) == {None}  # a file sink does not report its rows: '?'
+        elif name == "vwap_sink4":
+            assert None not in outs and sum(outs) >= 4  # every change of price_limits
+        else:  # stream, console and kind sinks: one row per closed window
+            assert None not in outs and sum(outs) == 10, (name, lines)
+
+
+def test_file_sources_two_sinks_and_progress(
+    spark: Any, sdk_make_server: Any, tmp_path: Path
+) -> None:
+    """CSV, JSON and Parquet directories as sources, a select keeping columns, a stream
+    sink and a kind sink, and a progress line per micro-batch with the real numbers."""
+    server = sdk_make_server(listen={"ripple": "127.0.0.1:0"})
+    people = {
+        src: [(f"{src}{i}", f"city{i % 3}", 100 * i + ord(src)) for i in range(8)] for src in "abc"
+    }
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "part1.csv").write_text(
+        "name,city,amount\n" + "".join(f"{n},{c},{a}\n" for n, c, a in people["a"])
+    )
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "part1.json").write_text(
+        "".join(json.dumps({"name": n, "city": c, "amount": a}) + "\n" for n, c, a in people["b"])
+    )
+    spark.createDataFrame(people["c"], "name string, city string, amount long").write.parquet(
+        str(tmp_path / "c")
+    )
+    schema = "name STRING, city STRING, amount INT"
+    spec_path = tmp_path / "files.yaml"
+    spec_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "files",
+                "server": server.address,
+                "sources": [
+                    {
+                        "name": "a",
+                        "type": "csv",
+                        "path": str(tmp_path / "a"),
+                        "schema": schema,
+                        "options": {"header": True},
+                    },
+                    {"name": "b", "type": "json", "path": str(tmp_path / "b"), "schema": schema},
+                    {"name": "c", "type": "parquet", "path": str(tmp_path / "c")},  # its schema
+                ],
+                "transforms": [
+                    {
+                        "name": "everyone",
+                        "sql": "SELECT name, city, amount FROM a UNION ALL "
+                        "SELECT name, city, amount FROM b UNION ALL "
+                        "SELECT name, city, CAST(amount AS INT) FROM c",
+                    },
+                    {"name": "kept", "select": ["name", "amount"]},
+                    {"name": "as_json", "sql": "SELECT to_json(struct(*)) AS value FROM kept"},
+                ],
+                "sinks": [
+                    {"type": "stream", "stream": "people_out", "input": "as_json"},
+                    {"type": "kind", "kind": "people", "key": "name", "input": "kept"},
+                ],
+                "checkpoint": str(tmp_path / "cp"),
+                "trigger": "availableNow",
+            },
+            sort_keys=False,
+        )
+    )
+    lines: list[str] = []
+    assert run_pipeline(load_pipeline(spec_path), "unused", lines.append, spark=spark) == 0
+    everyone = sorted(p for rows in people.values() for p in rows)
+    with headwater.connect(server.address) as hw:
+        out = sorted(
+            (r["name"], r["amount"])
+            for r in map(json.loads, (e.value for e in hw.scan("people_out")))
+        )
+    assert out == [(n, a) for n, _, a in everyone]
+    df = spark.read.format("headwater").option("server", server.address)
+    state = {r.entity_id: r.amount for r in df.option("kind", "people").load().collect()}
+    assert state == {n.encode().ljust(32, b"\0").hex(): a for n, _, a in everyone}
+    progress = _progress("\n".join(lines))
+    assert progress == {  # one batch each: 24 rows in, 24 out, nothing left behind
+        "files_sink0": [(0, 24, 24, 0)],
+        "files_sink1": [(0, 24, 24, 0)],
+    }, lines
