@@ -1,4 +1,5 @@
-"""Print every VWAP the pipeline writes to kind ``vwap``, as it lands (ConvergeDB).
+"""Print every VWAP the pipeline writes to kind ``vwap``, as it lands (ConvergeDB): a
+window's entity is created with the VWAP of its first trades and updated as more arrive.
 
 python examples/vwap/watch_vwap.py
 """
@@ -34,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
                 break
             except KindNotFound:  # the pipeline's first batch creates it
                 time.sleep(1)
-        for change in reader.subscribe(kind):
-            v = change.value
-            if v is not None:
-                print(f"{change.change:9s} {v.symbol} {v.window_start_us} {v.vwap:.4f} {v.volume}")
+        for change in reader.subscribe(kind, include_previous=True):
+            v, before = change.value, change.previous
+            if v is None:
+                continue
+            was = "" if before is None else f" (was {before.vwap!r} over {before.volume})"
+            line = f"{change.change:9s} {v.symbol} {v.window_start_us} {v.vwap!r} {v.volume}{was}"
+            print(line, flush=True)
     return 0
 
 

@@ -23,8 +23,13 @@ def cmd_pipeline_run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         err.print(f"[red]error:[/] pipelines need: pip install 'headwater[spark]' ({exc})")
         return 2
+    overrides: dict[str, str] = {}
+    if args.server:
+        overrides["server"] = args.server
+    if args.checkpoint:
+        overrides["checkpoint"] = str(args.checkpoint.resolve())
     try:
-        spec = load_pipeline(args.file, server_kind_columns)
+        spec = load_pipeline(args.file, server_kind_columns, overrides)
         check_streams(spec)
     except PipelineError as exc:
         err.print(f"[red]error:[/] {exc}", soft_wrap=True, highlight=False)
@@ -50,4 +55,8 @@ def add_pipeline_commands(sub: Any) -> None:
     run = commands.add_parser("run", help="check a pipeline file and run it")
     run.add_argument("file", type=Path)
     run.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
+    run.add_argument("--server", help="the Kimberlite listener, instead of the file's server")
+    run.add_argument(
+        "--checkpoint", type=Path, help="checkpoint directory, instead of the file's checkpoint"
+    )
     run.set_defaults(func=cmd_pipeline_run)

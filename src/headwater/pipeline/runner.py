@@ -25,6 +25,7 @@ def spark_session(master: str, app_name: str, conf: dict[str, str]) -> Any:
         .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.streaming.schemaInference", "true")
+        .config("spark.ui.showConsoleProgress", "false")  # the runner prints its own lines
     )
     for key, value in conf.items():
         builder = builder.config(key, value)
@@ -89,7 +90,33 @@ def _transform(spark: Any, frames: dict[str, Any], step: TransformSpec) -> Any:
     )
 
 
-def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any) -> Any:
+QUERY_ID_PROPERTY = "sql.streaming.queryId"  # the local property Spark sets per batch
+RowsOut = dict[tuple[str, int], int]  # (query id, batch id) -> rows a sink wrote
+
+
+def _foreach_batch(options: dict[str, str], rows_out: RowsOut) -> Callable[[Any, int], None]:
+    """Update mode on a headwater sink: Spark's Python data sources take append and
+    complete only, so each micro-batch is a batch write numbered as the streaming writer
+    numbers that (query, batch) (options queryId, batchId): exactly once across reruns.
+    Its rows are counted on the way (an Observation) for the progress line."""
+
+    def write(batch: Any, batch_id: int) -> None:
+        from pyspark.sql import Observation
+        from pyspark.sql import functions as F
+
+        query_id = batch.sparkSession.sparkContext.getLocalProperty(QUERY_ID_PROPERTY)
+        if not query_id:
+            raise RuntimeError(f"Spark did not pass {QUERY_ID_PROPERTY} to foreachBatch")
+        observation = Observation("headwater_rows_out")
+        counted = batch.observe(observation, F.count(F.lit(1)).alias("rows"))
+        writer = counted.write.format(FORMAT).options(**options).mode("append")
+        writer.option("queryId", query_id).option("batchId", str(batch_id)).save()
+        rows_out[(query_id, batch_id)] = int(observation.get["rows"])
+
+    return write
+
+
+def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any, rows_out: RowsOut) -> Any:
     if sink.type == "kind" and sink.partitions is not None:
         # Each writing partition is a Ripple worker holding one of the tenant's 64 source
         # slots: a bounded number of partitions, and hashed by the key so that a key
@@ -98,17 +125,17 @@ def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any) -> Any:
         df = df.repartition(sink.partitions, df[sink.settings["key"]])
     writer = df.writeStream.queryName(f"{spec.name}_{sink.name}").outputMode(spec.output_mode)
     writer = writer.option("checkpointLocation", str(spec.checkpoint / sink.name))
-    if sink.type == "stream":
-        writer = writer.format(FORMAT).options(**_connection_options(spec))
-        writer = writer.option("stream", sink.settings["stream"])
-    elif sink.type == "kind":
-        writer = writer.format(FORMAT).options(**_connection_options(spec))
-        writer = writer.options(**sink.settings)
+    if sink.type in ("stream", "kind"):
+        options = {**_connection_options(spec), **sink.settings, **sink.options}
+        if spec.output_mode == "update":
+            writer = writer.foreachBatch(_foreach_batch(options, rows_out))
+        else:
+            writer = writer.format(FORMAT).options(**options)
     elif sink.type == "parquet":
         writer = writer.format("parquet").option("path", sink.settings["path"])
+        writer = writer.options(**sink.options)
     else:
-        writer = writer.format("console").option("truncate", "false")
-    writer = writer.options(**sink.options)
+        writer = writer.format("console").option("truncate", "false").options(**sink.options)
     trigger = spec.trigger
     if "processingTime" in trigger:
         writer = writer.trigger(processingTime=str(trigger["processingTime"]))
@@ -119,12 +146,14 @@ def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any) -> Any:
     return writer.start()
 
 
-def progress_line(progress: dict[str, Any]) -> str:
-    """One line per micro-batch: rows in/out, lag behind the sources, batch duration."""
+def progress_line(progress: dict[str, Any], rows_out: int | None = None) -> str:
+    """One line per micro-batch: rows in/out, lag behind the sources, batch duration.
+    ``rows_out``: what the sink wrote when Spark does not know (foreachBatch)."""
     lag = 0
     for source in progress.get("sources", []):
         lag += _offset_lag(source.get("endOffset"), source.get("latestOffset"))
-    rows_out = progress.get("sink", {}).get("numOutputRows", -1)
+    if rows_out is None:
+        rows_out = progress.get("sink", {}).get("numOutputRows", -1)
     duration = progress.get("durationMs", {}).get("triggerExecution", 0)
     out = "?" if rows_out is None or rows_out < 0 else str(rows_out)
     return (
@@ -168,7 +197,8 @@ def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = N
     for step in spec.transforms:
         frames[step.name] = _transform(spark, frames, step)
         frames[step.name].createOrReplaceTempView(step.name)
-    queries = [_start_sink(spec, sink, frames[sink.input]) for sink in spec.sinks]
+    rows_out: RowsOut = {}
+    queries = [_start_sink(spec, sink, frames[sink.input], rows_out) for sink in spec.sinks]
     seen: set[tuple[str, int]] = set()
     failed = 0
     try:
@@ -178,7 +208,8 @@ def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = N
                     key = (str(progress["runId"]), int(progress["batchId"]))
                     if key not in seen:
                         seen.add(key)
-                        report(progress_line(progress))
+                        written = rows_out.get((str(progress["id"]), int(progress["batchId"])))
+                        report(progress_line(progress, written))
                 if not query.isActive:
                     queries.remove(query)
                     error = query.exception()

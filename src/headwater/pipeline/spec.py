@@ -510,7 +510,13 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
     )
 
 
-def load_pipeline(path: Path, kind_columns: KindColumns | None = None) -> PipelineSpec:
+def load_pipeline(
+    path: Path,
+    kind_columns: KindColumns | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> PipelineSpec:
+    """Read and check a pipeline file; ``overrides`` replace top-level keys of it (the
+    command line's --server, --checkpoint) before it is checked."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -519,6 +525,8 @@ def load_pipeline(path: Path, kind_columns: KindColumns | None = None) -> Pipeli
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PipelineError(f"{path} is not valid YAML: {exc}") from None
+    if overrides and isinstance(data, dict):
+        data = {**data, **overrides}
     return parse_pipeline(data, path.parent, kind_columns)
 
 

@@ -124,11 +124,20 @@ class HeadwaterDataSource(DataSource):
     def writer(
         self, schema: StructType, overwrite: bool
     ) -> HeadwaterBatchWriter | HeadwaterKindBatchWriter:
+        micro_batch = _micro_batch(self.options)
         kind = self._kind_write_options(schema)
         if kind is not None:
-            return HeadwaterKindBatchWriter(kind, batch_job_sequence(time.time_ns() // 10**6))
+            if micro_batch is not None:  # inside foreachBatch: as the streaming writer
+                query_id, batch_id = micro_batch
+                return HeadwaterKindBatchWriter(
+                    kind, batch_id * ROWS_PER_BATCH + 1, f"spark/{kind.kind}/{query_id}"
+                )
+            first = batch_job_sequence(time.time_ns() // 10**6)
+            return HeadwaterKindBatchWriter(kind, first, f"spark/{kind.kind}")
         options = WriteOptions.parse(self.options)
         _prepare_write(options, schema)
+        if micro_batch is not None:
+            return HeadwaterBatchWriter(options, job=f"{micro_batch[0]}/{micro_batch[1]}")
         return HeadwaterBatchWriter(options, job=uuid.uuid4().hex)
 
     def streamWriter(
@@ -140,6 +149,22 @@ class HeadwaterDataSource(DataSource):
         options = WriteOptions.parse(self.options)
         _prepare_write(options, schema)
         return HeadwaterStreamWriter(options)
+
+
+def _micro_batch(options: Any) -> tuple[str, int] | None:
+    """Options queryId and batchId: a batch write inside ``foreachBatch`` that numbers
+    what it sends as the streaming writer does for that query and batch, so the batch run
+    again after a failure or restart changes nothing twice."""
+    lowered = {str(k).lower(): str(v) for k, v in options.items()}
+    query_id, batch_id = lowered.get("queryid"), lowered.get("batchid")
+    if query_id is None and batch_id is None:
+        return None
+    if not query_id or batch_id is None or not batch_id.isdigit():
+        raise UsageError(
+            "options queryId and batchId go together: the streaming query's id and the "
+            "micro-batch id (a non-negative integer) that foreachBatch was given"
+        )
+    return query_id, int(batch_id)
 
 
 def _prepare_write(options: WriteOptions, schema: StructType) -> None:
@@ -494,15 +519,18 @@ def _streaming_task() -> tuple[int, str, int]:
 class HeadwaterKindBatchWriter(DataSourceArrowWriter):
     """``df.write.format("headwater").option("kind", ...)``: rows become Ripple deltas
     from worker ``spark/<kind>/<partition>``, numbered from the job's first sequence
-    number (stamped on the driver), so a retried task's deltas are dropped."""
+    number (stamped on the driver), so a retried task's deltas are dropped. Inside
+    ``foreachBatch`` with options queryId and batchId: the streaming writer's workers and
+    numbers (``spark/<kind>/<query id>/<partition>`` from batch id * 2**32 + 1)."""
 
-    def __init__(self, options: KindWriteOptions, first_sequence: int) -> None:
+    def __init__(self, options: KindWriteOptions, first_sequence: int, worker_prefix: str) -> None:
         self.options = options
         self.first_sequence = first_sequence  # every attempt of a task shares it
+        self.worker_prefix = worker_prefix
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> KindCommit:
         partition, _ = _task_partition()
-        worker = f"spark/{self.options.kind}/{partition}"
+        worker = f"{self.worker_prefix}/{partition}"
         result = write_rows(self.options, iterator, worker, self.first_sequence)
         return KindCommit(partition, result.rows)
 

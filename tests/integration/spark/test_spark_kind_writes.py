@@ -337,3 +337,34 @@ def test_kind_sink_after_an_aggregation_with_200_shuffle_partitions(
             query.awaitTermination(300)
     finally:
         spark.conf.set("spark.sql.shuffle.partitions", default)
+
+
+def test_foreach_batch_writes_number_as_the_streaming_writers(
+    spark: Any, ripple_server: SdkServer, sdk_stream_name: str
+) -> None:
+    """Options queryId and batchId (what a pipeline in update mode passes from
+    foreachBatch): a batch run again writes nothing twice; the next batch id does."""
+    rows = spark.createDataFrame([(f"f{i}", float(i)) for i in range(30)], "key string, p double")
+    values = rows.selectExpr("concat(key, ':', p) AS value")
+
+    def write(df: Any, batch_id: int, **target: str) -> None:
+        writer = df.repartition(2).write.format(FMT).option("server", ripple_server.address)
+        for key, value in {**target, "queryId": "q-1", "batchId": str(batch_id)}.items():
+            writer = writer.option(key, value)
+        writer.mode("append").save()
+
+    before = _ripple_deltas(ripple_server)
+    for batch_id in (7, 7, 8):  # batch 7 run again after a failure, then batch 8
+        write(rows, batch_id, kind="kw_foreach")
+        write(values, batch_id, stream=sdk_stream_name)
+    after = _ripple_deltas(ripple_server)
+    assert after["applied"] - before.get("applied", 0) == 60  # batches 7 and 8, once each
+    assert after["duplicate"] - before.get("duplicate", 0) == 30  # batch 7's rerun
+    assert _state(spark, ripple_server, "kw_foreach") == {f"f{i}": (float(i),) for i in range(30)}
+    workers = _ripple_workers(ripple_server, "kw_foreach")
+    assert workers == ["spark/kw_foreach/q-1/0", "spark/kw_foreach/q-1/1"]
+    with headwater.connect(ripple_server.address) as hw:
+        events = sorted(e.value.decode() for e in hw.scan(sdk_stream_name))
+    assert events == sorted([f"f{i}:{float(i)}" for i in range(30)] * 2)
+    with pytest.raises(Exception, match="options queryId and batchId go together"):
+        write(rows, -1, kind="kw_foreach")

@@ -1,63 +1,59 @@
-"""examples/vwap end to end: the generator's trades, the example's own pipeline file (its
-server, Ripple listener, checkpoint and trigger pointed at the test's), a ConvergeDB
-subscriber; every VWAP is checked against a plain Python computation."""
+"""examples/vwap as a user runs it: the generator, the watcher and `headwater pipeline run
+examples/vwap/vwap.yaml` (the shipped file, its own trigger, pointed at the test's server
+with --server and --checkpoint), more trades while it runs, Ctrl-C. The watcher must see
+windows updated as trades arrive, and every final VWAP must equal plain Python's."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+import signal
+import subprocess
 import sys
-import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from sdk_server import SdkServer
 
-from headwater import entities
-from headwater.pipeline.runner import run_pipeline
-from headwater.pipeline.spec import parse_pipeline
+import headwater
 
 pytestmark = pytest.mark.spark
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vwap"
-TRADES = 150_000  # 150 s of event time: windows [0, 60) and [60, 120) s close
+FIRST, MORE = 90_000, 60_000  # 90 s of trades, then 60 s more while the pipeline runs
 WINDOW_US = 60_000_000
-WATERMARK_US = 10_000_000
+DEADLINE_S = 240  # the whole run, JVM start included
 
 
-def _example(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"vwap_{name}", EXAMPLE / f"{name}.py")
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location("vwap_generate", EXAMPLE / "generate_trades.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def expected_vwaps(trades: list[dict[str, Any]]) -> dict[str, tuple[float, int]]:
-    """key -> (vwap, volume) of every window the watermark has closed."""
+def expected_vwaps(trades: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[float, int]]:
+    """(symbol, window start µs) -> (vwap, volume) of every window with trades: in update
+    mode each window holds all its trades (they arrive in event-time order: none late)."""
     sums: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0])
     for t in trades:
         ts_us = t["timestamp_ns"] // 1000
         window = (t["symbol"], ts_us - ts_us % WINDOW_US)
         sums[window][0] += t["price"] * t["size"]
         sums[window][1] += t["size"]
-    horizon = max(t["timestamp_ns"] // 1000 for t in trades) - WATERMARK_US
-    return {
-        f"{symbol}/{start}": (pv / volume, int(volume))
-        for (symbol, start), (pv, volume) in sums.items()
-        if start + WINDOW_US <= horizon
-    }
+    return {w: (pv / volume, int(volume)) for w, (pv, volume) in sums.items()}
 
 
 @pytest.fixture()
 def server(tmp_path: Path) -> Iterator[SdkServer]:
     srv = SdkServer(
-        tmp_path / "server",
-        listen={"ripple": "127.0.0.1:0", "convergedb": "127.0.0.1:0"},
+        tmp_path / "server", listen={"ripple": "127.0.0.1:0", "convergedb": "127.0.0.1:0"}
     ).start()
     try:
         yield srv
@@ -65,54 +61,125 @@ def server(tmp_path: Path) -> Iterator[SdkServer]:
         srv.stop()
 
 
-def test_vwap_example_end_to_end(spark: Any, server: SdkServer, tmp_path: Path) -> None:
-    generate, watch = _example("generate_trades"), _example("watch_vwap")
-    assert generate.main(["--server", server.address, "--count", str(TRADES)]) == 0
-    trades = list(generate.trades(TRADES))
-    expected = expected_vwaps(trades)
-    assert len(expected) == 200  # 100 symbols x 2 closed windows
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "PYSPARK_PYTHON": sys.executable,
+            "NO_COLOR": "1",
+            "PYTHONUNBUFFERED": "1",
+            "JAVA_TOOL_OPTIONS": "-XX:TieredStopAtLevel=1",  # a faster JVM start
+        }
+    )
+    return env
 
-    # A subscriber, as watch_vwap.py has it, sees each VWAP arrive.
-    seen: dict[str, Any] = {}
-    done = threading.Event()
+
+def _state(server: SdkServer) -> dict[tuple[str, int], tuple[float, int]]:
+    with headwater.connect(server.address) as hw:
+        tables = {str(row[0]) for row in hw.query("SHOW TABLES").rows}
+        if "vwap" not in tables:
+            return {}
+        rows = hw.query("SELECT symbol, window_start_us, vwap, volume FROM vwap").rows
+    return {(str(s), int(str(w))): (float(str(v)), int(str(n))) for s, w, v, n in rows}
+
+
+def _wait_for(
+    server: SdkServer, want: dict[tuple[str, int], tuple[float, int]], pipeline: Any, log: Path
+) -> None:
+    """Until the kind holds exactly ``want`` (the pipeline's batches come on their own)."""
+    deadline = time.monotonic() + DEADLINE_S
+    state: dict[tuple[str, int], tuple[float, int]] = {}
+    while time.monotonic() < deadline:
+        assert pipeline.poll() is None, log.read_text()
+        state = _state(server)
+        if state.keys() == want.keys() and all(
+            state[k][1] == want[k][1] and state[k][0] == pytest.approx(want[k][0], rel=1e-12)
+            for k in want
+        ):
+            return
+        time.sleep(0.5)
+    missing = len(want.keys() - state.keys())
+    raise AssertionError(f"{missing} windows missing or not final:\n{log.read_text()[-3000:]}")
+
+
+def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None:
+    generate = _generator()
     cdb = f"127.0.0.1:{server.ports['convergedb']}"
+    run = [sys.executable, str(EXAMPLE / "generate_trades.py"), "--server", server.address]
+    subprocess.run([*run, "--count", str(FIRST)], check=True, env=_env(), timeout=120)
 
-    def subscribe() -> None:
-        with entities.connect(cdb, read_only=True) as reader:
-            while True:
-                try:
-                    kind = reader.get_kind(watch.Vwap, "vwap")
-                    break
-                except entities.KindNotFound:
-                    if done.wait(0.2):
-                        return
-            with reader.subscribe(kind) as changes:
-                for change in changes:
-                    v = change.value
-                    seen[f"{v.symbol}/{v.window_start_us}"] = v
-                    if len(seen) >= len(expected):
-                        return
+    watch_log, pipeline_log = tmp_path / "watch.log", tmp_path / "pipeline.log"
+    with watch_log.open("w") as watch_out, pipeline_log.open("w") as pipeline_out:
+        watcher = subprocess.Popen(
+            [sys.executable, str(EXAMPLE / "watch_vwap.py"), "--server", cdb],
+            stdout=watch_out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+        pipeline = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "headwater.cli.main",
+                "pipeline",
+                "run",
+                str(EXAMPLE / "vwap.yaml"),
+                "--server",
+                server.address,
+                "--checkpoint",
+                str(tmp_path / "checkpoint"),
+            ],
+            stdout=pipeline_out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+        try:
+            first = list(generate.trades(FIRST))
+            _wait_for(server, expected_vwaps(first), pipeline, pipeline_log)
+            # More trades while it runs: window [60 s, 120 s) fills up, [120 s, 150 s) opens.
+            more = [*run, "--count", str(MORE), "--first", str(FIRST)]
+            subprocess.run(more, check=True, env=_env(), timeout=120)
+            everything = expected_vwaps(list(generate.trades(FIRST + MORE)))
+            _wait_for(server, everything, pipeline, pipeline_log)
+            pipeline.send_signal(signal.SIGINT)  # Ctrl-C
+            assert pipeline.wait(60) == 130, pipeline_log.read_text()
+        finally:
+            for proc in (pipeline, watcher):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert len(everything) == 300  # 100 symbols x 3 windows
 
-    watcher = threading.Thread(target=subscribe, daemon=True)
-    watcher.start()
+    # The watcher saw each window created (or in its bootstrap, when the pipeline's first
+    # batch came before the subscription), then updated as its trades came in, and its
+    # last line for each window is the final VWAP.
+    last: dict[tuple[str, int], tuple[float, int]] = {}
+    changes: dict[tuple[str, int], list[str]] = defaultdict(list)
+    for change, symbol, start, vwap, volume in re.findall(
+        r"^(bootstrap|created|updated)\s+(SYM\d{4}) (\d+) (\S+) (\d+)",
+        watch_log.read_text(),
+        re.MULTILINE,
+    ):
+        key = (symbol, int(start))
+        changes[key].append(change)
+        last[key] = (float(vwap), int(volume))
+    assert last.keys() == everything.keys()
+    assert all(last[k][0] == pytest.approx(v[0], rel=1e-12) for k, v in everything.items())
+    assert all(last[k][1] == v[1] for k, v in everything.items())
+    assert all(c[0] in ("bootstrap", "created") for c in changes.values())
+    assert all(set(c[1:]) <= {"updated"} for c in changes.values())
+    spanning = [k for k in everything if k[1] % (3 * WINDOW_US) == WINDOW_US]  # [60, 120) s
+    assert all(len(changes[k]) >= 2 for k in spanning)  # updated after the first batch
 
-    data = yaml.safe_load((EXAMPLE / "vwap.yaml").read_text())
-    data["server"] = server.address
-    data["checkpoint"] = str(tmp_path / "checkpoint")
-    data["trigger"] = "availableNow"
-    data["sinks"][0]["options"] = {"rippleServer": f"127.0.0.1:{server.ports['ripple']}"}
-    spec = parse_pipeline(data, EXAMPLE)
-    progress: list[str] = []
-    assert run_pipeline(spec, "unused", progress.append, spark=spark) == 0, progress
-
-    watcher.join(60)
-    done.set()
-    state = spark.read.format("headwater").option("server", server.address)
-    rows = state.option("kind", "vwap").load().collect()
-    got = {f"{r['symbol']}/{r['window_start_us']}": (r["vwap"], r["volume"]) for r in rows}
-    assert set(got) == set(expected)
-    for key, (vwap, volume) in expected.items():
-        assert got[key][0] == pytest.approx(vwap, rel=1e-12)
-        assert got[key][1] == volume
-    assert set(seen) == set(expected)
-    assert all(seen[k].vwap == pytest.approx(expected[k][0], rel=1e-12) for k in expected)
+    # One progress line per micro-batch, the rows written known (update mode's writes
+    # are counted by the pipeline: Spark does not count foreachBatch's).
+    lines = re.findall(
+        r"^\[vwap_vwap_kind\] batch \d+: in (\d+) rows, out (\d+) rows, lag (\d+) offsets, "
+        r"\d+ ms$",
+        pipeline_log.read_text(),
+        re.MULTILINE,
+    )
+    assert sum(int(rows_in) for rows_in, _, _ in lines) == FIRST + MORE
+    assert max(int(rows_in) for rows_in, _, _ in lines) == 20_000  # maxOffsetsPerTrigger
+    assert sum(int(out) for _, out, _ in lines) > len(everything)  # windows written again
