@@ -235,7 +235,10 @@ class HeadwaterBatchReader(DataSourceReader):
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, OffsetRange)
+        if not isinstance(partition, OffsetRange):
+            # No offsets to read (an empty stream, or start == end): Spark runs one task
+            # with a placeholder InputPartition(None) instead of none.
+            return iter(())
         return _read(self.options, self.schema, partition)
 
 
@@ -286,6 +289,7 @@ class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailabl
         self.schema = schema
         self._client: Any = None
         self._target: int | None = None  # Trigger.AvailableNow: the end fixed at start
+        self._initial: int | None = None  # the starting position, resolved once
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -301,12 +305,17 @@ class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailabl
         self._target = self._end()
 
     def initialOffset(self) -> dict[str, Any]:
-        starting = self.options.starting
-        if starting == EARLIEST_POSITION:
-            return {"position": 0}
-        if starting == LATEST_POSITION:
-            return {"position": self._end()}
-        return {"position": starting}
+        # Spark asks at every trigger until the first batch is in its log, and again when
+        # that batch runs: "latest" is resolved once, or an append in between is skipped.
+        if self._initial is None:
+            starting = self.options.starting
+            if starting == EARLIEST_POSITION:
+                self._initial = 0
+            elif starting == LATEST_POSITION:
+                self._initial = self._end()
+            else:
+                self._initial = int(starting)
+        return {"position": self._initial}
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         end = max(self._end(), int(start["position"]))
@@ -355,6 +364,7 @@ class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.schema = schema
         self._client: Any = None
         self._target: dict[str, int] | None = None  # Trigger.AvailableNow: ends fixed at start
+        self._initial: dict[str, int] | None = None  # the starting offsets, resolved once
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = {s: b for s, (_, b) in self._bounds().items()}
@@ -374,13 +384,14 @@ class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return result
 
     def initialOffset(self) -> dict[str, Any]:
-        bounds = self._bounds()
-        return offsets_json(
-            {
+        # Spark asks at every trigger until the first batch is in its log, and again when
+        # that batch runs: "latest" is resolved once, or an append in between is skipped.
+        if self._initial is None:
+            self._initial = {
                 s: _resolve(self.options.starting[s], a, b, s, "start")
-                for s, (a, b) in bounds.items()
+                for s, (a, b) in self._bounds().items()
             }
-        )
+        return offsets_json(self._initial)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_offsets_per_trigger is None:

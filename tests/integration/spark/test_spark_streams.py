@@ -447,3 +447,202 @@ def test_retention_while_a_query_reads(
     expected += range(max(first, waiting * SPLIT), (waiting + 1) * SPLIT)  # read on from first
     expected += range(3 * SPLIT, end)  # the batches after batch 0
     assert rows == [(o, event(o)) for o in sorted(expected)]
+
+
+def _started(query: Any, timeout: float = 120) -> None:
+    """Until the query's first micro-batch is done: its starting offsets are fixed."""
+    deadline = time.monotonic() + timeout
+    while not any(p["batchId"] == 0 for p in query.recentProgress):
+        assert query.exception() is None, query.exception()
+        assert time.monotonic() < deadline, "the query's first batch did not run"
+        time.sleep(0.1)
+
+
+def test_streaming_read_from_latest_sees_only_later_events(
+    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    """startingOffsets latest and {"s": {"0": -1}}: a query reads what is appended after it
+    started, and "latest" is resolved once (Spark asks for the initial offsets again
+    until the first batch is logged)."""
+    from headwater.spark.options import ReadOptions
+    from headwater.spark.source import HeadwaterStreamReader
+
+    source = sdk_stream_name
+    forms = {"latest": "latest", "minus1": json.dumps({source: {"0": -1}})}
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.append(source, [b"before%d" % i for i in range(20)])
+        options = {"server": sdk_server.address, "stream": source, "startingOffsets": "latest"}
+        reader = HeadwaterStreamReader(ReadOptions.parse(options), schema=None)
+        assert reader.initialOffset() == {source: {"0": 20}}
+        hw.append(source, [b"between"])
+        assert reader.initialOffset() == {source: {"0": 20}}  # not 21: resolved once
+        reader.stop()
+        queries = {
+            name: _pipe(
+                spark,
+                sdk_server.address,
+                source,
+                f"{source}_{name}",
+                tmp_path / name,
+                now=False,
+                startingOffsets=start,
+            )
+            for name, start in forms.items()
+        }
+        try:
+            for query in queries.values():
+                _started(query)
+            hw.append(source, [b"after%d" % i for i in range(15)])
+            for query in queries.values():
+                query.processAllAvailable()
+        finally:
+            for query in queries.values():
+                query.stop()
+        for name, query in queries.items():
+            assert query.exception() is None
+            assert _values(hw, f"{source}_{name}") == [b"after%d" % i for i in range(15)], name
+
+
+def test_batch_read_offset_forms_latest_and_minus_one(
+    spark: Any, sdk_server: Any, sdk_stream_name: str
+):
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+        hw.append(sdk_stream_name, [b"e%d" % i for i in range(12)])
+    minus1 = json.dumps({sdk_stream_name: {"0": -1}})
+    for end in ("latest", minus1):  # exclusive end: the stream's end at planning
+        df = _read(spark, sdk_server.address, sdk_stream_name, endingOffsets=end)
+        assert sorted(r.offset for r in df.collect()) == list(range(12)), end
+    start3 = json.dumps({sdk_stream_name: {"0": 3}})
+    df = _read(
+        spark, sdk_server.address, sdk_stream_name, startingOffsets=start3, endingOffsets=minus1
+    )
+    assert sorted(r.offset for r in df.collect()) == list(range(3, 12))
+    for start in ("latest", minus1):  # from the end: nothing
+        assert _read(spark, sdk_server.address, sdk_stream_name, startingOffsets=start).count() == 0
+    with pytest.raises(Exception, match=r"endingOffsets cannot be earliest \(-2\)"):
+        _read(
+            spark,
+            sdk_server.address,
+            sdk_stream_name,
+            endingOffsets=json.dumps({sdk_stream_name: {"0": -2}}),
+        ).collect()
+
+
+AUTH_CONFIG = """
+[auth]
+required = true
+[[auth.tokens]]
+token = "s3cret"
+tenants = [0, 42]
+[[tenants]]
+id = 42
+name = "acme"
+"""
+
+
+def test_token_option_against_a_server_with_auth(spark: Any, sdk_make_server: Any, tmp_path: Path):
+    server = sdk_make_server(extra_config=AUTH_CONFIG)
+    auth = {"server": server.address, "token": "s3cret", "tenant": "42"}
+    spark.range(0, 50, numPartitions=2).selectExpr("CAST(id AS STRING) AS value").write.format(
+        FMT
+    ).options(**auth).option("stream", "acme_in").mode("append").save()
+    with headwater.connect(server.address, token="s3cret", tenant=42) as hw:
+        assert sorted(int(v) for v in _values(hw, "acme_in")) == list(range(50))
+    batch = spark.read.format(FMT).options(**auth).option("stream", "acme_in").load()
+    assert batch.count() == 50
+    query = (
+        spark.readStream.format(FMT)
+        .options(**auth)
+        .option("stream", "acme_in")
+        .load()
+        .select("value")
+        .writeStream.format(FMT)
+        .options(**auth)
+        .option("stream", "acme_out")
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    assert query.exception() is None
+    with headwater.connect(server.address, token="s3cret", tenant=42) as hw:
+        assert sorted(int(v) for v in _values(hw, "acme_out")) == list(range(50))
+    no_token = {k: v for k, v in auth.items() if k != "token"}
+    for options, error in (
+        (no_token, "AuthenticationFailed"),
+        ({**auth, "token": "wrong"}, "AuthenticationFailed"),
+        ({**auth, "tenant": "7"}, "AuthenticationFailed"),  # not granted by the token
+    ):
+        with pytest.raises(Exception, match=error):
+            spark.read.format(FMT).options(**options).option("stream", "acme_in").load().collect()
+
+
+def _failing_while(marker: Path, server: str, sink: str, fail_at: int) -> Callable[..., Any]:
+    """A UDF that, while ``marker`` exists, fails every attempt of the task holding row
+    ``fail_at`` once the sink has events from this batch: the query dies mid-batch."""
+    from pyspark.sql.functions import udf
+
+    def value(n: int) -> str:
+        if n == fail_at and marker.exists():
+            first = int(marker.read_text())
+            with headwater.connect(server) as hw:
+                for _ in range(200):
+                    if hw.stream_info(sink).next_offset > first:
+                        break
+                    time.sleep(0.05)
+                assert hw.stream_info(sink).next_offset > first, "nothing was appended"
+            raise RuntimeError("injected failure in the sink's task")
+        return str(n)
+
+    return udf(value, "string")
+
+
+def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
+    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+):
+    """A sink task fails in every attempt after part of its batch was appended: the query
+    stops with the error. Restarted from its checkpoint, the batch runs again with the
+    same producer ids and sequences: the sink holds each event once, in order."""
+    from pyspark.sql.functions import col
+
+    source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
+    total, per_batch = 45_000, 15_000  # batch 1 is 2 Arrow batches and a bit: 2 appends
+    marker = tmp_path / "fail"
+    with headwater.connect(sdk_server.address) as hw:
+        hw.create_stream(source)
+        hw.create_stream(sink)
+        hw.append(source, [str(i).encode() for i in range(10_000)])
+        hw.append(source, [str(i).encode() for i in range(10_000, 20_000)])
+        hw.append(source, [str(i).encode() for i in range(20_000, 30_000)])
+        hw.append(source, [str(i).encode() for i in range(30_000, total)])
+        fail = _failing_while(marker, sdk_server.address, sink, 2 * per_batch - 10)
+        marker.write_text(str(per_batch))  # fail in batch 1, once batch 1 appended some
+
+        def start() -> Any:
+            return (
+                spark.readStream.format(FMT)
+                .option("server", sdk_server.address)
+                .option("stream", source)
+                .option("maxOffsetsPerTrigger", str(per_batch))
+                .load()
+                .select(fail(col("value").cast("string").cast("long")).alias("value"))
+                .writeStream.format(FMT)
+                .option("server", sdk_server.address)
+                .option("stream", sink)
+                .option("checkpointLocation", str(tmp_path / "cp"))
+                .trigger(availableNow=True)
+                .start()
+            )
+
+        query = start()
+        with pytest.raises(Exception, match="injected failure in the sink's task"):
+            query.awaitTermination(120)
+        stored = hw.stream_info(sink).next_offset
+        assert per_batch < stored < 2 * per_batch  # batch 0, and part of batch 1
+        marker.unlink()
+        query = start()  # the same checkpoint: batch 1 again, then batch 2
+        query.awaitTermination(120)
+        assert query.exception() is None
+        assert [int(v) for v in _values(hw, sink)] == list(range(total))
