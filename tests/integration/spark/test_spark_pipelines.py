@@ -21,7 +21,7 @@ import yaml
 
 import headwater
 from headwater.pipeline.runner import run_pipeline
-from headwater.pipeline.spec import load_pipeline
+from headwater.pipeline.spec import check_streams, load_pipeline, server_kind_columns
 
 pytestmark = pytest.mark.spark
 
@@ -325,11 +325,12 @@ def _progress(stdout: str) -> dict[str, list[tuple[int, int, int | None, int]]]:
 
 
 def test_docs_pipeline_example_runs(
-    spark: Any, sdk_make_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, jvm_stdout: Path, sdk_make_server: Any, tmp_path: Path
 ) -> None:
-    """The pipeline of docs/spark.md, as it is there (only its server, paths and trigger
-    pointed at the test's), run by `headwater pipeline run`: two sources (a stream and a
-    kind's changelog), every transform type, the five sinks, progress lines."""
+    """The pipeline of docs/spark.md as it is there (only its server, paths and trigger
+    pointed at the test's), checked and run as `headwater pipeline run` does: two
+    sources (a stream and a kind's changelog), every transform type, five sinks, and the
+    progress lines."""
     server = sdk_make_server(
         extra_config="[ripple]\nliveness_ms = 600000\n", listen={"ripple": "127.0.0.1:0"}
     )
@@ -355,14 +356,14 @@ def test_docs_pipeline_example_runs(
     parquet["path"] = str(tmp_path / "vwap_parquet")
     path = tmp_path / "docs_example.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    proc = subprocess.run(
-        [sys.executable, "-m", "headwater.cli.main", "pipeline", "run", str(path)],
-        capture_output=True,
-        text=True,
-        env=_cli_env(),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    spec = load_pipeline(path, server_kind_columns)  # as `headwater pipeline run` checks it
+    check_streams(spec)
+    console_from = jvm_stdout.stat().st_size
+    lines: list[str] = []
+    assert run_pipeline(spec, "unused", lines.append, spark=spark) == 0, lines
+    with jvm_stdout.open("rb") as f:
+        f.seek(console_from)
+        console = f.read().decode(errors="replace")
 
     expected = {
         (hashlib.sha256(sym.encode()).hexdigest(), start): vwap
@@ -383,7 +384,7 @@ def test_docs_pipeline_example_runs(
         stream_values = [e.value.decode() for e in hw.scan("vwap_out")]
     check(stream_values)
     check([r.value for r in spark.read.parquet(str(tmp_path / "vwap_parquet")).collect()])
-    check([v for v in stream_values if v in proc.stdout])  # the console sink printed each
+    check([v for v in stream_values if v in console])  # the console sink printed each
 
     def kind(name: str) -> list[Any]:
         reader = spark.read.format("headwater").option("server", server.address)
@@ -405,8 +406,8 @@ def test_docs_pipeline_example_runs(
     }
 
     # One progress line per micro-batch of each of the five queries, with real numbers.
-    progress = _progress(proc.stdout)
-    assert sorted(progress) == [f"vwap_sink{i}" for i in range(5)], proc.stdout
+    progress = _progress("\n".join(lines))
+    assert sorted(progress) == [f"vwap_sink{i}" for i in range(5)], lines
     for name, lines in progress.items():
         assert [b for b, *_ in lines] == list(range(len(lines))), (name, lines)
         if name != "vwap_sink4":  # the trades, all in the first batch (<= 10000 per trigger)

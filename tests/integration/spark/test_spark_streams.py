@@ -608,15 +608,13 @@ def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
     from pyspark.sql.functions import col
 
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
-    total, per_batch = 45_000, 15_000  # batch 1 is 2 Arrow batches and a bit: 2 appends
+    total, per_batch = 30_000, 12_000  # batch 1 is 2 Arrow batches: 2 appends
     marker = tmp_path / "fail"
     with headwater.connect(sdk_server.address) as hw:
         hw.create_stream(source)
         hw.create_stream(sink)
-        hw.append(source, [str(i).encode() for i in range(10_000)])
-        hw.append(source, [str(i).encode() for i in range(10_000, 20_000)])
-        hw.append(source, [str(i).encode() for i in range(20_000, 30_000)])
-        hw.append(source, [str(i).encode() for i in range(30_000, total)])
+        for first in range(0, total, 10_000):
+            hw.append(source, [str(i).encode() for i in range(first, first + 10_000)])
         fail = _failing_while(marker, sdk_server.address, sink, 2 * per_batch - 10)
         marker.write_text(str(per_batch))  # fail in batch 1, once batch 1 appended some
 
