@@ -200,17 +200,22 @@ def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = N
     rows_out: RowsOut = {}
     queries = [_start_sink(spec, sink, frames[sink.input], rows_out) for sink in spec.sinks]
     seen: set[tuple[str, int]] = set()
+
+    def report_progress(query: Any) -> None:
+        for progress in query.recentProgress:
+            key = (str(progress["runId"]), int(progress["batchId"]))
+            if key not in seen:
+                seen.add(key)
+                written = rows_out.get((str(progress["id"]), int(progress["batchId"])))
+                report(progress_line(progress, written))
+
     failed = 0
     try:
         while queries:
             for query in list(queries):
-                for progress in query.recentProgress:
-                    key = (str(progress["runId"]), int(progress["batchId"]))
-                    if key not in seen:
-                        seen.add(key)
-                        written = rows_out.get((str(progress["id"]), int(progress["batchId"])))
-                        report(progress_line(progress, written))
-                if not query.isActive:
+                active = query.isActive  # before its progress: a last batch is not missed
+                report_progress(query)
+                if not active:
                     queries.remove(query)
                     error = query.exception()
                     if error is not None:
@@ -220,5 +225,6 @@ def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = N
     except KeyboardInterrupt:
         for query in queries:
             query.stop()
+            report_progress(query)  # the batches that ended since the last look
         return 130
     return 1 if failed else 0

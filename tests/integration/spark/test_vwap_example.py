@@ -103,6 +103,16 @@ def _wait_for(
     raise AssertionError(f"{missing} windows missing or not final:\n{log.read_text()[-3000:]}")
 
 
+def _progress(log: Path) -> list[tuple[str, str, str]]:
+    """(rows in, rows out, lag) of each progress line of the pipeline's query."""
+    return re.findall(
+        r"^\[vwap_vwap_kind\] batch \d+: in (\d+) rows, out (\d+) rows, lag (\d+) offsets, "
+        r"\d+ ms$",
+        log.read_text(),
+        re.MULTILINE,
+    )
+
+
 def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None:
     generate = _generator()
     cdb = f"127.0.0.1:{server.ports['convergedb']}"
@@ -142,6 +152,10 @@ def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None
             subprocess.run(more, check=True, env=_env(), timeout=120)
             everything = expected_vwaps(list(generate.trades(FIRST + MORE)))
             _wait_for(server, everything, pipeline, pipeline_log)
+            deadline = time.monotonic() + 60  # and the batch that wrote them is done
+            while sum(int(n) for n, _, _ in _progress(pipeline_log)) < FIRST + MORE:
+                assert time.monotonic() < deadline, pipeline_log.read_text()
+                time.sleep(0.2)
             pipeline.send_signal(signal.SIGINT)  # Ctrl-C
             assert pipeline.wait(60) == 130, pipeline_log.read_text()
         finally:
@@ -175,12 +189,7 @@ def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None
 
     # One progress line per micro-batch, the rows written known (update mode's writes
     # are counted by the pipeline: Spark does not count foreachBatch's).
-    lines = re.findall(
-        r"^\[vwap_vwap_kind\] batch \d+: in (\d+) rows, out (\d+) rows, lag (\d+) offsets, "
-        r"\d+ ms$",
-        pipeline_log.read_text(),
-        re.MULTILINE,
-    )
+    lines = _progress(pipeline_log)
     assert sum(int(rows_in) for rows_in, _, _ in lines) == FIRST + MORE
     assert max(int(rows_in) for rows_in, _, _ in lines) == 20_000  # maxOffsetsPerTrigger
     assert sum(int(out) for _, out, _ in lines) > len(everything)  # windows written again
