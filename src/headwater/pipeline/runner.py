@@ -94,11 +94,17 @@ QUERY_ID_PROPERTY = "sql.streaming.queryId"  # the local property Spark sets per
 RowsOut = dict[tuple[str, int], int]  # (query id, batch id) -> rows a sink wrote
 
 
-def _foreach_batch(options: dict[str, str], rows_out: RowsOut) -> Callable[[Any, int], None]:
+def _foreach_batch(
+    options: dict[str, str], rows_out: RowsOut, *, ordered: bool
+) -> Callable[[Any, int], None]:
     """Update mode on a headwater sink: Spark's Python data sources take append and
     complete only, so each micro-batch is a batch write numbered as the streaming writer
     numbers that (query, batch) (options queryId, batchId): exactly once across reruns.
-    Its rows are counted on the way (an Observation) for the progress line."""
+    Its rows are counted on the way (an Observation) for the progress line.
+
+    ``ordered``: sort each partition's rows on every column first. A kind sink numbers
+    its deltas by row position, and after the shuffle by key a retried task may get its
+    rows in another order: sorted, it numbers the same rows the same way."""
 
     def write(batch: Any, batch_id: int) -> None:
         from pyspark.sql import Observation
@@ -108,6 +114,8 @@ def _foreach_batch(options: dict[str, str], rows_out: RowsOut) -> Callable[[Any,
         if not query_id:
             raise RuntimeError(f"Spark did not pass {QUERY_ID_PROPERTY} to foreachBatch")
         observation = Observation("headwater_rows_out")
+        if ordered:
+            batch = batch.sortWithinPartitions(*batch.columns)
         counted = batch.observe(observation, F.count(F.lit(1)).alias("rows"))
         writer = counted.write.format(FORMAT).options(**options).mode("append")
         writer.option("queryId", query_id).option("batchId", str(batch_id)).save()
@@ -128,7 +136,8 @@ def _start_sink(spec: PipelineSpec, sink: SinkSpec, df: Any, rows_out: RowsOut) 
     if sink.type in ("stream", "kind"):
         options = {**_connection_options(spec), **sink.settings, **sink.options}
         if spec.output_mode == "update":
-            writer = writer.foreachBatch(_foreach_batch(options, rows_out))
+            ordered = sink.type == "kind"
+            writer = writer.foreachBatch(_foreach_batch(options, rows_out, ordered=ordered))
         else:
             writer = writer.format(FORMAT).options(**options)
     elif sink.type == "parquet":
