@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -225,10 +225,15 @@ class EntitySubscription(Generic[T]):
         self.close()
 
     def __iter__(self) -> Iterator[Entity[T]]:
+        return self._drain(self._inner.next_batch)
+
+    def _drain(self, take: Callable[[], Coroutine[Any, Any, list[_R]]]) -> Iterator[_R]:
+        """What ``take`` gets, batch after batch, until the subscription closes; it
+        unsubscribes when the loop ends."""
         self.start()
         try:
             while True:
-                batch = self._client._run(self._inner.next_batch())
+                batch = self._client._run(take())
                 if not batch:
                     if self._inner.closed:
                         return
@@ -247,17 +252,7 @@ class EntitySubscription(Generic[T]):
     def events(self) -> Iterator[EntityEvent]:
         """The EVENTs of an event-stream kind subscribed with ``events=True``, in
         sequence order; it unsubscribes when the loop ends."""
-        self.start()
-        try:
-            while True:
-                batch = self._client._run(self._inner.next_events())
-                if not batch:
-                    if self._inner.closed:
-                        return
-                    continue
-                yield from batch
-        finally:
-            self.close()
+        return self._drain(self._inner.next_events)
 
     def next_events(self, timeout: float | None = None) -> list[EntityEvent]:
         """The EVENTs received so far (waiting for one); [] on timeout or once closed."""
