@@ -104,15 +104,16 @@ def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list
             head = bytes(view[start : start + 8])
             if all(view[start + k : end : stride] == head[k : k + 1] * count for k in range(8)):
                 return list(range(start, end + 1, stride))
-    bounds = [start]
+    # Values of different sizes: one walk over the length fields, as a comprehension
+    # (the per-event cost of reading pages of JSON). A length running past the end makes
+    # the next read of a length fail, or the last bound miss the end: checked once.
     pos = start
-    for _ in range(count):
-        if pos + 8 > end:
-            raise ValueError("values section truncated")
-        pos += 8 + _U64_AT(section, pos)[0]
-        if pos > end:
-            raise ValueError("value overruns its section")
-        bounds.append(pos)
+    try:
+        bounds = [start] + [pos := pos + 8 + _U64_AT(section, pos)[0] for _ in range(count)]
+    except (struct.error, OverflowError):
+        raise ValueError("values section truncated: a value overruns it") from None
+    if pos > end:
+        raise ValueError("the last value overruns its section")
     if pos != end:
         raise ValueError(f"{end - pos} bytes after the last value")
     return bounds
