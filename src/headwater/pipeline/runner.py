@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-import time
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .spec import PipelineSpec, SinkSpec, SourceSpec, TransformSpec
@@ -219,21 +221,44 @@ def run_pipeline(spec: PipelineSpec, master: str, report: Report, spark: Any = N
                 report(progress_line(progress, written))
 
     failed = 0
-    try:
-        while queries:
-            for query in list(queries):
-                active = query.isActive  # before its progress: a last batch is not missed
-                report_progress(query)
-                if not active:
-                    queries.remove(query)
-                    error = query.exception()
-                    if error is not None:
-                        failed += 1
-                        report(f"[{query.name}] failed: {error}")
-            time.sleep(0.2)
-    except KeyboardInterrupt:
+    interrupted = threading.Event()
+    with _sigint_sets(interrupted):
+        try:
+            while queries and not interrupted.is_set():
+                for query in list(queries):
+                    active = query.isActive  # before its progress: a last batch is not missed
+                    report_progress(query)
+                    if not active:
+                        queries.remove(query)
+                        error = query.exception()
+                        if error is not None:
+                            failed += 1
+                            report(f"[{query.name}] failed: {error}")
+                interrupted.wait(0.2)
+        except KeyboardInterrupt:
+            interrupted.set()
+    if interrupted.is_set():
         for query in queries:
-            query.stop()
-            report_progress(query)  # the batches that ended since the last look
+            try:
+                query.stop()
+                report_progress(query)  # the batches that ended since the last look
+            except Exception as exc:  # the JVM got the Ctrl-C too and is gone
+                report(f"[{query.name}] stopped with the JVM: {exc}")
         return 130
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def _sigint_sets(interrupted: threading.Event) -> Iterator[None]:
+    """While the pipeline waits, Ctrl-C only sets ``interrupted``: PySpark's own handler
+    raises KeyboardInterrupt inside whatever py4j call is running, which py4j then turns
+    into an error of its own, and the queries would not be stopped. Only the main thread
+    can take signals; elsewhere KeyboardInterrupt stays the way in."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
