@@ -85,6 +85,7 @@ MAX_IN_FLIGHT_BATCHES = 1024  # unacknowledged batches before sending waits (str
 
 T = TypeVar("T")
 _C = TypeVar("_C")
+_Q = TypeVar("_Q")
 
 
 class ResubscribeMode(enum.Enum):
@@ -1057,21 +1058,27 @@ class AsyncEntitySubscription(Generic[T]):
         """The changes accepted so far (waiting for one); [] on timeout or once closed.
         A subscription the server ended raises its error once the changes before it are
         taken."""
-        if not self._queue:
+        return await self._take(self._queue, self._wakeup, timeout)
+
+    async def _take(
+        self, queue: deque[_Q], wakeup: asyncio.Event, timeout: float | None
+    ) -> list[_Q]:
+        """Everything in ``queue`` (waiting on ``wakeup`` while it is empty)."""
+        if not queue:
             if self._state == "failed" and self._error is not None:
                 raise self._error
             if self._state == "closed":
                 return []
-            self._wakeup.clear()
+            wakeup.clear()
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
+                await asyncio.wait_for(wakeup.wait(), timeout)
             except TimeoutError:
                 return []
-        batch = list(self._queue)
-        self._queue.clear()
-        if not batch and self._state == "failed" and self._error is not None:
+        taken = list(queue)
+        queue.clear()
+        if not taken and self._state == "failed" and self._error is not None:
             raise self._error
-        return batch
+        return taken
 
     async def next(self, timeout: float | None = None) -> Entity[T] | None:
         """The next accepted change, None on timeout or once closed."""
@@ -1097,21 +1104,7 @@ class AsyncEntitySubscription(Generic[T]):
         """The EVENTs received so far (waiting for one); [] on timeout or once closed. A
         subscription the server ended raises its error once the events before it are
         taken."""
-        if not self._events:
-            if self._state == "failed" and self._error is not None:
-                raise self._error
-            if self._state == "closed":
-                return []
-            self._events_wakeup.clear()
-            try:
-                await asyncio.wait_for(self._events_wakeup.wait(), timeout)
-            except TimeoutError:
-                return []
-        events = list(self._events)
-        self._events.clear()
-        if not events and self._state == "failed" and self._error is not None:
-            raise self._error
-        return events
+        return await self._take(self._events, self._events_wakeup, timeout)
 
     async def events(self) -> AsyncIterator[EntityEvent]:
         """``async for event in sub.events()``: the EVENTs of an event-stream kind
