@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""The Spark stream reader alone, without Spark: rows/s one RangeReader makes of the
+spark_bench stream (JSON events of varying size) on one core, to separate its cost from
+Spark's Arrow-to-row conversion.
+
+    .venv/bin/python benchmarks/spark_reader_bench.py --events 2000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+
+from benchlib import HeadwaterServer
+from headwater.spark.options import ConnectionOptions
+from headwater.spark.streams import RangeReader
+from spark_bench import fill
+
+SCHEMA = pa.schema(
+    [
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("stream", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("timestampType", pa.int32()),
+        ("position", pa.int64()),
+    ]
+)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--events", type=int, default=2_000_000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    server = HeadwaterServer()
+    server.start(Path(tempfile.mkdtemp(prefix="spark-reader-")))
+    address = f"127.0.0.1:{server.port}"
+    try:
+        fill(address, "bench", args.events)
+        conn = ConnectionOptions(server=address)
+        for _ in range(args.repeat):
+            started, cpu = time.perf_counter(), time.process_time()
+            reader = RangeReader(conn, "bench", 0, args.events, True, "raw", SCHEMA)
+            rows = sum(batch.num_rows for batch in reader.batches())
+            took = time.perf_counter() - started
+            print(
+                f"{rows:,} rows in {took:.2f} s: {rows / took:,.0f} rows/s, "
+                f"reader CPU {time.process_time() - cpu:.2f} s"
+            )
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
