@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
 
     root = Path(tempfile.mkdtemp(prefix="spark_bench_"))
     hw_server = HeadwaterServer()
-    hw_server.start(root)
+    hw_server.start(root, listeners=("kimberlite", "http"))
     server = f"127.0.0.1:{hw_server.port}"
     try:
         fill_s = timed(lambda: fill(server, "bench", args.events))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sdk_server import SdkServer, sdk_free_port
+from sdk_server import SdkServer, sdk_free_port, server_factory
 
 
 @pytest.fixture(scope="session")
@@ -46,20 +46,7 @@ def sdk_cli_env() -> dict[str, str]:
 @pytest.fixture
 def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
     """Start servers of this test's own (stopped at teardown): ``make(port=0)``."""
-    servers: list[SdkServer] = []
-
-    def make(
-        port: int = 0, extra_config: str = "", listen: dict[str, str] | None = None
-    ) -> SdkServer:
-        server = SdkServer(tmp_path / f"server{len(servers)}", port, extra_config, listen)
-        servers.append(server)
-        return server.start()
-
-    try:
-        yield make
-    finally:
-        for server in servers:
-            server.stop()
+    yield from server_factory(tmp_path)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SDK_START_SECONDS = 30.0  # generous: the machine is shared
@@ -123,3 +124,26 @@ class SdkServer:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def server_factory(
+    tmp_path: Path, default_listen: dict[str, str] | None = None
+) -> Iterator[Callable[..., SdkServer]]:
+    """Body of the ``sdk_make_server`` fixtures: ``make(port=0, extra_config, listen)``
+    starts a server of the test's own (``listen`` over ``default_listen``); all are
+    stopped when the generator closes."""
+    servers: list[SdkServer] = []
+
+    def make(
+        port: int = 0, extra_config: str = "", listen: dict[str, str] | None = None
+    ) -> SdkServer:
+        root = tmp_path / f"server{len(servers)}"
+        server = SdkServer(root, port, extra_config, {**(default_listen or {}), **(listen or {})})
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.stop()

@@ -14,9 +14,9 @@ import threading
 import weakref
 from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo
+from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, http_port
 
 from .aio import (
     DEFAULT_CREDITS,
@@ -29,8 +29,11 @@ from .aio import (
     StartOffset,
     StreamRef,
 )
-from .errors import ClientClosed
+from .errors import ClientClosed, ServerUnavailable
 from .results import AppendResult, Event, QueryResult, RawReadResult, ReadResult
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 _T = TypeVar("_T")
 
@@ -157,6 +160,24 @@ class Client:
     def retried(self) -> int:
         """How many requests were retried (retryable errors, lost connections)."""
         return self._inner.retried
+
+    def read_arrow(
+        self, stream: str, start: int = 0, end: int | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Offsets [start, end) of ``stream`` as Arrow record batches (``offset, position,
+        ts, data``) from the server's HTTP API, whose port the Handshake advertised: a
+        bulk read with no work per event (see :mod:`headwater.client.arrow`)."""
+        port = http_port(self.capabilities)
+        if port is None:
+            raise ServerUnavailable(
+                f"the server at {self.address} does not advertise an HTTP API (http:<port>)"
+            )
+        from .arrow import read_arrow  # pyarrow loads only for those who use it
+
+        inner = self._inner
+        return read_arrow(
+            inner.host, port, stream, start, end, token=inner.token, tenant=inner.tenant
+        )
 
     @property
     def aio(self) -> AsyncClient:

@@ -7,6 +7,7 @@ Runs wherever Spark puts it: each call opens its own connection with the blockin
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -19,11 +20,14 @@ import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
 from headwater.client.aio import split_events
+from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
-from headwater.protocols.kimberlite.messages import EventBatch
+from headwater.protocols.kimberlite.messages import EventBatch, http_port
 
 from .options import ConnectionOptions, DataLossError
+
+log = logging.getLogger(__name__)
 
 READ_BYTES = 8 << 20
 TIMESTAMP_TYPE_LOG_APPEND = 1  # Kafka's LogAppendTime: the server stamps each batch
@@ -54,6 +58,12 @@ def stream_bounds(client: Client, stream: str) -> Bounds:
     return Bounds(min(start, end), end)
 
 
+# Each (position - offset, timestamp) group is normally one run of consecutive offsets
+# appended in one batch: a hash aggregate, several times cheaper than numbering the rows.
+_GROUPS_SQL = """
+    SELECT min("offset"), max("offset"), position - "offset" AS d, epoch_us(ts), count(*)
+    FROM {table} WHERE "offset" >= ? AND "offset" < ? GROUP BY d, ts ORDER BY 1"""
+# Exact runs even when a group is not contiguous (a timestamp repeated after a gap).
 _RUNS_SQL = """
     SELECT min(o), max(o), d, t FROM (
         SELECT "offset" AS o, position - "offset" AS d, epoch_us(ts) AS t,
@@ -62,18 +72,31 @@ _RUNS_SQL = """
         FROM {table} WHERE "offset" >= ? AND "offset" < ?)
     GROUP BY g, d, t ORDER BY 1"""
 
+Run = tuple[int, int, int, int]  # first offset, last offset, position - offset, ts µs
 
-def _metadata_runs(client: Client, stream: str, start: int, end: int) -> Future[QueryResult]:
+
+def _metadata_runs(client: Client, stream: str, start: int, end: int) -> Future[list[Run]]:
     """(first, last, position - offset, timestamp µs) for each run of offsets appended in
     one batch: a handful of rows per range instead of one per event. Runs on the client's
     loop while the first page is read."""
-    sql = _RUNS_SQL.format(table=_quote(stream))
-    return client.submit(client.aio.query(sql, start, end))
+    table = _quote(stream)
+
+    def rows(result: QueryResult) -> list[tuple[int, ...]]:
+        return [tuple(int(str(v)) for v in row) for row in result.rows]
+
+    async def runs() -> list[Run]:
+        groups = rows(await client.aio.query(_GROUPS_SQL.format(table=table), start, end))
+        if all(last - first + 1 == n for first, last, _, _, n in groups):
+            return [(g[0], g[1], g[2], g[3]) for g in groups]
+        exact = rows(await client.aio.query(_RUNS_SQL.format(table=table), start, end))
+        return [(r[0], r[1], r[2], r[3]) for r in exact]
+
+    return client.submit(runs())
 
 
 class _Metadata:
-    def __init__(self, result: QueryResult) -> None:
-        self.runs = [tuple(int(str(v)) for v in row) for row in result.rows]
+    def __init__(self, runs: list[Run]) -> None:
+        self.runs = runs
         self.i = 0
 
     def columns(self, first: int, count: int) -> tuple[pa.Array, pa.Array]:
@@ -126,12 +149,59 @@ class RangeReader:
     value_format: str
     schema: Any  # pa.Schema of the Spark columns
 
-    def batches(self) -> Iterator[pa.RecordBatch]:
+    def batches(self, *, via_http: bool = True) -> Iterator[pa.RecordBatch]:
+        """The range's rows. Columnar from the server's HTTP API when the Handshake
+        advertises it (no work per event on either side), else (or when that API cannot
+        be reached) pages of ReadEvents over the Kimberlite connection."""
         with open_client(self.conn) as client:
-            yield from self._batches(client)
+            if via_http and http_port(client.capabilities) is not None:
+                yielded = False
+                try:
+                    for batch in self._http_batches(client):
+                        yielded = True
+                        yield batch
+                    return
+                except ServerUnavailable as exc:
+                    if yielded:
+                        raise
+                    log.warning("%s; reading over Kimberlite instead", exc)
+            yield from self._batches(client, self.start)
 
-    def _batches(self, client: Client) -> Iterator[pa.RecordBatch]:
+    def _http_batches(self, client: Client) -> Iterator[pa.RecordBatch]:
         offset = self.start
+        while offset < self.end:
+            try:
+                for part in client.read_arrow(self.stream, offset, self.end):
+                    if part.num_rows:
+                        offsets, position, stamps, values = part.columns
+                        yield self._record_batch(offsets, values, position, stamps)
+                        offset = offsets[-1].as_py() + 1
+            except InvalidOffset as exc:
+                offset = self._after_data_loss(client, offset, exc)
+                continue
+            except StreamNotFound:
+                raise DataLossError(f"stream {self.stream} was deleted while read") from None
+            if offset < self.end:
+                raise DataLossError(
+                    f"stream {self.stream} ends at {offset}, before offset {self.end} that "
+                    "was planned"
+                )
+
+    def _after_data_loss(self, client: Client, offset: int, exc: InvalidOffset) -> int:
+        """Where reading resumes after retention removed ``offset``: the stream's new
+        start, or DataLossError when failOnDataLoss."""
+        bounds = stream_bounds(client, self.stream)
+        if bounds.start <= offset:
+            raise exc
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                f"stream {self.stream}: offsets {offset}..{bounds.start - 1} were "
+                f"removed by retention before they were read ({exc}); set "
+                "failOnDataLoss=false to skip them"
+            ) from None
+        return bounds.start
+
+    def _batches(self, client: Client, offset: int) -> Iterator[pa.RecordBatch]:
         meta: _Metadata | None = None
         runs = _metadata_runs(client, self.stream, offset, self.end)
         # One read in flight while the previous page becomes Arrow: the socket and the
@@ -141,16 +211,7 @@ class RangeReader:
             try:
                 result = pending.result()
             except InvalidOffset as exc:
-                bounds = stream_bounds(client, self.stream)
-                if bounds.start <= offset:
-                    raise
-                if self.fail_on_data_loss:
-                    raise DataLossError(
-                        f"stream {self.stream}: offsets {offset}..{bounds.start - 1} were "
-                        f"removed by retention before they were read ({exc}); set "
-                        "failOnDataLoss=false to skip them"
-                    ) from None
-                offset = bounds.start
+                offset = self._after_data_loss(client, offset, exc)
                 meta = None
                 runs = _metadata_runs(client, self.stream, offset, self.end)
                 pending = self._fetch(client, offset)
@@ -168,21 +229,25 @@ class RangeReader:
                 pending = self._fetch(client, next_offset)
             if meta is None:
                 meta = _Metadata(runs.result())
-            values = _binary_values(result.events)
-            yield self._record_batch(offset, values.slice(0, count), meta)
+            values = _binary_values(result.events).slice(0, count)
+            position, stamps = meta.columns(offset, count)
+            yield self._record_batch(_counting(offset, count), values, position, stamps)
             offset = next_offset
 
     def _fetch(self, client: Client, offset: int) -> Future[RawReadResult]:
         return client.submit(client.aio.read_batch(self.stream, offset, READ_BYTES))
 
-    def _record_batch(self, first: int, values: pa.Array, meta: _Metadata) -> pa.RecordBatch:
+    def _record_batch(
+        self, offsets: pa.Array, values: pa.Array, position: pa.Array, stamps: pa.Array
+    ) -> pa.RecordBatch:
+        """Spark's columns for consecutive events: their offsets, values, log positions
+        and timestamps (µs, int64 or timestamp)."""
         count = len(values)
-        position, stamps = meta.columns(first, count)
         columns: dict[str, pa.Array] = {
             "key": pa.nulls(count, pa.binary()),
             "stream": pa.repeat(pa.scalar(self.stream, pa.string()), count),
             "partition": pa.repeat(pa.scalar(0, pa.int32()), count),
-            "offset": _counting(first, count),
+            "offset": offsets,
             "timestamp": stamps.cast(pa.timestamp("us", tz="UTC")),
             "timestampType": pa.repeat(pa.scalar(TIMESTAMP_TYPE_LOG_APPEND, pa.int32()), count),
             "position": position,
@@ -193,7 +258,7 @@ class RangeReader:
         if self.value_format == "raw":
             columns["value"] = values
         else:
-            parsed = self._parse(first, values)
+            parsed = self._parse(offsets[0].as_py(), values)
             for name in parsed.column_names:
                 columns[name] = parsed.column(name).combine_chunks()
         arrays = [columns[f.name].cast(f.type) for f in self.schema]

@@ -290,6 +290,27 @@ def table_at(chunks: Sequence[Chunk], position: int, start_offset: int = 0) -> p
     return pa.Table.from_batches(batches, SCHEMA)
 
 
+RANGE_SCHEMA = SCHEMA.remove(4)  # offset, position, ts, data: what a range read serves
+
+
+def range_batches(chunks: Sequence[Chunk], start: int, end: int) -> list[pa.RecordBatch]:
+    """The rows of ``chunks`` with offsets in [start, end) as record batches of
+    :data:`RANGE_SCHEMA`, zero-copy slices (offsets ascend within and across chunks)."""
+    out: list[pa.RecordBatch] = []
+    for chunk in chunks:
+        if chunk.last_offset < start:
+            continue
+        if chunk.first_offset >= end:
+            break
+        batch = chunk.batch.drop_columns(["json"])
+        offsets = batch.column(0).to_numpy()
+        lo = 0 if chunk.first_offset >= start else int(offsets.searchsorted(start))
+        hi = batch.num_rows if chunk.last_offset < end else int(offsets.searchsorted(end))
+        if hi > lo:
+            out.append(batch.slice(lo, hi - lo))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _RoundResult:
     tail: list[Chunk]

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 from headwater.engine.engine import MAX_APPEND_EVENTS
 from headwater.errors import (
     HeadwaterError,
+    InvalidOffset,
     InvalidRequest,
     PositionAhead,
     ProjectionLag,
@@ -42,7 +43,7 @@ from headwater.errors import (
     TableNotFound,
 )
 from headwater.sql.duck import Database
-from headwater.sql.projection import ChunkBuilder
+from headwater.sql.projection import ChunkBuilder, range_batches
 from headwater.sql.statements import CATALOG_WORDS, InsertPlan, ParsedQuery, parse_query
 from headwater.sql.tables import SqlTable, StreamTables, TableSource
 from headwater.sql.values import (
@@ -168,25 +169,82 @@ class SqlService:
     async def wait_for_position(self, tenant_id: int, position: int, timeout: float) -> int:
         """Wait until every table of the tenant covers ``position``; returns the covered
         position (>= ``position``). ProjectionLag after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            progress = self._progress
-            covered = self.covered_position(tenant_id)
-            if covered >= position:
-                return covered
-            if self._closed:
-                raise ProjectionLag("the SQL service is shutting down")
+
+        def kick() -> None:
             head = self.engine.tenant(tenant_id).committed_position
             for table in self.tables(tenant_id):
                 if table.covered_position(head) < position:
                     table.request_catch_up()
+
+        await self._wait(
+            lambda: self.covered_position(tenant_id) >= position,
+            kick,
+            lambda: self._lag_message(tenant_id, self.covered_position(tenant_id), position),
+            timeout,
+        )
+        return self.covered_position(tenant_id)
+
+    async def _wait(
+        self,
+        done: Callable[[], bool],
+        kick: Callable[[], None],
+        lag_message: Callable[[], str],
+        timeout: float,
+    ) -> None:
+        """Wait until ``done()``, kicking lagging projections; ProjectionLag after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            progress = self._progress
+            if done():
+                return
+            if self._closed:
+                raise ProjectionLag("the SQL service is shutting down")
+            kick()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ProjectionLag(self._lag_message(tenant_id, covered, position))
+                raise ProjectionLag(lag_message())
             # Woken by projection progress; the poll covers heads that move without any
             # (an in-flight append to another stream finishing, or failing).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(progress.wait(), min(remaining, POLL_SECONDS))
+
+    # ---- stream ranges ----------------------------------------------------------------
+
+    async def stream_range(
+        self, tenant_id: int, name: str, start: int, end: int
+    ) -> list[pa.RecordBatch]:
+        """Offsets [start, end) of a stream from its projection, as record batches of
+        ``offset, position, ts, data`` (zero-copy slices): a bulk read with no per-event
+        work. ``end`` is clamped to the committed offset; the projection is awaited up to
+        it. InvalidOffset when retention has removed ``start``."""
+        stream = self.engine.stream_by_name(tenant_id, name)  # StreamNotFound
+        projection = self.streams.projection(tenant_id, stream.name)
+        if projection is None:
+            raise InvalidRequest(f"stream {name} has no SQL projection")
+        if start < 0 or end < start:
+            raise InvalidRequest(f"bad range {start}..{end}: 0 <= from <= to")
+        end = min(end, stream.log.committed_offset)
+
+        def lag() -> str:
+            error = f" (failing: {projection.error})" if projection.error else ""
+            reached = projection.next_offset
+            return f"stream {name} is projected up to offset {reached}, not {end}{error}"
+
+        await self._wait(
+            lambda: projection.next_offset >= end,
+            projection.request_catch_up,
+            lag,
+            self.read_timeout,
+        )
+        if projection.closed:
+            raise StreamNotFound(f"stream {name} was deleted")
+        if start < stream.log.start_offset:
+            raise InvalidOffset(
+                f"offset {start} was removed by retention; the stream starts at "
+                f"{stream.log.start_offset}"
+            )
+        return range_batches(projection.chunks, start, end)
 
     # ---- queries --------------------------------------------------------------------
 

@@ -1,14 +1,36 @@
-"""One SparkSession for every Spark test (it takes seconds to start)."""
+"""One SparkSession for every Spark test (it takes seconds to start), and servers with the
+HTTP API on, as ``headwater serve`` has by default: stream reads take its Arrow path (the
+Kimberlite fallback is held to the same results in tests/integration/test_range_reads.py)."""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sdk_server import SdkServer, server_factory
+
+HTTP_ON = {"http": "127.0.0.1:0"}
+
+
+@pytest.fixture(scope="session")
+def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
+    """One server (Kimberlite and HTTP) for every Spark test that does not restart it."""
+    server = SdkServer(tmp_path_factory.mktemp("spark_server"), listen=HTTP_ON).start()
+    try:
+        yield server
+    finally:
+        status = server.stop()
+        assert status == 0, f"server exited {status}:\n{server.log_text()}"
+
+
+@pytest.fixture
+def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
+    """Servers of this test's own, the HTTP API on unless ``listen`` says otherwise."""
+    yield from server_factory(tmp_path, HTTP_ON)
 
 
 @pytest.fixture(scope="session")

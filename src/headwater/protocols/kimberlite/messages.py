@@ -42,17 +42,30 @@ RESUME_GROUP_OFFSET = 2**64 - 1
 RIPPLE_CAPABILITY = "ripple:"
 """Handshake capability prefix: ``ripple:<port>`` is the server's Ripple listener, on the
 host the client reached (absent when that listener is off)."""
+HTTP_CAPABILITY = "http:"
+"""Handshake capability prefix: ``http:<port>`` is the server's HTTP API (bulk Arrow reads
+of a stream), on the host the client reached (absent when that listener is off)."""
 
 
-def ripple_port(capabilities: Sequence[str]) -> int | None:
-    """The Ripple port a Handshake advertises, or None. Unknown or malformed capabilities
-    are ignored, as clients must."""
+def advertised_port(capabilities: Sequence[str], prefix: str) -> int | None:
+    """The port a Handshake advertises under ``prefix`` (e.g. ``ripple:``), or None.
+    Unknown or malformed capabilities are ignored, as clients must."""
     for capability in capabilities:
-        if capability.startswith(RIPPLE_CAPABILITY):
-            text = capability[len(RIPPLE_CAPABILITY) :]
+        if capability.startswith(prefix):
+            text = capability[len(prefix) :]
             if text.isdigit() and 0 < int(text) < 65536:
                 return int(text)
     return None
+
+
+def ripple_port(capabilities: Sequence[str]) -> int | None:
+    """The Ripple port a Handshake advertises, or None."""
+    return advertised_port(capabilities, RIPPLE_CAPABILITY)
+
+
+def http_port(capabilities: Sequence[str]) -> int | None:
+    """The HTTP API port a Handshake advertises, or None."""
+    return advertised_port(capabilities, HTTP_CAPABILITY)
 
 
 U64_MAX = 2**64 - 1

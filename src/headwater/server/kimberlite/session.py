@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from headwater.engine.subscriptions import Subscription
 from headwater.errors import AuthenticationFailed, InvalidRequest
-from headwater.protocols.kimberlite.messages import RIPPLE_CAPABILITY
+from headwater.protocols.kimberlite.messages import HTTP_CAPABILITY, RIPPLE_CAPABILITY
 from headwater.server.config import AuthConfig
 
 CAPABILITIES = (
@@ -21,12 +21,14 @@ CAPABILITIES = (
 
 
 def capabilities(listeners: dict[str, int]) -> list[str]:
-    """What a Handshake advertises: the fixed capabilities, then ``ripple:<port>`` when
-    the Ripple listener is on (``listeners``: name -> bound port), so a client that
-    reached this listener finds the Ripple port on the same host without being told."""
+    """What a Handshake advertises: the fixed capabilities, then ``ripple:<port>`` and
+    ``http:<port>`` for the Ripple and HTTP listeners that are on (``listeners``: name ->
+    bound port), so a client that reached this listener finds them on the same host
+    without being told."""
     result = list(CAPABILITIES)
-    if "ripple" in listeners:
-        result.append(f"{RIPPLE_CAPABILITY}{listeners['ripple']}")
+    for name, prefix in (("ripple", RIPPLE_CAPABILITY), ("http", HTTP_CAPABILITY)):
+        if name in listeners:
+            result.append(f"{prefix}{listeners[name]}")
     return result
 
 
