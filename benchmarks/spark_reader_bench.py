@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The Spark stream reader alone, without Spark: rows/s one RangeReader makes of the
-spark_bench stream (JSON events of varying size) on one core, to separate its cost from
-Spark's Arrow-to-row conversion.
+spark_bench stream (JSON events of varying size), to separate its cost from Spark's
+Arrow-to-row conversion. Its two paths alternate: columnar over the HTTP API (what
+executors use by default) and ReadEvents pages over Kimberlite (the fallback).
 
     .venv/bin/python benchmarks/spark_reader_bench.py --events 2000000
 """
@@ -40,20 +41,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
     server = HeadwaterServer()
-    server.start(Path(tempfile.mkdtemp(prefix="spark-reader-")))
+    server.start(Path(tempfile.mkdtemp(prefix="spark-reader-")), listeners=("kimberlite", "http"))
     address = f"127.0.0.1:{server.port}"
     try:
         fill(address, "bench", args.events)
         conn = ConnectionOptions(server=address)
         for _ in range(args.repeat):
-            started, cpu = time.perf_counter(), time.process_time()
-            reader = RangeReader(conn, "bench", 0, args.events, True, "raw", SCHEMA)
-            rows = sum(batch.num_rows for batch in reader.batches())
-            took = time.perf_counter() - started
-            print(
-                f"{rows:,} rows in {took:.2f} s: {rows / took:,.0f} rows/s, "
-                f"reader CPU {time.process_time() - cpu:.2f} s"
-            )
+            for via_http in (True, False):
+                started, cpu = time.perf_counter(), time.process_time()
+                reader = RangeReader(conn, "bench", 0, args.events, True, "raw", SCHEMA)
+                rows = sum(batch.num_rows for batch in reader.batches(via_http=via_http))
+                took = time.perf_counter() - started
+                print(
+                    f"{'http' if via_http else 'kimberlite':>10}: {rows:,} rows in {took:.2f} s: "
+                    f"{rows / took:,.0f} rows/s, reader CPU {time.process_time() - cpu:.2f} s"
+                )
     finally:
         server.stop()
 
