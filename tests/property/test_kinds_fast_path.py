@@ -16,6 +16,8 @@ import asyncio
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
@@ -32,6 +34,7 @@ from headwater.engine.kinds import (
     from_wire,
     patch_op,
     retract_op,
+    service,
 )
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType
@@ -141,4 +144,39 @@ def test_record_fast_path_agrees_with_general_path(windows: list[list[tuple]]) -
     assert fast[0] == general[0]  # notifications, in order
     assert fast[1] == general[1]  # state
     assert fast[2] == fast[1]  # state after a restart
+    assert general[2] == general[1]
+
+
+# Windows of whole-record ASSERTs only, after one that creates every entity: each window
+# is then all updates (many of them no change at all, values being few), the shape the
+# columnar flush (service._columnar_changes) takes instead of the per-entity pass.
+UPDATE_WINDOWS = st.lists(st.lists(assert_batch, min_size=1, max_size=4), min_size=1, max_size=5)
+CREATE_ALL = [("asserts", 0, [(e, (0, 0.0)) for e in range(ENTITIES)])]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(UPDATE_WINDOWS)
+def test_columnar_flush_agrees_with_general_path(windows: list[list[tuple]]) -> None:  # type: ignore[type-arg]
+    plans: list[object] = []
+    real = service._columnar_changes
+
+    def spy(state: Any, entities: Any, first: int) -> Any:
+        plan = real(state, entities, first)
+        if state.info.name == "k" and entities:  # not the presence kind, not empty
+            plans.append(plan)
+        return plan
+
+    with (
+        tempfile.TemporaryDirectory() as a,
+        tempfile.TemporaryDirectory() as b,
+        mock.patch.object(service, "_columnar_changes", spy),
+    ):
+        fast = asyncio.run(run(Path(a), [CREATE_ALL, *windows], fast=True))
+        assert plans and None not in plans  # every window took the columnar flush
+        plans.clear()
+        general = asyncio.run(run(Path(b), [CREATE_ALL, *windows], fast=False))
+        assert set(plans) == {None}  # _Work entries: the per-entity pass
+    assert fast[0] == general[0]  # notifications, in order, changed fields included
+    assert fast[1] == general[1]  # state
+    assert fast[2] == fast[1]  # state after a restart: the changelog values are right
     assert general[2] == general[1]

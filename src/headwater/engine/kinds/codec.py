@@ -87,16 +87,21 @@ class RecordCodec:
             return []
         fixed = self.fixed
         if fixed is not None and set(map(len, chain(new, old))) == {fixed.size}:
-            columns = self._columns
-            assert columns is not None
-            a = np.frombuffer(b"".join(new), dtype=columns)
-            b = np.frombuffer(b"".join(old), dtype=columns)
-            masks = np.zeros(len(new), dtype=np.uint64)
-            for i, name in enumerate(columns.names or ()):
-                masks |= (a[name] != b[name]).astype(np.uint64) << np.uint64(i)
-            changed: list[int] = masks.tolist()
+            changed: list[int] = self.changed_masks(b"".join(new), b"".join(old)).tolist()
             return changed
         return [self._changed_pair(n, o) for n, o in zip(new, old, strict=True)]
+
+    def changed_masks(self, new: bytes, old: bytes) -> np.ndarray:
+        """:meth:`changed_fields` of a fixed-width schema's records given joined: two
+        runs of whole records of equal count, as a uint64 array."""
+        columns = self._columns
+        assert columns is not None, "changed_masks needs a fixed-width schema"
+        a = np.frombuffer(new, dtype=columns)
+        b = np.frombuffer(old, dtype=columns)
+        masks = np.zeros(len(a), dtype=np.uint64)
+        for i, name in enumerate(columns.names or ()):
+            masks |= (a[name] != b[name]).astype(np.uint64) << np.uint64(i)
+        return masks
 
     def _changed_pair(self, new: bytes, old: bytes) -> int:
         a, b = self.field_bytes(new), self.field_bytes(old)

@@ -256,6 +256,7 @@ class StateColumns(Sequence[StateChange]):
         previous: list[bytes | None],
         metadata: list[bytes] | None,
         changed_of: Callable[[StateColumns], list[int]],
+        changed_fields: list[int] | None = None,
     ) -> None:
         self.kind_id = kind_id
         self.first_version = first_version
@@ -265,7 +266,7 @@ class StateColumns(Sequence[StateChange]):
         self.records = records
         self.previous = previous
         self.metadata = metadata
-        self._changed: list[int] | None = None
+        self._changed: list[int] | None = changed_fields  # None: computed when first read
         self._changed_of = changed_of
         self.derived: dict[object, object] = {}
 

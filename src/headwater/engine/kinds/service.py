@@ -30,12 +30,15 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
+
+import numpy as np
 
 from headwater.engine.kinds.codec import RecordCodec, codec_for
 from headwater.engine.kinds.errors import (
@@ -171,6 +174,97 @@ class _FlushPlan:
     next_sequence: int
     notes: list[EventNote] = field(default_factory=list)
     applied: int = 0
+    values_section: bytes | None = None  # log_values already encoded (columnar plans)
+    changed_fields: list[int] | None = None  # known already (columnar plans)
+
+
+def _columnar_changes(
+    state: KindState, entities: dict[bytes, _Entry], first: int
+) -> _FlushPlan | None:
+    """:meth:`TenantKinds._net_changes` for the common window, in columns: a fixed-width
+    kind whose entries are all whole records (``(source_set, record)`` tuples, as BATCHes
+    of ASSERTs leave them) of entities that are all new or all committed already. The
+    comparison with the committed state, the changed fields and the changelog values are
+    numpy over the joined records instead of a Python loop per entity. None when the
+    window is not of that shape (the general pass then handles it)."""
+    codec = state.codec
+    fixed = codec.fixed
+    n = len(entities)
+    if fixed is None or n == 0:
+        return None
+    entries = list(entities.values())
+    if set(map(type, entries)) != {tuple}:
+        return None
+    eids = list(entities)
+    befores = list(map(state.committed.get, eids))
+    missing = befores.count(None)
+    if missing not in (0, n):
+        return None
+    size = fixed.size
+    set_tuple, record_tuple = zip(*entries, strict=True)
+    records: list[bytes] = list(record_tuple)
+    new = b"".join(records)
+    if len(new) != n * size:  # records never exceed the schema's size: all whole
+        return None
+    sets = np.fromiter(set_tuple, np.uint64, n)
+    if missing == n:
+        changes = [int(ChangeType.CREATED)] * n
+        previous: list[bytes | None] = [None] * n
+        changed = [(1 << len(codec.fields)) - 1] * n
+        source_sets = list(set_tuple)
+    else:
+        committed = cast(list[_Committed], befores)  # none missing
+        old_records: list[bytes] = list(map(_RECORD_OF, committed))
+        old = b"".join(old_records)
+        if len(old) != n * size:  # a record from before a migration appended fields
+            return None
+        masks = codec.changed_masks(new, old)
+        old_sets = np.fromiter(map(_SOURCE_SET_OF, committed), np.uint64, n)
+        keep = (masks != 0) | (sets != old_sets)
+        if keep.all():
+            source_sets = list(set_tuple)
+        else:  # some end as they were committed: no version, no notification
+            kept = np.flatnonzero(keep).tolist()
+            eids = [eids[i] for i in kept]
+            records = [records[i] for i in kept]
+            old_records = [old_records[i] for i in kept]
+            source_sets = [set_tuple[i] for i in kept]
+            masks, sets = masks[keep], sets[keep]
+            new = b"".join(records)
+        changes = [int(ChangeType.UPDATED)] * len(eids)
+        previous = list(old_records)
+        changed = masks.tolist()
+    rows = np.empty(len(eids), dtype=_log_layout(size))
+    rows["length"] = _SOURCE_SET.size + size
+    rows["source_set"] = sets
+    rows["record"] = np.frombuffer(new, dtype=f"V{size}")
+    return _FlushPlan(
+        state,
+        state.info.fields,
+        first,
+        eids,
+        changes,
+        source_sets,
+        records,
+        previous,
+        None,
+        [],
+        [],
+        state.next_sequence,
+        values_section=rows.tobytes(),
+        changed_fields=changed,
+    )
+
+
+# Of a committed (version, source_set, record).
+_RECORD_OF: Callable[[_Committed], bytes] = operator.itemgetter(2)
+_SOURCE_SET_OF: Callable[[_Committed], int] = operator.itemgetter(1)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_layout(record_size: int) -> np.dtype[np.void]:
+    """A changelog value in its values section: ``u64 len | u64 source_set | record``."""
+    return np.dtype([("length", "<u8"), ("source_set", "<u8"), ("record", f"V{record_size}")])
 
 
 def _changed_fields(codec: RecordCodec, columns: StateColumns) -> list[int]:
@@ -865,7 +959,9 @@ class TenantKinds:
                 # Positions are claimed below, once the count is known; nothing can claim
                 # in between (no await), so the versions handed out here are the claim's.
                 first = tenant.next_position
-                plan = self._net_changes(state, entities, first)
+                plan = None if drafts else _columnar_changes(state, entities, first)
+                if plan is None:
+                    plan = self._net_changes(state, entities, first)
                 count = len(plan.entity_ids) + (1 if drafts else 0)
                 if count == 0:
                     continue
@@ -877,10 +973,15 @@ class TenantKinds:
                     plan.notes, plan.next_sequence = self._event_notes(state, drafts)
                     keys.append(SEQUENCE_KEY)
                     values_out.append(_SOURCE_SET.pack(plan.next_sequence))
-                tombstones = [not v for v in values_out] if plan.deleted else None
-                info = state.log.append(
-                    values_out, first_position=first, keys=keys, tombstones=tombstones
-                )
+                if plan.values_section is not None:
+                    info = state.log.append_encoded(
+                        plan.values_section, count, first_position=first, keys=keys
+                    )
+                else:
+                    tombstones = [not v for v in values_out] if plan.deleted else None
+                    info = state.log.append(
+                        values_out, first_position=first, keys=keys, tombstones=tombstones
+                    )
                 plan.applied = first + count
                 commits.append(state.committer.committed(info.next_offset))
                 plans.append(plan)
@@ -1032,6 +1133,7 @@ class TenantKinds:
                 previous,
                 plan.metadata,
                 changes_of,
+                plan.changed_fields if state.info.fields == plan.fields else None,
             )
             event_notes = WindowNotes(plan.notes)
             for sub in list(state.subscribers):

@@ -46,21 +46,27 @@ def _frame_layout(fd_len: int) -> np.dtype[np.void]:
 class StateFrames:
     """A window's STATE frames, ready to be framed for any subscription stream."""
 
-    __slots__ = ("_rows", "payload_size")
+    __slots__ = ("_rows", "_framed", "payload_size")
 
     def __init__(self, rows: np.ndarray, payload_size: int) -> None:
         self._rows = rows
+        self._framed: dict[int, bytes] = {}
         self.payload_size = payload_size
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def for_stream(self, stream_id: int) -> bytes:
-        """Every frame with ``stream_id`` in its header, one after another."""
-        header = encode_header(stream_id, Opcode.STATE, self.payload_size)
-        rows = self._rows
-        rows["header"] = np.frombuffer(header, dtype=rows.dtype["header"])[0]
-        return rows.tobytes()
+        """Every frame with ``stream_id`` in its header, one after another. Kept per
+        stream id: clients number their streams from 1, so the subscribers of a kind
+        mostly share an id and then share these bytes too (one copy, not one each)."""
+        framed = self._framed.get(stream_id)
+        if framed is None:
+            header = encode_header(stream_id, Opcode.STATE, self.payload_size)
+            rows = self._rows
+            rows["header"] = np.frombuffer(header, dtype=rows.dtype["header"])[0]
+            framed = self._framed[stream_id] = rows.tobytes()
+        return framed
 
 
 def state_frames(
