@@ -192,8 +192,8 @@ def _columnar_changes(
     n = len(entities)
     if fixed is None or n == 0:
         return None
-    entries = list(entities.values())
-    if set(map(type, entries)) != {tuple}:
+    entries = cast(list[tuple[int, bytes]], list(entities.values()))
+    if set(map(type, entries)) != {tuple}:  # a _Work entry: the general pass
         return None
     eids = list(entities)
     befores = list(map(state.committed.get, eids))
@@ -201,17 +201,17 @@ def _columnar_changes(
     if missing not in (0, n):
         return None
     size = fixed.size
-    set_tuple, record_tuple = zip(*entries, strict=True)
-    records: list[bytes] = list(record_tuple)
+    set_list: list[int] = list(map(_FIRST, entries))
+    records: list[bytes] = list(map(_SECOND, entries))
     new = b"".join(records)
     if len(new) != n * size:  # records never exceed the schema's size: all whole
         return None
-    sets = np.fromiter(set_tuple, np.uint64, n)
+    sets = np.fromiter(set_list, np.uint64, n)
     if missing == n:
         changes = [int(ChangeType.CREATED)] * n
         previous: list[bytes | None] = [None] * n
         changed = [(1 << len(codec.fields)) - 1] * n
-        source_sets = list(set_tuple)
+        source_sets = set_list
     else:
         committed = cast(list[_Committed], befores)  # none missing
         old_records: list[bytes] = list(map(_RECORD_OF, committed))
@@ -222,13 +222,13 @@ def _columnar_changes(
         old_sets = np.fromiter(map(_SOURCE_SET_OF, committed), np.uint64, n)
         keep = (masks != 0) | (sets != old_sets)
         if keep.all():
-            source_sets = list(set_tuple)
+            source_sets = set_list
         else:  # some end as they were committed: no version, no notification
             kept = np.flatnonzero(keep).tolist()
             eids = [eids[i] for i in kept]
             records = [records[i] for i in kept]
             old_records = [old_records[i] for i in kept]
-            source_sets = [set_tuple[i] for i in kept]
+            source_sets = [set_list[i] for i in kept]
             masks, sets = masks[keep], sets[keep]
             new = b"".join(records)
         changes = [int(ChangeType.UPDATED)] * len(eids)
@@ -256,6 +256,8 @@ def _columnar_changes(
     )
 
 
+_FIRST: Callable[[tuple[int, bytes]], int] = operator.itemgetter(0)  # of window entries
+_SECOND: Callable[[tuple[int, bytes]], bytes] = operator.itemgetter(1)
 # Of a committed (version, source_set, record).
 _RECORD_OF: Callable[[_Committed], bytes] = operator.itemgetter(2)
 _SOURCE_SET_OF: Callable[[_Committed], int] = operator.itemgetter(1)
@@ -802,10 +804,13 @@ class TenantKinds:
         stale: set[bytes] | None,
     ) -> None:
         """ASSERTs of whole records with no metadata, the hot path: per entity, only the
-        source set it had is looked up and a ``(source_set, record)`` tuple stored."""
+        source set it had is looked up and a ``(source_set, record)`` tuple stored. Only
+        entities the source did not hold yet join ``held`` (which holds exactly those
+        whose working source set has the source's bit): re-asserting is the common case."""
         committed = state.committed.get
         earlier = None if flushing is None else flushing.entities.get(state.info.kind_id)
         current = entities.get
+        fresh: list[bytes] = []
         for eid, record in pairs:
             entry = current(eid)
             if entry is None:
@@ -823,11 +828,12 @@ class TenantKinds:
             else:
                 assert isinstance(entry, _Work)
                 source_set = entry.source_set
+            if not source_set & bit:
+                fresh.append(eid)
             entities[eid] = (source_set | bit, record)
-        ids = [eid for eid, _ in pairs]
-        held.update(ids)
+        held.update(fresh)
         if stale:
-            stale.difference_update(ids)
+            stale.difference_update([eid for eid, _ in pairs])
 
     @staticmethod
     def _note_event(
