@@ -14,25 +14,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
-
 from benchlib import HeadwaterServer
 from headwater.spark.options import ConnectionOptions
-from headwater.spark.streams import RangeReader
+from headwater.spark.streams import ROW_SCHEMA, RangeReader
 from spark_bench import fill
-
-SCHEMA = pa.schema(
-    [
-        ("key", pa.binary()),
-        ("value", pa.binary()),
-        ("stream", pa.string()),
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("timestamp", pa.timestamp("us", tz="UTC")),
-        ("timestampType", pa.int32()),
-        ("position", pa.int64()),
-    ]
-)
 
 
 def main() -> None:
@@ -49,7 +34,7 @@ def main() -> None:
         for _ in range(args.repeat):
             for via_http in (True, False):
                 started, cpu = time.perf_counter(), time.process_time()
-                reader = RangeReader(conn, "bench", 0, args.events, True, "raw", SCHEMA)
+                reader = RangeReader(conn, "bench", 0, args.events, True, "raw", ROW_SCHEMA)
                 rows = sum(batch.num_rows for batch in reader.batches(via_http=via_http))
                 took = time.perf_counter() - started
                 print(

@@ -12,18 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sdk_server import SdkServer, sdk_free_port, server_factory
+from sdk_server import SdkServer, running, sdk_free_port, server_factory
 
 
 @pytest.fixture(scope="session")
 def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
     """One server for every SDK / CLI test that does not restart it."""
-    server = SdkServer(tmp_path_factory.mktemp("sdk_server")).start()
-    try:
-        yield server
-    finally:
-        status = server.stop()
-        assert status == 0, f"server exited {status}:\n{server.log_text()}"
+    yield from running(tmp_path_factory.mktemp("sdk_server"))
 
 
 @pytest.fixture

@@ -147,3 +147,33 @@ def server_factory(
     finally:
         for server in servers:
             server.stop()
+
+
+def running(root: Path, listen: dict[str, str] | None = None) -> Iterator[SdkServer]:
+    """Body of a fixture holding one server: started, then stopped, and it must have
+    exited cleanly (status 0)."""
+    server = SdkServer(root, listen=listen).start()
+    try:
+        yield server
+    finally:
+        status = server.stop()
+        assert status == 0, f"server exited {status}:\n{server.log_text()}"
+
+
+AUTH_CONFIG = """
+[auth]
+required = true
+[[auth.tokens]]
+token = "s3cret"
+tenants = [0]
+"""
+"""Auth required; the token ``s3cret`` grants tenant 0."""
+
+RETENTION_CONFIG = """
+[storage]
+sync = "none"
+segment_bytes = 4096
+retention_bytes = 8192
+maintenance_interval_ms = 100
+"""
+"""Small segments and a byte limit: retention drops whole old segments within 100 ms."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from sdk_server import SdkServer, sdk_free_port
+from sdk_server import AUTH_CONFIG, SdkServer, running, sdk_free_port
 
 from headwater import entities
 from headwater.errors import AuthenticationFailed
@@ -29,12 +29,7 @@ class Reading:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
-    srv = SdkServer(tmp_path_factory.mktemp("cli_entities"), listen=dict(LISTEN)).start()
-    try:
-        yield srv
-    finally:
-        status = srv.stop()
-        assert status == 0, f"server exited {status}:\n{srv.log_text()}"
+    yield from running(tmp_path_factory.mktemp("cli_entities"), dict(LISTEN))
 
 
 @pytest.fixture
@@ -213,15 +208,6 @@ def test_unreachable_server(sdk_cli_env: dict[str, str], name: str) -> None:
         timeout=60,
     )
     assert proc.returncode == 2 and "HTTP API" in proc.stderr
-
-
-AUTH_CONFIG = """
-[auth]
-required = true
-[[auth.tokens]]
-token = "s3cret"
-tenants = [0]
-"""
 
 
 def test_token_is_required_and_passed_through(

@@ -13,42 +13,16 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from sdk_server import SdkServer
+from sdk_server import AUTH_CONFIG, RETENTION_CONFIG, SdkServer
 
 import headwater
 from headwater.client.errors import ServerUnavailable
 from headwater.errors import AuthenticationFailed, InvalidOffset, InvalidRequest, StreamNotFound
 from headwater.spark import streams as spark_streams
 from headwater.spark.options import ConnectionOptions, DataLossError
-from headwater.spark.streams import RangeReader
+from headwater.spark.streams import ROW_SCHEMA, RangeReader
 
 HTTP_ON = {"http": "127.0.0.1:0"}
-SPARK_SCHEMA = pa.schema(
-    [
-        ("key", pa.binary()),
-        ("value", pa.binary()),
-        ("stream", pa.string()),
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("timestamp", pa.timestamp("us", tz="UTC")),
-        ("timestampType", pa.int32()),
-        ("position", pa.int64()),
-    ]
-)
-RETENTION_CONFIG = """
-[storage]
-sync = "none"
-segment_bytes = 4096
-retention_bytes = 8192
-maintenance_interval_ms = 100
-"""
-AUTH_CONFIG = """
-[auth]
-required = true
-[[auth.tokens]]
-token = "s3cret"
-tenants = [0]
-"""
 
 
 def _fill(address: str, stream: str) -> list[bytes]:
@@ -69,7 +43,7 @@ def _fill(address: str, stream: str) -> list[bytes]:
 
 
 def _rows(reader: RangeReader, *, via_http: bool) -> dict[str, list[Any]]:
-    table = pa.Table.from_batches(list(reader.batches(via_http=via_http)), SPARK_SCHEMA)
+    table = pa.Table.from_batches(list(reader.batches(via_http=via_http)), ROW_SCHEMA)
     return table.to_pydict()
 
 
@@ -81,7 +55,7 @@ def _reader(address: str, stream: str, start: int, end: int, **kw: Any) -> Range
         end,
         kw.pop("fail_on_data_loss", True),
         kw.pop("value_format", "raw"),
-        kw.pop("schema", SPARK_SCHEMA),
+        kw.pop("schema", ROW_SCHEMA),
     )
 
 

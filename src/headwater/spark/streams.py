@@ -137,6 +137,22 @@ def _counting(first: int, count: int) -> pa.Array:
     return pc.add(pc.cumulative_sum(ones), first - 1)
 
 
+ROW_SCHEMA = pa.schema(
+    [
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("stream", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("timestampType", pa.int32()),
+        ("position", pa.int64()),
+    ]
+)
+"""The Arrow schema of a raw read's rows (no headers) as Spark declares it from
+``ReadOptions.schema_ddl()``: for a :class:`RangeReader` used without Spark."""
+
+
 @dataclass(frozen=True)
 class RangeReader:
     """Reads offsets [start, end) of one stream into record batches of ``schema``."""

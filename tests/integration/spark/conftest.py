@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sdk_server import SdkServer, server_factory
+from sdk_server import SdkServer, running, server_factory
 
 HTTP_ON = {"http": "127.0.0.1:0"}
 
@@ -19,12 +19,7 @@ HTTP_ON = {"http": "127.0.0.1:0"}
 @pytest.fixture(scope="session")
 def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
     """One server (Kimberlite and HTTP) for every Spark test that does not restart it."""
-    server = SdkServer(tmp_path_factory.mktemp("spark_server"), listen=HTTP_ON).start()
-    try:
-        yield server
-    finally:
-        status = server.stop()
-        assert status == 0, f"server exited {status}:\n{server.log_text()}"
+    yield from running(tmp_path_factory.mktemp("spark_server"), HTTP_ON)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sdk_server import RETENTION_CONFIG
 
 import headwater
 
@@ -273,15 +274,6 @@ def test_streaming_write_retried_task_leaves_no_duplicate(
         assert int(marker.read_text()) > 0
         values = [int(v) for v in _values(hw, sink)]
     assert len(values) == total and sorted(values) == list(range(total))
-
-
-RETENTION_CONFIG = """
-[storage]
-sync = "none"
-segment_bytes = 4096
-retention_bytes = 8192
-maintenance_interval_ms = 100
-"""
 
 
 def _to_parquet(spark: Any, server: str, source: str, out: Path, **options: str) -> Any:
@@ -644,3 +636,14 @@ def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
         query.awaitTermination(120)
         assert query.exception() is None
         assert [int(v) for v in _values(hw, sink)] == list(range(total))
+
+
+def test_range_reader_row_schema_is_what_spark_declares(spark: Any) -> None:
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import _parse_datatype_string
+
+    from headwater.spark.options import ReadOptions
+    from headwater.spark.streams import ROW_SCHEMA
+
+    ddl = ReadOptions.parse({"stream": "s"}).schema_ddl()
+    assert to_arrow_schema(_parse_datatype_string(ddl), timezone="UTC") == ROW_SCHEMA

@@ -46,7 +46,7 @@ def _frame_layout(fd_len: int) -> np.dtype[np.void]:
 class StateFrames:
     """A window's STATE frames, ready to be framed for any subscription stream."""
 
-    __slots__ = ("_rows", "_framed", "payload_size")
+    __slots__ = ("_framed", "_rows", "payload_size")
 
     def __init__(self, rows: np.ndarray, payload_size: int) -> None:
         self._rows = rows
