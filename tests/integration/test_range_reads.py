@@ -228,3 +228,16 @@ def test_metadata_takes_exact_runs_when_a_group_is_not_contiguous() -> None:
     split = _FakeQueries([(0, 14, 5, 100, 10), (5, 9, 5, 300, 5)], exact)
     runs = spark_streams._metadata_runs(split, "s", 0, 15).result()  # type: ignore[arg-type]
     assert runs == exact and split.asked == ["count(*)", "row_number()"]
+
+
+def test_arrow_reads_count_events_and_value_bytes(http_server: SdkServer) -> None:
+    with headwater.connect(http_server.address) as hw:
+        hw.create_stream("met")
+        hw.append("met", [b"abc", b"de"])
+        assert sum(b.num_rows for b in hw.read_arrow("met")) == 2
+    conn = http.client.HTTPConnection("127.0.0.1", http_server.ports["http"], timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert 'headwater_events_read_total{stream="met",tenant="0"} 2.0' in text
+    assert 'headwater_bytes_read_total{stream="met",tenant="0"} 5.0' in text

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
+import pyarrow.compute as pc
 from aiohttp import web
 
 import headwater
@@ -290,16 +291,15 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
     await response.prepare(request)
     await response.write(memoryview(RANGE_SCHEMA.serialize()))
-    rows = size = 0
+    rows = value_bytes = 0
     for batch in batches:
         for first in range(0, batch.num_rows, ARROW_MESSAGE_ROWS):
-            message = batch.slice(first, ARROW_MESSAGE_ROWS).serialize()
-            await response.write(memoryview(message))
-            size += message.size
+            await response.write(memoryview(batch.slice(first, ARROW_MESSAGE_ROWS).serialize()))
         rows += batch.num_rows
+        value_bytes += pc.sum(pc.binary_length(batch.column("data"))).as_py() or 0
     await response.write(_ARROW_END)
     await response.write_eof()
-    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream.name, rows, size)
+    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream.name, rows, value_bytes)
     return response
 
 
