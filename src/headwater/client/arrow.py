@@ -10,15 +10,12 @@ data source. The Kimberlite listener advertises the HTTP port in its Handshake
 from __future__ import annotations
 
 import http.client
-import json
 from collections.abc import Iterator
 from urllib.parse import quote
 
 import pyarrow as pa
 
-from headwater.errors import error_for_code
-
-from .errors import ServerUnavailable
+from .errors import ServerUnavailable, http_api_error
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
 
@@ -55,18 +52,10 @@ def read_arrow(
                 f"cannot reach the headwater HTTP API at {host}:{port}: {exc}"
             ) from None
         if response.status != 200:
-            raise _error(response.status, response.read())
+            raise http_api_error(response.status, response.read(), f"{host}:{port}{path}")
         kind = response.getheader("Content-Type", "")
         if not kind.startswith(ARROW_STREAM_TYPE):
             raise ServerUnavailable(f"{host}:{port}{path} answered {kind!r}, not Arrow")
         yield from pa.ipc.open_stream(response)
     finally:
         conn.close()
-
-
-def _error(status: int, body: bytes) -> Exception:
-    try:
-        error = json.loads(body)["error"]
-        return error_for_code(int(error["code"]), str(error["message"]))
-    except (ValueError, KeyError, TypeError):
-        return ServerUnavailable(f"the HTTP API answered {status}: {body[:200]!r}")

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class ClientError(Exception):
     """Root of the errors the SDK raises itself (not sent by the server)."""
@@ -52,3 +54,17 @@ class SubscriptionClosed(ClientError):
 
 class ClientClosed(ClientError):
     """The client was closed; open a new one with ``headwater.connect``."""
+
+
+def http_api_error(status: int, body: bytes, url: str) -> Exception:
+    """What a non-200 answer of the HTTP API raises: the ``headwater.errors`` class of its
+    error body (``{"error": {"code", "message"}}``), or ServerUnavailable when the body is
+    not JSON (something else answered)."""
+    from headwater.errors import error_for_code
+
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return ServerUnavailable(f"{url} answered {status} without JSON")
+    error = data.get("error", {}) if isinstance(data, dict) else {}
+    return error_for_code(int(error.get("code", 0)), str(error.get("message", status)))

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from headwater.client.aio import parse_server
-from headwater.client.errors import ServerUnavailable
-from headwater.errors import TableNotFound, error_for_code
+from headwater.client.errors import ServerUnavailable, http_api_error
+from headwater.errors import TableNotFound
 from headwater.protocols.convergedb.codes import Opcode
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
 
@@ -73,14 +73,12 @@ async def _get(http: str, path: str, token: str | None, tenant: int, timeout: fl
             f"cannot reach the headwater HTTP API at {host}:{port} for the kind catalog: "
             f"{exc or type(exc).__name__}"
         ) from None
+    if status != 200:
+        raise http_api_error(status, body, url)
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except ValueError:
         raise ServerUnavailable(f"{url} answered {status} without JSON") from None
-    if status != 200:
-        error = data.get("error", {}) if isinstance(data, dict) else {}
-        raise error_for_code(int(error.get("code", 0)), str(error.get("message", status)))
-    return data
 
 
 async def list_kinds_async(
