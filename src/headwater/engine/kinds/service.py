@@ -35,6 +35,7 @@ import struct
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, cast
 
@@ -224,11 +225,11 @@ def _columnar_changes(
         if keep.all():
             source_sets = set_list
         else:  # some end as they were committed: no version, no notification
-            kept = np.flatnonzero(keep).tolist()
-            eids = [eids[i] for i in kept]
-            records = [records[i] for i in kept]
-            old_records = [old_records[i] for i in kept]
-            source_sets = [set_list[i] for i in kept]
+            kept = keep.tolist()
+            eids = list(compress(eids, kept))
+            records = list(compress(records, kept))
+            old_records = list(compress(old_records, kept))
+            source_sets = list(compress(set_list, kept))
             masks, sets = masks[keep], sets[keep]
             new = b"".join(records)
         changes = [int(ChangeType.UPDATED)] * len(eids)
