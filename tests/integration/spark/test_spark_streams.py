@@ -190,18 +190,27 @@ def _pipe(
     checkpoint: Path,
     *,
     now: bool = True,
+    through: Callable[[Any], Any] | None = None,
+    connection: dict[str, str] | None = None,
     **options: str,
 ) -> Any:
     """source -> sink copy of values; ``now``: Trigger.AvailableNow, else micro-batches
-    back to back until stopped."""
-    reader = spark.readStream.format(FMT).option("server", server).option("stream", source)
+    back to back until stopped. ``through``: a UDF the values pass through as integers;
+    ``connection``: options (token, tenant) of both ends."""
+    from pyspark.sql.functions import col
+
+    ends = {"server": server, **(connection or {})}
+    reader = spark.readStream.format(FMT).options(**ends).option("stream", source)
     for key, value in options.items():
         reader = reader.option(key, value)
+    frame = reader.load()
+    if through is None:
+        frame = frame.select("value")
+    else:
+        frame = frame.select(through(col("value").cast("string").cast("long")).alias("value"))
     writer = (
-        reader.load()
-        .select("value")
-        .writeStream.format(FMT)
-        .option("server", server)
+        frame.writeStream.format(FMT)
+        .options(**ends)
         .option("stream", sink)
         .option("checkpointLocation", str(checkpoint))
     )
@@ -254,21 +263,7 @@ def test_streaming_write_retried_task_leaves_no_duplicate(
         hw.create_stream(sink)
         hw.append(source, [str(i).encode() for i in range(total)])
         fail = _failing_once(marker, sdk_server.address, sink, total - 10)
-        from pyspark.sql.functions import col
-
-        query = (
-            spark.readStream.format(FMT)
-            .option("server", sdk_server.address)
-            .option("stream", source)
-            .load()
-            .select(fail(col("value").cast("string").cast("long")).alias("value"))
-            .writeStream.format(FMT)
-            .option("server", sdk_server.address)
-            .option("stream", sink)
-            .option("checkpointLocation", str(tmp_path / "cp"))
-            .trigger(availableNow=True)
-            .start()
-        )
+        query = _pipe(spark, sdk_server.address, source, sink, tmp_path / "cp", through=fail)
         query.awaitTermination(120)
         assert query.exception() is None
         assert int(marker.read_text()) > 0
@@ -544,18 +539,13 @@ def test_token_option_against_a_server_with_auth(spark: Any, sdk_make_server: An
         assert sorted(int(v) for v in _values(hw, "acme_in")) == list(range(50))
     batch = spark.read.format(FMT).options(**auth).option("stream", "acme_in").load()
     assert batch.count() == 50
-    query = (
-        spark.readStream.format(FMT)
-        .options(**auth)
-        .option("stream", "acme_in")
-        .load()
-        .select("value")
-        .writeStream.format(FMT)
-        .options(**auth)
-        .option("stream", "acme_out")
-        .option("checkpointLocation", str(tmp_path / "cp"))
-        .trigger(availableNow=True)
-        .start()
+    query = _pipe(
+        spark,
+        server.address,
+        "acme_in",
+        "acme_out",
+        tmp_path / "cp",
+        connection={"token": "s3cret", "tenant": "42"},
     )
     query.awaitTermination(120)
     assert query.exception() is None
@@ -597,7 +587,6 @@ def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
     """A sink task fails in every attempt after part of its batch was appended: the query
     stops with the error. Restarted from its checkpoint, the batch runs again with the
     same producer ids and sequences: the sink holds each event once, in order."""
-    from pyspark.sql.functions import col
 
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
     total, per_batch = 30_000, 12_000  # batch 1 is 2 Arrow batches: 2 appends
@@ -611,19 +600,14 @@ def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
         marker.write_text(str(per_batch))  # fail in batch 1, once batch 1 appended some
 
         def start() -> Any:
-            return (
-                spark.readStream.format(FMT)
-                .option("server", sdk_server.address)
-                .option("stream", source)
-                .option("maxOffsetsPerTrigger", str(per_batch))
-                .load()
-                .select(fail(col("value").cast("string").cast("long")).alias("value"))
-                .writeStream.format(FMT)
-                .option("server", sdk_server.address)
-                .option("stream", sink)
-                .option("checkpointLocation", str(tmp_path / "cp"))
-                .trigger(availableNow=True)
-                .start()
+            return _pipe(
+                spark,
+                sdk_server.address,
+                source,
+                sink,
+                tmp_path / "cp",
+                through=fail,
+                maxOffsetsPerTrigger=str(per_batch),
             )
 
         query = start()
