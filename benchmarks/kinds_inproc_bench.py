@@ -95,6 +95,12 @@ async def run(args: argparse.Namespace) -> None:
         per = {k: v / args.updates * 1e6 for k, v in spent.items()}
         cells = ", ".join(f"{k} {v:.2f}" for k, v in per.items())
         print(f"round {round_}: us per assert: {cells}, total {sum(per.values()):.2f}")
+        if args.gc_stats:  # does the process grow from round to round?
+            collections = [s["collections"] for s in gc.get_stats()]
+            print(
+                f"  tracked objects {len(gc.get_objects()):,}, RSS {rss() >> 20} MiB, "
+                f"GC collections by generation {collections}"
+            )
         if round_ == 0:
             del payloads
             gc.collect()
@@ -110,6 +116,7 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=100_000, help="distinct entities")
     p.add_argument("--subscribers", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="round 0 creates, later ones update")
+    p.add_argument("--gc-stats", action="store_true", help="print heap and GC figures per round")
     asyncio.run(run(p.parse_args()))
 
 
