@@ -40,6 +40,10 @@ class AuthenticationFailed(HeadwaterError):
     code, name = 3, "AuthenticationFailed"
 
 
+class TenantForbidden(AuthenticationFailed):
+    """A known token that does not grant the tenant asked for (HTTP answers 403)."""
+
+
 class TenantNotFound(HeadwaterError):
     code, name = 4, "TenantNotFound"
 

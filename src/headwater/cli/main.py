@@ -20,8 +20,8 @@ out = Console()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from headwater.server.app import serve
     from headwater.server.config import ConfigError, load_config
+    from headwater.server.serve import serve
 
     try:
         config = load_config(args.config)

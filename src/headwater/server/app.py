@@ -19,12 +19,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from headwater.engine.engine import Engine
-from headwater.engine.kinds import KindsEngine
-from headwater.engine.subscriptions import CloseReason, Subscriptions
+from headwater.api import EngineAPI
 from headwater.server.config import ServerConfig
-from headwater.sql.kinds import KindTables
-from headwater.sql.service import SqlService
 
 log = logging.getLogger("headwater.server")
 
@@ -38,52 +34,49 @@ class Listener:
         self.stop = stop
 
 
-# name -> factory(server, host, port) -> Listener; each protocol issue adds its own.
+# factory(server, host, port) -> Listener; headwater.server.serve names every front end.
 ListenerFactory = Callable[["Server", str, int], Awaitable[Listener]]
-LISTENERS: dict[str, ListenerFactory] = {}
-
-
-def register_listener(name: str, factory: ListenerFactory) -> None:
-    LISTENERS[name] = factory
 
 
 class Server:
-    def __init__(self, data_dir: Path, config: ServerConfig, ports_file: Path | None = None):
+    """One running server: the engine API and the front ends started over it.
+
+    Front ends get the server for its config, its listeners' ports and its metrics, and
+    reach the engine only through :attr:`api`."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        config: ServerConfig,
+        ports_file: Path | None = None,
+        front_ends: dict[str, ListenerFactory] | None = None,
+    ):
         self.data_dir = data_dir
         self.config = config
         self.ports_file = ports_file
-        self.engine: Engine | None = None
-        self._kinds: KindsEngine | None = None
-        self._subscriptions: Subscriptions | None = None
-        self._sql: SqlService | None = None
+        self.front_ends = front_ends or {}
+        self._api: EngineAPI | None = None
         self.listeners: list[Listener] = []
         self.stopping = asyncio.Event()
         self.started_at = time.time()
 
     @property
-    def subscriptions(self) -> Subscriptions:
-        assert self._subscriptions is not None, "server not started"
-        return self._subscriptions
+    def api(self) -> EngineAPI:
+        assert self._api is not None, "server not started"
+        return self._api
 
     @property
-    def kinds(self) -> KindsEngine:
-        assert self._kinds is not None, "server not started"
-        return self._kinds
-
-    @property
-    def sql(self) -> SqlService:
-        assert self._sql is not None, "server not started"
-        return self._sql
+    def started(self) -> bool:
+        return self._api is not None
 
     async def start(self) -> None:
-        self.engine = await Engine.open(self.data_dir, self.config.engine)
-        self._subscriptions = Subscriptions(self.engine)
-        self._kinds = await KindsEngine.open(self.engine, self.config.kinds)
-        self._sql = SqlService(self.engine)
-        self._sql.add_source(KindTables(self._kinds))
-        self._sql.start()
+        self._api = await EngineAPI.open(
+            self.data_dir, self.config.engine, self.config.kinds, self.config.auth
+        )
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.
-        for name, factory in sorted(LISTENERS.items(), key=lambda item: item[0] == "kimberlite"):
+        for name, factory in sorted(
+            self.front_ends.items(), key=lambda item: item[0] == "kimberlite"
+        ):
             address = self.config.address(name)
             if address is None:
                 continue
@@ -101,19 +94,15 @@ class Server:
 
     async def stop(self) -> None:
         log.info("shutting down")
-        if self._subscriptions is not None:
-            await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
+        if self._api is not None:
+            await self._api.close_subscriptions()
         for listener in reversed(self.listeners):
             try:
                 await listener.stop()
             except Exception:
                 log.exception("stopping listener %s failed", listener.name)
-        if self._sql is not None:
-            await self._sql.close()
-        if self._kinds is not None:
-            await self._kinds.close()
-        if self.engine is not None:
-            await self.engine.close()
+        if self._api is not None:
+            await self._api.close()
         log.info("stopped cleanly")
 
     async def run(self) -> None:
@@ -165,20 +154,6 @@ def setup_logging(level: str, fmt: str) -> None:
     root.setLevel(level)
 
 
-def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
-    setup_logging(config.log_level, config.log_format)
-    _load_front_ends()
-    tune_gc()
-    server = Server(data_dir, config, ports_file)
-    try:
-        import uvloop
-    except ImportError:  # uvloop is optional off Linux/macOS
-        asyncio.run(server.run())
-    else:
-        uvloop.run(server.run())
-    return 0
-
-
 def tune_gc() -> None:
     """Make the cyclic GC fit a server holding large live state.
 
@@ -191,11 +166,3 @@ def tune_gc() -> None:
     every collection."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 10)
-
-
-def _load_front_ends() -> None:
-    """Import the protocol front ends; each registers its listener."""
-    import headwater.server.convergedb.listener
-    import headwater.server.http.listener
-    import headwater.server.kimberlite.listener
-    import headwater.server.ripple.listener  # noqa: F401

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headwater.api.auth import AuthConfig
 from headwater.engine.engine import EngineConfig
 from headwater.engine.kinds.model import KindsConfig
 from headwater.engine.names import check_name
@@ -27,16 +28,6 @@ DEFAULT_LISTEN = {
 
 class ConfigError(ValueError):
     """The configuration file is unreadable or holds a bad value."""
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    required: bool = False
-    tokens: dict[str, frozenset[int]] = field(default_factory=dict)
-
-    def tenants_for(self, token: str | None) -> frozenset[int] | None:
-        """Tenants a token grants; None for an unknown or missing token."""
-        return None if token is None else self.tokens.get(token)
 
 
 @dataclass(frozen=True)

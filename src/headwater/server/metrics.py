@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from headwater.errors import HeadwaterError
 
 if TYPE_CHECKING:
-    from headwater.engine.engine import Stream
+    from headwater.api import EngineAPI
     from headwater.server.app import Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -219,9 +219,9 @@ class _ServerCollector(Collector):
             per_protocol.add_metric([protocol], _sum_sources(sources))
         yield per_protocol
 
-        engine = server.engine
-        if engine is None:
+        if not server.started:
             return
+        api = server.api
         uptime = GaugeMetricFamily("headwater_uptime_seconds", "Seconds since the server started")
         uptime.add_metric([], time.time() - server.started_at)
         yield uptime
@@ -229,12 +229,12 @@ class _ServerCollector(Collector):
         yield CounterMetricFamily(
             "headwater_engine_events_appended",
             "Events appended since the process started (every protocol)",
-            value=engine.events_appended,
+            value=api.events_appended,
         )
         yield CounterMetricFamily(
             "headwater_engine_bytes_appended",
             "Bytes of event values appended since the process started (every protocol)",
-            value=engine.bytes_appended,
+            value=api.bytes_appended,
         )
 
         streams = GaugeMetricFamily("headwater_streams", "Streams per tenant", labels=["tenant"])
@@ -256,58 +256,46 @@ class _ServerCollector(Collector):
         size = GaugeMetricFamily(
             "headwater_stream_size_bytes", "Bytes on disk per stream", labels=["tenant", "stream"]
         )
-        fsyncs = 0
-        fsync_seconds = 0.0
-        last_fsync = 0.0
-        for tenant_id, tenant in sorted(engine.tenants.items()):
+        for tenant_id in api.tenant_ids():
             tenant_label = str(tenant_id)
-            live = [s for s in tenant.streams.values() if not s.deleted]
-            streams.add_metric([tenant_label], len(live))
-            position.add_metric([tenant_label], tenant.committed_position)
-            for stream in live:
+            tenant = api.tenant_info(tenant_id)
+            streams.add_metric([tenant_label], tenant.streams)
+            position.add_metric([tenant_label], tenant.log_position)
+            for stream in api.list_streams(tenant_id):
                 labels = [tenant_label, stream.name]
-                plog = stream.log
-                appended.add_metric(labels, plog.committed_offset)
-                start.add_metric(labels, plog.start_offset)
-                size.add_metric(labels, plog.size_bytes)
-                committer = stream.committer
-                fsyncs += committer.fsyncs
-                fsync_seconds += committer.fsync_seconds_total
-                last_fsync = max(last_fsync, committer.last_fsync_seconds)
+                appended.add_metric(labels, stream.next_offset)
+                start.add_metric(labels, stream.start_offset)
+                size.add_metric(labels, stream.size_bytes)
         yield from (streams, position, appended, start, size)
 
         # The committers keep a count and a sum only, so the histogram has the +Inf
         # bucket alone (rate(sum)/rate(count) gives the mean fsync time).
+        fsync = api.fsync_stats()
         yield HistogramMetricFamily(
             "headwater_fsync_seconds",
             "Time spent in fsync by the group committers (live streams)",
-            buckets=[("+Inf", fsyncs)],
-            sum_value=fsync_seconds,
+            buckets=[("+Inf", fsync.count)],
+            sum_value=fsync.seconds_total,
         )
         yield GaugeMetricFamily(
             "headwater_fsync_last_seconds",
             "Longest of the streams' most recent fsync times",
-            value=last_fsync,
+            value=fsync.last_seconds,
         )
 
-        yield from self._subscription_metrics(server)
-        yield from self._kind_metrics(server)
+        yield from self._subscription_metrics(api)
+        yield from self._kind_metrics(api)
 
-        sql = server._sql
-        if sql is not None:
-            yield CounterMetricFamily(
-                "headwater_sql_queries", "SQL statements run", value=sql.queries
-            )
-            yield CounterMetricFamily(
-                "headwater_sql_query_seconds",
-                "Seconds spent running SQL statements",
-                value=sql.query_seconds_total,
-            )
+        queries, query_seconds = api.query_stats()
+        yield CounterMetricFamily("headwater_sql_queries", "SQL statements run", value=queries)
+        yield CounterMetricFamily(
+            "headwater_sql_query_seconds",
+            "Seconds spent running SQL statements",
+            value=query_seconds,
+        )
 
-    def _subscription_metrics(self, server: Server) -> Iterator[Metric]:
-        subs = server._subscriptions
-        if subs is None:
-            return
+    @staticmethod
+    def _subscription_metrics(api: EngineAPI) -> Iterator[Metric]:
         open_subs = GaugeMetricFamily(
             "headwater_subscriptions_open",
             "Open subscriptions per stream (every protocol)",
@@ -318,13 +306,10 @@ class _ServerCollector(Collector):
             "Unused delivery credits granted to subscriptions, per stream",
             labels=["tenant", "stream"],
         )
-        for (tenant_id, _stream_id), members in sorted(subs.by_stream.items()):
-            live = [s for s in members if not s.closed]
-            if not live:
-                continue
-            labels = [str(tenant_id), live[0].stream.name]
-            open_subs.add_metric(labels, len(live))
-            credits.add_metric(labels, sum(s.credits for s in live))
+        for stats in api.subscription_stats():
+            labels = [str(stats.tenant_id), stats.stream]
+            open_subs.add_metric(labels, stats.open)
+            credits.add_metric(labels, stats.credits)
         yield open_subs
         yield credits
 
@@ -333,20 +318,12 @@ class _ServerCollector(Collector):
             "Events between a consumer group's committed offset and the stream's end",
             labels=["tenant", "stream", "group"],
         )
-        for (tenant_id, stream_id), groups in sorted(subs.groups.items()):
-            stream = self._stream(server, tenant_id, stream_id)
-            if stream is None or stream.deleted:
-                continue
-            end = stream.log.committed_offset
-            for group, offset in sorted(groups.offsets.items()):
-                lag.add_metric([str(tenant_id), stream.name, group], max(0, end - offset))
+        for group in api.group_lags():
+            lag.add_metric([str(group.tenant_id), group.stream, group.group], group.lag)
         yield lag
 
     @staticmethod
-    def _kind_metrics(server: Server) -> Iterator[Metric]:
-        kinds = server._kinds
-        if kinds is None:
-            return
+    def _kind_metrics(api: EngineAPI) -> Iterator[Metric]:
         entities = GaugeMetricFamily(
             "headwater_kind_entities", "Live entities per kind", labels=["tenant", "kind"]
         )
@@ -363,19 +340,11 @@ class _ServerCollector(Collector):
             "Entity changes written to kind changelogs (net, after coalescing)",
             labels=["tenant"],
         )
-        for tenant_id, tenant in sorted(kinds.tenants.items()):
-            label = str(tenant_id)
-            windows.add_metric([label], tenant.windows_flushed)
-            changes.add_metric([label], tenant.changes_committed)
-            for state in tenant.kinds.values():
-                entities.add_metric([label, state.info.name], len(state.committed))
-                subscribers.add_metric([label, state.info.name], len(state.subscribers))
+        for tenant_id, (flushed, committed) in api.kind_totals().items():
+            windows.add_metric([str(tenant_id)], flushed)
+            changes.add_metric([str(tenant_id)], committed)
+        for kind in api.kind_stats():
+            labels = [str(kind.tenant_id), kind.info.name]
+            entities.add_metric(labels, kind.entities)
+            subscribers.add_metric(labels, kind.subscribers)
         yield from (entities, subscribers, windows, changes)
-
-    @staticmethod
-    def _stream(server: Server, tenant_id: int, stream_id: int) -> Stream | None:
-        engine = server.engine
-        if engine is None:
-            return None
-        tenant = engine.tenants.get(tenant_id)
-        return None if tenant is None else tenant.streams.get(stream_id)

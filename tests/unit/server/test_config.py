@@ -48,8 +48,7 @@ def test_full_config(tmp_path: Path) -> None:
     assert config.engine.segment_bytes == 1 << 20
     assert config.engine.tenants == {0: "default", 42: "acme"}
     assert config.auth.required is True
-    assert config.auth.tenants_for("s3cret") == frozenset({0, 42})
-    assert config.auth.tenants_for("wrong") is None
+    assert config.auth.tokens == {"s3cret": frozenset({0, 42})}
     assert (config.log_level, config.log_format) == ("DEBUG", "json")
 
 

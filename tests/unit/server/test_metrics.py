@@ -76,11 +76,10 @@ def test_engine_state_collector(tmp_path: Path) -> None:
         server = Server(tmp_path, ServerConfig(listen=dict(OFF)))
         await server.start()
         try:
-            engine = server.engine
-            assert engine is not None
-            info = await engine.create_stream(0, "orders")
-            await engine.append(0, info.stream_id, [b"a", b"bb", b"ccc"])
-            await engine.append(0, info.stream_id, [b"d"])
+            api = server.api
+            info = await api.create_stream(0, "orders")
+            await api.append(0, info.stream_id, [b"a", b"bb", b"ccc"])
+            await api.append(0, info.stream_id, [b"d"])
 
             async def deliver(*_args: object) -> None:
                 return None
@@ -88,13 +87,12 @@ def test_engine_state_collector(tmp_path: Path) -> None:
             def on_close(*_args: object) -> None:
                 return None
 
-            subs = server.subscriptions
-            sub = subs.subscribe(0, info.stream_id, 0, 2, "g1", deliver, on_close)
+            sub = api.subscribe(0, info.stream_id, 0, 2, "g1", deliver, on_close)
             for _ in range(100):  # let the pump deliver its two credits
                 if sub.credits == 0:
                     break
                 await asyncio.sleep(0.01)
-            subs.grant(sub, 5)  # commits the group at offset 2
+            api.grant(sub, 5)  # commits the group at offset 2
             await asyncio.sleep(0.05)
             data = samples(metrics_for(server).render())
             return data
@@ -125,7 +123,7 @@ def test_kind_metrics(tmp_path: Path) -> None:
         server = Server(tmp_path, ServerConfig(listen=dict(OFF)))
         await server.start()
         try:
-            tk = server.kinds.tenant(0)
+            tk = server.api.kinds(0)
             kind = await tk.create_kind("sensor", [("t", FieldType.F64)])
             src = tk.connect("w")
             tk.subscribe(kind.kind_id)

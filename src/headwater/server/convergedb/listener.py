@@ -39,13 +39,13 @@ from headwater.engine.kinds import (
     cdb_code_for,
     from_wire,
 )
-from headwater.errors import HeadwaterError, InternalError
+from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
 from headwater.protocols.convergedb.columns import StateFrames, state_frames
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
 from headwater.protocols.convergedb.frames import encode_frame, encode_header
-from headwater.server.app import Listener, register_listener
+from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 
 if TYPE_CHECKING:
@@ -364,14 +364,14 @@ class ConvergeConnection(asyncio.Protocol):
         return self.source
 
     def _connect(self, stream: int, msg: m.Connect) -> None:
-        auth = self.server.config.auth
-        granted = auth.tenants_for(msg.auth_token or None)
-        if granted is None and auth.required:
+        api = self.server.api
+        try:
+            principal = api.authenticate(msg.auth_token or None)
+        except AuthenticationFailed:
             self.error(stream, ErrorCode.AUTH_FAILED, Opcode.CONNECT, "unknown auth token")
             return
-        tenant_id = min(granted) if granted else 0
         try:
-            tenant = self.server.kinds.tenant(tenant_id)
+            tenant = api.kinds(principal.default_tenant)
             source = tenant.connect(
                 msg.name,
                 source_id=msg.source_id,
@@ -571,15 +571,11 @@ async def start_convergedb(server: Server, host: str, port: int) -> Listener:
 
     async def stop() -> None:
         tcp.close()
-        for tenant in server.kinds.tenants.values():
-            with contextlib.suppress(Exception):
-                await tenant.flush()  # pending ACKs go out before the sockets close
+        with contextlib.suppress(Exception):
+            await server.api.flush_kinds()  # pending ACKs go out before the sockets close
         await asyncio.sleep(0)
         for conn in list(connections):
             conn.close()
         await tcp.wait_closed()
 
     return Listener("convergedb", bound, stop)
-
-
-register_listener("convergedb", start_convergedb)

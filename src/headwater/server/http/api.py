@@ -17,7 +17,7 @@ from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.server.http.app import (
     METRICS_KEY,
     PROTOCOL,
-    engine_of,
+    api_of,
     json_response,
     server_of,
     tenant_of,
@@ -88,10 +88,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     server = server_of(request)
-    engine = server.engine
-    if engine is None or server._sql is None:
+    if not server.started:
         return json_response({"status": "starting"}, 503)
-    if engine.closing or server.stopping.is_set():
+    if server.api.closing or server.stopping.is_set():
         return json_response({"status": "stopping"}, 503)
     return json_response({"status": "ready"})
 
@@ -108,8 +107,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def info(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
     server = server_of(request)
-    engine = engine_of(request)
-    tenant = engine.tenant(tenant_id)
+    tenant = api_of(request).tenant_info(tenant_id)
     snapshot = request.app[METRICS_KEY].snapshot()
     return json_response(
         {
@@ -121,8 +119,8 @@ async def info(request: web.Request) -> web.Response:
             "tenant": {
                 "id": tenant_id,
                 "name": tenant.name,
-                "log_position": tenant.committed_position,
-                "streams": sum(1 for s in tenant.streams.values() if not s.deleted),
+                "log_position": tenant.log_position,
+                "streams": tenant.streams,
             },
             "connections": snapshot["connections"],
             "subscriptions": snapshot["subscriptions"],
@@ -140,7 +138,7 @@ async def info(request: web.Request) -> web.Response:
 
 async def list_streams(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    streams = engine_of(request).list_streams(tenant_id)
+    streams = api_of(request).list_streams(tenant_id)
     return json_response({"streams": [stream_json(s) for s in streams]})
 
 
@@ -165,7 +163,7 @@ async def create_stream(request: web.Request) -> web.Response:
         settings = StreamSettings.from_dict(raw_settings)
     except (TypeError, ValueError) as exc:
         raise InvalidRequest(f"invalid settings: {exc}") from None
-    created = await engine_of(request).create_stream(tenant_id, name, settings)
+    created = await api_of(request).create_stream(tenant_id, name, settings)
     response = json_response(stream_json(created), 201)
     response.headers["Location"] = f"/api/streams/{created.name}"
     return response
@@ -173,15 +171,15 @@ async def create_stream(request: web.Request) -> web.Response:
 
 async def describe_stream(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    stream = engine_of(request).stream_by_name(tenant_id, request.match_info["name"])
-    return json_response(stream_json(stream.info()))
+    stream = api_of(request).stream_named(tenant_id, request.match_info["name"])
+    return json_response(stream_json(stream))
 
 
 async def delete_stream(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    engine = engine_of(request)
-    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
-    await engine.delete_stream(tenant_id, stream.stream_id)
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
+    await api.delete_stream(tenant_id, stream.stream_id)
     return web.Response(status=204)
 
 
@@ -190,8 +188,8 @@ async def delete_stream(request: web.Request) -> web.Response:
 
 async def append_events(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    engine = engine_of(request)
-    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
     encoding = request.query.get("encoding", "text")
     if encoding not in ("text", "base64"):
         raise InvalidRequest("encoding must be 'text' or 'base64'")
@@ -208,7 +206,7 @@ async def append_events(request: web.Request) -> web.Response:
             "use application/json (an array) or application/x-ndjson"
         )
     started = time.perf_counter()
-    appended = await engine.append(tenant_id, stream.stream_id, values)
+    appended = await api.append(tenant_id, stream.stream_id, values)
     value_bytes = sum(map(len, values))
     request.app[METRICS_KEY].record_append(
         PROTOCOL,
@@ -231,8 +229,8 @@ async def append_events(request: web.Request) -> web.Response:
 
 async def read_events(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    engine = engine_of(request)
-    stream = engine.stream_by_name(tenant_id, request.match_info["name"])
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
     start = _int_param(request, "from", 0)
     assert start is not None
     limit = _int_param(request, "limit", DEFAULT_READ_LIMIT)
@@ -244,18 +242,17 @@ async def read_events(request: web.Request) -> web.Response:
         if end < start:
             raise InvalidRequest(f"to ({end}) must not be below from ({start})")
         limit = min(limit, end - start)
-    if start < stream.log.start_offset:
+    if start < stream.start_offset:  # also when limit is 0
         raise InvalidOffset(
-            f"offset {start} was removed by retention; the stream starts at "
-            f"{stream.log.start_offset}"
+            f"offset {start} was removed by retention; the stream starts at {stream.start_offset}"
         )
     events = []
     if limit > 0:
-        result = await engine.read(
+        result = await api.read(
             tenant_id, stream.stream_id, start, MAX_READ_BYTES, max_events=limit
         )
         events = list(result.events())
-    next_offset = events[-1].offset + 1 if events else max(start, stream.log.start_offset)
+    next_offset = events[-1].offset + 1 if events else max(start, stream.start_offset)
     request.app[METRICS_KEY].record_read(
         PROTOCOL, tenant_id, stream.name, len(events), sum(len(e.value) for e in events)
     )
@@ -263,8 +260,8 @@ async def read_events(request: web.Request) -> web.Response:
         {
             "events": [event_json(e) for e in events],
             "next_offset": next_offset,
-            "start_offset": stream.log.start_offset,
-            "end_offset": stream.log.committed_offset,
+            "start_offset": stream.start_offset,
+            "end_offset": api.stream_end(tenant_id, stream.stream_id),
         }
     )
 
@@ -279,15 +276,16 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     data), sliced from the stream's SQL projection: a bulk read with no work per event,
     for columnar readers (the Spark data source). ``to`` defaults to the committed end."""
     tenant_id = tenant_of(request)
-    stream = engine_of(request).stream_by_name(tenant_id, request.match_info["name"])
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
     start = _int_param(request, "from", 0)
     assert start is not None
     end = _int_param(request, "to", None)
     if end is None:
-        end = max(start, stream.log.committed_offset)
+        end = max(start, stream.next_offset)
     elif end < start:
         raise InvalidRequest(f"to ({end}) must not be below from ({start})")
-    batches = await server_of(request).sql.stream_range(tenant_id, stream.name, start, end)
+    batches = await api.stream_range(tenant_id, stream.name, start, end)
     response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
     await response.prepare(request)
     await response.write(memoryview(RANGE_SCHEMA.serialize()))
@@ -340,7 +338,7 @@ async def sql(request: web.Request) -> web.Response:
         raise InvalidRequest("params must be an array")
     params = [_sql_param(v, i) for i, v in enumerate(raw_params)]
     position = body.get("position")
-    service = server_of(request).sql
+    service = api_of(request)
     if position is None:
         result = await service.query(tenant_id, text, params)
     else:

@@ -14,11 +14,12 @@ from headwater.errors import (
     HeadwaterError,
     InternalError,
     InvalidRequest,
+    TenantForbidden,
 )
 from headwater.server.metrics import Metrics, metrics_for
 
 if TYPE_CHECKING:
-    from headwater.engine.engine import Engine
+    from headwater.api import EngineAPI
     from headwater.server.app import Server
 
 log = logging.getLogger("headwater.http")
@@ -53,10 +54,6 @@ STATUS_BY_CODE = {
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class Forbidden(AuthenticationFailed):
-    """A known token that does not grant the requested tenant (HTTP 403)."""
-
-
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(
         body=json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(),
@@ -70,7 +67,7 @@ def error_body(code: int, name: str, message: str, retryable: bool) -> dict[str,
 
 
 def error_response(exc: HeadwaterError) -> web.Response:
-    status = 403 if isinstance(exc, Forbidden) else STATUS_BY_CODE.get(exc.code, 500)
+    status = 403 if isinstance(exc, TenantForbidden) else STATUS_BY_CODE.get(exc.code, 500)
     response = json_response(error_body(exc.code, exc.name, exc.message, exc.retryable), status)
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="headwater"'
@@ -83,11 +80,11 @@ def server_of(request: web.Request) -> Server:
     return request.app[SERVER_KEY]
 
 
-def engine_of(request: web.Request) -> Engine:
-    engine = server_of(request).engine
-    if engine is None:
+def api_of(request: web.Request) -> EngineAPI:
+    server = server_of(request)
+    if not server.started:
         raise InternalError("the engine is not open")
-    return engine
+    return server.api
 
 
 def token_of(request: web.Request, *, query_token: bool = False) -> str | None:
@@ -115,16 +112,16 @@ def tenant_of(request: web.Request, *, query_token: bool = False) -> int:
         if text is not None
     ]
     tenant_id = given[0] if given else 0
-    auth = server_of(request).config.auth
+    api = api_of(request)
     token = token_of(request, query_token=query_token)
-    granted = auth.tenants_for(token)
-    if granted is None and auth.required:
+    try:
+        principal = api.authenticate(token)
+    except AuthenticationFailed:
         raise AuthenticationFailed(
             "a valid bearer token is required" if token is None else "unknown token"
-        )
-    if granted is not None and tenant_id not in granted:
-        raise Forbidden(f"the token does not grant tenant {tenant_id}")
-    engine_of(request).tenant(tenant_id)  # TenantNotFound
+        ) from None
+    principal.check_tenant(tenant_id)  # TenantForbidden: 403
+    api.check_tenant(tenant_id)  # TenantNotFound
     return tenant_id
 
 

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from headwater.server.app import Listener, register_listener
+from headwater.server.app import Listener
 from headwater.server.http.app import PROTOCOL, build_app
 from headwater.server.metrics import metrics_for
 
@@ -36,6 +36,3 @@ async def start_http(server: Server, host: str, port: int) -> Listener:
         await runner.cleanup()
 
     return Listener(PROTOCOL, bound, stop)
-
-
-register_listener(PROTOCOL, start_http)

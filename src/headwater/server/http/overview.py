@@ -3,26 +3,26 @@ docs/http-api.md). Everything is read from in-memory engine state: no disk, no S
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from aiohttp import web
 
-from headwater.engine.kinds import EntityState, KindInfo, KindState
+from headwater.api import KindStats
+from headwater.engine.kinds import EntityState, KindInfo
 from headwater.engine.kinds.errors import KindNotFound
 from headwater.errors import InvalidRequest, TableNotFound
 from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE
 from headwater.protocols.kiwi.results import field_json
-from headwater.server.http.app import engine_of, json_response, server_of, tenant_of
+from headwater.server.http.app import api_of, json_response, tenant_of
 
 DEFAULT_ENTITY_LIMIT = 500
 MAX_ENTITY_LIMIT = 10_000
 
 
-def kind_json(state: KindState) -> dict[str, Any]:
+def kind_json(kind: KindStats) -> dict[str, Any]:
     """A kind's catalog entry: schema, live entity and subscriber counts, changelog size.
     ConvergeDB cannot list kinds or name their fields, so the SDK and CLI read this too."""
-    info = state.info
+    info = kind.info
     return {
         "kind_id": info.kind_id,
         "name": info.name,
@@ -32,9 +32,9 @@ def kind_json(state: KindState) -> dict[str, Any]:
         "fields": [
             {"name": f.name, "type": f.type.name.lower(), "code": int(f.type)} for f in info.fields
         ],
-        "entities": len(state.committed),
-        "subscribers": len(state.subscribers),
-        "changelog_bytes": state.log.size_bytes,
+        "entities": kind.entities,
+        "subscribers": kind.subscribers,
+        "changelog_bytes": kind.changelog_bytes,
     }
 
 
@@ -49,11 +49,11 @@ def entity_json(info: KindInfo, entity: EntityState) -> dict[str, Any]:
     }
 
 
-def _kind_state(request: web.Request) -> KindState:
-    tenant = server_of(request).kinds.tenant(tenant_of(request))
+def _kind(request: web.Request) -> tuple[int, KindStats]:
+    tenant_id = tenant_of(request)
     name = request.match_info["name"]
     try:
-        return tenant.kind_state(tenant.get_kind(name).kind_id)
+        return tenant_id, api_of(request).kind_named(tenant_id, name)
     except KindNotFound:
         raise TableNotFound(f"no entity kind {name!r}") from None
 
@@ -72,35 +72,25 @@ def _limit(request: web.Request) -> int:
 
 
 async def list_kinds(request: web.Request) -> web.Response:
-    tenant = server_of(request).kinds.tenant(tenant_of(request))
-    states = sorted(tenant.kinds.values(), key=lambda state: state.info.kind_id)
-    return json_response({"kinds": [kind_json(state) for state in states]})
+    kinds = api_of(request).kind_stats(tenant_of(request))
+    return json_response({"kinds": [kind_json(kind) for kind in kinds]})
 
 
 async def describe_kind(request: web.Request) -> web.Response:
-    return json_response(kind_json(_kind_state(request)))
+    return json_response(kind_json(_kind(request)[1]))
 
 
 async def kind_entities(request: web.Request) -> web.Response:
     limit = _limit(request)
-    state = _kind_state(request)
-    # Entity ids order the page so that repeated reads of a large kind are stable.
-    ids = sorted(state.committed)
-    out = kind_json(state)
-    out.update(
-        {
-            "total": len(ids),
-            "entities": [
-                entity_json(state.info, state.entity_state(eid, state.committed[eid]))
-                for eid in ids[:limit]
-            ],
-        }
-    )
+    tenant_id, kind = _kind(request)
+    total, entities = api_of(request).kind_entities(tenant_id, kind.info.kind_id, limit)
+    out = kind_json(kind)
+    out.update({"total": total, "entities": [entity_json(kind.info, e) for e in entities]})
     return json_response(out)
 
 
 async def get_entity(request: web.Request) -> web.Response:
-    state = _kind_state(request)
+    tenant_id, kind = _kind(request)
     text = request.match_info["entity_id"]
     try:
         entity_id = bytes.fromhex(text)
@@ -108,63 +98,54 @@ async def get_entity(request: web.Request) -> web.Response:
         raise InvalidRequest(f"entity id must be hex, not {text!r}") from None
     if len(entity_id) != ENTITY_ID_SIZE:
         raise InvalidRequest(f"an entity id is {ENTITY_ID_SIZE} bytes ({2 * ENTITY_ID_SIZE} hex)")
-    entity = state.entity(entity_id)
+    entity = api_of(request).kind_entity(tenant_id, kind.info.kind_id, entity_id)
     if entity is None:
         # No wire code names a missing row; ConvergeDB answers DELETED for it.
-        raise TableNotFound(f"kind {state.info.name!r} has no entity {text}")
-    return json_response(entity_json(state.info, entity))
+        raise TableNotFound(f"kind {kind.info.name!r} has no entity {text}")
+    return json_response(entity_json(kind.info, entity))
 
 
 async def consumer_groups(request: web.Request) -> web.Response:
     """Every consumer group of the tenant's streams: committed offset, lag, members."""
-    tenant_id = tenant_of(request)
-    engine = engine_of(request)
-    subscriptions = server_of(request).subscriptions
-    groups = []
-    for info in engine.list_streams(tenant_id):
-        stream = engine.stream(tenant_id, info.stream_id)
-        offsets = subscriptions.groups_of(stream)
-        end = stream.log.committed_offset
-        for group, offset in sorted(offsets.offsets.items()):
-            groups.append(
+    groups = api_of(request).consumer_groups(tenant_of(request))
+    return json_response(
+        {
+            "groups": [
                 {
-                    "stream": info.name,
-                    "group": group,
-                    "committed_offset": offset,
-                    "end_offset": end,
-                    "lag": max(0, end - offset),
-                    "active": group in offsets.active,
-                    "waiting": len(offsets.waiting.get(group, ())),
+                    "stream": g.stream,
+                    "group": g.group,
+                    "committed_offset": g.committed_offset,
+                    "end_offset": g.end_offset,
+                    "lag": max(0, g.end_offset - g.committed_offset),
+                    "active": g.active,
+                    "waiting": g.waiting,
                 }
-            )
-    return json_response({"groups": groups})
+                for g in groups
+            ]
+        }
+    )
 
 
 async def kind_sources(request: web.Request) -> web.Response:
     """The tenant's kind writers (ConvergeDB connections and Ripple workers hold source
     slots 0..63), connected or within their liveness grace period."""
-    tenant_id = tenant_of(request)
-    tenant = server_of(request).kinds.tenant(tenant_id)
-    now = time.monotonic()
-    # A source's own presence entity (the internal kind) is not one it asserted.
-    internal = {kind_id for kind_id, state in tenant.kinds.items() if state.info.internal}
-    sources = [
+    sources = api_of(request).kind_sources(tenant_of(request))
+    return json_response(
         {
-            "source_id": slot,
-            "name": source.name,
-            "connected": source.connected,
-            "connected_at_ms": source.connected_at_ns // 1_000_000,
-            "idle_ms": max(0, round((now - source.last_seen) * 1000)),
-            "liveness_deadline_ms": source.deadline_ms,
-            "entities": sum(
-                len(eids)
-                for kind_id, eids in tenant.source_entities.get(slot, {}).items()
-                if kind_id not in internal
-            ),
+            "sources": [
+                {
+                    "source_id": s.source_id,
+                    "name": s.name,
+                    "connected": s.connected,
+                    "connected_at_ms": s.connected_at_ns // 1_000_000,
+                    "idle_ms": round(s.idle_s * 1000),
+                    "liveness_deadline_ms": s.deadline_ms,
+                    "entities": s.entities,
+                }
+                for s in sources
+            ]
         }
-        for slot, source in sorted(tenant.sources.items())
-    ]
-    return json_response({"sources": sources})
+    )
 
 
 ROUTES: list[tuple[str, str, Any]] = [

@@ -15,7 +15,7 @@ import socket
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
-from headwater.engine.subscriptions import CloseReason
+from headwater.api import CloseReason, EngineAPI
 from headwater.errors import HeadwaterError, InternalError, InvalidRequest, QueryExecutionError
 from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import (
@@ -25,13 +25,12 @@ from headwater.protocols.kimberlite.connection import (
     ServerConnection,
 )
 from headwater.protocols.kimberlite.frames import MAX_FRAME, FrameTooLarge
-from headwater.server.app import Listener, register_listener
+from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
 
 if TYPE_CHECKING:
-    from headwater.engine.engine import Engine
     from headwater.server.app import Server
 
 log = logging.getLogger("headwater.kimberlite")
@@ -44,7 +43,8 @@ class KimberliteConnection(asyncio.Protocol):
     def __init__(self, server: Server, connections: set[KimberliteConnection]) -> None:
         self.server = server
         self.protocol = ServerConnection()
-        self.session = Session(server.config.auth)
+        self.api: EngineAPI = server.api
+        self.session = Session(self.api.auth)
         self.metrics = metrics_for(server)
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -54,11 +54,6 @@ class KimberliteConnection(asyncio.Protocol):
         self._reading_paused = False
         self._eof = False
         self.closed = False
-
-    @property
-    def engine(self) -> Engine:
-        assert self.server.engine is not None
-        return self.server.engine
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -79,10 +74,9 @@ class KimberliteConnection(asyncio.Protocol):
         self._end_subscriptions()
 
     def _end_subscriptions(self) -> None:
-        subscriptions = self.server.subscriptions
         for sub, _tenant in list(self.session.subscriptions.values()):
             self.session.cancelling.add(sub.subscription_id)
-            subscriptions.close(sub, CloseReason.CLIENT_CANCELLED)
+            self.api.unsubscribe(sub, CloseReason.CLIENT_CANCELLED)
         self.session.subscriptions.clear()
 
     def pause_writing(self) -> None:
@@ -142,7 +136,7 @@ class KimberliteConnection(asyncio.Protocol):
         try:
             if not isinstance(payload, m.HandshakeRequest):
                 self.session.check_tenant(request.tenant_id)
-                self.engine.tenant(request.tenant_id)  # TenantNotFound before anything else
+                self.api.check_tenant(request.tenant_id)  # TenantNotFound before anything else
             handler = HANDLERS.get(type(payload))
             if handler is None:
                 raise InvalidRequest(f"{type(payload).__name__} is not a request")
@@ -228,6 +222,3 @@ async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
         await tcp.wait_closed()
 
     return Listener("kimberlite", bound, stop)
-
-
-register_listener("kimberlite", start_kimberlite)

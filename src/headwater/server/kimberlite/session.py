@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headwater.engine.subscriptions import Subscription
+from headwater.api import Subscription
+from headwater.api.auth import Auth, Principal
 from headwater.errors import AuthenticationFailed, InvalidRequest
 from headwater.protocols.kimberlite.messages import HTTP_CAPABILITY, RIPPLE_CAPABILITY
-from headwater.server.config import AuthConfig
 
 CAPABILITIES = (
     "query",
@@ -34,32 +34,32 @@ def capabilities(listeners: dict[str, int]) -> list[str]:
 
 @dataclass
 class Session:
-    auth: AuthConfig
+    auth: Auth
     peer: str = "?"
     handshaken: bool = False  # only a Handshake that succeeded sets it
     authenticated: bool = False
-    granted: frozenset[int] | None = None  # None: every tenant (auth off, no token)
-    rejected: bool = False  # auth required and the token was unknown
+    principal: Principal | None = None  # None: the token was refused
     subscriptions: dict[int, tuple[Subscription, int]] = field(default_factory=dict)
     cancelling: set[int] = field(default_factory=set)
 
     def handshake(self, token: str | None) -> bool:
         """Apply the Handshake's token; returns whether the client is authenticated."""
         self.handshaken = True
-        tenants = self.auth.tenants_for(token)
-        if tenants is not None:
-            self.granted, self.authenticated = tenants, True
-        elif self.auth.required:
-            self.rejected, self.authenticated = True, False
+        try:
+            self.principal = self.auth.authenticate(token)
+        except AuthenticationFailed:
+            self.principal = None
+            self.authenticated = False
         else:
-            self.granted, self.authenticated = None, token is None
+            # Without required auth an unknown token still acts for every tenant, but
+            # the Handshake tells the client its token was not recognised.
+            self.authenticated = self.principal.token_known or token is None
         return self.authenticated
 
     def check_tenant(self, tenant_id: int) -> None:
         """AuthenticationFailed unless this session may act for ``tenant_id``."""
         if not self.handshaken:  # deny by default, e.g. after a refused Handshake
             raise InvalidRequest("a successful Handshake must come first")
-        if self.rejected:
+        if self.principal is None:
             raise AuthenticationFailed("the handshake's token was not accepted")
-        if self.granted is not None and tenant_id not in self.granted:
-            raise AuthenticationFailed(f"the token does not grant tenant {tenant_id}")
+        self.principal.check_tenant(tenant_id)

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from headwater.engine.kinds import KindsError
-from headwater.errors import HeadwaterError
+from headwater.errors import HeadwaterError, StreamNotFound
 from headwater.server.kiwi.counters import Counter
 from headwater.server.kiwi.kinds import attach_kind
 from headwater.server.kiwi.session import Detach, KiwiSession, SourceUnavailable
@@ -59,19 +59,22 @@ class Gateway:
         counter = self.counters.get(source_id)
         if counter is not None:
             return counter.attach(session)
-        engine = self.server.engine
-        if engine is None:
+        if not self.server.started:
             raise SourceUnavailable("the server is not running")
-        tenant = engine.tenant(session.tenant_id)
-        stream_id = tenant.by_name.get(source_id)
-        if stream_id is not None:
+        api = self.server.api
+        try:
+            stream = api.stream_named(session.tenant_id, source_id)
+        except StreamNotFound:
+            pass  # perhaps a kind
+        except HeadwaterError as exc:
+            raise SourceUnavailable(exc.message) from None
+        else:
             try:
-                stream = engine.stream(session.tenant_id, stream_id)
                 return attach_stream(self, session, stream)
             except HeadwaterError as exc:
                 raise SourceUnavailable(exc.message) from None
         try:
-            tenant_kinds = self.server.kinds.tenant(session.tenant_id)
+            tenant_kinds = api.kinds(session.tenant_id)
             kind = tenant_kinds.get_kind(source_id)
         except (KindsError, HeadwaterError):
             raise SourceUnavailable(f"no source {source_id!r}") from None

@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from headwater.engine.engine import Stream
-from headwater.engine.subscriptions import MAX_CREDITS, RESUME, CloseReason, Subscription
+from headwater.api import CloseReason, StreamInfo, Subscription
+from headwater.engine.subscriptions import MAX_CREDITS, RESUME
 from headwater.protocols.kiwi.fanout import Fanout
 from headwater.protocols.kiwi.frames import text_frame
 from headwater.protocols.kiwi.results import PARTITION, stream_results
@@ -41,20 +41,21 @@ CLOSE_MESSAGES = {
 FeedKey = tuple[int, int, int]  # (tenant, stream, partition)
 
 
-def feed_key(stream: Stream) -> FeedKey:
-    return (stream.tenant.tenant_id, stream.stream_id, PARTITION)
+def feed_key(stream: StreamInfo) -> FeedKey:
+    return (stream.tenant_id, stream.stream_id, PARTITION)
 
 
 class StreamFeed:
-    def __init__(self, gateway: Gateway, stream: Stream) -> None:
+    def __init__(self, gateway: Gateway, stream: StreamInfo) -> None:
         self.gateway = gateway
         self.stream = stream
         self.source_id = stream.name
         self.key = feed_key(stream)
         self.fanout: Fanout[KiwiSession] = Fanout()
         self.closed = False
-        self.subscription: Subscription = gateway.server.subscriptions.subscribe(
-            stream.tenant.tenant_id,
+        self.api = gateway.server.api
+        self.subscription: Subscription = self.api.subscribe(
+            stream.tenant_id,
             stream.stream_id,
             RESUME,
             MAX_CREDITS,
@@ -66,7 +67,7 @@ class StreamFeed:
 
     def attach(self, session: KiwiSession) -> Detach:
         """``session`` gets the events committed from now on."""
-        self.fanout.add(session, self.stream.log.committed_offset)
+        self.fanout.add(session, self.api.stream_end(self.stream.tenant_id, self.stream.stream_id))
 
         def detach() -> None:
             if self.fanout.remove(session) and not self.fanout:
@@ -79,11 +80,11 @@ class StreamFeed:
         if self.closed:
             return
         self._forget()
-        self.gateway.server.subscriptions.close(self.subscription, CloseReason.CLIENT_CANCELLED)
+        self.api.unsubscribe(self.subscription, CloseReason.CLIENT_CANCELLED)
 
     async def _deliver_read(self, sub: Subscription, result: ReadResult) -> None:
         if sub.credits < MAX_CREDITS // 2:
-            self.gateway.server.subscriptions.grant(sub, MAX_CREDITS - sub.credits)
+            self.api.grant(sub, MAX_CREDITS - sub.credits)
         first = result.first_offset
         if first is None:
             return
@@ -130,7 +131,7 @@ def _offsets(result: ReadResult) -> list[int]:
     return [event.offset for event in result.events()]
 
 
-def attach_stream(gateway: Gateway, session: KiwiSession, stream: Stream) -> Detach:
+def attach_stream(gateway: Gateway, session: KiwiSession, stream: StreamInfo) -> Detach:
     """Subscribe ``session`` to ``stream`` through the stream's feed (started on first use)."""
     feed = gateway.feeds.get(feed_key(stream))
     if feed is None or feed.closed:

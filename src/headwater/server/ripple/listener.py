@@ -41,10 +41,11 @@ from headwater.engine.kinds import (
     patch_op,
     retract_op,
 )
+from headwater.errors import AuthenticationFailed
 from headwater.protocols.convergedb.fields import FieldType, default_value
 from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
-from headwater.server.app import Listener, register_listener
+from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 from headwater.storage.metadata import read_json, write_json_atomic
 
@@ -92,6 +93,7 @@ class RippleState:
         self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
         self.applied = 0
         self.live: set[RippleConnection] = set()
+        self._saving = asyncio.Lock()
 
     def workers(self) -> list[dict[str, Any]]:
         """Every worker seen: its slot, connection, last heartbeat and outputs (the HTTP
@@ -123,13 +125,21 @@ class RippleState:
             )
         return result
 
-    def save(self) -> None:
-        entries = []
-        for source, last in self.tracker.items():
-            worker, output = cast(tuple[str, str], source)
-            entries.append({"worker": worker, "output": output, "last": last})
+    async def save(self) -> None:
+        """Write the table (temp file, fsync, rename) in a worker thread: an fsync on the
+        event loop would stall every connection. Saves run one at a time, each writing
+        the table as it was when it started, so the file never goes back in time."""
+        async with self._saving:
+            entries = []
+            for source, last in self.tracker.items():
+                worker, output = cast(tuple[str, str], source)
+                entries.append({"worker": worker, "output": output, "last": last})
+            table = {"sequences": entries, "slots": dict(self.slots)}
+            await asyncio.get_running_loop().run_in_executor(None, self._write, table)
+
+    def _write(self, table: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.path, {"sequences": entries, "slots": self.slots})
+        write_json_atomic(self.path, table)
 
 
 class RippleConnection(asyncio.Protocol):
@@ -139,7 +149,7 @@ class RippleConnection(asyncio.Protocol):
         self.live = live
         self.protocol = rc.ServerConnection()
         self.transport: asyncio.Transport | None = None
-        self.kinds: TenantKinds = server.kinds.tenant(TENANT_ID)
+        self.kinds: TenantKinds = server.api.kinds(TENANT_ID)
         self.source: Source | None = None
         self.outputs: dict[str, KindInfo] = {}
         self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
@@ -228,6 +238,14 @@ class RippleConnection(asyncio.Protocol):
             self.close()
 
     async def _handshake(self, handshake: rm.Handshake) -> None:
+        try:
+            # §4 carries no credential, so a worker is anonymous: refused when
+            # [auth] required (the same rule as every other listener).
+            self.server.api.authenticate(None).check_tenant(TENANT_ID)
+        except AuthenticationFailed as exc:
+            self._write(self.protocol.reject_handshake([f"authentication failed: {exc.message}"]))
+            self.close()
+            return
         errors: list[str] = []
         outputs: dict[str, KindInfo] = {}
         for name, schema in handshake.output_schemas:
@@ -310,7 +328,7 @@ class RippleConnection(asyncio.Protocol):
         elif isinstance(message, rm.CheckpointRequest):
             # Everything received before the request: durable and visible, then saved.
             await self.kinds.barrier()
-            self.state.save()
+            await self.state.save()
             worker = self.protocol.worker_id or ""
             last = max((self.state.tracker.last((worker, out)) for out in self.outputs), default=0)
             ack = rm.CheckpointAck(message.checkpoint_id, worker, message.epoch, last)
@@ -422,11 +440,8 @@ async def start_ripple(server: Server, host: str, port: int) -> Listener:
         for conn in list(live):
             conn.close()
         with contextlib.suppress(Exception):
-            await server.kinds.tenant(TENANT_ID).flush()
-            state.save()
+            await server.api.flush_kinds(TENANT_ID)
+            await state.save()
         await tcp.wait_closed()
 
     return Listener("ripple", bound, stop)
-
-
-register_listener("ripple", start_ripple)

@@ -32,7 +32,7 @@ async def _append(
     producer: tuple[int, int] | None,
 ) -> m.ResponsePayload:
     started = time.perf_counter()
-    info = await conn.engine.append_encoded(
+    info = await conn.api.append_encoded(
         request.tenant_id,
         stream_id,
         events.section,
@@ -40,7 +40,7 @@ async def _append(
         value_bytes=events.event_bytes,
         producer=producer,
     )
-    name = conn.engine.stream(request.tenant_id, stream_id).name
+    name = conn.api.stream_name(request.tenant_id, stream_id)
     conn.metrics.record_append(
         "kimberlite",
         request.tenant_id,

@@ -25,14 +25,14 @@ def _rows(rows: list[list[sqlv.QueryValue]]) -> list[list[m.QueryValue]]:
 async def query(
     conn: KimberliteConnection, request: m.Request, payload: m.QueryRequest
 ) -> m.ResponsePayload:
-    result = await conn.server.sql.query(request.tenant_id, payload.sql, _params(payload.params))
+    result = await conn.api.query(request.tenant_id, payload.sql, _params(payload.params))
     return m.QueryResponse(result.columns, _rows(result.rows))
 
 
 async def query_at(
     conn: KimberliteConnection, request: m.Request, payload: m.QueryAtRequest
 ) -> m.ResponsePayload:
-    result = await conn.server.sql.query_at(
+    result = await conn.api.query_at(
         request.tenant_id, payload.sql, _params(payload.params), payload.position
     )
     return m.QueryAtResponse(result.columns, _rows(result.rows))

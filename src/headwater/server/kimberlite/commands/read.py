@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from headwater.errors import InvalidOffset
 from headwater.protocols.kimberlite import messages as m
 
 if TYPE_CHECKING:
@@ -17,19 +16,17 @@ MAX_READ_BYTES = 12 << 20
 async def read_events(
     conn: KimberliteConnection, request: m.Request, payload: m.ReadEventsRequest
 ) -> None:
-    stream = conn.engine.stream(request.tenant_id, payload.stream_id)
-    if payload.from_offset < stream.log.start_offset:
-        raise InvalidOffset(
-            f"offset {payload.from_offset} was removed by retention; "
-            f"the stream starts at {stream.log.start_offset}"
-        )
     max_bytes = min(payload.max_bytes, MAX_READ_BYTES)
     max_events = max(1, (MAX_READ_BYTES // 8) - 1)
-    result = await conn.engine.read(
+    result = await conn.api.read(
         request.tenant_id, payload.stream_id, payload.from_offset, max_bytes, max_events=max_events
     )
     conn.metrics.record_read(
-        "kimberlite", request.tenant_id, stream.name, result.count, result.value_bytes
+        "kimberlite",
+        request.tenant_id,
+        conn.api.stream_name(request.tenant_id, payload.stream_id),
+        result.count,
+        result.value_bytes,
     )
     conn.write_chunks(
         conn.protocol.send_read_events(

@@ -13,14 +13,14 @@ if TYPE_CHECKING:
 async def create(
     conn: KimberliteConnection, request: m.Request, payload: m.CreateStreamRequest
 ) -> m.ResponsePayload:
-    info = await conn.engine.create_stream(request.tenant_id, payload.name)
+    info = await conn.api.create_stream(request.tenant_id, payload.name)
     return m.CreateStreamResponse(info.stream_id)
 
 
 async def delete(
     conn: KimberliteConnection, request: m.Request, payload: m.DeleteStreamRequest
 ) -> m.ResponsePayload:
-    await conn.engine.delete_stream(request.tenant_id, payload.stream_id)
+    await conn.api.delete_stream(request.tenant_id, payload.stream_id)
     return m.StreamDeletedResponse(payload.stream_id)
 
 
@@ -30,6 +30,6 @@ async def list_streams(
     return m.StreamsResponse(
         [
             m.StreamInfo(s.stream_id, s.name, s.next_offset, s.size_bytes, s.created_ns)
-            for s in conn.engine.list_streams(request.tenant_id)
+            for s in conn.api.list_streams(request.tenant_id)
         ]
     )

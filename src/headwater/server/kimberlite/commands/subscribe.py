@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from headwater.engine.subscriptions import CloseReason, Subscription
+from headwater.api import CloseReason, Subscription
 from headwater.errors import InvalidRequest
 from headwater.protocols.kimberlite import messages as m
 
@@ -34,7 +34,7 @@ async def subscribe(
             m.SubscriptionClosedResponse(sub.subscription_id, m.CloseReason(int(reason))),
         )
 
-    sub = conn.server.subscriptions.subscribe(
+    sub = conn.api.subscribe(
         request.tenant_id,
         payload.stream_id,
         payload.from_offset,
@@ -58,7 +58,7 @@ async def credit(
     conn: KimberliteConnection, request: m.Request, payload: m.SubscribeCreditRequest
 ) -> m.ResponsePayload:
     sub = _owned(conn, request, payload.subscription_id)
-    balance = conn.server.subscriptions.grant(sub, payload.additional_credits)
+    balance = conn.api.grant(sub, payload.additional_credits)
     return m.SubscriptionCreditResponse(sub.subscription_id, balance)
 
 
@@ -67,6 +67,6 @@ async def unsubscribe(
 ) -> m.ResponsePayload:
     sub = _owned(conn, request, payload.subscription_id)
     conn.session.cancelling.add(sub.subscription_id)
-    conn.server.subscriptions.close(sub, CloseReason.CLIENT_CANCELLED)
+    conn.api.unsubscribe(sub, CloseReason.CLIENT_CANCELLED)
     conn.session.cancelling.discard(sub.subscription_id)
     return m.SubscriptionClosedResponse(sub.subscription_id, m.CloseReason.CLIENT_CANCELLED)

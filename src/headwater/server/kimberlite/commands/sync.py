@@ -13,5 +13,5 @@ if TYPE_CHECKING:
 async def sync(
     conn: KimberliteConnection, request: m.Request, payload: m.SyncRequest
 ) -> m.ResponsePayload:
-    await conn.engine.sync_tenant(request.tenant_id)
+    await conn.api.sync_tenant(request.tenant_id)
     return m.SyncResponse(True)

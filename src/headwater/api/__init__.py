@@ -1,0 +1,471 @@
+"""The engine API: the one door every front end goes through.
+
+Kimberlite, ConvergeDB, Ripple, the HTTP API, the Kiwi WebSocket gateway and /metrics
+are handed one :class:`EngineAPI` and call nothing else of the engine: streams (create,
+append, read, seek), push subscriptions with credits, entity kinds (per tenant), SQL
+queries (now and "as of" a log position), tenants and authentication. None of them sees a
+stream's partition log or a kind's state; what they show (offsets, sizes, counts) comes
+back as plain values (:class:`~headwater.engine.engine.StreamInfo`,
+:class:`TenantInfo`, :class:`KindStats`).
+
+The SDKs, the CLI and the Spark source reach the same operations over the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from headwater.api.auth import Auth, AuthConfig, Principal
+from headwater.engine.engine import Engine, EngineConfig, StreamInfo, StreamSettings
+from headwater.engine.kinds import (
+    EntityState,
+    KindInfo,
+    KindsConfig,
+    KindsEngine,
+    KindState,
+    TenantKinds,
+)
+from headwater.engine.subscriptions import (
+    CloseReason,
+    Deliver,
+    DeliverRead,
+    OnClose,
+    Subscription,
+    Subscriptions,
+)
+from headwater.errors import InvalidOffset
+from headwater.sql.kinds import KindTables
+from headwater.sql.service import SqlService
+from headwater.sql.values import QueryResult
+from headwater.storage.log import AppendInfo, ReadResult
+
+__all__ = [
+    "Auth",
+    "AuthConfig",
+    "CloseReason",
+    "EngineAPI",
+    "GroupLag",
+    "KindStats",
+    "Principal",
+    "StreamInfo",
+    "StreamSettings",
+    "Subscription",
+    "TenantInfo",
+]
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    tenant_id: int
+    name: str
+    log_position: int  # every position below it is committed
+    streams: int
+
+
+@dataclass(frozen=True)
+class KindStats:
+    """What the dashboard, the kind catalog and /metrics show of one kind."""
+
+    tenant_id: int
+    info: KindInfo
+    entities: int
+    subscribers: int
+    changelog_bytes: int
+
+
+@dataclass(frozen=True)
+class FsyncStats:
+    count: int
+    seconds_total: float
+    last_seconds: float  # the longest of the streams' most recent fsyncs
+
+
+@dataclass(frozen=True)
+class GroupLag:
+    tenant_id: int
+    stream: str
+    group: str
+    lag: int  # events between the group's committed offset and the stream's end
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A consumer group of one stream (the dashboard's view)."""
+
+    stream: str
+    group: str
+    committed_offset: int
+    end_offset: int
+    active: bool
+    waiting: int
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A kind writer holding a source slot (connected, or within its grace period)."""
+
+    source_id: int
+    name: str
+    connected: bool
+    connected_at_ns: int
+    idle_s: float
+    deadline_ms: int
+    entities: int  # entities it asserts, its own presence entity not counted
+
+
+@dataclass(frozen=True)
+class SubscriptionStats:
+    tenant_id: int
+    stream: str
+    open: int
+    credits: int
+
+
+def _kind_stats(tenant_id: int, state: KindState) -> KindStats:
+    return KindStats(
+        tenant_id=tenant_id,
+        info=state.info,
+        entities=len(state.committed),
+        subscribers=len(state.subscribers),
+        changelog_bytes=state.log.size_bytes,
+    )
+
+
+class EngineAPI:
+    """Streams, subscriptions, kinds, queries and tenants of one data directory."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        subscriptions: Subscriptions,
+        kinds: KindsEngine,
+        queries: SqlService,
+        auth: Auth,
+    ) -> None:
+        self._engine = engine
+        self._subscriptions = subscriptions
+        self._kinds = kinds
+        self._queries = queries
+        self.auth = auth
+
+    @classmethod
+    async def open(
+        cls,
+        data_dir: Path,
+        engine_config: EngineConfig,
+        kinds_config: KindsConfig,
+        auth_config: AuthConfig,
+    ) -> EngineAPI:
+        """Recover the engine and kinds, start the SQL projections."""
+        engine = await Engine.open(data_dir, engine_config)
+        subscriptions = Subscriptions(engine)
+        kinds = await KindsEngine.open(engine, kinds_config)
+        queries = SqlService(engine)
+        queries.add_source(KindTables(kinds))
+        queries.start()
+        return cls(engine, subscriptions, kinds, queries, Auth(auth_config))
+
+    async def close_subscriptions(self) -> None:
+        """End every subscription (each front end is told: server shutdown)."""
+        await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
+
+    async def close(self) -> None:
+        """End every subscription, stop the projections, flush kinds, close the log."""
+        await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
+        await self._queries.close()
+        await self._kinds.close()
+        await self._engine.close()
+
+    @property
+    def closing(self) -> bool:
+        return self._engine.closing
+
+    # ---- tenants and auth -------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> Principal:
+        """The principal of ``token`` (AuthenticationFailed when auth requires one)."""
+        return self.auth.authenticate(token)
+
+    def check_tenant(self, tenant_id: int) -> None:
+        """TenantNotFound unless ``tenant_id`` exists."""
+        self._engine.tenant(tenant_id)
+
+    def tenant_info(self, tenant_id: int) -> TenantInfo:
+        tenant = self._engine.tenant(tenant_id)
+        return TenantInfo(
+            tenant_id=tenant_id,
+            name=tenant.name,
+            log_position=tenant.committed_position,
+            streams=sum(1 for s in tenant.streams.values() if not s.deleted),
+        )
+
+    def tenant_ids(self) -> list[int]:
+        return sorted(self._engine.tenants)
+
+    # ---- streams ----------------------------------------------------------------------
+
+    def list_streams(self, tenant_id: int) -> list[StreamInfo]:
+        return self._engine.list_streams(tenant_id)
+
+    def all_streams(self) -> list[StreamInfo]:
+        """Every live stream of every tenant."""
+        return [stream.info() for stream in self._engine.all_streams()]
+
+    def stream_info(self, tenant_id: int, stream_id: int) -> StreamInfo:
+        return self._engine.stream(tenant_id, stream_id).info()
+
+    def stream_named(self, tenant_id: int, name: str) -> StreamInfo:
+        """StreamNotFound unless ``name`` exists in the tenant."""
+        return self._engine.stream_by_name(tenant_id, name).info()
+
+    def stream_name(self, tenant_id: int, stream_id: int) -> str:
+        return self._engine.stream(tenant_id, stream_id).name
+
+    def stream_end(self, tenant_id: int, stream_id: int) -> int:
+        """The committed end offset (the next offset an append gets)."""
+        return self._engine.stream(tenant_id, stream_id).log.committed_offset
+
+    async def create_stream(
+        self, tenant_id: int, name: str, settings: StreamSettings | None = None
+    ) -> StreamInfo:
+        return await self._engine.create_stream(tenant_id, name, settings)
+
+    async def delete_stream(self, tenant_id: int, stream_id: int) -> None:
+        await self._engine.delete_stream(tenant_id, stream_id)
+
+    async def append(self, tenant_id: int, stream_id: int, values: Sequence[bytes]) -> AppendInfo:
+        return await self._engine.append(tenant_id, stream_id, values)
+
+    async def append_encoded(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        section: bytes | memoryview,
+        count: int,
+        *,
+        value_bytes: int,
+        producer: tuple[int, int] | None = None,
+    ) -> AppendInfo:
+        """Append a batch whose values section is already encoded as stored (one write,
+        no work per event); ``producer`` = (id, sequence) makes it idempotent."""
+        return await self._engine.append_encoded(
+            tenant_id, stream_id, section, count, value_bytes=value_bytes, producer=producer
+        )
+
+    async def read(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        max_bytes: int,
+        *,
+        max_events: int | None = None,
+    ) -> ReadResult:
+        """Committed events from ``from_offset`` as stored batches. InvalidOffset when
+        retention removed ``from_offset``."""
+        start = self._engine.stream(tenant_id, stream_id).log.start_offset
+        if from_offset < start:
+            raise InvalidOffset(
+                f"offset {from_offset} was removed by retention; the stream starts at {start}"
+            )
+        return await self._engine.read(
+            tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
+        )
+
+    async def offset_for_timestamp(
+        self, tenant_id: int, stream_id: int, timestamp_ms: int
+    ) -> int | None:
+        return await self._engine.offset_for_timestamp(tenant_id, stream_id, timestamp_ms)
+
+    async def sync_tenant(self, tenant_id: int) -> None:
+        await self._engine.sync_tenant(tenant_id)
+
+    def fsync_stats(self) -> FsyncStats:
+        """The group committers' fsyncs over every live stream."""
+        count, seconds, last = 0, 0.0, 0.0
+        for stream in self._engine.all_streams():
+            committer = stream.committer
+            count += committer.fsyncs
+            seconds += committer.fsync_seconds_total
+            last = max(last, committer.last_fsync_seconds)
+        return FsyncStats(count, seconds, last)
+
+    @property
+    def events_appended(self) -> int:
+        return self._engine.events_appended
+
+    @property
+    def bytes_appended(self) -> int:
+        return self._engine.bytes_appended
+
+    # ---- subscriptions ----------------------------------------------------------------
+
+    def subscribe(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        credits: int,
+        group: str | None,
+        deliver: Deliver | None,
+        on_close: OnClose,
+        *,
+        deliver_read: DeliverRead | None = None,
+    ) -> Subscription:
+        """Start pushing a stream's events (see :mod:`headwater.engine.subscriptions`)."""
+        return self._subscriptions.subscribe(
+            tenant_id,
+            stream_id,
+            from_offset,
+            credits,
+            group,
+            deliver,
+            on_close,
+            deliver_read=deliver_read,
+        )
+
+    def grant(self, subscription: Subscription, credits: int) -> int:
+        """Add credit (acknowledging a group's deliveries); returns the balance."""
+        return self._subscriptions.grant(subscription, credits)
+
+    def unsubscribe(
+        self, subscription: Subscription, reason: CloseReason = CloseReason.CLIENT_CANCELLED
+    ) -> None:
+        self._subscriptions.close(subscription, reason)
+
+    def subscription_stats(self) -> Iterator[SubscriptionStats]:
+        for (tenant_id, _stream_id), members in sorted(self._subscriptions.by_stream.items()):
+            live = [s for s in members if not s.closed]
+            if live:
+                yield SubscriptionStats(
+                    tenant_id, live[0].stream.name, len(live), sum(s.credits for s in live)
+                )
+
+    def subscription_counts(self, tenant_id: int) -> dict[str, int]:
+        """Open subscriptions per stream name of a tenant."""
+        counts: dict[str, int] = {}
+        for stats in self.subscription_stats():
+            if stats.tenant_id == tenant_id:
+                counts[stats.stream] = stats.open
+        return counts
+
+    def group_lags(self) -> Iterator[GroupLag]:
+        for (tenant_id, stream_id), groups in sorted(self._subscriptions.groups.items()):
+            tenant = self._engine.tenants.get(tenant_id)
+            stream = None if tenant is None else tenant.streams.get(stream_id)
+            if stream is None or stream.deleted:
+                continue
+            end = stream.log.committed_offset
+            for group, offset in sorted(groups.offsets.items()):
+                yield GroupLag(tenant_id, stream.name, group, max(0, end - offset))
+
+    def consumer_groups(self, tenant_id: int) -> list[GroupInfo]:
+        """Every consumer group of the tenant's streams, by stream then group."""
+        out: list[GroupInfo] = []
+        for info in self._engine.list_streams(tenant_id):
+            stream = self._engine.stream(tenant_id, info.stream_id)
+            offsets = self._subscriptions.groups_of(stream)
+            end = stream.log.committed_offset
+            for group, offset in sorted(offsets.offsets.items()):
+                waiting = len(offsets.waiting.get(group, ()))
+                out.append(
+                    GroupInfo(info.name, group, offset, end, group in offsets.active, waiting)
+                )
+        return out
+
+    # ---- kinds ------------------------------------------------------------------------
+
+    def kinds(self, tenant_id: int) -> TenantKinds:
+        """The entity kinds of a tenant: create, connect sources, apply, subscribe."""
+        return self._kinds.tenant(tenant_id)
+
+    def kind_stats(self, tenant_id: int | None = None) -> list[KindStats]:
+        """Schema, entities, subscribers and changelog size of each kind (of one tenant,
+        or of all), by tenant then kind id."""
+        out: list[KindStats] = []
+        for tid, tenant in sorted(self._kinds.tenants.items()):
+            if tenant_id is not None and tid != tenant_id:
+                continue
+            out.extend(_kind_stats(tid, state) for _, state in sorted(tenant.kinds.items()))
+        return out
+
+    def kind_named(self, tenant_id: int, name: str) -> KindStats:
+        """KindNotFound unless the tenant has a kind ``name``."""
+        tenant = self._kinds.tenant(tenant_id)
+        return _kind_stats(tenant_id, tenant.kind_state(tenant.get_kind(name).kind_id))
+
+    def kind_entities(
+        self, tenant_id: int, kind_id: int, limit: int
+    ) -> tuple[int, list[EntityState]]:
+        """The number of live entities of a kind and the first ``limit`` of them by
+        entity id (a stable order for repeated reads of a large kind)."""
+        state = self._kinds.tenant(tenant_id).kind_state(kind_id)
+        ids = sorted(state.committed)
+        return len(ids), [state.entity_state(eid, state.committed[eid]) for eid in ids[:limit]]
+
+    def kind_entity(self, tenant_id: int, kind_id: int, entity_id: bytes) -> EntityState | None:
+        return self._kinds.tenant(tenant_id).kind_state(kind_id).entity(entity_id)
+
+    def kind_sources(self, tenant_id: int) -> list[SourceInfo]:
+        """The tenant's kind writers (ConvergeDB connections and Ripple workers)."""
+        tenant = self._kinds.tenant(tenant_id)
+        now = time.monotonic()
+        internal = {kind_id for kind_id, state in tenant.kinds.items() if state.info.internal}
+        return [
+            SourceInfo(
+                source_id=slot,
+                name=source.name,
+                connected=source.connected,
+                connected_at_ns=source.connected_at_ns,
+                idle_s=max(0.0, now - source.last_seen),
+                deadline_ms=source.deadline_ms,
+                entities=sum(
+                    len(eids)
+                    for kind_id, eids in tenant.source_entities.get(slot, {}).items()
+                    if kind_id not in internal
+                ),
+            )
+            for slot, source in sorted(tenant.sources.items())
+        ]
+
+    def kind_totals(self) -> dict[int, tuple[int, int]]:
+        """Per tenant: (windows flushed, changes committed)."""
+        return {
+            tid: (tenant.windows_flushed, tenant.changes_committed)
+            for tid, tenant in sorted(self._kinds.tenants.items())
+        }
+
+    # ---- queries ----------------------------------------------------------------------
+
+    async def query(self, tenant_id: int, sql: str, params: Sequence[object] = ()) -> QueryResult:
+        """SQL over the tenant's streams and kinds, seeing every acknowledged write."""
+        return await self._queries.query(tenant_id, sql, params)
+
+    async def query_at(
+        self, tenant_id: int, sql: str, params: Sequence[object], position: int
+    ) -> QueryResult:
+        """SQL as of tenant log ``position``: exactly the events below it."""
+        return await self._queries.query_at(tenant_id, sql, params, position)
+
+    def query_stats(self) -> tuple[int, float]:
+        """(statements run, seconds spent running them) since start."""
+        return self._queries.queries, self._queries.query_seconds_total
+
+    async def stream_range(
+        self, tenant_id: int, name: str, start: int, end: int
+    ) -> list[pa.RecordBatch]:
+        """Offsets [start, end) as Arrow record batches (offset, position, ts, data)."""
+        return await self._queries.stream_range(tenant_id, name, start, end)
+
+    # ---- lifecycle helpers ------------------------------------------------------------
+
+    async def flush_kinds(self, tenant_id: int | None = None) -> None:
+        """Make every pending kind write durable and acknowledged (of one tenant, or all)."""
+        for tid, tenant in list(self._kinds.tenants.items()):
+            if tenant_id is None or tid == tenant_id:
+                await tenant.flush()
