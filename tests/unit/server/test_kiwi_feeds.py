@@ -13,8 +13,9 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from headwater.engine.engine import Engine, EngineConfig
-from headwater.engine.subscriptions import Subscriptions
+from headwater.api import AuthConfig, EngineAPI
+from headwater.engine.engine import EngineConfig
+from headwater.engine.kinds import KindsConfig
 from headwater.server.kiwi.streams import attach_stream
 from headwater.server.metrics import Metrics
 
@@ -58,8 +59,12 @@ class FakeSession:
                 await self.changed.wait()
 
 
-def gateway(subs: Subscriptions, metrics: Metrics) -> Any:
-    return SimpleNamespace(server=SimpleNamespace(subscriptions=subs), feeds={}, metrics=metrics)
+async def open_api(path: Path) -> EngineAPI:
+    return await EngineAPI.open(path, CONFIG, KindsConfig(), AuthConfig())
+
+
+def gateway(api: EngineAPI, metrics: Metrics) -> Any:
+    return SimpleNamespace(server=SimpleNamespace(api=api), feeds={}, metrics=metrics)
 
 
 def events_read(metrics: Metrics, stream: str) -> float:
@@ -73,61 +78,57 @@ def test_subscribers_share_one_engine_subscription_and_a_broken_one_is_dropped(
     tmp_path: Path,
 ) -> None:
     async def main() -> None:
-        engine = await Engine.open(tmp_path, CONFIG)
-        subs = Subscriptions(engine)
+        api = await open_api(tmp_path)
         metrics = Metrics()
-        gw = gateway(subs, metrics)
-        stream = await engine.create_stream(0, "s")
-        s = engine.stream(0, stream.stream_id)
+        gw = gateway(api, metrics)
+        s = stream = await api.create_stream(0, "s")
         a, b, broken = FakeSession(), FakeSession(), FakeSession(broken=True)
         detach_a = attach_stream(gw, a, s)  # type: ignore[arg-type]
         detach_b = attach_stream(gw, b, s)  # type: ignore[arg-type]
         attach_stream(gw, broken, s)  # type: ignore[arg-type]
-        assert len(subs.by_stream[(0, stream.stream_id)]) == 1
+        assert api.subscription_counts(0) == {"s": 1}
         assert len(gw.feeds) == 1
 
-        await engine.append(0, stream.stream_id, [b"0", b"1", b"2"])
+        await api.append(0, stream.stream_id, [b"0", b"1", b"2"])
         await a.wait(lambda: len(a.offsets) == 3)
         await b.wait(lambda: len(b.offsets) == 3)
         assert a.offsets == b.offsets == [0, 1, 2]
         assert broken.closed == ["the subscription failed on the server"]
         assert events_read(metrics, "s") == 6  # what each subscriber got
 
-        await engine.append(0, stream.stream_id, [b"3"])
+        await api.append(0, stream.stream_id, [b"3"])
         await a.wait(lambda: len(a.offsets) == 4)
         await b.wait(lambda: len(b.offsets) == 4)
-        assert len(subs.by_stream[(0, stream.stream_id)]) == 1
+        assert api.subscription_counts(0) == {"s": 1}
 
         # The feed ends with its last subscriber; the next subscriber starts a new one.
         detach_a()
         detach_b()
-        assert gw.feeds == {} and not subs.by_stream[(0, stream.stream_id)]
-        await engine.append(0, stream.stream_id, [b"4"])
+        assert gw.feeds == {} and api.subscription_counts(0) == {}
+        await api.append(0, stream.stream_id, [b"4"])
         c = FakeSession()
         attach_stream(gw, c, s)  # type: ignore[arg-type]
-        await engine.append(0, stream.stream_id, [b"5"])
+        await api.append(0, stream.stream_id, [b"5"])
         await c.wait(lambda: c.offsets)
         assert c.offsets == [5] and a.offsets == b.offsets == [0, 1, 2, 3]
-        await engine.close()
+        await api.close()
 
     asyncio.run(main())
 
 
 def test_deleting_the_stream_closes_every_subscriber(tmp_path: Path) -> None:
     async def main() -> None:
-        engine = await Engine.open(tmp_path, CONFIG)
-        subs = Subscriptions(engine)
-        gw = gateway(subs, Metrics())
-        stream = await engine.create_stream(0, "s")
-        s = engine.stream(0, stream.stream_id)
+        api = await open_api(tmp_path)
+        gw = gateway(api, Metrics())
+        s = stream = await api.create_stream(0, "s")
         sessions = [FakeSession() for _ in range(3)]
         for session in sessions:
             attach_stream(gw, session, s)  # type: ignore[arg-type]
-        await engine.delete_stream(0, stream.stream_id)
+        await api.delete_stream(0, stream.stream_id)
         for session in sessions:
             await session.wait(lambda session=session: session.closed)
             assert session.closed == ["the stream was deleted"]
         assert gw.feeds == {}
-        await engine.close()
+        await api.close()
 
     asyncio.run(main())
