@@ -31,13 +31,13 @@ from headwater.engine.kinds import (
     TenantKinds,
     WriteOp,
     assert_op,
-    from_wire,
     patch_op,
     retract_op,
     service,
 )
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType
+from headwater.protocols.convergedb.ops import from_wire
 from headwater.storage.log import SyncPolicy
 
 FIELDS = [("n", FieldType.U32), ("x", FieldType.F64)]

@@ -31,7 +31,6 @@ from headwater.engine.kinds import (
     SubscriptionOverflow,
     TenantKinds,
     assert_op,
-    from_wire,
     patch_op,
     presence_entity_id,
     retract_op,
@@ -39,6 +38,7 @@ from headwater.engine.kinds import (
 from headwater.errors import StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType, decode_record
+from headwater.protocols.convergedb.ops import from_wire
 
 ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 7: "seven"})
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]

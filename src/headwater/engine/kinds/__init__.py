@@ -19,14 +19,25 @@ Public API (loop thread unless noted)::
     source.touch(); source.disconnect()
     await kinds.close()
 
-Wire ops become engine ops with :func:`from_wire` (BATCH: decoded once, checked, applied
-grouped by kind, all or nothing).
+Field types, values and the record encoding are in :mod:`.fields`; errors carry an
+:class:`ErrorKind` that each front end maps to its own wire errors. Nothing here knows a
+wire format: a front end turns its messages into these ops (ConvergeDB:
+:mod:`headwater.protocols.convergedb.ops`).
+
+The values, ops and errors are imported at once; the engine itself (asyncio, storage,
+numpy) only when first asked for, so a codec can use the types without loading it.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from headwater.engine.kinds.errors import (
     BadFieldData,
     BadName,
     EntityNotFound,
+    ErrorKind,
     KindLimitExceeded,
     KindNotFound,
     KindsError,
@@ -38,8 +49,9 @@ from headwater.engine.kinds.errors import (
     SchemaIncompatible,
     SourceConflict,
     SubscriptionOverflow,
-    cdb_code_for,
+    error_kind_of,
 )
+from headwater.engine.kinds.fields import FieldSpec, FieldType, FieldValue
 from headwater.engine.kinds.model import (
     AssertOp,
     AssertRecords,
@@ -56,17 +68,40 @@ from headwater.engine.kinds.model import (
     WindowNotes,
     WriteOp,
 )
-from headwater.engine.kinds.ops import assert_op, from_wire, patch_op, retract_op
-from headwater.engine.kinds.service import (
-    PRESENCE_KIND,
-    KindsEngine,
-    KindState,
-    Source,
-    TenantKinds,
-    Window,
-    presence_entity_id,
-)
-from headwater.engine.kinds.subscriptions import KindSubscription
+from headwater.engine.kinds.ops import assert_op, patch_op, retract_op
+
+if TYPE_CHECKING:
+    from headwater.engine.kinds.service import (
+        PRESENCE_KIND,
+        KindsEngine,
+        KindState,
+        Source,
+        TenantKinds,
+        Window,
+        presence_entity_id,
+    )
+    from headwater.engine.kinds.subscriptions import KindSubscription
+
+_LOADED_LATER = {
+    "KindsEngine": "service",
+    "TenantKinds": "service",
+    "PRESENCE_KIND": "service",
+    "Source": "service",
+    "presence_entity_id": "service",
+    "KindState": "service",
+    "KindSubscription": "subscriptions",
+    "Window": "service",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LOADED_LATER.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "PRESENCE_KIND",
@@ -77,7 +112,11 @@ __all__ = [
     "ChangeType",
     "EntityNotFound",
     "EntityState",
+    "ErrorKind",
     "EventNote",
+    "FieldSpec",
+    "FieldType",
+    "FieldValue",
     "KindInfo",
     "KindLimitExceeded",
     "KindNotFound",
@@ -105,8 +144,7 @@ __all__ = [
     "WindowNotes",
     "WriteOp",
     "assert_op",
-    "cdb_code_for",
-    "from_wire",
+    "error_kind_of",
     "patch_op",
     "presence_entity_id",
     "retract_op",

@@ -4,7 +4,7 @@ ASSERTs of numeric kinds are the hot path (BATCH frames of thousands): decoding 
 field through the general decoder costs more than the rest of the write. A schema whose
 fields are all fixed-width numbers (no bool: its byte must be checked to be 0 or 1, no
 strings or bytes) is decoded and encoded with one precompiled ``struct``; the values are
-exactly what :mod:`headwater.protocols.convergedb.fields` gives, which every other
+exactly what the general decoder of :mod:`.fields` gives, which every other
 schema (and any record that is not complete) still goes through.
 """
 
@@ -17,7 +17,7 @@ from itertools import chain
 
 import numpy as np
 
-from headwater.protocols.convergedb.fields import (
+from headwater.engine.kinds.fields import (
     FieldSpec,
     FieldType,
     FieldValue,

@@ -1,81 +1,105 @@
 """Errors of the entity-kind engine.
 
-Each class names the ConvergeDB ERROR code a front end answers with (``cdb_code``) and,
-through :class:`~headwater.errors.HeadwaterError`, a Kimberlite code for the others.
+Each class names what went wrong as an :class:`ErrorKind` (``error_kind``), which every
+front end maps to its own wire error (ConvergeDB's ERROR codes:
+:mod:`headwater.protocols.convergedb.errors`); through
+:class:`~headwater.errors.HeadwaterError` each also has a Kimberlite code.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import ClassVar
 
-from headwater.errors import HeadwaterError, InvalidRequest
-from headwater.protocols.convergedb.codes import ErrorCode
+from headwater.errors import InvalidRequest
+
+
+class ErrorKind(Enum):
+    """Why the kind engine refused a request."""
+
+    INTERNAL = "internal"
+    BAD_REQUEST = "bad_request"  # e.g. a name that breaks the naming rules
+    KIND_NOT_FOUND = "kind_not_found"
+    SCHEMA_CONFLICT = "schema_conflict"
+    SCHEMA_INCOMPATIBLE = "schema_incompatible"
+    ENTITY_NOT_FOUND = "entity_not_found"
+    BAD_FIELD_DATA = "bad_field_data"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    RESERVED_NAME = "reserved_name"
+    SOURCE_CONFLICT = "source_conflict"
+    NO_FREE_SOURCE = "no_free_source"
+    READ_ONLY = "read_only"
+    NO_EPOCH = "no_epoch"
+    SUBSCRIPTION_OVERFLOW = "subscription_overflow"
 
 
 class KindsError(InvalidRequest):
     """A request the kind engine refuses; nothing was applied."""
 
-    cdb_code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+    error_kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
 
 
 class KindNotFound(KindsError):
-    cdb_code = ErrorCode.KIND_NOT_FOUND
+    error_kind = ErrorKind.KIND_NOT_FOUND
 
 
 class SchemaConflict(KindsError):
-    cdb_code = ErrorCode.SCHEMA_CONFLICT
+    error_kind = ErrorKind.SCHEMA_CONFLICT
 
 
 class SchemaIncompatible(KindsError):
-    cdb_code = ErrorCode.SCHEMA_INCOMPATIBLE
+    error_kind = ErrorKind.SCHEMA_INCOMPATIBLE
 
 
 class EntityNotFound(KindsError):
-    cdb_code = ErrorCode.ENTITY_NOT_FOUND
+    error_kind = ErrorKind.ENTITY_NOT_FOUND
 
 
 class BadFieldData(KindsError):
-    cdb_code = ErrorCode.BAD_FIELD_DATA
+    """Values or a record that do not fit the kind's schema."""
+
+    error_kind = ErrorKind.BAD_FIELD_DATA
 
 
 class KindLimitExceeded(KindsError):
-    cdb_code = ErrorCode.LIMIT_EXCEEDED
+    error_kind = ErrorKind.LIMIT_EXCEEDED
 
 
 class ReservedName(KindsError):
-    cdb_code = ErrorCode.RESERVED_NAME
+    error_kind = ErrorKind.RESERVED_NAME
 
 
 class BadName(KindsError):
-    cdb_code = ErrorCode.BAD_FRAME
+    error_kind = ErrorKind.BAD_REQUEST
 
 
 class SourceConflict(KindsError):
-    cdb_code = ErrorCode.SOURCE_CONFLICT
+    error_kind = ErrorKind.SOURCE_CONFLICT
 
 
 class NoFreeSource(KindsError):
-    cdb_code = ErrorCode.NO_FREE_SOURCE
+    error_kind = ErrorKind.NO_FREE_SOURCE
 
 
 class ReadOnlySource(KindsError):
-    cdb_code = ErrorCode.READ_ONLY
+    error_kind = ErrorKind.READ_ONLY
 
 
 class NoEpoch(KindsError):
-    cdb_code = ErrorCode.NO_EPOCH
+    error_kind = ErrorKind.NO_EPOCH
 
 
 class SubscriptionOverflow(KindsError):
     """A live subscriber fell 4,096 notifications behind; the subscription is over."""
 
-    cdb_code = ErrorCode.SUBSCRIPTION_OVERFLOW
+    error_kind = ErrorKind.SUBSCRIPTION_OVERFLOW
 
 
-def cdb_code_for(exc: BaseException) -> ErrorCode:
-    """The ConvergeDB ERROR code for any exception the engine raised."""
+def error_kind_of(exc: BaseException) -> ErrorKind:
+    """What went wrong, for any exception the engine raised: a :class:`KindsError`'s own
+    kind, BAD_REQUEST for any other refused request, INTERNAL for the rest."""
     if isinstance(exc, KindsError):
-        return exc.cdb_code
-    if isinstance(exc, HeadwaterError) and isinstance(exc, InvalidRequest):
-        return ErrorCode.BAD_FRAME
-    return ErrorCode.INTERNAL
+        return exc.error_kind
+    if isinstance(exc, InvalidRequest):
+        return ErrorKind.BAD_REQUEST
+    return ErrorKind.INTERNAL

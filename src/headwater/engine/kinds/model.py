@@ -1,6 +1,6 @@
 """Values the kind engine hands out and takes in: kinds, entity states, write ops and
 notifications. All immutable; field values are the Python values of
-:mod:`headwater.protocols.convergedb.fields` (the wire's type codes are the schema's)."""
+:mod:`.fields`, and records are encoded as it says."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TypeAlias, overload
 
-from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE, MAX_SOURCE_ID
-from headwater.protocols.convergedb.fields import FieldSpec, FieldType, FieldValue
+from headwater.engine.kinds.errors import BadFieldData
+from headwater.engine.kinds.fields import (
+    ENTITY_ID_SIZE,
+    MAX_SOURCE_ID,
+    FieldSpec,
+    FieldType,
+    FieldValue,
+)
 
 Key: TypeAlias = tuple[int, bytes]
 """``(kind_id, entity_id)``."""
@@ -166,10 +172,10 @@ class RetractOp:
 
 @dataclass(slots=True)
 class AssertRecords:
-    """ASSERTs of one kind, each of a whole record and with no metadata: a BATCH as the
-    codec decoded it (:class:`~headwater.protocols.convergedb.messages.AssertRun`), applied
-    as ``(entity_id, record)`` pairs without an op object per entity. Only for kinds that
-    are not event streams, with records already checked to fit the schema."""
+    """ASSERTs of one kind, each of a whole record and with no metadata (a BATCH as a
+    codec may decode it), applied as ``(entity_id, record)`` pairs without an op object
+    per entity. Only for kinds that are not event streams, with records already checked to
+    fit the schema."""
 
     kind_id: int
     pairs: Sequence[tuple[bytes, bytes]]
@@ -182,8 +188,6 @@ OP_ASSERT, OP_RETRACT, OP_PATCH = 0x02, 0x03, 0x08
 
 def check_entity_id(entity_id: bytes) -> bytes:
     if len(entity_id) != ENTITY_ID_SIZE:
-        from headwater.engine.kinds.errors import BadFieldData
-
         raise BadFieldData(f"an entity id is {ENTITY_ID_SIZE} bytes, not {len(entity_id)}")
     return entity_id
 

@@ -22,11 +22,10 @@ from headwater.engine.kinds.errors import (
     SchemaConflict,
     SchemaIncompatible,
 )
+from headwater.engine.kinds.fields import MAX_FIELDS, FieldSpec, FieldType
 from headwater.engine.kinds.model import KindInfo
 from headwater.engine.names import RESERVED_PREFIXES, check_name
 from headwater.errors import InvalidRequest
-from headwater.protocols.convergedb.codes import MAX_FIELDS
-from headwater.protocols.convergedb.fields import FieldSpec, FieldType
 from headwater.storage.metadata import read_json, write_json_atomic
 
 REGISTRY_FILE = "kinds.json"

@@ -49,6 +49,16 @@ from headwater.engine.kinds.errors import (
     ReadOnlySource,
     SourceConflict,
 )
+from headwater.engine.kinds.fields import (
+    MAX_SOURCE_ID,
+    FieldSpec,
+    FieldType,
+    FieldValue,
+    decode_fields,
+    default_value,
+    encode_fields,
+    encode_present_fields,
+)
 from headwater.engine.kinds.model import (
     OP_ASSERT,
     OP_PATCH,
@@ -69,16 +79,6 @@ from headwater.engine.kinds.model import (
 from headwater.engine.kinds.registry import KindRegistry
 from headwater.engine.kinds.subscriptions import KindSubscription
 from headwater.errors import StorageError
-from headwater.protocols.convergedb.codes import MAX_SOURCE_ID
-from headwater.protocols.convergedb.fields import (
-    FieldSpec,
-    FieldType,
-    FieldValue,
-    decode_fields,
-    default_value,
-    encode_fields,
-    encode_present_fields,
-)
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog
 

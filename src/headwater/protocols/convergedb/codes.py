@@ -1,5 +1,8 @@
 """ConvergeDB numbers and exceptions: opcodes, error codes, limits.
 
+The limits on kinds (64 fields, sources 0..63, 32-byte entity ids) are the kind engine's
+(:mod:`headwater.engine.kinds.fields`); the wire gives each field and source one bit.
+
 Two exception families, as everywhere in headwater:
 
 - :class:`~headwater.errors.ProtocolError` subclasses when the peer sent bad bytes. Each
@@ -16,21 +19,19 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import ClassVar
 
+from headwater.engine.kinds.fields import ENTITY_ID_SIZE as ENTITY_ID_SIZE
+from headwater.engine.kinds.fields import MAX_FIELDS as MAX_FIELDS
+from headwater.engine.kinds.fields import MAX_SOURCE_ID as MAX_SOURCE_ID
 from headwater.errors import ProtocolError
 
 VERSION = 1
 """The protocol version in every frame header."""
 MAX_PAYLOAD = 16 * 1024 * 1024
 """Largest payload one frame may carry (16 MiB)."""
-MAX_FIELDS = 64
-"""Most fields an entity kind may have (one bit each in presence_mask / changed_fields)."""
-MAX_SOURCE_ID = 63
-"""Writer source ids are 0..63 (one bit each in source_set)."""
 NO_SOURCE = 0xFF
 """The source_id a CONNECT ACK carries for a read-only connection."""
 DEFAULT_LIVENESS_MS = 30_000
 """What a CONNECT liveness_deadline_ms of 0 means."""
-ENTITY_ID_SIZE = 32
 
 
 class Opcode(IntEnum):

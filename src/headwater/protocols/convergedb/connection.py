@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from headwater.engine.kinds.reader import Buffer
 from headwater.errors import UsageError
 
-from ._reader import Buffer
 from .codes import (
     CLIENT_OPCODES,
     MAX_PAYLOAD,

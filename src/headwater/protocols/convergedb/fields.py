@@ -1,215 +1,54 @@
-"""Entity field values: the type codes and the ``field_data`` encoding.
+"""Entity field values on the wire: ``field_data`` is the kind engine's record encoding.
 
-A kind's schema is an ordered list of ``(name, type)`` fields (:class:`FieldSpec`, or
-plain tuples). ``field_data`` is the encoded values of the fields present, in field-ordinal
-order, with nothing between them:
+The type codes, values, limits and the encoding itself are the engine's
+(:mod:`headwater.engine.kinds.fields`, where the table of types is): a record the engine
+stores is the ``field_data`` of a STATE, and the ``field_data`` of an ASSERT of every
+field is stored as it came. Which fields are present depends on the message: ASSERT
+carries a prefix (fields 0..k-1, the rest take their zero/empty default), PATCH and EVENT
+carry exactly the fields whose bit is set in presence_mask, STATE carries every field.
 
-=====  =========  ===================================  ==================
-code   type       encoding                             Python value
-=====  =========  ===================================  ==================
-1      bool       1 byte, 0 or 1                       bool
-2..5   u8..u64    1/2/4/8 bytes LE, unsigned           int
-6..9   i8..i64    1/2/4/8 bytes LE, two's complement   int
-10     f32        4 bytes IEEE 754 LE                  float
-11     f64        8 bytes IEEE 754 LE                  float
-12     string     u16 length + UTF-8                   str
-13     bytes      u16 length + raw bytes               bytes
-14     timestamp  i64 LE, ns since the Unix epoch      int
-=====  =========  ===================================  ==================
-
-Which fields are present depends on the message: ASSERT carries a prefix (fields
-0..k-1, the rest take their zero/empty default), PATCH and EVENT carry exactly the fields
-whose bit is set in presence_mask, STATE carries every field.
-
-Decoders raise :class:`~.codes.FieldDataError` (BAD_FIELD_DATA) for data that does not
-match the schema; encoders raise :class:`~headwater.errors.UsageError` for values the
-type cannot carry.
+The decoders here raise :class:`~.codes.FieldDataError` (BAD_FIELD_DATA) for data that
+does not match the schema; encoders raise :class:`~headwater.errors.UsageError` for
+values the type cannot carry.
 """
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Mapping, Sequence
-from enum import IntEnum
-from typing import NamedTuple, TypeAlias
+from headwater.engine.kinds import fields as _records
+from headwater.engine.kinds.fields import (
+    MAX_STR16,
+    FieldSpec,
+    FieldType,
+    FieldValue,
+    SchemaLike,
+    default_value,
+    default_values,
+    encode_fields,
+    encode_present_fields,
+    field_types,
+    presence_mask,
+)
+from headwater.engine.kinds.reader import Buffer
 
-from headwater.errors import UsageError
+from .codes import FieldDataError
 
-from ._reader import BoundedReader, Buffer, as_view
-from .codes import MAX_FIELDS, FieldDataError
-
-
-class FieldType(IntEnum):
-    BOOL = 1
-    U8 = 2
-    U16 = 3
-    U32 = 4
-    U64 = 5
-    I8 = 6
-    I16 = 7
-    I32 = 8
-    I64 = 9
-    F32 = 10
-    F64 = 11
-    STRING = 12
-    BYTES = 13
-    TIMESTAMP = 14
-
-
-class FieldSpec(NamedTuple):
-    """One field of a kind's schema (a plain ``(name, type)`` tuple works as well)."""
-
-    name: str
-    type: FieldType
-
-
-FieldValue: TypeAlias = bool | int | float | str | bytes
-SchemaLike: TypeAlias = Sequence[tuple[str, int]]
-"""A kind's fields in ordinal order: FieldSpec or ``(name, type code)`` pairs."""
-
-MAX_STR16 = 0xFFFF
-
-_FIXED: dict[FieldType, struct.Struct] = {
-    FieldType.U8: struct.Struct("<B"),
-    FieldType.U16: struct.Struct("<H"),
-    FieldType.U32: struct.Struct("<I"),
-    FieldType.U64: struct.Struct("<Q"),
-    FieldType.I8: struct.Struct("<b"),
-    FieldType.I16: struct.Struct("<h"),
-    FieldType.I32: struct.Struct("<i"),
-    FieldType.I64: struct.Struct("<q"),
-    FieldType.TIMESTAMP: struct.Struct("<q"),
-    FieldType.F32: struct.Struct("<f"),
-    FieldType.F64: struct.Struct("<d"),
-}
-_FLOATS = frozenset({FieldType.F32, FieldType.F64})
-_U16 = struct.Struct("<H")
-
-_DEFAULTS: dict[FieldType, FieldValue] = {
-    FieldType.BOOL: False,
-    FieldType.F32: 0.0,
-    FieldType.F64: 0.0,
-    FieldType.STRING: "",
-    FieldType.BYTES: b"",
-}
-
-
-def default_value(field_type: int) -> FieldValue:
-    """The zero/empty value a field takes when an ASSERT leaves it out."""
-    return _DEFAULTS.get(FieldType(field_type), 0)
-
-
-def field_types(schema: SchemaLike) -> list[FieldType]:
-    """The schema's type codes, checked (UsageError for an unknown code or >64 fields)."""
-    if len(schema) > MAX_FIELDS:
-        raise UsageError(f"a kind has at most {MAX_FIELDS} fields, not {len(schema)}")
-    try:
-        return [FieldType(spec[1]) for spec in schema]
-    except ValueError as exc:
-        raise UsageError(f"bad schema: {exc}") from None
-
-
-def default_values(schema: SchemaLike) -> list[FieldValue]:
-    return [default_value(t) for t in field_types(schema)]
-
-
-# --- encoding --------------------------------------------------------------------------
-
-
-def _put(out: list[bytes], field_type: FieldType, value: object, what: str) -> None:
-    if field_type is FieldType.BOOL:
-        if not isinstance(value, bool):
-            raise UsageError(f"{what}: a bool field needs a bool, not {type(value).__name__}")
-        out.append(b"\x01" if value else b"\x00")
-        return
-    fixed = _FIXED.get(field_type)
-    if fixed is not None:
-        if isinstance(value, bool) or not isinstance(
-            value, (int, float) if field_type in _FLOATS else int
-        ):
-            raise UsageError(f"{what}: a {field_type.name} field cannot hold {value!r}")
-        try:
-            out.append(fixed.pack(value))
-        except (struct.error, OverflowError) as exc:
-            raise UsageError(f"{what}: {value!r} does not fit {field_type.name} ({exc})") from None
-        return
-    if field_type is FieldType.STRING:
-        if not isinstance(value, str):
-            raise UsageError(f"{what}: a string field needs a str, not {type(value).__name__}")
-        try:
-            data = value.encode()
-        except UnicodeEncodeError as exc:
-            raise UsageError(f"{what}: not encodable as UTF-8 ({exc.reason})") from None
-    else:  # BYTES
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise UsageError(f"{what}: a bytes field needs bytes, not {type(value).__name__}")
-        data = bytes(value)
-    if len(data) > MAX_STR16:
-        raise UsageError(f"{what}: {len(data)} bytes exceed the {MAX_STR16}-byte field limit")
-    out.append(_U16.pack(len(data)))
-    out.append(data)
-
-
-def encode_fields(schema: SchemaLike, values: Sequence[FieldValue]) -> bytes:
-    """field_data for fields 0..len(values)-1 (ASSERT's prefix; all of them for STATE)."""
-    types = field_types(schema)
-    if len(values) > len(types):
-        raise UsageError(f"{len(values)} values for a kind of {len(types)} fields")
-    out: list[bytes] = []
-    for i, value in enumerate(values):
-        _put(out, types[i], value, f"field {i} ({schema[i][0]})")
-    return b"".join(out)
-
-
-def presence_mask(indices: Sequence[int] | Mapping[int, object]) -> int:
-    """The presence_mask naming ``indices`` (field ordinals 0..63)."""
-    mask = 0
-    for i in indices:
-        if not 0 <= i < MAX_FIELDS:
-            raise UsageError(f"field ordinal {i} is outside 0..{MAX_FIELDS - 1}")
-        mask |= 1 << i
-    return mask
-
-
-def encode_present_fields(
-    schema: SchemaLike, values: Mapping[int, FieldValue]
-) -> tuple[int, bytes]:
-    """``(presence_mask, field_data)`` for the fields in ``values`` (PATCH, EVENT)."""
-    types = field_types(schema)
-    out: list[bytes] = []
-    for i in sorted(values):
-        if not 0 <= i < len(types):
-            raise UsageError(f"field ordinal {i} is outside the kind's {len(types)} fields")
-        _put(out, types[i], values[i], f"field {i} ({schema[i][0]})")
-    return presence_mask(values), b"".join(out)
-
-
-# --- decoding --------------------------------------------------------------------------
-
-
-def _reader(data: Buffer) -> BoundedReader:
-    return BoundedReader(as_view(data), FieldDataError)
-
-
-def _get(r: BoundedReader, field_type: FieldType, what: str) -> FieldValue:
-    if field_type is FieldType.BOOL:
-        byte = r.u8(what)
-        if byte > 1:
-            raise FieldDataError(f"{what}: bool byte {byte} is neither 0 nor 1")
-        return byte == 1
-    fixed = _FIXED.get(field_type)
-    if fixed is not None:
-        value: int | float = fixed.unpack_from(r.buf, r.need(fixed.size, what))[0]
-        return value
-    n = r.u16(f"{what} length")
-    pos = r.need(n, what)
-    raw = r.buf[pos : pos + n]
-    if field_type is FieldType.BYTES:
-        return bytes(raw)
-    try:
-        return str(raw, "utf-8")
-    except UnicodeDecodeError as exc:
-        raise FieldDataError(f"{what}: invalid UTF-8 ({exc.reason})") from None
+__all__ = [
+    "MAX_STR16",
+    "FieldSpec",
+    "FieldType",
+    "FieldValue",
+    "SchemaLike",
+    "decode_fields",
+    "decode_prefix",
+    "decode_present_fields",
+    "decode_record",
+    "default_value",
+    "default_values",
+    "encode_fields",
+    "encode_present_fields",
+    "field_types",
+    "presence_mask",
+]
 
 
 def decode_fields(schema: SchemaLike, data: Buffer, *, complete: bool = False) -> list[FieldValue]:
@@ -218,50 +57,20 @@ def decode_fields(schema: SchemaLike, data: Buffer, *, complete: bool = False) -
     The data must end exactly after a field. With ``complete`` the missing fields k.. are
     filled with their defaults, giving the full record the ASSERT sets.
     """
-    types = field_types(schema)
-    r = _reader(data)
-    values: list[FieldValue] = []
-    while r.remaining:
-        i = len(values)
-        if i == len(types):
-            raise FieldDataError(
-                f"{r.remaining} bytes of field_data after the kind's {len(types)} fields"
-            )
-        values.append(_get(r, types[i], f"field {i}"))
-    if complete:
-        values.extend(default_value(t) for t in types[len(values) :])
-    return values
+    return _records.decode_fields(schema, data, complete=complete, error=FieldDataError)
 
 
 def decode_record(schema: SchemaLike, data: Buffer) -> list[FieldValue]:
     """field_data that must hold every field of the kind (STATE)."""
-    values = decode_fields(schema, data)
-    if len(values) != len(schema):
-        raise FieldDataError(f"field_data holds {len(values)} of the kind's {len(schema)} fields")
-    return values
+    return _records.decode_record(schema, data, error=FieldDataError)
 
 
 def decode_prefix(schema: SchemaLike, data: Buffer) -> list[FieldValue]:
-    """The values of ``schema``'s fields from the start of a longer record.
-
-    A reader that knows only the first k fields of a kind (its schema is a prefix of the
-    kind's, e.g. before another writer appended fields) reads a STATE with it: the k
-    values are decoded and the bytes after them, the later fields, are left alone.
-    """
-    types = field_types(schema)
-    r = _reader(data)
-    return [_get(r, field_type, f"field {i}") for i, field_type in enumerate(types)]
+    """The values of ``schema``'s fields from the start of a longer STATE's field_data
+    (a reader that knows only the first k fields of a kind)."""
+    return _records.decode_prefix(schema, data, error=FieldDataError)
 
 
 def decode_present_fields(schema: SchemaLike, mask: int, data: Buffer) -> dict[int, FieldValue]:
     """PATCH / EVENT field_data: exactly the fields whose bit is set in ``mask``."""
-    types = field_types(schema)
-    if mask >> len(types):
-        raise FieldDataError(f"presence_mask {mask:#x} names fields beyond the kind's {len(types)}")
-    r = _reader(data)
-    values: dict[int, FieldValue] = {}
-    for i, field_type in enumerate(types):
-        if mask >> i & 1:
-            values[i] = _get(r, field_type, f"field {i}")
-    r.finish("the present fields")
-    return values
+    return _records.decode_present_fields(schema, mask, data, error=FieldDataError)

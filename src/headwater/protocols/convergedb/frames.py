@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from headwater.engine.kinds.reader import Buffer
 from headwater.errors import ProtocolError, UsageError
 from headwater.protocols._stream import IncrementalDecoder
 
-from ._reader import Buffer
 from .codes import MAX_PAYLOAD, VERSION, ErrorCode
 
 HEADER = struct.Struct("<BBHHIH")  # version, flags, stream_id, opcode, payload_len, crc16

@@ -23,9 +23,9 @@ from enum import IntEnum
 from functools import lru_cache
 from typing import ClassVar, Self, TypeAlias, overload
 
+from headwater.engine.kinds.reader import BoundedReader, Buffer, as_view
 from headwater.errors import UsageError
 
-from ._reader import BoundedReader, Buffer, as_view
 from .codes import (
     CLIENT_OPCODES,
     DEFAULT_LIVENESS_MS,

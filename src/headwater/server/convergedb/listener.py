@@ -36,15 +36,15 @@ from headwater.engine.kinds import (
     TenantKinds,
     Window,
     WindowNotes,
-    cdb_code_for,
-    from_wire,
 )
 from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
 from headwater.protocols.convergedb.columns import StateFrames, state_frames
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
+from headwater.protocols.convergedb.errors import error_code_for
 from headwater.protocols.convergedb.frames import encode_frame, encode_header
+from headwater.protocols.convergedb.ops import from_wire
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 
@@ -357,7 +357,7 @@ class ConvergeConnection(asyncio.Protocol):
 
     def _fail(self, stream: int, opcode: int, exc: HeadwaterError) -> None:
         self.metrics.record_error("convergedb", exc)
-        self.error(stream, cdb_code_for(exc), opcode, exc.message)
+        self.error(stream, error_code_for(exc), opcode, exc.message)
 
     def _source(self) -> Source:
         assert self.source is not None

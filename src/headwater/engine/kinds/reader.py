@@ -2,9 +2,9 @@
 
 Every read states how many bytes it needs and is refused, with the caller's own
 exception type, before anything is sliced or allocated when fewer remain. Nothing here is
-ConvergeDB-specific; it is a candidate for a module shared by every codec under
-``headwater.protocols`` (Kimberlite's ``messages._Reader`` does the same job with its own
-string encoding on top).
+specific to one format: the kind engine reads its records with it (:mod:`.fields`), and
+so does the ConvergeDB codec its payloads (Kimberlite's ``messages._Reader`` does the same
+job with its own string encoding on top).
 """
 
 from __future__ import annotations
