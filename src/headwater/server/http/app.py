@@ -16,7 +16,7 @@ from headwater.errors import (
     InvalidRequest,
     TenantForbidden,
 )
-from headwater.server.metrics import Metrics, metrics_for
+from headwater.server.metrics import Metrics
 
 if TYPE_CHECKING:
     from headwater.api import EngineAPI
@@ -174,18 +174,3 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         error = InternalError(f"internal error: {exc}")
         metrics.record_error(PROTOCOL, error)
         return error_response(error)
-
-
-def build_app(server: Server) -> web.Application:
-    """The application of ``server``: REST API, ``/metrics``, the Kiwi gateway
-    ``/ws`` and the dashboard."""
-    from headwater.server.http import api, dashboard, overview, ws
-
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
-    app[SERVER_KEY] = server
-    app[METRICS_KEY] = metrics_for(server)
-    api.add_routes(app)
-    overview.add_routes(app)
-    dashboard.add_routes(app)
-    ws.add_routes(app)
-    return app

@@ -7,13 +7,33 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from headwater.server.app import Listener
-from headwater.server.http.app import PROTOCOL, build_app
+from headwater.server.http import api, dashboard, overview, ws
+from headwater.server.http.app import (
+    MAX_BODY_BYTES,
+    METRICS_KEY,
+    PROTOCOL,
+    SERVER_KEY,
+    errors_middleware,
+)
 from headwater.server.metrics import metrics_for
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
 
 SHUTDOWN_SECONDS = 10.0
+
+
+def build_app(server: Server) -> web.Application:
+    """The application of ``server``: REST API, ``/metrics``, the Kiwi gateway
+    ``/ws`` and the dashboard."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app[SERVER_KEY] = server
+    app[METRICS_KEY] = metrics_for(server)
+    api.add_routes(app)
+    overview.add_routes(app)
+    dashboard.add_routes(app)
+    ws.add_routes(app)
+    return app
 
 
 async def start_http(server: Server, host: str, port: int) -> Listener:
