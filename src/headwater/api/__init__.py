@@ -21,7 +21,14 @@ from pathlib import Path
 import pyarrow as pa
 
 from headwater.api.auth import Auth, AuthConfig, Principal
-from headwater.engine.engine import Engine, EngineConfig, StreamInfo, StreamSettings
+from headwater.engine.engine import (
+    MAX_APPEND_BYTES,
+    MAX_APPEND_EVENTS,
+    Engine,
+    EngineConfig,
+    StreamInfo,
+    StreamSettings,
+)
 from headwater.engine.kinds import (
     EntityState,
     KindInfo,
@@ -31,6 +38,8 @@ from headwater.engine.kinds import (
     TenantKinds,
 )
 from headwater.engine.subscriptions import (
+    MAX_CREDITS,
+    RESUME,
     CloseReason,
     Deliver,
     DeliverRead,
@@ -45,6 +54,11 @@ from headwater.sql.values import QueryResult
 from headwater.storage.log import AppendInfo, ReadResult
 
 __all__ = [
+    "MAX_APPEND_BYTES",
+    "MAX_APPEND_EVENTS",
+    "MAX_CREDITS",
+    "RESUME",
+    "AppendInfo",
     "Auth",
     "AuthConfig",
     "CloseReason",
@@ -52,6 +66,7 @@ __all__ = [
     "GroupLag",
     "KindStats",
     "Principal",
+    "ReadResult",
     "StreamInfo",
     "StreamSettings",
     "Subscription",

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from aiohttp import web
 
 import headwater
-from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS, StreamInfo, StreamSettings
+from headwater.api import MAX_APPEND_BYTES, MAX_APPEND_EVENTS, StreamInfo, StreamSettings
 from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.server.http.app import (
     METRICS_KEY,

@@ -7,7 +7,7 @@ import binascii
 import json
 from typing import Any
 
-from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
+from headwater.api import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
 from headwater.errors import InvalidRequest
 from headwater.storage.batch import Event
 

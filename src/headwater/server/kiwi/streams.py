@@ -18,13 +18,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from headwater.api import CloseReason, StreamInfo, Subscription
-from headwater.engine.subscriptions import MAX_CREDITS, RESUME
+from headwater.api import MAX_CREDITS, RESUME, CloseReason, ReadResult, StreamInfo, Subscription
 from headwater.protocols.kiwi.fanout import Fanout
 from headwater.protocols.kiwi.frames import text_frame
 from headwater.protocols.kiwi.results import PARTITION, stream_results
 from headwater.server.kiwi.session import Detach, KiwiSession
-from headwater.storage.log import ReadResult
 
 if TYPE_CHECKING:
     from headwater.server.kiwi.gateway import Gateway
