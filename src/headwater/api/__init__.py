@@ -116,8 +116,9 @@ class GroupInfo:
     group: str
     committed_offset: int
     end_offset: int
-    active: bool
-    waiting: int
+    lag: int
+    active: bool  # a member is taking deliveries
+    waiting: int  # members queued behind it
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,9 @@ class SourceInfo:
     source_id: int
     name: str
     connected: bool
-    connected_at_ns: int
-    idle_s: float
-    deadline_ms: int
+    connected_at_ms: int
+    idle_ms: int
+    liveness_deadline_ms: int
     entities: int  # entities it asserts, its own presence entity not counted
 
 
@@ -388,9 +389,9 @@ class EngineAPI:
             end = stream.log.committed_offset
             for group, offset in sorted(offsets.offsets.items()):
                 waiting = len(offsets.waiting.get(group, ()))
-                out.append(
-                    GroupInfo(info.name, group, offset, end, group in offsets.active, waiting)
-                )
+                active = group in offsets.active
+                lag = max(0, end - offset)
+                out.append(GroupInfo(info.name, group, offset, end, lag, active, waiting))
         return out
 
     # ---- kinds ------------------------------------------------------------------------
@@ -436,9 +437,9 @@ class EngineAPI:
                 source_id=slot,
                 name=source.name,
                 connected=source.connected,
-                connected_at_ns=source.connected_at_ns,
-                idle_s=max(0.0, now - source.last_seen),
-                deadline_ms=source.deadline_ms,
+                connected_at_ms=source.connected_at_ns // 1_000_000,
+                idle_ms=max(0, round((now - source.last_seen) * 1000)),
+                liveness_deadline_ms=source.deadline_ms,
                 entities=sum(
                     len(eids)
                     for kind_id, eids in tenant.source_entities.get(slot, {}).items()

@@ -12,7 +12,13 @@ import pyarrow.compute as pc
 from aiohttp import web
 
 import headwater
-from headwater.api import MAX_APPEND_BYTES, MAX_APPEND_EVENTS, StreamInfo, StreamSettings
+from headwater.api import (
+    MAX_APPEND_BYTES,
+    MAX_APPEND_EVENTS,
+    EngineAPI,
+    StreamInfo,
+    StreamSettings,
+)
 from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.server.http.app import (
     METRICS_KEY,
@@ -64,6 +70,13 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def _named_stream(request: web.Request) -> tuple[EngineAPI, int, StreamInfo]:
+    """The engine API, the request's tenant and the stream its path names."""
+    tenant_id = tenant_of(request)
+    api = api_of(request)
+    return api, tenant_id, api.stream_named(tenant_id, request.match_info["name"])
 
 
 def _int_param(request: web.Request, name: str, default: int | None) -> int | None:
@@ -170,15 +183,12 @@ async def create_stream(request: web.Request) -> web.Response:
 
 
 async def describe_stream(request: web.Request) -> web.Response:
-    tenant_id = tenant_of(request)
-    stream = api_of(request).stream_named(tenant_id, request.match_info["name"])
+    _, _, stream = _named_stream(request)
     return json_response(stream_json(stream))
 
 
 async def delete_stream(request: web.Request) -> web.Response:
-    tenant_id = tenant_of(request)
-    api = api_of(request)
-    stream = api.stream_named(tenant_id, request.match_info["name"])
+    api, tenant_id, stream = _named_stream(request)
     await api.delete_stream(tenant_id, stream.stream_id)
     return web.Response(status=204)
 
@@ -187,9 +197,7 @@ async def delete_stream(request: web.Request) -> web.Response:
 
 
 async def append_events(request: web.Request) -> web.Response:
-    tenant_id = tenant_of(request)
-    api = api_of(request)
-    stream = api.stream_named(tenant_id, request.match_info["name"])
+    api, tenant_id, stream = _named_stream(request)
     encoding = request.query.get("encoding", "text")
     if encoding not in ("text", "base64"):
         raise InvalidRequest("encoding must be 'text' or 'base64'")
@@ -228,9 +236,7 @@ async def append_events(request: web.Request) -> web.Response:
 
 
 async def read_events(request: web.Request) -> web.Response:
-    tenant_id = tenant_of(request)
-    api = api_of(request)
-    stream = api.stream_named(tenant_id, request.match_info["name"])
+    api, tenant_id, stream = _named_stream(request)
     start = _int_param(request, "from", 0)
     assert start is not None
     limit = _int_param(request, "limit", DEFAULT_READ_LIMIT)
@@ -275,9 +281,7 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     """Offsets [from, to) of a stream as an Arrow IPC stream of (offset, position, ts,
     data), sliced from the stream's SQL projection: a bulk read with no work per event,
     for columnar readers (the Spark data source). ``to`` defaults to the committed end."""
-    tenant_id = tenant_of(request)
-    api = api_of(request)
-    stream = api.stream_named(tenant_id, request.match_info["name"])
+    api, tenant_id, stream = _named_stream(request)
     start = _int_param(request, "from", 0)
     assert start is not None
     end = _int_param(request, "to", None)
@@ -382,8 +386,3 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/api/sql", sql),
     ("GET", "/api/ripple/workers", ripple_workers),
 ]
-
-
-def add_routes(app: web.Application) -> None:
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)

@@ -73,8 +73,3 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/", index),
     ("GET", "/static/{name}", static_file),
 ]
-
-
-def add_routes(app: web.Application) -> None:
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)

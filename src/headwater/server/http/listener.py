@@ -29,9 +29,9 @@ def build_app(server: Server) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server
     app[METRICS_KEY] = metrics_for(server)
-    api.add_routes(app)
-    overview.add_routes(app)
-    dashboard.add_routes(app)
+    for routes in (api.ROUTES, overview.ROUTES, dashboard.ROUTES):
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
     ws.add_routes(app)
     return app
 

@@ -3,6 +3,7 @@ docs/http-api.md). Everything is read from in-memory engine state: no disk, no S
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -111,16 +112,7 @@ async def consumer_groups(request: web.Request) -> web.Response:
     return json_response(
         {
             "groups": [
-                {
-                    "stream": g.stream,
-                    "group": g.group,
-                    "committed_offset": g.committed_offset,
-                    "end_offset": g.end_offset,
-                    "lag": max(0, g.end_offset - g.committed_offset),
-                    "active": g.active,
-                    "waiting": g.waiting,
-                }
-                for g in groups
+                {**asdict(g), "lag": max(0, g.end_offset - g.committed_offset)} for g in groups
             ]
         }
     )
@@ -130,22 +122,7 @@ async def kind_sources(request: web.Request) -> web.Response:
     """The tenant's kind writers (ConvergeDB connections and Ripple workers hold source
     slots 0..63), connected or within their liveness grace period."""
     sources = api_of(request).kind_sources(tenant_of(request))
-    return json_response(
-        {
-            "sources": [
-                {
-                    "source_id": s.source_id,
-                    "name": s.name,
-                    "connected": s.connected,
-                    "connected_at_ms": s.connected_at_ns // 1_000_000,
-                    "idle_ms": round(s.idle_s * 1000),
-                    "liveness_deadline_ms": s.deadline_ms,
-                    "entities": s.entities,
-                }
-                for s in sources
-            ]
-        }
-    )
+    return json_response({"sources": [asdict(s) for s in sources]})
 
 
 ROUTES: list[tuple[str, str, Any]] = [
@@ -156,8 +133,3 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/api/consumer-groups", consumer_groups),
     ("GET", "/api/sources", kind_sources),
 ]
-
-
-def add_routes(app: web.Application) -> None:
-    for method, path, handler in ROUTES:
-        app.router.add_route(method, path, handler)
