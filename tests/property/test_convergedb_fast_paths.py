@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from headwater.engine.kinds import ChangeType, EventNote, StateChange, StateColumns, WindowNotes
 from headwater.engine.kinds.codec import codec_for
-from headwater.engine.kinds.service import _changed_fields
+from headwater.engine.kinds.notify import changed_fields as _changed_fields
 from headwater.errors import UsageError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.columns import StateFrames, state_frames

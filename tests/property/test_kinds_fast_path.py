@@ -33,8 +33,8 @@ from headwater.engine.kinds import (
     assert_op,
     patch_op,
     retract_op,
-    service,
 )
+from headwater.engine.kinds import commit as service
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType
 from headwater.protocols.convergedb.ops import from_wire

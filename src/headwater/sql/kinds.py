@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from headwater.engine.kinds import EntityState, KindsEngine, KindState
 from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.fields import FieldSpec, FieldType
-from headwater.engine.kinds.service import SEQUENCE_KEY
+from headwater.engine.kinds.state import SEQUENCE_KEY
 from headwater.engine.names import changes_table_name
 from headwater.sql.tables import SqlTable
 from headwater.storage.log import PartitionLog

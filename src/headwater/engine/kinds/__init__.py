@@ -71,26 +71,21 @@ from headwater.engine.kinds.model import (
 from headwater.engine.kinds.ops import assert_op, patch_op, retract_op
 
 if TYPE_CHECKING:
-    from headwater.engine.kinds.service import (
-        PRESENCE_KIND,
-        KindsEngine,
-        KindState,
-        Source,
-        TenantKinds,
-        Window,
-        presence_entity_id,
-    )
+    from headwater.engine.kinds.service import KindsEngine, TenantKinds
+    from headwater.engine.kinds.sources import PRESENCE_KIND, Source, presence_entity_id
+    from headwater.engine.kinds.state import KindState
     from headwater.engine.kinds.subscriptions import KindSubscription
+    from headwater.engine.kinds.windows import Window
 
 _LOADED_LATER = {
     "KindsEngine": "service",
     "TenantKinds": "service",
-    "PRESENCE_KIND": "service",
-    "Source": "service",
-    "presence_entity_id": "service",
-    "KindState": "service",
+    "PRESENCE_KIND": "sources",
+    "Source": "sources",
+    "presence_entity_id": "sources",
+    "KindState": "state",
     "KindSubscription": "subscriptions",
-    "Window": "service",
+    "Window": "windows",
 }
 
 

@@ -1,0 +1,347 @@
+"""A window made durable, then visible: the flush of one tenant's window.
+
+Every entity whose net state changed over the window gets the next tenant log position
+as its version and one record in its kind's changelog (key = entity id, value = u64
+source_set + record, a tombstone for a deletion), one append per kind, then one group
+commit (fdatasync) per changelog for the whole window. Once durable, the committed state
+moves on and the kind's subscribers get the window's net changes (and EVENTs for
+event-stream kinds, :mod:`.notify`).
+
+The net changes of a window are found in one of two ways: :func:`_columnar_changes` for
+the common window of whole fixed-width records (numpy over the joined records), else
+:func:`_net_changes`, a pass per entity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import compress
+from typing import TYPE_CHECKING, cast
+
+import numpy as np
+
+from headwater.engine.kinds.fields import FieldSpec, default_value, encode_present_fields
+from headwater.engine.kinds.model import OP_ASSERT, OP_PATCH, ChangeType, EventNote, StateColumns
+from headwater.engine.kinds.notify import changed_fields, publish
+from headwater.engine.kinds.state import SEQUENCE_KEY, SOURCE_SET, Committed, KindState
+from headwater.engine.kinds.windows import Entry, EventDraft, Window, Work
+
+if TYPE_CHECKING:
+    from headwater.engine.engine import Tenant
+
+
+@dataclass(slots=True)
+class FlushPlan:
+    """What a window writes for one kind, and what readers and subscribers get once it
+    is durable (the net changes as columns: see :class:`StateColumns`)."""
+
+    state: KindState
+    fields: tuple[FieldSpec, ...]  # the schema the records were made for
+    first: int  # the version (tenant log position) of the first change
+    entity_ids: list[bytes]
+    changes: list[int]
+    source_sets: list[int]
+    records: list[bytes]
+    previous: list[bytes | None]
+    metadata: list[bytes] | None
+    log_values: list[bytes]
+    deleted: list[int]  # indexes of DELETED changes
+    next_sequence: int
+    notes: list[EventNote] = field(default_factory=list)
+    applied: int = 0
+    values_section: bytes | None = None  # log_values already encoded (columnar plans)
+    changed_fields: list[int] | None = None  # known already (columnar plans)
+
+
+class WindowWriter:
+    """Writes a tenant's windows to its kinds' changelogs and commits them."""
+
+    def __init__(self, tenant: Tenant, kinds: dict[int, KindState]) -> None:
+        self.tenant = tenant
+        self.kinds = kinds
+
+    async def write(self, window: Window) -> int:
+        """Make ``window`` durable (every kind's changes appended, then synced), then
+        visible: committed state and subscribers. Returns how many changes it held."""
+        tenant = self.tenant
+        plans: list[FlushPlan] = []
+        commits = []
+        claimed: list[int] = []
+        try:
+            for kind_id in set(window.entities) | set(window.events):
+                state = self.kinds[kind_id]
+                entities = window.entities.get(kind_id, {})
+                drafts = window.events.get(kind_id, [])
+                # Positions are claimed below, once the count is known; nothing can claim
+                # in between (no await), so the versions handed out here are the claim's.
+                first = tenant.next_position
+                plan = None if drafts else _columnar_changes(state, entities, first)
+                if plan is None:
+                    plan = _net_changes(state, entities, first)
+                count = len(plan.entity_ids) + (1 if drafts else 0)
+                if count == 0:
+                    continue
+                claimed.append(tenant.claim_positions(count))
+                assert claimed[-1] == first
+                keys: list[bytes | None] = list(plan.entity_ids)
+                values_out = plan.log_values
+                if drafts:
+                    plan.notes, plan.next_sequence = _event_notes(state, drafts)
+                    keys.append(SEQUENCE_KEY)
+                    values_out.append(SOURCE_SET.pack(plan.next_sequence))
+                if plan.values_section is not None:
+                    info = state.log.append_encoded(
+                        plan.values_section, count, first_position=first, keys=keys
+                    )
+                else:
+                    tombstones = [not v for v in values_out] if plan.deleted else None
+                    info = state.log.append(
+                        values_out, first_position=first, keys=keys, tombstones=tombstones
+                    )
+                plan.applied = first + count
+                commits.append(state.committer.committed(info.next_offset))
+                plans.append(plan)
+            if commits:
+                await asyncio.gather(*commits)
+        finally:
+            for first in claimed:
+                tenant.release_positions(first)
+        for plan in plans:
+            self._commit(plan)
+        return sum(len(plan.entity_ids) for plan in plans)
+
+    def _commit(self, plan: FlushPlan) -> None:
+        """The window is durable: readers see its state, subscribers get its changes."""
+        state = plan.state
+        ids, records, previous = plan.entity_ids, plan.records, plan.previous
+        if state.info.fields != plan.fields:
+            # The kind migrated while this window was being written: pad what it wrote.
+            records[:] = [state.whole_record(r) if r else r for r in records]
+            previous[:] = [None if p is None else state.whole_record(p) for p in previous]
+        first = plan.first
+        versions = range(first, first + len(ids))
+        entries = zip(versions, plan.source_sets, records, strict=True)
+        state.committed.update(zip(ids, entries, strict=True))
+        for i in plan.deleted:
+            del state.committed[ids[i]]
+        state.applied_position = plan.applied
+        state.next_sequence = plan.next_sequence
+        if state.subscribers:
+            changes_of = functools.partial(changed_fields, state.codec)
+            state_notes = StateColumns(
+                state.info.kind_id,
+                first,
+                ids,
+                plan.changes,
+                plan.source_sets,
+                records,
+                previous,
+                plan.metadata,
+                changes_of,
+                plan.changed_fields if state.info.fields == plan.fields else None,
+            )
+            publish(state, state_notes, plan.notes)
+
+
+def _columnar_changes(
+    state: KindState, entities: dict[bytes, Entry], first: int
+) -> FlushPlan | None:
+    """:func:`_net_changes` for the common window, in columns: a fixed-width kind whose
+    entries are all whole records (``(source_set, record)`` tuples, as BATCHes of ASSERTs
+    leave them) of entities that are all new or all committed already. The comparison
+    with the committed state, the changed fields and the changelog values are numpy over
+    the joined records instead of a Python loop per entity. None when the window is not
+    of that shape (the general pass then handles it)."""
+    codec = state.codec
+    fixed = codec.fixed
+    n = len(entities)
+    if fixed is None or n == 0:
+        return None
+    entries = cast(list[tuple[int, bytes]], list(entities.values()))
+    if set(map(type, entries)) != {tuple}:  # a Work entry: the general pass
+        return None
+    eids = list(entities)
+    befores = list(map(state.committed.get, eids))
+    missing = befores.count(None)
+    if missing not in (0, n):
+        return None
+    size = fixed.size
+    set_list: list[int] = list(map(_FIRST, entries))
+    records: list[bytes] = list(map(_SECOND, entries))
+    new = b"".join(records)
+    if len(new) != n * size:  # records never exceed the schema's size: all whole
+        return None
+    sets = np.fromiter(set_list, np.uint64, n)
+    if missing == n:
+        changes = [int(ChangeType.CREATED)] * n
+        previous: list[bytes | None] = [None] * n
+        changed = [(1 << len(codec.fields)) - 1] * n
+        source_sets = set_list
+    else:
+        committed = cast(list[Committed], befores)  # none missing
+        old_records: list[bytes] = list(map(_RECORD_OF, committed))
+        old = b"".join(old_records)
+        if len(old) != n * size:  # a record from before a migration appended fields
+            return None
+        masks = codec.changed_masks(new, old)
+        old_sets = np.fromiter(map(_SOURCE_SET_OF, committed), np.uint64, n)
+        keep = (masks != 0) | (sets != old_sets)
+        if keep.all():
+            source_sets = set_list
+        else:  # some end as they were committed: no version, no notification
+            kept = keep.tolist()
+            eids = list(compress(eids, kept))
+            records = list(compress(records, kept))
+            old_records = list(compress(old_records, kept))
+            source_sets = list(compress(set_list, kept))
+            masks, sets = masks[keep], sets[keep]
+            new = b"".join(records)
+        changes = [int(ChangeType.UPDATED)] * len(eids)
+        previous = list(old_records)
+        changed = masks.tolist()
+    rows = np.empty(len(eids), dtype=_log_layout(size))
+    rows["length"] = SOURCE_SET.size + size
+    rows["source_set"] = sets
+    rows["record"] = np.frombuffer(new, dtype=f"V{size}")
+    return FlushPlan(
+        state,
+        state.info.fields,
+        first,
+        eids,
+        changes,
+        source_sets,
+        records,
+        previous,
+        None,
+        [],
+        [],
+        state.next_sequence,
+        values_section=rows.tobytes(),
+        changed_fields=changed,
+    )
+
+
+_FIRST: Callable[[tuple[int, bytes]], int] = operator.itemgetter(0)  # of window entries
+_SECOND: Callable[[tuple[int, bytes]], bytes] = operator.itemgetter(1)
+# Of a committed (version, source_set, record).
+_RECORD_OF: Callable[[Committed], bytes] = operator.itemgetter(2)
+_SOURCE_SET_OF: Callable[[Committed], int] = operator.itemgetter(1)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_layout(record_size: int) -> np.dtype[np.void]:
+    """A changelog value in its values section: ``u64 len | u64 source_set | record``."""
+    return np.dtype([("length", "<u8"), ("source_set", "<u8"), ("record", f"V{record_size}")])
+
+
+def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> FlushPlan:
+    """One pass over a kind's window entries: the net change of each entity (none when
+    it ends as it was committed), as columns, with its changelog value. Change i gets
+    version ``first + i``."""
+    info = state.info
+    fields = info.fields
+    nfields = len(fields)
+    encode = state.codec.encode
+    committed = state.committed.get
+    pack_set = SOURCE_SET.pack
+    ids: list[bytes] = []
+    changes: list[int] = []
+    source_sets: list[int] = []
+    records: list[bytes] = []
+    previous: list[bytes | None] = []
+    log_values: list[bytes] = []
+    metadata: list[bytes] | None = None
+    deleted: list[int] = []
+    created, updated = int(ChangeType.CREATED), int(ChangeType.UPDATED)
+    for eid, entry in entities.items():
+        before = committed(eid)
+        meta = b""
+        if type(entry) is tuple:
+            source_set, record = entry
+        else:
+            assert isinstance(entry, Work)
+            values = entry.values
+            meta = entry.metadata
+            if values is None:
+                if before is None:
+                    continue  # created and deleted within the window: no trace
+                if metadata is None and meta:
+                    metadata = [b""] * len(ids)
+                deleted.append(len(ids))
+                ids.append(eid)
+                changes.append(int(ChangeType.DELETED))
+                source_sets.append(0)
+                records.append(b"")
+                previous.append(None)
+                log_values.append(b"")
+                if metadata is not None:
+                    metadata.append(meta)
+                continue
+            record_or_none = entry.record
+            if len(values) < nfields:
+                # written before a migration appended fields: they take defaults
+                values.extend(default_value(f.type) for f in fields[len(values) :])
+                record_or_none = None
+            record = encode(values) if record_or_none is None else record_or_none
+            source_set = entry.source_set
+        if before is None:
+            changes.append(created)
+            previous.append(None)
+        elif before[1] == source_set and before[2] == record:
+            continue  # as it was: no version, no notification
+        else:
+            changes.append(updated)
+            previous.append(before[2])
+        if metadata is None and meta:
+            metadata = [b""] * len(ids)
+        ids.append(eid)
+        source_sets.append(source_set)
+        records.append(record)
+        log_values.append(pack_set(source_set) + record)
+        if metadata is not None:
+            metadata.append(meta)
+    return FlushPlan(
+        state,
+        fields,
+        first,
+        ids,
+        changes,
+        source_sets,
+        records,
+        previous,
+        metadata,
+        log_values,
+        deleted,
+        state.next_sequence,
+    )
+
+
+def _event_notes(state: KindState, drafts: list[EventDraft]) -> tuple[list[EventNote], int]:
+    """An event-stream kind's EVENTs for the window's ops; the next sequence after."""
+    fields = state.info.fields
+    codec = state.codec
+    everything = (1 << len(fields)) - 1
+    seq = state.next_sequence
+    notes: list[EventNote] = []
+    for d in drafts:
+        if d.op == OP_ASSERT:
+            assert isinstance(d.values, Sequence)
+            full = list(d.values)
+            full += [default_value(f.type) for f in fields[len(full) :]]
+            mask, data = everything, codec.encode(full)
+        elif d.op == OP_PATCH:
+            assert isinstance(d.values, Mapping)
+            mask, data = encode_present_fields(fields, d.values)
+        else:
+            mask, data = 0, b""
+        notes.append(
+            EventNote(
+                state.info.kind_id, d.entity_id, d.op, d.source_id, seq, mask, data, d.metadata
+            )
+        )
+        seq += 1
+    return notes, seq

@@ -1,0 +1,272 @@
+"""The writers of one tenant: source slots, presence, liveness, held entities, epochs.
+
+A writer connects into one of 64 source slots (its bit in every source set) or reads
+only. While connected it has an entity in the internal ``convergedb_connections`` kind
+(its presence). When its connection ends it keeps its slot and its entities for its
+liveness deadline (its grace period: the same slot asked for again takes them over);
+a source silent past its deadline has its bit retracted from everything it holds. An
+epoch (SOURCE_EPOCH_BEGIN..END) retracts what the source held at its beginning and did
+not re-assert or patch by its end.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from headwater.engine.kinds.errors import NoEpoch, NoFreeSource, ReadOnlySource, SourceConflict
+from headwater.engine.kinds.fields import MAX_SOURCE_ID, FieldSpec, FieldType
+from headwater.engine.kinds.model import AssertOp, KindsConfig, RetractOp, WriteOp
+from headwater.engine.kinds.registry import KindRegistry
+from headwater.engine.kinds.state import KindState
+
+if TYPE_CHECKING:
+    from headwater.engine.kinds.service import TenantKinds
+    from headwater.engine.kinds.windows import Window
+
+log = logging.getLogger(__name__)
+
+PRESENCE_KIND = "convergedb_connections"
+PRESENCE_FIELDS = (
+    FieldSpec("source_id", FieldType.U8),
+    FieldSpec("name", FieldType.STRING),
+    FieldSpec("connected_at", FieldType.TIMESTAMP),
+    FieldSpec("liveness_deadline_ms", FieldType.U32),
+)
+
+
+def presence_entity_id(source_id: int) -> bytes:
+    """The ``convergedb_connections`` entity of a source: its id byte, then 31 zeros."""
+    return bytes([source_id]) + bytes(31)
+
+
+class Source:
+    """A writer's slot (0..63) or a read-only reader (``source_id`` None).
+
+    Call :meth:`touch` whenever the peer is heard from; :meth:`disconnect` when its
+    connection ends (the liveness deadline then decides the fate of its entities).
+    """
+
+    def __init__(
+        self,
+        tenant: TenantKinds,
+        source_id: int | None,
+        name: str,
+        deadline_ms: int,
+        on_dead: Callable[[], None] | None,
+    ) -> None:
+        self.tenant = tenant
+        self.source_id = source_id
+        self.name = name
+        self.deadline_ms = deadline_ms
+        self.on_dead = on_dead
+        self.connected = True
+        self.last_seen = time.monotonic()
+        self.connected_at_ns = time.time_ns()
+
+    @property
+    def read_only(self) -> bool:
+        return self.source_id is None
+
+    @property
+    def bit(self) -> int:
+        if self.source_id is None:
+            raise ReadOnlySource("a read-only connection cannot write")
+        return 1 << self.source_id
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+    def apply(self, ops: Sequence[WriteOp]) -> Window:
+        return self.tenant.apply(self, ops)
+
+    def disconnect(self) -> None:
+        self.tenant.disconnect(self)
+
+
+class Sources:
+    """The source slots of one tenant, what each holds and its open epoch.
+
+    Writes of its own (presence entities, retractions) go through the tenant's
+    windows, as writes of the source whose slot it is.
+    """
+
+    def __init__(self, tenant: TenantKinds, registry: KindRegistry, config: KindsConfig) -> None:
+        self.tenant = tenant
+        self.registry = registry
+        self.config = config
+        self.by_slot: dict[int, Source] = {}  # slot -> holder (connected or in grace)
+        # The working state's bit index: source -> kind -> entity ids it holds.
+        self.held_index: dict[int, dict[int, set[bytes]]] = {}
+        # Open epochs: source -> kind -> entity ids not re-asserted or patched since BEGIN.
+        self.epochs: dict[int, dict[int, set[bytes]]] = {}
+
+    def _apply(self, sid: int, ops: Sequence[WriteOp]) -> None:
+        self.tenant.windows.apply(sid, ops)
+
+    def held(self, source_id: int, kind_id: int) -> set[bytes]:
+        """The entity ids of one kind that the working state says ``source_id`` holds."""
+        by_kind = self.held_index.get(source_id)
+        if by_kind is None:
+            by_kind = self.held_index[source_id] = {}
+        held = by_kind.get(kind_id)
+        if held is None:
+            held = by_kind[kind_id] = set()
+        return held
+
+    # ---- connections --------------------------------------------------------------------
+
+    def connect(
+        self,
+        name: str,
+        source_id: int | None,
+        read_only: bool,
+        deadline_ms: int,
+        on_dead: Callable[[], None] | None,
+    ) -> Source:
+        """See :meth:`TenantKinds.connect`."""
+        deadline = deadline_ms or self.config.default_liveness_ms
+        if read_only:
+            return Source(self.tenant, None, name, deadline, on_dead)
+        if source_id is None:
+            free = [s for s in range(MAX_SOURCE_ID + 1) if s not in self.by_slot]
+            if not free:
+                raise NoFreeSource("all 64 source slots of the tenant are taken")
+            source_id = free[0]
+        elif not 0 <= source_id <= MAX_SOURCE_ID:
+            raise SourceConflict(f"source_id {source_id} is outside 0..{MAX_SOURCE_ID}")
+        else:
+            holder = self.by_slot.get(source_id)
+            if holder is not None and holder.connected:
+                raise SourceConflict(f"source {source_id} is held by a live connection")
+        source = Source(self.tenant, source_id, name, deadline, on_dead)
+        self.by_slot[source_id] = source
+        self._write_presence(source, present=True)
+        return source
+
+    def disconnect(self, source: Source) -> None:
+        """See :meth:`TenantKinds.disconnect`."""
+        if not source.connected:
+            return
+        source.connected = False
+        if self.tenant.closed:  # shutting down: the restart sees to presence and liveness
+            return
+        if source.source_id is None or self.by_slot.get(source.source_id) is not source:
+            return
+        self.epochs.pop(source.source_id, None)
+        self._write_presence(source, present=False)
+
+    def _write_presence(self, source: Source, *, present: bool) -> None:
+        kind_id = self.registry.by_name.get(PRESENCE_KIND)
+        if kind_id is None or source.source_id is None:
+            return
+        eid = presence_entity_id(source.source_id)
+        op: WriteOp
+        if present:
+            values = (
+                source.source_id,
+                source.name[:1000],
+                source.connected_at_ns,
+                min(source.deadline_ms, 0xFFFF_FFFF),
+            )
+            op = AssertOp(kind_id, eid, values)
+        else:
+            op = RetractOp(kind_id, eid)
+        self._apply(source.source_id, [op])
+
+    def writer(self, source: Source) -> int:
+        """The slot ``source`` writes as: ReadOnlySource for a reader, SourceConflict
+        for a source whose slot was taken over."""
+        if source.source_id is None:
+            raise ReadOnlySource("a read-only connection cannot write")
+        if self.by_slot.get(source.source_id) is not source:
+            raise SourceConflict(f"source {source.source_id} was taken over")
+        return source.source_id
+
+    # ---- liveness -----------------------------------------------------------------------
+
+    def check_liveness(self, now: float) -> list[Source]:
+        """Retract for every source silent past its deadline; returns the dead."""
+        dead = [s for s in self.by_slot.values() if (now - s.last_seen) * 1000 > s.deadline_ms]
+        for source in dead:
+            assert source.source_id is not None
+            log.info(
+                "source %d (%s) of tenant %d is dead",
+                source.source_id,
+                source.name,
+                self.tenant.tenant_id,
+            )
+            was_connected = source.connected
+            self.disconnect(source)
+            self.retract_source(source.source_id)
+            del self.by_slot[source.source_id]
+            if was_connected and source.on_dead is not None:
+                try:
+                    source.on_dead()
+                except Exception:
+                    log.exception("on_dead callback failed")
+        return dead
+
+    def retract_source(self, source_id: int) -> int:
+        """Clear ``source_id``'s bit from every entity it holds; returns how many."""
+        held = self.held_index.get(source_id, {})
+        ops: list[WriteOp] = [RetractOp(k, e) for k, eids in held.items() for e in eids]
+        self._apply(source_id, ops)
+        return len(ops)
+
+    # ---- epochs -----------------------------------------------------------------------
+
+    def begin_epoch(self, source: Source) -> None:
+        """See :meth:`TenantKinds.begin_epoch`."""
+        sid = self.writer(source)
+        presence = self.registry.by_name.get(PRESENCE_KIND)
+        held = self.held_index.get(sid, {})
+        self.epochs[sid] = {k: set(eids) for k, eids in held.items() if k != presence}
+
+    def end_epoch(self, source: Source) -> int:
+        """See :meth:`TenantKinds.end_epoch`; returns how many were retracted."""
+        sid = self.writer(source)
+        stale = self.epochs.pop(sid, None)
+        if stale is None:
+            raise NoEpoch("SOURCE_EPOCH_END without an open epoch")
+        held = self.held_index.get(sid, {})
+        ops: list[WriteOp] = [
+            RetractOp(kind_id, eid)
+            for kind_id, eids in stale.items()
+            for eid in eids & held.get(kind_id, set())
+        ]
+        self._apply(sid, ops)
+        return len(ops)
+
+    # ---- restart ------------------------------------------------------------------------
+
+    def index(self, state: KindState) -> None:
+        """Add a kind's committed entities to what their sources hold (at open)."""
+        kind_id = state.info.kind_id
+        for eid, (_, bits, _) in state.committed.items():
+            while bits:
+                low = bits & -bits
+                self.held(low.bit_length() - 1, kind_id).add(eid)
+                bits ^= low
+
+    def restarted(self, presence: KindState) -> None:
+        """Nobody is connected after a restart: presence entities from before go, and
+        every source holding entities gets one liveness deadline (its own, which its
+        presence entity kept) to come back."""
+        deadlines: dict[int, int] = {}
+        for entity in list(presence.scan_entities()):
+            sid, _, _, deadline_ms = entity.values
+            assert isinstance(sid, int) and isinstance(deadline_ms, int)
+            deadlines[sid] = deadline_ms
+            bits = entity.source_set
+            for holder in range(MAX_SOURCE_ID + 1):
+                if bits >> holder & 1:
+                    self._apply(holder, [RetractOp(presence.info.kind_id, entity.entity_id)])
+        for sid, by_kind in self.held_index.items():
+            if any(by_kind.values()) and sid not in self.by_slot:
+                deadline = deadlines.get(sid) or self.config.default_liveness_ms
+                ghost = Source(self.tenant, sid, "", deadline, None)
+                ghost.connected = False
+                self.by_slot[sid] = ghost
