@@ -1,12 +1,16 @@
 """Push subscriptions with credit flow control and durable consumer groups.
 
 One credit is one event. A subscription's pump task sleeps until its stream commits more
-events or it gets credit (no polling), then reads at most ``PUSH_MAX_EVENTS`` events /
-``PUSH_MAX_BYTES`` bytes as stored batches and hands them to the front end's ``deliver``
-callback, which returns once the bytes are with the transport. A peer that stops reading
-holds only its own pump; after ``backpressure_timeout`` it is closed. A front end that
-needs more than the values (keys, timestamps: Kiwi's RESULTs) passes ``deliver_read``
-instead and gets each read's stored batches whole.
+events or it gets credit (no polling), then reads up to ``READ_MAX_EVENTS`` events (its
+credits permitting) as stored batches and hands the whole read to the front end in one
+call: ``deliver`` gets the read cut into wire pushes (:class:`Push`: at most
+``PUSH_MAX_EVENTS`` events / ``PUSH_MAX_BYTES`` bytes of stored value records each, with
+the exact credit balance after each), and returns once they are with the transport; a
+front end that needs more than the values (keys, timestamps: Kiwi's RESULTs) passes
+``deliver_read`` instead and gets the read's stored batches whole. The cutting is per
+batch and per push (numpy over record bounds), never a Python step per event. A peer
+that stops reading holds only its own pump; after ``backpressure_timeout`` (one timer
+per read) it is closed.
 
 Consumer groups: a durable position per (group, stream). Granting credit acknowledges
 everything delivered before the grant. One subscription of a group delivers at a time;
@@ -18,11 +22,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 from headwater.engine.engine import Engine, Stream
-from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound, UsageError
+from headwater.errors import (
+    CorruptBatchError,
+    InvalidOffset,
+    InvalidRequest,
+    StreamNotFound,
+    UsageError,
+)
+from headwater.storage.batch import value_spans
 from headwater.storage.log import ReadResult
 from headwater.storage.metadata import read_json, write_json_atomic
 
@@ -45,45 +59,142 @@ class CloseReason(enum.IntEnum):
     PROTOCOL_ERROR = 4
 
 
-Deliver = Callable[["Subscription", int, int, list[memoryview]], Awaitable[None]]
+class Push(NamedTuple):
+    """One SubscriptionEvents push: a run of consecutive offsets as stored value records
+    (``u64 len | bytes`` each) and the subscription's credit balance after it."""
+
+    first_offset: int
+    event_count: int
+    chunks: list[memoryview]
+    credits_remaining: int
+
+
+Deliver = Callable[["Subscription", list[Push]], Awaitable[None]]
 DeliverRead = Callable[["Subscription", ReadResult], Awaitable[None]]
 OnClose = Callable[["Subscription", CloseReason], None]
 
 
+def _span_bounds(chunk: memoryview, count: int) -> np.ndarray:
+    """Record bounds (``count + 1`` byte positions) of ``count`` values in ``chunk``."""
+    end = len(chunk)
+    if count == 1:
+        return np.array((0, end), np.int64)
+    if end >= 8:
+        # One size (fixed-width events are common): the length fields, seen as a strided
+        # u64 view, are checked at once instead of walked.
+        stride = 8 + int.from_bytes(chunk[:8], "little")
+        if end == count * stride:
+            lengths = np.ndarray((count,), "<u8", chunk, 0, (stride,))
+            if bool((lengths == stride - 8).all()):
+                return np.arange(0, end + 1, stride, dtype=np.int64)
+    try:
+        return np.array(value_spans(chunk, count), np.int64)
+    except ValueError as exc:
+        raise CorruptBatchError(str(exc)) from None
+
+
 def split_pushes(
     result: ReadResult, max_events: int, max_bytes: int
-) -> Iterator[tuple[int, int, list[memoryview]]]:
+) -> list[tuple[int, int, list[memoryview]]]:
     """Cut a read into pushes of at most ``max_events`` events and ``max_bytes`` bytes of
     values (always at least one event), each a run of consecutive offsets, as
-    ``(first_offset, count, stored value chunks)``."""
-    first = -1
-    count = size = 0
-    chunks: list[memoryview] = []
-    for span in result.spans:
+    ``(first_offset, count, stored value chunks)``: greedily, each push as long as the
+    limits allow (a stored batch may end inside a push; a gap in the offsets never does).
+
+    Work is per stored batch and per push, never per event: a read within the limits
+    is one push of its spans' chunks; otherwise the cuts come from numpy over the
+    spans' record bounds and offsets."""
+    spans = result.spans
+    if not spans:
+        return []
+    views: list[memoryview] = []
+    counts: list[int] = []
+    firsts: list[int] = []
+    sparse: list[list[int] | None] = []
+    contiguous = True
+    value_bytes = 0
+    expected = -1
+    for span in spans:  # per stored batch
         batch = span.batch
-        section = batch.values_section()
-        bounds = batch.value_bounds()
-        offsets = batch.offsets()
-        i = span.start
-        while i < span.stop:
-            start = i
-            while i < span.stop:
-                n = bounds[i + 1] - bounds[i] - 8
-                contiguous = count == 0 or offsets[i] == first + count
-                if count and (count == max_events or size + n > max_bytes or not contiguous):
-                    break
-                if count == 0:
-                    first = offsets[i]
-                count += 1
-                size += n
-                i += 1
-            if i > start:
-                chunks.append(section[bounds[start] : bounds[i]])
-            if i < span.stop or count == max_events:
-                yield first, count, chunks
-                first, count, size, chunks = -1, 0, 0, []
-    if count:
-        yield first, count, chunks
+        n = span.stop - span.start
+        view = span.values_chunk()
+        if batch.dense:
+            first = batch.base_offset + span.start
+            sparse.append(None)
+        else:  # compacted: offsets with gaps (rare); their offsets as a list
+            listed = batch.offsets()[span.start : span.stop]
+            first = listed[0]
+            sparse.append(listed)
+            contiguous = contiguous and listed[-1] - first == n - 1
+        contiguous = contiguous and (expected < 0 or first == expected)
+        expected = first + n
+        views.append(view)
+        counts.append(n)
+        firsts.append(first)
+        value_bytes += len(view) - 8 * n
+    total = sum(counts)
+    if contiguous and total <= max_events and value_bytes <= max_bytes:
+        return [(firsts[0], total, views)]
+    bounds = [_span_bounds(view, n) for view, n in zip(views, counts, strict=True)]
+    sizes = np.concatenate([np.diff(b) - 8 for b in bounds])
+    sums = np.zeros(total + 1, np.int64)
+    np.cumsum(sizes, out=sums[1:])
+    offsets = np.concatenate(
+        [
+            np.arange(first, first + n, dtype=np.int64) if offs is None else np.array(offs)
+            for first, n, offs in zip(firsts, counts, sparse, strict=True)
+        ]
+    )
+    # A run of consecutive offsets ends where the next offset is not one more.
+    breaks = np.flatnonzero(np.diff(offsets) != 1) + 1
+    starts = np.arange(0, total, max_events, dtype=np.int64)
+    stops = np.minimum(starts + max_events, total)
+    if breaks.size == 0 and bool((sums[stops] - sums[starts] <= max_bytes).all()):
+        cuts: list[int] = starts.tolist()  # every run of max_events fits the byte limit
+    else:
+        # Per push: the furthest stop within the event limit, the next gap and the byte
+        # limit (a binary search over the running sums), but at least one event.
+        run_ends = np.append(breaks, total)
+        cuts = []
+        i = 0
+        while i < total:
+            cuts.append(i)
+            gap = int(run_ends[np.searchsorted(run_ends, i, "right")])
+            fit = int(np.searchsorted(sums, sums[i] + max_bytes, "right")) - 1
+            i = max(i + 1, min(i + max_events, gap, fit))
+    cuts.append(total)
+    # A push may take pieces of several spans: the pieces are cut where a push or a span
+    # begins, and their byte ranges looked up at once in the spans' joined record bounds
+    # (span s's bounds start at index span_first[s] + s).
+    cut_at = np.array(cuts, np.int64)
+    span_first = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=span_first[1:])
+    piece_starts = np.union1d(cut_at[:-1], span_first[:-1])
+    piece_ends = np.append(piece_starts[1:], total)
+    piece_span = np.searchsorted(span_first, piece_starts, "right") - 1
+    joined = np.concatenate(bounds)
+    lows = joined[piece_starts + piece_span].tolist()
+    highs = joined[piece_ends + piece_span].tolist()
+    owner = (np.searchsorted(cut_at, piece_starts, "right") - 1).tolist()
+    firsts_of = offsets[cut_at[:-1]].tolist()
+    sizes_of = np.diff(cut_at).tolist()
+    pushes: list[tuple[int, int, list[memoryview]]] = [
+        (first, size, []) for first, size in zip(firsts_of, sizes_of, strict=True)
+    ]
+    for k, span, lo, hi in zip(owner, piece_span.tolist(), lows, highs, strict=True):
+        view = views[span]
+        pushes[k][2].append(view if lo == 0 and hi == len(view) else view[lo:hi])
+    return pushes
+
+
+def plan_pushes(result: ReadResult, credits: int) -> list[Push]:
+    """A read as wire pushes (:func:`split_pushes` with the protocol's limits), each with
+    the credit balance left once it and those before it are delivered."""
+    out: list[Push] = []
+    for first, count, chunks in split_pushes(result, PUSH_MAX_EVENTS, PUSH_MAX_BYTES):
+        credits -= count
+        out.append(Push(first, count, chunks, credits))
+    return out
 
 
 class GroupOffsets:
@@ -190,31 +301,27 @@ class Subscription:
                     return
                 if result.count == 0:
                     continue
-                if self.deliver_read is not None:
-                    self.next_offset = result.end_offset
-                    self.credits -= result.count
-                    self.delivered_events += result.count
-                    try:
-                        await asyncio.wait_for(self.deliver_read(self, result), timeout)
-                    except TimeoutError:
-                        self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
-                        return
-                    continue
-                assert self.deliver is not None
-                for first, count, chunks in split_pushes(result, PUSH_MAX_EVENTS, PUSH_MAX_BYTES):
-                    if self.closed:
-                        return
-                    # Advanced push by push: a group's grant acknowledges only what has
-                    # been handed to the transport.
-                    self.next_offset = first + count
-                    self.credits -= count
-                    self.delivered_events += count
-                    try:
-                        await asyncio.wait_for(self.deliver(self, first, count, chunks), timeout)
-                    except TimeoutError:
-                        self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
-                        return
+                # The whole read goes to the front end at once: one call, one timeout.
+                # The cursor moves first: the front end hands every push to the
+                # transport before it awaits, so a group's grant arriving during that
+                # wait acknowledges only what the transport already has.
+                pushes = None
+                if self.deliver_read is None:
+                    pushes = plan_pushes(result, self.credits)
                 self.next_offset = max(self.next_offset, result.end_offset)
+                self.credits -= result.count
+                self.delivered_events += result.count
+                try:
+                    async with asyncio.timeout(timeout):
+                        if pushes is None:
+                            assert self.deliver_read is not None
+                            await self.deliver_read(self, result)
+                        else:
+                            assert self.deliver is not None
+                            await self.deliver(self, pushes)
+                except TimeoutError:
+                    self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
+                    return
         except asyncio.CancelledError:
             raise
         except (StreamNotFound, ConnectionError):

@@ -13,6 +13,7 @@ from headwater.engine.subscriptions import (
     PUSH_MAX_EVENTS,
     RESUME,
     CloseReason,
+    Push,
     Subscription,
     Subscriptions,
 )
@@ -32,14 +33,13 @@ class Recorder:
         self.arrived = asyncio.Event()
         self.stall: asyncio.Event | None = None
 
-    async def deliver(
-        self, sub: Subscription, start: int, count: int, chunks: list[memoryview]
-    ) -> None:
-        data = b"".join(chunks)
-        bounds = value_spans(data, count)
-        for i in range(count):
-            self.events.append((start + i, data[bounds[i] + 8 : bounds[i + 1]]))
-        self.pushes.append(count)
+    async def deliver(self, sub: Subscription, pushes: list[Push]) -> None:
+        for start, count, chunks, _credits in pushes:
+            data = b"".join(chunks)
+            bounds = value_spans(data, count)
+            for i in range(count):
+                self.events.append((start + i, data[bounds[i] + 8 : bounds[i + 1]]))
+            self.pushes.append(count)
         self.arrived.set()
         if self.stall is not None:
             await self.stall.wait()

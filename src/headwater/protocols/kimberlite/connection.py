@@ -176,6 +176,24 @@ class ServerConnection:
         )
         return encode_frame_chunks(payload)
 
+    def send_subscription_pushes(
+        self,
+        request_id: int,
+        subscription_id: int,
+        pushes: Iterable[tuple[int, int, Iterable[Buffer], int]],
+    ) -> list[Buffer]:
+        """Several framed SubscriptionEvents pushes, each ``(start_offset, count, stored
+        records, credits_remaining)``, as one list of chunks: a whole read for a single
+        ``writelines`` (work per push, none per event; the records stay uncopied)."""
+        out: list[Buffer] = []
+        for start_offset, count, chunks, credits_remaining in pushes:
+            out += encode_frame_chunks(
+                encode_subscription_events(
+                    request_id, subscription_id, start_offset, count, chunks, credits_remaining
+                )
+            )
+        return out
+
 
 class ClientConnection:
     """The client's view of one Kimberlite connection.

@@ -9,6 +9,7 @@ from headwater.errors import InvalidRequest
 from headwater.protocols.kimberlite import messages as m
 
 if TYPE_CHECKING:
+    from headwater.engine.subscriptions import Push
     from headwater.server.kimberlite.listener import KimberliteConnection
 
 
@@ -17,11 +18,11 @@ async def subscribe(
 ) -> m.ResponsePayload:
     subscribe_id = request.id
 
-    async def deliver(sub: Subscription, start: int, count: int, chunks: list[memoryview]) -> None:
+    async def deliver(sub: Subscription, pushes: list[Push]) -> None:
+        # A whole read: every push framed, handed to the transport in one writelines,
+        # then one wait for the transport to take more.
         conn.write_chunks(
-            conn.protocol.send_subscription_events(
-                subscribe_id, sub.subscription_id, start, count, chunks, sub.credits
-            )
+            conn.protocol.send_subscription_pushes(subscribe_id, sub.subscription_id, pushes)
         )
         await conn.drained()
 
