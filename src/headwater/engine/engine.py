@@ -475,8 +475,10 @@ class Engine:
         tombstones: Sequence[bool] | None = None,
         headers: Sequence[Headers] | None = None,
         timestamp_ms: int | None = None,
+        producer: tuple[int, int] | None = None,
     ) -> AppendInfo:
-        """Append a batch of events; returns once they are acknowledged."""
+        """Append a batch of events; returns once they are acknowledged. ``producer``
+        (id, sequence): see :meth:`append_idempotent`."""
         return await self.append_encoded(
             tenant_id,
             stream_id,
@@ -487,6 +489,7 @@ class Engine:
             tombstones=tombstones,
             headers=headers,
             timestamp_ms=timestamp_ms,
+            producer=producer,
         )
 
     async def append_encoded(
@@ -559,14 +562,7 @@ class Engine:
     ) -> AppendInfo:
         """Append unless ``(producer_id, sequence)`` was applied already, in which case
         the original offsets come back and nothing is appended."""
-        return await self.append_encoded(
-            tenant_id,
-            stream_id,
-            encode_values(values),
-            len(values),
-            value_bytes=sum(map(len, values)),
-            producer=(producer_id, sequence),
-        )
+        return await self.append(tenant_id, stream_id, values, producer=(producer_id, sequence))
 
     def read_now(
         self, tenant_id: int, stream_id: int, from_offset: int, max_bytes: int = 1 << 20

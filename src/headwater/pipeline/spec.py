@@ -11,7 +11,7 @@ type adds an entry there and a builder in :mod:`.runner`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -413,6 +413,24 @@ def _trigger(data: Any) -> dict[str, Any]:
     )
 
 
+def _typed_entries(
+    data: Mapping[str, Any], key: str, types: Mapping[str, Any]
+) -> Iterator[tuple[int, str, dict[str, Any], str]]:
+    """``(index, where, entry, type)`` of each entry of the non-empty list ``data[key]``,
+    each a mapping whose ``type`` is one of ``types``."""
+    entries = data[key]
+    if not isinstance(entries, list) or not entries:
+        raise PipelineError(f"{key} must be a non-empty list")
+    for i, entry in enumerate(entries):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise PipelineError(f"{where}: must be a mapping")
+        kind = str(entry.get("type", ""))
+        if kind not in types:
+            raise PipelineError(f"{where}: type must be one of {', '.join(types)}")
+        yield i, where, entry, kind
+
+
 def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = None) -> PipelineSpec:
     """Check a pipeline's YAML data. ``kind_columns`` gives the columns of each kind a
     source reads (see :func:`server_kind_columns`); without it they are not checked."""
@@ -439,16 +457,7 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
         raise PipelineError(f"pipeline: {exc}") from None
     views: dict[str, Columns] = {}
     sources = []
-    raw_sources = data["sources"]
-    if not isinstance(raw_sources, list) or not raw_sources:
-        raise PipelineError("sources must be a non-empty list")
-    for i, entry in enumerate(raw_sources):
-        where = f"sources[{i}]"
-        if not isinstance(entry, dict):
-            raise PipelineError(f"{where}: must be a mapping")
-        kind = str(entry.get("type", ""))
-        if kind not in SOURCE_TYPES:
-            raise PipelineError(f"{where}: type must be one of {', '.join(SOURCE_TYPES)}")
+    for _, where, entry, kind in _typed_entries(data, "sources", SOURCE_TYPES):
         name = _str(entry, "name", where)
         if name in views:
             raise PipelineError(f"{where}: name {name!r} is used twice")
@@ -470,16 +479,7 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
         views[step.name] = step.columns
         previous = step.name
     sinks = []
-    raw_sinks = data["sinks"]
-    if not isinstance(raw_sinks, list) or not raw_sinks:
-        raise PipelineError("sinks must be a non-empty list")
-    for i, entry in enumerate(raw_sinks):
-        where = f"sinks[{i}]"
-        if not isinstance(entry, dict):
-            raise PipelineError(f"{where}: must be a mapping")
-        kind = str(entry.get("type", ""))
-        if kind not in SINK_TYPES:
-            raise PipelineError(f"{where}: type must be one of {', '.join(SINK_TYPES)}")
+    for i, where, entry, kind in _typed_entries(data, "sinks", SINK_TYPES):
         input_name = str(entry.get("input", previous))
         if input_name not in views:
             raise PipelineError(f"{where}: input {input_name!r} is not a source or transform")

@@ -161,27 +161,19 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
     if not isinstance(required, bool):
         raise ConfigError("auth.required must be true or false")
 
-    convergedb = data.get("convergedb", {})
-    if not isinstance(convergedb, dict):
-        raise ConfigError("[convergedb] must be a table")
-    kind_defaults = KindsConfig()
-
-    def kopt(key: str) -> int:
-        value = _positive_int(convergedb, key, "convergedb")
-        return int(getattr(kind_defaults, key)) if value is None else value
-
+    convergedb = _table(data.get("convergedb", {}), "[convergedb]")
     kinds = KindsConfig(
-        coalesce_ms=kopt("coalesce_ms"),
-        live_buffer=kopt("live_buffer"),
-        default_liveness_ms=kopt("default_liveness_ms"),
-        liveness_check_ms=kopt("liveness_check_ms"),
+        **_positive_ints(
+            convergedb,
+            "convergedb",
+            KindsConfig(),
+            ("coalesce_ms", "live_buffer", "default_liveness_ms", "liveness_check_ms"),
+        )
     )
 
     kiwi = _kiwi_config(data.get("kiwi", {}))
 
-    ripple = data.get("ripple", {})
-    if not isinstance(ripple, dict):
-        raise ConfigError("[ripple] must be a table")
+    ripple = _table(data.get("ripple", {}), "[ripple]")
     ripple_liveness = _positive_int(ripple, "liveness_ms", "ripple") or 0
     if ripple_liveness > MAX_LIVENESS_MS:
         raise ConfigError(f"ripple.liveness_ms must be at most {MAX_LIVENESS_MS} (a u32)")
@@ -206,17 +198,32 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
     )
 
 
-def _kiwi_config(data: Any) -> KiwiConfig:
-    if not isinstance(data, dict):
-        raise ConfigError("[kiwi] must be a table")
-    subscriber = data.get("subscriber", {})
-    if not isinstance(subscriber, dict):
-        raise ConfigError("[kiwi.subscriber] must be a table")
-    defaults = KiwiConfig()
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a table")
+    return value
 
-    def sopt(key: str) -> int:
-        value = _positive_int(subscriber, key, "kiwi.subscriber")
-        return int(getattr(defaults, key)) if value is None else value
+
+def _positive_ints(
+    table: dict[str, Any], where: str, defaults: object, keys: tuple[str, ...]
+) -> dict[str, Any]:
+    """``keys`` of ``table`` as positive integers, each defaulting to ``defaults``'."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        value = _positive_int(table, key, where)
+        out[key] = int(getattr(defaults, key)) if value is None else value
+    return out
+
+
+def _kiwi_config(data: Any) -> KiwiConfig:
+    data = _table(data, "[kiwi]")
+    subscriber = _table(data.get("subscriber", {}), "[kiwi.subscriber]")
+    sized = _positive_ints(
+        subscriber,
+        "kiwi.subscriber",
+        KiwiConfig(),
+        ("buffer_capacity", "lag_notice_threshold", "send_queue", "max_message_bytes"),
+    )
 
     sources = data.get("sources", [])
     if not isinstance(sources, list):
@@ -226,11 +233,8 @@ def _kiwi_config(data: Any) -> KiwiConfig:
     for entry in sources:
         counters.append(_counter_source(entry, seen))
     return KiwiConfig(
-        buffer_capacity=sopt("buffer_capacity"),
-        lag_notice_threshold=sopt("lag_notice_threshold"),
-        send_queue=sopt("send_queue"),
+        **sized,
         socket_send_buffer=_positive_int(subscriber, "socket_send_buffer", "kiwi.subscriber"),
-        max_message_bytes=sopt("max_message_bytes"),
         counters=tuple(counters),
     )
 
