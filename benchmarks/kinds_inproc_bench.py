@@ -26,8 +26,8 @@ from headwater.engine.engine import Engine, EngineConfig
 from headwater.engine.kinds import KindsConfig, KindsEngine
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.fields import FieldType
+from headwater.protocols.convergedb.notifications import encode_window
 from headwater.protocols.convergedb.ops import from_wire
-from headwater.server.convergedb.listener import encode_window
 
 FIELDS = [
     ("batch", FieldType.U64),

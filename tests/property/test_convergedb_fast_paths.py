@@ -19,7 +19,7 @@ from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.columns import StateFrames, state_frames
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
 from headwater.protocols.convergedb.frames import FrameDecoder
-from headwater.server.convergedb.listener import encode_notification, encode_window
+from headwater.protocols.convergedb.notifications import encode_notification, encode_window
 
 
 @given(states())

@@ -3,6 +3,11 @@
 A pure codec: :mod:`.frames` (the 12-byte header with its CRC-16/XMODEM),
 :mod:`.messages` (every payload), :mod:`.fields` (field_data against a kind's schema) and
 :mod:`.connection` (sans-I/O server and client state machines).
+
+A server maps the kind engine to and from these bytes with :mod:`.ops` (write messages
+to engine ops), :mod:`.errors` (engine errors to ERROR codes), :mod:`.replies` (QUERY and
+bootstrap STATEs, kind ACKs) and :mod:`.notifications` (a window of changes as frames,
+with :mod:`.columns`); those are imported on their own, not from here.
 """
 
 from .codes import (

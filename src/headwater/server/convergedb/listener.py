@@ -20,31 +20,23 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Sequence
-from functools import lru_cache
-from itertools import chain
 from typing import TYPE_CHECKING, cast
 
 from headwater.engine.kinds import (
-    ChangeType,
-    EventNote,
     KindSubscription,
-    Notification,
     Source,
-    StateChange,
-    StateColumns,
     SubscriptionOverflow,
     TenantKinds,
     Window,
-    WindowNotes,
 )
 from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import NO_SOURCE, ErrorCode, Opcode
-from headwater.protocols.convergedb.columns import StateFrames, state_frames
 from headwater.protocols.convergedb.connection import Close, Reject, Reply, ServerConnection
 from headwater.protocols.convergedb.errors import error_code_for
-from headwater.protocols.convergedb.frames import encode_frame, encode_header
+from headwater.protocols.convergedb.notifications import encode_window
 from headwater.protocols.convergedb.ops import from_wire
+from headwater.protocols.convergedb.replies import bootstrap_frames, kind_ack, query_state
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 
@@ -55,134 +47,6 @@ log = logging.getLogger("headwater.convergedb")
 
 OVERFLOW_LINGER_S = 10.0  # how long an overflowed subscriber may take to read its ERROR
 BOOTSTRAP_CHUNK = 256  # bootstrap STATEs written between waits for the socket
-
-
-def encode_notification(stream_id: int, note: Notification, include_previous: bool) -> bytes:
-    """One notification as a frame on its subscription's stream."""
-    opcode, payload = _notification_payload(note, include_previous)
-    return encode_frame(stream_id, opcode, payload)
-
-
-def encode_window(stream_id: int, notes: Sequence[Notification], include_previous: bool) -> bytes:
-    """A window's notifications as frames on one subscription's stream.
-
-    A window is encoded once (kept on the engine's :class:`StateColumns` or
-    :class:`WindowNotes`, the object every subscriber of the kind gets). A window of STATE
-    frames of one layout (a fixed-width schema) is one record array that each subscriber
-    stamps its header into (:mod:`~headwater.protocols.convergedb.columns`); otherwise the
-    payloads are kept and a subscriber only adds its headers, which depend on nothing but
-    (stream, opcode, length) and come from a cache."""
-    if isinstance(notes, StateColumns):
-        key = ("convergedb", include_previous)
-        frames = notes.derived.get(key)
-        if frames is None:
-            frames = notes.derived[key] = _state_frames(notes, include_previous)
-        if isinstance(frames, StateFrames):
-            return frames.for_stream(stream_id)
-    if isinstance(notes, WindowNotes | StateColumns):
-        key = ("convergedb-payloads", include_previous)
-        encoded = notes.derived.get(key)
-        if encoded is None:
-            encoded = notes.derived[key] = _encode_payloads(notes, include_previous)
-        assert isinstance(encoded, _Payloads)
-    else:
-        encoded = _encode_payloads(notes, include_previous)
-    if encoded.uniform is not None:
-        header = _frame_header(stream_id, *encoded.uniform)
-        return header + header.join(encoded.payloads)
-    headers = [_frame_header(stream_id, op, length) for op, length in encoded.shapes]
-    return b"".join(chain.from_iterable(zip(headers, encoded.payloads, strict=True)))
-
-
-def _state_frames(notes: StateColumns, include_previous: bool) -> StateFrames | bool:
-    """The window as one block of STATE frames when its changes share one layout (no
-    metadata, no previous record sent, no deletion, one record length); else False."""
-    if notes.metadata is not None:
-        return False
-    if include_previous and int(ChangeType.UPDATED) in notes.changes:
-        return False
-    frames = state_frames(
-        notes.kind_id,
-        notes.first_version,
-        notes.entity_ids,
-        notes.changes,
-        notes.source_sets,
-        notes.changed_fields,
-        notes.records,
-    )
-    return False if frames is None else frames
-
-
-class _Payloads:
-    """A window's notification payloads and each one's (opcode, length)."""
-
-    __slots__ = ("payloads", "shapes", "uniform")
-
-    def __init__(self, shapes: list[tuple[int, int]], payloads: list[bytes]) -> None:
-        self.shapes = shapes
-        self.payloads = payloads
-        first = shapes[0] if shapes else None
-        self.uniform = first if first is not None and shapes.count(first) == len(shapes) else None
-
-
-def _encode_payloads(notes: Sequence[Notification], include_previous: bool) -> _Payloads:
-    payloads: list[bytes] = []
-    shapes: list[tuple[int, int]] = []
-    updated = ChangeType.UPDATED
-    for note in notes:
-        if isinstance(note, StateChange) and note.change is not ChangeType.DELETED:
-            payload = m.encode_state_payload(
-                note.kind_id,
-                note.entity_id,
-                note.change,
-                note.version,
-                note.source_set,
-                note.changed_fields,
-                note.record,
-                note.previous if include_previous and note.change is updated else None,
-                note.metadata,
-            )
-            opcode: int = Opcode.STATE
-        else:
-            opcode, payload = _notification_payload(note, include_previous)
-        payloads.append(payload)
-        shapes.append((opcode, len(payload)))
-    return _Payloads(shapes, payloads)
-
-
-@lru_cache(maxsize=4096)
-def _frame_header(stream_id: int, opcode: int, length: int) -> bytes:
-    return encode_header(stream_id, opcode, length)
-
-
-def _notification_payload(note: Notification, include_previous: bool) -> tuple[Opcode, bytes]:
-    message: m.Message
-    if isinstance(note, EventNote):
-        message = m.Event(
-            note.kind_id,
-            note.entity_id,
-            Opcode(note.op),
-            note.source_id,
-            note.sequence,
-            note.presence_mask,
-            note.field_data,
-            note.metadata,
-        )
-    elif note.change is ChangeType.DELETED:
-        message = m.Deleted(note.kind_id, note.entity_id, note.version, note.metadata)
-    else:
-        message = m.State(
-            note.kind_id,
-            note.entity_id,
-            m.Change(int(note.change)),
-            note.version,
-            note.source_set,
-            note.changed_fields,
-            note.record,
-            note.previous if include_previous and note.change is ChangeType.UPDATED else None,
-            note.metadata,
-        )
-    return message.opcode, message.encode()
 
 
 class _Subscription:
@@ -343,11 +207,7 @@ class ConvergeConnection(asyncio.Protocol):
             elif isinstance(msg, m.CreateKind):
                 return self._create_kind(tenant, stream, msg)
             elif isinstance(msg, m.GetKind):
-                kind = tenant.get_kind(msg.name, msg.fields)
-                self.send(
-                    stream,
-                    m.KindAck(Opcode.GET_KIND, kind.kind_id, kind.schema_version, kind.field_count),
-                )
+                self.send(stream, kind_ack(Opcode.GET_KIND, tenant.get_kind(msg.name, msg.fields)))
         except HeadwaterError as exc:
             self._fail(stream, msg.opcode, exc)
         except Exception as exc:
@@ -433,10 +293,7 @@ class ConvergeConnection(asyncio.Protocol):
             log.exception("CREATE_KIND failed")
             self._fail(stream, Opcode.CREATE_KIND, InternalError(str(exc)))
             return
-        self.send(
-            stream,
-            m.KindAck(Opcode.CREATE_KIND, kind.kind_id, kind.schema_version, kind.field_count),
-        )
+        self.send(stream, kind_ack(Opcode.CREATE_KIND, kind))
 
     def _query(self, tenant: TenantKinds, stream: int, msg: m.Query) -> None:
         kind = tenant.kind(msg.kind_id)
@@ -444,19 +301,7 @@ class ConvergeConnection(asyncio.Protocol):
         if state is None:
             self.error(stream, ErrorCode.ENTITY_NOT_FOUND, Opcode.QUERY, "no such entity")
             return
-        everything = (1 << kind.field_count) - 1
-        self.send(
-            stream,
-            m.State(
-                msg.kind_id,
-                msg.entity_id,
-                m.Change.QUERY,
-                state.version,
-                state.source_set,
-                everything,
-                state.record,
-            ),
-        )
+        self.send(stream, query_state(kind, state))
 
     # ---- subscriptions --------------------------------------------------------------
 
@@ -500,24 +345,11 @@ class ConvergeConnection(asyncio.Protocol):
 
     async def _bootstrap(self, tenant: TenantKinds, entry: _Subscription) -> None:
         kind_id, stream = entry.sub.kind_id, entry.stream_id
-        everything = (1 << tenant.kind(kind_id).field_count) - 1
+        kind = tenant.kind(kind_id)
         self.send(stream, m.BootstrapBegin(kind_id))
         batch: list[bytes] = []
-        for state in tenant.scan(kind_id):
-            batch.append(
-                m.Frame(
-                    stream,
-                    m.State(
-                        kind_id,
-                        state.entity_id,
-                        m.Change.BOOTSTRAP,
-                        state.version,
-                        state.source_set,
-                        everything,
-                        state.record,
-                    ),
-                ).encode()
-            )
+        for frame in bootstrap_frames(stream, kind, tenant.scan(kind_id)):
+            batch.append(frame)
             if len(batch) >= BOOTSTRAP_CHUNK:
                 if self.closed or self.transport is None:
                     return
