@@ -174,6 +174,33 @@ class _Message:
         return message
 
 
+class _Empty(_Message):
+    """A message with an empty payload."""
+
+    __slots__ = ()
+
+    def _write(self, out: list[bytes]) -> None:
+        pass
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class _KindOnly(_Message):
+    """A message whose payload is a u16 kind_id."""
+
+    kind_id: int
+
+    def _write(self, out: list[bytes]) -> None:
+        out.append(_U16.pack(self.kind_id))
+
+    @classmethod
+    def _read(cls, r: BoundedReader) -> Self:
+        return cls(r.u16("kind_id"))
+
+
 # --- client -> server ------------------------------------------------------------------
 
 
@@ -411,60 +438,31 @@ class Subscribe(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Unsubscribe(_Message):
+class Unsubscribe(_KindOnly):
     """UNSUBSCRIBE: u16 kind_id. Answered by ACK."""
 
     opcode: ClassVar[Opcode] = Opcode.UNSUBSCRIBE
-    kind_id: int
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(r.u16("kind_id"))
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat(_Message):
+class Heartbeat(_Empty):
     """HEARTBEAT: empty. stream_id 0: liveness only; non-zero: a write barrier (ACK)."""
 
     opcode: ClassVar[Opcode] = Opcode.HEARTBEAT
 
-    def _write(self, out: list[bytes]) -> None:
-        pass
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls()
-
 
 @dataclass(frozen=True, slots=True)
-class SourceEpochBegin(_Message):
+class SourceEpochBegin(_Empty):
     """SOURCE_EPOCH_BEGIN: empty; spans every kind of this source."""
 
     opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_BEGIN
 
-    def _write(self, out: list[bytes]) -> None:
-        pass
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls()
-
 
 @dataclass(frozen=True, slots=True)
-class SourceEpochEnd(_Message):
+class SourceEpochEnd(_Empty):
     """SOURCE_EPOCH_END: empty. Answered (non-zero stream_id) by EpochEndAck."""
 
     opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_END
-
-    def _write(self, out: list[bytes]) -> None:
-        pass
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls()
 
 
 class AssertRun(Sequence[Assert]):
@@ -662,11 +660,9 @@ def _normal_fields(fields: Sequence[tuple[str, int]]) -> tuple[FieldSpec, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class CreateKind(_Message):
-    """CREATE_KIND: str16 name, u8 flags (bit0 event_stream), u8 field_count, then per
-    field str16 name + u8 type. Answered by KindAck."""
+class _KindDefinition(_Message):
+    """A kind's name, fields and event_stream flag: CREATE_KIND's payload and GET_KIND's."""
 
-    opcode: ClassVar[Opcode] = Opcode.CREATE_KIND
     name: str
     fields: Sequence[FieldSpec] = ()
     event_stream: bool = False
@@ -684,25 +680,19 @@ class CreateKind(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class GetKind(_Message):
+class CreateKind(_KindDefinition):
+    """CREATE_KIND: str16 name, u8 flags (bit0 event_stream), u8 field_count, then per
+    field str16 name + u8 type. Answered by KindAck."""
+
+    opcode: ClassVar[Opcode] = Opcode.CREATE_KIND
+
+
+@dataclass(frozen=True, slots=True)
+class GetKind(_KindDefinition):
     """GET_KIND: CREATE_KIND's layout. No fields: resolve by name; otherwise the fields
     must be a prefix of the kind's schema (else SCHEMA_INCOMPATIBLE). Answered by KindAck."""
 
     opcode: ClassVar[Opcode] = Opcode.GET_KIND
-    name: str
-    fields: Sequence[FieldSpec] = ()
-    event_stream: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "fields", _normal_fields(self.fields))
-
-    def _write(self, out: list[bytes]) -> None:
-        _write_kind(out, self.name, self.event_stream, self.fields)
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        name, event_stream, fields = _read_kind(r)
-        return cls(name, fields, event_stream)
 
 
 # --- server -> client ------------------------------------------------------------------
@@ -863,33 +853,17 @@ class Deleted(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class BootstrapBegin(_Message):
+class BootstrapBegin(_KindOnly):
     """BOOTSTRAP_BEGIN: u16 kind_id."""
 
     opcode: ClassVar[Opcode] = Opcode.BOOTSTRAP_BEGIN
-    kind_id: int
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(r.u16("kind_id"))
 
 
 @dataclass(frozen=True, slots=True)
-class BootstrapEnd(_Message):
+class BootstrapEnd(_KindOnly):
     """BOOTSTRAP_END: u16 kind_id."""
 
     opcode: ClassVar[Opcode] = Opcode.BOOTSTRAP_END
-    kind_id: int
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(r.u16("kind_id"))
 
 
 _BODY_ACKS = frozenset(
