@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,6 +48,21 @@ MAX_APPEND_EVENTS = 10_000
 MAX_APPEND_BYTES = 4 << 20
 STREAM_META = "stream.json"
 TENANT_META = "tenant.json"
+
+
+async def run_every(
+    interval: float, job: Callable[[], Awaitable[object]], what: str, logger: logging.Logger = log
+) -> None:
+    """Run ``job`` every ``interval`` seconds until cancelled; a run that fails is logged
+    (``<what> failed``) and the next one goes ahead."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await job()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s failed", what)
 
 
 @dataclass(frozen=True)
@@ -632,11 +647,4 @@ class Engine:
         return {"segments_removed": removed, "events_compacted": compacted}
 
     async def _maintenance_loop(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.run_maintenance()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("maintenance failed")
+        await run_every(interval, self.run_maintenance, "maintenance")

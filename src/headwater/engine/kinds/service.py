@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from headwater.engine.engine import run_every
 from headwater.engine.kinds.commit import WindowWriter
 from headwater.engine.kinds.errors import KindNotFound, ReadOnlySource
 from headwater.engine.kinds.model import EntityState, KindInfo, KindsConfig, WriteOp
@@ -374,14 +375,7 @@ class KindsEngine:
         return removed
 
     async def _maintenance_loop(self, interval: float) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.run_maintenance()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("kind changelog maintenance failed")
+        await run_every(interval, self.run_maintenance, "kind changelog maintenance", log)
 
     async def close(self) -> None:
         """Flush every open window, make it durable, close the changelogs."""
