@@ -11,8 +11,8 @@ from aiohttp import web
 from headwater.api import KindStats
 from headwater.engine.kinds import EntityState, KindInfo
 from headwater.engine.kinds.errors import KindNotFound
+from headwater.engine.kinds.fields import ENTITY_ID_SIZE
 from headwater.errors import InvalidRequest, TableNotFound
-from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE
 from headwater.protocols.kiwi.results import field_json
 from headwater.server.http.app import api_of, json_response, tenant_of
 

@@ -41,8 +41,8 @@ from headwater.engine.kinds import (
     patch_op,
     retract_op,
 )
+from headwater.engine.kinds.fields import FieldType, default_value
 from headwater.errors import AuthenticationFailed
-from headwater.protocols.convergedb.fields import FieldType, default_value
 from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
