@@ -21,8 +21,8 @@ Public API (loop thread unless noted)::
 
 Field types, values and the record encoding are in :mod:`.fields`; errors carry an
 :class:`ErrorKind` that each front end maps to its own wire errors. Nothing here knows a
-wire format: a front end turns its messages into these ops (ConvergeDB:
-:mod:`headwater.protocols.convergedb.ops`).
+wire format: each front end turns its messages into these ops (ConvergeDB's codec decodes
+a BATCH of whole records into one :class:`AssertRecords`).
 
 The values, ops and errors are imported at once; the engine itself (asyncio, storage,
 numpy) only when first asked for, so a codec can use the types without loading it.

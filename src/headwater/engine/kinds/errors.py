@@ -1,8 +1,7 @@
 """Errors of the entity-kind engine.
 
 Each class names what went wrong as an :class:`ErrorKind` (``error_kind``), which every
-front end maps to its own wire error (ConvergeDB's ERROR codes:
-:mod:`headwater.protocols.convergedb.errors`); through
+front end maps to its own wire error (ConvergeDB to its ERROR codes); through
 :class:`~headwater.errors.HeadwaterError` each also has a Kimberlite code.
 """
 

@@ -2,8 +2,8 @@
 
 Callers with Python values (Ripple, tests) use :func:`assert_op` and :func:`patch_op`,
 which check every value against its field's type, and :func:`retract_op`. A front end
-that carries records as the engine encodes them builds the ops from those instead
-(ConvergeDB: :func:`headwater.protocols.convergedb.ops.from_wire`).
+that carries records as the engine encodes them (ConvergeDB) builds the ops from those
+instead.
 """
 
 from __future__ import annotations
