@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -181,7 +182,9 @@ client_frames = st.builds(Frame, stream_ids, client_messages)
 def typed(value: Any) -> Any:
     """``value`` with each leaf's type attached, so True and 1 (or 1 and 1.0) differ where
     == alone calls them equal; IntEnum members count as plain ints."""
-    if isinstance(value, list | tuple):
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        # Any sequence compares by its items: a decoded BATCH of uniform ASSERTs holds a
+        # lazy AssertRun where the message built by hand holds a tuple of Asserts.
         return [typed(item) for item in value]
     if isinstance(value, dict):
         return {key: typed(item) for key, item in value.items()}
