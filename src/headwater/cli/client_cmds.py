@@ -62,17 +62,14 @@ def client_command(
 
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
-        from headwater.client import ClientError, ServerUnavailable
-        from headwater.errors import HeadwaterError
+        from headwater.errors import ClientError, HeadwaterError
 
         try:
             return func(args)
-        except ServerUnavailable as exc:
+        except ClientError as exc:  # ServerUnavailable, ConnectionLost, RequestTimeout ...
             return fail(str(exc), EXIT_UNREACHABLE)
-        except HeadwaterError as exc:
+        except HeadwaterError as exc:  # what the server answered
             return fail(f"{exc.name}: {exc.message}", EXIT_SERVER_ERROR)
-        except ClientError as exc:
-            return fail(str(exc), EXIT_UNREACHABLE)
         except BrokenPipeError:
             # stdout closed early (`headwater read s | head`): not an error. Point stdout
             # at /dev/null so the interpreter's final flush does not complain again.
