@@ -14,11 +14,9 @@ The SDKs, the CLI and the Spark source reach the same operations over the wire.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import pyarrow as pa
 
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.engine.engine import (
@@ -62,10 +60,14 @@ __all__ = [
     "Auth",
     "AuthConfig",
     "CloseReason",
+    "Deliver",
+    "DeliverRead",
     "EngineAPI",
     "GroupLag",
     "KindStats",
+    "OnClose",
     "Principal",
+    "QueryResult",
     "ReadResult",
     "StreamInfo",
     "StreamSettings",
@@ -153,7 +155,14 @@ def _kind_stats(tenant_id: int, state: KindState) -> KindStats:
 
 
 class EngineAPI:
-    """Streams, subscriptions, kinds, queries and tenants of one data directory."""
+    """Streams, subscriptions, kinds, queries and tenants of one data directory.
+
+    Operations the engine's services already offer in the shape a front end needs are
+    handed out as they are (bound in ``__init__``: ``list_streams``, ``create_stream``,
+    ``delete_stream``, ``append``, ``append_encoded``, ``offset_for_timestamp``,
+    ``sync_tenant``, ``subscribe``, ``grant``, ``query``, ``query_at``,
+    ``stream_range``); the methods below are what the API adds: plain values instead of
+    live engine objects, and the checks every front end would otherwise repeat."""
 
     def __init__(
         self,
@@ -168,6 +177,21 @@ class EngineAPI:
         self._kinds = kinds
         self._queries = queries
         self.auth = auth
+        # streams
+        self.list_streams = engine.list_streams
+        self.create_stream = engine.create_stream
+        self.delete_stream = engine.delete_stream
+        self.append = engine.append
+        self.append_encoded = engine.append_encoded
+        self.offset_for_timestamp = engine.offset_for_timestamp
+        self.sync_tenant = engine.sync_tenant
+        # subscriptions
+        self.subscribe = subscriptions.subscribe
+        self.grant = subscriptions.grant
+        # queries
+        self.query = queries.query
+        self.query_at = queries.query_at
+        self.stream_range = queries.stream_range
 
     @classmethod
     async def open(
@@ -225,9 +249,6 @@ class EngineAPI:
 
     # ---- streams ----------------------------------------------------------------------
 
-    def list_streams(self, tenant_id: int) -> list[StreamInfo]:
-        return self._engine.list_streams(tenant_id)
-
     def all_streams(self) -> list[StreamInfo]:
         """Every live stream of every tenant."""
         return [stream.info() for stream in self._engine.all_streams()]
@@ -245,33 +266,6 @@ class EngineAPI:
     def stream_end(self, tenant_id: int, stream_id: int) -> int:
         """The committed end offset (the next offset an append gets)."""
         return self._engine.stream(tenant_id, stream_id).log.committed_offset
-
-    async def create_stream(
-        self, tenant_id: int, name: str, settings: StreamSettings | None = None
-    ) -> StreamInfo:
-        return await self._engine.create_stream(tenant_id, name, settings)
-
-    async def delete_stream(self, tenant_id: int, stream_id: int) -> None:
-        await self._engine.delete_stream(tenant_id, stream_id)
-
-    async def append(self, tenant_id: int, stream_id: int, values: Sequence[bytes]) -> AppendInfo:
-        return await self._engine.append(tenant_id, stream_id, values)
-
-    async def append_encoded(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        section: bytes | memoryview,
-        count: int,
-        *,
-        value_bytes: int,
-        producer: tuple[int, int] | None = None,
-    ) -> AppendInfo:
-        """Append a batch whose values section is already encoded as stored (one write,
-        no work per event); ``producer`` = (id, sequence) makes it idempotent."""
-        return await self._engine.append_encoded(
-            tenant_id, stream_id, section, count, value_bytes=value_bytes, producer=producer
-        )
 
     async def read(
         self,
@@ -293,14 +287,6 @@ class EngineAPI:
             tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
         )
 
-    async def offset_for_timestamp(
-        self, tenant_id: int, stream_id: int, timestamp_ms: int
-    ) -> int | None:
-        return await self._engine.offset_for_timestamp(tenant_id, stream_id, timestamp_ms)
-
-    async def sync_tenant(self, tenant_id: int) -> None:
-        await self._engine.sync_tenant(tenant_id)
-
     def fsync_stats(self) -> FsyncStats:
         """The group committers' fsyncs over every live stream."""
         count, seconds, last = 0, 0.0, 0.0
@@ -320,34 +306,6 @@ class EngineAPI:
         return self._engine.bytes_appended
 
     # ---- subscriptions ----------------------------------------------------------------
-
-    def subscribe(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        from_offset: int,
-        credits: int,
-        group: str | None,
-        deliver: Deliver | None,
-        on_close: OnClose,
-        *,
-        deliver_read: DeliverRead | None = None,
-    ) -> Subscription:
-        """Start pushing a stream's events (see :mod:`headwater.engine.subscriptions`)."""
-        return self._subscriptions.subscribe(
-            tenant_id,
-            stream_id,
-            from_offset,
-            credits,
-            group,
-            deliver,
-            on_close,
-            deliver_read=deliver_read,
-        )
-
-    def grant(self, subscription: Subscription, credits: int) -> int:
-        """Add credit (acknowledging a group's deliveries); returns the balance."""
-        return self._subscriptions.grant(subscription, credits)
 
     def unsubscribe(
         self, subscription: Subscription, reason: CloseReason = CloseReason.CLIENT_CANCELLED
@@ -458,25 +416,9 @@ class EngineAPI:
 
     # ---- queries ----------------------------------------------------------------------
 
-    async def query(self, tenant_id: int, sql: str, params: Sequence[object] = ()) -> QueryResult:
-        """SQL over the tenant's streams and kinds, seeing every acknowledged write."""
-        return await self._queries.query(tenant_id, sql, params)
-
-    async def query_at(
-        self, tenant_id: int, sql: str, params: Sequence[object], position: int
-    ) -> QueryResult:
-        """SQL as of tenant log ``position``: exactly the events below it."""
-        return await self._queries.query_at(tenant_id, sql, params, position)
-
     def query_stats(self) -> tuple[int, float]:
         """(statements run, seconds spent running them) since start."""
         return self._queries.queries, self._queries.query_seconds_total
-
-    async def stream_range(
-        self, tenant_id: int, name: str, start: int, end: int
-    ) -> list[pa.RecordBatch]:
-        """Offsets [start, end) as Arrow record batches (offset, position, ts, data)."""
-        return await self._queries.stream_range(tenant_id, name, start, end)
 
     # ---- lifecycle helpers ------------------------------------------------------------
 
