@@ -17,19 +17,25 @@ Failures, and what the client does about them:
   that had not been written yet is simply sent on the new connection.
 * Subscriptions re-subscribe on the new connection from the next offset they have not
   received, so no event is skipped and none is delivered twice.
+
+Connecting, reconnecting, retrying and request matching are the connection core's
+(:mod:`headwater._conn`), shared with the entities SDK and the Ripple worker; this module
+adds the Kimberlite requests and subscriptions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as _dt
-import random
+import functools
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Literal, TypeVar
 
-from headwater.errors import ProtocolError, StreamNotFound
+from headwater._conn import batching
+from headwater._conn.session import Resumable, Session, parse_server, same_parameters_as
+from headwater._conn.session import backoff_delay as backoff_delay
+from headwater.errors import HeadwaterError, ProtocolError, StreamNotFound
 from headwater.protocols.kimberlite.connection import ClientConnection
 from headwater.protocols.kimberlite.messages import (
     MAX_APPEND_BYTES,
@@ -72,15 +78,8 @@ from headwater.protocols.kimberlite.messages import (
     UnsubscribeRequest,
 )
 
-from ._connection import Connection, Lost, NotSent
-from .errors import (
-    ClientClosed,
-    ConnectionLost,
-    EventTooLarge,
-    RequestTimeout,
-    ServerUnavailable,
-    SubscriptionClosed,
-)
+from ._connection import Connection, NotSent
+from .errors import ConnectionLost, EventTooLarge, SubscriptionClosed
 from .results import (
     AppendResult,
     Event,
@@ -109,32 +108,6 @@ _T = TypeVar("_T")
 _R = TypeVar("_R", bound=ResponsePayload)
 
 
-def backoff_delay(attempt: int, base: float, cap: float) -> float:
-    """Seconds to wait before reconnect ``attempt`` (1, 2, ...): exponential from
-    ``base`` up to ``cap``, with jitter so that many clients do not retry in step."""
-    delay: float = min(cap, base * (2 ** max(0, attempt - 1)))
-    return delay * random.uniform(0.5, 1.0)
-
-
-def parse_server(server: str, default_port: int = DEFAULT_PORT) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port``; the port defaults to 7401) as ``(host, port)``."""
-    text = server.strip()
-    if not text:
-        return "127.0.0.1", default_port
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        return host or "127.0.0.1", default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"bad server address {server!r}: expected host:port")
-    return host or "127.0.0.1", int(port_text)
-
-
 def to_event_bytes(event: EventLike) -> bytes:
     if isinstance(event, str):
         return event.encode()
@@ -149,24 +122,14 @@ def split_events(values: Sequence[bytes]) -> list[list[bytes]]:
     """Split events into appends within the protocol's limits (10,000 events and 4 MiB
     of event bytes each), keeping their order. Raises :class:`EventTooLarge` for an
     event that no append can carry, before anything is sent."""
-    batches: list[list[bytes]] = []
-    current: list[bytes] = []
-    size = 0
-    for index, value in enumerate(values):
-        n = len(value)
-        if n > MAX_APPEND_BYTES:
-            raise EventTooLarge(
-                f"event {index} is {n:,} bytes; one event may be at most "
-                f"{MAX_APPEND_BYTES:,} bytes (4 MiB). Nothing was appended."
-            )
-        if current and (len(current) >= MAX_EVENTS or size + n > MAX_APPEND_BYTES):
-            batches.append(current)
-            current, size = [], 0
-        current.append(value)
-        size += n
-    if current:
-        batches.append(current)
-    return batches
+    return batching.batches(values, len, MAX_EVENTS, MAX_APPEND_BYTES, too_large=_too_large)
+
+
+def _too_large(index: int, size: int) -> EventTooLarge:
+    return EventTooLarge(
+        f"event {index} is {size:,} bytes; one event may be at most "
+        f"{MAX_APPEND_BYTES:,} bytes (4 MiB). Nothing was appended."
+    )
 
 
 def to_query_param(value: object) -> QueryParam:
@@ -181,12 +144,25 @@ def to_query_param(value: object) -> QueryParam:
     )
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is `headwater serve` running there?)"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror[0].lower() + exc.strerror[1:]
-    return str(exc) or type(exc).__name__
+class _Scan:
+    """Where a scan is: the offset it reads next (None once it is done) and how many
+    events it may still yield (None: no limit). The blocking and asyncio clients page
+    through a stream with it."""
+
+    __slots__ = ("left", "offset")
+
+    def __init__(self, from_offset: int, limit: int | None) -> None:
+        self.left = limit
+        self.offset: int | None = from_offset if limit is None or limit > 0 else None
+
+    def take(self, page: ReadResult) -> list[Event]:
+        """The events of ``page`` to yield; moves on to the next page (or the end)."""
+        events = page.events if self.left is None else page.events[: self.left]
+        if self.left is not None:
+            self.left -= len(events)
+        done = page.at_end or not page.events or (self.left is not None and self.left <= 0)
+        self.offset = None if done else page.next_offset
+        return events
 
 
 def _retrieve(future: asyncio.Future[ResponsePayload]) -> None:
@@ -195,8 +171,10 @@ def _retrieve(future: asyncio.Future[ResponsePayload]) -> None:
         future.exception()
 
 
-class AsyncClient:
+class AsyncClient(Session[Connection, "AsyncSubscription"]):
     """A headwater client for asyncio. Make one with :func:`connect_async`."""
+
+    default_port = DEFAULT_PORT
 
     def __init__(
         self,
@@ -211,267 +189,44 @@ class AsyncClient:
         backoff_base: float = 0.05,
         backoff_max: float = 2.0,
     ) -> None:
-        self.host, self.port = parse_server(server)
-        self.address = f"{self.host}:{self.port}"
+        super().__init__(
+            server, timeout, reconnect, reconnect_attempts, backoff_base, backoff_max, retries
+        )
         self.token = token
         self.tenant = tenant
-        self.timeout = timeout
-        self.reconnect = reconnect
-        self.retries = retries
-        self.reconnect_attempts = max(1, reconnect_attempts)
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
         self.server_version: int | None = None
         self.capabilities: tuple[str, ...] = ()
         self.authenticated = False
-        # Counters, handy in tests and for monitoring.
-        self.reconnects = 0
-        self.retried = 0
-        self._conn: Connection | None = None
-        self._lock: asyncio.Lock | None = None
         self._next_id = 1
-        self._connected_once = False
-        self._reconnect_round = 0
-        self._reconnect_error: BaseException | None = None
-        self._closed = False
         self._names: dict[str, int] = {}
-        self._subscriptions: set[AsyncSubscription] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    # ---- lifecycle ------------------------------------------------------------------------
-
-    async def __aenter__(self) -> AsyncClient:
-        await self._ensure()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None and self._conn.usable
-
-    async def close(self) -> None:
-        """Unsubscribe every subscription and close the connection."""
-        if self._closed:
-            return
-        for sub in list(self._subscriptions):
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(sub.close(), 2.0)
-        self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        conn = self._conn
-        if conn is not None:
-            conn.close()
-            await asyncio.sleep(0)
-
-    def _backoff(self, attempt: int) -> float:
-        return backoff_delay(attempt, self.backoff_base, self.backoff_max)
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # ---- connecting -----------------------------------------------------------------------
 
     async def _open(self) -> Connection:
         """One connection attempt, handshake included."""
-        loop = asyncio.get_running_loop()
         if self._conn is not None:
             self._next_id = max(self._next_id, self._conn.last_id + 1)
         codec = ClientConnection(self.tenant, first_request_id=self._next_id)
-        where = f"cannot connect to headwater at {self.address}"
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: Connection(codec, self._on_lost), self.host, self.port
-                ),
-                self.timeout,
-            )
-        except TimeoutError:
-            raise ServerUnavailable(f"{where}: timed out after {self.timeout}s") from None
-        except OSError as exc:
-            raise ServerUnavailable(f"{where}: {_reason(exc)}") from None
-        try:
-            _, future = conn.send(HandshakeRequest(auth_token=self.token))
-            reply = await asyncio.wait_for(future, self.timeout)
-        except TimeoutError:
-            conn.abort()
-            raise ServerUnavailable(
-                f"{where}: no handshake answer within {self.timeout}s"
-            ) from None
-        except (Lost, NotSent):
-            why = conn.close_reason or "the connection closed during the handshake"
-            raise ServerUnavailable(f"{where}: {why}") from None
-        if isinstance(reply, ErrorResponse):
-            conn.close()
-            raise reply.to_exception()
-        if not isinstance(reply, HandshakeResponse):
-            conn.abort()
-            raise ServerUnavailable(f"{where}: unexpected {type(reply).__name__} to Handshake")
+        conn = await self._dial(lambda: Connection(codec, self._on_lost))
+        reply = await self._greet(
+            conn,
+            lambda c: c.send(HandshakeRequest(auth_token=self.token)),
+            "Handshake",
+            HandshakeResponse,
+        )
         self.server_version = reply.server_version
         self.capabilities = tuple(reply.capabilities)
         self.authenticated = reply.authenticated
         return conn
 
-    async def _ensure(self) -> Connection:
-        """The live connection; (re)connects when there is none."""
-        conn = self._conn
-        if conn is not None and conn.usable:
-            return conn
-        if self._closed:
-            raise ClientClosed("the client is closed")
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        round_seen = self._reconnect_round
-        async with self._lock:
-            conn = self._conn
-            if conn is not None and conn.usable:
-                return conn
-            if self._closed:
-                raise ClientClosed("the client is closed")
-            if round_seen != self._reconnect_round and self._reconnect_error is not None:
-                raise self._reconnect_error  # a reconnect failed while we waited: no storm
-            if not self._connected_once:
-                conn = await self._open()
-            elif not self.reconnect:
-                why = (self._conn.close_reason if self._conn else None) or "closed"
-                raise ConnectionLost(
-                    f"the connection to headwater at {self.address} was lost ({why}) "
-                    "and reconnect is off"
-                )
-            else:
-                try:
-                    conn = await self._reconnect()
-                except BaseException as exc:
-                    self._reconnect_error = exc
-                    raise
-                finally:
-                    self._reconnect_round += 1
-                self._reconnect_error = None
-            self._conn = conn
-            self._connected_once = True
-            return conn
-
-    async def _reconnect(self) -> Connection:
-        last: ServerUnavailable | None = None
-        for attempt in range(1, self.reconnect_attempts + 1):
-            await asyncio.sleep(self._backoff(attempt))
-            if self._closed:
-                raise ClientClosed("the client is closed")
-            try:
-                conn = await self._open()
-            except ServerUnavailable as exc:
-                last = exc
-                continue
-            self.reconnects += 1
-            return conn
-        why = str(last).split(": ", 1)[-1] if last else "unknown"
-        raise ServerUnavailable(
-            f"lost the connection to headwater at {self.address} and could not reconnect "
-            f"in {self.reconnect_attempts} attempts: {why}"
-        )
+    def _error_of(self, reply: object) -> HeadwaterError | None:
+        return reply.to_exception() if isinstance(reply, ErrorResponse) else None
 
     def _on_lost(self, conn: Connection, exc: BaseException | None) -> None:
         self._next_id = max(self._next_id, conn.last_id + 1)
-        if conn.close_reason is None:
-            conn.close_reason = _reason(exc) if exc else "the connection closed"
-        pending = list(conn.pending.values())
-        conn.pending.clear()
-        conn.routes.clear()
-        for future in pending:
-            if not future.done():
-                future.set_exception(Lost(conn.close_reason))
-        orphans = [s for s in self._subscriptions if s._conn is conn and s._state in _LIVE]
-        if not orphans or self._closed:
-            return
-        if self.reconnect:
-            for sub in orphans:
-                sub._state = "detached"
-            self._spawn(self._recover(orphans))
-        else:
-            for sub in orphans:
-                sub._fail(
-                    ConnectionLost(
-                        f"the connection to headwater at {self.address} was lost "
-                        f"({conn.close_reason}) and reconnect is off"
-                    )
-                )
-
-    async def _recover(self, subs: list[AsyncSubscription]) -> None:
-        for sub in subs:
-            try:
-                await sub._resubscribe()
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                sub._fail(exc)
+        super()._on_lost(conn, exc)
 
     # ---- requests -------------------------------------------------------------------------
-
-    async def _send(
-        self,
-        payload: RequestPayload,
-        route: AsyncSubscription | None = None,
-        *,
-        pinned: Connection | None = None,
-    ) -> tuple[Connection, int, asyncio.Future[ResponsePayload]]:
-        """Write a request (connecting first if needed); a request that never reached a
-        socket is retried on the next connection."""
-        for _ in range(self.reconnect_attempts + 1):
-            conn = pinned if pinned is not None else await self._ensure()
-            try:
-                await conn.writable()
-                request_id, future = conn.send(payload, route)
-            except NotSent:
-                if pinned is not None:
-                    raise ConnectionLost(
-                        f"the connection to headwater at {self.address} was lost "
-                        f"({conn.close_reason or 'closed'})",
-                        maybe_applied=False,
-                    ) from None
-                continue
-            return conn, request_id, future
-        raise ServerUnavailable(f"headwater at {self.address} keeps closing the connection")
-
-    async def _answer(
-        self,
-        conn: Connection,
-        request_id: int,
-        future: asyncio.Future[ResponsePayload],
-        what: str,
-        *,
-        safe: bool,
-    ) -> ResponsePayload:
-        """The answer to a written request (ErrorResponse included). Raises ConnectionLost
-        (the connection broke) or RequestTimeout."""
-        try:
-            if self.timeout is None:
-                return await future
-            return await asyncio.wait_for(future, self.timeout)
-        except TimeoutError:
-            conn.pending.pop(request_id, None)
-            conn.routes.pop(request_id, None)
-            raise RequestTimeout(
-                f"no answer to {what} from headwater at {self.address} within {self.timeout}s"
-            ) from None
-        except Lost as exc:
-            conn.routes.pop(request_id, None)
-            tail = "" if safe else "; it may or may not have been applied"
-            raise ConnectionLost(
-                f"the connection to headwater at {self.address} was lost while {what} was "
-                f"in flight ({exc}){tail}",
-                maybe_applied=not safe,
-            ) from None
 
     async def _request(
         self,
@@ -480,54 +235,22 @@ class AsyncClient:
         *,
         safe: bool,
         route: AsyncSubscription | None = None,
-        on_sent: Callable[[Connection, int], None] | None = None,
+        on_sent: Callable[[Connection, Hashable], None] | None = None,
     ) -> _R:
         """Send a request and return its answer, retrying when that is safe."""
         what = type(payload).__name__.removesuffix("Request")
-        attempt = 0
-        while True:
-            conn, request_id, future = await self._send(payload, route)
-            if on_sent is not None:
-                on_sent(conn, request_id)
-            try:
-                reply = await self._answer(conn, request_id, future, what, safe=safe)
-            except ConnectionLost:
-                if safe and self.reconnect and attempt < self.retries and not self._closed:
-                    attempt += 1
-                    self.retried += 1
-                    await asyncio.sleep(self._backoff(attempt))
-                    continue
-                raise
-            if isinstance(reply, ErrorResponse):
-                conn.routes.pop(request_id, None)
-                exc = reply.to_exception()
-                if exc.retryable and safe and attempt < self.retries:
-                    attempt += 1
-                    self.retried += 1
-                    await asyncio.sleep(self._backoff(attempt))
-                    continue
-                raise exc
-            if not isinstance(reply, expect):
-                conn.routes.pop(request_id, None)
-                raise ProtocolError(
-                    f"headwater answered {what} with {type(reply).__name__}, "
-                    f"expected {expect.__name__}"
-                )
-            return reply
+        return await self._exchange(
+            lambda conn: conn.send(payload, route), what, expect, safe=safe, on_sent=on_sent
+        )
 
     async def _request_on(
         self, conn: Connection, payload: RequestPayload, timeout: float = 5.0
     ) -> ResponsePayload | None:
         """Best effort on one given connection: the answer, or None when it failed."""
-        try:
-            await conn.writable()
-            _, future = conn.send(payload)
-        except NotSent:
-            return None
-        try:
-            return await asyncio.wait_for(future, timeout)
-        except (TimeoutError, Lost):
-            return None
+        reply: ResponsePayload | None = await self._best_effort(
+            conn, lambda c: c.send(payload), timeout
+        )
+        return reply
 
     def _grant(self, conn: Connection, subscription_id: int, credits: int) -> bool:
         """Fire-and-forget SubscribeCredit (its answer only confirms the balance)."""
@@ -647,7 +370,10 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
 
         async def finish(
-            index: int, conn: Connection, request_id: int, future: asyncio.Future[ResponsePayload]
+            index: int,
+            conn: Connection,
+            request_id: Hashable,
+            future: asyncio.Future[ResponsePayload],
         ) -> None:
             try:
                 reply = await self._answer(conn, request_id, future, "AppendEvents", safe=False)
@@ -668,10 +394,12 @@ class AsyncClient:
                 if errors:
                     slots.release()
                     break
-                payload = AppendEventsRequest(stream_id, EventBatch.of(batch))
+                post = functools.partial(
+                    Connection.send, payload=AppendEventsRequest(stream_id, EventBatch.of(batch))
+                )
                 try:
                     # Every part goes on one connection, so the parts stay in order.
-                    conn, request_id, future = await self._send(payload, pinned=pinned)
+                    conn, request_id, future = await self._send(post, pinned=pinned)
                 except BaseException as exc:
                     slots.release()
                     errors.append((index, exc))
@@ -767,18 +495,10 @@ class AsyncClient:
         max_bytes: int = DEFAULT_READ_BYTES,
     ) -> AsyncIterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
-        offset = from_offset
-        left = limit
-        while left is None or left > 0:
-            result = await self.read(stream, offset, max_bytes)
-            events = result.events if left is None else result.events[:left]
-            for event in events:
+        scan = _Scan(from_offset, limit)
+        while scan.offset is not None:
+            for event in scan.take(await self.read(stream, scan.offset, max_bytes)):
                 yield event
-            if left is not None:
-                left -= len(events)
-            if result.at_end or not result.events:
-                return
-            offset = result.next_offset
 
     # ---- SQL ------------------------------------------------------------------------------
 
@@ -825,11 +545,12 @@ class AsyncClient:
 
 
 _LIVE = ("active", "detached")
-SubscriptionState = Literal["new", "subscribing", "active", "detached", "closed", "failed"]
 
 
-class AsyncSubscription:
+class AsyncSubscription(Resumable[Connection]):
     """Events of one stream as they are appended, with automatic credit refill."""
+
+    live_state = "active"
 
     def __init__(
         self,
@@ -851,7 +572,8 @@ class AsyncSubscription:
                 raise ValueError("from_offset='resume' continues a consumer group: pass group=")
         elif from_offset < 0:
             raise ValueError("from_offset must be >= 0")
-        self._client = client
+        super().__init__(client)
+        self._client: AsyncClient = client
         self.stream = stream
         self.group = group
         self.credits = credits
@@ -861,15 +583,11 @@ class AsyncSubscription:
         self.start_offset: int | None = None
         self.next_offset: int | None = None
         """The next offset this subscription will receive (where it re-subscribes)."""
-        self.resubscribes = 0
         self._buffer: deque[Event] = deque()
         self._ready: asyncio.Event | None = None
         self._unconsumed = 0  # server-side balance + events buffered here
         self._handed = 0  # group subscriptions: events handed out, not yet finished
-        self._state: SubscriptionState = "new"
-        self._error: BaseException | None = None
-        self._conn: Connection | None = None
-        self._request_id: int | None = None
+        self._request_id: Hashable | None = None
         self._starting: asyncio.Task[None] | None = None
 
     def __repr__(self) -> str:
@@ -878,21 +596,7 @@ class AsyncSubscription:
             f"next_offset={self.next_offset})"
         )
 
-    @property
-    def closed(self) -> bool:
-        return self._state in ("closed", "failed")
-
-    @property
-    def state(self) -> str:
-        return self._state
-
     # ---- starting -------------------------------------------------------------------------
-
-    async def __aenter__(self) -> AsyncSubscription:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def start(self) -> AsyncSubscription:
         """Subscribe (once); raises the server's error (e.g. StreamNotFound)."""
@@ -931,7 +635,7 @@ class AsyncSubscription:
     async def _subscribe(self, from_offset: int, initial: int) -> None:
         assert self.stream_id is not None
 
-        def sent(conn: Connection, request_id: int) -> None:
+        def sent(conn: Connection, request_id: Hashable) -> None:
             self._conn, self._request_id = conn, request_id
             # Pushes may arrive before this coroutine sees the reply: count the balance
             # from the moment the request goes out.
@@ -960,6 +664,11 @@ class AsyncSubscription:
         self._consumed(0)  # events taken while (re)subscribing may already call for credit
         self._wake()
 
+    # ---- the connection's end (called by the client) -------------------------------------
+
+    def _orphaned_by(self, conn: Connection) -> bool:
+        return self._conn is conn and self._state in _LIVE
+
     async def _resubscribe(self) -> None:
         if self._state != "detached":
             return
@@ -972,6 +681,12 @@ class AsyncSubscription:
     def _wake(self) -> None:
         if self._ready is not None:
             self._ready.set()
+
+    def _on_notification(self, payload: ResponsePayload) -> None:
+        if isinstance(payload, SubscriptionEventsResponse):
+            self._on_events(payload)
+        elif isinstance(payload, SubscriptionClosedResponse):
+            self._on_closed(payload)
 
     def _on_events(self, payload: SubscriptionEventsResponse) -> None:
         if self._state in ("closed", "failed"):
@@ -994,11 +709,11 @@ class AsyncSubscription:
         name = self.stream if isinstance(self.stream, str) else f"id {self.stream}"
         if reason == CloseReason.SERVER_SHUTDOWN:
             if self._client.reconnect:
-                self._state = "detached"  # re-subscribed once the connection is back
+                self._detach()
             else:
                 self._fail(ConnectionLost("the server shut down and reconnect is off"))
         elif reason == CloseReason.BACKPRESSURE_TIMEOUT:
-            self._state = "detached"
+            self._detach()
             self._client._spawn(self._client._recover([self]))
         elif reason == CloseReason.STREAM_DELETED:
             self._fail(StreamNotFound(f"stream {name} was deleted"))
@@ -1011,14 +726,6 @@ class AsyncSubscription:
                     f"the server closed the subscription to {name} ({reason.name})", int(reason)
                 )
             )
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._state == "closed":
-            return
-        self._state = "failed"
-        self._error = exc
-        self._client._subscriptions.discard(self)
-        self._wake()
 
     # ---- consuming ------------------------------------------------------------------------
 
@@ -1094,62 +801,29 @@ class AsyncSubscription:
         return batch[0] if batch else None
 
     def __aiter__(self) -> AsyncIterator[Event]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Event]:
-        try:
-            while True:
-                batch = await self._next_batch()
-                if batch is None:
-                    return
-                for event in batch:
-                    yield event
-        finally:
-            await self.close()
+        return self._drain(self._next_batch, unsubscribe=True)
 
     async def close(self) -> None:
         """Unsubscribe; nothing more is delivered."""
-        state = self._state
-        if state in ("closed", "failed"):
-            return
-        self._state = "closed"
-        self._buffer.clear()
-        self._wake()
-        self._client._subscriptions.discard(self)
-        conn, subscription_id = self._conn, self.subscription_id
-        if state == "active" and conn is not None and subscription_id is not None:
+        if not self.closed:
+            self._buffer.clear()
+        await super().close()
+
+    async def _unsubscribe(self, conn: Connection) -> None:
+        subscription_id = self.subscription_id
+        if subscription_id is not None:
             conn.routes.pop(self._request_id or 0, None)
             if conn.usable:
                 await self._client._request_on(conn, UnsubscribeRequest(subscription_id))
 
 
-async def connect_async(
-    server: str = DEFAULT_SERVER,
-    *,
-    token: str | None = None,
-    tenant: int = 0,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    reconnect: bool = True,
-    retries: int = 5,
-    reconnect_attempts: int = 10,
-    backoff_base: float = 0.05,
-    backoff_max: float = 2.0,
-) -> AsyncClient:
-    """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401).
+@same_parameters_as(AsyncClient)
+async def connect_async(client: AsyncClient) -> AsyncClient:
+    """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401); the parameters
+    are :class:`AsyncClient`'s.
 
     Raises :class:`ServerUnavailable` at once when nothing answers there.
     """
-    client = AsyncClient(
-        server,
-        token=token,
-        tenant=tenant,
-        timeout=timeout,
-        reconnect=reconnect,
-        retries=retries,
-        reconnect_attempts=reconnect_attempts,
-        backoff_base=backoff_base,
-        backoff_max=backoff_max,
-    )
     await client._ensure()
     return client
 

@@ -3,33 +3,31 @@
 A :class:`Client` runs an :class:`~headwater.client.aio.AsyncClient` on its own event-loop
 thread and waits for each call. Calls from several threads are pipelined on the client's
 one connection (each call is its own request in flight), and everything the async client
-does about errors, retries and reconnects holds here too.
+does about errors, retries and reconnects holds here too. The loop thread and the blocking
+halves are :mod:`headwater._conn.blocking`'s, as for the entities client.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import threading
-import weakref
 from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from headwater._conn.blocking import Blocking, BlockingSubscription, LoopThread
+from headwater._conn.session import same_parameters_as
 from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, http_port
 
 from .aio import (
     DEFAULT_CREDITS,
     DEFAULT_READ_BYTES,
-    DEFAULT_SERVER,
-    DEFAULT_TIMEOUT,
     AsyncClient,
     AsyncSubscription,
     EventLike,
     StartOffset,
     StreamRef,
+    _Scan,
 )
-from .errors import ClientClosed, ServerUnavailable
+from .errors import ServerUnavailable
 from .results import AppendResult, Event, QueryResult, RawReadResult, ReadResult
 
 if TYPE_CHECKING:
@@ -38,102 +36,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
-class _LoopThread:
-    """An event loop running forever on a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = _new_loop()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._main, name="headwater-client", daemon=True)
-        self.thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
-        if self.stopped:
-            coro.close()
-            raise ClientClosed("the client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        future = self.submit(coro)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # e.g. KeyboardInterrupt: stop the coroutine too
-            raise
-
-    def stop(self) -> None:
-        if self.stopped:
-            return
-        self.stopped = True
-        if threading.current_thread() is self.thread:
-            self.loop.call_soon(self.loop.stop)
-            return
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(_cancel_tasks(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        if not self.thread.is_alive():
-            self.loop.close()
-
-
-async def _cancel_tasks() -> None:
-    current = asyncio.current_task()
-    tasks = [t for t in asyncio.all_tasks() if t is not current]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _finalize(inner: AsyncClient, runner: _LoopThread) -> None:
-    """Close a client that was dropped without close()."""
-    if runner.stopped:
-        return
-    with contextlib.suppress(BaseException):
-        runner.submit(inner.close()).result(5)
-    runner.stop()
-
-
-class Client:
+class Client(Blocking[AsyncClient]):
     """A blocking headwater client. Make one with :func:`connect`; use it as a context
     manager or call :meth:`close`."""
-
-    def __init__(self, inner: AsyncClient, runner: _LoopThread) -> None:
-        self._inner = inner
-        self._runner = runner
-        self._finalizer = weakref.finalize(self, _finalize, inner, runner)
-
-    def _run(self, coro: Coroutine[Any, Any, _T]) -> _T:
-        return self._runner.run(coro)
-
-    # ---- lifecycle --------------------------------------------------------------------------
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Unsubscribe, close the connection and stop the client's thread."""
-        self._finalizer()
-
-    @property
-    def closed(self) -> bool:
-        return self._runner.stopped or self._inner.closed
 
     @property
     def address(self) -> str:
@@ -150,11 +55,6 @@ class Client:
     @property
     def authenticated(self) -> bool:
         return self._inner.authenticated
-
-    @property
-    def reconnects(self) -> int:
-        """How many times the client reconnected."""
-        return self._inner.reconnects
 
     @property
     def retried(self) -> int:
@@ -178,11 +78,6 @@ class Client:
         return read_arrow(
             inner.host, port, stream, start, end, token=inner.token, tenant=inner.tenant
         )
-
-    @property
-    def aio(self) -> AsyncClient:
-        """The underlying async client (it runs on this client's loop thread)."""
-        return self._inner
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
         """Run a coroutine of :attr:`aio` on the client's loop without waiting, e.g.
@@ -252,16 +147,9 @@ class Client:
         max_bytes: int = DEFAULT_READ_BYTES,
     ) -> Iterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
-        offset, left = from_offset, limit
-        while left is None or left > 0:
-            result = self.read(stream, offset, max_bytes)
-            events = result.events if left is None else result.events[:left]
-            yield from events
-            if left is not None:
-                left -= len(events)
-            if result.at_end or not result.events:
-                return
-            offset = result.next_offset
+        scan = _Scan(from_offset, limit)
+        while scan.offset is not None:
+            yield from scan.take(self.read(stream, scan.offset, max_bytes))
 
     # ---- SQL --------------------------------------------------------------------------------
 
@@ -291,35 +179,11 @@ class Client:
         )
 
 
-class Subscription:
+class Subscription(BlockingSubscription[AsyncSubscription]):
     """Blocking view of an :class:`~headwater.client.aio.AsyncSubscription`."""
 
-    def __init__(self, client: Client, inner: AsyncSubscription) -> None:
-        self._client = client
-        self._inner = inner
-
-    def __repr__(self) -> str:
-        return repr(self._inner).replace("AsyncSubscription", "Subscription", 1)
-
-    def start(self) -> Subscription:
-        self._client._run(self._inner.start())
-        return self
-
-    def __enter__(self) -> Subscription:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     def __iter__(self) -> Iterator[Event]:
-        try:
-            while True:
-                batch = self._client._run(self._inner._next_batch())
-                if batch is None:
-                    return
-                yield from batch
-        finally:
-            self.close()
+        return self._drain(self._inner._next_batch)
 
     def next_batch(
         self, max_events: int | None = None, timeout: float | None = None
@@ -330,15 +194,6 @@ class Subscription:
 
     def next(self, timeout: float | None = None) -> Event | None:
         return self._client._run(self._inner.next(timeout))
-
-    def close(self) -> None:
-        if self._inner.closed or self._client._runner.stopped:
-            return
-        self._client._run(self._inner.close())
-
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
 
     @property
     def stream_id(self) -> int | None:
@@ -356,42 +211,12 @@ class Subscription:
     def next_offset(self) -> int | None:
         return self._inner.next_offset
 
-    @property
-    def resubscribes(self) -> int:
-        return self._inner.resubscribes
 
-
-def connect(
-    server: str = DEFAULT_SERVER,
-    *,
-    token: str | None = None,
-    tenant: int = 0,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    reconnect: bool = True,
-    retries: int = 5,
-    reconnect_attempts: int = 10,
-    backoff_base: float = 0.05,
-    backoff_max: float = 2.0,
-) -> Client:
-    """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401).
+@same_parameters_as(AsyncClient)
+def connect(inner: AsyncClient) -> Client:
+    """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401); the parameters
+    are :class:`~headwater.client.aio.AsyncClient`'s.
 
     Raises :class:`~headwater.client.ServerUnavailable` at once when nothing answers.
     """
-    inner = AsyncClient(
-        server,
-        token=token,
-        tenant=tenant,
-        timeout=timeout,
-        reconnect=reconnect,
-        retries=retries,
-        reconnect_attempts=reconnect_attempts,
-        backoff_base=backoff_base,
-        backoff_max=backoff_max,
-    )
-    runner = _LoopThread()
-    try:
-        runner.run(inner._ensure())
-    except BaseException:
-        runner.stop()
-        raise
-    return Client(inner, runner)
+    return Client(inner, LoopThread.connected(inner))

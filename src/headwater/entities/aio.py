@@ -31,18 +31,19 @@ import contextlib
 import enum
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from headwater.client.aio import backoff_delay, parse_server
-from headwater.client.errors import (
+from headwater._conn import batching
+from headwater._conn.session import Resumable, Session, same_parameters_as
+from headwater.errors import (
     ClientClosed,
     ConnectionLost,
-    RequestTimeout,
+    HeadwaterError,
     ServerUnavailable,
+    UsageError,
 )
-from headwater.errors import UsageError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import (
     DEFAULT_LIVENESS_MS,
@@ -53,7 +54,7 @@ from headwater.protocols.convergedb.codes import (
 )
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
 
-from ._connection import CdbConnection, Lost, NotSent
+from ._connection import CdbConnection, NotSent
 from .errors import (
     EntityError,
     NoEpoch,
@@ -86,6 +87,7 @@ MAX_IN_FLIGHT_BATCHES = 1024  # unacknowledged batches before sending waits (str
 T = TypeVar("T")
 _C = TypeVar("_C")
 _Q = TypeVar("_Q")
+_A = TypeVar("_A", bound=m.Ack | m.KindAck | m.EpochEndAck | m.State)
 
 
 class ResubscribeMode(enum.Enum):
@@ -124,8 +126,15 @@ class _EpochState:
     conn: CdbConnection | None = None
 
 
-class AsyncEntityClient:
+class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
     """A ConvergeDB client for asyncio. Make one with :func:`connect_async`."""
+
+    service = "ConvergeDB"
+    default_port = DEFAULT_PORT
+    refused_hint = "is `headwater serve` running with the ConvergeDB listener?"
+    closed_message = "the entities client is closed"
+    # SourceConflict: the server has not yet noticed the old connection end.
+    retry_on = (ServerUnavailable, SourceConflict)
 
     def __init__(
         self,
@@ -145,30 +154,18 @@ class AsyncEntityClient:
         batch_ops: int = DEFAULT_BATCH_OPS,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
-        self.host, self.port = parse_server(server, DEFAULT_PORT)
-        self.address = f"{self.host}:{self.port}"
+        super().__init__(server, timeout, reconnect, reconnect_attempts, backoff_base, backoff_max)
         self.token = token or ""
         self.name = name
         self.requested_source = source_id
         self.read_only = read_only
         self.liveness_ms = liveness_ms
-        self.timeout = timeout
-        self.reconnect = reconnect
-        self.reconnect_attempts = max(1, reconnect_attempts)
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
         self.linger = linger
         self.batch_ops = max(1, min(batch_ops, MAX_BATCH_OPS))
         self.buffer_bytes = buffer_bytes
         self.source_id: int | None = None
         """The source slot the server granted (None when read-only)."""
-        self.reconnects = 0
         self.resent_batches = 0
-        self._conn: CdbConnection | None = None
-        self._lock: asyncio.Lock | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._connected_once = False
-        self._closed = False
         # The write buffer is filled from any thread (the blocking client encodes in the
         # caller's thread) and emptied on the loop.
         self._buffer_lock = threading.Lock()
@@ -179,26 +176,9 @@ class AsyncEntityClient:
         self._next_batch = 0
         self._errors: list[EntityError | ConnectionLost] = []
         self._epoch = _EpochState()
-        self._subscriptions: set[AsyncEntitySubscription[Any]] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._kinds: dict[str, Kind[Any]] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------
-
-    async def __aenter__(self) -> AsyncEntityClient:
-        await self._ensure()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def connected(self) -> bool:
-        return self._conn is not None and self._conn.usable
 
     async def close(self, *, flush: bool = True) -> None:
         """Send what is buffered (``flush``: and wait until it is durable), unsubscribe and
@@ -212,180 +192,58 @@ class AsyncEntityClient:
                     await asyncio.wait_for(self.flush(), self.timeout)
                 except Exception as exc:
                     failed = exc  # raised once the client is closed: writes were lost
-            for sub in list(self._subscriptions):
-                with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await asyncio.wait_for(sub.close(), 2.0)
         finally:
-            self._closed = True
-            for task in list(self._tasks):
-                task.cancel()
-            conn = self._conn
-            if conn is not None:
-                conn.close()
+            await self._shut()
         if failed is not None:
             raise failed
-
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # ---- connecting ---------------------------------------------------------------------
 
     async def _open(self) -> CdbConnection:
         """One connection attempt, CONNECT included."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        where = f"cannot connect to ConvergeDB at {self.address}"
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(
-                    lambda: CdbConnection(self._on_lost, self._on_async_error),
-                    self.host,
-                    self.port,
-                ),
-                self.timeout,
-            )
-        except TimeoutError:
-            raise ServerUnavailable(f"{where}: timed out after {self.timeout}s") from None
-        except OSError as exc:
-            raise ServerUnavailable(f"{where}: {_reason(exc)}") from None
+        conn = await self._dial(lambda: CdbConnection(self._on_lost, self._on_async_error))
         # After the first CONNECT, ask for the slot we were given: within the liveness
         # deadline the server hands it back with its entities.
         source = self.source_id if self.source_id is not None else self.requested_source
         message = m.Connect(self.name, self.token, source, self.read_only, self.liveness_ms)
-        try:
-            _, future = conn.send(message)
-            assert future is not None
-            reply = await asyncio.wait_for(future, self.timeout)
-        except TimeoutError:
-            conn.abort()
-            raise ServerUnavailable(
-                f"{where}: no answer to CONNECT within {self.timeout}s"
-            ) from None
-        except (Lost, NotSent):
-            why = conn.close_reason or "the connection closed during CONNECT"
-            raise ServerUnavailable(f"{where}: {why}") from None
-        if isinstance(reply, m.ErrorMessage):
-            conn.close()
-            raise error_for(reply.code, reply.ref_opcode, reply.message)
-        if not isinstance(reply, m.ConnectAck):
-            conn.abort()
-            raise ServerUnavailable(f"{where}: unexpected {type(reply).__name__} to CONNECT")
+        reply = await self._greet(conn, lambda c: c.request(message), "CONNECT", m.ConnectAck)
         conn.source_id = reply.source_id
         self.source_id = None if reply.source_id == NO_SOURCE else reply.source_id
-        self._spawn(self._heartbeats(conn))
+        # Liveness: a HEARTBEAT whenever the connection was silent for a third of the
+        # deadline.
+        interval = max(0.05, (self.liveness_ms or DEFAULT_LIVENESS_MS) / 3000)
+        self._keep_alive(conn, interval, lambda c: c.send(m.Heartbeat()), when_idle=True)
         return conn
 
-    async def _ensure(self) -> CdbConnection:
-        """The live connection; (re)connects when there is none, then sends again the
-        batches the old one left unacknowledged."""
-        conn = self._conn
-        if conn is not None and conn.usable:
-            return conn
-        if self._closed:
-            raise ClientClosed("the entities client is closed")
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            conn = self._conn
-            if conn is not None and conn.usable:
-                return conn
-            if self._closed:
-                raise ClientClosed("the entities client is closed")
-            if not self._connected_once:
-                conn = await self._open()
-            elif not self.reconnect:
-                why = (self._conn.close_reason if self._conn else None) or "closed"
-                raise ConnectionLost(
-                    f"the connection to ConvergeDB at {self.address} was lost ({why}) "
-                    "and reconnect is off"
+    def _error_of(self, reply: object) -> HeadwaterError | None:
+        if isinstance(reply, m.ErrorMessage):
+            return error_for(reply.code, reply.ref_opcode, reply.message)
+        return None
+
+    def _connected(self, conn: CdbConnection) -> None:
+        self._resend(conn)  # the batches the old connection left unacknowledged
+
+    def _unfinished(self) -> bool:
+        return bool(self._sent or self._buffer)
+
+    def _lost_for_good(self, conn: CdbConnection) -> None:
+        if self._sent:
+            self._errors.append(
+                ConnectionLost(
+                    f"{len(self._sent)} batches were in flight when the connection was "
+                    f"lost ({conn.close_reason}); they may or may not have been applied",
+                    maybe_applied=True,
                 )
-            else:
-                conn = await self._reconnect()
-            self._conn = conn
-            self._connected_once = True
-            self._resend(conn)
-            return conn
-
-    async def _reconnect(self) -> CdbConnection:
-        last: Exception | None = None
-        for attempt in range(1, self.reconnect_attempts + 1):
-            await asyncio.sleep(backoff_delay(attempt, self.backoff_base, self.backoff_max))
-            if self._closed:
-                raise ClientClosed("the entities client is closed")
-            try:
-                conn = await self._open()
-            except (ServerUnavailable, SourceConflict) as exc:
-                # SourceConflict: the server has not yet noticed the old connection end.
-                last = exc
-                continue
-            self.reconnects += 1
-            return conn
-        raise ServerUnavailable(
-            f"lost the connection to ConvergeDB at {self.address} and could not reconnect "
-            f"in {self.reconnect_attempts} attempts: {last}"
-        )
-
-    def _on_lost(self, conn: CdbConnection, exc: BaseException | None) -> None:
-        if self._closed or conn is not self._conn:
-            return
-        subs = [s for s in self._subscriptions if s._conn is conn]
-        for sub in subs:
-            sub._detach()
-        if not self.reconnect:
-            error = ConnectionLost(
-                f"the connection to ConvergeDB at {self.address} was lost "
-                f"({conn.close_reason}) and reconnect is off"
             )
-            if self._sent:
-                self._errors.append(
-                    ConnectionLost(
-                        f"{len(self._sent)} batches were in flight when the connection was "
-                        f"lost ({conn.close_reason}); they may or may not have been applied",
-                        maybe_applied=True,
-                    )
-                )
-                self._sent.clear()
-            for sub in subs:
-                sub._fail(error)
-            return
-        if subs or self._sent or self._buffer:
-            self._spawn(self._recover(subs))
+            self._sent.clear()
 
-    async def _recover(self, subs: list[AsyncEntitySubscription[Any]]) -> None:
-        try:
-            await self._ensure()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            for sub in subs:
-                sub._fail(exc)
-            if isinstance(exc, EntityError | ConnectionLost):
-                self._errors.append(exc)
-            return
+    async def _recovered(self) -> None:
         if self._buffer:
             await self._send_buffer()
-        for sub in subs:
-            try:
-                await sub._subscribe(resubscribe=True)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as exc:
-                sub._fail(exc)
 
-    async def _heartbeats(self, conn: CdbConnection) -> None:
-        deadline_ms = self.liveness_ms or DEFAULT_LIVENESS_MS
-        interval = max(0.05, deadline_ms / 3000)
-        loop = asyncio.get_running_loop()
-        while conn.usable:
-            await asyncio.sleep(interval)
-            if loop.time() - conn.last_send >= interval and conn.usable:
-                with contextlib.suppress(NotSent):
-                    conn.send(m.Heartbeat())
+    def _recovery_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, EntityError | ConnectionLost):
+            self._errors.append(exc)
 
     def _on_async_error(self, error: m.ErrorMessage) -> None:
         # Only fire-and-forget requests fail on stream 0; this client sends none but
@@ -395,40 +253,17 @@ class AsyncEntityClient:
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def _call(self, message: m.ClientMessage, *, safe: bool, ack: bool = False) -> m.Message:
+    async def _call(
+        self, message: m.ClientMessage, expect: type[_A], *, safe: bool, ack: bool = False
+    ) -> _A:
         """Send a request and return its reply (an ERROR raises its EntityError).
 
         ``safe`` requests (reads) are sent again on a new connection when the old one
         breaks; the others raise ConnectionLost with ``maybe_applied``.
         """
-        what = message.opcode.name
-        for _ in range(self.reconnect_attempts + 1):
-            conn = await self._ensure()
-            try:
-                await conn.writable()
-                stream_id, future = conn.send(message, ack=ack)
-            except NotSent:
-                continue
-            assert future is not None
-            try:
-                reply = await asyncio.wait_for(future, self.timeout)
-            except TimeoutError:
-                conn.pending.pop(stream_id, None)
-                raise RequestTimeout(
-                    f"no answer to {what} from ConvergeDB at {self.address} within {self.timeout}s"
-                ) from None
-            except Lost as exc:
-                if safe and self.reconnect and not self._closed:
-                    continue
-                raise ConnectionLost(
-                    f"the connection to ConvergeDB at {self.address} was lost while {what} "
-                    f"was in flight ({exc})",
-                    maybe_applied=not safe,
-                ) from None
-            if isinstance(reply, m.ErrorMessage):
-                raise error_for(reply.code, reply.ref_opcode, reply.message)
-            return reply
-        raise ServerUnavailable(f"ConvergeDB at {self.address} keeps closing the connection")
+        return await self._exchange(
+            lambda conn: conn.request(message, ack=ack), message.opcode.name, expect, safe=safe
+        )
 
     # ---- kinds --------------------------------------------------------------------------
 
@@ -441,7 +276,9 @@ class AsyncEntityClient:
         fields = dataclass_fields(cls)
         kind_name = name or kind_name_of(cls)
         specs = [FieldSpec(f.name, f.type) for f in fields]
-        reply = await self._call(m.CreateKind(kind_name, specs, event_stream), safe=False)
+        reply = await self._call(
+            m.CreateKind(kind_name, specs, event_stream), m.KindAck, safe=False
+        )
         return self._bind(kind_name, cls, fields, reply, event_stream)
 
     async def get_kind(self, cls: type[T], name: str | None = None) -> Kind[T]:
@@ -450,7 +287,7 @@ class AsyncEntityClient:
         fields = dataclass_fields(cls)
         kind_name = name or kind_name_of(cls)
         specs = [FieldSpec(f.name, f.type) for f in fields]
-        reply = await self._call(m.GetKind(kind_name, specs), safe=True)
+        reply = await self._call(m.GetKind(kind_name, specs), m.KindAck, safe=True)
         return self._bind(kind_name, cls, fields, reply, False)
 
     async def kind_from_schema(
@@ -469,14 +306,12 @@ class AsyncEntityClient:
         request: m.ClientMessage = (
             m.CreateKind(name, wire, event_stream) if create else m.GetKind(name, wire)
         )
-        reply = await self._call(request, safe=not create)
+        reply = await self._call(request, m.KindAck, safe=not create)
         return self._bind(name, dict, fields, reply, event_stream)
 
     def _bind(
-        self, name: str, cls: type[_C], fields: Any, reply: m.Message, event_stream: bool
+        self, name: str, cls: type[_C], fields: Any, reply: m.KindAck, event_stream: bool
     ) -> Kind[_C]:
-        if not isinstance(reply, m.KindAck):
-            raise UsageError(f"unexpected {type(reply).__name__} to a kind request")
         kind = Kind(
             name,
             reply.kind_id,
@@ -598,10 +433,9 @@ class AsyncEntityClient:
     def _transmit(self, conn: CdbConnection, seq: int, sent: _Sent) -> None:
         message: m.ClientMessage = sent.ops[0] if len(sent.ops) == 1 else m.Batch(sent.ops)
         try:
-            _, future = conn.send(message, ack=True)
+            _, future = conn.request(message, ack=True)
         except NotSent:
             return  # stays in _sent: the reconnect sends it again
-        assert future is not None
         sent.future = future
         sent.attempts += 1
         future.add_done_callback(lambda f: self._batch_done(seq, sent, f))
@@ -666,7 +500,7 @@ class AsyncEntityClient:
             await self._send_buffer()
             waiting = [s.future for s in self._sent.values() if s.future is not None]
             try:
-                await self._call(m.Heartbeat(), safe=True, ack=True)
+                await self._call(m.Heartbeat(), m.Ack, safe=True, ack=True)
             except ConnectionLost:
                 if self.reconnect and not self._closed:
                     continue
@@ -702,7 +536,7 @@ class AsyncEntityClient:
     async def begin_epoch(self) -> None:
         self._check_writer()
         await self._send_buffer()
-        await self._call(m.SourceEpochBegin(), safe=False, ack=True)
+        await self._call(m.SourceEpochBegin(), m.Ack, safe=False, ack=True)
         self._epoch.conn = self._conn
 
     async def end_epoch(self) -> int:
@@ -717,8 +551,7 @@ class AsyncEntityClient:
                 "retracted nothing; run the epoch again",
                 Opcode.SOURCE_EPOCH_END,
             )
-        reply = await self._call(m.SourceEpochEnd(), safe=False, ack=True)
-        assert isinstance(reply, m.EpochEndAck)
+        reply = await self._call(m.SourceEpochEnd(), m.EpochEndAck, safe=False, ack=True)
         await self.flush()
         return reply.retracted_count
 
@@ -727,12 +560,11 @@ class AsyncEntityClient:
     async def get(self, kind: Kind[T], key: KeyLike) -> Entity[T] | None:
         """The entity's committed state, or None when it does not exist."""
         try:
-            reply = await self._call(m.Query(kind.kind_id, entity_id(key)), safe=True)
+            reply = await self._call(m.Query(kind.kind_id, entity_id(key)), m.State, safe=True)
         except EntityError as exc:
             if exc.cdb_code == ErrorCode.ENTITY_NOT_FOUND:
                 return None
             raise
-        assert isinstance(reply, m.State)
         return _entity(kind, reply)
 
     async def scan(self, kind: Kind[T]) -> list[Entity[T]]:
@@ -765,27 +597,8 @@ class AsyncEntityClient:
         )
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused (is `headwater serve` running with the ConvergeDB listener?)"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror[0].lower() + exc.strerror[1:]
-    return str(exc) or type(exc).__name__
-
-
 def _chunks(ops: list[m.WriteOp], max_ops: int) -> list[list[m.WriteOp]]:
-    chunks: list[list[m.WriteOp]] = []
-    current: list[m.WriteOp] = []
-    size = 0
-    for op in ops:
-        n = _op_size(op)
-        if current and (len(current) >= max_ops or size + n > BATCH_PAYLOAD_BYTES):
-            chunks.append(current)
-            current, size = [], 0
-        current.append(op)
-        size += n
-    if current:
-        chunks.append(current)
+    chunks = batching.batches(ops, _op_size, max_ops, BATCH_PAYLOAD_BYTES)
     assert all(sum(map(_op_size, c)) < MAX_PAYLOAD for c in chunks)
     return chunks
 
@@ -850,7 +663,7 @@ class _Bootstrap:
     full_again: bool = False  # a re-bootstrap after a reconnect: report deletions missed
 
 
-class AsyncEntitySubscription(Generic[T]):
+class AsyncEntitySubscription(Resumable[CdbConnection], Generic[T]):
     """Changes of one kind, highest version first-class.
 
     Every notification is applied to :attr:`view` (entity id -> latest Entity) only when
@@ -877,14 +690,14 @@ class AsyncEntitySubscription(Generic[T]):
         include_previous: bool = False,
         events: bool = False,
     ) -> None:
-        self._client = client
+        super().__init__(client)  # states: new, live, detached, closed, failed
+        self._client: AsyncEntityClient = client
         self.kind = kind
         self.bootstrap = bootstrap
         self.resubscribe_mode = resubscribe
         self.include_previous = include_previous
         self.events_requested = events
         self.view: dict[bytes, Entity[T]] = {}
-        self.resubscribes = 0
         self._versions: dict[bytes, int] = {}  # deleted entities too, until bootstrap end
         self._queue: deque[Entity[T]] = deque()
         self._wakeup = asyncio.Event()
@@ -892,30 +705,13 @@ class AsyncEntitySubscription(Generic[T]):
         self._events_wakeup = asyncio.Event()
         self._bootstrapped = asyncio.Event()
         self._bootstrap: _Bootstrap | None = None
-        self._conn: CdbConnection | None = None
-        self._state = "new"  # new, live, detached, closed, failed
         self._stream_id = 0
-        self._error: BaseException | None = None
 
     def __repr__(self) -> str:
         return (
             f"<AsyncEntitySubscription kind={self.kind.name} state={self._state} "
             f"entities={len(self.view)}>"
         )
-
-    @property
-    def closed(self) -> bool:
-        return self._state in ("closed", "failed")
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    async def __aenter__(self) -> AsyncEntitySubscription[T]:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def start(self) -> AsyncEntitySubscription[T]:
         if self._state == "new":
@@ -939,39 +735,27 @@ class AsyncEntitySubscription(Generic[T]):
             include_previous=self.include_previous,
             events=self.events_requested,
         )
-        for _ in range(client.reconnect_attempts + 1):
-            conn = await client._ensure()
+
+        def post(conn: CdbConnection) -> tuple[int, asyncio.Future[m.Message]]:
             try:
-                await conn.writable()
-                stream_id, future = conn.send(message, route=self)
-            except NotSent:
-                continue
+                return conn.request(message, route=self)
             except UsageError as exc:
                 raise UsageError(
                     f"kind {self.kind.name} already has a subscription on this client: {exc}"
                 ) from None
-            assert future is not None
-            self._conn = conn
+
+        def sent(conn: CdbConnection, stream_id: Hashable) -> None:
+            assert isinstance(stream_id, int)
+            self._conn, self._stream_id = conn, stream_id
             self._bootstrap = _Bootstrap(full_again=resubscribe) if full else None
-            try:
-                reply = await asyncio.wait_for(future, client.timeout)
-            except TimeoutError:
-                conn.routes.pop(stream_id, None)
-                raise RequestTimeout(f"no answer to SUBSCRIBE within {client.timeout}s") from None
-            except Lost:
-                continue
-            if isinstance(reply, m.ErrorMessage):
-                conn.routes.pop(stream_id, None)
-                raise error_for(reply.code, reply.ref_opcode, reply.message)
-            self._stream_id = stream_id
-            if self._state in ("new", "detached"):
-                self._state = "live"
-            if resubscribe:
-                self.resubscribes += 1
-            if not full:
-                self._bootstrapped.set()
-            return
-        raise ServerUnavailable(f"ConvergeDB at {client.address} keeps closing the connection")
+
+        await client._exchange(post, "SUBSCRIBE", m.Ack, safe=True, on_sent=sent)
+        if self._state in ("new", "detached"):
+            self._state = "live"
+        if resubscribe:
+            self.resubscribes += 1
+        if not full:
+            self._bootstrapped.set()
 
     # ---- notifications ------------------------------------------------------------------
 
@@ -1027,17 +811,17 @@ class AsyncEntitySubscription(Generic[T]):
         self._bootstrapped.set()
         self._wakeup.set()
 
+    # ---- the connection's end (called by the client) -----------------------------------
+
     def _detach(self) -> None:
         if self._state in ("live", "new"):
             self._state = "detached"
             self._conn = None
 
-    def _fail(self, exc: BaseException) -> None:
-        if self.closed:
-            return
-        self._state = "failed"
-        self._error = exc
-        self._client._subscriptions.discard(self)
+    async def _resubscribe(self) -> None:
+        await self._subscribe(resubscribe=True)
+
+    def _wake(self) -> None:
         self._bootstrapped.set()
         self._wakeup.set()
         self._events_wakeup.set()
@@ -1087,18 +871,7 @@ class AsyncEntitySubscription(Generic[T]):
         return self._queue.popleft() if self._queue else None
 
     def __aiter__(self) -> AsyncIterator[Entity[T]]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Entity[T]]:
-        await self.start()
-        while True:
-            batch = await self.next_batch()
-            if not batch:
-                if self.closed:
-                    return
-                continue
-            for entity in batch:
-                yield entity
+        return self._drain(self.next_batch, unsubscribe=False)
 
     async def next_events(self, timeout: float | None = None) -> list[EntityEvent]:
         """The EVENTs received so far (waiting for one); [] on timeout or once closed. A
@@ -1106,75 +879,24 @@ class AsyncEntitySubscription(Generic[T]):
         taken."""
         return await self._take(self._events, self._events_wakeup, timeout)
 
-    async def events(self) -> AsyncIterator[EntityEvent]:
+    def events(self) -> AsyncIterator[EntityEvent]:
         """``async for event in sub.events()``: the EVENTs of an event-stream kind
         subscribed with ``events=True``, until the subscription is closed."""
-        await self.start()
-        while True:
-            batch = await self.next_events()
-            if not batch:
-                if self.closed:
-                    return
-                continue
-            for event in batch:
-                yield event
+        return self._drain(self.next_events, unsubscribe=False)
 
-    async def close(self) -> None:
-        """Unsubscribe (best effort, bounded) and stop."""
-        if self.closed:
+    async def _unsubscribe(self, conn: CdbConnection) -> None:
+        if not conn.usable:
             return
-        conn, state = self._conn, self._state
-        self._state = "closed"
-        self._client._subscriptions.discard(self)
-        self._wakeup.set()
-        self._events_wakeup.set()
-        self._bootstrapped.set()
-        if conn is None or state != "live" or not conn.usable:
-            return
-        try:
-            _, future = conn.send(m.Unsubscribe(self.kind.kind_id))
-        except (NotSent, UsageError):
-            return
-        if future is not None:
-            with contextlib.suppress(TimeoutError, Lost):
-                await asyncio.wait_for(future, 5.0)
+        with contextlib.suppress(UsageError):
+            unsubscribe = m.Unsubscribe(self.kind.kind_id)
+            await self._client._best_effort(conn, lambda c: c.request(unsubscribe))
         conn.routes.pop(self._stream_id, None)
 
 
-async def connect_async(
-    server: str = DEFAULT_SERVER,
-    *,
-    token: str | None = None,
-    name: str = "",
-    source_id: int | None = None,
-    read_only: bool = False,
-    liveness_ms: int = 0,
-    timeout: float | None = DEFAULT_TIMEOUT,
-    reconnect: bool = True,
-    reconnect_attempts: int = 10,
-    backoff_base: float = 0.05,
-    backoff_max: float = 2.0,
-    linger: float = DEFAULT_LINGER,
-    batch_ops: int = DEFAULT_BATCH_OPS,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-) -> AsyncEntityClient:
+@same_parameters_as(AsyncEntityClient)
+async def connect_async(client: AsyncEntityClient) -> AsyncEntityClient:
     """Connect to the ConvergeDB listener (default 127.0.0.1:7402) as a source (a writer
-    slot: ``source_id`` or the lowest free one) or ``read_only``."""
-    client = AsyncEntityClient(
-        server,
-        token=token,
-        name=name,
-        source_id=source_id,
-        read_only=read_only,
-        liveness_ms=liveness_ms,
-        timeout=timeout,
-        reconnect=reconnect,
-        reconnect_attempts=reconnect_attempts,
-        backoff_base=backoff_base,
-        backoff_max=backoff_max,
-        linger=linger,
-        batch_ops=batch_ops,
-        buffer_bytes=buffer_bytes,
-    )
+    slot: ``source_id`` or the lowest free one) or ``read_only``; the parameters are
+    :class:`AsyncEntityClient`'s."""
     await client._ensure()
     return client

@@ -3,10 +3,10 @@
 A ConvergeDB ERROR from the server raises the :class:`EntityError` subclass of its code
 (``KindNotFound`` for KIND_NOT_FOUND ...); ``name`` is the wire name, ``ref_opcode`` the
 request it answers. Failures of the connection itself are the SDK's usual classes from
-:mod:`headwater.client.errors` (``ServerUnavailable``, ``ConnectionLost``,
-``RequestTimeout``, ``ClientClosed``). A call the client refuses before sending anything
-(a write on a read-only connection, a value of the wrong type) raises
-:class:`~headwater.errors.UsageError` or :class:`ReadOnly`.
+:mod:`headwater.errors` (``ServerUnavailable``, ``ConnectionLost``, ``RequestTimeout``,
+``ClientClosed``), under the same root :class:`~headwater.errors.HeadwaterError`. A call
+the client refuses before sending anything (a write on a read-only connection, a value of
+the wrong type) raises :class:`~headwater.errors.UsageError` or :class:`ReadOnly`.
 """
 
 from __future__ import annotations

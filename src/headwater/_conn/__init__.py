@@ -1,0 +1,14 @@
+"""The connection core under every SDK client (streams over Kimberlite, entities over
+ConvergeDB, the Ripple worker).
+
+* :mod:`.link`: one TCP connection through a sans-I/O codec of
+  :mod:`headwater.protocols`: requests matched to their answers by key, pushes routed to
+  their subscriptions.
+* :mod:`.session`: connecting with the protocol's greeting (and auth token), reconnecting
+  with exponential backoff and jitter (one round at a time: no reconnect storm),
+  requests retried when safe, subscriptions recovered on a new connection.
+* :mod:`.blocking`: the blocking clients, each an asyncio client run on a loop thread.
+
+Each SDK adds only what its protocol says: which codec, how a message is routed, what
+the greeting is, which requests are safe to repeat.
+"""
