@@ -9,6 +9,11 @@ gets (Kiwi: the JSON RESULT; NATS: the MSG line) and takes the event's send time
 its payload. The producer (this process) appends to the headwater stream through the
 Kimberlite SDK and publishes to NATS over its core TCP protocol, with the same payloads.
 
+The ``headwater_packed`` side is the same Kiwi gateway with headwater's opt-in packing
+extension (``/ws?pack=1``: consecutive messages as one text frame holding a JSON array of
+them, docs/protocols/kiwi.md), which the default Kiwi client does not ask for; it is
+reported as its own row, never instead of the default.
+
 Two phases per side:
 
 * paced: ``--rate`` events/s for ``--seconds``: p50/p99/max delivery latency (send to
@@ -16,7 +21,10 @@ Two phases per side:
   arrived;
 * burst: ``--burst`` events as fast as the producer can send them in batches of
   ``--batch``: deliveries/s = events received by all subscribers together / (last
-  receive - first send).
+  receive - first send). Both producers send every batch without waiting (NATS core has
+  no acknowledgement; headwater's appends are pipelined on the SDK's connection and
+  awaited at the end, as NATS's closing PING/PONG); ``--no-pipeline`` waits for each
+  append's acknowledgement instead (the method before 2026-11-24).
 
 The headwater stream is created with ``sync = "none"`` (NATS core does not persist
 either); ``--sync fsync`` measures with durable appends. Sides alternate per phase.
@@ -57,6 +65,8 @@ from benchlib import (
 )
 
 SUBJECT = "fanout"
+HEADWATER_SIDES = ("headwater", "headwater_packed")
+SIDES = ("headwater", "headwater_packed", "nats")
 READY_SECONDS = 60.0
 IDLE_SECONDS = 3.0  # a subscriber stops waiting after this long without a new event
 
@@ -181,23 +191,33 @@ class Tally:
         self.latencies.append((now - sent) / 1e6)
 
 
+def kiwi_message(message: dict[str, Any], tally: Tally, ready: asyncio.Event) -> None:
+    kind = message["type"]
+    if kind == "RESULT":
+        tally.got(sent_ns(message["data"]["value"]))
+    elif kind == "SUBSCRIBE_OK":
+        ready.set()
+    elif kind == "NOTICE" and message["data"]["type"] == "LAG":
+        tally.lag_notices += 1
+        tally.dropped += int(message["data"]["count"])
+    elif kind == "SUBSCRIBE_ERROR":
+        raise RuntimeError(f"SUBSCRIBE failed: {message}")
+
+
 async def kiwi_subscriber(url: str, stream: str, tally: Tally, ready: asyncio.Event) -> None:
+    """A Kiwi client; on a ``?pack=1`` connection a frame may hold a JSON array of
+    messages (headwater's packing extension)."""
     import websockets
 
     async with websockets.connect(url, max_size=None, compression=None) as ws:
         await ws.send(json.dumps({"type": "SUBSCRIBE", "sourceId": stream, "mode": "push"}))
         async for frame in ws:
             message = json.loads(frame)
-            kind = message["type"]
-            if kind == "RESULT":
-                tally.got(sent_ns(message["data"]["value"]))
-            elif kind == "SUBSCRIBE_OK":
-                ready.set()
-            elif kind == "NOTICE" and message["data"]["type"] == "LAG":
-                tally.lag_notices += 1
-                tally.dropped += int(message["data"]["count"])
-            elif kind == "SUBSCRIBE_ERROR":
-                raise RuntimeError(f"SUBSCRIBE failed: {message}")
+            if isinstance(message, list):
+                for each in message:
+                    kiwi_message(each, tally, ready)
+            else:
+                kiwi_message(message, tally, ready)
 
 
 async def nats_subscriber(url: str, subject: str, tally: Tally, ready: asyncio.Event) -> None:
@@ -211,27 +231,32 @@ async def nats_subscriber(url: str, subject: str, tally: Tally, ready: asyncio.E
         )
         buffer = b""
         async for frame in ws:
+            # NATS packs many messages into a frame: parse them by position, and keep
+            # only the unparsed rest (re-slicing after each message copied the rest of
+            # the frame per message, quadratic in the frame's size).
             buffer += frame if isinstance(frame, bytes) else frame.encode()
+            pos = 0
             while True:
-                end = buffer.find(b"\r\n")
+                end = buffer.find(b"\r\n", pos)
                 if end < 0:
                     break
-                line = buffer[:end]
+                line = buffer[pos:end]
                 if line.startswith(b"MSG "):
                     size = int(line.rsplit(b" ", 1)[1])
                     stop = end + 2 + size + 2
                     if len(buffer) < stop:
                         break
                     tally.got(sent_ns(buffer[end + 2 : end + 2 + size]))
-                    buffer = buffer[stop:]
+                    pos = stop
                     continue
-                buffer = buffer[end + 2 :]
+                pos = end + 2
                 if line == b"PONG":
                     ready.set()  # the SUB was processed before the PING
                 elif line == b"PING":
                     await ws.send(b"PONG\r\n")
                 elif line.startswith(b"-ERR"):
                     raise RuntimeError(line.decode())
+            buffer = buffer[pos:]
 
 
 def subscriber_main(side: str, url: str, source: str, count: int, conn: Connection) -> None:
@@ -248,7 +273,7 @@ def subscriber_main(side: str, url: str, source: str, count: int, conn: Connecti
 
 async def _subscribers(side: str, url: str, source: str, count: int, conn: Connection) -> None:
     loop = asyncio.get_running_loop()
-    run = kiwi_subscriber if side == "headwater" else nats_subscriber
+    run = nats_subscriber if side == "nats" else kiwi_subscriber
     tallies = [Tally() for _ in range(count)]
     readies = [asyncio.Event() for _ in range(count)]
     tasks = [
@@ -356,17 +381,28 @@ class Subscribers:
 
 
 class HeadwaterProducer:
-    def __init__(self, server: HeadwaterServer, stream: str) -> None:
+    """Appends through the SDK. ``pipelined``: every batch is sent without waiting for
+    the previous one's acknowledgement (``Client.submit``), and ``finish`` waits for them
+    all, as the NATS publisher sends without waiting and ends with a PING/PONG."""
+
+    def __init__(self, server: HeadwaterServer, stream: str, pipelined: bool) -> None:
         import headwater
 
         self.client = headwater.connect(f"{HOST}:{server.ports['kimberlite']}")
         self.stream = stream
+        self.pipelined = pipelined
+        self.pending: list[Any] = []
 
     def send(self, values: list[bytes]) -> None:
-        self.client.append(self.stream, values)
+        if self.pipelined:
+            self.pending.append(self.client.submit(self.client.aio.append(self.stream, values)))
+        else:
+            self.client.append(self.stream, values)
 
     def finish(self) -> None:
-        return None  # every append was acknowledged
+        for future in self.pending:
+            future.result(60)  # every append acknowledged
+        self.pending.clear()
 
     def close(self) -> None:
         self.client.close()
@@ -418,7 +454,7 @@ def produce_burst(producer: Any, total: int, batch: int, size: int) -> tuple[int
 def measure(
     side: str, phase: str, args: argparse.Namespace, hw: HeadwaterServer, nats: NatsServer
 ) -> dict[str, Any]:
-    if side == "headwater":
+    if side in HEADWATER_SIDES:
         stream = f"fanout_{phase}_{time.monotonic_ns()}"
         create = urllib.request.Request(
             f"http://{HOST}:{hw.ports['http']}/api/streams",
@@ -428,7 +464,9 @@ def measure(
         )
         urllib.request.urlopen(create, timeout=30).close()
         url, source, server_pid = f"ws://{HOST}:{hw.ports['http']}/ws", stream, hw.pid
-        producer: Any = HeadwaterProducer(hw, stream)
+        if side == "headwater_packed":
+            url += "?pack=1"
+        producer: Any = HeadwaterProducer(hw, stream, phase == "burst" and args.pipeline)
     else:
         url, source, server_pid = f"ws://{HOST}:{nats.ws_port}", SUBJECT, nats.pid
         producer = NatsProducer(nats)
@@ -475,7 +513,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"Machine: {env['cpu']}; load average before/after {env['loadavg_before']} / "
         f"{env['loadavg_after']}; headwater {env['git']}; nats-server {env['nats_version']}; "
         f"{cfg['subscribers']} WebSocket subscribers in {cfg['procs']} processes, "
-        f"{cfg['size']}-byte events; headwater stream sync = {cfg['sync']}.",
+        f"{cfg['size']}-byte events; headwater stream sync = {cfg['sync']}; burst appends "
+        f"{'pipelined' if cfg.get('pipeline') else 'one acknowledged batch at a time'}.",
         "",
         "| phase | side | deliveries/s | p50 ms | p99 ms | max ms | delivered | "
         "LAG-dropped | server CPU s |",
@@ -485,8 +524,10 @@ def markdown(results: dict[str, Any]) -> str:
         ("paced", f"{cfg['rate']:,} events/s for {cfg['seconds']} s"),
         ("burst", f"{cfg['burst']:,} events, batches of {cfg['batch']}"),
     ):
-        for side in ("headwater", "nats"):
-            r = results[phase][side]
+        for side in SIDES:
+            r = results[phase].get(side)
+            if r is None:
+                continue
             lines.append(
                 f"| {phase} ({what}) | {side} | {r['deliveries_per_s']:,.0f} | "
                 f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
@@ -497,8 +538,14 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"headwater / NATS: burst deliveries/s **{ratios['burst_deliveries']:.2f}**, "
         f"paced p99 latency **{ratios['paced_p99']:.2f}** (above 1 = headwater slower).",
-        "",
     ]
+    if "burst_deliveries_packed" in ratios:
+        lines.append(
+            f"headwater_packed (`?pack=1`, opt-in) / NATS: burst deliveries/s "
+            f"**{ratios['burst_deliveries_packed']:.2f}**, paced p99 latency "
+            f"**{ratios['paced_p99_packed']:.2f}**."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -512,12 +559,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=100, help="burst phase: events per send")
     p.add_argument("--size", type=int, default=100, help="event size in bytes")
     p.add_argument("--sync", default="none", help="the headwater stream's sync policy")
+    p.add_argument(
+        "--no-pipeline",
+        dest="pipeline",
+        action="store_false",
+        help="burst: wait for each append's acknowledgement before sending the next batch",
+    )
+    p.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help="comma-separated sides to measure (headwater and nats are required)",
+    )
     p.add_argument("--nats-server", default=shutil.which("nats-server") or "/usr/sbin/nats-server")
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
     if args.quick:
         args.subscribers, args.procs, args.rate, args.seconds, args.burst = 10, 2, 100, 1.0, 500
+    args.sides = [side for side in args.sides.split(",") if side]
+    if not {"headwater", "nats"} <= set(args.sides) or not set(args.sides) <= set(SIDES):
+        p.error(f"--sides takes headwater and nats, and optionally headwater_packed: {SIDES}")
     if not Path(args.nats_server).exists():
         p.error(f"nats-server not found at {args.nats_server} (apt-get install nats-server)")
     root = default_root("headwater-fanout-bench-")
@@ -531,16 +592,22 @@ def main(argv: list[str] | None = None) -> int:
         hw.start(root, listeners=("kimberlite", "http"))
         nats.start(root)
         results["environment"]["nats_version"] = nats.version
+        sides = [side for side in SIDES if side in args.sides]
         for n, phase in enumerate(("paced", "burst")):
             results[phase] = {}
-            for side in ("headwater", "nats") if n % 2 == 0 else ("nats", "headwater"):
+            for side in sides if n % 2 == 0 else sides[::-1]:
                 results[phase][side] = measure(side, phase, args, hw, nats)
-        results["ratios"] = {
-            "burst_deliveries": results["burst"]["headwater"]["deliveries_per_s"]
-            / results["burst"]["nats"]["deliveries_per_s"],
-            "paced_p99": results["paced"]["headwater"]["p99_ms"]
-            / results["paced"]["nats"]["p99_ms"],
-        }
+        ratios: dict[str, float] = {}
+        for side, suffix in (("headwater", ""), ("headwater_packed", "_packed")):
+            if side in sides:
+                ratios["burst_deliveries" + suffix] = (
+                    results["burst"][side]["deliveries_per_s"]
+                    / results["burst"]["nats"]["deliveries_per_s"]
+                )
+                ratios["paced_p99" + suffix] = (
+                    results["paced"][side]["p99_ms"] / results["paced"]["nats"]["p99_ms"]
+                )
+        results["ratios"] = ratios
     finally:
         hw.stop()
         nats.stop()

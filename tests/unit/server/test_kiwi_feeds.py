@@ -33,6 +33,8 @@ def payload(frame: bytes) -> dict[str, Any]:
 class FakeSession:
     """Stands in for KiwiSession: records what the feed hands it."""
 
+    packed = False  # takes text frames
+
     def __init__(self, broken: bool = False) -> None:
         self.broken = broken
         self.offsets: list[int] = []

@@ -55,9 +55,10 @@ class Counter:
             delay = started + tick * interval - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            frames = [text_frame(counter_result(spec.source_id, count))]
+            message = counter_result(spec.source_id, count)
+            frames, bare = [text_frame(message)], [message]
             for session in list(self.subscribers):
-                session.deliver(spec.source_id, frames)
+                session.deliver(spec.source_id, bare if session.packed else frames)
             if spec.max is not None and count >= spec.max:
                 break
             count += 1

@@ -45,11 +45,10 @@ def attach_kind(
             specs = tenant_kinds.kind(kind_id).fields  # the schema may have grown since
             values = codec_for(specs).decode_assert(change.record)
             fields = {spec.name: value for spec, value in zip(specs, values, strict=False)}
-        return text_frame(
-            entity_result(
-                source_id, change.entity_id, CHANGES[change.change], change.version, fields
-            )
+        message = entity_result(
+            source_id, change.entity_id, CHANGES[change.change], change.version, fields
         )
+        return message if session.packed else text_frame(message)
 
     async def pump() -> None:
         try:

@@ -1,7 +1,11 @@
 """One Kiwi WebSocket connection: the sans-I/O :class:`KiwiConnection` plus its socket.
 
 Sources call :meth:`KiwiSession.deliver` and :meth:`KiwiSession.source_closed` from the
-event loop; both return at once. What the core queues is written straight to the
+event loop; both return at once. What a source delivers is in the session's format: text
+frames, or, on a connection that opted into headwater's packing extension
+(``/ws?pack=1``, :attr:`KiwiSession.packed`), the bare JSON messages, which the session
+frames when it writes: the messages taken together go out as JSON arrays of them, up to
+``PACK_MAX_BYTES`` a frame (docs/protocols/kiwi.md). What the core queues is written straight to the
 transport while it takes more; once the transport pauses (the peer is not reading), the
 core's bounded outbox fills and then sheds push events (LAG), and a single drain task
 resumes writing when the transport has room again. A slow peer therefore costs the
@@ -20,7 +24,7 @@ from aiohttp import WSMsgType, web
 
 from headwater.protocols.kiwi import messages as m
 from headwater.protocols.kiwi.connection import KiwiConnection
-from headwater.protocols.kiwi.frames import text_frame
+from headwater.protocols.kiwi.frames import PACK_MAX_BYTES, packed_frames, text_frame
 
 if TYPE_CHECKING:
     from headwater.server.kiwi.gateway import Gateway
@@ -41,11 +45,12 @@ class KiwiSession:
         self.request = request
         self.ws = ws
         self.tenant_id = tenant_id
+        self.packed = packing_requested(request)
         self.core = KiwiConnection(
             buffer_capacity=config.buffer_capacity,
             lag_notice_threshold=config.lag_notice_threshold,
             send_capacity=config.send_queue,
-            frame=text_frame,
+            frame=_bare if self.packed else text_frame,
         )
         self.detach: dict[str, Detach] = {}
         self.closed = False
@@ -107,7 +112,8 @@ class KiwiSession:
     # ---- sources ------------------------------------------------------------------------
 
     def deliver(self, source_id: str, results: Sequence[bytes]) -> None:
-        """A source's new events, as framed RESULT messages."""
+        """A source's new events: RESULT messages as text frames, or bare when
+        :attr:`packed`."""
         core = self.core
         lost = core.lost_events
         # A read can hold more events than the outbox: hand them over an outbox at a time
@@ -148,7 +154,7 @@ class KiwiSession:
         assert transport is not None
         frames = self.core.take_outgoing()
         if frames:
-            transport.writelines(frames)
+            transport.writelines(packed_frames(frames, PACK_MAX_BYTES) if self.packed else frames)
         if self.request.protocol.writing_paused:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         self._update_room()
@@ -192,6 +198,15 @@ class KiwiSession:
         if self._drain_task is not None:
             self._drain_task.cancel()
             self._drain_task = None
+
+
+def packing_requested(request: web.Request) -> bool:
+    """Did the client ask for packed frames (``?pack=1`` or ``?pack=true``)?"""
+    return request.query.get("pack", "").lower() in ("1", "true")
+
+
+def _bare(message: bytes) -> bytes:
+    return message
 
 
 class SourceUnavailable(Exception):

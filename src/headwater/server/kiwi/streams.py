@@ -3,9 +3,10 @@ subscribers, shared by all of them.
 
 A feed holds one engine subscription from the live end, with credit it keeps topped up
 (Kiwi has no credit). Each commit wakes that one subscription, which reads the log once;
-the feed encodes each event once as a framed RESULT and hands the same frames to every
-subscriber's session (:class:`~headwater.protocols.kiwi.fanout.Fanout` says which part
-goes to a subscriber that joined while the feed was behind). A session never blocks: its
+the feed encodes each event once as a RESULT (framed once, for the sessions that take
+frames) and hands the same messages to every subscriber's session
+(:class:`~headwater.protocols.kiwi.fanout.Fanout` says which part goes to a subscriber
+that joined while the feed was behind). A session never blocks: its
 own bounded queues decide what a slow subscriber loses (LAG), so one stalled browser
 costs the feed, the engine and the other subscribers nothing.
 
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from headwater.api import MAX_CREDITS, RESUME, CloseReason, ReadResult, StreamInfo, Subscription
 from headwater.protocols.kiwi.fanout import Fanout
 from headwater.protocols.kiwi.frames import text_frame
-from headwater.protocols.kiwi.results import PARTITION, stream_results
+from headwater.protocols.kiwi.results import PARTITION, batch_results
 from headwater.server.kiwi.session import Detach, KiwiSession
 
 if TYPE_CHECKING:
@@ -90,17 +91,28 @@ class StreamFeed:
         if not routes:
             return
         source_id = self.source_id
-        frames = [text_frame(p) for p in stream_results(source_id, result.events())]
+        # Encoded once for every subscriber; framed once for those that take frames
+        # (packing connections take the bare messages and frame them as they write).
+        messages: list[bytes] = []
+        for span in result.spans:
+            messages += batch_results(source_id, span.batch, span.start, span.stop)
+        frames: list[bytes] | None = None
         delivered, value_bytes = 0, 0
         for session, index in routes:
+            if session.packed:
+                shared = messages
+            else:
+                if frames is None:
+                    frames = [text_frame(message) for message in messages]
+                shared = frames
             try:
                 if index == 0:
-                    session.deliver(source_id, frames)
+                    session.deliver(source_id, shared)
                     delivered += result.count
                     value_bytes += result.value_bytes
                 else:  # joined while the feed was behind: from its start offset on
-                    session.deliver(source_id, frames[index:])
-                    delivered += len(frames) - index
+                    session.deliver(source_id, shared[index:])
+                    delivered += len(shared) - index
                     value_bytes += sum(len(e.value) for e in list(result.events())[index:])
             except Exception:
                 # One broken connection must not end the feed for the others.
