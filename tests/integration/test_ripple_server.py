@@ -266,8 +266,7 @@ def test_worker_killed_and_restarted_from_its_checkpoint_converges(
     run(crashy, "crashy", range(1, 151))
     crashy.checkpoint()
     run(crashy, "crashy", range(151, 231))
-    crashy._sock.close()  # type: ignore[union-attr]  # killed: no goodbye, no checkpoint
-    crashy._stop.set()
+    crashy._kill()  # killed: no goodbye, no checkpoint
     # A new process restarts from the checkpoint and replays its deterministic input.
     with Worker_("crashy", {"crashy": Quote}, address) as restarted:
         run(restarted, "crashy", range(151, 301))

@@ -13,29 +13,40 @@
         worker.checkpoint()          # everything above is durable on the server
 
 Sequence numbers are per output, 1, 2, 3, ... unless the caller passes its own (a
-deterministic replay). Deltas sent since the last acknowledged checkpoint are kept; when
-the connection breaks, the worker reconnects (exponential backoff with jitter), says
-Handshake again and resends them with their original sequence numbers, which the server
-drops if it had applied them. A background thread sends heartbeats and answers the
-server's Checkpoint_requests (everything sent before one is already on its way, so the
+deterministic replay). A delta is framed in the caller's thread (a bad one raises there)
+and written by the worker's event-loop thread, which batches what several calls framed
+into one write. Deltas sent since the last acknowledged checkpoint are kept; when the
+connection breaks, the worker reconnects (exponential backoff with jitter, through the
+connection core every SDK client shares: :mod:`headwater._conn`), says Handshake again
+and resends them with their original sequence numbers, which the server drops if it had
+applied them. The loop thread also sends heartbeats and answers the server's
+Checkpoint_requests (everything sent before one is already on its way, so the
 acknowledgement is immediate).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-import select
-import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from headwater.client.aio import backoff_delay, parse_server
-from headwater.errors import ProtocolError, UsageError
+from headwater._conn.blocking import Blocking, LoopThread
+from headwater._conn.link import Link, NotSent
+from headwater._conn.session import Resumable, Session, parse_server
+from headwater.errors import (
+    ClientError,
+    ConnectionLost,
+    HeadwaterError,
+    ServerUnavailable,
+    UsageError,
+)
 from headwater.protocols.ripple import messages as rm
-from headwater.protocols.ripple.connection import ClientConnection
+from headwater.protocols.ripple.connection import ClientConnection, Received
 
 DEFAULT_SERVER = "127.0.0.1:7403"
 DEFAULT_PORT = 7403
@@ -46,9 +57,11 @@ _TYPES: dict[object, rm.FieldType] = {
     bool: rm.FieldType.BOOL,
 }
 _NAMED = {t.__name__: t for t in (str, int, float, bool)}  # string annotations
+_HANDSHAKE = rm.SchemaNegotiation
+"""The key the Handshake's answer is awaited on (a checkpoint's is its id, a str)."""
 
 
-class WorkerError(Exception):
+class WorkerError(ClientError):
     """The server refused the worker (its Handshake or a delta), or stayed unreachable."""
 
 
@@ -76,7 +89,240 @@ class _Sent:
     watermark_ns: int | None
 
 
-class Worker:
+class _Link(Link[Received, rm.Message]):
+    """One worker connection over the Ripple codec. What is framed for it waits in
+    ``outbox`` (under the worker's guard), so envelopes leave in the order they were
+    numbered whichever thread framed them."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        on_lost: Callable[[_Link, BaseException | None], None],
+        on_checkpoint_request: Callable[[_Link, rm.CheckpointRequest], None],
+    ) -> None:
+        super().__init__(on_lost)
+        self.codec = ClientConnection(worker_id)
+        self.on_checkpoint_request = on_checkpoint_request
+        self.outbox: list[bytes] = []
+        self.flush_scheduled = False
+
+    def _decode(self, data: bytes) -> list[Received]:
+        return self.codec.receive_data(data)
+
+    def _dispatch(self, received: Received) -> None:
+        message = received.message
+        if isinstance(message, rm.CheckpointRequest):
+            self.on_checkpoint_request(self, message)
+        elif isinstance(message, rm.CheckpointAck):
+            self._deliver(message.checkpoint_id, message, push=False)
+        elif isinstance(message, rm.SchemaNegotiation):
+            answered = self._deliver(_HANDSHAKE, message, push=False)
+            if not answered and not message.ok:
+                # A delta was refused: whoever waits (a checkpoint) hears why.
+                self._fail_pending(WorkerError("the server refused: " + "; ".join(message.errors)))
+
+    def flush(self) -> None:
+        """Write the outbox (the worker's guard held, on the loop); NotSent when the
+        connection is gone (its deltas are resent on the next one)."""
+        data = b"".join(self.outbox)
+        self.outbox.clear()
+        self.flush_scheduled = False
+        if data:
+            self._post(data)
+
+
+class _AsyncWorker(Session[_Link, Resumable[_Link]]):
+    """The worker's asyncio half, run on the :class:`Worker`'s loop thread; deltas are
+    framed in the caller's thread (:meth:`send`)."""
+
+    service = "Ripple"
+    default_port = DEFAULT_PORT
+    closed_message = "the worker is closed"
+
+    def __init__(
+        self,
+        worker_id: str,
+        schemas: Mapping[str, rm.Schema],
+        server: str,
+        *,
+        heartbeat_s: float,
+        timeout: float,
+        reconnect_attempts: int,
+    ) -> None:
+        super().__init__(server, timeout, True, reconnect_attempts, 0.05, 2.0)
+        self.worker_id = worker_id
+        self.schemas = schemas
+        self.heartbeat_s = heartbeat_s
+        # The caller's thread and the loop's share what follows.
+        self._guard = threading.Lock()
+        self._pending: list[_Sent] = []  # since the last acknowledged checkpoint
+        self._next: dict[str, int] = {}
+        self._writer: _Link | None = None  # the connection deltas are framed for
+        self._errors: list[BaseException] = []  # of background reconnects, for send()
+        self._reviving = False
+
+    # ---- connecting ---------------------------------------------------------------------
+
+    async def _open(self) -> _Link:
+        conn = await self._dial(
+            lambda: _Link(self.worker_id, self._on_lost, self._on_checkpoint_request)
+        )
+
+        def hello(c: _Link) -> tuple[Hashable, asyncio.Future[rm.Message]]:
+            return _HANDSHAKE, c._expect(_HANDSHAKE, c.codec.handshake(self.schemas))
+
+        await self._greet(conn, hello, "Handshake", rm.SchemaNegotiation)
+        self._keep_alive(conn, self.heartbeat_s, self._beat, when_idle=False)
+        return conn
+
+    def _error_of(self, reply: object) -> HeadwaterError | None:
+        if isinstance(reply, rm.SchemaNegotiation) and not reply.ok:
+            return WorkerError("the server refused the worker: " + "; ".join(reply.errors))
+        return None
+
+    async def _reconnect(self) -> _Link:
+        try:
+            return await super()._reconnect()
+        except ServerUnavailable as exc:
+            raise WorkerError(f"no Ripple server at {self.address}: {exc}") from None
+
+    def _connected(self, conn: _Link) -> None:
+        with self._guard:  # from now on deltas are framed for conn: first the unacknowledged
+            self._writer = conn
+            conn.outbox = [self._frame(conn, sent) for sent in self._pending]
+            with contextlib.suppress(NotSent):
+                conn.flush()
+
+    def _unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def _revive(self) -> None:
+        """Reconnect in the background (and so resend what is unacknowledged)."""
+        if not self._reviving and not self._closed:
+            self._reviving = True
+            self._spawn(self._recover([]))
+
+    async def _recovered(self) -> None:
+        self._reviving = False
+
+    def _recovery_failed(self, exc: BaseException) -> None:
+        self._reviving = False
+        with self._guard:
+            self._errors.append(exc)
+
+    # ---- output -------------------------------------------------------------------------
+
+    def _frame(self, conn: _Link, sent: _Sent) -> bytes:
+        return conn.codec.send_delta(
+            sent.output,
+            sent.key,
+            sent.delta,
+            sequence_no=sent.sequence_no,
+            watermark_ns=sent.watermark_ns,
+        )
+
+    def send(
+        self,
+        output: str,
+        key: str | bytes,
+        delta: rm.Delta,
+        sequence_no: int | None,
+        watermark_ns: int | None,
+    ) -> int:
+        """Frame a delta (in the caller's thread) for the loop to write; its sequence
+        number."""
+        with self._guard:
+            self._check_open()
+            if self._errors:
+                error = self._errors.pop(0)
+                self._errors.clear()
+                raise error
+            if output not in self.schemas:
+                raise UsageError(f"output {output!r} was not declared")
+            seq = sequence_no if sequence_no is not None else self._next.get(output, 1)
+            sent = _Sent(output, key, delta, seq, watermark_ns)
+            writer = self._writer
+            assert writer is not None and self._loop is not None
+            writer.outbox.append(self._frame(writer, sent))  # a bad delta raises here
+            self._next[output] = max(self._next.get(output, 1), seq + 1)
+            self._pending.append(sent)
+            kick = not writer.flush_scheduled
+            writer.flush_scheduled = True
+        if kick:
+            self._loop.call_soon_threadsafe(self._flush, writer)
+        return seq
+
+    def _flush(self, conn: _Link) -> None:
+        with self._guard:
+            try:
+                conn.flush()
+                return
+            except NotSent:
+                pass
+        if conn is self._conn:
+            self._revive()  # the next delta reconnects, as a failed write would
+
+    def _beat(self, conn: _Link) -> None:
+        with self._guard:
+            conn.flush()
+            conn._post(conn.codec.heartbeat(time.time_ns(), 0.0))
+
+    def _on_checkpoint_request(self, conn: _Link, request: rm.CheckpointRequest) -> None:
+        """The server's checkpoint: everything this worker sent before the request is in
+        the socket already (the server reads in order), so acknowledge at once."""
+        with self._guard, contextlib.suppress(NotSent):
+            last = max(self._next.values(), default=1) - 1
+            conn.flush()
+            conn._post(conn.codec.checkpoint_ack(request.checkpoint_id, request.epoch, last))
+
+    async def checkpoint(self, checkpoint_id: str, epoch: int) -> int:
+        """Wait until the server made everything sent so far durable and visible;
+        returns the server's last applied sequence number."""
+        covered = 0
+
+        def ask(conn: _Link) -> tuple[Hashable, asyncio.Future[rm.Message]]:
+            nonlocal covered
+            with self._guard:
+                conn.flush()
+                covered = len(self._pending)
+                data = conn.codec.checkpoint_request(checkpoint_id, epoch)
+                return checkpoint_id, conn._expect(checkpoint_id, data)
+
+        try:
+            ack = await self._exchange(ask, "Checkpoint_request", rm.CheckpointAck, safe=True)
+        except ConnectionLost as exc:
+            raise WorkerError(f"the checkpoint failed after every reconnect ({exc})") from None
+        with self._guard:
+            del self._pending[:covered]
+            self._errors.clear()
+        return ack.last_sequence_no
+
+    def number_after(self, last: int) -> None:
+        """Number every output's next delta ``last + 1``."""
+        with self._guard:
+            self._next = {output: last + 1 for output in self.schemas}
+
+    async def close(self) -> None:
+        """Write what is framed, then close the connection (no checkpoint)."""
+        if self._closed:
+            return
+        conn = self._writer
+        if conn is not None:
+            with self._guard, contextlib.suppress(NotSent):
+                conn.flush()
+        await self._shut()
+        if conn is not None:
+            await conn.wait_closed(2.0)
+
+    def _abort(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        if self._conn is not None:
+            self._conn.abort()
+
+
+class Worker(Blocking[_AsyncWorker]):
     def __init__(
         self,
         worker_id: str,
@@ -99,22 +345,20 @@ class Worker:
         self.address = parse_server(server, DEFAULT_PORT)
         self.timeout = timeout
         self.reconnect_attempts = reconnect_attempts
-        self._lock = threading.RLock()
-        self._pending: list[_Sent] = []  # since the last acknowledged checkpoint
-        self._next: dict[str, int] = {}
-        self._sock: socket.socket | None = None
-        self._conn: ClientConnection | None = None
-        self._closed = False
-        self.reconnects = 0
-        self._connect()
-        if resume:
-            last = self.checkpoint()
-            self._next = {output: last + 1 for output in self.schemas}
-        self._stop = threading.Event()
-        self._heartbeats = threading.Thread(
-            target=self._beat, args=(heartbeat_s,), name="ripple-heartbeat", daemon=True
+        inner = _AsyncWorker(
+            worker_id,
+            self.schemas,
+            server,
+            heartbeat_s=heartbeat_s,
+            timeout=timeout,
+            reconnect_attempts=reconnect_attempts,
         )
-        self._heartbeats.start()
+        runner = LoopThread.connected(
+            inner, name="ripple-worker", closed_message=inner.closed_message
+        )
+        super().__init__(inner, runner)
+        if resume:
+            self._inner.number_after(self.checkpoint())
 
     # ---- public API -----------------------------------------------------------------
 
@@ -147,33 +391,7 @@ class Worker:
     def checkpoint(self, checkpoint_id: str | None = None, epoch: int = 0) -> int:
         """Wait until the server made everything sent so far durable and visible;
         returns the server's last applied sequence number."""
-        checkpoint_id = checkpoint_id or uuid.uuid4().hex
-        with self._lock:
-            for attempt in range(self.reconnect_attempts + 1):
-                try:
-                    assert self._sock is not None and self._conn is not None
-                    self._sock.sendall(self._conn.checkpoint_request(checkpoint_id, epoch))
-                    ack = self._wait_for(rm.CheckpointAck)
-                    assert isinstance(ack, rm.CheckpointAck)
-                    self._pending.clear()
-                    return ack.last_sequence_no
-                except OSError:
-                    self._reconnect(attempt + 1)
-        raise WorkerError("the checkpoint failed after every reconnect")
-
-    def close(self) -> None:
-        self._stop.set()
-        with self._lock:
-            self._closed = True
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-
-    def __enter__(self) -> Worker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return self._run(self._inner.checkpoint(checkpoint_id or uuid.uuid4().hex, epoch))
 
     # ---- internals ------------------------------------------------------------------
 
@@ -186,109 +404,13 @@ class Worker:
         sequence_no: int | None = None,
         watermark_ns: int | None = None,
     ) -> int:
-        with self._lock:
-            if output not in self.schemas:
-                raise UsageError(f"output {output!r} was not declared")
-            seq = sequence_no if sequence_no is not None else self._next.get(output, 1)
-            self._next[output] = max(self._next.get(output, 1), seq + 1)
-            sent = _Sent(output, key, delta, seq, watermark_ns)
-            self._pending.append(sent)
-            try:
-                self._write(sent)
-            except OSError:
-                self._reconnect(1)  # resends everything pending, this one included
-            return seq
+        return self._inner.send(output, key, delta, sequence_no, watermark_ns)
 
-    def _write(self, sent: _Sent) -> None:
-        assert self._sock is not None and self._conn is not None
-        data = self._conn.send_delta(
-            sent.output,
-            sent.key,
-            sent.delta,
-            sequence_no=sent.sequence_no,
-            watermark_ns=sent.watermark_ns,
-        )
-        self._sock.sendall(data)
-
-    def _connect(self) -> None:
-        sock = socket.create_connection(self.address, timeout=self.timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock, self._conn = sock, ClientConnection(self.worker_id)
-        sock.sendall(self._conn.handshake(self.schemas))
-        answer = self._wait_for(rm.SchemaNegotiation)
-        assert isinstance(answer, rm.SchemaNegotiation)
-        if not answer.ok:
-            sock.close()
-            self._sock = None
-            raise WorkerError("the server refused the worker: " + "; ".join(answer.errors))
-
-    def _reconnect(self, first_attempt: int) -> None:
-        if self._closed:
-            raise WorkerError("the worker is closed")
-        for attempt in range(first_attempt, self.reconnect_attempts + 1):
-            time.sleep(backoff_delay(attempt, 0.05, 2.0))
-            try:
-                if self._sock is not None:
-                    self._sock.close()
-                self._connect()
-                for sent in self._pending:
-                    self._write(sent)
-                self.reconnects += 1
-                return
-            except OSError:
-                continue
-        raise WorkerError(f"no Ripple server at {self.address[0]}:{self.address[1]}")
-
-    def _wait_for(self, kind: type) -> rm.Message:
-        assert self._sock is not None and self._conn is not None
-        while True:
-            data = self._sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError("the server closed the connection")
-            try:
-                received = self._conn.receive_data(data)
-            except ProtocolError as exc:
-                raise ConnectionResetError(f"bad bytes from the server: {exc}") from None
-            for item in received:
-                message = item.message
-                if isinstance(message, rm.CheckpointRequest):
-                    self._answer(message)
-                    continue
-                refused = isinstance(message, rm.SchemaNegotiation) and not message.ok
-                if refused and kind is not rm.SchemaNegotiation:
-                    assert isinstance(message, rm.SchemaNegotiation)
-                    raise WorkerError("the server refused: " + "; ".join(message.errors))
-                if isinstance(message, kind):
-                    return message
-
-    def _answer(self, request: rm.CheckpointRequest) -> None:
-        """The server's checkpoint: everything this worker sent before the request is in
-        the socket already (the server reads in order), so acknowledge at once."""
-        assert self._sock is not None and self._conn is not None
-        last = max(self._next.values(), default=1) - 1
-        self._sock.sendall(self._conn.checkpoint_ack(request.checkpoint_id, request.epoch, last))
-
-    def _beat(self, every: float) -> None:
-        while not self._stop.wait(every):
-            with self._lock:
-                if self._sock is None or self._conn is None:
-                    return
-                try:
-                    self._sock.sendall(self._conn.heartbeat(time.time_ns(), 0.0))
-                    self._poll()
-                except (OSError, ProtocolError):
-                    continue  # the next send or checkpoint reconnects
-
-    def _poll(self) -> None:
-        """Answer what the server sent meanwhile (its Checkpoint_requests)."""
-        assert self._sock is not None and self._conn is not None
-        while select.select([self._sock], [], [], 0)[0]:
-            data = self._sock.recv(1 << 16)
-            if not data:
-                raise ConnectionResetError("the server closed the connection")
-            for item in self._conn.receive_data(data):
-                if isinstance(item.message, rm.CheckpointRequest):
-                    self._answer(item.message)
+    def _kill(self) -> None:
+        """Die as a killed process would: the connection dropped at once (what was not
+        written yet is lost), no goodbye, no checkpoint, no reconnect. For tests."""
+        self._runner.loop.call_soon_threadsafe(self._inner._abort)
+        self._runner.stop()
 
 
 def _text(value: Any) -> str:
