@@ -323,8 +323,20 @@ class Kind(Generic[T]):
         return {f.name: from_wire(f, v) for f, v in zip(present, values, strict=True)}
 
 
+class _Keyed:
+    """What an entity's state and an op on it share: the entity id, shown as a key."""
+
+    __slots__ = ()
+    entity_id: bytes
+
+    @property
+    def key(self) -> str:
+        """The entity id as :func:`key_text` shows it."""
+        return key_text(self.entity_id)
+
+
 @dataclass(frozen=True, slots=True, repr=False)
-class Entity(Generic[T]):
+class Entity(_Keyed, Generic[T]):
     """An entity's committed state (QUERY, scan) or a change to it (subscriptions).
 
     ``value`` is None for a deletion. ``change`` is ``created``, ``updated``,
@@ -352,11 +364,6 @@ class Entity(Generic[T]):
         )
 
     @property
-    def key(self) -> str:
-        """The entity id as :func:`key_text` shows it."""
-        return key_text(self.entity_id)
-
-    @property
     def deleted(self) -> bool:
         return self.value is None
 
@@ -367,7 +374,7 @@ class Entity(Generic[T]):
 
 
 @dataclass(frozen=True, slots=True, repr=False)
-class EntityEvent:
+class EntityEvent(_Keyed):
     """One write to an event-stream kind, as an EVENT delivers it (a subscription with
     ``events=True``): every ASSERT, PATCH and RETRACT, even one that changed nothing.
 
@@ -390,11 +397,6 @@ class EntityEvent:
             f"EntityEvent(kind={self.kind!r}, key={self.key!r}, op={self.op!r}, "
             f"source_id={self.source_id}, sequence={self.sequence}, fields={self.fields!r})"
         )
-
-    @property
-    def key(self) -> str:
-        """The entity id as :func:`key_text` shows it."""
-        return key_text(self.entity_id)
 
 
 def schema_fields(specs: Sequence[tuple[str, int]]) -> tuple[FieldInfo, ...]:
