@@ -39,6 +39,7 @@ from headwater.protocols.convergedb.ops import from_wire
 from headwater.protocols.convergedb.replies import bootstrap_frames, kind_ack, query_state
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
+from headwater.server.tcp import start_tcp_listener
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -390,24 +391,19 @@ class ConvergeConnection(asyncio.Protocol):
 
 async def start_convergedb(server: Server, host: str, port: int) -> Listener:
     connections: set[ConvergeConnection] = set()
-    loop = asyncio.get_running_loop()
-    tcp = await loop.create_server(
-        lambda: ConvergeConnection(server, connections), host, port, reuse_address=True
-    )
-    bound = tcp.sockets[0].getsockname()[1]
-    metrics = metrics_for(server)
-    metrics.add_connections_source("convergedb", lambda: len(connections))
-    metrics.add_subscriptions_source(
-        "convergedb", lambda: sum(len(c.subscriptions) for c in connections)
-    )
 
-    async def stop() -> None:
-        tcp.close()
+    async def drain() -> None:
         with contextlib.suppress(Exception):
             await server.api.flush_kinds()  # pending ACKs go out before the sockets close
-        await asyncio.sleep(0)
-        for conn in list(connections):
-            conn.close()
-        await tcp.wait_closed()
+        await asyncio.sleep(0)  # and the transports take them
 
-    return Listener("convergedb", bound, stop)
+    return await start_tcp_listener(
+        server,
+        "convergedb",
+        host,
+        port,
+        lambda: ConvergeConnection(server, connections),
+        connections,
+        subscriptions=lambda: sum(len(c.subscriptions) for c in connections),
+        drain=drain,
+    )

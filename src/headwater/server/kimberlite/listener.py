@@ -29,6 +29,7 @@ from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
+from headwater.server.tcp import start_tcp_listener
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -200,25 +201,20 @@ class KimberliteConnection(asyncio.Protocol):
 
 async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
     connections: set[KimberliteConnection] = set()
-    loop = asyncio.get_running_loop()
-    tcp = await loop.create_server(
-        lambda: KimberliteConnection(server, connections), host, port, reuse_address=True
-    )
-    bound = tcp.sockets[0].getsockname()[1]
-    metrics = metrics_for(server)
-    metrics.add_connections_source("kimberlite", lambda: len(connections))
-    metrics.add_subscriptions_source(
-        "kimberlite", lambda: sum(len(c.session.subscriptions) for c in connections)
-    )
 
-    async def stop() -> None:
-        tcp.close()  # stop accepting
+    async def drain() -> None:
         # Let requests already received finish (in-flight appends get their answers).
         pending = [t for c in connections for t in c.tasks]
         if pending:
             await asyncio.wait(pending, timeout=10)
-        for conn in list(connections):
-            conn.close()
-        await tcp.wait_closed()
 
-    return Listener("kimberlite", bound, stop)
+    return await start_tcp_listener(
+        server,
+        "kimberlite",
+        host,
+        port,
+        lambda: KimberliteConnection(server, connections),
+        connections,
+        subscriptions=lambda: sum(len(c.session.subscriptions) for c in connections),
+        drain=drain,
+    )

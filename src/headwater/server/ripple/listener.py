@@ -47,6 +47,7 @@ from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
+from headwater.server.tcp import start_tcp_listener
 from headwater.storage.metadata import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -426,22 +427,20 @@ async def start_ripple(server: Server, host: str, port: int) -> Listener:
     state = RippleState(server.data_dir / "ripple" / f"tenant-{TENANT_ID}.json")
     STATES[server] = state
     live = state.live
-    loop = asyncio.get_running_loop()
-    tcp = await loop.create_server(
-        lambda: RippleConnection(server, state, live), host, port, reuse_address=True
-    )
-    bound = tcp.sockets[0].getsockname()[1]
-    metrics = metrics_for(server)
-    metrics.add_connections_source("ripple", lambda: len(live))
-    metrics.registry.register(_RippleCollector(state, live))
+    metrics_for(server).registry.register(_RippleCollector(state, live))
 
-    async def stop() -> None:
-        tcp.close()
-        for conn in list(live):
-            conn.close()
+    async def finish() -> None:
+        # The workers are gone: what they sent is made durable, then the table saved.
         with contextlib.suppress(Exception):
             await server.api.flush_kinds(TENANT_ID)
             await state.save()
-        await tcp.wait_closed()
 
-    return Listener("ripple", bound, stop)
+    return await start_tcp_listener(
+        server,
+        "ripple",
+        host,
+        port,
+        lambda: RippleConnection(server, state, live),
+        live,
+        finish=finish,
+    )
