@@ -15,7 +15,7 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -34,7 +34,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from headwater.client import Client, QueryResult
+    from headwater.client import AsyncClient, Client, QueryResult
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -46,6 +46,22 @@ EXIT_UNREACHABLE = 2
 # into protocol-sized, pipelined appends).
 APPEND_CHUNK_EVENTS = 50_000
 APPEND_CHUNK_BYTES = 8 << 20
+
+
+def details_table(title: str, rows: list[tuple[str, str]], key: str = "field") -> Table:
+    """A two-column table of one thing's details, its names in bold."""
+    table = Table(show_header=False, title=title)
+    table.add_column(key, style="bold")
+    table.add_column("value")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_counted(table: Table, count: int, noun: str) -> None:
+    """``table``, then how many ``noun``s it lists."""
+    out.print(table)
+    out.print(f"{count} {noun}{'s' if count != 1 else ''}")
 
 
 def fail(message: str, status: int) -> int:
@@ -62,7 +78,8 @@ def client_command(
 
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
-        from headwater.errors import ClientError, HeadwaterError
+        from headwater.client import ClientError
+        from headwater.errors import HeadwaterError
 
         try:
             return func(args)
@@ -215,8 +232,7 @@ def cmd_stream_list(args: argparse.Namespace) -> int:
             human_bytes(s.size_bytes),
             format_created(s.created_ns),
         )
-    out.print(table)
-    out.print(f"{len(streams)} stream{'s' if len(streams) != 1 else ''}")
+    print_counted(table, len(streams), "stream")
     return 0
 
 
@@ -228,14 +244,16 @@ def cmd_stream_describe(args: argparse.Namespace) -> int:
         if info.next_offset > 0:
             events = hw.read(info.stream_id, info.next_offset - 1, 1 << 16).events
             last = events[0] if events else None
-    table = Table(show_header=False, title=f"stream {info.name}")
-    table.add_column("field", style="bold")
-    table.add_column("value")
-    table.add_row("id", str(info.stream_id))
-    table.add_row("name", info.name)
-    table.add_row("next offset", f"{info.next_offset:,}")
-    table.add_row("size", f"{human_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)")
-    table.add_row("created", format_created(info.created_ns))
+    table = details_table(
+        f"stream {info.name}",
+        [
+            ("id", str(info.stream_id)),
+            ("name", info.name),
+            ("next offset", f"{info.next_offset:,}"),
+            ("size", f"{human_bytes(info.size_bytes)} ({info.size_bytes:,} bytes)"),
+            ("created", format_created(info.created_ns)),
+        ],
+    )
     if last is not None:
         preview = format_value(last.value)
         if len(preview) > 120:
@@ -464,124 +482,140 @@ def _report(what: str, events: int, nbytes: int, seconds: float, extra: str = ""
     )
 
 
-@client_command
-def cmd_bench_produce(args: argparse.Namespace) -> int:
-    return asyncio.run(_bench_produce(args))
+def bench_command(
+    run: Callable[[AsyncClient, argparse.Namespace], Awaitable[None]],
+) -> Callable[[argparse.Namespace], int]:
+    """A ``bench`` command: ``run`` with an asyncio client of the command's connection."""
+
+    async def main(args: argparse.Namespace) -> None:
+        from headwater.client import connect_async
+
+        client = await connect_async(args.server, token=args.token, tenant=args.tenant)
+        try:
+            await run(client, args)
+        finally:
+            await client.close()
+
+    @client_command
+    def command(args: argparse.Namespace) -> int:
+        asyncio.run(main(args))
+        return 0
+
+    return command
 
 
-async def _bench_produce(args: argparse.Namespace) -> int:
-    from headwater.client import connect_async
+@bench_command
+async def cmd_bench_produce(client: AsyncClient, args: argparse.Namespace) -> None:
     from headwater.errors import StreamAlreadyExists
 
-    client = await connect_async(args.server, token=args.token, tenant=args.tenant)
-    try:
-        with contextlib.suppress(StreamAlreadyExists):
-            await client.create_stream(args.stream)
-        value = (b"x" * args.size)[: args.size]
-        batch = [value] * args.batch
-        batches = [batch] * (args.events // args.batch)
-        if args.events % args.batch:
-            batches.append([value] * (args.events % args.batch))
-        latencies: list[float] = []
-        slots = asyncio.Semaphore(args.concurrency)
-        with _progress() as progress:
-            task = progress.add_task("producing", total=args.events)
+    with contextlib.suppress(StreamAlreadyExists):
+        await client.create_stream(args.stream)
+    value = (b"x" * args.size)[: args.size]
+    batch = [value] * args.batch
+    batches = [batch] * (args.events // args.batch)
+    if args.events % args.batch:
+        batches.append([value] * (args.events % args.batch))
+    latencies: list[float] = []
+    slots = asyncio.Semaphore(args.concurrency)
+    with _progress() as progress:
+        task = progress.add_task("producing", total=args.events)
 
-            async def one(events: list[bytes]) -> None:
-                async with slots:
-                    began = time.perf_counter()
-                    await client.append(args.stream, events)
-                    latencies.append(time.perf_counter() - began)
-                progress.update(task, advance=len(events))
+        async def one(events: list[bytes]) -> None:
+            async with slots:
+                began = time.perf_counter()
+                await client.append(args.stream, events)
+                latencies.append(time.perf_counter() - began)
+            progress.update(task, advance=len(events))
 
-            started = time.perf_counter()
-            # Created in order, so the appends are sent in order; `slots` bounds how
-            # many are in flight on the one connection.
-            await asyncio.gather(*(one(b) for b in batches))
-            elapsed = time.perf_counter() - started
-        latencies.sort()
-        p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
-        p99 = (
-            latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000
-            if latencies
-            else 0.0
-        )
-        _report(
-            "produce",
-            args.events,
-            args.events * args.size,
-            elapsed,
-            f" (batch {args.batch}, {args.concurrency} in flight; "
-            f"append latency p50 {p50:.1f} ms, p99 {p99:.1f} ms)",
-        )
-    finally:
-        await client.close()
-    return 0
+        started = time.perf_counter()
+        # Created in order, so the appends are sent in order; `slots` bounds how
+        # many are in flight on the one connection.
+        await asyncio.gather(*(one(b) for b in batches))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] * 1000 if latencies else 0.0
+    p99 = (
+        latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000 if latencies else 0.0
+    )
+    _report(
+        "produce",
+        args.events,
+        args.events * args.size,
+        elapsed,
+        f" (batch {args.batch}, {args.concurrency} in flight; "
+        f"append latency p50 {p50:.1f} ms, p99 {p99:.1f} ms)",
+    )
 
 
-@client_command
-def cmd_bench_consume(args: argparse.Namespace) -> int:
-    return asyncio.run(_bench_consume(args))
-
-
-async def _bench_consume(args: argparse.Namespace) -> int:
-    from headwater.client import connect_async
-
-    client = await connect_async(args.server, token=args.token, tenant=args.tenant)
-    try:
-        info = await client.stream_info(args.stream)
-        end = info.next_offset
-        if args.events is not None:
-            end = min(end, args.from_offset + args.events)
-        total = max(0, end - args.from_offset)
-        events = nbytes = 0
-        with _progress() as progress:
-            task = progress.add_task(f"consuming ({args.mode})", total=total)
-            started = time.perf_counter()
-            if args.mode == "read":
-                offset = args.from_offset
-                while offset < end:
-                    result = await client.read(info.stream_id, offset, args.max_bytes)
-                    got = result.events[: end - offset]
-                    if not got:
+@bench_command
+async def cmd_bench_consume(client: AsyncClient, args: argparse.Namespace) -> None:
+    info = await client.stream_info(args.stream)
+    end = info.next_offset
+    if args.events is not None:
+        end = min(end, args.from_offset + args.events)
+    total = max(0, end - args.from_offset)
+    events = nbytes = 0
+    with _progress() as progress:
+        task = progress.add_task(f"consuming ({args.mode})", total=total)
+        started = time.perf_counter()
+        if args.mode == "read":
+            offset = args.from_offset
+            while offset < end:
+                result = await client.read(info.stream_id, offset, args.max_bytes)
+                got = result.events[: end - offset]
+                if not got:
+                    break
+                events += len(got)
+                nbytes += sum(len(e.value) for e in got)
+                offset = got[-1].offset + 1
+                progress.update(task, advance=len(got))
+        elif total:
+            async with client.subscribe(
+                info.stream_id, args.from_offset, credits=args.credits
+            ) as sub:
+                while events < total:
+                    batch = await sub.next_batch(total - events)
+                    if not batch:
                         break
-                    events += len(got)
-                    nbytes += sum(len(e.value) for e in got)
-                    offset = got[-1].offset + 1
-                    progress.update(task, advance=len(got))
-            elif total:
-                async with client.subscribe(
-                    info.stream_id, args.from_offset, credits=args.credits
-                ) as sub:
-                    while events < total:
-                        batch = await sub.next_batch(total - events)
-                        if not batch:
-                            break
-                        events += len(batch)
-                        nbytes += sum(len(e.value) for e in batch)
-                        progress.update(task, advance=len(batch))
-            elapsed = time.perf_counter() - started
-        _report(f"consume ({args.mode})", events, nbytes, elapsed)
-    finally:
-        await client.close()
-    return 0
+                    events += len(batch)
+                    nbytes += sum(len(e.value) for e in batch)
+                    progress.update(task, advance=len(batch))
+        elapsed = time.perf_counter() - started
+    _report(f"consume ({args.mode})", events, nbytes, elapsed)
 
 
 # ---- parser -------------------------------------------------------------------------------------
 
 
-def connection_options() -> argparse.ArgumentParser:
+def connection_options(
+    protocol: str = "Kimberlite",
+    env: str = "HEADWATER_SERVER",
+    default: str = "127.0.0.1:7401",
+    *,
+    http: bool = False,
+    tenant_help: str = "tenant id (default 0)",
+) -> argparse.ArgumentParser:
+    """The connection options every client command takes: ``--server`` (the
+    ``protocol``'s address, ``$env`` or ``default``), ``--token``, ``--tenant``, and with
+    ``http`` the HTTP API address (the kind catalog)."""
     parent = argparse.ArgumentParser(add_help=False)
     group = parent.add_argument_group("connection")
     group.add_argument(
         "--server",
-        default=os.environ.get("HEADWATER_SERVER", "127.0.0.1:7401"),
-        help="Kimberlite address host:port (default 127.0.0.1:7401, or $HEADWATER_SERVER)",
+        default=os.environ.get(env, default),
+        help=f"{protocol} address host:port (default {default}, or ${env})",
     )
+    if http:
+        group.add_argument(
+            "--http",
+            default=os.environ.get("HEADWATER_HTTP", "127.0.0.1:7400"),
+            help="HTTP API address for the kind catalog (default 127.0.0.1:7400, "
+            "or $HEADWATER_HTTP)",
+        )
     group.add_argument(
         "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
     )
-    group.add_argument("--tenant", type=non_negative, default=0, help="tenant id (default 0)")
+    group.add_argument("--tenant", type=non_negative, default=0, help=tenant_help)
     return parent
 
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from headwater.cli.client_cmds import client_command, err, fail, out, positive
+from headwater.cli.client_cmds import client_command, details_table, err, fail, out, positive
 from headwater.cli.kind_cmds import connect_entities, describe, entity_options
 
 if TYPE_CHECKING:
@@ -83,13 +83,9 @@ def cmd_entity_get(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(entity_json(entity)) + "\n")
         return 0
-    table = Table(show_header=False, title=f"{args.kind} {entity.key}")
-    table.add_column("field", style="bold")
-    table.add_column("value")
     assert entity.value is not None
-    for name, value in entity.value.items():
-        table.add_row(name, format_field(value))
-    out.print(table)
+    rows = [(name, format_field(value)) for name, value in entity.value.items()]
+    out.print(details_table(f"{args.kind} {entity.key}", rows))
     out.print(
         f"version {entity.version}, asserted by source(s) "
         f"{', '.join(map(str, entity.sources)) or '-'}",

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from headwater.cli.client_cmds import client_command, fail, non_negative, out
+from headwater.cli.client_cmds import (
+    client_command,
+    connection_options,
+    details_table,
+    fail,
+    out,
+    print_counted,
+)
 
 if TYPE_CHECKING:
     from headwater.entities import EntityClient, KindDescription
@@ -26,28 +32,14 @@ CLI_LIVENESS_MS = 2000
 
 
 def entity_options() -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("connection")
-    group.add_argument(
-        "--server",
-        default=os.environ.get("HEADWATER_CONVERGEDB", "127.0.0.1:7402"),
-        help="ConvergeDB address host:port (default 127.0.0.1:7402, or $HEADWATER_CONVERGEDB)",
+    return connection_options(
+        "ConvergeDB",
+        "HEADWATER_CONVERGEDB",
+        "127.0.0.1:7402",
+        http=True,
+        tenant_help="tenant id for the catalog (default 0; ConvergeDB picks the token's "
+        "lowest tenant)",
     )
-    group.add_argument(
-        "--http",
-        default=os.environ.get("HEADWATER_HTTP", "127.0.0.1:7400"),
-        help="HTTP API address for the kind catalog (default 127.0.0.1:7400, or $HEADWATER_HTTP)",
-    )
-    group.add_argument(
-        "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
-    )
-    group.add_argument(
-        "--tenant",
-        type=non_negative,
-        default=0,
-        help="tenant id for the catalog (default 0; ConvergeDB picks the token's lowest tenant)",
-    )
-    return parent
 
 
 def connect_entities(
@@ -152,8 +144,7 @@ def cmd_kind_list(args: argparse.Namespace) -> int:
             f"{kind.entities:,}",
             str(kind.subscribers),
         )
-    out.print(table)
-    out.print(f"{len(kinds)} kind{'s' if len(kinds) != 1 else ''}")
+    print_counted(table, len(kinds), "kind")
     return 0
 
 
@@ -165,15 +156,14 @@ def cmd_kind_describe(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(_kind_json(kind)) + "\n")
         return 0
-    info = Table(show_header=False, title=f"kind {kind.name}")
-    info.add_column("what", style="bold")
-    info.add_column("value")
-    info.add_row("id", str(kind.kind_id))
-    info.add_row("schema version", str(kind.schema_version))
-    info.add_row("event stream", "yes" if kind.event_stream else "no")
-    info.add_row("entities", f"{kind.entities:,}")
-    info.add_row("subscribers", str(kind.subscribers))
-    out.print(info)
+    info = [
+        ("id", str(kind.kind_id)),
+        ("schema version", str(kind.schema_version)),
+        ("event stream", "yes" if kind.event_stream else "no"),
+        ("entities", f"{kind.entities:,}"),
+        ("subscribers", str(kind.subscribers)),
+    ]
+    out.print(details_table(f"kind {kind.name}", info, key="what"))
     fields = Table(title="fields")
     fields.add_column("#", justify="right")
     fields.add_column("name", no_wrap=True)
