@@ -14,11 +14,15 @@ arrives on stdin, so a parent can have it reconnect a slot within milliseconds.
 
 from __future__ import annotations
 
+import signal
 import sys
-import time
+from pathlib import Path
 
 from headwater import entities
 from headwater.entities import FieldType, SourceConflict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for waiting.py
+from waiting import wait_until
 
 FIELDS = [("n", int(FieldType.U32)), ("owner", int(FieldType.STRING))]
 
@@ -28,29 +32,27 @@ def main() -> None:
     if "--wait" in sys.argv[7:]:
         print("WAITING", flush=True)
         sys.stdin.readline()
-    deadline = time.monotonic() + 10
-    while True:
+
+    def connected() -> entities.EntityClient | None:
         try:
-            client = entities.connect(
+            return entities.connect(
                 address,
                 name=f"writer-{source}",
                 source_id=int(source),
                 liveness_ms=int(liveness),
                 reconnect=False,
             )
-            break
         except SourceConflict:
-            # The server has not yet seen the old connection of this slot end.
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+            return None  # the server has not yet seen the old connection of this slot end
+
+    client = wait_until(connected, 10, f"source {source} stayed taken")
     kind = client.kind_from_schema(kind_name, FIELDS)
     for i in range(int(first), int(first) + int(count)):
         client.assert_(kind, f"e{i}", {"n": i, "owner": f"source {source}"})
     client.flush()
     print(f"READY {client.source_id}", flush=True)
-    while True:  # the client's loop thread heartbeats
-        time.sleep(60)
+    while True:  # until killed; the client's loop thread heartbeats meanwhile
+        signal.pause()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Shared fixtures of the integration tests.
+"""Shared fixtures of the integration tests (the server process itself: servers.py).
 
-SDK and CLI tests (``test_sdk_*``, ``test_cli_*``) use the ``sdk_``-prefixed fixtures: a
-real ``headwater serve`` process with only the Kimberlite listener on.
+``shared_server`` is one real ``headwater serve`` (Kimberlite only) for every test that
+does not stop or restart it; ``make_server`` starts servers of a test's own.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sdk_server import SdkServer, running, sdk_free_port, server_factory
+from servers import Server, free_port, server_factory, serving
 
 
 @pytest.fixture(scope="session")
-def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for every SDK / CLI test that does not restart it."""
-    yield from running(tmp_path_factory.mktemp("sdk_server"))
+    yield from serving(tmp_path_factory.mktemp("shared_server"))
 
 
 @pytest.fixture
@@ -39,11 +39,12 @@ def sdk_cli_env() -> dict[str, str]:
 
 
 @pytest.fixture
-def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
-    """Start servers of this test's own (stopped at teardown): ``make(port=0)``."""
+def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Start servers of this test's own (stopped at teardown):
+    ``make_server(port=0, config="", listen=None)``."""
     yield from server_factory(tmp_path)
 
 
 @pytest.fixture
-def sdk_unused_port() -> int:
-    return sdk_free_port()
+def unused_port() -> int:
+    return free_port()

@@ -1,32 +1,17 @@
 """A small raw ConvergeDB test client over one blocking socket and the sans-I/O
-:class:`~headwater.protocols.convergedb.connection.ClientConnection`, plus a real
-``headwater serve`` process with the ConvergeDB and Kimberlite listeners on."""
+:class:`~headwater.protocols.convergedb.connection.ClientConnection`."""
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-
-from kimberlite_raw import ServerProcess
 
 from headwater.protocols.convergedb import messages as m
-from headwater.protocols.convergedb.codes import Opcode
+from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.connection import ClientConnection
 from headwater.protocols.convergedb.fields import FieldSpec, FieldType
-
-
-def cdb_config(extra: str = "") -> str:
-    return (
-        '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
-        'http = ""\nripple = ""\n\n' + extra
-    )
-
-
-def cdb_port(server: ServerProcess) -> int:
-    return int(json.loads(server.ports_file.read_text())["convergedb"])
+from waiting import wait_until
 
 
 class Closed(AssertionError):
@@ -163,6 +148,11 @@ class CdbClient:
                 raise AssertionError(f"collect: no stop frame in time after {checked} frames")
             self._fill(deadline)
 
+    def messages(self, stream: int, count: int, timeout: float | None = None) -> list[m.Message]:
+        """The next ``count`` messages on ``stream``, in arrival order (frames of other
+        streams stay in the inbox)."""
+        return [self.take(lambda f: f.stream_id == stream, timeout).message for _ in range(count)]
+
     def drain(self, duration: float) -> list[m.Frame]:
         """Everything that arrives within ``duration`` seconds (plus the inbox)."""
         deadline = time.monotonic() + duration
@@ -203,6 +193,29 @@ class CdbClient:
         self.close()
 
 
+def connect_when_free(
+    port: int, source_id: int, *, name: str = "", deadline_ms: int = 0
+) -> CdbClient:
+    """A connection as ``source_id`` once the server has seen that slot's previous
+    connection end (until then it answers SOURCE_CONFLICT)."""
+
+    def attempt() -> CdbClient | None:
+        client = CdbClient(port, connect=False)
+        stream, data = client.conn.connect(
+            name, source_id=source_id, liveness_deadline_ms=deadline_ms
+        )
+        client.sock.sendall(data)
+        reply = client.reply(stream).message
+        if isinstance(reply, m.ErrorMessage) and reply.code == ErrorCode.SOURCE_CONFLICT:
+            client.close()
+            return None
+        assert isinstance(reply, m.ConnectAck), reply
+        client.source_id = reply.source_id
+        return client
+
+    return wait_until(attempt, message=f"source {source_id} stayed taken")
+
+
 def eid(n: int) -> bytes:
     return n.to_bytes(32, "big")
 
@@ -227,7 +240,3 @@ def query_many(
             assert isinstance(reply, m.State | m.ErrorMessage), reply
             out[entity] = reply
     return out
-
-
-def server_dir(tmp_path: Path) -> Path:
-    return tmp_path / "srv"

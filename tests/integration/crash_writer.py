@@ -156,6 +156,8 @@ async def run_writer(data_dir: Path, mode: str, run: int, seed: int, max_seconds
             emit("COMPACTING")
             result = await engine.run_maintenance()
             emit(f"COMPACTED {result['events_compacted']}")
+            # Paced on purpose: a random pause between passes, so the parent's SIGKILLs
+            # land before, inside and after compactions alike.
             await asyncio.sleep(rng.uniform(0, 0.02))
 
     tasks = [appender() for _ in range(APPENDERS)]

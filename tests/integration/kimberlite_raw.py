@@ -1,4 +1,4 @@
-"""A small raw Kimberlite test client and a real ``headwater serve`` process.
+"""A small raw Kimberlite test client.
 
 Deliberately not an SDK: one blocking TCP socket, the sans-I/O
 :class:`~headwater.protocols.kimberlite.ClientConnection` to number, frame and decode, and
@@ -9,17 +9,12 @@ real server process (tests/integration/test_kimberlite_server.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 from headwater.protocols.kimberlite import (
     AppendEventsRequest,
@@ -45,113 +40,6 @@ from headwater.protocols.kimberlite import (
 
 HEADER = struct.Struct(">IHII")  # magic, version, payload_len, crc32
 MAGIC = 0x56444220
-STARTUP_SECONDS = 30.0
-STOP_SECONDS = 30.0
-
-
-# ---- configuration ---------------------------------------------------------------------
-
-
-def config_toml(extra: str = "") -> str:
-    """A config with only the Kimberlite listener on, at a free port, plus ``extra``."""
-    return (
-        '[listen]\nkimberlite = "127.0.0.1:0"\nhttp = ""\nconvergedb = ""\nripple = ""\n\n' + extra
-    )
-
-
-# ---- the server process ------------------------------------------------------------------
-
-
-class ServerProcess:
-    """``python -m headwater.cli.main serve`` on a data directory, restartable."""
-
-    def __init__(self, workdir: Path, config: str, name: str = "server") -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.data_dir = workdir / "data"
-        self.ports_file = workdir / "ports.json"
-        self.config_file = workdir / "config.toml"
-        self.config_file.write_text(config)
-        self.log_path = workdir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.starts = 0
-
-    def start(self) -> ServerProcess:
-        assert self.proc is None or self.proc.poll() is not None, "already running"
-        self.ports_file.unlink(missing_ok=True)
-        self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n===== start {self.starts} =====\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "headwater.cli.main",
-                    "serve",
-                    "--data-dir",
-                    str(self.data_dir),
-                    "--ports-file",
-                    str(self.ports_file),
-                    "--config",
-                    str(self.config_file),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
-                )
-            try:
-                ports = json.loads(self.ports_file.read_text())
-            except (OSError, ValueError):
-                ports = None
-            if ports is not None:
-                self.port = int(ports["kimberlite"])
-                return self
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError(f"server did not start in time:\n{self.log_tail()}")
-            time.sleep(0.02)
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def terminate(self, timeout: float = STOP_SECONDS) -> int:
-        """SIGTERM and wait; the exit status."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(
-                f"server ignored SIGTERM for {timeout}s:\n{self.log_tail()}"
-            ) from None
-
-    def kill(self) -> None:
-        """SIGKILL (a crash) and reap."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
-
-    def client(self, tenant_id: int = 0, **kwargs: object) -> RawClient:
-        return RawClient(self.port, tenant_id, **kwargs)  # type: ignore[arg-type]
 
 
 # ---- the client ----------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +35,12 @@ def ok(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_stream_append_read_sql_delete(
-    sdk_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
 ) -> None:
     name, env = sdk_stream_name, sdk_cli_env
-    created = ok(cli("stream", "create", name, server=sdk_server, env=env))
+    created = ok(cli("stream", "create", name, server=shared_server, env=env))
     assert created.startswith(f"created stream {name} (id ")
-    again = cli("stream", "create", name, server=sdk_server, env=env)
+    again = cli("stream", "create", name, server=shared_server, env=env)
     assert again.returncode == 1
     assert (
         again.stderr.strip().splitlines()
@@ -53,26 +52,26 @@ def test_stream_append_read_sql_delete(
         cli(
             "append",
             name,
-            server=sdk_server,
+            server=shared_server,
             env=env,
             stdin=b'{"sym": "A", "px": 10}\n{"sym": "B", "px": 11}\n\nplain text\n',
         )
     )
     assert appended.strip() == f"appended 3 events to {name}: offsets 0..2"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.append(name, [b"\xff\x00binary", "tab\there"])
 
-    listed = ok(cli("stream", "list", server=sdk_server, env=env))
+    listed = ok(cli("stream", "list", server=shared_server, env=env))
     row = next(line for line in listed.splitlines() if f" {name} " in line)
     assert " 5 " in row  # next offset
-    as_json = json.loads(ok(cli("stream", "list", "--json", server=sdk_server, env=env)))
+    as_json = json.loads(ok(cli("stream", "list", "--json", server=shared_server, env=env)))
     entry = next(s for s in as_json if s["name"] == name)
     assert entry["next_offset"] == 5 and entry["size_bytes"] > 0
 
-    described = ok(cli("stream", "describe", name, server=sdk_server, env=env))
+    described = ok(cli("stream", "describe", name, server=shared_server, env=env))
     assert "next offset" in described and "tab\\there" in described
 
-    read = ok(cli("read", name, server=sdk_server, env=env))
+    read = ok(cli("read", name, server=shared_server, env=env))
     assert read.splitlines() == [
         '0\t{"sym": "A", "px": 10}',
         '1\t{"sym": "B", "px": 11}',
@@ -80,19 +79,19 @@ def test_stream_append_read_sql_delete(
         "3\t0x" + b"\xff\x00binary".hex(),  # not UTF-8: hex
         "4\ttab\\there",
     ]
-    page = ok(cli("read", name, "--from", "1", "--limit", "2", server=sdk_server, env=env))
+    page = ok(cli("read", name, "--from", "1", "--limit", "2", server=shared_server, env=env))
     assert [line.split("\t")[0] for line in page.splitlines()] == ["1", "2"]
 
     sql = f'SELECT json->>\'sym\' AS sym, "offset" FROM {name} WHERE "offset" < $1 ORDER BY 2'
-    table = ok(cli("sql", sql, "--param", "2", server=sdk_server, env=env))
+    table = ok(cli("sql", sql, "--param", "2", server=shared_server, env=env))
     assert "sym" in table and "(2 rows)" in table
     assert " A " in table and " B " in table
-    rows = ok(cli("sql", sql, "--param", "2", "--format", "json", server=sdk_server, env=env))
+    rows = ok(cli("sql", sql, "--param", "2", "--format", "json", server=shared_server, env=env))
     assert [json.loads(line) for line in rows.splitlines()] == [
         {"sym": "A", "offset": 0},
         {"sym": "B", "offset": 1},
     ]
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         top = hw.query(f"SELECT max(position) FROM {name}").scalar()
     assert isinstance(top, int)
     at = ok(
@@ -103,38 +102,38 @@ def test_stream_append_read_sql_delete(
             str(top),
             "--format",
             "csv",
-            server=sdk_server,
+            server=shared_server,
             env=env,
         )
     )
     assert at.split() == ["n", "4"]  # the first `top` positions: all but the last event
-    bad = cli("sql", "SELEKT", server=sdk_server, env=env)
+    bad = cli("sql", "SELEKT", server=shared_server, env=env)
     assert bad.returncode == 1 and "QueryParseError" in bad.stderr
     assert "Traceback" not in bad.stderr
 
-    ok(cli("stream", "delete", name, server=sdk_server, env=env))
-    listed = ok(cli("stream", "list", server=sdk_server, env=env))
+    ok(cli("stream", "delete", name, server=shared_server, env=env))
+    listed = ok(cli("stream", "list", server=shared_server, env=env))
     assert f" {name} " not in listed
-    gone = cli("read", name, server=sdk_server, env=env)
+    gone = cli("read", name, server=shared_server, env=env)
     assert gone.returncode == 1
     assert gone.stderr.strip() == f"headwater: error: StreamNotFound: no stream named {name!r}"
 
 
 def test_append_from_a_file(
-    sdk_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str], tmp_path: Path
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str], tmp_path: Path
 ) -> None:
     name = sdk_stream_name
-    ok(cli("stream", "create", name, server=sdk_server, env=sdk_cli_env))
+    ok(cli("stream", "create", name, server=shared_server, env=sdk_cli_env))
     path = tmp_path / "events.jsonl"
     path.write_text("".join(f'{{"i": {i}}}\n' for i in range(25_000)))
-    out = ok(cli("append", name, "--file", str(path), server=sdk_server, env=sdk_cli_env))
+    out = ok(cli("append", name, "--file", str(path), server=shared_server, env=sdk_cli_env))
     assert out.strip() == f"appended 25,000 events to {name}: offsets 0..24999"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         assert hw.query(f"SELECT count(*), max((json->>'i')::INT) FROM {name}").rows == [
             (25_000, 24_999)
         ]
     missing = cli(
-        "append", name, "--file", str(tmp_path / "nope"), server=sdk_server, env=sdk_cli_env
+        "append", name, "--file", str(tmp_path / "nope"), server=shared_server, env=sdk_cli_env
     )
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
@@ -152,9 +151,9 @@ def test_append_from_a_file(
     ],
 )
 def test_unreachable_server_is_one_clear_line(
-    args: tuple[str, ...], sdk_unused_port: int, sdk_cli_env: dict[str, str]
+    args: tuple[str, ...], unused_port: int, sdk_cli_env: dict[str, str]
 ) -> None:
-    address = f"127.0.0.1:{sdk_unused_port}"
+    address = f"127.0.0.1:{unused_port}"
     proc = cli(*args, server=address, env=sdk_cli_env, stdin=b"line\n")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -172,16 +171,16 @@ def _default_sigint() -> None:
 
 
 def test_tail_follows_live_and_ctrl_c_exits_cleanly(
-    sdk_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
 ) -> None:
     name = sdk_stream_name
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(name)
         hw.append(name, [b"before"])
         proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "headwater.cli.main"),
-                *("tail", name, "--from", "0", "--server", sdk_server.address),
+                *("tail", name, "--from", "0", "--server", shared_server.address),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -204,12 +203,11 @@ def test_tail_follows_live_and_ctrl_c_exits_cleanly(
         assert proc.returncode == 0, stderr.decode()
         assert b"Traceback" not in stderr
         # The tail unsubscribed: later appends still work and nothing is left hanging.
-        time.sleep(0.05)
         assert hw.append(name, [b"after"]) == (3, 1)
 
 
 def test_bench_produce_and_consume(
-    sdk_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
 ) -> None:
     name = sdk_stream_name
     produced = ok(
@@ -223,14 +221,14 @@ def test_bench_produce_and_consume(
             "500",
             "--size",
             "64",
-            server=sdk_server,
+            server=shared_server,
             env=sdk_cli_env,
         )
     )
     assert "produce: 5,000 events" in produced and "events/s" in produced and "MB/s" in produced
     for mode in ("read", "subscribe"):
         consumed = ok(
-            cli("bench", "consume", name, "--mode", mode, server=sdk_server, env=sdk_cli_env)
+            cli("bench", "consume", name, "--mode", mode, server=shared_server, env=sdk_cli_env)
         )
         assert f"consume ({mode}): 5,000 events" in consumed and "MB/s" in consumed
 
@@ -243,9 +241,9 @@ def test_serve_and_check_still_listed(sdk_cli_env: dict[str, str]) -> None:
     assert "--server" in options and "--token" in options and "--tenant" in options
 
 
-def test_token_and_tenant_options(sdk_make_server: Any, sdk_cli_env: dict[str, str]) -> None:
-    server = sdk_make_server(
-        extra_config='[auth]\nrequired = true\n[[auth.tokens]]\ntoken = "s3cret"\n'
+def test_token_and_tenant_options(make_server: Any, sdk_cli_env: dict[str, str]) -> None:
+    server = make_server(
+        config='[auth]\nrequired = true\n[[auth.tokens]]\ntoken = "s3cret"\n'
         'tenants = [42]\n[[tenants]]\nid = 42\nname = "acme"\n'
     )
     acme = ("--token", "s3cret", "--tenant", "42")

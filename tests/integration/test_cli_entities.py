@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from sdk_server import AUTH_CONFIG, SdkServer, running, sdk_free_port
+from servers import AUTH_CONFIG, LOCAL, Server, free_port, serving
 
 from headwater import entities
 from headwater.errors import AuthenticationFailed
 
-LISTEN = {"convergedb": "127.0.0.1:0", "http": "127.0.0.1:0"}
+LISTEN = {"convergedb": LOCAL, "http": LOCAL}
 
 
 @dataclass
@@ -28,8 +28,8 @@ class Reading:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
-    yield from running(tmp_path_factory.mktemp("cli_entities"), dict(LISTEN))
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(tmp_path_factory.mktemp("cli_entities"), listen=LISTEN)
 
 
 @pytest.fixture
@@ -37,14 +37,14 @@ def name() -> str:
     return f"cli_{uuid.uuid4().hex[:10]}"
 
 
-def addresses(server: SdkServer) -> list[str]:
+def addresses(server: Server) -> list[str]:
     return [
         *("--server", f"127.0.0.1:{server.ports['convergedb']}"),
         *("--http", f"127.0.0.1:{server.ports['http']}"),
     ]
 
 
-def run(server: SdkServer, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run(server: Server, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "headwater.cli.main", *args, *addresses(server)]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
 
@@ -61,9 +61,7 @@ def failed(proc: subprocess.CompletedProcess[str], status: int) -> str:
     return proc.stderr
 
 
-def test_kind_create_list_describe(
-    server: SdkServer, name: str, sdk_cli_env: dict[str, str]
-) -> None:
+def test_kind_create_list_describe(server: Server, name: str, sdk_cli_env: dict[str, str]) -> None:
     env = sdk_cli_env
     created = ok(run(server, "kind", "create", name, "site:string", "temp:f64", env=env))
     assert created.strip().startswith(f"kind {name}: id ")
@@ -96,7 +94,7 @@ def test_kind_create_list_describe(
     assert missing.strip() == f"headwater: error: KIND_NOT_FOUND: no entity kind '{name}_nope'"
 
 
-def test_entity_get(server: SdkServer, name: str, sdk_cli_env: dict[str, str]) -> None:
+def test_entity_get(server: Server, name: str, sdk_cli_env: dict[str, str]) -> None:
     with entities.connect(f"127.0.0.1:{server.ports['convergedb']}") as src:
         kind = src.create_kind(Reading, name)
         src.assert_(kind, "lab-1", Reading("lab", 21.5, 3))
@@ -116,9 +114,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _watch(
-    server: SdkServer, name: str, env: dict[str, str], *extra: str
-) -> subprocess.Popen[bytes]:
+def _watch(server: Server, name: str, env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "headwater.cli.main", "entity", "watch", name),
@@ -135,7 +131,7 @@ def _watch(
 
 
 def test_entity_watch_lines_and_ctrl_c(
-    server: SdkServer, name: str, sdk_cli_env: dict[str, str]
+    server: Server, name: str, sdk_cli_env: dict[str, str]
 ) -> None:
     with entities.connect(f"127.0.0.1:{server.ports['convergedb']}") as src:
         kind = src.create_kind(Reading, name)
@@ -164,7 +160,7 @@ def test_entity_watch_lines_and_ctrl_c(
 
 
 def test_entity_watch_live_table_and_ctrl_c(
-    server: SdkServer, name: str, sdk_cli_env: dict[str, str]
+    server: Server, name: str, sdk_cli_env: dict[str, str]
 ) -> None:
     with entities.connect(f"127.0.0.1:{server.ports['convergedb']}") as src:
         kind = src.create_kind(Reading, name)
@@ -188,7 +184,7 @@ def test_entity_watch_live_table_and_ctrl_c(
 
 
 def test_unreachable_server(sdk_cli_env: dict[str, str], name: str) -> None:
-    port = sdk_free_port()
+    port = free_port()
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "headwater.cli.main", "kind", "create", name, "a:bool"),
@@ -211,9 +207,9 @@ def test_unreachable_server(sdk_cli_env: dict[str, str], name: str) -> None:
 
 
 def test_token_is_required_and_passed_through(
-    sdk_make_server: Any, name: str, sdk_cli_env: dict[str, str]
+    make_server: Any, name: str, sdk_cli_env: dict[str, str]
 ) -> None:
-    srv = sdk_make_server(extra_config=AUTH_CONFIG, listen=dict(LISTEN))
+    srv = make_server(config=AUTH_CONFIG, listen=LISTEN)
     cdb = f"127.0.0.1:{srv.ports['convergedb']}"
     with pytest.raises(entities.AuthFailed):
         entities.connect(cdb)

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import fcntl
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from convergedb_raw import CdbClient, Closed, cdb_config, cdb_port, eid, query, query_many
-from kimberlite_raw import ServerProcess, query_at, rows_of
+from convergedb_raw import CdbClient, Closed, connect_when_free, eid, query, query_many
 from kimberlite_raw import query as sql_query
+from kimberlite_raw import query_at, rows_of
+from servers import LOCAL, Server, serving
 
 from headwater.entities import entity_id
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.fields import FieldType
+from waiting import wait_until
 
+LISTEN = {"convergedb": LOCAL}
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
 ALL_ROWS = "SELECT entity_id, version, temp, label FROM durable ORDER BY entity_id"
 AUTH = """
@@ -41,17 +47,19 @@ name = "acme"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("cdb"), cdb_config(AUTH)).start()
-    try:
-        yield proc
-    finally:
-        proc.terminate()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(tmp_path_factory.mktemp("cdb"), config=AUTH, listen=LISTEN)
 
 
 @pytest.fixture()
-def port(server: ServerProcess) -> int:
-    return cdb_port(server)
+def port(server: Server) -> int:
+    return server.ports["convergedb"]
+
+
+@pytest.fixture()
+def make_cdb_server(make_server: Callable[..., Server]) -> Callable[..., Server]:
+    """Servers of a test's own with the ConvergeDB listener on: ``make_cdb_server(config)``."""
+    return lambda config="": make_server(config=config, listen=LISTEN)
 
 
 def state_of(reply: m.Message) -> m.State:
@@ -86,8 +94,11 @@ def test_two_writers_converge_on_one_entity(port: int) -> None:
         b.call(m.Retract(kind.kind_id, eid(1), b"bye"))
         gone = query(reader, kind.kind_id, eid(1))
         assert isinstance(gone, m.ErrorMessage) and gone.code == ErrorCode.ENTITY_NOT_FOUND
-        notes = [f.message for f in reader.drain(0.2) if f.stream_id == stream]
-        created, patched, retracted, deleted = notes
+        created, patched, retracted, deleted = reader.messages(stream, 4)
+        # Nothing more: the next notification is a later write's.
+        a.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [0.0, "marker"]))
+        marker = reader.messages(stream, 1)[0]
+        assert isinstance(marker, m.State) and marker.entity_id == eid(2), marker
         assert isinstance(created, m.State) and created.change == m.Change.CREATED
         assert created.metadata == b"meta-a"  # passed through (QUERY above had none)
         assert created.version == first.version and created.source_set == 0b10
@@ -285,10 +296,10 @@ def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> No
         keeper.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
         victim.abort()
         assert isinstance(query(keeper, kind.kind_id, eid(1)), m.State)  # not yet
-        deadline = time.monotonic() + 10
-        while isinstance(query(keeper, kind.kind_id, eid(1)), m.State):
-            assert time.monotonic() < deadline, "the dead writer's entity was never retracted"
-            time.sleep(0.05)
+        wait_until(
+            lambda: not isinstance(query(keeper, kind.kind_id, eid(1)), m.State),
+            message="the dead writer's entity was never retracted",
+        )
         assert state_of(query(keeper, kind.kind_id, eid(2))).source_set == 1 << 20
 
 
@@ -416,10 +427,21 @@ def test_writer_process_replaced_in_time_keeps_the_entities(
         second.expect("WAITING")
         notes_until(reader, stream, lambda ns: len(ns) == 5, timeout=10)
         first.kill()
+        # A canary with the same deadline that goes silent after the kill: once its
+        # entity is deleted, the first writer's deadline has passed as well.
+        canary = CdbClient(port, name="canary", deadline_ms=WRITER_DEADLINE_MS)
+        canary.call(m.Assert.of(WRITER_FIELDS, kind.kind_id, sdk_key(99), [99, "canary"]))
         second.go()
         second.expect("READY 42")
-        time.sleep(2 * WRITER_DEADLINE_MS / 1000)  # well past the first one's deadline
-        assert reader.drain(0.1) == []  # no notification at all
+        notes = notes_until(
+            reader, stream, lambda ns: any(isinstance(n, m.Deleted) for n in ns), timeout=15
+        )
+        canary.close()
+        # No notification at all for the replaced writer's entities: only the canary's.
+        assert [(type(n), n.entity_id) for n in notes] == [
+            (m.State, sdk_key(99)),
+            (m.Deleted, sdk_key(99)),
+        ]
         for i in range(5):
             kept = state_of(query(maker, kind.kind_id, sdk_key(i)))
             assert kept.source_set == 1 << 42 and kept.fields(WRITER_FIELDS) == [i, "source 42"]
@@ -435,20 +457,35 @@ def test_writer_reconnecting_in_time_keeps_its_entities(port: int) -> None:
         first = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
         kind = first.create_kind("reconnect", FIELDS)
         first.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
+        # A canary with the same deadline, silent from the moment the first one drops:
+        # once its entity is deleted, the first connection's deadline has passed too.
+        canary = CdbClient(port, name="canary", deadline_ms=1000)
+        stream = reader.send(m.Subscribe(kind.kind_id, bootstrap=False))
+        reader.reply(stream)
         first.abort()
-        time.sleep(0.2)
-        second = CdbClient(port, name="w", source_id=22, deadline_ms=1000)
-        for _ in range(10):  # 1.5 s: past the deadline, heartbeating
-            time.sleep(0.15)
-            second.send(m.Heartbeat())
+        canary.call(m.Assert.of(FIELDS, kind.kind_id, eid(99), [9.0]))
+        second = connect_when_free(port, 22, name="w", deadline_ms=1000)
+        gone: list[m.Message] = []
+
+        def canary_gone() -> bool:
+            second.send(m.Heartbeat())  # heartbeating meanwhile, every 150 ms
+            gone.extend(f.message for f in reader.drain(0.15) if f.stream_id == stream)
+            return any(isinstance(n, m.Deleted) for n in gone)
+
+        wait_until(canary_gone, message="the canary's entity was never deleted")
+        assert [(type(n), n.entity_id) for n in gone] == [
+            (m.State, eid(99)),
+            (m.Deleted, eid(99)),
+        ]
+        canary.close()
         assert state_of(query(reader, kind.kind_id, eid(1))).source_set == 1 << 22
         # A connected source that stops talking is dead as well: closed and retracted.
         frames = second.until_closed(timeout=10)
         assert all(f.stream_id == 0 or isinstance(f.message, m.Ack) for f in frames)
-        deadline = time.monotonic() + 10
-        while isinstance(query(reader, kind.kind_id, eid(1)), m.State):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(
+            lambda: not isinstance(query(reader, kind.kind_id, eid(1)), m.State),
+            message="the silent source's entity was never retracted",
+        )
 
 
 def test_bootstrap_racing_live_writes_has_no_gaps(port: int) -> None:
@@ -459,6 +496,7 @@ def test_bootstrap_racing_live_writes_has_no_gaps(port: int) -> None:
         )
         writer.barrier()
         stop = threading.Event()
+        batches = [0]
 
         def write() -> None:
             n = 1
@@ -469,23 +507,32 @@ def test_bootstrap_racing_live_writes_has_no_gaps(port: int) -> None:
                 ]
                 ops.append(m.Retract(kind.kind_id, eid(n % 400)))
                 writer.send(m.Batch(tuple(ops)))
+                writer.barrier()  # paced by the server: one batch applied at a time
                 n += 1
-                time.sleep(0.002)
+                batches[0] = n
 
         thread = threading.Thread(target=write)
         thread.start()
         try:
-            time.sleep(0.1)
+            wait_until(lambda: batches[0] > 20, message="the writer is stuck")
             sub = CdbClient(port, read_only=True)
             stream = sub.send(m.Subscribe(kind.kind_id, bootstrap=True))
-            time.sleep(0.3)
+            # The writes go on through the bootstrap and after it.
+            frames = sub.collect(lambda f: isinstance(f.message, m.BootstrapEnd), timeout=30)
+            after_end = batches[0] + 20
+            wait_until(lambda: batches[0] > after_end, message="the writer is stuck")
         finally:
             stop.set()
             thread.join()
-        writer.barrier()
+        # A last write: once its notification is here, so is every earlier one (a
+        # subscription gets windows in order).
+        marker = eid(1000)
+        writer.call(m.Assert.of(FIELDS, kind.kind_id, marker, [-1.0]))
+        frames += sub.collect(
+            lambda f: isinstance(f.message, m.State) and f.message.entity_id == marker
+        )
         # Highest version wins, a deletion counts with its version.
         view: dict[bytes, tuple[int, list[object] | None]] = {}
-        frames = sub.drain(0.5)
         kinds_seen = {type(f.message) for f in frames if f.stream_id == stream}
         assert m.BootstrapBegin in kinds_seen and m.BootstrapEnd in kinds_seen
         for frame in frames:
@@ -504,7 +551,7 @@ def test_bootstrap_racing_live_writes_has_no_gaps(port: int) -> None:
             reply = query(writer, kind.kind_id, eid(i))
             if isinstance(reply, m.State):
                 truth[eid(i)] = (reply.version, list(reply.fields(FIELDS)))
-        seen = {k: v for k, v in view.items() if v[1] is not None}
+        seen = {k: v for k, v in view.items() if v[1] is not None and k != marker}
         assert seen == truth
         sub.close()
 
@@ -630,7 +677,15 @@ def reset_peak_memory(pid: int) -> None:
 
 
 @pytest.mark.slow
-def test_large_bootstrap_to_a_stalled_subscriber_is_held_back(tmp_path: Path) -> None:
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes in the socket's receive queue, not yet read."""
+    unread: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)))[0]
+    return unread
+
+
+def test_large_bootstrap_to_a_stalled_subscriber_is_held_back(
+    make_cdb_server: Callable[..., Server],
+) -> None:
     """A 200,000-entity bootstrap (about 60 MB of frames) to a subscriber that does not
     read: the server sends at the socket's pace, so its memory stays put (a server that
     encoded the whole bootstrap into the socket's buffer grows by the bootstrap's size),
@@ -638,56 +693,57 @@ def test_large_bootstrap_to_a_stalled_subscriber_is_held_back(tmp_path: Path) ->
     exactly once, then BOOTSTRAP_END."""
     fields = [("n", FieldType.U32), ("blob", FieldType.STRING)]
     count, blob = 200_000, "b" * 220
-    proc = ServerProcess(tmp_path / "srv", cdb_config('[storage]\nsync = "none"\n')).start()
-    try:
-        assert proc.proc is not None
-        pid, port = proc.proc.pid, cdb_port(proc)
-        with CdbClient(port, name="bulk", deadline_ms=60_000) as w:
-            kind = w.create_kind("bulk", fields)
-            k = kind.kind_id
-            for start in range(0, count, 2000):
-                ops = tuple(
-                    m.Assert.of(fields, k, eid(i), [i, blob]) for i in range(start, start + 2000)
-                )
-                w.send(m.Batch(ops))
-            w.barrier()
-            assert state_of(query(w, k, eid(count - 1))).fields(fields) == [count - 1, blob]
-            time.sleep(0.5)
-            before = memory_of(pid)
-            reset_peak_memory(pid)
-            slow = CdbClient(port, read_only=True, rcvbuf=64 << 10)
-            stream = slow.send(m.Subscribe(k, bootstrap=True))
-            assert slow.reply(stream).message == m.Ack(Opcode.SUBSCRIBE)
-            # The subscriber reads nothing more for a while. Meanwhile other clients
-            # are answered at once: a QUERY, and a write with its ACK.
-            for attempt in range(4):
-                time.sleep(0.5)
-                started = time.monotonic()
-                assert state_of(query(w, k, eid(attempt))).fields(fields) == [attempt, blob]
-                w.call(m.Patch.of(fields, k, eid(attempt), {0: attempt + 1}))
-                assert time.monotonic() - started < 2.0
-            during = memory_of(pid, "VmHWM")
-            # Now read it all.
-            frames = slow.collect(lambda f: isinstance(f.message, m.BootstrapEnd), timeout=120)
-            after = memory_of(pid, "VmHWM")
-            slow.close()
-        booted = [
-            f.message.entity_id
-            for f in frames
-            if isinstance(f.message, m.State) and f.message.change == m.Change.BOOTSTRAP
-        ]
-        assert (12 + len(frames[1].message.encode())) * count > 50 << 20  # that large
-        assert isinstance(frames[0].message, m.BootstrapBegin)
-        assert len(booted) == len(set(booted)) == count
-        assert set(booted) == {eid(i) for i in range(count)}
-        # The peak RSS while the subscriber stalled, and until it had read everything,
-        # against the RSS before it subscribed. Measured growth is under 1 MiB; a server
-        # without backpressure grows by tens of MiB.
-        margin = 8 << 20
-        assert during - before < margin, (before, during)
-        assert after - before < margin, (before, after)
-    finally:
-        proc.terminate()
+    proc = make_cdb_server('[storage]\nsync = "none"\n')
+    pid, port = proc.pid, proc.ports["convergedb"]
+    with CdbClient(port, name="bulk", deadline_ms=60_000) as w:
+        kind = w.create_kind("bulk", fields)
+        k = kind.kind_id
+        for start in range(0, count, 2000):
+            ops = tuple(
+                m.Assert.of(fields, k, eid(i), [i, blob]) for i in range(start, start + 2000)
+            )
+            w.send(m.Batch(ops))
+        w.barrier()
+        assert state_of(query(w, k, eid(count - 1))).fields(fields) == [count - 1, blob]
+        with proc.client() as sql:  # the writes have reached every projection
+            counted = "SELECT count(*) FROM bulk"
+            wait_until(lambda: rows_of(sql_query(sql, counted)) == [[count]])
+        before = memory_of(pid)
+        reset_peak_memory(pid)
+        slow = CdbClient(port, read_only=True, rcvbuf=64 << 10)
+        stream = slow.send(m.Subscribe(k, bootstrap=True))
+        assert slow.reply(stream).message == m.Ack(Opcode.SUBSCRIBE)
+        # The subscriber reads nothing more: the server fills its receive window and
+        # is held back. Meanwhile other clients are answered at once: a QUERY, and a
+        # write with its ACK.
+        wait_until(
+            lambda: unread_bytes(slow.sock) >= 32 << 10, message="the server sent no bootstrap"
+        )
+        for attempt in range(4):
+            started = time.monotonic()
+            assert state_of(query(w, k, eid(attempt))).fields(fields) == [attempt, blob]
+            w.call(m.Patch.of(fields, k, eid(attempt), {0: attempt + 1}))
+            assert time.monotonic() - started < 2.0
+        during = memory_of(pid, "VmHWM")
+        # Now read it all.
+        frames = slow.collect(lambda f: isinstance(f.message, m.BootstrapEnd), timeout=120)
+        after = memory_of(pid, "VmHWM")
+        slow.close()
+    booted = [
+        f.message.entity_id
+        for f in frames
+        if isinstance(f.message, m.State) and f.message.change == m.Change.BOOTSTRAP
+    ]
+    assert (12 + len(frames[1].message.encode())) * count > 50 << 20  # that large
+    assert isinstance(frames[0].message, m.BootstrapBegin)
+    assert len(booted) == len(set(booted)) == count
+    assert set(booted) == {eid(i) for i in range(count)}
+    # The peak RSS while the subscriber stalled, and until it had read everything,
+    # against the RSS before it subscribed. Measured growth is under 1 MiB; a server
+    # without backpressure grows by tens of MiB.
+    margin = 8 << 20
+    assert during - before < margin, (before, during)
+    assert after - before < margin, (before, after)
 
 
 def test_live_buffer_overflow_disconnects(port: int) -> None:
@@ -724,7 +780,7 @@ def test_event_stream_kind_delivers_every_op(port: int) -> None:
         w.send(m.Patch.of(FIELDS, kind.kind_id, eid(1), {1: "p"}))
         w.send(m.Retract(kind.kind_id, eid(1)))
         w.barrier()
-        events = [f.message for f in r.drain(0.3) if f.stream_id == stream]
+        events = r.messages(stream, 3)
         assert [(e.op, e.sequence, e.presence_mask) for e in events if isinstance(e, m.Event)] == [
             (Opcode.ASSERT, 0, 0b11),
             (Opcode.PATCH, 1, 0b10),
@@ -734,67 +790,65 @@ def test_event_stream_kind_delivers_every_op(port: int) -> None:
         assert events[0].source_id == w.source_id
 
 
-def test_sigkill_restart_keeps_identical_state_and_sql(tmp_path: Path) -> None:
-    proc = ServerProcess(tmp_path / "srv", cdb_config()).start()
-    try:
-        port = cdb_port(proc)
-        a = CdbClient(port, name="a", source_id=3)
-        b = CdbClient(port, name="b", source_id=4)
-        kind = a.create_kind("durable", FIELDS)
-        for r in range(4):
-            a.send(
-                m.Batch(
-                    tuple(
-                        m.Assert.of(FIELDS, kind.kind_id, eid(i), [float(r * 100 + i), f"r{r}"])
-                        for i in range(60)
-                    )
+def test_sigkill_restart_keeps_identical_state_and_sql(
+    make_cdb_server: Callable[..., Server],
+) -> None:
+    proc = make_cdb_server()
+    port = proc.ports["convergedb"]
+    a = CdbClient(port, name="a", source_id=3)
+    b = CdbClient(port, name="b", source_id=4)
+    kind = a.create_kind("durable", FIELDS)
+    for r in range(4):
+        a.send(
+            m.Batch(
+                tuple(
+                    m.Assert.of(FIELDS, kind.kind_id, eid(i), [float(r * 100 + i), f"r{r}"])
+                    for i in range(60)
                 )
             )
-            b.send(
-                m.Batch(
-                    tuple(
-                        m.Patch.of(FIELDS, kind.kind_id, eid(i), {1: f"b{r}"})
-                        for i in range(0, 60, 4)
-                    )
+        )
+        b.send(
+            m.Batch(
+                tuple(
+                    m.Patch.of(FIELDS, kind.kind_id, eid(i), {1: f"b{r}"}) for i in range(0, 60, 4)
                 )
             )
-            a.send(m.Batch(tuple(m.Retract(kind.kind_id, eid(i)) for i in range(r, 60, 7))))
-        a.barrier()
-        b.barrier()
-        before = {i: query(a, kind.kind_id, eid(i)) for i in range(60)}
-        sql = proc.client()
-        rows = rows_of(sql_query(sql, ALL_ROWS))
-        live = {eid(i): s for i, s in before.items() if isinstance(s, m.State)}
-        assert [r[0] for r in rows] == [k.hex() for k in sorted(live)]
-        assert [(r[1], float(r[2]), r[3]) for r in rows] == [
-            (live[k].version, *live[k].fields(FIELDS)) for k in sorted(live)
-        ]
-        # As of a position: an entity's old values before its patch, and not yet there
-        # before its assert.
-        marker = eid(1000)
-        a.call(m.Assert.of(FIELDS, kind.kind_id, marker, [1.0, "old"]))
-        v1 = state_of(query(a, kind.kind_id, marker)).version
-        a.call(m.Patch.of(FIELDS, kind.kind_id, marker, {1: "new"}))
-        where = f"SELECT label, version FROM durable WHERE entity_id = '{marker.hex()}'"
-        assert rows_of(query_at(sql, where, v1 + 1)) == [["old", v1]]
-        assert rows_of(query_at(sql, where, v1)) == []
-        assert rows_of(sql_query(sql, where))[0][0] == "new"
-        a.call(m.Retract(kind.kind_id, marker))
-        sql.close()
-        proc.kill()
-        a.close()
-        b.close()
-        proc.start()
-        port = cdb_port(proc)
-        with CdbClient(port, read_only=True) as r:
-            after = {i: query(r, kind.kind_id, eid(i)) for i in range(60)}
-        assert after == before
-        sql = proc.client()
-        again = rows_of(sql_query(sql, ALL_ROWS))
-        assert again == rows
-        sql.close()
-    finally:
-        proc.terminate()
+        )
+        a.send(m.Batch(tuple(m.Retract(kind.kind_id, eid(i)) for i in range(r, 60, 7))))
+    a.barrier()
+    b.barrier()
+    before = {i: query(a, kind.kind_id, eid(i)) for i in range(60)}
+    sql = proc.client()
+    rows = rows_of(sql_query(sql, ALL_ROWS))
+    live = {eid(i): s for i, s in before.items() if isinstance(s, m.State)}
+    assert [r[0] for r in rows] == [k.hex() for k in sorted(live)]
+    assert [(r[1], float(r[2]), r[3]) for r in rows] == [
+        (live[k].version, *live[k].fields(FIELDS)) for k in sorted(live)
+    ]
+    # As of a position: an entity's old values before its patch, and not yet there
+    # before its assert.
+    marker = eid(1000)
+    a.call(m.Assert.of(FIELDS, kind.kind_id, marker, [1.0, "old"]))
+    v1 = state_of(query(a, kind.kind_id, marker)).version
+    a.call(m.Patch.of(FIELDS, kind.kind_id, marker, {1: "new"}))
+    where = f"SELECT label, version FROM durable WHERE entity_id = '{marker.hex()}'"
+    assert rows_of(query_at(sql, where, v1 + 1)) == [["old", v1]]
+    assert rows_of(query_at(sql, where, v1)) == []
+    assert rows_of(sql_query(sql, where))[0][0] == "new"
+    a.call(m.Retract(kind.kind_id, marker))
+    sql.close()
+    proc.kill()
+    a.close()
+    b.close()
+    proc.start()
+    port = proc.ports["convergedb"]
+    with CdbClient(port, read_only=True) as r:
+        after = {i: query(r, kind.kind_id, eid(i)) for i in range(60)}
+    assert after == before
+    sql = proc.client()
+    again = rows_of(sql_query(sql, ALL_ROWS))
+    assert again == rows
+    sql.close()
 
 
 def bootstrap_of(client: CdbClient, kind_id: int) -> list[m.State]:
@@ -810,55 +864,54 @@ def bootstrap_of(client: CdbClient, kind_id: int) -> list[m.State]:
             states.append(msg)
 
 
-def test_metadata_reaches_notifications_and_is_never_stored(tmp_path: Path) -> None:
-    proc = ServerProcess(tmp_path / "srv", cdb_config()).start()
-    try:
-        port = cdb_port(proc)
-        with CdbClient(port, name="w", source_id=5) as w, CdbClient(port, read_only=True) as r:
-            kind = w.create_kind("meta", FIELDS)
-            stream = r.send(m.Subscribe(kind.kind_id, bootstrap=False))
-            r.reply(stream)
-            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0, "one"], b"created-1"))
-            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0, "two"], b"created-2"))
-            w.call(m.Patch.of(FIELDS, kind.kind_id, eid(2), {1: "patched"}, b"patched-2"))
-            w.call(m.Assert.of(FIELDS, kind.kind_id, eid(3), [3.0], b"created-3"))
-            w.call(m.Retract(kind.kind_id, eid(3), b"gone-3"))
-            live = [f.message for f in r.drain(0.3) if f.stream_id == stream]
-            got = [
-                (type(n).__name__, n.entity_id, n.metadata)
-                for n in live
-                if isinstance(n, m.State | m.Deleted)
-            ]
-            assert got == [
-                ("State", eid(1), b"created-1"),
-                ("State", eid(2), b"created-2"),
-                ("State", eid(2), b"patched-2"),
-                ("State", eid(3), b"created-3"),
-                ("Deleted", eid(3), b"gone-3"),
-            ]
-            queried = {i: state_of(query(w, kind.kind_id, eid(i))) for i in (1, 2)}
-            assert all(q.metadata == b"" for q in queried.values())
-            assert queried[2].fields(FIELDS) == [2.0, "patched"]
-        with CdbClient(port, read_only=True) as r:
-            booted = bootstrap_of(r, kind.kind_id)
-        assert sorted(s.entity_id for s in booted) == [eid(1), eid(2)]
-        assert all(s.metadata == b"" for s in booted)
-        # A crash and restart rebuild the state from the changelog: still no metadata,
-        # the same versions and values.
-        proc.kill()
-        proc.start()
-        port = cdb_port(proc)
-        with CdbClient(port, read_only=True) as r:
-            after = {i: state_of(query(r, kind.kind_id, eid(i))) for i in (1, 2)}
-            assert {i: (s.version, s.fields(FIELDS), s.metadata) for i, s in after.items()} == {
-                i: (q.version, q.fields(FIELDS), b"") for i, q in queried.items()
-            }
-            rebooted = bootstrap_of(r, kind.kind_id)
-        assert sorted((s.entity_id, s.version, s.metadata) for s in rebooted) == [
-            (eid(i), queried[i].version, b"") for i in (1, 2)
+def test_metadata_reaches_notifications_and_is_never_stored(
+    make_cdb_server: Callable[..., Server],
+) -> None:
+    proc = make_cdb_server()
+    port = proc.ports["convergedb"]
+    with CdbClient(port, name="w", source_id=5) as w, CdbClient(port, read_only=True) as r:
+        kind = w.create_kind("meta", FIELDS)
+        stream = r.send(m.Subscribe(kind.kind_id, bootstrap=False))
+        r.reply(stream)
+        w.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0, "one"], b"created-1"))
+        w.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0, "two"], b"created-2"))
+        w.call(m.Patch.of(FIELDS, kind.kind_id, eid(2), {1: "patched"}, b"patched-2"))
+        w.call(m.Assert.of(FIELDS, kind.kind_id, eid(3), [3.0], b"created-3"))
+        w.call(m.Retract(kind.kind_id, eid(3), b"gone-3"))
+        live = r.messages(stream, 5)
+        got = [
+            (type(n).__name__, n.entity_id, n.metadata)
+            for n in live
+            if isinstance(n, m.State | m.Deleted)
         ]
-    finally:
-        proc.terminate()
+        assert got == [
+            ("State", eid(1), b"created-1"),
+            ("State", eid(2), b"created-2"),
+            ("State", eid(2), b"patched-2"),
+            ("State", eid(3), b"created-3"),
+            ("Deleted", eid(3), b"gone-3"),
+        ]
+        queried = {i: state_of(query(w, kind.kind_id, eid(i))) for i in (1, 2)}
+        assert all(q.metadata == b"" for q in queried.values())
+        assert queried[2].fields(FIELDS) == [2.0, "patched"]
+    with CdbClient(port, read_only=True) as r:
+        booted = bootstrap_of(r, kind.kind_id)
+    assert sorted(s.entity_id for s in booted) == [eid(1), eid(2)]
+    assert all(s.metadata == b"" for s in booted)
+    # A crash and restart rebuild the state from the changelog: still no metadata,
+    # the same versions and values.
+    proc.kill()
+    proc.start()
+    port = proc.ports["convergedb"]
+    with CdbClient(port, read_only=True) as r:
+        after = {i: state_of(query(r, kind.kind_id, eid(i))) for i in (1, 2)}
+        assert {i: (s.version, s.fields(FIELDS), s.metadata) for i, s in after.items()} == {
+            i: (q.version, q.fields(FIELDS), b"") for i, q in queried.items()
+        }
+        rebooted = bootstrap_of(r, kind.kind_id)
+    assert sorted((s.entity_id, s.version, s.metadata) for s in rebooted) == [
+        (eid(i), queried[i].version, b"") for i in (1, 2)
+    ]
 
 
 def test_acks_arrive_after_the_client_half_closes(port: int) -> None:

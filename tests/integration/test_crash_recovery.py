@@ -37,12 +37,14 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from servers import LOCAL, Server
 
 from headwater.engine.engine import Engine, EngineConfig, StreamSettings
 from headwater.errors import CorruptBatchError
 from headwater.storage.batch import Event, iter_batches
 from headwater.storage.check import check_data_dir, check_partition
 from headwater.storage.log import LogConfig, PartitionLog
+from waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 WRITER = HERE / "crash_writer.py"
@@ -169,29 +171,42 @@ def segment_count(directory: Path) -> int:
     return sum(1 for name in os.listdir(directory) if name.endswith(".log"))
 
 
+def seen_within(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``predicate`` held within ``timeout``, polled closely (a kill should land
+    right after it), returned as soon as it does."""
+    try:
+        return wait_until(predicate, timeout, interval=0.0003)
+    except AssertionError:
+        return False
+
+
 def wait_for_roll(directory: Path, timeout: float) -> bool:
     """Return as soon as the partition has one more segment than now."""
     before = segment_count(directory)
-    mtime = os.stat(directory).st_mtime_ns
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    mtime = [os.stat(directory).st_mtime_ns]
+
+    def rolled() -> bool:
         now = os.stat(directory).st_mtime_ns  # cheap; a roll creates files
-        if now != mtime:
-            mtime = now
-            if segment_count(directory) > before:
-                return True
-        time.sleep(0.0005)
-    return False
+        if now == mtime[0]:
+            return False
+        mtime[0] = now
+        return segment_count(directory) > before
+
+    return seen_within(rolled, timeout)
 
 
 def wait_for_cleaned_file(directory: Path, timeout: float) -> bool:
     """Return as soon as compaction has a rewritten segment in flight."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(name.endswith(".cleaned") for name in os.listdir(directory)):
-            return True
-        time.sleep(0.0003)
-    return False
+    return seen_within(
+        lambda: any(name.endswith(".cleaned") for name in os.listdir(directory)), timeout
+    )
+
+
+def jitter(seconds: float) -> None:
+    """Let the writer run on for a random moment before the kill, so kills do not all
+    land at the event that was waited for (a sleep on purpose: the writer paces itself,
+    and where in its work the SIGKILL lands is what the crash loop varies)."""
+    time.sleep(seconds)  # on purpose: where the SIGKILL lands (see above)
 
 
 # ---- checking a recovered stream ---------------------------------------------------------
@@ -333,8 +348,9 @@ def provoke(
 ) -> None:
     """Let the child run until the moment ``strategy`` wants to kill it at."""
     if strategy == "startup":
-        # Often lands in recovery: tail scan, index rewrites, tenant.json.
-        time.sleep(rng.uniform(0.05, 0.6))
+        # Often lands in recovery: tail scan, index rewrites, tenant.json (which print
+        # nothing to wait for).
+        jitter(rng.uniform(0.05, 0.6))
         return
     assert child.wait_for(lambda: child.ready is not None), (
         f"{context}: writer not ready\n{child.stderr_tail()}"
@@ -345,14 +361,14 @@ def provoke(
     if strategy == "acks":
         want = rng.randint(1, 400)
         child.wait_for(lambda: len(child.acks) >= want, timeout=5)
-        time.sleep(rng.uniform(0, 0.03))
+        jitter(rng.uniform(0, 0.03))
     elif strategy == "roll":
         # Right after a new segment appears: the roll's files, the first write into it.
         stats["kills right after a roll"] += wait_for_roll(part, timeout=5)
     elif strategy == "compaction":
         started = child.compactions_started
         child.wait_for(lambda: child.compactions_started > started, timeout=5)
-        time.sleep(rng.uniform(0, 0.002))
+        jitter(rng.uniform(0, 0.002))
     elif strategy == "rewrite":
         # A segment rewrite in flight: .cleaned written, not yet renamed over the original.
         stats["kills with a .cleaned file seen"] += wait_for_cleaned_file(part, timeout=5)
@@ -767,50 +783,19 @@ def test_sigterm_stops_the_server_cleanly_and_keeps_the_data(tmp_path: Path, see
     before_infos, before_events = snapshot_engine(data_dir)
     assert len(before_events["orders"]) > 60
 
-    config = tmp_path / "headwater.toml"
-    config.write_text(
-        "[listen]\n"
-        + "".join(f'{name} = "127.0.0.1:0"\n' for name in ("http", "kimberlite", "convergedb"))
-        + 'ripple = "127.0.0.1:0"\n'
-        + "[storage]\nmaintenance_interval_ms = 3600000\n"
-    )
-    ports_file = tmp_path / "ports.json"
-    stderr = tmp_path / "server.stderr"
-    with open(stderr, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "headwater.cli.main",
-                "serve",
-                "--data-dir",
-                str(data_dir),
-                "--config",
-                str(config),
-                "--ports-file",
-                str(ports_file),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+    listen = {name: LOCAL for name in ("http", "convergedb", "ripple")}
+    config = "[storage]\nmaintenance_interval_ms = 3600000\n"
+    server = Server(tmp_path, config=config, listen=listen).start()  # on tmp_path / "data"
     try:
-        deadline = time.monotonic() + 30
-        while not ports_file.exists():
-            assert proc.poll() is None, f"server exited {proc.returncode}\n{stderr.read_text()}"
-            assert time.monotonic() < deadline, f"no ports file\n{stderr.read_text()}"
-            time.sleep(0.02)
-        ports = json.loads(ports_file.read_text())
+        ports = json.loads(server.ports_file.read_text())
         assert isinstance(ports, dict)
         assert all(isinstance(port, int) and port > 0 for port in ports.values()), ports
         started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=10)
+        code = server.stop(timeout=10)
         stopped_in = time.monotonic() - started
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log_text = stderr.read_text()
+        server.kill()
+    log_text = server.log_text()
     assert code == 0, log_text
     assert stopped_in < 5, (stopped_in, log_text)
     assert "headwater ready" in log_text, log_text

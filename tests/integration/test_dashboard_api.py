@@ -5,26 +5,24 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from convergedb_raw import CdbClient, eid
-from kimberlite_raw import ServerProcess
+from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.fields import FieldType
+from waiting import wait_until
 
 OPENAPI = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
-CONFIG = (
-    '[listen]\nhttp = "127.0.0.1:0"\nkimberlite = "127.0.0.1:0"\n'
-    'convergedb = "127.0.0.1:0"\nripple = ""\n'
-)
+LISTEN = {"http": LOCAL, "convergedb": LOCAL}
 FIELDS = [
     ("temp", FieldType.F64),
     ("label", FieldType.STRING),
@@ -32,15 +30,13 @@ FIELDS = [
     ("seen", FieldType.TIMESTAMP),
     ("ok", FieldType.BOOL),
 ]
-WAIT_SECONDS = 15.0
 
 
 class Api:
-    def __init__(self, server: ServerProcess) -> None:
-        ports = json.loads(server.ports_file.read_text())
-        self.base = f"http://127.0.0.1:{ports['http']}"
-        self.kimberlite = f"127.0.0.1:{ports['kimberlite']}"
-        self.convergedb = int(ports["convergedb"])
+    def __init__(self, server: Server) -> None:
+        self.base = f"http://{server.address_of('http')}"
+        self.kimberlite = server.address
+        self.convergedb = server.ports["convergedb"]
 
     def get(self, path: str) -> tuple[int, bytes, dict[str, str]]:
         try:
@@ -58,11 +54,8 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    server = ServerProcess(tmp_path_factory.mktemp("dashboard_api"), CONFIG).start()
-    try:
+    for server in serving(tmp_path_factory.mktemp("dashboard_api"), listen=LISTEN):
         yield Api(server)
-    finally:
-        assert server.terminate() == 0, server.log_tail()
 
 
 @pytest.fixture(scope="module")
@@ -72,20 +65,8 @@ def spec() -> dict[str, Any]:
 
 
 def check_schema(spec: dict[str, Any], name: str, instance: Any) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
     jsonschema.Draft202012Validator(schema).validate(instance)
-
-
-def wait_for(predicate: Any, what: str) -> Any:
-    deadline = time.monotonic() + WAIT_SECONDS
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # ---- the page ---------------------------------------------------------------------------
@@ -187,9 +168,9 @@ def test_kinds_entities_and_sources(api: Api, spec: dict[str, Any]) -> None:
         assert source["entities"] == 11
 
     # The writer left: its slot stays in its liveness grace period, no longer connected.
-    wait_for(
+    wait_until(
         lambda: all(not s["connected"] for s in api.json("/api/sources")["sources"]),
-        "the source to show as disconnected",
+        message="the source never showed as disconnected",
     )
 
 
@@ -223,8 +204,8 @@ def test_consumer_groups_and_connections(api: Api, spec: dict[str, Any]) -> None
             events = iter(sub)  # ending a for loop would end the subscription
             consumed = [next(events).offset for _ in range(20)]
             assert consumed == list(range(20))
-            groups = wait_for(
-                lambda: api.json("/api/consumer-groups")["groups"], "the group to appear"
+            groups = wait_until(
+                lambda: api.json("/api/consumer-groups")["groups"], message="no group appeared"
             )
             check_schema(spec, "ConsumerGroups", {"groups": groups})
             (group,) = groups
@@ -236,9 +217,9 @@ def test_consumer_groups_and_connections(api: Api, spec: dict[str, Any]) -> None
             info = api.json("/api/info")
             assert info["connections"]["kimberlite"] >= 1
             assert info["subscriptions"]["kimberlite"] >= 1
-        wait_for(
+        wait_until(
             lambda: not api.json("/api/consumer-groups")["groups"][0]["active"],
-            "the group to go idle",
+            message="the group never went idle",
         )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from convergedb_raw import CdbClient, eid
-from kimberlite_raw import ServerProcess
+from servers import LOCAL, serving
 
 import headwater
 from headwater.protocols.convergedb import messages as m
@@ -32,10 +32,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-CONFIG = (
-    '[listen]\nhttp = "127.0.0.1:0"\nkimberlite = "127.0.0.1:0"\n'
-    'convergedb = "127.0.0.1:0"\nripple = ""\n'
-)
+LISTEN = {"http": LOCAL, "convergedb": LOCAL}
 FIELDS = [("symbol", FieldType.STRING), ("price", FieldType.F64), ("volume", FieldType.I64)]
 WAIT_MS = 20_000
 
@@ -50,11 +47,8 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
-    proc = ServerProcess(tmp_path_factory.mktemp("dashboard_browser"), CONFIG).start()
-    try:
-        yield json.loads(proc.ports_file.read_text())
-    finally:
-        assert proc.terminate() == 0, proc.log_tail()
+    for server in serving(tmp_path_factory.mktemp("dashboard_browser"), listen=LISTEN):
+        yield server.ports
 
 
 @pytest.fixture

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import openapi_spec_validator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from servers import LOCAL, Server, serving
 
-from headwater.server.app import Server
+from headwater.server.app import Server as AppServer
 from headwater.server.config import ServerConfig
-from headwater.server.http.app import build_app
+from headwater.server.http.listener import build_app
+from waiting import wait_until
 
-START_SECONDS = 30.0
 OPENAPI = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
 
 AUTH_CONFIG = """
@@ -41,52 +40,16 @@ name = "acme"
 """
 
 
-class HttpServer:
-    def __init__(self, root: Path, extra: str = "") -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.ports_file = root / "ports.json"
-        self.log = root / "server.log"
-        config = root / "headwater.toml"
-        config.write_text(
-            '[listen]\nhttp = "127.0.0.1:0"\nkimberlite = "127.0.0.1:0"\n'
-            f'convergedb = ""\nripple = ""\n{extra}'
-        )
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "headwater.cli.main",
-                    "serve",
-                    "--data-dir",
-                    str(root / "data"),
-                    "--ports-file",
-                    str(self.ports_file),
-                    "--config",
-                    str(config),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
-        deadline = time.monotonic() + START_SECONDS
-        while not self.ports_file.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start:\n{self.log.read_text()}")
-            time.sleep(0.02)
-        self.ports = json.loads(self.ports_file.read_text())
-        self.base = f"http://127.0.0.1:{self.ports['http']}"
+LISTEN = {"http": LOCAL}
 
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+
+class HttpApi:
+    """Requests to the HTTP API of a :class:`~servers.Server` (HTTP and Kimberlite on)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.ports = server.ports
+        self.base = f"http://{server.address_of('http')}"
 
     def request(
         self,
@@ -122,17 +85,17 @@ class HttpServer:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    server = HttpServer(tmp_path_factory.mktemp("http"), TENANTS_CONFIG)
-    yield server
-    assert server.stop() == 0, server.log.read_text()
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpApi]:
+    root = tmp_path_factory.mktemp("http")
+    for server in serving(root, config=TENANTS_CONFIG, listen=LISTEN):
+        yield HttpApi(server)
 
 
 @pytest.fixture(scope="module")
-def auth_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    server = HttpServer(tmp_path_factory.mktemp("http_auth"), AUTH_CONFIG + TENANTS_CONFIG)
-    yield server
-    assert server.stop() == 0, server.log.read_text()
+def auth_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpApi]:
+    root = tmp_path_factory.mktemp("http_auth")
+    for server in serving(root, config=AUTH_CONFIG + TENANTS_CONFIG, listen=LISTEN):
+        yield HttpApi(server)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +105,6 @@ def spec() -> dict[str, Any]:
 
 
 def check_schema(spec: dict[str, Any], name: str, instance: Any) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     schema = {"$ref": f"#/components/schemas/{name}", "components": spec["components"]}
     jsonschema.Draft202012Validator(schema).validate(instance)
 
@@ -169,7 +131,7 @@ def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], f
 # ---- service endpoints --------------------------------------------------------------
 
 
-def test_health_ready_info(srv: HttpServer, spec: dict[str, Any]) -> None:
+def test_health_ready_info(srv: HttpApi, spec: dict[str, Any]) -> None:
     assert srv.request("GET", "/health")[:2] == (200, {"status": "ok"})
     assert srv.request("GET", "/ready")[:2] == (200, {"status": "ready"})
     status, info, _ = srv.request("GET", "/api/info")
@@ -181,12 +143,12 @@ def test_health_ready_info(srv: HttpServer, spec: dict[str, Any]) -> None:
     assert info["tenant"]["name"] == "acme"
 
 
-def test_openapi_served_and_complete(srv: HttpServer, spec: dict[str, Any]) -> None:
+def test_openapi_served_and_complete(srv: HttpApi, spec: dict[str, Any]) -> None:
     status, served, headers = srv.request("GET", "/openapi.json")
     assert status == 200 and headers["Content-Type"].startswith("application/json")
     assert served == spec
     # Every route the application serves is documented, with its method.
-    app = build_app(Server(Path("unused"), ServerConfig()))
+    app = build_app(AppServer(Path("unused"), ServerConfig()))
     served_routes = {
         (route.method.lower(), route.resource.canonical)
         for route in app.router.routes()
@@ -194,11 +156,10 @@ def test_openapi_served_and_complete(srv: HttpServer, spec: dict[str, Any]) -> N
     }
     documented = {(m, p) for p, ops in spec["paths"].items() for m in ops}
     assert served_routes == documented
-    validator = pytest.importorskip("openapi_spec_validator")
-    validator.validate(spec)
+    openapi_spec_validator.validate(spec)
 
 
-def test_unknown_route_and_method_are_json(srv: HttpServer) -> None:
+def test_unknown_route_and_method_are_json(srv: HttpApi) -> None:
     assert_error(srv.request("GET", "/api/nope"), 404, "InvalidRequest", 2)
     status, body, headers = srv.request("PUT", "/api/streams")
     assert status == 405 and body["error"]["code"] == 2
@@ -208,7 +169,7 @@ def test_unknown_route_and_method_are_json(srv: HttpServer) -> None:
 # ---- streams ------------------------------------------------------------------------
 
 
-def test_stream_lifecycle(srv: HttpServer, spec: dict[str, Any]) -> None:
+def test_stream_lifecycle(srv: HttpApi, spec: dict[str, Any]) -> None:
     status, created, headers = srv.request(
         "POST", "/api/streams", {"name": "life", "settings": {"retention_ms": 60000}}
     )
@@ -247,12 +208,12 @@ def test_stream_lifecycle(srv: HttpServer, spec: dict[str, Any]) -> None:
         ["okname"],
     ],
 )
-def test_create_stream_rejects(srv: HttpServer, body: Any) -> None:
+def test_create_stream_rejects(srv: HttpApi, body: Any) -> None:
     assert_error(srv.request("POST", "/api/streams", body), 400, "InvalidRequest", 2)
     assert "okname" not in [s["name"] for s in srv.request("GET", "/api/streams")[1]["streams"]]
 
 
-def test_create_stream_bad_json(srv: HttpServer) -> None:
+def test_create_stream_bad_json(srv: HttpApi) -> None:
     assert_error(srv.request("POST", "/api/streams", raw=b"{nope"), 400, "InvalidRequest", 2)
     assert_error(srv.request("POST", "/api/streams", raw=b""), 400, "InvalidRequest", 2)
 
@@ -260,7 +221,7 @@ def test_create_stream_bad_json(srv: HttpServer) -> None:
 # ---- append and read ----------------------------------------------------------------
 
 
-def test_append_json_and_ndjson_then_read(srv: HttpServer, spec: dict[str, Any]) -> None:
+def test_append_json_and_ndjson_then_read(srv: HttpApi, spec: dict[str, Any]) -> None:
     srv.request("POST", "/api/streams", {"name": "ev"})
     status, res, _ = srv.request(
         "POST", "/api/streams/ev/events", ["héllo", {"a": 1, "b": [1, 2]}, 42, True, [1]]
@@ -314,19 +275,19 @@ def test_append_json_and_ndjson_then_read(srv: HttpServer, spec: dict[str, Any])
 @pytest.mark.parametrize(
     "query", ["from=-1", "from=x", "limit=0", "limit=10001", "from=5&to=2", "tenant=abc"]
 )
-def test_read_rejects(srv: HttpServer, query: str) -> None:
+def test_read_rejects(srv: HttpApi, query: str) -> None:
     srv.request("POST", "/api/streams", {"name": "rd"})
     assert_error(srv.request("GET", f"/api/streams/rd/events?{query}"), 400, "InvalidRequest", 2)
 
 
-def test_read_and_append_missing_stream(srv: HttpServer) -> None:
+def test_read_and_append_missing_stream(srv: HttpApi) -> None:
     assert_error(srv.request("GET", "/api/streams/missing/events"), 404, "StreamNotFound", 5)
     assert_error(
         srv.request("POST", "/api/streams/missing/events", ["a"]), 404, "StreamNotFound", 5
     )
 
 
-def _next_offset(srv: HttpServer, name: str) -> int:
+def _next_offset(srv: HttpApi, name: str) -> int:
     status, info, _ = srv.request("GET", f"/api/streams/{name}")
     assert status == 200
     offset: int = info["next_offset"]
@@ -349,7 +310,7 @@ def _next_offset(srv: HttpServer, name: str) -> int:
         (b'["not base64!"]', "application/json; encoding=base64"),
     ],
 )
-def test_append_rejects_and_stores_nothing(srv: HttpServer, raw: bytes, content_type: str) -> None:
+def test_append_rejects_and_stores_nothing(srv: HttpApi, raw: bytes, content_type: str) -> None:
     srv.request("POST", "/api/streams", {"name": "lim"})
     before = _next_offset(srv, "lim")
     path = "/api/streams/lim/events"
@@ -361,7 +322,7 @@ def test_append_rejects_and_stores_nothing(srv: HttpServer, raw: bytes, content_
     assert _next_offset(srv, "lim") == before
 
 
-def test_append_at_the_limits_is_accepted(srv: HttpServer) -> None:
+def test_append_at_the_limits_is_accepted(srv: HttpApi) -> None:
     srv.request("POST", "/api/streams", {"name": "edge"})
     status, res, _ = srv.request("POST", "/api/streams/edge/events", ["x"] * 10_000)
     assert status == 200 and res["count"] == 10_000
@@ -369,7 +330,7 @@ def test_append_at_the_limits_is_accepted(srv: HttpServer) -> None:
     assert status == 200 and res["count"] == 4
 
 
-def test_oversized_body_is_413_json(srv: HttpServer) -> None:
+def test_oversized_body_is_413_json(srv: HttpApi) -> None:
     srv.request("POST", "/api/streams", {"name": "huge"})
     raw = json.dumps(["a" * (17 << 20)]).encode()
     try:
@@ -383,7 +344,7 @@ def test_oversized_body_is_413_json(srv: HttpServer) -> None:
 # ---- SQL ----------------------------------------------------------------------------
 
 
-def test_sql_query_and_query_at(srv: HttpServer, spec: dict[str, Any]) -> None:
+def test_sql_query_and_query_at(srv: HttpApi, spec: dict[str, Any]) -> None:
     srv.request("POST", "/api/streams", {"name": "sq"})
     srv.request("POST", "/api/streams/sq/events", [{"n": 1}, {"n": 2}])
     status, res, _ = srv.request("POST", "/api/sql", {"sql": "SELECT count(*) AS c FROM sq"})
@@ -406,16 +367,20 @@ def test_sql_query_and_query_at(srv: HttpServer, spec: dict[str, Any]) -> None:
 
     status, info, _ = srv.request("GET", "/api/info")
     head = info["tenant"]["log_position"]
-    deadline = time.monotonic() + 10
-    while True:  # ProjectionLag (503, retryable) until the projections reach the head
-        status, res, headers = srv.request(
+
+    def answered() -> tuple[int, Any, dict[str, str]] | None:
+        # ProjectionLag (503, retryable) until the projections reach the head.
+        result = srv.request(
             "POST", "/api/sql", {"sql": "SELECT count(*) FROM sq", "position": head}
         )
-        if status != 503 or time.monotonic() > deadline:
-            break
+        status, res, headers = result
+        if status != 503:
+            return result
         assert res["error"]["name"] == "ProjectionLag" and res["error"]["retryable"]
         assert headers["Retry-After"] == "1"
-        time.sleep(0.05)
+        return None
+
+    status, res, _ = wait_until(answered, 10, "the projections never reached the head")
     assert status == 200, res
     assert res["rows"] == [[3]] and res["position"] == head
     status, res, _ = srv.request(
@@ -443,11 +408,11 @@ def test_sql_query_and_query_at(srv: HttpServer, spec: dict[str, Any]) -> None:
         ({"query": "SELECT 1"}, 400, "InvalidRequest", 2),
     ],
 )
-def test_sql_errors(srv: HttpServer, body: Any, status: int, name: str, code: int) -> None:
+def test_sql_errors(srv: HttpApi, body: Any, status: int, name: str, code: int) -> None:
     assert_error(srv.request("POST", "/api/sql", body), status, name, code)
 
 
-def test_sql_execution_error(srv: HttpServer) -> None:
+def test_sql_execution_error(srv: HttpApi) -> None:
     status, body, _ = srv.request("POST", "/api/sql", {"sql": "SELECT 1 / 'x'::INTEGER"})
     assert status in (400, 422), body
     assert body["error"]["name"] in ("QueryExecutionError", "QueryParseError")
@@ -456,7 +421,7 @@ def test_sql_execution_error(srv: HttpServer) -> None:
 # ---- tenants and auth ---------------------------------------------------------------
 
 
-def test_tenant_isolation(srv: HttpServer) -> None:
+def test_tenant_isolation(srv: HttpApi) -> None:
     assert srv.request("POST", "/api/streams", {"name": "iso"}, tenant=42)[0] == 201
     srv.request("POST", "/api/streams/iso/events", ["t42"], tenant=42)
     assert_error(srv.request("GET", "/api/streams/iso"), 404, "StreamNotFound", 5)
@@ -474,11 +439,11 @@ def test_tenant_isolation(srv: HttpServer) -> None:
     assert_error(srv.request("GET", "/api/streams", tenant=-1), 400, "InvalidRequest", 2)
 
 
-def test_auth_off_accepts_any_token(srv: HttpServer) -> None:
+def test_auth_off_accepts_any_token(srv: HttpApi) -> None:
     assert srv.request("GET", "/api/streams", token="whatever")[0] == 200
 
 
-def test_auth_required(auth_srv: HttpServer) -> None:
+def test_auth_required(auth_srv: HttpApi) -> None:
     s = auth_srv
     status, body, headers = s.request("GET", "/api/streams")
     assert status == 401 and body["error"]["name"] == "AuthenticationFailed"
@@ -511,7 +476,7 @@ def test_auth_required(auth_srv: HttpServer) -> None:
 # ---- metrics ------------------------------------------------------------------------
 
 
-def test_metrics(srv: HttpServer) -> None:
+def test_metrics(srv: HttpApi) -> None:
     srv.request("POST", "/api/streams", {"name": "met"})
 
     def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -559,7 +524,11 @@ def test_metrics(srv: HttpServer) -> None:
 
 
 def test_graceful_stop(tmp_path: Path) -> None:
-    server = HttpServer(tmp_path / "stop")
-    assert server.request("POST", "/api/streams", {"name": "s"})[0] == 201
-    assert server.request("POST", "/api/streams/s/events", ["a"])[0] == 200
-    assert server.stop() == 0
+    server = Server(tmp_path / "stop", listen=LISTEN).start()
+    try:
+        api = HttpApi(server)
+        assert api.request("POST", "/api/streams", {"name": "s"})[0] == 201
+        assert api.request("POST", "/api/streams/s/events", ["a"])[0] == 200
+        assert server.stop() == 0
+    finally:
+        server.kill()

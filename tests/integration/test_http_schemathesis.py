@@ -11,10 +11,10 @@ import json
 from collections.abc import Iterator
 
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
-from test_http_api import OPENAPI, TENANTS_CONFIG, HttpServer  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, settings
+from servers import serving
+from test_http_api import LISTEN, OPENAPI, TENANTS_CONFIG, HttpApi
 
 # /ws is the Kiwi WebSocket upgrade, not a REST resource: tests/integration/test_kiwi_gateway.py
 # drives it with a real WebSocket client.
@@ -31,10 +31,10 @@ def ndjson_body(ctx: object, value: object) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    server = HttpServer(tmp_path_factory.mktemp("http_schemathesis"), TENANTS_CONFIG)
-    yield server
-    assert server.stop() == 0, server.log.read_text()
+def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpApi]:
+    root = tmp_path_factory.mktemp("http_schemathesis")
+    for server in serving(root, config=TENANTS_CONFIG, listen=LISTEN):
+        yield HttpApi(server)
 
 
 @pytest.mark.slow
@@ -45,7 +45,7 @@ def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServ
     derandomize=True,  # the same cases every run: CI is reproducible, findings replayable
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-def test_rest_api_conforms_to_openapi(case: object, fuzzed_server: HttpServer) -> None:
+def test_rest_api_conforms_to_openapi(case: object, fuzzed_server: HttpApi) -> None:
     operation = (case.method.upper(), case.path)  # type: ignore[attr-defined]
     excluded = (
         [schemathesis.checks.positive_data_acceptance] if operation in FREE_TEXT_OPERATIONS else []

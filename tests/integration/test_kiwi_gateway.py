@@ -11,14 +11,13 @@ import socket
 import struct
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from convergedb_raw import CdbClient, eid
-from kimberlite_raw import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
+from servers import LOCAL, Server, serving
 from websockets.asyncio.client import connect as async_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -28,13 +27,8 @@ from headwater.protocols.convergedb.fields import FieldType
 
 TIMEOUT = 20.0
 TOKEN = "all"
+LISTEN = {"http": LOCAL, "convergedb": LOCAL}
 CONFIG = """
-[listen]
-http = "127.0.0.1:0"
-kimberlite = "127.0.0.1:0"
-convergedb = "127.0.0.1:0"
-ripple = ""
-
 [storage]
 sync = "none"
 
@@ -81,11 +75,10 @@ lazy = true
 
 
 class Gateway:
-    def __init__(self, proc: ServerProcess) -> None:
-        self.proc = proc
-        ports = json.loads(proc.ports_file.read_text())
-        self.http = int(ports["http"])
-        self.convergedb = int(ports["convergedb"])
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.http = server.ports["http"]
+        self.convergedb = server.ports["convergedb"]
 
     def url(self, query: str = "") -> str:
         return f"ws://127.0.0.1:{self.http}/ws{query}"
@@ -121,17 +114,10 @@ class Gateway:
         self.rest("POST", f"/api/streams/{name}/events", events, tenant)
 
 
-def start(root: Path, extra: str = "") -> Gateway:
-    return Gateway(ServerProcess(root, CONFIG + extra).start())
-
-
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    gateway = start(tmp_path_factory.mktemp("kiwi"))
-    try:
-        yield gateway
-    finally:
-        assert gateway.proc.terminate() == 0
+    for server in serving(tmp_path_factory.mktemp("kiwi"), config=CONFIG, listen=LISTEN):
+        yield Gateway(server)
 
 
 @pytest.fixture
@@ -565,26 +551,25 @@ def test_each_tenant_has_its_own_feed(gw: Gateway, name: str) -> None:
 # ---- shutdown --------------------------------------------------------------------------
 
 
-def test_shutdown_closes_every_subscription(tmp_path: Path) -> None:
-    gw = start(tmp_path)
-    try:
-        gw.create_stream("s")
-        with gw.connect() as ws:
-            subscribe(ws, "s")
-            subscribe(ws, "forever")
-            gw.proc.proc.send_signal(15)  # SIGTERM
-            closed: set[str] = set()
-            while len(closed) < 2:
-                msg = recv(ws)
-                if msg["type"] == "NOTICE":
-                    assert msg["data"]["type"] == "SUBSCRIPTION_CLOSED"
-                    closed.add(msg["data"]["sourceId"])
-                else:
-                    assert msg["type"] == "RESULT" and msg["data"]["sourceId"] == "forever"
-            assert closed == {"s", "forever"}
-            assert close_code(ws) == 1001
-    finally:
-        assert gw.proc.terminate() == 0
+def test_shutdown_closes_every_subscription(make_server: Callable[..., Server]) -> None:
+    gw = Gateway(make_server(config=CONFIG, listen=LISTEN))
+    gw.create_stream("s")
+    with gw.connect() as ws:
+        subscribe(ws, "s")
+        subscribe(ws, "forever")
+        assert gw.server.proc is not None
+        gw.server.proc.send_signal(15)  # SIGTERM
+        closed: set[str] = set()
+        while len(closed) < 2:
+            msg = recv(ws)
+            if msg["type"] == "NOTICE":
+                assert msg["data"]["type"] == "SUBSCRIPTION_CLOSED"
+                closed.add(msg["data"]["sourceId"])
+            else:
+                assert msg["type"] == "RESULT" and msg["data"]["sourceId"] == "forever"
+        assert closed == {"s", "forever"}
+        assert close_code(ws) == 1001
+    assert gw.server.stop() == 0
 
 
 # ---- many subscribers and one that stalls ---------------------------------------------

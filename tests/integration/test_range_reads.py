@@ -6,14 +6,13 @@ must give the very same rows."""
 from __future__ import annotations
 
 import http.client
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import pyarrow as pa
 import pytest
-from sdk_server import AUTH_CONFIG, RETENTION_CONFIG, SdkServer
+from servers import AUTH_CONFIG, LOCAL, RETENTION_CONFIG, Server
 
 import headwater
 from headwater.client.errors import ServerUnavailable
@@ -21,8 +20,9 @@ from headwater.errors import AuthenticationFailed, InvalidOffset, InvalidRequest
 from headwater.spark import streams as spark_streams
 from headwater.spark.options import ConnectionOptions, DataLossError
 from headwater.spark.streams import ROW_SCHEMA, RangeReader
+from waiting import wait_until
 
-HTTP_ON = {"http": "127.0.0.1:0"}
+HTTP_ON = {"http": LOCAL}
 
 
 def _fill(address: str, stream: str) -> list[bytes]:
@@ -60,11 +60,11 @@ def _reader(address: str, stream: str, start: int, end: int, **kw: Any) -> Range
 
 
 @pytest.fixture
-def http_server(sdk_make_server: Callable[..., SdkServer]) -> SdkServer:
-    return sdk_make_server(listen=HTTP_ON)
+def http_server(make_server: Callable[..., Server]) -> Server:
+    return make_server(listen=HTTP_ON)
 
 
-def test_both_paths_read_the_same_rows(http_server: SdkServer) -> None:
+def test_both_paths_read_the_same_rows(http_server: Server) -> None:
     values = _fill(http_server.address, "mixed")
     with headwater.connect(http_server.address) as hw:
         expected = [(e.offset, e.value) for e in hw.scan("mixed")]
@@ -84,7 +84,7 @@ def test_both_paths_read_the_same_rows(http_server: SdkServer) -> None:
         assert all(ts is not None for ts in http_rows["timestamp"])
 
 
-def test_both_paths_parse_json_values_alike(http_server: SdkServer) -> None:
+def test_both_paths_parse_json_values_alike(http_server: Server) -> None:
     with headwater.connect(http_server.address) as hw:
         hw.create_stream("js")
         hw.append("js", [b'{"n":%d,"s":"v%d"}' % (i, i) for i in range(500)])
@@ -97,7 +97,7 @@ def test_both_paths_parse_json_values_alike(http_server: SdkServer) -> None:
     assert via_http["n"] == list(range(10, 490)) and via_http["s"][0] == "v10"
 
 
-def test_a_range_past_the_end_is_data_loss_on_both_paths(http_server: SdkServer) -> None:
+def test_a_range_past_the_end_is_data_loss_on_both_paths(http_server: Server) -> None:
     with headwater.connect(http_server.address) as hw:
         hw.create_stream("short")
         hw.append("short", [b"a", b"b", b"c"])
@@ -108,21 +108,22 @@ def test_a_range_past_the_end_is_data_loss_on_both_paths(http_server: SdkServer)
 
 
 def test_retention_is_data_loss_or_skipped_on_both_paths(
-    sdk_make_server: Callable[..., SdkServer],
+    make_server: Callable[..., Server],
 ) -> None:
-    server = sdk_make_server(extra_config=RETENTION_CONFIG, listen=HTTP_ON)
+    server = make_server(config=RETENTION_CONFIG, listen=HTTP_ON)
     with headwater.connect(server.address) as hw:
         hw.create_stream("ret")
         for i in range(40):
             hw.append("ret", [b"v%03d-%d" % (i, k) + b"." * 100 for k in range(10)])
-        deadline = time.monotonic() + 30
         # Until retention is done: offset 0 is gone and the log is under its byte limit.
-        while (
-            int(str(hw.query('SELECT min("offset") FROM ret').scalar())) == 0
-            or hw.stream_info("ret").size_bytes > 8192
-        ):
-            assert time.monotonic() < deadline, "retention removed nothing"
-            time.sleep(0.1)
+        wait_until(
+            lambda: (
+                int(str(hw.query('SELECT min("offset") FROM ret').scalar())) > 0
+                and hw.stream_info("ret").size_bytes <= 8192
+            ),
+            30,
+            "retention removed nothing",
+        )
         start = int(str(hw.query('SELECT min("offset") FROM ret').scalar()))
         end = hw.stream_info("ret").next_offset
         kept = [e.value for e in hw.scan("ret", start)]
@@ -137,7 +138,7 @@ def test_retention_is_data_loss_or_skipped_on_both_paths(
         assert rows["offset"] == list(range(start, end)) and rows["value"] == kept
 
 
-def test_read_arrow_endpoint(http_server: SdkServer) -> None:
+def test_read_arrow_endpoint(http_server: Server) -> None:
     with headwater.connect(http_server.address) as hw:
         hw.create_stream("arr")
         hw.append("arr", [b"e%d" % i for i in range(200_000)])
@@ -164,8 +165,8 @@ def test_read_arrow_endpoint(http_server: SdkServer) -> None:
     conn.close()
 
 
-def test_read_arrow_takes_the_token(sdk_make_server: Callable[..., SdkServer]) -> None:
-    server = sdk_make_server(extra_config=AUTH_CONFIG, listen=HTTP_ON)
+def test_read_arrow_takes_the_token(make_server: Callable[..., Server]) -> None:
+    server = make_server(config=AUTH_CONFIG, listen=HTTP_ON)
     with headwater.connect(server.address, token="s3cret") as hw:
         hw.create_stream("sec")
         hw.append("sec", [b"a", b"b"])
@@ -178,11 +179,11 @@ def test_read_arrow_takes_the_token(sdk_make_server: Callable[..., SdkServer]) -
 
 
 def test_without_a_reachable_http_api_the_reader_uses_kimberlite(
-    sdk_make_server: Callable[..., SdkServer],
+    make_server: Callable[..., Server],
 ) -> None:
-    off = sdk_make_server()  # HTTP off: nothing advertised
+    off = make_server()  # HTTP off: nothing advertised
     # HTTP on another loopback address: advertised, but not where the client connects.
-    elsewhere = sdk_make_server(listen={"http": "127.0.0.2:0"})
+    elsewhere = make_server(listen={"http": "127.0.0.2:0"})
     for server in (off, elsewhere):
         with headwater.connect(server.address) as hw:
             hw.create_stream("kb")
@@ -230,7 +231,7 @@ def test_metadata_takes_exact_runs_when_a_group_is_not_contiguous() -> None:
     assert runs == exact and split.asked == ["count(*)", "row_number()"]
 
 
-def test_arrow_reads_count_events_and_value_bytes(http_server: SdkServer) -> None:
+def test_arrow_reads_count_events_and_value_bytes(http_server: Server) -> None:
     with headwater.connect(http_server.address) as hw:
         hw.create_stream("met")
         hw.append("met", [b"abc", b"de"])

@@ -8,15 +8,16 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
 import pytest
-from convergedb_raw import CdbClient, cdb_port
-from kimberlite_raw import ServerProcess, rows_of
+from convergedb_raw import CdbClient, eid, query
 from kimberlite_raw import query as sql_query
+from kimberlite_raw import rows_of
+from servers import LOCAL, Server
 
 from headwater.protocols.convergedb import messages as cm
 from headwater.protocols.ripple import connection as rc
@@ -24,12 +25,10 @@ from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection
 from headwater.ripple import Worker as Worker_
 from headwater.ripple import WorkerError
+from waiting import wait_until
 
 OPENAPI = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
-CONFIG = (
-    '[listen]\nkimberlite = "127.0.0.1:0"\nconvergedb = "127.0.0.1:0"\n'
-    'ripple = "127.0.0.1:0"\nhttp = "127.0.0.1:0"\n'
-)
+LISTEN = {"convergedb": LOCAL, "ripple": LOCAL, "http": LOCAL}
 VWAP = rm.Schema(
     "vwap",
     1,
@@ -45,8 +44,8 @@ VWAP = rm.Schema(
 class Worker:
     """A blocking Ripple worker over the sans-I/O ClientConnection."""
 
-    def __init__(self, server: ServerProcess, worker_id: str, schemas: dict[str, rm.Schema]):
-        port = int(json.loads(server.ports_file.read_text())["ripple"])
+    def __init__(self, server: Server, worker_id: str, schemas: dict[str, rm.Schema]):
+        port = server.ports["ripple"]
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
         self.conn = ClientConnection(worker_id)
         self.sock.sendall(self.conn.handshake(schemas))
@@ -84,15 +83,18 @@ class Worker:
 
 
 @pytest.fixture()
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path / "srv", CONFIG).start()
-    try:
-        yield proc
-    finally:
-        proc.terminate()
+def server(make_server: Callable[..., Server]) -> Server:
+    """A server of the test's own; a restarted one keeps its addresses."""
+    return make_server(listen=LISTEN)
 
 
-def state(server: ServerProcess) -> list[list[object]]:
+@pytest.fixture()
+def address(server: Server) -> str:
+    """The server's Ripple address."""
+    return server.address_of("ripple")
+
+
+def state(server: Server) -> list[list[object]]:
     with server.client() as c:
         return rows_of(
             sql_query(c, "SELECT entity_id, symbol, vwap, volume, open FROM vwap ORDER BY 1")
@@ -107,18 +109,34 @@ def quote(symbol: str, px: float, volume: int) -> rm.Set:
     return rm.Set({"symbol": symbol, "vwap": px, "volume": volume, "open": True})
 
 
-def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerProcess) -> None:
+def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: Server) -> None:
     worker = Worker(server, "w1", {"vwap": VWAP})
     assert worker.answer == rm.SchemaNegotiation(True, ())
-    with CdbClient(cdb_port(server), read_only=True) as watcher:
+    cdb = server.ports["convergedb"]
+    with (
+        CdbClient(cdb, read_only=True) as watcher,
+        CdbClient(cdb, name="marker") as marker,
+    ):
         kind = watcher.call(cm.GetKind("vwap"))
         assert isinstance(kind, cm.KindAck), kind
-        watcher.reply(watcher.send(cm.Subscribe(kind.kind_id), ack=True))
+        stream = watcher.send(cm.Subscribe(kind.kind_id), ack=True)
+        watcher.reply(stream)
+
+        def until_marker(change: type[cm.Message]) -> list[cm.Message]:
+            """The notifications up to the marker source's next write (``change``), which
+            comes after every earlier one (a subscription gets windows in order)."""
+            frames = watcher.collect(
+                lambda f: isinstance(f.message, change) and f.message.entity_id == eid(1)
+            )
+            return [f.message for f in frames[:-1] if f.stream_id == stream]
+
+        symbol = [("symbol", cm.FieldType.STRING)]
         worker.send("vwap", "AAA", quote("AAA", 10.5, 100), watermark_ns=1_000)
         worker.send("vwap", "BBB", quote("BBB", 20.0, 5))
         worker.send("vwap", "AAA", rm.Patch((rm.FieldSet("vwap", rm.Atom("11.25")),)))
         assert worker.checkpoint("c1").last_sequence_no == 3
-        first = watcher.drain(0.3)
+        marker.call(cm.Assert.of(symbol, kind.kind_id, eid(1), ["marker"]))
+        first = until_marker(cm.State)
         # The same three deltas again, with their sequence numbers: a redelivery.
         for seq, (key, delta) in enumerate(
             [("AAA", quote("AAA", 10.5, 100)), ("BBB", quote("BBB", 20.0, 5))], start=1
@@ -126,8 +144,9 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerP
             worker.send("vwap", key, delta, sequence_no=seq)
         worker.send("vwap", "BBB", rm.Remove(), sequence_no=3)  # also old: dropped
         worker.checkpoint("c2")
-        assert watcher.drain(0.3) == []  # no notification for a redelivery
-    assert len([f for f in first if isinstance(f.message, cm.State)]) >= 2
+        marker.call(cm.Retract(kind.kind_id, eid(1)))
+        assert until_marker(cm.Deleted) == []  # no notification for a redelivery
+    assert len([n for n in first if isinstance(n, cm.State)]) >= 2
     assert state(server) == [
         [hex_key("AAA"), "AAA", "11.25", 100, True],
         [hex_key("BBB"), "BBB", "20.0", 5, True],
@@ -135,7 +154,7 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerP
     worker.send("vwap", "BBB", rm.Remove())  # sequence 4: new
     worker.checkpoint("c3")
     assert [r[0] for r in state(server)] == [hex_key("AAA")]
-    http = int(json.loads(server.ports_file.read_text())["http"])
+    http = server.ports["http"]
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as answer:
         metrics = answer.read().decode()
     assert 'headwater_ripple_watermark_ns{output="vwap",worker="w1"} 1000.0' in metrics
@@ -153,18 +172,17 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: ServerP
     assert w1["last_heartbeat"] > time.time() - 60
     assert w1["outputs"] == [{"output": "vwap", "last_sequence_no": 4, "watermark_ns": 1000}]
     worker.close()
-    # The server notices the worker leave (its slot's liveness deadline starts).
-    deadline = time.monotonic() + 10
-    while True:
+
+    def disconnected() -> bool:
         with urllib.request.urlopen(f"http://127.0.0.1:{http}/api/ripple/workers") as answer:
-            if not json.loads(answer.read())["workers"][0]["connected"]:
-                break
-        assert time.monotonic() < deadline, "the worker still shows as connected"
-        time.sleep(0.05)
+            return not json.loads(answer.read())["workers"][0]["connected"]
+
+    # The server notices the worker leave (its slot's liveness deadline starts).
+    wait_until(disconnected, message="the worker still shows as connected")
 
 
 def test_dedupe_survives_a_restart_and_a_restarted_worker_converges(
-    server: ServerProcess,
+    server: Server,
 ) -> None:
     worker = Worker(server, "w2", {"vwap": VWAP})
     for i in range(20):
@@ -173,7 +191,7 @@ def test_dedupe_survives_a_restart_and_a_restarted_worker_converges(
     worker.close()
     expected = state(server)
     assert len(expected) == 5
-    assert server.terminate() == 0
+    assert server.stop() == 0
     server.start()
     # The restarted worker replays from its last checkpoint's start: all 20 again.
     again = Worker(server, "w2", {"vwap": VWAP})
@@ -187,7 +205,7 @@ def test_dedupe_survives_a_restart_and_a_restarted_worker_converges(
     again.close()
 
 
-def test_an_incompatible_schema_is_refused_with_reasons(server: ServerProcess) -> None:
+def test_an_incompatible_schema_is_refused_with_reasons(server: Server) -> None:
     Worker(server, "w3", {"vwap": VWAP}).close()
     clash = rm.Schema("vwap", 2, (rm.Field("symbol", rm.FieldType.INT),))
     refused = Worker(server, "w4", {"vwap": clash})
@@ -218,24 +236,6 @@ class Quote:
     open: bool
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture()
-def fixed_server(tmp_path: Path) -> Iterator[tuple[ServerProcess, str]]:
-    """A server whose Ripple port stays the same across restarts."""
-    address = f"127.0.0.1:{free_port()}"
-    config = CONFIG.replace('ripple = "127.0.0.1:0"', f'ripple = "{address}"')
-    proc = ServerProcess(tmp_path / "srv", config).start()
-    try:
-        yield proc, address
-    finally:
-        proc.terminate()
-
-
 def run(worker: Worker_, output: str, deltas: range) -> None:
     """Deterministic deltas: sequence number n sets key K(n % 7) from n."""
     for n in deltas:
@@ -248,7 +248,7 @@ def run(worker: Worker_, output: str, deltas: range) -> None:
             worker.set(output, key, Quote(key, n / 4, n, n % 2 == 0), sequence_no=n)
 
 
-def table(server: ServerProcess, kind: str) -> list[list[object]]:
+def table(server: Server, kind: str) -> list[list[object]]:
     with server.client() as c:
         return rows_of(
             sql_query(c, f"SELECT entity_id, symbol, vwap, volume, open FROM {kind} ORDER BY 1")
@@ -256,9 +256,8 @@ def table(server: ServerProcess, kind: str) -> list[list[object]]:
 
 
 def test_worker_killed_and_restarted_from_its_checkpoint_converges(
-    fixed_server: tuple[ServerProcess, str],
+    server: Server, address: str
 ) -> None:
-    server, address = fixed_server
     with Worker_("steady", {"steady": Quote}, address) as steady:
         run(steady, "steady", range(1, 301))
         steady.checkpoint()
@@ -275,14 +274,11 @@ def test_worker_killed_and_restarted_from_its_checkpoint_converges(
     assert len(table(server, "steady")) >= 5
 
 
-def test_worker_reconnects_and_resends_after_a_server_restart(
-    fixed_server: tuple[ServerProcess, str],
-) -> None:
-    server, address = fixed_server
+def test_worker_reconnects_and_resends_after_a_server_restart(server: Server, address: str) -> None:
     with Worker_("w", {"quotes": Quote}, address, heartbeat_s=0.05) as worker:
         worker.set("quotes", "A", Quote("A", 1.0, 1, True))
         worker.checkpoint()
-        assert server.terminate() == 0
+        assert server.stop() == 0
         server.start()
         worker.set("quotes", "B", Quote("B", 2.0, 2, False))  # the old socket is dead
         worker.patch("quotes", "A", vwap=1.5)
@@ -295,9 +291,8 @@ def test_worker_reconnects_and_resends_after_a_server_restart(
 
 
 def test_worker_refused_for_an_incompatible_schema(
-    fixed_server: tuple[ServerProcess, str],
+    address: str,
 ) -> None:
-    _, address = fixed_server
     Worker_("a", {"clash": Quote}, address).close()
 
     @dataclass
@@ -348,9 +343,8 @@ def test_worker_answers_the_servers_checkpoint_request() -> None:
 
 
 def test_a_resuming_worker_numbers_after_what_the_server_applied(
-    fixed_server: tuple[ServerProcess, str],
+    server: Server, address: str
 ) -> None:
-    server, address = fixed_server
     with Worker_("job", {"quotes": Quote}, address) as first:
         first.set("quotes", "A", Quote("A", 1.0, 1, True))
         first.set("quotes", "A", Quote("A", 2.0, 2, True))
@@ -365,20 +359,33 @@ def test_a_resuming_worker_numbers_after_what_the_server_applied(
     assert table(server, "quotes")[0][2] == "3.0"
 
 
-@pytest.mark.parametrize(("liveness_ms", "kept"), [(200, False), (60_000, True)])
+SHORT_MS = 200
+
+
+@pytest.mark.parametrize(("liveness_ms", "kept"), [(SHORT_MS, False), (60_000, True)])
 def test_a_gone_workers_entities_last_its_liveness_deadline(
-    tmp_path: Path, liveness_ms: int, kept: bool
+    make_server: Callable[..., Server], liveness_ms: int, kept: bool
 ) -> None:
     """``[ripple] liveness_ms``: how long what a worker wrote outlives its connection."""
-    config = CONFIG + f"\n[ripple]\nliveness_ms = {liveness_ms}\n"
-    proc = ServerProcess(tmp_path / "srv", config).start()
-    try:
-        address = f"127.0.0.1:{json.loads(proc.ports_file.read_text())['ripple']}"
-        with Worker_("batch-job", {"held": Quote}, address) as worker:
+    proc = make_server(config=f"[ripple]\nliveness_ms = {liveness_ms}\n", listen=LISTEN)
+    cdb = proc.ports["convergedb"]
+    with CdbClient(cdb, read_only=True) as reader:
+        with Worker_("batch-job", {"held": Quote}, proc.address_of("ripple")) as worker:
             run(worker, "held", range(1, 8))
             worker.checkpoint()
         assert len(table(proc, "held")) == 7
-        time.sleep(1.5)  # past the short deadline, well within the long one
-        assert len(table(proc, "held")) == (7 if kept else 0)
-    finally:
-        proc.terminate()
+        if not kept:
+            wait_until(lambda: not table(proc, "held"), message="the entities outlived 200 ms")
+            return
+        # A canary source with twice the short deadline, silent from the moment the
+        # worker left: once its entity is gone, the short deadline has long passed.
+        canary = CdbClient(cdb, name="canary", deadline_ms=2 * SHORT_MS)
+        n = [("n", cm.FieldType.U32)]
+        kind = canary.create_kind("canary", n)
+        canary.call(cm.Assert.of(n, kind.kind_id, eid(1), [1]))
+        wait_until(
+            lambda: isinstance(query(reader, kind.kind_id, eid(1)), cm.ErrorMessage),
+            message="the canary outlived its deadline",
+        )
+        canary.close()
+    assert len(table(proc, "held")) == 7  # well within the long deadline

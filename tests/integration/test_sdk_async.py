@@ -17,6 +17,7 @@ from headwater.errors import (
     StreamAlreadyExists,
     StreamNotFound,
 )
+from waiting import wait_until_async
 
 MiB = 1 << 20
 
@@ -29,7 +30,7 @@ def run(server: Any, body: Callable[[AsyncClient], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def test_every_method(sdk_server: Any, sdk_stream_name: str) -> None:
+def test_every_method(shared_server: Any, sdk_stream_name: str) -> None:
     name = sdk_stream_name
 
     async def body(hw: AsyncClient) -> None:
@@ -70,11 +71,11 @@ def test_every_method(sdk_server: Any, sdk_stream_name: str) -> None:
         with pytest.raises(StreamNotFound):
             await hw.stream_info(name)
 
-    run(sdk_server, body)
+    run(shared_server, body)
 
 
 def test_pipelining_many_concurrent_appends_on_one_connection(
-    sdk_server: Any, sdk_stream_name: str
+    shared_server: Any, sdk_stream_name: str
 ) -> None:
     name = sdk_stream_name
 
@@ -87,10 +88,10 @@ def test_pipelining_many_concurrent_appends_on_one_connection(
         queries = [
             asyncio.ensure_future(hw.query(f"SELECT count(*) >= 0 FROM {name}")) for _ in range(20)
         ]
-        await asyncio.sleep(0)
         # Every request has been written and is waiting for its answer on the one
-        # connection: many in flight at once, matched by request id.
-        assert len(conn.pending) > 100
+        # connection: many in flight at once, matched by request id. (Checked every turn
+        # of the loop: the tasks write their requests in their first one.)
+        await wait_until_async(lambda: len(conn.pending) > 100, 5, "few in flight", interval=0)
         results = await asyncio.gather(*tasks)
         assert [(await q).scalar() for q in queries] == [True] * 20
         assert hw._conn is conn  # still the same connection
@@ -102,10 +103,10 @@ def test_pipelining_many_concurrent_appends_on_one_connection(
         for i, r in enumerate(results):
             assert by_offset[r.first_offset] == f"{i}".encode()
 
-    run(sdk_server, body)
+    run(shared_server, body)
 
 
-def test_split_append_is_pipelined_and_ordered(sdk_server: Any, sdk_stream_name: str) -> None:
+def test_split_append_is_pipelined_and_ordered(shared_server: Any, sdk_stream_name: str) -> None:
     name = sdk_stream_name
 
     async def body(hw: AsyncClient) -> None:
@@ -116,10 +117,10 @@ def test_split_append_is_pipelined_and_ordered(sdk_server: Any, sdk_stream_name:
         got = [e.value async for e in hw.scan(name, max_bytes=4 * MiB)]
         assert got == values
 
-    run(sdk_server, body)
+    run(shared_server, body)
 
 
-def test_async_subscription_with_credit_refill(sdk_server: Any, sdk_stream_name: str) -> None:
+def test_async_subscription_with_credit_refill(shared_server: Any, sdk_stream_name: str) -> None:
     name = sdk_stream_name
 
     async def body(hw: AsyncClient) -> None:
@@ -155,18 +156,18 @@ def test_async_subscription_with_credit_refill(sdk_server: Any, sdk_stream_name:
         a, b, streams = await asyncio.gather(take(50), take(30), hw.list_streams())
         assert a == list(range(400, 450)) and b == list(range(400, 430))
         assert name in [s.name for s in streams]
-        await asyncio.sleep(0.05)  # the abandoned iterators unsubscribe as they are closed
-        assert not hw._subscriptions
+        # The abandoned iterators unsubscribe as they are closed.
+        await wait_until_async(lambda: not hw._subscriptions, message="subscriptions left")
 
         with pytest.raises(StreamNotFound):
             await hw.subscribe("no_such_stream_at_all").start()
 
-    run(sdk_server, body)
+    run(shared_server, body)
 
 
-def test_connect_async_unavailable(sdk_unused_port: int) -> None:
+def test_connect_async_unavailable(unused_port: int) -> None:
     async def main() -> None:
         with pytest.raises(ServerUnavailable, match="refused"):
-            await headwater.connect_async(f"127.0.0.1:{sdk_unused_port}")
+            await headwater.connect_async(f"127.0.0.1:{unused_port}")
 
     asyncio.run(main())

@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
-from sdk_server import SdkServer
+from servers import LOCAL, Server, free_port, serving
 
 from headwater import entities
 from headwater.entities import Entity, ResubscribeMode
 from headwater.errors import UsageError
 
-LISTEN = {"convergedb": "127.0.0.1:0", "http": "127.0.0.1:0"}
+LISTEN = {"convergedb": LOCAL, "http": LOCAL}
 WAIT_SECONDS = 30.0  # a bound for waiting on a live subscription, not a measurement
 
 
@@ -32,20 +33,15 @@ class Sensor:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
-    srv = SdkServer(tmp_path_factory.mktemp("entities"), listen=dict(LISTEN)).start()
-    try:
-        yield srv
-    finally:
-        status = srv.stop()
-        assert status == 0, f"server exited {status}:\n{srv.log_text()}"
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(tmp_path_factory.mktemp("entities"), listen=LISTEN)
 
 
-def cdb(server: SdkServer) -> str:
+def cdb(server: Server) -> str:
     return f"127.0.0.1:{server.ports['convergedb']}"
 
 
-def http(server: SdkServer) -> str:
+def http(server: Server) -> str:
     return f"127.0.0.1:{server.ports['http']}"
 
 
@@ -71,7 +67,7 @@ def drain_until(
         assert time.monotonic() < deadline, f"gave up waiting; view: {sub.view}"
 
 
-def test_two_writers_converge_on_one_entity(server: SdkServer, kind_name: str) -> None:
+def test_two_writers_converge_on_one_entity(server: Server, kind_name: str) -> None:
     with (
         entities.connect(cdb(server), name="a") as a,
         entities.connect(cdb(server), name="b") as b,
@@ -106,7 +102,7 @@ def test_two_writers_converge_on_one_entity(server: SdkServer, kind_name: str) -
         assert reader.get(kind_r, "x") is None
 
 
-def test_epoch_retracts_what_was_not_reasserted(server: SdkServer, kind_name: str) -> None:
+def test_epoch_retracts_what_was_not_reasserted(server: Server, kind_name: str) -> None:
     with entities.connect(cdb(server), name="epochs") as src:
         kind = src.create_kind(Sensor, kind_name)
         for key in ("a", "b", "c", "d"):
@@ -127,7 +123,7 @@ def test_epoch_retracts_what_was_not_reasserted(server: SdkServer, kind_name: st
         assert live == {"a": Sensor("a", 2.0), "b": Sensor("b", 0.0, 9)}
 
 
-def test_flush_is_a_barrier_for_buffered_batches(server: SdkServer, kind_name: str) -> None:
+def test_flush_is_a_barrier_for_buffered_batches(server: Server, kind_name: str) -> None:
     # A long linger: nothing leaves the buffer until flush() or 60 ops (one BATCH).
     with (
         entities.connect(cdb(server), linger=60.0, batch_ops=60) as src,
@@ -147,7 +143,7 @@ def test_flush_is_a_barrier_for_buffered_batches(server: SdkServer, kind_name: s
         assert src.aio._sent == {} and src.aio._buffer == []
 
 
-def test_subscribe_bootstrap_racing_live_writes(server: SdkServer, kind_name: str) -> None:
+def test_subscribe_bootstrap_racing_live_writes(server: Server, kind_name: str) -> None:
     keys = [f"k{i}" for i in range(200)]
     with (
         entities.connect(cdb(server), name="racer") as src,
@@ -200,7 +196,7 @@ def test_subscribe_bootstrap_racing_live_writes(server: SdkServer, kind_name: st
         sub.close()
 
 
-def test_read_only_client_refuses_writes(server: SdkServer, kind_name: str) -> None:
+def test_read_only_client_refuses_writes(server: Server, kind_name: str) -> None:
     with entities.connect(cdb(server), name="w") as src:
         kind = src.create_kind(Sensor, kind_name)
         src.assert_(kind, "x", Sensor("lab", 1.0))
@@ -219,7 +215,7 @@ def test_read_only_client_refuses_writes(server: SdkServer, kind_name: str) -> N
         assert state is not None and state.value == Sensor("lab", 1.0)
 
 
-def test_bad_input_gets_clear_errors_and_loses_nothing(server: SdkServer, kind_name: str) -> None:
+def test_bad_input_gets_clear_errors_and_loses_nothing(server: Server, kind_name: str) -> None:
     @dataclass
     class Other:
         site: int
@@ -260,7 +256,7 @@ def test_bad_input_gets_clear_errors_and_loses_nothing(server: SdkServer, kind_n
         src.flush()  # the error was reported once
 
 
-def test_kind_migration_keeps_old_readers_working(server: SdkServer, kind_name: str) -> None:
+def test_kind_migration_keeps_old_readers_working(server: Server, kind_name: str) -> None:
     @dataclass
     class SensorV2:
         site: str
@@ -282,9 +278,9 @@ def test_kind_migration_keeps_old_readers_working(server: SdkServer, kind_name: 
 
 
 def test_reconnect_after_restart_keeps_source_and_resubscribes(
-    sdk_make_server: Callable[..., SdkServer], kind_name: str
+    make_server: Callable[..., Server], kind_name: str
 ) -> None:
-    srv = sdk_make_server(listen=dict(LISTEN))
+    srv = make_server(listen=LISTEN)
     with (
         entities.connect(cdb(srv), name="durable", backoff_base=0.05) as src,
         entities.connect(cdb(srv), read_only=True) as watcher,
@@ -317,9 +313,9 @@ def test_reconnect_after_restart_keeps_source_and_resubscribes(
 
 
 def test_live_only_resubscribe_skips_the_bootstrap(
-    sdk_make_server: Callable[..., SdkServer], kind_name: str
+    make_server: Callable[..., Server], kind_name: str
 ) -> None:
-    srv = sdk_make_server(listen=dict(LISTEN))
+    srv = make_server(listen=LISTEN)
     with (
         entities.connect(cdb(srv), name="w") as src,
         entities.connect(cdb(srv), read_only=True) as watcher,
@@ -343,7 +339,7 @@ def test_live_only_resubscribe_skips_the_bootstrap(
         assert [c.key for c in changes] == ["after"]  # no bootstrap of "before"
 
 
-def test_async_client(server: SdkServer, kind_name: str) -> None:
+def test_async_client(server: Server, kind_name: str) -> None:
     async def main() -> None:
         src = await entities.connect_async(cdb(server), name="aio")
         reader = await entities.connect_async(cdb(server), read_only=True)
@@ -372,7 +368,7 @@ def test_async_client(server: SdkServer, kind_name: str) -> None:
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_include_previous_and_metadata_on_changes(server: SdkServer, kind_name: str) -> None:
+def test_include_previous_and_metadata_on_changes(server: Server, kind_name: str) -> None:
     key = entities.entity_id("p")
     with (
         entities.connect(cdb(server), name="prev") as src,
@@ -404,7 +400,7 @@ def test_include_previous_and_metadata_on_changes(server: SdkServer, kind_name: 
         assert queried is not None and queried.metadata == b"" and queried.previous is None
 
 
-def test_events_of_an_event_stream_kind(server: SdkServer, kind_name: str) -> None:
+def test_events_of_an_event_stream_kind(server: Server, kind_name: str) -> None:
     with (
         entities.connect(cdb(server), name="ev") as src,
         entities.connect(cdb(server), name="ev2") as other,
@@ -442,7 +438,7 @@ def test_events_of_an_event_stream_kind(server: SdkServer, kind_name: str) -> No
         assert [(e.key, e.value) for e in sub.view.values()] == [("a", Sensor("lab", 1.0))]
 
 
-def test_events_decode_the_fields_an_old_dataclass_knows(server: SdkServer, kind_name: str) -> None:
+def test_events_decode_the_fields_an_old_dataclass_knows(server: Server, kind_name: str) -> None:
     @dataclass
     class SensorV2:
         site: str
@@ -476,7 +472,7 @@ def test_events_decode_the_fields_an_old_dataclass_knows(server: SdkServer, kind
 
 
 def test_events_on_a_kind_that_is_no_event_stream_are_changes(
-    server: SdkServer, kind_name: str
+    server: Server, kind_name: str
 ) -> None:
     with (
         entities.connect(cdb(server), name="noev") as src,
@@ -492,7 +488,7 @@ def test_events_on_a_kind_that_is_no_event_stream_are_changes(
             assert sub.next_events(timeout=0.2) == []
 
 
-def test_async_events_and_include_previous(server: SdkServer, kind_name: str) -> None:
+def test_async_events_and_include_previous(server: Server, kind_name: str) -> None:
     async def main() -> None:
         src = await entities.connect_async(cdb(server), name="aio-ev")
         reader = await entities.connect_async(cdb(server), read_only=True)
@@ -537,7 +533,7 @@ def test_async_events_and_include_previous(server: SdkServer, kind_name: str) ->
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_catalog_lists_and_describes_kinds(server: SdkServer, kind_name: str) -> None:
+def test_catalog_lists_and_describes_kinds(server: Server, kind_name: str) -> None:
     with entities.connect(cdb(server)) as src:
         kind = src.create_kind(Sensor, kind_name, event_stream=True)
         src.assert_(kind, "x", Sensor("lab", 1.0))
@@ -552,12 +548,11 @@ def test_catalog_lists_and_describes_kinds(server: SdkServer, kind_name: str) ->
         entities.describe_kind(kind_name + "_missing", http(server))
 
 
-def test_catalog_answers_match_the_openapi_document(server: SdkServer, kind_name: str) -> None:
+def test_catalog_answers_match_the_openapi_document(server: Server, kind_name: str) -> None:
     import json
     import urllib.error
     import urllib.request
 
-    jsonschema = pytest.importorskip("jsonschema")
     openapi = Path(__file__).parents[2] / "src" / "headwater" / "server" / "openapi.json"
     components = json.loads(openapi.read_text())["components"]
 
@@ -581,14 +576,13 @@ def test_catalog_answers_match_the_openapi_document(server: SdkServer, kind_name
 
 
 def test_unreachable_server_is_one_clear_error(tmp_path: Path) -> None:
-    from sdk_server import sdk_free_port
 
     with pytest.raises(entities.ServerUnavailable, match="connection refused"):
-        entities.connect(f"127.0.0.1:{sdk_free_port()}", timeout=5)
+        entities.connect(f"127.0.0.1:{free_port()}", timeout=5)
 
 
 def test_buffer_and_in_flight_limits_apply_backpressure(
-    server: SdkServer, kind_name: str, monkeypatch: pytest.MonkeyPatch
+    server: Server, kind_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from headwater.entities import aio
 

@@ -7,9 +7,9 @@ from typing import Any
 import headwater
 
 
-def test_read_batch_matches_read(sdk_server: Any, sdk_stream_name: str):
+def test_read_batch_matches_read(shared_server: Any, sdk_stream_name: str):
     values = [b"x" * (i % 50) + str(i).encode() for i in range(3000)]
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
         hw.append(sdk_stream_name, values)
         page = hw.read_batch(sdk_stream_name, 100, max_bytes=10_000)

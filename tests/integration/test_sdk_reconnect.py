@@ -21,6 +21,7 @@ from headwater.client import Client, ConnectionLost, Event, ServerUnavailable
 from headwater.errors import ProjectionLag, RateLimited, StorageError
 from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import Reject, Reply, ServerConnection
+from waiting import wait_until_async
 
 FAST = {"backoff_base": 0.001, "backoff_max": 0.01}
 CAPABILITIES = ["query", "append", "subscribe", "query_at", "sync", "idempotent_append", "admin"]
@@ -260,9 +261,9 @@ def _collect(sub: Any, count: int, timeout: float = 20.0) -> list[Event]:
 
 
 def test_client_and_subscription_survive_a_server_restart(
-    sdk_make_server: Any, sdk_unused_port: int
+    make_server: Any, unused_port: int
 ) -> None:
-    server = sdk_make_server(port=sdk_unused_port)
+    server = make_server(port=unused_port)
     hw: Client = headwater.connect(server.address)
     try:
         hw.create_stream("restarts")
@@ -288,16 +289,15 @@ def test_client_and_subscription_survive_a_server_restart(
 
 
 def test_async_requests_wait_for_the_server_to_come_back(
-    sdk_make_server: Any, sdk_unused_port: int
+    make_server: Any, unused_port: int
 ) -> None:
-    server = sdk_make_server(port=sdk_unused_port)
+    server = make_server(port=unused_port)
 
     async def main() -> None:
         hw = await headwater.connect_async(server.address)
         await hw.create_stream("waits")
         server.stop()
-        await asyncio.sleep(0.05)
-        assert not hw.connected
+        await wait_until_async(lambda: not hw.connected, message="the client missed the stop")
         restart = asyncio.get_running_loop().run_in_executor(None, server.start)
         # Issued while the server is down: sent once it is back (never written before).
         results = await asyncio.gather(

@@ -37,8 +37,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def client(sdk_server: object) -> Iterator[Client]:
-    with headwater.connect(sdk_server.address, timeout=20) as hw:  # type: ignore[attr-defined]
+def client(shared_server: object) -> Iterator[Client]:
+    with headwater.connect(shared_server.address, timeout=20) as hw:  # type: ignore[attr-defined]
         yield hw
 
 
@@ -87,12 +87,12 @@ def test_stream_lifecycle(client: Client, sdk_stream_name: str) -> None:
 
 
 def test_stale_cached_stream_id_is_looked_up_again(
-    client: Client, sdk_server: object, sdk_stream_name: str
+    client: Client, shared_server: object, sdk_stream_name: str
 ) -> None:
     name = sdk_stream_name
     old_id = client.create_stream(name)
     client.append(name, [b"old"])
-    with headwater.connect(sdk_server.address) as other:  # type: ignore[attr-defined]
+    with headwater.connect(shared_server.address) as other:  # type: ignore[attr-defined]
         other.delete_stream(name)
         new_id = other.create_stream(name)
     assert new_id != old_id
@@ -313,7 +313,7 @@ def test_subscribe_latest_and_offsets(client: Client, sdk_stream_name: str) -> N
 
 
 def test_subscription_ends_with_stream_not_found_when_deleted(
-    client: Client, sdk_server: object, sdk_stream_name: str
+    client: Client, shared_server: object, sdk_stream_name: str
 ) -> None:
     name = sdk_stream_name
     client.create_stream(name)
@@ -321,7 +321,7 @@ def test_subscription_ends_with_stream_not_found_when_deleted(
     sub = client.subscribe(name, 0, credits=5)
     iterator = iter(sub)
     assert next(iterator).value == b"one"
-    with headwater.connect(sdk_server.address) as other:  # type: ignore[attr-defined]
+    with headwater.connect(shared_server.address) as other:  # type: ignore[attr-defined]
         other.delete_stream(name)
     with pytest.raises(StreamNotFound, match="deleted"):
         next(iterator)
@@ -371,19 +371,19 @@ def test_pipelined_requests_from_many_threads(client: Client, sdk_stream_name: s
     assert client.sync() is True
 
 
-def test_server_unavailable_when_nothing_listens(sdk_unused_port: int) -> None:
+def test_server_unavailable_when_nothing_listens(unused_port: int) -> None:
     began = time.monotonic()
     with pytest.raises(ServerUnavailable) as exc_info:
-        headwater.connect(f"127.0.0.1:{sdk_unused_port}")
+        headwater.connect(f"127.0.0.1:{unused_port}")
     assert time.monotonic() - began < 5
     message = str(exc_info.value)
     assert "\n" not in message
-    assert f"127.0.0.1:{sdk_unused_port}" in message and "refused" in message
+    assert f"127.0.0.1:{unused_port}" in message and "refused" in message
     assert isinstance(exc_info.value, ConnectionError)
 
 
-def test_closed_client_refuses_calls(sdk_server: object) -> None:
-    hw = headwater.connect(sdk_server.address)  # type: ignore[attr-defined]
+def test_closed_client_refuses_calls(shared_server: object) -> None:
+    hw = headwater.connect(shared_server.address)  # type: ignore[attr-defined]
     hw.list_streams()
     hw.close()
     hw.close()  # idempotent
@@ -404,8 +404,8 @@ name = "acme"
 """
 
 
-def test_token_and_tenant(sdk_make_server: Any) -> None:
-    server = sdk_make_server(extra_config=AUTH_CONFIG)
+def test_token_and_tenant(make_server: Any) -> None:
+    server = make_server(config=AUTH_CONFIG)
     with headwater.connect(server.address, token="s3cret", tenant=42) as acme:
         assert acme.authenticated and acme.tenant == 42
         acme.create_stream("acme_only")

@@ -11,19 +11,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sdk_server import SdkServer, running, server_factory
+from pyspark import cloudpickle
+from pyspark.sql import SparkSession
+from servers import LOCAL, Server, server_factory, serving
 
-HTTP_ON = {"http": "127.0.0.1:0"}
+import waiting
+
+HTTP_ON = {"http": LOCAL}
+
+# UDFs of the tests wait with waiting.wait_until in Spark's Python workers, where tests/
+# is not importable: the module travels with them, by value.
+cloudpickle.register_pickle_by_value(waiting)
 
 
 @pytest.fixture(scope="session")
-def sdk_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server (Kimberlite and HTTP) for every Spark test that does not restart it."""
-    yield from running(tmp_path_factory.mktemp("spark_server"), HTTP_ON)
+    yield from serving(tmp_path_factory.mktemp("spark_server"), listen=HTTP_ON)
 
 
 @pytest.fixture
-def sdk_make_server(tmp_path: Path) -> Iterator[Callable[..., SdkServer]]:
+def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     """Servers of this test's own, the HTTP API on unless ``listen`` says otherwise."""
     yield from server_factory(tmp_path, HTTP_ON)
 
@@ -36,11 +44,8 @@ def jvm_stdout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def spark(jvm_stdout: Path) -> Iterator[Any]:
-    pytest.importorskip("pyspark")
     # Executors run this interpreter too, so they import the installed headwater.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
     # The JVM inherits file descriptor 1 when it starts: a file of its own, which tests
     # read, instead of whatever pytest's capture held at that moment.
     saved = os.dup(1)

@@ -7,19 +7,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sdk_server import SdkServer
+from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.pipeline.runner import run_pipeline
 from headwater.pipeline.spec import PipelineError, load_pipeline, server_kind_columns
 from headwater.spark.kind_writer import RIPPLE_PORT
+from waiting import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -27,18 +27,12 @@ FMT = "headwater"
 
 
 @pytest.fixture(scope="module")
-def ripple_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SdkServer]:
-    server = SdkServer(
-        tmp_path_factory.mktemp("spark_kind_writes"),
-        listen={"ripple": "127.0.0.1:0", "http": "127.0.0.1:0"},
-    ).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def ripple_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("spark_kind_writes")
+    yield from serving(root, listen={"ripple": LOCAL, "http": LOCAL})
 
 
-def _writer(df: Any, server: SdkServer, kind: str, **options: str) -> Any:
+def _writer(df: Any, server: Server, kind: str, **options: str) -> Any:
     writer = (
         df.write.format(FMT)
         .option("server", server.address)
@@ -50,21 +44,21 @@ def _writer(df: Any, server: SdkServer, kind: str, **options: str) -> Any:
     return writer.mode("append")
 
 
-def _state(spark: Any, server: SdkServer, kind: str) -> dict[str, tuple[Any, ...]]:
+def _state(spark: Any, server: Server, kind: str) -> dict[str, tuple[Any, ...]]:
     """The kind's entities by key (Ripple keys are UTF-8, zero-padded to 32 bytes), read
     back with the format's own kind reader."""
     df = spark.read.format(FMT).option("server", server.address).option("kind", kind).load()
     return {bytes.fromhex(r[0]).rstrip(b"\0").decode(): tuple(r[3:]) for r in df.collect()}
 
 
-def _ripple_deltas(server: SdkServer) -> dict[str, float]:
+def _ripple_deltas(server: Server) -> dict[str, float]:
     url = f"http://127.0.0.1:{server.ports['http']}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     found = re.findall(r'headwater_ripple_deltas_total\{outcome="(\w+)"\} (\S+)', text)
     return {outcome: float(value) for outcome, value in found}
 
 
-def test_batch_set_patch_remove(spark: Any, ripple_server: SdkServer) -> None:
+def test_batch_set_patch_remove(spark: Any, ripple_server: Server) -> None:
     # Each partition is one Ripple source and a Remove clears only its own source's bit:
     # every write partitions by key, so one key always comes from one partition.
     rows = [(f"s{i}", float(i) + 0.5, i * 10, i % 2 == 0) for i in range(50)]
@@ -86,7 +80,7 @@ def test_batch_set_patch_remove(spark: Any, ripple_server: SdkServer) -> None:
     assert len(state) == 49
 
 
-def test_ripple_listener_found_through_the_handshake(spark: Any, ripple_server: SdkServer) -> None:
+def test_ripple_listener_found_through_the_handshake(spark: Any, ripple_server: Server) -> None:
     """Without rippleServer the driver asks the Kimberlite listener (capability
     ``ripple:<port>``); a given rippleServer wins, and a task that cannot reach it says
     where it looked."""
@@ -100,7 +94,7 @@ def test_ripple_listener_found_through_the_handshake(spark: Any, ripple_server: 
         _writer(df.coalesce(1), ripple_server, "kw_found", rippleServer=wrong).save()
 
 
-def test_schema_errors_come_before_any_task(spark: Any, ripple_server: SdkServer) -> None:
+def test_schema_errors_come_before_any_task(spark: Any, ripple_server: Server) -> None:
     no_key = spark.createDataFrame([(1.0,)], "price double")
     with pytest.raises(Exception, match="needs a key column 'key'"):
         _writer(no_key, ripple_server, "kw_errors").save()
@@ -119,17 +113,28 @@ def test_schema_errors_come_before_any_task(spark: Any, ripple_server: SdkServer
     assert _state(spark, ripple_server, "kw_errors") == {}
 
 
-def _failing_once(marker: Path, fail_at: int) -> Callable[..., Any]:
-    """A UDF failing the first attempt of its task at row ``fail_at`` (after the rows
-    before it were sent as deltas), so the retry re-sends those."""
+def _failing_once(
+    marker: Path, fail_at: int, metrics_url: str, applied: float
+) -> Callable[..., Any]:
+    """A UDF failing the first attempt of its task at row ``fail_at``, once the server
+    has applied more than ``applied`` deltas (rows before it sent in an earlier Arrow
+    batch), so the retry re-sends those."""
     from pyspark.sql.functions import udf
 
     def price(n: int) -> float:
+        import re
+        import urllib.request
+
         from pyspark import TaskContext
+
+        def applied_now() -> bool:
+            text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+            found = re.search(r'headwater_ripple_deltas_total\{outcome="applied"\} (\S+)', text)
+            return found is not None and float(found.group(1)) > applied
 
         context = TaskContext.get()
         if n == fail_at and context is not None and context.attemptNumber() == 0:
-            time.sleep(0.5)  # the deltas sent so far reach the server
+            wait_until(applied_now, 60, "no delta of this task reached the server")
             marker.write_text("failed once")
             raise RuntimeError("injected failure")
         return n * 0.5
@@ -138,12 +143,14 @@ def _failing_once(marker: Path, fail_at: int) -> Callable[..., Any]:
 
 
 def test_retried_task_applies_nothing_twice(
-    spark: Any, ripple_server: SdkServer, tmp_path: Path
+    spark: Any, ripple_server: Server, tmp_path: Path
 ) -> None:
     total = 25_000  # several Arrow batches of 10,000 rows: the first ones are sent before
     before = _ripple_deltas(ripple_server)
     marker = tmp_path / "marker"
-    price = _failing_once(marker, total - 100)  # ... the failure, in the last one
+    metrics = f"http://{ripple_server.address_of('http')}/metrics"
+    # ... the failure, in the last one
+    price = _failing_once(marker, total - 100, metrics, before.get("applied", 0))
     df = spark.range(0, total, numPartitions=1).selectExpr("id", "concat('k', id) as key")
     df = df.select("key", price("id").alias("price"))
     _writer(df, ripple_server, "kw_retry").save()
@@ -157,7 +164,7 @@ def test_retried_task_applies_nothing_twice(
 
 
 def test_streaming_kind_write_resumes_from_checkpoint(
-    spark: Any, ripple_server: SdkServer, sdk_stream_name: str, tmp_path: Path
+    spark: Any, ripple_server: Server, sdk_stream_name: str, tmp_path: Path
 ) -> None:
     with headwater.connect(ripple_server.address) as hw:
         hw.create_stream(sdk_stream_name)
@@ -195,7 +202,7 @@ def test_streaming_kind_write_resumes_from_checkpoint(
 
 
 def test_pipeline_from_a_kind_changelog_to_a_kind(
-    spark: Any, ripple_server: SdkServer, tmp_path: Path
+    spark: Any, ripple_server: Server, tmp_path: Path
 ) -> None:
     """A pipeline reads kind kw_src's changes (columns asked of the server before Spark
     runs) and keeps kind kw_double in step: upserts doubled, deletions removed."""
@@ -259,20 +266,20 @@ def _ripple_key(key: str) -> bytes:
     return key.encode().ljust(32, b"\0")
 
 
-def _ripple_workers(server: SdkServer, kind: str) -> list[str]:
+def _ripple_workers(server: Server, kind: str) -> list[str]:
     url = f"http://127.0.0.1:{server.ports['http']}/api/ripple/workers"
     workers = json.loads(urllib.request.urlopen(url, timeout=10).read())["workers"]
     return sorted(w["worker_id"] for w in workers if any(o["output"] == kind for o in w["outputs"]))
 
 
 def test_kind_sink_after_an_aggregation_with_200_shuffle_partitions(
-    spark: Any, sdk_make_server: Any, tmp_path: Path
+    spark: Any, make_server: Any, tmp_path: Path
 ) -> None:
     """Spark's default spark.sql.shuffle.partitions (200) puts 150 keys in ~100 partitions,
     each a Ripple worker: more than a tenant's 64 source slots. A pipeline's kind sink
     writes from 8 partitions (hashed by key) and gets every sum in; the format alone,
     given those partitions, fails with an error that says what to change."""
-    server = sdk_make_server(listen={"ripple": "127.0.0.1:0", "http": "127.0.0.1:0"})
+    server = make_server(listen={"ripple": "127.0.0.1:0", "http": "127.0.0.1:0"})
     keys = 150
     with headwater.connect(server.address) as hw:
         hw.create_stream("amounts")
@@ -340,7 +347,7 @@ def test_kind_sink_after_an_aggregation_with_200_shuffle_partitions(
 
 
 def test_foreach_batch_writes_number_as_the_streaming_writers(
-    spark: Any, ripple_server: SdkServer, sdk_stream_name: str
+    spark: Any, ripple_server: Server, sdk_stream_name: str
 ) -> None:
     """Options queryId and batchId (what a pipeline in update mode passes from
     foreachBatch): a batch run again writes nothing twice; the next batch id does."""

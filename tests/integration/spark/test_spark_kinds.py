@@ -5,17 +5,17 @@ from a checkpoint and followed live; and the errors a user can meet."""
 from __future__ import annotations
 
 import decimal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from convergedb_raw import CdbClient, cdb_config, cdb_port, eid
-from kimberlite_raw import ServerProcess
+from convergedb_raw import CdbClient, eid
+from servers import LOCAL, Server, serving
 
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.fields import FieldType
+from waiting import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -44,30 +44,27 @@ def values(i: int) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def kind_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tmp_path_factory.mktemp("spark_kinds"), cdb_config()).start()
-    try:
-        yield proc
-    finally:
-        proc.terminate()
+def kind_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Kinds over ConvergeDB; the HTTP API off (kinds are read over Kimberlite)."""
+    yield from serving(tmp_path_factory.mktemp("spark_kinds"), listen={"convergedb": LOCAL})
 
 
-def _read(spark: Any, server: ServerProcess, **options: str) -> Any:
+def _read(spark: Any, server: Server, **options: str) -> Any:
     reader = spark.read.format("headwater").option("server", f"127.0.0.1:{server.port}")
     for key, value in options.items():
         reader = reader.option(key, value)
     return reader.load()
 
 
-def _sql_scalar(server: ServerProcess, sql: str) -> int:
+def _sql_scalar(server: Server, sql: str) -> int:
     import headwater
 
     with headwater.connect(f"127.0.0.1:{server.port}") as hw:
         return int(str(hw.query(sql).scalar()))
 
 
-def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProcess) -> None:
-    with CdbClient(cdb_port(kind_server), name="writer") as writer:
+def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: Server) -> None:
+    with CdbClient(kind_server.ports["convergedb"], name="writer") as writer:
         kind = writer.create_kind("sensors", [(n, int(t)) for n, t in FIELDS])
         writer.send(
             m.Batch(tuple(m.Assert.of(FIELDS, kind.kind_id, eid(i), values(i)) for i in range(30)))
@@ -108,7 +105,7 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: ServerProc
         assert old[eid(1).hex()].temp == 1.5 and old[eid(0).hex()].label == "s0"
 
 
-def test_kind_read_errors(spark: Any, kind_server: ServerProcess) -> None:
+def test_kind_read_errors(spark: Any, kind_server: Server) -> None:
     with pytest.raises(Exception, match="kind no_such_kind does not exist"):
         _read(spark, kind_server, kind="no_such_kind").collect()
     with pytest.raises(Exception, match="kind name"):
@@ -137,7 +134,7 @@ def test_kind_read_errors(spark: Any, kind_server: ServerProcess) -> None:
 READING = [("temp", FieldType.F64), ("deleted", FieldType.U8)]
 
 
-def _changes(spark: Any, server: ServerProcess, **options: str) -> Any:
+def _changes(spark: Any, server: Server, **options: str) -> Any:
     reader = (
         spark.readStream.format("headwater")
         .option("server", f"127.0.0.1:{server.port}")
@@ -161,12 +158,12 @@ def _run_available_now(df: Any, out: Path, checkpoint: Path) -> None:
 
 
 def test_kind_changelog_stream_resumes_from_its_checkpoint(
-    spark: Any, kind_server: ServerProcess, tmp_path: Path
+    spark: Any, kind_server: Server, tmp_path: Path
 ) -> None:
     """Every change once, in log order, deletions flagged; a restarted query reads only
     what came after its checkpoint."""
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-    with CdbClient(cdb_port(kind_server), name="changes-writer") as writer:
+    with CdbClient(kind_server.ports["convergedb"], name="changes-writer") as writer:
         kind = writer.create_kind("readings", [(n, int(t)) for n, t in READING])
         writer.send(
             m.Batch(
@@ -207,9 +204,9 @@ def test_kind_changelog_stream_resumes_from_its_checkpoint(
 
 
 def test_kind_changelog_stream_from_latest_follows_live_changes(
-    spark: Any, kind_server: ServerProcess
+    spark: Any, kind_server: Server
 ) -> None:
-    with CdbClient(cdb_port(kind_server), name="live-writer") as writer:
+    with CdbClient(kind_server.ports["convergedb"], name="live-writer") as writer:
         kind = writer.create_kind("readings", [(n, int(t)) for n, t in READING])
         writer.send(m.Assert.of(READING, kind.kind_id, eid(50), [50.0, 0]))
         writer.barrier()
@@ -221,16 +218,18 @@ def test_kind_changelog_stream_from_latest_follows_live_changes(
             .start()
         )
         try:
-            deadline = time.monotonic() + 60
-            while not query.recentProgress and time.monotonic() < deadline:
-                time.sleep(0.2)  # the first trigger fixes "latest" before the writes
+            # The first trigger fixes "latest" before the writes.
+            wait_until(lambda: query.recentProgress, 60, "the query never triggered")
             for i in range(51, 56):
                 writer.send(m.Assert.of(READING, kind.kind_id, eid(i), [float(i), 1]))
                 writer.barrier()
-            seen: list[Any] = []
-            while len(seen) < 5 and time.monotonic() < deadline:
-                time.sleep(0.3)
-                seen = spark.sql("SELECT * FROM live_changes ORDER BY version").collect()
+
+            def five_seen() -> list[Any] | None:
+                assert query.exception() is None, query.exception()
+                rows = spark.sql("SELECT * FROM live_changes ORDER BY version").collect()
+                return rows if len(rows) >= 5 else None
+
+            seen = wait_until(five_seen, 60, "the live changes did not all arrive")
             assert query.exception() is None
         finally:
             query.stop()

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime
@@ -18,10 +17,12 @@ from typing import Any
 
 import pytest
 import yaml
+from servers import LOCAL
 
 import headwater
 from headwater.pipeline.runner import run_pipeline
 from headwater.pipeline.spec import check_streams, load_pipeline, server_kind_columns
+from waiting import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -114,13 +115,15 @@ def _check_vwap(hw: headwater.Client, sink: str, trades: list[dict[str, Any]]) -
         assert got[key] == pytest.approx(value, rel=1e-12)
 
 
-def test_vwap_pipeline_in_process(spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path):
+def test_vwap_pipeline_in_process(spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path):
     source, sink = sdk_stream_name + "_trades", sdk_stream_name + "_vwap"
     trades = _trades(6000, symbols=7, step_ms=40)  # 4 minutes of trades
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.append(source, [json.dumps(t).encode() for t in trades])
-        spec = load_pipeline(_vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, source, sink))
+        spec = load_pipeline(
+            _vwap_pipeline(tmp_path / "p.yaml", shared_server.address, source, sink)
+        )
         lines: list[str] = []
         assert run_pipeline(spec, "unused", lines.append, spark=spark) == 0
         _check_vwap(hw, sink, trades)
@@ -129,16 +132,18 @@ def test_vwap_pipeline_in_process(spark: Any, sdk_server: Any, sdk_stream_name: 
     assert all(re.search(r"lag \d+ offsets, \d+ ms", line) for line in lines)
 
 
-def test_filter_mask_rename_to_parquet(spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path):
+def test_filter_mask_rename_to_parquet(
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path
+):
     people = [{"name": f"p{i}", "email": f"p{i}@example.com", "amount": i} for i in range(40)]
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
         hw.append(sdk_stream_name, [json.dumps(p).encode() for p in people])
     spec_path = tmp_path / "p.yaml"
     spec_path.write_text(
         yaml.safe_dump(
             {
-                "server": sdk_server.address,
+                "server": shared_server.address,
                 "sources": [
                     {
                         "name": "people",
@@ -175,8 +180,8 @@ def _cli_env() -> dict[str, str]:
     return env
 
 
-def test_cli_reports_unknown_stream_before_spark(sdk_server: Any, tmp_path: Path):
-    path = _vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, "no_such_trades", "x")
+def test_cli_reports_unknown_stream_before_spark(shared_server: Any, tmp_path: Path):
+    path = _vwap_pipeline(tmp_path / "p.yaml", shared_server.address, "no_such_trades", "x")
     proc = subprocess.run(
         [sys.executable, "-m", "headwater.cli.main", "pipeline", "run", str(path)],
         capture_output=True,
@@ -208,14 +213,17 @@ class _Daemon:
             )
 
     def wait_for(self, pattern: str, timeout: float = 90) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.log.read_text(errors="replace"))
-            if match:
-                return match
-            assert self.proc.poll() is None, self.log.read_text(errors="replace")
-            time.sleep(0.2)
-        raise AssertionError(f"{pattern!r} not in {self.log}:\n{self.log.read_text()}")
+        def logged() -> re.Match[str] | None:
+            text = self.log.read_text(errors="replace")
+            assert self.proc.poll() is None, text
+            return re.search(pattern, text)
+
+        return wait_until(
+            logged,
+            timeout,
+            lambda: f"{pattern!r} not in {self.log}:\n{self.log.read_text()}",
+            interval=0.2,
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -271,14 +279,14 @@ def standalone_cluster(tmp_path: Path) -> Iterator[str]:
 
 
 def test_vwap_pipeline_on_standalone_cluster(
-    standalone_cluster: str, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    standalone_cluster: str, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     source, sink = sdk_stream_name + "_trades", sdk_stream_name + "_vwap"
     trades = _trades(3000, symbols=5, step_ms=50)
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.append(source, [json.dumps(t).encode() for t in trades])
-        path = _vwap_pipeline(tmp_path / "p.yaml", sdk_server.address, source, sink)
+        path = _vwap_pipeline(tmp_path / "p.yaml", shared_server.address, source, sink)
         proc = subprocess.run(
             [
                 sys.executable,
@@ -325,15 +333,13 @@ def _progress(stdout: str) -> dict[str, list[tuple[int, int, int | None, int]]]:
 
 
 def test_docs_pipeline_example_runs(
-    spark: Any, jvm_stdout: Path, sdk_make_server: Any, tmp_path: Path
+    spark: Any, jvm_stdout: Path, make_server: Any, tmp_path: Path
 ) -> None:
     """The pipeline of docs/spark.md as it is there (only its server, paths and trigger
     pointed at the test's), checked and run as `headwater pipeline run` does: two
     sources (a stream and a kind's changelog), every transform type, five sinks, and the
     progress lines."""
-    server = sdk_make_server(
-        extra_config="[ripple]\nliveness_ms = 600000\n", listen={"ripple": "127.0.0.1:0"}
-    )
+    server = make_server(config="[ripple]\nliveness_ms = 600000\n", listen={"ripple": LOCAL})
     trades = _trades(3000, symbols=5, step_ms=50)  # 150 s: two windows close
     with headwater.connect(server.address) as hw:
         hw.create_stream("raw_trades")
@@ -422,12 +428,10 @@ def test_docs_pipeline_example_runs(
             assert None not in outs and sum(outs) == 10, (name, lines)
 
 
-def test_file_sources_two_sinks_and_progress(
-    spark: Any, sdk_make_server: Any, tmp_path: Path
-) -> None:
+def test_file_sources_two_sinks_and_progress(spark: Any, make_server: Any, tmp_path: Path) -> None:
     """CSV, JSON and Parquet directories as sources, a select keeping columns, a stream
     sink and a kind sink, and a progress line per micro-batch with the real numbers."""
-    server = sdk_make_server(listen={"ripple": "127.0.0.1:0"})
+    server = make_server(listen={"ripple": LOCAL})
     people = {
         src: [(f"{src}{i}", f"city{i % 3}", 100 * i + ord(src)) for i in range(8)] for src in "abc"
     }

@@ -4,15 +4,15 @@ retried tasks and retention."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sdk_server import RETENTION_CONFIG
+from servers import RETENTION_CONFIG
 
 import headwater
+from waiting import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -30,13 +30,13 @@ def _values(client: headwater.Client, stream: str) -> list[bytes]:
     return [e.value for e in client.scan(stream)]
 
 
-def test_batch_read_schema_values_and_offsets(spark: Any, sdk_server: Any, sdk_stream_name: str):
-    with headwater.connect(sdk_server.address) as hw:
+def test_batch_read_schema_values_and_offsets(spark: Any, shared_server: Any, sdk_stream_name: str):
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
         hw.append(sdk_stream_name, [json.dumps({"n": i, "s": f"x{i}"}).encode() for i in range(50)])
         hw.append(sdk_stream_name, [b'{"n": 50, "s": "x50"}'])
         end = hw.stream_info(sdk_stream_name).next_offset
-    df = _read(spark, sdk_server.address, sdk_stream_name)
+    df = _read(spark, shared_server.address, sdk_stream_name)
     assert [f.name for f in df.schema.fields] == [
         "key",
         "value",
@@ -58,7 +58,7 @@ def test_batch_read_schema_values_and_offsets(spark: Any, sdk_server: Any, sdk_s
     # Kafka's offset forms: JSON start, exclusive end; -2 earliest.
     part = _read(
         spark,
-        sdk_server.address,
+        shared_server.address,
         sdk_stream_name,
         startingOffsets=json.dumps({sdk_stream_name: {"0": 10}}),
         endingOffsets=json.dumps({sdk_stream_name: {"0": 20}}),
@@ -66,7 +66,7 @@ def test_batch_read_schema_values_and_offsets(spark: Any, sdk_server: Any, sdk_s
     assert sorted(r.offset for r in part.collect()) == list(range(10, 20))
     parsed = _read(
         spark,
-        sdk_server.address,
+        shared_server.address,
         sdk_stream_name,
         startingOffsets=json.dumps({sdk_stream_name: {"0": -2}}),
         valueFormat="json",
@@ -78,13 +78,13 @@ def test_batch_read_schema_values_and_offsets(spark: Any, sdk_server: Any, sdk_s
     assert got == [(i, f"x{i}", i) for i in range(51)]
 
 
-def test_csv_values_and_headers_column(spark: Any, sdk_server: Any, sdk_stream_name: str):
-    with headwater.connect(sdk_server.address) as hw:
+def test_csv_values_and_headers_column(spark: Any, shared_server: Any, sdk_stream_name: str):
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
         hw.append(sdk_stream_name, [b"AAA,10.5,3", b"BBB,11.0,", b"CCC,9.25,7"])
     df = _read(
         spark,
-        sdk_server.address,
+        shared_server.address,
         sdk_stream_name,
         valueFormat="csv",
         schema="sym STRING, px DOUBLE, qty INT",
@@ -95,18 +95,20 @@ def test_csv_values_and_headers_column(spark: Any, sdk_server: Any, sdk_stream_n
     assert rows == [("AAA", 10.5, 3), ("BBB", 11.0, None), ("CCC", 9.25, 7)]
 
 
-def test_several_streams_and_explicit_register(spark: Any, sdk_server: Any, sdk_stream_name: str):
+def test_several_streams_and_explicit_register(
+    spark: Any, shared_server: Any, sdk_stream_name: str
+):
     from headwater.spark import register
 
     register(spark)  # the format is found without it too; registering again is harmless
     a, b = sdk_stream_name + "_a", sdk_stream_name + "_b"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         for name, count in ((a, 5), (b, 3)):
             hw.create_stream(name)
             hw.append(name, [f"{name}:{i}".encode() for i in range(count)])
     df = (
         spark.read.format(FMT)
-        .option("server", sdk_server.address)
+        .option("server", shared_server.address)
         .option("streams", f"{b},{a}")
         .option("startingOffsets", json.dumps({a: {"0": 2}}))
         .load()
@@ -115,27 +117,27 @@ def test_several_streams_and_explicit_register(spark: Any, sdk_server: Any, sdk_
     assert got == [(a, i, f"{a}:{i}") for i in range(2, 5)] + [(b, i, f"{b}:{i}") for i in range(3)]
 
 
-def test_bad_options_and_unknown_stream_are_clear(spark: Any, sdk_server: Any):
+def test_bad_options_and_unknown_stream_are_clear(spark: Any, shared_server: Any):
     with pytest.raises(Exception, match="does not exist"):
-        _read(spark, sdk_server.address, "no_such_stream_here").collect()
+        _read(spark, shared_server.address, "no_such_stream_here").collect()
     with pytest.raises(Exception, match="startingOffsets must be earliest, latest or JSON"):
-        _read(spark, sdk_server.address, "s", startingOffsets="soon").collect()
+        _read(spark, shared_server.address, "s", startingOffsets="soon").collect()
     with pytest.raises(Exception, match="needs a schema option"):
-        _read(spark, sdk_server.address, "s", valueFormat="json").collect()
+        _read(spark, shared_server.address, "s", valueFormat="json").collect()
 
 
-def test_batch_write_then_read_back(spark: Any, sdk_server: Any, sdk_stream_name: str):
+def test_batch_write_then_read_back(spark: Any, shared_server: Any, sdk_stream_name: str):
     df = spark.range(0, 2500, numPartitions=3).selectExpr("CAST(id AS STRING) AS value")
-    df.write.format(FMT).option("server", sdk_server.address).option(
+    df.write.format(FMT).option("server", shared_server.address).option(
         "stream", sdk_stream_name
     ).mode("append").save()
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         values = _values(hw, sdk_stream_name)
     assert sorted(int(v) for v in values) == list(range(2500))
     with pytest.raises(Exception, match="stores event values only"):
         spark.range(3).selectExpr("CAST(id AS STRING) AS value", "'k' AS key").write.format(
             FMT
-        ).option("server", sdk_server.address).option("stream", sdk_stream_name).mode(
+        ).option("server", shared_server.address).option("stream", sdk_stream_name).mode(
             "append"
         ).save()
 
@@ -150,13 +152,10 @@ def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Calla
 
         context = TaskContext.get()
         if n == fail_at and context is not None and context.attemptNumber() == 0:
-            stored = 0
             with headwater.connect(server) as hw:
-                for _ in range(100):
-                    stored = hw.stream_info(stream).next_offset
-                    if stored:
-                        break
-                    time.sleep(0.1)
+                stored = wait_until(
+                    lambda: hw.stream_info(stream).next_offset, 10, "the writer appended nothing"
+                )
             marker.write_text(str(stored))
             raise RuntimeError("injected failure")
         return str(n)
@@ -165,19 +164,19 @@ def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Calla
 
 
 def test_retried_write_task_leaves_no_duplicate(
-    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     total = 40_000  # several Arrow batches of 10,000 rows in one task
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
     marker = tmp_path / "appended_before_failure"
-    fail = _failing_once(marker, sdk_server.address, sdk_stream_name, total - 100)
+    fail = _failing_once(marker, shared_server.address, sdk_stream_name, total - 100)
     df = spark.range(0, total, numPartitions=1).select(fail("id").alias("value"))
-    df.write.format(FMT).option("server", sdk_server.address).option(
+    df.write.format(FMT).option("server", shared_server.address).option(
         "stream", sdk_stream_name
     ).mode("append").save()
     assert int(marker.read_text()) > 0  # the first attempt had appended before it failed
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         values = [int(v) for v in _values(hw, sdk_stream_name)]
     assert len(values) == total and sorted(values) == list(range(total))
 
@@ -218,16 +217,16 @@ def _pipe(
 
 
 def test_streaming_copy_resumes_from_checkpoint_without_loss_or_duplicates(
-    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
     checkpoint = tmp_path / "checkpoint"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.append(source, [f"a{i}".encode() for i in range(250)])
         query = _pipe(
             spark,
-            sdk_server.address,
+            shared_server.address,
             source,
             sink,
             checkpoint,
@@ -242,7 +241,7 @@ def test_streaming_copy_resumes_from_checkpoint_without_loss_or_duplicates(
         assert _values(hw, sink) == [f"a{i}".encode() for i in range(250)]
 
         hw.append(source, [f"b{i}".encode() for i in range(30)])
-        query = _pipe(spark, sdk_server.address, source, sink, checkpoint)  # restart
+        query = _pipe(spark, shared_server.address, source, sink, checkpoint)  # restart
         query.awaitTermination(120)
         assert query.exception() is None
         expected = [f"a{i}".encode() for i in range(250)] + [f"b{i}".encode() for i in range(30)]
@@ -253,17 +252,17 @@ def test_streaming_copy_resumes_from_checkpoint_without_loss_or_duplicates(
 
 
 def test_streaming_write_retried_task_leaves_no_duplicate(
-    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
     total = 25_000
     marker = tmp_path / "appended_before_failure"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.create_stream(sink)
         hw.append(source, [str(i).encode() for i in range(total)])
-        fail = _failing_once(marker, sdk_server.address, sink, total - 10)
-        query = _pipe(spark, sdk_server.address, source, sink, tmp_path / "cp", through=fail)
+        fail = _failing_once(marker, shared_server.address, sink, total - 10)
+        query = _pipe(spark, shared_server.address, source, sink, tmp_path / "cp", through=fail)
         query.awaitTermination(120)
         assert query.exception() is None
         assert int(marker.read_text()) > 0
@@ -287,10 +286,10 @@ def _to_parquet(spark: Any, server: str, source: str, out: Path, **options: str)
 
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
 def test_retention_under_a_query(
-    spark: Any, sdk_make_server: Any, tmp_path: Path, fail_on_data_loss: bool
+    spark: Any, make_server: Any, tmp_path: Path, fail_on_data_loss: bool
 ):
     # Small segments and a byte limit: retention drops whole old segments within 100 ms.
-    server = sdk_make_server(extra_config=RETENTION_CONFIG)
+    server = make_server(config=RETENTION_CONFIG)
     option = {"failOnDataLoss": str(fail_on_data_loss).lower()}
     with headwater.connect(server.address) as hw:
         hw.create_stream("src")
@@ -300,15 +299,16 @@ def test_retention_under_a_query(
         assert query.exception() is None
         for i in range(40):  # many small appends: segments roll, retention drops old ones
             hw.append("src", [b"late%03d-%03d" % (i, k) + b"." * 100 for k in range(10)])
-        deadline = time.monotonic() + 30
         # Until retention is done: the oldest read offset is gone and the log is back
         # under its byte limit (so nothing more goes while Spark reads).
-        while (
-            int(str(hw.query('SELECT min("offset") FROM src').scalar())) <= 10
-            or hw.stream_info("src").size_bytes > 8192
-        ):
-            assert time.monotonic() < deadline, "retention did not remove the first segments"
-            time.sleep(0.1)
+        wait_until(
+            lambda: (
+                int(str(hw.query('SELECT min("offset") FROM src').scalar())) > 10
+                and hw.stream_info("src").size_bytes <= 8192
+            ),
+            30,
+            "retention did not remove the first segments",
+        )
         start = int(str(hw.query('SELECT min("offset") FROM src').scalar()))
         retained = [(e.offset, e.value) for e in hw.scan("src", start)]
     query = _to_parquet(spark, server.address, "src", tmp_path, **option)  # restart
@@ -337,12 +337,20 @@ def _held_back(gate: Path) -> Callable[..., Any]:
         context = TaskContext.get()
         if context is not None and not (gate / "go").exists():
             (gate / f"blocked-{context.partitionId()}").touch()
-            deadline = time.monotonic() + 120
-            while not (gate / "go").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until((gate / "go").exists, 120, "the gate never opened")
         return v
 
     return udf(value, "binary")
+
+
+def _stage_with_one_task_waiting(spark: Any) -> bool:
+    """Whether an active stage of 3 tasks has 2 running and none done: the third waits."""
+    tracker = spark.sparkContext.statusTracker()
+    for stage_id in tracker.getActiveStageIds():
+        info = tracker.getStageInfo(stage_id)
+        if info is not None and info.numTasks == 3:
+            return bool(info.numActiveTasks == 2 and info.numCompletedTasks == 0)
+    return False
 
 
 READ_RETENTION_CONFIG = """
@@ -357,13 +365,13 @@ SPLIT = 100  # offsets per Spark partition: batch 0 is 3 tasks on 2 cores
 
 @pytest.mark.parametrize("fail_on_data_loss", [True, False])
 def test_retention_while_a_query_reads(
-    spark: Any, sdk_make_server: Any, tmp_path: Path, fail_on_data_loss: bool
+    spark: Any, make_server: Any, tmp_path: Path, fail_on_data_loss: bool
 ):
     """Retention removes offsets that a running micro-batch planned but a task has not
     read yet, up to the middle of that task's range: the executor's read meets
     InvalidOffset. failOnDataLoss=true fails the query naming the lost offsets; false
     reads on from the first stored offset, and the next batches go on from there."""
-    server = sdk_make_server(extra_config=READ_RETENTION_CONFIG)
+    server = make_server(config=READ_RETENTION_CONFIG)
     gate = tmp_path / "gate"
     gate.mkdir()
 
@@ -388,12 +396,16 @@ def test_retention_while_a_query_reads(
             .start()
         )
         try:
-            deadline = time.monotonic() + 120
-            while len(list(gate.glob("blocked-*"))) < 2:
-                assert time.monotonic() < deadline, "two tasks of batch 0 did not start"
+
+            def two_blocked() -> bool:
                 assert query.exception() is None, query.exception()
-                time.sleep(0.05)
-            time.sleep(0.5)  # no third task starts: both cores are held
+                return len(list(gate.glob("blocked-*"))) >= 2
+
+            wait_until(two_blocked, 120, "two tasks of batch 0 did not start")
+            # No third task starts: both cores are held. Spark shows it pending.
+            wait_until(
+                lambda: _stage_with_one_task_waiting(spark), 30, "no stage with a task waiting"
+            )
             blocked = sorted(int(p.name.split("-")[1]) for p in gate.glob("blocked-*"))
             assert len(blocked) == 2
             (waiting,) = set(range(3)) - set(blocked)
@@ -402,17 +414,18 @@ def test_retention_while_a_query_reads(
                 return int(str(hw.query('SELECT min("offset") FROM src').scalar()))
 
             # Append until retention has cut past two thirds of batch 0, a segment
-            # (~35 events) at a time, then let it settle under the byte limit.
+            # (~35 events) at a time: after each append, until retention has settled
+            # under the byte limit again.
             i = 3 * SPLIT
-            deadline = time.monotonic() + 60
             while first_stored() <= 2 * SPLIT:
-                assert time.monotonic() < deadline, "retention did not remove the first segments"
                 hw.append("src", [event(i + k) for k in range(10)])
                 i += 10
-                time.sleep(0.15)
-            while hw.stream_info("src").size_bytes > 49152:
-                assert time.monotonic() < deadline, "retention did not settle"
-                time.sleep(0.1)
+                wait_until(
+                    lambda: hw.stream_info("src").size_bytes <= 49152,
+                    60,
+                    "retention did not settle",
+                )
+                assert i < 3 * SPLIT + 1000, "retention did not remove the first segments"
             first = first_stored()
             end = hw.stream_info("src").next_offset
             assert 2 * SPLIT < first < 3 * SPLIT, first  # inside the last task's range
@@ -438,15 +451,16 @@ def test_retention_while_a_query_reads(
 
 def _started(query: Any, timeout: float = 120) -> None:
     """Until the query's first micro-batch is done: its starting offsets are fixed."""
-    deadline = time.monotonic() + timeout
-    while not any(p["batchId"] == 0 for p in query.recentProgress):
+
+    def first_batch_done() -> bool:
         assert query.exception() is None, query.exception()
-        assert time.monotonic() < deadline, "the query's first batch did not run"
-        time.sleep(0.1)
+        return any(p["batchId"] == 0 for p in query.recentProgress)
+
+    wait_until(first_batch_done, timeout, "the query's first batch did not run")
 
 
 def test_streaming_read_from_latest_sees_only_later_events(
-    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     """startingOffsets latest and {"s": {"0": -1}}: a query reads what is appended after it
     started, and "latest" is resolved once (Spark asks for the initial offsets again
@@ -456,10 +470,10 @@ def test_streaming_read_from_latest_sees_only_later_events(
 
     source = sdk_stream_name
     forms = {"latest": "latest", "minus1": json.dumps({source: {"0": -1}})}
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.append(source, [b"before%d" % i for i in range(20)])
-        options = {"server": sdk_server.address, "stream": source, "startingOffsets": "latest"}
+        options = {"server": shared_server.address, "stream": source, "startingOffsets": "latest"}
         reader = HeadwaterStreamReader(ReadOptions.parse(options), schema=None)
         assert reader.initialOffset() == {source: {"0": 20}}
         hw.append(source, [b"between"])
@@ -468,7 +482,7 @@ def test_streaming_read_from_latest_sees_only_later_events(
         queries = {
             name: _pipe(
                 spark,
-                sdk_server.address,
+                shared_server.address,
                 source,
                 f"{source}_{name}",
                 tmp_path / name,
@@ -492,26 +506,28 @@ def test_streaming_read_from_latest_sees_only_later_events(
 
 
 def test_batch_read_offset_forms_latest_and_minus_one(
-    spark: Any, sdk_server: Any, sdk_stream_name: str
+    spark: Any, shared_server: Any, sdk_stream_name: str
 ):
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(sdk_stream_name)
         hw.append(sdk_stream_name, [b"e%d" % i for i in range(12)])
     minus1 = json.dumps({sdk_stream_name: {"0": -1}})
     for end in ("latest", minus1):  # exclusive end: the stream's end at planning
-        df = _read(spark, sdk_server.address, sdk_stream_name, endingOffsets=end)
+        df = _read(spark, shared_server.address, sdk_stream_name, endingOffsets=end)
         assert sorted(r.offset for r in df.collect()) == list(range(12)), end
     start3 = json.dumps({sdk_stream_name: {"0": 3}})
     df = _read(
-        spark, sdk_server.address, sdk_stream_name, startingOffsets=start3, endingOffsets=minus1
+        spark, shared_server.address, sdk_stream_name, startingOffsets=start3, endingOffsets=minus1
     )
     assert sorted(r.offset for r in df.collect()) == list(range(3, 12))
     for start in ("latest", minus1):  # from the end: nothing
-        assert _read(spark, sdk_server.address, sdk_stream_name, startingOffsets=start).count() == 0
+        assert (
+            _read(spark, shared_server.address, sdk_stream_name, startingOffsets=start).count() == 0
+        )
     with pytest.raises(Exception, match=r"endingOffsets cannot be earliest \(-2\)"):
         _read(
             spark,
-            sdk_server.address,
+            shared_server.address,
             sdk_stream_name,
             endingOffsets=json.dumps({sdk_stream_name: {"0": -2}}),
         ).collect()
@@ -529,8 +545,8 @@ name = "acme"
 """
 
 
-def test_token_option_against_a_server_with_auth(spark: Any, sdk_make_server: Any, tmp_path: Path):
-    server = sdk_make_server(extra_config=AUTH_CONFIG)
+def test_token_option_against_a_server_with_auth(spark: Any, make_server: Any, tmp_path: Path):
+    server = make_server(config=AUTH_CONFIG)
     auth = {"server": server.address, "token": "s3cret", "tenant": "42"}
     spark.range(0, 50, numPartitions=2).selectExpr("CAST(id AS STRING) AS value").write.format(
         FMT
@@ -570,11 +586,9 @@ def _failing_while(marker: Path, server: str, sink: str, fail_at: int) -> Callab
         if n == fail_at and marker.exists():
             first = int(marker.read_text())
             with headwater.connect(server) as hw:
-                for _ in range(200):
-                    if hw.stream_info(sink).next_offset > first:
-                        break
-                    time.sleep(0.05)
-                assert hw.stream_info(sink).next_offset > first, "nothing was appended"
+                wait_until(
+                    lambda: hw.stream_info(sink).next_offset > first, 10, "nothing was appended"
+                )
             raise RuntimeError("injected failure in the sink's task")
         return str(n)
 
@@ -582,7 +596,7 @@ def _failing_while(marker: Path, server: str, sink: str, fail_at: int) -> Callab
 
 
 def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
-    spark: Any, sdk_server: Any, sdk_stream_name: str, tmp_path: Path
+    spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     """A sink task fails in every attempt after part of its batch was appended: the query
     stops with the error. Restarted from its checkpoint, the batch runs again with the
@@ -591,18 +605,18 @@ def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
     total, per_batch = 30_000, 12_000  # batch 1 is 2 Arrow batches: 2 appends
     marker = tmp_path / "fail"
-    with headwater.connect(sdk_server.address) as hw:
+    with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
         hw.create_stream(sink)
         for first in range(0, total, 10_000):
             hw.append(source, [str(i).encode() for i in range(first, first + 10_000)])
-        fail = _failing_while(marker, sdk_server.address, sink, 2 * per_batch - 10)
+        fail = _failing_while(marker, shared_server.address, sink, 2 * per_batch - 10)
         marker.write_text(str(per_batch))  # fail in batch 1, once batch 1 appended some
 
         def start() -> Any:
             return _pipe(
                 spark,
-                sdk_server.address,
+                shared_server.address,
                 source,
                 sink,
                 tmp_path / "cp",

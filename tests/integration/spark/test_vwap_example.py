@@ -11,16 +11,16 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sdk_server import SdkServer
+from servers import LOCAL, Server, serving
 
 import headwater
+from waiting import wait_until
 
 pytestmark = pytest.mark.spark
 
@@ -51,14 +51,8 @@ def expected_vwaps(trades: list[dict[str, Any]]) -> dict[tuple[str, int], tuple[
 
 
 @pytest.fixture()
-def server(tmp_path: Path) -> Iterator[SdkServer]:
-    srv = SdkServer(
-        tmp_path / "server", listen={"ripple": "127.0.0.1:0", "convergedb": "127.0.0.1:0"}
-    ).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(tmp_path: Path) -> Iterator[Server]:
+    yield from serving(tmp_path / "server", listen={"ripple": LOCAL, "convergedb": LOCAL})
 
 
 def _env() -> dict[str, str]:
@@ -75,7 +69,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _state(server: SdkServer) -> dict[tuple[str, int], tuple[float, int]]:
+def _state(server: Server) -> dict[tuple[str, int], tuple[float, int]]:
     with headwater.connect(server.address) as hw:
         tables = {str(row[0]) for row in hw.query("SHOW TABLES").rows}
         if "vwap" not in tables:
@@ -85,22 +79,25 @@ def _state(server: SdkServer) -> dict[tuple[str, int], tuple[float, int]]:
 
 
 def _wait_for(
-    server: SdkServer, want: dict[tuple[str, int], tuple[float, int]], pipeline: Any, log: Path
+    server: Server, want: dict[tuple[str, int], tuple[float, int]], pipeline: Any, log: Path
 ) -> None:
     """Until the kind holds exactly ``want`` (the pipeline's batches come on their own)."""
-    deadline = time.monotonic() + DEADLINE_S
     state: dict[tuple[str, int], tuple[float, int]] = {}
-    while time.monotonic() < deadline:
+
+    def final() -> bool:
+        nonlocal state
         assert pipeline.poll() is None, log.read_text()
         state = _state(server)
-        if state.keys() == want.keys() and all(
+        return state.keys() == want.keys() and all(
             state[k][1] == want[k][1] and state[k][0] == pytest.approx(want[k][0], rel=1e-12)
             for k in want
-        ):
-            return
-        time.sleep(0.5)
-    missing = len(want.keys() - state.keys())
-    raise AssertionError(f"{missing} windows missing or not final:\n{log.read_text()[-3000:]}")
+        )
+
+    def missing() -> str:
+        count = len(want.keys() - state.keys())
+        return f"{count} windows missing or not final:\n{log.read_text()[-3000:]}"
+
+    wait_until(final, DEADLINE_S, missing, interval=0.5)  # a query per poll: not too often
 
 
 def _progress(log: Path) -> list[tuple[str, str, str]]:
@@ -113,7 +110,7 @@ def _progress(log: Path) -> list[tuple[str, str, str]]:
     )
 
 
-def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None:
+def test_vwap_example_through_the_cli(server: Server, tmp_path: Path) -> None:
     generate = _generator()
     cdb = f"127.0.0.1:{server.ports['convergedb']}"
     run = [sys.executable, str(EXAMPLE / "generate_trades.py"), "--server", server.address]
@@ -152,10 +149,12 @@ def test_vwap_example_through_the_cli(server: SdkServer, tmp_path: Path) -> None
             subprocess.run(more, check=True, env=_env(), timeout=120)
             everything = expected_vwaps(list(generate.trades(FIRST + MORE)))
             _wait_for(server, everything, pipeline, pipeline_log)
-            deadline = time.monotonic() + 60  # and the batch that wrote them is done
-            while sum(int(n) for n, _, _ in _progress(pipeline_log)) < FIRST + MORE:
-                assert time.monotonic() < deadline, pipeline_log.read_text()
-                time.sleep(0.2)
+            wait_until(  # and the batch that wrote them is done
+                lambda: sum(int(n) for n, _, _ in _progress(pipeline_log)) >= FIRST + MORE,
+                60,
+                pipeline_log.read_text,
+                interval=0.2,
+            )
             pipeline.send_signal(signal.SIGINT)  # Ctrl-C
             assert pipeline.wait(60) == 130, pipeline_log.read_text()
         finally:
