@@ -159,28 +159,19 @@ class StreamInfo:
     sync: str
 
 
+@dataclass(eq=False)
 class Stream:
     """One stream: a single partition log in this version (``partition-0``)."""
 
-    def __init__(
-        self,
-        tenant: Tenant,
-        stream_id: int,
-        name: str,
-        created_ns: int,
-        settings: StreamSettings,
-        plog: PartitionLog,
-        committer: GroupCommitter,
-    ) -> None:
-        self.tenant = tenant
-        self.stream_id = stream_id
-        self.name = name
-        self.created_ns = created_ns
-        self.settings = settings
-        self.log = plog
-        self.committer = committer
-        self.deleted = False
-        self.delete_listeners: list[Callable[[], None]] = []
+    tenant: Tenant = field(repr=False)
+    stream_id: int
+    name: str
+    created_ns: int
+    settings: StreamSettings
+    log: PartitionLog = field(repr=False)
+    committer: GroupCommitter = field(repr=False)
+    deleted: bool = False
+    delete_listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def directory(self) -> Path:

@@ -65,32 +65,22 @@ class KindInfo:
         )
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class EntityState:
     """An entity as readers see it: committed (durable) and with its version.
 
     ``record`` is the encoded field_data of every field, as STATE frames carry it; the
     engine keeps only that (and the version and source set) and decodes ``values`` when a
-    reader asks for them.
+    reader asks for them. Equal when the decoded values are (not the record bytes).
     """
 
-    __slots__ = ("_values", "entity_id", "fields", "kind_id", "record", "source_set", "version")
-
-    def __init__(
-        self,
-        kind_id: int,
-        entity_id: bytes,
-        version: int,
-        source_set: int,
-        record: bytes,
-        fields: tuple[FieldSpec, ...],
-    ) -> None:
-        self.kind_id = kind_id
-        self.entity_id = entity_id
-        self.version = version
-        self.source_set = source_set
-        self.record = record
-        self.fields = fields
-        self._values: tuple[FieldValue, ...] | None = None
+    kind_id: int
+    entity_id: bytes
+    version: int
+    source_set: int
+    record: bytes
+    fields: tuple[FieldSpec, ...]
+    _values: tuple[FieldValue, ...] | None = field(default=None, init=False)
 
     @property
     def values(self) -> tuple[FieldValue, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headwater.engine.kinds.errors import NoEpoch, NoFreeSource, ReadOnlySource, SourceConflict
@@ -42,6 +43,7 @@ def presence_entity_id(source_id: int) -> bytes:
     return bytes([source_id]) + bytes(31)
 
 
+@dataclass(eq=False)
 class Source:
     """A writer's slot (0..63) or a read-only reader (``source_id`` None).
 
@@ -49,22 +51,14 @@ class Source:
     connection ends (the liveness deadline then decides the fate of its entities).
     """
 
-    def __init__(
-        self,
-        tenant: TenantKinds,
-        source_id: int | None,
-        name: str,
-        deadline_ms: int,
-        on_dead: Callable[[], None] | None,
-    ) -> None:
-        self.tenant = tenant
-        self.source_id = source_id
-        self.name = name
-        self.deadline_ms = deadline_ms
-        self.on_dead = on_dead
-        self.connected = True
-        self.last_seen = time.monotonic()
-        self.connected_at_ns = time.time_ns()
+    tenant: TenantKinds = field(repr=False)
+    source_id: int | None
+    name: str
+    deadline_ms: int
+    on_dead: Callable[[], None] | None = field(repr=False)
+    connected: bool = True
+    last_seen: float = field(default_factory=time.monotonic)
+    connected_at_ns: int = field(default_factory=time.time_ns)
 
     @property
     def read_only(self) -> bool:
