@@ -184,6 +184,8 @@ def test_close_refuses_new_appends_and_finishes_inflight(tmp_path: Path) -> None
         engine = await Engine.open(tmp_path, CONFIG)
         sid = (await engine.create_stream(0, "s")).stream_id
         pending = [asyncio.create_task(engine.append(0, sid, [b"v"] * 100)) for _ in range(20)]
+        # One turn of the loop (not a wait for time): every append runs to its first await,
+        # so all 20 are in flight when close begins.
         await asyncio.sleep(0)
         await engine.close()
         results = await asyncio.gather(*pending, return_exceptions=True)

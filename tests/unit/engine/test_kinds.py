@@ -4,7 +4,6 @@ subscriptions, event-stream kinds, persistence across restarts."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from headwater.errors import StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType, decode_record
 from headwater.protocols.convergedb.ops import from_wire
+from waiting import wait_until_async
 
 ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 7: "seven"})
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
@@ -264,25 +264,30 @@ def test_liveness_retracts_sole_owned(tmp_path: Path) -> None:
         a.apply([assert_op(kind, eid(1), [1.0]), assert_op(kind, eid(2), [2.0])])
         b.apply([assert_op(kind, eid(2), [2.0])])
         await tk.barrier()
+        # A canary with the same deadline, silent from the moment a drops: once its
+        # entity is retracted, a's deadline has passed as well.
+        canary = tk.connect("canary", source_id=5, deadline_ms=400)
         a.disconnect()
+        canary.apply([assert_op(kind, eid(9), [9.0])])
         # Reconnecting in time keeps everything.
         a2 = tk.connect("a", source_id=1, deadline_ms=400)
-        for _ in range(5):  # 500 ms in all, past the deadline, touching
-            await asyncio.sleep(0.1)
-            a2.touch()
+
+        def canary_gone() -> bool:
+            a2.touch()  # touching every 100 ms meanwhile
+            return tk.get(kind.kind_id, eid(9)) is None
+
+        await wait_until_async(canary_gone, 5, "the canary outlived its deadline", interval=0.1)
         assert tk.get(kind.kind_id, eid(1)) is not None
         a2.disconnect()
-        deadline = time.monotonic() + 5
-        while tk.get(kind.kind_id, eid(1)) is not None and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        assert tk.get(kind.kind_id, eid(1)) is None
+        await wait_until_async(
+            lambda: tk.get(kind.kind_id, eid(1)) is None, 5, "a's entity outlived its deadline"
+        )
         assert tk.get(kind.kind_id, eid(2)).source_set == 0b100  # type: ignore[union-attr]
         assert 1 not in tk.sources and not dead_calls  # it was not connected any more
         # A connected source that goes silent is dead too, and its owner is told.
         c = tk.connect("c", source_id=3, deadline_ms=100, on_dead=lambda: dead_calls.append(3))
         c.apply([assert_op(kind, eid(3), [3.0])])
-        while not dead_calls and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: dead_calls, 5, "the silent source never died")
         await tk.barrier()
         assert dead_calls == [3] and tk.get(kind.kind_id, eid(3)) is None
 
@@ -410,7 +415,7 @@ def test_a_waiting_reader_takes_a_window_larger_than_the_buffer(tmp_path: Path) 
         src = tk.connect("a")
         sub = tk.subscribe(kind.kind_id)
         reader = asyncio.ensure_future(sub.next_batch())
-        await asyncio.sleep(0)  # the reader is now waiting
+        await wait_until_async(lambda: sub.waiting, message="the reader is not waiting")
         src.apply([assert_op(kind, eid(i), [1.0]) for i in range(25)])
         await tk.barrier()
         assert len(await reader) == 25  # one window, 2.5 times the buffer

@@ -19,22 +19,30 @@ from headwater.engine.subscriptions import (
 )
 from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.storage.batch import value_spans
+from waiting import wait_until_async
 
 CONFIG = EngineConfig(maintenance_interval_ms=0)
 
 
 class Recorder:
-    """A front end stand-in: records pushes and close reasons."""
+    """A front end stand-in: records pushes and close reasons. A push taking the events
+    past ``allowed`` (what the test has granted so far) is an overrun, kept in
+    :attr:`overruns`: what must not be delivered is caught when it is, not looked for
+    after a while."""
 
-    def __init__(self) -> None:
+    def __init__(self, allowed: int | None = None) -> None:
         self.events: list[tuple[int, bytes]] = []
         self.pushes: list[int] = []
         self.closed: list[CloseReason] = []
         self.arrived = asyncio.Event()
         self.stall: asyncio.Event | None = None
+        self.allowed = allowed
+        self.overruns: list[tuple[int, int]] = []  # (first offset, count)
 
     async def deliver(self, sub: Subscription, pushes: list[Push]) -> None:
         for start, count, chunks, _credits in pushes:
+            if self.allowed is not None and len(self.events) + count > self.allowed:
+                self.overruns.append((start, count))
             data = b"".join(chunks)
             bounds = value_spans(data, count)
             for i in range(count):
@@ -55,36 +63,37 @@ class Recorder:
                 await self.arrived.wait()
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0.01)
-
-
 def test_credits_bound_delivery_and_grants_continue_in_order(tmp_path: Path) -> None:
     async def main() -> None:
         engine = await Engine.open(tmp_path, CONFIG)
         subs = Subscriptions(engine)
         sid = (await engine.create_stream(0, "s")).stream_id
         await engine.append(0, sid, [b"e%d" % i for i in range(100)])
-        rec = Recorder()
+        rec = Recorder(allowed=10)
         sub = subs.subscribe(0, sid, 0, 10, None, rec.deliver, rec.on_close)
         await rec.wait_for(10)
-        await settle()
-        assert len(rec.events) == 10  # never beyond the credits
+        # Never beyond the credits: each push is checked as it comes (rec.allowed), and
+        # none is left to come.
         assert sub.credits == 0
+        rec.allowed = 105
         assert subs.grant(sub, 95) == 95
         await engine.append(0, sid, [b"e%d" % i for i in range(100, 120)])
         await rec.wait_for(105)
-        await settle()
+        assert sub.credits == 0
         assert [o for o, _ in rec.events] == list(range(105))
         assert [v for _, v in rec.events] == [b"e%d" % i for i in range(105)]
         assert max(rec.pushes) <= PUSH_MAX_EVENTS
         subs.close(sub, CloseReason.CLIENT_CANCELLED)
+        # A witness subscribed at the end: once it has the late event, any
+        # subscription still open on the stream was woken for it too.
+        witness = Recorder()
+        subs.subscribe(0, sid, 120, 10, None, witness.deliver, witness.on_close)
         await engine.append(0, sid, [b"late"])
         with pytest.raises(InvalidRequest, match="closed"):
             subs.grant(sub, 1)
-        await settle()
-        assert len(rec.events) == 105
+        await witness.wait_for(1)
+        assert witness.events == [(120, b"late")]
+        assert len(rec.events) == 105 and rec.overruns == []
         assert rec.closed == [CloseReason.CLIENT_CANCELLED]
         await engine.close()
 
@@ -118,14 +127,14 @@ def test_consumer_group_resumes_after_client_dies_and_hands_over(tmp_path: Path)
         await engine.append(0, sid, [b"%d" % i for i in range(30)])
         first = Recorder()
         a = subs.subscribe(0, sid, RESUME, 10, "g", first.deliver, first.on_close)
-        second = Recorder()
+        second = Recorder(allowed=0)  # one active delivery per group: none while a is
         b = subs.subscribe(0, sid, RESUME, 100, "g", second.deliver, second.on_close)
         await first.wait_for(10)
-        await settle()
-        assert second.events == []  # one active delivery per group
         subs.grant(a, 5)  # acknowledges 0..9
         await first.wait_for(15)
+        assert second.events == [] and second.overruns == []
         # The first consumer dies without acknowledging 10..14.
+        second.allowed = None
         subs.close(a, CloseReason.CLIENT_CANCELLED)
         await second.wait_for(20)
         assert [o for o, _ in second.events] == list(range(10, 30))
@@ -175,9 +184,7 @@ def test_stalled_consumer_is_closed_and_does_not_block_others(tmp_path: Path) ->
         for i in range(10):
             await engine.append(0, sid, [b"%d" % i])
         await healthy.wait_for(10)
-        async with asyncio.timeout(5):
-            while not stalled.closed:
-                await asyncio.sleep(0.05)
+        await wait_until_async(lambda: stalled.closed, 5, "the stalled consumer stayed open")
         assert stalled.closed == [CloseReason.BACKPRESSURE_TIMEOUT]
         await engine.close()
 

@@ -12,6 +12,7 @@ from headwater.errors import StreamNotFound
 from headwater.server.app import Server
 from headwater.server.config import ServerConfig
 from headwater.server.metrics import Metrics, metrics_for
+from waiting import wait_until_async
 
 OFF = {"http": "", "kimberlite": "", "convergedb": "", "ripple": ""}
 
@@ -88,12 +89,11 @@ def test_engine_state_collector(tmp_path: Path) -> None:
                 return None
 
             sub = api.subscribe(0, info.stream_id, 0, 2, "g1", deliver, on_close)
-            for _ in range(100):  # let the pump deliver its two credits
-                if sub.credits == 0:
-                    break
-                await asyncio.sleep(0.01)
+            # The pump delivers its two credits' worth.
+            await wait_until_async(lambda: sub.credits == 0, message="nothing delivered")
             api.grant(sub, 5)  # commits the group at offset 2
-            await asyncio.sleep(0.05)
+            # ... then the 2 remaining events: 3 credits left.
+            await wait_until_async(lambda: sub.credits == 3, message="the rest not delivered")
             data = samples(metrics_for(server).render())
             return data
         finally:

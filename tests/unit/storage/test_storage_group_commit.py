@@ -13,6 +13,7 @@ import pytest
 from headwater.errors import StorageError
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from waiting import wait_until_async
 
 
 def open_log(path: Path, policy: str) -> PartitionLog:
@@ -32,16 +33,6 @@ def count_syncs(plog: PartitionLog) -> list[int]:
     return calls
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while loop.time() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.01)
-    return predicate()
-
-
 def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
     plog = open_log(tmp_path, "fsync")
     calls = count_syncs(plog)
@@ -55,6 +46,8 @@ def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
         async def writer(w: int) -> list[int]:
             acked = []
             for r in range(rounds):
+                # One turn of the loop (not a wait for time): all writers append in the
+                # same turn, so their waits for an fsync overlap.
                 await asyncio.sleep(0)
                 info = plog.append([b"w%d-r%d" % (w, r)], first_position=0, timestamp_ms=0)
                 await committer.committed(info.next_offset)
@@ -134,6 +127,7 @@ def test_failed_fsync_fails_every_waiter(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_interval_policy_syncs_in_the_background(tmp_path: Path) -> None:
     plog = open_log(tmp_path, "interval:20")
+    calls = count_syncs(plog)
 
     async def main() -> None:
         committer = GroupCommitter(plog)
@@ -143,14 +137,16 @@ def test_interval_policy_syncs_in_the_background(tmp_path: Path) -> None:
         # Acknowledged on write: no fsync is awaited.
         await asyncio.wait_for(committer.committed(info.next_offset), timeout=5)
         assert plog.committed_offset == 2
-        assert await wait_until(lambda: plog.durable_offset == 2 and committer.fsyncs >= 1)
-        await asyncio.sleep(0.1)  # let a finishing fsync's bookkeeping land
-        # Nothing new written: the background loop has nothing to sync.
+        await wait_until_async(lambda: plog.durable_offset == 2 and committer.fsyncs >= 1)
+        # Every fsync started has been counted: none is in flight.
+        await wait_until_async(lambda: committer.fsyncs == len(calls))
         settled = committer.fsyncs
+        # Nothing new written: the background loop has nothing to sync. The 20 ms
+        # interval is what is under test, so time passes here on purpose (7 intervals).
         await asyncio.sleep(0.15)
-        assert committer.fsyncs == settled
+        assert committer.fsyncs == settled and len(calls) == settled
         info = plog.append([b"c"], first_position=2, timestamp_ms=0)
-        assert await wait_until(lambda: plog.durable_offset == 3 and committer.fsyncs > settled)
+        await wait_until_async(lambda: plog.durable_offset == 3 and committer.fsyncs > settled)
         await committer.aclose()
         assert committer._interval_task is None
 
@@ -171,7 +167,9 @@ def test_none_policy_never_fsyncs_until_close(tmp_path: Path) -> None:
             info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
             await asyncio.wait_for(committer.committed(info.next_offset), timeout=5)
             assert plog.committed_offset == i + 1
-        await asyncio.sleep(0.1)
+        # Nothing syncs later either: no fsync was started, and no background task is
+        # there to start one.
+        assert committer._interval_task is None
         assert committer.fsyncs == 0
         assert calls == []
         assert plog.durable_offset == 0
