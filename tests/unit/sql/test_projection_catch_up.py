@@ -15,6 +15,8 @@ from sqlkit import js, running
 from headwater.errors import ProjectionLag
 from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder
+from headwater.sql.values import QueryResult
+from waiting import wait_until_async
 
 
 def count_rounds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -51,9 +53,7 @@ def test_single_event_commits_share_rounds_and_queries_see_every_write(
             before = len(rounds)
             for i in range(40, 60):
                 await engine.append(0, s.stream_id, [js(i=i)])
-            async with asyncio.timeout(10):
-                while projection.next_offset < 60:
-                    await asyncio.sleep(0.05)
+            await wait_until_async(lambda: projection.next_offset >= 60, 10, "no catch-up")
             assert sum(rounds) == 60 and len(rounds) - before < 20
             result = await sql.query(0, "SELECT sum((json->>'i')::INT), count(*) FROM s")
             assert result.rows == [[sum(range(60)), 60]]
@@ -72,23 +72,22 @@ def test_query_at_behind_starts_the_round_and_a_full_round_does_not_wait(
             s = await engine.create_stream(0, "s")
             await engine.append(0, s.stream_id, [b"1"])
             head = engine.tenant(0).committed_position
+
             # The projection is behind (its timer is an hour): QueryAt says so,
             # retryably, and starts the round; a retry then succeeds.
-            async with asyncio.timeout(10):
-                while True:
-                    try:
-                        result = await sql.query_at(0, "SELECT count(*) FROM s", [], head)
-                        break
-                    except ProjectionLag:
-                        await asyncio.sleep(0.01)
+            async def answered() -> QueryResult | None:
+                try:
+                    return await sql.query_at(0, "SELECT count(*) FROM s", [], head)
+                except ProjectionLag:
+                    return None
+
+            result = await wait_until_async(answered, 10, "QueryAt never caught up")
             assert result.rows == [[1]]
             projection = sql.streams.projection(0, "s")
             assert projection is not None
             # A full round's worth committed at once is projected without anyone asking.
             await engine.append(0, s.stream_id, [b"x"] * 150)
-            async with asyncio.timeout(10):
-                while projection.next_offset < 151:
-                    await asyncio.sleep(0.01)
+            await wait_until_async(lambda: projection.next_offset >= 151, 10, "no full round")
             assert (await sql.query(0, "SELECT count(*) FROM s")).rows == [[151]]
 
     asyncio.run(main())
