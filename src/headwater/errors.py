@@ -3,10 +3,10 @@
 Every engine failure a client can see is a :class:`HeadwaterError` subclass whose
 ``code`` is the Kimberlite error code (spec/PROTOCOLS.md §1); the other front ends map
 these codes onto their own wire errors. The SDKs' own failures (the server cannot be
-reached, the connection broke, no answer in time) are :class:`ClientError` subclasses
-under the same root, with code 0. Two further families stay off the wire and outside the
-root: :class:`ProtocolError` (the peer misbehaved: bad bytes) and :class:`UsageError`
-(the API was misused by our own caller).
+reached, the connection broke, no answer in time) are ``ClientError`` subclasses under
+the same root, with code 0 (:mod:`headwater.client.errors`). Two further families stay
+off the wire and outside the root: :class:`ProtocolError` (the peer misbehaved: bad
+bytes) and :class:`UsageError` (the API was misused by our own caller).
 """
 
 from __future__ import annotations
@@ -132,47 +132,3 @@ class ProtocolError(Exception):
 
 class UsageError(Exception):
     """Our own caller misused an API (a programming error, never the peer's fault)."""
-
-
-# ---- raised by the SDK itself (never sent by a server) -------------------------------------
-
-
-class ClientError(HeadwaterError):
-    """Root of the errors the SDK raises itself (not sent by the server)."""
-
-
-class ServerUnavailable(ClientError, ConnectionError):
-    """No server could be reached at the address (refused, unreachable, no answer to the
-    greeting), or reconnecting failed after the configured attempts."""
-
-
-class ConnectionLost(ClientError, ConnectionError):
-    """The connection broke before the request was answered.
-
-    ``maybe_applied`` is True when the request changes data and had already been written
-    to the socket: the server may have applied it, so it is not resent automatically.
-    """
-
-    def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
-        super().__init__(message)
-        self.maybe_applied = maybe_applied
-
-
-class RequestTimeout(ClientError, TimeoutError):
-    """The server did not answer within the client's timeout."""
-
-
-class EventTooLarge(ClientError, ValueError):
-    """An event exceeds what one append may carry; nothing was sent."""
-
-
-class SubscriptionClosed(ClientError):
-    """The server ended the subscription (``reason`` is the wire's CloseReason)."""
-
-    def __init__(self, message: str, reason: int) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class ClientClosed(ClientError):
-    """The client was closed; open a new one (e.g. with ``headwater.connect``)."""

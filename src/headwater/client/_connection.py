@@ -1,4 +1,4 @@
-"""One TCP connection of the asyncio client: a :class:`~headwater._conn.link.Link` over
+"""One TCP connection of the asyncio client: a :class:`~headwater.client._core.link.Link` over
 the Kimberlite codec.
 
 Requests are framed by :class:`~headwater.protocols.kimberlite.ClientConnection`, which
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from headwater._conn.link import Link, Lost, NotSent, Route
 from headwater.protocols.kimberlite.connection import ClientConnection
 from headwater.protocols.kimberlite.messages import (
     ErrorResponse,
@@ -21,6 +20,8 @@ from headwater.protocols.kimberlite.messages import (
     SubscriptionClosedResponse,
     SubscriptionEventsResponse,
 )
+
+from ._core.link import Link, Lost, NotSent, Route
 
 __all__ = ["Connection", "Lost", "NotSent"]
 

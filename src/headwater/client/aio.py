@@ -19,7 +19,7 @@ Failures, and what the client does about them:
   received, so no event is skipped and none is delivered twice.
 
 Connecting, reconnecting, retrying and request matching are the connection core's
-(:mod:`headwater._conn`), shared with the entities SDK and the Ripple worker; this module
+(:mod:`headwater.client._core`), shared with the entities SDK and the Ripple worker; this module
 adds the Kimberlite requests and subscriptions.
 """
 
@@ -32,9 +32,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Literal, TypeVar
 
-from headwater._conn import batching
-from headwater._conn.session import Resumable, Session, parse_server, same_parameters_as
-from headwater._conn.session import backoff_delay as backoff_delay
 from headwater.errors import HeadwaterError, ProtocolError, StreamNotFound
 from headwater.protocols.kimberlite.connection import ClientConnection
 from headwater.protocols.kimberlite.messages import (
@@ -79,6 +76,9 @@ from headwater.protocols.kimberlite.messages import (
 )
 
 from ._connection import Connection, NotSent
+from ._core import batching
+from ._core.session import Resumable, Session, parse_server, same_parameters_as
+from ._core.session import backoff_delay as backoff_delay
 from .errors import ConnectionLost, EventTooLarge, SubscriptionClosed
 from .results import (
     AppendResult,

@@ -1,5 +1,6 @@
 """Errors the SDK raises on its own (server errors are the other classes of
 ``headwater.errors``, under the same root :class:`~headwater.errors.HeadwaterError`).
+Every SDK (streams, entities, the Ripple worker) raises these.
 
 * :class:`ServerUnavailable`: nothing answers at the address (refused, unreachable, the
   handshake timed out), or reconnecting failed after the configured attempts.
@@ -10,46 +11,64 @@
 * :class:`EventTooLarge`: one event is bigger than an append may carry (4 MiB).
 * :class:`SubscriptionClosed`: the server ended a subscription for a reason the SDK cannot
   recover from.
-
-The classes live in :mod:`headwater.errors`; every SDK (streams, entities, Ripple)
-raises the same ones.
 """
 
 from __future__ import annotations
 
 import json
 
-from headwater.errors import (
-    ClientClosed,
-    ClientError,
-    ConnectionLost,
-    EventTooLarge,
-    RequestTimeout,
-    ServerUnavailable,
-    SubscriptionClosed,
-    error_for_code,
-)
+from headwater.errors import HeadwaterError
+
+
+class ClientError(HeadwaterError):
+    """Root of the errors the SDK raises itself (not sent by the server)."""
+
+
+class ServerUnavailable(ClientError, ConnectionError):
+    """No headwater server could be reached at the address."""
+
+
+class ConnectionLost(ClientError, ConnectionError):
+    """The connection broke before the request was answered.
+
+    ``maybe_applied`` is True when the request changes data and had already been written
+    to the socket: the server may have applied it, so it is not resent automatically.
+    """
+
+    def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_applied = maybe_applied
+
+
+class RequestTimeout(ClientError, TimeoutError):
+    """The server did not answer within the client's timeout."""
+
+
+class EventTooLarge(ClientError, ValueError):
+    """An event exceeds what one append may carry; nothing was sent."""
+
+
+class SubscriptionClosed(ClientError):
+    """The server ended the subscription (``reason`` is the wire's CloseReason)."""
+
+    def __init__(self, message: str, reason: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ClientClosed(ClientError):
+    """The client was closed; open a new one with ``headwater.connect``."""
 
 
 def http_api_error(status: int, body: bytes, url: str) -> Exception:
     """What a non-200 answer of the HTTP API raises: the ``headwater.errors`` class of its
     error body (``{"error": {"code", "message"}}``), or ServerUnavailable when the body is
     not JSON (something else answered)."""
+    from headwater.errors import error_for_code
+
     try:
         data = json.loads(body)
     except ValueError:
         return ServerUnavailable(f"{url} answered {status} without JSON")
     error = data.get("error", {}) if isinstance(data, dict) else {}
     return error_for_code(int(error.get("code", 0)), str(error.get("message", status)))
-
-
-__all__ = [
-    "ClientClosed",
-    "ClientError",
-    "ConnectionLost",
-    "EventTooLarge",
-    "RequestTimeout",
-    "ServerUnavailable",
-    "SubscriptionClosed",
-    "http_api_error",
-]

@@ -4,7 +4,7 @@ A :class:`Client` runs an :class:`~headwater.client.aio.AsyncClient` on its own 
 thread and waits for each call. Calls from several threads are pipelined on the client's
 one connection (each call is its own request in flight), and everything the async client
 does about errors, retries and reconnects holds here too. The loop thread and the blocking
-halves are :mod:`headwater._conn.blocking`'s, as for the entities client.
+halves are :mod:`headwater.client._core.blocking`'s, as for the entities client.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from headwater._conn.blocking import Blocking, BlockingSubscription, LoopThread
-from headwater._conn.session import same_parameters_as
 from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, http_port
 
+from ._core.blocking import Blocking, BlockingSubscription, Inner, LoopThread
+from ._core.session import same_parameters_as
 from .aio import (
     DEFAULT_CREDITS,
     DEFAULT_READ_BYTES,
@@ -40,26 +40,11 @@ class Client(Blocking[AsyncClient]):
     """A blocking headwater client. Make one with :func:`connect`; use it as a context
     manager or call :meth:`close`."""
 
-    @property
-    def address(self) -> str:
-        return self._inner.address
-
-    @property
-    def tenant(self) -> int:
-        return self._inner.tenant
-
-    @property
-    def capabilities(self) -> tuple[str, ...]:
-        return self._inner.capabilities
-
-    @property
-    def authenticated(self) -> bool:
-        return self._inner.authenticated
-
-    @property
-    def retried(self) -> int:
-        """How many requests were retried (retryable errors, lost connections)."""
-        return self._inner.retried
+    address = Inner[str]()
+    tenant = Inner[int]()
+    capabilities = Inner[tuple[str, ...]]()
+    authenticated = Inner[bool]()
+    retried = Inner[int]("How many requests were retried (retryable errors, lost connections).")
 
     def read_arrow(
         self, stream: str, start: int = 0, end: int | None = None
@@ -195,21 +180,10 @@ class Subscription(BlockingSubscription[AsyncSubscription]):
     def next(self, timeout: float | None = None) -> Event | None:
         return self._client._run(self._inner.next(timeout))
 
-    @property
-    def stream_id(self) -> int | None:
-        return self._inner.stream_id
-
-    @property
-    def subscription_id(self) -> int | None:
-        return self._inner.subscription_id
-
-    @property
-    def start_offset(self) -> int | None:
-        return self._inner.start_offset
-
-    @property
-    def next_offset(self) -> int | None:
-        return self._inner.next_offset
+    stream_id = Inner[int | None]()
+    subscription_id = Inner[int | None]()
+    start_offset = Inner[int | None]()
+    next_offset = Inner[int | None]()
 
 
 @same_parameters_as(AsyncClient)

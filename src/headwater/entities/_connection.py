@@ -1,4 +1,4 @@
-"""One TCP connection of the entities client: a :class:`~headwater._conn.link.Link` over
+"""One TCP connection of the entities client: a :class:`~headwater.client._core.link.Link` over
 the ConvergeDB codec.
 
 Requests are framed by :class:`~headwater.protocols.convergedb.ClientConnection`, which
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from headwater._conn.link import Link, Lost, NotSent, Route
+from headwater.client._core.link import Link, Lost, NotSent, Route
 from headwater.errors import UsageError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.connection import ClientConnection

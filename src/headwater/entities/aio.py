@@ -35,15 +35,10 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from headwater._conn import batching
-from headwater._conn.session import Resumable, Session, same_parameters_as
-from headwater.errors import (
-    ClientClosed,
-    ConnectionLost,
-    HeadwaterError,
-    ServerUnavailable,
-    UsageError,
-)
+from headwater.client._core import batching
+from headwater.client._core.session import Resumable, Session, same_parameters_as
+from headwater.client.errors import ClientClosed, ConnectionLost, ServerUnavailable
+from headwater.errors import HeadwaterError, UsageError
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import (
     DEFAULT_LIVENESS_MS,

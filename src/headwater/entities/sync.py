@@ -1,7 +1,7 @@
 """The blocking entities client: :func:`connect` and :class:`EntityClient`.
 
 An :class:`EntityClient` runs an :class:`~headwater.entities.aio.AsyncEntityClient` on
-its own event-loop thread (:mod:`headwater._conn.blocking`, as :mod:`headwater.client.sync`
+its own event-loop thread (:mod:`headwater.client._core.blocking`, as :mod:`headwater.client.sync`
 does). Writes are encoded and buffered in the calling thread without a round trip to the
 loop; everything else waits for the loop's answer.
 """
@@ -14,8 +14,8 @@ from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from headwater._conn.blocking import Blocking, BlockingSubscription, LoopThread
-from headwater._conn.session import same_parameters_as
+from headwater.client._core.blocking import Blocking, BlockingSubscription, Inner, LoopThread
+from headwater.client._core.session import same_parameters_as
 
 from .aio import (
     AsyncEntityClient,
@@ -48,13 +48,8 @@ class EntityClient(Blocking[AsyncEntityClient]):
         finally:
             self._finalizer()
 
-    @property
-    def source_id(self) -> int | None:
-        return self._inner.source_id
-
-    @property
-    def read_only(self) -> bool:
-        return self._inner.read_only
+    source_id = Inner[int | None]()
+    read_only = Inner[bool]()
 
     # ---- kinds --------------------------------------------------------------------------
 
@@ -197,9 +192,7 @@ class EntitySubscription(BlockingSubscription[AsyncEntitySubscription[T]]):
         """Entity id -> the latest state of every live entity seen."""
         return self._inner.view
 
-    @property
-    def bootstrapped(self) -> bool:
-        return self._inner.bootstrapped
+    bootstrapped = Inner[bool]()
 
 
 @same_parameters_as(AsyncEntityClient)

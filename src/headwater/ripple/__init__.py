@@ -17,7 +17,7 @@ deterministic replay). A delta is framed in the caller's thread (a bad one raise
 and written by the worker's event-loop thread, which batches what several calls framed
 into one write. Deltas sent since the last acknowledged checkpoint are kept; when the
 connection breaks, the worker reconnects (exponential backoff with jitter, through the
-connection core every SDK client shares: :mod:`headwater._conn`), says Handshake again
+connection core every SDK client shares: :mod:`headwater.client._core`), says Handshake again
 and resends them with their original sequence numbers, which the server drops if it had
 applied them. The loop thread also sends heartbeats and answers the server's
 Checkpoint_requests (everything sent before one is already on its way, so the
@@ -35,16 +35,11 @@ import uuid
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
-from headwater._conn.blocking import Blocking, LoopThread
-from headwater._conn.link import Link, NotSent
-from headwater._conn.session import Resumable, Session, parse_server
-from headwater.errors import (
-    ClientError,
-    ConnectionLost,
-    HeadwaterError,
-    ServerUnavailable,
-    UsageError,
-)
+from headwater.client._core.blocking import Blocking, LoopThread
+from headwater.client._core.link import Link, NotSent
+from headwater.client._core.session import Resumable, Session, parse_server
+from headwater.client.errors import ClientError, ConnectionLost, ServerUnavailable
+from headwater.errors import HeadwaterError, UsageError
 from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection, Received
 

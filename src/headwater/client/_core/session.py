@@ -3,7 +3,7 @@
 A :class:`Session` holds at most one :class:`~.link.Link` and
 
 * connects: one TCP connection and the protocol's greeting (Handshake, CONNECT), with
-  its auth token; failures raise :class:`~headwater.errors.ServerUnavailable`;
+  its auth token; failures raise :class:`~headwater.client.errors.ServerUnavailable`;
 * reconnects when the connection broke: exponential backoff with jitter, at most
   ``reconnect_attempts`` attempts, one round at a time. Callers that waited for a round
   that failed get its error instead of starting another (no reconnect storm);
@@ -26,15 +26,9 @@ import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, ClassVar, Generic, ParamSpec, Self, TypeVar, cast
 
-from headwater.errors import (
-    ClientClosed,
-    ConnectionLost,
-    HeadwaterError,
-    ProtocolError,
-    RequestTimeout,
-    ServerUnavailable,
-)
+from headwater.errors import HeadwaterError, ProtocolError
 
+from ..errors import ClientClosed, ConnectionLost, RequestTimeout, ServerUnavailable
 from .link import Link, Lost, NotSent, reason
 
 L = TypeVar("L", bound=Link[Any, Any])

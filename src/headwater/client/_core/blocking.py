@@ -16,9 +16,9 @@ import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
-from typing import Any, Generic, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar, cast, overload
 
-from headwater.errors import ClientClosed
+from ..errors import ClientClosed
 
 T = TypeVar("T")
 
@@ -48,6 +48,32 @@ class _AsyncSubscription(Protocol):
 
 A = TypeVar("A", bound=_AsyncClient)
 AS = TypeVar("AS", bound=_AsyncSubscription)
+
+
+class Inner(Generic[T]):
+    """A read-only attribute that a blocking object shows from its asyncio one:
+    ``address = Inner[str]()`` in a class body reads ``self._inner.address``."""
+
+    def __init__(self, doc: str | None = None) -> None:
+        self.__doc__ = doc
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Inner[T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: object | None, owner: type | None = None) -> Inner[T] | T:
+        if obj is None:
+            return self
+        return cast(T, getattr(getattr(obj, "_inner"), self.name))  # noqa: B009
+
+    def __set__(self, obj: object, value: T) -> None:
+        raise AttributeError(f"{self.name} is read-only")
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -165,10 +191,7 @@ class Blocking(Generic[A]):
     def closed(self) -> bool:
         return self._runner.stopped or self._inner.closed
 
-    @property
-    def reconnects(self) -> int:
-        """How many times the client reconnected."""
-        return self._inner.reconnects
+    reconnects = Inner[int]("How many times the client reconnected.")
 
     @property
     def aio(self) -> A:
@@ -216,10 +239,5 @@ class BlockingSubscription(Generic[AS]):
             return
         self._client._run(self._inner.close())
 
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
-
-    @property
-    def resubscribes(self) -> int:
-        return self._inner.resubscribes
+    closed = Inner[bool]()
+    resubscribes = Inner[int]()
