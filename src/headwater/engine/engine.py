@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from headwater.engine.names import check_name
 from headwater.errors import (
@@ -29,7 +29,7 @@ from headwater.errors import (
     StreamNotFound,
     TenantNotFound,
 )
-from headwater.storage.batch import HEADER_SIZE, Event, Headers, encode_values
+from headwater.storage.batch import HEADER_SIZE, Event, EventColumns, encode_values
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import (
     AppendInfo,
@@ -477,25 +477,19 @@ class Engine:
         stream_id: int,
         values: Sequence[bytes],
         *,
-        keys: Sequence[bytes | None] | None = None,
-        tombstones: Sequence[bool] | None = None,
-        headers: Sequence[Headers] | None = None,
         timestamp_ms: int | None = None,
-        producer: tuple[int, int] | None = None,
+        **columns: Unpack[EventColumns],
     ) -> AppendInfo:
-        """Append a batch of events; returns once they are acknowledged. ``producer``
-        (id, sequence): see :meth:`append_idempotent`."""
+        """Append a batch of events; returns once they are acknowledged. A ``producer``
+        (id, sequence) among ``columns``: see :meth:`append_idempotent`."""
         return await self.append_encoded(
             tenant_id,
             stream_id,
             encode_values(values),
             len(values),
             value_bytes=sum(map(len, values)),
-            keys=keys,
-            tombstones=tombstones,
-            headers=headers,
             timestamp_ms=timestamp_ms,
-            producer=producer,
+            **columns,
         )
 
     async def append_encoded(
@@ -506,14 +500,12 @@ class Engine:
         count: int,
         *,
         value_bytes: int | None = None,
-        keys: Sequence[bytes | None] | None = None,
-        tombstones: Sequence[bool] | None = None,
-        headers: Sequence[Headers] | None = None,
         timestamp_ms: int | None = None,
-        producer: tuple[int, int] | None = None,
+        **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
         wire carries them), without touching each event again."""
+        producer = columns.get("producer")
         stream = self.stream(tenant_id, stream_id)
         self._check_open()
         if not 1 <= count <= MAX_APPEND_EVENTS:
@@ -543,10 +535,7 @@ class Engine:
                 count,
                 first_position=first_position,
                 timestamp_ms=timestamp_ms,
-                keys=keys,
-                tombstones=tombstones,
-                headers=headers,
-                producer=producer,
+                **columns,
             )
             await stream.committer.committed(info.next_offset)
         finally:

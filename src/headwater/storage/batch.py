@@ -34,6 +34,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import crc32c
 
@@ -220,15 +221,24 @@ def build_batch(
     return b"".join((_LENGTH_CRC.pack(total, crc), header[8:], *sections))
 
 
+class EventColumns(TypedDict, total=False):
+    """What an append may carry beside the values, passed down unchanged from the engine
+    to :func:`build_batch`: per-event keys, tombstones and headers (one entry per event),
+    and the producer ``(id, sequence)`` of an idempotent append."""
+
+    keys: Sequence[bytes | None] | None
+    tombstones: Sequence[bool] | None
+    headers: Sequence[Headers] | None
+    producer: tuple[int, int] | None
+
+
 def encode_batch(
     values: Sequence[bytes],
     *,
     base_offset: int,
     first_position: int,
     timestamp_ms: int,
-    keys: Sequence[bytes | None] | None = None,
-    tombstones: Sequence[bool] | None = None,
-    headers: Sequence[Headers] | None = None,
+    **columns: Unpack[EventColumns],
 ) -> bytes:
     """Encode a list of event values (and optional keys/headers) as one batch."""
     return build_batch(
@@ -237,9 +247,7 @@ def encode_batch(
         base_offset=base_offset,
         first_position=first_position,
         timestamp_ms=timestamp_ms,
-        keys=keys,
-        tombstones=tombstones,
-        headers=headers,
+        **columns,
     )
 
 

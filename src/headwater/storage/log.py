@@ -18,13 +18,14 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Unpack
 
 from headwater.errors import CorruptBatchError, StorageError, UsageError
 from headwater.storage.batch import (
     HEADER_SIZE,
     Batch,
     Event,
-    Headers,
+    EventColumns,
     build_batch,
     encode_values,
 )
@@ -272,18 +273,14 @@ class PartitionLog:
         *,
         first_position: int,
         timestamp_ms: int | None = None,
-        keys: Sequence[bytes | None] | None = None,
-        tombstones: Sequence[bool] | None = None,
-        headers: Sequence[Headers] | None = None,
+        **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         return self.append_encoded(
             encode_values(values),
             len(values),
             first_position=first_position,
             timestamp_ms=timestamp_ms,
-            keys=keys,
-            tombstones=tombstones,
-            headers=headers,
+            **columns,
         )
 
     def append_encoded(
@@ -293,14 +290,12 @@ class PartitionLog:
         *,
         first_position: int,
         timestamp_ms: int | None = None,
-        keys: Sequence[bytes | None] | None = None,
-        tombstones: Sequence[bool] | None = None,
-        headers: Sequence[Headers] | None = None,
-        producer: tuple[int, int] | None = None,
+        **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append ``count`` events whose values are already in stored form: one batch,
         one CRC, one write, at most one index entry. With ``producer`` (id, sequence) the
         append is idempotent: check it first with :meth:`check_producer`."""
+        producer = columns.get("producer")
         if count < 1:
             raise UsageError("append needs at least one event")
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
@@ -315,10 +310,7 @@ class PartitionLog:
                 base_offset=base,
                 first_position=first_position,
                 timestamp_ms=ts,
-                keys=keys,
-                tombstones=tombstones,
-                headers=headers,
-                producer=producer,
+                **columns,
             )
             if len(data) > self.config.segment_bytes:
                 raise UsageError("batch larger than a segment")
