@@ -14,9 +14,10 @@ catch-up reads stored batches from the projection's next offset and builds the c
 in bulk from the batch headers and values sections, never decoding events one by one in
 Python:
 
-* ``offset`` / ``position``: a shared ``0..n`` array plus the batch's base offset /
-  first position (offset deltas are honoured for sparse batches);
-* ``ts``: the batch's timestamp repeated (microseconds, DuckDB ``TIMESTAMP``);
+* ``offset`` / ``position``: numpy over the whole round (each piece's base offset and
+  first position repeated, plus a ``0..n`` range; offset deltas are honoured for sparse
+  batches), so the Python work is per stored batch, not per column and batch;
+* ``ts``: each batch's timestamp repeated (microseconds, DuckDB ``TIMESTAMP``);
 * ``data``: the values section viewed as an Arrow binary array of ``u64 len | bytes``
   records (offsets from the batch's value bounds), then ``binary_slice(8)`` drops the
   length prefixes in one kernel;
@@ -48,6 +49,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -79,7 +81,6 @@ SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never mer
 SEAL_BYTES = 64 << 20  # (so merged data stays far below the 2 GiB of int32 offsets)
 RETRY_SECONDS = 1.0
 CATCH_UP_DELAY = 0.1  # seconds from a commit to the catch-up round nobody asked for
-_ARANGE = pa.array(range(ROUND_ROWS), pa.int64())
 _JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
 
 
@@ -116,12 +117,6 @@ def _int(value: int) -> pa.Scalar:
     """An int64 scalar: a bare Python int makes pyarrow try (and fail, without numpy) an
     import on every compute call."""
     return pa.scalar(value, pa.int64())
-
-
-def _arange(start: int, count: int) -> pa.Array:
-    if start + count <= ROUND_ROWS:
-        return _ARANGE.slice(start, count)
-    return pa.array(range(start, start + count), pa.int64())
 
 
 def read_round(plog: PartitionLog, from_offset: int, upto: int) -> tuple[list[_Piece], int]:
@@ -188,46 +183,74 @@ class ChunkBuilder:
         return valid.buffers()[1]
 
     def build(self, pieces: Sequence[_Piece]) -> Chunk:
-        """One chunk from stored batch pieces, column by column in bulk."""
-        offsets: list[pa.Array] = []
-        positions: list[pa.Array] = []
-        stamps: list[pa.Array] = []
-        bounds: list[pa.Array] = []
+        """One chunk from stored batch pieces, column by column in bulk: Python work per
+        piece is a few integers (numpy builds the columns), so a round of many
+        single-event commits costs little more than one of a single large batch."""
+        counts: list[int] = []
+        firsts: list[int] = []
+        position_deltas: list[int] = []
+        stamps_us: list[int] = []
+        sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
         sections: list[memoryview] = []
+        record_starts: list[np.ndarray] = []
+        singles: list[int] = []  # record starts of one-event pieces, not yet in an array
         shift = 0
         rows = 0
         for piece in pieces:
             batch = piece.batch
             n = piece.stop - piece.start
             if batch.dense:
-                offs = pc.add(_arange(piece.start, n), _int(batch.base_offset))
+                firsts.append(batch.base_offset + piece.start)
             else:
-                offs = pa.array(batch.offsets()[piece.start : piece.stop], pa.int64())
-            offsets.append(offs)
-            positions.append(pc.add(offs, _int(batch.first_position - batch.base_offset)))
-            stamps.append(pa.repeat(pa.scalar(batch.first_timestamp_ms * 1000, TS_TYPE), n))
+                listed = batch.offsets()[piece.start : piece.stop]
+                sparse.append((rows, listed))
+                firsts.append(listed[0])
+            counts.append(n)
+            position_deltas.append(batch.first_position - batch.base_offset)
+            stamps_us.append(batch.first_timestamp_ms * 1000)
             record = batch.value_bounds()
             lo, hi = record[piece.start], record[piece.stop]
             sections.append(batch.values_section()[lo:hi])
-            starts = pa.array(record[piece.start : piece.stop], pa.int64())
-            bounds.append(pc.add(starts, _int(shift - lo)))
+            if n == 1:
+                singles.append(shift)
+            else:
+                if singles:
+                    record_starts.append(np.array(singles, np.int64))
+                    singles = []
+                starts = np.array(record[piece.start : piece.stop], np.int64)
+                record_starts.append(starts + (shift - lo))
             shift += hi - lo
             rows += n
-        bounds.append(pa.array([shift], pa.int64()))
-        record_bounds = pa.concat_arrays(bounds)
-        longest = pc.max(pc.pairwise_diff(record_bounds)).as_py()
+        if singles or not record_starts:
+            record_starts.append(np.array(singles, np.int64))
+        record_bounds = np.concatenate([*record_starts, np.array([shift], np.int64)])
+        # Row i of piece k: offset firsts[k] + (i - first row of k), unless the piece is
+        # sparse (its offsets are written over).
+        piece_rows = np.array(counts, np.int64)
+        piece_start = np.cumsum(piece_rows) - piece_rows
+        offsets = np.repeat(np.array(firsts, np.int64) - piece_start, piece_rows)
+        offsets += np.arange(rows, dtype=np.int64)
+        for row, listed in sparse:
+            offsets[row : row + len(listed)] = listed
+        positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
+        stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
+        longest = int(np.diff(record_bounds).max())
         records = pa.Array.from_buffers(
             pa.binary(),
             rows,
-            [None, record_bounds.cast(pa.int32()).buffers()[1], pa.py_buffer(b"".join(sections))],
+            [
+                None,
+                pa.py_buffer(record_bounds.astype(np.int32)),
+                pa.py_buffer(b"".join(sections)),
+            ],
         )
         # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
         # output from it, and the default overflows).
         data = pc.binary_slice(records, 8, longest)
         return self._chunk(
-            pa.concat_arrays(offsets),
-            pa.concat_arrays(positions),
-            pa.concat_arrays(stamps),
+            pa.array(offsets),
+            pa.array(positions),
+            pa.Array.from_buffers(TS_TYPE, rows, [None, pa.py_buffer(stamps)]),
             data,
             self.json_validity(data),
         )
