@@ -26,6 +26,12 @@ DEFAULT_LISTEN = {
 }
 
 
+# Positive-integer options of [convergedb] and [kiwi.subscriber], defaulting to the
+# config classes' own defaults.
+KIND_OPTIONS = ("coalesce_ms", "live_buffer", "default_liveness_ms", "liveness_check_ms")
+KIWI_OPTIONS = ("buffer_capacity", "lag_notice_threshold", "send_queue", "max_message_bytes")
+
+
 class ConfigError(ValueError):
     """The configuration file is unreadable or holds a bad value."""
 
@@ -162,14 +168,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         raise ConfigError("auth.required must be true or false")
 
     convergedb = _table(data.get("convergedb", {}), "[convergedb]")
-    kinds = KindsConfig(
-        **_positive_ints(
-            convergedb,
-            "convergedb",
-            KindsConfig(),
-            ("coalesce_ms", "live_buffer", "default_liveness_ms", "liveness_check_ms"),
-        )
-    )
+    kinds = KindsConfig(**_positive_ints(convergedb, "convergedb", KindsConfig(), KIND_OPTIONS))
 
     kiwi = _kiwi_config(data.get("kiwi", {}))
 
@@ -218,12 +217,7 @@ def _positive_ints(
 def _kiwi_config(data: Any) -> KiwiConfig:
     data = _table(data, "[kiwi]")
     subscriber = _table(data.get("subscriber", {}), "[kiwi.subscriber]")
-    sized = _positive_ints(
-        subscriber,
-        "kiwi.subscriber",
-        KiwiConfig(),
-        ("buffer_capacity", "lag_notice_threshold", "send_queue", "max_message_bytes"),
-    )
+    sized = _positive_ints(subscriber, "kiwi.subscriber", KiwiConfig(), KIWI_OPTIONS)
 
     sources = data.get("sources", [])
     if not isinstance(sources, list):

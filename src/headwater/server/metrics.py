@@ -74,29 +74,25 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.connection_sources: dict[str, list[Callable[[], int]]] = {}
         self.subscription_sources: dict[str, list[Callable[[], int]]] = {}
-        self.bytes_appended = Counter(
+
+        def counter(name: str, documentation: str, labels: list[str]) -> Counter:
+            return Counter(name, documentation, labels, registry=self.registry)
+
+        self.bytes_appended = counter(
             "headwater_bytes_appended",
             "Bytes of event values appended, per stream (counted by the front ends)",
             ["tenant", "stream"],
-            registry=self.registry,
         )
-        self.appends = Counter(
-            "headwater_appends",
-            "Append requests acknowledged, per protocol",
-            ["protocol"],
-            registry=self.registry,
+        self.appends = counter(
+            "headwater_appends", "Append requests acknowledged, per protocol", ["protocol"]
         )
-        self.events_read = Counter(
-            "headwater_events_read",
-            "Events read by clients, per stream",
-            ["tenant", "stream"],
-            registry=self.registry,
+        self.events_read = counter(
+            "headwater_events_read", "Events read by clients, per stream", ["tenant", "stream"]
         )
-        self.bytes_read = Counter(
+        self.bytes_read = counter(
             "headwater_bytes_read",
             "Bytes of event values read by clients, per stream",
             ["tenant", "stream"],
-            registry=self.registry,
         )
         self.append_seconds = Histogram(
             "headwater_append_seconds",
@@ -105,18 +101,16 @@ class Metrics:
             buckets=APPEND_BUCKETS,
             registry=self.registry,
         )
-        self.errors = Counter(
+        self.errors = counter(
             "headwater_errors",
             "Error replies sent, by protocol and error code (spec/PROTOCOLS.md §1)",
             ["protocol", "code", "name"],
-            registry=self.registry,
         )
-        self.ws_lag_events = Counter(
+        self.ws_lag_events = counter(
             "headwater_ws_lag_events",
             "Events WebSocket subscribers lost to lag: push events dropped at a full send"
             " queue and pull events overwritten in a full ring buffer",
             ["protocol"],
-            registry=self.registry,
         )
         self.server = server
         if server is not None:
