@@ -24,6 +24,7 @@ from headwater.server.http.app import (
     METRICS_KEY,
     PROTOCOL,
     api_of,
+    int_param,
     json_response,
     server_of,
     tenant_of,
@@ -77,19 +78,6 @@ def _named_stream(request: web.Request) -> tuple[EngineAPI, int, StreamInfo]:
     tenant_id = tenant_of(request)
     api = api_of(request)
     return api, tenant_id, api.stream_named(tenant_id, request.match_info["name"])
-
-
-def _int_param(request: web.Request, name: str, default: int | None) -> int | None:
-    text = request.query.get(name)
-    if text is None or text == "":
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise InvalidRequest(f"{name} must be an integer, not {text!r}") from None
-    if value < 0:
-        raise InvalidRequest(f"{name} must be non-negative, not {value}")
-    return value
 
 
 # ---- service ------------------------------------------------------------------------
@@ -237,13 +225,9 @@ async def append_events(request: web.Request) -> web.Response:
 
 async def read_events(request: web.Request) -> web.Response:
     api, tenant_id, stream = _named_stream(request)
-    start = _int_param(request, "from", 0)
-    assert start is not None
-    limit = _int_param(request, "limit", DEFAULT_READ_LIMIT)
-    assert limit is not None
-    if not 1 <= limit <= MAX_READ_LIMIT:
-        raise InvalidRequest(f"limit must be 1..{MAX_READ_LIMIT}, not {limit}")
-    end = _int_param(request, "to", None)
+    start = int_param(request, "from", 0)
+    limit = int_param(request, "limit", DEFAULT_READ_LIMIT, at_least=1, at_most=MAX_READ_LIMIT)
+    end = int_param(request, "to", None)
     if end is not None:
         if end < start:
             raise InvalidRequest(f"to ({end}) must not be below from ({start})")
@@ -282,9 +266,8 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     data), sliced from the stream's SQL projection: a bulk read with no work per event,
     for columnar readers (the Spark data source). ``to`` defaults to the committed end."""
     api, tenant_id, stream = _named_stream(request)
-    start = _int_param(request, "from", 0)
-    assert start is not None
-    end = _int_param(request, "to", None)
+    start = int_param(request, "from", 0)
+    end = int_param(request, "to", None)
     if end is None:
         end = max(start, stream.next_offset)
     elif end < start:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from aiohttp import web
 
@@ -123,6 +123,43 @@ def tenant_of(request: web.Request, *, query_token: bool = False) -> int:
     principal.check_tenant(tenant_id)  # TenantForbidden: 403
     api.check_tenant(tenant_id)  # TenantNotFound
     return tenant_id
+
+
+@overload
+def int_param(
+    request: web.Request, name: str, default: int, *, at_least: int = 0, at_most: int | None = None
+) -> int: ...
+@overload
+def int_param(
+    request: web.Request,
+    name: str,
+    default: None,
+    *,
+    at_least: int = 0,
+    at_most: int | None = None,
+) -> int | None: ...
+def int_param(
+    request: web.Request,
+    name: str,
+    default: int | None,
+    *,
+    at_least: int = 0,
+    at_most: int | None = None,
+) -> int | None:
+    """Query parameter ``name`` as an integer in ``at_least..at_most`` (``default`` when
+    absent or empty); InvalidRequest otherwise."""
+    text = request.query.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer, not {text!r}") from None
+    if at_most is not None and not at_least <= value <= at_most:
+        raise InvalidRequest(f"{name} must be {at_least}..{at_most}, not {value}")
+    if value < at_least:
+        raise InvalidRequest(f"{name} must be at least {at_least}, not {value}")
+    return value
 
 
 def _tenant_number(text: str) -> int:

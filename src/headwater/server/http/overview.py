@@ -14,7 +14,7 @@ from headwater.engine.kinds.errors import KindNotFound
 from headwater.engine.kinds.fields import ENTITY_ID_SIZE
 from headwater.errors import InvalidRequest, TableNotFound
 from headwater.protocols.kiwi.results import field_json
-from headwater.server.http.app import api_of, json_response, tenant_of
+from headwater.server.http.app import api_of, int_param, json_response, tenant_of
 
 DEFAULT_ENTITY_LIMIT = 500
 MAX_ENTITY_LIMIT = 10_000
@@ -59,19 +59,6 @@ def _kind(request: web.Request) -> tuple[int, KindStats]:
         raise TableNotFound(f"no entity kind {name!r}") from None
 
 
-def _limit(request: web.Request) -> int:
-    text = request.query.get("limit")
-    if text is None or text == "":
-        return DEFAULT_ENTITY_LIMIT
-    try:
-        limit = int(text)
-    except ValueError:
-        raise InvalidRequest(f"limit must be an integer, not {text!r}") from None
-    if not 1 <= limit <= MAX_ENTITY_LIMIT:
-        raise InvalidRequest(f"limit must be 1..{MAX_ENTITY_LIMIT}, not {limit}")
-    return limit
-
-
 async def list_kinds(request: web.Request) -> web.Response:
     kinds = api_of(request).kind_stats(tenant_of(request))
     return json_response({"kinds": [kind_json(kind) for kind in kinds]})
@@ -82,7 +69,7 @@ async def describe_kind(request: web.Request) -> web.Response:
 
 
 async def kind_entities(request: web.Request) -> web.Response:
-    limit = _limit(request)
+    limit = int_param(request, "limit", DEFAULT_ENTITY_LIMIT, at_least=1, at_most=MAX_ENTITY_LIMIT)
     tenant_id, kind = _kind(request)
     total, entities = api_of(request).kind_entities(tenant_id, kind.info.kind_id, limit)
     out = kind_json(kind)
