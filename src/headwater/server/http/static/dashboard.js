@@ -544,12 +544,16 @@
       } catch (err) {
         if (this.tail === tail) this.info("could not load recent events: " + err.message);
       }
-      if (this.tail !== tail) return;
-      tail.loading = false;
-      for (const data of tail.pending) this.addTailRow(tail, data, true);
-      tail.pending = [];
+      if (this.tail === tail) this.loaded(tail, (data) => this.addTailRow(tail, data, true), () => this.tailInfo());
+    }
+
+    // A view's first page is in: apply what arrived live meanwhile, in order, and say so.
+    loaded(view, apply, info) {
+      view.loading = false;
+      for (const data of view.pending) apply(data);
+      view.pending = [];
       $("live-panel").dataset.loaded = "true";
-      this.tailInfo();
+      info();
     }
 
     tailInfo() {
@@ -593,12 +597,7 @@
       } catch (err) {
         if (this.kind === kind) this.info("could not load entities: " + err.message);
       }
-      if (this.kind !== kind) return;
-      kind.loading = false;
-      for (const data of kind.pending) this.applyEntity(kind, data, true);
-      kind.pending = [];
-      $("live-panel").dataset.loaded = "true";
-      this.kindInfo();
+      if (this.kind === kind) this.loaded(kind, (data) => this.applyEntity(kind, data, true), () => this.kindInfo());
     }
 
     kindInfo() {
