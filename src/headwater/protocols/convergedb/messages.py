@@ -104,12 +104,7 @@ def _put_entity(out: list[bytes], entity_id: bytes) -> None:
 
 
 def _read_str16(r: BoundedReader, what: str) -> str:
-    n = r.u16(f"{what} length")
-    pos = r.need(n, what)
-    try:
-        return str(r.buf[pos : pos + n], "utf-8")
-    except UnicodeDecodeError as exc:
-        raise DecodeError(f"{what}: invalid UTF-8 ({exc.reason})") from None
+    return r.text(r.u16(f"{what} length"), what)
 
 
 def _read_blob16(r: BoundedReader, what: str) -> bytes:
@@ -520,7 +515,7 @@ def _assert_run_layout(fd_len: int) -> struct.Struct:
     return struct.Struct(f"<3x{ENTITY_ID_SIZE}s4x{fd_len}s2x")
 
 
-def _read_assert_run(buf: memoryview, pos: int, end: int, count: int) -> AssertRun | None:
+def _read_assert_run(buf: memoryview | bytes, pos: int, end: int, count: int) -> AssertRun | None:
     """The sub-ops in ``buf[pos:end]`` as an AssertRun, when they are ``count`` ASSERTs of
     one kind with field_data of one length and no metadata, filling the span exactly;
     else None (the sub-op by sub-op reader then decodes them, with its exact errors)."""

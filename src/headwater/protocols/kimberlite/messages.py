@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self, TypeAlias, TypeVar
 
+from headwater.engine.kinds.reader import BoundedReader, Buffer
 from headwater.errors import HeadwaterError, ProtocolError, UsageError, error_for_code
 from headwater.storage.batch import encode_values, value_spans
-
-Buffer: TypeAlias = bytes | bytearray | memoryview
 
 PROTOCOL_VERSION = 1
 MAX_EVENTS = 10_000
@@ -76,7 +75,6 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
 _REQUEST_HEAD = struct.Struct("<QQI")  # id, tenant_id, discriminant
 _RESPONSE_HEAD = struct.Struct("<QI")  # request_id, discriminant
 _TAG_U64 = struct.Struct("<IQ")
@@ -240,48 +238,14 @@ class EventBatch:
 # --- reading -------------------------------------------------------------------------
 
 
-class _Reader:
-    """A cursor over a payload that refuses to read past its end."""
+class _Reader(BoundedReader):
+    """The bounded reader with Kimberlite's compound types on top: bool, String, Vec
+    counts, Option tags, enums, query values and event batches."""
 
-    __slots__ = ("buf", "end", "pos")
+    __slots__ = ()
 
     def __init__(self, buf: memoryview, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-        self.end = len(buf)
-
-    @property
-    def remaining(self) -> int:
-        return self.end - self.pos
-
-    def _need(self, n: int, what: str) -> int:
-        pos = self.pos
-        if n > self.end - pos:
-            raise DecodeError(
-                f"truncated {what}: needs {n} bytes at offset {pos}, {self.end - pos} left"
-            )
-        self.pos = pos + n
-        return pos
-
-    def u8(self, what: str) -> int:
-        value: int = _U8.unpack_from(self.buf, self._need(1, what))[0]
-        return value
-
-    def u16(self, what: str) -> int:
-        value: int = _U16.unpack_from(self.buf, self._need(2, what))[0]
-        return value
-
-    def u32(self, what: str) -> int:
-        value: int = _U32.unpack_from(self.buf, self._need(4, what))[0]
-        return value
-
-    def u64(self, what: str) -> int:
-        value: int = _U64.unpack_from(self.buf, self._need(8, what))[0]
-        return value
-
-    def i64(self, what: str) -> int:
-        value: int = _I64.unpack_from(self.buf, self._need(8, what))[0]
-        return value
+        super().__init__(buf, DecodeError, pos)
 
     def boolean(self, what: str) -> bool:
         byte = self.u8(what)
@@ -290,19 +254,11 @@ class _Reader:
         return byte == 1
 
     def string(self, what: str) -> str:
-        n = self.u64(f"{what} length")
-        pos = self._need(n, what)
-        try:
-            return str(self.buf[pos : pos + n], "utf-8")
-        except UnicodeDecodeError as exc:
-            raise DecodeError(f"{what}: invalid UTF-8 ({exc.reason})") from None
+        return self.text(self.u64(f"{what} length"), what)
 
     def count(self, min_item_bytes: int, what: str) -> int:
         """A Vec's u64 count, refused when the items cannot fit in what remains."""
-        n = self.u64(f"{what} count")
-        if n > self.remaining // min_item_bytes:
-            raise DecodeError(f"{what}: {n} items cannot fit in the {self.remaining} bytes left")
-        return n
+        return self.fits(self.u64(f"{what} count"), min_item_bytes, what)
 
     def option(self, what: str) -> bool:
         tag = self.u32(f"{what} option tag")
@@ -362,10 +318,6 @@ class _Reader:
 
     def values(self, what: str) -> list[QueryValue]:
         return [self.value(what) for _ in range(self.count(4, what))]
-
-    def finish(self, what: str) -> None:
-        if self.pos != self.end:
-            raise DecodeError(f"{self.end - self.pos} trailing bytes after {what}")
 
 
 # --- writing -------------------------------------------------------------------------

@@ -70,9 +70,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Generic, TypeAlias, TypeVar
 
+from headwater.engine.kinds.reader import BoundedReader, Buffer
 from headwater.errors import ProtocolError, UsageError
-
-Buffer: TypeAlias = bytes | bytearray | memoryview
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -96,13 +95,6 @@ NAT0_MAX = INT_MAX
 MAX_DEPTH = 64
 """Deepest nesting :meth:`Reader.enter` allows (recursive types such as sexp)."""
 
-_I8 = struct.Struct("<b")
-_I16 = struct.Struct("<h")
-_I32 = struct.Struct("<i")
-_I64 = struct.Struct("<q")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _TAG_I16 = struct.Struct("<Bh")
 _TAG_I32 = struct.Struct("<Bi")
@@ -131,75 +123,53 @@ class DecodeError(ProtocolError):
 # --- reading -------------------------------------------------------------------------
 
 
-class Reader:
-    """A cursor over a buffer that refuses to read past its end."""
+class Reader(BoundedReader):
+    """The bounded reader with bin_prot's numbers, strings, options, lists and variant
+    tags on top; its errors are :class:`DecodeError` with the offset of the bad value."""
 
-    __slots__ = ("buf", "depth", "end", "pos")
+    __slots__ = ("depth",)
 
     def __init__(self, data: Buffer, pos: int = 0) -> None:
-        self.buf = memoryview(data).cast("B") if not isinstance(data, bytes) else data
-        self.pos = pos
-        self.end = len(self.buf)
+        super().__init__(
+            memoryview(data).cast("B") if not isinstance(data, bytes) else data, DecodeError, pos
+        )
         self.depth = 0
 
-    @property
-    def remaining(self) -> int:
-        return self.end - self.pos
+    def fail(self, message: str, at: int) -> DecodeError:
+        return DecodeError(message, at)
 
-    def _need(self, n: int, what: str) -> int:
+    def short(self, n: int, what: str) -> DecodeError:
         pos = self.pos
-        if n > self.end - pos:
-            raise DecodeError(f"truncated {what}: needs {n} bytes, {self.end - pos} left", pos)
-        self.pos = pos + n
-        return pos
+        return DecodeError(f"truncated {what}: needs {n} bytes, {self.end - pos} left", pos)
 
-    def byte(self, what: str) -> int:
-        pos = self._need(1, what)
-        return self.buf[pos]
+    byte = BoundedReader.u8
 
-    def take(self, n: int, what: str) -> bytes:
-        """``n`` raw bytes (a copy); ``n`` is checked against what remains first."""
-        pos = self._need(n, what)
-        return bytes(self.buf[pos : pos + n])
+    def _number(self, what: str, forms: dict[int, Callable[[Reader, str], int]], noun: str) -> int:
+        """A number in bin_prot's prefixed form: a byte below 0x80 is the value, else it
+        names the width that follows (one of ``forms``)."""
+        start = self.pos
+        if start < self.end and (code := self.buf[start]) < 0x80:
+            self.pos = start + 1
+            return code
+        code = self.u8(what)
+        read = forms.get(code)
+        if read is None:
+            raise DecodeError(f"{what}: byte {code:#04x} cannot start {noun}", start)
+        return read(self, what)
 
     def nat0(self, what: str) -> int:
         start = self.pos
-        code = self.byte(what)
-        if code < 0x80:
-            return code
-        if code == CODE_INT16:
-            value: int = _U16.unpack_from(self.buf, self._need(2, what))[0]
-            return value
-        if code == CODE_INT32:
-            value = _U32.unpack_from(self.buf, self._need(4, what))[0]
-            return value
-        if code == CODE_INT64:
-            value = _U64.unpack_from(self.buf, self._need(8, what))[0]
-            if value > NAT0_MAX:
-                raise DecodeError(f"{what}: nat0 {value} exceeds {NAT0_MAX}", start)
-            return value
-        raise DecodeError(f"{what}: byte {code:#04x} cannot start a nat0", start)
+        value = self._number(what, _NAT0_FORMS, "a nat0")
+        if value > NAT0_MAX:
+            raise DecodeError(f"{what}: nat0 {value} exceeds {NAT0_MAX}", start)
+        return value
 
     def _compact(self, what: str) -> int:
         start = self.pos
-        code = self.byte(what)
-        if code < 0x80:
-            return code
-        if code == CODE_NEG_INT8:
-            value: int = _I8.unpack_from(self.buf, self._need(1, what))[0]
-            if value >= 0:
-                raise DecodeError(f"{what}: int8 form {value} after ff is not negative", start)
-            return value
-        if code == CODE_INT16:
-            value = _I16.unpack_from(self.buf, self._need(2, what))[0]
-            return value
-        if code == CODE_INT32:
-            value = _I32.unpack_from(self.buf, self._need(4, what))[0]
-            return value
-        if code == CODE_INT64:
-            value = _I64.unpack_from(self.buf, self._need(8, what))[0]
-            return value
-        raise DecodeError(f"{what}: byte {code:#04x} cannot start an integer", start)
+        value = self._number(what, _INT_FORMS, "an integer")
+        if value >= 0 and self.buf[start] == CODE_NEG_INT8:
+            raise DecodeError(f"{what}: int8 form {value} after ff is not negative", start)
+        return value
 
     def int_(self, what: str) -> int:
         start = self.pos
@@ -211,58 +181,44 @@ class Reader:
     def int64(self, what: str) -> int:
         return self._compact(what)
 
-    def float_(self, what: str) -> float:
-        value: float = _F64.unpack_from(self.buf, self._need(8, what))[0]
-        return value
+    float_ = BoundedReader.f64
 
-    def bool_(self, what: str) -> bool:
+    def _zero_or_one(self, what: str, form: str) -> bool:
         start = self.pos
-        code = self.byte(what)
+        code = self.u8(what)
         if code > 1:
-            raise DecodeError(f"{what}: bool byte {code:#04x} is neither 00 nor 01", start)
+            raise DecodeError(f"{what}: {form} byte {code:#04x} is neither 00 nor 01", start)
         return code == 1
 
-    def unit(self, what: str) -> None:
-        start = self.pos
-        code = self.byte(what)
-        if code != 0:
-            raise DecodeError(f"{what}: unit byte {code:#04x} is not 00", start)
+    def bool_(self, what: str) -> bool:
+        return self._zero_or_one(what, "bool")
 
     def option_tag(self, what: str) -> bool:
         """True when an option holds a value (``01``), False for None (``00``)."""
+        return self._zero_or_one(what, "option")
+
+    def unit(self, what: str) -> None:
         start = self.pos
-        code = self.byte(what)
-        if code > 1:
-            raise DecodeError(f"{what}: option byte {code:#04x} is neither 00 nor 01", start)
-        return code == 1
+        code = self.u8(what)
+        if code != 0:
+            raise DecodeError(f"{what}: unit byte {code:#04x} is not 00", start)
 
     def bytes_(self, what: str) -> bytes:
-        n = self.nat0(f"{what} length")
-        return self.take(n, what)
+        return self.take(self.nat0(f"{what} length"), what)
 
     def string(self, what: str) -> str:
         start = self.pos
-        n = self.nat0(f"{what} length")
-        pos = self._need(n, what)
-        try:
-            return str(self.buf[pos : pos + n], "utf-8")
-        except UnicodeDecodeError as exc:
-            raise DecodeError(f"{what}: invalid UTF-8 ({exc.reason})", start) from None
+        return self.text(self.nat0(f"{what} length"), what, start)
 
     def count(self, what: str, min_item_size: int = 1) -> int:
         """A list's nat0 count, refused when that many items cannot fit in what remains."""
         start = self.pos
-        n = self.nat0(f"{what} count")
-        if n * max(min_item_size, 1) > self.end - self.pos:
-            raise DecodeError(
-                f"{what}: {n} items cannot fit in the {self.end - self.pos} bytes left", start
-            )
-        return n
+        return self.fits(self.nat0(f"{what} count"), max(min_item_size, 1), what, start)
 
     def tag(self, what: str, constructors: int) -> int:
         """A variant's one-byte constructor index, refused unless below ``constructors``."""
         start = self.pos
-        code = self.byte(what)
+        code = self.u8(what)
         if code >= constructors:
             raise DecodeError(
                 f"{what}: constructor {code} is not one of the {constructors} declared", start
@@ -278,9 +234,18 @@ class Reader:
     def leave(self) -> None:
         self.depth -= 1
 
-    def finish(self, what: str) -> None:
-        if self.pos != self.end:
-            raise DecodeError(f"{self.end - self.pos} trailing bytes after {what}", self.pos)
+
+_NAT0_FORMS: dict[int, Callable[[Reader, str], int]] = {
+    CODE_INT16: Reader.u16,
+    CODE_INT32: Reader.u32,
+    CODE_INT64: Reader.u64,
+}
+_INT_FORMS: dict[int, Callable[[Reader, str], int]] = {
+    CODE_NEG_INT8: Reader.i8,
+    CODE_INT16: Reader.i16,
+    CODE_INT32: Reader.i32,
+    CODE_INT64: Reader.i64,
+}
 
 
 # --- writing -------------------------------------------------------------------------
