@@ -1,31 +1,38 @@
 """The shell every incremental decoder of a byte stream shares: bytes fed in any split,
 complete items taken in order, and a sticky first error.
 
-A subclass says how to check the header at the head of the buffer and how to take the
-item once its bytes are in; this class keeps the buffer, refuses a bad header as soon as
-its bytes arrive (so a peer cannot pile payload bytes behind it), and after an error stays
-dead: fed bytes are dropped and the same error is raised again, so the buffer never grows
-past one fed chunk.
+A subclass says how long its header and trailer are, how to check the header at the head
+of the buffer (giving the payload length) and how to build the item once all its bytes
+are in; this class keeps the buffer, refuses a bad header as soon as its bytes arrive (so
+a peer cannot pile payload bytes behind it), cuts each complete item off the buffer, and
+after an error stays dead: fed bytes are dropped and the same error is raised again, so
+the buffer never grows past one fed chunk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Generic, TypeAlias, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
-Buffer: TypeAlias = bytes | bytearray | memoryview
+from headwater.engine.kinds.reader import Buffer
 
 ItemT = TypeVar("ItemT")
 ErrorT = TypeVar("ErrorT", bound=Exception)
 
 
 class IncrementalDecoder(Generic[ItemT, ErrorT]):
-    __slots__ = ("_buffer", "_error", "max_payload")
+    __slots__ = ("_buffer", "_error", "_length", "max_payload")
+
+    head_size: ClassVar[int]
+    """Bytes of header before each item's payload."""
+    tail_size: ClassVar[int] = 0
+    """Bytes after the payload (a trailer such as a checksum)."""
 
     def __init__(self, max_payload: int) -> None:
         self.max_payload = max_payload
         self._buffer = bytearray()
         self._error: ErrorT | None = None
+        self._length = -1  # payload length from a checked header at the buffer head
 
     @property
     def buffered_bytes(self) -> int:
@@ -45,18 +52,27 @@ class IncrementalDecoder(Generic[ItemT, ErrorT]):
         if self._error is not None:
             return
         self._buffer += data
-        if not self._header_ready():
+        if self._length < 0:
             self._check_header()
 
     def next_item(self) -> ItemT | None:
         """The next complete item, None when more bytes are needed; raises the error."""
         if self._error is not None:
             raise self._error
-        if not self._header_ready() and not self._check_header():
+        if self._length < 0 and not self._check_header():
             if self._error is not None:
                 raise self._error
             return None
-        return self._take()
+        length = self._length
+        end = self.head_size + length + self.tail_size
+        buffer = self._buffer
+        if len(buffer) < end:
+            return None
+        with memoryview(buffer) as view:
+            item = self._item(view, length)
+        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
+        self._length = -1
+        return item
 
     def __iter__(self) -> Iterator[ItemT]:
         return self
@@ -70,24 +86,18 @@ class IncrementalDecoder(Generic[ItemT, ErrorT]):
     def _fail(self, error: ErrorT) -> ErrorT:
         self._error = error
         self._buffer = bytearray()
-        self._forget_header()
+        self._length = -1
         return error
 
     # ---- what a subclass provides -------------------------------------------------------
 
-    def _header_ready(self) -> bool:
-        """True when the head item's header has been checked and kept."""
-        raise NotImplementedError
-
     def _check_header(self) -> bool:
         """Check the header bytes present at the buffer head (calling :meth:`_fail` on a
-        bad one); True once the whole header is in and kept."""
+        bad one); once the whole header is in and good, keep what the item needs, set
+        ``_length`` to the payload length and return True."""
         raise NotImplementedError
 
-    def _take(self) -> ItemT | None:
-        """With the header kept: the item once all its bytes are in (removing them and
-        forgetting the header), else None. May raise through :meth:`_fail`."""
-        raise NotImplementedError
-
-    def _forget_header(self) -> None:
+    def _item(self, view: memoryview, length: int) -> ItemT:
+        """The item from its complete bytes at the head of ``view`` (header, ``length``
+        payload bytes, trailer). May raise through :meth:`_fail` (a bad checksum)."""
         raise NotImplementedError

@@ -138,32 +138,18 @@ class FrameDecoder(IncrementalDecoder[RawFrame, FrameError]):
     """
 
     __slots__ = ("_header",)
+    head_size = HEADER_SIZE
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         super().__init__(max_payload)
-        self._header: tuple[int, int, int, int] | None = None  # flags, stream, opcode, length
+        self._header = (0, 0, 0)  # flags, stream_id, opcode of a checked header
 
     next_frame = IncrementalDecoder.next_item
     at_frame_boundary = IncrementalDecoder.at_boundary
 
-    def _header_ready(self) -> bool:
-        return self._header is not None
-
-    def _forget_header(self) -> None:
-        self._header = None
-
-    def _take(self) -> RawFrame | None:
-        assert self._header is not None
-        flags, stream_id, opcode, length = self._header
-        end = HEADER_SIZE + length
-        buffer = self._buffer
-        if len(buffer) < end:
-            return None
-        with memoryview(buffer) as view:
-            payload = bytes(view[HEADER_SIZE:end])
-        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
-        self._header = None
-        return RawFrame(stream_id, opcode, payload, flags)
+    def _item(self, view: memoryview, length: int) -> RawFrame:
+        flags, stream_id, opcode = self._header
+        return RawFrame(stream_id, opcode, bytes(view[HEADER_SIZE : HEADER_SIZE + length]), flags)
 
     def _check_header(self) -> bool:
         """Check the header bytes present at the buffer head; True once all passed."""
@@ -193,5 +179,6 @@ class FrameDecoder(IncrementalDecoder[RawFrame, FrameError]):
                 )
             )
             return False
-        self._header = (flags, stream_id, opcode, length)
+        self._header = (flags, stream_id, opcode)
+        self._length = length
         return True

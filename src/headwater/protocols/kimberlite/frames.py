@@ -102,33 +102,20 @@ class FrameDecoder(IncrementalDecoder[bytes, FrameError]):
     (the decoder stays dead after it: see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
-    __slots__ = ("_crc", "_length")
+    __slots__ = ("_crc",)
+    head_size = HEADER_SIZE
 
     def __init__(self, max_payload: int = MAX_FRAME) -> None:
         super().__init__(max_payload)
-        self._length = -1  # payload length from a checked header at the buffer head
-        self._crc = 0
+        self._crc = 0  # the CRC from a checked header at the buffer head
 
     next_payload = IncrementalDecoder.next_item
     at_frame_boundary = IncrementalDecoder.at_boundary
 
-    def _header_ready(self) -> bool:
-        return self._length >= 0
-
-    def _forget_header(self) -> None:
-        self._length = -1
-
-    def _take(self) -> bytes | None:
-        end = HEADER_SIZE + self._length
-        buffer = self._buffer
-        if len(buffer) < end:
-            return None
-        with memoryview(buffer) as view:
-            payload = bytes(view[HEADER_SIZE:end])
-        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
-        self._length = -1
+    def _item(self, view: memoryview, length: int) -> bytes:
+        payload = bytes(view[HEADER_SIZE : HEADER_SIZE + length])
         if zlib.crc32(payload) != self._crc:
-            raise self._fail(FatalFrameError(f"frame CRC mismatch ({len(payload)}-byte payload)"))
+            raise self._fail(FatalFrameError(f"frame CRC mismatch ({length}-byte payload)"))
         return payload
 
     def _check_header(self) -> bool:

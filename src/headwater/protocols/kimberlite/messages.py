@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Self, TypeAlias, TypeVar
 
-from headwater.engine.kinds.reader import BoundedReader, Buffer
+from headwater.engine.kinds.reader import BoundedReader
+from headwater.engine.kinds.reader import Buffer as Buffer
 from headwater.errors import HeadwaterError, ProtocolError, UsageError, error_for_code
 from headwater.storage.batch import encode_values, value_spans
 

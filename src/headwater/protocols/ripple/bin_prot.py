@@ -70,7 +70,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Generic, TypeAlias, TypeVar
 
-from headwater.engine.kinds.reader import BoundedReader, Buffer
+from headwater.engine.kinds.reader import BoundedReader
+from headwater.engine.kinds.reader import Buffer as Buffer
 from headwater.errors import ProtocolError, UsageError
 
 T = TypeVar("T")

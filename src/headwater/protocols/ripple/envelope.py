@@ -226,42 +226,31 @@ class EnvelopeDecoder(IncrementalDecoder[Envelope, EnvelopeError]):
     stays dead after it: see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
-    __slots__ = ("_length",)
+    __slots__ = ()
+    head_size = HEADER_SIZE
+    tail_size = CRC_SIZE
 
     def __init__(self, max_payload: int = MAX_PAYLOAD) -> None:
         if not 0 <= max_payload <= 0x7FFF_FFFF:
             raise UsageError(f"max_payload {max_payload} is outside 0..2**31-1")
         super().__init__(max_payload)
-        self._length = -1  # payload length from a checked header at the buffer head
 
     next_envelope = IncrementalDecoder.next_item
 
-    def _header_ready(self) -> bool:
-        return self._length >= 0
-
-    def _forget_header(self) -> None:
-        self._length = -1
-
-    def _take(self) -> Envelope | None:
-        body_end = HEADER_SIZE + self._length
-        end = body_end + CRC_SIZE
-        buffer = self._buffer
-        if len(buffer) < end:
-            return None
-        with memoryview(buffer) as view:
-            (stored,) = CRC.unpack_from(view, body_end)
-            computed = crc32c(view[:body_end])
-            if computed != stored:
-                raise self._fail(
-                    CrcMismatchError(
-                        f"envelope CRC-32C {stored:08x} does not match the bytes ({computed:08x})"
-                    )
+    def _item(self, view: memoryview, length: int) -> Envelope:
+        body_end = HEADER_SIZE + length
+        (stored,) = CRC.unpack_from(view, body_end)
+        computed = crc32c(view[:body_end])
+        if computed != stored:
+            raise self._fail(
+                CrcMismatchError(
+                    f"envelope CRC-32C {stored:08x} does not match the bytes ({computed:08x})"
                 )
-            _, version, message_type, flags, sequence, timestamp, fp, _ = HEADER.unpack_from(view)
-            payload = bytes(view[HEADER_SIZE:body_end])
-        del buffer[:end]  # CPython advances the start of a bytearray: no memmove
-        self._length = -1
-        return Envelope(message_type, sequence, timestamp, fp, payload, flags, version)
+            )
+        _, version, message_type, flags, sequence, timestamp, fp, _ = HEADER.unpack_from(view)
+        return Envelope(
+            message_type, sequence, timestamp, fp, bytes(view[HEADER_SIZE:body_end]), flags, version
+        )
 
     def finish(self) -> None:
         """Declare the end of input: TruncatedEnvelopeError when it stopped mid-envelope."""
