@@ -11,11 +11,12 @@ checking that each reply belongs to a request it sent. Neither does any I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import Enum
 
 from headwater.engine.kinds.reader import Buffer
-from headwater.errors import UsageError
+from headwater.errors import ProtocolError, UsageError
+from headwater.protocols import _connection
+from headwater.protocols._connection import Close as Close
 
 from .codes import (
     CLIENT_OPCODES,
@@ -49,28 +50,24 @@ from .messages import (
 _MAX_STREAM_ID = 0xFFFF
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(_connection.Reply[Frame]):
     """An ERROR the connection produced itself: send ``data`` and carry on."""
 
-    frame: Frame
-    data: bytes
+    __slots__ = ()
+
+    @property
+    def frame(self) -> Frame:
+        return self.answer
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
+class Reject(_connection.Reject[Frame]):
     """The framing broke: send ``data`` (an ERROR), then close the connection."""
 
-    frame: Frame
-    data: bytes
-    reason: str
+    __slots__ = ()
 
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    """Close the connection now, sending nothing (input ended inside a frame)."""
-
-    reason: str
+    @property
+    def frame(self) -> Frame:
+        return self.answer
 
 
 ServerEvent = Frame | Reply | Reject | Close
@@ -82,7 +79,7 @@ class _Phase(Enum):
     CONNECTED = "connected"  # the engine sent the CONNECT ACK
 
 
-class ServerConnection:
+class ServerConnection(_connection.ServerConnection[RawFrame, ServerEvent]):
     """The server's view of one ConvergeDB connection.
 
     Feed bytes with :meth:`receive_data` (or :meth:`feed` and then :meth:`next_event` one
@@ -106,14 +103,13 @@ class ServerConnection:
     before answering it.
     """
 
-    __slots__ = ("_closed", "_decoder", "_phase", "_read_only", "_source_id")
+    __slots__ = ("_phase", "_read_only", "_source_id")
 
     def __init__(self, *, max_payload: int = MAX_PAYLOAD) -> None:
-        self._decoder = FrameDecoder(max_payload)
+        super().__init__(FrameDecoder(max_payload))
         self._phase = _Phase.NEW
         self._read_only = False
         self._source_id: int | None = None
-        self._closed = False
 
     # --- state ---------------------------------------------------------------------
 
@@ -136,53 +132,14 @@ class ServerConnection:
         """The source slot the CONNECT ACK granted (None before it, 0xFF if read-only)."""
         return self._source_id
 
-    @property
-    def closed(self) -> bool:
-        """True once a Reject or Close event was returned; later input is ignored."""
-        return self._closed
-
-    @property
-    def buffered_bytes(self) -> int:
-        return self._decoder.buffered_bytes
-
     # --- input ---------------------------------------------------------------------
 
-    def feed(self, data: Buffer) -> None:
-        if not self._closed:
-            self._decoder.feed(data)
+    def _on_broken(self, exc: ProtocolError) -> ServerEvent:
+        assert isinstance(exc, FrameError)
+        frame = Frame(exc.stream_id, ErrorMessage(exc.code, exc.ref_opcode, exc.message))
+        return Reject(frame, frame.encode(), exc.message)
 
-    def next_event(self) -> ServerEvent | None:
-        """The next event from the bytes fed so far, None when more are needed."""
-        if self._closed:
-            return None
-        try:
-            raw = self._decoder.next_frame()
-        except FrameError as exc:
-            self._closed = True
-            frame = Frame(exc.stream_id, ErrorMessage(exc.code, exc.ref_opcode, exc.message))
-            return Reject(frame, frame.encode(), exc.message)
-        if raw is None:
-            return None
-        return self._on_frame(raw)
-
-    def receive_data(self, data: Buffer) -> list[ServerEvent]:
-        """Feed ``data``; every event it completes, in order. Never raises on bad input."""
-        self.feed(data)
-        events: list[ServerEvent] = []
-        while (event := self.next_event()) is not None:
-            events.append(event)
-        return events
-
-    def receive_eof(self) -> list[ServerEvent]:
-        """The peer closed its side: a Close event when it stopped mid-frame."""
-        if self._closed:
-            return []
-        self._closed = True
-        if self._decoder.at_frame_boundary:
-            return []
-        return [Close(f"connection ended inside a frame ({self.buffered_bytes} bytes)")]
-
-    def _on_frame(self, raw: RawFrame) -> Frame | Reply:
+    def _on_item(self, raw: RawFrame) -> ServerEvent:
         opcode = raw.opcode
         if opcode not in CLIENT_OPCODES:
             known = "a server-to-client" if opcode in SERVER_OPCODES else "an unknown"

@@ -9,11 +9,12 @@ numbers and frames requests and decodes responses. Neither does any I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from headwater.errors import UsageError
+from headwater.errors import ProtocolError, UsageError
+from headwater.protocols import _connection
+from headwater.protocols._connection import Close as Close
 
-from .frames import MAX_FRAME, FatalFrameError, FrameDecoder, RejectFrameError, encode_frame_chunks
+from .frames import MAX_FRAME, FrameDecoder, RejectFrameError, encode_frame_chunks
 from .messages import (
     U64_MAX,
     Buffer,
@@ -33,29 +34,24 @@ from .messages import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """An answer the connection produced itself; send ``data`` and carry on."""
+class Reply(_connection.Reply[Response]):
+    """An Error response the connection produced itself; send ``data`` and carry on."""
 
-    response: Response
-    data: bytes
+    __slots__ = ()
+
+    @property
+    def response(self) -> Response:
+        return self.answer
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
+class Reject(_connection.Reject[Response]):
     """Send ``data`` (an Error with request_id 0), then close the connection."""
 
-    response: Response
-    data: bytes
-    reason: str
+    __slots__ = ()
 
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    """Close the connection now, sending nothing (bad magic or CRC, or a truncated frame
-    at end of input)."""
-
-    reason: str
+    @property
+    def response(self) -> Response:
+        return self.answer
 
 
 ServerEvent = Request | Reply | Reject | Close
@@ -65,68 +61,34 @@ def _frame(chunks: Iterable[Buffer]) -> bytes:
     return b"".join(encode_frame_chunks(chunks))
 
 
-class ServerConnection:
+class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
     """The server's view of one Kimberlite connection.
 
     :meth:`receive_data` returns, in arrival order, the :class:`Request` objects the
     engine must answer and the :class:`Reply` / :class:`Reject` / :class:`Close` events
-    the connection decided itself. A payload that does not decode inside an intact frame
-    gets Error(InvalidRequest) with its request id (0 when unreadable) and the connection
-    stays open: the framing can still be trusted.
+    the connection decided itself (a Reject for an unsupported version or an oversized
+    frame, a Close for bad magic or CRC). A payload that does not decode inside an intact
+    frame gets Error(InvalidRequest) with its request id (0 when unreadable) and the
+    connection stays open: the framing can still be trusted.
     """
 
-    __slots__ = ("_closed", "_decoder", "_handshaken", "enforce_limits")
+    __slots__ = ("_handshaken", "enforce_limits")
 
     def __init__(self, *, max_payload: int = MAX_FRAME, enforce_limits: bool = True) -> None:
-        self._decoder = FrameDecoder(max_payload)
+        super().__init__(FrameDecoder(max_payload))
         self._handshaken = False
-        self._closed = False
         self.enforce_limits = enforce_limits
 
     @property
     def handshake_received(self) -> bool:
         return self._handshaken
 
-    @property
-    def closed(self) -> bool:
-        """True once a Reject or Close event was returned; later input is ignored."""
-        return self._closed
+    def _on_broken(self, exc: ProtocolError) -> ServerEvent:
+        if isinstance(exc, RejectFrameError):
+            return Reject(exc.response, exc.reply, exc.message)
+        return Close(str(exc))
 
-    @property
-    def buffered_bytes(self) -> int:
-        return self._decoder.buffered_bytes
-
-    def receive_data(self, data: Buffer) -> list[ServerEvent]:
-        if self._closed:
-            return []
-        decoder = self._decoder
-        decoder.feed(data)
-        events: list[ServerEvent] = []
-        while True:
-            try:
-                payload = decoder.next_payload()
-            except RejectFrameError as exc:
-                self._closed = True
-                events.append(Reject(exc.response, exc.reply, exc.message))
-                return events
-            except FatalFrameError as exc:
-                self._closed = True
-                events.append(Close(str(exc)))
-                return events
-            if payload is None:
-                return events
-            events.append(self._on_payload(payload))
-
-    def receive_eof(self) -> list[ServerEvent]:
-        """The peer closed its side: a Close event when it stopped mid-frame."""
-        if self._closed:
-            return []
-        self._closed = True
-        if self._decoder.at_frame_boundary:
-            return []
-        return [Close(f"connection ended inside a frame ({self.buffered_bytes} bytes)")]
-
-    def _on_payload(self, payload: bytes) -> ServerEvent:
+    def _on_item(self, payload: bytes) -> ServerEvent:
         try:
             request = decode_request(payload, enforce_limits=self.enforce_limits)
         except DecodeError as exc:

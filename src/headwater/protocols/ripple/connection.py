@@ -44,14 +44,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from headwater.errors import UsageError
+from headwater.errors import ProtocolError, UsageError
+from headwater.protocols import _connection
+from headwater.protocols._connection import Close as Close
+from headwater.protocols._connection import Reject as Reject
 
 from .bin_prot import Buffer, DecodeError
 from .envelope import (
     MAX_PAYLOAD,
     Envelope,
     EnvelopeDecoder,
-    EnvelopeError,
     MessageType,
     PayloadLengthError,
     UnsupportedVersionError,
@@ -102,22 +104,9 @@ class MessageReceived:
     message: Message
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
-    """Send ``data`` (Schema_negotiation ok=false, errors=[reason]), then close."""
-
-    reason: str
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Close:
-    """Close the connection now, sending nothing."""
-
-    reason: str
-
-
-ServerEvent = HandshakeReceived | DeltaReceived | MessageReceived | Reject | Close
+ServerEvent = (
+    HandshakeReceived | DeltaReceived | MessageReceived | Reject[SchemaNegotiation] | Close
+)
 
 
 class _Sender:
@@ -128,7 +117,7 @@ class _Sender:
     def __init__(self) -> None:
         self._next_sequence = 1
 
-    def _envelope(
+    def envelope(
         self, message: Message, timestamp_ns: int, fingerprint: bytes | None = None
     ) -> bytes:
         data = encode_message(
@@ -141,19 +130,20 @@ class _Sender:
         return data
 
 
-class ServerConnection(_Sender):
+class ServerConnection(_connection.ServerConnection[Envelope, ServerEvent]):
     """headwater's view of one Ripple worker connection (see the module docstring)."""
 
-    __slots__ = ("_accepted", "_closed", "_decoder", "_fingerprints", "_handshake", "_outputs")
+    __slots__ = ("_accepted", "_envelope", "_fingerprints", "_handshake", "_outputs")
+
+    eof_reason = "input ended inside an envelope ({} bytes held)"
 
     def __init__(self, *, max_payload: int = MAX_PAYLOAD) -> None:
-        super().__init__()
-        self._decoder = EnvelopeDecoder(max_payload)
+        super().__init__(EnvelopeDecoder(max_payload))
+        self._envelope = _Sender().envelope
         self._handshake: Handshake | None = None
         self._outputs: dict[str, Schema] = {}
         self._fingerprints: frozenset[bytes] = frozenset()
         self._accepted = False
-        self._closed = False
 
     @property
     def handshake(self) -> Handshake | None:
@@ -172,51 +162,17 @@ class ServerConnection(_Sender):
     def handshake_accepted(self) -> bool:
         return self._accepted
 
-    @property
-    def closed(self) -> bool:
-        """True once a Reject or Close was returned or the handshake rejected."""
-        return self._closed
+    def _on_broken(self, exc: ProtocolError) -> ServerEvent:
+        if isinstance(exc, UnsupportedVersionError | PayloadLengthError):
+            return self._reject(str(exc))
+        return Close(str(exc))
 
-    @property
-    def buffered_bytes(self) -> int:
-        return self._decoder.buffered_bytes
-
-    def receive_data(self, data: Buffer) -> list[ServerEvent]:
-        """Events for the envelopes ``data`` completes; never raises on the peer's bytes."""
-        if self._closed:
-            return []
-        decoder = self._decoder
-        decoder.feed(data)
-        events: list[ServerEvent] = []
-        while not self._closed:
-            try:
-                envelope = decoder.next_envelope()
-            except (UnsupportedVersionError, PayloadLengthError) as exc:
-                events.append(self._reject(str(exc)))
-                break
-            except EnvelopeError as exc:
-                self._closed = True
-                events.append(Close(str(exc)))
-                break
-            if envelope is None:
-                break
-            events.append(self._on_envelope(envelope))
-        return events
-
-    def receive_eof(self) -> list[ServerEvent]:
-        """The peer closed its side: a Close event when it stopped inside an envelope."""
-        if self._closed:
-            return []
+    def _reject(self, reason: str) -> ServerEvent:
         self._closed = True
-        if self._decoder.at_boundary:
-            return []
-        return [Close(f"input ended inside an envelope ({self.buffered_bytes} bytes held)")]
+        answer = SchemaNegotiation(False, (reason,))
+        return Reject(answer, self._envelope(answer, 0), reason)
 
-    def _reject(self, reason: str) -> Reject:
-        self._closed = True
-        return Reject(reason, self._envelope(SchemaNegotiation(False, (reason,)), 0))
-
-    def _on_envelope(self, envelope: Envelope) -> ServerEvent:
+    def _on_item(self, envelope: Envelope) -> ServerEvent:
         if envelope.message_type == MessageType.DELTA and self._handshake is not None:
             return self._on_delta(envelope)
         try:
@@ -314,17 +270,25 @@ class Received:
     message: Message
 
 
-class ClientConnection(_Sender):
+class ClientConnection:
     """A worker's view of its Ripple connection.
 
     Call :meth:`handshake` first. ``negotiated`` is None until the server's
     Schema_negotiation arrives, then its ``ok``; ``errors`` holds its reasons.
     """
 
-    __slots__ = ("_decoder", "_outputs", "_sequence_nos", "errors", "negotiated", "worker_id")
+    __slots__ = (
+        "_decoder",
+        "_envelope",
+        "_outputs",
+        "_sequence_nos",
+        "errors",
+        "negotiated",
+        "worker_id",
+    )
 
     def __init__(self, worker_id: str, *, max_payload: int = MAX_PAYLOAD) -> None:
-        super().__init__()
+        self._envelope = _Sender().envelope
         self.worker_id = worker_id
         self._decoder = EnvelopeDecoder(max_payload)
         self._outputs: dict[str, Schema] | None = None
