@@ -154,29 +154,26 @@ def _kind_stats(tenant_id: int, state: KindState) -> KindStats:
     )
 
 
+@dataclass(eq=False)
 class EngineAPI:
     """Streams, subscriptions, kinds, queries and tenants of one data directory.
 
     Operations the engine's services already offer in the shape a front end needs are
-    handed out as they are (bound in ``__init__``: ``list_streams``, ``create_stream``,
-    ``delete_stream``, ``append``, ``append_encoded``, ``offset_for_timestamp``,
-    ``sync_tenant``, ``subscribe``, ``grant``, ``query``, ``query_at``,
-    ``stream_range``); the methods below are what the API adds: plain values instead of
-    live engine objects, and the checks every front end would otherwise repeat."""
+    handed out as they are (bound in ``__post_init__``: ``list_streams``,
+    ``create_stream``, ``delete_stream``, ``append``, ``append_encoded``,
+    ``offset_for_timestamp``, ``sync_tenant``, ``subscribe``, ``grant``, ``query``,
+    ``query_at``, ``stream_range``); the methods below are what the API adds: plain values
+    instead of live engine objects, and the checks every front end would otherwise
+    repeat. The services themselves stay private."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        subscriptions: Subscriptions,
-        kinds: KindsEngine,
-        queries: SqlService,
-        auth: Auth,
-    ) -> None:
-        self._engine = engine
-        self._subscriptions = subscriptions
-        self._kinds = kinds
-        self._queries = queries
-        self.auth = auth
+    _engine: Engine
+    _subscriptions: Subscriptions
+    _kinds: KindsEngine
+    _queries: SqlService
+    auth: Auth
+
+    def __post_init__(self) -> None:
+        engine, subscriptions, queries = self._engine, self._subscriptions, self._queries
         # streams
         self.list_streams = engine.list_streams
         self.create_stream = engine.create_stream
