@@ -24,11 +24,23 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Self, TypeAlias, TypeVar
+from typing import Annotated, ClassVar, Self, TypeAlias, TypeVar, get_args
 
-from headwater.engine.kinds.reader import BoundedReader
+from headwater.engine.kinds.reader import BoundedReader, as_view
 from headwater.engine.kinds.reader import Buffer as Buffer
 from headwater.errors import HeadwaterError, ProtocolError, UsageError, error_for_code
+from headwater.protocols._layout import (
+    I64,
+    U16,
+    U32,
+    U64,
+    Declared,
+    Fixed,
+    Variable,
+    Wire,
+    lenient,
+    record,
+)
 from headwater.storage.batch import encode_values, value_spans
 
 PROTOCOL_VERSION = 1
@@ -71,9 +83,8 @@ def http_port(capabilities: Sequence[str]) -> int | None:
 U64_MAX = 2**64 - 1
 
 _E = TypeVar("_E", bound=IntEnum)
+_T = TypeVar("_T")
 
-_U8 = struct.Struct("<B")
-_U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _REQUEST_HEAD = struct.Struct("<QQI")  # id, tenant_id, discriminant
@@ -240,19 +251,10 @@ class EventBatch:
 
 
 class _Reader(BoundedReader):
-    """The bounded reader with Kimberlite's compound types on top: bool, String, Vec
-    counts, Option tags, enums, query values and event batches."""
+    """The bounded reader with Kimberlite's compound types on top: String, Vec counts,
+    Option tags, query values and event batches."""
 
     __slots__ = ()
-
-    def __init__(self, buf: memoryview, pos: int = 0) -> None:
-        super().__init__(buf, DecodeError, pos)
-
-    def boolean(self, what: str) -> bool:
-        byte = self.u8(what)
-        if byte > 1:
-            raise DecodeError(f"{what}: bool byte {byte} is neither 0 nor 1")
-        return byte == 1
 
     def string(self, what: str) -> str:
         return self.text(self.u64(f"{what} length"), what)
@@ -266,13 +268,6 @@ class _Reader(BoundedReader):
         if tag > 1:
             raise DecodeError(f"{what}: option tag {tag} is neither 0 nor 1")
         return tag == 1
-
-    def enum(self, enum: type[_E], what: str) -> _E:
-        value = self.u32(what)
-        try:
-            return enum(value)
-        except ValueError:
-            raise DecodeError(f"{what}: unknown discriminant {value}") from None
 
     def events(self, what: str, trailers: Sequence[int] = (0,)) -> EventBatch:
         """A Vec<Vec<u8>> kept as its raw records section.
@@ -300,9 +295,6 @@ class _Reader(BoundedReader):
             return EventBatch(count, section, bounds)
         raise DecodeError(f"{what}: {problem}")
 
-    def strings(self, what: str) -> list[str]:
-        return [self.string(what) for _ in range(self.count(8, what))]
-
     def value(self, what: str) -> QueryValue:
         kind = self.u32(what)
         if kind == 0:
@@ -312,31 +304,46 @@ class _Reader(BoundedReader):
         if kind == 2:
             return self.string(what)
         if kind == 3:
-            return self.boolean(what)
+            byte = self.u8(what)
+            if byte > 1:
+                raise DecodeError(f"{what}: bool byte {byte} is neither 0 nor 1")
+            return byte == 1
         if kind == 4:
             return Timestamp(self.i64(what))
         raise DecodeError(f"{what}: unknown discriminant {kind}")
 
-    def values(self, what: str) -> list[QueryValue]:
-        return [self.value(what) for _ in range(self.count(4, what))]
+
+# --- field wires ---------------------------------------------------------------------
+#
+# How each field type travels; a payload class declares its fields with these and
+# _layout compiles its encoder and decoder (runs of fixed-width fields in one struct).
 
 
-# --- writing -------------------------------------------------------------------------
+def _bool(byte: int, what: str) -> bool:
+    if byte > 1:
+        raise DecodeError(f"{what}: bool byte {byte} is neither 0 nor 1")
+    return byte == 1
 
 
-def _put_string(out: list[Buffer], text: str) -> None:
+def _enum(enum: type[_E]) -> Fixed[_E]:
+    """An enum as its u32 discriminant."""
+
+    def load(r: BoundedReader, value: int, what: str, at: int) -> _E:
+        try:
+            return enum(value)
+        except ValueError:
+            raise DecodeError(f"{what}: unknown discriminant {value}") from None
+
+    return Fixed("I", load=load)
+
+
+def _put_string(out: list[Buffer], text: str, what: str = "") -> None:
     data = text.encode()
     out.append(_U64.pack(len(data)))
     out.append(data)
 
 
-def _put_strings(out: list[Buffer], texts: Sequence[str]) -> None:
-    out.append(_U64.pack(len(texts)))
-    for text in texts:
-        _put_string(out, text)
-
-
-def _put_value(out: list[Buffer], value: QueryValue) -> None:
+def _put_value(out: list[Buffer], value: QueryValue, what: str = "") -> None:
     # bool before int: bool is an int subclass.
     if value is None:
         out.append(_NONE)
@@ -354,245 +361,168 @@ def _put_value(out: list[Buffer], value: QueryValue) -> None:
         raise UsageError(f"{type(value).__name__} is not a Kimberlite query value")
 
 
-def _put_values(out: list[Buffer], values: Sequence[QueryValue]) -> None:
-    out.append(_U64.pack(len(values)))
-    for value in values:
-        _put_value(out, value)
-
-
-def _put_events(out: list[Buffer], events: EventBatch) -> None:
+def _put_events(out: list[Buffer], events: EventBatch, what: str = "") -> None:
     out.append(_U64.pack(events.count))
     out.append(events.section)
-
-
-def _put_table(
-    out: list[Buffer], columns: Sequence[str], rows: Sequence[Sequence[QueryValue]]
-) -> None:
-    _put_strings(out, columns)
-    out.append(_U64.pack(len(rows)))
-    for row in rows:
-        _put_values(out, row)
-
-
-def _read_table(r: _Reader) -> tuple[list[str], list[list[QueryValue]]]:
-    columns = r.strings("columns")
-    return columns, [r.values("row") for _ in range(r.count(8, "rows"))]
 
 
 def _put_option_u64(out: list[Buffer], value: int | None) -> None:
     out.append(_NONE if value is None else _TAG_U64.pack(1, value))
 
 
+def _option(wire: Wire[_T]) -> Wire[_T | None]:
+    """Option<T>: a u32 tag (0 None, 1 Some) then T."""
+
+    def read(r: _Reader, what: str) -> _T | None:
+        return wire.read(r, what) if r.option(what) else None
+
+    def write(out: list[Buffer], value: _T | None, what: str) -> None:
+        if value is None:
+            out.append(_NONE)
+        else:
+            out.append(_SOME)
+            wire.write(out, value, what)
+
+    return Variable(read, write)
+
+
+def _vec(wire: Wire[_T], min_item_bytes: int, item: str = "") -> Wire[Sequence[_T]]:
+    """Vec<T>: a u64 count, checked against the bytes left, then the items (read under
+    the label ``item`` when given, else the field's)."""
+
+    def read(r: _Reader, what: str) -> list[_T]:
+        label = item or what
+        return [wire.read(r, label) for _ in range(r.count(min_item_bytes, what))]
+
+    def write(out: list[Buffer], values: Sequence[_T], what: str) -> None:
+        out.append(_U64.pack(len(values)))
+        for value in values:
+            wire.write(out, value, what)
+
+    return Variable(read, write)
+
+
+def _events(*trailers: int) -> Wire[EventBatch]:
+    """Vec<Vec<u8>> kept as its records section (see :meth:`_Reader.events`)."""
+    if trailers == (0,):  # the records end the payload (the appends: no wrapper)
+        return Variable(_Reader.events, _put_events)
+    return Variable(lambda r, what: r.events(what, trailers), _put_events)
+
+
+_STRING: Wire[str] = Variable(_Reader.string, _put_string)
+_VALUES = _vec(Variable(_Reader.value, _put_value), 4)
+
+Bool: TypeAlias = Annotated[bool, Fixed("B", load=lambda r, byte, what, at: _bool(byte, what))]
+Str: TypeAlias = Annotated[str, _STRING]
+OptStr: TypeAlias = Annotated[str | None, _option(_STRING)]
+OptU64: TypeAlias = Annotated[int | None, _option(Fixed[int]("Q"))]
+Strs: TypeAlias = Annotated[Sequence[str], _vec(_STRING, 8)]
+Values: TypeAlias = Annotated[Sequence[QueryValue], _VALUES]
+Rows: TypeAlias = Annotated[Sequence[Sequence[QueryValue]], _vec(_VALUES, 8, "row")]
+Events: TypeAlias = Annotated[EventBatch, _events(0)]
+
+
 # --- payloads ------------------------------------------------------------------------
 #
-# Each payload class knows its discriminant, how to write its fields (_encode) and how to
-# read them back (_decode). Field order is the wire order.
+# Each payload class knows its discriminant; its fields, in wire order, say how they
+# travel (field types above), which gives its _write and _read.
+
+
+class _Payload(Declared):
+    __slots__ = ()
+    discriminant: ClassVar[int]
 
 
 @dataclass(frozen=True, slots=True)
-class HandshakeRequest:
+class HandshakeRequest(_Payload):
     discriminant: ClassVar[int] = 0
-    client_version: int = PROTOCOL_VERSION
-    auth_token: str | None = None
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U16.pack(self.client_version))
-        if self.auth_token is None:
-            out.append(_NONE)
-        else:
-            out.append(_U32.pack(1))
-            _put_string(out, self.auth_token)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        version = r.u16("client_version")
-        token = r.string("auth_token") if r.option("auth_token") else None
-        return cls(version, token)
+    client_version: U16 = PROTOCOL_VERSION
+    auth_token: OptStr = None
 
 
 @dataclass(frozen=True, slots=True)
-class CreateStreamRequest:
+class CreateStreamRequest(_Payload):
     discriminant: ClassVar[int] = 1
-    name: str
-    data_class: DataClass = DataClass.NON_PHI
-    placement: Placement = Placement.GLOBAL
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_string(out, self.name)
-        out.append(struct.pack("<II", self.data_class, self.placement))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        name = r.string("name")
-        return cls(name, r.enum(DataClass, "data_class"), r.enum(Placement, "placement"))
+    name: Str
+    data_class: Annotated[DataClass, _enum(DataClass)] = DataClass.NON_PHI
+    placement: Annotated[Placement, _enum(Placement)] = Placement.GLOBAL
 
 
 @dataclass(frozen=True, slots=True)
-class AppendEventsRequest:
+class AppendEventsRequest(_Payload):
     discriminant: ClassVar[int] = 2
-    stream_id: int
-    events: EventBatch
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(self.stream_id))
-        _put_events(out, self.events)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("stream_id"), r.events("events"))
+    stream_id: U64
+    events: Events
 
 
 @dataclass(frozen=True, slots=True)
-class QueryRequest:
+class QueryRequest(_Payload):
     discriminant: ClassVar[int] = 3
-    sql: str
-    params: Sequence[QueryParam] = ()
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_string(out, self.sql)
-        _put_values(out, self.params)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.string("sql"), r.values("params"))
+    sql: Str
+    params: Values = ()
 
 
 @dataclass(frozen=True, slots=True)
-class QueryAtRequest:
+class QueryAtRequest(_Payload):
     discriminant: ClassVar[int] = 4
-    sql: str
-    params: Sequence[QueryParam]
-    position: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_string(out, self.sql)
-        _put_values(out, self.params)
-        out.append(_U64.pack(self.position))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.string("sql"), r.values("params"), r.u64("position"))
+    sql: Str
+    params: Values
+    position: U64
 
 
 @dataclass(frozen=True, slots=True)
-class ReadEventsRequest:
+class ReadEventsRequest(_Payload):
     discriminant: ClassVar[int] = 5
-    stream_id: int
-    from_offset: int
-    max_bytes: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QQQ", self.stream_id, self.from_offset, self.max_bytes))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("stream_id"), r.u64("from_offset"), r.u64("max_bytes"))
+    stream_id: U64
+    from_offset: U64
+    max_bytes: U64
 
 
 @dataclass(frozen=True, slots=True)
-class SubscribeRequest:
+class SubscribeRequest(_Payload):
     discriminant: ClassVar[int] = 6
-    stream_id: int
-    from_offset: int
-    initial_credits: int
-    consumer_group: str | None = None
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QQI", self.stream_id, self.from_offset, self.initial_credits))
-        if self.consumer_group is None:
-            out.append(_NONE)
-        else:
-            out.append(_U32.pack(1))
-            _put_string(out, self.consumer_group)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        stream_id, from_offset = r.u64("stream_id"), r.u64("from_offset")
-        credits = r.u32("initial_credits")
-        group = r.string("consumer_group") if r.option("consumer_group") else None
-        return cls(stream_id, from_offset, credits, group)
+    stream_id: U64
+    from_offset: U64
+    initial_credits: U32
+    consumer_group: OptStr = None
 
 
 @dataclass(frozen=True, slots=True)
-class SyncRequest:
+class SyncRequest(_Payload):
     discriminant: ClassVar[int] = 7
 
-    def _encode(self, out: list[Buffer]) -> None:
-        pass
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls()
-
 
 @dataclass(frozen=True, slots=True)
-class SubscribeCreditRequest:
+class SubscribeCreditRequest(_Payload):
     discriminant: ClassVar[int] = 8
-    subscription_id: int
-    additional_credits: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QI", self.subscription_id, self.additional_credits))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("subscription_id"), r.u32("additional_credits"))
+    subscription_id: U64
+    additional_credits: U32
 
 
 @dataclass(frozen=True, slots=True)
-class UnsubscribeRequest:
+class UnsubscribeRequest(_Payload):
     discriminant: ClassVar[int] = 9
-    subscription_id: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(self.subscription_id))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("subscription_id"))
+    subscription_id: U64
 
 
 @dataclass(frozen=True, slots=True)
-class AppendIdempotentRequest:
+class AppendIdempotentRequest(_Payload):
     discriminant: ClassVar[int] = 10
-    stream_id: int
-    producer_id: int
-    sequence: int
-    events: EventBatch
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QQQ", self.stream_id, self.producer_id, self.sequence))
-        _put_events(out, self.events)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        stream_id, producer_id = r.u64("stream_id"), r.u64("producer_id")
-        return cls(stream_id, producer_id, r.u64("sequence"), r.events("events"))
+    stream_id: U64
+    producer_id: U64
+    sequence: U64
+    events: Events
 
 
 @dataclass(frozen=True, slots=True)
-class DeleteStreamRequest:
+class DeleteStreamRequest(_Payload):
     discriminant: ClassVar[int] = 11
-    stream_id: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(self.stream_id))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("stream_id"))
+    stream_id: U64
 
 
 @dataclass(frozen=True, slots=True)
-class ListStreamsRequest:
+class ListStreamsRequest(_Payload):
     discriminant: ClassVar[int] = 12
-
-    def _encode(self, out: list[Buffer]) -> None:
-        pass
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls()
 
 
 RequestPayload: TypeAlias = (
@@ -611,30 +541,16 @@ RequestPayload: TypeAlias = (
     | ListStreamsRequest
 )
 
-REQUEST_TYPES: tuple[type[RequestPayload], ...] = (
-    HandshakeRequest,
-    CreateStreamRequest,
-    AppendEventsRequest,
-    QueryRequest,
-    QueryAtRequest,
-    ReadEventsRequest,
-    SubscribeRequest,
-    SyncRequest,
-    SubscribeCreditRequest,
-    UnsubscribeRequest,
-    AppendIdempotentRequest,
-    DeleteStreamRequest,
-    ListStreamsRequest,
-)
+REQUEST_TYPES: tuple[type[RequestPayload], ...] = get_args(RequestPayload)
 """Request payload classes, indexed by discriminant."""
 
 
 @dataclass(frozen=True, slots=True)
-class ErrorResponse:
+class ErrorResponse(_Payload):
     discriminant: ClassVar[int] = 0
-    code: int
+    code: Annotated[int, Fixed("H", load=lenient(ErrorCode))]
     """An :class:`ErrorCode` when known; codes from 16 up (reserved) stay plain ints."""
-    message: str
+    message: Str
 
     @classmethod
     def from_exception(cls, exc: HeadwaterError) -> Self:
@@ -644,106 +560,53 @@ class ErrorResponse:
         """The headwater exception for this error (unknown codes become UnknownError)."""
         return error_for_code(self.code, self.message)
 
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U16.pack(self.code))
-        _put_string(out, self.message)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        code = r.u16("code")
-        known: int = ErrorCode(code) if code in _KNOWN_CODES else code
-        return cls(known, r.string("message"))
-
-
-_KNOWN_CODES = frozenset(int(code) for code in ErrorCode)
-
 
 @dataclass(frozen=True, slots=True)
-class HandshakeResponse:
+class HandshakeResponse(_Payload):
     discriminant: ClassVar[int] = 1
-    server_version: int
-    authenticated: bool
-    capabilities: Sequence[str]
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<HB", self.server_version, self.authenticated))
-        _put_strings(out, self.capabilities)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        version = r.u16("server_version")
-        return cls(version, r.boolean("authenticated"), r.strings("capabilities"))
+    server_version: U16
+    authenticated: Bool
+    capabilities: Strs
 
 
 @dataclass(frozen=True, slots=True)
-class CreateStreamResponse:
+class CreateStreamResponse(_Payload):
     discriminant: ClassVar[int] = 2
-    stream_id: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(self.stream_id))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("stream_id"))
+    stream_id: U64
 
 
 @dataclass(frozen=True, slots=True)
-class AppendEventsResponse:
+class AppendEventsResponse(_Payload):
     discriminant: ClassVar[int] = 3
-    first_offset: int
-    count: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QI", self.first_offset, self.count))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("first_offset"), r.u32("count"))
+    first_offset: U64
+    count: U32
 
 
 @dataclass(frozen=True, slots=True)
-class QueryResponse:
+class QueryResponse(_Payload):
     discriminant: ClassVar[int] = 4
-    columns: Sequence[str]
-    rows: Sequence[Sequence[QueryValue]]
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_table(out, self.columns, self.rows)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(*_read_table(r))
+    columns: Strs
+    rows: Rows
 
 
 @dataclass(frozen=True, slots=True)
-class QueryAtResponse:
+class QueryAtResponse(_Payload):
     """Same body as :class:`QueryResponse`, its own discriminant."""
 
     discriminant: ClassVar[int] = 5
-    columns: Sequence[str]
-    rows: Sequence[Sequence[QueryValue]]
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_table(out, self.columns, self.rows)
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(*_read_table(r))
+    columns: Strs
+    rows: Rows
 
 
 @dataclass(frozen=True, slots=True)
-class ReadEventsResponse:
+class ReadEventsResponse(_Payload):
     discriminant: ClassVar[int] = 6
-    events: EventBatch
-    next_offset: int | None
-
-    def _encode(self, out: list[Buffer]) -> None:
-        _put_events(out, self.events)
-        _put_option_u64(out, self.next_offset)
+    events: Events
+    next_offset: OptU64
 
     @classmethod
-    def _decode(cls, r: _Reader) -> Self:
+    def _read(cls, r: BoundedReader) -> Self:
+        assert isinstance(r, _Reader)
         # next_offset is a u32 tag (None) or a tag and a u64 (Some): 4 or 12 bytes.
         some_tag = r.end - 12 >= r.pos and r.buf[r.end - 12 : r.end - 8] == _SOME
         events = r.events("events", (12, 4) if some_tag else (4, 12))
@@ -751,130 +614,67 @@ class ReadEventsResponse:
 
 
 @dataclass(frozen=True, slots=True)
-class SubscribeResponse:
+class SubscribeResponse(_Payload):
     discriminant: ClassVar[int] = 7
-    subscription_id: int
-    start_offset: int
-    credits: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QQI", self.subscription_id, self.start_offset, self.credits))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        subscription_id, start = r.u64("subscription_id"), r.u64("start_offset")
-        return cls(subscription_id, start, r.u32("credits"))
+    subscription_id: U64
+    start_offset: U64
+    credits: U32
 
 
 @dataclass(frozen=True, slots=True)
-class SyncResponse:
+class SyncResponse(_Payload):
     discriminant: ClassVar[int] = 8
-    success: bool
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U8.pack(self.success))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.boolean("success"))
+    success: Bool
 
 
 @dataclass(frozen=True, slots=True)
-class SubscriptionEventsResponse:
+class SubscriptionEventsResponse(_Payload):
     """Pushed while credits remain; its request_id is the Subscribe's."""
 
     discriminant: ClassVar[int] = 9
-    subscription_id: int
-    start_offset: int
-    events: EventBatch
-    credits_remaining: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QQ", self.subscription_id, self.start_offset))
-        _put_events(out, self.events)
-        out.append(_U32.pack(self.credits_remaining))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        subscription_id, start = r.u64("subscription_id"), r.u64("start_offset")
-        events = r.events("events", (4,))  # credits_remaining: u32
-        return cls(subscription_id, start, events, r.u32("credits_remaining"))
+    subscription_id: U64
+    start_offset: U64
+    events: Annotated[EventBatch, _events(4)]  # then credits_remaining: u32
+    credits_remaining: U32
 
 
 @dataclass(frozen=True, slots=True)
-class SubscriptionClosedResponse:
+class SubscriptionClosedResponse(_Payload):
     discriminant: ClassVar[int] = 10
-    subscription_id: int
-    reason: CloseReason
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QI", self.subscription_id, self.reason))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("subscription_id"), r.enum(CloseReason, "reason"))
+    subscription_id: U64
+    reason: Annotated[CloseReason, _enum(CloseReason)]
 
 
 @dataclass(frozen=True, slots=True)
-class SubscriptionCreditResponse:
+class SubscriptionCreditResponse(_Payload):
     discriminant: ClassVar[int] = 11
-    subscription_id: int
-    credits: int
+    subscription_id: U64
+    credits: U32
     """The subscription's credit balance after the grant."""
 
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(struct.pack("<QI", self.subscription_id, self.credits))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("subscription_id"), r.u32("credits"))
-
 
 @dataclass(frozen=True, slots=True)
-class StreamDeletedResponse:
+class StreamDeletedResponse(_Payload):
     discriminant: ClassVar[int] = 12
-    stream_id: int
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(self.stream_id))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        return cls(r.u64("stream_id"))
+    stream_id: U64
 
 
 @dataclass(frozen=True, slots=True)
-class StreamInfo:
-    stream_id: int
-    name: str
-    next_offset: int
-    size_bytes: int
-    created_ns: int
+class StreamInfo(Declared):
+    stream_id: U64
+    name: Str
+    next_offset: U64
+    size_bytes: U64
+    created_ns: I64
 
     # u64 stream_id, String name (u64 length at least), u64, u64, i64
     MIN_BYTES: ClassVar[int] = 40
 
 
 @dataclass(frozen=True, slots=True)
-class StreamsResponse:
+class StreamsResponse(_Payload):
     discriminant: ClassVar[int] = 13
-    streams: Sequence[StreamInfo]
-
-    def _encode(self, out: list[Buffer]) -> None:
-        out.append(_U64.pack(len(self.streams)))
-        for info in self.streams:
-            out.append(_U64.pack(info.stream_id))
-            _put_string(out, info.name)
-            out.append(struct.pack("<QQq", info.next_offset, info.size_bytes, info.created_ns))
-
-    @classmethod
-    def _decode(cls, r: _Reader) -> Self:
-        streams = []
-        for _ in range(r.count(StreamInfo.MIN_BYTES, "streams")):
-            stream_id, name = r.u64("stream_id"), r.string("name")
-            next_offset, size = r.u64("next_offset"), r.u64("size_bytes")
-            streams.append(StreamInfo(stream_id, name, next_offset, size, r.i64("created_ns")))
-        return cls(streams)
+    streams: Annotated[Sequence[StreamInfo], _vec(record(StreamInfo), StreamInfo.MIN_BYTES)]
 
 
 ResponsePayload: TypeAlias = (
@@ -894,22 +694,7 @@ ResponsePayload: TypeAlias = (
     | StreamsResponse
 )
 
-RESPONSE_TYPES: tuple[type[ResponsePayload], ...] = (
-    ErrorResponse,
-    HandshakeResponse,
-    CreateStreamResponse,
-    AppendEventsResponse,
-    QueryResponse,
-    QueryAtResponse,
-    ReadEventsResponse,
-    SubscribeResponse,
-    SyncResponse,
-    SubscriptionEventsResponse,
-    SubscriptionClosedResponse,
-    SubscriptionCreditResponse,
-    StreamDeletedResponse,
-    StreamsResponse,
-)
+RESPONSE_TYPES: tuple[type[ResponsePayload], ...] = get_args(ResponsePayload)
 """Response payload classes, indexed by discriminant."""
 
 
@@ -937,7 +722,7 @@ def encode_body(payload: RequestPayload | ResponsePayload) -> bytes:
     """A payload's fields alone: no envelope, no discriminant (as the seed's examples)."""
     out: list[Buffer] = []
     try:
-        payload._encode(out)
+        payload._write(out)
     except (struct.error, UnicodeEncodeError, OverflowError) as exc:
         raise _encoding_guard(type(payload).__name__, exc) from None
     return b"".join(out)
@@ -950,7 +735,7 @@ def encode_request_chunks(request: Request) -> list[Buffer]:
         out: list[Buffer] = [
             _REQUEST_HEAD.pack(request.id, request.tenant_id, payload.discriminant)
         ]
-        payload._encode(out)
+        payload._write(out)
     except (struct.error, UnicodeEncodeError, OverflowError) as exc:
         raise _encoding_guard(f"request {request.id} ({type(payload).__name__})", exc) from None
     return out
@@ -965,7 +750,7 @@ def encode_response_chunks(response: Response) -> list[Buffer]:
     payload = response.payload
     try:
         out: list[Buffer] = [_RESPONSE_HEAD.pack(response.request_id, payload.discriminant)]
-        payload._encode(out)
+        payload._write(out)
     except (struct.error, UnicodeEncodeError, OverflowError) as exc:
         what = f"response to {response.request_id} ({type(payload).__name__})"
         raise _encoding_guard(what, exc) from None
@@ -1013,20 +798,13 @@ def encode_subscription_events(
     return out
 
 
-def _view(payload: Buffer) -> memoryview:
-    view = memoryview(payload)
-    if view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return view
-
-
 def decode_request_body(discriminant: int, body: Buffer) -> RequestPayload:
     """Decode a request payload's fields alone (the inverse of :func:`encode_body`)."""
     if not 0 <= discriminant < len(REQUEST_TYPES):
         raise DecodeError(f"unknown request discriminant {discriminant}")
-    reader = _Reader(_view(body))
+    reader = _Reader(as_view(body), DecodeError)
     cls = REQUEST_TYPES[discriminant]
-    payload = cls._decode(reader)
+    payload = cls._read(reader)
     reader.finish(cls.__name__)
     return payload
 
@@ -1035,9 +813,9 @@ def decode_response_body(discriminant: int, body: Buffer) -> ResponsePayload:
     """Decode a response payload's fields alone (the inverse of :func:`encode_body`)."""
     if not 0 <= discriminant < len(RESPONSE_TYPES):
         raise DecodeError(f"unknown response discriminant {discriminant}")
-    reader = _Reader(_view(body))
+    reader = _Reader(as_view(body), DecodeError)
     cls = RESPONSE_TYPES[discriminant]
-    payload = cls._decode(reader)
+    payload = cls._read(reader)
     reader.finish(cls.__name__)
     return payload
 
@@ -1050,7 +828,7 @@ def decode_request(payload: Buffer, *, enforce_limits: bool = True) -> Request:
     raises :class:`RequestLimitError`; the event count is checked before the events are
     walked, so an oversized batch costs nothing to refuse.
     """
-    reader = _Reader(_view(payload))
+    reader = _Reader(as_view(payload), DecodeError)
     request_id: int | None = None
     try:
         request_id = reader.u64("request id")
@@ -1061,7 +839,7 @@ def decode_request(payload: Buffer, *, enforce_limits: bool = True) -> Request:
         cls = REQUEST_TYPES[discriminant]
         if enforce_limits and cls in _APPEND_TYPES:
             _check_append_count(reader, 24 if cls is AppendIdempotentRequest else 8)
-        body = cls._decode(reader)
+        body = cls._read(reader)
         reader.finish(cls.__name__)
         if enforce_limits and isinstance(body, AppendEventsRequest | AppendIdempotentRequest):
             check_append_limits(body.events)
@@ -1098,14 +876,14 @@ def check_append_limits(events: EventBatch) -> None:
 
 def decode_response(payload: Buffer) -> Response:
     """Decode one frame payload as a Response (event batches are views into it)."""
-    reader = _Reader(_view(payload))
+    reader = _Reader(as_view(payload), DecodeError)
     request_id = reader.u64("request id")
     discriminant = reader.u32("response discriminant")
     if discriminant >= len(RESPONSE_TYPES):
         raise DecodeError(f"unknown response discriminant {discriminant}", request_id)
     cls = RESPONSE_TYPES[discriminant]
     try:
-        body = cls._decode(reader)
+        body = cls._read(reader)
         reader.finish(cls.__name__)
     except DecodeError as exc:
         exc.request_id = request_id
