@@ -4,15 +4,16 @@ A projection follows its stream's log incrementally. Every commit notification r
 its target; at most one catch-up runs per stream, in a worker thread, so a burst of
 commits becomes one catch-up. Commits do not start a catch-up at once: the first commit
 after a round arms a timer of ``CATCH_UP_DELAY`` seconds and the round then takes
-everything committed meanwhile (a round costs about a millisecond of CPU whatever its
-size, much of it holding the GIL against the event loop, so a round per single-event
-commit was most of a busy server's CPU and the tail of its append latency). A backlog of
-a full round starts one at once, and so does anyone who needs the projection now: a
-Query (read your writes), a range read, a QueryAt that finds it behind
-(:meth:`StreamProjection.request_catch_up`), so no query ever sees less than it did. A
-catch-up reads stored batches from the projection's next offset and builds the columns
-in bulk from the batch headers and values sections, never decoding events one by one in
-Python:
+everything committed meanwhile (a round costs one to two milliseconds of CPU whatever
+its size, part of it holding the GIL against the event loop, so a round per single-event
+commit was most of a busy server's CPU and the tail of its append latency; at 0.1 s
+rounds still showed in the p99 of single-event appends, at 0.5 s much less:
+docs/benchmarks.md). A backlog of a full round starts one at once, and so does anyone
+who needs the projection now: a Query (read your writes), a range read, a QueryAt that
+finds it behind (:meth:`StreamProjection.request_catch_up`), so no query ever sees less
+than it did. A catch-up reads stored batches from the projection's next offset and
+builds the columns in bulk from the batch headers and values sections, never decoding
+events one by one in Python:
 
 * ``offset`` / ``position``: numpy over the whole round (each piece's base offset and
   first position repeated, plus a ``0..n`` range; offset deltas are honoured for sparse
@@ -80,7 +81,7 @@ ROUND_BYTES = 32 << 20  # values-section bytes per catch-up round
 SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
 SEAL_BYTES = 64 << 20  # (so merged data stays far below the 2 GiB of int32 offsets)
 RETRY_SECONDS = 1.0
-CATCH_UP_DELAY = 0.1  # seconds from a commit to the catch-up round nobody asked for
+CATCH_UP_DELAY = 0.5  # seconds from a commit to the catch-up round nobody asked for
 _JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
 
 
