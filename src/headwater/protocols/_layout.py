@@ -11,9 +11,9 @@ for a run of fixed fields is refused naming the first field that does not fit, e
 reading them one at a time would.
 
 A subclass of :class:`Declared` gets ``_write(out)`` and ``_read(reader)`` compiled from
-its layout (closures over the precompiled structs: as fast as the hand-written pairs they
-replace). A message whose wire form is not a plain sequence of its fields (bit flags,
-constants, optional sections) overrides them, and then its fields need no wire.
+its layout (straight-line code over the precompiled structs: as fast as the hand-written
+pairs they replace). A message whose wire form is not a plain sequence of its fields (bit
+flags, constants, optional sections) overrides them, and then its fields need no wire.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from enum import IntEnum
-from operator import attrgetter
+from itertools import groupby
 from typing import Annotated, Any, ClassVar, Generic, Self, TypeAlias, TypeVar, get_type_hints
 
 from headwater.engine.kinds.reader import BoundedReader, Buffer
@@ -35,8 +35,6 @@ Load: TypeAlias = Callable[[BoundedReader, Any, str, int], Any]
 codec's decode error for a value the field cannot hold."""
 Dump: TypeAlias = Callable[[Any, str], Any]
 """Field value -> raw value to pack: ``dump(value, field name)``; raises UsageError."""
-_Writer: TypeAlias = Callable[[Any, list[Buffer]], None]
-_Reader: TypeAlias = Callable[[BoundedReader], tuple[Any, ...]]
 
 
 class Wire(Generic[T]):
@@ -101,59 +99,24 @@ I64: TypeAlias = Annotated[int, Fixed("q")]
 
 
 # --- compiling -------------------------------------------------------------------------
+#
+# A layout's writer and reader are generated as straight-line Python, as dataclasses
+# generates __init__: one pack per run of fixed fields, one call per variable field, no
+# loop and no per-field dispatch, so a declared message costs what the hand-written
+# encoder and decoder it replaces cost (these are every payload's hot path).
 
 
-def _run(fields: Sequence[tuple[str, Fixed[Any]]]) -> tuple[_Writer, _Reader, int]:
-    """Writer and reader of consecutive fixed-width fields: one struct for all."""
-    layout = struct.Struct("<" + "".join(wire.code for _, wire in fields))
-    pack, unpack, size = layout.pack, layout.unpack_from, layout.size
-    get = attrgetter(*(name for name, _ in fields))
-    dumps = [(i, name, wire.dump) for i, (name, wire) in enumerate(fields) if wire.dump]
-    offsets = [sum(wire.size for _, wire in fields[:i]) for i in range(len(fields))]
-    loads = [(i, name, wire.load, offsets[i]) for i, (name, wire) in enumerate(fields) if wire.load]
-    singles = [(name, wire.read) for name, wire in fields]
+def _short(fields: Sequence[tuple[str, Fixed[Any]]]) -> Callable[[BoundedReader], None]:
+    """For a run too short to unpack: read its fields one at a time, which raises naming
+    the first that does not fit (after the checks of those before it), as a reader of
+    single fields would."""
 
-    def write_one(message: object, out: list[Buffer]) -> None:
-        out.append(pack(get(message)))
+    def read(r: BoundedReader) -> None:
+        for name, wire in fields:
+            wire.read(r, name)
+        raise AssertionError("a short run of fields read whole")
 
-    def write_many(message: object, out: list[Buffer]) -> None:
-        out.append(pack(*get(message)))
-
-    def write_checked(message: object, out: list[Buffer]) -> None:
-        values = [get(message)] if len(fields) == 1 else list(get(message))
-        for i, name, dump in dumps:
-            values[i] = dump(values[i], name)
-        out.append(pack(*values))
-
-    def read(r: BoundedReader) -> tuple[Any, ...]:
-        pos = r.pos
-        if size > r.end - pos:
-            # Too short: field by field, so the error names the first that does not fit
-            # (after the checks of those before it), as a reader of single fields would.
-            return tuple(single(r, name) for name, single in singles)
-        r.pos = pos + size
-        if not loads:
-            return unpack(r.buf, pos)
-        values = list(unpack(r.buf, pos))
-        for i, name, load, offset in loads:
-            values[i] = load(r, values[i], name, pos + offset)
-        return tuple(values)
-
-    write = write_checked if dumps else write_one if len(fields) == 1 else write_many
-    return write, read, size
-
-
-def _field(name: str, wire: Wire[Any]) -> tuple[_Writer, _Reader]:
-    """Writer and reader of one variable-width field."""
-    wire_write, wire_read = wire.write, wire.read
-
-    def write(message: object, out: list[Buffer]) -> None:
-        wire_write(out, getattr(message, name), name)
-
-    def read(r: BoundedReader) -> tuple[Any, ...]:
-        return (wire_read(r, name),)
-
-    return write, read
+    return read
 
 
 class Layout:
@@ -164,25 +127,51 @@ class Layout:
     __slots__ = ("min_size", "read", "write")
 
     def __init__(self, fields: Sequence[tuple[str, Wire[Any]]]) -> None:
-        writers: list[_Writer] = []
-        readers: list[_Reader] = []
+        env: dict[str, Any] = {}  # what the generated code calls, by generated name
+        write = ["def write(self, out):"]
+        read = ["def read(cls, r):"]
         self.min_size = 0
         """Bytes of the fixed-width fields: the least any payload of the class takes."""
-        run: list[tuple[str, Fixed[Any]]] = []
-        for i, (name, wire) in enumerate(fields):
-            if isinstance(wire, Fixed):
-                run.append((name, wire))
-                if i + 1 < len(fields) and isinstance(fields[i + 1][1], Fixed):
-                    continue
-                write, read, size = _run(run)
-                self.min_size += size
-                run = []
-            else:
-                write, read = _field(name, wire)
-            writers.append(write)
-            readers.append(read)
-        self.write = _sequence(writers)
-        self.read = _construct(readers)
+        n = 0  # fields so far: field i is read into local v{i}
+        for fixed, group in groupby(fields, key=lambda field: isinstance(field[1], Fixed)):
+            if not fixed:
+                for name, wire in group:
+                    env[f"write{n}"], env[f"read{n}"] = wire.write, wire.read
+                    write.append(f"    write{n}(out, self.{name}, {name!r})")
+                    read.append(f"    v{n} = read{n}(r, {name!r})")
+                    n += 1
+                continue
+            run: list[tuple[str, Fixed[Any]]] = list(group)  # type: ignore[arg-type]
+            layout = struct.Struct("<" + "".join(wire.code for _, wire in run))
+            self.min_size += layout.size
+            env[f"pack{n}"], env[f"unpack{n}"] = layout.pack, layout.unpack_from
+            env[f"short{n}"] = _short(run)
+            local = [f"v{n + i}" for i in range(len(run))]
+            read += [
+                "    pos = r.pos",
+                f"    if {layout.size} > r.end - pos:",
+                f"        short{n}(r)",
+                f"    r.pos = pos + {layout.size}",
+                f"    {', '.join(local)}, = unpack{n}(r.buf, pos)",
+            ]
+            args, offset = [], 0
+            for v, (name, wire) in zip(local, run, strict=True):
+                if wire.dump is None:
+                    args.append(f"self.{name}")
+                else:
+                    env[f"dump_{v}"] = wire.dump
+                    args.append(f"dump_{v}(self.{name}, {name!r})")
+                if wire.load is not None:
+                    env[f"load_{v}"] = wire.load
+                    read.append(f"    {v} = load_{v}(r, {v}, {name!r}, pos + {offset})")
+                offset += wire.size
+            write.append(f"    out.append(pack{n}({', '.join(args)}))")
+            n += len(run)
+        write.append("    pass")
+        read.append(f"    return cls({', '.join(f'v{i}' for i in range(n))})")
+        exec("\n".join(write) + "\n\n" + "\n".join(read), env)
+        self.write: Callable[[Any, list[Buffer]], None] = env["write"]
+        self.read: Callable[[Any, BoundedReader], Any] = env["read"]
 
     @classmethod
     def of(cls, owner: type) -> Layout | None:
@@ -197,51 +186,6 @@ class Layout:
                 return None
             fields.append((name, wires[0]))
         return cls(fields)
-
-
-def _sequence(writers: Sequence[_Writer]) -> _Writer:
-    if len(writers) == 1:
-        return writers[0]
-    if len(writers) == 2:
-        first, second = writers
-
-        def write_two(message: object, out: list[Buffer]) -> None:
-            first(message, out)
-            second(message, out)
-
-        return write_two
-
-    def write(message: object, out: list[Buffer]) -> None:
-        for part in writers:
-            part(message, out)
-
-    return write
-
-
-def _construct(readers: Sequence[_Reader]) -> Callable[[type[D], BoundedReader], D]:
-    # One or two steps (most messages) without a loop: this is every decode's hot path.
-    if len(readers) == 1:
-        (only,) = readers
-
-        def read_one(cls: type[D], r: BoundedReader) -> D:
-            return cls(*only(r))
-
-        return read_one
-    if len(readers) == 2:
-        first, second = readers
-
-        def read_two(cls: type[D], r: BoundedReader) -> D:
-            return cls(*first(r), *second(r))
-
-        return read_two
-
-    def read(cls: type[D], r: BoundedReader) -> D:
-        values: list[Any] = []
-        for part in readers:
-            values += part(r)
-        return cls(*values)
-
-    return read
 
 
 # --- declared classes ------------------------------------------------------------------

@@ -21,10 +21,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
-from typing import ClassVar, Self, TypeAlias, overload
+from typing import Annotated, ClassVar, Self, TypeAlias, overload
 
 from headwater.engine.kinds.reader import BoundedReader, Buffer, as_view
 from headwater.errors import UsageError
+from headwater.protocols._layout import U8, U16, U64, Declared, Fixed, Variable, lenient
 
 from .codes import (
     CLIENT_OPCODES,
@@ -54,7 +55,6 @@ from .frames import RawFrame, encode_frame
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 _MAX16 = 0xFFFF
 _MAX32 = 0xFFFF_FFFF
 
@@ -75,7 +75,7 @@ def _reader(payload: Buffer) -> BoundedReader:
     return BoundedReader(as_view(payload), DecodeError)
 
 
-def _put_str16(out: list[bytes], text: str, what: str) -> None:
+def _put_str16(out: list[Buffer], text: str, what: str) -> None:
     data = text.encode()  # UnicodeEncodeError is turned into UsageError by encode()
     if len(data) > _MAX16:
         raise UsageError(f"{what}: {len(data)} bytes exceed the {_MAX16}-byte str16 limit")
@@ -83,24 +83,28 @@ def _put_str16(out: list[bytes], text: str, what: str) -> None:
     out.append(data)
 
 
-def _put_blob16(out: list[bytes], data: bytes, what: str) -> None:
+def _put_blob16(out: list[Buffer], data: bytes, what: str) -> None:
     if len(data) > _MAX16:
         raise UsageError(f"{what}: {len(data)} bytes exceed the {_MAX16}-byte limit")
     out.append(_U16.pack(len(data)))
     out.append(bytes(data))
 
 
-def _put_blob32(out: list[bytes], data: bytes, what: str) -> None:
+def _put_blob32(out: list[Buffer], data: bytes, what: str) -> None:
     if len(data) > _MAX32:
         raise UsageError(f"{what}: {len(data)} bytes exceed the u32 length limit")
     out.append(_U32.pack(len(data)))
     out.append(bytes(data))
 
 
-def _put_entity(out: list[bytes], entity_id: bytes) -> None:
+def _entity(entity_id: bytes, what: str) -> bytes:
     if len(entity_id) != ENTITY_ID_SIZE:
         raise UsageError(f"an entity_id is {ENTITY_ID_SIZE} bytes, not {len(entity_id)}")
-    out.append(bytes(entity_id))
+    return bytes(entity_id)
+
+
+def _put_entity(out: list[Buffer], entity_id: bytes) -> None:
+    out.append(_entity(entity_id, "entity_id"))
 
 
 def _read_str16(r: BoundedReader, what: str) -> str:
@@ -126,11 +130,39 @@ def _read_flags(r: BoundedReader, defined: int, what: str) -> int:
     return flags
 
 
-def _read_source(r: BoundedReader, what: str) -> int:
-    source = r.u8(what)
+def _source(r: BoundedReader, source: int, what: str, at: int) -> int:
     if source > MAX_SOURCE_ID:
         raise DecodeError(f"{what} {source} is outside 0..{MAX_SOURCE_ID}")
     return source
+
+
+def _put_source(source: int, what: str) -> int:
+    if not 0 <= source <= MAX_SOURCE_ID:
+        raise UsageError(f"{what} {source} is outside 0..{MAX_SOURCE_ID}")
+    return source
+
+
+def _acked(allowed: frozenset[Opcode], refusal: str) -> Fixed[Opcode]:
+    """An ACK's u16 acked_opcode, one of ``allowed`` for its class (``refusal`` says
+    what to use instead when encoding another)."""
+
+    def load(r: BoundedReader, code: int, what: str, at: int) -> Opcode:
+        if code not in allowed:
+            raise DecodeError(f"ACK of opcode {code:#06x} with this body")
+        return Opcode(code)
+
+    def dump(acked: Opcode, what: str) -> Opcode:
+        if acked not in allowed:
+            raise UsageError(refusal.format(acked))
+        return acked
+
+    return Fixed("H", load=load, dump=dump)
+
+
+Entity: TypeAlias = Annotated[bytes, Fixed(f"{ENTITY_ID_SIZE}s", dump=_entity)]
+Str16: TypeAlias = Annotated[str, Variable(_read_str16, _put_str16)]
+Blob16: TypeAlias = Annotated[bytes, Variable(_read_blob16, _put_blob16)]
+Blob32: TypeAlias = Annotated[bytes, Variable(_read_blob32, _put_blob32)]
 
 
 def _check_u16(value: int, what: str) -> None:
@@ -138,22 +170,17 @@ def _check_u16(value: int, what: str) -> None:
         raise UsageError(f"{what} {value} is not a u16")
 
 
-class _Message:
-    """What every message has: ``opcode``, ``encode()`` and ``decode()``."""
+class _Message(Declared):
+    """What every message has: ``opcode``, ``encode()`` and ``decode()``; its fields
+    declare their wire types (see :mod:`headwater.protocols._layout`) unless the class
+    writes its own ``_write`` / ``_read``."""
 
     __slots__ = ()
     opcode: ClassVar[Opcode]
 
-    def _write(self, out: list[bytes]) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        raise NotImplementedError
-
     def encode(self) -> bytes:
         """The payload bytes (no header)."""
-        out: list[bytes] = []
+        out: list[Buffer] = []
         try:
             self._write(out)
         except (struct.error, UnicodeEncodeError, OverflowError, TypeError) as exc:
@@ -169,31 +196,11 @@ class _Message:
         return message
 
 
-class _Empty(_Message):
-    """A message with an empty payload."""
-
-    __slots__ = ()
-
-    def _write(self, out: list[bytes]) -> None:
-        pass
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls()
-
-
 @dataclass(frozen=True, slots=True)
 class _KindOnly(_Message):
     """A message whose payload is a u16 kind_id."""
 
-    kind_id: int
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(r.u16("kind_id"))
+    kind_id: U16
 
 
 # --- client -> server ------------------------------------------------------------------
@@ -221,7 +228,7 @@ class Connect(_Message):
         """The liveness deadline in effect."""
         return self.liveness_deadline_ms or DEFAULT_LIVENESS_MS
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         flags = self.FLAG_READ_ONLY if self.read_only else 0
         source = 0
         if self.source_id is not None:
@@ -253,10 +260,10 @@ class Assert(_Message):
     u16 meta_len + metadata. Sets the writer's source bit and replaces the fields."""
 
     opcode: ClassVar[Opcode] = Opcode.ASSERT
-    kind_id: int
-    entity_id: bytes
-    field_data: bytes = b""
-    metadata: bytes = b""
+    kind_id: U16
+    entity_id: Entity
+    field_data: Blob32 = b""
+    metadata: Blob16 = b""
 
     MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 4 + 2
 
@@ -281,43 +288,21 @@ class Assert(_Message):
         """Every field's new value: the sent prefix, defaults after it."""
         return decode_fields(schema, self.field_data, complete=True)
 
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-        _put_entity(out, self.entity_id)
-        _put_blob32(out, self.field_data, "field_data")
-        _put_blob16(out, self.metadata, "metadata")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
-        field_data = _read_blob32(r, "field_data")
-        return cls(kind_id, entity_id, field_data, _read_blob16(r, "metadata"))
-
 
 @dataclass(frozen=True, slots=True)
 class Retract(_Message):
     """RETRACT: u16 kind_id, entity_id, u16 meta_len + metadata. Clears the writer's bit."""
 
     opcode: ClassVar[Opcode] = Opcode.RETRACT
-    kind_id: int
-    entity_id: bytes
-    metadata: bytes = b""
+    kind_id: U16
+    entity_id: Entity
+    metadata: Blob16 = b""
 
     MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 2
 
     @property
     def key(self) -> tuple[int, bytes]:
         return self.kind_id, self.entity_id
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-        _put_entity(out, self.entity_id)
-        _put_blob16(out, self.metadata, "metadata")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
-        return cls(kind_id, entity_id, _read_blob16(r, "metadata"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,11 +311,11 @@ class Patch(_Message):
     the fields whose bit is set), u16 meta_len + metadata."""
 
     opcode: ClassVar[Opcode] = Opcode.PATCH
-    kind_id: int
-    entity_id: bytes
-    presence_mask: int
-    field_data: bytes = b""
-    metadata: bytes = b""
+    kind_id: U16
+    entity_id: Entity
+    presence_mask: U64
+    field_data: Blob32 = b""
+    metadata: Blob16 = b""
 
     MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 8 + 4 + 2
 
@@ -355,20 +340,6 @@ class Patch(_Message):
         """``{field ordinal: new value}`` for the fields present."""
         return decode_present_fields(schema, self.presence_mask, self.field_data)
 
-    def _write(self, out: list[bytes]) -> None:
-        out.append(struct.pack("<H", self.kind_id))
-        _put_entity(out, self.entity_id)
-        out.append(_U64.pack(self.presence_mask))
-        _put_blob32(out, self.field_data, "field_data")
-        _put_blob16(out, self.metadata, "metadata")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
-        mask = r.u64("presence_mask")
-        field_data = _read_blob32(r, "field_data")
-        return cls(kind_id, entity_id, mask, field_data, _read_blob16(r, "metadata"))
-
 
 WriteOp: TypeAlias = Assert | Retract | Patch
 """A BATCH sub-op."""
@@ -384,16 +355,8 @@ class Query(_Message):
     """QUERY: u16 kind_id, entity_id. Answered by STATE (change 3) or ENTITY_NOT_FOUND."""
 
     opcode: ClassVar[Opcode] = Opcode.QUERY
-    kind_id: int
-    entity_id: bytes
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-        _put_entity(out, self.entity_id)
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(r.u16("kind_id"), _read_entity(r))
+    kind_id: U16
+    entity_id: Entity
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,7 +375,7 @@ class Subscribe(_Message):
     FLAG_INCLUDE_PREVIOUS: ClassVar[int] = 0x02
     FLAG_EVENTS: ClassVar[int] = 0x04
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         flags = (
             (self.FLAG_BOOTSTRAP if self.bootstrap else 0)
             | (self.FLAG_INCLUDE_PREVIOUS if self.include_previous else 0)
@@ -440,21 +403,21 @@ class Unsubscribe(_KindOnly):
 
 
 @dataclass(frozen=True, slots=True)
-class Heartbeat(_Empty):
+class Heartbeat(_Message):
     """HEARTBEAT: empty. stream_id 0: liveness only; non-zero: a write barrier (ACK)."""
 
     opcode: ClassVar[Opcode] = Opcode.HEARTBEAT
 
 
 @dataclass(frozen=True, slots=True)
-class SourceEpochBegin(_Empty):
+class SourceEpochBegin(_Message):
     """SOURCE_EPOCH_BEGIN: empty; spans every kind of this source."""
 
     opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_BEGIN
 
 
 @dataclass(frozen=True, slots=True)
-class SourceEpochEnd(_Empty):
+class SourceEpochEnd(_Message):
     """SOURCE_EPOCH_END: empty. Answered (non-zero stream_id) by EpochEndAck."""
 
     opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_END
@@ -561,7 +524,7 @@ class Batch(_Message):
         if not isinstance(self.ops, AssertRun):
             object.__setattr__(self, "ops", tuple(self.ops))
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         if len(self.ops) > _MAX16:
             raise UsageError(f"{len(self.ops)} sub-ops; a BATCH holds at most {_MAX16}")
         out.append(_U16.pack(len(self.ops)))
@@ -618,7 +581,7 @@ _ASSERT_HEAD = struct.Struct(f"<BH{ENTITY_ID_SIZE}sI")
 
 
 def _write_kind(
-    out: list[bytes], name: str, event_stream: bool, fields: Sequence[FieldSpec]
+    out: list[Buffer], name: str, event_stream: bool, fields: Sequence[FieldSpec]
 ) -> None:
     if len(fields) > MAX_FIELDS:
         raise UsageError(f"a kind has at most {MAX_FIELDS} fields, not {len(fields)}")
@@ -665,7 +628,7 @@ class _KindDefinition(_Message):
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", _normal_fields(self.fields))
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         _write_kind(out, self.name, self.event_stream, self.fields)
 
     @classmethod
@@ -722,7 +685,7 @@ class State(_Message):
     def previous_fields(self, schema: SchemaLike) -> list[FieldValue] | None:
         return None if self.previous is None else decode_record(schema, self.previous)
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         change = Change(self.change)
         out.append(_U16.pack(self.kind_id))
         _put_entity(out, self.entity_id)
@@ -829,22 +792,10 @@ class Deleted(_Message):
     """DELETED: u16 kind_id, entity_id, u64 version, u16 meta_len + metadata."""
 
     opcode: ClassVar[Opcode] = Opcode.DELETED
-    kind_id: int
-    entity_id: bytes
-    version: int
-    metadata: bytes = b""
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(_U16.pack(self.kind_id))
-        _put_entity(out, self.entity_id)
-        out.append(_U64.pack(self.version))
-        _put_blob16(out, self.metadata, "metadata")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
-        version = r.u64("version")
-        return cls(kind_id, entity_id, version, _read_blob16(r, "metadata"))
+    kind_id: U16
+    entity_id: Entity
+    version: U64
+    metadata: Blob16 = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -880,16 +831,9 @@ class Ack(_Message):
     GET_KIND and SOURCE_EPOCH_END, whose ACKs have their own classes)."""
 
     opcode: ClassVar[Opcode] = Opcode.ACK
-    acked_opcode: Opcode
-
-    def _write(self, out: list[bytes]) -> None:
-        if self.acked_opcode not in _PLAIN_ACKS:
-            raise UsageError(f"an ACK of {self.acked_opcode!r} carries a body: use its class")
-        out.append(_U16.pack(self.acked_opcode))
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        return cls(_read_acked(r, _PLAIN_ACKS))
+    acked_opcode: Annotated[
+        Opcode, _acked(_PLAIN_ACKS, "an ACK of {!r} carries a body: use its class")
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -904,7 +848,7 @@ class ConnectAck(_Message):
     def read_only(self) -> bool:
         return self.source_id == NO_SOURCE
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         if not (0 <= self.source_id <= MAX_SOURCE_ID or self.source_id == NO_SOURCE):
             raise UsageError(f"source_id {self.source_id} is neither 0..63 nor 0xFF")
         out.append(struct.pack("<HB", Opcode.CONNECT, self.source_id))
@@ -924,27 +868,16 @@ class KindAck(_Message):
     u8 field_count."""
 
     opcode: ClassVar[Opcode] = Opcode.ACK
-    acked_opcode: Opcode
-    kind_id: int
-    schema_version: int
-    field_count: int
-
-    def _write(self, out: list[bytes]) -> None:
-        if self.acked_opcode not in (Opcode.CREATE_KIND, Opcode.GET_KIND):
-            raise UsageError(
-                f"a KindAck acknowledges CREATE_KIND or GET_KIND, not {self.acked_opcode!r}"
-            )
-        out.append(
-            struct.pack(
-                "<HHHB", self.acked_opcode, self.kind_id, self.schema_version, self.field_count
-            )
-        )
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        acked = _read_acked(r, frozenset({Opcode.CREATE_KIND, Opcode.GET_KIND}))
-        kind_id, schema_version = r.u16("kind_id"), r.u16("schema_version")
-        return cls(acked, kind_id, schema_version, r.u8("field_count"))
+    acked_opcode: Annotated[
+        Opcode,
+        _acked(
+            frozenset({Opcode.CREATE_KIND, Opcode.GET_KIND}),
+            "a KindAck acknowledges CREATE_KIND or GET_KIND, not {!r}",
+        ),
+    ]
+    kind_id: U16
+    schema_version: U16
+    field_count: U8
 
 
 @dataclass(frozen=True, slots=True)
@@ -955,7 +888,7 @@ class EpochEndAck(_Message):
     acked_opcode: ClassVar[Opcode] = Opcode.SOURCE_EPOCH_END
     retracted_count: int
 
-    def _write(self, out: list[bytes]) -> None:
+    def _write(self, out: list[Buffer]) -> None:
         out.append(struct.pack("<HI", Opcode.SOURCE_EPOCH_END, self.retracted_count))
 
     @classmethod
@@ -965,9 +898,6 @@ class EpochEndAck(_Message):
 
 
 AnyAck: TypeAlias = Ack | ConnectAck | KindAck | EpochEndAck
-
-_KNOWN_ERRORS = frozenset(int(code) for code in ErrorCode)
-_KNOWN_OPCODES = frozenset(int(op) for op in Opcode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -979,25 +909,24 @@ class ErrorMessage(_Message):
     """
 
     opcode: ClassVar[Opcode] = Opcode.ERROR
-    code: int
-    ref_opcode: int
-    message: str = ""
-
-    def _write(self, out: list[bytes]) -> None:
-        out.append(struct.pack("<HH", self.code, self.ref_opcode))
-        _put_str16(out, self.message, "message")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        code, ref = r.u16("code"), r.u16("ref_opcode")
-        return cls(
-            ErrorCode(code) if code in _KNOWN_ERRORS else code,
-            Opcode(ref) if ref in _KNOWN_OPCODES else ref,
-            _read_str16(r, "message"),
-        )
+    code: Annotated[int, Fixed("H", load=lenient(ErrorCode))]
+    ref_opcode: Annotated[int, Fixed("H", load=lenient(Opcode))]
+    message: Str16 = ""
 
 
 _EVENT_OPS = frozenset({Opcode.ASSERT, Opcode.RETRACT, Opcode.PATCH})
+
+
+def _event_op(r: BoundedReader, op: int, what: str, at: int) -> Opcode:
+    if op not in _EVENT_OPS:
+        raise DecodeError(f"EVENT op {op:#04x} is not 0x02, 0x03 or 0x08")
+    return Opcode(op)
+
+
+def _put_event_op(op: Opcode, what: str) -> Opcode:
+    if op not in _EVENT_OPS:
+        raise UsageError(f"an EVENT's op is ASSERT, RETRACT or PATCH, not {op!r}")
+    return op
 
 
 @dataclass(frozen=True, slots=True)
@@ -1007,40 +936,17 @@ class Event(_Message):
     presence_mask), u16 meta_len + metadata."""
 
     opcode: ClassVar[Opcode] = Opcode.EVENT
-    kind_id: int
-    entity_id: bytes
-    op: Opcode
-    source_id: int
-    sequence: int
-    presence_mask: int = 0
-    field_data: bytes = b""
-    metadata: bytes = b""
+    kind_id: U16
+    entity_id: Entity
+    op: Annotated[Opcode, Fixed("B", load=_event_op, dump=_put_event_op)]
+    source_id: Annotated[int, Fixed("B", load=_source, dump=_put_source)]
+    sequence: U64
+    presence_mask: U64 = 0
+    field_data: Blob32 = b""
+    metadata: Blob16 = b""
 
     def fields(self, schema: SchemaLike) -> dict[int, FieldValue]:
         return decode_present_fields(schema, self.presence_mask, self.field_data)
-
-    def _write(self, out: list[bytes]) -> None:
-        if self.op not in _EVENT_OPS:
-            raise UsageError(f"an EVENT's op is ASSERT, RETRACT or PATCH, not {self.op!r}")
-        if not 0 <= self.source_id <= MAX_SOURCE_ID:
-            raise UsageError(f"source_id {self.source_id} is outside 0..{MAX_SOURCE_ID}")
-        out.append(_U16.pack(self.kind_id))
-        _put_entity(out, self.entity_id)
-        out.append(struct.pack("<BBQQ", self.op, self.source_id, self.sequence, self.presence_mask))
-        _put_blob32(out, self.field_data, "field_data")
-        _put_blob16(out, self.metadata, "metadata")
-
-    @classmethod
-    def _read(cls, r: BoundedReader) -> Self:
-        kind_id, entity_id = r.u16("kind_id"), _read_entity(r)
-        op = r.u8("op")
-        if op not in _EVENT_OPS:
-            raise DecodeError(f"EVENT op {op:#04x} is not 0x02, 0x03 or 0x08")
-        source = _read_source(r, "source_id")
-        sequence, mask = r.u64("sequence"), r.u64("presence_mask")
-        field_data = _read_blob32(r, "field_data")
-        metadata = _read_blob16(r, "metadata")
-        return cls(kind_id, entity_id, Opcode(op), source, sequence, mask, field_data, metadata)
 
 
 # --- dispatch --------------------------------------------------------------------------
