@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
-from typing import Annotated, ClassVar, Self, TypeAlias, overload
+from typing import Annotated, ClassVar, Self, TypeAlias, get_args, overload
 
 from headwater.engine.kinds.reader import BoundedReader, Buffer, as_view
 from headwater.errors import UsageError
@@ -981,28 +981,7 @@ ServerMessage: TypeAlias = (
 Message: TypeAlias = ClientMessage | ServerMessage
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.opcode: cls
-    for cls in (
-        Connect,
-        Assert,
-        Retract,
-        Patch,
-        Query,
-        Subscribe,
-        Unsubscribe,
-        Heartbeat,
-        SourceEpochBegin,
-        SourceEpochEnd,
-        Batch,
-        CreateKind,
-        GetKind,
-        State,
-        Deleted,
-        BootstrapBegin,
-        BootstrapEnd,
-        ErrorMessage,
-        Event,
-    )
+    cls.opcode: cls for cls in get_args(Message) if cls.opcode != Opcode.ACK
 }
 """Message class per opcode, except ACK (four classes, chosen by acked_opcode)."""
 
