@@ -98,10 +98,15 @@ class DeltaReceived:
 
 @dataclass(frozen=True, slots=True)
 class MessageReceived:
-    """Any other message (Heartbeat, Checkpoint_request/_ack, Schema_negotiation)."""
+    """A message in its envelope: on the server any but a Handshake or a Delta (Heartbeat,
+    Checkpoint_request/_ack, Schema_negotiation), on the worker side every message."""
 
     envelope: Envelope
     message: Message
+
+
+Received = MessageReceived
+"""What the worker side's :meth:`ClientConnection.receive_data` gives: every message."""
 
 
 ServerEvent = (
@@ -260,14 +265,6 @@ class ServerConnection(_connection.ServerConnection[Envelope, ServerEvent]):
         if isinstance(message, DeltaMsg | Handshake):
             raise UsageError(f"the server does not send {type(message).__name__}")
         return self._envelope(message, timestamp_ns)
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A message the worker side received."""
-
-    envelope: Envelope
-    message: Message
 
 
 class ClientConnection:
