@@ -17,11 +17,11 @@ raise :class:`~headwater.errors.UsageError` for values the wire cannot carry.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from functools import lru_cache
-from typing import Annotated, ClassVar, Self, TypeAlias, get_args, overload
+from typing import Annotated, ClassVar, Self, TypeAlias, TypeVar, get_args, overload
 
 from headwater.engine.kinds.reader import BoundedReader, Buffer, as_view
 from headwater.errors import UsageError
@@ -56,6 +56,7 @@ _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _MAX16 = 0xFFFF
+T = TypeVar("T")
 _MAX32 = 0xFFFF_FFFF
 
 
@@ -130,33 +131,35 @@ def _read_flags(r: BoundedReader, defined: int, what: str) -> int:
     return flags
 
 
-def _source(r: BoundedReader, source: int, what: str, at: int) -> int:
-    if source > MAX_SOURCE_ID:
-        raise DecodeError(f"{what} {source} is outside 0..{MAX_SOURCE_ID}")
-    return source
+def _checked(
+    code: str, allowed: Container[int], refused: str, unusable: str, kind: Callable[[int], T]
+) -> Fixed[T]:
+    """A fixed-width field whose value must be one of ``allowed``, as ``kind``: reading
+    another raises DecodeError(``refused``), writing one UsageError(``unusable``), both
+    formatted with ``value`` and ``what`` (the field's name)."""
+
+    def load(r: BoundedReader, value: int, what: str, at: int) -> T:
+        if value not in allowed:
+            raise DecodeError(refused.format(value=value, what=what))
+        return kind(value)
+
+    def dump(value: int, what: str) -> int:
+        if value not in allowed:
+            raise UsageError(unusable.format(value=value, what=what))
+        return value
+
+    return Fixed(code, load=load, dump=dump)
 
 
-def _put_source(source: int, what: str) -> int:
-    if not 0 <= source <= MAX_SOURCE_ID:
-        raise UsageError(f"{what} {source} is outside 0..{MAX_SOURCE_ID}")
-    return source
+_OUTSIDE = f"{{what}} {{value}} is outside 0..{MAX_SOURCE_ID}"
+_SOURCE: Fixed[int] = _checked("B", range(MAX_SOURCE_ID + 1), _OUTSIDE, _OUTSIDE, int)
+"""A source slot, 0..63."""
 
 
-def _acked(allowed: frozenset[Opcode], refusal: str) -> Fixed[Opcode]:
-    """An ACK's u16 acked_opcode, one of ``allowed`` for its class (``refusal`` says
-    what to use instead when encoding another)."""
-
-    def load(r: BoundedReader, code: int, what: str, at: int) -> Opcode:
-        if code not in allowed:
-            raise DecodeError(f"ACK of opcode {code:#06x} with this body")
-        return Opcode(code)
-
-    def dump(acked: Opcode, what: str) -> Opcode:
-        if acked not in allowed:
-            raise UsageError(refusal.format(acked))
-        return acked
-
-    return Fixed("H", load=load, dump=dump)
+def _acked(allowed: Container[int], unusable: str = "") -> Fixed[Opcode]:
+    """An ACK's u16 acked_opcode, one of ``allowed`` for its class (``unusable`` says what
+    to use instead when encoding another)."""
+    return _checked("H", allowed, "ACK of opcode {value:#06x} with this body", unusable, Opcode)
 
 
 Entity: TypeAlias = Annotated[bytes, Fixed(f"{ENTITY_ID_SIZE}s", dump=_entity)]
@@ -818,11 +821,8 @@ _BODY_ACKS = frozenset(
 _PLAIN_ACKS = CLIENT_OPCODES - _BODY_ACKS
 
 
-def _read_acked(r: BoundedReader, allowed: frozenset[Opcode]) -> Opcode:
-    code = r.u16("acked_opcode")
-    if code not in allowed:
-        raise DecodeError(f"ACK of opcode {code:#06x} with this body")
-    return Opcode(code)
+_ACK_OF_CONNECT = _acked({Opcode.CONNECT})
+_ACK_OF_EPOCH_END = _acked({Opcode.SOURCE_EPOCH_END})
 
 
 @dataclass(frozen=True, slots=True)
@@ -832,7 +832,7 @@ class Ack(_Message):
 
     opcode: ClassVar[Opcode] = Opcode.ACK
     acked_opcode: Annotated[
-        Opcode, _acked(_PLAIN_ACKS, "an ACK of {!r} carries a body: use its class")
+        Opcode, _acked(_PLAIN_ACKS, "an ACK of {value!r} carries a body: use its class")
     ]
 
 
@@ -855,7 +855,7 @@ class ConnectAck(_Message):
 
     @classmethod
     def _read(cls, r: BoundedReader) -> Self:
-        _read_acked(r, frozenset({Opcode.CONNECT}))
+        _ACK_OF_CONNECT.read(r, "acked_opcode")
         source = r.u8("source_id")
         if source > MAX_SOURCE_ID and source != NO_SOURCE:
             raise DecodeError(f"source_id {source} is neither 0..63 nor 0xFF")
@@ -871,8 +871,8 @@ class KindAck(_Message):
     acked_opcode: Annotated[
         Opcode,
         _acked(
-            frozenset({Opcode.CREATE_KIND, Opcode.GET_KIND}),
-            "a KindAck acknowledges CREATE_KIND or GET_KIND, not {!r}",
+            {Opcode.CREATE_KIND, Opcode.GET_KIND},
+            "a KindAck acknowledges CREATE_KIND or GET_KIND, not {value!r}",
         ),
     ]
     kind_id: U16
@@ -893,7 +893,7 @@ class EpochEndAck(_Message):
 
     @classmethod
     def _read(cls, r: BoundedReader) -> Self:
-        _read_acked(r, frozenset({Opcode.SOURCE_EPOCH_END}))
+        _ACK_OF_EPOCH_END.read(r, "acked_opcode")
         return cls(r.u32("retracted_count"))
 
 
@@ -917,18 +917,6 @@ class ErrorMessage(_Message):
 _EVENT_OPS = frozenset({Opcode.ASSERT, Opcode.RETRACT, Opcode.PATCH})
 
 
-def _event_op(r: BoundedReader, op: int, what: str, at: int) -> Opcode:
-    if op not in _EVENT_OPS:
-        raise DecodeError(f"EVENT op {op:#04x} is not 0x02, 0x03 or 0x08")
-    return Opcode(op)
-
-
-def _put_event_op(op: Opcode, what: str) -> Opcode:
-    if op not in _EVENT_OPS:
-        raise UsageError(f"an EVENT's op is ASSERT, RETRACT or PATCH, not {op!r}")
-    return op
-
-
 @dataclass(frozen=True, slots=True)
 class Event(_Message):
     """EVENT: u16 kind_id, entity_id, u8 op (0x02, 0x03, 0x08), u8 source_id,
@@ -938,8 +926,17 @@ class Event(_Message):
     opcode: ClassVar[Opcode] = Opcode.EVENT
     kind_id: U16
     entity_id: Entity
-    op: Annotated[Opcode, Fixed("B", load=_event_op, dump=_put_event_op)]
-    source_id: Annotated[int, Fixed("B", load=_source, dump=_put_source)]
+    op: Annotated[
+        Opcode,
+        _checked(
+            "B",
+            _EVENT_OPS,
+            "EVENT op {value:#04x} is not 0x02, 0x03 or 0x08",
+            "an EVENT's op is ASSERT, RETRACT or PATCH, not {value!r}",
+            Opcode,
+        ),
+    ]
+    source_id: Annotated[int, _SOURCE]
     sequence: U64
     presence_mask: U64 = 0
     field_data: Blob32 = b""
