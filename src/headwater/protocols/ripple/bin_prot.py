@@ -131,9 +131,11 @@ class Reader(BoundedReader):
     __slots__ = ("depth",)
 
     def __init__(self, data: Buffer, pos: int = 0) -> None:
-        super().__init__(
-            memoryview(data).cast("B") if not isinstance(data, bytes) else data, DecodeError, pos
-        )
+        # The base's fields set here, not through super(): one reader per decoded value.
+        self.buf = data if isinstance(data, bytes) else memoryview(data).cast("B")
+        self.pos = pos
+        self.end = len(self.buf)
+        self.error = DecodeError
         self.depth = 0
 
     def fail(self, message: str, at: int) -> DecodeError:
@@ -145,18 +147,23 @@ class Reader(BoundedReader):
 
     byte = BoundedReader.u8
 
-    def _number(self, what: str, forms: dict[int, Callable[[Reader, str], int]], noun: str) -> int:
+    def _number(self, what: str, forms: dict[int, struct.Struct], noun: str) -> int:
         """A number in bin_prot's prefixed form: a byte below 0x80 is the value, else it
         names the width that follows (one of ``forms``)."""
         start = self.pos
-        if start < self.end and (code := self.buf[start]) < 0x80:
-            self.pos = start + 1
+        if start >= self.end:
+            self.u8(what)  # raises: truncated
+        code: int = self.buf[start]
+        self.pos = start + 1
+        if code < 0x80:
             return code
-        code = self.u8(what)
-        read = forms.get(code)
-        if read is None:
+        form = forms.get(code)
+        if form is None:
             raise DecodeError(f"{what}: byte {code:#04x} cannot start {noun}", start)
-        return read(self, what)
+        value: int = form.unpack_from(self.buf, self.need(form.size, what))[0]
+        if code == CODE_NEG_INT8 and value >= 0:
+            raise DecodeError(f"{what}: int8 form {value} after ff is not negative", start)
+        return value
 
     def nat0(self, what: str) -> int:
         start = self.pos
@@ -166,11 +173,7 @@ class Reader(BoundedReader):
         return value
 
     def _compact(self, what: str) -> int:
-        start = self.pos
-        value = self._number(what, _INT_FORMS, "an integer")
-        if value >= 0 and self.buf[start] == CODE_NEG_INT8:
-            raise DecodeError(f"{what}: int8 form {value} after ff is not negative", start)
-        return value
+        return self._number(what, _INT_FORMS, "an integer")
 
     def int_(self, what: str) -> int:
         start = self.pos
@@ -236,16 +239,16 @@ class Reader(BoundedReader):
         self.depth -= 1
 
 
-_NAT0_FORMS: dict[int, Callable[[Reader, str], int]] = {
-    CODE_INT16: Reader.u16,
-    CODE_INT32: Reader.u32,
-    CODE_INT64: Reader.u64,
+_NAT0_FORMS = {
+    CODE_INT16: struct.Struct("<H"),
+    CODE_INT32: struct.Struct("<I"),
+    CODE_INT64: struct.Struct("<Q"),
 }
-_INT_FORMS: dict[int, Callable[[Reader, str], int]] = {
-    CODE_NEG_INT8: Reader.i8,
-    CODE_INT16: Reader.i16,
-    CODE_INT32: Reader.i32,
-    CODE_INT64: Reader.i64,
+_INT_FORMS = {
+    CODE_NEG_INT8: struct.Struct("<b"),
+    CODE_INT16: struct.Struct("<h"),
+    CODE_INT32: struct.Struct("<i"),
+    CODE_INT64: struct.Struct("<q"),
 }
 
 
