@@ -13,6 +13,7 @@ The SDKs, the CLI and the Spark source reach the same operations over the wire.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -420,7 +421,11 @@ class EngineAPI:
     # ---- lifecycle helpers ------------------------------------------------------------
 
     async def flush_kinds(self, tenant_id: int | None = None) -> None:
-        """Make every pending kind write durable and acknowledged (of one tenant, or all)."""
-        for tid, tenant in list(self._kinds.tenants.items()):
-            if tenant_id is None or tid == tenant_id:
-                await tenant.flush()
+        """Make every pending kind write durable and acknowledged (of one tenant, or all).
+        Every tenant is flushed even when another's flush fails; the first failure is
+        raised after all of them."""
+        tenants = [t for tid, t in self._kinds.tenants.items() if tenant_id in (None, tid)]
+        outcomes = await asyncio.gather(*(t.flush() for t in tenants), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
