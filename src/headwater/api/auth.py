@@ -24,6 +24,11 @@ class AuthConfig:
 
     required: bool = False
     tokens: dict[str, frozenset[int]] = field(default_factory=dict)
+    # Tokens with ``admin = true``: every tenant's series at /metrics (operators' scrapes).
+    admin_tokens: frozenset[str] = frozenset()
+    # ``cert_cn = "..."`` entries: a client certificate's common name (mutual TLS) to the
+    # tenants it grants, for clients that carry no token on the wire (Ripple workers).
+    cert_cns: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

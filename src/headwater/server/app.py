@@ -21,6 +21,8 @@ from typing import Any
 
 from headwater.api import EngineAPI
 from headwater.server.config import ServerConfig
+from headwater.server.limits import ConnectionLimits
+from headwater.server.metrics import metrics_for
 
 log = logging.getLogger("headwater.server")
 
@@ -59,6 +61,7 @@ class Server:
         self.listeners: list[Listener] = []
         self.stopping = asyncio.Event()
         self.started_at = time.time()
+        self.limits = ConnectionLimits(config.limits, metrics_for(self))
 
     @property
     def api(self) -> EngineAPI:

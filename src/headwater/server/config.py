@@ -60,6 +60,54 @@ class KiwiConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """``[limits]``: what one server gives its clients (docs/operations.md, "Limits").
+
+    Every limit is enforced on every listener it applies to, answered with the
+    protocol's own error (HTTP 503/413/429 where there is none) and counted in /metrics
+    (``headwater_limit_refusals_total{limit=...}``)."""
+
+    max_connections: int = 10_000  # open client connections, all listeners together
+    handshake_timeout_s: float = 10.0  # no completed auth or first whole frame: closed
+    idle_timeout_s: float = 300.0  # no traffic and no subscription: closed
+    max_pending_bytes: int = 1 << 20  # buffered for a connection before it authenticates
+    max_subscriptions_per_connection: int = 1024
+    max_streams_per_tenant: int = 100_000
+    open_files: int = 512  # segment files open at once (least recently used closed)
+    sql_timeout_ms: int = 30_000  # a query running longer is cancelled
+    sql_memory_mib: int = 512  # DuckDB's memory per query (larger spills or fails)
+    sql_concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
+    memory_mib: int = 1024  # the server's anonymous resident memory budget (issue 16)
+
+
+# Keys of [limits] that take seconds and may be fractional; the others are integers.
+LIMIT_SECONDS = ("handshake_timeout_s", "idle_timeout_s")
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """``[tls]``: one certificate for every listener; ``client_ca`` turns on mutual TLS
+    (clients must present a certificate that CA signed)."""
+
+    cert: Path
+    key: Path
+    client_ca: Path | None = None
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """Per-tenant rates of ``[[tenants]]`` (None: unlimited). Past a rate the server
+    delays its answer and reports the throttle time, as Kafka's quotas do."""
+
+    produce_bytes_per_s: int | None = None
+    consume_bytes_per_s: int | None = None
+    requests_per_s: int | None = None
+
+
+QUOTA_KEYS = ("produce_bytes_per_s", "consume_bytes_per_s", "requests_per_s")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     listen: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LISTEN))
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -69,7 +117,9 @@ class ServerConfig:
     ripple_liveness_ms: int = 0  # 0: the kinds' default_liveness_ms
     log_level: str = "INFO"
     log_format: str = "text"
-    raw: dict[str, Any] = field(default_factory=dict)  # sections later issues read
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    tls: TlsConfig | None = None
+    quotas: dict[int, TenantQuota] = field(default_factory=dict)  # by tenant id
 
     def address(self, name: str) -> tuple[str, int] | None:
         """(host, port) of a listener, or None when it is switched off."""
@@ -110,7 +160,54 @@ def load_config(path: Path | None) -> ServerConfig:
     return config_from_dict(data)
 
 
+# Every table and key the server reads. Anything else stops start-up with an error naming
+# it: a typo in a limit must not silently drop the limit. ([listen] checks its own keys.)
+KNOWN_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {"listen", "storage", "auth", "tenants", "convergedb", "ripple", "kiwi", "logging"}
+        | {"limits", "tls"}
+    ),
+    "storage": frozenset(
+        {"sync", "segment_bytes", "segment_ms", "retention_ms", "retention_bytes"}
+        | {"delete_retention_ms", "producer_expiry_ms", "maintenance_interval_ms"}
+    ),
+    "auth": frozenset({"required", "tokens"}),
+    "auth.tokens": frozenset({"token", "tenants", "admin", "cert_cn"}),
+    "tenants": frozenset({"id", "name", *QUOTA_KEYS}),
+    "convergedb": frozenset(KIND_OPTIONS),
+    "ripple": frozenset({"liveness_ms"}),
+    "kiwi": frozenset({"subscriber", "sources"}),
+    "kiwi.subscriber": frozenset({*KIWI_OPTIONS, "socket_send_buffer"}),
+    "kiwi.sources": frozenset({"id", "type", "interval_ms", "min", "max", "lazy"}),
+    "logging": frozenset({"level", "format"}),
+    "limits": frozenset(LimitsConfig.__dataclass_fields__),
+    "tls": frozenset({"cert", "key", "client_ca"}),
+}
+
+
+def check_known_keys(data: dict[str, Any], path: str = "") -> None:
+    """ConfigError naming every unknown table or key of ``data`` (and its sub-tables)."""
+    known = KNOWN_KEYS[path]
+    unknown = sorted(key for key in data if key not in known)
+    if unknown:
+        where = f"[{path}]" if path else "the top level"
+        raise ConfigError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} in {where}: {', '.join(unknown)}"
+            f" (known: {', '.join(sorted(known))})"
+        )
+    for key, value in data.items():
+        sub = f"{path}.{key}" if path else key
+        if sub not in KNOWN_KEYS:
+            continue
+        entries = value if isinstance(value, list) else [value]
+        for entry in entries:
+            if not isinstance(entry, dict):
+                raise ConfigError(f"[{sub}] must be a table")
+            check_known_keys(entry, sub)
+
+
 def config_from_dict(data: dict[str, Any]) -> ServerConfig:
+    check_known_keys(data)
     listen = dict(DEFAULT_LISTEN)
     for name, value in data.get("listen", {}).items():
         if name not in DEFAULT_LISTEN:
@@ -128,11 +225,15 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         raise ConfigError(f"storage.sync: {exc}") from None
     defaults = EngineConfig()
     tenants = {0: "default"}
+    quotas: dict[int, TenantQuota] = {}
     for entry in data.get("tenants", []):
         tenant_id = entry.get("id")
         if not isinstance(tenant_id, int) or tenant_id < 0:
             raise ConfigError(f"tenants: id must be a non-negative integer, got {tenant_id!r}")
         tenants[tenant_id] = str(entry.get("name", f"tenant{tenant_id}"))
+        rates = {key: _positive_int(entry, key, f"tenants[{tenant_id}]") for key in QUOTA_KEYS}
+        if any(rate is not None for rate in rates.values()):
+            quotas[tenant_id] = TenantQuota(**rates)
 
     def opt(key: str, default: int | None) -> int | None:
         value = _positive_int(storage, key, "storage")
@@ -153,19 +254,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         tenants=tenants,
     )
 
-    auth_data = data.get("auth", {})
-    tokens: dict[str, frozenset[int]] = {}
-    for entry in auth_data.get("tokens", []):
-        token = entry.get("token")
-        granted = entry.get("tenants", [0])
-        if not isinstance(token, str) or not token:
-            raise ConfigError("auth.tokens: every entry needs a non-empty token string")
-        if not isinstance(granted, list) or not all(isinstance(t, int) for t in granted):
-            raise ConfigError(f"auth.tokens: tenants of token {token[:2]}… must be integers")
-        tokens[token] = frozenset(granted)
-    required = auth_data.get("required", False)
-    if not isinstance(required, bool):
-        raise ConfigError("auth.required must be true or false")
+    auth = _auth_config(data.get("auth", {}))
 
     convergedb = _table(data.get("convergedb", {}), "[convergedb]")
     kinds = KindsConfig(**_positive_ints(convergedb, "convergedb", KindsConfig(), KIND_OPTIONS))
@@ -187,14 +276,87 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
     return ServerConfig(
         listen=listen,
         engine=engine,
-        auth=AuthConfig(required=required, tokens=tokens),
+        auth=auth,
         kinds=kinds,
         kiwi=kiwi,
         ripple_liveness_ms=ripple_liveness,
         log_level=level,
         log_format=fmt,
-        raw=data,
+        limits=_limits_config(data.get("limits", {})),
+        tls=_tls_config(data.get("tls")),
+        quotas=quotas,
     )
+
+
+def _auth_config(data: Any) -> AuthConfig:
+    data = _table(data, "[auth]")
+    tokens: dict[str, frozenset[int]] = {}
+    admins: set[str] = set()
+    cert_cns: dict[str, frozenset[int]] = {}
+    for entry in data.get("tokens", []):
+        token = entry.get("token")
+        cert_cn = entry.get("cert_cn")
+        granted = entry.get("tenants", [0])
+        if not isinstance(granted, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in granted
+        ):
+            raise ConfigError("auth.tokens: tenants must be a list of integers")
+        admin = entry.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ConfigError("auth.tokens: admin must be true or false")
+        if (token is None) == (cert_cn is None):
+            raise ConfigError(
+                "auth.tokens: every entry needs a non-empty token string or a cert_cn, not both"
+            )
+        if cert_cn is not None:
+            if not isinstance(cert_cn, str) or not cert_cn:
+                raise ConfigError("auth.tokens: cert_cn must be a non-empty string")
+            cert_cns[cert_cn] = frozenset(granted)
+            continue
+        if not isinstance(token, str) or not token:
+            raise ConfigError("auth.tokens: every entry needs a non-empty token string")
+        tokens[token] = frozenset(granted)
+        if admin:
+            admins.add(token)
+    required = data.get("required", False)
+    if not isinstance(required, bool):
+        raise ConfigError("auth.required must be true or false")
+    return AuthConfig(
+        required=required, tokens=tokens, admin_tokens=frozenset(admins), cert_cns=cert_cns
+    )
+
+
+def _limits_config(data: Any) -> LimitsConfig:
+    data = _table(data, "[limits]")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in LIMIT_SECONDS:
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"limits.{key} must be a positive number of seconds")
+            values[key] = float(value)
+        else:
+            values[key] = _positive_int(data, key, "limits")
+    return LimitsConfig(**values)
+
+
+def _tls_config(data: Any) -> TlsConfig | None:
+    if data is None:
+        return None
+    data = _table(data, "[tls]")
+    paths: dict[str, Path] = {}
+    for key in ("cert", "key", "client_ca"):
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"tls.{key} must be a file path")
+        path = Path(value)
+        if not path.is_file():
+            raise ConfigError(f"tls.{key}: no such file: {path}")
+        paths[key] = path
+    if "cert" not in paths or "key" not in paths:
+        raise ConfigError("[tls] needs both cert and key")
+    return TlsConfig(paths["cert"], paths["key"], paths.get("client_ca"))
 
 
 def _table(value: Any, where: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ is counted by the front ends once per batch through :class:`Metrics`:
 * ``record_append(protocol, tenant, stream, events, value_bytes, seconds)``
 * ``record_read(protocol, tenant, stream, events, value_bytes)``
 * ``record_error(protocol, exc)``
+* ``record_limit(limit, listener)``: a client refused or closed by a ``[limits]`` key
 * ``record_ws_lag(protocol, events)``: events a WebSocket subscriber lost to lag
 * ``add_connections_source(protocol, fn)`` / ``add_subscriptions_source(protocol, fn)``:
   a zero-argument callable returning the current count, read at scrape time.
@@ -106,6 +107,11 @@ class Metrics:
             "Error replies sent, by protocol and error code (spec/PROTOCOLS.md §1)",
             ["protocol", "code", "name"],
         )
+        self.limit_refusals = counter(
+            "headwater_limit_refusals",
+            "Requests, connections and queries refused or closed by a [limits] setting",
+            ["limit", "listener"],
+        )
         self.ws_lag_events = counter(
             "headwater_ws_lag_events",
             "Events WebSocket subscribers lost to lag: push events dropped at a full send"
@@ -144,6 +150,10 @@ class Metrics:
 
     def record_error(self, protocol: str, exc: HeadwaterError) -> None:
         self.errors.labels(protocol, str(exc.code), exc.name).inc()
+
+    def record_limit(self, limit: str, listener: str) -> None:
+        """A client refused or closed by ``[limits] <limit>`` on ``listener``."""
+        self.limit_refusals.labels(limit, listener).inc()
 
     def record_ws_lag(self, protocol: str, events: int) -> None:
         if events:

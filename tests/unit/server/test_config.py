@@ -74,6 +74,17 @@ def test_defaults_without_a_file() -> None:
         ({"ripple": {"liveness_ms": 0}}, "ripple.liveness_ms"),
         ({"ripple": {"liveness_ms": 2**32}}, "ripple.liveness_ms"),
         ({"ripple": "often"}, r"\[ripple\]"),
+        ({"limits": {"max_conections": 5}}, r"unknown key in \[limits\]: max_conections"),
+        ({"limits": {"max_connections": 0}}, "limits.max_connections"),
+        ({"limits": {"idle_timeout_s": True}}, "limits.idle_timeout_s"),
+        ({"storage": {"sync": "fsync", "segmentbytes": 1}}, r"\[storage\]: segmentbytes"),
+        ({"kiwi": {"subscriber": {"send_queu": 1}}}, r"\[kiwi.subscriber\]: send_queu"),
+        ({"tenants": [{"id": 1, "produce_byte_per_s": 1}]}, r"\[tenants\]"),
+        ({"tenants": [{"id": 1, "requests_per_s": -1}]}, r"tenants\[1\].requests_per_s"),
+        ({"auth": {"tokens": [{"token": "t", "cert_cn": "c"}]}}, "not both"),
+        ({"auth": {"tokens": [{"token": "t", "admin": "yes"}]}}, "admin"),
+        ({"limit": {}}, "unknown key in the top level: limit"),
+        ({"tls": {"cert": "/nonexistent.pem", "key": "/nonexistent.key"}}, "tls.cert"),
     ],
 )
 def test_bad_values_are_named(data: dict[str, object], message: str) -> None:
@@ -95,3 +106,37 @@ def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
     bad.write_text("[listen\nhttp=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_limits_quotas_and_admin_tokens() -> None:
+    config = config_from_dict(
+        {
+            "limits": {"max_connections": 7, "handshake_timeout_s": 0.5, "sql_concurrency": 1},
+            "tenants": [{"id": 42, "name": "acme", "produce_bytes_per_s": 1000}],
+            "auth": {
+                "tokens": [
+                    {"token": "ops", "tenants": [], "admin": True},
+                    {"cert_cn": "worker-1", "tenants": [42]},
+                ]
+            },
+        }
+    )
+    assert config.limits.max_connections == 7
+    assert config.limits.handshake_timeout_s == 0.5
+    assert config.limits.sql_concurrency == 1
+    assert config.limits.idle_timeout_s == 300.0  # untouched keys keep their defaults
+    assert config.quotas[42].produce_bytes_per_s == 1000
+    assert config.quotas[42].requests_per_s is None
+    assert config.auth.admin_tokens == frozenset({"ops"})
+    assert config.auth.cert_cns == {"worker-1": frozenset({42})}
+    assert config.tls is None
+
+
+def test_tls_paths(tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    cert.write_text("x")
+    key.write_text("y")
+    tls = config_from_dict({"tls": {"cert": str(cert), "key": str(key)}}).tls
+    assert tls is not None and tls.cert == cert and tls.client_ca is None
+    with pytest.raises(ConfigError, match="needs both cert and key"):
+        config_from_dict({"tls": {"cert": str(cert)}})
