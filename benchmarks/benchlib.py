@@ -201,6 +201,13 @@ class ServerProcess:
 class HeadwaterServer(ServerProcess):
     name = "headwater"
 
+    def __init__(self, src: Path | None = None, name: str = "headwater") -> None:
+        """``src``: run the server from that checkout's ``src/`` (another revision, for a
+        before/after comparison in one run) instead of the installed package."""
+        super().__init__()
+        self.src = src
+        self.name = name
+
     def start(
         self, root: Path, extra_config: str = "", listeners: tuple[str, ...] = ("kimberlite",)
     ) -> None:
@@ -226,8 +233,11 @@ class HeadwaterServer(ServerProcess):
             "--config",
             str(config),
         ]
+        env = dict(os.environ)
+        if self.src is not None:
+            env["PYTHONPATH"] = str(self.src)
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 60
         while not ports_file.exists():
             self.check_alive()
