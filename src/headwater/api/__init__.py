@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from headwater.engine.subscriptions import (
 )
 from headwater.errors import InvalidOffset
 from headwater.sql.kinds import KindTables
+from headwater.sql.limits import SqlLimits
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
 from headwater.storage.log import AppendInfo, ReadResult
@@ -70,6 +71,7 @@ __all__ = [
     "Principal",
     "QueryResult",
     "ReadResult",
+    "SqlLimits",
     "StreamInfo",
     "StreamSettings",
     "Subscription",
@@ -198,12 +200,15 @@ class EngineAPI:
         engine_config: EngineConfig,
         kinds_config: KindsConfig,
         auth_config: AuthConfig,
+        sql_limits: SqlLimits | None = None,
+        on_sql_limit: Callable[[str], None] | None = None,
     ) -> EngineAPI:
-        """Recover the engine and kinds, start the SQL projections."""
+        """Recover the engine and kinds, start the SQL projections. ``on_sql_limit`` is
+        told the ``[limits]`` key each statement stopped by a limit ran into."""
         engine = await Engine.open(data_dir, engine_config)
         subscriptions = Subscriptions(engine)
         kinds = await KindsEngine.open(engine, kinds_config)
-        queries = SqlService(engine)
+        queries = SqlService(engine, limits=sql_limits, on_limit=on_sql_limit)
         queries.add_source(KindTables(kinds))
         queries.start()
         return cls(engine, subscriptions, kinds, queries, Auth(auth_config))
@@ -211,6 +216,11 @@ class EngineAPI:
     async def close_subscriptions(self) -> None:
         """End every subscription (each front end is told: server shutdown)."""
         await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
+
+    def stop_queries(self) -> None:
+        """Shutdown: interrupt running SQL statements and refuse queued and new ones, so
+        front ends waiting on them can answer and stop."""
+        self._queries.stop_queries()
 
     async def close(self) -> None:
         """End every subscription, stop the projections, flush kinds, close the log."""

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from headwater.api import EngineAPI
+from headwater.api import EngineAPI, SqlLimits
 from headwater.server.config import ServerConfig
 from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
@@ -73,8 +73,19 @@ class Server:
         return self._api is not None
 
     async def start(self) -> None:
+        limits = self.config.limits
         self._api = await EngineAPI.open(
-            self.data_dir, self.config.engine, self.config.kinds, self.config.auth
+            self.data_dir,
+            self.config.engine,
+            self.config.kinds,
+            self.config.auth,
+            SqlLimits(
+                timeout_ms=limits.sql_timeout_ms,
+                memory_mib=limits.sql_memory_mib,
+                concurrency=limits.sql_concurrency,
+                spill_mib=limits.sql_spill_mib,
+            ),
+            on_sql_limit=lambda limit: self.limits.refused(limit, "sql"),
         )
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.
         for name, factory in sorted(
@@ -98,6 +109,8 @@ class Server:
     async def stop(self) -> None:
         log.info("shutting down")
         if self._api is not None:
+            # First: a running query would hold its front end's drain for its whole run.
+            self._api.stop_queries()
             await self._api.close_subscriptions()
         for listener in reversed(self.listeners):
             try:

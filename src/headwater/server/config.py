@@ -77,6 +77,7 @@ class LimitsConfig:
     sql_timeout_ms: int = 30_000  # a query running longer is cancelled
     sql_memory_mib: int = 512  # DuckDB's memory per query (larger spills or fails)
     sql_concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
+    sql_spill_mib: int = 4096  # disk the running queries may spill to beyond their memory
     memory_mib: int = 1024  # the server's anonymous resident memory budget (issue 16)
 
 

@@ -3,9 +3,11 @@
 The database is in memory and empty: tables are Arrow data registered per query on a
 short-lived cursor (connection), so they are read-only by construction and one tenant's
 cursor never sees another tenant's tables. External access (files, network, extension
-installs), Python replacement scans (reading Python variables by name) and spilling to a
-temp directory are off, and the configuration is locked so a query cannot turn them back
-on.
+installs) and Python replacement scans (reading Python variables by name) are off, and
+the configuration is locked so a query cannot turn them back on. DuckDB's memory is
+capped (``memory_limit``); what does not fit spills to a temp directory the server names
+(inside its data directory, bounded by ``max_temp_directory_size``), or nowhere when none
+is given.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import duckdb
 
@@ -29,12 +32,23 @@ SAFE_CONFIG: dict[str, str | bool | int | float | list[str]] = {
 class Database:
     """A locked-down in-memory DuckDB database handing out one cursor per use."""
 
-    def __init__(self, *, threads: int | None = None, memory_limit: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        threads: int | None = None,
+        memory_limit: str | None = None,
+        spill_directory: Path | None = None,
+        spill_limit: str | None = None,
+    ) -> None:
         config = dict(SAFE_CONFIG)
         if threads is not None:
             config["threads"] = threads
         if memory_limit is not None:
             config["memory_limit"] = memory_limit
+        if spill_directory is not None:
+            config["temp_directory"] = str(spill_directory)
+            if spill_limit is not None:
+                config["max_temp_directory_size"] = spill_limit
         self._conn = duckdb.connect(":memory:", config=config)
         self._lock = threading.Lock()
         self._active: set[duckdb.DuckDBPyConnection] = set()

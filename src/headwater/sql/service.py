@@ -12,6 +12,12 @@ Everything here is called on the engine's loop thread; DuckDB runs in worker thr
   ProjectionLag (retryable), without waiting.
 * ``INSERT INTO <stream> ...`` evaluates its rows in DuckDB and appends them to the
   stream as one batch, answering ``rows_affected`` and ``log_offset`` (the first offset).
+
+Every statement runs within :class:`~headwater.sql.limits.SqlLimits`: it waits for one of
+``concurrency`` places (fairly per tenant), runs for at most ``timeout_ms`` and shares
+DuckDB's memory (``memory_mib`` per running query, spilling to ``sql-spill/`` in the data
+directory beyond it). A statement past a limit is QueryExecutionError naming the limit;
+shutdown interrupts every running statement and refuses the queued ones.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +49,7 @@ from headwater.errors import (
     TableNotFound,
 )
 from headwater.sql.duck import Database
+from headwater.sql.limits import Deadline, FairQueue, SqlLimits
 from headwater.sql.projection import ChunkBuilder, range_batches
 from headwater.sql.statements import CATALOG_WORDS, InsertPlan, ParsedQuery, parse_query
 from headwater.sql.tables import SqlTable, StreamTables, TableSource
@@ -61,6 +68,7 @@ log = logging.getLogger(__name__)
 
 INSERT_COLUMNS = ["rows_affected", "log_offset"]
 POLL_SECONDS = 0.05
+SPILL_DIRECTORY = "sql-spill"  # under the data directory: DuckDB's temp files
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,13 @@ def _table_error(exc: duckdb.Error) -> HeadwaterError:
     return QueryExecutionError(message)
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """``callback`` on ``loop``'s thread, from any thread (nothing once the loop closed:
+    the process is exiting)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
+
+
 class SqlService:
     """DuckDB over Arrow projections of every tenant's streams (and later kinds)."""
 
@@ -87,24 +102,37 @@ class SqlService:
         self,
         engine: Engine,
         *,
-        query_workers: int | None = None,
+        limits: SqlLimits | None = None,
+        on_limit: Callable[[str], None] | None = None,
         projection_workers: int = 2,
         read_timeout: float = 30.0,
-        duckdb_threads: int | None = None,
-        memory_limit: str | None = None,
     ) -> None:
         self.engine = engine
         self.read_timeout = read_timeout
-        workers = query_workers or min(4, (os.cpu_count() or 1) * 2)
-        self._query_pool = ThreadPoolExecutor(workers, thread_name_prefix="hw-sql")
+        self.limits = limits or SqlLimits()
+        # Called on the loop thread with the [limits] key a statement was stopped by
+        # (the server counts it in /metrics).
+        self._on_limit = on_limit or (lambda limit: None)
+        self._admission = FairQueue(self.limits.concurrency)
+        # One worker per place: a statement holds its place until its thread returns,
+        # even after its client has gone, so no statement waits for a thread.
+        self._query_pool = ThreadPoolExecutor(self.limits.concurrency, thread_name_prefix="hw-sql")
         self._project_pool = ThreadPoolExecutor(projection_workers, thread_name_prefix="hw-proj")
-        self._db = Database(threads=duckdb_threads, memory_limit=memory_limit)
+        spill = engine.data_dir / SPILL_DIRECTORY
+        shutil.rmtree(spill, ignore_errors=True)  # a crashed server's temp files
+        self._db = Database(
+            memory_limit=f"{self.limits.database_memory_mib}MiB",
+            spill_directory=spill,
+            spill_limit=f"{self.limits.spill_mib}MiB",
+        )
+        self._deadlines: set[Deadline] = set()
         self._builder = ChunkBuilder(self._db)
         self._progress = asyncio.Event()
         self.streams = StreamTables(engine, self._builder, self._project_pool, self._signal)
         self.sources: list[TableSource] = [self.streams]
         self._started = False
         self._closed = False
+        self._stopping = False
         self.queries = 0
         self.query_seconds_total = 0.0
 
@@ -128,6 +156,7 @@ class SqlService:
         if self._closed:
             return
         self._closed = True
+        self.stop_queries()
         for source in self.sources:
             await source.close()
         self._signal()
@@ -137,6 +166,16 @@ class SqlService:
         await loop.run_in_executor(None, self._project_pool.shutdown, True)
         self._builder.close()
         self._db.close()
+
+    def stop_queries(self) -> None:
+        """Shutdown: interrupt every running statement and refuse queued and later ones
+        (each client is told the server is shutting down). Loop thread."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._admission.refuse_all(QueryExecutionError("the server is shutting down"))
+        for deadline in list(self._deadlines):
+            deadline.stop()
 
     def _signal(self) -> None:
         """A projection moved: wake everyone waiting for one."""
@@ -290,17 +329,66 @@ class SqlService:
         *,
         allow_insert: bool,
     ) -> QueryResult | _Rows:
-        if self._closed:
-            raise QueryExecutionError("the SQL service is shutting down")
+        if self._closed or self._stopping:
+            raise QueryExecutionError("the server is shutting down")
         snapshots = {t.name: t.snapshot(position) for t in self.tables(tenant_id)}
+        await self._admission.acquire(tenant_id)  # waits its tenant's turn
+        loop = asyncio.get_running_loop()
+        try:
+            cursor = self._db.new_cursor()
+        except BaseException:
+            self._admission.release()
+            raise
+        deadline = Deadline(loop, cursor, self.limits.timeout_ms / 1000)
+        self._deadlines.add(deadline)
+
+        def finished() -> None:
+            # The worker returned: only now may another statement have its place.
+            deadline.finished()
+            self._deadlines.discard(deadline)
+            self._db.release(cursor)
+            self._admission.release()
+
         started = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._query_pool, self._execute, sql, list(params), snapshots, allow_insert
+            work = self._query_pool.submit(
+                self._execute, cursor, sql, list(params), snapshots, allow_insert
             )
+        except BaseException:
+            finished()
+            raise
+        work.add_done_callback(lambda _: _call_soon(loop, finished))
+        try:
+            return await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            deadline.stop()  # nobody is waiting for the answer any more
+            raise
+        except duckdb.InterruptException:
+            raise self._interrupted(deadline) from None
+        except duckdb.OutOfMemoryException as exc:
+            self._on_limit("sql_memory_mib")
+            raise QueryExecutionError(self._memory_message(exc)) from None
         finally:
             self.queries += 1
             self.query_seconds_total += time.perf_counter() - started
+
+    def _interrupted(self, deadline: Deadline) -> QueryExecutionError:
+        if deadline.timed_out:
+            self._on_limit("sql_timeout_ms")
+            return QueryExecutionError(
+                f"query cancelled after {self.limits.timeout_ms} ms (limits.sql_timeout_ms)"
+            )
+        return QueryExecutionError("query cancelled: the server is shutting down")
+
+    def _memory_message(self, exc: duckdb.OutOfMemoryException) -> str:
+        limits = self.limits
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (
+            f"query needs more memory than limits.sql_memory_mib allows ({limits.memory_mib}"
+            f" MiB per query, {limits.database_memory_mib} MiB shared by the"
+            f" {limits.concurrency} queries that may run at once, {limits.spill_mib} MiB"
+            f" of disk to spill to): {reason}"
+        )
 
     async def _append(self, tenant_id: int, rows: _Rows) -> QueryResult:
         try:
@@ -319,23 +407,28 @@ class SqlService:
 
     def _execute(
         self,
+        cur: duckdb.DuckDBPyConnection,
         sql: str,
         params: list[object],
         snapshots: dict[str, Callable[[], pa.Table]],
         allow_insert: bool,
     ) -> QueryResult | _Rows:
+        """Run one statement on ``cur`` (its owner closes it). An interrupt or running
+        out of memory is raised as DuckDB's own exception: the loop side knows which
+        limit it was."""
         parsed = parse_query(sql, allow_insert=allow_insert)
         values = [to_duckdb_param(p) for p in params]
-        with self._db.cursor() as cur:
-            try:
-                self._register(cur, parsed, snapshots)
-                if parsed.insert is not None:
-                    return self._evaluate_insert(cur, parsed.insert, values, snapshots)
-                return self._select(cur, parsed.text, values)
-            except duckdb.Error as exc:
-                raise _table_error(exc) from None
-            except pa.ArrowException as exc:
-                raise QueryExecutionError(str(exc)) from None
+        try:
+            self._register(cur, parsed, snapshots)
+            if parsed.insert is not None:
+                return self._evaluate_insert(cur, parsed.insert, values, snapshots)
+            return self._select(cur, parsed.text, values)
+        except (duckdb.InterruptException, duckdb.OutOfMemoryException):
+            raise
+        except duckdb.Error as exc:
+            raise _table_error(exc) from None
+        except pa.ArrowException as exc:
+            raise QueryExecutionError(str(exc)) from None
 
     @staticmethod
     def _register(
