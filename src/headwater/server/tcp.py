@@ -4,23 +4,196 @@ shares: bind, count connections (and subscriptions) in /metrics, and stop in ord
 A front end gives a factory of its connections (asyncio protocols) and the set they
 enter while open. Stopping: stop accepting, run the front end's ``drain`` (answers still
 owed go out), close every connection, run ``finish`` (state saved once no connection
-can change it), then wait for the server to close."""
+can change it), then wait for the server to close.
+
+Each connection keeps to ``[limits]`` through a :class:`ConnectionGuard` (connections,
+handshake and idle timeouts, bytes held before auth), written once here for every
+binary protocol."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Protocol
 
 from headwater.server.app import Listener
+from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
+from headwater.server.tls import accepting
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
 
 
+log = logging.getLogger("headwater.limits")
+
+REFUSAL_LINGER_S = 2.0  # how long a refused peer may take to read the last word
+
+Refusal = Callable[[str, str], bytes]
+"""``(limit, message)`` -> the protocol's framed last word naming the limit (b"": none)."""
+
+
 class Connection(Protocol):
     def close(self) -> None: ...
+
+
+class ConnectionGuard:
+    """One client connection's share of ``[limits]``, for the binary listeners.
+
+    The connection makes one in ``connection_made`` and calls :meth:`admit` (False: the
+    connection was refused by ``max_connections``, do nothing more), :meth:`received`
+    from ``data_received`` (the one per-read cost after auth: a clock read),
+    :meth:`authenticated` once the peer's handshake or CONNECT is accepted, and
+    :meth:`release` from ``connection_lost``.
+
+    One timer per connection: before auth it fires at ``handshake_timeout_s``; after,
+    at ``idle_timeout_s`` past the last bytes received, re-armed instead of closing
+    while ``busy()`` (subscriptions or requests in flight). Each refusal sends the
+    protocol's last word (``refusal(limit, message)``: its error frame), closes, logs
+    one warning line with the peer's address and is counted in /metrics."""
+
+    __slots__ = (
+        "_admitted",
+        "_busy",
+        "_close",
+        "_config",
+        "_limits",
+        "_loop",
+        "_pending",
+        "_refusal",
+        "_timer",
+        "_transport",
+        "authed",
+        "last_received",
+        "listener",
+        "peer",
+    )
+
+    def __init__(
+        self,
+        limits: ConnectionLimits,
+        listener: str,
+        *,
+        refusal: Refusal,
+        close: Callable[[], None],
+        pending: Callable[[], int],
+        busy: Callable[[], bool],
+    ) -> None:
+        self._limits = limits
+        self._config = limits.config
+        self.listener = listener
+        self._refusal = refusal
+        self._close = close
+        self._pending = pending
+        self._busy = busy
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._admitted = False
+        self.authed = False
+        self.peer = "?"
+        self.last_received = self._loop.time()
+
+    def admit(self, transport: asyncio.Transport) -> bool:
+        """Count the connection; False when ``max_connections`` are open (it was told
+        so and is being closed)."""
+        self._transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if not self._limits.admit(self.listener):
+            self._refuse(
+                "max_connections",
+                f"the server has {self._config.max_connections} connections open"
+                " (max_connections): try again later",
+                counted=True,
+            )
+            return False
+        self._admitted = True
+        self._timer = self._loop.call_at(
+            self.last_received + self._config.handshake_timeout_s, self._expired
+        )
+        return True
+
+    def received(self) -> bool:
+        """Bytes arrived and were processed. Before auth, ``pending()`` (what the
+        connection holds for the peer: a partial frame, answers it has not read) must
+        stay within ``max_pending_bytes``; False: it did not, the connection is closing."""
+        self.last_received = self._loop.time()
+        if self.authed:
+            return True
+        pending = self._pending()
+        if pending <= self._config.max_pending_bytes:
+            return True
+        self._refuse(
+            "max_pending_bytes",
+            f"{pending} bytes held before authentication, over max_pending_bytes"
+            f" ({self._config.max_pending_bytes})",
+        )
+        return False
+
+    def authenticated(self) -> None:
+        """The peer's handshake (or CONNECT) was accepted: the idle timeout applies."""
+        if self.authed or not self._admitted:
+            return
+        self.authed = True
+        self._rearm(self._loop.time() + self._config.idle_timeout_s)
+
+    def release(self) -> None:
+        """The connection ended (``connection_lost``)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._admitted:
+            self._admitted = False
+            self._limits.release()
+
+    def _rearm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._expired)
+
+    def _expired(self) -> None:
+        self._timer = None
+        if not self._admitted:
+            return
+        config = self._config
+        if not self.authed:
+            self._refuse(
+                "handshake_timeout_s",
+                f"no accepted handshake within {config.handshake_timeout_s:g} s"
+                " (handshake_timeout_s)",
+            )
+            return
+        now = self._loop.time()
+        deadline = self.last_received + config.idle_timeout_s
+        if now < deadline:
+            self._rearm(deadline)
+        elif self._busy():
+            self._rearm(now + config.idle_timeout_s)
+        else:
+            self._refuse(
+                "idle_timeout_s",
+                f"nothing received for {config.idle_timeout_s:g} s and no subscription"
+                " (idle_timeout_s)",
+                warn=False,
+            )
+
+    def _refuse(
+        self, limit: str, message: str, *, counted: bool = False, warn: bool = True
+    ) -> None:
+        if not counted:
+            self._limits.refused(limit, self.listener)
+        (log.warning if warn else log.info)("%s %s: closing: %s", self.listener, self.peer, message)
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        data = self._refusal(limit, message)
+        if data:
+            transport.write(data)
+        self._close()
+        # A peer that reads nothing must not hold its socket open through the last word.
+        self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
 
 
 async def start_tcp_listener(
@@ -36,7 +209,7 @@ async def start_tcp_listener(
     finish: Callable[[], Awaitable[None]] | None = None,
 ) -> Listener:
     tcp = await asyncio.get_running_loop().create_server(
-        make_connection, host, port, reuse_address=True
+        accepting(server, name, make_connection), host, port, reuse_address=True
     )
     bound = int(tcp.sockets[0].getsockname()[1])
     metrics = metrics_for(server)

@@ -39,7 +39,7 @@ from headwater.protocols.convergedb.ops import from_wire
 from headwater.protocols.convergedb.replies import bootstrap_frames, kind_ack, query_state
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, start_tcp_listener
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -73,11 +73,21 @@ class ConvergeConnection(asyncio.Protocol):
         self._writable.set()
         self._blocked = False
         self.closed = False
+        self.guard = ConnectionGuard(
+            server.limits,
+            "convergedb",
+            refusal=self._refusal,
+            close=self.close,
+            pending=self._pending,
+            busy=lambda: bool(self.subscriptions or self.tasks),
+        )
 
     # ---- transport callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        if not self.guard.admit(self.transport):
+            return
         sock = self.transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -88,6 +98,7 @@ class ConvergeConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.guard.release()
         self._connections.discard(self)
         self._writable.set()
         for entry in list(self.subscriptions.values()):
@@ -109,6 +120,7 @@ class ConvergeConnection(asyncio.Protocol):
             self.source.touch()
         self.protocol.feed(data)
         self._process()
+        self.guard.received()
 
     def eof_received(self) -> bool | None:
         # The peer sends no more but may still read: let the ACKs of what it wrote go
@@ -141,10 +153,11 @@ class ConvergeConnection(asyncio.Protocol):
             elif isinstance(event, Reply):
                 self.write(event.data)
             elif isinstance(event, Reject):
-                log.info("rejecting %s: %s", self.peer, event.reason)
+                log.warning("rejecting %s: %s", self.peer, event.reason)
                 self.write(event.data)
                 self.close()
             elif isinstance(event, Close):
+                log.warning("closing %s: %s", self.peer, event.reason)
                 self.close(abort=True)
 
     def _block_on(self, waiting: Awaitable[None]) -> None:
@@ -244,6 +257,7 @@ class ConvergeConnection(asyncio.Protocol):
             self._fail(stream, Opcode.CONNECT, exc)
             return
         self.tenant, self.source = tenant, source
+        self.guard.authenticated()
         self.send(stream, m.ConnectAck(NO_SOURCE if source.source_id is None else source.source_id))
 
     def _source_dead(self) -> None:
@@ -304,12 +318,30 @@ class ConvergeConnection(asyncio.Protocol):
             return
         self.send(stream, query_state(kind, state))
 
+    # ---- limits ---------------------------------------------------------------------
+
+    def _refusal(self, limit: str, message: str) -> bytes:
+        return self.protocol.send_error(0, ErrorCode.LIMIT_EXCEEDED, Opcode.CONNECT, message)
+
+    def _pending(self) -> int:
+        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        return self.protocol.buffered_bytes + written
+
     # ---- subscriptions --------------------------------------------------------------
 
     def _subscribe(self, tenant: TenantKinds, stream: int, msg: m.Subscribe) -> None:
         if msg.kind_id in self.subscriptions:
             text = f"kind {msg.kind_id} is already subscribed on this connection"
             self.error(stream, ErrorCode.BAD_FRAME, Opcode.SUBSCRIBE, text)
+            return
+        limit = self.server.config.limits.max_subscriptions_per_connection
+        if len(self.subscriptions) >= limit:
+            self.server.limits.refused("max_subscriptions_per_connection", "convergedb")
+            text = (
+                f"this connection has {limit} subscriptions, the most"
+                " max_subscriptions_per_connection allows: unsubscribe one first"
+            )
+            self.error(stream, ErrorCode.LIMIT_EXCEEDED, Opcode.SUBSCRIBE, text)
             return
         sub = tenant.subscribe(
             msg.kind_id, include_previous=msg.include_previous, events=msg.events

@@ -16,7 +16,13 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
 from headwater.api import CloseReason, EngineAPI
-from headwater.errors import HeadwaterError, InternalError, InvalidRequest, QueryExecutionError
+from headwater.errors import (
+    HeadwaterError,
+    InternalError,
+    InvalidRequest,
+    QueryExecutionError,
+    RateLimited,
+)
 from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import (
     Close,
@@ -29,7 +35,7 @@ from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, start_tcp_listener
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -55,11 +61,21 @@ class KimberliteConnection(asyncio.Protocol):
         self._reading_paused = False
         self._eof = False
         self.closed = False
+        self.guard = ConnectionGuard(
+            server.limits,
+            "kimberlite",
+            refusal=self._refusal,
+            close=self.close,
+            pending=self._pending,
+            busy=self._busy,
+        )
 
     # ---- transport callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.guard.admit(self.transport):
+            return
         sock = self.transport.get_extra_info("socket")
         if sock is not None:  # answers are small and latency-bound: no Nagle delay
             with contextlib.suppress(OSError):
@@ -70,6 +86,7 @@ class KimberliteConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.guard.release()
         self._connections.discard(self)
         self._writable.set()  # wake pushes so they notice the connection is gone
         self._end_subscriptions()
@@ -93,14 +110,15 @@ class KimberliteConnection(asyncio.Protocol):
             elif isinstance(event, Reply):
                 self._write(event.data)
             elif isinstance(event, Reject):
-                log.info("rejecting %s: %s", self.session.peer, event.reason)
+                log.warning("rejecting %s: %s", self.session.peer, event.reason)
                 self._write(event.data)
                 self.close()
                 return
             elif isinstance(event, Close):
-                log.info("closing %s: %s", self.session.peer, event.reason)
+                log.warning("closing %s: %s", self.session.peer, event.reason)
                 self.close(abort=True)
                 return
+        self.guard.received()
 
     def eof_received(self) -> bool | None:
         # The peer will send no more, but may still read: answer what it already sent,
@@ -111,6 +129,21 @@ class KimberliteConnection(asyncio.Protocol):
         if not self.tasks:
             self.close()
         return True
+
+    # ---- limits ---------------------------------------------------------------------
+
+    def _refusal(self, limit: str, message: str) -> bytes:
+        # Error with request id 0: about the connection, not a request. Too many
+        # connections is worth retrying later; the other limits are the client's doing.
+        code = RateLimited.code if limit == "max_connections" else InvalidRequest.code
+        return self.protocol.send_error(0, code, message)
+
+    def _pending(self) -> int:
+        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        return self.protocol.buffered_bytes + written
+
+    def _busy(self) -> bool:
+        return bool(self.tasks or self.session.subscriptions)
 
     # ---- requests -------------------------------------------------------------------
 

@@ -21,5 +21,7 @@ async def handle(
             f"this server speaks {m.PROTOCOL_VERSION}"
         )
     authenticated = conn.session.handshake(payload.auth_token)
+    if conn.session.principal is not None:  # may act for a tenant: past the handshake limits
+        conn.guard.authenticated()
     ports = {listener.name: listener.port for listener in conn.server.listeners}
     return m.HandshakeResponse(m.PROTOCOL_VERSION, authenticated, capabilities(ports))

@@ -17,6 +17,13 @@ async def subscribe(
     conn: KimberliteConnection, request: m.Request, payload: m.SubscribeRequest
 ) -> m.ResponsePayload:
     subscribe_id = request.id
+    limit = conn.server.config.limits.max_subscriptions_per_connection
+    if len(conn.session.subscriptions) >= limit:
+        conn.server.limits.refused("max_subscriptions_per_connection", "kimberlite")
+        raise InvalidRequest(
+            f"this connection has {limit} subscriptions, the most"
+            " max_subscriptions_per_connection allows: unsubscribe one first"
+        )
 
     async def deliver(sub: Subscription, pushes: list[Push]) -> None:
         # A whole read: every push framed, handed to the transport in one writelines,
