@@ -470,7 +470,11 @@ class SqlService:
         converted: list[list[QueryValue]] = [
             column_values(table.column(i), type_ids[i], text_cast) for i in range(len(columns))
         ]
-        return QueryResult(columns, rows_from_columns(converted, table.num_rows))
+        return QueryResult(
+            columns,
+            rows_from_columns(converted, table.num_rows),
+            [str(t) for t in rel.types],
+        )
 
     def _evaluate_insert(
         self,

@@ -10,8 +10,9 @@ This module is independent of every wire protocol: codecs convert at their bound
 from __future__ import annotations
 
 import datetime
+import decimal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import duckdb
@@ -52,12 +53,18 @@ class QueryResult:
 
     columns: list[str]
     rows: list[list[QueryValue]]
+    # DuckDB's name of each column's type (``str(DuckDBPyType)``: ``DECIMAL(18,3)``,
+    # ``JSON`` ...), for front ends that declare types (the PostgreSQL wire); empty for
+    # an INSERT's answer.
+    types: list[str] = field(default_factory=list)
 
 
 def to_duckdb_param(value: object) -> object:
     """A query parameter as DuckDB binds it (a Timestamp keeps its nanoseconds)."""
-    if value is None or isinstance(value, bool | int | str | datetime.datetime):
-        return value
+    if value is None or isinstance(
+        value, bool | int | str | float | bytes | decimal.Decimal | datetime.date
+    ):
+        return value  # datetime.datetime is a date too
     if isinstance(value, Timestamp):
         return duckdb.TimestampNanosecondValue(value.to_text())
     raise InvalidRequest(f"unsupported query parameter type {type(value).__name__}")
