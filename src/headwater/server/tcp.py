@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Protocol
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
-from headwater.server.tls import accepting
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -209,7 +208,7 @@ async def start_tcp_listener(
     finish: Callable[[], Awaitable[None]] | None = None,
 ) -> Listener:
     tcp = await asyncio.get_running_loop().create_server(
-        accepting(server, name, make_connection), host, port, reuse_address=True
+        make_connection, host, port, reuse_address=True
     )
     bound = int(tcp.sockets[0].getsockname()[1])
     metrics = metrics_for(server)
