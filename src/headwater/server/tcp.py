@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
+from headwater.server.tls import listen
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -207,9 +208,7 @@ async def start_tcp_listener(
     drain: Callable[[], Awaitable[None]] | None = None,
     finish: Callable[[], Awaitable[None]] | None = None,
 ) -> Listener:
-    tcp = await asyncio.get_running_loop().create_server(
-        make_connection, host, port, reuse_address=True
-    )
+    tcp = await listen(server, name, make_connection, host, port)
     bound = int(tcp.sockets[0].getsockname()[1])
     metrics = metrics_for(server)
     metrics.add_connections_source(name, lambda: len(connections))
