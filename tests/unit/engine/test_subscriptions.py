@@ -189,3 +189,45 @@ def test_stalled_consumer_is_closed_and_does_not_block_others(tmp_path: Path) ->
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_an_append_wakes_only_the_subscriptions_waiting_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subscriptions without credit cost an append nothing: 500 of them on the stream,
+    and the append wakes only the one with credit (50k such subscriptions had made each
+    append 100 times slower). Granting credit still wakes one."""
+    woken: list[int] = []
+    wake = Subscription.wake
+
+    def counting_wake(sub: Subscription) -> None:
+        woken.append(sub.subscription_id)
+        wake(sub)
+
+    monkeypatch.setattr(Subscription, "wake", counting_wake)
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        sid = (await engine.create_stream(0, "s")).stream_id
+        idle = [Recorder(allowed=0) for _ in range(500)]
+        idle_subs = [subs.subscribe(0, sid, 0, 0, None, r.deliver, r.on_close) for r in idle]
+        live = Recorder()
+        live_sub = subs.subscribe(0, sid, 0, 10, None, live.deliver, live.on_close)
+        # The live pump has started and waits for a commit: only it is registered.
+        await wait_until_async(lambda: subs.awaiting_commit.get((0, sid)) == {live_sub})
+        woken.clear()
+        await engine.append(0, sid, [b"e0"])
+        await live.wait_for(1)
+        # The append's wake-ups all happen in its commit callback, before the live
+        # subscription could read: any of the idle ones would be in ``woken`` by now.
+        assert woken == [live_sub.subscription_id]
+        assert all(not r.events and not r.overruns for r in idle)
+        idle[7].allowed = 1
+        subs.grant(idle_subs[7], 1)
+        await idle[7].wait_for(1)
+        assert idle[7].events == [(0, b"e0")]
+        await subs.close_all()
+        await engine.close()
+
+    asyncio.run(main())
