@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import functools
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Literal, TypeVar
@@ -79,6 +80,7 @@ from ._connection import Connection, NotSent
 from ._core import batching
 from ._core.session import Resumable, Session, parse_server, same_parameters_as
 from ._core.session import backoff_delay as backoff_delay
+from ._core.tls import PathLike, client_context
 from .errors import ConnectionLost, EventTooLarge, SubscriptionClosed
 from .results import (
     AppendResult,
@@ -188,9 +190,23 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         reconnect_attempts: int = 10,
         backoff_base: float = 0.05,
         backoff_max: float = 2.0,
+        tls: bool | ssl.SSLContext = False,
+        ca: PathLike | None = None,
+        cert: PathLike | None = None,
+        key: PathLike | None = None,
     ) -> None:
+        """``tls=True`` connects over TLS, verifying the server against the system's CAs,
+        or against the CA file ``ca`` (which implies TLS); ``cert`` and ``key`` present a
+        client certificate (mutual TLS); ``tls`` may also be an ``ssl.SSLContext``."""
         super().__init__(
-            server, timeout, reconnect, reconnect_attempts, backoff_base, backoff_max, retries
+            server,
+            timeout,
+            reconnect,
+            reconnect_attempts,
+            backoff_base,
+            backoff_max,
+            retries,
+            tls=client_context(tls, ca, cert, key),
         )
         self.token = token
         self.tenant = tenant

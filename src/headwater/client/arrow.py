@@ -10,6 +10,7 @@ data source. The Kimberlite listener advertises the HTTP port in its Handshake
 from __future__ import annotations
 
 import http.client
+import ssl
 from collections.abc import Iterator
 from urllib.parse import quote
 
@@ -30,19 +31,25 @@ def read_arrow(
     token: str | None = None,
     tenant: int = 0,
     timeout: float | None = 60.0,
+    tls: ssl.SSLContext | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Offsets [start, end) of ``stream`` (``end`` None: up to the committed end) as
     record batches of ``offset int64, position int64, ts timestamp[us], data binary``.
 
     Server errors raise their ``headwater.errors`` class (InvalidOffset when retention
     removed ``start``, StreamNotFound, ProjectionLag...); an unreachable HTTP API raises
-    :class:`ServerUnavailable` before anything is yielded."""
+    :class:`ServerUnavailable` before anything is yielded. ``tls``: HTTPS with this
+    context (a server with ``[tls]`` serves its HTTP API as HTTPS only)."""
     query = f"from={start}" + ("" if end is None else f"&to={end}")
     path = f"/api/streams/{quote(stream, safe='')}/arrow?{query}"
     headers = {"X-Headwater-Tenant": str(tenant)}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = (
+        http.client.HTTPConnection(host, port, timeout=timeout)
+        if tls is None
+        else http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
+    )
     try:
         try:
             conn.request("GET", path, headers=headers)

@@ -61,7 +61,14 @@ class Client(Blocking[AsyncClient]):
 
         inner = self._inner
         return read_arrow(
-            inner.host, port, stream, start, end, token=inner.token, tenant=inner.tenant
+            inner.host,
+            port,
+            stream,
+            start,
+            end,
+            token=inner.token,
+            tenant=inner.tenant,
+            tls=inner.tls,
         )
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:

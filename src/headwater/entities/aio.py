@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import ssl
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
@@ -37,6 +38,7 @@ from typing import Any, Generic, TypeVar
 
 from headwater.client._core import batching
 from headwater.client._core.session import Resumable, Session, same_parameters_as
+from headwater.client._core.tls import PathLike, client_context
 from headwater.client.errors import ClientClosed, ConnectionLost, ServerUnavailable
 from headwater.errors import HeadwaterError, UsageError
 from headwater.protocols.convergedb import messages as m
@@ -148,8 +150,22 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
         linger: float = DEFAULT_LINGER,
         batch_ops: int = DEFAULT_BATCH_OPS,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        tls: bool | ssl.SSLContext = False,
+        ca: PathLike | None = None,
+        cert: PathLike | None = None,
+        key: PathLike | None = None,
     ) -> None:
-        super().__init__(server, timeout, reconnect, reconnect_attempts, backoff_base, backoff_max)
+        """``tls``, ``ca``, ``cert``, ``key``: TLS and mutual TLS, as
+        :class:`headwater.AsyncClient` takes them."""
+        super().__init__(
+            server,
+            timeout,
+            reconnect,
+            reconnect_attempts,
+            backoff_base,
+            backoff_max,
+            tls=client_context(tls, ca, cert, key),
+        )
         self.token = token or ""
         self.name = name
         self.requested_source = source_id

@@ -8,9 +8,11 @@ types, so the catalog comes from the HTTP API (``GET /api/kinds``, port 7400).
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
+from headwater.client._core.tls import PathLike, client_context
 from headwater.client.aio import parse_server
 from headwater.client.errors import ServerUnavailable, http_api_error
 from headwater.errors import TableNotFound
@@ -53,18 +55,25 @@ class KindDescription:
         return [(f.name, int(f.type)) for f in self.fields]
 
 
-async def _get(http: str, path: str, token: str | None, tenant: int, timeout: float) -> Any:
+async def _get(
+    http: str,
+    path: str,
+    token: str | None,
+    tenant: int,
+    timeout: float,
+    context: ssl.SSLContext | None,
+) -> Any:
     import aiohttp
 
     host, port = parse_server(http, 7400)
     headers = {"X-Headwater-Tenant": str(tenant)}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    url = f"http://{host}:{port}{path}"
+    url = f"{'http' if context is None else 'https'}://{host}:{port}{path}"
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session,
-            session.get(url, headers=headers) as response,
+            session.get(url, headers=headers, ssl=context or True) as response,
         ):
             body = await response.read()
             status = response.status
@@ -82,10 +91,21 @@ async def _get(http: str, path: str, token: str | None, tenant: int, timeout: fl
 
 
 async def list_kinds_async(
-    http: str = DEFAULT_HTTP, *, token: str | None = None, tenant: int = 0, timeout: float = 10.0
+    http: str = DEFAULT_HTTP,
+    *,
+    token: str | None = None,
+    tenant: int = 0,
+    timeout: float = 10.0,
+    tls: bool | ssl.SSLContext = False,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
 ) -> list[KindDescription]:
-    """Every kind of the tenant, by kind id."""
-    data = await _get(http, "/api/kinds", token, tenant, timeout)
+    """Every kind of the tenant, by kind id (``tls``, ``ca``, ``cert``, ``key``: HTTPS, as
+    the clients take them)."""
+    data = await _get(
+        http, "/api/kinds", token, tenant, timeout, client_context(tls, ca, cert, key)
+    )
     return [KindDescription.from_json(k) for k in data["kinds"]]
 
 
@@ -96,12 +116,17 @@ async def describe_kind_async(
     token: str | None = None,
     tenant: int = 0,
     timeout: float = 10.0,
+    tls: bool | ssl.SSLContext = False,
+    ca: PathLike | None = None,
+    cert: PathLike | None = None,
+    key: PathLike | None = None,
 ) -> KindDescription:
     """One kind (KindNotFound when the tenant has no kind of that name)."""
     from urllib.parse import quote
 
+    path = f"/api/kinds/{quote(name, safe='')}"
     try:
-        data = await _get(http, f"/api/kinds/{quote(name, safe='')}", token, tenant, timeout)
+        data = await _get(http, path, token, tenant, timeout, client_context(tls, ca, cert, key))
     except TableNotFound as exc:
         raise KindNotFound(exc.message, Opcode.GET_KIND) from None
     return KindDescription.from_json(data)

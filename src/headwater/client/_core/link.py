@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, Generic, Protocol, TypeVar, cast
 
@@ -42,6 +43,11 @@ def reason(exc: BaseException, hint: str = "is `headwater serve` running there?"
     """A connection failure in a few words, for an error message."""
     if isinstance(exc, ConnectionRefusedError):
         return f"connection refused ({hint})"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the server's certificate did not verify ({exc.verify_message})"
+    if isinstance(exc, ssl.SSLError):
+        # e.g. TLSV13_ALERT_CERTIFICATE_REQUIRED: mutual TLS and no client certificate
+        return f"TLS: {exc.reason or exc}"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror[0].lower() + exc.strerror[1:]
     return str(exc) or type(exc).__name__

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import inspect
 import random
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, ClassVar, Generic, ParamSpec, Self, TypeVar, cast
 
@@ -204,10 +205,14 @@ class Session(Generic[L, S]):
         backoff_base: float,
         backoff_max: float,
         retries: int | None = None,
+        *,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         """The client's options; ``retries`` (how often a request that is safe to repeat
-        is sent again) defaults to ``reconnect_attempts``."""
+        is sent again) defaults to ``reconnect_attempts``; ``tls`` (see
+        :func:`~.tls.client_context`): connect over TLS."""
         self.host, self.port = parse_server(server, self.default_port)
+        self.tls = tls
         self.address = f"{self.host}:{self.port}"
         self.timeout = timeout
         self.reconnect = reconnect
@@ -336,7 +341,14 @@ class Session(Generic[L, S]):
         self._loop = loop
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(factory, self.host, self.port), self.timeout
+                loop.create_connection(
+                    factory,
+                    self.host,
+                    self.port,
+                    ssl=self.tls,
+                    server_hostname=self.host if self.tls is not None else None,
+                ),
+                self.timeout,
             )
         except TimeoutError:
             raise ServerUnavailable(f"{self._where}: timed out after {self.timeout}s") from None
@@ -357,6 +369,9 @@ class Session(Generic[L, S]):
             ) from None
         except (Lost, NotSent):
             why = conn.close_reason or f"the connection closed during {what}"
+            if self.tls is None:
+                # A TLS listener closes on a plain client's first bytes.
+                why += " (if the server has [tls], connect with tls=True)"
             raise ServerUnavailable(f"{self._where}: {why}") from None
         error = self._error_of(reply)
         if error is not None:
