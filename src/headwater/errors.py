@@ -54,6 +54,14 @@ class StreamNotFound(HeadwaterError):
     code, name = 5, "StreamNotFound"
 
 
+class StreamQuotaExceeded(InvalidRequest):
+    """A tenant already has ``[limits] max_streams_per_tenant`` streams: a create is
+    refused until one is deleted. InvalidRequest on the wire (not retryable: waiting does
+    not lift it); the front ends count it as that limit's refusal."""
+
+    limit: ClassVar[str] = "max_streams_per_tenant"
+
+
 class TableNotFound(HeadwaterError):
     code, name = 6, "TableNotFound"
 

@@ -20,6 +20,7 @@ out = Console()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from headwater.errors import StorageError
     from headwater.server.config import ConfigError, load_config
     from headwater.server.serve import serve
 
@@ -29,15 +30,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         err.print(f"[red]error:[/] {exc}")
         return 2
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    return serve(args.data_dir, config, args.ports_file)
+    try:
+        return serve(args.data_dir, config, args.ports_file)
+    except StorageError as exc:
+        # The data directory cannot be served (another server holds it, damaged
+        # metadata): say so in one line, as for a bad config.
+        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        return 1
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from headwater.storage.check import check_data_dir
+    from headwater.storage.check import check_data_dir, check_metadata
 
     if not args.data_dir.is_dir():
         err.print(f"[red]error:[/] {args.data_dir} is not a directory")
         return 2
+    metadata_problems = check_metadata(args.data_dir)
     reports = check_data_dir(args.data_dir)
     table = Table(title=f"headwater check {args.data_dir}")
     for column in ("partition", "segment", "batches", "events", "bytes", "status"):
@@ -62,11 +70,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         for seg in report.segments:
             for problem in seg.problems:
                 out.print(f"{rel}/{seg.path.name}: {problem}", soft_wrap=True, highlight=False)
-    if damaged:
-        out.print(f"[red]{damaged} of {segments} segments damaged[/]")
+    for found in metadata_problems:
+        rel = found.path.relative_to(args.data_dir)
+        out.print(f"{rel}: {found.problem}", soft_wrap=True, highlight=False, markup=False)
+    if damaged or metadata_problems:
+        if damaged:
+            out.print(f"[red]{damaged} of {segments} segments damaged[/]")
+        if metadata_problems:
+            out.print(f"[red]{len(metadata_problems)} metadata problems[/]")
         return 1
     out.print(
-        f"[green]{segments} segments in {len(reports)} partitions: all CRCs and indexes ok[/]"
+        f"[green]{segments} segments in {len(reports)} partitions: all CRCs and indexes ok; "
+        "metadata ok[/]"
     )
     return 0
 

@@ -27,9 +27,11 @@ from headwater.errors import (
     StorageError,
     StreamAlreadyExists,
     StreamNotFound,
+    StreamQuotaExceeded,
     TenantNotFound,
 )
 from headwater.storage.batch import HEADER_SIZE, Event, EventColumns, encode_values
+from headwater.storage.files import DEFAULT_OPEN_FILES, FileCache
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import (
     AppendInfo,
@@ -39,7 +41,13 @@ from headwater.storage.log import (
     SyncPolicy,
     fsync_directory,
 )
-from headwater.storage.metadata import read_json, write_json_atomic
+from headwater.storage.metadata import (
+    DataDirLock,
+    MetadataWriter,
+    read_json,
+    remove_temp_files,
+    write_json_atomic,
+)
 from headwater.storage.segment import WouldBlock, no_wait
 
 log = logging.getLogger(__name__)
@@ -78,6 +86,10 @@ class EngineConfig:
     producer_expiry_ms: int = 86_400_000
     maintenance_interval_ms: int = 30_000
     tenants: dict[int, str] = field(default_factory=lambda: {0: "default"})
+    # [limits]: segment files open at once across every log (least recently used closed),
+    # and streams one tenant may have (a create past it: StreamQuotaExceeded).
+    open_files: int = DEFAULT_OPEN_FILES
+    max_streams_per_tenant: int = 100_000
 
 
 _POSITIVE_SETTINGS = ("segment_ms", "retention_ms", "retention_bytes", "delete_retention_ms")
@@ -206,6 +218,7 @@ class Tenant:
         self.position_floor = 0  # positions of deleted streams are never reused
         self._inflight: dict[int, int] = {}  # first position -> count, not yet committed
         self.reserved_names: set[str] = set()
+        self.creates_in_flight = 0  # stream creates under way (the stream quota counts them)
 
     @property
     def committed_position(self) -> int:
@@ -238,6 +251,11 @@ class Engine:
         self.config = config
         self.tenants: dict[int, Tenant] = {}
         self.executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="hw-io")
+        # Every segment file of every log is opened through this bounded set.
+        self.files = FileCache(config.open_files)
+        self.metadata = MetadataWriter()
+        self._lock = DataDirLock(data_dir)
+        self.stream_quota_refusals = 0
         self._maintenance: asyncio.Task[None] | None = None
         self._inflight_appends = 0
         self._idle = asyncio.Event()
@@ -258,7 +276,11 @@ class Engine:
         engine = cls(Path(data_dir), config or EngineConfig())
         loop = asyncio.get_running_loop()
         started = time.monotonic()
-        await loop.run_in_executor(engine.executor, engine._load)
+        try:
+            await loop.run_in_executor(engine.executor, engine._load)
+        except BaseException:
+            await loop.run_in_executor(engine.executor, engine._abandon)
+            raise
         streams = sum(len(t.streams) for t in engine.tenants.values())
         log.info(
             "recovered %d tenants, %d streams in %.3fs",
@@ -275,6 +297,8 @@ class Engine:
         return engine
 
     def _load(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
         tenants_dir = self.data_dir / "tenants"
         tenants_dir.mkdir(parents=True, exist_ok=True)
         known: dict[int, str] = dict(self.config.tenants)
@@ -282,8 +306,8 @@ class Engine:
         for path in tenants_dir.iterdir():
             if path.is_dir() and path.name.isdigit():
                 meta_path = path / TENANT_META
-                name = read_json(meta_path)["name"] if meta_path.exists() else str(path.name)
-                known.setdefault(int(path.name), name)
+                name = _read_meta(meta_path)["name"] if meta_path.exists() else str(path.name)
+                known.setdefault(int(path.name), str(name))
         for tenant_id, name in sorted(known.items()):
             self.tenants[tenant_id] = self._load_tenant(tenant_id, name)
 
@@ -293,11 +317,14 @@ class Engine:
         streams_dir = directory / "streams"
         streams_dir.mkdir(parents=True, exist_ok=True)
         meta_path = directory / TENANT_META
+        remove_temp_files(directory)  # a metadata write a crash cut short
         if meta_path.exists():
-            meta = read_json(meta_path)
+            meta = _read_meta(meta_path)
             tenant.next_stream_id = int(meta.get("next_stream_id", 1))
             tenant.position_floor = int(meta.get("position_floor", 0))
-        for path in streams_dir.iterdir():
+        # In id order, so of two streams holding one name (damage `headwater check`
+        # names) the older one keeps it, on every start alike.
+        for path in sorted(streams_dir.iterdir(), key=_by_stream_id):
             if path.name.startswith((".deleted-", ".creating-")):
                 shutil.rmtree(path, ignore_errors=True)  # a delete or create cut short
                 continue
@@ -305,20 +332,38 @@ class Engine:
                 tenant.next_stream_id = max(tenant.next_stream_id, int(path.name) + 1)
             if not (path / STREAM_META).exists():
                 continue
-            stream = self._open_stream(tenant, path, read_json(path / STREAM_META))
+            stream = self._open_stream(tenant, path, _read_meta(path / STREAM_META))
             tenant.streams[stream.stream_id] = stream
-            tenant.by_name[stream.name] = stream.stream_id
             tenant.next_stream_id = max(tenant.next_stream_id, stream.stream_id + 1)
+            holder = tenant.by_name.setdefault(stream.name, stream.stream_id)
+            if holder != stream.stream_id:
+                log.error(
+                    "streams %d and %d of tenant %d are both named %r; the name stays with "
+                    "%d, %d is reachable by id only (run headwater check)",
+                    holder,
+                    stream.stream_id,
+                    tenant_id,
+                    stream.name,
+                    holder,
+                    stream.stream_id,
+                )
         last_positions = [
             p for s in tenant.streams.values() if (p := s.log.last_position) is not None
         ]
         tenant.next_position = max([tenant.position_floor, *last_positions])
-        write_json_atomic(meta_path, tenant.meta())
+        self.metadata.write(meta_path, tenant.meta)
         return tenant
+
+    def _abandon(self) -> None:
+        """After a failed open: close what was opened and let the data directory go."""
+        for tenant in self.tenants.values():
+            for stream in tenant.streams.values():
+                stream.log.close()
+        self._lock.release()
 
     def _open_stream(self, tenant: Tenant, path: Path, meta: dict[str, Any]) -> Stream:
         settings = StreamSettings.from_dict(meta.get("settings", {}))
-        plog = PartitionLog.open(path / "partition-0", settings.log_config(self.config))
+        plog = PartitionLog.open(path / "partition-0", settings.log_config(self.config), self.files)
         return Stream(
             tenant,
             int(meta["id"]),
@@ -346,9 +391,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         for tenant in self.tenants.values():
             await loop.run_in_executor(
-                self.executor, write_json_atomic, tenant.directory / TENANT_META, tenant.meta()
+                self.executor, self.metadata.write, tenant.directory / TENANT_META, tenant.meta
             )
         self.executor.shutdown(wait=True)
+        self._lock.release()
         self.closed = True
 
     @staticmethod
@@ -404,9 +450,19 @@ class Engine:
         if name in tenant.by_name or name in tenant.reserved_names:
             raise StreamAlreadyExists(f"stream {name!r} already exists")
         self._check_open()
+        # Creates under way count: 16 at once must not pass the limit together. Streams
+        # the server makes for itself (internal names) are never refused.
+        limit = self.config.max_streams_per_tenant
+        if not internal and len(tenant.streams) + tenant.creates_in_flight >= limit:
+            self.stream_quota_refusals += 1
+            raise StreamQuotaExceeded(
+                f"tenant {tenant_id} has {limit} streams, the most its quota allows "
+                "([limits] max_streams_per_tenant); delete one first"
+            )
         stream_id = tenant.next_stream_id
         tenant.next_stream_id += 1
         tenant.reserved_names.add(name)
+        tenant.creates_in_flight += 1
         meta = {
             "id": stream_id,
             "name": name,
@@ -417,21 +473,33 @@ class Engine:
         path = tenant.directory / "streams" / str(stream_id)
 
         def create() -> Stream:
-            # Built under a temporary name and renamed into place: a crash part-way
-            # leaves nothing that could block the id or pass for a stream.
+            # Built under a temporary name and renamed into place: the rename is the
+            # one commit point. A crash before it leaves nothing that could block the id
+            # or pass for a stream (recovery removes .creating-*); a create that fails
+            # after it is undone before the client hears of the failure, so a stream
+            # exists after a restart exactly when its create succeeded (or never got
+            # its answer out). tenant.json is not written: the directory name is the
+            # id's record, and a delete writes tenant.json before it removes one.
             building = path.with_name(f".creating-{stream_id}")
             shutil.rmtree(building, ignore_errors=True)
             (building / "partition-0").mkdir(parents=True)
             write_json_atomic(building / STREAM_META, meta)
             os.replace(building, path)
             fsync_directory(path.parent)
-            write_json_atomic(tenant.directory / TENANT_META, tenant.meta())
-            return self._open_stream(tenant, path, meta)
+            try:
+                return self._open_stream(tenant, path, meta)
+            except BaseException:
+                undone = path.with_name(f".deleted-{stream_id}")
+                os.replace(path, undone)
+                fsync_directory(path.parent)
+                shutil.rmtree(undone, ignore_errors=True)
+                raise
 
         try:
             stream = await asyncio.get_running_loop().run_in_executor(self.executor, create)
         finally:
             tenant.reserved_names.discard(name)
+            tenant.creates_in_flight -= 1
         stream.committer.start()
         tenant.streams[stream_id] = stream
         tenant.by_name[name] = stream_id
@@ -457,7 +525,7 @@ class Engine:
 
         def remove() -> None:
             # The floor first: a crash after the rename must not let positions go back.
-            write_json_atomic(tenant.directory / TENANT_META, tenant.meta())
+            self.metadata.write(tenant.directory / TENANT_META, tenant.meta)
             os.replace(stream.directory, tomb)
             shutil.rmtree(tomb, ignore_errors=True)
 
@@ -628,3 +696,20 @@ class Engine:
 
     async def _maintenance_loop(self, interval: float) -> None:
         await run_every(interval, self.run_maintenance, "maintenance")
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """A metadata file's object; StorageError naming the file when it is damaged (the
+    server refuses to start on it rather than guess: ``headwater check`` says more)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise StorageError(f"{path} cannot be read ({exc}); run headwater check") from None
+    if not isinstance(data, dict):
+        raise StorageError(f"{path} is not a JSON object; run headwater check")
+    return data
+
+
+def _by_stream_id(path: Path) -> tuple[bool, int, str]:
+    """Stream directories in id order, anything else after them."""
+    return (not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)

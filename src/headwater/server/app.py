@@ -8,6 +8,7 @@ stop accepting, let in-flight appends finish, fsync, exit 0.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -76,7 +77,11 @@ class Server:
         limits = self.config.limits
         self._api = await EngineAPI.open(
             self.data_dir,
-            self.config.engine,
+            dataclasses.replace(
+                self.config.engine,
+                open_files=limits.open_files,
+                max_streams_per_tenant=limits.max_streams_per_tenant,
+            ),
             self.config.kinds,
             self.config.auth,
             SqlLimits(

@@ -2,16 +2,22 @@
 
 Reads every segment without changing anything: each batch's CRC and structure, offsets
 increasing across batches and segments, and both index files against what the ``.log``
-actually holds.
+actually holds. Then the metadata (:func:`check_metadata`): every ``tenant.json`` and
+``stream.json`` parses and agrees with its directory, every stream directory has its
+metadata and its partition, and no two streams of a tenant share a name.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headwater.storage.files import FileCache
+from headwater.storage.metadata import read_json
 from headwater.storage.segment import Segment
 
 
@@ -45,14 +51,13 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
     report = PartitionReport(directory)
     bases = sorted(int(p.name[:-4]) for p in directory.glob("*.log") if p.name[:-4].isdigit())
     prev_next: int | None = None
+    files = FileCache(1)  # one segment at a time, read-only use of a read-write open
     for base in bases:
-        seg = Segment(directory, base, index_interval_bytes)
-        seg.fd = os.open(seg.log_path, os.O_RDONLY)
+        seg = Segment(directory, base, index_interval_bytes, files)
         try:
             scan = seg._scan(verify=True, stop_at_error=False)
         finally:
-            os.close(seg.fd)
-            seg.fd = -1
+            seg.close()
         sreport = SegmentReport(seg.log_path, scan.batches, scan.events, scan.file_bytes)
         sreport.problems.extend(scan.errors)
         if prev_next is not None and base < prev_next:
@@ -77,3 +82,108 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
 
 def check_data_dir(data_dir: Path) -> list[PartitionReport]:
     return [check_partition(d) for d in partition_dirs(data_dir)]
+
+
+# The names the engine gives its metadata files (engine/engine.py reads them).
+TENANT_META = "tenant.json"
+STREAM_META = "stream.json"
+PARTITION_DIR = "partition-0"
+
+
+@dataclass(frozen=True)
+class MetadataProblem:
+    path: Path
+    problem: str
+
+
+def _load_object(path: Path, problems: list[MetadataProblem]) -> dict[str, object] | None:
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+        problems.append(MetadataProblem(path, f"unparsable: {reason}"))
+        return None
+    if not isinstance(data, dict):
+        problems.append(MetadataProblem(path, "not a JSON object"))
+        return None
+    return data
+
+
+def _int_field(
+    data: dict[str, object], key: str, path: Path, problems: list[MetadataProblem]
+) -> int | None:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        problems.append(MetadataProblem(path, f"{key!r} is {value!r}, not an integer"))
+        return None
+    return value
+
+
+def check_metadata(data_dir: Path) -> list[MetadataProblem]:
+    """What is wrong with the tenants' and streams' metadata under ``data_dir``."""
+    problems: list[MetadataProblem] = []
+    tenants_dir = data_dir / "tenants"
+    if not tenants_dir.is_dir():
+        return [MetadataProblem(tenants_dir, "missing: not a headwater data directory")]
+    for tenant_dir in sorted(tenants_dir.iterdir()):
+        if tenant_dir.is_dir() and tenant_dir.name.isdigit():
+            _check_tenant(tenant_dir, problems)
+    return problems
+
+
+def _check_tenant(tenant_dir: Path, problems: list[MetadataProblem]) -> None:
+    meta_path = tenant_dir / TENANT_META
+    if not meta_path.exists():
+        problems.append(MetadataProblem(meta_path, "missing"))
+    elif (meta := _load_object(meta_path, problems)) is not None:
+        tenant_id = _int_field(meta, "id", meta_path, problems)
+        if tenant_id is not None and str(tenant_id) != tenant_dir.name:
+            problems.append(
+                MetadataProblem(meta_path, f"says tenant {tenant_id}, in {tenant_dir.name}/")
+            )
+        if not isinstance(meta.get("name"), str):
+            problems.append(MetadataProblem(meta_path, "has no name"))
+        _int_field(meta, "next_stream_id", meta_path, problems)
+    streams_dir = tenant_dir / "streams"
+    if not streams_dir.is_dir():
+        return
+    holders: dict[str, list[int]] = defaultdict(list)
+    for stream_dir in sorted(streams_dir.iterdir()):
+        if not (stream_dir.is_dir() and stream_dir.name.isdigit()):
+            continue  # .creating-/.deleted- leftovers: the server removes them on start
+        stream_meta = stream_dir / STREAM_META
+        partition = stream_dir / PARTITION_DIR
+        if not stream_meta.exists():
+            problems.append(
+                MetadataProblem(
+                    stream_dir,
+                    f"stream directory without {STREAM_META}: the server ignores its data",
+                )
+            )
+            continue
+        meta = _load_object(stream_meta, problems)
+        if meta is None:
+            continue
+        stream_id = _int_field(meta, "id", stream_meta, problems)
+        if stream_id is not None and str(stream_id) != stream_dir.name:
+            problems.append(
+                MetadataProblem(stream_meta, f"says stream {stream_id}, in {stream_dir.name}/")
+            )
+        name = meta.get("name")
+        if not isinstance(name, str) or not name:
+            problems.append(MetadataProblem(stream_meta, f"name is {name!r}, not a name"))
+        else:
+            holders[name].append(int(stream_dir.name))
+        _int_field(meta, "created_ns", stream_meta, problems)
+        if not partition.is_dir():
+            problems.append(
+                MetadataProblem(
+                    stream_meta, f"metadata without its {PARTITION_DIR}/ directory (no data)"
+                )
+            )
+    for name, ids in sorted(holders.items()):
+        if len(ids) > 1:
+            listed = ", ".join(str(i) for i in sorted(ids))
+            problems.append(
+                MetadataProblem(streams_dir, f"streams {listed} share the name {name!r}")
+            )

@@ -29,6 +29,7 @@ from headwater.storage.batch import (
     build_batch,
     encode_values,
 )
+from headwater.storage.files import FileCache
 from headwater.storage.producers import (
     ProducerEntry,
     ProducerTable,
@@ -158,9 +159,11 @@ class CompactionResult:
 class PartitionLog:
     """One ordered log of batches in one directory."""
 
-    def __init__(self, directory: Path, config: LogConfig) -> None:
+    def __init__(self, directory: Path, config: LogConfig, files: FileCache | None = None) -> None:
         self.directory = directory
         self.config = config
+        # Where segment files are opened: the engine's one bounded set for all its logs.
+        self.files = files if files is not None else FileCache(None)
         self.segments: list[Segment] = []
         self._lock = threading.RLock()
         # Sealed segments (base offsets) not yet fsynced since sealing. The active segment
@@ -180,9 +183,12 @@ class PartitionLog:
     # ---- open / close ---------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: Path, config: LogConfig | None = None) -> PartitionLog:
-        """Open (creating if needed) and recover a partition log."""
-        plog = cls(directory, config or LogConfig())
+    def open(
+        cls, directory: Path, config: LogConfig | None = None, files: FileCache | None = None
+    ) -> PartitionLog:
+        """Open (creating if needed) and recover a partition log; its segment files are
+        opened through ``files`` (default: a set of its own, unbounded)."""
+        plog = cls(directory, config or LogConfig(), files)
         directory.mkdir(parents=True, exist_ok=True)
         for leftover in directory.glob("*.cleaned"):
             leftover.unlink()  # a compaction that did not finish: the original is intact
@@ -192,14 +198,14 @@ class PartitionLog:
         interval = plog.config.index_interval_bytes
         for i, base in enumerate(bases):
             if i == len(bases) - 1:
-                seg = Segment.open_tail(directory, base, interval)
+                seg = Segment.open_tail(directory, base, interval, plog.files)
             else:
-                seg = Segment.open_sealed(directory, base, interval)
+                seg = Segment.open_sealed(directory, base, interval, plog.files)
             plog.segments.append(seg)
         # An empty tail left by a crash right after a roll is harmless; an empty log
         # gets its first segment now.
         if not plog.segments:
-            plog.segments.append(Segment.create(directory, 0, interval))
+            plog.segments.append(Segment.create(directory, 0, interval, plog.files))
             fsync_directory(directory)
         plog.durable_offset = plog.end_offset
         plog._load_producers()
@@ -357,7 +363,9 @@ class PartitionLog:
                 return
             seg.write_index_files(sync=False)
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
-            new = Segment.create(self.directory, seg.next_offset, self.config.index_interval_bytes)
+            new = Segment.create(
+                self.directory, seg.next_offset, self.config.index_interval_bytes, self.files
+            )
             self.segments.append(new)
             self._dir_changes += 1
             # Even an empty table is worth a file: recovery then scans only from here.
@@ -384,9 +392,11 @@ class PartitionLog:
             dir_changes = self._dir_changes
         try:
             for seg in sealed:
-                os.fdatasync(seg.fd)
+                with seg.pinned() as fd:
+                    os.fdatasync(fd)
                 seg.sync_index_files()  # sealed: its index must survive as written
-            os.fdatasync(active.fd)
+            with active.pinned() as fd:
+                os.fdatasync(fd)
             if dir_changes > self._dir_synced:
                 fsync_directory(self.directory)
         except OSError as exc:
@@ -542,6 +552,7 @@ class PartitionLog:
                     break
                 self.segments.pop(0)
                 total -= oldest.size
+                oldest.retire()  # readers holding it keep its bytes until it is buried
                 oldest.delete_files()
                 self._graveyard.append((time.monotonic(), oldest))
                 removed += 1
@@ -642,9 +653,12 @@ class PartitionLog:
         # original .log with no index (rebuilt on open), never a mismatched one.
         seg.index_path.unlink(missing_ok=True)
         seg.time_index_path.unlink(missing_ok=True)
+        seg.retire()  # readers holding it keep the old bytes: its path is the new file's
         os.replace(cleaned, seg.log_path)
         fsync_directory(self.directory)
-        new = Segment.open_sealed(self.directory, seg.base_offset, seg.index_interval_bytes)
+        new = Segment.open_sealed(
+            self.directory, seg.base_offset, seg.index_interval_bytes, self.files
+        )
         # A segment emptied by compaction still marks where its offsets began.
         new.next_offset = max(new.next_offset, seg.next_offset)
         result.bytes_after += new.size

@@ -27,6 +27,7 @@ import crc32c
 
 from headwater.errors import CorruptBatchError
 from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
+from headwater.storage.files import FileCache, SegmentFile
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,19 @@ class ScanReport:
 
 
 class Segment:
-    """A segment file with in-memory copies of its indexes."""
+    """A segment file with in-memory copies of its indexes. Its ``.log`` is opened
+    through ``files`` (a bounded set of open files shared by many segments): use the
+    descriptor only inside ``with segment.pinned() as fd``."""
 
-    def __init__(self, directory: Path, base_offset: int, index_interval_bytes: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        base_offset: int,
+        index_interval_bytes: int,
+        files: FileCache | None = None,
+    ) -> None:
         self.directory = directory
+        self.files = files if files is not None else FileCache(None)
         self.base_offset = base_offset
         self.index_interval_bytes = index_interval_bytes
         self.log_path = directory / segment_name(base_offset, ".log")
@@ -115,53 +125,80 @@ class Segment:
         self.time_timestamps = array("q")
         self.time_offsets = array("Q")
         self._bytes_since_index = 0
-        self.fd = -1
+        self.file: SegmentFile = self.files.handle(self.log_path)
+
+    def pinned(self) -> contextlib.AbstractContextManager[int]:
+        """The ``.log``'s descriptor, kept open until the block ends."""
+        return self.files.pinned(self.file)
+
+    def retire(self) -> None:
+        """Keep the current ``.log`` open until :meth:`close`: it is about to be deleted
+        or replaced, and readers holding this segment still read it."""
+        self.files.retire(self.file)
 
     # ---- opening -------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
-        seg = cls(directory, base_offset, index_interval_bytes)
-        seg.fd = os.open(seg.log_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    def create(
+        cls,
+        directory: Path,
+        base_offset: int,
+        index_interval_bytes: int,
+        files: FileCache | None = None,
+    ) -> Segment:
+        seg = cls(directory, base_offset, index_interval_bytes, files)
+        seg.file = seg.files.create(seg.log_path)
         return seg
 
     @classmethod
-    def open_tail(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
+    def open_tail(
+        cls,
+        directory: Path,
+        base_offset: int,
+        index_interval_bytes: int,
+        files: FileCache | None = None,
+    ) -> Segment:
         """Open the active segment after a possible crash: check every batch's CRC,
         truncate a torn or corrupt tail, and rebuild both indexes from what remains."""
-        seg = cls(directory, base_offset, index_interval_bytes)
-        seg.fd = os.open(seg.log_path, os.O_RDWR)
-        report = seg._scan(verify=True, stop_at_error=True)
-        file_size = os.fstat(seg.fd).st_size
-        if report.valid_bytes < file_size:
-            log.warning(
-                "truncating %s from %d to %d bytes: %s",
-                seg.log_path,
-                file_size,
-                report.valid_bytes,
-                "; ".join(report.errors) or "torn tail",
-            )
-            os.ftruncate(seg.fd, report.valid_bytes)
-            os.fsync(seg.fd)
+        seg = cls(directory, base_offset, index_interval_bytes, files)
+        with seg.pinned() as fd:
+            report = seg._scan_file(fd, verify=True, stop_at_error=True)
+            file_size = os.fstat(fd).st_size
+            if report.valid_bytes < file_size:
+                log.warning(
+                    "truncating %s from %d to %d bytes: %s",
+                    seg.log_path,
+                    file_size,
+                    report.valid_bytes,
+                    "; ".join(report.errors) or "torn tail",
+                )
+                os.ftruncate(fd, report.valid_bytes)
+                os.fsync(fd)
         # The active segment's indexes live in memory; files appear when it is sealed.
         seg.index_path.unlink(missing_ok=True)
         seg.time_index_path.unlink(missing_ok=True)
         return seg
 
     @classmethod
-    def open_sealed(cls, directory: Path, base_offset: int, index_interval_bytes: int) -> Segment:
+    def open_sealed(
+        cls,
+        directory: Path,
+        base_offset: int,
+        index_interval_bytes: int,
+        files: FileCache | None = None,
+    ) -> Segment:
         """Open a sealed segment from its index, rebuilding the index if it is damaged."""
-        seg = cls(directory, base_offset, index_interval_bytes)
-        seg.fd = os.open(seg.log_path, os.O_RDWR)
-        seg.size = os.fstat(seg.fd).st_size
-        if not seg._load_index():
-            log.warning("rebuilding index of %s", seg.log_path)
-            seg._reset_index()
-            report = seg._scan(verify=True, stop_at_error=False)
-            for error in report.errors:
-                log.error("sealed segment %s: %s", seg.log_path, error)
-            seg.size = os.fstat(seg.fd).st_size
-            seg.write_index_files(sync=True)
+        seg = cls(directory, base_offset, index_interval_bytes, files)
+        with seg.pinned() as fd:
+            seg.size = os.fstat(fd).st_size
+            if not seg._load_index():
+                log.warning("rebuilding index of %s", seg.log_path)
+                seg._reset_index()
+                report = seg._scan_file(fd, verify=True, stop_at_error=False)
+                for error in report.errors:
+                    log.error("sealed segment %s: %s", seg.log_path, error)
+                seg.size = os.fstat(fd).st_size
+                seg.write_index_files(sync=True)
         return seg
 
     def _reset_index(self) -> None:
@@ -222,7 +259,8 @@ class Segment:
     def _header_at(self, pos: int) -> tuple[int, int, int] | None:
         """(base_offset, max_timestamp_ms, length) of the batch header at ``pos``, or None
         when no plausible header starts there (no CRC check: that is the reader's job)."""
-        head = os.pread(self.fd, HEADER_SIZE, pos)
+        with self.pinned() as fd:
+            head = os.pread(fd, HEADER_SIZE, pos)
         if len(head) < HEADER_SIZE:
             return None
         fields = HEADER.unpack(head)
@@ -236,7 +274,11 @@ class Segment:
 
         Reads the file in large chunks and walks batch headers in memory, so a log of
         small batches costs few system calls."""
-        report = ScanReport(path=self.log_path, file_bytes=os.fstat(self.fd).st_size)
+        with self.pinned() as fd:
+            return self._scan_file(fd, verify=verify, stop_at_error=stop_at_error)
+
+    def _scan_file(self, fd: int, *, verify: bool, stop_at_error: bool) -> ScanReport:
+        report = ScanReport(path=self.log_path, file_bytes=os.fstat(fd).st_size)
         end = report.file_bytes
         pos = 0  # file position of the next batch
         buf = memoryview(b"")
@@ -248,7 +290,7 @@ class Segment:
             if avail >= 4:
                 need = max(HEADER_SIZE, min(peek_length(buf, off), end - pos))
             if avail < need:
-                buf = memoryview(os.pread(self.fd, min(max(SCAN_CHUNK, need), end - pos), pos))
+                buf = memoryview(os.pread(fd, min(max(SCAN_CHUNK, need), end - pos), pos))
                 buf_start, off, avail = pos, 0, len(buf)
             length = peek_length(buf, off) if avail >= 4 else 0
             try:
@@ -325,10 +367,11 @@ class Segment:
     def append(self, data: bytes, batch_header: Batch) -> int:
         """Write one encoded batch at the end; returns its file position."""
         pos = self.size
-        written = os.pwrite(self.fd, data, pos)
-        if written != len(data):  # disk full or similar: leave no torn batch behind
-            os.ftruncate(self.fd, pos)
-            raise OSError(f"short write to {self.log_path}: {written} of {len(data)} bytes")
+        with self.pinned() as fd:
+            written = os.pwrite(fd, data, pos)
+            if written != len(data):  # disk full or similar: leave no torn batch behind
+                os.ftruncate(fd, pos)
+                raise OSError(f"short write to {self.log_path}: {written} of {len(data)} bytes")
         self.size = pos + len(data)
         self._index_batch(batch_header, pos)
         return pos
@@ -347,13 +390,14 @@ class Segment:
     # ---- reading -------------------------------------------------------------------
 
     def _read_batch_at(self, pos: int, *, verify: bool = True) -> Batch:
-        head = _read(self.fd, HEADER_SIZE, pos)
-        if len(head) < HEADER_SIZE:
-            raise CorruptBatchError(f"truncated batch header at byte {pos} of {self.log_path}")
-        length = peek_length(head)
-        if length < HEADER_SIZE:
-            raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
-        data = _read(self.fd, length, pos)
+        with self.pinned() as fd:
+            head = _read(fd, HEADER_SIZE, pos)
+            if len(head) < HEADER_SIZE:
+                raise CorruptBatchError(f"truncated batch header at byte {pos} of {self.log_path}")
+            length = peek_length(head)
+            if length < HEADER_SIZE:
+                raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
+            data = _read(fd, length, pos)
         if len(data) < length:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return Batch(memoryview(data), verify=verify)
@@ -378,7 +422,8 @@ class Segment:
         calls."""
         while pos < end:
             want = min(max(chunk, HEADER_SIZE), end - pos)
-            data = _read(self.fd, want, pos)
+            with self.pinned() as fd:
+                data = _read(fd, want, pos)
             view = memoryview(data)
             consumed = 0
             while consumed + HEADER_SIZE <= len(view):
@@ -404,9 +449,7 @@ class Segment:
             pos += consumed
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.files.close(self.file)
 
     def delete_files(self) -> None:
         for path in (self.log_path, self.index_path, self.time_index_path):

@@ -26,7 +26,8 @@ def test_uncached_data_raises_would_block_and_reads_normally_after(tmp_path: Pat
     plog.append([b"x" * 1000] * 1000, first_position=0, timestamp_ms=0)
     plog.sync()
     # Evict this file's pages (they are clean after the fsync).
-    os.posix_fadvise(plog.active.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    with plog.active.pinned() as fd:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     try:
         with no_wait():
             plog.read(0, 1 << 20)

@@ -333,7 +333,7 @@ class KindsEngine:
             delete_retention_ms=self.engine.config.delete_retention_ms,
             sync=self.engine.config.sync,
         )
-        plog = PartitionLog.open(Path(directory), config)
+        plog = PartitionLog.open(Path(directory), config, self.engine.files)
         return KindState(info, plog, GroupCommitter(plog, self.executor))
 
     def fire_kind_created(self, tenant: TenantKinds, state: KindState) -> None:
