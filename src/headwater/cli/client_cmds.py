@@ -1,8 +1,9 @@
 """Client commands of ``headwater``: stream, append, read, tail, sql, bench.
 
 Every command talks to a running server through the SDK (``--server``, ``--token``,
-``--tenant``). An unreachable server is one line on stderr and exit status 2; an error
-answered by the server is one line and exit status 1.
+``--tenant``; ``--tls``, ``--ca-file``, ``--cert``, ``--key`` for TLS). An unreachable
+server is one line on stderr and exit status 2; an error answered by the server is one
+line and exit status 1.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def client_command(
 def _connect(args: argparse.Namespace) -> Client:
     import headwater
 
-    return headwater.connect(args.server, token=args.token, tenant=args.tenant)
+    return headwater.connect(args.server, token=args.token, tenant=args.tenant, **tls_options(args))
 
 
 # ---- formatting ------------------------------------------------------------------------
@@ -490,7 +491,9 @@ def bench_command(
     async def main(args: argparse.Namespace) -> None:
         from headwater.client import connect_async
 
-        client = await connect_async(args.server, token=args.token, tenant=args.tenant)
+        client = await connect_async(
+            args.server, token=args.token, tenant=args.tenant, **tls_options(args)
+        )
         try:
             await run(client, args)
         finally:
@@ -616,7 +619,34 @@ def connection_options(
         "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
     )
     group.add_argument("--tenant", type=non_negative, default=0, help=tenant_help)
+    group.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("HEADWATER_TLS", "") not in ("", "0", "false", "no"),
+        help="connect over TLS, verifying the server against the system's CAs "
+        "($HEADWATER_TLS=1); --ca-file or --cert imply it",
+    )
+    group.add_argument(
+        "--ca-file",
+        default=os.environ.get("HEADWATER_CA_FILE"),
+        help="verify the server against this CA file (PEM) ($HEADWATER_CA_FILE)",
+    )
+    group.add_argument(
+        "--cert",
+        default=os.environ.get("HEADWATER_CERT"),
+        help="client certificate (PEM) for mutual TLS ($HEADWATER_CERT)",
+    )
+    group.add_argument(
+        "--key",
+        default=os.environ.get("HEADWATER_KEY"),
+        help="the client certificate's private key, when not in the --cert file ($HEADWATER_KEY)",
+    )
     return parent
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The SDK's TLS keyword arguments from the connection options."""
+    return {"tls": args.tls, "ca": args.ca_file, "cert": args.cert, "key": args.key}
 
 
 def add_client_commands(sub: Any) -> None:

@@ -21,6 +21,7 @@ from headwater.cli.client_cmds import (
     fail,
     out,
     print_counted,
+    tls_options,
 )
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ def connect_entities(
     return entities.connect(
         args.server,
         token=args.token,
+        **tls_options(args),
         name="headwater-cli",
         read_only=read_only,
         liveness_ms=0 if read_only else CLI_LIVENESS_MS,
@@ -61,7 +63,7 @@ def connect_entities(
 def describe(args: argparse.Namespace, name: str) -> KindDescription:
     from headwater.entities import describe_kind
 
-    return describe_kind(name, args.http, token=args.token, tenant=args.tenant)
+    return describe_kind(name, args.http, token=args.token, tenant=args.tenant, **tls_options(args))
 
 
 def parse_field(text: str) -> tuple[str, int]:
@@ -121,7 +123,7 @@ def _kind_json(kind: KindDescription) -> dict[str, Any]:
 def cmd_kind_list(args: argparse.Namespace) -> int:
     from headwater.entities import list_kinds
 
-    kinds = list_kinds(args.http, token=args.token, tenant=args.tenant)
+    kinds = list_kinds(args.http, token=args.token, tenant=args.tenant, **tls_options(args))
     if not args.all:
         kinds = [k for k in kinds if not k.internal]
     if args.json:
