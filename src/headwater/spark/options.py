@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from headwater.client.aio import DEFAULT_SERVER, parse_server
 from headwater.errors import UsageError
@@ -70,9 +71,22 @@ def check_stream_name(name: str, what: str = "stream") -> str:
 
 @dataclass(frozen=True)
 class ConnectionOptions:
+    """``server``, ``token``, ``tenant``, and TLS: ``tls`` (true: verify the server
+    against the system's CAs), ``caFile`` (a CA file, implies TLS), ``certFile`` and
+    ``keyFile`` (a client certificate for mutual TLS). The files are read where a task
+    connects: on every executor."""
+
     server: str = DEFAULT_SERVER
     token: str | None = None
     tenant: int = 0
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    def tls_options(self) -> dict[str, Any]:
+        """The SDK clients' and the Ripple worker's TLS keyword arguments."""
+        return {"tls": self.tls, "ca": self.ca_file, "cert": self.cert_file, "key": self.key_file}
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ConnectionOptions:
@@ -87,7 +101,19 @@ class ConnectionOptions:
         except ValueError:
             raise UsageError(f"option tenant must be an integer, not {tenant_text!r}") from None
         token = options.get("token")
-        return cls(server, str(token) if token else None, tenant)
+        # Keys as parse() gets them: lower-cased (Spark lower-cases them on some paths).
+        cert_file, key_file = options.get("certfile"), options.get("keyfile")
+        if key_file and not cert_file:
+            raise UsageError("option keyFile is the key of certFile: set certFile too")
+        return cls(
+            server,
+            str(token) if token else None,
+            tenant,
+            tls=_bool(options, "tls", False),
+            ca_file=options.get("cafile") or None,
+            cert_file=cert_file or None,
+            key_file=key_file or None,
+        )
 
 
 def parse_offsets(text: str | None, streams: list[str], name: str, default: int) -> dict[str, int]:

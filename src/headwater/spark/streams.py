@@ -34,7 +34,7 @@ SEQUENCES_PER_PRODUCER = 32  # the server remembers the last 64 sequences of a p
 
 
 def open_client(conn: ConnectionOptions) -> Client:
-    return connect(conn.server, token=conn.token, tenant=conn.tenant)
+    return connect(conn.server, token=conn.token, tenant=conn.tenant, **conn.tls_options())
 
 
 def _quote(name: str) -> str:
