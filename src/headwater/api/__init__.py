@@ -428,6 +428,10 @@ class EngineAPI:
         """(statements run, seconds spent running them) since start."""
         return self._queries.queries, self._queries.query_seconds_total
 
+    def query_queue(self) -> tuple[int, int]:
+        """(statements running, statements waiting for one of ``sql_concurrency``)."""
+        return self._queries.running_queries, self._queries.queued_queries
+
     # ---- lifecycle helpers ------------------------------------------------------------
 
     async def flush_kinds(self, tenant_id: int | None = None) -> None:

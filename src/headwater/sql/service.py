@@ -167,6 +167,16 @@ class SqlService:
         self._builder.close()
         self._db.close()
 
+    @property
+    def running_queries(self) -> int:
+        """Statements holding one of the ``concurrency`` places."""
+        return self._admission.running
+
+    @property
+    def queued_queries(self) -> int:
+        """Statements waiting for a place."""
+        return self._admission.queued
+
     def stop_queries(self) -> None:
         """Shutdown: interrupt every running statement and refuse queued and later ones
         (each client is told the server is shutting down). Loop thread."""
