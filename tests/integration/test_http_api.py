@@ -464,9 +464,11 @@ def test_auth_required(auth_srv: HttpApi) -> None:
     )
     assert s.request("POST", "/api/streams", {"name": "a"}, token="both", tenant=42)[0] == 201
     assert s.request("POST", "/api/streams/a/events", ["v"], token="both", tenant=42)[0] == 200
-    # Service endpoints need no token.
-    for path in ("/health", "/ready", "/metrics", "/openapi.json"):
+    # Probes and the contract need no token; /metrics does (it names tenants' streams).
+    for path in ("/health", "/ready", "/openapi.json"):
         assert s.request("GET", path)[0] == 200, path
+    assert s.request("GET", "/metrics")[0] == 401
+    assert s.request("GET", "/metrics", token="zero-only")[0] == 200
     req = urllib.request.Request(s.base + "/api/streams", headers={"Authorization": "Basic eA=="})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=10)

@@ -37,6 +37,9 @@ class Principal:
 
     tenants: frozenset[int] | None  # None: every tenant (auth not required, no known token)
     token_known: bool  # a configured token was presented
+    # An operator's token (``admin = true``): sees every tenant's series at /metrics. It
+    # acts for its own ``tenants`` only, like any token.
+    admin: bool = False
 
     @property
     def default_tenant(self) -> int:
@@ -58,27 +61,29 @@ class Auth:
 
     def __init__(self, config: AuthConfig) -> None:
         self.config = config
-        self._tokens = [(token.encode(), tenants) for token, tenants in config.tokens.items()]
+        self._tokens = [
+            (token.encode(), tenants, token in config.admin_tokens)
+            for token, tenants in config.tokens.items()
+        ]
 
     @property
     def required(self) -> bool:
         return self.config.required
 
-    def _lookup(self, token: str) -> frozenset[int] | None:
+    def _lookup(self, token: str) -> Principal | None:
         presented = token.encode()
-        found: frozenset[int] | None = None
+        found: Principal | None = None
         # Every entry is compared, so the time taken does not tell which prefix matched.
-        for known, tenants in self._tokens:
+        for known, tenants, admin in self._tokens:
             if hmac.compare_digest(known, presented):
-                found = tenants
+                found = Principal(tenants, token_known=True, admin=admin)
         return found
 
     def lookup(self, token: str | None) -> Principal | None:
         """The principal of a known token; None for a missing or unknown one."""
         if not token:
             return None
-        tenants = self._lookup(token)
-        return None if tenants is None else Principal(tenants, token_known=True)
+        return self._lookup(token)
 
     def authenticate(self, token: str | None) -> Principal:
         """The principal for ``token``; AuthenticationFailed when auth is required and

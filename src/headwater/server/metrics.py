@@ -178,9 +178,40 @@ class Metrics:
             },
         }
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every series."""
-        return generate_latest(self.registry)
+    def render(self, tenants: frozenset[int] | None = None) -> bytes:
+        """The Prometheus text exposition of every series, or, given ``tenants`` (a
+        scrape with a non-admin token), of those tenants' series and the server-wide
+        ones: a series labelled by another tenant is left out."""
+        if tenants is None:
+            return generate_latest(self.registry)
+        return generate_latest(_TenantScope(self.registry, tenants))
+
+
+# Labels that name something of one tenant: a series carrying one of them is shown only
+# with its ``tenant`` label, and only to that tenant's scrapes.
+TENANT_LABELS = frozenset({"tenant", "stream", "kind", "group"})
+
+
+class _TenantScope(Collector):
+    """A registry seen by one scrape: the samples of ``tenants`` and the server-wide
+    ones (no tenant label). A sample naming a stream, kind or group without a tenant
+    label is left out too: it cannot be shown to be the scraper's."""
+
+    def __init__(self, registry: CollectorRegistry, tenants: frozenset[int]) -> None:
+        self._registry = registry
+        self._tenants = frozenset(str(tenant) for tenant in tenants)
+
+    def _visible(self, labels: dict[str, str]) -> bool:
+        tenant = labels.get("tenant")
+        if tenant is None:
+            return TENANT_LABELS.isdisjoint(labels)
+        return tenant in self._tenants
+
+    def collect(self) -> Iterator[Metric]:
+        # Every collect() builds its families afresh, so they are filtered in place.
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if self._visible(s.labels)]
+            yield family
 
 
 def _sum_sources(sources: list[Callable[[], int]]) -> int:

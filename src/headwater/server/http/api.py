@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict
 from importlib import resources
@@ -26,10 +25,18 @@ from headwater.server.http.app import (
     api_of,
     int_param,
     json_response,
+    principal_of,
+    read_body,
     server_of,
     tenant_of,
 )
-from headwater.server.http.events import NDJSON_TYPES, event_json, parse_json_array, parse_ndjson
+from headwater.server.http.events import (
+    NDJSON_TYPES,
+    decode_json,
+    event_json,
+    parse_json_array,
+    parse_ndjson,
+)
 from headwater.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from headwater.sql.projection import RANGE_SCHEMA
 from headwater.sql.values import QueryValue, Timestamp
@@ -64,13 +71,10 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
 
 
 async def _json_body(request: web.Request) -> Any:
-    body = await request.read()
+    body = await read_body(request)
     if not body:
         raise InvalidRequest("the request needs a JSON body")
-    try:
-        return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    return decode_json(body, "the body")
 
 
 def _named_stream(request: web.Request) -> tuple[EngineAPI, int, StreamInfo]:
@@ -97,7 +101,10 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[METRICS_KEY].render()
+    """The Prometheus exposition: every series for an admin token (or when auth is not
+    required and no token is given); a token's own tenants' series otherwise."""
+    principal = principal_of(request)
+    body = request.app[METRICS_KEY].render(None if principal.admin else principal.tenants)
     return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -189,7 +196,7 @@ async def append_events(request: web.Request) -> web.Response:
     encoding = request.query.get("encoding", "text")
     if encoding not in ("text", "base64"):
         raise InvalidRequest("encoding must be 'text' or 'base64'")
-    body = await request.read()
+    body = await read_body(request)
     if request.content_type in NDJSON_TYPES:
         if encoding != "text":
             raise InvalidRequest("encoding=base64 applies to JSON array bodies only")
@@ -349,6 +356,7 @@ async def ripple_workers(request: web.Request) -> web.Response:
     watermarks per output (an empty list when the listener is off)."""
     from headwater.server.ripple.listener import STATES
 
+    tenant_of(request)  # a token, when auth is required, as for every /api route
     state = STATES.get(server_of(request))
     return json_response({"workers": [] if state is None else state.workers()})
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from headwater.server.metrics import Metrics
 
 if TYPE_CHECKING:
     from headwater.api import EngineAPI
+    from headwater.api.auth import Principal
     from headwater.server.app import Server
 
 log = logging.getLogger("headwater.http")
@@ -112,17 +114,22 @@ def tenant_of(request: web.Request, *, query_token: bool = False) -> int:
         if text is not None
     ]
     tenant_id = given[0] if given else 0
-    api = api_of(request)
+    principal_of(request, query_token=query_token).check_tenant(tenant_id)  # 403
+    api_of(request).check_tenant(tenant_id)  # TenantNotFound
+    return tenant_id
+
+
+def principal_of(request: web.Request, *, query_token: bool = False) -> Principal:
+    """Who sent the request, from its bearer token (see :func:`token_of`);
+    AuthenticationFailed (401) when auth is required and the token is missing or
+    unknown."""
     token = token_of(request, query_token=query_token)
     try:
-        principal = api.authenticate(token)
+        return api_of(request).authenticate(token)
     except AuthenticationFailed:
         raise AuthenticationFailed(
             "a valid bearer token is required" if token is None else "unknown token"
         ) from None
-    principal.check_tenant(tenant_id)  # TenantForbidden: 403
-    api.check_tenant(tenant_id)  # TenantNotFound
-    return tenant_id
 
 
 @overload
@@ -172,6 +179,56 @@ def _tenant_number(text: str) -> int:
     return tenant_id
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The request's body, read as it arrives: at most MAX_BODY_BYTES (413 past it, also
+    for a body without a Content-Length), each wait for more of it at most
+    ``[limits] handshake_timeout_s`` and the whole at most ``idle_timeout_s`` (408).
+
+    A client that goes away mid-body (ConnectionResetError) leaves nothing behind: the
+    part read is freed at once, not when the cyclic GC gets to the traceback that held
+    it (aiohttp keeps the error on the request's payload, a cycle with this frame)."""
+    limits = server_of(request).config.limits
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.idle_timeout_s
+    body = bytearray()
+    try:
+        while True:
+            # The next chunk within handshake_timeout_s, and the whole by the deadline.
+            left = deadline - loop.time()
+            gap = limits.handshake_timeout_s
+            limit = "handshake_timeout_s" if gap <= left else "idle_timeout_s"
+            try:
+                async with asyncio.timeout(max(0.0, min(gap, left))):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise BodyTimeout(limit, len(body)) from None
+            if not chunk:
+                return bytes(body)
+            if len(body) + len(chunk) > MAX_BODY_BYTES:
+                raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, len(body) + len(chunk))
+            body += chunk
+    except ConnectionError as exc:
+        exc.__traceback__ = None  # breaks the payload -> error -> this frame cycle
+        received = len(body)
+        body.clear()
+        raise ClientGone(f"the client left after sending {received} body bytes") from None
+    except BaseException:
+        body.clear()  # not returned (too large, stalled, cancelled): freed now
+        raise
+
+
+class BodyTimeout(Exception):
+    """The request body stopped arriving: ``limit`` ran out after ``received`` bytes."""
+
+    def __init__(self, limit: str, received: int) -> None:
+        super().__init__(f"the request body stalled after {received} bytes ({limit})")
+        self.limit = limit
+
+
+class ClientGone(Exception):
+    """The client closed or reset its connection while its request was being read."""
+
+
 def _http_error(exc: web.HTTPException) -> web.Response:
     """aiohttp's own errors (no route, wrong method, body too large) as JSON."""
     if exc.status == 413:
@@ -187,6 +244,10 @@ def _http_error(exc: web.HTTPException) -> web.Response:
     for name in ("Allow",):
         if name in exc.headers:
             response.headers[name] = exc.headers[name]
+    if exc.status == 413:
+        # The rest of the body is not wanted: close (after a short linger) rather than
+        # read it to keep the connection.
+        response.force_close()
     return response
 
 
@@ -194,13 +255,29 @@ def _http_error(exc: web.HTTPException) -> web.Response:
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     metrics = request.app[METRICS_KEY]
     try:
+        length = request.content_length
+        if length is not None and length > MAX_BODY_BYTES:
+            # Refused from the header alone: not one byte of the body is read.
+            raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, length)
         return await handler(request)
+    except ClientGone as exc:  # nobody will read an answer: one line, no traceback
+        log.warning("http: %s %s from %s: %s", request.method, request.path, request.remote, exc)
+        return web.Response(status=400)
+    except BodyTimeout as exc:
+        metrics.record_limit(exc.limit, PROTOCOL)
+        log.warning("http: %s %s from %s: %s", request.method, request.path, request.remote, exc)
+        response = error_response(InvalidRequest(str(exc)))
+        response.set_status(408)
+        response.force_close()
+        return response
     except HeadwaterError as exc:
         metrics.record_error(PROTOCOL, exc)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if exc.status == 413:
+            metrics.record_limit("max_body_bytes", PROTOCOL)
         if exc.status >= 500:
             metrics.record_error(PROTOCOL, InternalError(exc.reason))
         else:

@@ -35,6 +35,18 @@ def event_json(event: Event) -> dict[str, Any]:
     return out
 
 
+def decode_json(data: bytes, what: str) -> Any:
+    """``data`` parsed as JSON; InvalidRequest (400) saying why ``what`` (e.g. "the
+    body") is not valid JSON, or is nested too deeply to parse (``[[[...`` by the
+    ten thousand: Python's recursion limit, which must not become a 500)."""
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest(f"{what} is JSON nested too deeply to parse") from None
+
+
 def _check_limits(values: list[bytes]) -> list[bytes]:
     if not values:
         raise InvalidRequest("an append needs at least one event")
@@ -68,10 +80,7 @@ def _value_bytes(item: Any, index: int, base64_strings: bool) -> bytes:
 def parse_json_array(body: bytes, *, base64_strings: bool = False) -> list[bytes]:
     """A JSON array body: strings become their UTF-8 bytes (or base64-decoded bytes),
     anything else its compact JSON text."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+    data = decode_json(body, "the body")
     if not isinstance(data, list):
         raise InvalidRequest("the body must be a JSON array of events (or NDJSON)")
     return _check_limits([_value_bytes(item, i, base64_strings) for i, item in enumerate(data)])
@@ -85,9 +94,6 @@ def parse_ndjson(body: bytes) -> list[bytes]:
         line = raw.rstrip(b"\r")
         if not line.strip():
             continue
-        try:
-            json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidRequest(f"NDJSON line {number} is not valid JSON: {exc}") from None
+        decode_json(line, f"NDJSON line {number}")
         values.append(bytes(line))
     return _check_limits(values)

@@ -15,12 +15,21 @@ from headwater.server.http.app import (
     SERVER_KEY,
     errors_middleware,
 )
+from headwater.server.http.connections import LimitedAppRunner
 from headwater.server.metrics import metrics_for
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
 
 SHUTDOWN_SECONDS = 10.0
+# aiohttp's own bounds on a request's head (these are its defaults, named here: a longer
+# request line or header, or more headers, is a 400 before any handler runs).
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
+# How long a body the handler did not read (a refused upload) is read and discarded so
+# the client sees the answer before the connection closes.
+LINGER_SECONDS = 2.0
 
 
 def build_app(server: Server) -> web.Application:
@@ -38,7 +47,19 @@ def build_app(server: Server) -> web.Application:
 
 async def start_http(server: Server, host: str, port: int) -> Listener:
     app = build_app(server)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS)
+    limits = server.config.limits
+    runner = LimitedAppRunner(
+        app,
+        server.limits,
+        # No access log: a request line may carry ?token= (WebSocket upgrades).
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_SECONDS,
+        keepalive_timeout=limits.idle_timeout_s,
+        max_line_size=MAX_LINE_BYTES,
+        max_field_size=MAX_FIELD_BYTES,
+        max_headers=MAX_HEADERS,
+        lingering_time=LINGER_SECONDS,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
