@@ -16,6 +16,7 @@ import pytest
 from headwater.errors import ProtocolError, UsageError
 from headwater.protocols.ripple import (
     FINGERPRINT_SIZE,
+    FLAG_HANDSHAKE_AUTH,
     HEADER_SIZE,
     MAGIC,
     MAX_PAYLOAD,
@@ -39,6 +40,7 @@ from headwater.protocols.ripple import (
     FieldSet,
     FieldType,
     Handshake,
+    HandshakeAuth,
     HandshakeReceived,
     Heartbeat,
     MapRemove,
@@ -551,6 +553,94 @@ def test_message_vectors(message: object, wire: str) -> None:
 
 def _fp(message: object) -> bytes | None:
     return fingerprint("vwap", 2) if isinstance(message, DeltaMsg) else None
+
+
+# --- headwater's Handshake auth extension (docs/protocols/ripple.md) -------------------
+
+AUTH_HANDSHAKE = Handshake("w1", (("vwap", SCHEMA_PRICE),), 1, HandshakeAuth("s3cret", 42))
+AUTH_HANDSHAKE_ENVELOPE = h(
+    "52 49 50 50 01 00"  # magic, version 1, type Handshake
+    " 01"  # flags: FLAG_HANDSHAKE_AUTH
+    " 01 00 00 00 00 00 00 00"  # sequence 1
+    " 00 00 00 00 00 00 00 00"  # timestamp 0
+    f" {ZEROS32}"  # fingerprint (not a Delta)
+    " 23 00 00 00"  # payload length 35
+    " 02 7731 01 04 76776170 04 76776170 02 01 05 7072696365 03 00 01"  # the contract's
+    " 01 06 733363726574"  # token = Some "s3cret"
+    " 01 2a"  # tenant = Some 42
+    " 1d 9d ca af"  # CRC-32C
+)
+
+
+@pytest.mark.parametrize(
+    ("auth", "wire"),
+    [
+        (HandshakeAuth("s3cret", 42), "01 06 733363726574 01 2a"),
+        (HandshakeAuth("s3cret"), "01 06 733363726574 00"),
+        (HandshakeAuth(None, 42), "00 01 2a"),
+        (HandshakeAuth(), "00 00"),
+    ],
+)
+def test_handshake_auth_vectors(auth: HandshakeAuth, wire: str) -> None:
+    contract = h(MESSAGE_VECTORS[0][1])
+    handshake = Handshake("w1", (("vwap", SCHEMA_PRICE),), 1, auth)
+    assert encode_payload(handshake) == contract + h(wire)
+    assert decode_payload(MessageType.HANDSHAKE, contract + h(wire), FLAG_HANDSHAKE_AUTH) == (
+        handshake
+    )
+
+
+def test_handshake_auth_envelope_vector() -> None:
+    assert FLAG_HANDSHAKE_AUTH == 0x01
+    assert encode_message(AUTH_HANDSHAKE, sequence=1) == AUTH_HANDSHAKE_ENVELOPE
+    data = AUTH_HANDSHAKE_ENVELOPE
+    assert int.from_bytes(data[-4:], "little") == crc32c_reference(data[:-4])
+    assert decode_message(decode_envelope(data)) == AUTH_HANDSHAKE
+    client = ClientConnection("w1")
+    assert client.handshake({"vwap": SCHEMA_PRICE}, auth=AUTH_HANDSHAKE.auth) == data
+    (event,) = ServerConnection().receive_data(data)
+    assert isinstance(event, HandshakeReceived) and event.handshake == AUTH_HANDSHAKE
+    # Without a credential, a worker's Handshake is the contract's, flags 0.
+    plain = ClientConnection("w1").handshake({"vwap": SCHEMA_PRICE})
+    assert plain[6] == 0 and decode_envelope(plain).payload == h(MESSAGE_VECTORS[0][1])
+
+
+@pytest.mark.parametrize(
+    ("message_type", "flags", "payload", "reason"),
+    [
+        # the flag on any other message, and any other flag, are still refused
+        (MessageType.HEARTBEAT, FLAG_HANDSHAKE_AUTH, h(HEARTBEAT_PAYLOAD), "flags 0x01"),
+        (MessageType.HANDSHAKE, 0x02, h(MESSAGE_VECTORS[0][1]) + h("00 00"), "flags 0x02"),
+        (MessageType.HANDSHAKE, 0x03, h(MESSAGE_VECTORS[0][1]) + h("00 00"), "flags 0x03"),
+        # the flag promises an extension: missing, cut short or followed by more is an error
+        (MessageType.HANDSHAKE, FLAG_HANDSHAKE_AUTH, h(MESSAGE_VECTORS[0][1]), "HandshakeAuth"),
+        (
+            MessageType.HANDSHAKE,
+            FLAG_HANDSHAKE_AUTH,
+            h(MESSAGE_VECTORS[0][1]) + h("01 06 73"),
+            "token",
+        ),
+        (
+            MessageType.HANDSHAKE,
+            FLAG_HANDSHAKE_AUTH,
+            h(MESSAGE_VECTORS[0][1]) + h("00 00 00"),
+            "trailing bytes after handshake_auth",
+        ),
+        # an extension's bytes without the flag are the contract's trailing garbage
+        (MessageType.HANDSHAKE, 0, h(MESSAGE_VECTORS[0][1]) + h("00 00"), "trailing"),
+    ],
+)
+def test_the_auth_extension_is_refused_where_it_does_not_fit(
+    message_type: MessageType, flags: int, payload: bytes, reason: str
+) -> None:
+    data = encode_envelope(message_type, payload, sequence=1, flags=flags)
+    with pytest.raises(DecodeError, match=reason):
+        decode_message(decode_envelope(data))
+    server = ServerConnection()
+    if message_type is not MessageType.HANDSHAKE:
+        server.receive_data(encode_message(Handshake("w1", ()), sequence=1))
+    (event,) = server.receive_data(data)
+    assert isinstance(event, Reject) and server.closed
 
 
 def test_message_type_numbers() -> None:

@@ -1,9 +1,12 @@
 """One auth rule on every listener of a real server (headwater.api.auth): a known token
 acts for exactly its tenants, a missing or unknown one is refused while auth is
-required. Ripple carries no credential on its wire, so a worker is refused outright."""
+required. A Ripple worker's token travels in headwater's Handshake extension; without one
+it is refused before it can touch a kind or a source slot."""
 
 from __future__ import annotations
 
+import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +20,8 @@ from websockets.sync.client import connect as ws_connect
 import headwater
 from headwater import entities
 from headwater.errors import AuthenticationFailed
+from headwater.protocols.ripple import messages as rm
+from headwater.protocols.ripple.connection import ClientConnection
 from headwater.ripple import Worker, WorkerError
 
 CONFIG = """
@@ -106,5 +111,92 @@ def test_http_and_websocket(server: Server) -> None:
 
 
 def test_ripple_worker_is_refused_while_auth_is_required(server: Server) -> None:
-    with pytest.raises(WorkerError, match="authentication failed"):
-        Worker("auth-job", {"ripple_prices": Price}, server=server.address_of("ripple"))
+    address = server.address_of("ripple")
+    with pytest.raises(WorkerError, match="authentication failed: a valid token is required"):
+        Worker("auth-job", {"ripple_prices": Price}, server=address)
+    with pytest.raises(WorkerError, match="authentication failed: unknown token"):
+        Worker("auth-job", {"ripple_prices": Price}, server=address, token="wrong")
+    with pytest.raises(WorkerError, match="does not grant tenant 0"):
+        Worker("auth-job", {"ripple_prices": Price}, server=address, token="acme-only", tenant=0)
+    # The server still serves a worker with a valid token, and only it wrote anything.
+    with Worker("auth-job", {"ripple_prices": Price}, server=address, token="s3cret") as worker:
+        worker.set("ripple_prices", "p1", Price("A", 1.5))
+        worker.checkpoint()
+    with headwater.connect(server.address, token="s3cret") as client:
+        assert client.query("SELECT symbol, price FROM ripple_prices").rows == [("A", "1.5")]
+
+
+def ripple_answer(server: Server, handshake: bytes, *then: bytes) -> rm.SchemaNegotiation:
+    """The server's answer to a raw Handshake (and whatever is pipelined behind it); the
+    server must close the connection after a refusal."""
+    with socket.create_connection(("127.0.0.1", server.ports["ripple"]), timeout=30) as sock:
+        sock.sendall(handshake + b"".join(then))
+        codec = ClientConnection("reader")
+        received: list[rm.Message] = []
+        while data := sock.recv(1 << 16):
+            received += [r.message for r in codec.receive_data(data)]
+            if received and received[0] == rm.SchemaNegotiation(True, ()):
+                return received[0]  # accepted: the connection stays open
+    [answer] = received
+    assert isinstance(answer, rm.SchemaNegotiation)
+    return answer
+
+
+def test_an_anonymous_ripple_worker_cannot_migrate_a_kind_or_take_source_slots(
+    server: Server,
+) -> None:
+    """The attack of issue 17: an unauthenticated worker overwrote and migrated a tenant's
+    kind and took all 64 source slots. Refused now, with nothing written."""
+    with entities.connect(server.address_of("convergedb"), token="s3cret", name="owner") as owner:
+        held = owner.create_kind(Price, "held_prices")
+        owner.assert_(held, "p1", Price("A", 1.5))
+        owner.flush()
+    migrated = rm.Schema(
+        "held_prices",
+        2,
+        (
+            rm.Field("symbol", rm.FieldType.STRING),
+            rm.Field("price", rm.FieldType.FLOAT),
+            rm.Field("evil", rm.FieldType.STRING),
+        ),
+    )
+    overwrite = rm.Set({"symbol": "HACKED", "price": 0.0, "evil": "x"})
+    # One more than the 64 slots a tenant's kinds have, each pipelining an overwrite.
+    for n in range(65):
+        for auth in (None, rm.HandshakeAuth("wrong"), rm.HandshakeAuth("acme-only", 0)):
+            attacker = ClientConnection(f"attacker-{n}")
+            hello = attacker.handshake({"held_prices": migrated}, auth=auth)
+            answer = ripple_answer(
+                server, hello, attacker.send_delta("held_prices", "p1", overwrite)
+            )
+            assert not answer.ok and answer.errors[0].startswith("authentication failed"), answer
+    with headwater.connect(server.address, token="s3cret") as client:
+        shown = client.query("SELECT * FROM held_prices")
+        assert shown.columns[-2:] == ["symbol", "price"]  # not migrated
+        assert [row[-2:] for row in shown.rows] == [("A", "1.5")]  # not overwritten
+    # Every slot is still free: the owner's token gets one, and so does a Ripple worker's.
+    with Worker(
+        "held-job", {"held_prices": Price}, server=server.address_of("ripple"), token="s3cret"
+    ) as worker:
+        worker.set("held_prices", "p2", Price("B", 2.5))
+        worker.checkpoint()
+    request = urllib.request.Request(f"http://{server.address_of('http')}/api/ripple/workers")
+    request.add_header("Authorization", "Bearer s3cret")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        workers = json.loads(response.read())["workers"]
+    assert [w["worker_id"] for w in workers if w["worker_id"].startswith("attacker")] == []
+    assert "held-job" in [w["worker_id"] for w in workers]
+
+
+def test_a_ripple_token_writes_only_to_its_tenants(server: Server) -> None:
+    """``acme-only`` grants tenant 42: its worker writes there by default, and tenant 0
+    sees nothing of it."""
+    address = server.address_of("ripple")
+    with Worker("acme-job", {"acme_prices": Price}, server=address, token="acme-only") as worker:
+        worker.set("acme_prices", "p1", Price("ACME", 42.0))
+        worker.checkpoint()
+    with headwater.connect(server.address, token="acme-only", tenant=42) as client:
+        assert client.query("SELECT symbol, price FROM acme_prices").rows == [("ACME", "42.0")]
+    with headwater.connect(server.address, token="s3cret") as client:
+        names = [row[0] for row in client.query("SHOW TABLES").rows]
+        assert "acme_prices" not in names

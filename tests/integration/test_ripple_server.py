@@ -157,7 +157,7 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: Server)
     http = server.ports["http"]
     with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10) as answer:
         metrics = answer.read().decode()
-    assert 'headwater_ripple_watermark_ns{output="vwap",worker="w1"} 1000.0' in metrics
+    assert 'headwater_ripple_watermark_ns{output="vwap",tenant="0",worker="w1"} 1000.0' in metrics
     assert 'headwater_ripple_deltas_total{outcome="duplicate"} 3.0' in metrics
     # Liveness and progress per worker, as the HTTP API shows them (checked against
     # the OpenAPI document's schema).

@@ -18,6 +18,7 @@ from headwater.protocols.ripple import (
     FieldType,
     FieldValue,
     Handshake,
+    HandshakeAuth,
     Heartbeat,
     MapRemove,
     MapSet,
@@ -181,13 +182,19 @@ def typed_deltas(draw: st.DrawFn, schema: Schema) -> Delta:
     return Remove()
 
 
+handshake_auths = st.builds(HandshakeAuth, st.none() | texts, st.none() | ocaml_ints)
+"""headwater's Handshake extension (FLAG_HANDSHAKE_AUTH)."""
+
+
 @st.composite
 def handshakes(draw: st.DrawFn) -> Handshake:
+    """Handshakes of the contract, and with headwater's auth extension."""
     outputs = draw(st.lists(names, max_size=3, unique=True))
     return Handshake(
         draw(texts),
         tuple((output, draw(schemas())) for output in outputs),
         draw(ocaml_ints),
+        draw(st.none() | handshake_auths),
     )
 
 

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ripple_strategies import (
+    handshake_auths,
+    handshakes,
     int64s,
     messages,
     names,
@@ -24,6 +26,7 @@ from ripple_strategies import (
 )
 
 from headwater.protocols.ripple import (
+    FLAG_HANDSHAKE_AUTH,
     OVERHEAD,
     Atom,
     ClientConnection,
@@ -31,6 +34,8 @@ from headwater.protocols.ripple import (
     Envelope,
     EnvelopeDecoder,
     FieldType,
+    Handshake,
+    HandshakeAuth,
     HandshakeReceived,
     Heartbeat,
     Message,
@@ -50,6 +55,7 @@ from headwater.protocols.ripple import (
     encode_payload,
     encode_record,
     fingerprint,
+    flags_of,
     text_of_value,
     value_of_sexp,
 )
@@ -178,7 +184,7 @@ def test_deltas_round_trip(case: tuple[Schema, object]) -> None:
 @given(messages)
 def test_message_payloads_round_trip(message: Message) -> None:
     payload = encode_payload(message)
-    assert decode_payload(type_of(message), payload) == message
+    assert decode_payload(type_of(message), payload, flags_of(message)) == message
 
 
 def type_of(message: Message) -> int:
@@ -196,6 +202,29 @@ def test_enveloped_messages_round_trip(message: Message, sequence: int, ts: int)
     assert (envelope.sequence, envelope.timestamp_ns) == (sequence, ts)
     assert len(data) == OVERHEAD + len(envelope.payload)
     assert decode_message(envelope) == message
+
+
+@PROPS
+@given(handshakes(), handshake_auths)
+def test_the_auth_extension_follows_the_contracts_handshake(
+    handshake: Handshake, auth: HandshakeAuth
+) -> None:
+    """With the extension, the payload is the contract's handshake record unchanged, then
+    the handshake_auth record, under FLAG_HANDSHAKE_AUTH; the server's codec gives both
+    back. Without it, the envelope is exactly the contract's (flags 0)."""
+    plain = Handshake(handshake.source_worker_id, handshake.output_schemas, 1)
+    extended = Handshake(plain.source_worker_id, plain.output_schemas, 1, auth)
+    contract = encode_message(plain, sequence=1)
+    data = encode_message(extended, sequence=1)
+    envelope, contract_envelope = decode_envelope(data), decode_envelope(contract)
+    assert (envelope.flags, contract_envelope.flags) == (FLAG_HANDSHAKE_AUTH, 0)
+    assert envelope.payload.startswith(contract_envelope.payload)
+    assert decode_message(contract_envelope) == plain
+    events = ServerConnection().receive_data(data)
+    assert len(events) == 1 and isinstance(events[0], HandshakeReceived)
+    assert events[0].handshake == extended and events[0].handshake.auth == auth
+    # The token is never in a log line: the extension's repr leaves it out.
+    assert repr(events[0].handshake.auth) == f"HandshakeAuth(tenant={auth.tenant!r})"
 
 
 @PROPS

@@ -143,10 +143,12 @@ class _AsyncWorker(Session[_Link, Resumable[_Link]]):
         heartbeat_s: float,
         timeout: float,
         reconnect_attempts: int,
+        auth: rm.HandshakeAuth | None = None,
     ) -> None:
         super().__init__(server, timeout, True, reconnect_attempts, 0.05, 2.0)
         self.worker_id = worker_id
         self.schemas = schemas
+        self.auth = auth  # the Handshake extension's token and tenant (None: anonymous)
         self.heartbeat_s = heartbeat_s
         # The caller's thread and the loop's share what follows.
         self._guard = threading.Lock()
@@ -164,7 +166,8 @@ class _AsyncWorker(Session[_Link, Resumable[_Link]]):
         )
 
         def hello(c: _Link) -> tuple[Hashable, asyncio.Future[rm.Message]]:
-            return _HANDSHAKE, c._expect(_HANDSHAKE, c.codec.handshake(self.schemas))
+            handshake = c.codec.handshake(self.schemas, auth=self.auth)
+            return _HANDSHAKE, c._expect(_HANDSHAKE, handshake)
 
         await self._greet(conn, hello, "Handshake", rm.SchemaNegotiation)
         self._keep_alive(conn, self.heartbeat_s, self._beat, when_idle=False)
@@ -328,11 +331,18 @@ class Worker(Blocking[_AsyncWorker]):
         timeout: float = 30.0,
         reconnect_attempts: int = 8,
         resume: bool = False,
+        token: str | None = None,
+        tenant: int | None = None,
     ) -> None:
         """``resume``: continue numbering after the last sequence number the server
         applied for this worker (asked with a checkpoint at start), for a worker that
         does not replay deterministically; by default numbering starts at 1, and a
-        restarted worker resending from its checkpoint gets its old deltas dropped."""
+        restarted worker resending from its checkpoint gets its old deltas dropped.
+
+        ``token``: the worker's credential (needed when the server has ``[auth] required
+        = true``); ``tenant``: the tenant to write to (default: the lowest the token
+        grants, 0 without a token). Either one goes in the Handshake's auth extension
+        (docs/protocols/ripple.md); without both the Handshake is the contract's own."""
         self.worker_id = worker_id
         self.schemas = {
             out: s if isinstance(s, rm.Schema) else schema_of(s, out) for out, s in outputs.items()
@@ -347,6 +357,7 @@ class Worker(Blocking[_AsyncWorker]):
             heartbeat_s=heartbeat_s,
             timeout=timeout,
             reconnect_attempts=reconnect_attempts,
+            auth=None if token is None and tenant is None else rm.HandshakeAuth(token, tenant),
         )
         runner = LoopThread.connected(
             inner, name="ripple-worker", closed_message=inner.closed_message

@@ -143,7 +143,17 @@ class KindWriteResult:
 
 def _connect(worker_id: str, options: KindWriteOptions, schema: rm.Schema) -> Worker:
     try:
-        return Worker(worker_id, {options.kind: schema}, str(options.ripple_server))
+        connection = options.connection
+        # The token and tenant go in the Handshake's auth extension; a connection that
+        # names neither sends the contract's plain Handshake.
+        tenant = None if connection.token is None and connection.tenant == 0 else connection.tenant
+        return Worker(
+            worker_id,
+            {options.kind: schema},
+            str(options.ripple_server),
+            token=connection.token,
+            tenant=tenant,
+        )
     except (OSError, WorkerError) as exc:
         if isinstance(exc, WorkerError) and "source slots" in str(exc):
             raise UsageError(

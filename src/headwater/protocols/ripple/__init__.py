@@ -46,6 +46,7 @@ from .envelope import (
     fingerprint_text,
 )
 from .messages import (
+    FLAG_HANDSHAKE_AUTH,
     MAX_OUTPUTS,
     MAX_SCHEMA_FIELDS,
     PROTOCOL_VERSION,
@@ -60,6 +61,7 @@ from .messages import (
     FieldType,
     FieldValue,
     Handshake,
+    HandshakeAuth,
     Heartbeat,
     MapRemove,
     MapSet,
@@ -85,6 +87,7 @@ from .messages import (
     encode_message,
     encode_payload,
     encode_record,
+    flags_of,
     record_codec,
     schema_problems,
     text_of_value,
@@ -93,6 +96,7 @@ from .messages import (
 
 __all__ = [
     "FINGERPRINT_SIZE",
+    "FLAG_HANDSHAKE_AUTH",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_OUTPUTS",
@@ -123,6 +127,7 @@ __all__ = [
     "FieldType",
     "FieldValue",
     "Handshake",
+    "HandshakeAuth",
     "HandshakeReceived",
     "Heartbeat",
     "MapRemove",
@@ -172,6 +177,7 @@ __all__ = [
     "encode_record",
     "fingerprint",
     "fingerprint_text",
+    "flags_of",
     "record_codec",
     "schema_problems",
     "text_of_value",

@@ -66,6 +66,7 @@ from .messages import (
     Delta,
     DeltaMsg,
     Handshake,
+    HandshakeAuth,
     Heartbeat,
     Message,
     Schema,
@@ -302,7 +303,10 @@ class ClientConnection:
         outputs: Mapping[str, Schema] | Iterable[tuple[str, Schema]],
         *,
         timestamp_ns: int = 0,
+        auth: HandshakeAuth | None = None,
     ) -> bytes:
+        """The Handshake; ``auth`` (a token, a tenant) travels in headwater's extension
+        (FLAG_HANDSHAKE_AUTH), which a worker without a credential leaves out."""
         if self._outputs is not None:
             raise UsageError("the Handshake was already sent")
         pairs = tuple(outputs.items() if isinstance(outputs, Mapping) else outputs)
@@ -313,7 +317,8 @@ class ClientConnection:
             problems = schema_problems(schema)
             if problems:
                 raise UsageError("; ".join(problems))
-        data = self._envelope(Handshake(self.worker_id, pairs, PROTOCOL_VERSION), timestamp_ns)
+        handshake = Handshake(self.worker_id, pairs, PROTOCOL_VERSION, auth)
+        data = self._envelope(handshake, timestamp_ns)
         self._outputs = declared
         return data
 

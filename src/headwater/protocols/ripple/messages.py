@@ -22,6 +22,13 @@ once with the :mod:`.bin_prot` combinators, fields in the contract's order::
     checkpoint_ack     = {checkpoint_id: string; worker_id: string; epoch: int;
                           last_sequence_no: int}
 
+headwater's one extension (docs/protocols/ripple.md, "Handshake auth extension"): a
+Handshake envelope with flag bit 0 set (:data:`FLAG_HANDSHAKE_AUTH`) carries, right after
+the handshake record, ``handshake_auth = {token: string option; tenant: int option}``
+(:class:`HandshakeAuth`, as ``Handshake.auth``). Without the flag the payload is exactly
+the contract's handshake record; every other flag, and any flag on another message, is
+still refused.
+
 Strings are UTF-8 text in Python (a non-UTF-8 string is a decode error) except the two
 that carry opaque bytes: ``delta_msg.key`` and ``delta_msg.delta_bytes`` are ``bytes``.
 
@@ -74,8 +81,13 @@ class UnknownMessageTypeError(DecodeError):
 
 
 class UnsupportedFlagsError(DecodeError):
-    """An intact envelope with flag bits set (all are reserved; a flag could change how
-    the payload must be read, so it is refused rather than ignored)."""
+    """An intact envelope with flag bits set that it may not carry (all are reserved but
+    :data:`FLAG_HANDSHAKE_AUTH` on a Handshake; a flag could change how the payload must
+    be read, so it is refused rather than ignored)."""
+
+
+FLAG_HANDSHAKE_AUTH = 0x01
+"""Envelope flag of a Handshake whose payload is followed by a ``handshake_auth`` record."""
 
 
 # --- schemas -------------------------------------------------------------------------
@@ -419,10 +431,22 @@ def decode_delta(schema: Schema, data: Buffer) -> Delta:
 
 
 @dataclass(frozen=True, slots=True)
+class HandshakeAuth:
+    """headwater's Handshake extension: the worker's credential and the tenant it writes
+    to (None: the lowest tenant the credential grants, as ConvergeDB's CONNECT). The
+    token is left out of the repr, so a logged Handshake never shows it."""
+
+    token: str | None = dataclass_field(default=None, repr=False)
+    tenant: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Handshake:
     source_worker_id: str
     output_schemas: tuple[tuple[str, Schema], ...]
     protocol_version: int = PROTOCOL_VERSION
+    # Not part of the contract's record: sent after it, under FLAG_HANDSHAKE_AUTH.
+    auth: HandshakeAuth | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,11 +502,25 @@ SCHEMA: Codec[Schema] = bp.record(
     ("fields", bp.list_of(FIELD, MAX_SCHEMA_FIELDS)),
     ("doc", bp.option(bp.STRING)),
 )
+
+
+def _handshake(
+    source_worker_id: str, output_schemas: tuple[tuple[str, Schema], ...], protocol_version: int
+) -> Handshake:
+    return Handshake(source_worker_id, output_schemas, protocol_version)
+
+
+# The contract's record: Handshake's fields but ``auth``, which travels after it under
+# FLAG_HANDSHAKE_AUTH (hence a constructor instead of the class, whose init has ``auth``).
 HANDSHAKE: Codec[Handshake] = bp.record(
-    Handshake,
+    _handshake,
     ("source_worker_id", bp.STRING),
     ("output_schemas", bp.list_of(bp.pair(bp.STRING, SCHEMA), MAX_OUTPUTS)),
     ("protocol_version", bp.INT),
+    name="Handshake",
+)
+HANDSHAKE_AUTH: Codec[HandshakeAuth] = bp.record(
+    HandshakeAuth, ("token", bp.option(bp.STRING)), ("tenant", bp.option(bp.INT))
 )
 SCHEMA_NEGOTIATION: Codec[SchemaNegotiation] = bp.record(
     SchemaNegotiation, ("ok", bp.BOOL), ("errors", bp.list_of(bp.STRING))
@@ -534,19 +572,43 @@ def message_type_of(message: Message) -> MessageType:
         raise UsageError(f"{type(message).__name__} is not a Ripple message") from None
 
 
+def flags_of(message: Message) -> int:
+    """The envelope flags ``message`` travels with: FLAG_HANDSHAKE_AUTH for a Handshake
+    carrying ``auth``, else 0."""
+    return FLAG_HANDSHAKE_AUTH if isinstance(message, Handshake) and message.auth is not None else 0
+
+
 def encode_payload(message: Message) -> bytes:
-    """The bin_prot payload of ``message`` (no envelope)."""
-    return MESSAGE_CODECS[message_type_of(message)].encode(message)
+    """The bin_prot payload of ``message`` (no envelope); a Handshake's ``auth`` follows
+    its record (and needs :func:`flags_of` in the envelope)."""
+    codec = MESSAGE_CODECS[message_type_of(message)]
+    if not (isinstance(message, Handshake) and message.auth is not None):
+        return codec.encode(message)
+    w = Writer()
+    codec.write(w, message)
+    HANDSHAKE_AUTH.write(w, message.auth)
+    return w.getvalue()
 
 
-def decode_payload(message_type: int, payload: Buffer) -> Message:
-    """The message of type ``message_type`` filling ``payload`` (DecodeError otherwise)."""
+def decode_payload(message_type: int, payload: Buffer, flags: int = 0) -> Message:
+    """The message of type ``message_type`` filling ``payload`` (DecodeError otherwise);
+    ``flags`` from its envelope (UnsupportedFlagsError for any it may not carry)."""
     try:
         kind = MessageType(message_type)
     except ValueError:
         raise UnknownMessageTypeError(f"unknown message type {message_type}") from None
-    message: Message = MESSAGE_CODECS[kind].decode(payload)
-    return message
+    if not flags:
+        message: Message = MESSAGE_CODECS[kind].decode(payload)
+        return message
+    if kind is not MessageType.HANDSHAKE or flags != FLAG_HANDSHAKE_AUTH:
+        raise UnsupportedFlagsError(f"reserved flags {flags:#04x} are set on a {kind.name}")
+    r = Reader(payload)
+    handshake = HANDSHAKE.read(r)
+    auth = HANDSHAKE_AUTH.read(r)
+    r.finish("handshake_auth")
+    return Handshake(
+        handshake.source_worker_id, handshake.output_schemas, handshake.protocol_version, auth
+    )
 
 
 def encode_message(
@@ -569,21 +631,21 @@ def encode_message(
         raise UsageError(f"a {kind.name} envelope carries a zero fingerprint")
     return encode_envelope(
         kind,
-        MESSAGE_CODECS[kind].encode(message),
+        encode_payload(message),
         sequence=sequence,
         timestamp_ns=timestamp_ns,
         fingerprint=fingerprint or ZERO_FINGERPRINT,
+        flags=flags_of(message),
     )
 
 
 def decode_message(envelope: Envelope) -> Message:
     """The message an intact envelope carries.
 
-    DecodeError subclasses: :class:`UnsupportedFlagsError` (flags byte not 0),
+    DecodeError subclasses: :class:`UnsupportedFlagsError` (flags byte not 0, but for
+    FLAG_HANDSHAKE_AUTH on a Handshake),
     :class:`UnknownMessageTypeError`, or a plain :class:`DecodeError` when the payload is
     not exactly one value of the type's bin_prot form. The fingerprint is not looked at
     (the connection compares a Delta's before calling this).
     """
-    if envelope.flags:
-        raise UnsupportedFlagsError(f"reserved flags {envelope.flags:#04x} are set")
-    return decode_payload(envelope.message_type, envelope.payload)
+    return decode_payload(envelope.message_type, envelope.payload, envelope.flags)

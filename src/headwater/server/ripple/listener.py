@@ -1,8 +1,13 @@
 """The asyncio shell of the Ripple front end (127.0.0.1:7403): pipeline workers publish
 deltas into entity kinds (spec/PROTOCOLS.md §4, docs/protocols/ripple.md).
 
-Each connection is one worker holding one source slot in the tenant's kinds (as a
-ConvergeDB writer does), so a Remove clears only its own bit. The Handshake's outputs
+Each connection is one worker holding one source slot in its tenant's kinds (as a
+ConvergeDB writer does), so a Remove clears only its own bit. The worker's credential
+comes first: the token in headwater's Handshake extension (FLAG_HANDSHAKE_AUTH) goes
+through the one auth rule (EngineAPI.authenticate), and the worker writes to the tenant
+it names (or the lowest its token grants, 0 without one). With ``[auth] required`` a
+worker without a valid credential is refused before it can create, migrate or write a
+kind or take a source slot. The Handshake's outputs
 are checked against the kinds of the same names: a kind is created when absent and
 migrated when the schema appends fields; anything else is refused with the reasons.
 A Delta becomes an assert (Set), patch (Patch) or retract (Remove) of the entity whose
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from headwater.api import Principal
 from headwater.engine.kinds import (
     KindInfo,
     KindNotFound,
@@ -42,7 +48,7 @@ from headwater.engine.kinds import (
     retract_op,
 )
 from headwater.engine.kinds.fields import FieldType, default_value
-from headwater.errors import AuthenticationFailed
+from headwater.errors import AuthenticationFailed, TenantNotFound
 from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
@@ -55,7 +61,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("headwater.ripple")
 
-TENANT_ID = 0  # the listener writes to one tenant (§4: no auth field)
 KIND_TYPES = {
     rm.FieldType.STRING: FieldType.STRING,
     rm.FieldType.INT: FieldType.I64,
@@ -70,7 +75,7 @@ def entity_id_for(key: bytes) -> bytes:
     return key.ljust(32, b"\0") if len(key) <= 32 else hashlib.sha256(key).digest()
 
 
-STATES: weakref.WeakKeyDictionary[Server, RippleState] = weakref.WeakKeyDictionary()
+STATES: weakref.WeakKeyDictionary[Server, RippleStates] = weakref.WeakKeyDictionary()
 """The Ripple state of each running server (for the HTTP API)."""
 
 
@@ -79,9 +84,11 @@ class RippleError(Exception):
 
 
 class RippleState:
-    """What outlives a connection: sequence numbers, watermarks, heartbeats, counters."""
+    """What outlives a connection, per tenant: sequence numbers, source slots,
+    watermarks, heartbeats, counters."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, tenant_id: int, path: Path, live: set[RippleConnection]) -> None:
+        self.tenant_id = tenant_id
         self.path = path
         self.tracker = rc.SequenceTracker()
         self.slots: dict[str, int] = {}  # worker id -> its source slot in the tenant's kinds
@@ -93,13 +100,15 @@ class RippleState:
         self.watermarks: dict[tuple[str, str], int] = {}
         self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
         self.applied = 0
-        self.live: set[RippleConnection] = set()
+        self.live = live  # every tenant's connections (the listener's)
         self._saving = asyncio.Lock()
 
     def workers(self) -> list[dict[str, Any]]:
         """Every worker seen: its slot, connection, last heartbeat and outputs (the HTTP
         API's /api/ripple/workers)."""
-        connected = {c.protocol.worker_id for c in self.live if c.source is not None}
+        connected = {
+            c.protocol.worker_id for c in self.live if c.source is not None and c.state is self
+        }
         outputs: dict[str, list[dict[str, Any]]] = {}
         for source, last in self.tracker.items():
             worker, output = cast(tuple[str, str], source)
@@ -116,6 +125,7 @@ class RippleState:
             beat = self.heartbeats.get(worker)
             result.append(
                 {
+                    "tenant_id": self.tenant_id,
                     "worker_id": worker,
                     "connected": worker in connected,
                     "source_id": self.slots.get(worker),
@@ -143,14 +153,47 @@ class RippleState:
         write_json_atomic(self.path, table)
 
 
+class RippleStates:
+    """The listener's state of every tenant its workers wrote to (``DATA_DIR/ripple/
+    tenant-<id>.json`` each), and its live connections."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.live: set[RippleConnection] = set()
+        self.by_tenant: dict[int, RippleState] = {}
+        for path in sorted(directory.glob("tenant-*.json")):
+            tenant = path.stem.removeprefix("tenant-")
+            if tenant.isdigit():
+                self.of(int(tenant))
+
+    def of(self, tenant_id: int) -> RippleState:
+        """The tenant's state (read from its file the first time)."""
+        state = self.by_tenant.get(tenant_id)
+        if state is None:
+            path = self.directory / f"tenant-{tenant_id}.json"
+            state = self.by_tenant[tenant_id] = RippleState(tenant_id, path, self.live)
+        return state
+
+    def workers(self, tenants: frozenset[int] | None = None) -> list[dict[str, Any]]:
+        """Every worker seen, of every tenant or of ``tenants``, by tenant then worker id."""
+        return [
+            worker
+            for tenant_id, state in sorted(self.by_tenant.items())
+            if tenants is None or tenant_id in tenants
+            for worker in state.workers()
+        ]
+
+
 class RippleConnection(asyncio.Protocol):
-    def __init__(self, server: Server, state: RippleState, live: set[RippleConnection]) -> None:
+    def __init__(self, server: Server, states: RippleStates) -> None:
         self.server = server
-        self.state = state
-        self.live = live
+        self.states = states
+        self.live = states.live
         self.protocol = rc.ServerConnection()
         self.transport: asyncio.Transport | None = None
-        self.kinds: TenantKinds = server.api.kinds(TENANT_ID)
+        # Set by an accepted Handshake: the tenant the worker's credential writes to.
+        self.state: RippleState | None = None
+        self.kinds: TenantKinds | None = None
         self.source: Source | None = None
         self.outputs: dict[str, KindInfo] = {}
         self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
@@ -218,12 +261,12 @@ class RippleConnection(asyncio.Protocol):
                 elif isinstance(event, rc.MessageReceived):
                     await self._message(event.message)
                 elif isinstance(event, rc.Reject):
-                    log.info("rejecting a worker: %s", event.reason)
+                    log.warning("rejecting a worker from %s: %s", self.peer, event.reason)
                     self._write(event.data)
                     self.close()
                     return
                 else:
-                    log.info("closing a worker connection: %s", event.reason)
+                    log.warning("closing a worker connection from %s: %s", self.peer, event.reason)
                     self.close()
                     return
         except (RippleError, KindsError) as exc:
@@ -238,21 +281,44 @@ class RippleConnection(asyncio.Protocol):
             # The worker is gone (EOF) or refused: its slot starts its liveness deadline.
             self.close()
 
+    @property
+    def peer(self) -> str:
+        peer = None if self.transport is None else self.transport.get_extra_info("peername")
+        return "?" if not peer else f"{peer[0]}:{peer[1]}"
+
+    def _principal(self, auth: rm.HandshakeAuth | None) -> Principal:
+        """Who the worker is, by the one auth rule: the token of its Handshake extension
+        (none: anonymous, refused while [auth] required)."""
+        return self.server.api.authenticate(None if auth is None else auth.token)
+
+    def _tenant(self, auth: rm.HandshakeAuth | None) -> int:
+        """The tenant the worker writes to: the one its extension names, else the lowest
+        its credential grants (0 for an anonymous worker). AuthenticationFailed (or
+        TenantForbidden) unless the credential allows it; TenantNotFound."""
+        principal = self._principal(auth)
+        tenant_id = principal.default_tenant if auth is None or auth.tenant is None else auth.tenant
+        principal.check_tenant(tenant_id)
+        self.server.api.check_tenant(tenant_id)
+        return tenant_id
+
     async def _handshake(self, handshake: rm.Handshake) -> None:
         try:
-            # §4 carries no credential, so a worker is anonymous: refused when
-            # [auth] required (the same rule as every other listener).
-            self.server.api.authenticate(None).check_tenant(TENANT_ID)
-        except AuthenticationFailed as exc:
+            # Before anything is created, migrated or connected: a worker whose
+            # credential does not hold never touches a kind or a source slot.
+            tenant_id = self._tenant(handshake.auth)
+        except (AuthenticationFailed, TenantNotFound) as exc:
+            log.warning("refusing Ripple worker from %s: %s", self.peer, exc.message)
             self._write(self.protocol.reject_handshake([f"authentication failed: {exc.message}"]))
             self.close()
             return
+        self.state = self.states.of(tenant_id)
+        self.kinds = kinds = self.server.api.kinds(tenant_id)
         errors: list[str] = []
         outputs: dict[str, KindInfo] = {}
         for name, schema in handshake.output_schemas:
             fields = [(f.field_name, int(KIND_TYPES[f.field_type])) for f in schema.fields]
             try:
-                outputs[name] = await self._kind_for(name, fields)
+                outputs[name] = await self._kind_for(kinds, name, fields)
             except KindsError as exc:
                 errors.append(f"output {name}: {exc}")
         if errors:
@@ -263,12 +329,16 @@ class RippleConnection(asyncio.Protocol):
         for other in list(self.live):
             # One connection per worker: a new Handshake fences the old connection (its
             # process was restarted, or it reconnected before the old socket's end was seen).
-            if other is not self and other.protocol.worker_id == worker:
+            if (
+                other is not self
+                and other.state is self.state
+                and other.protocol.worker_id == worker
+            ):
                 other.fence()
         try:
             # A worker keeps its slot across reconnections and restarts, so its Removes
             # clear the bits its earlier connections set.
-            self.source = self.kinds.connect(
+            self.source = kinds.connect(
                 worker,
                 source_id=self.state.slots.get(worker),
                 deadline_ms=self.server.config.ripple_liveness_ms,
@@ -282,21 +352,23 @@ class RippleConnection(asyncio.Protocol):
         self.outputs = outputs
         self._write(self.protocol.accept_handshake())
 
-    async def _kind_for(self, name: str, fields: list[tuple[str, int]]) -> KindInfo:
+    async def _kind_for(
+        self, kinds: TenantKinds, name: str, fields: list[tuple[str, int]]
+    ) -> KindInfo:
         try:
-            existing = self.kinds.get_kind(name)
+            existing = kinds.get_kind(name)
         except KindNotFound:
-            return await self.kinds.create_kind(name, fields)
+            return await kinds.create_kind(name, fields)
         have = [(f.name, int(f.type)) for f in existing.fields]
         if fields[: len(have)] == have:
-            return await self.kinds.create_kind(name, fields)  # identical, or appended fields
+            return await kinds.create_kind(name, fields)  # identical, or appended fields
         if have[: len(fields)] == fields:
             return existing  # an older schema: a prefix of the kind's fields
         raise SchemaMismatch(f"fields {fields} do not fit kind {name} with fields {have}")
 
     def _delta(self, event: rc.DeltaReceived) -> WriteOp | None:
         """The kind write of a delta; None for a redelivery (or after fencing)."""
-        if self.source is None:
+        if self.source is None or self.state is None:
             return None  # fenced by a newer connection of this worker: it resends
         message = event.message
         worker = self.protocol.worker_id or ""
@@ -309,7 +381,7 @@ class RippleConnection(asyncio.Protocol):
         return _op(kind, event.schema, entity_id_for(message.key), event.delta)
 
     def _apply(self, ops: list[WriteOp]) -> None:
-        if not ops or self.source is None:
+        if not ops or self.source is None or self.kinds is None or self.state is None:
             return
         try:
             self.kinds.apply(self.source, ops)
@@ -322,6 +394,8 @@ class RippleConnection(asyncio.Protocol):
         self.state.applied += len(ops)
 
     async def _message(self, message: rm.Message) -> None:
+        if self.state is None or self.kinds is None:
+            return  # only after an accepted Handshake (the protocol refuses the rest)
         if isinstance(message, rm.Heartbeat):
             self.state.heartbeats[message.worker_id] = (time.time(), message.load)
             if self.source is not None:
@@ -385,62 +459,69 @@ def _parse(text: str, ftype: FieldType, name: str) -> Any:
 
 
 class _RippleCollector(Collector):
-    def __init__(self, state: RippleState, live: set[RippleConnection]) -> None:
-        self.state = state
-        self.live = live
+    def __init__(self, states: RippleStates) -> None:
+        self.states = states
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[Any]:
+        # Worker ids are the workers' own names, so two tenants may both have a "w1".
         watermark = GaugeMetricFamily(
             "headwater_ripple_watermark_ns",
             "Latest event-time watermark per worker and output",
-            labels=["worker", "output"],
+            labels=["tenant", "worker", "output"],
         )
-        for (worker, output), ns in sorted(self.state.watermarks.items()):
-            watermark.add_metric([worker, output], ns)
         heartbeat = GaugeMetricFamily(
             "headwater_ripple_heartbeat_seconds",
             "Unix time of each worker's last heartbeat",
-            labels=["worker"],
+            labels=["tenant", "worker"],
         )
         load = GaugeMetricFamily(
-            "headwater_ripple_load", "Load each worker last reported", labels=["worker"]
+            "headwater_ripple_load", "Load each worker last reported", labels=["tenant", "worker"]
         )
-        for worker, (when, level) in sorted(self.state.heartbeats.items()):
-            heartbeat.add_metric([worker], when)
-            load.add_metric([worker], level)
+        applied = duplicates = gap_count = 0
+        for tenant_id, state in sorted(self.states.by_tenant.items()):
+            tenant = str(tenant_id)
+            for (worker, output), ns in sorted(state.watermarks.items()):
+                watermark.add_metric([tenant, worker, output], ns)
+            for worker, (when, level) in sorted(state.heartbeats.items()):
+                heartbeat.add_metric([tenant, worker], when)
+                load.add_metric([tenant, worker], level)
+            applied += state.applied
+            duplicates += state.tracker.duplicates
+            gap_count += state.tracker.gaps
         deltas = CounterMetricFamily(
             "headwater_ripple_deltas", "Deltas received, by outcome", labels=["outcome"]
         )
-        deltas.add_metric(["applied"], self.state.applied)
-        deltas.add_metric(["duplicate"], self.state.tracker.duplicates)
+        deltas.add_metric(["applied"], applied)
+        deltas.add_metric(["duplicate"], duplicates)
         gaps = CounterMetricFamily(
             "headwater_ripple_sequence_gaps", "Deltas that arrived after a sequence gap"
         )
-        gaps.add_metric([], self.state.tracker.gaps)
+        gaps.add_metric([], gap_count)
         yield from (watermark, heartbeat, load, deltas, gaps)
 
 
 async def start_ripple(server: Server, host: str, port: int) -> Listener:
-    state = RippleState(server.data_dir / "ripple" / f"tenant-{TENANT_ID}.json")
-    STATES[server] = state
-    live = state.live
-    metrics_for(server).registry.register(_RippleCollector(state, live))
+    states = RippleStates(server.data_dir / "ripple")
+    STATES[server] = states
+    live = states.live
+    metrics_for(server).registry.register(_RippleCollector(states))
 
     async def finish() -> None:
-        # The workers are gone: what they sent is made durable, then the table saved.
-        with contextlib.suppress(Exception):
-            await server.api.flush_kinds(TENANT_ID)
-            await state.save()
+        # The workers are gone: what they sent is made durable, then the tables saved.
+        for tenant_id, state in sorted(states.by_tenant.items()):
+            with contextlib.suppress(Exception):
+                await server.api.flush_kinds(tenant_id)
+                await state.save()
 
     return await start_tcp_listener(
         server,
         "ripple",
         host,
         port,
-        lambda: RippleConnection(server, state, live),
+        lambda: RippleConnection(server, states),
         live,
         finish=finish,
     )
