@@ -23,6 +23,7 @@ DEFAULT_LISTEN = {
     "kimberlite": "127.0.0.1:7401",
     "convergedb": "127.0.0.1:7402",
     "ripple": "127.0.0.1:7403",
+    "postgres": "127.0.0.1:7405",
 }
 
 

@@ -10,12 +10,14 @@ from headwater.server.config import ServerConfig
 from headwater.server.convergedb.listener import start_convergedb
 from headwater.server.http.listener import start_http
 from headwater.server.kimberlite.listener import start_kimberlite
+from headwater.server.postgres.listener import start_postgres
 from headwater.server.ripple.listener import start_ripple
 
 FRONT_ENDS: dict[str, ListenerFactory] = {
     "convergedb": start_convergedb,
     "http": start_http,
     "kimberlite": start_kimberlite,
+    "postgres": start_postgres,
     "ripple": start_ripple,
 }
 """Every front end, by its key in ``[listen]`` and in the ports file."""

@@ -1,0 +1,312 @@
+"""PostgreSQL types: which OID a DuckDB result column travels as, how a value is written
+in the text and binary formats, and how a Bind parameter is read.
+
+Result values arrive as the SQL layer gives them to every front end (None, int, str,
+bool, or a timestamp as nanoseconds since the epoch, UTC; doubles and blobs in their
+canonical text: ``repr`` and lowercase hex) together with DuckDB's name of the column's
+type, and leave in PostgreSQL's own formats. Types without a PostgreSQL counterpart
+(lists, structs, maps, intervals, times) travel as ``text`` in DuckDB's text form.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import math
+import struct
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .messages import MessageError
+
+BOOL = 16
+BYTEA = 17
+NAME = 19
+INT8 = 20
+INT2 = 21
+INT4 = 23
+TEXT = 25
+OID = 26
+JSON = 114
+FLOAT4 = 700
+FLOAT8 = 701
+UNKNOWN = 705
+BPCHAR = 1042
+VARCHAR = 1043
+DATE = 1082
+TIMESTAMP = 1114
+TIMESTAMPTZ = 1184
+NUMERIC = 1700
+UUID = 2950
+JSONB = 3802
+
+SIZES = {BOOL: 1, INT2: 2, INT4: 4, INT8: 8, OID: 4, FLOAT4: 4, FLOAT8: 8, DATE: 4}
+SIZES |= {TIMESTAMP: 8, TIMESTAMPTZ: 8, UUID: 16}
+
+_DUCKDB_TYPES = {
+    "BOOLEAN": BOOL,
+    "TINYINT": INT2,
+    "SMALLINT": INT2,
+    "UTINYINT": INT2,
+    "INTEGER": INT4,
+    "USMALLINT": INT4,
+    "BIGINT": INT8,
+    "UINTEGER": INT8,
+    "UBIGINT": NUMERIC,
+    "HUGEINT": NUMERIC,
+    "UHUGEINT": NUMERIC,
+    "FLOAT": FLOAT4,
+    "DOUBLE": FLOAT8,
+    "VARCHAR": TEXT,
+    "BLOB": BYTEA,
+    "DATE": DATE,
+    "TIMESTAMP": TIMESTAMP,
+    "TIMESTAMP_S": TIMESTAMP,
+    "TIMESTAMP_MS": TIMESTAMP,
+    "TIMESTAMP_NS": TIMESTAMP,
+    "TIMESTAMP WITH TIME ZONE": TIMESTAMPTZ,
+    "JSON": JSON,
+    "UUID": UUID,
+}
+
+
+def oid_for_duckdb(type_name: str) -> int:
+    """The OID a column of DuckDB type ``type_name`` (``str(DuckDBPyType)``) travels as."""
+    name = type_name.upper()
+    if name.startswith("DECIMAL"):
+        return NUMERIC
+    return _DUCKDB_TYPES.get(name, TEXT)
+
+
+def oid_for_value(value: object) -> int:
+    """The OID of a column known only by a value (a result without DuckDB types)."""
+    if isinstance(value, bool):
+        return BOOL
+    if isinstance(value, int):
+        return INT8
+    if isinstance(value, float):
+        return FLOAT8
+    if isinstance(value, bytes):
+        return BYTEA
+    return TEXT
+
+
+_EPOCH_2000_US = 946_684_800_000_000  # 2000-01-01 in microseconds since 1970
+_EPOCH_2000_DAYS = 10_957
+_UNIX = datetime.datetime(1970, 1, 1)
+_DATE_2000 = datetime.date(2000, 1, 1)
+
+
+def _timestamp_text(ns: int, with_zone: bool) -> str:
+    micros = ns // 1000  # PostgreSQL keeps microseconds
+    moment = _UNIX + datetime.timedelta(microseconds=micros)
+    text = moment.strftime("%Y-%m-%d %H:%M:%S")
+    if moment.microsecond:
+        text += f".{moment.microsecond:06d}".rstrip("0")
+    return text + ("+00" if with_zone else "")
+
+
+def _float_text(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return repr(value)
+
+
+def result_value(oid: int, value: object) -> object:
+    """A SQL-layer result value as this module encodes it for ``oid`` (floats from their
+    text, blobs from hex); others pass through."""
+    if value is None:
+        return None
+    if oid in (FLOAT4, FLOAT8) and isinstance(value, str):
+        return float(value)
+    if oid == BYTEA and isinstance(value, str):
+        return bytes.fromhex(value)
+    return value
+
+
+def encode_text(oid: int, value: object) -> bytes:
+    """``value`` in PostgreSQL's text format for ``oid``."""
+    if isinstance(value, bool):
+        return b"t" if value else b"f"
+    if oid in (TIMESTAMP, TIMESTAMPTZ) and isinstance(value, int):
+        return _timestamp_text(value, oid == TIMESTAMPTZ).encode()
+    if isinstance(value, float):
+        return _float_text(value).encode()
+    if isinstance(value, bytes):
+        return b"\\x" + value.hex().encode()
+    return str(value).encode()
+
+
+def _numeric_binary(text: str) -> bytes:
+    """NUMERIC's binary form: base-10000 digits with weight, sign and display scale."""
+    number = decimal.Decimal(text)
+    if number.is_nan():
+        return struct.pack(">hhHh", 0, 0, 0xC000, 0)
+    if number.is_infinite():
+        return struct.pack(">hhHh", 0, 0, 0xD000 if number > 0 else 0xF000, 0)
+    sign, digits, exponent = number.as_tuple()
+    assert isinstance(exponent, int)
+    scale = max(0, -exponent)
+    text_digits = "".join(map(str, digits))
+    integer = text_digits[: len(text_digits) + exponent] if exponent < 0 else text_digits
+    integer += "0" * max(0, exponent)
+    fraction = text_digits[len(text_digits) + exponent :] if exponent < 0 else ""
+    fraction = fraction.rjust(scale, "0")
+    integer = integer.lstrip("0")
+    integer = integer.rjust((len(integer) + 3) // 4 * 4, "0")
+    fraction = fraction.ljust((len(fraction) + 3) // 4 * 4, "0")
+    groups = [int(integer[i : i + 4]) for i in range(0, len(integer), 4)]
+    weight = len(groups) - 1
+    groups += [int(fraction[i : i + 4]) for i in range(0, len(fraction), 4)]
+    while groups and groups[0] == 0:  # leading zero groups (a pure fraction)
+        groups.pop(0)
+        weight -= 1
+    while groups and groups[-1] == 0:
+        groups.pop()
+    if not groups:
+        weight = 0
+    head = struct.pack(">hhHh", len(groups), weight, 0x4000 if sign else 0, scale)
+    return head + b"".join(struct.pack(">H", g) for g in groups)
+
+
+def encode_binary(oid: int, value: object) -> bytes:
+    """``value`` in PostgreSQL's binary format for ``oid``; types without one of ours
+    (text and everything travelling as text) as UTF-8."""
+    if oid == BOOL:
+        return b"\x01" if value else b"\x00"
+    if oid in (INT2, INT4, INT8):
+        code = {INT2: ">h", INT4: ">i", INT8: ">q"}[oid]
+        return struct.pack(code, int(str(value)))
+    if oid in (FLOAT4, FLOAT8):
+        return struct.pack(">f" if oid == FLOAT4 else ">d", float(str(value)))
+    if oid == BYTEA and isinstance(value, bytes):
+        return value
+    if oid in (TIMESTAMP, TIMESTAMPTZ) and isinstance(value, int):
+        return struct.pack(">q", value // 1000 - _EPOCH_2000_US)
+    if oid == DATE:
+        days = datetime.date.fromisoformat(str(value)).toordinal() - _DATE_2000.toordinal()
+        return struct.pack(">i", days)
+    if oid == NUMERIC:
+        return _numeric_binary(str(value))
+    if oid == UUID:
+        return uuid.UUID(str(value)).bytes
+    if oid == JSONB:
+        return b"\x01" + str(value).encode()
+    return encode_text(oid, value)
+
+
+# ---- parameters --------------------------------------------------------------------
+
+
+def _bool_text(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("t", "true", "y", "yes", "on", "1"):
+        return True
+    if word in ("f", "false", "n", "no", "off", "0"):
+        return False
+    raise ValueError(f"invalid input syntax for type boolean: {text!r}")
+
+
+def _bytea_text(text: str) -> bytes:
+    if text.startswith("\\x"):
+        return bytes.fromhex(text[2:])
+    return text.encode("latin-1")  # escape format: only plain bytes taken
+
+
+def _timestamp_param(text: str) -> datetime.datetime:
+    text = text.strip().replace("T", " ")
+    if text.endswith(("+00", "-00")) or (
+        len(text) > 3 and text[-3] in "+-" and ":" not in text[-3:]
+    ):
+        text += ":00"  # PostgreSQL's short zone offset
+    return datetime.datetime.fromisoformat(text)
+
+
+_TEXT_PARAMS: dict[int, Callable[[str], object]] = {
+    BOOL: _bool_text,
+    INT2: int,
+    INT4: int,
+    INT8: int,
+    OID: int,
+    FLOAT4: float,
+    FLOAT8: float,
+    NUMERIC: decimal.Decimal,
+    BYTEA: _bytea_text,
+    DATE: datetime.date.fromisoformat,
+    TIMESTAMP: _timestamp_param,
+    TIMESTAMPTZ: _timestamp_param,
+}
+
+
+def _numeric_from_binary(data: bytes) -> decimal.Decimal:
+    ndigits, weight, sign, scale = struct.unpack_from(">hhHh", data)
+    if sign == 0xC000:
+        return decimal.Decimal("NaN")
+    if sign in (0xD000, 0xF000):
+        return decimal.Decimal("Infinity" if sign == 0xD000 else "-Infinity")
+    groups = struct.unpack_from(f">{ndigits}H", data, 8)
+    value = decimal.Decimal(0)
+    for i, g in enumerate(groups):
+        value += decimal.Decimal(g).scaleb(4 * (weight - i))
+    value = value.quantize(decimal.Decimal(1).scaleb(-scale)) if scale else value
+    return -value if sign == 0x4000 else value
+
+
+_BINARY_PARAMS: dict[int, Callable[[bytes], object]] = {
+    BOOL: lambda b: struct.unpack(">?", b)[0],
+    INT2: lambda b: struct.unpack(">h", b)[0],
+    INT4: lambda b: struct.unpack(">i", b)[0],
+    INT8: lambda b: struct.unpack(">q", b)[0],
+    OID: lambda b: struct.unpack(">I", b)[0],
+    FLOAT4: lambda b: struct.unpack(">f", b)[0],
+    FLOAT8: lambda b: struct.unpack(">d", b)[0],
+    BYTEA: bytes,
+    TEXT: lambda b: b.decode(),
+    VARCHAR: lambda b: b.decode(),
+    BPCHAR: lambda b: b.decode(),
+    NAME: lambda b: b.decode(),
+    UNKNOWN: lambda b: b.decode(),
+    JSON: lambda b: b.decode(),
+    JSONB: lambda b: b[1:].decode() if b[:1] == b"\x01" else _fail("jsonb version"),
+    UUID: lambda b: str(uuid.UUID(bytes=b)),
+    NUMERIC: _numeric_from_binary,
+    DATE: lambda b: _DATE_2000 + datetime.timedelta(days=struct.unpack(">i", b)[0]),
+    TIMESTAMP: lambda b: (
+        datetime.datetime(2000, 1, 1) + datetime.timedelta(microseconds=struct.unpack(">q", b)[0])
+    ),
+    TIMESTAMPTZ: lambda b: (
+        datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+        + datetime.timedelta(microseconds=struct.unpack(">q", b)[0])
+    ),
+}
+
+
+def _fail(what: str) -> Any:
+    raise ValueError(f"unsupported {what}")
+
+
+def decode_parameter(oid: int, binary: bool, data: bytes | None) -> object:
+    """A Bind parameter as a Python value DuckDB binds; MessageError 22P02 (text) or
+    22P03 (binary) when the bytes are not a value of ``oid``."""
+    if data is None:
+        return None
+    try:
+        if binary:
+            decode_binary = _BINARY_PARAMS.get(oid)
+            if decode_binary is None:
+                raise MessageError(
+                    f"binary format for parameter type {oid} is not supported", "0A000"
+                )
+            return decode_binary(data)
+        text = data.decode()
+        decode_text = _TEXT_PARAMS.get(oid)
+        if oid in (JSONB, JSON):
+            json.loads(text)  # checked here: DuckDB takes it as text
+        return text if decode_text is None else decode_text(text)
+    except (ValueError, struct.error, ArithmeticError, UnicodeDecodeError) as exc:
+        state = "22P03" if binary else "22P02"
+        raise MessageError(f"invalid parameter of type {oid}: {exc}", state) from None

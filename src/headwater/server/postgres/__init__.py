@@ -1,0 +1,1 @@
+"""The PostgreSQL wire front end (docs/protocols/postgres.md)."""

@@ -1,0 +1,377 @@
+"""The asyncio shell of the PostgreSQL front end: it moves bytes and calls the engine API.
+
+One worker task per connection pulls the protocol's events in order and answers each
+before it pulls the next (PostgreSQL answers in order, and an error changes what comes
+after it). Queries go to ``EngineAPI.query`` or, under ``SET headwater.as_of = <position>``,
+``EngineAPI.query_at``: the same DuckDB tables, dialect and snapshots as Kimberlite's
+Query/QueryAt and HTTP's /api/sql. A CancelRequest on another connection cancels the
+running query of the backend it names (57014).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+from typing import TYPE_CHECKING, cast
+
+from headwater.api import EngineAPI
+from headwater.api.auth import Principal
+from headwater.errors import (
+    AuthenticationFailed,
+    HeadwaterError,
+    InvalidRequest,
+    PositionAhead,
+    ProjectionLag,
+    QueryExecutionError,
+    QueryParseError,
+    RateLimited,
+    StorageError,
+    StreamNotFound,
+    TableNotFound,
+    TenantForbidden,
+    TenantNotFound,
+)
+from headwater.protocols.postgres import (
+    Authenticate,
+    CancelRequested,
+    Close,
+    DescribeStatement,
+    Event,
+    QueryOutcome,
+    Reject,
+    Reply,
+    RunQuery,
+    ServerConnection,
+    TlsRequested,
+    TokenKeys,
+)
+from headwater.protocols.postgres.messages import ErrorFields, encode_error
+from headwater.server.app import Listener
+from headwater.server.metrics import metrics_for
+from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.sql.values import Timestamp
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.postgres")
+
+MAX_BUFFERED = 1 << 20  # bytes received but not yet taken by the worker: reading pauses
+TENANT_SETTING = "headwater.tenant"
+
+# Limits of [limits] as PostgreSQL would name their refusal.
+LIMIT_STATES = {
+    "max_connections": "53300",  # too_many_connections
+    "handshake_timeout_s": "08P01",  # as PostgreSQL's authentication_timeout
+    "idle_timeout_s": "57P05",  # idle_session_timeout
+}
+
+
+def sqlstate_for(exc: HeadwaterError) -> str:
+    """The SQLSTATE of an engine error (docs/protocols/postgres.md, "Errors")."""
+    message = exc.message
+    if isinstance(exc, QueryParseError):
+        return "42601"  # syntax_error
+    if isinstance(exc, TableNotFound | StreamNotFound):
+        return "42P01"  # undefined_table
+    if isinstance(exc, QueryExecutionError):
+        if "sql_timeout_ms" in message or "query cancelled" in message:
+            return "57014"  # query_canceled
+        if "sql_memory_mib" in message:
+            return "53200"  # out_of_memory
+        if "shutting down" in message:
+            return "57P01"  # admin_shutdown
+        if "Binder Error" in message and "column" in message.lower():
+            return "42703"  # undefined_column
+        if "Catalog Error" in message and "unction" in message:
+            return "42883"  # undefined_function
+        if "Conversion Error" in message or "Invalid Input Error" in message:
+            return "22P02"  # invalid_text_representation
+        return "42000"  # syntax_error_or_access_rule_violation
+    if isinstance(exc, TenantForbidden):
+        return "42501"  # insufficient_privilege
+    if isinstance(exc, AuthenticationFailed):
+        return "28000"  # invalid_authorization_specification
+    if isinstance(exc, TenantNotFound):
+        return "3D000"  # invalid_catalog_name
+    if isinstance(exc, PositionAhead | InvalidRequest):
+        return "22023"  # invalid_parameter_value
+    if isinstance(exc, ProjectionLag):
+        return "55000"  # object_not_in_prerequisite_state (retry)
+    if isinstance(exc, RateLimited):
+        return "53400"  # configuration_limit_exceeded
+    if isinstance(exc, StorageError):
+        return "58030"  # io_error
+    return "XX000"  # internal_error
+
+
+def choose_tenant(principal: Principal, database: str, setting: str | None) -> int:
+    """The tenant a session acts for: ``options=-c headwater.tenant=N`` or a database
+    named ``N`` (or ``tenant_N``); otherwise the token's lowest tenant (0 when every
+    tenant is allowed). TenantForbidden when the token does not grant it."""
+    wanted = (setting or database or "").strip().lower()
+    if wanted.startswith("tenant_"):
+        wanted = wanted.removeprefix("tenant_")
+    tenant = int(wanted) if wanted.isdigit() and len(wanted) < 20 else principal.default_tenant
+    principal.check_tenant(tenant)
+    return tenant
+
+
+class ListenerState:
+    """What the connections of one listener share: the tokens' SCRAM keys and the open
+    backends by process id (for CancelRequest)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.connections: set[PostgresConnection] = set()
+        self.backends: dict[int, PostgresConnection] = {}
+        auth = server.config.auth
+        self.auth_method = "scram-sha-256" if auth.required else "trust"
+        self.keys = TokenKeys(auth.tokens) if auth.required else None
+
+    def new_process_id(self) -> int:
+        while True:
+            pid = secrets.randbelow((1 << 31) - 2) + 1
+            if pid not in self.backends:
+                return pid
+
+
+class PostgresConnection(asyncio.Protocol):
+    def __init__(self, state: ListenerState) -> None:
+        self.state = state
+        server = state.server
+        self.api: EngineAPI = server.api
+        self.metrics = metrics_for(server)
+        self.protocol = ServerConnection(auth=state.auth_method, keys=state.keys)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.tenant = 0
+        self.process_id = 0
+        self.secret_key = 0
+        self.running: asyncio.Task[QueryOutcome] | None = None
+        self._cancel_requested = False
+        self._wake = asyncio.Event()
+        self._eof = False
+        self._reading_paused = False
+        self._worker: asyncio.Task[None] | None = None
+        self.closed = False
+        self.guard = ConnectionGuard(
+            server.limits,
+            "postgres",
+            refusal=self._refusal,
+            close=self.close,
+            pending=lambda: self.protocol.buffered_bytes,
+            busy=lambda: self.running is not None,
+        )
+
+    # ---- transport callbacks ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.guard.admit(self.transport):
+            return
+        self.peer = self.guard.peer
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.state.connections.add(self)
+        self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.guard.release()
+        self.state.connections.discard(self)
+        if self.state.backends.get(self.process_id) is self:
+            del self.state.backends[self.process_id]
+        if self.running is not None:
+            self.running.cancel()
+        if self._worker is not None:
+            self._worker.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        self.protocol.feed(data)
+        self._wake.set()
+        if not self.guard.received():
+            return
+        if self.protocol.buffered_bytes > MAX_BUFFERED and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        self._wake.set()
+        return True  # the worker closes once it has answered what arrived
+
+    # ---- the worker ---------------------------------------------------------------------
+
+    async def _work(self) -> None:
+        try:
+            while not self.closed:
+                event = self.protocol.next_event()
+                if event is None:
+                    if self._eof:
+                        for close in self.protocol.receive_eof():
+                            log.info("postgres %s: %s", self.peer, close.reason)
+                        self.close()
+                        return
+                    if self._reading_paused and self.transport is not None:
+                        self._reading_paused = False
+                        self.transport.resume_reading()
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._handle(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug of ours: log it, drop this connection, keep serving
+            log.exception("postgres %s: connection failed", self.peer)
+            self.close()
+
+    async def _handle(self, event: Event) -> None:
+        if isinstance(event, Reply):
+            self._write(event.data)
+        elif isinstance(event, RunQuery):
+            self._write(await self._run(event))
+        elif isinstance(event, DescribeStatement):
+            self._write(await self._describe(event))
+        elif isinstance(event, Reject):
+            log.warning("postgres %s: refused: %s", self.peer, event.reason)
+            self._write(event.data)
+            self.close()
+        elif isinstance(event, Close):
+            self.close()
+        elif isinstance(event, TlsRequested):
+            # The seam for [tls]: with a certificate this answers b"S" and starts TLS.
+            self._write(self.protocol.decline_tls())
+        elif isinstance(event, Authenticate):
+            self._authenticate(event)
+        elif isinstance(event, CancelRequested):
+            self._cancel(event)
+            self.close()
+
+    def _authenticate(self, event: Authenticate) -> None:
+        try:
+            principal = self.api.authenticate(event.token)
+            self.tenant = choose_tenant(
+                principal,
+                event.parameters.get("database", ""),
+                self.protocol.settings.get(TENANT_SETTING),
+            )
+            self.api.check_tenant(self.tenant)
+        except HeadwaterError as exc:
+            state = "28P01" if type(exc) is AuthenticationFailed else sqlstate_for(exc)
+            log.warning("postgres %s: refused user %r: %s", self.peer, event.user, exc)
+            self.metrics.record_error("postgres", exc)
+            self._write(self.protocol.refuse(state, str(exc)))
+            self.close()
+            return
+        self.process_id = self.state.new_process_id()
+        self.secret_key = secrets.randbits(31)
+        self.state.backends[self.process_id] = self
+        self.protocol.settings[TENANT_SETTING] = str(self.tenant)
+        self._write(self.protocol.accept(self.process_id, self.secret_key))
+        self.guard.authenticated()
+
+    def _cancel(self, event: CancelRequested) -> None:
+        backend = self.state.backends.get(event.process_id)
+        if backend is None or not secrets.compare_digest(
+            backend.secret_key.to_bytes(4, "big"), event.secret_key.to_bytes(4, "big", signed=True)
+        ):
+            log.info("postgres %s: cancel request for no matching backend", self.peer)
+            return
+        if backend.running is not None:
+            backend._cancel_requested = True
+            backend.running.cancel()
+
+    # ---- queries ------------------------------------------------------------------------
+
+    async def _query(self, sql: str, parameters: list[object], as_of: int | None) -> QueryOutcome:
+        if as_of is None:
+            result = await self.api.query(self.tenant, sql, parameters)
+        else:
+            result = await self.api.query_at(self.tenant, sql, parameters, as_of)
+        rows: list[list[object]] = [
+            [value.ns if isinstance(value, Timestamp) else value for value in row]
+            for row in result.rows
+        ]
+        return QueryOutcome(result.columns, result.types, rows)
+
+    async def _outcome(self, sql: str, parameters: list[object], as_of: int | None) -> QueryOutcome:
+        """Run a query as a task a CancelRequest can cancel."""
+        self._cancel_requested = False
+        self.running = asyncio.get_running_loop().create_task(self._query(sql, parameters, as_of))
+        try:
+            return await self.running
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._cancel_requested and (current is None or not current.cancelling()):
+                raise QueryExecutionError("canceling statement due to user request") from None
+            raise
+        finally:
+            self.running = None
+
+    async def _run(self, event: RunQuery) -> bytes:
+        try:
+            outcome = await self._outcome(event.sql, event.parameters, event.as_of)
+        except HeadwaterError as exc:
+            return self._failed(exc)
+        return self.protocol.complete(event, outcome)
+
+    async def _describe(self, event: DescribeStatement) -> bytes:
+        """Columns of a statement before any Bind: a read runs as ``LIMIT 0`` with NULL
+        parameters; an INSERT returns no rows."""
+        sql = event.sql.strip().rstrip(";")
+        first = sql.split(None, 1)[0].lower() if sql else ""
+        if first == "insert":
+            return self.protocol.describe_statement(event.prepared, None)
+        if first in ("select", "with", "values", "from", "table") or first.startswith("("):
+            sql = f"SELECT * FROM ({sql}) AS headwater_describe LIMIT 0"
+        parameters: list[object] = [None] * len(event.prepared.parameter_oids)
+        try:
+            outcome = await self._outcome(sql, parameters, self.protocol.as_of)
+        except HeadwaterError as exc:
+            return self._failed(exc)
+        return self.protocol.describe_statement(event.prepared, outcome)
+
+    def _failed(self, exc: HeadwaterError) -> bytes:
+        self.metrics.record_error("postgres", exc)
+        return self.protocol.fail(sqlstate_for(exc), exc.message)
+
+    # ---- output ---------------------------------------------------------------------------
+
+    def _refusal(self, limit: str, message: str) -> bytes:
+        fields = ErrorFields("FATAL", LIMIT_STATES.get(limit, "53400"), message)
+        return encode_error(fields)
+
+    def _write(self, data: bytes) -> None:
+        if data and self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+
+async def start_postgres(server: Server, host: str, port: int) -> Listener:
+    state = ListenerState(server)
+
+    async def drain() -> None:
+        # Let running queries answer (each connection runs at most one).
+        pending = [c.running for c in state.connections if c.running is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+
+    return await start_tcp_listener(
+        server,
+        "postgres",
+        host,
+        port,
+        lambda: PostgresConnection(state),
+        state.connections,
+        drain=drain,
+    )
