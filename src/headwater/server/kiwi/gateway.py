@@ -15,7 +15,7 @@ from headwater.engine.kinds import KindsError
 from headwater.errors import HeadwaterError, StreamNotFound
 from headwater.server.kiwi.counters import Counter
 from headwater.server.kiwi.kinds import attach_kind
-from headwater.server.kiwi.session import Detach, KiwiSession, SourceUnavailable
+from headwater.server.kiwi.session import PROTOCOL, Detach, KiwiSession, SourceUnavailable
 from headwater.server.kiwi.streams import FeedKey, StreamFeed, attach_stream
 from headwater.server.metrics import Metrics
 
@@ -23,8 +23,6 @@ if TYPE_CHECKING:
     from headwater.server.app import Server
 
 log = logging.getLogger("headwater.kiwi")
-
-PROTOCOL = "kiwi"
 
 
 class Gateway:

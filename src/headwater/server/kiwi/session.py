@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("headwater.kiwi")
 
+PROTOCOL = "kiwi"  # the listener name of its limits in /metrics
+_ENDED = (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED)  # as ``async for`` stops
+
 Detach = Callable[[], None]
 CLOSE_TIMEOUT_SECONDS = 2.0
 SHUTDOWN_MESSAGE = "the server is shutting down"
@@ -61,8 +64,23 @@ class KiwiSession:
     # ---- commands -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read commands until the peer closes, breaks the protocol or the server stops."""
-        async for msg in self.ws:
+        """Read commands until the peer closes, breaks the protocol or the server stops,
+        or, holding no subscription, sends nothing (not even a ping) for
+        ``[limits] idle_timeout_s``."""
+        idle_timeout = self.gateway.server.config.limits.idle_timeout_s
+        while True:
+            try:
+                msg = await self.ws.receive(timeout=idle_timeout)
+            except TimeoutError:
+                if self.detach:
+                    continue  # a quiet subscriber is what subscribing is for
+                self.gateway.server.limits.refused("idle_timeout_s", PROTOCOL)
+                reason = f"nothing received for {idle_timeout:g} s and no subscription"
+                log.info("closing %s: %s (idle_timeout_s)", self.request.remote, reason)
+                await self.close(m.CLOSE_GOING_AWAY, f"{reason} (idle_timeout_s)")
+                return
+            if msg.type in _ENDED:
+                return
             if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
                 try:
                     command = m.parse_command(msg.data)
@@ -85,6 +103,15 @@ class KiwiSession:
         if isinstance(command, m.Subscribe):
             if core.subscribed(source_id):
                 core.reject_subscribe(source_id, "already subscribed to this source")
+                return
+            limit = self.gateway.server.config.limits.max_subscriptions_per_connection
+            if len(self.detach) >= limit:
+                self.gateway.server.limits.refused("max_subscriptions_per_connection", PROTOCOL)
+                core.reject_subscribe(
+                    source_id,
+                    f"this connection has {limit} subscriptions, the most"
+                    " max_subscriptions_per_connection allows: unsubscribe one first",
+                )
                 return
             try:
                 detach = self.gateway.attach(self, source_id)

@@ -53,7 +53,7 @@ from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, start_tcp_listener
 from headwater.storage.metadata import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -198,17 +198,34 @@ class RippleConnection(asyncio.Protocol):
         self.outputs: dict[str, KindInfo] = {}
         self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
+        self.guard = ConnectionGuard(
+            server.limits,
+            "ripple",
+            refusal=lambda _limit, message: self.protocol.send(
+                rm.SchemaNegotiation(False, (message,))
+            ),
+            close=self.close,
+            pending=self._pending,
+            busy=lambda: False,  # no subscriptions: a worker keeps its link with Heartbeats
+        )
 
     # ---- transport ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.guard.admit(self.transport):
+            return
         self.live.add(self)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):
             self.queue.put_nowait(event)
+            if isinstance(event, rc.HandshakeReceived) and self.transport is not None:
+                # Nothing after the Handshake is needed before its answer: reading waits,
+                # so a worker not yet accepted makes the server hold at most one read.
+                self.transport.pause_reading()
+        self.guard.received()
 
     def eof_received(self) -> bool | None:
         for event in self.protocol.receive_eof():
@@ -217,6 +234,7 @@ class RippleConnection(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.release()
         self.live.discard(self)
         self.queue.put_nowait(None)
         if self.source is not None:
@@ -246,6 +264,8 @@ class RippleConnection(asyncio.Protocol):
             while (event := await self.queue.get()) is not None:
                 if isinstance(event, rc.HandshakeReceived):
                     await self._handshake(event.handshake)
+                    if self.transport is not None:
+                        self.transport.resume_reading()  # a no-op once closing
                 elif isinstance(event, rc.DeltaReceived):
                     # Deltas already queued behind this one go to the kinds in one call.
                     ops = [op] if (op := self._delta(event)) is not None else []
@@ -351,6 +371,11 @@ class RippleConnection(asyncio.Protocol):
             return
         self.outputs = outputs
         self._write(self.protocol.accept_handshake())
+        self.guard.authenticated()
+
+    def _pending(self) -> int:
+        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        return self.protocol.buffered_bytes + written
 
     async def _kind_for(
         self, kinds: TenantKinds, name: str, fields: list[tuple[str, int]]
