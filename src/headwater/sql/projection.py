@@ -48,6 +48,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from headwater.sql.duck import Database
+from headwater.sql.sealed import (
+    SCHEMA,
+    TS_TYPE,
+    SealedFileError,
+    SealedMeta,
+    json_column,
+    list_sealed,
+    open_sealed,
+    projection_directory,
+    remove_temporaries,
+    write_sealed,
+)
 
 if TYPE_CHECKING:
     import duckdb
@@ -65,17 +78,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-JSON_TYPE = pa.json_(pa.string())
-TS_TYPE = pa.timestamp("us")
-SCHEMA = pa.schema(
-    [
-        pa.field("offset", pa.int64(), nullable=False),
-        pa.field("position", pa.int64(), nullable=False),
-        pa.field("ts", TS_TYPE, nullable=False),
-        pa.field("data", pa.binary(), nullable=False),
-        pa.field("json", JSON_TYPE),
-    ]
-)
 ROUND_ROWS = 65_536  # events per catch-up round
 ROUND_BYTES = 32 << 20  # values-section bytes per catch-up round
 SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
@@ -95,6 +97,7 @@ class Chunk:
     monotonic: bool  # positions strictly increase with the row (always, in practice)
     first_offset: int
     last_offset: int
+    path: Path | None = None  # the sealed file the batch is mapped from
 
     @property
     def rows(self) -> int:
@@ -102,9 +105,37 @@ class Chunk:
 
     @property
     def small(self) -> bool:
-        """Still merged with its neighbours (see :meth:`ChunkBuilder.extend`)."""
+        """Still merged with its neighbours (see :meth:`ChunkBuilder.extend`); a chunk
+        that is not is sealed: written to a file and mapped from it."""
+        if self.path is not None:
+            return False
         values = self.batch.column(3).buffers()[2]
         return self.rows < SEAL_ROWS and (values is None or values.size < SEAL_BYTES)
+
+    @property
+    def meta(self) -> SealedMeta:
+        return SealedMeta(
+            self.rows,
+            self.first_offset,
+            self.last_offset,
+            self.min_position,
+            self.max_position,
+            self.monotonic,
+        )
+
+    @classmethod
+    def open(cls, path: Path) -> Chunk:
+        """The chunk of a sealed file, mapped (SealedFileError when it is unusable)."""
+        batch, meta = open_sealed(path)
+        return cls(
+            batch,
+            meta.min_position,
+            meta.max_position,
+            meta.monotonic,
+            meta.first_offset,
+            meta.last_offset,
+            path,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,11 +296,7 @@ class ChunkBuilder:
         json_valid: pa.Buffer | None,
     ) -> Chunk:
         rows = len(data)
-        if data.offset:
-            data = pa.concat_arrays([data, pa.array([], pa.binary())])
-        _, value_offsets, value_bytes = data.buffers()
-        storage = pa.Array.from_buffers(pa.string(), rows, [json_valid, value_offsets, value_bytes])
-        json = pa.ExtensionArray.from_storage(JSON_TYPE, storage)
+        json = json_column(data, json_valid)
         batch = pa.RecordBatch.from_arrays([offsets, positions, stamps, data, json], schema=SCHEMA)
         bounds = pc.min_max(positions)
         monotonic = rows < 2 or pc.min(pc.pairwise_diff(positions)).as_py() > 0
@@ -350,6 +377,67 @@ class _RoundResult:
     replaced: int
     next_offset: int
     max_position: int | None
+    gap_closed: bool = False  # the round reached the first parked run
+
+
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """A projection's sealed files as found at start (see :func:`open_files`)."""
+
+    prefix: list[Chunk]  # contiguous from the start of the log
+    parked: list[list[Chunk]]  # runs after a gap the log still has events in
+
+
+def has_events(plog: PartitionLog, lo: int, hi: int) -> bool:
+    """Whether the log holds an event with an offset in [lo, hi)."""
+    for batch in plog.batches(max(lo, plog.start_offset), hi):
+        start = batch.index_of(lo) if batch.base_offset < lo else 0
+        stop = batch.index_of(hi) if batch.last_offset >= hi else batch.count
+        if stop > start:
+            return True
+    return False
+
+
+def open_files(directory: Path, plog: PartitionLog) -> _Opened:
+    """Open the sealed files of a projection (worker thread): each is checked (see
+    :func:`headwater.sql.sealed.open_sealed`) and one that is damaged, holds offsets the
+    log no longer has (retention, or a log cut back by recovery) or overlaps the one
+    before is deleted. Files that follow the start of the log without a gap of logged
+    events are the prefix the projection continues from; the rest wait, parked, until
+    the catch-up has rebuilt the gap before them. Only footers and schema metadata are
+    read, so opening takes the same time whatever the data size."""
+    directory.mkdir(exist_ok=True)
+    remove_temporaries(directory)
+    start, end = plog.start_offset, plog.end_offset
+    prefix: list[Chunk] = []
+    parked: list[list[Chunk]] = []
+    cursor = 0  # the first offset no kept file accounts for
+    for first, last, path in list_sealed(directory):
+        problem = None
+        if last < start:
+            problem = "below the start of the log (retention)"
+        elif last >= end:
+            problem = f"beyond the end of the log ({end})"
+        elif first < cursor:
+            problem = "overlaps the file before it"
+        if problem is None:
+            try:
+                chunk = Chunk.open(path)
+            except SealedFileError as exc:
+                problem = str(exc)
+        if problem is not None:
+            if last >= start:
+                log.warning("projection file %s dropped, rebuilt from the log: %s", path, problem)
+            path.unlink(missing_ok=True)
+            continue
+        if has_events(plog, cursor, first):
+            parked.append([chunk])
+        elif parked:
+            parked[-1].append(chunk)
+        else:
+            prefix.append(chunk)
+        cursor = last + 1
+    return _Opened(prefix, parked)
 
 
 class StreamProjection:
@@ -365,7 +453,10 @@ class StreamProjection:
         self.stream = stream
         self.name = stream.name
         self.tenant_id = stream.tenant.tenant_id
+        self.directory = projection_directory(stream.directory)
         self.chunks: tuple[Chunk, ...] = ()
+        self.opened = False  # the sealed files are open (the first task does it)
+        self._parked: list[list[Chunk]] = []  # sealed runs past a gap being rebuilt
         self.next_offset = 0
         self.covered = 0
         self.paused = False
@@ -396,10 +487,35 @@ class StreamProjection:
             self.covered = head
         return self.covered
 
+    @property
+    def files(self) -> list[Path]:
+        """The sealed files the projection maps (parked ones included)."""
+        chunks = [*self.chunks, *(c for run in self._parked for c in run)]
+        return [c.path for c in chunks if c.path is not None]
+
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
+        self._expire()
         chunks = self.chunks
         start = self.stream.log.start_offset
         return lambda: table_at(chunks, position, start)
+
+    def _expire(self) -> None:
+        """Retention moved the log's start past whole chunks: free them and delete their
+        files (a query still reading one keeps its mapping until it is done)."""
+        start = self.stream.log.start_offset
+        expired = [c for c in self.chunks if c.last_offset < start]
+        if not expired and not (self._parked and self._parked[0][0].last_offset < start):
+            return
+        self.chunks = tuple(c for c in self.chunks if c.last_offset >= start)
+        for run in self._parked:
+            expired += [c for c in run if c.last_offset < start]
+        self._parked = [
+            kept for run in self._parked if (kept := [c for c in run if c.last_offset >= start])
+        ]
+        for chunk in expired:
+            if chunk.path is not None:
+                with contextlib.suppress(OSError):
+                    chunk.path.unlink()
 
     # ---- catch-up ----------------------------------------------------------------------
 
@@ -454,14 +570,23 @@ class StreamProjection:
     async def _run(self) -> None:
         first = True
         try:
+            if not self.opened:
+                opened = await self._loop.run_in_executor(
+                    self._executor, open_files, self.directory, self.stream.log
+                )
+                if self.closed:
+                    return
+                self._install_opened(opened)
             while self._more(first):
                 first = False
                 small = 0
                 while small < len(self.chunks) and self.chunks[-1 - small].small:
                     small += 1
                 tail = self.chunks[len(self.chunks) - small :]
+                gap_end = self._parked[0][0].first_offset if self._parked else None
+                upto = self._target if gap_end is None else min(self._target, gap_end)
                 result = await self._loop.run_in_executor(
-                    self._executor, self._round, self.next_offset, self._target, tail
+                    self._executor, self._round, self.next_offset, upto, tail, gap_end
                 )
                 if self.closed:
                     return
@@ -483,25 +608,64 @@ class StreamProjection:
             if not self.closed and self.error is None and self.next_offset < self._target:
                 self._on_commit(self._target)  # committed during the round: arm the timer
 
-    def _round(self, from_offset: int, upto: int, tail: Sequence[Chunk]) -> _RoundResult:
-        """Worker thread: read and build one round."""
+    def _round(
+        self, from_offset: int, upto: int, tail: Sequence[Chunk], gap_end: int | None
+    ) -> _RoundResult:
+        """Worker thread: read and build one round, and seal what has grown full. When
+        the round reaches ``gap_end`` (a parked run's first offset) everything built is
+        sealed, so the files stay in offset order with only the tail in memory."""
         pieces, next_offset = read_round(self.stream.log, from_offset, upto)
-        if not pieces:
-            return _RoundResult(list(tail), len(tail), next_offset, None)
-        chunk = self._builder.build(pieces)
-        new_tail = self._builder.extend(tail, chunk)
-        return _RoundResult(new_tail, len(tail), next_offset, chunk.max_position)
+        gap_closed = gap_end is not None and next_offset >= gap_end
+        max_position = None
+        new_tail = list(tail)
+        if pieces:
+            chunk = self._builder.build(pieces)
+            new_tail = self._builder.extend(tail, chunk)
+            max_position = chunk.max_position
+        new_tail = self._seal(new_tail, everything=gap_closed)
+        return _RoundResult(new_tail, len(tail), next_offset, max_position, gap_closed)
+
+    def _seal(self, chunks: list[Chunk], *, everything: bool) -> list[Chunk]:
+        """Write the chunks up to the last full one (all of them with ``everything``) as
+        one sealed file and map it in their place."""
+        full = [i for i, c in enumerate(chunks) if c.path is None and (everything or not c.small)]
+        if not full:
+            return chunks
+        cut = full[-1] + 1
+        merged = chunks[0] if cut == 1 else self._builder.merge(chunks[:cut])
+        path = write_sealed(self.directory, merged.batch, merged.meta)
+        return [Chunk.open(path), *chunks[cut:]]
+
+    def _install_opened(self, opened: _Opened) -> None:
+        self.opened = True
+        self.chunks = tuple(opened.prefix)
+        self._parked = opened.parked
+        if opened.prefix:
+            self.next_offset = opened.prefix[-1].last_offset + 1
+            self.covered = max(c.max_position for c in opened.prefix) + 1
+        if opened.parked:
+            log.info(
+                "projection of stream %s (tenant %d): rebuilding offsets %d..%d from the log",
+                self.name,
+                self.tenant_id,
+                self.next_offset,
+                opened.parked[0][0].first_offset - 1,
+            )
+        self._expire()
+        self._on_progress()
 
     def _install(self, result: _RoundResult) -> None:
         kept = self.chunks[: len(self.chunks) - result.replaced]
-        chunks = kept + tuple(result.tail)
-        start = self.stream.log.start_offset
-        if chunks and chunks[0].last_offset < start:  # retention: free expired chunks
-            chunks = tuple(c for c in chunks if c.last_offset >= start)
-        self.chunks = chunks
+        self.chunks = kept + tuple(result.tail)
         self.next_offset = max(self.next_offset, result.next_offset)
         if result.max_position is not None and result.max_position + 1 > self.covered:
             self.covered = result.max_position + 1
+        if result.gap_closed and self._parked:
+            run = self._parked.pop(0)
+            self.chunks += tuple(run)
+            self.next_offset = max(self.next_offset, run[-1].last_offset + 1)
+            self.covered = max(self.covered, max(c.max_position for c in run) + 1)
+        self._expire()
         self.covered_position(self.stream.tenant.committed_position)
         self._on_progress()
 
