@@ -372,6 +372,10 @@ class Session(Generic[L, S]):
             if self.tls is None:
                 # A TLS listener closes on a plain client's first bytes.
                 why += " (if the server has [tls], connect with tls=True)"
+            else:
+                # Under TLS 1.3 the server checks the client's certificate after the
+                # client's handshake is done, and its alert may not arrive before the close.
+                why += " (if the server requires a client certificate, pass cert=)"
             raise ServerUnavailable(f"{self._where}: {why}") from None
         error = self._error_of(reply)
         if error is not None:

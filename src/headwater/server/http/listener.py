@@ -17,6 +17,7 @@ from headwater.server.http.app import (
 )
 from headwater.server.http.connections import LimitedAppRunner
 from headwater.server.metrics import metrics_for
+from headwater.server.tls import listen
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -61,10 +62,11 @@ async def start_http(server: Server, host: str, port: int) -> Listener:
         lingering_time=LINGER_SECONDS,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    sockets = runner.addresses
-    bound = int(sockets[0][1])
+    assert runner.server is not None
+    # Bound as the TCP front ends are: with [tls], HTTPS (and so wss:// for /ws), each
+    # failed handshake one warning line.
+    listening = await listen(server, PROTOCOL, runner.server, host, port)
+    bound = int(listening.sockets[0].getsockname()[1])
 
     def open_connections() -> int:
         web_server = runner.server
@@ -73,7 +75,9 @@ async def start_http(server: Server, host: str, port: int) -> Listener:
     metrics_for(server).add_connections_source(PROTOCOL, open_connections)
 
     async def stop() -> None:
-        # Stops accepting, lets in-flight requests finish (bounded), closes the rest.
+        listening.close()  # stop accepting
+        # Lets in-flight requests finish (bounded), closes the rest.
         await runner.cleanup()
+        await listening.wait_closed()
 
     return Listener(PROTOCOL, bound, stop)
