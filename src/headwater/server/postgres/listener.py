@@ -70,6 +70,10 @@ LIMIT_STATES = {
 }
 
 
+class CancelledByClient(Exception):
+    """A CancelRequest stopped the running query (57014, as PostgreSQL answers)."""
+
+
 def sqlstate_for(exc: HeadwaterError) -> str:
     """The SQLSTATE of an engine error (docs/protocols/postgres.md, "Errors")."""
     message = exc.message
@@ -309,7 +313,7 @@ class PostgresConnection(asyncio.Protocol):
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if self._cancel_requested and (current is None or not current.cancelling()):
-                raise QueryExecutionError("canceling statement due to user request") from None
+                raise CancelledByClient from None
             raise
         finally:
             self.running = None
@@ -319,6 +323,8 @@ class PostgresConnection(asyncio.Protocol):
             outcome = await self._outcome(event.sql, event.parameters, event.as_of)
         except HeadwaterError as exc:
             return self._failed(exc)
+        except CancelledByClient:
+            return self.protocol.fail("57014", "canceling statement due to user request")
         return self.protocol.complete(event, outcome)
 
     async def _describe(self, event: DescribeStatement) -> bytes:
@@ -335,6 +341,8 @@ class PostgresConnection(asyncio.Protocol):
             outcome = await self._outcome(sql, parameters, self.protocol.as_of)
         except HeadwaterError as exc:
             return self._failed(exc)
+        except CancelledByClient:
+            return self.protocol.fail("57014", "canceling statement due to user request")
         return self.protocol.describe_statement(event.prepared, outcome)
 
     def _failed(self, exc: HeadwaterError) -> bytes:
