@@ -7,6 +7,10 @@ module and nothing else, so a token means the same thing on every port:
 - with ``[auth] required = true``, a missing or unknown token is refused;
 - otherwise a client without a (known) token may act for every tenant.
 
+A client certificate verified under mutual TLS is a credential too: its common name,
+mapped by ``cert_cn``, grants its tenants by the same rule
+(:meth:`Auth.authenticate_certificate`).
+
 Tokens are compared in constant time and never put in an error message.
 """
 
@@ -94,5 +98,23 @@ class Auth:
         if self.config.required:
             raise AuthenticationFailed(
                 "a valid token is required" if not token else "unknown token"
+            )
+        return Principal(None, token_known=False)
+
+    def authenticate_certificate(self, common_name: str | None) -> Principal:
+        """The principal of a client that proved a certificate under mutual TLS, by its
+        subject's common name (None: no certificate): a CN mapped by ``[[auth.tokens]]
+        cert_cn`` grants exactly its tenants, as a token would; an unmapped or missing
+        one is refused when auth is required, and otherwise acts for every tenant. For
+        front ends whose wire carries no token (a Ripple worker without the extension)."""
+        tenants = None if common_name is None else self.config.cert_cns.get(common_name)
+        if tenants is not None:
+            return Principal(tenants, token_known=True)
+        if self.config.required:
+            raise AuthenticationFailed(
+                "a valid token or client certificate is required"
+                if common_name is None
+                else f"the client certificate's CN {common_name!r} is mapped to no tenants "
+                "(cert_cn)"
             )
         return Principal(None, token_known=False)
