@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -69,6 +70,16 @@ def raw_error_response(status: HTTPStatus, error: HeadwaterError) -> bytes:
         "Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+def parse_error_reason(message: str) -> str:
+    """The gist of aiohttp's parse error, without the bytes it quotes: those are the
+    client's request line or a header, which may hold ``?token=`` or an
+    ``Authorization`` header, and tokens are never logged (nor is a multi-line message
+    one log line). ``"Invalid header value char:\n\n  b'Authorization: ...'"`` becomes
+    ``"Invalid header value char"``."""
+    first = message.strip().split("\n", 1)[0]
+    return re.split(r"""[:'"`]""", first, maxsplit=1)[0].strip()
 
 
 class LimitedRequestHandler(web.RequestHandler):
@@ -160,7 +171,8 @@ class LimitedRequestHandler(web.RequestHandler):
         with its address and a JSON 400, not aiohttp's logged traceback."""
         if status >= 500:
             return super().handle_error(request, status, exc, message)
-        reason = message or (str(exc) if exc is not None else HTTPStatus(status).phrase)
+        reason = parse_error_reason(message or (str(exc) if exc is not None else ""))
+        reason = reason or HTTPStatus(status).phrase
         log.warning("http: bad request from %s: %s", peer_address(self.transport), reason)
         if request.writer.output_size > 0:  # as aiohttp: too late for another answer
             raise ConnectionError("a response was sent already; closing")
