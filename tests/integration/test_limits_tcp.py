@@ -13,17 +13,26 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import pytest
 from convergedb_raw import CdbClient
 from kimberlite_raw import RawClient, create_stream, expect_error
-from prometheus_client.parser import text_string_to_metric_families
+from limits_clients import (
+    TCP_LISTENERS,
+    counted,
+    expect_list,
+    good_client,
+    huge_frame_head,
+    last_word,
+    raw_socket,
+    read_to_end,
+    refusals,
+    serves,
+    try_serves,
+)
 from servers import LOCAL, Server, serving
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection as WsClient
@@ -33,13 +42,7 @@ from headwater.protocols.convergedb import messages as cm
 from headwater.protocols.convergedb.codes import ErrorCode as CdbError
 from headwater.protocols.convergedb.codes import Opcode
 from headwater.protocols.convergedb.fields import FieldType
-from headwater.protocols.convergedb.frames import FrameDecoder, encode_header
 from headwater.protocols.kimberlite import messages as km
-from headwater.protocols.kimberlite.connection import ClientConnection as KimberliteClient
-from headwater.protocols.kimberlite.frames import frame_header
-from headwater.protocols.ripple import envelope
-from headwater.protocols.ripple import messages as rm
-from headwater.protocols.ripple.connection import ClientConnection as RippleClient
 from waiting import wait_until
 
 MAX_CONNECTIONS = 10
@@ -72,9 +75,6 @@ type = "counter"
 interval_ms = 1000
 """
 
-TCP_LISTENERS = ("kimberlite", "convergedb", "ripple")
-SCHEMA = rm.Schema("limits", 1, (rm.Field("n", rm.FieldType.INT),))
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
@@ -82,141 +82,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serving(
         tmp_path_factory.mktemp("limits"), config=CONFIG, listen=listen, clean_log=True
     )
-
-
-# ---- the clients -------------------------------------------------------------------------
-
-
-def refusals(server: Server) -> dict[tuple[str, str], float]:
-    """headwater_limit_refusals_total by (limit, listener)."""
-    url = f"http://127.0.0.1:{server.ports['http']}/metrics"
-    with urllib.request.urlopen(url, timeout=15) as answer:
-        text = answer.read().decode()
-    return {
-        (sample.labels["limit"], sample.labels["listener"]): sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "headwater_limit_refusals"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    }
-
-
-def counted(server: Server, before: dict[tuple[str, str], float], limit: str, listener: str) -> int:
-    return int(refusals(server).get((limit, listener), 0) - before.get((limit, listener), 0))
-
-
-def raw_socket(server: Server, listener: str) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.ports[listener]), timeout=15)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def read_to_end(sock: socket.socket, timeout: float = 15.0) -> bytes:
-    """Everything the server sends until it closes; AssertionError if it does not."""
-    sock.settimeout(timeout)
-    data = bytearray()
-    try:
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        raise AssertionError(f"the server did not close in {timeout}s") from None
-    return bytes(data)
-
-
-def last_word(listener: str, data: bytes) -> tuple[object, str]:
-    """The protocol's error the server sent before closing: (its code, its message)."""
-    if listener == "kimberlite":
-        (response,) = KimberliteClient().receive_data(data)
-        assert response.request_id == 0
-        assert isinstance(response.payload, km.ErrorResponse), response
-        return response.payload.code, response.payload.message
-    if listener == "convergedb":
-        frames = FrameDecoder()
-        frames.feed(data)
-        (raw,) = list(frames)
-        message = cm.decode_message(raw.opcode, raw.payload)
-        assert isinstance(message, cm.ErrorMessage), message
-        assert raw.stream_id == 0
-        return message.code, message.message
-    envelopes = envelope.EnvelopeDecoder()
-    envelopes.feed(data)
-    (env,) = list(envelopes)
-    answer = rm.decode_message(env)
-    assert isinstance(answer, rm.SchemaNegotiation) and not answer.ok, answer
-    (reason,) = answer.errors
-    return None, reason
-
-
-@dataclass
-class Good:
-    """A well-behaved, authenticated client of one listener; :meth:`check` makes a
-    round trip."""
-
-    listener: str
-    check: Callable[[], None]
-    sock: socket.socket
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def good_client(server: Server, listener: str) -> Good:
-    if listener == "kimberlite":
-        kimberlite = RawClient(server.ports["kimberlite"])
-        return Good(
-            listener,
-            lambda: expect_list(kimberlite.call(km.ListStreamsRequest())),
-            kimberlite.sock,
-        )
-    if listener == "convergedb":
-        cdb = CdbClient(server.ports["convergedb"], name=f"w{uuid.uuid4().hex[:8]}")
-        return Good(listener, cdb.barrier, cdb.sock)
-    sock = raw_socket(server, "ripple")
-    worker = RippleClient(f"w{uuid.uuid4().hex[:8]}")
-    sock.sendall(worker.handshake({"limits": SCHEMA}))
-    assert ripple_next(sock, worker, rm.SchemaNegotiation) == rm.SchemaNegotiation(True, ())
-
-    def checkpoint() -> None:
-        sock.sendall(worker.checkpoint_request(uuid.uuid4().hex, 1))
-        assert isinstance(ripple_next(sock, worker, rm.CheckpointAck), rm.CheckpointAck)
-
-    return Good(listener, checkpoint, sock)
-
-
-def expect_list(reply: km.ResponsePayload) -> None:
-    assert isinstance(reply, km.StreamsResponse), reply
-
-
-def ripple_next(sock: socket.socket, worker: RippleClient, kind: type) -> rm.Message:
-    while True:
-        data = sock.recv(1 << 16)
-        assert data, "the server closed the Ripple connection"
-        for received in worker.receive_data(data):
-            if isinstance(received.message, kind):
-                return received.message
-
-
-def serves(server: Server, listener: str) -> None:
-    """A new well-behaved client of ``listener`` gets its answers."""
-    client = good_client(server, listener)
-    try:
-        client.check()
-    finally:
-        client.close()
-
-
-def huge_frame_head(listener: str) -> bytes:
-    """The header of a frame claiming 16 MiB, as the first bytes of a connection."""
-    if listener == "kimberlite":
-        return frame_header(16 << 20, 0)
-    if listener == "convergedb":
-        return encode_header(1, Opcode.CONNECT, 16 << 20)
-    return envelope.HEADER.pack(
-        envelope.MAGIC, 1, int(envelope.MessageType.HANDSHAKE), 0, 1, 0,
-        envelope.ZERO_FINGERPRINT, 16 << 20,
-    )  # fmt: skip
 
 
 # ---- max_connections ------------------------------------------------------------------------
@@ -256,14 +121,6 @@ def test_a_connection_past_max_connections_gets_the_protocols_error(
             holder.close()
     assert counted(server, before, "max_connections", "kimberlite") >= 1
     assert counted(server, before, "max_connections", listener) >= 1
-
-
-def try_serves(server: Server, listener: str) -> bool:
-    try:
-        serves(server, listener)
-    except (AssertionError, OSError):
-        return False
-    return True
 
 
 # ---- handshake_timeout_s ------------------------------------------------------------------
