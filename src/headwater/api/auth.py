@@ -112,7 +112,7 @@ class Auth:
             return Principal(tenants, token_known=True)
         if self.config.required:
             raise AuthenticationFailed(
-                "a valid token or client certificate is required"
+                "a valid token is required (or a client certificate mapped by cert_cn)"
                 if common_name is None
                 else f"the client certificate's CN {common_name!r} is mapped to no tenants "
                 "(cert_cn)"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ssl
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from typing import Any
 from headwater.client._core.blocking import Blocking, LoopThread
 from headwater.client._core.link import Link, NotSent
 from headwater.client._core.session import Resumable, Session, parse_server
+from headwater.client._core.tls import PathLike, client_context
 from headwater.client.errors import ClientError, ConnectionLost, ServerUnavailable
 from headwater.errors import HeadwaterError, UsageError
 from headwater.protocols.ripple import messages as rm
@@ -144,8 +146,9 @@ class _AsyncWorker(Session[_Link, Resumable[_Link]]):
         timeout: float,
         reconnect_attempts: int,
         auth: rm.HandshakeAuth | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        super().__init__(server, timeout, True, reconnect_attempts, 0.05, 2.0)
+        super().__init__(server, timeout, True, reconnect_attempts, 0.05, 2.0, tls=tls)
         self.worker_id = worker_id
         self.schemas = schemas
         self.auth = auth  # the Handshake extension's token and tenant (None: anonymous)
@@ -333,6 +336,10 @@ class Worker(Blocking[_AsyncWorker]):
         resume: bool = False,
         token: str | None = None,
         tenant: int | None = None,
+        tls: bool | ssl.SSLContext = False,
+        ca: PathLike | None = None,
+        cert: PathLike | None = None,
+        key: PathLike | None = None,
     ) -> None:
         """``resume``: continue numbering after the last sequence number the server
         applied for this worker (asked with a checkpoint at start), for a worker that
@@ -342,7 +349,11 @@ class Worker(Blocking[_AsyncWorker]):
         ``token``: the worker's credential (needed when the server has ``[auth] required
         = true``); ``tenant``: the tenant to write to (default: the lowest the token
         grants, 0 without a token). Either one goes in the Handshake's auth extension
-        (docs/protocols/ripple.md); without both the Handshake is the contract's own."""
+        (docs/protocols/ripple.md); without both the Handshake is the contract's own.
+
+        ``tls``, ``ca``, ``cert``, ``key``: TLS, as :class:`headwater.AsyncClient` takes
+        them. Under mutual TLS the client certificate can be the worker's credential: a
+        server maps its common name to tenants (``[[auth.tokens]] cert_cn``)."""
         self.worker_id = worker_id
         self.schemas = {
             out: s if isinstance(s, rm.Schema) else schema_of(s, out) for out, s in outputs.items()
@@ -358,6 +369,7 @@ class Worker(Blocking[_AsyncWorker]):
             timeout=timeout,
             reconnect_attempts=reconnect_attempts,
             auth=None if token is None and tenant is None else rm.HandshakeAuth(token, tenant),
+            tls=client_context(tls, ca, cert, key),
         )
         runner = LoopThread.connected(
             inner, name="ripple-worker", closed_message=inner.closed_message

@@ -153,6 +153,7 @@ def _connect(worker_id: str, options: KindWriteOptions, schema: rm.Schema) -> Wo
             str(options.ripple_server),
             token=connection.token,
             tenant=tenant,
+            **connection.tls_options(),
         )
     except (OSError, WorkerError) as exc:
         if isinstance(exc, WorkerError) and "source slots" in str(exc):

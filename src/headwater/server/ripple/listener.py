@@ -54,6 +54,7 @@ from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.server.tls import peer_common_name
 from headwater.storage.metadata import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -307,9 +308,14 @@ class RippleConnection(asyncio.Protocol):
         return "?" if not peer else f"{peer[0]}:{peer[1]}"
 
     def _principal(self, auth: rm.HandshakeAuth | None) -> Principal:
-        """Who the worker is, by the one auth rule: the token of its Handshake extension
-        (none: anonymous, refused while [auth] required)."""
-        return self.server.api.authenticate(None if auth is None else auth.token)
+        """Who the worker is, by the one auth rule: the token of its Handshake extension,
+        else the client certificate it proved under mutual TLS (its CN mapped by
+        ``cert_cn``); neither: anonymous, refused while [auth] required."""
+        token = None if auth is None else auth.token
+        if token is None:
+            common_name = peer_common_name(self.transport)
+            return self.server.api.auth.authenticate_certificate(common_name)
+        return self.server.api.authenticate(token)
 
     def _tenant(self, auth: rm.HandshakeAuth | None) -> int:
         """The tenant the worker writes to: the one its extension names, else the lowest
