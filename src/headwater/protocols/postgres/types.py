@@ -148,14 +148,9 @@ def _numeric_binary(text: str) -> bytes:
         return struct.pack(">hhHh", 0, 0, 0xC000, 0)
     if number.is_infinite():
         return struct.pack(">hhHh", 0, 0, 0xD000 if number > 0 else 0xF000, 0)
-    sign, digits, exponent = number.as_tuple()
-    assert isinstance(exponent, int)
-    scale = max(0, -exponent)
-    text_digits = "".join(map(str, digits))
-    integer = text_digits[: len(text_digits) + exponent] if exponent < 0 else text_digits
-    integer += "0" * max(0, exponent)
-    fraction = text_digits[len(text_digits) + exponent :] if exponent < 0 else ""
-    fraction = fraction.rjust(scale, "0")
+    sign = number.is_signed() and number != 0
+    integer, _, fraction = format(abs(number), "f").partition(".")
+    scale = len(fraction)
     integer = integer.lstrip("0")
     integer = integer.rjust((len(integer) + 3) // 4 * 4, "0")
     fraction = fraction.ljust((len(fraction) + 3) // 4 * 4, "0")
