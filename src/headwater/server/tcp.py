@@ -105,7 +105,7 @@ class ConnectionGuard:
             self._refuse(
                 "max_connections",
                 f"the server has {self._config.max_connections} connections open"
-                " (max_connections): try again later",
+                " (limits.max_connections): try again later",
                 counted=True,
             )
             return False
@@ -127,7 +127,7 @@ class ConnectionGuard:
             return True
         self._refuse(
             "max_pending_bytes",
-            f"{pending} bytes held before authentication, over max_pending_bytes"
+            f"{pending} bytes held before authentication, over limits.max_pending_bytes"
             f" ({self._config.max_pending_bytes})",
         )
         return False
@@ -162,7 +162,7 @@ class ConnectionGuard:
             self._refuse(
                 "handshake_timeout_s",
                 f"no accepted handshake within {config.handshake_timeout_s:g} s"
-                " (handshake_timeout_s)",
+                " (limits.handshake_timeout_s)",
             )
             return
         now = self._loop.time()
@@ -175,7 +175,7 @@ class ConnectionGuard:
             self._refuse(
                 "idle_timeout_s",
                 f"nothing received for {config.idle_timeout_s:g} s and no subscription"
-                " (idle_timeout_s)",
+                " (limits.idle_timeout_s)",
                 warn=False,
             )
 

@@ -339,7 +339,7 @@ class ConvergeConnection(asyncio.Protocol):
             self.server.limits.refused("max_subscriptions_per_connection", "convergedb")
             text = (
                 f"this connection has {limit} subscriptions, the most"
-                " max_subscriptions_per_connection allows: unsubscribe one first"
+                " limits.max_subscriptions_per_connection allows: unsubscribe one first"
             )
             self.error(stream, ErrorCode.LIMIT_EXCEEDED, Opcode.SUBSCRIBE, text)
             return

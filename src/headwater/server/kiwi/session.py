@@ -76,8 +76,8 @@ class KiwiSession:
                     continue  # a quiet subscriber is what subscribing is for
                 self.gateway.server.limits.refused("idle_timeout_s", PROTOCOL)
                 reason = f"nothing received for {idle_timeout:g} s and no subscription"
-                log.info("closing %s: %s (idle_timeout_s)", self.request.remote, reason)
-                await self.close(m.CLOSE_GOING_AWAY, f"{reason} (idle_timeout_s)")
+                log.info("closing %s: %s (limits.idle_timeout_s)", self.request.remote, reason)
+                await self.close(m.CLOSE_GOING_AWAY, f"{reason} (limits.idle_timeout_s)")
                 return
             if msg.type in _ENDED:
                 return
@@ -110,7 +110,7 @@ class KiwiSession:
                 core.reject_subscribe(
                     source_id,
                     f"this connection has {limit} subscriptions, the most"
-                    " max_subscriptions_per_connection allows: unsubscribe one first",
+                    " limits.max_subscriptions_per_connection allows: unsubscribe one first",
                 )
                 return
             try:

@@ -22,7 +22,7 @@ async def subscribe(
         conn.server.limits.refused("max_subscriptions_per_connection", "kimberlite")
         raise InvalidRequest(
             f"this connection has {limit} subscriptions, the most"
-            " max_subscriptions_per_connection allows: unsubscribe one first"
+            " limits.max_subscriptions_per_connection allows: unsubscribe one first"
         )
 
     async def deliver(sub: Subscription, pushes: list[Push]) -> None:
