@@ -126,7 +126,11 @@ class SqlService:
             spill_limit=f"{self.limits.spill_mib}MiB",
         )
         self._deadlines: set[Deadline] = set()
-        self._builder = ChunkBuilder(self._db)
+        # Projections check JSON with DuckDB in a database of their own: a statement
+        # using all of the queries' memory must not fail the projections every
+        # statement reads.
+        self._projection_db = Database()
+        self._builder = ChunkBuilder(self._projection_db)
         self._progress = asyncio.Event()
         self.streams = StreamTables(engine, self._builder, self._project_pool, self._signal)
         self.sources: list[TableSource] = [self.streams]
@@ -165,6 +169,7 @@ class SqlService:
         await loop.run_in_executor(None, self._query_pool.shutdown, True)
         await loop.run_in_executor(None, self._project_pool.shutdown, True)
         self._builder.close()
+        self._projection_db.close()
         self._db.close()
 
     @property
