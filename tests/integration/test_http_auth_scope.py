@@ -16,6 +16,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import LOCAL, Server, serving
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect as ws_connect
+
+from headwater.ripple import Worker
 
 TENANT0_TOKEN = "tok-zero-4c1f"
 TENANT1_TOKEN = "tok-one-9b2e"
@@ -119,10 +122,17 @@ def scrape(server: Server, token: str | None) -> tuple[set[str], set[str], set[s
     return tenants, streams, names
 
 
+@dataclass
+class Price:
+    symbol: str
+    price: float
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("http_auth_scope")
-    for started in serving(root, config=AUTH + TENANTS, listen={"http": LOCAL}):
+    listen = {"http": LOCAL, "ripple": LOCAL}
+    for started in serving(root, config=AUTH + TENANTS, listen=listen):
         fill(started, TOKEN_OF)
         yield started
 
@@ -167,11 +177,22 @@ def test_an_admin_token_acts_for_its_own_tenants_only(server: Server) -> None:
     assert call(server, "GET", "/api/streams", token=ADMIN_TOKEN, tenant=0)[0] == 200
 
 
-def test_the_ripple_workers_route_checks_the_tenant(server: Server) -> None:
-    status, body, _ = call(server, "GET", "/api/ripple/workers", token=TENANT1_TOKEN, tenant=0)
-    assert status == 403, body
-    status, body, _ = call(server, "GET", "/api/ripple/workers", token=TENANT1_TOKEN, tenant=1)
-    assert status == 200 and json.loads(body) == {"workers": []}
+def test_ripple_workers_are_shown_to_their_tenant_only(server: Server) -> None:
+    with Worker(
+        "scoped-job",
+        {"scoped_prices": Price},
+        server=server.address_of("ripple"),
+        token=TENANT1_TOKEN,
+    ) as worker:
+        worker.set("scoped_prices", "p1", Price("S", 1.0))
+        worker.checkpoint()
+        status, body, _ = call(server, "GET", "/api/ripple/workers", token=TENANT1_TOKEN, tenant=1)
+        assert status == 200, body
+        assert [w["worker_id"] for w in json.loads(body)["workers"]] == ["scoped-job"]
+        status, body, _ = call(server, "GET", "/api/ripple/workers", token=TENANT0_TOKEN)
+        assert status == 200 and json.loads(body) == {"workers": []}
+        status, body, _ = call(server, "GET", "/api/ripple/workers", token=TENANT1_TOKEN, tenant=0)
+        assert status == 403, body
 
 
 def test_no_token_is_ever_logged(server: Server) -> None:

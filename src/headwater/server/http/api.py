@@ -352,13 +352,15 @@ async def sql(request: web.Request) -> web.Response:
 
 
 async def ripple_workers(request: web.Request) -> web.Response:
-    """Pipeline workers of the Ripple listener: slots, heartbeats, sequence numbers and
-    watermarks per output (an empty list when the listener is off)."""
+    """Pipeline workers of the request's tenant on the Ripple listener: slots,
+    heartbeats, sequence numbers and watermarks per output (an empty list when the
+    listener is off)."""
     from headwater.server.ripple.listener import STATES
 
-    tenant_of(request)  # a token, when auth is required, as for every /api route
-    state = STATES.get(server_of(request))
-    return json_response({"workers": [] if state is None else state.workers()})
+    tenant_id = tenant_of(request)
+    states = STATES.get(server_of(request))
+    workers = [] if states is None else states.workers(frozenset({tenant_id}))
+    return json_response({"workers": workers})
 
 
 ROUTES: list[tuple[str, str, Any]] = [
