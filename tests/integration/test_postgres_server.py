@@ -1,0 +1,389 @@
+"""The postgres listener against real PostgreSQL clients: Debian's psql and psycopg
+(docs/protocols/postgres.md).
+
+One server requires tokens (SCRAM-SHA-256): ``s3cret`` grants tenants 0 and 42,
+``only42`` grants tenant 42. A second one runs without required auth (trust) and with
+small ``[limits]``, each driven past its value.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import urllib.error
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from kimberlite_raw import RawClient, create_stream
+from limits_clients import counted, read_to_end, refusals
+from psycopg import errors as pgerrors
+from servers import LOCAL, Server, serving
+
+from headwater.protocols.postgres import messages as m
+from waiting import wait_until
+
+TOKEN = "s3cret"
+CONFIG = """
+[auth]
+required = true
+[[auth.tokens]]
+token = "s3cret"
+tenants = [0, 42]
+[[auth.tokens]]
+token = "only42"
+tenants = [42]
+
+[[tenants]]
+id = 42
+name = "acme"
+"""
+
+MAX_CONNECTIONS = 3
+HANDSHAKE_TIMEOUT_S = 1.0
+LIMITS_CONFIG = f"""
+[limits]
+max_connections = {MAX_CONNECTIONS}
+handshake_timeout_s = {HANDSHAKE_TIMEOUT_S}
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("postgres"),
+        config=CONFIG,
+        listen={"postgres": LOCAL},
+        clean_log=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def open_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """No token required (trust), small limits, HTTP on for /metrics."""
+    yield from serving(
+        tmp_path_factory.mktemp("postgres_open"),
+        config=LIMITS_CONFIG,
+        listen={"postgres": LOCAL, "http": LOCAL, "kimberlite": ""},
+        clean_log=True,
+    )
+
+
+def dsn(server: Server, *, password: str | None = TOKEN, dbname: str = "0") -> str:
+    parts = [
+        "host=127.0.0.1",
+        f"port={server.ports['postgres']}",
+        "user=analyst",
+        f"dbname={dbname}",
+        "sslmode=disable",
+        "connect_timeout=15",
+    ]
+    if password is not None:
+        parts.append(f"password={password}")
+    return " ".join(parts)
+
+
+def psql(
+    server: Server, *commands: str, password: str = TOKEN, **kw: str
+) -> subprocess.CompletedProcess[str]:
+    """Run Debian's psql: each command as one ``-c`` (one session), unaligned output."""
+    binary = shutil.which("psql")
+    assert binary, "psql is missing: `make system-deps` installs Debian's postgresql-client"
+    env = {**os.environ, "PGPASSWORD": password, "PGCONNECT_TIMEOUT": "15"}
+    args = [binary, "-X", "-A", "-t", "-F", ",", "-v", "ON_ERROR_STOP=1"]
+    args += ["-v", "VERBOSITY=verbose"]
+    for command in commands:
+        args += ["-c", command]
+    args.append(dsn(server, password=None, **kw))
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+
+
+def new_stream(server: Server, tenant_id: int = 0) -> str:
+    name = f"trades_{uuid.uuid4().hex[:8]}"
+    with RawClient(server.port, tenant_id, token=TOKEN) as client:
+        create_stream(client, name)
+    return name
+
+
+# ---- psql ----------------------------------------------------------------------------
+
+
+def test_psql_group_by(server: Server) -> None:
+    stream = new_stream(server)
+    rows = ", ".join(
+        f"('{json.dumps({'sym': sym, 'px': px})}')"
+        for sym, px in [("A", 1.5), ("B", 2.0), ("A", 3.0), ("C", 4.0), ("B", 0.5)]
+    )
+    done = psql(
+        server,
+        f"INSERT INTO {stream} (json) VALUES {rows}",
+        f"SELECT json->>'sym' AS sym, count(*) AS n, sum((json->>'px')::DOUBLE) AS px "
+        f"FROM {stream} GROUP BY 1 ORDER BY 1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["INSERT", "0", "5", "A,2,4.5", "B,2,2.5", "C,1,4.0"]
+
+
+def test_psql_as_of(server: Server) -> None:
+    stream = new_stream(server)
+    first = psql(
+        server,
+        f"INSERT INTO {stream} (data) VALUES ('a'), ('b')",
+        f"SELECT max(position) + 1 FROM {stream}",
+    )
+    assert first.returncode == 0, first.stderr
+    position = int(first.stdout.split()[-1])
+    more = psql(server, f"INSERT INTO {stream} (data) VALUES ('c'), ('d'), ('e')")
+    assert more.returncode == 0, more.stderr
+    done = psql(
+        server,
+        f"SELECT count(*) FROM {stream}",
+        f"SET headwater.as_of = {position}",
+        f"SELECT count(*), string_agg(data::VARCHAR, '' ORDER BY \"offset\") FROM {stream}",
+        "SHOW headwater.as_of",
+        "RESET headwater.as_of",
+        f"SELECT count(*) FROM {stream}",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5", "SET", "2,ab", str(position), "RESET", "5"]
+
+
+def test_psql_wrong_password_then_right_one(server: Server) -> None:
+    wrong = psql(server, "SELECT 1", password="not-a-token")
+    assert wrong.returncode == 2
+    assert 'password authentication failed for user "analyst"' in wrong.stderr
+    right = psql(server, "SELECT 1")
+    assert (right.returncode, right.stdout.strip()) == (0, "1")
+    assert "password authentication failed" in server.log_text()  # one warning line
+
+
+def test_psql_errors_carry_sqlstates(server: Server) -> None:
+    for sql, sqlstate in [
+        ("SELECT * FROM no_such_table", "42P01"),
+        ("SELEC 1", "42601"),
+        ("SET headwater.as_of = 'yesterday'", "22023"),
+        ("SET headwater.as_of = 999999999; SELECT 1", "22023"),  # ahead of the log
+    ]:
+        done = psql(server, sql)
+        assert done.returncode == 1, (sql, done.stdout)
+        assert f"ERROR:  {sqlstate}:" in done.stderr, (sql, done.stderr)
+
+
+def test_psql_session_statements(server: Server) -> None:
+    done = psql(
+        server,
+        "SELECT version()",
+        "SHOW server_version",
+        "SET application_name = 'mine'",
+        "SHOW application_name",
+        "BEGIN",
+        "SELECT 41 + 1",
+        "COMMIT",
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("PostgreSQL 16.0") and "headwater" in lines[0]
+    assert lines[1:] == ["16.0", "SET", "mine", "BEGIN", "42", "COMMIT"]
+
+
+# ---- psycopg ---------------------------------------------------------------------------
+
+
+def test_psycopg_simple_protocol(server: Server) -> None:
+    stream = new_stream(server)
+    with psycopg.connect(dsn(server), autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        cur = conn.cursor()
+        cur.execute(f"INSERT INTO {stream} (json) VALUES (%s), (%s)", ['{"n": 1}', '{"n": 2}'])
+        assert cur.rowcount == 2
+        cur.execute(f"SELECT sum((json->>'n')::INT) AS total FROM {stream} WHERE data IS NOT NULL")
+        assert cur.fetchall() == [(3,)]
+        assert cur.description is not None and cur.description[0].name == "total"
+
+
+def test_psycopg_extended_protocol_with_parameters(server: Server) -> None:
+    stream = new_stream(server)
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        cur = conn.cursor()
+        cur.executemany(
+            f"INSERT INTO {stream} (json) VALUES (%s)",
+            [[json.dumps({"sym": s, "qty": q})] for s, q in [("A", 1), ("B", 2), ("A", 3)]],
+        )
+        for prepare in (False, True):  # unnamed, then a named prepared statement
+            cur.execute(
+                f"SELECT count(*), sum((json->>'qty')::INT) FROM {stream} "
+                "WHERE json->>'sym' = %s AND (json->>'qty')::INT >= %s",
+                ["A", 2],
+                prepare=prepare,
+            )
+            assert cur.fetchall() == [(1, 3)]
+        # A statement with a quote and a placeholder-like text inside a string literal.
+        cur.execute("SELECT %s || ' it''s $1' AS s", ["x"])
+        assert cur.fetchone() == ("x it's $1",)
+
+
+VALUES = [
+    ("%s::BIGINT", 1 << 40),
+    ("%s::INTEGER", -7),
+    ("%s::SMALLINT", 3),
+    ("%s::DOUBLE", 2.5),
+    ("%s::VARCHAR", "héllo"),
+    ("%s::BOOLEAN", True),
+    ("%s::BLOB", b"\x00\xffbytes"),
+    ("%s::TIMESTAMP", datetime.datetime(2024, 1, 2, 3, 4, 5, 678901)),
+    ("%s::DATE", datetime.date(1999, 12, 31)),
+    ("%s::DECIMAL(12,4)", decimal.Decimal("-1234.5678")),
+]
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["text", "binary"])
+def test_psycopg_types_round_trip(server: Server, binary: bool) -> None:
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        cur = conn.cursor(binary=binary)
+        sql = "SELECT " + ", ".join(f"{cast} AS c{i}" for i, (cast, _) in enumerate(VALUES))
+        cur.execute(sql, [value for _, value in VALUES])
+        assert cur.fetchone() == tuple(value for _, value in VALUES)
+        assert cur.description is not None
+        assert [c.type_code for c in cur.description] == [
+            20,
+            23,
+            21,
+            701,
+            25,
+            16,
+            17,
+            1114,
+            1082,
+            1700,
+        ]
+        cur.execute(
+            "SELECT TIMESTAMPTZ '2024-05-06 07:08:09.5+00' AS tz, '{\"a\": [1, 2]}'::JSON AS j, "
+            "1.5::FLOAT AS f, NULL::INTEGER AS nothing"
+        )
+        assert cur.fetchone() == (
+            datetime.datetime(2024, 5, 6, 7, 8, 9, 500000, tzinfo=datetime.UTC),
+            {"a": [1, 2]},
+            1.5,
+            None,
+        )
+
+
+def test_psycopg_error_leaves_the_connection_usable(server: Server) -> None:
+    with psycopg.connect(dsn(server)) as conn:  # not autocommit: psycopg sends BEGIN
+        with pytest.raises(pgerrors.UndefinedTable):
+            conn.execute("SELECT * FROM no_such_table")
+        with pytest.raises(pgerrors.InFailedSqlTransaction):
+            conn.execute("SELECT 1")
+        conn.rollback()
+        assert conn.execute("SELECT 1 + %s", [1]).fetchone() == (2,)
+        with pytest.raises(pgerrors.SyntaxError):
+            conn.execute("SELEC %s", [1])
+        conn.rollback()
+        assert conn.execute("SELECT 'still here'").fetchone() == ("still here",)
+
+
+def test_cancel_request_stops_a_running_query(server: Server) -> None:
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        outcome: list[BaseException | None] = []
+
+        def long_query() -> None:
+            try:
+                conn.execute("SELECT count(*) FROM range(100000000000) a, range(10) b")
+            except psycopg.Error as exc:
+                outcome.append(exc)
+            else:
+                outcome.append(None)
+
+        worker = threading.Thread(target=long_query)
+        worker.start()
+
+        def cancelled() -> bool:
+            # A CancelRequest that arrives before the statement runs cancels nothing
+            # (as in PostgreSQL): send one per poll until the statement has ended.
+            conn.cancel_safe()
+            return bool(outcome)
+
+        wait_until(cancelled, message="the query was never cancelled", interval=0.2)
+        worker.join(15)
+        assert isinstance(outcome[0], pgerrors.QueryCanceled), outcome
+        assert conn.execute("SELECT 'after cancel'").fetchone() == ("after cancel",)
+
+
+def test_database_name_chooses_the_tenant(server: Server) -> None:
+    stream = new_stream(server, tenant_id=42)
+    with psycopg.connect(dsn(server, dbname="42"), autocommit=True) as conn:
+        assert conn.execute("SHOW headwater.tenant").fetchone() == ("42",)
+        assert conn.execute(f"SELECT count(*) FROM {stream}").fetchone() == (0,)
+    with (
+        psycopg.connect(dsn(server, dbname="0"), autocommit=True) as conn,
+        pytest.raises(pgerrors.UndefinedTable),
+    ):
+        conn.execute(f"SELECT count(*) FROM {stream}")
+    # A token for tenant 42 alone lands there without naming it, and may not go elsewhere.
+    with psycopg.connect(dsn(server, password="only42", dbname="analyst"), autocommit=True) as conn:
+        assert conn.execute("SHOW headwater.tenant").fetchone() == ("42",)
+    with pytest.raises(psycopg.OperationalError, match="does not grant tenant 0"):
+        psycopg.connect(dsn(server, password="only42", dbname="0"))
+
+
+# ---- trust and limits ------------------------------------------------------------------
+
+
+def test_trust_without_required_auth(open_server: Server) -> None:
+    with psycopg.connect(dsn(open_server, password=None), autocommit=True) as conn:
+        assert conn.execute("SELECT 'trusted'").fetchone() == ("trusted",)
+
+
+def test_max_connections(open_server: Server) -> None:
+    before = refusals(open_server)
+    held = [psycopg.connect(dsn(open_server, password=None)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        with pytest.raises(psycopg.OperationalError, match="max_connections"):
+            psycopg.connect(dsn(open_server, password=None))
+    finally:
+        for conn in held:
+            conn.close()
+
+    # /metrics is a connection too: read once the held ones are gone.
+    def refusal_counted() -> bool:
+        try:
+            return counted(open_server, before, "max_connections", "postgres") == 1
+        except urllib.error.HTTPError as exc:  # 503 while the held ones are still closing
+            assert exc.code == 503
+            return False
+
+    wait_until(refusal_counted, message="the refusal was not counted in /metrics")
+    with psycopg.connect(dsn(open_server, password=None), autocommit=True) as conn:
+        assert conn.execute("SELECT 'served'").fetchone() == ("served",)
+
+
+def test_handshake_timeout(open_server: Server) -> None:
+    before = refusals(open_server)
+    sock = socket.create_connection(("127.0.0.1", open_server.ports["postgres"]), timeout=15)
+    try:
+        sock.sendall(m.encode_startup({"user": "slow"})[:10])  # and never the rest
+        [error] = m.split_backend(read_to_end(sock))
+    finally:
+        sock.close()
+    assert error.fields["S"] == "FATAL" and error.fields["C"] == "08P01"
+    assert "handshake_timeout_s" in error.fields["M"]
+    assert counted(open_server, before, "handshake_timeout_s", "postgres") == 1
+    test_trust_without_required_auth(open_server)
+
+
+def test_oversized_startup_packet_is_refused_before_it_is_read(open_server: Server) -> None:
+    sock = socket.create_connection(("127.0.0.1", open_server.ports["postgres"]), timeout=15)
+    try:
+        sock.sendall(struct.pack(">i", 1 << 30))  # claims 1 GiB
+        [error] = m.split_backend(read_to_end(sock))
+    finally:
+        sock.close()
+    assert error.fields["S"] == "FATAL" and error.fields["C"] == "08P01"
+    test_trust_without_required_auth(open_server)
