@@ -25,13 +25,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# The dashboard and WebSocket browser tests drive Debian's headless chromium; a fresh
-# machine (CI) gets it from apt. Skipped when it is already there.
+# The dashboard and WebSocket browser tests drive Debian's headless chromium, and the
+# postgres listener's tests Debian's psql; a fresh machine (CI) gets them from apt.
+# Skipped when they are already there.
 system-deps:
-	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
+			|| ! command -v psql >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
+			postgresql-client >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
