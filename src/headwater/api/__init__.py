@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 from headwater.api.auth import Auth, AuthConfig, Principal
+from headwater.api.quotas import Quotas, TenantQuota
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -46,12 +48,18 @@ from headwater.engine.subscriptions import (
     Subscription,
     Subscriptions,
 )
-from headwater.errors import InvalidOffset
+from headwater.errors import HeadwaterError, InvalidOffset
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
+from headwater.storage.batch import EventColumns
 from headwater.storage.log import AppendInfo, ReadResult
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+T = TypeVar("T")
 
 __all__ = [
     "MAX_APPEND_BYTES",
@@ -167,13 +175,20 @@ class EngineAPI:
     ``offset_for_timestamp``, ``sync_tenant``, ``subscribe``, ``grant``, ``query``,
     ``query_at``, ``stream_range``); the methods below are what the API adds: plain values
     instead of live engine objects, and the checks every front end would otherwise
-    repeat. The services themselves stay private."""
+    repeat. The services themselves stay private.
+
+    With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
+    ``read``, ``create_stream``, ``delete_stream``, ``query``, ``query_at`` and
+    ``stream_range`` count what they serve and hold the answer back past a rate, and
+    subscription pushes wait before the next one (:mod:`headwater.api.quotas`); without
+    any quota they are the engine's own, untouched."""
 
     _engine: Engine
     _subscriptions: Subscriptions
     _kinds: KindsEngine
     _queries: SqlService
     auth: Auth
+    quotas: Quotas = field(default_factory=lambda: Quotas({}))
 
     def __post_init__(self) -> None:
         engine, subscriptions, queries = self._engine, self._subscriptions, self._queries
@@ -192,6 +207,15 @@ class EngineAPI:
         self.query = queries.query
         self.query_at = queries.query_at
         self.stream_range = queries.stream_range
+        if self.quotas.enabled:
+            self.create_stream = self._throttled_create_stream
+            self.delete_stream = self._throttled_delete_stream
+            self.append = self._throttled_append
+            self.append_encoded = self._throttled_append_encoded
+            self.query = self._throttled_query
+            self.query_at = self._throttled_query_at
+            self.stream_range = self._throttled_stream_range
+            subscriptions.pace = self._pace_subscription
 
     @classmethod
     async def open(
@@ -202,16 +226,18 @@ class EngineAPI:
         auth_config: AuthConfig,
         sql_limits: SqlLimits | None = None,
         on_sql_limit: Callable[[str], None] | None = None,
+        quotas: Mapping[int, TenantQuota] | None = None,
     ) -> EngineAPI:
         """Recover the engine and kinds, start the SQL projections. ``on_sql_limit`` is
-        told the ``[limits]`` key each statement stopped by a limit ran into."""
+        told the ``[limits]`` key each statement stopped by a limit ran into; ``quotas``
+        are the per-tenant rates (``[[tenants]]``)."""
         engine = await Engine.open(data_dir, engine_config)
         subscriptions = Subscriptions(engine)
         kinds = await KindsEngine.open(engine, kinds_config)
         queries = SqlService(engine, limits=sql_limits, on_limit=on_sql_limit)
         queries.add_source(KindTables(kinds))
         queries.start()
-        return cls(engine, subscriptions, kinds, queries, Auth(auth_config))
+        return cls(engine, subscriptions, kinds, queries, Auth(auth_config), Quotas(quotas or {}))
 
     async def close_subscriptions(self) -> None:
         """End every subscription (each front end is told: server shutdown)."""
@@ -291,9 +317,19 @@ class EngineAPI:
             raise InvalidOffset(
                 f"offset {from_offset} was removed by retention; the stream starts at {start}"
             )
-        return await self._engine.read(
-            tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
-        )
+        if not self.quotas.enabled:
+            return await self._engine.read(
+                tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
+            )
+        try:
+            result = await self._engine.read(
+                tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
+            )
+        except HeadwaterError:
+            await self.quotas.throttle(tenant_id, requests=1)
+            raise
+        await self.quotas.throttle(tenant_id, consume=result.value_bytes, requests=1)
+        return result
 
     def fsync_stats(self) -> FsyncStats:
         """The group committers' fsyncs over every live stream."""
@@ -312,6 +348,112 @@ class EngineAPI:
     @property
     def bytes_appended(self) -> int:
         return self._engine.bytes_appended
+
+    # ---- quotas: the engine's operations, counted and throttled ------------------------
+    # Bound in place of the engine's own by __post_init__ when a tenant has a quota. A
+    # request that fails still counts as a request.
+
+    async def _request(self, tenant_id: int, operation: Awaitable[T]) -> T:
+        """Serve one request, then hold its answer (or its error) back past the tenant's
+        requests/s."""
+        try:
+            result = await operation
+        except HeadwaterError:
+            await self.quotas.throttle(tenant_id, requests=1)
+            raise
+        await self.quotas.throttle(tenant_id, requests=1)
+        return result
+
+    async def _throttled_append(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values: Sequence[bytes],
+        *,
+        timestamp_ms: int | None = None,
+        **columns: Unpack[EventColumns],
+    ) -> AppendInfo:
+        try:
+            info = await self._engine.append(
+                tenant_id, stream_id, values, timestamp_ms=timestamp_ms, **columns
+            )
+        except HeadwaterError:
+            await self.quotas.throttle(tenant_id, requests=1)
+            raise
+        await self.quotas.throttle(tenant_id, produce=sum(map(len, values)), requests=1)
+        return info
+
+    async def _throttled_append_encoded(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values_section: bytes | memoryview,
+        count: int,
+        *,
+        value_bytes: int | None = None,
+        timestamp_ms: int | None = None,
+        **columns: Unpack[EventColumns],
+    ) -> AppendInfo:
+        try:
+            info = await self._engine.append_encoded(
+                tenant_id,
+                stream_id,
+                values_section,
+                count,
+                value_bytes=value_bytes,
+                timestamp_ms=timestamp_ms,
+                **columns,
+            )
+        except HeadwaterError:
+            await self.quotas.throttle(tenant_id, requests=1)
+            raise
+        # The events' own bytes, without the section's u64 length prefixes.
+        produced = len(values_section) - 8 * count if value_bytes is None else value_bytes
+        await self.quotas.throttle(tenant_id, produce=produced, requests=1)
+        return info
+
+    async def _throttled_create_stream(
+        self,
+        tenant_id: int,
+        name: str,
+        settings: StreamSettings | None = None,
+        *,
+        internal: bool = False,
+    ) -> StreamInfo:
+        operation = self._engine.create_stream(tenant_id, name, settings, internal=internal)
+        return await self._request(tenant_id, operation)
+
+    async def _throttled_delete_stream(self, tenant_id: int, stream_id: int) -> None:
+        await self._request(tenant_id, self._engine.delete_stream(tenant_id, stream_id))
+
+    async def _throttled_query(
+        self, tenant_id: int, sql: str, params: Sequence[object] = ()
+    ) -> QueryResult:
+        return await self._request(tenant_id, self._queries.query(tenant_id, sql, params))
+
+    async def _throttled_query_at(
+        self, tenant_id: int, sql: str, params: Sequence[object], position: int
+    ) -> QueryResult:
+        operation = self._queries.query_at(tenant_id, sql, params, position)
+        return await self._request(tenant_id, operation)
+
+    async def _throttled_stream_range(
+        self, tenant_id: int, name: str, start: int, end: int
+    ) -> list[pa.RecordBatch]:
+        operation = self._queries.stream_range(tenant_id, name, start, end)
+        return await self._request(tenant_id, operation)
+
+    async def _pace_subscription(self, tenant_id: int, value_bytes: int) -> None:
+        """After a subscription's push: its next one waits while the tenant is past its
+        consume rate (the push itself went out at once)."""
+        await self.quotas.throttle(tenant_id, consume=value_bytes)
+
+    def throttle_seconds(self) -> dict[tuple[int, str], float]:
+        """Seconds answers were held back, per (tenant, quota), since start."""
+        return {
+            (tenant_id, str(quota)): seconds
+            for (tenant_id, quota), seconds in sorted(self.quotas.throttle_seconds_total.items())
+        }
 
     # ---- subscriptions ----------------------------------------------------------------
 

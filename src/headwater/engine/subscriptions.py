@@ -326,6 +326,8 @@ class Subscription:
                 except TimeoutError:
                     self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
                     return
+                if (pace := self.manager.pace) is not None:
+                    await pace(self.stream.tenant.tenant_id, result.value_bytes)
         except asyncio.CancelledError:
             raise
         except (StreamNotFound, ConnectionError):
@@ -349,6 +351,10 @@ class Subscriptions:
         self.groups: dict[tuple[int, int], GroupOffsets] = {}
         self._next_id = 1
         self._listening: set[tuple[int, int]] = set()
+        # Awaited after each delivery, outside its backpressure timeout, with the tenant
+        # and the bytes delivered: the engine API's consume quota holds the next read
+        # back there. None (no quota anywhere): nothing is awaited.
+        self.pace: Callable[[int, int], Awaitable[None]] | None = None
 
     def _groups_for(self, stream: Stream) -> GroupOffsets:
         key = (stream.tenant.tenant_id, stream.stream_id)

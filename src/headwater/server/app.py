@@ -91,6 +91,7 @@ class Server:
                 spill_mib=limits.sql_spill_mib,
             ),
             on_sql_limit=lambda limit: self.limits.refused(limit, "sql"),
+            quotas=self.config.quotas,
         )
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.
         for name, factory in sorted(

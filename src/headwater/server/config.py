@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from headwater.api.auth import AuthConfig
+from headwater.api.quotas import TenantQuota
 from headwater.engine.engine import EngineConfig
 from headwater.engine.kinds.model import KindsConfig
 from headwater.engine.names import check_name
@@ -94,16 +95,6 @@ class TlsConfig:
     cert: Path
     key: Path
     client_ca: Path | None = None
-
-
-@dataclass(frozen=True)
-class TenantQuota:
-    """Per-tenant rates of ``[[tenants]]`` (None: unlimited). Past a rate the server
-    delays its answer and reports the throttle time, as Kafka's quotas do."""
-
-    produce_bytes_per_s: int | None = None
-    consume_bytes_per_s: int | None = None
-    requests_per_s: int | None = None
 
 
 QUOTA_KEYS = ("produce_bytes_per_s", "consume_bytes_per_s", "requests_per_s")

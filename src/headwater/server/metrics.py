@@ -328,6 +328,14 @@ class _ServerCollector(Collector):
             "Seconds spent running SQL statements",
             value=query_seconds,
         )
+        throttled = CounterMetricFamily(
+            "headwater_throttle_seconds",
+            "Seconds answers were held back by a tenant's quota ([[tenants]]), per quota",
+            labels=["tenant", "quota"],
+        )
+        for (tenant_id, quota), seconds in api.throttle_seconds().items():
+            throttled.add_metric([str(tenant_id), quota], seconds)
+        yield throttled
 
     @staticmethod
     def _subscription_metrics(api: EngineAPI) -> Iterator[Metric]:

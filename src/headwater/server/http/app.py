@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from aiohttp import web
 
+from headwater.api.quotas import report_throttle
 from headwater.errors import (
     AuthenticationFailed,
     HeadwaterError,
@@ -248,6 +249,20 @@ def _http_error(exc: web.HTTPException) -> web.Response:
         # The rest of the body is not wanted: close (after a short linger) rather than
         # read it to keep the connection.
         response.force_close()
+    return response
+
+
+THROTTLE_HEADER = "X-Headwater-Throttle-Ms"
+
+
+@web.middleware
+async def throttle_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every answer says how long the tenant's quotas held it back (Kafka's
+    throttle_time_ms), 0 when not at all; a streamed answer already sent cannot."""
+    with report_throttle() as throttle:
+        response = await handler(request)
+    if not response.prepared:
+        response.headers[THROTTLE_HEADER] = str(throttle.ms)
     return response
 
 

@@ -14,6 +14,7 @@ from headwater.server.http.app import (
     PROTOCOL,
     SERVER_KEY,
     errors_middleware,
+    throttle_middleware,
 )
 from headwater.server.http.connections import LimitedAppRunner
 from headwater.server.metrics import metrics_for
@@ -36,7 +37,9 @@ LINGER_SECONDS = 2.0
 def build_app(server: Server) -> web.Application:
     """The application of ``server``: REST API, ``/metrics``, the Kiwi gateway
     ``/ws`` and the dashboard."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[throttle_middleware, errors_middleware], client_max_size=MAX_BODY_BYTES
+    )
     app[SERVER_KEY] = server
     app[METRICS_KEY] = metrics_for(server)
     for routes in (api.ROUTES, overview.ROUTES, dashboard.ROUTES):

@@ -1,0 +1,141 @@
+"""Per-tenant quotas against a real server (``[[tenants]]`` produce_bytes_per_s,
+consume_bytes_per_s; docs/operations.md "Quotas"): the request is served, its answer held
+back until the tenant is under its rate again, and the throttle time reported
+(``X-Headwater-Throttle-Ms``, ``headwater_throttle_seconds_total``), while a tenant
+without a quota is served at once, meanwhile."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from servers import LOCAL, Server, serving
+
+import headwater
+from headwater.api.quotas import BURST_S
+from waiting import wait_until
+
+PRODUCE_RATE = 100_000  # bytes/s of tenant 42
+CONSUME_RATE = 50_000  # bytes/s of tenant 43
+CONFIG = f"""
+[storage]
+sync = "none"
+[[tenants]]
+id = 42
+name = "producer"
+produce_bytes_per_s = {PRODUCE_RATE}
+[[tenants]]
+id = 43
+name = "consumer"
+consume_bytes_per_s = {CONSUME_RATE}
+[[tenants]]
+id = 44
+name = "subscriber"
+consume_bytes_per_s = {CONSUME_RATE}
+"""
+EVENT = "x" * 10_000
+CHUNK = [EVENT] * 10  # 100 kB of event values per append
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("quotas"), config=CONFIG, listen={"http": LOCAL}, clean_log=True
+    )
+
+
+def call(server: Server, method: str, path: str, tenant: int, body: object = None) -> int:
+    """The answer's throttle time in ms (it must be a 2xx)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}{path}", data=data, method=method
+    )
+    request.add_header("X-Headwater-Tenant", str(tenant))
+    request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert 200 <= response.status < 300
+        return int(response.headers["X-Headwater-Throttle-Ms"])
+
+
+def throttle_seconds(server: Server) -> dict[tuple[str, str], float]:
+    with urllib.request.urlopen(f"http://{server.address_of('http')}/metrics") as response:
+        text = response.read().decode()
+    return {
+        (sample.labels["tenant"], sample.labels["quota"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "headwater_throttle_seconds"
+        for sample in family.samples
+        if sample.name == "headwater_throttle_seconds_total"
+    }
+
+
+def test_a_tenant_past_its_produce_rate_is_throttled_and_another_is_not(server: Server) -> None:
+    for tenant in (0, 42):
+        call(server, "POST", "/api/streams", tenant, {"name": "q_produce"})
+    appends = 10  # 1 MB at 100 kB/s
+    throttled: list[int] = []
+
+    def produce() -> None:
+        for _ in range(appends):
+            throttled.append(call(server, "POST", "/api/streams/q_produce/events", 42, CHUNK))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    wait_until(lambda: ("42", "produce") in throttle_seconds(server), message="no throttle")
+    # Tenant 0 has no quota: served at once while tenant 42's answers are held back
+    # (its 1 MB is all sent before tenant 42, already being throttled, is done).
+    unthrottled = [
+        call(server, "POST", "/api/streams/q_produce/events", 0, CHUNK) for _ in range(appends)
+    ]
+    assert producer.is_alive()
+    producer.join(timeout=60)
+    assert unthrottled == [0] * appends
+    # The first append is the burst (one second of the rate); each later one owes its
+    # 100 kB at 100 kB/s. The time between two answers refills the bucket (so the sum
+    # can only fall short of the ideal, by at most one request's worth at the rate).
+    ideal_s = (appends * len(EVENT) * len(CHUNK) - PRODUCE_RATE * BURST_S) / PRODUCE_RATE
+    chunk_s = len(EVENT) * len(CHUNK) / PRODUCE_RATE
+    assert throttled[0] == 0 and len(throttled) == appends
+    assert ideal_s - chunk_s <= sum(throttled) / 1000 <= ideal_s + appends * 0.0005
+    reported = throttle_seconds(server)
+    assert reported[("42", "produce")] == pytest.approx(sum(throttled) / 1000, abs=0.01)
+    assert [key for key in reported if key[0] == "0"] == []
+
+
+def test_a_read_past_the_consume_rate_is_answered_then_held_back(server: Server) -> None:
+    for tenant in (0, 43):
+        call(server, "POST", "/api/streams", tenant, {"name": "q_consume"})
+        call(server, "POST", "/api/streams/q_consume/events", tenant, CHUNK)  # no produce quota
+    # The bucket is full (one second of the rate): 100 kB read owes 50 kB at 50 kB/s.
+    first = call(server, "GET", "/api/streams/q_consume/events?limit=10", 43)
+    assert first == round((len(EVENT) * len(CHUNK) - CONSUME_RATE * BURST_S) / CONSUME_RATE * 1000)
+    assert call(server, "GET", "/api/streams/q_consume/events?limit=10", 0) == 0  # not 43's
+
+
+def test_subscription_pushes_past_the_consume_rate_hold_the_next_push_back(
+    server: Server,
+) -> None:
+    """Pushes count against the consume rate: once a push put the tenant in debt, the
+    subscription's next read waits until it is paid, so 300 kB at 50 kB/s (50 kB of
+    burst) are throttled 5 s in all, however the pushes were cut."""
+    call(server, "POST", "/api/streams", 44, {"name": "q_push"})
+    for _ in range(3):
+        call(server, "POST", "/api/streams/q_push/events", 44, CHUNK)
+    with (
+        headwater.connect(server.address, tenant=44) as client,
+        client.subscribe("q_push", 0) as subscription,
+    ):
+        for received, event in enumerate(subscription, start=1):
+            assert event.value == EVENT.encode()
+            if received == 3 * len(CHUNK):
+                break
+    ideal_s = (3 * len(EVENT) * len(CHUNK) - CONSUME_RATE * BURST_S) / CONSUME_RATE
+    wait_until(
+        lambda: throttle_seconds(server).get(("44", "consume"), 0) >= ideal_s - 0.01,
+        message="the pushes were not counted against tenant 44's consume rate",
+    )
+    assert throttle_seconds(server)[("44", "consume")] == pytest.approx(ideal_s, abs=0.01)
