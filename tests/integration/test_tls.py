@@ -19,7 +19,7 @@ import ssl
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +143,9 @@ def plain_client_refused(server: Server, listener: str, first_bytes: bytes) -> N
     line = wait_until(lambda: warned_about(server, port), message=server.log_tail)
     assert f"{listener}: TLS handshake with 127.0.0.1:{port} failed" in line
     assert_clean_log(server)
+    # TLS clients that closed before this one (earlier tests') left no asyncio warning
+    # ("returning true from eof_received() has no effect when using ssl").
+    assert "eof_received" not in server.log_text()
 
 
 # ---- TLS on every listener --------------------------------------------------------------
@@ -334,3 +337,42 @@ def test_a_ripple_worker_with_an_unmapped_certificate_is_refused(
     # Nothing was created for the refused workers.
     kinds = https_get(mtls_server, "/api/kinds", context(certs, certs.worker))["kinds"]
     assert "mtls_stray" not in [kind["name"] for kind in kinds]
+
+
+def test_a_certificate_that_does_not_load_stops_start_up_in_one_line(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    config = tmp_path / "headwater.toml"
+    config.write_text(f'[tls]\ncert = "{garbage}"\nkey = "{garbage}"\n')
+    serve = [sys.executable, "-m", "headwater.cli.main", "serve"]
+    started = subprocess.run(
+        [*serve, "--data-dir", str(tmp_path / "data"), "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert started.returncode == 2
+    assert "tls: cannot load the certificate" in started.stderr
+    assert "Traceback" not in started.stderr
+
+
+def test_a_tls_handshake_not_done_in_time_is_closed_and_counted(
+    make_server: Callable[..., Server], certs: Certs
+) -> None:
+    config = (
+        f'[tls]\ncert = "{certs.server}"\nkey = "{certs.server}"\n'
+        "[limits]\nhandshake_timeout_s = 0.5\n"
+    )
+    server = make_server(config=config, listen={"http": LOCAL})
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as silent:
+        port = silent.getsockname()[1]
+        assert silent.recv(1) == b""  # closed by the server; no ClientHello was sent
+    line = wait_until(lambda: warned_about(server, port), message=server.log_tail)
+    assert "not done within 0.5s: closed" in line
+    request = urllib.request.Request(f"https://127.0.0.1:{server.ports['http']}/metrics")
+    with urllib.request.urlopen(request, timeout=TIMEOUT, context=context(certs)) as page:
+        metrics = page.read().decode()
+    assert 'limit="handshake_timeout_s",listener="kimberlite"} 1.0' in metrics
+    with headwater.connect(server.address, ca=certs.ca) as hw:  # still serving
+        hw.list_streams()

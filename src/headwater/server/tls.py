@@ -40,13 +40,17 @@ def server_context(config: TlsConfig) -> ssl.SSLContext:
         context.load_cert_chain(config.cert, config.key)
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(
-            f"tls: cannot load the certificate {config.cert} with the key {config.key}: {exc}"
+            f"tls: cannot load the certificate {config.cert} with the key {config.key} "
+            f"({_why(exc)}): both must be PEM, the key matching the certificate"
         ) from None
     if config.client_ca is not None:
         try:
             context.load_verify_locations(cafile=config.client_ca)
         except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"tls.client_ca: cannot load {config.client_ca}: {exc}") from None
+            raise ConfigError(
+                f"tls.client_ca: cannot load {config.client_ca} ({_why(exc)}): "
+                "it must hold PEM CA certificates"
+            ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
@@ -84,6 +88,7 @@ async def listen(
         return await asyncio.get_running_loop().create_server(
             make_connection, host, port, reuse_address=True
         )
+    logging.getLogger("asyncio").addFilter(_SSL_EOF_WARNING)  # once: a set of filters
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     sock.setblocking(False)
@@ -93,6 +98,19 @@ async def listen(
 
 
 BACKLOG = 100  # asyncio's create_server default
+
+
+class _SslEofWarning(logging.Filter):
+    """Drops asyncio's warning that ``eof_received`` returning True "has no effect when
+    using ssl". The front ends return True to write their last answer after a client's
+    EOF; TLS has no half-close, so asyncio closes the connection anyway, as it should,
+    and would otherwise log a warning for every TLS client that closes first."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+_SSL_EOF_WARNING = _SslEofWarning()
 
 
 class TlsServer:
