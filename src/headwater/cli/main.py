@@ -23,9 +23,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from headwater.errors import StorageError
     from headwater.server.config import ConfigError, load_config
     from headwater.server.serve import serve
+    from headwater.server.tls import server_context
 
     try:
         config = load_config(args.config)
+        if config.tls is not None:
+            # A certificate or key that does not load stops start-up here, in one line.
+            server_context(config.tls)
     except ConfigError as exc:
         err.print(f"[red]error:[/] {exc}")
         return 2
@@ -35,7 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StorageError as exc:
         # The data directory cannot be served (another server holds it, damaged
         # metadata): say so in one line, as for a bad config.
-        err.print(f"[red]error:[/] {exc.message}", highlight=False)
+        err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 1
 
 
