@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+import trustme
 from kimberlite_raw import RawClient, create_stream
 from limits_clients import counted, read_to_end, refusals
 from psycopg import errors as pgerrors
@@ -387,3 +388,60 @@ def test_oversized_startup_packet_is_refused_before_it_is_read(open_server: Serv
         sock.close()
     assert error.fields["S"] == "FATAL" and error.fields["C"] == "08P01"
     test_trust_without_required_auth(open_server)
+
+
+# ---- TLS -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, str]]:
+    """``[tls]`` with a trustme certificate; yields the server and the CA file."""
+    root = tmp_path_factory.mktemp("postgres_tls")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    ca.issue_cert("127.0.0.1", "localhost").private_key_and_cert_chain_pem.write_to_path(
+        str(root / "server.pem")
+    )
+    config = CONFIG + f'\n[tls]\ncert = "{root / "server.pem"}"\nkey = "{root / "server.pem"}"\n'
+    for server in serving(root / "server", config=config, listen={"postgres": LOCAL}):
+        yield server, str(root / "ca.pem")
+
+
+def test_tls_through_ssl_request(tls_server: tuple[Server, str]) -> None:
+    server, ca = tls_server
+    secure = dsn(server).replace("sslmode=disable", f"sslmode=verify-full sslrootcert={ca}")
+    with psycopg.connect(secure, autocommit=True) as conn:
+        assert conn.pgconn.ssl_in_use
+        assert conn.execute("SELECT 'over tls'").fetchone() == ("over tls",)
+    binary = shutil.which("psql")
+    assert binary
+    done = subprocess.run(
+        [binary, "-X", "-A", "-t", "-c", "SELECT 1 + 1", secure],
+        env={**os.environ, "PGPASSWORD": TOKEN},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "2"), done.stderr
+
+
+def test_plain_text_is_refused_under_tls(tls_server: tuple[Server, str]) -> None:
+    server, ca = tls_server
+    with pytest.raises(psycopg.OperationalError, match="sslmode=require"):
+        psycopg.connect(dsn(server))  # sslmode=disable
+    secure = dsn(server).replace("sslmode=disable", f"sslmode=require sslrootcert={ca}")
+    with psycopg.connect(secure, autocommit=True) as conn:  # and still serving
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_plain_bytes_after_ssl_request_are_refused(tls_server: tuple[Server, str]) -> None:
+    """CVE-2021-23214: bytes pipelined behind the SSLRequest must not be taken as if
+    they had come through TLS."""
+    server, _ = tls_server
+    sock = socket.create_connection(("127.0.0.1", server.ports["postgres"]), timeout=15)
+    try:
+        sock.sendall(m.encode_ssl_request() + m.encode_startup({"user": "sneaky"}))
+        [error] = m.split_backend(read_to_end(sock))
+    finally:
+        sock.close()
+    assert error.fields["C"] == "08P01" and "unencrypted" in error.fields["M"]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
-from headwater.server.tls import listen
+from headwater.server.tls import Listening, listen
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -132,6 +132,11 @@ class ConnectionGuard:
         )
         return False
 
+    def upgraded(self, transport: asyncio.Transport) -> None:
+        """The connection moved onto ``transport`` (TLS started on its own wire): the
+        last word of a refusal goes there."""
+        self._transport = transport
+
     def authenticated(self) -> None:
         """The peer's handshake (or CONNECT) was accepted: the idle timeout applies."""
         if self.authed or not self._admitted:
@@ -207,8 +212,16 @@ async def start_tcp_listener(
     subscriptions: Callable[[], int] | None = None,
     drain: Callable[[], Awaitable[None]] | None = None,
     finish: Callable[[], Awaitable[None]] | None = None,
+    starttls: bool = False,
 ) -> Listener:
-    tcp = await listen(server, name, make_connection, host, port)
+    """``starttls``: the protocol asks for TLS on its own wire (PostgreSQL's SSLRequest)
+    and the connection upgrades itself, so the port is bound plain even under ``[tls]``."""
+    if starttls:
+        tcp: Listening = await asyncio.get_running_loop().create_server(
+            make_connection, host, port, reuse_address=True
+        )
+    else:
+        tcp = await listen(server, name, make_connection, host, port)
     bound = int(tcp.sockets[0].getsockname()[1])
     metrics = metrics_for(server)
     metrics.add_connections_source(name, lambda: len(connections))

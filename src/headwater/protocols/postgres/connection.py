@@ -266,7 +266,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
     """One PostgreSQL connection, server side.
 
     ``auth``: ``"trust"`` (no password asked), ``"password"`` (cleartext; for TLS) or
-    ``"scram-sha-256"`` with ``keys`` (every token's SCRAM keys).
+    ``"scram-sha-256"`` with ``keys`` (every token's SCRAM keys). ``require_tls``: a
+    StartupMessage is refused unless TLS was started first (:meth:`accept_tls`).
     """
 
     eof_reason = "connection ended inside a message ({} bytes)"
@@ -277,6 +278,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         auth: str = "scram-sha-256",
         keys: TokenKeys | None = None,
         max_message: int = MAX_MESSAGE,
+        require_tls: bool = False,
     ) -> None:
         super().__init__(_StartupDecoder(MAX_STARTUP))
         if auth not in ("trust", "password", "scram-sha-256"):
@@ -284,6 +286,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if auth == "scram-sha-256" and keys is None:
             raise UsageError("SCRAM needs the tokens' keys")
         self.auth = auth
+        self.require_tls = require_tls
+        self.tls_active = False
         self._keys = keys
         self._max_message = max_message
         self._state = "startup"  # startup, password, sasl, sasl-final, auth, ready
@@ -345,12 +349,18 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
 
     def _on_startup(self, packet: m.StartupPacket) -> Event:
         if isinstance(packet, m.SSLRequest):
+            if self.tls_active:
+                return self._reject("08P01", "SSLRequest inside TLS")
             return TlsRequested()
         if isinstance(packet, m.GSSENCRequest):
             return Reply("GSSENC refused", b"N")
         if isinstance(packet, m.CancelRequest):
             self._closed = True
             return CancelRequested(packet.process_id, packet.secret_key)
+        if self.require_tls and not self.tls_active:
+            return self._reject(
+                "28000", "this server takes TLS connections only: connect with sslmode=require"
+            )
         user = packet.parameters.get("user", "")
         if not user:
             return self._reject("28000", "no PostgreSQL user name specified in startup packet")
@@ -443,6 +453,15 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         """Answer an SSLRequest: no TLS here; the client goes on in plain text (or
         gives up, as ``sslmode=require`` does)."""
         return b"N"
+
+    def accept_tls(self) -> bytes | Reject:
+        """Answer an SSLRequest with TLS: ``b"S"``, after which the shell starts TLS and
+        sets :attr:`tls_active`. Bytes the client sent after its SSLRequest and before
+        TLS would otherwise be taken as if they had come through TLS (CVE-2021-23214):
+        then this is a Reject instead."""
+        if self.buffered_bytes:
+            return self._reject("08P01", "received unencrypted data after SSL request")
+        return b"S"
 
     def accept(self, process_id: int, secret_key: int) -> bytes:
         """The Authenticate event succeeded: AuthenticationOk, the settings, the cancel

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import ssl
 from typing import TYPE_CHECKING, cast
 
 from headwater.api import EngineAPI
@@ -52,6 +53,7 @@ from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.server.tls import context_for
 from headwater.sql.values import Timestamp
 
 if TYPE_CHECKING:
@@ -135,6 +137,7 @@ class ListenerState:
         auth = server.config.auth
         self.auth_method = "scram-sha-256" if auth.required else "trust"
         self.keys = TokenKeys(auth.tokens) if auth.required else None
+        self.tls = context_for(server)  # None: no [tls]; else every client must use it
 
     def new_process_id(self) -> int:
         while True:
@@ -149,7 +152,9 @@ class PostgresConnection(asyncio.Protocol):
         server = state.server
         self.api: EngineAPI = server.api
         self.metrics = metrics_for(server)
-        self.protocol = ServerConnection(auth=state.auth_method, keys=state.keys)
+        self.protocol = ServerConnection(
+            auth=state.auth_method, keys=state.keys, require_tls=state.tls is not None
+        )
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.tenant = 0
@@ -249,13 +254,44 @@ class PostgresConnection(asyncio.Protocol):
         elif isinstance(event, Close):
             self.close()
         elif isinstance(event, TlsRequested):
-            # The seam for [tls]: with a certificate this answers b"S" and starts TLS.
-            self._write(self.protocol.decline_tls())
+            await self._start_tls()
         elif isinstance(event, Authenticate):
             self._authenticate(event)
         elif isinstance(event, CancelRequested):
             self._cancel(event)
             self.close()
+
+    async def _start_tls(self) -> None:
+        """Answer an SSLRequest: 'N' without [tls]; with it 'S', then the TLS handshake
+        on this connection (the client's StartupMessage comes through TLS)."""
+        context = self.state.tls
+        if context is None:
+            self._write(self.protocol.decline_tls())
+            return
+        answer = self.protocol.accept_tls()
+        if isinstance(answer, Reject):
+            await self._handle(answer)
+            return
+        self._write(answer)
+        assert self.transport is not None
+        try:
+            transport = await asyncio.get_running_loop().start_tls(
+                self.transport,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self.state.server.config.limits.handshake_timeout_s,
+            )
+        except (OSError, ssl.SSLError, TimeoutError) as exc:
+            log.warning("postgres %s: TLS handshake failed: %s", self.peer, exc)
+            self.close()
+            return
+        if transport is None:  # the peer went away during the handshake
+            self.close()
+            return
+        self.transport = transport
+        self.guard.upgraded(transport)
+        self.protocol.tls_active = True
 
     def _authenticate(self, event: Authenticate) -> None:
         try:
@@ -382,4 +418,5 @@ async def start_postgres(server: Server, host: str, port: int) -> Listener:
         lambda: PostgresConnection(state),
         state.connections,
         drain=drain,
+        starttls=True,  # TLS is asked for by SSLRequest on the plain port, as PostgreSQL does
     )
