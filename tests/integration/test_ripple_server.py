@@ -389,3 +389,42 @@ def test_a_gone_workers_entities_last_its_liveness_deadline(
         )
         canary.close()
     assert len(table(proc, "held")) == 7  # well within the long deadline
+
+
+TENANT_TOKEN = """
+[[auth.tokens]]
+token = "acme-token"
+tenants = [42]
+[[tenants]]
+id = 42
+name = "acme"
+"""
+
+
+def test_a_workers_token_picks_its_tenant_and_its_sequence_numbers_live_there(
+    make_server: Callable[..., Server],
+) -> None:
+    """Without [auth] required a worker may still send a token (the Handshake's auth
+    extension): it then writes to the token's tenant, whose sequence table is its own
+    (ripple/tenant-42.json) and survives a restart; a worker without one is tenant 0's,
+    as before, even under the same worker id."""
+    proc = make_server(config=TENANT_TOKEN, listen=LISTEN)
+    address = proc.address_of("ripple")
+    with Worker_("job", {"quotes": Quote}, address, token="acme-token") as acme:
+        run(acme, "quotes", range(1, 11))
+        assert acme.checkpoint() == 10
+    with Worker_("job", {"quotes": Quote}, address) as anonymous:
+        anonymous.set("quotes", "Z", Quote("Z", 0.5, 1, True))  # sequence 1: new here
+        assert anonymous.checkpoint() == 1
+    with proc.client(tenant_id=42) as c:
+        acme_rows = rows_of(sql_query(c, "SELECT symbol FROM quotes ORDER BY 1"))
+    assert len(acme_rows) == 7  # K0..K6 (see run)
+    assert [r[1] for r in table(proc, "quotes")] == ["Z"]
+    assert (proc.data_dir / "ripple" / "tenant-42.json").exists()
+    assert proc.stop() == 0
+    proc.start()
+    with Worker_("job", {"quotes": Quote}, address, token="acme-token") as again:
+        again.set("quotes", "K1", Quote("K1", 99.0, 99, True), sequence_no=3)  # applied before
+        assert again.checkpoint() == 10
+    with proc.client(tenant_id=42) as c:
+        assert rows_of(sql_query(c, "SELECT symbol FROM quotes ORDER BY 1")) == acme_rows
