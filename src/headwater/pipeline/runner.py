@@ -38,6 +38,16 @@ def _connection_options(spec: PipelineSpec) -> dict[str, str]:
     options = {"server": spec.connection.server, "tenant": str(spec.connection.tenant)}
     if spec.connection.token:
         options["token"] = spec.connection.token
+    connection = spec.connection
+    if connection.tls:
+        options["tls"] = "true"
+    for option, path in (
+        ("caFile", connection.ca_file),
+        ("certFile", connection.cert_file),
+        ("keyFile", connection.key_file),
+    ):
+        if path is not None:
+            options[option] = path
     return options
 
 

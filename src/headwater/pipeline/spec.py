@@ -396,6 +396,8 @@ SINK_TYPES: dict[str, Callable[[Mapping[str, Any], str, Columns], dict[str, Any]
 }
 
 TRIGGERS = ("processingTime", "availableNow", "once")
+# Top-level keys that say where and how to connect (TLS: docs/operations.md, "TLS").
+CONNECTION_KEYS = ("server", "token", "tenant", "tls", "ca_file", "cert_file", "key_file")
 
 
 def _trigger(data: Any) -> dict[str, Any]:
@@ -438,9 +440,7 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
         raise PipelineError("a pipeline file must be a YAML mapping")
     top = {
         "name",
-        "server",
-        "token",
-        "tenant",
+        *CONNECTION_KEYS,
         "sources",
         "transforms",
         "sinks",
@@ -450,7 +450,8 @@ def parse_pipeline(data: Any, base: Path, kind_columns: KindColumns | None = Non
         "spark_conf",
     }
     _expect(data, "pipeline", top, {"sources", "sinks", "checkpoint"})
-    conn_opts = {k: str(data[k]) for k in ("server", "token", "tenant") if k in data}
+    # The YAML's connection keys as the Spark connector's options (lower-cased).
+    conn_opts = {key.replace("_", ""): str(data[key]) for key in CONNECTION_KEYS if key in data}
     try:
         connection = ConnectionOptions.parse(conn_opts)
     except UsageError as exc:
@@ -554,7 +555,10 @@ def check_streams(spec: PipelineSpec) -> None:
         return
     try:
         with connect(
-            spec.connection.server, token=spec.connection.token, tenant=spec.connection.tenant
+            spec.connection.server,
+            token=spec.connection.token,
+            tenant=spec.connection.tenant,
+            **spec.connection.tls_options(),
         ) as client:
             known = {s.name for s in client.list_streams()}
     except Exception as exc:

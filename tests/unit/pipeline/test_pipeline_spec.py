@@ -251,3 +251,25 @@ def test_progress_line_counts_lag_of_streams_and_kinds():
     assert progress_line(progress) == (
         "[p_sink0] batch 4: in 10 rows, out 3 rows, lag 12 offsets, 120 ms"
     )
+
+
+def test_tls_keys_reach_the_connection_and_the_spark_options(tmp_path: Path):
+    from headwater.pipeline.runner import _connection_options
+
+    data = _with(server="hw:7401", tls=True, ca_file="/etc/ca.pem", cert_file="/etc/me.pem")
+    spec = parse_pipeline(data, tmp_path)
+    assert spec.connection.tls_options() == {
+        "tls": True,
+        "ca": "/etc/ca.pem",
+        "cert": "/etc/me.pem",
+        "key": None,
+    }
+    assert _connection_options(spec) == {
+        "server": "hw:7401",
+        "tenant": "0",
+        "tls": "true",
+        "caFile": "/etc/ca.pem",
+        "certFile": "/etc/me.pem",
+    }
+    with pytest.raises(PipelineError, match="keyFile is the key of certFile"):
+        parse_pipeline(_with(key_file="/etc/me.key"), tmp_path)
