@@ -51,7 +51,8 @@ class Server:
     ``{"convergedb": LOCAL, "http": LOCAL}`` (``""`` turns one off). ``port`` is the
     Kimberlite port (0: the server picks). ``config`` is TOML appended after the
     ``[listen]`` table. A port the server picked is kept for later starts, so a restarted
-    server comes back on the same addresses (clients reconnect to them).
+    server comes back on the same addresses (clients reconnect to them). ``preexec_fn``
+    runs in the child before the server starts (e.g. to lower its ``RLIMIT_NOFILE``).
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class Server:
         config: str = "",
         listen: dict[str, str] | None = None,
         port: int = 0,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> None:
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
@@ -77,6 +79,7 @@ class Server:
         self.ports: dict[str, int] = {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.preexec_fn = preexec_fn
 
     # -- addresses --
 
@@ -129,6 +132,7 @@ class Server:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                preexec_fn=self.preexec_fn,
             )
         try:
             bound = wait_until(

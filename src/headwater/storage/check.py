@@ -120,11 +120,12 @@ def _int_field(
 
 
 def check_metadata(data_dir: Path) -> list[MetadataProblem]:
-    """What is wrong with the tenants' and streams' metadata under ``data_dir``."""
+    """What is wrong with the tenants' and streams' metadata under ``data_dir`` (nothing
+    to check without a ``tenants/`` directory: a bare partition has segments only)."""
     problems: list[MetadataProblem] = []
     tenants_dir = data_dir / "tenants"
     if not tenants_dir.is_dir():
-        return [MetadataProblem(tenants_dir, "missing: not a headwater data directory")]
+        return problems
     for tenant_dir in sorted(tenants_dir.iterdir()):
         if tenant_dir.is_dir() and tenant_dir.name.isdigit():
             _check_tenant(tenant_dir, problems)
