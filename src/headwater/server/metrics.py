@@ -32,7 +32,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from headwater.errors import HeadwaterError
+from headwater.errors import HeadwaterError, StreamQuotaExceeded
 
 if TYPE_CHECKING:
     from headwater.api import EngineAPI
@@ -150,6 +150,8 @@ class Metrics:
 
     def record_error(self, protocol: str, exc: HeadwaterError) -> None:
         self.errors.labels(protocol, str(exc.code), exc.name).inc()
+        if isinstance(exc, StreamQuotaExceeded):  # the engine's refusal of a [limits] key
+            self.record_limit(exc.limit, protocol)
 
     def record_limit(self, limit: str, listener: str) -> None:
         """A client refused or closed by ``[limits] <limit>`` on ``listener``."""
