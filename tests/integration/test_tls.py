@@ -376,3 +376,27 @@ def test_a_tls_handshake_not_done_in_time_is_closed_and_counted(
     assert 'limit="handshake_timeout_s",listener="kimberlite"} 1.0' in metrics
     with headwater.connect(server.address, ca=certs.ca) as hw:  # still serving
         hw.list_streams()
+
+
+def test_tls_handshakes_under_way_are_bounded_by_max_connections(
+    make_server: Callable[..., Server], certs: Certs
+) -> None:
+    config = (
+        f'[tls]\ncert = "{certs.server}"\nkey = "{certs.server}"\n[limits]\nmax_connections = 2\n'
+    )
+    server = make_server(config=config)
+    address = ("127.0.0.1", server.port)
+    idle = [socket.create_connection(address, timeout=TIMEOUT) for _ in range(2)]
+    with socket.create_connection(address, timeout=TIMEOUT) as third:
+        port = third.getsockname()[1]
+        assert third.recv(1) == b""  # closed at once: two handshakes hold the listener
+    refusal = f"kimberlite: 127.0.0.1:{port} refused: 2 TLS handshakes under way"
+    wait_until(lambda: refusal in server.log_text(), message=server.log_tail)
+    ports = [s.getsockname()[1] for s in idle]
+    for sock in idle:
+        sock.close()  # their handshakes fail: the listener has room again
+    for idle_port in ports:
+        wait_until(lambda p=idle_port: warned_about(server, p), message=server.log_tail)
+    with headwater.connect(server.address, ca=certs.ca) as hw:
+        hw.list_streams()
+    assert_clean_log(server)

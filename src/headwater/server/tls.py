@@ -166,6 +166,18 @@ class TlsServer:
                 log.warning("%s: cannot accept a connection: %s", self.listener, exc)
                 await asyncio.sleep(1.0)
                 continue
+            if len(self.handshakes) >= self.server.config.limits.max_connections:
+                # Handshakes under way are not connections yet (the front end counts
+                # those), but each holds a socket until its deadline: as many at most.
+                sock.close()
+                self.server.limits.refused("max_connections", self.listener)
+                log.warning(
+                    "%s: %s refused: %d TLS handshakes under way (limits.max_connections)",
+                    self.listener,
+                    _address(peer),
+                    len(self.handshakes),
+                )
+                continue
             task = loop.create_task(self._handshake(sock, _address(peer)))
             self.handshakes.add(task)
             task.add_done_callback(self.handshakes.discard)
@@ -195,6 +207,9 @@ class TlsServer:
         except OSError as exc:  # ssl.SSLError, a reset: what a peer's bad bytes cause
             sock.close()
             log.warning("%s: TLS handshake with %s failed: %s", self.listener, peer, _why(exc))
+        except asyncio.CancelledError:  # the listener stopped
+            sock.close()
+            raise
 
 
 def peer_common_name(transport: asyncio.BaseTransport | None) -> str | None:
