@@ -417,3 +417,27 @@ def test_duckdb_types_map_to_oids() -> None:
         t.JSON,
         t.TEXT,
     ]
+
+
+def test_newer_minor_version_and_options_are_negotiated_down() -> None:
+    conn = ServerConnection(auth="trust")
+    startup = m.encode_startup({"user": "u", "_pq_.foo": "1"}, protocol=0x00030002)
+    [auth] = events(conn, startup)
+    assert isinstance(auth, Authenticate)
+    data = conn.accept(1, 2)
+    # NegotiateProtocolVersion: newest minor 0, one option not recognised; then AuthOk.
+    assert data.startswith(
+        b"v\x00\x00\x00\x15\x00\x00\x00\x00\x00\x00\x00\x01_pq_.foo\x00"
+        b"R\x00\x00\x00\x08\x00\x00\x00\x00"
+    )
+
+
+def test_tenant_is_chosen_at_connect_time_only() -> None:
+    conn = ServerConnection(auth="trust")
+    events(conn, m.encode_startup({"user": "u", "options": "-c headwater.tenant=42"}))
+    assert conn.settings["headwater.tenant"] == "42"
+    conn.accept(1, 2)
+    got = events(conn, m.encode_frontend(m.Query("SET headwater.tenant = 7")))
+    assert m.split_backend(got[1].data)[0].fields["C"] == "55P02"  # type: ignore[union-attr]
+    got = events(conn, m.encode_frontend(m.Query("SET headwater.as_of = 5; DISCARD ALL")))
+    assert conn.as_of is None and conn.settings["headwater.tenant"] == "42"

@@ -133,3 +133,19 @@ def test_huge_lengths_allocate_nothing(prefix: bytes, head: bytes) -> None:
     assert isinstance(events[-1], Reject)
     assert peak < 64 * 1024
     assert MAX_STARTUP < 64 * 1024
+
+
+@settings(max_examples=500)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(sorted(m.FRONTEND)), st.binary(max_size=40)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_random_bodies_of_every_message_type(parts: list[tuple[bytes, bytes]]) -> None:
+    """Well-framed messages of every type with random bodies: each is answered (an
+    ERROR, a FATAL error, or what it asks), never an exception."""
+    conn = ServerConnection(auth="trust")
+    data = b"".join(m.message(kind, body) for kind, body in parts)
+    check_ending(drive(conn, [STARTUP, data]))

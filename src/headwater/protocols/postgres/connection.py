@@ -48,6 +48,7 @@ MAX_MESSAGE = 16 * 1024 * 1024
 SERVER_VERSION = "16.0"
 VERSION_TEXT = f"PostgreSQL {SERVER_VERSION} (headwater; DuckDB SQL dialect)"
 AS_OF = "headwater.as_of"
+TENANT = "headwater.tenant"
 
 # Reported at start-up (ParameterStatus) and answered by SHOW.
 DEFAULT_SETTINGS = {
@@ -288,6 +289,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         self.auth = auth
         self.require_tls = require_tls
         self.tls_active = False
+        self._negotiate = b""  # NegotiateProtocolVersion, sent before authentication
         self._keys = keys
         self._max_message = max_message
         self._state = "startup"  # startup, password, sasl, sasl-final, auth, ready
@@ -366,6 +368,9 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             return self._reject("28000", "no PostgreSQL user name specified in startup packet")
         self.user = user
         self.startup_parameters = dict(packet.parameters)
+        options = [name for name in packet.parameters if name.startswith("_pq_.")]
+        if packet.protocol & 0xFFFF or options:  # a newer 3.x or protocol options: 3.0 here
+            self._negotiate = m.encode_negotiate_protocol_version(0, options)
         try:
             self._apply_startup_settings(packet.parameters)
         except m.MessageError as exc:
@@ -377,11 +382,15 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if self.auth == "trust":
             self._state = "auth"
             return Authenticate(user, None, self.startup_parameters)
+        negotiate, self._negotiate = self._negotiate, b""
         if self.auth == "password":
             self._state = "password"
-            return Reply("AuthenticationCleartextPassword", m.encode_authentication(3))
+            return Reply(
+                "AuthenticationCleartextPassword",
+                negotiate + m.encode_authentication(m.AUTH_CLEARTEXT),
+            )
         self._state = "sasl"
-        return Reply("AuthenticationSASL", m.encode_sasl_mechanisms([MECHANISM]))
+        return Reply("AuthenticationSASL", negotiate + m.encode_sasl_mechanisms([MECHANISM]))
 
     def _apply_startup_settings(self, parameters: dict[str, str]) -> None:
         for name, value in parameters.items():
@@ -470,7 +479,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             raise UsageError("accept() answers an Authenticate event")
         self._state = "ready"
         self._decoder.max_payload = self._max_message
-        parts = [m.encode_authentication(m.AUTH_OK)]
+        parts = [self._negotiate, m.encode_authentication(m.AUTH_OK)]
         for name in _REPORTED:
             parts.append(m.encode_parameter_status(name, self.settings[name.lower()]))
         parts.append(m.encode_backend_key_data(process_id, secret_key))
@@ -514,7 +523,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                 data = self._error("0A000", "function calls are not supported")
                 return Reply("error", data + m.encode_ready_for_query(self.status))
             return Reply("ignored", b"")  # COPY messages outside COPY: PostgreSQL ignores
-        raise AssertionError(message)
+        return self._reject("08P01", "unexpected password message after authentication")
 
     def _error(self, sqlstate: str, text: str) -> bytes:
         """An ERROR: the block fails; a simple Query's later statements are dropped;
@@ -586,8 +595,10 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if isinstance(statement, st.Empty):
             return m.EMPTY_QUERY_RESPONSE
         if isinstance(statement, st.Discard):
-            keep = {AS_OF: DEFAULT_SETTINGS[AS_OF]}
-            self.settings.update(keep)
+            tenant = self.settings.get(TENANT)
+            self.settings = dict(DEFAULT_SETTINGS)
+            if tenant is not None:
+                self.settings[TENANT] = tenant
             self.statements.clear()
             self.portals.clear()
             return m.encode_command_complete("DISCARD ALL")
@@ -634,7 +645,13 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                     "22023",
                 )
             value = "latest" if word == "default" else str(int(word)) if word.isdigit() else word
-        elif name.startswith("headwater.") and name != "headwater.tenant":
+        elif name == TENANT:
+            if self._state == "ready":
+                raise m.MessageError(
+                    f'parameter "{TENANT}" is chosen at connect time (dbname or options)',
+                    "55P02",
+                )
+        elif name.startswith("headwater."):
             raise m.MessageError(f'unrecognized configuration parameter "{name}"', "42704")
         self.settings[name] = value
 

@@ -402,6 +402,12 @@ def encode_sasl_mechanisms(mechanisms: Sequence[str]) -> bytes:
     return encode_authentication(AUTH_SASL, b"".join(_cstring(m) for m in mechanisms) + b"\0")
 
 
+def encode_negotiate_protocol_version(minor: int, unrecognized: Sequence[str]) -> bytes:
+    """The newest 3.x minor version served, and the ``_pq_.`` options not understood."""
+    body = _I32.pack(minor) + _I32.pack(len(unrecognized))
+    return message(b"v", body + b"".join(_cstring(o) for o in unrecognized))
+
+
 def encode_parameter_status(name: str, value: str) -> bytes:
     return message(b"S", _cstring(name) + _cstring(value))
 
@@ -525,6 +531,9 @@ def decode_backend(type_byte: bytes, body: bytes | memoryview) -> BackendMessage
         while (code := r.u8("field type")) != 0:
             items[chr(code)] = r.cstring("field")
         out.update(items)
+    elif t == "v":
+        out["minor"] = r.int32("minor")
+        out["options"] = [r.cstring("option") for _ in range(r.int32("count"))]
     elif t == "t":
         out["oids"] = [r.int32("oid") & 0xFFFFFFFF for _ in range(r.count("oids", 4))]
     elif t not in ("1", "2", "3", "n", "s", "I"):

@@ -49,6 +49,7 @@ from headwater.protocols.postgres import (
     TlsRequested,
     TokenKeys,
 )
+from headwater.protocols.postgres.connection import TENANT
 from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("headwater.postgres")
 
 MAX_BUFFERED = 1 << 20  # bytes received but not yet taken by the worker: reading pauses
-TENANT_SETTING = "headwater.tenant"
 
 # Limits of [limits] as PostgreSQL would name their refusal.
 LIMIT_STATES = {
@@ -299,7 +299,7 @@ class PostgresConnection(asyncio.Protocol):
             self.tenant = choose_tenant(
                 principal,
                 event.parameters.get("database", ""),
-                self.protocol.settings.get(TENANT_SETTING),
+                self.protocol.settings.get(TENANT),
             )
             self.api.check_tenant(self.tenant)
         except HeadwaterError as exc:
@@ -312,7 +312,7 @@ class PostgresConnection(asyncio.Protocol):
         self.process_id = self.state.new_process_id()
         self.secret_key = secrets.randbits(31)
         self.state.backends[self.process_id] = self
-        self.protocol.settings[TENANT_SETTING] = str(self.tenant)
+        self.protocol.settings[TENANT] = str(self.tenant)
         self._write(self.protocol.accept(self.process_id, self.secret_key))
         self.guard.authenticated()
 
