@@ -9,7 +9,6 @@ metadata and its partition, and no two streams of a tenant share a name.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from collections.abc import Iterator
@@ -100,8 +99,7 @@ def _load_object(path: Path, problems: list[MetadataProblem]) -> dict[str, objec
     try:
         data = read_json(path)
     except (OSError, ValueError) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
-        problems.append(MetadataProblem(path, f"unparsable: {reason}"))
+        problems.append(MetadataProblem(path, f"unparsable: {exc}"))
         return None
     if not isinstance(data, dict):
         problems.append(MetadataProblem(path, "not a JSON object"))
