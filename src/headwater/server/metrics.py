@@ -330,6 +330,15 @@ class _ServerCollector(Collector):
             "Seconds spent running SQL statements",
             value=query_seconds,
         )
+        running, queued = api.query_queue()
+        yield GaugeMetricFamily(
+            "headwater_sql_queries_running", "SQL statements running now", value=running
+        )
+        yield GaugeMetricFamily(
+            "headwater_sql_queries_queued",
+            "SQL statements waiting for one of [limits] sql_concurrency places",
+            value=queued,
+        )
         throttled = CounterMetricFamily(
             "headwater_throttle_seconds",
             "Seconds answers were held back by a tenant's quota ([[tenants]]), per quota",

@@ -1,0 +1,217 @@
+"""[limits] sql_timeout_ms, sql_memory_mib and sql_concurrency against a real server:
+each driven past its limit through the front ends that run SQL (Kimberlite Query and
+QueryAt, HTTP /api/sql, the CLI), the client seeing the documented error and the server
+serving the next query (docs/operations.md, "Limits")."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import LOCAL, Server
+
+import headwater
+from headwater.errors import QueryExecutionError
+from waiting import wait_until
+
+HTTP = {"http": LOCAL}
+# Runs for minutes unless interrupted: a cross join DuckDB cannot shortcut.
+SLOW = "SELECT count(*) FROM range(100000000) a, range(1000) b WHERE a.range + b.range < 0"
+TENANTS = """
+[[tenants]]
+id = 42
+name = "other"
+"""
+
+
+def limits(**values: int) -> str:
+    return "[limits]\n" + "".join(f"{key} = {value}\n" for key, value in values.items())
+
+
+def post_sql(server: Server, sql: str, tenant: int = 0) -> tuple[int, Any]:
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}/api/sql",
+        data=json.dumps({"sql": sql}).encode(),
+        headers={"Content-Type": "application/json", "X-Headwater-Tenant": str(tenant)},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    """One sample of the server's /metrics (0 when the series is not there yet)."""
+    with urllib.request.urlopen(f"http://{server.address_of('http')}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    series = f"{name}{{{wanted}}}" if labels else name
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def refusals(server: Server, limit: str) -> float:
+    return metric(server, "headwater_limit_refusals_total", limit=limit, listener="sql")
+
+
+def in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``call`` in a thread; its result or exception lands in the list."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def rss_mib(server: Server, field: str) -> float:
+    """VmRSS (now) or VmHWM (peak) of the server process, in MiB."""
+    status = Path(f"/proc/{server.pid}/status").read_text()
+    found = re.search(rf"^{field}:\s+(\d+) kB$", status, re.MULTILINE)
+    assert found, status
+    return int(found.group(1)) / 1024
+
+
+def test_a_query_past_sql_timeout_ms_is_cancelled_on_every_front_end(
+    make_server: Callable[..., Server], sdk_cli_env: dict[str, str]
+) -> None:
+    server = make_server(config=limits(sql_timeout_ms=500), listen=HTTP)
+    cancelled = "query cancelled after 500 ms (limits.sql_timeout_ms)"
+    with headwater.connect(server.address, timeout=30) as hw:  # type: ignore[attr-defined]
+        hw.create_stream("kept")
+        hw.append("kept", [b'{"n": 1}', b'{"n": 2}'])
+        with pytest.raises(QueryExecutionError) as caught:
+            hw.query(SLOW)
+        assert caught.value.message == cancelled
+        with pytest.raises(QueryExecutionError) as caught:
+            hw.query_at(SLOW, 2)
+        assert caught.value.message == cancelled
+
+    status, body = post_sql(server, SLOW)
+    assert status == 422
+    assert body["error"]["name"] == "QueryExecutionError"
+    assert body["error"]["message"] == cancelled
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "headwater.cli.main", "sql", SLOW, "--server", server.address],
+        capture_output=True,
+        text=True,
+        env=sdk_cli_env,
+        timeout=60,
+        check=False,
+    )
+    assert cli.returncode == 1
+    assert cli.stderr.strip() == f"headwater: error: QueryExecutionError: {cancelled}"
+
+    # Every cancellation counted; another client is served and nothing stored was lost.
+    assert refusals(server, "sql_timeout_ms") == 4
+    with headwater.connect(server.address, timeout=30) as other:  # type: ignore[attr-defined]
+        assert other.query("SELECT sum((json->>'n')::INT) FROM kept").rows == [(3,)]
+    assert post_sql(server, "SELECT 42 AS answer") == (200, {"columns": ["answer"], "rows": [[42]]})
+    assert metric(server, "headwater_sql_queries_running") == 0
+
+
+def test_sigterm_during_a_long_query_stops_the_server_promptly(
+    make_server: Callable[..., Server],
+) -> None:
+    server = make_server(config=limits(sql_timeout_ms=600_000), listen=HTTP)
+    with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
+        thread, outcome = in_thread(lambda: hw.query(SLOW))
+        wait_until(
+            lambda: metric(server, "headwater_sql_queries_running") == 1,
+            message="the slow query never started",
+        )
+        started = time.monotonic()
+        # Server.stop fails the test if SIGTERM goes unanswered for 5 s. Before queries
+        # were interrupted first, the running one held the Kimberlite listener's drain
+        # for its full 10 s (and an HTTP request aiohttp's shutdown) before anything
+        # interrupted it.
+        assert server.stop(timeout=5) == 0
+        stopped_in = time.monotonic() - started
+        thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], QueryExecutionError), outcome
+    assert outcome[0].message == "query cancelled: the server is shutting down"
+    assert stopped_in < 5
+    assert "Traceback" not in server.log_text()
+
+
+def test_a_query_past_sql_memory_mib_spills_or_fails_and_the_server_stays_small(
+    make_server: Callable[..., Server],
+) -> None:
+    server = make_server(config=limits(sql_memory_mib=64, sql_concurrency=1), listen=HTTP)
+    with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
+        hw.create_stream("kept")
+        hw.append("kept", [json.dumps({"n": n}).encode() for n in range(1000)])
+        before = rss_mib(server, "VmRSS")
+        # ~190 MiB of sort input (450+ MiB of RSS with DuckDB's default memory limit):
+        # within 64 MiB it spills to the data directory and still answers correctly.
+        spilled = hw.query(
+            "SELECT count(*), min(x), max(x) FROM (SELECT lpad(i::VARCHAR, 12, '0') || "
+            "'abcdefghij' AS x FROM range(6000000) t(i) ORDER BY x DESC)"
+        )
+        assert spilled.rows == [(6000000, "000000000000abcdefghij", "000005999999abcdefghij")]
+        peak = rss_mib(server, "VmHWM")
+        assert peak - before < 200, f"RSS grew from {before:.0f} to a peak of {peak:.0f} MiB"
+        # A single string of ~250 MiB cannot spill: refused, naming the limit.
+        with pytest.raises(QueryExecutionError) as caught:
+            hw.query("SELECT length(string_agg(i::VARCHAR, ',')) FROM range(30000000) t(i)")
+        assert "limits.sql_memory_mib" in caught.value.message
+        assert "Out of Memory" in caught.value.message
+        assert refusals(server, "sql_memory_mib") == 1
+        # Nothing stored was lost, and the server serves the next query.
+        total = hw.query("SELECT count(*), sum((json->>'n')::INT) FROM kept")
+        assert total.rows == [(1000, sum(range(1000)))]
+    status, body = post_sql(server, "SELECT 1 AS one")
+    assert status == 200 and body["rows"] == [[1]]
+
+
+def test_one_tenants_backlog_of_scans_does_not_starve_another_tenant(
+    make_server: Callable[..., Server],
+) -> None:
+    server = make_server(
+        config=limits(sql_concurrency=1, sql_timeout_ms=1500) + TENANTS, listen=HTTP
+    )
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def scan(tenant: int, sql: str, label: str) -> object:
+        with headwater.connect(server.address, tenant=tenant, timeout=60) as hw:  # type: ignore[attr-defined]
+            try:
+                return hw.query(sql)
+            finally:
+                with lock:
+                    answered.append(label)
+
+    flood = [in_thread(lambda: scan(0, SLOW, "flood")) for _ in range(3)]
+    wait_until(
+        lambda: metric(server, "headwater_sql_queries_queued") == 2,
+        message="tenant 0's scans never queued",
+    )
+    other_thread, other = in_thread(lambda: scan(42, "SELECT 42 AS answer", "other"))
+    for thread, _ in [*flood, (other_thread, other)]:
+        thread.join(60)
+    assert len(answered) == 4
+    # First come, first served would answer tenant 42 last, after every scan of tenant 0.
+    assert answered.index("other") < 3, answered
+    assert other[0].rows == [(42,)]  # type: ignore[union-attr]
+    for _, outcome in flood:
+        assert isinstance(outcome[0], QueryExecutionError), outcome
+        assert "limits.sql_timeout_ms" in outcome[0].message
+    assert refusals(server, "sql_timeout_ms") == 3
