@@ -441,3 +441,42 @@ def test_tenant_is_chosen_at_connect_time_only() -> None:
     assert m.split_backend(got[1].data)[0].fields["C"] == "55P02"  # type: ignore[union-attr]
     got = events(conn, m.encode_frontend(m.Query("SET headwater.as_of = 5; DISCARD ALL")))
     assert conn.as_of is None and conn.settings["headwater.tenant"] == "42"
+
+
+def test_savepoints_and_rollback_to_recover_a_failed_block() -> None:
+    conn = trusted()
+    got = events(conn, m.encode_frontend(m.Query("BEGIN; SAVEPOINT sp; SELECT broken")))
+    assert [e.data for e in got[1:3]] == [  # type: ignore[union-attr]
+        b"C\x00\x00\x00\x0aBEGIN\x00",
+        b"C\x00\x00\x00\x0eSAVEPOINT\x00",
+    ]
+    assert isinstance(got[3], RunQuery)
+    conn.fail("42703", "no column broken")
+    [ready] = events(conn, b"")
+    assert ready.data == b"Z\x00\x00\x00\x05E"  # type: ignore[attr-defined]
+    got = events(conn, m.encode_frontend(m.Query("ROLLBACK TO SAVEPOINT sp")))
+    assert [e.data for e in got[1:]] == [  # type: ignore[union-attr]
+        b"C\x00\x00\x00\x0dROLLBACK\x00",
+        b"Z\x00\x00\x00\x05T",
+    ]
+
+
+def test_pg_type_lookup_finds_no_type() -> None:
+    conn = trusted()
+    sql = "SELECT typname AS name, oid FROM pg_type t WHERE t.oid = to_regtype($1)"
+    data = b"".join(
+        m.encode_frontend(msg)
+        for msg in (
+            m.Parse("", sql, (t.TEXT,)),
+            m.Bind("", "", (), (b"hstore",), ()),
+            m.Describe("P", ""),
+            m.Execute("", 0),
+            m.Sync(),
+        )
+    )
+    replies = events(conn, data)
+    answers = m.split_backend(b"".join(e.data for e in replies))  # type: ignore[attr-defined]
+    assert [a.type for a in answers] == ["1", "2", "T", "C", "Z"]
+    names = [c.name for c in answers[2].fields["columns"]]
+    assert names == ["name", "oid", "array_oid", "regtype", "delimiter"]
+    assert answers[3].fields["tag"] == "SELECT 0"

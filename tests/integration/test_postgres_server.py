@@ -21,8 +21,10 @@ import urllib.error
 import uuid
 from collections.abc import Iterator
 
+import pandas
 import psycopg
 import pytest
+import sqlalchemy
 import trustme
 from kimberlite_raw import RawClient, create_stream
 from limits_clients import counted, read_to_end, refusals
@@ -445,3 +447,29 @@ def test_plain_bytes_after_ssl_request_are_refused(tls_server: tuple[Server, str
     finally:
         sock.close()
     assert error.fields["C"] == "08P01" and "unencrypted" in error.fields["M"]
+
+
+# ---- pandas through SQLAlchemy ---------------------------------------------------------
+
+
+def test_pandas_read_sql_through_sqlalchemy(server: Server) -> None:
+    stream = new_stream(server)
+    psql(server, f'INSERT INTO {stream} (json) VALUES (\'{{"sym": "A", "qty": 2}}\')')
+    # SQLAlchemy's first connect runs version(), current_schema(), SHOW ..., a savepoint
+    # and psycopg's pg_type lookup of hstore: each must be answered.
+    engine = sqlalchemy.create_engine(
+        f"postgresql+psycopg://analyst:{TOKEN}@127.0.0.1:{server.ports['postgres']}/0"
+    )
+    try:
+        frame = pandas.read_sql(
+            sqlalchemy.text(
+                f"SELECT json->>'sym' AS sym, (json->>'qty')::INT AS qty, ts FROM {stream} "
+                "WHERE (json->>'qty')::INT >= :least"
+            ),
+            engine,
+            params={"least": 1},
+        )
+    finally:
+        engine.dispose()
+    assert frame[["sym", "qty"]].to_dict("records") == [{"sym": "A", "qty": 2}]
+    assert frame["qty"].dtype.kind == "i" and frame["ts"].dtype.kind == "M"

@@ -581,10 +581,17 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         """Run a statement the session owns; its whole answer (rows and tag)."""
         if isinstance(statement, st.Transaction):
             tag = statement.action
-            if statement.action == "BEGIN":
+            if statement.action in ("BEGIN", "SAVEPOINT", "RELEASE"):
+                # Savepoints mark nothing (no statement is undone): accepted so clients
+                # that nest transactions (psycopg's conn.transaction()) work.
                 if self.status == "E":
                     return self._aborted()
-                self.status = "T"
+                if statement.action == "BEGIN":
+                    self.status = "T"
+            elif statement.action == "ROLLBACK TO":
+                if self.status == "E":
+                    self.status = "T"
+                tag = "ROLLBACK"
             else:
                 if self.status == "E":
                     tag = "ROLLBACK"
@@ -612,8 +619,10 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             if reported is not None:
                 out += m.encode_parameter_status(reported, self.settings[statement.name])
             return out
-        assert isinstance(statement, st.Show)
-        columns, rows, tag = self._show(statement.name)
+        assert isinstance(statement, st.Show | st.NoTypes)
+        columns, rows, tag = self._show(
+            statement.name if isinstance(statement, st.Show) else "pg_type"
+        )
         head = m.encode_row_description(columns) if describe else b""
         return (
             head
@@ -622,6 +631,10 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         )
 
     def _show(self, name: str) -> tuple[list[m.Column], list[list[str]], str]:
+        if name == "pg_type":  # st.NoTypes: the columns of psycopg's TypeInfo query
+            columns = [m.Column(c, t.TEXT) for c in ("name", "regtype", "delimiter")]
+            columns[1:1] = [m.Column("oid", t.OID, 4), m.Column("array_oid", t.OID, 4)]
+            return columns, [], "SELECT 0"
         if name == "version":
             return [m.Column("version", t.TEXT)], [[VERSION_TEXT]], "SELECT 1"
         if name == "all":
@@ -737,6 +750,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if isinstance(statement, st.Show) and self._known_setting(statement.name):
             columns, _, _ = self._show(statement.name)
             return m.encode_row_description(columns)
+        if isinstance(statement, st.NoTypes):
+            return m.encode_row_description(self._show("pg_type")[0])
         return m.NO_DATA
 
     def _execute(self, message: m.Execute) -> Event:

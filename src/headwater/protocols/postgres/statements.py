@@ -102,7 +102,7 @@ class Engine:
 
 @dataclass(frozen=True, slots=True)
 class Transaction:
-    action: str  # BEGIN, COMMIT or ROLLBACK (the command tag)
+    action: str  # BEGIN, COMMIT, ROLLBACK, SAVEPOINT, RELEASE or ROLLBACK TO
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,14 @@ class Discard:
     """DISCARD ALL (connection poolers send it): every setting back to its default."""
 
 
-Statement = Engine | Transaction | SetVariable | Show | Empty | Discard
+@dataclass(frozen=True, slots=True)
+class NoTypes:
+    """A lookup of a type by name in ``pg_type`` (psycopg's ``TypeInfo.fetch``, which
+    SQLAlchemy runs at connect to find hstore): headwater defines no PostgreSQL types,
+    so it finds none (DuckDB has no ``to_regtype`` to run the query itself)."""
+
+
+Statement = Engine | Transaction | SetVariable | Show | Empty | Discard | NoTypes
 
 _TRANSACTION = {
     "begin": "BEGIN",
@@ -135,6 +142,8 @@ _TRANSACTION = {
     "end": "COMMIT",
     "rollback": "ROLLBACK",
     "abort": "ROLLBACK",
+    "savepoint": "SAVEPOINT",
+    "release": "RELEASE",
 }
 _NAME = r"([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)?)"
 _SET = re.compile(
@@ -163,6 +172,9 @@ def classify(statement: str) -> Statement:
         return Empty()
     first = code.split(" ", 1)[0].lower()
     if first in _TRANSACTION and (first != "start" or code.lower().startswith("start transaction")):
+        words = code.lower().split()
+        if first in ("rollback", "abort") and len(words) > 1 and words[1] == "to":
+            return Transaction("ROLLBACK TO")
         return Transaction(_TRANSACTION[first])
     text = statement.strip().rstrip(";").strip()
     if first == "set":
@@ -182,4 +194,7 @@ def classify(statement: str) -> Statement:
             return Show(match.group(1).lower())
     if _VERSION.fullmatch(text):
         return Show("version")
+    lowered = code.lower()
+    if "from pg_type" in lowered and "to_regtype" in lowered:
+        return NoTypes()
     return Engine(text)
