@@ -233,6 +233,8 @@ def _why(exc: OSError) -> str:
     plain text, ``PEER_DID_NOT_RETURN_A_CERTIFICATE``...) or the socket error."""
     if isinstance(exc, ssl.SSLError) and exc.reason:
         return str(exc.reason)
+    if isinstance(exc, ConnectionError) and not exc.strerror:
+        return "the client closed the connection"  # uvloop's reset carries no text
     return exc.strerror or str(exc) or type(exc).__name__
 
 
