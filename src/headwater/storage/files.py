@@ -84,26 +84,37 @@ class FileCache:
     def pinned(self, handle: SegmentFile) -> Iterator[int]:
         """The file's descriptor, open (reopened if it was closed) and not closed by
         anyone until the block ends."""
+        fd = self.pin(handle)
+        try:
+            yield fd
+        finally:
+            self.unpin(handle)
+
+    def pin(self, handle: SegmentFile) -> int:
+        """:meth:`pinned` without the context manager, for the append and read paths
+        (a generator-based ``with`` costs as much as the rest of a small append): every
+        ``pin`` must be followed by one :meth:`unpin`, in a ``finally``."""
         with self._lock:
-            if handle.fd < 0:
-                if handle.retired:
-                    raise StorageError(f"{handle.path.name} was removed (retention or compaction)")
-                handle.fd = os.open(handle.path, os.O_RDWR)
-                handle.pins += 1  # before _added: the file just opened is not a candidate
-                self._added(handle)
-            else:
+            if handle.fd >= 0:
                 handle.pins += 1
                 if not handle.retired:
                     self._open.move_to_end(handle)
-        try:
-            yield handle.fd
-        finally:
-            with self._lock:
-                handle.pins -= 1
-                if handle.retired and handle.pins == 0 and handle.fd >= 0:
+                return handle.fd
+            if handle.retired:
+                raise StorageError(f"{handle.path.name} was removed (retention or compaction)")
+            handle.fd = os.open(handle.path, os.O_RDWR)
+            handle.pins += 1  # before _added: the file just opened is not a candidate
+            self._added(handle)
+            return handle.fd
+
+    def unpin(self, handle: SegmentFile) -> None:
+        with self._lock:
+            handle.pins -= 1
+            if handle.retired:
+                if handle.pins == 0 and handle.fd >= 0:
                     self._close(handle)
-                elif self.capacity is not None and len(self._open) > self.capacity:
-                    self._evict()
+            elif self.capacity is not None and len(self._open) > self.capacity:
+                self._evict()
 
     def retire(self, handle: SegmentFile) -> None:
         """Keep ``handle`` open, outside the bound, until :meth:`close`: its path is about

@@ -172,6 +172,7 @@ class PartitionLog:
         self._dirty: set[int] = set()
         self._dir_changes = 0  # directory entries created or removed
         self._dir_synced = 0  # ... of which an fsync of the directory has covered
+        self._synced_once = False
         self._graveyard: list[tuple[float, Segment]] = []
         self.durable_offset = 0
         self.failed: str | None = None
@@ -390,6 +391,16 @@ class PartitionLog:
             active = self.active
             sealed = [s for s in self.segments if s.base_offset in self._dirty and s is not active]
             dir_changes = self._dir_changes
+            if (
+                self._synced_once
+                and target == self.durable_offset
+                and not sealed
+                and dir_changes <= self._dir_synced
+            ):
+                # Nothing written since the last sync: spare an idle log's file a reopen
+                # (closing thousands of idle streams would reopen each to fsync nothing).
+                # Not before the first sync: what recovery found may still be unsynced.
+                return self.durable_offset
         try:
             for seg in sealed:
                 with seg.pinned() as fd:
@@ -406,6 +417,7 @@ class PartitionLog:
                 self.failed = f"fsync failed: {exc}"
             raise StorageError(self.failed) from exc
         with self._lock:
+            self._synced_once = True
             for seg in sealed:
                 self._dirty.discard(seg.base_offset)
             self._dir_synced = max(self._dir_synced, dir_changes)

@@ -367,11 +367,14 @@ class Segment:
     def append(self, data: bytes, batch_header: Batch) -> int:
         """Write one encoded batch at the end; returns its file position."""
         pos = self.size
-        with self.pinned() as fd:
+        fd = self.files.pin(self.file)
+        try:
             written = os.pwrite(fd, data, pos)
             if written != len(data):  # disk full or similar: leave no torn batch behind
                 os.ftruncate(fd, pos)
                 raise OSError(f"short write to {self.log_path}: {written} of {len(data)} bytes")
+        finally:
+            self.files.unpin(self.file)
         self.size = pos + len(data)
         self._index_batch(batch_header, pos)
         return pos
@@ -422,8 +425,11 @@ class Segment:
         calls."""
         while pos < end:
             want = min(max(chunk, HEADER_SIZE), end - pos)
-            with self.pinned() as fd:
+            fd = self.files.pin(self.file)
+            try:
                 data = _read(fd, want, pos)
+            finally:
+                self.files.unpin(self.file)
             view = memoryview(data)
             consumed = 0
             while consumed + HEADER_SIZE <= len(view):
