@@ -52,10 +52,12 @@ name = "acme"
 
 MAX_CONNECTIONS = 3
 HANDSHAKE_TIMEOUT_S = 1.0
+IDLE_TIMEOUT_S = 3.0  # longer than any test here holds a connection unused
 LIMITS_CONFIG = f"""
 [limits]
 max_connections = {MAX_CONNECTIONS}
 handshake_timeout_s = {HANDSHAKE_TIMEOUT_S}
+idle_timeout_s = {IDLE_TIMEOUT_S}
 """
 
 
@@ -378,6 +380,24 @@ def test_handshake_timeout(open_server: Server) -> None:
     assert error.fields["S"] == "FATAL" and error.fields["C"] == "08P01"
     assert "handshake_timeout_s" in error.fields["M"]
     assert counted(open_server, before, "handshake_timeout_s", "postgres") == 1
+    test_trust_without_required_auth(open_server)
+
+
+def test_idle_timeout(open_server: Server) -> None:
+    before = refusals(open_server)
+    sock = socket.create_connection(("127.0.0.1", open_server.ports["postgres"]), timeout=15)
+    try:
+        sock.sendall(m.encode_startup({"user": "idle"}))
+        data = read_to_end(sock)  # AuthenticationOk ... ReadyForQuery, then nothing sent
+    finally:
+        sock.close()
+    answers = m.split_backend(data)
+    kinds = [a.type for a in answers]
+    assert kinds[0] == "R" and "Z" in kinds
+    error = answers[-1]
+    assert (error.type, error.fields["S"], error.fields["C"]) == ("E", "FATAL", "57P05")
+    assert "idle_timeout_s" in error.fields["M"]
+    assert counted(open_server, before, "idle_timeout_s", "postgres") == 1
     test_trust_without_required_auth(open_server)
 
 
