@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import trustme
 from servers import LOCAL, Server, assert_clean_log, serving
+from websockets.exceptions import InvalidMessage
 from websockets.sync.client import connect as ws_connect
 
 import headwater
@@ -269,6 +270,8 @@ def test_plain_sdk_clients_are_told_to_use_tls(tls_server: Server, certs: Certs)
         entities.connect(tls_server.address_of("convergedb"), timeout=TIMEOUT)
     with pytest.raises(OSError):  # the connection closed, whatever urllib calls it
         urllib.request.urlopen(f"http://127.0.0.1:{tls_server.ports['http']}/api/streams")
+    with pytest.raises(InvalidMessage, match="did not receive a valid HTTP response"):
+        ws_connect(f"ws://127.0.0.1:{tls_server.ports['http']}/ws", open_timeout=TIMEOUT)
     # A client that does not trust the server's CA refuses it in turn.
     with pytest.raises(ServerUnavailable, match="certificate did not verify"):
         headwater.connect(tls_server.address, tls=True, reconnect=False, timeout=TIMEOUT)
