@@ -119,7 +119,10 @@ class TlsServer:
 
     asyncio's ``create_server(ssl=...)`` would drop a failed handshake without a word;
     here each accepted socket goes through ``connect_accepted_socket(ssl=...)``, which
-    raises the failure, so it is logged as one warning line with the peer's address."""
+    raises the failure, so it is logged as one warning line with the peer's address.
+    (Upgrading an accepted plain transport with ``start_tls`` instead loses ClientHellos:
+    uvloop starts reading once ``connection_made`` returns, even if it paused reading, so
+    the hello can reach the plain protocol before ``start_tls`` takes over.)"""
 
     def __init__(
         self,
