@@ -798,10 +798,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             )
             for i, (name, oid) in enumerate(zip(outcome.columns, oids, strict=True))
         ]
-        rows = [
-            [t.result_value(oid, v) for oid, v in zip(oids, row, strict=True)]
-            for row in outcome.rows
-        ]
+        rows = outcome.rows
         if portal is None:
             target = Portal(Prepared(query.sql, st.Engine(query.sql), ()), [], ())
             target.columns, target.rows, target.tag = columns, rows, tag
@@ -821,20 +818,9 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
     @staticmethod
     def _portal_rows(portal: Portal, max_rows: int) -> bytes:
         assert portal.columns is not None
-        columns = portal.columns
+        encoders = [t.column_encoder(c.type_oid, bool(c.format)) for c in portal.columns]
         end = len(portal.rows) if max_rows <= 0 else min(len(portal.rows), portal.sent + max_rows)
-        out = []
-        for row in portal.rows[portal.sent : end]:
-            out.append(
-                m.encode_data_row(
-                    [
-                        None
-                        if v is None
-                        else (t.encode_binary if c.format else t.encode_text)(c.type_oid, v)
-                        for c, v in zip(columns, row, strict=True)
-                    ]
-                )
-            )
+        out = [m.encode_data_rows(portal.rows[portal.sent : end], encoders)]
         portal.sent = end
         if end < len(portal.rows):
             out.append(m.PORTAL_SUSPENDED)

@@ -194,6 +194,60 @@ def encode_binary(oid: int, value: object) -> bytes:
     return encode_text(oid, value)
 
 
+_FLOAT_WORDS = {"inf": b"Infinity", "-inf": b"-Infinity", "nan": b"NaN"}
+_HEX_PREFIX = b"\\x"
+
+Encoder = Callable[[object], bytes]
+
+
+def _int_text(value: object) -> bytes:
+    return b"%d" % value  # type: ignore[str-format]
+
+
+def _str_text(value: object) -> bytes:
+    return value.encode() if isinstance(value, str) else str(value).encode()
+
+
+def _float_value_text(value: object) -> bytes:
+    if isinstance(value, str):  # the SQL layer's shortest round-trip text: PostgreSQL's
+        return _FLOAT_WORDS.get(value) or value.encode()
+    return _float_text(float(str(value))).encode()
+
+
+def _bytea_value_text(value: object) -> bytes:
+    if isinstance(value, str):  # the SQL layer's lowercase hex
+        return _HEX_PREFIX + value.encode()
+    return encode_text(BYTEA, value)
+
+
+_TEXT_ENCODERS: dict[int, Encoder] = {
+    INT2: _int_text,
+    INT4: _int_text,
+    INT8: _int_text,
+    OID: _int_text,
+    TEXT: _str_text,
+    VARCHAR: _str_text,
+    JSON: _str_text,
+    DATE: _str_text,
+    NUMERIC: _str_text,
+    UUID: _str_text,
+    FLOAT4: _float_value_text,
+    FLOAT8: _float_value_text,
+    BYTEA: _bytea_value_text,
+}
+
+
+def column_encoder(oid: int, binary: bool) -> Encoder:
+    """How a column of ``oid`` writes a SQL-layer value that is not NULL (chosen once
+    per result: the per-value work of a DataRow)."""
+    if not binary:
+        encoder = _TEXT_ENCODERS.get(oid)
+        if encoder is not None:
+            return encoder
+        return lambda value: encode_text(oid, result_value(oid, value))
+    return lambda value: encode_binary(oid, result_value(oid, value))
+
+
 # ---- parameters --------------------------------------------------------------------
 
 
