@@ -480,3 +480,11 @@ def test_pg_type_lookup_finds_no_type() -> None:
     names = [c.name for c in answers[2].fields["columns"]]
     assert names == ["name", "oid", "array_oid", "regtype", "delimiter"]
     assert answers[3].fields["tag"] == "SELECT 0"
+
+
+def test_infinite_timestamps_in_both_formats() -> None:
+    # The SQL layer gives DuckDB's text for timestamps outside the nanosecond range.
+    for oid in (t.TIMESTAMP, t.TIMESTAMPTZ):
+        assert t.encode_text(oid, "infinity") == b"infinity"
+        assert t.encode_binary(oid, "infinity") == b"\x7f\xff\xff\xff\xff\xff\xff\xff"
+        assert t.encode_binary(oid, "-infinity") == b"\x80\x00\x00\x00\x00\x00\x00\x00"

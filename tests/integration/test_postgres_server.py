@@ -493,3 +493,19 @@ def test_pandas_read_sql_through_sqlalchemy(server: Server) -> None:
         engine.dispose()
     assert frame[["sym", "qty"]].to_dict("records") == [{"sym": "A", "qty": 2}]
     assert frame["qty"].dtype.kind == "i" and frame["ts"].dtype.kind == "M"
+
+
+def test_describe_a_prepared_statement_before_bind(server: Server) -> None:
+    """libpq's PQprepare and PQdescribePrepared (what JDBC-style clients do): the
+    parameter types and result columns of a statement never executed."""
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        pgconn = conn.pgconn
+        sql = b"SELECT $1::INTEGER + 1 AS n, 'x' AS s -- a trailing comment"
+        assert pgconn.prepare(b"s1", sql, [0]).status == psycopg.pq.ExecStatus.COMMAND_OK
+        described = pgconn.describe_prepared(b"s1")
+        assert described.status == psycopg.pq.ExecStatus.COMMAND_OK
+        assert [described.param_type(i) for i in range(described.nparams)] == [25]
+        fields = [(described.fname(i), described.ftype(i)) for i in range(described.nfields)]
+        assert fields == [(b"n", 23), (b"s", 25)]
+        done = pgconn.exec_prepared(b"s1", [b"41"])
+        assert (done.ntuples, done.get_value(0, 0), done.get_value(0, 1)) == (1, b"42", b"x")

@@ -182,6 +182,10 @@ def encode_binary(oid: int, value: object) -> bytes:
         return value
     if oid in (TIMESTAMP, TIMESTAMPTZ) and isinstance(value, int):
         return struct.pack(">q", value // 1000 - _EPOCH_2000_US)
+    if oid in (TIMESTAMP, TIMESTAMPTZ) and value in ("infinity", "-infinity"):
+        # The SQL layer's text for DuckDB's infinite timestamps; PostgreSQL's binary
+        # form is the extreme int64.
+        return struct.pack(">q", (1 << 63) - 1 if value == "infinity" else -(1 << 63))
     if oid == DATE:
         days = datetime.date.fromisoformat(str(value)).toordinal() - _DATE_2000.toordinal()
         return struct.pack(">i", days)

@@ -371,7 +371,8 @@ class PostgresConnection(asyncio.Protocol):
         if first == "insert":
             return self.protocol.describe_statement(event.prepared, None)
         if first in ("select", "with", "values", "from", "table") or first.startswith("("):
-            sql = f"SELECT * FROM ({sql}) AS headwater_describe LIMIT 0"
+            # The newline ends a trailing -- comment before the closing parenthesis.
+            sql = f"SELECT * FROM ({sql}\n) AS headwater_describe LIMIT 0"
         parameters: list[object] = [None] * len(event.prepared.parameter_oids)
         try:
             outcome = await self._outcome(sql, parameters, self.protocol.as_of)
