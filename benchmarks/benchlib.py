@@ -217,7 +217,7 @@ class HeadwaterServer(ServerProcess):
         config = root / "headwater.toml"
         listen = "".join(
             f'{name} = "{"127.0.0.1:0" if name in listeners else ""}"\n'
-            for name in ("kimberlite", "http", "convergedb", "ripple")
+            for name in ("kimberlite", "http", "convergedb", "ripple", "postgres")
         )
         config.write_text("[listen]\n" + listen + '\n[logging]\nlevel = "WARNING"\n' + extra_config)
         self.log_path = root / "headwater.log"
