@@ -14,6 +14,7 @@ The SDKs, the CLI and the Spark source reach the same operations over the wire.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,7 +160,7 @@ def _kind_stats(tenant_id: int, state: KindState) -> KindStats:
     return KindStats(
         tenant_id=tenant_id,
         info=state.info,
-        entities=len(state.committed),
+        entities=state.count,
         subscribers=len(state.subscribers),
         changelog_bytes=state.log.size_bytes,
     )
@@ -529,8 +530,8 @@ class EngineAPI:
         """The number of live entities of a kind and the first ``limit`` of them by
         entity id (a stable order for repeated reads of a large kind)."""
         state = self._kinds.tenant(tenant_id).kind_state(kind_id)
-        ids = sorted(state.committed)
-        return len(ids), [state.entity_state(eid, state.committed[eid]) for eid in ids[:limit]]
+        first = itertools.islice(state.scan_entities(ordered=True), max(0, limit))
+        return state.count, list(first)
 
     def kind_entity(self, tenant_id: int, kind_id: int, entity_id: bytes) -> EntityState | None:
         return self._kinds.tenant(tenant_id).kind_state(kind_id).entity(entity_id)
@@ -539,7 +540,6 @@ class EngineAPI:
         """The tenant's kind writers (ConvergeDB connections and Ripple workers)."""
         tenant = self._kinds.tenant(tenant_id)
         now = time.monotonic()
-        internal = {kind_id for kind_id, state in tenant.kinds.items() if state.info.internal}
         return [
             SourceInfo(
                 source_id=slot,
@@ -548,11 +548,7 @@ class EngineAPI:
                 connected_at_ms=source.connected_at_ns // 1_000_000,
                 idle_ms=max(0, round((now - source.last_seen) * 1000)),
                 liveness_deadline_ms=source.deadline_ms,
-                entities=sum(
-                    len(eids)
-                    for kind_id, eids in tenant.source_entities.get(slot, {}).items()
-                    if kind_id not in internal
-                ),
+                entities=tenant.source_entity_count(slot),
             )
             for slot, source in sorted(tenant.sources.items())
         ]

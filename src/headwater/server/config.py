@@ -30,7 +30,13 @@ DEFAULT_LISTEN = {
 
 # Positive-integer options of [convergedb] and [kiwi.subscriber], defaulting to the
 # config classes' own defaults.
-KIND_OPTIONS = ("coalesce_ms", "live_buffer", "default_liveness_ms", "liveness_check_ms")
+KIND_OPTIONS = (
+    "coalesce_ms",
+    "live_buffer",
+    "default_liveness_ms",
+    "liveness_check_ms",
+    "hot_entities",
+)
 KIWI_OPTIONS = ("buffer_capacity", "lag_notice_threshold", "send_queue", "max_message_bytes")
 
 

@@ -2,10 +2,12 @@
 a tenant log position; and each kind's changelog as ``hw_changes_<kind>``:
 ``(entity_id, version, deleted, <fields>...)``, one row per change in log order.
 
-The kind engine keeps each kind's committed state in memory and moves it forward only
-when a window is durable, which is also when the window's positions stop being
-in flight; so a kind's table always covers the tenant's committed head. A query at or
-after the kind's last change reads the in-memory state; a QueryAt older than that
+The kind engine moves each kind's committed state forward only when a window is
+durable, which is also when the window's positions stop being in flight; so a kind's
+table always covers the tenant's committed head. A query at or after the kind's last
+change reads the committed state as it is when the query starts (the hot set in memory
+and the kind's store on disk, read in a worker thread a chunk at a time into Arrow
+batches: no Python object per entity is held); a QueryAt older than that
 replays the kind's changelog up to the position (records removed by compaction are
 gone: an as-of read that old sees only what compaction kept).
 
@@ -17,9 +19,10 @@ prefix is reserved, so no stream or kind can take a changes table's name.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -27,7 +30,7 @@ import pyarrow.compute as pc
 from headwater.engine.kinds import EntityState, KindsEngine, KindState
 from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.fields import FieldSpec, FieldType
-from headwater.engine.kinds.state import SEQUENCE_KEY
+from headwater.engine.kinds.state import SEQUENCE_KEY, Committed
 from headwater.engine.names import changes_table_name
 from headwater.sql.tables import SqlTable
 from headwater.storage.log import PartitionLog
@@ -35,6 +38,7 @@ from headwater.storage.segment import Segment
 
 # A decoded changelog nobody queried for this long is dropped (memory goes back).
 CHANGES_IDLE_SECONDS = 300.0
+TABLE_CHUNK = 8192  # entities decoded into Arrow at a time
 
 ARROW_TYPES: dict[FieldType, pa.DataType] = {
     FieldType.BOOL: pa.bool_(),
@@ -84,6 +88,17 @@ def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
     return pa.schema(columns)
 
 
+def build_table_streamed(
+    fields: tuple[FieldSpec, ...], kind_id: int, items: Iterator[tuple[bytes, Committed]]
+) -> pa.Table:
+    """:func:`build_table` of committed entities given in id order, a chunk at a time."""
+    tables = [build_table(fields, [])]
+    while chunk := list(itertools.islice(items, TABLE_CHUNK)):
+        states = [EntityState(kind_id, eid, *committed, fields) for eid, committed in chunk]
+        tables.append(build_table(fields, states))
+    return pa.concat_tables(tables)
+
+
 def build_table(fields: Sequence[FieldSpec], states: Sequence[EntityState]) -> pa.Table:
     """An Arrow table of entity states, rows ordered by entity id."""
     ordered = sorted(states, key=lambda s: s.entity_id)
@@ -120,8 +135,9 @@ class KindTable:
         state = self.state
         fields = state.info.fields
         if position >= state.applied_position:
-            rows = list(state.scan_entities())
-            return lambda: build_table(fields, rows)
+            items = state.frozen_items()
+            kind_id = state.info.kind_id
+            return lambda: build_table_streamed(fields, kind_id, items())
         kind_id = state.info.kind_id
         plog = state.log
         upto = plog.committed_offset

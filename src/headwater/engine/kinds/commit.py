@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import operator
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
@@ -27,7 +28,13 @@ import numpy as np
 from headwater.engine.kinds.fields import FieldSpec, default_value, encode_present_fields
 from headwater.engine.kinds.model import OP_ASSERT, OP_PATCH, ChangeType, EventNote, StateColumns
 from headwater.engine.kinds.notify import changed_fields, publish
-from headwater.engine.kinds.state import SEQUENCE_KEY, SOURCE_SET, Committed, KindState
+from headwater.engine.kinds.state import (
+    SEQUENCE_KEY,
+    SOURCE_SET,
+    Committed,
+    KindState,
+    count_moves,
+)
 from headwater.engine.kinds.windows import Entry, EventDraft, Window, Work
 
 if TYPE_CHECKING:
@@ -53,6 +60,10 @@ class FlushPlan:
     next_sequence: int
     notes: list[EventNote] = field(default_factory=list)
     applied: int = 0
+    applied_offset: int = 0  # the changelog offset after the window's records
+    added: int = 0  # live entities created less deleted
+    # Source sets left for others: (before, after) -> how many (per-source counts).
+    moves: dict[tuple[int, int], int] = field(default_factory=dict)
     values_section: bytes | None = None  # log_values already encoded (columnar plans)
     changed_fields: list[int] | None = None  # known already (columnar plans)
 
@@ -103,6 +114,7 @@ class WindowWriter:
                         values_out, first_position=first, keys=keys, tombstones=tombstones
                     )
                 plan.applied = first + count
+                plan.applied_offset = info.next_offset
                 commits.append(state.committer.committed(info.next_offset))
                 plans.append(plan)
             if commits:
@@ -125,10 +137,23 @@ class WindowWriter:
         first = plan.first
         versions = range(first, first + len(ids))
         entries = zip(versions, plan.source_sets, records, strict=True)
-        state.committed.update(zip(ids, entries, strict=True))
+        hot, dirty, deleted = state.hot, state.dirty, state.deleted
+        if deleted:  # created again since a deletion the store does not know yet
+            deleted.difference_update(ids)
+        hot.update(zip(ids, entries, strict=True))
+        dirty.update(ids)  # the store learns them at the next checkpoint
         for i in plan.deleted:
-            del state.committed[ids[i]]
+            eid = ids[i]
+            hot.pop(eid, None)  # may have been evicted (it was read from the store)
+            dirty.discard(eid)
+            deleted.add(eid)
+        state.count += plan.added
+        if plan.moves:
+            count_moves(state.held_counts, plan.moves)
+        if len(hot) > state.capacity:
+            state.evict()
         state.applied_position = plan.applied
+        state.applied_offset = plan.applied_offset
         state.next_sequence = plan.next_sequence
         if state.subscribers:
             changes_of = functools.partial(changed_fields, state.codec)
@@ -159,13 +184,17 @@ def _columnar_changes(
     codec = state.codec
     fixed = codec.fixed
     n = len(entities)
+    moves: dict[tuple[int, int], int]
     if fixed is None or n == 0:
         return None
     entries = cast(list[tuple[int, bytes]], list(entities.values()))
     if set(map(type, entries)) != {tuple}:  # a Work entry: the general pass
         return None
     eids = list(entities)
-    befores = list(map(state.committed.get, eids))
+    befores = list(map(state.hot.get, eids))
+    if not state.complete and None in befores:  # some may be in the store
+        cold = state.cold
+        befores = [cold(e) if b is None else b for e, b in zip(eids, befores, strict=True)]
     missing = befores.count(None)
     if missing not in (0, n):
         return None
@@ -181,6 +210,8 @@ def _columnar_changes(
         previous: list[bytes | None] = [None] * n
         changed = [(1 << len(codec.fields)) - 1] * n
         source_sets = set_list
+        added = n
+        moves = {(0, s): count for s, count in Counter(set_list).items()}
     else:
         committed = cast(list[Committed], befores)  # none missing
         old_records: list[bytes] = list(map(_RECORD_OF, committed))
@@ -189,7 +220,13 @@ def _columnar_changes(
             return None
         masks = codec.changed_masks(new, old)
         old_sets = np.fromiter(map(_SOURCE_SET_OF, committed), np.uint64, n)
-        keep = (masks != 0) | (sets != old_sets)
+        moved = sets != old_sets
+        keep = (masks != 0) | moved
+        added = 0
+        moves = {}
+        if moved.any():
+            pairs = zip(old_sets[moved].tolist(), sets[moved].tolist(), strict=True)
+            moves = dict(Counter(pairs))
         if keep.all():
             source_sets = set_list
         else:  # some end as they were committed: no version, no notification
@@ -222,6 +259,8 @@ def _columnar_changes(
         state.next_sequence,
         values_section=rows.tobytes(),
         changed_fields=changed,
+        added=added,
+        moves=moves,
     )
 
 
@@ -246,7 +285,9 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
     fields = info.fields
     nfields = len(fields)
     encode = state.codec.encode
-    committed = state.committed.get
+    hot_get, complete, cold = state.hot.get, state.complete, state.cold
+    added = 0
+    moves: dict[tuple[int, int], int] = {}
     pack_set = SOURCE_SET.pack
     ids: list[bytes] = []
     changes: list[int] = []
@@ -258,7 +299,9 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
     deleted: list[int] = []
     created, updated = int(ChangeType.CREATED), int(ChangeType.UPDATED)
     for eid, entry in entities.items():
-        before = committed(eid)
+        before = hot_get(eid)
+        if before is None and not complete:
+            before = cold(eid)
         meta = b""
         if type(entry) is tuple:
             source_set, record = entry
@@ -272,6 +315,8 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
                 if metadata is None and meta:
                     metadata = [b""] * len(ids)
                 deleted.append(len(ids))
+                added -= 1
+                moves[before[1], 0] = moves.get((before[1], 0), 0) + 1
                 ids.append(eid)
                 changes.append(int(ChangeType.DELETED))
                 source_sets.append(0)
@@ -291,11 +336,15 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
         if before is None:
             changes.append(created)
             previous.append(None)
+            added += 1
+            moves[0, source_set] = moves.get((0, source_set), 0) + 1
         elif before[1] == source_set and before[2] == record:
             continue  # as it was: no version, no notification
         else:
             changes.append(updated)
             previous.append(before[2])
+            if before[1] != source_set:
+                moves[before[1], source_set] = moves.get((before[1], source_set), 0) + 1
         if metadata is None and meta:
             metadata = [b""] * len(ids)
         ids.append(eid)
@@ -317,6 +366,8 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
         log_values,
         deleted,
         state.next_sequence,
+        added=added,
+        moves=moves,
     )
 
 

@@ -12,12 +12,14 @@ How a write travels:
 3. Once durable, the committed state (:mod:`.state`: what QUERY, scans, bootstrap and SQL
    read) moves on, each subscriber gets the window's net changes (:mod:`.notify`), and
    the window's waiters (ACKed writes, HEARTBEAT barriers) are released.
+4. A kind whose changes waiting for its store (:mod:`.store`) are many or old enough
+   gets a checkpoint, written in a worker thread.
 
 Writers (slots, presence, liveness, epochs) are :mod:`.sources`; this module holds them
 together: :class:`TenantKinds` is one tenant's kinds, :class:`KindsEngine` every
-tenant's, with the background loops. Restart rebuilds the committed state from the
-changelogs (the last record per entity wins; compaction keeps them small), so it is
-identical to the state before.
+tenant's, with the background loops. Restart opens each kind's store and replays only
+the changelog after its last checkpoint (the last record per entity wins), so the state
+is identical to the state before.
 
 Everything here runs on the asyncio loop thread; file work runs in the engine's workers.
 """
@@ -41,6 +43,7 @@ from headwater.engine.kinds.notify import subscribe
 from headwater.engine.kinds.registry import KindRegistry
 from headwater.engine.kinds.sources import PRESENCE_FIELDS, PRESENCE_KIND, Source, Sources
 from headwater.engine.kinds.state import KindState
+from headwater.engine.kinds.store import STORE_DIR, KindStore
 from headwater.engine.kinds.subscriptions import KindSubscription
 from headwater.engine.kinds.windows import Window, Windows
 from headwater.errors import StorageError
@@ -66,12 +69,10 @@ class TenantKinds:
         self.kinds: dict[int, KindState] = {}
         self.writers = Sources(self, registry, owner.config)
         self.sources = self.writers.by_slot  # slot -> holder (connected or in grace)
-        self.source_entities = self.writers.held_index  # source -> kind -> held ids
         self.epochs = self.writers.epochs  # source -> kind -> ids not re-written yet
         self.window_writer = WindowWriter(tenant, self.kinds)
-        self.windows = Windows(
-            self.tenant_id, self.kinds, self.writers.held, self._write, owner.config.coalesce_ms
-        )
+        self.windows = Windows(self.tenant_id, self.kinds, self._write, owner.config.coalesce_ms)
+        self._checkpoints: set[asyncio.Task[None]] = set()
         self.windows_flushed = 0
         self.changes_committed = 0
         # CREATE_KIND picks the next kind id, then awaits the changelog's opening and the
@@ -218,6 +219,40 @@ class TenantKinds:
     async def _write(self, window: Window) -> None:
         self.changes_committed += await self.window_writer.write(window)
         self.windows_flushed += 1
+        now = time.monotonic()
+        for state in self.kinds.values():
+            if state.checkpoint_due(now):
+                self.start_checkpoint(state)
+
+    def start_checkpoint(self, state: KindState) -> asyncio.Task[None]:
+        """Write what ``state``'s store does not know yet, in a worker thread."""
+        checkpoint = state.begin_checkpoint()
+
+        async def write() -> None:
+            loop = asyncio.get_running_loop()
+            written = False
+            try:
+                await loop.run_in_executor(self.owner.executor, state.write_checkpoint, checkpoint)
+                written = True
+            except Exception:
+                log.exception(
+                    "checkpoint of kind %s (tenant %d) failed", state.info.name, self.tenant_id
+                )
+            finally:
+                state.end_checkpoint(written)
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._checkpoints.add(task)
+        task.add_done_callback(self._checkpoints.discard)
+        return task
+
+    async def checkpoint(self) -> None:
+        """Write every kind's pending changes to its store (at close, and for tests)."""
+        for task in list(self._checkpoints):
+            await task
+        for state in self.kinds.values():
+            if state.dirty or state.deleted:
+                await self.start_checkpoint(state)
 
     async def barrier(self) -> None:
         """Return once every write applied before the call is durable and visible."""
@@ -238,6 +273,16 @@ class TenantKinds:
         entity changed meanwhile comes out newer; one deleted meanwhile is skipped)."""
         return self.kind_state(kind_id).scan_entities()
 
+    def entity_count(self, kind_id: int) -> int:
+        """How many live entities the kind has (committed)."""
+        return self.kind_state(kind_id).count
+
+    def source_entity_count(self, source_id: int, internal: bool = False) -> int:
+        """How many committed entities have ``source_id``'s bit (of internal kinds too
+        when ``internal``)."""
+        kinds = {k for k, state in self.kinds.items() if internal or not state.info.internal}
+        return self.writers.held_count(source_id, kinds)
+
     def subscribe(
         self, kind_id: int, *, include_previous: bool = False, events: bool = False
     ) -> KindSubscription:
@@ -255,11 +300,15 @@ class TenantKinds:
             await self.windows.close()
         except Exception:
             log.exception("the last window of tenant %d was not written", self.tenant_id)
+        try:
+            await self.checkpoint()  # a clean restart then replays nothing
+        except Exception:
+            log.exception("the last checkpoint of tenant %d was not written", self.tenant_id)
         for state in self.kinds.values():
             for sub in list(state.subscribers):
                 sub.close()
             await state.committer.aclose()
-            state.log.close()
+            state.close()
 
 
 # ---- the engine-wide object -------------------------------------------------------------
@@ -317,7 +366,6 @@ class KindsEngine:
             last = state.log.last_position
             if last is not None:
                 tenant.next_position = max(tenant.next_position, last)
-            tk.writers.index(state)
         self.tenants[tenant.tenant_id] = tk
         await tk.create_kind(PRESENCE_KIND, PRESENCE_FIELDS, internal=True)
         tk.writers.restarted(tk.kinds[registry.by_name[PRESENCE_KIND]])
@@ -326,7 +374,8 @@ class KindsEngine:
     def open_kind(self, info: KindInfo) -> KindState:
         """Open (creating) a kind's changelog; worker thread."""
         tenant = self.engine.tenant(info.tenant_id)
-        directory = tenant.directory / KINDS_DIR / str(info.kind_id) / "changelog"
+        kind_dir = tenant.directory / KINDS_DIR / str(info.kind_id)
+        directory = kind_dir / "changelog"
         config = LogConfig(
             segment_bytes=self.engine.config.segment_bytes,
             cleanup_policy="compact",
@@ -334,7 +383,10 @@ class KindsEngine:
             sync=self.engine.config.sync,
         )
         plog = PartitionLog.open(Path(directory), config, self.engine.files)
-        return KindState(info, plog, GroupCommitter(plog, self.executor))
+        store = KindStore.open(Path(kind_dir) / STORE_DIR)
+        return KindState(
+            info, plog, GroupCommitter(plog, self.executor), store, self.config.hot_entities
+        )
 
     def fire_kind_created(self, tenant: TenantKinds, state: KindState) -> None:
         for hook in list(self.hooks.kind_created):

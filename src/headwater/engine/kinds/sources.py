@@ -92,23 +92,48 @@ class Sources:
         self.registry = registry
         self.config = config
         self.by_slot: dict[int, Source] = {}  # slot -> holder (connected or in grace)
-        # The working state's bit index: source -> kind -> entity ids it holds.
-        self.held_index: dict[int, dict[int, set[bytes]]] = {}
-        # Open epochs: source -> kind -> entity ids not re-asserted or patched since BEGIN.
+        # Open epochs: source -> kind -> entity ids asserted or patched since BEGIN.
         self.epochs: dict[int, dict[int, set[bytes]]] = {}
 
     def _apply(self, sid: int, ops: Sequence[WriteOp]) -> None:
         self.tenant.windows.apply(sid, ops)
 
-    def held(self, source_id: int, kind_id: int) -> set[bytes]:
-        """The entity ids of one kind that the working state says ``source_id`` holds."""
-        by_kind = self.held_index.get(source_id)
-        if by_kind is None:
-            by_kind = self.held_index[source_id] = {}
-        held = by_kind.get(kind_id)
-        if held is None:
-            held = by_kind[kind_id] = set()
-        return held
+    def held_by(self, source_id: int, skip_kind: int | None = None) -> dict[int, list[bytes]]:
+        """Kind -> the entity ids whose working source set has ``source_id``'s bit: the
+        open window's entries over the flushing one's over the committed state, which is
+        streamed (from the store past the hot set), so only the answer is held."""
+        bit = 1 << source_id
+        windows = self.tenant.windows
+        layers = [w for w in (windows.pending, windows.flushing) if w is not None]
+        out: dict[int, list[bytes]] = {}
+        for kind_id, state in self.tenant.kinds.items():
+            if kind_id == skip_kind:
+                continue
+            ids: list[bytes] = []
+            seen: set[bytes] = set()
+            for window in layers:  # the open window first: it is the newest
+                for eid, entry in window.entities.get(kind_id, {}).items():
+                    if eid in seen:
+                        continue
+                    seen.add(eid)
+                    source_set = entry[0] if type(entry) is tuple else entry.source_set  # type: ignore[union-attr]
+                    if source_set & bit:
+                        ids.append(eid)
+            if state.held_counts[source_id]:  # committed entities with the bit
+                for eid, (_, source_set, _) in state.committed_items():
+                    if source_set & bit and eid not in seen:
+                        ids.append(eid)
+            if ids:
+                out[kind_id] = ids
+        return out
+
+    def held_count(self, source_id: int, kinds: set[int]) -> int:
+        """How many committed entities of ``kinds`` have ``source_id``'s bit."""
+        return sum(
+            state.held_counts[source_id]
+            for kind_id, state in self.tenant.kinds.items()
+            if kind_id in kinds
+        )
 
     # ---- connections --------------------------------------------------------------------
 
@@ -205,7 +230,7 @@ class Sources:
 
     def retract_source(self, source_id: int) -> int:
         """Clear ``source_id``'s bit from every entity it holds; returns how many."""
-        held = self.held_index.get(source_id, {})
+        held = self.held_by(source_id)
         ops: list[WriteOp] = [RetractOp(k, e) for k, eids in held.items() for e in eids]
         self._apply(source_id, ops)
         return len(ops)
@@ -213,37 +238,28 @@ class Sources:
     # ---- epochs -----------------------------------------------------------------------
 
     def begin_epoch(self, source: Source) -> None:
-        """See :meth:`TenantKinds.begin_epoch`."""
+        """See :meth:`TenantKinds.begin_epoch`. The epoch records what the source
+        writes from now on: at its end the source holds nothing else it did not hold at
+        its beginning (only a source's own writes set its bit), so what it holds then
+        and did not write is what it held at BEGIN and did not re-write."""
         sid = self.writer(source)
-        presence = self.registry.by_name.get(PRESENCE_KIND)
-        held = self.held_index.get(sid, {})
-        self.epochs[sid] = {k: set(eids) for k, eids in held.items() if k != presence}
+        self.epochs[sid] = {}
 
     def end_epoch(self, source: Source) -> int:
         """See :meth:`TenantKinds.end_epoch`; returns how many were retracted."""
         sid = self.writer(source)
-        stale = self.epochs.pop(sid, None)
-        if stale is None:
+        written = self.epochs.pop(sid, None)
+        if written is None:
             raise NoEpoch("SOURCE_EPOCH_END without an open epoch")
-        held = self.held_index.get(sid, {})
-        ops: list[WriteOp] = [
-            RetractOp(kind_id, eid)
-            for kind_id, eids in stale.items()
-            for eid in eids & held.get(kind_id, set())
-        ]
+        presence = self.registry.by_name.get(PRESENCE_KIND)
+        ops: list[WriteOp] = []
+        for kind_id, eids in self.held_by(sid, skip_kind=presence).items():
+            rewritten = written.get(kind_id, set())
+            ops += [RetractOp(kind_id, eid) for eid in eids if eid not in rewritten]
         self._apply(sid, ops)
         return len(ops)
 
     # ---- restart ------------------------------------------------------------------------
-
-    def index(self, state: KindState) -> None:
-        """Add a kind's committed entities to what their sources hold (at open)."""
-        kind_id = state.info.kind_id
-        for eid, (_, bits, _) in state.committed.items():
-            while bits:
-                low = bits & -bits
-                self.held(low.bit_length() - 1, kind_id).add(eid)
-                bits ^= low
 
     def restarted(self, presence: KindState) -> None:
         """Nobody is connected after a restart: presence entities from before go, and
@@ -258,8 +274,9 @@ class Sources:
             for holder in range(MAX_SOURCE_ID + 1):
                 if bits >> holder & 1:
                     self._apply(holder, [RetractOp(presence.info.kind_id, entity.entity_id)])
-        for sid, by_kind in self.held_index.items():
-            if any(by_kind.values()) and sid not in self.by_slot:
+        others = set(self.tenant.kinds) - {presence.info.kind_id}
+        for sid in range(MAX_SOURCE_ID + 1):
+            if sid not in self.by_slot and self.held_count(sid, others):
                 deadline = deadlines.get(sid) or self.config.default_liveness_ms
                 ghost = Source(self.tenant, sid, "", deadline, None)
                 ghost.connected = False

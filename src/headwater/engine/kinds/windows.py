@@ -85,22 +85,18 @@ class Window:
 class Windows:
     """The open window and the one being flushed, and the ops applied to them.
 
-    ``held(source_id, kind_id)`` is the set of entity ids the working state says a
-    source holds (kept exactly: an entity is in it while its working source set has the
-    source's bit); ``write`` makes a window durable and visible.
+    ``write`` makes a window durable and visible.
     """
 
     def __init__(
         self,
         tenant_id: int,
         kinds: dict[int, KindState],
-        held: Callable[[int, int], set[bytes]],
         write: Callable[[Window], Awaitable[None]],
         coalesce_ms: int,
     ) -> None:
         self.tenant_id = tenant_id
         self.kinds = kinds
-        self._held = held
         self._write = write
         self._coalesce_s = coalesce_ms / 1000
         self._loop = asyncio.get_running_loop()
@@ -128,7 +124,8 @@ class Windows:
         self, sid: int, ops: Sequence[WriteOp], epoch: dict[int, set[bytes]] | None = None
     ) -> None:
         """Apply ``ops`` (checked already, grouped by kind) as source ``sid``; entities
-        they re-assert or patch leave ``epoch`` (the source's open epoch, if any)."""
+        they assert or patch join ``epoch`` (kind -> the entities the source wrote since
+        its open epoch began, if it has one)."""
         if not ops:
             return
         bit = 1 << sid
@@ -136,20 +133,18 @@ class Windows:
         flushing = self.flushing
         last_kind = -1
         entities: dict[bytes, Entry] = {}
-        held: set[bytes] = set()
-        stale: set[bytes] | None = None
+        touched: set[bytes] | None = None
         state: KindState | None = None
         for op in ops:
             kind_id = op.kind_id
             if kind_id != last_kind:
                 state = self.kinds[kind_id]
                 entities = window.entities.setdefault(kind_id, {})
-                held = self._held(sid, kind_id)
-                stale = None if epoch is None else epoch.get(kind_id)
+                touched = None if epoch is None else epoch.setdefault(kind_id, set())
                 last_kind = kind_id
             assert state is not None
             if type(op) is AssertRecords:
-                self._apply_records(state, op.pairs, bit, entities, flushing, held, stale)
+                self._apply_records(state, op.pairs, bit, entities, flushing, touched)
                 window.ops += len(op.pairs)
                 continue
             assert not isinstance(op, AssertRecords)
@@ -165,9 +160,8 @@ class Windows:
                     assert isinstance(entry, Work)
                     source_set = entry.source_set
                 entities[eid] = (source_set | bit, op.record)
-                held.add(eid)
-                if stale is not None:
-                    stale.discard(eid)
+                if touched is not None:
+                    touched.add(eid)
                 window.ops += 1
                 if state.info.event_stream:
                     window.events.setdefault(kind_id, []).append(
@@ -192,9 +186,8 @@ class Windows:
                 work.values = list(op.values)
                 work.record = op.record
                 work.source_set |= bit
-                held.add(eid)
-                if stale is not None:
-                    stale.discard(eid)
+                if touched is not None:
+                    touched.add(eid)
             elif isinstance(op, PatchOp):
                 if work.values is None:
                     work.values = [default_value(f.type) for f in state.info.fields]
@@ -202,16 +195,14 @@ class Windows:
                     work.values[i] = value
                 work.record = None
                 work.source_set |= bit
-                held.add(eid)
-                if stale is not None:
-                    stale.discard(eid)
+                if touched is not None:
+                    touched.add(eid)
             else:
                 if not work.source_set & bit:
                     if state.info.event_stream:
                         self._note_event(window, kind_id, eid, OP_RETRACT, sid, op.metadata)
                     continue
                 work.source_set &= ~bit
-                held.discard(eid)
                 if not work.source_set:
                     work.values = None
             work.metadata = op.metadata
@@ -241,23 +232,21 @@ class Windows:
         bit: int,
         entities: dict[bytes, Entry],
         flushing: Window | None,
-        held: set[bytes],
-        stale: set[bytes] | None,
+        touched: set[bytes] | None,
     ) -> None:
         """ASSERTs of whole records with no metadata, the hot path: per entity, only the
-        source set it had is looked up and a ``(source_set, record)`` tuple stored. Only
-        entities the source did not hold yet join ``held`` (which holds exactly those
-        whose working source set has the source's bit): re-asserting is the common case."""
-        committed = state.committed.get
+        source set it had is looked up and a ``(source_set, record)`` tuple stored."""
+        hot_get, complete, cold = state.hot.get, state.complete, state.cold
         earlier = None if flushing is None else flushing.entities.get(state.info.kind_id)
         current = entities.get
-        fresh: list[bytes] = []
         for eid, record in pairs:
             entry = current(eid)
             if entry is None:
                 prior = None if earlier is None else earlier.get(eid)
                 if prior is None:
-                    before = committed(eid)
+                    before = hot_get(eid)
+                    if before is None and not complete:
+                        before = cold(eid)
                     source_set = 0 if before is None else before[1]
                 elif type(prior) is tuple:
                     source_set = prior[0]
@@ -269,12 +258,9 @@ class Windows:
             else:
                 assert isinstance(entry, Work)
                 source_set = entry.source_set
-            if not source_set & bit:
-                fresh.append(eid)
             entities[eid] = (source_set | bit, record)
-        held.update(fresh)
-        if stale:
-            stale.difference_update([eid for eid, _ in pairs])
+        if touched is not None:
+            touched.update([eid for eid, _ in pairs])
 
     @staticmethod
     def _note_event(
@@ -297,7 +283,7 @@ class Windows:
             prior = flushing.entities.get(state.info.kind_id, {}).get(eid)
             if prior is not None:
                 return prior[0] if type(prior) is tuple else prior.source_set  # type: ignore[union-attr]
-        committed = state.committed.get(eid)
+        committed = state.lookup(eid)
         return 0 if committed is None else committed[1]
 
     @classmethod
@@ -310,7 +296,7 @@ class Windows:
                 assert isinstance(prior, Work)
                 values = None if prior.values is None else list(prior.values)
                 return Work(prior.source_set, values, record=prior.record)
-        committed = state.committed.get(eid)
+        committed = state.lookup(eid)
         if committed is None:
             return Work(0, None)
         return cls._as_work(state, (committed[1], committed[2]))
