@@ -1,9 +1,14 @@
-# `make run`: set up and start the server with data in ./data.
+# `make run`: set up what running needs and start the server with data in ./data;
+#   ARGS go to `headwater serve`, e.g. make run ARGS="--listen http=127.0.0.1:8080".
 # `make test`: set up with test extras, lint, type-check and run every test.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The plain install (no test or Spark extras), which is all `make run` needs; the full
+# install above includes it.
+RUN_STAMP := $(VENV)/.installed-run
+ARGS ?=
 
 .PHONY: run test lint typecheck pytest bench clean system-deps
 
@@ -13,10 +18,15 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,spark]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
-run: $(STAMP)
-	$(BIN)/headwater serve --data-dir ./data
+$(RUN_STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
+	$(BIN)/headwater serve --data-dir ./data $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

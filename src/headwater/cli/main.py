@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
+from headwater.cli.backup_cmd import add_backup_command
 from headwater.cli.client_cmds import add_client_commands
 from headwater.cli.entity_cmds import add_entity_commands
 from headwater.cli.kind_cmds import add_kind_commands
 from headwater.cli.pipeline_cmds import add_pipeline_commands
+
+if TYPE_CHECKING:
+    from headwater.server.config import ServerConfig
 
 err = Console(stderr=True)
 out = Console()
@@ -21,12 +27,13 @@ out = Console()
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from headwater.errors import StorageError
+    from headwater.server.app import ListenError
     from headwater.server.config import ConfigError, load_config
     from headwater.server.serve import serve
     from headwater.server.tls import server_context
 
     try:
-        config = load_config(args.config)
+        config = with_listen_overrides(load_config(args.config), args.listen or ())
         if config.tls is not None:
             # A certificate or key that does not load stops start-up here, in one line.
             server_context(config.tls)
@@ -41,6 +48,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # metadata): say so in one line, as for a bad config.
         err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 1
+    except ListenError as exc:
+        # A port in use (or not ours to bind): one line that names the way out.
+        sys.stderr.write(f"headwater: {exc}\n")
+        return 2
+
+
+def parse_listen(text: str) -> tuple[str, str]:
+    """``--listen NAME=HOST:PORT`` (``NAME=`` or ``NAME=off`` switches NAME off)."""
+    from headwater.server.config import DEFAULT_LISTEN, ConfigError, parse_address
+
+    name, sep, address = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected NAME=HOST:PORT, not {text!r}")
+    if name not in DEFAULT_LISTEN:
+        raise argparse.ArgumentTypeError(
+            f"unknown listener {name!r} (one of {', '.join(DEFAULT_LISTEN)})"
+        )
+    if address in ("", "off"):
+        return name, ""
+    try:
+        parse_address(address, name)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name, address
+
+
+def with_listen_overrides(
+    config: ServerConfig, overrides: Sequence[tuple[str, str]]
+) -> ServerConfig:
+    """``config`` with the ``--listen`` flags applied over its ``[listen]`` table."""
+    if not overrides:
+        return config
+    return dataclasses.replace(config, listen={**config.listen, **dict(overrides)})
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -95,15 +135,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the server")
-    serve.add_argument("--data-dir", type=Path, default=Path("./data"))
+    serve.add_argument(
+        "--data-dir", type=Path, default=Path("./data"), help="where the data lives (./data)"
+    )
     serve.add_argument("--config", type=Path, default=None, help="TOML configuration file")
     serve.add_argument("--ports-file", type=Path, default=None, help="write bound ports as JSON")
+    serve.add_argument(
+        "--listen",
+        action="append",
+        type=parse_listen,
+        metavar="NAME=HOST:PORT",
+        help="where listener NAME (http, kimberlite, convergedb, ripple, postgres) listens, "
+        "over the config's [listen]; NAME=off (or NAME=) switches it off; port 0 picks a "
+        "free port; repeat for more listeners",
+    )
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check", help="verify every CRC and index of a data directory")
     check.add_argument("data_dir", type=Path)
     check.set_defaults(func=cmd_check)
 
+    add_backup_command(sub)
     add_client_commands(sub)
     add_kind_commands(sub)
     add_entity_commands(sub)

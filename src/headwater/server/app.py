@@ -37,6 +37,23 @@ class Listener:
         self.stop = stop
 
 
+class ListenError(Exception):
+    """A listener could not bind its address (a port in use, a host not ours): start-up
+    stops, and ``headwater serve`` says so in one line naming the way to change it."""
+
+    def __init__(self, listener: str, host: str, port: int, cause: OSError) -> None:
+        # uvloop and asyncio wrap the OS error in their own sentence; the errno's own
+        # text ("address already in use") is the part a user needs.
+        reason = os.strerror(cause.errno) if cause.errno else str(cause)
+        reason = reason[:1].lower() + reason[1:]
+        shown = f"[{host}]" if ":" in host else host
+        super().__init__(
+            f"cannot listen for {listener} on {shown}:{port}: {reason} (change it with "
+            f"--listen {listener}=HOST:PORT or [listen] in the config)"
+        )
+        self.listener = listener
+
+
 # factory(server, host, port) -> Listener; headwater.server.serve names every front end.
 ListenerFactory = Callable[["Server", str, int], Awaitable[Listener]]
 
@@ -100,7 +117,10 @@ class Server:
             address = self.config.address(name)
             if address is None:
                 continue
-            listener = await factory(self, *address)
+            try:
+                listener = await factory(self, *address)
+            except OSError as exc:
+                raise ListenError(name, *address, exc) from None
             self.listeners.append(listener)
             log.info(
                 "listening", extra={"listener": name, "host": address[0], "port": listener.port}
@@ -131,7 +151,13 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A listener that could not bind: close what did start (the engine, the
+            # listeners before it) as a shutdown would, then let serve report it.
+            await self.stop()
+            raise
         await self.stopping.wait()
         await self.stop()
 

@@ -1,0 +1,150 @@
+"""``headwater serve --listen`` and a port in use, as real server processes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from servers import START_SECONDS, STOP_SECONDS, Server
+
+import headwater
+from waiting import wait_until
+
+
+def serve_command(root: Path, *flags: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "headwater.cli.main",
+        "serve",
+        "--data-dir",
+        str(root / "data"),
+        "--ports-file",
+        str(root / "ports.json"),
+        *flags,
+    ]
+
+
+@pytest.fixture
+def occupied_port() -> Iterator[int]:
+    """A port something else listens on for the test's length."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start ``headwater serve`` with flags; every process is stopped at teardown."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*flags: str) -> subprocess.Popen[bytes]:
+        log = (tmp_path / "server.log").open("wb")
+        proc = subprocess.Popen(
+            serve_command(tmp_path, *flags), stdout=log, stderr=subprocess.STDOUT
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(STOP_SECONDS)
+
+
+def ports_of(root: Path, proc: subprocess.Popen[bytes]) -> dict[str, int]:
+    def written() -> dict[str, int] | None:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            ports: dict[str, int] = json.loads((root / "ports.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return ports
+
+    return wait_until(written, START_SECONDS, "no ports file")
+
+
+def test_listen_flags_override_the_config(
+    tmp_path: Path, serve_process: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    config = tmp_path / "headwater.toml"
+    # The config turns HTTP on at a fixed address; the flags move Kimberlite to a free
+    # port and switch HTTP, ConvergeDB and Ripple off.
+    config.write_text('[listen]\nhttp = "127.0.0.1:1"\nconvergedb = "127.0.0.1:1"\n')
+    proc = serve_process(
+        "--config",
+        str(config),
+        "--listen",
+        "kimberlite=127.0.0.1:0",
+        "--listen",
+        "http=off",
+        "--listen",
+        "convergedb=",
+        "--listen",
+        "ripple=off",
+        "--listen",
+        "postgres=127.0.0.1:0",
+    )
+    ports = ports_of(tmp_path, proc)
+    assert sorted(ports) == ["kimberlite", "postgres"]
+    with headwater.connect(f"127.0.0.1:{ports['kimberlite']}") as hw:
+        hw.create_stream("moved")
+        assert hw.append("moved", [b"x"]).count == 1
+
+
+def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path: Path, occupied_port: int) -> None:
+    proc = subprocess.run(
+        serve_command(
+            tmp_path,
+            "--listen",
+            "http=127.0.0.1:0",
+            "--listen",
+            f"kimberlite=127.0.0.1:{occupied_port}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS + STOP_SECONDS,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    expected = (
+        f"headwater: cannot listen for kimberlite on 127.0.0.1:{occupied_port}: address "
+        "already in use (change it with --listen kimberlite=HOST:PORT or [listen] in the "
+        "config)"
+    )
+    assert proc.stderr.splitlines()[-1] == expected
+    assert not (tmp_path / "ports.json").exists()
+    # The engine was closed as on a shutdown (its lock released): a server starts on the
+    # same data directory at once.
+    server = Server(tmp_path).start()
+    try:
+        with headwater.connect(server.address) as hw:
+            hw.create_stream("after_refusal")
+    finally:
+        assert server.stop() == 0
+
+
+def test_bad_listen_flags_are_refused_before_start(tmp_path: Path) -> None:
+    for flag, message in (
+        ("kafka=127.0.0.1:9092", "unknown listener 'kafka' (one of http, kimberlite"),
+        ("http", "expected NAME=HOST:PORT, not 'http'"),
+        ("http=localhost", "listen.http: expected host:port, got 'localhost'"),
+    ):
+        proc = subprocess.run(
+            serve_command(tmp_path, "--listen", flag),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proc.returncode == 2
+        assert message in proc.stderr.splitlines()[-1]
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()
