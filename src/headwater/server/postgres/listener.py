@@ -163,6 +163,8 @@ class PostgresConnection(asyncio.Protocol):
         self.running: asyncio.Task[QueryOutcome] | None = None
         self._cancel_requested = False
         self._wake = asyncio.Event()
+        self._writable = asyncio.Event()  # cleared while the transport's buffer is full
+        self._writable.set()
         self._eof = False
         self._reading_paused = False
         self._worker: asyncio.Task[None] | None = None
@@ -192,6 +194,7 @@ class PostgresConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._writable.set()
         self.guard.release()
         self.state.connections.discard(self)
         if self.state.backends.get(self.process_id) is self:
@@ -210,6 +213,12 @@ class PostgresConnection(asyncio.Protocol):
             self._reading_paused = True
             self.transport.pause_reading()
 
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
     def eof_received(self) -> bool | None:
         self._eof = True
         self._wake.set()
@@ -220,6 +229,9 @@ class PostgresConnection(asyncio.Protocol):
     async def _work(self) -> None:
         try:
             while not self.closed:
+                # A client that sends and does not read holds its answers in our buffer:
+                # take nothing more until it reads (its input then waits, bounded).
+                await self._writable.wait()
                 event = self.protocol.next_event()
                 if event is None:
                     if self._eof:

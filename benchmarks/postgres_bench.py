@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""A GROUP BY over N events through the postgres listener against the Kimberlite Query,
+on one server, in one run (issue 21: goal postgres / Kimberlite <= 1.2).
+
+Setup: N JSON events (default 1,000,000) appended to one stream through the SDK, in
+batches of 1,000, with sync policy ``none`` (setup speed only).
+
+Measured, best of ``--repeat`` after one warm-up each, the same SQL every time:
+
+* ``kimberlite``: the SDK's ``client.query(SQL)`` (Kimberlite Query, one connection);
+* ``psycopg``: ``cursor.execute(SQL); fetchall()`` on one open psycopg connection
+  (the PostgreSQL wire, extended protocol);
+* ``psql``: one ``psql -c SQL`` process per run, as a user types it: process start,
+  connect and start-up included (trust: no password).
+
+Each is also run over a 10,000-row result (``SELECT ... LIMIT 10000``), which the
+GROUP BY's few rows do not exercise: the wire's per-row encoding. Results go to stdout
+as a markdown table and, with ``--out``, to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import headwater
+from benchlib import HeadwaterServer, cpu_model, git_revision, loadavg
+
+KINDS = ["click", "view", "purchase", "signup", "logout", "search", "share", "like"]
+QUERIES = {
+    "group_by": (
+        "SELECT json->>'kind' AS kind, count(*) AS n, sum((json->>'amount')::BIGINT) AS total "
+        "FROM events GROUP BY 1 ORDER BY 1"
+    ),
+    "rows_10k": "SELECT \"offset\", json->>'kind' AS kind, ts FROM events LIMIT 10000",
+}
+GOAL = 1.2
+
+
+def event(i: int) -> bytes:
+    return json.dumps(
+        {"kind": KINDS[i % len(KINDS)], "user": i % 1000, "amount": i % 100, "seq": i}
+    ).encode()
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run(events: int, batch: int, repeat: int) -> dict[str, Any]:
+    psql = shutil.which("psql")
+    if psql is None:
+        raise SystemExit("psql is missing: `make system-deps` installs postgresql-client")
+    with tempfile.TemporaryDirectory() as tmp:
+        server = HeadwaterServer()
+        server.start(
+            Path(tmp),
+            '[storage]\nsync = "none"\n',
+            listeners=("kimberlite", "postgres"),
+        )
+        try:
+            address = f"127.0.0.1:{server.ports['kimberlite']}"
+            dsn = f"host=127.0.0.1 port={server.ports['postgres']} user=bench dbname=0"
+            with headwater.connect(address) as client:
+                client.create_stream("events")
+                started = time.perf_counter()
+                for first in range(0, events, batch):
+                    client.append(
+                        "events", [event(i) for i in range(first, min(first + batch, events))]
+                    )
+                load_s = time.perf_counter() - started
+                with psycopg.connect(dsn, autocommit=True) as pg:
+                    results: dict[str, Any] = {}
+                    for name, sql in QUERIES.items():
+                        kimberlite = client.query(sql)
+                        rows = pg.execute(sql).fetchall()
+                        assert len(rows) == len(kimberlite.rows), (name, len(rows))
+                        k = timed(lambda sql=sql: client.query(sql), repeat)
+                        p = timed(lambda sql=sql: pg.execute(sql).fetchall(), repeat)
+                        q = timed(
+                            lambda sql=sql: subprocess.run(
+                                [psql, "-X", "-A", "-t", "-c", sql, dsn],
+                                check=True,
+                                capture_output=True,
+                            ),
+                            repeat,
+                        )
+                        results[name] = {
+                            "rows": len(rows),
+                            "kimberlite_s": k,
+                            "psycopg_s": p,
+                            "psql_s": q,
+                            "psycopg_ratio": p / k,
+                            "psql_ratio": q / k,
+                        }
+        finally:
+            server.stop()
+    return {
+        "benchmark": "postgres_bench",
+        "machine": {"cpu": cpu_model(), "loadavg": loadavg(), "revision": git_revision()},
+        "events": events,
+        "load_s": load_s,
+        "repeat": repeat,
+        "goal": GOAL,
+        "queries": results,
+    }
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"GROUP BY through the postgres listener vs the Kimberlite Query, "
+        f"{results['events']:,} events (best of {results['repeat']}; goal <= {GOAL}x)",
+        "",
+        "| query | rows | Kimberlite | psycopg | psycopg / Kimberlite | psql -c "
+        "| psql / Kimberlite |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in results["queries"].items():
+        lines.append(
+            f"| {name} | {r['rows']:,} | {r['kimberlite_s'] * 1000:.1f} ms "
+            f"| {r['psycopg_s'] * 1000:.1f} ms | {r['psycopg_ratio']:.2f}x "
+            f"| {r['psql_s'] * 1000:.1f} ms | {r['psql_ratio']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--events", type=int, default=1_000_000)
+    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="100,000 events, 3 repeats")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.events, args.repeat = 100_000, 3
+    results = run(args.events, args.batch, args.repeat)
+    print(markdown(results))
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
