@@ -317,7 +317,11 @@ class Engine:
         streams_dir = directory / "streams"
         streams_dir.mkdir(parents=True, exist_ok=True)
         meta_path = directory / TENANT_META
-        remove_temp_files(directory)  # a metadata write a crash cut short
+        # Metadata writes a crash cut short: tenant.json's, and the kind registry's beside
+        # it (each stream's own, groups.json's, as each stream is opened below).
+        remove_temp_files(directory)
+        if (directory / "kinds").is_dir():
+            remove_temp_files(directory / "kinds")
         if meta_path.exists():
             meta = _read_meta(meta_path)
             tenant.next_stream_id = int(meta.get("next_stream_id", 1))
@@ -332,6 +336,7 @@ class Engine:
                 tenant.next_stream_id = max(tenant.next_stream_id, int(path.name) + 1)
             if not (path / STREAM_META).exists():
                 continue
+            remove_temp_files(path)
             stream = self._open_stream(tenant, path, _read_meta(path / STREAM_META))
             tenant.streams[stream.stream_id] = stream
             tenant.next_stream_id = max(tenant.next_stream_id, stream.stream_id + 1)
