@@ -7,18 +7,108 @@ reached, the connection broke, no answer in time) are ``ClientError`` subclasses
 the same root, with code 0 (:mod:`headwater.client.errors`). Two further families stay
 off the wire and outside the root: :class:`ProtocolError` (the peer misbehaved: bad
 bytes) and :class:`UsageError` (the API was misused by our own caller).
+
+Every error's ``name`` is one :class:`ErrorName`: the same name in the SDKs' exceptions,
+the CLI's ``headwater: error: <name>: ...`` line and the HTTP error JSON, whatever wire
+the error came over (docs/errors.md lists them all, with each protocol's code). The
+ConvergeDB wire's own upper-case names (``KIND_NOT_FOUND``) stay readable as aliases.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import ClassVar
+
+
+class ErrorName(StrEnum):
+    """The one set of error names (docs/errors.md).
+
+    The first sixteen are the Kimberlite error codes 0..15 (spec/PROTOCOLS.md §1);
+    ``KindNotFound`` and ``EntityNotFound`` refine TableNotFound (code 6: a kind is a
+    table, an entity its row); the ConvergeDB-only ones are that wire's errors without a
+    Kimberlite counterpart; the last are the SDKs' own failures (never on a wire)."""
+
+    # Kimberlite codes 0..15
+    UNKNOWN = "Unknown"
+    INTERNAL_ERROR = "InternalError"
+    INVALID_REQUEST = "InvalidRequest"
+    AUTHENTICATION_FAILED = "AuthenticationFailed"
+    TENANT_NOT_FOUND = "TenantNotFound"
+    STREAM_NOT_FOUND = "StreamNotFound"
+    TABLE_NOT_FOUND = "TableNotFound"
+    QUERY_PARSE_ERROR = "QueryParseError"
+    QUERY_EXECUTION_ERROR = "QueryExecutionError"
+    POSITION_AHEAD = "PositionAhead"
+    STREAM_ALREADY_EXISTS = "StreamAlreadyExists"
+    INVALID_OFFSET = "InvalidOffset"
+    STORAGE_ERROR = "StorageError"
+    PROJECTION_LAG = "ProjectionLag"
+    RATE_LIMITED = "RateLimited"
+    NOT_LEADER = "NotLeader"
+    # TableNotFound, more precisely
+    KIND_NOT_FOUND = "KindNotFound"
+    ENTITY_NOT_FOUND = "EntityNotFound"
+    # ConvergeDB only
+    BAD_FRAME = "BadFrame"
+    UNSUPPORTED_VERSION = "UnsupportedVersion"
+    NOT_CONNECTED = "NotConnected"
+    SOURCE_CONFLICT = "SourceConflict"
+    NO_FREE_SOURCE = "NoFreeSource"
+    READ_ONLY = "ReadOnly"
+    SCHEMA_CONFLICT = "SchemaConflict"
+    SCHEMA_INCOMPATIBLE = "SchemaIncompatible"
+    BAD_FIELD_DATA = "BadFieldData"
+    LIMIT_EXCEEDED = "LimitExceeded"
+    SUBSCRIPTION_OVERFLOW = "SubscriptionOverflow"
+    RESERVED_NAME = "ReservedName"
+    NO_EPOCH = "NoEpoch"
+    # the SDKs' own (headwater.client.errors)
+    CLIENT_ERROR = "ClientError"
+    SERVER_UNAVAILABLE = "ServerUnavailable"
+    CONNECTION_LOST = "ConnectionLost"
+    REQUEST_TIMEOUT = "RequestTimeout"
+    EVENT_TOO_LARGE = "EventTooLarge"
+    SUBSCRIPTION_CLOSED = "SubscriptionClosed"
+    CLIENT_CLOSED = "ClientClosed"
+
+    @classmethod
+    def parse(cls, text: str) -> ErrorName | None:
+        """The name ``text`` means: one of ours, or a ConvergeDB wire name
+        (``KIND_NOT_FOUND``, ``AUTH_FAILED``, ``INTERNAL`` ...); None when neither."""
+        try:
+            return cls(text)
+        except ValueError:
+            return CONVERGEDB_ALIASES.get(text)
+
+
+CONVERGEDB_ALIASES: dict[str, ErrorName] = {
+    # ConvergeDB's ERROR code names (spec/PROTOCOLS.md §2) -> ours. The entities SDK
+    # called its errors by these before the names were made one (kept as ``wire_name``).
+    "BAD_FRAME": ErrorName.BAD_FRAME,
+    "UNSUPPORTED_VERSION": ErrorName.UNSUPPORTED_VERSION,
+    "NOT_CONNECTED": ErrorName.NOT_CONNECTED,
+    "AUTH_FAILED": ErrorName.AUTHENTICATION_FAILED,
+    "SOURCE_CONFLICT": ErrorName.SOURCE_CONFLICT,
+    "NO_FREE_SOURCE": ErrorName.NO_FREE_SOURCE,
+    "READ_ONLY": ErrorName.READ_ONLY,
+    "KIND_NOT_FOUND": ErrorName.KIND_NOT_FOUND,
+    "SCHEMA_CONFLICT": ErrorName.SCHEMA_CONFLICT,
+    "SCHEMA_INCOMPATIBLE": ErrorName.SCHEMA_INCOMPATIBLE,
+    "ENTITY_NOT_FOUND": ErrorName.ENTITY_NOT_FOUND,
+    "BAD_FIELD_DATA": ErrorName.BAD_FIELD_DATA,
+    "LIMIT_EXCEEDED": ErrorName.LIMIT_EXCEEDED,
+    "SUBSCRIPTION_OVERFLOW": ErrorName.SUBSCRIPTION_OVERFLOW,
+    "INTERNAL": ErrorName.INTERNAL_ERROR,
+    "RESERVED_NAME": ErrorName.RESERVED_NAME,
+    "NO_EPOCH": ErrorName.NO_EPOCH,
+}
 
 
 class HeadwaterError(Exception):
     """Root of every error headwater raises on purpose."""
 
     code: ClassVar[int] = 0
-    name: ClassVar[str] = "Unknown"
+    name: ClassVar[ErrorName] = ErrorName.UNKNOWN
     retryable: ClassVar[bool] = False
 
     def __init__(self, message: str = "") -> None:
@@ -27,19 +117,19 @@ class HeadwaterError(Exception):
 
 
 class UnknownError(HeadwaterError):
-    code, name = 0, "Unknown"
+    code, name = 0, ErrorName.UNKNOWN
 
 
 class InternalError(HeadwaterError):
-    code, name, retryable = 1, "InternalError", True
+    code, name, retryable = 1, ErrorName.INTERNAL_ERROR, True
 
 
 class InvalidRequest(HeadwaterError):
-    code, name = 2, "InvalidRequest"
+    code, name = 2, ErrorName.INVALID_REQUEST
 
 
 class AuthenticationFailed(HeadwaterError):
-    code, name = 3, "AuthenticationFailed"
+    code, name = 3, ErrorName.AUTHENTICATION_FAILED
 
 
 class TenantForbidden(AuthenticationFailed):
@@ -47,11 +137,11 @@ class TenantForbidden(AuthenticationFailed):
 
 
 class TenantNotFound(HeadwaterError):
-    code, name = 4, "TenantNotFound"
+    code, name = 4, ErrorName.TENANT_NOT_FOUND
 
 
 class StreamNotFound(HeadwaterError):
-    code, name = 5, "StreamNotFound"
+    code, name = 5, ErrorName.STREAM_NOT_FOUND
 
 
 class StreamQuotaExceeded(InvalidRequest):
@@ -63,31 +153,31 @@ class StreamQuotaExceeded(InvalidRequest):
 
 
 class TableNotFound(HeadwaterError):
-    code, name = 6, "TableNotFound"
+    code, name = 6, ErrorName.TABLE_NOT_FOUND
 
 
 class QueryParseError(HeadwaterError):
-    code, name = 7, "QueryParseError"
+    code, name = 7, ErrorName.QUERY_PARSE_ERROR
 
 
 class QueryExecutionError(HeadwaterError):
-    code, name = 8, "QueryExecutionError"
+    code, name = 8, ErrorName.QUERY_EXECUTION_ERROR
 
 
 class PositionAhead(HeadwaterError):
-    code, name = 9, "PositionAhead"
+    code, name = 9, ErrorName.POSITION_AHEAD
 
 
 class StreamAlreadyExists(HeadwaterError):
-    code, name = 10, "StreamAlreadyExists"
+    code, name = 10, ErrorName.STREAM_ALREADY_EXISTS
 
 
 class InvalidOffset(HeadwaterError):
-    code, name = 11, "InvalidOffset"
+    code, name = 11, ErrorName.INVALID_OFFSET
 
 
 class StorageError(HeadwaterError):
-    code, name, retryable = 12, "StorageError", True
+    code, name, retryable = 12, ErrorName.STORAGE_ERROR, True
 
 
 class CorruptBatchError(StorageError):
@@ -95,15 +185,27 @@ class CorruptBatchError(StorageError):
 
 
 class ProjectionLag(HeadwaterError):
-    code, name, retryable = 13, "ProjectionLag", True
+    code, name, retryable = 13, ErrorName.PROJECTION_LAG, True
 
 
 class RateLimited(HeadwaterError):
-    code, name, retryable = 14, "RateLimited", True
+    code, name, retryable = 14, ErrorName.RATE_LIMITED, True
 
 
 class NotLeader(HeadwaterError):
-    code, name, retryable = 15, "NotLeader", True
+    code, name, retryable = 15, ErrorName.NOT_LEADER, True
+
+
+class KindNotFound(TableNotFound):
+    """No entity kind of that name (code 6 on Kimberlite and HTTP: a kind is a table)."""
+
+    name = ErrorName.KIND_NOT_FOUND
+
+
+class EntityNotFound(TableNotFound):
+    """The kind has no live entity of that id (code 6: a missing row)."""
+
+    name = ErrorName.ENTITY_NOT_FOUND
 
 
 ERRORS_BY_CODE: dict[int, type[HeadwaterError]] = {
@@ -129,8 +231,17 @@ ERRORS_BY_CODE: dict[int, type[HeadwaterError]] = {
 }
 
 
-def error_for_code(code: int, message: str) -> HeadwaterError:
-    """The exception a client raises for a wire error code (unknown codes -> Unknown)."""
+# The classes a name alone picks beyond the codes' own: TableNotFound's refinements.
+_NAMED: list[type[HeadwaterError]] = [*ERRORS_BY_CODE.values(), KindNotFound, EntityNotFound]
+ERRORS_BY_NAME: dict[str, type[HeadwaterError]] = {cls.name: cls for cls in _NAMED}
+
+
+def error_for_code(code: int, message: str, name: str | None = None) -> HeadwaterError:
+    """The exception a client raises for a wire error code (unknown codes -> Unknown);
+    ``name`` (the HTTP error JSON carries one) picks a finer class of the same code."""
+    by_name = ERRORS_BY_NAME.get(name) if name is not None else None
+    if by_name is not None and by_name.code == code:
+        return by_name(message)
     return ERRORS_BY_CODE.get(code, UnknownError)(message)
 
 

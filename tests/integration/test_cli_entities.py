@@ -71,12 +71,12 @@ def test_kind_create_list_describe(server: Server, name: str, sdk_cli_env: dict[
     migrated = ok(run(server, "kind", "create", name, "site:string", "temp:f64", "n:u32", env=env))
     assert "schema version 2, 3 fields" in migrated
     conflict = failed(run(server, "kind", "create", name, "site:i64", env=env), 1)
-    assert conflict.startswith("headwater: error: SCHEMA_CONFLICT: ")
+    assert conflict.startswith("headwater: error: SchemaConflict: ")
     bad_type = failed(run(server, "kind", "create", name + "x", "a:float128", env=env), 2)
     assert "unknown field type 'float128'" in bad_type
     assert "at least one field" in failed(run(server, "kind", "create", name + "y", env=env), 2)
     reserved = failed(run(server, "kind", "create", "hw_" + name, "a:bool", env=env), 1)
-    assert "RESERVED_NAME" in reserved
+    assert "ReservedName" in reserved
 
     listed = ok(run(server, "kind", "list", env=env))
     assert name in listed and "site:string, temp:f64, n:u32" in listed
@@ -91,7 +91,7 @@ def test_kind_create_list_describe(server: Server, name: str, sdk_cli_env: dict[
     for text in ("schema version", "site", "string", "temp", "f64", "u32"):
         assert text in described
     missing = failed(run(server, "kind", "describe", name + "_nope", env=env), 1)
-    assert missing.strip() == f"headwater: error: KIND_NOT_FOUND: no entity kind '{name}_nope'"
+    assert missing.strip() == f"headwater: error: KindNotFound: no entity kind '{name}_nope'"
 
 
 def test_entity_get(server: Server, name: str, sdk_cli_env: dict[str, str]) -> None:
@@ -107,7 +107,28 @@ def test_entity_get(server: Server, name: str, sdk_cli_env: dict[str, str]) -> N
     missing = failed(run(server, "entity", "get", name, "nobody", env=sdk_cli_env), 1)
     assert "ENTITY_NOT_FOUND" in missing and "nobody" in missing
     no_kind = failed(run(server, "entity", "get", name + "_x", "a", env=sdk_cli_env), 1)
-    assert "KIND_NOT_FOUND" in no_kind
+    assert "KindNotFound" in no_kind
+
+
+def test_entity_list(server: Server, name: str, sdk_cli_env: dict[str, str]) -> None:
+    with entities.connect(f"127.0.0.1:{server.ports['convergedb']}") as src:
+        kind = src.create_kind(Reading, name)
+        for n in range(3):
+            src.assert_(kind, f"lab-{n}", Reading("lab", 20.0 + n, n))
+        src.flush()
+        shown = ok(run(server, "entity", "list", name, env=sdk_cli_env))
+        assert f"{name}: 3 of 3 entities" in shown
+        for n in range(3):
+            assert f"lab-{n}" in shown and f"2{n}.0" in shown
+        lines = ok(run(server, "entity", "list", name, "--json", "--limit", "2", env=sdk_cli_env))
+        docs = [json.loads(line) for line in lines.splitlines()]
+        assert len(docs) == 2
+        assert {d["key"] for d in docs} <= {"lab-0", "lab-1", "lab-2"}
+        assert all(d["fields"]["site"] == "lab" for d in docs)
+    missing = failed(run(server, "entity", "list", name + "_x", env=sdk_cli_env), 1)
+    assert missing.strip() == f"headwater: error: KindNotFound: no entity kind '{name}_x'"
+    too_many = failed(run(server, "entity", "list", name, "--limit", "10001", env=sdk_cli_env), 2)
+    assert "at most 10000" in too_many
 
 
 def _default_sigint() -> None:
@@ -216,7 +237,7 @@ def test_token_is_required_and_passed_through(
     with pytest.raises(AuthenticationFailed, match="bearer token is required"):
         entities.list_kinds(f"127.0.0.1:{srv.ports['http']}")
     refused = failed(run(srv, "kind", "create", name, "a:bool", env=sdk_cli_env), 1)
-    assert "AUTH_FAILED" in refused
+    assert "AuthenticationFailed" in refused
     env = {**sdk_cli_env, "HEADWATER_TOKEN": "s3cret"}
     ok(run(srv, "kind", "create", name, "a:bool", env=env))
     assert name in ok(run(srv, "kind", "list", env=env))

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import json
 
-from headwater.errors import HeadwaterError
+from headwater.errors import ErrorName, HeadwaterError
 
 
 class ClientError(HeadwaterError):
     """Root of the errors the SDK raises itself (not sent by the server)."""
 
+    name = ErrorName.CLIENT_ERROR
+
 
 class ServerUnavailable(ClientError, ConnectionError):
     """No headwater server could be reached at the address."""
+
+    name = ErrorName.SERVER_UNAVAILABLE
 
 
 class ConnectionLost(ClientError, ConnectionError):
@@ -35,6 +39,8 @@ class ConnectionLost(ClientError, ConnectionError):
     to the socket: the server may have applied it, so it is not resent automatically.
     """
 
+    name = ErrorName.CONNECTION_LOST
+
     def __init__(self, message: str, *, maybe_applied: bool = False) -> None:
         super().__init__(message)
         self.maybe_applied = maybe_applied
@@ -43,13 +49,19 @@ class ConnectionLost(ClientError, ConnectionError):
 class RequestTimeout(ClientError, TimeoutError):
     """The server did not answer within the client's timeout."""
 
+    name = ErrorName.REQUEST_TIMEOUT
+
 
 class EventTooLarge(ClientError, ValueError):
     """An event exceeds what one append may carry; nothing was sent."""
 
+    name = ErrorName.EVENT_TOO_LARGE
+
 
 class SubscriptionClosed(ClientError):
     """The server ended the subscription (``reason`` is the wire's CloseReason)."""
+
+    name = ErrorName.SUBSCRIPTION_CLOSED
 
     def __init__(self, message: str, reason: int) -> None:
         super().__init__(message)
@@ -59,10 +71,13 @@ class SubscriptionClosed(ClientError):
 class ClientClosed(ClientError):
     """The client was closed; open a new one with ``headwater.connect``."""
 
+    name = ErrorName.CLIENT_CLOSED
+
 
 def http_api_error(status: int, body: bytes, url: str) -> Exception:
     """What a non-200 answer of the HTTP API raises: the ``headwater.errors`` class of its
-    error body (``{"error": {"code", "message"}}``), or ServerUnavailable when the body is
+    error body (``{"error": {"code", "name", "message"}}``: the name picks KindNotFound or
+    EntityNotFound within code 6), or ServerUnavailable when the body is
     not JSON (something else answered)."""
     from headwater.errors import error_for_code
 
@@ -71,4 +86,9 @@ def http_api_error(status: int, body: bytes, url: str) -> Exception:
     except ValueError:
         return ServerUnavailable(f"{url} answered {status} without JSON")
     error = data.get("error", {}) if isinstance(data, dict) else {}
-    return error_for_code(int(error.get("code", 0)), str(error.get("message", status)))
+    name = error.get("name")
+    return error_for_code(
+        int(error.get("code", 0)),
+        str(error.get("message", status)),
+        name if isinstance(name, str) else None,
+    )

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import hashlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, TypeAlias, TypeVar
 
+from headwater.entity_keys import KeyLike as KeyLike
+from headwater.entity_keys import entity_id as entity_id
+from headwater.entity_keys import key_text as key_text
+from headwater.entity_keys import parse_key as parse_key
 from headwater.errors import UsageError
-from headwater.protocols.convergedb.codes import ENTITY_ID_SIZE, MAX_FIELDS
+from headwater.protocols.convergedb.codes import MAX_FIELDS
 from headwater.protocols.convergedb.fields import (
     FieldSpec,
     FieldType,
@@ -187,48 +190,7 @@ def kind_name_of(cls: type[Any]) -> str:
 
 
 # ---- entity keys -----------------------------------------------------------------------
-
-KeyLike: TypeAlias = str | bytes | bytearray | memoryview
-"""An entity key: text (UTF-8) or bytes."""
-
-
-def entity_id(key: KeyLike) -> bytes:
-    """The 32-byte entity id of a key: its bytes zero-padded to 32, or their SHA-256 when
-    longer (the same rule as Ripple's keys, so both address the same entities)."""
-    if isinstance(key, str):
-        data = key.encode()
-    elif isinstance(key, bytes | bytearray | memoryview):
-        data = bytes(key)
-    else:
-        raise UsageError(f"an entity key is str or bytes, not {type(key).__name__}")
-    if len(data) <= ENTITY_ID_SIZE:
-        return data.ljust(ENTITY_ID_SIZE, b"\0")
-    return hashlib.sha256(data).digest()
-
-
-def key_text(eid: bytes) -> str:
-    """An entity id for people: the key's text when it was a short UTF-8 key (zero
-    padding removed), otherwise ``0x`` and 64 hex digits."""
-    stripped = eid.rstrip(b"\0")
-    try:
-        text = stripped.decode()
-    except UnicodeDecodeError:
-        return "0x" + eid.hex()
-    if not text or "\0" in text or not text.isprintable() or text.startswith("0x"):
-        return "0x" + eid.hex()
-    return text
-
-
-def parse_key(text: str) -> bytes:
-    """The entity id a person typed: ``0x`` + 64 hex digits is the raw id, anything else
-    a key (see :func:`entity_id`)."""
-    if text.startswith("0x") and len(text) == 2 + 2 * ENTITY_ID_SIZE:
-        try:
-            return bytes.fromhex(text[2:])
-        except ValueError:
-            pass
-    return entity_id(text)
-
+# One rule for every surface (headwater.entity_keys): the SDK, the CLI, HTTP and SQL.
 
 # ---- kinds ------------------------------------------------------------------------------
 
