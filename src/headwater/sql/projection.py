@@ -1,4 +1,5 @@
-"""Stream projections: each stream's committed events as Arrow record batches.
+"""Stream projections: each stream's committed events as Arrow record batches, sealed
+ones memory-mapped from files beside the log and the unsealed tail in memory.
 
 A projection follows its stream's log incrementally. Every commit notification raises
 its target; at most one catch-up runs per stream, in a worker thread, so a burst of
@@ -30,6 +31,26 @@ Chunks are immutable; a query captures the tuple of chunks and the position it r
 so later catch-ups never disturb it. Small trailing chunks are merged binary-counter
 style (amortised O(log n) copies per row) so a slow trickle of commits does not leave
 thousands of tiny batches for every query to scan.
+
+Sealed files (:mod:`headwater.sql.sealed`): a chunk that reaches ``SEAL_ROWS`` rows or
+``SEAL_BYTES`` of data is written, in the round that built it, to an Arrow IPC file
+beside the stream's log and replaced by the same rows memory-mapped from that file; the
+chunks before it are merged into the same file, so the files follow each other in
+offset order and only the unsealed tail (less than a seal's worth) is held in memory.
+A query's snapshot is the mapped files plus the tail, cut at its position and at the
+log's start offset (zero-copy: DuckDB scans the mapped pages, which the kernel caches
+and reclaims). Retention deletes a file once the log's start has passed its last
+offset; deleting the stream deletes its directory with the log. Compaction rewrites
+the log, never a sealed file: SQL keeps seeing the events a file holds, as it kept
+seeing projected chunks before files existed, while what is replayed from the log (the
+tail after a restart, a rebuilt file) reads the log as compaction left it.
+
+At start (:func:`open_files`, in the projection's first task) the files are opened and
+checked against their names, without reading their rows; the projection continues
+after the last one and replays only the tail, so the time to ready does not grow with
+the data. A damaged file is deleted and its offsets rebuilt from the log by the normal
+catch-up; files after such a gap wait, parked, until the catch-up reaches them, and
+coverage (below) never claims a position whose events are not all projected.
 
 Coverage: ``covered`` is a tenant log position such that every event of this stream with
 a smaller position is projected. Positions grow with offsets inside a stream, so after
