@@ -35,16 +35,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# The dashboard and WebSocket browser tests drive Debian's headless chromium, and the
-# postgres listener's tests Debian's psql; a fresh machine (CI) gets them from apt.
-# Skipped when they are already there.
+# The dashboard and WebSocket browser tests drive Debian's headless chromium, the
+# postgres listener's tests Debian's psql, and the Prometheus tests promtool (Debian's
+# prometheus package); a fresh machine (CI) gets them from apt. Skipped when they are
+# already there.
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
-			|| ! command -v psql >/dev/null; then \
+			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
-			postgresql-client >/dev/null; \
+			postgresql-client prometheus >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
