@@ -654,6 +654,12 @@ class StreamProjection:
             return chunks
         cut = full[-1] + 1
         merged = chunks[0] if cut == 1 else self._builder.merge(chunks[:cut])
+        plog = self.stream.log
+        if merged.last_offset >= plog.durable_offset:
+            # Under sync "none" or "interval" committed events may not be on disk yet; a
+            # file must never outlive the log events it holds (a power loss could give
+            # their offsets to other events), so the log is made durable first.
+            plog.sync()
         path = write_sealed(self.directory, merged.batch, merged.meta)
         return [Chunk.open(path), *chunks[cut:]]
 
