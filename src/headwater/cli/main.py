@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from headwater.cli.backup_cmd import add_backup_command
 from headwater.cli.client_cmds import add_client_commands
 from headwater.cli.entity_cmds import add_entity_commands
 from headwater.cli.kind_cmds import add_kind_commands
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("data_dir", type=Path)
     check.set_defaults(func=cmd_check)
 
+    add_backup_command(sub)
     add_client_commands(sub)
     add_kind_commands(sub)
     add_entity_commands(sub)
