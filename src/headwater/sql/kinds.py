@@ -1,6 +1,10 @@
-"""Entity kinds as SQL tables: ``(entity_id, version, <fields>...)``, current and as of
-a tenant log position; and each kind's changelog as ``hw_changes_<kind>``:
-``(entity_id, version, deleted, <fields>...)``, one row per change in log order.
+"""Entity kinds as SQL tables: ``(entity_id, version, <fields>..., entity_key)``, current
+and as of a tenant log position; and each kind's changelog as ``hw_changes_<kind>``:
+``(entity_id, version, deleted, <fields>..., entity_key)``, one row per change in log
+order. ``entity_key`` is the id as people write it (``lab-1``; ``0x`` + hex for an id
+that is no short text key: headwater.entity_keys), so ``WHERE entity_key = 'lab-1'``
+finds what the CLI and the SDK call lab-1; it comes last so the contract's columns
+(spec/PROTOCOLS.md §1) keep their places.
 
 The kind engine moves each kind's committed state forward only when a window is
 durable, which is also when the window's positions stop being in flight; so a kind's
@@ -32,6 +36,7 @@ from headwater.engine.kinds.codec import codec_for
 from headwater.engine.kinds.fields import FieldSpec, FieldType
 from headwater.engine.kinds.state import SEQUENCE_KEY, Committed
 from headwater.engine.names import changes_table_name
+from headwater.entity_keys import key_text
 from headwater.sql.tables import SqlTable
 from headwater.storage.log import PartitionLog
 from headwater.storage.segment import Segment
@@ -58,7 +63,10 @@ ARROW_TYPES: dict[FieldType, pa.DataType] = {
 }
 
 
-def column_name(field_name: str, taken: tuple[str, ...] = ("entity_id", "version")) -> str:
+KIND_COLUMNS = ("entity_id", "version", "entity_key")
+
+
+def column_name(field_name: str, taken: tuple[str, ...] = KIND_COLUMNS) -> str:
     """A field's column: its name, or ``field_<name>`` where it would clash with one of
     the table's own columns (SQL names are case-insensitive)."""
     if field_name.lower() in taken:
@@ -66,26 +74,26 @@ def column_name(field_name: str, taken: tuple[str, ...] = ("entity_id", "version
     return field_name
 
 
-CHANGES_COLUMNS = ("entity_id", "version", "deleted")
+CHANGES_COLUMNS = ("entity_id", "version", "deleted", "entity_key")
 
 
 def changes_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
     """``entity_id``, ``version`` (the change's tenant log position), ``deleted`` (the
-    entity is gone; its fields are NULL), then the fields."""
+    entity is gone; its fields are NULL), then the fields, then ``entity_key``."""
     columns = [
         pa.field("entity_id", pa.string()),
         pa.field("version", pa.int64()),
         pa.field("deleted", pa.bool_()),
     ]
     columns += [pa.field(column_name(f.name, CHANGES_COLUMNS), ARROW_TYPES[f.type]) for f in fields]
-    return pa.schema(columns)
+    return pa.schema([*columns, pa.field("entity_key", pa.string())])
 
 
 def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
     # PROTOCOLS.md §1: entity_id is VARCHAR, the 32-byte id in lowercase hex.
     columns = [pa.field("entity_id", pa.string()), pa.field("version", pa.int64())]
     columns += [pa.field(column_name(f.name), ARROW_TYPES[f.type]) for f in fields]
-    return pa.schema(columns)
+    return pa.schema([*columns, pa.field("entity_key", pa.string())])
 
 
 def build_table_streamed(
@@ -109,6 +117,7 @@ def build_table(fields: Sequence[FieldSpec], states: Sequence[EntityState]) -> p
     ]
     for i, _ in enumerate(fields):
         columns.append([s.values[i] if i < len(s.values) else None for s in ordered])
+    columns.append([key_text(s.entity_id) for s in ordered])
     return pa.Table.from_arrays(
         [pa.array(col, type=schema.field(i).type) for i, col in enumerate(columns)],
         schema=schema,
@@ -218,6 +227,7 @@ def _decode_changes(
 ) -> pa.RecordBatch:
     codec = codec_for(fields)
     ids: list[str] = []
+    keys: list[str] = []
     versions: list[int] = []
     deleted: list[bool] = []
     records: list[tuple[object, ...] | None] = []
@@ -226,12 +236,14 @@ def _decode_changes(
         if key is None or key == SEQUENCE_KEY:
             continue
         ids.append(key.hex())
+        keys.append(key_text(key))
         versions.append(event.position)
         deleted.append(event.tombstone)
         records.append(None if event.tombstone else codec.decode_assert(bytes(event.value[8:])))
     columns: list[list[object]] = [ids, versions, deleted]  # type: ignore[list-item]
     for i in range(len(fields)):
         columns.append([None if r is None else r[i] for r in records])
+    columns.append(keys)  # type: ignore[arg-type]
     return pa.RecordBatch.from_arrays(
         [pa.array(col, type=schema.field(i).type) for i, col in enumerate(columns)],
         schema=schema,

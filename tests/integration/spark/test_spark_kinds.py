@@ -78,7 +78,7 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: Server) ->
         now = _read(spark, kind_server, kind="sensors", rowsPerPartition="7")
         assert [f.name for f in now.schema.fields] == ["entity_id", "version", "deleted"] + [
             n for n, _ in FIELDS
-        ]
+        ] + ["entity_key"]
         assert now.rdd.getNumPartitions() == 5  # 29 entities, 7 per partition
         rows = {r.entity_id: r for r in now.collect()}
         assert sorted(rows) == [eid(i).hex() for i in range(1, 30)]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from headwater.engine.engine import Engine, EngineConfig
 from headwater.engine.kinds import KindsConfig, KindsEngine, assert_op, patch_op, retract_op
+from headwater.entity_keys import entity_id
 from headwater.protocols.convergedb.fields import FieldType
 from headwater.sql.kinds import KindTables
 from headwater.sql.service import SqlService
@@ -49,7 +50,8 @@ def test_kind_table_current_and_as_of(tmp_path: Path) -> None:
             await tk.flush()
             now = await sql.query(0, "SELECT * FROM everything")
             assert now.columns[:3] == ["entity_id", "version", "c_bool"]
-            assert now.columns[-1] == "field_Version"
+            # entity_key after the fields, so the contract's columns keep their places.
+            assert now.columns[-2:] == ["field_Version", "entity_key"]
             assert len(now.rows) == 1 and now.rows[0][13] == "t"
             row = list(now.rows[0])
             # As SQL answers carry them: blobs in hex, floats as text, timestamps in ns.
@@ -91,7 +93,14 @@ def test_changes_table_lists_every_change_in_log_order(tmp_path: Path) -> None:
             src.apply([retract_op(kind, b)])
             await tk.flush()
             result = await sql.query(0, "SELECT * FROM hw_changes_dev ORDER BY version")
-            assert result.columns == ["entity_id", "version", "deleted", "temp", "field_deleted"]
+            assert result.columns == [
+                "entity_id",
+                "version",
+                "deleted",
+                "temp",
+                "field_deleted",
+                "entity_key",
+            ]
             rows = [list(r) for r in result.rows]
             assert [(r[0], r[2], r[3], r[4]) for r in rows] == [
                 ("0a" * 32, False, "1.5", 1),
@@ -111,6 +120,32 @@ def test_changes_table_lists_every_change_in_log_order(tmp_path: Path) -> None:
                 0, "SELECT count(*) FROM hw_changes_dev WHERE version >= ?", [versions[2]]
             )
             assert since.rows[0][0] == 2
+
+    asyncio.run(main())
+
+
+def test_entity_key_column_is_the_id_as_people_write_it(tmp_path: Path) -> None:
+    """``entity_key`` shows a short text key as its text (what the CLI and the SDK show)
+    and any other id as ``0x`` + hex, in the kind table and its changes table alike; a
+    field named entity_key keeps its value under ``field_entity_key``."""
+
+    async def main() -> None:
+        async with kind_sql(tmp_path) as (kinds, sql):
+            tk = kinds.tenant(0)
+            kind = await tk.create_kind("labs", [("entity_key", FieldType.I64)])
+            lab, raw = entity_id("lab-1"), b"\xff" * 32
+            src = tk.connect("w")
+            src.apply([assert_op(kind, lab, [1]), assert_op(kind, raw, [2])])
+            await tk.flush()
+            for table in ("labs", "hw_changes_labs"):
+                found = await sql.query(
+                    0,
+                    f"SELECT entity_id, field_entity_key FROM {table} WHERE entity_key = ?",
+                    ["lab-1"],
+                )
+                assert [list(r) for r in found.rows] == [[lab.hex(), 1]]
+                keys = await sql.query(0, f"SELECT entity_key FROM {table} ORDER BY entity_id")
+                assert [r[0] for r in keys.rows] == ["lab-1", "0x" + raw.hex()]
 
     asyncio.run(main())
 
