@@ -28,6 +28,7 @@ from headwater.engine.engine import (
     MAX_APPEND_EVENTS,
     Engine,
     EngineConfig,
+    Stream,
     StreamInfo,
     StreamSettings,
 )
@@ -45,11 +46,12 @@ from headwater.engine.subscriptions import (
     CloseReason,
     Deliver,
     DeliverRead,
+    GroupOffsets,
     OnClose,
     Subscription,
     Subscriptions,
 )
-from headwater.errors import HeadwaterError, InvalidOffset
+from headwater.errors import HeadwaterError, InvalidOffset, InvalidRequest
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.service import SqlService
@@ -74,6 +76,7 @@ __all__ = [
     "Deliver",
     "DeliverRead",
     "EngineAPI",
+    "GroupInfo",
     "GroupLag",
     "KindStats",
     "OnClose",
@@ -495,13 +498,43 @@ class EngineAPI:
         for info in self._engine.list_streams(tenant_id):
             stream = self._engine.stream(tenant_id, info.stream_id)
             offsets = self._subscriptions.groups_of(stream)
-            end = stream.log.committed_offset
-            for group, offset in sorted(offsets.offsets.items()):
-                waiting = len(offsets.waiting.get(group, ()))
-                active = group in offsets.active
-                lag = max(0, end - offset)
-                out.append(GroupInfo(info.name, group, offset, end, lag, active, waiting))
+            groups = sorted(offsets.offsets)
+            out.extend(self._group_info(stream, offsets, group) for group in groups)
         return out
+
+    async def reset_group_offset(
+        self, tenant_id: int, stream_id: int, group: str, offset: int
+    ) -> GroupInfo:
+        """Move consumer group ``group`` of a stream to ``offset`` (back to replay, ahead
+        to skip), durably before returning, as Kafka's ``--reset-offsets``: the group must
+        exist and no member of it may be consuming (its position would be overwritten by
+        the member's next acknowledgement), and ``offset`` must lie in the stream's
+        retained range. InvalidRequest or InvalidOffset otherwise, nothing changed."""
+        stream = self._engine.stream(tenant_id, stream_id)
+        offsets = self._subscriptions.groups_of(stream)
+        if group not in offsets.offsets:
+            raise InvalidRequest(f"stream {stream.name!r} has no consumer group {group!r}")
+        if group in offsets.active:
+            raise InvalidRequest(
+                f"consumer group {group!r} of stream {stream.name!r} has a member consuming:"
+                " stop its consumers before resetting its offset"
+            )
+        start, end = stream.log.start_offset, stream.log.committed_offset
+        if not start <= offset <= end:
+            raise InvalidOffset(
+                f"offset {offset} is outside the range {start}..{end} of stream {stream.name!r}"
+            )
+        offsets.reset(group, offset)
+        await offsets.flush()
+        return self._group_info(stream, offsets, group)
+
+    @staticmethod
+    def _group_info(stream: Stream, offsets: GroupOffsets, group: str) -> GroupInfo:
+        end = stream.log.committed_offset
+        offset = offsets.offsets[group]
+        waiting = len(offsets.waiting.get(group, ()))
+        active = group in offsets.active
+        return GroupInfo(stream.name, group, offset, end, max(0, end - offset), active, waiting)
 
     # ---- kinds ------------------------------------------------------------------------
 

@@ -214,6 +214,14 @@ class GroupOffsets:
     def commit(self, group: str, offset: int) -> None:
         if self.offsets.get(group, -1) >= offset:
             return
+        self._store(group, offset)
+
+    def reset(self, group: str, offset: int) -> None:
+        """Move ``group`` to ``offset``, backwards as well as forwards (an operator's
+        reset; the caller makes sure no member of the group is consuming)."""
+        self._store(group, offset)
+
+    def _store(self, group: str, offset: int) -> None:
         self.offsets[group] = offset
         self._dirty = True
         if self._flush is None:

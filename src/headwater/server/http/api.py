@@ -24,6 +24,7 @@ from headwater.server.http.app import (
     PROTOCOL,
     api_of,
     int_param,
+    json_body,
     json_response,
     principal_of,
     read_body,
@@ -32,7 +33,6 @@ from headwater.server.http.app import (
 )
 from headwater.server.http.events import (
     NDJSON_TYPES,
-    decode_json,
     event_json,
     parse_json_array,
     parse_ndjson,
@@ -68,13 +68,6 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
         "sync": info.sync,
         "settings": {k: v for k, v in asdict(info.settings).items() if v is not None},
     }
-
-
-async def _json_body(request: web.Request) -> Any:
-    body = await read_body(request)
-    if not body:
-        raise InvalidRequest("the request needs a JSON body")
-    return decode_json(body, "the body")
 
 
 def _named_stream(request: web.Request) -> tuple[EngineAPI, int, StreamInfo]:
@@ -152,7 +145,7 @@ async def list_streams(request: web.Request) -> web.Response:
 
 async def create_stream(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest('the body must be an object like {"name": "orders"}')
     unknown = set(body) - {"name", "settings"}
@@ -318,7 +311,7 @@ def _sql_value(value: QueryValue) -> Any:
 
 async def sql(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
-    body = await _json_body(request)
+    body = await json_body(request)
     if not isinstance(body, dict):
         raise InvalidRequest('the body must be an object like {"sql": "SELECT 1"}')
     unknown = set(body) - {"sql", "params", "position"}

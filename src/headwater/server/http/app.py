@@ -18,6 +18,7 @@ from headwater.errors import (
     InvalidRequest,
     TenantForbidden,
 )
+from headwater.server.http.events import decode_json
 from headwater.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -216,6 +217,14 @@ async def read_body(request: web.Request) -> bytes:
     except BaseException:
         body.clear()  # not returned (too large, stalled, cancelled): freed now
         raise
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's body parsed as JSON; InvalidRequest (400) when empty or not JSON."""
+    body = await read_body(request)
+    if not body:
+        raise InvalidRequest("the request needs a JSON body")
+    return decode_json(body, "the body")
 
 
 class BodyTimeout(Exception):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from headwater.server.app import Listener
-from headwater.server.http import api, dashboard, overview, ws
+from headwater.server.http import api, dashboard, history, overview, ws
 from headwater.server.http.app import (
     MAX_BODY_BYTES,
     METRICS_KEY,
@@ -42,9 +42,10 @@ def build_app(server: Server) -> web.Application:
     )
     app[SERVER_KEY] = server
     app[METRICS_KEY] = metrics_for(server)
-    for routes in (api.ROUTES, overview.ROUTES, dashboard.ROUTES):
+    for routes in (api.ROUTES, overview.ROUTES, history.ROUTES, dashboard.ROUTES):
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
+    app.cleanup_ctx.append(history.sampling)
     ws.add_routes(app)
     return app
 

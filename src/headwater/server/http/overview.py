@@ -1,5 +1,6 @@
-"""Read-only REST views of kinds, consumer groups and kind sources (the dashboard's data;
-docs/http-api.md). Everything is read from in-memory engine state: no disk, no SQL."""
+"""REST views of kinds, consumer groups and kind sources (the dashboard's data;
+docs/http-api.md), read from in-memory engine state (no disk, no SQL), and a consumer
+group's offset reset."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from typing import Any
 
 from aiohttp import web
 
-from headwater.api import KindStats
+from headwater.api import GroupInfo, KindStats
 from headwater.engine.kinds import EntityState, KindInfo
 from headwater.engine.kinds.errors import KindNotFound
 from headwater.engine.kinds.fields import ENTITY_ID_SIZE
 from headwater.errors import InvalidRequest, TableNotFound
 from headwater.protocols.kiwi.results import field_json
-from headwater.server.http.app import api_of, int_param, json_response, tenant_of
+from headwater.server.http.app import api_of, int_param, json_body, json_response, tenant_of
 
 DEFAULT_ENTITY_LIMIT = 500
 MAX_ENTITY_LIMIT = 10_000
@@ -93,16 +94,48 @@ async def get_entity(request: web.Request) -> web.Response:
     return json_response(entity_json(kind.info, entity))
 
 
+def group_json(group: GroupInfo) -> dict[str, Any]:
+    return asdict(group)
+
+
 async def consumer_groups(request: web.Request) -> web.Response:
     """Every consumer group of the tenant's streams: committed offset, lag, members."""
     groups = api_of(request).consumer_groups(tenant_of(request))
-    return json_response(
-        {
-            "groups": [
-                {**asdict(g), "lag": max(0, g.end_offset - g.committed_offset)} for g in groups
-            ]
-        }
-    )
+    return json_response({"groups": [group_json(g) for g in groups]})
+
+
+RESET_TARGETS = ("offset", "to", "timestamp_ms")
+
+
+async def reset_group(request: web.Request) -> web.Response:
+    """Move a consumer group to an offset (``{"offset": N}``), the stream's first or
+    next offset (``{"to": "earliest"}`` / ``"latest"``) or the first event at or after
+    a time (``{"timestamp_ms": N}``); the group must have no member consuming."""
+    tenant_id = tenant_of(request)
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["stream"])
+    body = await json_body(request)
+    if not isinstance(body, dict) or len(body) != 1 or next(iter(body)) not in RESET_TARGETS:
+        raise InvalidRequest(
+            'the body must be one of {"offset": N}, {"to": "earliest"}, {"to": "latest"}'
+            ' or {"timestamp_ms": N}'
+        )
+    ((target, value),) = body.items()
+    end = api.stream_end(tenant_id, stream.stream_id)
+    if target == "to":
+        if value not in ("earliest", "latest"):
+            raise InvalidRequest(f"to must be 'earliest' or 'latest', not {value!r}")
+        offset = stream.start_offset if value == "earliest" else end
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"{target} must be a non-negative integer")
+    elif target == "timestamp_ms":
+        found = await api.offset_for_timestamp(tenant_id, stream.stream_id, value)
+        offset = end if found is None else found
+    else:
+        offset = value
+    group = request.match_info["group"]
+    reset = await api.reset_group_offset(tenant_id, stream.stream_id, group, offset)
+    return json_response(group_json(reset))
 
 
 async def kind_sources(request: web.Request) -> web.Response:
@@ -118,5 +151,6 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("GET", "/api/kinds/{name}/entities", kind_entities),
     ("GET", "/api/kinds/{name}/entities/{entity_id}", get_entity),
     ("GET", "/api/consumer-groups", consumer_groups),
+    ("POST", "/api/consumer-groups/{stream}/{group}/reset", reset_group),
     ("GET", "/api/sources", kind_sources),
 ]
