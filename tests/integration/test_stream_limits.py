@@ -9,6 +9,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import urllib.error
@@ -114,6 +115,44 @@ def test_sixteen_concurrent_creators_get_each_name_once_and_keep_it_over_restart
         stop_cleanly(server, clean_log=True)
         result = check_cli(server.data_dir)
         assert result.returncode == 0, result.stdout + result.stderr
+    finally:
+        server.kill()
+
+
+def test_check_names_damaged_metadata_and_the_server_refuses_what_it_cannot_parse(
+    tmp_path: Path,
+) -> None:
+    server = Server(tmp_path / "damaged").start()
+    try:
+        ids = {name: asyncio.run(_create(server, name)) for name in ("orders", "trades")}
+        stop_cleanly(server)
+        assert check_cli(server.data_dir).returncode == 0
+        streams = server.data_dir / "tenants" / "0" / "streams"
+        # What the old create race left: a second directory holding a taken name.
+        twin = streams / "9"
+        shutil.copytree(streams / str(ids["orders"]), twin)
+        meta = json.loads((twin / "stream.json").read_text())
+        (twin / "stream.json").write_text(json.dumps({**meta, "id": 9}))
+        (streams / "12" / "partition-0").mkdir(parents=True)  # data without stream.json
+        result = check_cli(server.data_dir)
+        assert result.returncode == 1, result.stdout
+        assert f"streams {ids['orders']}, 9 share the name 'orders'" in result.stdout
+        assert "tenants/0/streams/12: stream directory without stream.json" in result.stdout
+        assert "2 metadata problems" in result.stdout
+
+        server.start()  # serves on: the older stream keeps the name, the twin is unlisted
+        assert asyncio.run(stream_names(server)) == ids
+        assert "both named 'orders'" in server.log_text()
+        stop_cleanly(server)
+
+        (server.data_dir / "tenants" / "0" / "tenant.json").write_text('{"id": 0, "na')
+        result = check_cli(server.data_dir)
+        assert result.returncode == 1
+        assert "tenants/0/tenant.json: unparsable" in result.stdout
+        with pytest.raises(AssertionError, match="exited with 1 during start-up"):
+            server.start()
+        assert "tenant.json cannot be read" in server.log_text()
+        assert "Traceback" not in server.log_text()
     finally:
         server.kill()
 
