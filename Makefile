@@ -36,16 +36,18 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The dashboard and WebSocket browser tests drive Debian's headless chromium, the
-# postgres listener's tests Debian's psql, and the Prometheus tests promtool (Debian's
-# prometheus package); a fresh machine (CI) gets them from apt. Skipped when they are
-# already there.
+# postgres listener's tests Debian's psql, the Prometheus tests promtool (Debian's
+# prometheus package) and the systemd unit's test systemd-analyze (Debian's systemd; no
+# running systemd needed); a fresh machine (CI) gets them from apt. Skipped when they
+# are already there.
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
-			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null; then \
+			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null \
+			|| ! command -v systemd-analyze >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
-			postgresql-client prometheus >/dev/null; \
+			postgresql-client prometheus systemd >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
