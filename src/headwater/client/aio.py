@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Literal, TypeVar
 
-from headwater.errors import HeadwaterError, ProtocolError, StreamNotFound
+from headwater.errors import HeadwaterError, ProtocolError, StreamAlreadyExists, StreamNotFound
 from headwater.protocols.kimberlite.connection import ClientConnection
 from headwater.protocols.kimberlite.messages import (
     MAX_APPEND_BYTES,
@@ -78,7 +78,7 @@ from headwater.protocols.kimberlite.messages import (
 
 from ._connection import Connection, NotSent
 from ._core import batching
-from ._core.session import Resumable, Session, parse_server, same_parameters_as
+from ._core.session import Connecting, Resumable, Session, parse_server, same_parameters_as
 from ._core.session import backoff_delay as backoff_delay
 from ._core.tls import PathLike, client_context
 from .errors import ConnectionLost, EventTooLarge, SubscriptionClosed
@@ -285,11 +285,24 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         *,
         data_class: DataClass = DataClass.NON_PHI,
         placement: Placement = Placement.GLOBAL,
+        exist_ok: bool = False,
     ) -> int:
-        """Create a stream; returns its id. StreamAlreadyExists when the name is taken."""
-        reply = await self._request(
-            CreateStreamRequest(name, data_class, placement), CreateStreamResponse, safe=False
-        )
+        """Create a stream; returns its id. StreamAlreadyExists when the name is taken,
+        unless ``exist_ok``: then the existing stream's id (a script that creates its
+        streams can run again). A stream that exists is taken as it is: Kimberlite's
+        ListStreams does not carry data class or placement, so they are not compared."""
+        try:
+            # With exist_ok a create is safe to repeat: a retry that finds the stream
+            # made by the attempt the connection lost lands in the except below.
+            reply = await self._request(
+                CreateStreamRequest(name, data_class, placement),
+                CreateStreamResponse,
+                safe=exist_ok,
+            )
+        except StreamAlreadyExists:
+            if not exist_ok:
+                raise
+            return await self.stream_id(name, refresh=True)
         self._names[name] = reply.stream_id
         return reply.stream_id
 
@@ -834,14 +847,15 @@ class AsyncSubscription(Resumable[Connection]):
 
 
 @same_parameters_as(AsyncClient)
-async def connect_async(client: AsyncClient) -> AsyncClient:
+def connect_async(client: AsyncClient) -> Connecting[AsyncClient]:
     """Connect to a headwater server (Kimberlite, default 127.0.0.1:7401); the parameters
-    are :class:`AsyncClient`'s.
+    are :class:`AsyncClient`'s. Either ``hw = await connect_async(...)`` (close it with
+    ``await hw.close()``) or ``async with connect_async(...) as hw:`` (closed at the end
+    of the block).
 
     Raises :class:`ServerUnavailable` at once when nothing answers there.
     """
-    await client._ensure()
-    return client
+    return Connecting(client)
 
 
 __all__ = [

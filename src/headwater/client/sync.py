@@ -85,10 +85,14 @@ class Client(Blocking[AsyncClient]):
         *,
         data_class: DataClass = DataClass.NON_PHI,
         placement: Placement = Placement.GLOBAL,
+        exist_ok: bool = False,
     ) -> int:
-        """Create a stream; returns its id (StreamAlreadyExists when the name is taken)."""
+        """Create a stream; returns its id. StreamAlreadyExists when the name is taken,
+        unless ``exist_ok``: then the existing stream's id."""
         return self._run(
-            self._inner.create_stream(name, data_class=data_class, placement=placement)
+            self._inner.create_stream(
+                name, data_class=data_class, placement=placement, exist_ok=exist_ok
+            )
         )
 
     def list_streams(self) -> list[StreamInfo]:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from headwater.client._core import batching
-from headwater.client._core.session import Resumable, Session, same_parameters_as
+from headwater.client._core.session import Connecting, Resumable, Session, same_parameters_as
 from headwater.client._core.tls import PathLike, client_context
 from headwater.client.errors import ClientClosed, ConnectionLost, ServerUnavailable
 from headwater.errors import HeadwaterError, UsageError
@@ -905,9 +905,9 @@ class AsyncEntitySubscription(Resumable[CdbConnection], Generic[T]):
 
 
 @same_parameters_as(AsyncEntityClient)
-async def connect_async(client: AsyncEntityClient) -> AsyncEntityClient:
+def connect_async(client: AsyncEntityClient) -> Connecting[AsyncEntityClient]:
     """Connect to the ConvergeDB listener (default 127.0.0.1:7402) as a source (a writer
     slot: ``source_id`` or the lowest free one) or ``read_only``; the parameters are
-    :class:`AsyncEntityClient`'s."""
-    await client._ensure()
-    return client
+    :class:`AsyncEntityClient`'s. ``client = await connect_async(...)``, or
+    ``async with connect_async(...) as client:`` (flushed and closed at the end)."""
+    return Connecting(client)

@@ -24,7 +24,7 @@ import functools
 import inspect
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Hashable
 from typing import Any, ClassVar, Generic, ParamSpec, Self, TypeVar, cast
 
 from headwater.errors import HeadwaterError, ProtocolError
@@ -36,6 +36,7 @@ L = TypeVar("L", bound=Link[Any, Any])
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
+C = TypeVar("C", bound="Session[Any, Any]")
 
 Post = Callable[[L], tuple[Hashable, "asyncio.Future[Any]"]]
 """Frame and write a request on a connection: ``(key, future of its answer)``."""
@@ -164,6 +165,32 @@ def same_parameters_as(make: Callable[P, T]) -> Callable[[Callable[[T], R]], Cal
         return cast(Callable[P, R], wrapper)
 
     return decorate
+
+
+class Connecting(Generic[C]):
+    """What an SDK's ``connect_async(...)`` returns: await it for the connected client
+    (``client = await connect_async(...)``), or enter it
+    (``async with connect_async(...) as client:``: connected on entry, closed on exit, as
+    ``with connect(...)`` is for the blocking client). A coroutine can only be awaited, so
+    ``connect_async`` returns this instead of being one."""
+
+    __slots__ = ("client",)
+
+    def __init__(self, client: C) -> None:
+        self.client = client
+
+    def __await__(self) -> Generator[Any, None, C]:
+        return self._connect().__await__()
+
+    async def _connect(self) -> C:
+        await self.client._ensure()
+        return self.client
+
+    async def __aenter__(self) -> C:
+        return await self.client.__aenter__()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.client.__aexit__(*exc_info)
 
 
 def parse_server(server: str, default_port: int = 7401) -> tuple[str, int]:
