@@ -5,6 +5,13 @@ A query result value is ``None``, ``int`` (BigInt), ``str`` (Text), ``bool`` or 
 doubles as Python's shortest round-trip ``repr``, blobs as lowercase hex, and everything
 else (decimals, dates, intervals, lists, structs, JSON, ...) as DuckDB's own text cast.
 This module is independent of every wire protocol: codecs convert at their boundary.
+
+:func:`json_value` is the JSON form (the HTTP API's): numeric SQL values are JSON
+numbers whenever the number's JSON text reads back as exactly the SQL value in an IEEE
+double (what JavaScript and most JSON parsers read numbers into), and their exact text
+as a JSON string otherwise, so no reader rounds a value silently: integers beyond
+±(2^53 - 1), decimals with more digits than a double holds, and NaN / Infinity /
+-Infinity (which JSON has no number for) are strings.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Timestamp:
 
 
 QueryValue = None | int | str | bool | Timestamp
+JsonValue = None | int | float | str | bool
 QueryParam = None | int | str | bool | Timestamp | datetime.datetime
 
 
@@ -130,3 +138,54 @@ def rows_from_columns(columns: Sequence[list[QueryValue]], num_rows: int) -> lis
     if not columns:
         return [[] for _ in range(num_rows)]
     return [list(row) for row in zip(*columns, strict=True)]
+
+
+# Integers up to this magnitude are exact in a double (JavaScript's MAX_SAFE_INTEGER).
+MAX_SAFE_INTEGER = (1 << 53) - 1
+_INTEGER_TYPES = frozenset(
+    {
+        "TINYINT",
+        "SMALLINT",
+        "INTEGER",
+        "BIGINT",
+        "HUGEINT",
+        "UTINYINT",
+        "USMALLINT",
+        "UINTEGER",
+        "UBIGINT",
+        "UHUGEINT",
+        "BIGNUM",
+        "VARINT",
+    }
+)
+_FLOAT_TYPES = frozenset({"FLOAT", "DOUBLE"})
+# JSON has no number for these: the names JavaScript's Number() and Python's float() read.
+_NOT_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _json_integer(number: int) -> JsonValue:
+    return number if -MAX_SAFE_INTEGER <= number <= MAX_SAFE_INTEGER else str(number)
+
+
+def json_value(value: QueryValue, sql_type: str) -> JsonValue:
+    """A query value in JSON (see the module docstring); ``sql_type`` is DuckDB's name of
+    the column's type (``QueryResult.types``: ``DOUBLE``, ``DECIMAL(18,3)`` ...), or ""
+    when unknown (the value is then taken as it is). Timestamps are their text form."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, Timestamp):
+        return value.to_text()
+    if isinstance(value, int):
+        return _json_integer(value)
+    if sql_type in _INTEGER_TYPES:  # beyond 64 bits: its text
+        return _json_integer(int(value))
+    if sql_type in _FLOAT_TYPES:  # the shortest text that reads back as the value
+        number = float(value)
+        if number != number or number in (float("inf"), float("-inf")):
+            return _NOT_FINITE[repr(number)]
+        return number
+    if sql_type.startswith("DECIMAL"):
+        exact = decimal.Decimal(value)
+        number = float(exact)
+        return number if decimal.Decimal(repr(number)) == exact else value
+    return value

@@ -4,6 +4,7 @@ its canonical form (doubles as repr, blobs as lowercase hex, the rest as DuckDB 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from sqlkit import running
 
 from headwater.errors import InvalidRequest
 from headwater.sql import Timestamp
-from headwater.sql.values import to_duckdb_param
+from headwater.sql.values import json_value, to_duckdb_param
 
 CASES: list[tuple[str, object]] = [
     ("42::TINYINT", 42),
@@ -62,6 +63,55 @@ def test_value_types(tmp_path: Path) -> None:
                 result = await sql.query(0, f"SELECT {expression}")
                 assert result.rows == [[expected]], expression
                 assert type(result.rows[0][0]) is type(expected), expression
+
+    asyncio.run(main())
+
+
+JSON_CASES: list[tuple[str, object]] = [
+    # A JSON number whenever its text reads back as exactly the value in a double ...
+    ("42::TINYINT", 42),
+    ("9007199254740991::BIGINT", 9007199254740991),
+    ("-9007199254740991::BIGINT", -9007199254740991),
+    ("1.5::DOUBLE", 1.5),
+    ("0.1::DOUBLE + 0.2::DOUBLE", 0.1 + 0.2),
+    ("1e300::DOUBLE * 10", 1e301),
+    ("0.1::FLOAT", 0.1),
+    ("-0.0::DOUBLE", -0.0),
+    ("1.50::DECIMAL(10, 2)", 1.5),
+    ("123456789012.345::DECIMAL(18, 3)", 123456789012.345),
+    ("12::UBIGINT", 12),
+    ("12::HUGEINT", 12),
+    # ... and its exact text otherwise: nothing is rounded by a reader.
+    ("9007199254740992::BIGINT", "9007199254740992"),
+    ("9223372036854775807::BIGINT", "9223372036854775807"),
+    ("18446744073709551615::UBIGINT", "18446744073709551615"),
+    ("-(1::HUGEINT << 100)", str(-(1 << 100))),
+    ("12345678901234567.89::DECIMAL(38, 2)", "12345678901234567.89"),
+    ("'nan'::DOUBLE", "NaN"),
+    ("'inf'::DOUBLE", "Infinity"),
+    ("'-inf'::FLOAT", "-Infinity"),
+    # Not numbers: as before.
+    ("'1.5'", "1.5"),
+    ("true", True),
+    ("NULL::DOUBLE", None),
+    ("TIMESTAMP_NS '2024-01-02 03:04:05.123456789'", "2024-01-02 03:04:05.123456789"),
+    ("DATE '2024-02-29'", "2024-02-29"),
+]
+
+
+def test_json_values(tmp_path: Path) -> None:
+    """json_value over real results: numbers where a double holds them exactly, text
+    otherwise (the HTTP API's rule, docs/http-api.md "SQL")."""
+
+    async def main() -> None:
+        async with running(tmp_path) as (_engine, sql):
+            for expression, expected in JSON_CASES:
+                result = await sql.query(0, f"SELECT {expression}")
+                [[value]] = result.rows
+                out = json_value(value, result.types[0])
+                assert out == expected and type(out) is type(expected), expression
+                # What a JSON reader gets back is the value itself.
+                assert json.loads(json.dumps(out)) == expected, expression
 
     asyncio.run(main())
 
