@@ -4,7 +4,9 @@
 
 (() => {
   const POLL_MS = 2000;
-  const HISTORY_POINTS = 150; // 5 minutes of 2 s samples
+  const CHART_SPAN_MS = 3600000; // the charts show the last hour
+  const HISTORY_POINTS = CHART_SPAN_MS / POLL_MS; // the page's own 2 s samples, an hour of them
+  const SQL_ROWS = 1000;
   const TAIL_ROWS = 200;
   const TAIL_BACKFILL = 20;
   const KIND_ROWS = 500;
@@ -17,6 +19,7 @@
     token: params.get("token") || sessionStorage.getItem(TOKEN_KEY) || "",
     previous: null, // the last poll's per-stream counters, for rates
     history: [], // {t, events, bytes} per poll
+    serverHistory: [], // {t, events, bytes} per minute before the page opened (/api/history)
     streamRates: new Map(),
   };
 
@@ -58,10 +61,16 @@
     return Math.floor(s / 86400) + "d " + Math.floor((s % 86400) / 3600) + "h";
   }
 
-  function clock(ms) {
-    const d = new Date(ms);
-    const pad = (v, w) => String(v).padStart(w, "0");
-    return pad(d.getHours(), 2) + ":" + pad(d.getMinutes(), 2) + ":" + pad(d.getSeconds(), 2) + "." + pad(d.getMilliseconds(), 3);
+  // ISO 8601 date and time in UTC, to the millisecond: "2026-11-26 15:16:09.123".
+  function isoTime(ms) {
+    return new Date(ms).toISOString().replace("T", " ").replace("Z", "");
+  }
+
+  function millis(ms) {
+    for (const [unit, size] of [["d", 86400000], ["h", 3600000], ["min", 60000], ["s", 1000]]) {
+      if (ms >= size && ms % size === 0) return ms / size + " " + unit;
+    }
+    return ms + " ms";
   }
 
   function ago(ms) {
@@ -119,15 +128,35 @@
 
   class AuthNeeded extends Error {}
 
-  async function api(path) {
-    const response = await fetch(path, { headers: headers(), cache: "no-store" });
-    if (response.status === 401 || response.status === 403) throw new AuthNeeded(path);
-    const body = await response.json();
-    if (!response.ok) {
-      const message = body && body.error ? body.error.name + ": " + body.error.message : response.statusText;
-      throw new Error(path + ": " + message);
+  // An error answer: `message` is the server's "Name: message" (what the page shows).
+  class ApiError extends Error {}
+
+  async function api(path, method, body) {
+    const options = { headers: headers(), cache: "no-store", method: method || "GET" };
+    if (body !== undefined) {
+      options.body = JSON.stringify(body);
+      options.headers["Content-Type"] = "application/json";
     }
-    return body;
+    const response = await fetch(path, options);
+    if (response.status === 401 || response.status === 403) throw new AuthNeeded(path);
+    if (response.status === 204) return null;
+    let answer = null;
+    try {
+      answer = await response.json();
+    } catch (err) {
+      answer = null;
+    }
+    if (!response.ok) {
+      throw new ApiError(answer && answer.error ? answer.error.name + ": " + answer.error.message : response.status + " " + response.statusText);
+    }
+    return answer;
+  }
+
+  function showError(id, err) {
+    const node = $(id);
+    if (err instanceof AuthNeeded) node.textContent = "This server needs a token with access to this tenant.";
+    else node.textContent = err.message;
+    node.hidden = false;
   }
 
   // ---- charts -------------------------------------------------------------------------
@@ -179,12 +208,12 @@
       ctx.fillStyle = "#6b7685";
       ctx.fillText(format((max * i) / 4), left - 8, y);
     }
-    // Time axis: the window is the last HISTORY_POINTS polls, newest at the right.
-    const span = (HISTORY_POINTS - 1) * POLL_MS;
-    const now = points.length ? points[points.length - 1].t : Date.now();
+    // Time axis: the last hour, newest at the right.
+    const span = CHART_SPAN_MS;
+    const now = Date.now();
     ctx.textAlign = "center";
     ctx.textBaseline = "alphabetic";
-    for (const minutes of [5, 4, 3, 2, 1, 0]) {
+    for (const minutes of [60, 45, 30, 15, 0]) {
       const x = left + plotW - (minutes * 60000 * plotW) / span;
       if (x < left - 1) continue;
       ctx.fillText(minutes === 0 ? "now" : "-" + minutes + "m", Math.min(x, left + plotW - 10), height - 6);
@@ -211,12 +240,39 @@
     ctx.stroke();
   }
 
+  // The server's minutes from before the page's first sample, then the page's samples.
+  function chartHistory() {
+    const since = Date.now() - CHART_SPAN_MS;
+    const first = state.history.length ? state.history[0].t : Infinity;
+    return state.serverHistory.filter((h) => h.t >= since && h.t < first).concat(state.history.filter((h) => h.t >= since));
+  }
+
+  async function loadHistory() {
+    const canvas = $("chart-events");
+    try {
+      const answer = await api("/api/history");
+      const now = Date.now();
+      // A minute's rate is drawn at its middle (the current minute's at now).
+      state.serverHistory = answer.points.map((p) => ({
+        t: Math.min(now, p.t_ms + (answer.interval_s * 1000) / 2),
+        events: p.events_per_s,
+        bytes: p.bytes_per_s,
+      }));
+      canvas.dataset.historyPoints = String(answer.points.length);
+      canvas.dataset.historyPeak = String(Math.max(0, ...answer.points.map((p) => p.events_per_s)));
+      drawCharts();
+    } catch (err) {
+      canvas.dataset.historyError = err.message;
+    }
+  }
+
   function drawCharts() {
-    const events = state.history.map((h) => ({ t: h.t, v: h.events }));
-    const written = state.history.map((h) => ({ t: h.t, v: h.bytes }));
+    const history = chartHistory();
+    const events = history.map((h) => ({ t: h.t, v: h.events }));
+    const written = history.map((h) => ({ t: h.t, v: h.bytes }));
     drawChart($("chart-events"), events, "#1f6feb", "rgba(31,111,235,0.12)", compact, 9, niceMax);
     drawChart($("chart-bytes"), written, "#0f9d8a", "rgba(15,157,138,0.12)", bytes, 900, niceBytes);
-    const last = state.history[state.history.length - 1];
+    const last = history[history.length - 1];
     if (last) {
       $("chart-events-now").textContent = compact(last.events) + " events/s now";
       $("chart-bytes-now").textContent = bytes(last.bytes) + "/s on disk now";
@@ -280,7 +336,7 @@
     $("card-streams").textContent = grouped(streams.length);
     $("card-streams-sub").textContent = compact(totalEvents) + " events · " + bytes(totalSize);
     $("card-rate").textContent = previous ? compact(totalRate) : "–";
-    const peak = Math.max(0, ...state.history.map((h) => h.events));
+    const peak = Math.max(0, ...chartHistory().map((h) => h.events));
     $("card-rate-sub").textContent = "peak " + compact(peak) + "/s · " + bytes(totalBytesRate) + "/s";
   }
 
@@ -322,14 +378,18 @@
       let status;
       if (g.active) status = badge(g.waiting ? "active +" + g.waiting + " waiting" : "active", "good");
       else status = badge("idle");
-      return row([
+      const tr = row([
         { text: g.stream },
         { text: g.group, cls: "name" },
         { text: grouped(g.committed_offset), cls: "num" },
         { text: grouped(g.end_offset), cls: "num" },
         { text: grouped(g.lag), cls: "num" + (g.lag > 1000 ? " lag-high" : "") },
         status,
+        resetCell(g),
       ]);
+      tr.dataset.stream = g.stream;
+      tr.dataset.group = g.group;
+      return tr;
     });
     fillTable("groups-table", "groups-empty", rows);
     $("card-lag").textContent = compact(total);
@@ -418,6 +478,208 @@
       } else {
         setPill("api-status", "error", "API unreachable");
       }
+    }
+  }
+
+  // ---- actions: streams, groups, SQL --------------------------------------------------
+
+  const resetTarget = { stream: null, group: null };
+
+  function resetCell(g) {
+    const td = el("td");
+    const button = el("button", "Reset…", "small");
+    button.type = "button";
+    button.dataset.action = "reset";
+    button.disabled = g.active;
+    button.title = g.active ? "a member is consuming: stop it to reset the group" : "move the group's offset";
+    button.addEventListener("click", () => openReset(g));
+    td.appendChild(button);
+    return td;
+  }
+
+  function openReset(g) {
+    resetTarget.stream = g.stream;
+    resetTarget.group = g.group;
+    $("group-reset-label").textContent = "Reset group " + g.group + " of " + g.stream + " (now at " + grouped(g.committed_offset) + ")";
+    $("group-reset-error").hidden = true;
+    $("group-reset-form").hidden = false;
+  }
+
+  async function applyReset(event) {
+    event.preventDefault();
+    const to = $("group-reset-to").value;
+    let body;
+    if (to === "offset") {
+      const text = $("group-reset-offset").value.trim();
+      if (!/^[0-9]+$/.test(text)) {
+        showError("group-reset-error", new Error("type an offset: a whole number, 0 or more"));
+        return;
+      }
+      body = { offset: Number(text) };
+    } else {
+      body = { to };
+    }
+    const path = "/api/consumer-groups/" + encodeURIComponent(resetTarget.stream) + "/" + encodeURIComponent(resetTarget.group) + "/reset";
+    try {
+      const group = await api(path, "POST", body);
+      $("group-reset-form").hidden = true;
+      $("group-reset-status").textContent = "Group " + group.group + " of " + group.stream + " now at offset " + grouped(group.committed_offset) + " (lag " + grouped(group.lag) + ").";
+      poll();
+    } catch (err) {
+      showError("group-reset-error", err);
+    }
+  }
+
+  async function createStream(event) {
+    event.preventDefault();
+    const name = $("stream-name").value.trim();
+    const settings = {};
+    if ($("stream-retention").value) settings.retention_ms = Number($("stream-retention").value);
+    if ($("stream-sync").value) settings.sync = $("stream-sync").value;
+    settings.cleanup_policy = $("stream-cleanup").value;
+    try {
+      await api("/api/streams", "POST", { name, settings });
+      $("stream-form").hidden = true;
+      $("stream-form").reset();
+      await poll();
+      live.select("stream", name);
+    } catch (err) {
+      showError("stream-form-error", err);
+    }
+  }
+
+  async function deleteStream() {
+    const current = live.current;
+    if (!current || current.type !== "stream") return;
+    if (!window.confirm("Delete stream " + current.name + " and all its events? This cannot be undone.")) return;
+    try {
+      await api("/api/streams/" + encodeURIComponent(current.name), "DELETE");
+      live.deselect();
+      $("live-info").textContent = "stream " + current.name + " deleted";
+      poll();
+    } catch (err) {
+      $("live-info").textContent = "could not delete: " + err.message;
+    }
+  }
+
+  const SETTING_LABELS = {
+    retention_ms: "retention",
+    retention_bytes: "retention size",
+    segment_ms: "segment age",
+    segment_bytes: "segment size",
+    cleanup_policy: "cleanup",
+    delete_retention_ms: "tombstones kept",
+  };
+
+  function settingsText(info) {
+    const parts = ["sync " + info.sync];
+    const settings = info.settings || {};
+    for (const [key, value] of Object.entries(settings)) {
+      if (key === "sync") continue;
+      const label = SETTING_LABELS[key] || key.replace(/_/g, " ");
+      parts.push(label + " " + (key.endsWith("_ms") ? millis(value) : key.endsWith("_bytes") ? bytes(value) : value));
+    }
+    if (!("retention_ms" in settings) && !("retention_bytes" in settings)) parts.push("retention: server default");
+    return parts.join(" · ");
+  }
+
+  // What the produce box holds as one event: valid JSON as JSON (stored compact), any
+  // other text as that text.
+  function producedEvent(text) {
+    try {
+      return JSON.parse(text);
+    } catch (err) {
+      return text;
+    }
+  }
+
+  async function produce(event) {
+    event.preventDefault();
+    const current = live.current;
+    const text = $("produce-value").value;
+    if (!current || current.type !== "stream" || text === "") return;
+    const status = $("produce-status");
+    try {
+      const answer = await api("/api/streams/" + encodeURIComponent(current.name) + "/events", "POST", [producedEvent(text)]);
+      status.textContent = "appended at offset " + grouped(answer.base_offset);
+      status.dataset.offset = String(answer.base_offset);
+      $("produce-value").value = "";
+    } catch (err) {
+      status.textContent = "not appended: " + err.message;
+    }
+  }
+
+  // The tail's filter: "path=value" compares a (dotted) field of a JSON value; any
+  // other text is looked for, case-insensitively, in the key and value.
+  function tailFilter(text) {
+    const trimmed = text.trim();
+    if (!trimmed) return null;
+    const field = /^([A-Za-z_$][\w$]*(?:\.[\w$]+)*)\s*=\s*(.*)$/.exec(trimmed);
+    if (field) {
+      const path = field[1].split(".");
+      const expected = field[2];
+      return (tr) => {
+        let value;
+        try {
+          value = JSON.parse(tr.dataset.value);
+        } catch (err) {
+          return false;
+        }
+        for (const step of path) {
+          if (value === null || typeof value !== "object" || !(step in value)) return false;
+          value = value[step];
+        }
+        return (typeof value === "object" ? JSON.stringify(value) : String(value)) === expected;
+      };
+    }
+    const needle = trimmed.toLowerCase();
+    return (tr) => tr.dataset.search.includes(needle);
+  }
+
+  function applyTailFilter() {
+    const match = tailFilter($("tail-filter").value);
+    const rows = $("tail-table").tBodies[0].rows;
+    let shown = 0;
+    for (const tr of rows) {
+      tr.hidden = match !== null && !match(tr);
+      if (!tr.hidden) shown += 1;
+    }
+    $("tail-filter-info").textContent = match === null ? "" : shown + " of " + rows.length + " rows match";
+  }
+
+  function sqlCell(value) {
+    if (value === null) return { text: "NULL", cls: "null" };
+    if (typeof value === "object") return { text: JSON.stringify(value) };
+    return { text: value };
+  }
+
+  async function runSql(event) {
+    if (event) event.preventDefault();
+    const text = $("sql-text").value;
+    const table = $("sql-table");
+    $("sql-error").hidden = true;
+    if (!text.trim()) {
+      showError("sql-error", new Error("type a SQL statement"));
+      return;
+    }
+    $("sql-run").disabled = true;
+    $("sql-info").textContent = "running…";
+    const started = performance.now();
+    try {
+      const result = await api("/api/sql", "POST", { sql: text });
+      const ms = Math.round(performance.now() - started);
+      table.tHead.rows[0].replaceChildren(...result.columns.map((c) => el("th", c)));
+      const rows = result.rows.slice(0, SQL_ROWS).map((r) => row(r.map(sqlCell)));
+      table.tBodies[0].replaceChildren(...rows);
+      table.hidden = false;
+      const count = result.rows.length;
+      $("sql-info").textContent = grouped(count) + (count === 1 ? " row" : " rows") + (count > SQL_ROWS ? " (first " + grouped(SQL_ROWS) + " shown)" : "") + " · " + ms + " ms";
+    } catch (err) {
+      table.hidden = true;
+      $("sql-info").textContent = "";
+      showError("sql-error", err);
+    } finally {
+      $("sql-run").disabled = false;
     }
   }
 
@@ -517,6 +779,10 @@
       $("live-title").textContent = (type === "stream" ? "Live tail: " : "Live table: ") + name;
       $("tail-table").hidden = type !== "stream";
       $("kind-table").hidden = type !== "kind";
+      $("stream-tools").hidden = type !== "stream";
+      $("stream-settings").textContent = "–";
+      $("produce-status").textContent = "";
+      $("tail-filter-info").textContent = "";
       this.info("subscribing…");
       const panel = $("live-panel");
       panel.dataset.subscribed = "false";
@@ -528,6 +794,26 @@
       else this.startKind(name);
     }
 
+    // Nothing watched (the stream was deleted): back to the empty view.
+    deselect() {
+      if (this.current) this.send({ type: "UNSUBSCRIBE", sourceId: this.current.name });
+      this.current = null;
+      this.tail = null;
+      this.kind = null;
+      this.held = [];
+      for (const tr of document.querySelectorAll("tr.selected")) tr.classList.remove("selected");
+      $("tail-table").tBodies[0].replaceChildren();
+      $("tail-table").hidden = true;
+      $("kind-table").hidden = true;
+      $("stream-tools").hidden = true;
+      $("live-empty").hidden = false;
+      $("live-pause").disabled = true;
+      $("live-clear").disabled = true;
+      $("live-title").textContent = "Live view";
+      delete $("live-panel").dataset.subscribed;
+      delete $("live-panel").dataset.loaded;
+    }
+
     async startTail(name) {
       const tail = { name, lastOffset: -1, loading: true, pending: [], count: 0 };
       this.tail = tail;
@@ -535,6 +821,7 @@
       $("tail-table").tBodies[0].replaceChildren();
       try {
         const info = await api("/api/streams/" + encodeURIComponent(name));
+        if (this.tail === tail) $("stream-settings").textContent = settingsText(info);
         const from = Math.max(info.start_offset, info.next_offset - TAIL_BACKFILL);
         const page = await api("/api/streams/" + encodeURIComponent(name) + "/events?from=" + from + "&limit=" + TAIL_BACKFILL);
         if (this.tail !== tail) return;
@@ -565,17 +852,23 @@
       tail.lastOffset = data.offset;
       tail.count += 1;
       const value = data.value !== null && data.value !== undefined ? data.value : "base64:" + (data.payload || "");
+      const key = data.key === null || data.key === undefined ? "–" : data.key;
       const tr = row([
         { text: data.offset, cls: "num id" },
-        { text: data.timestamp ? clock(data.timestamp) : "–" },
-        { text: data.key === null || data.key === undefined ? "–" : data.key },
+        { text: data.timestamp ? isoTime(data.timestamp) : "–" },
+        { text: key },
         { text: value, cls: "value" },
       ]);
       tr.dataset.offset = data.offset;
+      tr.dataset.value = value;
+      tr.dataset.search = (key + "\n" + value).toLowerCase();
+      const match = tailFilter($("tail-filter").value);
+      if (match !== null) tr.hidden = !match(tr);
       if (fresh) tr.classList.add("flash");
       const tbody = $("tail-table").tBodies[0];
       tbody.insertBefore(tr, tbody.firstChild);
       while (tbody.rows.length > TAIL_ROWS) tbody.deleteRow(tbody.rows.length - 1);
+      if (match !== null) applyTailFilter();
     }
 
     async startKind(name) {
@@ -726,15 +1019,34 @@
     $("kinds-table").classList.add("selectable");
     $("live-pause").addEventListener("click", () => live.togglePause());
     $("live-clear").addEventListener("click", () => live.clear());
+    $("stream-new").addEventListener("click", () => {
+      $("stream-form-error").hidden = true;
+      $("stream-form").hidden = false;
+      $("stream-name").focus();
+    });
+    $("stream-cancel").addEventListener("click", () => ($("stream-form").hidden = true));
+    $("stream-form").addEventListener("submit", createStream);
+    $("stream-delete").addEventListener("click", deleteStream);
+    $("produce-form").addEventListener("submit", produce);
+    $("tail-filter").addEventListener("input", applyTailFilter);
+    $("sql-form").addEventListener("submit", runSql);
+    $("sql-text").addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) runSql(event);
+    });
+    $("group-reset-to").addEventListener("change", () => ($("group-reset-offset").hidden = $("group-reset-to").value !== "offset"));
+    $("group-reset-form").addEventListener("submit", applyReset);
+    $("group-reset-cancel").addEventListener("click", () => ($("group-reset-form").hidden = true));
     $("token-form").addEventListener("submit", (event) => {
       event.preventDefault();
       state.token = $("token-input").value.trim();
       sessionStorage.setItem(TOKEN_KEY, state.token);
       if (live.socket) live.socket.close();
+      loadHistory();
       poll();
     });
     window.addEventListener("resize", drawCharts);
     live.connect();
+    loadHistory();
     poll();
     setInterval(poll, POLL_MS);
     drawCharts();
