@@ -158,7 +158,7 @@ def test_kinds_entities_and_sources(api: Api, spec: dict[str, Any]) -> None:
         check_schema(spec, "Kind", described)
         assert described == sensors
         retracted = api.json(f"/api/kinds/sensors/entities/{eid(11).hex()}", 404)
-        assert retracted["error"]["name"] == "TableNotFound"
+        assert (retracted["error"]["name"], retracted["error"]["code"]) == ("EntityNotFound", 6)
 
         sources = api.json("/api/sources")
         check_schema(spec, "KindSources", sources)
@@ -177,10 +177,11 @@ def test_kinds_entities_and_sources(api: Api, spec: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("path", "status", "name"),
     [
-        ("/api/kinds/nope/entities", 404, "TableNotFound"),
-        ("/api/kinds/nope", 404, "TableNotFound"),
-        ("/api/kinds/sensors/entities/zz", 400, "InvalidRequest"),
-        ("/api/kinds/sensors/entities/00ff", 400, "InvalidRequest"),
+        ("/api/kinds/nope/entities", 404, "KindNotFound"),
+        ("/api/kinds/nope", 404, "KindNotFound"),
+        # Not a 64-hex-digit id: a key, which no entity has here.
+        ("/api/kinds/sensors/entities/zz", 404, "EntityNotFound"),
+        ("/api/kinds/sensors/entities/00ff", 404, "EntityNotFound"),
         ("/api/kinds/sensors/entities?limit=0", 400, "InvalidRequest"),
         ("/api/kinds/sensors/entities?limit=10001", 400, "InvalidRequest"),
         ("/api/kinds/sensors/entities?limit=x", 400, "InvalidRequest"),

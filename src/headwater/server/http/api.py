@@ -39,7 +39,7 @@ from headwater.server.http.events import (
 )
 from headwater.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from headwater.sql.projection import RANGE_SCHEMA
-from headwater.sql.values import QueryValue, Timestamp
+from headwater.sql.values import Timestamp, json_value
 
 DEFAULT_READ_LIMIT = 100
 MAX_READ_LIMIT = 10_000
@@ -303,12 +303,6 @@ def _sql_param(value: Any, index: int) -> object:
     )
 
 
-def _sql_value(value: QueryValue) -> Any:
-    if isinstance(value, Timestamp):
-        return value.to_text()
-    return value
-
-
 async def sql(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
     body = await json_body(request)
@@ -332,9 +326,13 @@ async def sql(request: web.Request) -> web.Response:
         if not isinstance(position, int) or isinstance(position, bool) or position < 0:
             raise InvalidRequest("position must be a non-negative integer")
         result = await service.query_at(tenant_id, text, params, position)
+    # Numbers as JSON numbers where a double holds them exactly (sql.values.json_value);
+    # an INSERT's answer has no types (its two columns are counts).
+    types = result.types or [""] * len(result.columns)
+    rows = result.rows
     out: dict[str, Any] = {
         "columns": result.columns,
-        "rows": [[_sql_value(v) for v in row] for row in result.rows],
+        "rows": [[json_value(v, t) for v, t in zip(row, types, strict=True)] for row in rows],
     }
     if position is not None:
         out["position"] = position

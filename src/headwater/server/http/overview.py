@@ -11,9 +11,9 @@ from aiohttp import web
 
 from headwater.api import GroupInfo, KindStats
 from headwater.engine.kinds import EntityState, KindInfo
-from headwater.engine.kinds.errors import KindNotFound
-from headwater.engine.kinds.fields import ENTITY_ID_SIZE
-from headwater.errors import InvalidRequest, TableNotFound
+from headwater.engine.kinds.errors import KindNotFound as EngineKindNotFound
+from headwater.entity_keys import key_text, parse_entity_ref
+from headwater.errors import EntityNotFound, InvalidRequest, KindNotFound
 from headwater.protocols.kiwi.results import field_json
 from headwater.server.http.app import api_of, int_param, json_body, json_response, tenant_of
 
@@ -41,8 +41,11 @@ def kind_json(kind: KindStats) -> dict[str, Any]:
 
 
 def entity_json(info: KindInfo, entity: EntityState) -> dict[str, Any]:
+    """An entity: ``entity_id`` in hex (as SQL's entity_id column) and ``key`` as people
+    write it (``lab-1``, or ``0x`` + hex; as the CLI, the SDK and SQL's entity_key)."""
     return {
         "entity_id": entity.entity_id.hex(),
+        "key": key_text(entity.entity_id),
         "version": entity.version,
         "fields": {
             spec.name: field_json(value)
@@ -56,8 +59,8 @@ def _kind(request: web.Request) -> tuple[int, KindStats]:
     name = request.match_info["name"]
     try:
         return tenant_id, api_of(request).kind_named(tenant_id, name)
-    except KindNotFound:
-        raise TableNotFound(f"no entity kind {name!r}") from None
+    except EngineKindNotFound:
+        raise KindNotFound(f"no entity kind {name!r}") from None
 
 
 async def list_kinds(request: web.Request) -> web.Response:
@@ -80,17 +83,13 @@ async def kind_entities(request: web.Request) -> web.Response:
 
 async def get_entity(request: web.Request) -> web.Response:
     tenant_id, kind = _kind(request)
+    # The key as written (lab-1), 0x + 64 hex digits, or the 64 hex digits alone.
     text = request.match_info["entity_id"]
-    try:
-        entity_id = bytes.fromhex(text)
-    except ValueError:
-        raise InvalidRequest(f"entity id must be hex, not {text!r}") from None
-    if len(entity_id) != ENTITY_ID_SIZE:
-        raise InvalidRequest(f"an entity id is {ENTITY_ID_SIZE} bytes ({2 * ENTITY_ID_SIZE} hex)")
+    entity_id = parse_entity_ref(text)
     entity = api_of(request).kind_entity(tenant_id, kind.info.kind_id, entity_id)
     if entity is None:
-        # No wire code names a missing row; ConvergeDB answers DELETED for it.
-        raise TableNotFound(f"kind {kind.info.name!r} has no entity {text}")
+        # Code 6 (TableNotFound) on the wire: a missing row; ConvergeDB answers DELETED.
+        raise EntityNotFound(f"kind {kind.info.name!r} has no entity {text!r}")
     return json_response(entity_json(kind.info, entity))
 
 
