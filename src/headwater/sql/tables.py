@@ -44,8 +44,8 @@ class SqlTable(Protocol):
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         """Capture the table as of ``position`` (exclusive); the returned function builds
         the Arrow table (in a worker thread) and never sees later changes. A stream's
-        table is mostly memory-mapped sealed files: DuckDB scans it in place, with
-        projection and filter pushdown, so a full scan does not copy it into memory."""
+        table is mostly memory-mapped sealed files: DuckDB scans it in place, reading only
+        the columns a query names, so a full scan does not copy it into memory."""
         ...
 
 
