@@ -163,7 +163,7 @@ class History:
             points.append(
                 {
                     "t_ms": minute.start_s * 1000,
-                    "seconds": round(minute.seconds, 3),
+                    "seconds": minute.seconds,
                     "events_per_s": counts.events / minute.seconds,
                     "bytes_per_s": counts.bytes / minute.seconds,
                     "reads_per_s": counts.reads / minute.seconds,
