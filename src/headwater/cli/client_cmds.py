@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import datetime as _dt
 import functools
@@ -19,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from rich.console import Console
 from rich.progress import (
@@ -34,10 +36,30 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from headwater.cli.connection import (
+    HttpApi,
+    connect,
+    connection_options,
+    http_api,
+    non_negative,
+    tls_options,
+)
+
 if TYPE_CHECKING:
     from headwater.client import AsyncClient, Client, QueryResult
 
-out = Console(highlight=False)
+# Off a terminal (a pipe, a file), rich would cut tables at 80 columns; as wide as a
+# row needs there instead ($COLUMNS still sets a width when given).
+UNCUT_WIDTH = 1 << 15
+
+
+def stdout_console() -> Console:
+    """A console on stdout: the terminal's width on a terminal, else uncut."""
+    uncut = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(highlight=False, width=UNCUT_WIDTH if uncut else None)
+
+
+out = stdout_console()
 err = Console(stderr=True, highlight=False)
 
 EXIT_SERVER_ERROR = 1
@@ -96,12 +118,6 @@ def client_command(
             return 0
 
     return run
-
-
-def _connect(args: argparse.Namespace) -> Client:
-    import headwater
-
-    return headwater.connect(args.server, token=args.token, tenant=args.tenant, **tls_options(args))
 
 
 # ---- formatting ------------------------------------------------------------------------
@@ -175,13 +191,6 @@ def parse_offset(text: str) -> int | str:
     return value
 
 
-def non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
-    return value
-
-
 def positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -192,17 +201,50 @@ def positive(text: str) -> int:
 # ---- stream -------------------------------------------------------------------------------
 
 
+# `stream create` flags -> the HTTP API's stream settings (docs/http-api.md).
+STREAM_SETTINGS = (
+    "sync",
+    "segment_bytes",
+    "segment_ms",
+    "retention_ms",
+    "retention_bytes",
+    "cleanup_policy",
+    "delete_retention_ms",
+)
+
+
 @client_command
 def cmd_stream_create(args: argparse.Namespace) -> int:
-    with _connect(args) as hw:
-        stream_id = hw.create_stream(args.name)
-    out.print(f"created stream {args.name} (id {stream_id})", markup=False, soft_wrap=True)
+    settings = {k: getattr(args, k) for k in STREAM_SETTINGS if getattr(args, k) is not None}
+    if not settings:
+        with connect(args) as hw:
+            stream_id = hw.create_stream(args.name)
+        out.print(f"created stream {args.name} (id {stream_id})", markup=False, soft_wrap=True)
+        return 0
+    # Kimberlite's CreateStream carries no settings; the HTTP API's create does.
+    hw, api = http_api(args)
+    with hw:
+        stream = api.request("POST", "/api/streams", {"name": args.name, "settings": settings})
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(stream.get("settings", settings).items()))
+    out.print(
+        f"created stream {args.name} (id {stream['stream_id']}): {shown}",
+        markup=False,
+        soft_wrap=True,
+    )
     return 0
+
+
+def sync_policy(text: str) -> str:
+    if text in ("fsync", "none") or (
+        text.startswith("interval:") and text.removeprefix("interval:").isdigit()
+    ):
+        return text
+    raise argparse.ArgumentTypeError(f"expected fsync, none or interval:<ms>, not {text!r}")
 
 
 @client_command
 def cmd_stream_list(args: argparse.Namespace) -> int:
-    with _connect(args) as hw:
+    with connect(args) as hw:
         streams = hw.list_streams()
     if args.json:
         import json
@@ -237,10 +279,24 @@ def cmd_stream_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stream_settings(args: argparse.Namespace, hw: Client) -> dict[str, Any] | None:
+    """The stream's settings from the HTTP API (Kimberlite cannot carry them), or None
+    when the server advertises no HTTP API."""
+    from headwater.protocols.kimberlite.messages import http_port
+
+    if http_port(hw.capabilities) is None:
+        return None
+    path = f"/api/streams/{quote(args.name, safe='')}"
+    stream = HttpApi.advertised(args, hw).request("GET", path)
+    settings: dict[str, Any] = stream.get("settings", {})
+    return settings
+
+
 @client_command
 def cmd_stream_describe(args: argparse.Namespace) -> int:
-    with _connect(args) as hw:
+    with connect(args) as hw:
         info = hw.stream_info(args.name)
+        settings = _stream_settings(args, hw)
         last = None
         if info.next_offset > 0:
             events = hw.read(info.stream_id, info.next_offset - 1, 1 << 16).events
@@ -255,6 +311,9 @@ def cmd_stream_describe(args: argparse.Namespace) -> int:
             ("created", format_created(info.created_ns)),
         ],
     )
+    if settings is not None:
+        shown = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
+        table.add_row("settings", shown or "the server's defaults")
     if last is not None:
         preview = format_value(last.value)
         if len(preview) > 120:
@@ -266,7 +325,7 @@ def cmd_stream_describe(args: argparse.Namespace) -> int:
 
 @client_command
 def cmd_stream_delete(args: argparse.Namespace) -> int:
-    with _connect(args) as hw:
+    with connect(args) as hw:
         hw.delete_stream(args.name)
     out.print(f"deleted stream {args.name}", markup=False, soft_wrap=True)
     return 0
@@ -326,7 +385,7 @@ def cmd_append(args: argparse.Namespace) -> int:
     count = 0
     first = last = None
     results: list[AppendResult] = []
-    with _connect(args) as hw, source:
+    with connect(args) as hw, source:
         hw.stream_id(args.stream)  # StreamNotFound before reading any input
         progress = _progress("bytes") if total is not None else None
         task = progress.add_task("appending", total=total) if progress else None
@@ -383,23 +442,34 @@ def _progress(unit: str = "events") -> Progress:
     )
 
 
-def _write_event(offset: int, value: bytes, stream: IO[str]) -> None:
-    stream.write(f"{offset}\t{format_value(value)}\n")
+def _write_event(offset: int, value: bytes, stream: IO[str], fmt: str = "text") -> None:
+    if fmt == "text":
+        stream.write(f"{offset}\t{format_value(value)}\n")
+        return
+    import json
+
+    record: dict[str, object] = {"offset": offset}
+    try:
+        record["value"] = value.decode()
+    except UnicodeDecodeError:  # the exact bytes, as the HTTP API gives them
+        record["value"] = None
+        record["value_b64"] = base64.b64encode(value).decode()
+    stream.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 @client_command
 def cmd_read(args: argparse.Namespace) -> int:
-    with _connect(args) as hw:
+    with connect(args) as hw:
         stdout = sys.stdout
         for event in hw.scan(args.stream, args.from_offset, limit=args.limit):
-            _write_event(event.offset, event.value, stdout)
+            _write_event(event.offset, event.value, stdout, args.format)
         stdout.flush()
     return 0
 
 
 @client_command
 def cmd_tail(args: argparse.Namespace) -> int:
-    hw = _connect(args)
+    hw = connect(args)
     stdout = sys.stdout
     try:
         sub = hw.subscribe(
@@ -413,7 +483,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         # Short waits keep the main thread where Ctrl-C lands at once.
         while not sub.closed:
             for event in sub.next_batch(timeout=0.5):
-                _write_event(event.offset, event.value, stdout)
+                _write_event(event.offset, event.value, stdout, args.format)
             stdout.flush()
     except KeyboardInterrupt:
         pass
@@ -431,7 +501,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
 @client_command
 def cmd_sql(args: argparse.Namespace) -> int:
     params = [parse_param(p) for p in args.param or ()]
-    with _connect(args) as hw:
+    with connect(args) as hw:
         if args.at is not None:
             result = hw.query_at(args.sql, args.at, *params)
         else:
@@ -448,12 +518,18 @@ def cmd_sql(args: argparse.Namespace) -> int:
     else:
         import json
 
-        for row in result.rows:
-            record = {
+        records = [
+            {
                 c: (v if isinstance(v, int | str | bool) or v is None else format_cell(v))
                 for c, v in zip(result.columns, row, strict=True)
             }
-            sys.stdout.write(json.dumps(record) + "\n")
+            for row in result.rows
+        ]
+        if args.format == "json-array":
+            sys.stdout.write(json.dumps(records) + "\n")
+        else:
+            for record in records:
+                sys.stdout.write(json.dumps(record) + "\n")
     return 0
 
 
@@ -590,72 +666,51 @@ async def cmd_bench_consume(client: AsyncClient, args: argparse.Namespace) -> No
 # ---- parser -------------------------------------------------------------------------------------
 
 
-def connection_options(
-    protocol: str = "Kimberlite",
-    env: str = "HEADWATER_SERVER",
-    default: str = "127.0.0.1:7401",
-    *,
-    http: bool = False,
-    tenant_help: str = "tenant id (default 0)",
-) -> argparse.ArgumentParser:
-    """The connection options every client command takes: ``--server`` (the
-    ``protocol``'s address, ``$env`` or ``default``), ``--token``, ``--tenant``, and with
-    ``http`` the HTTP API address (the kind catalog)."""
-    parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("connection")
-    group.add_argument(
-        "--server",
-        default=os.environ.get(env, default),
-        help=f"{protocol} address host:port (default {default}, or ${env})",
-    )
-    if http:
-        group.add_argument(
-            "--http",
-            default=os.environ.get("HEADWATER_HTTP", "127.0.0.1:7400"),
-            help="HTTP API address for the kind catalog (default 127.0.0.1:7400, "
-            "or $HEADWATER_HTTP)",
-        )
-    group.add_argument(
-        "--token", default=os.environ.get("HEADWATER_TOKEN"), help="auth token ($HEADWATER_TOKEN)"
-    )
-    group.add_argument("--tenant", type=non_negative, default=0, help=tenant_help)
-    group.add_argument(
-        "--tls",
-        action="store_true",
-        default=os.environ.get("HEADWATER_TLS", "") not in ("", "0", "false", "no"),
-        help="connect over TLS, verifying the server against the system's CAs "
-        "($HEADWATER_TLS=1); --ca-file or --cert imply it",
-    )
-    group.add_argument(
-        "--ca-file",
-        default=os.environ.get("HEADWATER_CA_FILE"),
-        help="verify the server against this CA file (PEM) ($HEADWATER_CA_FILE)",
-    )
-    group.add_argument(
-        "--cert",
-        default=os.environ.get("HEADWATER_CERT"),
-        help="client certificate (PEM) for mutual TLS ($HEADWATER_CERT)",
-    )
-    group.add_argument(
-        "--key",
-        default=os.environ.get("HEADWATER_KEY"),
-        help="the client certificate's private key, when not in the --cert file ($HEADWATER_KEY)",
-    )
-    return parent
-
-
-def tls_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The SDK's TLS keyword arguments from the connection options."""
-    return {"tls": args.tls, "ca": args.ca_file, "cert": args.cert, "key": args.key}
-
-
 def add_client_commands(sub: Any) -> None:
     conn = connection_options()
 
     stream = sub.add_parser("stream", help="create, list, describe and delete streams")
     stream_sub = stream.add_subparsers(dest="stream_command", required=True)
-    p = stream_sub.add_parser("create", parents=[conn], help="create a stream")
+    p = stream_sub.add_parser(
+        "create",
+        parents=[conn],
+        help="create a stream (with settings: through the HTTP API the server advertises)",
+    )
     p.add_argument("name")
+    settings = p.add_argument_group("settings (the server's defaults when not given)")
+    settings.add_argument(
+        "--sync",
+        type=sync_policy,
+        default=None,
+        help="when an append is acknowledged: fsync (each append), interval:<ms> or none",
+    )
+    settings.add_argument(
+        "--retention-ms", type=positive, default=None, help="delete segments older than this"
+    )
+    settings.add_argument(
+        "--retention-bytes",
+        type=positive,
+        default=None,
+        help="delete the oldest segments past this size",
+    )
+    settings.add_argument(
+        "--cleanup-policy",
+        choices=("delete", "compact"),
+        default=None,
+        help="delete (retention only) or compact (keep each key's latest event)",
+    )
+    settings.add_argument(
+        "--delete-retention-ms",
+        type=non_negative,
+        default=None,
+        help="with compact: how long a tombstone is kept",
+    )
+    settings.add_argument(
+        "--segment-bytes", type=positive, default=None, help="roll a segment at this size"
+    )
+    settings.add_argument(
+        "--segment-ms", type=positive, default=None, help="roll a segment at this age"
+    )
     p.set_defaults(func=cmd_stream_create)
     p = stream_sub.add_parser("list", parents=[conn], help="list the tenant's streams")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -674,10 +729,17 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--file", "-f", default=None, help="read lines from this file (shows progress)")
     p.set_defaults(func=cmd_append)
 
+    event_format = {
+        "choices": ("text", "json"),
+        "default": "text",
+        "help": "text: offset<TAB>value (default); json: one object per line, "
+        '{"offset": N, "value": "..."} (not UTF-8: "value": null and "value_b64")',
+    }
     p = sub.add_parser("read", parents=[conn], help="print events: offset<TAB>value per line")
     p.add_argument("stream")
     p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
     p.add_argument("--limit", type=non_negative, default=None, help="at most this many events")
+    p.add_argument("--format", **event_format)
     p.set_defaults(func=cmd_read)
 
     p = sub.add_parser("tail", parents=[conn], help="follow a stream live (Ctrl-C to stop)")
@@ -691,6 +753,7 @@ def add_client_commands(sub: Any) -> None:
     )
     p.add_argument("--group", default=None, help="consumer group (durable position)")
     p.add_argument("--credits", type=positive, default=1000, help="flow-control window")
+    p.add_argument("--format", **event_format)
     p.set_defaults(func=cmd_tail)
 
     p = sub.add_parser("sql", parents=[conn], help="run a SQL query")
@@ -703,7 +766,13 @@ def add_client_commands(sub: Any) -> None:
         help="a parameter ($1, $2, ...): integers, true/false and null are typed, "
         "anything else is text; repeat for more",
     )
-    p.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    p.add_argument(
+        "--format",
+        choices=("table", "csv", "json", "json-array"),
+        default="table",
+        help="table (default), csv (a header row), json (one object per row per line) "
+        "or json-array (one array of row objects)",
+    )
     p.set_defaults(func=cmd_sql)
 
     bench = sub.add_parser("bench", help="measure produce / consume throughput")

@@ -1,4 +1,4 @@
-"""``headwater entity get|watch``: read entities of a kind (ConvergeDB, read-only).
+"""``headwater entity get|list|watch``: read entities of a kind (ConvergeDB, read-only).
 
 The kind's schema comes from the catalog (HTTP API, ``--http``); the entities from
 ConvergeDB (``--server``). ``watch`` shows a live table in a terminal (rich.live) and
@@ -19,7 +19,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from headwater.cli.client_cmds import client_command, details_table, err, fail, out, positive
+from headwater.cli.client_cmds import (
+    client_command,
+    details_table,
+    err,
+    fail,
+    out,
+    positive,
+)
 from headwater.cli.kind_cmds import connect_entities, describe, entity_options
 
 if TYPE_CHECKING:
@@ -93,6 +100,60 @@ def cmd_entity_get(args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+# The HTTP API answers at most this many entities in one page.
+MAX_LIST_ENTITIES = 10_000
+
+
+@client_command
+def cmd_entity_list(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
+    from headwater.cli.connection import HttpApi
+    from headwater.entities.schema import key_text
+    from headwater.errors import TableNotFound
+
+    path = f"/api/kinds/{quote(args.kind, safe='')}/entities?limit={args.limit}"
+    try:
+        data = HttpApi.at(args, args.http).request("GET", path)
+    except TableNotFound:  # kinds are SQL tables to the HTTP API; named as `kind` does
+        return fail(f"KindNotFound: no entity kind {args.kind!r}", EXIT_NOT_FOUND)
+    entities = data["entities"]
+    for entity in entities:
+        entity["key"] = key_text(bytes.fromhex(entity["entity_id"]))
+    if args.json:
+        for entity in entities:
+            sys.stdout.write(json.dumps(entity) + "\n")
+        return 0
+    names = [f["name"] for f in data.get("fields", [])]
+    table = Table(title=f"{args.kind}: {len(entities):,} of {data['total']:,} entities")
+    table.add_column("key", no_wrap=True)
+    table.add_column("version", justify="right")
+    for name in names:
+        table.add_column(name)
+    for entity in entities:
+        fields = entity["fields"]
+        table.add_row(
+            entity["key"],
+            str(entity["version"]),
+            *("NULL" if fields.get(n) is None else str(fields[n]) for n in names),
+        )
+    out.print(table)
+    if data["total"] > len(entities):
+        out.print(
+            f"{data['total'] - len(entities):,} more (ordered by entity id; --limit up to "
+            f"{MAX_LIST_ENTITIES:,})",
+            markup=False,
+        )
+    return 0
+
+
+def list_limit(text: str) -> int:
+    value = positive(text)
+    if value > MAX_LIST_ENTITIES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LIST_ENTITIES}")
+    return value
 
 
 def _watch_table(
@@ -174,6 +235,22 @@ def add_entity_commands(sub: Any) -> None:
     p.add_argument("id", help="the entity's key (text), or 0x and 64 hex digits for a raw id")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_entity_get)
+    p = entity_sub.add_parser(
+        "list",
+        parents=[conn],
+        help="list a kind's entities (from the HTTP API, ordered by entity id)",
+    )
+    p.add_argument("kind")
+    p.add_argument(
+        "--limit",
+        type=list_limit,
+        default=100,
+        help=f"at most this many (default 100, up to {MAX_LIST_ENTITIES:,})",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per entity per line instead of a table"
+    )
+    p.set_defaults(func=cmd_entity_list)
     p = entity_sub.add_parser(
         "watch",
         parents=[conn],

@@ -14,15 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from headwater.cli.client_cmds import (
-    client_command,
-    connection_options,
-    details_table,
-    fail,
-    out,
-    print_counted,
-    tls_options,
-)
+from headwater.cli.client_cmds import client_command, details_table, fail, out, print_counted
+from headwater.cli.connection import connection_options, tls_options
 
 if TYPE_CHECKING:
     from headwater.entities import EntityClient, KindDescription
@@ -38,8 +31,9 @@ def entity_options() -> argparse.ArgumentParser:
         "HEADWATER_CONVERGEDB",
         "127.0.0.1:7402",
         http=True,
-        tenant_help="tenant id for the catalog (default 0; ConvergeDB picks the token's "
-        "lowest tenant)",
+        tenant_help="tenant id for the catalog (default 0; $HEADWATER_TENANT; ConvergeDB "
+        "picks the token's lowest tenant)",
+        profile_key="convergedb",
     )
 
 

@@ -12,17 +12,21 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+import headwater
+from headwater.cli.admin_cmds import add_admin_commands
 from headwater.cli.backup_cmd import add_backup_command
-from headwater.cli.client_cmds import add_client_commands
+from headwater.cli.client_cmds import add_client_commands, fail, stdout_console
+from headwater.cli.connection import ProfileError, resolve_connection
 from headwater.cli.entity_cmds import add_entity_commands
 from headwater.cli.kind_cmds import add_kind_commands
 from headwater.cli.pipeline_cmds import add_pipeline_commands
+from headwater.cli.profiles import add_profile_commands
 
 if TYPE_CHECKING:
     from headwater.server.config import ServerConfig
 
 err = Console(stderr=True)
-out = Console()
+out = stdout_console()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -132,6 +136,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headwater", description="headwater event platform")
+    parser.add_argument("--version", action="version", version=f"headwater {headwater.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the server")
@@ -160,11 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_kind_commands(sub)
     add_entity_commands(sub)
     add_pipeline_commands(sub)
+    add_admin_commands(sub)
+    add_profile_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "connection"):
+        try:
+            resolve_connection(args)
+        except ProfileError as exc:
+            return fail(str(exc), 2)
     try:
         return int(args.func(args))
     except KeyboardInterrupt:
