@@ -41,15 +41,16 @@ class EntityError(HeadwaterError):
     def __init__(self, message: str = "", ref_opcode: int = 0) -> None:
         super().__init__(message)
         self.ref_opcode = ref_opcode
+        self.wire_code = self.cdb_code  # the code received (differs for an unknown one)
 
     @property
     def wire_name(self) -> str:
         """ConvergeDB's name of the error code (``KIND_NOT_FOUND``), or ``code N`` for a
         code the protocol does not define."""
         try:
-            return ErrorCode(self.cdb_code).name
+            return ErrorCode(self.wire_code).name
         except ValueError:
-            return f"code {self.cdb_code}"
+            return f"code {self.wire_code}"
 
     @property
     def request(self) -> str:
@@ -177,5 +178,6 @@ def error_for(code: int, ref_opcode: int, message: str) -> EntityError:
     cls = ERRORS_BY_CODE.get(code)
     if cls is None:
         error = EntityError(f"error code {code}: {message}", ref_opcode)
+        error.wire_code = code
         return error
     return cls(message or cls.name, ref_opcode)
