@@ -10,8 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +160,167 @@ def test_dashboard_lists_and_follows_streams_and_kinds(
         assert entities.count() == 3
 
     assert problems == []
+
+
+def http_json(server: dict[str, int], path: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server['http']}{path}", timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def visible_offsets(tab: Any) -> list[int]:
+    rows = tab.locator("#tail-table tbody tr:visible")
+    return [int(offset) for offset in rows.evaluate_all("rows => rows.map(r => r.dataset.offset)")]
+
+
+def test_dashboard_actions(
+    server: dict[str, int], page: tuple[Any, list[str]], tmp_path: Path
+) -> None:
+    """History after a reload, the SQL console, stream create (with settings), produce,
+    the tail's filter and dates, stream delete, a group's lag and its offset reset, and
+    the connections card shown whole."""
+    tab, problems = page
+    suffix = uuid.uuid4().hex[:8]
+    source, created = f"clicks_{suffix}", f"made_{suffix}"
+    with (
+        headwater.connect(f"127.0.0.1:{server['kimberlite']}") as client,
+        CdbClient(server["convergedb"], name="card-check"),
+    ):
+        client.create_stream(source)
+        client.append(source, [json.dumps({"n": i}).encode() for i in range(40)])
+        with client.subscribe(source, 0, credits=4, group="billing") as sub:
+            events = iter(sub)
+            for _ in range(20):
+                next(events)
+        tab.goto(f"http://127.0.0.1:{server['http']}/")
+        tab.locator("#chart-events[data-history-points]").wait_for(state="attached")
+
+        # History: appends after the page loaded are in the server's hour after a reload.
+        client.append(source, [b"{}"] * 10)
+        tab.reload()
+        tab.wait_for_function(
+            "() => Number(document.querySelector('#chart-events').dataset.historyPeak) > 0"
+        )
+
+        # The connections card lists every listener with a connection, none cut off.
+        tab.wait_for_function(
+            "() => ['convergedb', 'http', 'kimberlite', 'kiwi']"
+            ".every(p => document.getElementById('card-conns-sub').textContent.includes(p))"
+        )
+        assert tab.evaluate(
+            "() => { const e = document.getElementById('card-conns-sub');"
+            " return e.scrollWidth <= e.clientWidth && e.scrollHeight <= e.clientHeight; }"
+        )
+
+        # A group's lag, then its offset reset to the start and to an offset typed in.
+        group_row = tab.locator(
+            f'#groups-table tbody tr[data-stream="{source}"][data-group="billing"]'
+        )
+        group_row.wait_for()
+        _, groups = http_json(server, "/api/consumer-groups")
+        (billing,) = [g for g in groups["groups"] if g["stream"] == source]
+        assert group_row.locator("td").nth(4).inner_text() == str(50 - billing["committed_offset"])
+        group_row.locator("button[data-action='reset']").click()
+        tab.select_option("#group-reset-to", "earliest")
+        tab.click("#group-reset-apply")
+        tab.locator("#group-reset-status", has_text="now at offset 0 (lag 50)").wait_for()
+        tab.wait_for_function(
+            "sel => document.querySelector(sel).cells[4].textContent === '50'",
+            arg=f'#groups-table tbody tr[data-stream="{source}"][data-group="billing"]',
+        )
+        group_row.locator("button[data-action='reset']").click()
+        tab.select_option("#group-reset-to", "offset")
+        tab.fill("#group-reset-offset", "999")
+        tab.click("#group-reset-apply")
+        tab.locator("#group-reset-error", has_text="InvalidOffset").wait_for()
+        tab.fill("#group-reset-offset", "45")
+        tab.click("#group-reset-apply")
+        tab.locator("#group-reset-status", has_text="now at offset 45 (lag 5)").wait_for()
+        _, groups = http_json(server, "/api/consumer-groups")
+        assert [g["committed_offset"] for g in groups["groups"] if g["stream"] == source] == [45]
+
+        # SQL: a result table, then an error shown as such.
+        tab.fill(
+            "#sql-text", f"SELECT count(*) AS events, 'x' AS label, NULL AS nothing FROM {source}"
+        )
+        tab.click("#sql-run")
+        tab.locator("#sql-info", has_text="1 row").wait_for()
+        assert tab.locator("#sql-table thead th").all_inner_texts() == [
+            "events",
+            "label",
+            "nothing",
+        ]
+        assert tab.locator("#sql-table tbody tr").all_inner_texts() == ["50\tx\tNULL"]
+        tab.fill("#sql-text", "SELEC 1")
+        tab.locator("#sql-text").press("Control+Enter")
+        tab.locator("#sql-error", has_text="QueryParseError").wait_for()
+        assert tab.locator("#sql-table").is_hidden()
+
+        # Create a stream with settings: it opens in the live view with them.
+        tab.click("#stream-new")
+        tab.fill("#stream-name", created)
+        tab.select_option("#stream-retention", "86400000")
+        tab.select_option("#stream-sync", "none")
+        tab.select_option("#stream-cleanup", "compact")
+        tab.click("#stream-create")
+        tab.locator(f'#streams-table tbody tr[data-name="{created}"]').wait_for()
+        tab.locator("#live-panel[data-subscribed='true'][data-loaded='true']").wait_for()
+        tab.locator("#stream-settings", has_text="retention 1 d").wait_for()
+        assert "sync none" in tab.inner_text("#stream-settings")
+        assert "cleanup compact" in tab.inner_text("#stream-settings")
+        status, described = http_json(server, f"/api/streams/{created}")
+        assert status == 200
+        assert described["settings"] == {
+            "retention_ms": 86_400_000,
+            "sync": "none",
+            "cleanup_policy": "compact",
+        }
+
+        # Produce: JSON stored compact, other text as typed; each shows in the tail with
+        # its date and time.
+        for offset, typed in enumerate(('{"user": {"id": 42}, "msg": "hi"}', "plain words")):
+            tab.fill("#produce-value", typed)
+            tab.click("#produce-send")
+            tab.locator(f'#tail-table tbody tr[data-offset="{offset}"]').wait_for()
+        _, stored = http_json(server, f"/api/streams/{created}/events")
+        assert [e["value"] for e in stored["events"]] == [
+            '{"user":{"id":42},"msg":"hi"}',
+            "plain words",
+        ]
+        first = tab.locator('#tail-table tbody tr[data-offset="0"] td')
+        when = datetime.fromtimestamp(stored["events"][0]["timestamp_ms"] / 1000, UTC)
+        assert (
+            first.nth(1).inner_text()
+            == when.strftime("%Y-%m-%d %H:%M:%S.") + f"{when.microsecond // 1000:03d}"
+        )
+
+        # Filter the tail: by a JSON field, by text, and new rows follow the filter.
+        tab.fill("#tail-filter", "user.id=42")
+        tab.locator("#tail-filter-info", has_text="1 of 2 rows match").wait_for()
+        assert visible_offsets(tab) == [0]
+        for typed in ('{"user": {"id": 7}}', '{"user": {"id": 42}, "again": true}'):
+            tab.fill("#produce-value", typed)
+            tab.click("#produce-send")
+        tab.locator('#tail-table tbody tr[data-offset="3"]').wait_for()
+        assert visible_offsets(tab) == [3, 0]  # offset 2 (id 7) arrived, hidden
+        tab.fill("#tail-filter", "PLAIN")
+        assert visible_offsets(tab) == [1]
+        tab.fill("#tail-filter", "")
+        assert visible_offsets(tab) == [3, 2, 1, 0]
+
+        # Delete, after the confirmation.
+        asked: list[str] = []
+        tab.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.accept()))
+        tab.click("#stream-delete")
+        tab.locator(f'#streams-table tbody tr[data-name="{created}"]').wait_for(state="detached")
+        assert asked and created in asked[0]
+        assert http_json(server, f"/api/streams/{created}")[0] == 404
+        assert tab.locator("#live-empty").is_visible()
+        keep_screenshot(tab, tmp_path, "dashboard-actions")
+
+    # The browser reports each refused request (the bad SQL and offset: 400) as a console
+    # error; anything else is a problem.
+    refused = "Failed to load resource: the server responded with a status of 400"
+    assert [p for p in problems if refused not in p] == []
