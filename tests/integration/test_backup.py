@@ -263,3 +263,53 @@ def test_backup_refuses_a_destination_it_cannot_use(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "is not a headwater data directory" in result.stderr
     assert not (tmp_path / "copy").exists()
+
+
+RETENTION_CONFIG = """
+[storage]
+maintenance_interval_ms = 20
+"""
+
+
+def test_backup_while_retention_deletes_segments_keeps_a_whole_log(
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """Segments that retention deletes while the copy runs are left out; what is copied
+    is one run of offsets, each event as acknowledged, through every event acknowledged
+    before the backup began, and the copy passes ``headwater check``."""
+    source = make_server(config=RETENTION_CONFIG, listen={"http": LOCAL})
+    http_post(
+        source,
+        "/api/streams",
+        {"name": "rolling", "settings": {"segment_bytes": 4096, "retention_bytes": 16384}},
+    )
+    load = Writer(source, "rolling")
+    load.start()
+    # Retention has dropped segments already, so it keeps dropping them during the copy.
+    wait_until(
+        lambda: http_get(source, "/api/streams/rolling")["start_offset"] > 0 or load.error,
+        30,
+        "retention never deleted a segment",
+    )
+    acked_before = list(load.acked)
+    backup_dir = tmp_path / "copy" / "data"
+    backup_dir.parent.mkdir()
+    result = headwater_cli("backup", "--data-dir", str(source.data_dir), str(backup_dir))
+    load.stop()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert headwater_cli("check", str(backup_dir)).returncode == 0
+
+    acked = {first + i: value for first, values in load.acked for i, value in enumerate(values)}
+    # The restored server runs retention at the default pace (every 30 s), not while
+    # the log is read here.
+    restored = Server(tmp_path / "copy", listen={"http": LOCAL}).start()
+    try:
+        start = http_get(restored, "/api/streams/rolling")["start_offset"]
+        with headwater.connect(restored.address) as copy:
+            copied = [(e.offset, e.value) for e in copy.scan("rolling", start)]
+        offsets = [offset for offset, _ in copied]
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets)))  # no gap
+        assert all(acked[offset] == value for offset, value in copied)
+        assert offsets[-1] + 1 >= acked_before[-1][0] + len(acked_before[-1][1])
+    finally:
+        assert restored.stop() == 0, restored.log_tail()

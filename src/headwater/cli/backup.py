@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headwater.engine.kinds.store import STORE_DIR as KIND_STORE_DIRECTORY
 from headwater.sql.sealed import DIRECTORY as PROJECTION_DIRECTORY
 from headwater.sql.service import SPILL_DIRECTORY
 from headwater.storage.check import MetadataProblem, PartitionReport, check_data_dir, check_metadata
@@ -45,10 +46,9 @@ from headwater.storage.files import FileCache
 from headwater.storage.log import LogConfig, PartitionLog, fsync_directory
 from headwater.storage.metadata import LOCK_FILE, TMP_SUFFIX
 
-# A kind's LMDB entity store beside its changelog (engine/kinds/store.py STORE_DIR): a
-# checkpoint the server rebuilds from the changelog, so never copied.
-KIND_STORE_DIRECTORY = "store"
-# Directories of a data dir the copy leaves out: derived data and unfinished work.
+# Directories of a data dir the copy leaves out, derived data the server rebuilds: a
+# stream's SQL projection files, a kind's LMDB entity store (a checkpoint of its
+# changelog, which is copied; a missing store is rebuilt from the changelog).
 SKIPPED_DIRECTORIES = (PROJECTION_DIRECTORY, KIND_STORE_DIRECTORY)
 SKIPPED_TOP_LEVEL = (LOCK_FILE, SPILL_DIRECTORY)
 UNFINISHED_PREFIXES = (".creating-", ".deleted-")  # stream directories the server removes

@@ -1,0 +1,87 @@
+"""headwater.cli.backup step by step, with the server's moves in between that a live
+backup races: a torn write at the tail when the backup begins, appends after it, a
+segment deleted by retention and a stream deleted between the walk and the copy.
+(tests/integration/test_backup.py runs the command against a real server.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from headwater.cli.backup import BackupReport, copy_metadata_and_plan, copy_partition
+from headwater.storage.check import check_data_dir, check_metadata
+from headwater.storage.log import LogConfig, PartitionLog
+from headwater.storage.metadata import write_json_atomic
+
+SMALL_SEGMENTS = LogConfig(segment_bytes=1024)
+TORN_WRITE = b"\x00\x01\x00\x00half a batch header"
+
+
+def value(stream_id: int, i: int) -> bytes:
+    return f"{stream_id}:{i}:".encode() * 10
+
+
+def make_stream(data: Path, stream_id: int, batches: int) -> PartitionLog:
+    """A stream of ``batches`` one-event batches in 1 KiB segments, as the engine lays
+    it out (tenant.json, stream.json, partition-0/)."""
+    tenant = data / "tenants" / "0"
+    tenant.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(tenant / "tenant.json", {"id": 0, "name": "default", "next_stream_id": 9})
+    stream = tenant / "streams" / str(stream_id)
+    stream.mkdir(parents=True)
+    meta = {"id": stream_id, "name": f"s{stream_id}", "created_ns": 1, "partitions": 1}
+    write_json_atomic(stream / "stream.json", {**meta, "settings": {}})
+    plog = PartitionLog.open(stream / "partition-0", SMALL_SEGMENTS)
+    for i in range(batches):
+        plog.append([value(stream_id, i)], first_position=stream_id * 1000 + i)
+    plog.sync()
+    return plog
+
+
+def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> None:
+    data, staging = tmp_path / "data", tmp_path / "staging"
+    kept = make_stream(data, 1, 40)
+    gone = make_stream(data, 2, 5)
+    assert len(kept.segments) > 3
+    end_at_start = kept.end_offset
+    tail = kept.active.log_path
+    with tail.open("ab") as f:  # a write under way when the backup begins
+        f.write(TORN_WRITE)
+
+    report = BackupReport(tmp_path / "dest")
+    plans = copy_metadata_and_plan(data, staging, report)
+    for meta in ("tenant.json", "streams/1/stream.json", "streams/2/stream.json"):
+        assert (staging / "tenants" / "0" / meta).is_file()
+    # Meanwhile the server: retention deletes the oldest segment, the torn write is
+    # overwritten by whole batches and more are appended, a stream is deleted.
+    oldest = kept.segments[0]
+    oldest.log_path.unlink()
+    with tail.open("r+b") as f:
+        f.truncate(tail.stat().st_size - len(TORN_WRITE))
+    for i in range(40, 60):
+        kept.append([value(1, i)], first_position=1000 + i)
+    gone.close()
+    stream_2 = data / "tenants" / "0" / "streams" / "2"
+    stream_2.rename(stream_2.with_name(".deleted-2"))
+
+    for plan in plans:
+        copy_partition(data, staging, plan, report)
+    kept.close()
+
+    assert report.vanished == [
+        f"tenants/0/streams/1/partition-0/{oldest.log_path.name}: removed by retention meanwhile",
+        "tenants/0/streams/2/partition-0: deleted during the backup, left out",
+    ]
+    assert report.cut_bytes == len(TORN_WRITE)
+    assert not (staging / "tenants" / "0" / "streams" / "2").exists()
+    assert check_metadata(staging) == []
+    assert [r.path for r in check_data_dir(staging) if r.damaged] == []
+
+    copied = PartitionLog.open(staging / "tenants" / "0" / "streams" / "1" / "partition-0")
+    try:
+        assert copied.start_offset == kept.segments[1].base_offset > 0  # after the deleted
+        assert copied.end_offset == end_at_start  # nothing appended after the start
+        assert [(e.offset, e.value) for e in copied.events(copied.start_offset)] == [
+            (i, value(1, i)) for i in range(copied.start_offset, end_at_start)
+        ]
+    finally:
+        copied.close()
