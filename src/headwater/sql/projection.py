@@ -103,6 +103,9 @@ ROUND_ROWS = 65_536  # events per catch-up round
 ROUND_BYTES = 32 << 20  # values-section bytes per catch-up round
 SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
 SEAL_BYTES = 64 << 20  # (so merged data stays far below the 2 GiB of int32 offsets)
+# All streams' unsealed tails together: past this the largest tails are sealed early
+# (small files), so memory does not grow with the number of streams written to.
+TAIL_BUDGET_BYTES = 256 << 20
 RETRY_SECONDS = 1.0
 CATCH_UP_DELAY = 0.5  # seconds from a commit to the catch-up round nobody asked for
 _JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
@@ -478,6 +481,7 @@ class StreamProjection:
         self.chunks: tuple[Chunk, ...] = ()
         self.opened = False  # the sealed files are open (the first task does it)
         self._parked: list[list[Chunk]] = []  # sealed runs past a gap being rebuilt
+        self._seal_tail = False  # seal the in-memory tail now, however small
         self.next_offset = 0
         self.covered = 0
         self.paused = False
@@ -507,6 +511,17 @@ class StreamProjection:
         if self.next_offset >= self.stream.log.committed_offset and head > self.covered:
             self.covered = head
         return self.covered
+
+    @property
+    def tail_bytes(self) -> int:
+        """Memory held by the unsealed chunks (their data; ``json`` shares it)."""
+        return sum(c.batch.column(3).nbytes + 24 * c.rows for c in self.chunks if c.path is None)
+
+    def seal_tail(self) -> None:
+        """Write the in-memory tail to a sealed file now (the tail budget is exceeded)."""
+        if any(c.path is None for c in self.chunks):
+            self._seal_tail = True
+            self._kick()
 
     @property
     def files(self) -> list[Path]:
@@ -573,7 +588,7 @@ class StreamProjection:
             return
         if self.error is not None and self._loop.time() < self._retry_at:
             return  # failed recently: the retry is scheduled
-        if self.next_offset >= self._target:
+        if self.next_offset >= self._target and not self._seal_tail:
             self._urgent = False
             return
         if self._timer is not None:
@@ -584,7 +599,11 @@ class StreamProjection:
     def _more(self, first: bool) -> bool:
         """Another round now? The first always; then only while someone waits or a full
         round's worth is committed (later commits have armed, or will arm, the timer)."""
-        if self.closed or self.paused or self.next_offset >= self._target:
+        if self.closed or self.paused:
+            return False
+        if self._seal_tail:
+            return True
+        if self.next_offset >= self._target:
             return False
         return first or self._urgent or self._target - self.next_offset >= ROUND_ROWS
 
@@ -606,8 +625,9 @@ class StreamProjection:
                 tail = self.chunks[len(self.chunks) - small :]
                 gap_end = self._parked[0][0].first_offset if self._parked else None
                 upto = self._target if gap_end is None else min(self._target, gap_end)
+                seal_tail, self._seal_tail = self._seal_tail, False
                 result = await self._loop.run_in_executor(
-                    self._executor, self._round, self.next_offset, upto, tail, gap_end
+                    self._executor, self._round, self.next_offset, upto, tail, gap_end, seal_tail
                 )
                 if self.closed:
                     return
@@ -630,11 +650,17 @@ class StreamProjection:
                 self._on_commit(self._target)  # committed during the round: arm the timer
 
     def _round(
-        self, from_offset: int, upto: int, tail: Sequence[Chunk], gap_end: int | None
+        self,
+        from_offset: int,
+        upto: int,
+        tail: Sequence[Chunk],
+        gap_end: int | None,
+        seal_tail: bool = False,
     ) -> _RoundResult:
         """Worker thread: read and build one round, and seal what has grown full. When
         the round reaches ``gap_end`` (a parked run's first offset) everything built is
-        sealed, so the files stay in offset order with only the tail in memory."""
+        sealed, so the files stay in offset order with only the tail in memory; so it is
+        with ``seal_tail`` (the tails of all streams have outgrown their budget)."""
         pieces, next_offset = read_round(self.stream.log, from_offset, upto)
         gap_closed = gap_end is not None and next_offset >= gap_end
         max_position = None
@@ -643,7 +669,7 @@ class StreamProjection:
             chunk = self._builder.build(pieces)
             new_tail = self._builder.extend(tail, chunk)
             max_position = chunk.max_position
-        new_tail = self._seal(new_tail, everything=gap_closed)
+        new_tail = self._seal(new_tail, everything=gap_closed or seal_tail)
         return _RoundResult(new_tail, len(tail), next_offset, max_position, gap_closed)
 
     def _seal(self, chunks: list[Chunk], *, everything: bool) -> list[Chunk]:

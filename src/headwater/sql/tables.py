@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import pyarrow as pa
 
 from headwater.engine.names import RESERVED_PREFIXES
+from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder, StreamProjection
 
 if TYPE_CHECKING:
@@ -89,8 +90,27 @@ class StreamTables:
         tenant = self.projections.setdefault(stream.tenant.tenant_id, {})
         if stream.stream_id not in tenant:
             tenant[stream.stream_id] = StreamProjection(
-                stream, self._builder, self._executor, self._on_progress
+                stream, self._builder, self._executor, self._progressed
             )
+
+    def _progressed(self) -> None:
+        self._on_progress()
+        self._keep_tails_in_budget()
+
+    def _keep_tails_in_budget(self) -> None:
+        """Seal the largest in-memory tails (into small files) while all tails together
+        hold more than ``TAIL_BUDGET_BYTES``, down to half of it: each tail stays below a
+        seal's size, but many streams' tails add up."""
+        budget = projection_module.TAIL_BUDGET_BYTES
+        tails = [(p.tail_bytes, p) for t in self.projections.values() for p in t.values()]
+        total = sum(size for size, _ in tails)
+        if total <= budget:
+            return
+        for size, projection in sorted(tails, key=lambda pair: -pair[0]):
+            if total <= budget // 2:
+                break
+            projection.seal_tail()
+            total -= size
 
     def _deleted(self, stream: Stream) -> None:
         projection = self.projections.get(stream.tenant.tenant_id, {}).pop(stream.stream_id, None)

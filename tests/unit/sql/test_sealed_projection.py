@@ -28,6 +28,7 @@ from headwater.sql.sealed import (
     projection_directory,
     sealed_name,
 )
+from waiting import wait_until_async
 
 SEAL = 50
 EVENTS = 300  # a few sealed files of 50 (or more) rows and an unsealed tail
@@ -311,5 +312,42 @@ def test_compaction_rewrites_the_log_not_the_sealed_files(tmp_path: Path) -> Non
             result = await sql.query(0, 'SELECT "offset" FROM s ORDER BY 1')
             assert [row[0] for row in result.rows] == [*kept, *tail]
         assert not [r for r in verify_projections(tmp_path) if r.damaged]
+
+    asyncio.run(main())
+
+
+def test_tails_past_their_budget_are_sealed_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each stream's tail stays below a seal, but many streams' tails add up: past
+    ``TAIL_BUDGET_BYTES`` the largest are written to (small) files."""
+
+    async def main() -> None:
+        async with running(tmp_path) as (engine, sql):
+            sizes = {"a": 40, "b": 30, "c": 5}  # all below SEAL rows: no file of its own
+            for name, events in sizes.items():
+                info = await engine.create_stream(0, name)
+                await engine.append(0, info.stream_id, [value(i) for i in range(events)])
+            counts = "SELECT (SELECT count(*) FROM a), (SELECT count(*) FROM b), " + (
+                "(SELECT count(*) FROM c)"
+            )
+            assert (await sql.query(0, counts)).rows == [[40, 30, 5]]
+            tails = {name: projection_of(sql, name).tail_bytes for name in sizes}
+            assert not any(projection_of(sql, name).files for name in sizes)
+            # A budget the three tails together exceed, and "a" alone does not.
+            monkeypatch.setattr(projection_module, "TAIL_BUDGET_BYTES", sum(tails.values()) - 1)
+            more = await engine.append(0, engine.stream_by_name(0, "c").stream_id, [value(5)])
+            assert more.base_offset == 5
+            assert (await sql.query(0, counts)).rows == [[40, 30, 6]]
+            a = projection_of(sql, "a")
+            await wait_until_async(lambda: a.files, message="the largest tail was not sealed")
+            assert a.tail_bytes == 0 and projection_of(sql, "c").tail_bytes > 0
+            assert [c.rows for c in a.chunks] == [40]
+            assert (await sql.query(0, "SELECT sum((json->>'i')::INT) FROM a")).rows == [
+                [sum(i for i in range(40) if i % 7)]
+            ]
+        async with running(tmp_path) as (engine, sql):
+            assert (await sql.query(0, counts)).rows == [[40, 30, 6]]
+            assert projection_of(sql, "a").files == a.files
 
     asyncio.run(main())
