@@ -36,7 +36,9 @@ Sealed files (:mod:`headwater.sql.sealed`): a chunk that reaches ``SEAL_ROWS`` r
 ``SEAL_BYTES`` of data is written, in the round that built it, to an Arrow IPC file
 beside the stream's log and replaced by the same rows memory-mapped from that file; the
 chunks before it are merged into the same file, so the files follow each other in
-offset order and only the unsealed tail (less than a seal's worth) is held in memory.
+offset order and only the unsealed tail is held in memory (below a seal per stream;
+past ``TAIL_BUDGET_BYTES`` for all streams together the largest tails are sealed early,
+into smaller files: :meth:`StreamTables._keep_tails_in_budget`).
 A query's snapshot is the mapped files plus the tail, cut at its position and at the
 log's start offset (zero-copy: DuckDB scans the mapped pages, which the kernel caches
 and reclaims). Retention deletes a file once the log's start has passed its last
