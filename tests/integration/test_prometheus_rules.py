@@ -9,9 +9,12 @@
 * docs/ops/grafana-dashboard.json: every panel query is valid PromQL (checked by
   promtool) over metrics the server exports;
 * the scrape config of docs/operations.md ("Metrics and tokens"), as written there,
-  passes ``promtool check config`` with the alert rules loaded.
+  passes ``promtool check config`` with the alert rules loaded, and a real Prometheus
+  running it scrapes a server with the token (``up`` is 1, headwater's series arrive),
+  and once the server stops, the HeadwaterDown alert goes pending.
 
-promtool comes from Debian's ``prometheus`` package (``make system-deps``).
+promtool and prometheus come from Debian's ``prometheus`` package (``make
+system-deps``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import re
 import shutil
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,7 @@ from typing import Any
 import pytest
 import trustme
 import yaml
-from servers import LOCAL, Server, serving
+from servers import LOCAL, Server, free_port, serving
 
 import headwater
 from headwater import entities
@@ -261,3 +265,74 @@ def test_documented_scrape_configs_pass_promtool_check_config(tmp_path: Path) ->
         path.write_text(yaml.safe_dump(config))
         output = run_promtool("check", "config", str(path))
         assert "SUCCESS" in output and f"{len(alert_exprs())} rules found" in output
+
+
+def prometheus_api(port: int, path: str, **params: str) -> Any:
+    query = urllib.parse.urlencode(params)
+    url = f"http://127.0.0.1:{port}/api/v1/{path}" + (f"?{query}" if query else "")
+    try:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return json.loads(answer.read())["data"]
+    except (urllib.error.URLError, ConnectionError):
+        return None  # not up yet
+
+
+def test_prometheus_scrapes_a_server_with_the_documented_config_and_alerts_when_it_stops(
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: `make system-deps` installs Debian's prometheus"
+    server = make_server(config=CONFIG, listen={"http": LOCAL})
+    config = documented_scrape_configs()[-1]  # "Metrics and tokens": plain HTTP
+    (job,) = config["scrape_configs"]
+    token_file = tmp_path / "headwater.token"
+    token_file.write_text(TOKEN)
+    job["authorization"]["credentials_file"] = str(token_file)
+    job["static_configs"] = [{"targets": [server.address_of("http")]}]
+    job["scrape_interval"] = "1s"
+    config["global"] = {"evaluation_interval": "1s"}
+    config["rule_files"] = [str(ALERTS)]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        prometheus = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+
+        def value_of(query: str) -> float | None:
+            data = prometheus_api(port, "query", query=query)
+            if not data or not data["result"]:
+                return None
+            return float(data["result"][0]["value"][1])
+
+        def log_tail() -> str:
+            return (tmp_path / "prometheus.log").read_text()[-3000:]
+
+        wait_until(lambda: value_of('up{job="headwater"}') == 1.0, 60, log_tail)
+        assert value_of('headwater_uptime_seconds{job="headwater"}') is not None
+        assert value_of('count({job="headwater", __name__=~"headwater_.*"})') > 20
+
+        assert server.stop() == 0
+        # up turns 0 at the next scrape; the rule (for: 1m) is pending from then on.
+        pending = wait_until(
+            lambda: [
+                alert
+                for alert in (prometheus_api(port, "alerts") or {"alerts": []})["alerts"]
+                if alert["labels"]["alertname"] == "HeadwaterDown"
+            ],
+            60,
+            log_tail,
+        )
+        assert pending[0]["state"] == "pending"
+        assert pending[0]["labels"]["instance"] == server.address_of("http")
+    finally:
+        prometheus.terminate()
+        prometheus.wait(30)
