@@ -51,7 +51,11 @@ async def run(args: argparse.Namespace) -> None:
     gc.set_threshold(50_000, 10, 10)  # as `headwater serve`
     root = Path(tempfile.mkdtemp(prefix="kinds-inproc-"))
     engine = await Engine.open(root, EngineConfig(maintenance_interval_ms=0))
-    kinds = await KindsEngine.open(engine, KindsConfig(coalesce_ms=60_000))
+    # One writer that never touches its source: no liveness deadline during the run.
+    config = KindsConfig(
+        coalesce_ms=60_000, hot_entities=args.hot_entities, default_liveness_ms=3_600_000
+    )
+    kinds = await KindsEngine.open(engine, config)
     tk = kinds.tenant(0)
     kind = await tk.create_kind("bench", FIELDS)
     source = tk.connect("writer")
@@ -105,7 +109,7 @@ async def run(args: argparse.Namespace) -> None:
         if round_ == 0:
             del payloads
             gc.collect()
-            entities = len(tk.kind_state(kind.kind_id).committed)
+            entities = tk.kind_state(kind.kind_id).count
             print(f"{entities} entities: {(rss() - before) / entities:.0f} bytes of RSS each")
     await kinds.close()
     await engine.close()
@@ -117,6 +121,12 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=100_000, help="distinct entities")
     p.add_argument("--subscribers", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3, help="round 0 creates, later ones update")
+    p.add_argument(
+        "--hot-entities",
+        type=int,
+        default=KindsConfig.hot_entities,
+        help="entities kept in memory (the rest are read from the kind's store)",
+    )
     p.add_argument("--gc-stats", action="store_true", help="print heap and GC figures per round")
     asyncio.run(run(p.parse_args()))
 

@@ -23,10 +23,15 @@ gets a second chance at the young end.
 
 A checkpoint (:meth:`begin_checkpoint`, written in a worker thread, then
 :meth:`end_checkpoint`) writes the dirty and deleted entities and the changelog offset
-they reflect in one transaction; it is due once a quarter of the hot set is dirty or
-``CHECKPOINT_SECONDS`` after the previous one. At open (:meth:`load`) the store is read
-as checkpointed and only the changelog after its offset is replayed into it; a missing
-or damaged store is rebuilt from the whole changelog (logged), in bounded memory.
+they reflect in one transaction; it is due ``CHECKPOINT_SECONDS`` after the previous
+one (which bounds the changelog a restart replays), or sooner when the hot set is over
+its capacity with dirty entities eviction may not drop, or many deletions wait. An
+entity rewritten many times between checkpoints is written to the store once: a kind
+that fits in memory pays little for its store (benchmarks/kinds_inproc_bench.py).
+
+At open (:meth:`load`) the store is read as checkpointed and only the changelog after
+its offset is replayed into it; a missing or damaged store is rebuilt from the whole
+changelog (logged), in bounded memory.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ SOURCE_SET = struct.Struct("<Q")
 Committed: TypeAlias = tuple[int, int, bytes]
 """A committed entity: ``(version, source_set, record)``, the record of every field."""
 
-CHECKPOINT_SECONDS = 30.0  # the longest a change waits for the store (bounds replay)
+CHECKPOINT_SECONDS = 10.0  # the longest a change waits for the store (bounds replay)
 REPLAY_BATCH = 65_536  # changelog entities replayed into the store per transaction
 _ID: Callable[[tuple[bytes, Committed]], bytes] = operator.itemgetter(0)
 
@@ -125,9 +130,8 @@ class KindState:
             return None
         version, source_set, record = stored
         found = (version, source_set, self.whole_record(record))
-        self.hot[entity_id] = found
-        if len(self.hot) > self.capacity:
-            self.evict()
+        if len(self.hot) < self.capacity:  # else it waits for room: eviction is at commit
+            self.hot[entity_id] = found
         return found
 
     def entity(self, entity_id: bytes) -> EntityState | None:
@@ -245,8 +249,8 @@ class KindState:
         go; dirty ones move to the young end (a checkpoint makes them evictable)."""
         hot, dirty = self.hot, self.dirty
         excess = len(hot) - (self.capacity - self.capacity // 8)
-        if excess <= 0:
-            return
+        if excess <= 0 or len(hot) <= len(dirty):
+            return  # nothing to evict before a checkpoint
         victims: list[bytes] = []
         spared: list[bytes] = []
         for eid in hot:
@@ -268,11 +272,11 @@ class KindState:
     def checkpoint_due(self, now: float) -> bool:
         if self.checkpoint_running:
             return False
-        waiting = len(self.dirty) + len(self.deleted)
-        if waiting == 0:
+        if not self.dirty and not self.deleted:
             return False
         return (
-            waiting >= max(1, self.capacity // 4)
+            len(self.hot) > self.capacity  # dirty entities kept eviction from the capacity
+            or len(self.deleted) > self.capacity // 2
             or now - self.last_checkpoint >= CHECKPOINT_SECONDS
         )
 
