@@ -160,6 +160,15 @@ def test_reset_moves_an_idle_group_and_consumers_resume_there(
         # The group's next member starts where the reset put it.
         with client.subscribe("payments", "resume", credits=4, group="ledger") as sub:
             assert next(iter(sub)).offset == 25
+    wait_until(
+        lambda: not group_of(srv, "payments", "ledger")["active"],
+        message="the group never went idle",
+    )
+    # On disk before the answer: a crash right after it keeps the reset.
+    assert ok(srv, "POST", path, {"offset": 12})["committed_offset"] == 12
+    srv.server.kill()
+    srv.server.start()
+    assert group_of(srv, "payments", "ledger")["committed_offset"] == 12
 
 
 @pytest.mark.parametrize(
