@@ -1,13 +1,16 @@
 """The CLI's operator tools against a real server (subprocesses): --version, info, ping,
-stream create with settings, --format json, consumer groups, profiles, uncut tables."""
+stream create with settings, --format json, consumer groups, profiles, uncut tables, and
+append with keys and headers."""
 
 from __future__ import annotations
 
+import base64
 import json
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,14 @@ import pytest
 from servers import LOCAL, Server, serving
 
 import headwater
+from headwater.protocols.kimberlite import (
+    AppendEventsResponse,
+    AppendRecordsRequest,
+    ErrorCode,
+    ErrorResponse,
+    EventBatch,
+)
+from headwater.storage.log import PartitionLog
 from waiting import wait_until
 
 
@@ -34,9 +45,11 @@ def env(sdk_cli_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str], stdin: str | None = None
+) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "headwater.cli.main", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(command, capture_output=True, text=True, env=env, input=stdin, timeout=60)
 
 
 def ok(proc: subprocess.CompletedProcess[str]) -> str:
@@ -285,3 +298,64 @@ def test_profiles(
     path.write_text("[profiles.bad]\nservr = 'x'\n")
     broken = failed(cli("ping", env=env), 2)
     assert "profile 'bad' has unknown key(s) servr" in broken
+
+
+def test_append_with_keys_and_headers(
+    make_server: Callable[..., Server], env: dict[str, str]
+) -> None:
+    server = make_server(listen={"http": LOCAL})
+    at = ("--server", server.address)
+    ok(cli("stream", "create", "keyed", *at, env=env))
+    appended = ok(
+        cli(
+            *("append", "keyed", "-K", ":", "-H", "src=cli", "--header", "trace=a=b", *at),
+            env=env,
+            stdin="u1:hello\nno key here\n",
+        )
+    )
+    assert appended.strip() == "appended 2 events to keyed: offsets 0..1"
+    ok(cli("append", "keyed", "--key", "fixed", *at, env=env, stdin="x\n"))
+
+    # Bad input: a clear line, exit 2 (usage) or 1 (the server's answer), nothing stored.
+    both = failed(cli("append", "keyed", "-k", "a", "-K", ":", *at, env=env, stdin="y\n"), 2)
+    assert "not allowed with argument" in both
+    header = failed(cli("append", "keyed", "-H", "novalue", *at, env=env, stdin="y\n"), 2)
+    assert "expected NAME=VALUE, not 'novalue'" in header
+    missing = failed(cli("append", "nowhere", "-k", "a", *at, env=env, stdin="y\n"), 1)
+    assert missing.startswith("headwater: error: StreamNotFound")
+    with headwater.connect(server.address) as hw:
+        stream_id = hw.stream_id("keyed")
+    with server.client() as raw:
+        refused = raw.call(
+            AppendRecordsRequest(stream_id, [b"k1", b"k2"], [], EventBatch.of([b"one"]))
+        )
+        assert isinstance(refused, ErrorResponse) and refused.code == ErrorCode.INVALID_REQUEST
+        assert refused.message == "AppendRecords: 2 keys for 1 events (none, or one per event)"
+        served = raw.call(
+            AppendRecordsRequest(stream_id, [], [[("h", b"v")]], EventBatch.of([b"z"]))
+        )
+        assert served == AppendEventsResponse(3, 1)
+
+    url = f"http://127.0.0.1:{server.ports['http']}/api/streams/keyed/events"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        events = json.load(response)["events"]
+    assert [(e["value"], e.get("key_b64")) for e in events] == [
+        ("hello", base64.b64encode(b"u1").decode()),
+        ("no key here", None),
+        ("x", base64.b64encode(b"fixed").decode()),
+        ("z", None),
+    ]
+
+    # Headers are stored with the events (no reader shows them yet): read the log itself.
+    assert server.stop() == 0
+    plog = PartitionLog.open(server.data_dir / f"tenants/0/streams/{stream_id}/partition-0")
+    try:
+        stored = list(plog.read(0, 1 << 20).events())
+    finally:
+        plog.close()
+    assert [(e.value, e.key, e.headers) for e in stored] == [
+        (b"hello", b"u1", ((b"src", b"cli"), (b"trace", b"a=b"))),
+        (b"no key here", None, ((b"src", b"cli"), (b"trace", b"a=b"))),
+        (b"x", b"fixed", ()),
+        (b"z", None, ((b"h", b"v"),)),
+    ]

@@ -10,6 +10,7 @@ from headwater.protocols.kimberlite import (
     AppendEventsRequest,
     AppendEventsResponse,
     AppendIdempotentRequest,
+    AppendRecordsRequest,
     CloseReason,
     CreateStreamRequest,
     CreateStreamResponse,
@@ -60,6 +61,18 @@ query_values: st.SearchStrategy[QueryValue] = st.one_of(
 )
 value_lists = st.lists(query_values, max_size=5)
 
+
+def _records(values: list[bytes]) -> st.SearchStrategy[AppendRecordsRequest]:
+    """AppendRecords of ``values``: keys and headers each none or one per event."""
+    n = len(values)
+    keys = st.just([]) | st.lists(st.none() | st.binary(max_size=12), min_size=n, max_size=n)
+    header_lists = st.lists(st.tuples(texts, st.binary(max_size=8)), max_size=3)
+    headers = st.just([]) | st.lists(header_lists, min_size=n, max_size=n)
+    return st.builds(AppendRecordsRequest, u64, keys, headers, st.just(EventBatch.of(values)))
+
+
+records_requests = st.lists(st.binary(max_size=24), min_size=1, max_size=6).flatmap(_records)
+
 request_payloads: st.SearchStrategy[RequestPayload] = st.one_of(
     st.builds(HandshakeRequest, u16, st.none() | texts),
     st.builds(CreateStreamRequest, texts, st.sampled_from(DataClass), st.sampled_from(Placement)),
@@ -74,6 +87,7 @@ request_payloads: st.SearchStrategy[RequestPayload] = st.one_of(
     st.builds(AppendIdempotentRequest, u64, u64, u64, nonempty_batches),
     st.builds(DeleteStreamRequest, u64),
     st.builds(ListStreamsRequest),
+    records_requests,
 )
 
 stream_infos = st.builds(StreamInfo, u64, texts, u64, u64, i64)

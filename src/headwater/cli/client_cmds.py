@@ -46,7 +46,7 @@ from headwater.cli.connection import (
 )
 
 if TYPE_CHECKING:
-    from headwater.client import AsyncClient, Client, QueryResult
+    from headwater.client import AppendResult, AsyncClient, Client, QueryResult
 
 # Off a terminal (a pipe, a file), rich would cut tables at 80 columns; as wide as a
 # row needs there instead ($COLUMNS still sets a width when given).
@@ -367,9 +367,35 @@ def _chunks(source: IO[bytes], *, live: bool) -> Iterator[tuple[list[bytes], int
         yield chunk, consumed
 
 
+def _append_chunk(hw: Client, args: argparse.Namespace, lines: list[bytes]) -> AppendResult:
+    """Append ``lines`` as events, with the command's key and headers (AppendRecords)."""
+    keys: list[bytes | None] | None = None
+    if args.key_delimiter is not None:
+        # As kcat -K: the key is what comes before the first delimiter; a line without
+        # one is a value with no key.
+        delimiter = args.key_delimiter.encode()
+        keys, values = [], []
+        for line in lines:
+            key, found, value = line.partition(delimiter)
+            keys.append(key if found else None)
+            values.append(value if found else line)
+        lines = values
+    elif args.event_key is not None:
+        keys = [args.event_key.encode()] * len(lines)
+    headers = [args.header] * len(lines) if args.header else None
+    return hw.append(args.stream, lines, keys=keys, headers=headers)
+
+
+def parse_header(text: str) -> tuple[str, str]:
+    """``--header NAME=VALUE``."""
+    name, found, value = text.partition("=")
+    if not found or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, not {text!r}")
+    return name, value
+
+
 @client_command
 def cmd_append(args: argparse.Namespace) -> int:
-    from headwater.client import AppendResult
 
     source: IO[bytes]
     total = None
@@ -394,7 +420,7 @@ def cmd_append(args: argparse.Namespace) -> int:
                 progress.start()
             for chunk, consumed in _chunks(source, live=total is None):
                 if chunk:
-                    result = hw.append(args.stream, chunk)
+                    result = _append_chunk(hw, args, chunk)
                     results.append(result)
                     count += result.count
                     if first is None:
@@ -723,10 +749,33 @@ def add_client_commands(sub: Any) -> None:
     p.set_defaults(func=cmd_stream_delete)
 
     p = sub.add_parser(
-        "append", parents=[conn], help="append lines (stdin or --file) as events, one per line"
+        "append",
+        # --key is the events' key here (as rpk produce -k); the TLS key is --tls-key.
+        parents=[connection_options(key_flag=False)],
+        help="append lines (stdin or --file) as events, one per line",
     )
     p.add_argument("stream")
     p.add_argument("--file", "-f", default=None, help="read lines from this file (shows progress)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument(
+        "--key", "-k", dest="event_key", default=None, help="the key of every event appended"
+    )
+    key.add_argument(
+        "--key-delimiter",
+        "-K",
+        default=None,
+        metavar="DELIM",
+        help="each line is KEY DELIM VALUE (as kcat -K); a line without DELIM has no key",
+    )
+    p.add_argument(
+        "--header",
+        "-H",
+        action="append",
+        type=parse_header,
+        default=None,
+        metavar="NAME=VALUE",
+        help="a header on every event appended; repeat for more",
+    )
     p.set_defaults(func=cmd_append)
 
     event_format = {

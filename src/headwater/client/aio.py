@@ -30,10 +30,24 @@ import datetime as _dt
 import functools
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from typing import Literal, TypeVar
 
-from headwater.errors import HeadwaterError, ProtocolError, StreamAlreadyExists, StreamNotFound
+from headwater.errors import (
+    HeadwaterError,
+    ProtocolError,
+    StreamAlreadyExists,
+    StreamNotFound,
+    UsageError,
+)
 from headwater.protocols.kimberlite.connection import ClientConnection
 from headwater.protocols.kimberlite.messages import (
     MAX_APPEND_BYTES,
@@ -42,6 +56,7 @@ from headwater.protocols.kimberlite.messages import (
     AppendEventsRequest,
     AppendEventsResponse,
     AppendIdempotentRequest,
+    AppendRecordsRequest,
     CloseReason,
     CreateStreamRequest,
     CreateStreamResponse,
@@ -118,6 +133,30 @@ def to_event_bytes(event: EventLike) -> bytes:
     if isinstance(event, bytearray | memoryview):
         return bytes(event)
     raise TypeError(f"an event is bytes or str, not {type(event).__name__}")
+
+
+HeadersLike = Mapping[str, EventLike] | Iterable[tuple[str, EventLike]]
+"""An event's headers: a mapping or (name, value) pairs (a name may repeat in pairs)."""
+RECORDS_CAPABILITY = "records"
+"""The Handshake capability of servers that take AppendRecords (keys and headers)."""
+
+
+def to_headers(headers: HeadersLike) -> tuple[tuple[str, bytes], ...]:
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return tuple((str(name), to_event_bytes(value)) for name, value in pairs)
+
+
+def _append_events(events: list[bytes], stream_id: int) -> RequestPayload:
+    return AppendEventsRequest(stream_id, EventBatch.of(events))
+
+
+def _append_records(
+    events: list[bytes],
+    keys: Sequence[bytes | None],
+    headers: Sequence[tuple[tuple[str, bytes], ...]],
+    stream_id: int,
+) -> RequestPayload:
+    return AppendRecordsRequest(stream_id, keys, headers, EventBatch.of(events))
 
 
 def split_events(values: Sequence[bytes]) -> list[list[bytes]]:
@@ -372,7 +411,13 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
     # ---- appends and reads ----------------------------------------------------------------
 
     async def append(
-        self, stream: StreamRef, events: Iterable[EventLike], *, max_in_flight: int = 8
+        self,
+        stream: StreamRef,
+        events: Iterable[EventLike],
+        *,
+        max_in_flight: int = 8,
+        keys: Sequence[EventLike | None] | None = None,
+        headers: Sequence[HeadersLike] | None = None,
     ) -> AppendResult:
         """Append events in order; returns ``(first_offset, count)``.
 
@@ -380,17 +425,54 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         (up to ``max_in_flight`` at once) on one connection. One event over 4 MiB raises
         :class:`EventTooLarge` before anything is sent. When a part fails, no later part
         is sent; the exception's ``appended_batches`` lists the parts that were stored.
+
+        ``keys`` (a key or None per event) and ``headers`` (a mapping or (name, value)
+        pairs per event) are stored with the events: they travel as AppendRecords, which
+        a server advertises as the capability "records" (UsageError before anything is
+        sent when it does not, or when a column is not one entry per event).
         """
         values = [to_event_bytes(e) for e in events]
         if not values:
             raise ValueError("append needs at least one event")
+        key_column = header_column = None
+        if keys is not None:
+            key_column = [None if k is None else to_event_bytes(k) for k in keys]
+        if headers is not None:
+            header_column = [to_headers(h) for h in headers]
+        for name, column in (("keys", key_column), ("headers", header_column)):
+            if column is not None and len(column) != len(values):
+                raise UsageError(f"{len(column)} {name} for {len(values)} events: one per event")
         batches = split_events(values)
+        if key_column is None and header_column is None:
+            parts: list[Callable[[int], RequestPayload]] = [
+                functools.partial(_append_events, batch) for batch in batches
+            ]
+        else:
+            if RECORDS_CAPABILITY not in await self._capabilities():
+                raise UsageError(
+                    f"the server at {self.address} does not take event keys or headers "
+                    f"(no {RECORDS_CAPABILITY!r} capability)"
+                )
+            parts = []
+            start = 0
+            for batch in batches:
+                end = start + len(batch)
+                part_keys = key_column[start:end] if key_column is not None else ()
+                part_headers = header_column[start:end] if header_column is not None else ()
+                parts.append(functools.partial(_append_records, batch, part_keys, part_headers))
+                start = end
         return await self._with_stream(
-            stream, lambda sid: self._append_batches(sid, batches, max(1, max_in_flight))
+            stream, lambda sid: self._append_batches(sid, parts, max(1, max_in_flight))
         )
 
+    async def _capabilities(self) -> tuple[str, ...]:
+        """The Handshake's capabilities (connecting first when not connected yet)."""
+        if not self.capabilities:
+            await self._ensure()
+        return self.capabilities
+
     async def _append_batches(
-        self, stream_id: int, batches: list[list[bytes]], max_in_flight: int
+        self, stream_id: int, batches: list[Callable[[int], RequestPayload]], max_in_flight: int
     ) -> AppendResult:
         results: list[tuple[int, int] | None] = [None] * len(batches)
         errors: list[tuple[int, BaseException]] = []
@@ -423,9 +505,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
                 if errors:
                     slots.release()
                     break
-                post = functools.partial(
-                    Connection.send, payload=AppendEventsRequest(stream_id, EventBatch.of(batch))
-                )
+                post = functools.partial(Connection.send, payload=batch(stream_id))
                 try:
                     # Every part goes on one connection, so the parts stay in order.
                     conn, request_id, future = await self._send(post, pinned=pinned)

@@ -9,7 +9,7 @@ halves are :mod:`headwater.client._core.blocking`'s, as for the entities client.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -23,6 +23,7 @@ from .aio import (
     AsyncClient,
     AsyncSubscription,
     EventLike,
+    HeadersLike,
     StartOffset,
     StreamRef,
     _Scan,
@@ -110,12 +111,23 @@ class Client(Blocking[AsyncClient]):
     # ---- appends and reads ------------------------------------------------------------------
 
     def append(
-        self, stream: StreamRef, events: Iterable[EventLike], *, max_in_flight: int = 8
+        self,
+        stream: StreamRef,
+        events: Iterable[EventLike],
+        *,
+        max_in_flight: int = 8,
+        keys: Sequence[EventLike | None] | None = None,
+        headers: Sequence[HeadersLike] | None = None,
     ) -> AppendResult:
         """Append events in order (split over the protocol's limits); returns
-        ``(first_offset, count)``."""
+        ``(first_offset, count)``. ``keys`` and ``headers``: one per event, stored with
+        them (see :meth:`AsyncClient.append`)."""
         values = list(events)
-        return self._run(self._inner.append(stream, values, max_in_flight=max_in_flight))
+        return self._run(
+            self._inner.append(
+                stream, values, max_in_flight=max_in_flight, keys=keys, headers=headers
+            )
+        )
 
     def append_idempotent(
         self, stream: StreamRef, producer_id: int, sequence: int, events: Iterable[EventLike]

@@ -409,7 +409,26 @@ def _events(*trailers: int) -> Wire[EventBatch]:
     return Variable(lambda r, what: r.events(what, trailers), _put_events)
 
 
+def _read_bytes(r: _Reader, what: str) -> bytes:
+    return r.take(r.u64(f"{what} length"), what)
+
+
+def _put_bytes(out: list[Buffer], data: bytes, what: str = "") -> None:
+    out.append(_U64.pack(len(data)))
+    out.append(data)
+
+
+def _read_header(r: _Reader, what: str) -> tuple[str, bytes]:
+    return r.string(f"{what} name"), _read_bytes(r, f"{what} value")
+
+
+def _put_header(out: list[Buffer], header: tuple[str, bytes], what: str = "") -> None:
+    _put_string(out, header[0])
+    _put_bytes(out, header[1])
+
+
 _STRING: Wire[str] = Variable(_Reader.string, _put_string)
+_BYTES: Wire[bytes] = Variable(_read_bytes, _put_bytes)
 _VALUES = _vec(Variable(_Reader.value, _put_value), 4)
 
 Bool: TypeAlias = Annotated[bool, Fixed("B", load=lambda r, byte, what, at: _bool(byte, what))]
@@ -420,6 +439,12 @@ Strs: TypeAlias = Annotated[Sequence[str], _vec(_STRING, 8)]
 Values: TypeAlias = Annotated[Sequence[QueryValue], _VALUES]
 Rows: TypeAlias = Annotated[Sequence[Sequence[QueryValue]], _vec(_VALUES, 8, "row")]
 Events: TypeAlias = Annotated[EventBatch, _events(0)]
+Header: TypeAlias = tuple[str, bytes]
+"""An event header: its name (UTF-8) and value (bytes)."""
+Keys: TypeAlias = Annotated[Sequence[bytes | None], _vec(_option(_BYTES), 4, "key")]
+Headers: TypeAlias = Annotated[
+    Sequence[Sequence[Header]], _vec(_vec(Variable(_read_header, _put_header), 16), 8, "headers")
+]
 
 
 # --- payloads ------------------------------------------------------------------------
@@ -525,6 +550,20 @@ class ListStreamsRequest(_Payload):
     discriminant: ClassVar[int] = 12
 
 
+@dataclass(frozen=True, slots=True)
+class AppendRecordsRequest(_Payload):
+    """headwater's addition (capability "records"): AppendEvents with a key and headers
+    per event. ``keys`` and ``headers`` are each empty (none) or one entry per event; the
+    events come last so their section ends the payload, as in AppendEvents. Answered by
+    AppendEvents (3)."""
+
+    discriminant: ClassVar[int] = 13
+    stream_id: U64
+    keys: Keys
+    headers: Headers
+    events: Events
+
+
 RequestPayload: TypeAlias = (
     HandshakeRequest
     | CreateStreamRequest
@@ -539,6 +578,7 @@ RequestPayload: TypeAlias = (
     | AppendIdempotentRequest
     | DeleteStreamRequest
     | ListStreamsRequest
+    | AppendRecordsRequest
 )
 
 REQUEST_TYPES: tuple[type[RequestPayload], ...] = get_args(RequestPayload)
@@ -841,8 +881,12 @@ def decode_request(payload: Buffer, *, enforce_limits: bool = True) -> Request:
             _check_append_count(reader, 24 if cls is AppendIdempotentRequest else 8)
         body = cls._read(reader)
         reader.finish(cls.__name__)
-        if enforce_limits and isinstance(body, AppendEventsRequest | AppendIdempotentRequest):
+        if enforce_limits and isinstance(
+            body, AppendEventsRequest | AppendIdempotentRequest | AppendRecordsRequest
+        ):
             check_append_limits(body.events)
+        if isinstance(body, AppendRecordsRequest):
+            check_record_columns(body)
     except DecodeError as exc:
         exc.request_id = request_id
         raise
@@ -872,6 +916,17 @@ def check_append_limits(events: EventBatch) -> None:
         raise RequestLimitError(
             f"{events.event_bytes} event bytes in one append; the limit is {MAX_APPEND_BYTES}"
         )
+
+
+def check_record_columns(body: AppendRecordsRequest) -> None:
+    """Raise :class:`RequestLimitError` unless ``keys`` and ``headers`` are each empty or
+    one entry per event."""
+    for name, column in (("keys", body.keys), ("headers", body.headers)):
+        if column and len(column) != body.events.count:
+            raise RequestLimitError(
+                f"AppendRecords: {len(column)} {name} for {body.events.count} events "
+                "(none, or one per event)"
+            )
 
 
 def decode_response(payload: Buffer) -> Response:

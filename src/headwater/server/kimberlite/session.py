@@ -17,6 +17,7 @@ CAPABILITIES = (
     "sync",
     "idempotent_append",
     "admin",
+    "records",
 )
 
 

@@ -23,6 +23,7 @@ HANDLERS: dict[type, Handler] = {
     m.ListStreamsRequest: streams.list_streams,
     m.AppendEventsRequest: append.append_events,
     m.AppendIdempotentRequest: append.append_idempotent,
+    m.AppendRecordsRequest: append.append_records,
     m.ReadEventsRequest: read.read_events,
     m.QueryRequest: query.query,
     m.QueryAtRequest: query.query_at,

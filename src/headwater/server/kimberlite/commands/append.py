@@ -1,4 +1,5 @@
-"""AppendEvents and AppendIdempotent: the events section is stored as it arrived."""
+"""AppendEvents, AppendIdempotent and AppendRecords: the events section is stored as it
+arrived (AppendRecords' keys and headers beside it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from headwater.protocols.kimberlite import messages as m
 
 if TYPE_CHECKING:
     from headwater.server.kimberlite.listener import KimberliteConnection
+    from headwater.storage.batch import EventColumns
 
 
 async def append_events(
@@ -24,21 +26,39 @@ async def append_idempotent(
     return await _append(conn, request, payload.stream_id, payload.events, producer)
 
 
+async def append_records(
+    conn: KimberliteConnection, request: m.Request, payload: m.AppendRecordsRequest
+) -> m.ResponsePayload:
+    # decode_request checked that each column is empty or one entry per event.
+    columns: EventColumns = {}
+    if payload.keys:
+        columns["keys"] = payload.keys
+    if any(payload.headers):
+        columns["headers"] = [
+            tuple((name.encode(), value) for name, value in headers) for headers in payload.headers
+        ]
+    return await _append(conn, request, payload.stream_id, payload.events, None, columns)
+
+
 async def _append(
     conn: KimberliteConnection,
     request: m.Request,
     stream_id: int,
     events: m.EventBatch,
     producer: tuple[int, int] | None,
+    columns: EventColumns | None = None,
 ) -> m.ResponsePayload:
     started = time.perf_counter()
+    columns = columns or {}
+    if producer is not None:
+        columns["producer"] = producer
     info = await conn.api.append_encoded(
         request.tenant_id,
         stream_id,
         events.section,
         events.count,
         value_bytes=events.event_bytes,
-        producer=producer,
+        **columns,
     )
     name = conn.api.stream_name(request.tenant_id, stream_id)
     conn.metrics.record_append(
