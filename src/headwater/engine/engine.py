@@ -31,6 +31,7 @@ from headwater.errors import (
     TenantNotFound,
 )
 from headwater.storage.batch import HEADER_SIZE, Event, EventColumns, encode_values
+from headwater.storage.compression import check_compression
 from headwater.storage.files import DEFAULT_OPEN_FILES, FileCache
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import (
@@ -85,6 +86,7 @@ class EngineConfig:
     delete_retention_ms: int = 86_400_000
     producer_expiry_ms: int = 86_400_000
     maintenance_interval_ms: int = 30_000
+    compression: str = "none"  # sealed segments: "none", "zstd" or "lz4"
     tenants: dict[int, str] = field(default_factory=lambda: {0: "default"})
     # [limits]: segment files open at once across every log (least recently used closed),
     # and streams one tenant may have (a create past it: StreamQuotaExceeded).
@@ -106,6 +108,7 @@ class StreamSettings:
     retention_bytes: int | None = None
     cleanup_policy: str = "delete"
     delete_retention_ms: int | None = None
+    compression: str | None = None
 
     def log_config(self, defaults: EngineConfig) -> LogConfig:
         def pick(value: Any, default: Any) -> Any:
@@ -120,6 +123,7 @@ class StreamSettings:
             delete_retention_ms=pick(self.delete_retention_ms, defaults.delete_retention_ms),
             producer_expiry_ms=defaults.producer_expiry_ms,
             sync=SyncPolicy.parse(self.sync) if self.sync else defaults.sync,
+            compression=pick(self.compression, defaults.compression),
         )
 
     @classmethod
@@ -140,6 +144,11 @@ class StreamSettings:
             raise InvalidRequest("sync must be a string: fsync, none or interval:<ms>")
         if not isinstance(self.cleanup_policy, str):
             raise InvalidRequest("cleanup_policy must be 'delete' or 'compact'")
+        if self.compression is not None:
+            try:
+                check_compression(self.compression)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
         for name in ("segment_bytes", *_POSITIVE_SETTINGS):
             value = getattr(self, name)
             if value is not None and (
@@ -694,8 +703,9 @@ class Engine:
     # ---- maintenance ----------------------------------------------------------------
 
     async def run_maintenance(self) -> dict[str, int]:
-        """Apply retention and compaction to every stream once (in a worker thread)."""
-        removed = compacted = 0
+        """Apply retention, compaction and compression to every stream once (in a worker
+        thread)."""
+        removed = compacted = compressed = 0
         loop = asyncio.get_running_loop()
         for tenant in list(self.tenants.values()):
             for stream in list(tenant.streams.values()):
@@ -705,7 +715,14 @@ class Engine:
                 if stream.log.config.cleanup_policy == "compact":
                     result = await loop.run_in_executor(self.executor, stream.log.compact)
                     compacted += result.events_removed
-        return {"segments_removed": removed, "events_compacted": compacted}
+                if stream.log.config.compression != "none":
+                    done = await loop.run_in_executor(self.executor, stream.log.compress)
+                    compressed += done.segments_compressed
+        return {
+            "segments_removed": removed,
+            "events_compacted": compacted,
+            "segments_compressed": compressed,
+        }
 
     async def _maintenance_loop(self, interval: float) -> None:
         await run_every(interval, self.run_maintenance, "maintenance")

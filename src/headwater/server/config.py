@@ -17,6 +17,7 @@ from headwater.engine.engine import EngineConfig
 from headwater.engine.kinds.model import KindsConfig
 from headwater.engine.names import check_name
 from headwater.errors import InvalidRequest
+from headwater.storage.compression import check_compression
 from headwater.storage.log import SyncPolicy
 
 DEFAULT_LISTEN = {
@@ -169,6 +170,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "storage": frozenset(
         {"sync", "segment_bytes", "segment_ms", "retention_ms", "retention_bytes"}
         | {"delete_retention_ms", "producer_expiry_ms", "maintenance_interval_ms"}
+        | {"compression"}
     ),
     "auth": frozenset({"required", "tokens"}),
     "auth.tokens": frozenset({"token", "tenants", "admin", "cert_cn"}),
@@ -203,6 +205,13 @@ def check_known_keys(data: dict[str, Any], path: str = "") -> None:
             if not isinstance(entry, dict):
                 raise ConfigError(f"[{sub}] must be a table")
             check_known_keys(entry, sub)
+
+
+def _compression(value: object) -> str:
+    try:
+        return check_compression(value)
+    except ValueError as exc:
+        raise ConfigError(f"storage.compression: {exc}") from None
 
 
 def config_from_dict(data: dict[str, Any]) -> ServerConfig:
@@ -250,6 +259,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         or defaults.producer_expiry_ms,
         maintenance_interval_ms=opt("maintenance_interval_ms", defaults.maintenance_interval_ms)
         or defaults.maintenance_interval_ms,
+        compression=_compression(storage.get("compression", defaults.compression)),
         tenants=tenants,
     )
 

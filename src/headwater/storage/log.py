@@ -18,7 +18,7 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Unpack
+from typing import BinaryIO, Unpack
 
 from headwater.errors import CorruptBatchError, StorageError, UsageError
 from headwater.storage.batch import (
@@ -29,6 +29,7 @@ from headwater.storage.batch import (
     build_batch,
     encode_values,
 )
+from headwater.storage.compression import FRAME_BYTES, check_compression, encode_frame
 from headwater.storage.files import FileCache
 from headwater.storage.producers import (
     ProducerEntry,
@@ -82,12 +83,16 @@ class LogConfig:
     producer_expiry_ms: int = 86_400_000  # idle idempotent producers are forgotten after
     index_interval_bytes: int = 4096
     sync: SyncPolicy = field(default_factory=SyncPolicy)
+    # Sealed segments are rewritten as compressed frames ("zstd", "lz4") by maintenance;
+    # the active segment is always plain.
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         if not (HEADER_SIZE * 2 <= self.segment_bytes <= 1 << 31):
             raise ValueError("segment_bytes must be between 128 bytes and 2 GiB")
         if self.cleanup_policy not in ("delete", "compact"):
             raise ValueError("cleanup_policy must be 'delete' or 'compact'")
+        check_compression(self.compression)
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,13 @@ class ReadResult:
             events = span.batch.events(span.start)
             for _ in range(span.stop - span.start):
                 yield next(events)
+
+
+@dataclass
+class CompressionResult:
+    segments_compressed: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
 
 
 @dataclass
@@ -621,8 +633,36 @@ class PartitionLog:
         horizon_ms: int,
         result: CompactionResult,
     ) -> Segment | None:
-        out: list[bytes] = []
         removed = 0
+        for batch in seg.batches_from(0, seg.size):
+            removed += sum(
+                1
+                for event in batch.events()
+                if (event.key is not None and latest.get(event.key) != event.offset)
+                or (event.tombstone and batch.max_timestamp_ms < horizon_ms)
+            )
+        if removed == 0:
+            return None
+        cleaned = seg.log_path.with_name(seg.log_path.name + ".cleaned")
+        # Written batch by batch as the segment is read: compaction holds one read chunk,
+        # never the whole rewritten segment.
+        with open(cleaned, "wb") as f:
+            for data in self._compacted_batches(seg, latest, horizon_ms):
+                f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        result.segments_rewritten += 1
+        result.events_removed += removed
+        result.bytes_before += seg.size
+        new = self._replace_segment(seg, cleaned)
+        # A segment emptied by compaction still marks where its offsets began.
+        new.next_offset = max(new.next_offset, seg.next_offset)
+        result.bytes_after += new.size
+        return new
+
+    def _compacted_batches(
+        self, seg: Segment, latest: dict[bytes, int], horizon_ms: int
+    ) -> Iterator[bytes]:
         for batch in seg.batches_from(0, seg.size):
             kept: list[Event] = []
             for event in batch.events():
@@ -631,50 +671,108 @@ class PartitionLog:
                 if event.tombstone and batch.max_timestamp_ms < horizon_ms:
                     continue
                 kept.append(event)
-            removed += batch.count - len(kept)
             if len(kept) == batch.count:
-                out.append(bytes(batch.buffer))
+                yield bytes(batch.buffer)
             elif kept:
-                out.append(
-                    build_batch(
-                        encode_values([e.value for e in kept]),
-                        len(kept),
-                        base_offset=batch.base_offset,
-                        first_position=batch.first_position,
-                        timestamp_ms=batch.first_timestamp_ms,
-                        max_timestamp_ms=batch.max_timestamp_ms,
-                        keys=[e.key for e in kept],
-                        tombstones=[e.tombstone for e in kept],
-                        headers=[e.headers for e in kept],
-                        deltas=[e.offset - batch.base_offset for e in kept],
-                        producer=batch.producer,
-                    )
+                yield build_batch(
+                    encode_values([e.value for e in kept]),
+                    len(kept),
+                    base_offset=batch.base_offset,
+                    first_position=batch.first_position,
+                    timestamp_ms=batch.first_timestamp_ms,
+                    max_timestamp_ms=batch.max_timestamp_ms,
+                    keys=[e.key for e in kept],
+                    tombstones=[e.tombstone for e in kept],
+                    headers=[e.headers for e in kept],
+                    deltas=[e.offset - batch.base_offset for e in kept],
+                    producer=batch.producer,
                 )
-        if removed == 0:
-            return None
-        result.segments_rewritten += 1
-        result.events_removed += removed
-        result.bytes_before += seg.size
-        cleaned = seg.log_path.with_name(seg.log_path.name + ".cleaned")
-        with open(cleaned, "wb") as f:
-            for data in out:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+
+    def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:
+        """Put the fsynced file ``rewritten`` in place of ``seg``'s ``.log`` and open it."""
         # Drop the old indexes first: a crash between here and the rename leaves the
-        # original .log with no index (rebuilt on open), never a mismatched one.
+        # new .log with no index (rebuilt on open), never a mismatched one.
         seg.index_path.unlink(missing_ok=True)
         seg.time_index_path.unlink(missing_ok=True)
         seg.retire()  # readers holding it keep the old bytes: its path is the new file's
-        os.replace(cleaned, seg.log_path)
+        os.replace(rewritten, seg.log_path)
         fsync_directory(self.directory)
-        new = Segment.open_sealed(
+        return Segment.open_sealed(
             self.directory, seg.base_offset, seg.index_interval_bytes, self.files
         )
-        # A segment emptied by compaction still marks where its offsets began.
-        new.next_offset = max(new.next_offset, seg.next_offset)
-        result.bytes_after += new.size
-        return new
+
+    # ---- compression ------------------------------------------------------------------
+
+    def compress(self) -> CompressionResult:
+        """Rewrite every sealed, committed, plain segment as compressed frames of the
+        log's ``compression`` (nothing when it is "none"). Each segment is written to a
+        temporary file, fsynced and renamed over the original like a compaction, so a crash
+        leaves the plain segment or the compressed one, whole; readers holding the old
+        segment keep reading it. Batches, their CRCs, offsets and timestamps are unchanged."""
+        result = CompressionResult()
+        codec = self.config.compression
+        if codec == "none":
+            return result
+        with self._lock:
+            upto = self.committed_offset
+            plain = [
+                s
+                for s in self.segments[:-1]
+                if s.next_offset <= upto and not s.compressed and s.size
+            ]
+        for seg in plain:
+            rewritten = seg.log_path.with_name(seg.log_path.name + ".compressing.tmp")
+            # The new segment's indexes are built as its frames are written, so putting
+            # it in place takes a rename and two small files, not a rescan.
+            new = Segment(self.directory, seg.base_offset, seg.index_interval_bytes, self.files)
+            # Frame by frame as the segment is read: one frame and one read chunk in memory.
+            with open(rewritten, "wb") as f:
+                group: list[Batch] = []
+                group_bytes = 0
+                for batch in seg.batches_from(0, seg.size):
+                    group.append(batch)
+                    group_bytes += batch.length
+                    if group_bytes >= FRAME_BYTES:
+                        new.size += self._write_frame(f, new, codec, group)
+                        group, group_bytes = [], 0
+                if group:
+                    new.size += self._write_frame(f, new, codec, group)
+                f.flush()
+                os.fsync(f.fileno())
+            new.compressed = True
+            new.next_offset = max(new.next_offset, seg.next_offset)
+            with self._lock:
+                i = next((k for k, s in enumerate(self.segments) if s is seg), None)
+                if i is None:  # removed by retention meanwhile
+                    os.unlink(rewritten)
+                    continue
+                seg.index_path.unlink(missing_ok=True)
+                seg.time_index_path.unlink(missing_ok=True)
+                seg.retire()  # readers holding it keep the plain bytes
+                os.replace(rewritten, seg.log_path)
+                fsync_directory(self.directory)
+                new.write_index_files(sync=True)
+                self.segments[i] = new
+                self._graveyard.append((time.monotonic(), seg))
+            result.segments_compressed += 1
+            result.bytes_before += seg.size
+            result.bytes_after += new.size
+            log.info(
+                "compressed %s with %s: %d -> %d bytes",
+                seg.log_path.name,
+                codec,
+                seg.size,
+                new.size,
+            )
+        return result
+
+    @staticmethod
+    def _write_frame(f: BinaryIO, seg: Segment, codec: str, group: list[Batch]) -> int:
+        """Write one frame of ``group`` at the end of ``f`` and index it in ``seg``."""
+        frame = encode_frame(codec, group)
+        seg._index_unit(group, seg.size, len(frame))
+        f.write(frame)
+        return len(frame)
 
     # ---- deletion -------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ entry, so a lookup is a binary search and a short scan. The time index (``.timei
 holds ``i64 max timestamp | u32 relative offset`` entries whenever a batch raises the
 segment's maximum timestamp. Index files are derived data: a missing or damaged one is
 rebuilt from the ``.log``.
+
+A sealed segment of a stream with ``compression`` holds compressed frames of batches
+(``compression.py``) instead of bare batches: every reader here walks *units*, a batch
+or a frame told apart by the magic byte, and a frame yields the batches it holds. Index
+entries of a compressed segment point at frames.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import crc32c
 
 from headwater.errors import CorruptBatchError
 from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
+from headwater.storage.compression import decode_frame, is_frame
 from headwater.storage.files import FileCache, SegmentFile
 
 log = logging.getLogger(__name__)
@@ -125,6 +131,7 @@ class Segment:
         self.time_timestamps = array("q")
         self.time_offsets = array("Q")
         self._bytes_since_index = 0
+        self.compressed = False  # holds compressed frames (set by the scan or index load)
         self.file: SegmentFile = self.files.handle(self.log_path)
 
     def pinned(self) -> contextlib.AbstractContextManager[int]:
@@ -235,39 +242,28 @@ class Segment:
         if self.index_positions[0] != 0:
             return False
         try:
-            first = self._read_batch_at(0)
-            if first.base_offset != self.index_offsets[0]:
+            first, first_length = self._read_unit_at(0)
+            if first[0].base_offset != self.index_offsets[0]:
                 return False
-            self.first_timestamp_ms = first.first_timestamp_ms
+            self.compressed = first[0].length != first_length
+            self.first_timestamp_ms = first[0].first_timestamp_ms
             pos = int(self.index_positions[-1])
             expected = int(self.index_offsets[-1])
             while pos < self.size:
-                batch = self._read_batch_at(pos)
-                if expected >= 0 and batch.base_offset != expected:
+                unit, length = self._read_unit_at(pos)
+                if expected >= 0 and unit[0].base_offset != expected:
                     return False
                 expected = -1
-                self.next_offset = batch.next_offset
-                self.max_timestamp_ms = max(self.max_timestamp_ms, batch.max_timestamp_ms)
-                pos += batch.length
+                self.next_offset = unit[-1].next_offset
+                for batch in unit:
+                    self.max_timestamp_ms = max(self.max_timestamp_ms, batch.max_timestamp_ms)
+                pos += length
         except CorruptBatchError:
             return False
         if self.time_timestamps:
             self.max_timestamp_ms = max(self.max_timestamp_ms, self.time_timestamps[-1])
         self.event_count = -1  # unknown without a full scan; only used for reports
         return pos == self.size
-
-    def _header_at(self, pos: int) -> tuple[int, int, int] | None:
-        """(base_offset, max_timestamp_ms, length) of the batch header at ``pos``, or None
-        when no plausible header starts there (no CRC check: that is the reader's job)."""
-        with self.pinned() as fd:
-            head = os.pread(fd, HEADER_SIZE, pos)
-        if len(head) < HEADER_SIZE:
-            return None
-        fields = HEADER.unpack(head)
-        length, magic, base_offset, max_ts = fields[0], fields[2], fields[6], fields[8]
-        if magic != 1 or length < HEADER_SIZE or pos + length > self.size:
-            return None
-        return int(base_offset), int(max_ts), int(length)
 
     def _scan(self, *, verify: bool, stop_at_error: bool) -> ScanReport:
         """Walk every batch from the start, indexing each one; returns what was found.
@@ -298,10 +294,10 @@ class Segment:
                     raise CorruptBatchError(f"torn batch header at byte {pos}")
                 if length < HEADER_SIZE or pos + length > end:
                     raise CorruptBatchError(f"torn or corrupt batch at byte {pos}")
-                batch = Batch(buf[off : off + length], verify=verify)
-                if batch.base_offset < self.next_offset:
+                unit = _unit(buf[off : off + length], verify=verify)
+                if unit[0].base_offset < self.next_offset:
                     raise CorruptBatchError(
-                        f"batch at byte {pos} has offset {batch.base_offset}, "
+                        f"batch at byte {pos} has offset {unit[0].base_offset}, "
                         f"expected at least {self.next_offset}"
                     )
             except CorruptBatchError as exc:
@@ -314,9 +310,9 @@ class Segment:
                     break
                 pos += length
                 continue
-            self._index_batch(batch, pos)
-            report.batches += 1
-            report.events += batch.count
+            self._index_unit(unit, pos, length)
+            report.batches += len(unit)
+            report.events += sum(batch.count for batch in unit)
             pos += length
             report.valid_bytes = pos
         self.size = report.valid_bytes if stop_at_error else end
@@ -349,20 +345,25 @@ class Segment:
 
     # ---- writing -------------------------------------------------------------------
 
-    def _index_batch(self, batch: Batch, pos: int) -> None:
+    def _index_unit(self, unit: list[Batch], pos: int, length: int) -> None:
+        """Index the batch, or the frame of batches, of ``length`` bytes at ``pos``: an
+        offset index entry can only point at a unit's start, time entries name batches."""
         if not self.index_offsets or self._bytes_since_index >= self.index_interval_bytes:
-            self.index_offsets.append(batch.base_offset)
+            self.index_offsets.append(unit[0].base_offset)
             self.index_positions.append(pos)
             self._bytes_since_index = 0
-        self._bytes_since_index += batch.length
-        if batch.max_timestamp_ms > self.max_timestamp_ms:
-            self.max_timestamp_ms = batch.max_timestamp_ms
-            self.time_timestamps.append(batch.max_timestamp_ms)
-            self.time_offsets.append(batch.base_offset)
-        if self.first_timestamp_ms is None:
-            self.first_timestamp_ms = batch.first_timestamp_ms
-        self.next_offset = batch.next_offset
-        self.event_count += batch.count
+        self._bytes_since_index += length
+        if len(unit) > 1 or (unit and unit[0].length != length):
+            self.compressed = True
+        for batch in unit:
+            if batch.max_timestamp_ms > self.max_timestamp_ms:
+                self.max_timestamp_ms = batch.max_timestamp_ms
+                self.time_timestamps.append(batch.max_timestamp_ms)
+                self.time_offsets.append(batch.base_offset)
+            if self.first_timestamp_ms is None:
+                self.first_timestamp_ms = batch.first_timestamp_ms
+            self.event_count += batch.count
+        self.next_offset = unit[-1].next_offset
 
     def append(self, data: bytes, batch_header: Batch) -> int:
         """Write one encoded batch at the end; returns its file position."""
@@ -376,7 +377,7 @@ class Segment:
         finally:
             self.files.unpin(self.file)
         self.size = pos + len(data)
-        self._index_batch(batch_header, pos)
+        self._index_unit([batch_header], pos, len(data))
         return pos
 
     def sync_index_files(self) -> None:
@@ -392,7 +393,8 @@ class Segment:
 
     # ---- reading -------------------------------------------------------------------
 
-    def _read_batch_at(self, pos: int, *, verify: bool = True) -> Batch:
+    def _read_unit_at(self, pos: int, *, verify: bool = True) -> tuple[list[Batch], int]:
+        """The batch, or the frame's batches, at ``pos``, and the unit's length in the file."""
         with self.pinned() as fd:
             head = _read(fd, HEADER_SIZE, pos)
             if len(head) < HEADER_SIZE:
@@ -403,7 +405,7 @@ class Segment:
             data = _read(fd, length, pos)
         if len(data) < length:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
-        return Batch(memoryview(data), verify=verify)
+        return _unit(memoryview(data), verify=verify), length
 
     def position_for(self, offset: int) -> int:
         """File position of the indexed batch at or before ``offset`` (binary search)."""
@@ -438,20 +440,20 @@ class Segment:
                     raise CorruptBatchError(f"bad batch length at byte {pos + consumed}")
                 if consumed + length > len(view):
                     break
-                batch = Batch(view[consumed : consumed + length])
-                yield batch
+                unit = _unit(view[consumed : consumed + length])
+                yield from unit
                 consumed += length
-                if batch.next_offset >= stop_offset:
+                if unit[-1].next_offset >= stop_offset:
                     return  # the caller wants nothing past this: do not even read it
             if consumed == 0:
-                # The next batch is larger than the chunk: read exactly that batch.
-                batch = self._read_batch_at(pos)
-                if pos + batch.length > end:
+                # The next unit is larger than the chunk: read exactly that unit.
+                unit, length = self._read_unit_at(pos)
+                if pos + length > end:
                     raise CorruptBatchError(f"batch at byte {pos} runs past the segment end")
-                yield batch
-                if batch.next_offset >= stop_offset:
+                yield from unit
+                if unit[-1].next_offset >= stop_offset:
                     return
-                consumed = batch.length
+                consumed = length
             pos += consumed
 
     def close(self) -> None:
@@ -463,6 +465,13 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.log_path.name}, size={self.size}, next={self.next_offset})"
+
+
+def _unit(view: memoryview, *, verify: bool = True) -> list[Batch]:
+    """The batches of one stored unit, exactly ``view``: a bare batch or a frame."""
+    if is_frame(view):
+        return decode_frame(view, verify=verify)
+    return [Batch(view, verify=verify)]
 
 
 def _with_trailer(entries: bytes, log_size: int) -> bytes:

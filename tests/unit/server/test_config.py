@@ -140,3 +140,18 @@ def test_tls_paths(tmp_path: Path) -> None:
     assert tls is not None and tls.cert == cert and tls.client_ca is None
     with pytest.raises(ConfigError, match="needs both cert and key"):
         config_from_dict({"tls": {"cert": str(cert)}})
+
+
+def test_storage_compression_default_and_per_stream_override() -> None:
+    from headwater.engine.engine import StreamSettings
+    from headwater.errors import InvalidRequest
+
+    assert config_from_dict({}).engine.compression == "none"
+    engine = config_from_dict({"storage": {"compression": "zstd"}}).engine
+    assert engine.compression == "zstd"
+    assert StreamSettings().log_config(engine).compression == "zstd"
+    assert StreamSettings(compression="lz4").log_config(engine).compression == "lz4"
+    with pytest.raises(ConfigError, match="storage.compression: compression must be one of"):
+        config_from_dict({"storage": {"compression": "gzip"}})
+    with pytest.raises(InvalidRequest, match="compression must be one of none, zstd, lz4"):
+        StreamSettings.from_dict({"compression": "brotli"})
