@@ -151,7 +151,7 @@ def test_storage_compression_default_and_per_stream_override() -> None:
     assert engine.compression == "zstd"
     assert StreamSettings().log_config(engine).compression == "zstd"
     assert StreamSettings(compression="lz4").log_config(engine).compression == "lz4"
-    with pytest.raises(ConfigError, match="storage.compression: compression must be one of"):
+    with pytest.raises(ConfigError, match=r"storage\.compression: compression must be one of"):
         config_from_dict({"storage": {"compression": "gzip"}})
     with pytest.raises(InvalidRequest, match="compression must be one of none, zstd, lz4"):
         StreamSettings.from_dict({"compression": "brotli"})
