@@ -1,6 +1,7 @@
 """headwater.cli.backup step by step, with the server's moves in between that a live
 backup races: a torn write at the tail when the backup begins, appends after it, a
-segment deleted by retention and a stream deleted between the walk and the copy.
+segment deleted by retention, an index file that no longer matches its segment and a
+stream deleted between the walk and the copy.
 (tests/integration/test_backup.py runs the command against a real server.)"""
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> 
     # overwritten by whole batches and more are appended, a stream is deleted.
     oldest = kept.segments[0]
     oldest.log_path.unlink()
+    # An index that no longer describes its .log (as if compaction had replaced the
+    # segment between the two copies): recovery must rebuild it, not keep it.
+    stale_index = kept.segments[2].index_path
+    good_index = stale_index.read_bytes()
+    stale_index.write_bytes(good_index[:-1] + bytes([good_index[-1] ^ 1]))
+    untouched = kept.segments[1].time_index_path
     with tail.open("r+b") as f:
         f.truncate(tail.stat().st_size - len(TORN_WRITE))
     for i in range(40, 60):
@@ -76,7 +83,10 @@ def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> 
     assert check_metadata(staging) == []
     assert [r.path for r in check_data_dir(staging) if r.damaged] == []
 
-    copied = PartitionLog.open(staging / "tenants" / "0" / "streams" / "1" / "partition-0")
+    partition = staging / "tenants" / "0" / "streams" / "1" / "partition-0"
+    assert (partition / stale_index.name).read_bytes() == good_index  # rebuilt
+    assert (partition / untouched.name).read_bytes() == untouched.read_bytes()  # copied
+    copied = PartitionLog.open(partition)
     try:
         assert copied.start_offset == kept.segments[1].base_offset > 0  # after the deleted
         assert copied.end_offset == end_at_start  # nothing appended after the start
