@@ -29,7 +29,7 @@ def cmd_profile_add(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles()
     except ProfileError as exc:
-        return fail(str(exc), 1)
+        return fail(str(exc), 2)
     if args.name in profiles and not args.replace:
         return fail(f"profile {args.name!r} exists (--replace to overwrite it)", 1)
     profile = {key: getattr(args, key) for key in PROFILE_KEYS}
@@ -49,7 +49,7 @@ def cmd_profile_list(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles()
     except ProfileError as exc:
-        return fail(str(exc), 1)
+        return fail(str(exc), 2)
     if args.json:
         shown = {n: {k: _shown(k, v) for k, v in p.items()} for n, p in profiles.items()}
         sys.stdout.write(json.dumps(shown) + "\n")
@@ -70,7 +70,7 @@ def cmd_profile_remove(args: argparse.Namespace) -> int:
     try:
         profiles = load_profiles()
     except ProfileError as exc:
-        return fail(str(exc), 1)
+        return fail(str(exc), 2)
     if args.name not in profiles:
         return fail(f"no profile {args.name!r} in {profiles_path()}", 1)
     del profiles[args.name]
