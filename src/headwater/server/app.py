@@ -23,6 +23,7 @@ from typing import Any
 from headwater.api import EngineAPI, SqlLimits
 from headwater.server.config import ServerConfig
 from headwater.server.limits import ConnectionLimits
+from headwater.server.memory import warn_if_over_budget
 from headwater.server.metrics import metrics_for
 
 log = logging.getLogger("headwater.server")
@@ -92,6 +93,7 @@ class Server:
 
     async def start(self) -> None:
         limits = self.config.limits
+        warn_if_over_budget(self.config)  # before opening: a log line even if that fails
         self._api = await EngineAPI.open(
             self.data_dir,
             dataclasses.replace(

@@ -84,7 +84,9 @@ class LimitsConfig:
     max_streams_per_tenant: int = 100_000
     open_files: int = 512  # segment files open at once (least recently used closed)
     sql_timeout_ms: int = 30_000  # a query running longer is cancelled
-    sql_memory_mib: int = 512  # DuckDB's memory per query (larger spills or fails)
+    # DuckDB's memory per query (larger spills or fails); x sql_concurrency is DuckDB's
+    # share of memory_mib (docs/operations.md, "Memory")
+    sql_memory_mib: int = 256
     sql_concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
     sql_spill_mib: int = 4096  # disk the running queries may spill to beyond their memory
     memory_mib: int = 1024  # the server's anonymous resident memory budget (issue 16)

@@ -33,6 +33,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from headwater.errors import HeadwaterError, StreamQuotaExceeded
+from headwater.server.memory import process_memory
 
 if TYPE_CHECKING:
     from headwater.api import EngineAPI
@@ -226,6 +227,27 @@ def _sum_sources(sources: list[Callable[[], int]]) -> int:
     return total
 
 
+def _memory_metrics(budget_mib: int) -> Iterator[Metric]:
+    """The process's resident memory against its budget ([limits] memory_mib)."""
+    memory = process_memory()
+    if memory is not None:
+        yield GaugeMetricFamily(
+            "headwater_process_rss_anon_bytes",
+            "Anonymous resident memory (heap, Arrow buffers, DuckDB): what memory_mib bounds",
+            value=memory.rss_anon,
+        )
+        yield GaugeMetricFamily(
+            "headwater_process_rss_file_bytes",
+            "File-backed resident memory (mapped segment and projection files; reclaimable)",
+            value=memory.rss_file,
+        )
+    yield GaugeMetricFamily(
+        "headwater_memory_budget_bytes",
+        "The anonymous resident memory budget, [limits] memory_mib",
+        value=budget_mib * 1024 * 1024,
+    )
+
+
 class _ServerCollector(Collector):
     """Series read from engine, subscription and SQL state at scrape time."""
 
@@ -255,6 +277,7 @@ class _ServerCollector(Collector):
         for protocol, sources in sorted(metrics.subscription_sources.items()):
             per_protocol.add_metric([protocol], _sum_sources(sources))
         yield per_protocol
+        yield from _memory_metrics(server.config.limits.memory_mib)
 
         if not server.started:
             return

@@ -29,7 +29,7 @@ class SqlLimits:
     """``[limits]``'s SQL keys (docs/operations.md, "Limits")."""
 
     timeout_ms: int = 30_000  # a query running longer is cancelled
-    memory_mib: int = 512  # DuckDB memory per running query (past it: spill, then fail)
+    memory_mib: int = 256  # DuckDB memory per running query (past it: spill, then fail)
     concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
     spill_mib: int = 4096  # disk all running queries may spill to, together
 

@@ -1,0 +1,89 @@
+"""The server's memory budget (``[limits] memory_mib``): what its anonymous resident
+memory (RssAnon) holds, the share each part is given, and the check at start-up.
+
+File pages (segment files, mapped projection files) are RssFile: the kernel reclaims
+them under pressure, so they are not part of the budget. What is anonymous is the
+interpreter and its libraries, DuckDB's buffer pool, the read buffers, per-connection
+buffers and the caches; docs/operations.md ("Memory") says how each scales.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from headwater.server.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+# The interpreter, Arrow, DuckDB, aiohttp and the thread stacks of an idle server
+# (measured: about 65 MiB of RssAnon), with room for the engine's own tables.
+BASE_MIB = 128
+# Reads run in the engine's I/O threads (8), each holding at most one read chunk of a
+# segment (8 MiB, storage/log.py) plus one decompressed frame (256 KiB) at a time.
+IO_THREADS = 8
+READ_CHUNK_MIB = 8
+# An open connection's share: transport buffers, protocol state and a write queue
+# that backpressure keeps to about this (an estimate for a connection in normal use).
+CONNECTION_KIB = 16
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """A process's resident memory from /proc/<pid>/status, in bytes."""
+
+    rss_anon: int
+    rss_file: int
+    rss_peak: int  # VmHWM: the most resident memory (anon and file) ever held
+
+
+def process_memory(pid: int | str = "self") -> ProcessMemory | None:
+    """The resident memory of ``pid`` (this process by default); None where the kernel
+    does not report it (not Linux)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("RssAnon", "RssFile", "VmHWM"):
+            fields[name] = int(rest.split()[0]) * 1024  # reported in kB
+    if "RssAnon" not in fields:
+        return None
+    return ProcessMemory(fields["RssAnon"], fields.get("RssFile", 0), fields.get("VmHWM", 0))
+
+
+def budget_shares(config: ServerConfig) -> dict[str, int]:
+    """The fixed shares of the budget the configured limits claim, in MiB: what is left
+    of ``memory_mib`` is what the caches that grow with streams and kinds may use."""
+    limits = config.limits
+    connections_mib = -(-limits.max_connections * CONNECTION_KIB // 1024)  # rounded up
+    return {
+        "base (interpreter, libraries, engine tables)": BASE_MIB,
+        "SQL (sql_memory_mib x sql_concurrency)": limits.sql_memory_mib * limits.sql_concurrency,
+        "segment reads (I/O threads x read chunk)": IO_THREADS * READ_CHUNK_MIB,
+        "connections (max_connections x 16 KiB)": connections_mib,
+    }
+
+
+def check_budget(config: ServerConfig) -> list[str]:
+    """Warnings for limits that cannot fit ``[limits] memory_mib`` (logged at start)."""
+    budget = config.limits.memory_mib
+    shares = budget_shares(config)
+    claimed = sum(shares.values())
+    if claimed <= budget:
+        return []
+    parts = ", ".join(f"{name} {mib} MiB" for name, mib in shares.items())
+    return [
+        f"the configured limits claim {claimed} MiB, more than limits.memory_mib = {budget}"
+        f" ({parts}): lower sql_memory_mib, sql_concurrency or max_connections, or raise"
+        " memory_mib"
+    ]
+
+
+def warn_if_over_budget(config: ServerConfig) -> None:
+    for warning in check_budget(config):
+        log.warning("%s", warning)

@@ -1,0 +1,36 @@
+"""The memory budget's start-up check and the process memory reading."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from headwater.server.config import LimitsConfig, ServerConfig, config_from_dict
+from headwater.server.memory import budget_shares, check_budget, process_memory
+
+
+def test_the_default_limits_fit_the_default_budget() -> None:
+    config = ServerConfig()
+    assert sum(budget_shares(config).values()) <= config.limits.memory_mib
+    assert check_budget(config) == []
+
+
+def test_limits_past_the_budget_are_named_in_one_warning() -> None:
+    config = config_from_dict({"limits": {"memory_mib": 300, "sql_memory_mib": 512}})
+    warnings = check_budget(config)
+    assert len(warnings) == 1
+    assert "limits.memory_mib = 300" in warnings[0]
+    assert "SQL (sql_memory_mib x sql_concurrency) 1024 MiB" in warnings[0]
+    small = dataclasses.replace(
+        config,
+        limits=LimitsConfig(memory_mib=300, sql_memory_mib=32, max_connections=1000),
+    )
+    assert check_budget(small) == []
+
+
+def test_process_memory_reads_this_process() -> None:
+    memory = process_memory(os.getpid())
+    assert memory is not None
+    assert 0 < memory.rss_anon < memory.rss_peak
+    assert memory.rss_file > 0
+    assert process_memory(2**22 + 12345) is None  # no such process
