@@ -1,9 +1,9 @@
 """Client commands of ``headwater``: stream, append, read, tail, sql, bench.
 
-Every command talks to a running server through the SDK (``--server``, ``--token``,
-``--tenant``; ``--tls``, ``--ca-file``, ``--cert``, ``--key`` for TLS). An unreachable
-server is one line on stderr and exit status 2; an error answered by the server is one
-line and exit status 1.
+Every command talks to a running server through the SDK, with the connection options of
+:mod:`headwater.cli.connection` (``--server``, ``--token``, ``--tenant``, TLS,
+``--profile``). An unreachable server is one line on stderr and exit status 2; an error
+answered by the server is one line and exit status 1. docs/cli.md is the reference.
 """
 
 from __future__ import annotations
