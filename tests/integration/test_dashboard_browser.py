@@ -25,6 +25,7 @@ from servers import LOCAL, serving
 import headwater
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.fields import FieldType
+from waiting import wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -194,14 +195,28 @@ def test_dashboard_actions(
             events = iter(sub)
             for _ in range(20):
                 next(events)
+        # Idle (the server has seen the subscription end), so the page can reset it.
+        wait_until(
+            lambda: (
+                not [
+                    g
+                    for g in http_json(server, "/api/consumer-groups")[1]["groups"]
+                    if g["stream"] == source and g["active"]
+                ]
+            ),
+            message="the group never went idle",
+        )
         tab.goto(f"http://127.0.0.1:{server['http']}/")
         tab.locator("#chart-events[data-history-points]").wait_for(state="attached")
 
-        # History: appends after the page loaded are in the server's hour after a reload.
+        # History: appends and reads after the page loaded are in the server's hour after
+        # a reload.
         client.append(source, [b"{}"] * 10)
+        assert len(http_json(server, f"/api/streams/{source}/events?limit=5")[1]["events"]) == 5
         tab.reload()
         tab.wait_for_function(
             "() => Number(document.querySelector('#chart-events').dataset.historyPeak) > 0"
+            " && Number(document.querySelector('#chart-reads').dataset.peak) > 0"
         )
 
         # The connections card lists every listener with a connection, none cut off.
@@ -300,10 +315,10 @@ def test_dashboard_actions(
         tab.fill("#tail-filter", "user.id=42")
         tab.locator("#tail-filter-info", has_text="1 of 2 rows match").wait_for()
         assert visible_offsets(tab) == [0]
-        for typed in ('{"user": {"id": 7}}', '{"user": {"id": 42}, "again": true}'):
+        for offset, typed in ((2, '{"user": {"id": 7}}'), (3, '{"user": {"id": 42}, "b": 1}')):
             tab.fill("#produce-value", typed)
             tab.click("#produce-send")
-        tab.locator('#tail-table tbody tr[data-offset="3"]').wait_for()
+            tab.locator(f'#tail-table tbody tr[data-offset="{offset}"]').wait_for(state="attached")
         assert visible_offsets(tab) == [3, 0]  # offset 2 (id 7) arrived, hidden
         tab.fill("#tail-filter", "PLAIN")
         assert visible_offsets(tab) == [1]

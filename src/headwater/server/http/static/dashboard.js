@@ -7,6 +7,7 @@
   const CHART_SPAN_MS = 3600000; // the charts show the last hour
   const HISTORY_POINTS = CHART_SPAN_MS / POLL_MS; // the page's own 2 s samples, an hour of them
   const SQL_ROWS = 1000;
+  const HISTORY_REFRESH_MS = 30000; // the per-minute charts (reads, errors) come from the server
   const TAIL_ROWS = 200;
   const TAIL_BACKFILL = 20;
   const KIND_ROWS = 500;
@@ -20,6 +21,7 @@
     previous: null, // the last poll's per-stream counters, for rates
     history: [], // {t, events, bytes} per poll
     serverHistory: [], // {t, events, bytes} per minute before the page opened (/api/history)
+    minutes: [], // {t, reads, errors} per minute (/api/history, refreshed)
     streamRates: new Map(),
   };
 
@@ -258,8 +260,15 @@
         events: p.events_per_s,
         bytes: p.bytes_per_s,
       }));
+      state.minutes = answer.points.map((p) => ({
+        t: Math.min(now, p.t_ms + (answer.interval_s * 1000) / 2),
+        reads: p.reads_per_s,
+        errors: p.errors_per_s,
+      }));
       canvas.dataset.historyPoints = String(answer.points.length);
       canvas.dataset.historyPeak = String(Math.max(0, ...answer.points.map((p) => p.events_per_s)));
+      $("chart-reads").dataset.peak = String(Math.max(0, ...answer.points.map((p) => p.reads_per_s)));
+      $("chart-errors").dataset.peak = String(Math.max(0, ...answer.points.map((p) => p.errors_per_s)));
       drawCharts();
     } catch (err) {
       canvas.dataset.historyError = err.message;
@@ -276,6 +285,15 @@
     if (last) {
       $("chart-events-now").textContent = compact(last.events) + " events/s now";
       $("chart-bytes-now").textContent = bytes(last.bytes) + "/s on disk now";
+    }
+    const reads = state.minutes.map((m) => ({ t: m.t, v: m.reads }));
+    const errors = state.minutes.map((m) => ({ t: m.t, v: m.errors }));
+    drawChart($("chart-reads"), reads, "#8250df", "rgba(130,80,223,0.12)", compact, 9, niceMax);
+    drawChart($("chart-errors"), errors, "#c62828", "rgba(198,40,40,0.10)", compact, 0.9, niceMax);
+    const minute = state.minutes[state.minutes.length - 1];
+    if (minute) {
+      $("chart-reads-now").textContent = compact(minute.reads) + " events/s this minute";
+      $("chart-errors-now").textContent = compact(minute.errors) + " errors/s this minute, every tenant";
     }
   }
 
@@ -603,7 +621,8 @@
       const answer = await api("/api/streams/" + encodeURIComponent(current.name) + "/events", "POST", [producedEvent(text)]);
       status.textContent = "appended at offset " + grouped(answer.base_offset);
       status.dataset.offset = String(answer.base_offset);
-      $("produce-value").value = "";
+      // Cleared unless something else was typed meanwhile.
+      if ($("produce-value").value === text) $("produce-value").value = "";
     } catch (err) {
       status.textContent = "not appended: " + err.message;
     }
@@ -1049,6 +1068,7 @@
     loadHistory();
     poll();
     setInterval(poll, POLL_MS);
+    setInterval(loadHistory, HISTORY_REFRESH_MS);
     drawCharts();
   });
 })();
