@@ -178,6 +178,7 @@ def test_kind_changelog_stream_resumes_from_its_checkpoint(
             "deleted",
             "temp",
             "field_deleted",
+            "entity_key",
         ]
         _run_available_now(df, out, checkpoint)
         first = spark.read.parquet(str(out)).orderBy("version").collect()
