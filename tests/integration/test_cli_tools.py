@@ -109,6 +109,7 @@ def test_stream_create_with_settings(
             *("stream", "create", name, "--server", server.address),
             *("--retention-ms", "3600000", "--sync", "interval:50"),
             *("--cleanup-policy", "compact", "--segment-bytes", "1048576"),
+            *("--compression", "zstd"),
             env=env,
         )
     )
@@ -116,8 +117,8 @@ def test_stream_create_with_settings(
     assert "cleanup_policy=compact" in created and "retention_ms=3600000" in created
     described = ok(cli("stream", "describe", name, "--server", server.address, env=env))
     assert (
-        "cleanup_policy=compact, retention_ms=3600000, segment_bytes=1048576, "
-        "sync=interval:50" in described
+        "cleanup_policy=compact, compression=zstd, retention_ms=3600000, "
+        "segment_bytes=1048576, sync=interval:50" in described
     )
     again = failed(
         cli("stream", "create", name, "--retention-ms", "5", "--server", server.address, env=env),

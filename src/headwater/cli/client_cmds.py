@@ -210,6 +210,7 @@ STREAM_SETTINGS = (
     "retention_bytes",
     "cleanup_policy",
     "delete_retention_ms",
+    "compression",
 )
 
 
@@ -730,6 +731,12 @@ def add_client_commands(sub: Any) -> None:
         type=non_negative,
         default=None,
         help="with compact: how long a tombstone is kept",
+    )
+    settings.add_argument(
+        "--compression",
+        choices=("none", "zstd", "lz4"),
+        default=None,
+        help="how sealed segments are compressed",
     )
     settings.add_argument(
         "--segment-bytes", type=positive, default=None, help="roll a segment at this size"
