@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean system-deps
+.PHONY: run test lint typecheck pytest bench clean system-deps rivven-proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# Rewrite protocols/rivven/rivven_pb2.py(i) from rivven.proto after editing the schema
+# (tests/conformance/test_rivven_vectors.py fails while they disagree).
+rivven-proto: $(STAMP)
+	$(BIN)/python -m headwater.protocols.rivven.regenerate
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
