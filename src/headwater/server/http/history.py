@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("headwater.http")
 
 MINUTES = 60  # the last hour, one point a minute
-SAMPLE_SECONDS = 5.0
+# Each sample reads every stream's end offset and size (about 5 us a stream: 10 ms of the
+# event loop for 2,000 streams), as a /metrics scrape does; every 15 s keeps that small.
+SAMPLE_SECONDS = 15.0
 # Per tenant and finished minute: the busiest streams keep their own series.
 TOP_STREAMS = 10
 
