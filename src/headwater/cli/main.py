@@ -88,11 +88,29 @@ def with_listen_overrides(
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from headwater.storage.check import check_data_dir, check_metadata
+    from headwater.errors import StorageError
+    from headwater.storage.metadata import DataDirLock
 
     if not args.data_dir.is_dir():
         err.print(f"[red]error:[/] {args.data_dir} is not a directory")
         return 2
+    lock = DataDirLock(args.data_dir)
+    if args.repair:  # rebuilding files under a running server would race it
+        try:
+            lock.acquire()
+        except StorageError as exc:
+            err.print(f"[red]error:[/] --repair needs the server stopped: {exc.message}")
+            return 2
+    try:
+        return _check(args)
+    finally:
+        lock.release()
+
+
+def _check(args: argparse.Namespace) -> int:
+    from headwater.sql.check import verify_projections
+    from headwater.storage.check import check_data_dir, check_metadata
+
     metadata_problems = check_metadata(args.data_dir)
     reports = check_data_dir(args.data_dir)
     table = Table(title=f"headwater check {args.data_dir}")
@@ -121,15 +139,39 @@ def cmd_check(args: argparse.Namespace) -> int:
     for found in metadata_problems:
         rel = found.path.relative_to(args.data_dir)
         out.print(f"{rel}: {found.problem}", soft_wrap=True, highlight=False, markup=False)
-    if damaged or metadata_problems:
+    # SQL projection files against the log (after the log itself: a damaged segment's
+    # events are not held against a file).
+    projections = verify_projections(args.data_dir, repair=args.repair) if not damaged else []
+    unrepaired = 0
+    for report in projections:
+        rel = report.stream_dir.relative_to(args.data_dir)
+        for problem in report.problems:
+            out.print(
+                f"{rel}/projection-0: {problem}", soft_wrap=True, highlight=False, markup=False
+            )
+        for fixed in report.repaired:
+            out.print(
+                f"{rel}/projection-0: repaired: {fixed}",
+                soft_wrap=True,
+                highlight=False,
+                markup=False,
+            )
+        unrepaired += bool(report.problems) and not report.repaired
+    if damaged or metadata_problems or unrepaired:
         if damaged:
             out.print(f"[red]{damaged} of {segments} segments damaged[/]")
         if metadata_problems:
             out.print(f"[red]{len(metadata_problems)} metadata problems[/]")
+        if unrepaired:
+            out.print(
+                f"[red]{unrepaired} streams' SQL projection files do not match the log[/] "
+                "(stop the server and run with --repair to rebuild them)"
+            )
         return 1
+    files = sum(r.files for r in projections)
     out.print(
         f"[green]{segments} segments in {len(reports)} partitions: all CRCs and indexes ok; "
-        "metadata ok[/]"
+        f"metadata ok; {files} SQL projection files match the log[/]"
     )
     return 0
 
@@ -158,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="verify every CRC and index of a data directory")
     check.add_argument("data_dir", type=Path)
+    check.add_argument(
+        "--repair",
+        action="store_true",
+        help="rebuild SQL projection files that do not match the log (server stopped)",
+    )
     check.set_defaults(func=cmd_check)
 
     add_backup_command(sub)

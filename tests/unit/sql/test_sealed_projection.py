@@ -351,3 +351,43 @@ def test_tails_past_their_budget_are_sealed_early(
             assert projection_of(sql, "a").files == a.files
 
     asyncio.run(main())
+
+
+def test_headwater_check_reports_and_repairs_projection_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headwater.cli.main import main
+
+    async def write() -> None:
+        async with running(tmp_path) as (engine, sql):
+            await fill(engine)
+            await sql.query(0, "SELECT 1 FROM s")
+
+    asyncio.run(write())
+    assert main(["check", str(tmp_path)]) == 0
+    assert "SQL projection files match the log" in capsys.readouterr().out
+    (report,) = [r for r in verify_projections(tmp_path) if r.name == "s"]
+    files = [p for _, _, p in list_sealed(projection_directory(report.stream_dir))]
+    files[1].unlink()
+    assert main(["check", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "logged but in no file" in out and "--repair" in out
+    assert main(["check", "--repair", str(tmp_path)]) == 0
+    assert "repaired" in capsys.readouterr().out
+    assert files[1].exists()
+    assert main(["check", str(tmp_path)]) == 0
+
+
+def test_headwater_check_repair_refuses_a_running_servers_data_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from headwater.cli.main import main
+    from headwater.storage.metadata import DataDirLock
+
+    lock = DataDirLock(tmp_path)
+    lock.acquire()  # as a running server holds it
+    try:
+        assert main(["check", "--repair", str(tmp_path)]) == 2
+        assert "needs the server stopped" in capsys.readouterr().err
+    finally:
+        lock.release()
