@@ -105,7 +105,7 @@ def test_entity_get(server: Server, name: str, sdk_cli_env: dict[str, str]) -> N
     raw = "0x" + entities.entity_id("lab-1").hex()
     assert json.loads(ok(run(server, "entity", "get", name, raw, "--json", env=sdk_cli_env))) == doc
     missing = failed(run(server, "entity", "get", name, "nobody", env=sdk_cli_env), 1)
-    assert "ENTITY_NOT_FOUND" in missing and "nobody" in missing
+    assert "EntityNotFound" in missing and "nobody" in missing
     no_kind = failed(run(server, "entity", "get", name + "_x", "a", env=sdk_cli_env), 1)
     assert "KindNotFound" in no_kind
 

@@ -81,12 +81,16 @@ def _open_kind(
 @client_command
 def cmd_entity_get(args: argparse.Namespace) -> int:
     from headwater.entities.schema import parse_key
+    from headwater.errors import ErrorName
 
     client, kind = _open_kind(args)
     with client:
         entity = client.get(kind, parse_key(args.id))
     if entity is None:
-        return fail(f"ENTITY_NOT_FOUND: kind {args.kind} has no entity {args.id!r}", EXIT_NOT_FOUND)
+        return fail(
+            f"{ErrorName.ENTITY_NOT_FOUND}: kind {args.kind} has no entity {args.id!r}",
+            EXIT_NOT_FOUND,
+        )
     if args.json:
         sys.stdout.write(json.dumps(entity_json(entity)) + "\n")
         return 0
