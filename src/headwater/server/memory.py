@@ -9,9 +9,13 @@ buffers and the caches; docs/operations.md ("Memory") says how each scales.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import pyarrow as pa
 
 from headwater.server.config import ServerConfig
 
@@ -28,6 +32,46 @@ READ_CHUNK_MIB = 8
 # An open connection's share: transport buffers, protocol state and a write queue
 # that backpressure keeps to about this (an estimate for a connection in normal use).
 CONNECTION_KIB = 16
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+# Blocks this large or larger (read chunks, decompressed frames, responses) are mapped
+# for themselves and unmapped when freed.
+MMAP_THRESHOLD = 256 << 10
+ARENA_MAX = 2
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory from staying resident (glibc; False where there is none).
+
+    glibc raises its mmap threshold each time a large mapped block is freed (up to 32
+    MiB), after which blocks of that size come from the heap, and each thread that
+    allocates gets an arena of its own (up to 8 per core) that rarely gives pages back:
+    with reads of 8 MiB chunks in eight I/O threads and projections built in others, a
+    server that had taken 320 MiB of appends and read them back held 923 MiB of RssAnon;
+    with this, 422 MiB. A fixed threshold maps every large block and unmaps it when freed;
+    two arenas bound what the threads' arenas keep; a 1 MiB trim threshold returns a
+    heap's free top. Call before any thread starts."""
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return False
+    try:
+        libc = ctypes.CDLL(path)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc (musl has no mallopt)
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    done &= mallopt(_M_ARENA_MAX, ARENA_MAX)
+    done &= mallopt(_M_TRIM_THRESHOLD, 1 << 20)
+    # Arrow's own pool (mimalloc) keeps freed pages for reuse, resident and anonymous;
+    # the system allocator, tuned as above, gives them back.
+    pa.set_memory_pool(pa.system_memory_pool())
+    return bool(done)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from headwater.server.config import ServerConfig
 from headwater.server.convergedb.listener import start_convergedb
 from headwater.server.http.listener import start_http
 from headwater.server.kimberlite.listener import start_kimberlite
+from headwater.server.memory import tune_malloc
 from headwater.server.postgres.listener import start_postgres
 from headwater.server.ripple.listener import start_ripple
 
@@ -26,6 +27,7 @@ FRONT_ENDS: dict[str, ListenerFactory] = {
 def serve(data_dir: Path, config: ServerConfig, ports_file: Path | None) -> int:
     setup_logging(config.log_level, config.log_format)
     tune_gc()
+    tune_malloc()
     server = Server(data_dir, config, ports_file, FRONT_ENDS)
     try:
         import uvloop

@@ -257,7 +257,10 @@ async def read_events(request: web.Request) -> web.Response:
 
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
-ARROW_MESSAGE_ROWS = 65_536  # rows per IPC message: a few MiB, one write each
+ARROW_MESSAGE_ROWS = 65_536  # rows per IPC message at most, one write each
+# ... and about this many bytes: each message is a copy made to be sent (and may wait in
+# the transport), so its size, not the events', bounds what a range read holds.
+ARROW_MESSAGE_BYTES = 4 << 20
 _ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
 
 
@@ -278,8 +281,11 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     await response.write(memoryview(RANGE_SCHEMA.serialize()))
     rows = value_bytes = 0
     for batch in batches:
-        for first in range(0, batch.num_rows, ARROW_MESSAGE_ROWS):
-            await response.write(memoryview(batch.slice(first, ARROW_MESSAGE_ROWS).serialize()))
+        step = ARROW_MESSAGE_ROWS
+        if batch.num_rows and batch.nbytes > ARROW_MESSAGE_BYTES:
+            step = max(1, min(step, batch.num_rows * ARROW_MESSAGE_BYTES // batch.nbytes))
+        for first in range(0, batch.num_rows, step):
+            await response.write(memoryview(batch.slice(first, step).serialize()))
         rows += batch.num_rows
         value_bytes += pc.sum(pc.binary_length(batch.column("data"))).as_py() or 0
     await response.write(_ARROW_END)
