@@ -143,20 +143,20 @@ def _check(args: argparse.Namespace) -> int:
     # events are not held against a file).
     projections = verify_projections(args.data_dir, repair=args.repair) if not damaged else []
     unrepaired = 0
-    for report in projections:
-        rel = report.stream_dir.relative_to(args.data_dir)
-        for problem in report.problems:
+    for projection in projections:
+        rel = projection.stream_dir.relative_to(args.data_dir)
+        for problem in projection.problems:
             out.print(
                 f"{rel}/projection-0: {problem}", soft_wrap=True, highlight=False, markup=False
             )
-        for fixed in report.repaired:
+        for fixed in projection.repaired:
             out.print(
                 f"{rel}/projection-0: repaired: {fixed}",
                 soft_wrap=True,
                 highlight=False,
                 markup=False,
             )
-        unrepaired += bool(report.problems) and not report.repaired
+        unrepaired += bool(projection.problems) and not projection.repaired
     if damaged or metadata_problems or unrepaired:
         if damaged:
             out.print(f"[red]{damaged} of {segments} segments damaged[/]")
