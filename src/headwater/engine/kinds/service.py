@@ -383,7 +383,7 @@ class KindsEngine:
             sync=self.engine.config.sync,
         )
         plog = PartitionLog.open(Path(directory), config, self.engine.files)
-        store = KindStore.open(Path(kind_dir) / STORE_DIR)
+        store = KindStore.open(Path(kind_dir) / STORE_DIR, sync=config.sync.kind != "none")
         return KindState(
             info, plog, GroupCommitter(plog, self.executor), store, self.config.hot_entities
         )

@@ -124,6 +124,7 @@ class Sources:
                     if source_set & bit and eid not in seen:
                         ids.append(eid)
             if ids:
+                ids.sort()  # a sweep retracts (and versions) in id order, however stored
                 out[kind_id] = ids
         return out
 

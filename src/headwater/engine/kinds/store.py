@@ -12,7 +12,8 @@ the store always reflects exactly one changelog offset.
 Writes run in the engine's worker threads; reads (a cold entity, a scan chunk) from any
 thread, each in its own short read transaction (LMDB readers never wait for the writer).
 LMDB is opened with ``sync`` on and ``metasync`` off: one fdatasync per checkpoint, and a
-machine crash loses at most the last checkpoint, never the store's integrity.
+machine crash loses at most the last checkpoint, never the store's integrity. Under the
+``none`` sync policy (the changelog is not synced either) the store is not synced.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def decode_entity(data: bytes) -> Stored:
 class KindStore:
     """One kind's LMDB store (see the module docstring)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, sync: bool = True) -> None:
         self.directory = directory
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -99,7 +100,7 @@ class KindStore:
                 map_size=MAP_BYTES,
                 max_dbs=2,
                 max_readers=1024,  # a reader per running scan or SQL query
-                sync=True,
+                sync=sync,
                 metasync=False,
                 readahead=False,  # random reads of cold entities: no read-ahead
                 meminit=False,
@@ -110,15 +111,15 @@ class KindStore:
             raise StoreDamaged(f"entity store {directory}: {exc}") from exc
 
     @classmethod
-    def open(cls, directory: Path) -> KindStore:
+    def open(cls, directory: Path, *, sync: bool = True) -> KindStore:
         """Open (creating) the store; one found damaged is deleted and created empty
         (logged), for the changelog to rebuild."""
         try:
-            return cls(directory)
+            return cls(directory, sync=sync)
         except StoreDamaged as exc:
             log.warning("%s: rebuilding it from the changelog", exc)
             shutil.rmtree(directory, ignore_errors=True)
-            return cls(directory)
+            return cls(directory, sync=sync)
 
     def meta(self) -> StoreMeta | None:
         """The last checkpoint; None when there is none (new or unreadable)."""
