@@ -176,12 +176,15 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         response = _with_header(error_response(code, message), correlation_id)
         return Reply(response, self._frame(correlation_id, response))
 
-    def _frame(self, correlation_id: int, response: pb.Response) -> bytes:
+    def _frame(self, correlation_id: int, response: pb.Response, *, own: bool = True) -> bytes:
+        """``response`` framed. The connection's own answers (``own``: errors and the
+        handshake, a few hundred bytes by construction) go out even under a tiny
+        ``max_frame``; the engine's are held to it."""
         return encode_frame(
             WireFormat.PROTOBUF,
             correlation_id,
             response.SerializeToString(),
-            max_frame=self.max_frame,
+            max_frame=max(self.max_frame, MAX_FRAME) if own else self.max_frame,
         )
 
     def send(self, correlation_id: int, response: pb.Response | Message) -> bytes:
@@ -195,7 +198,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
             copy = pb.Response()
             copy.CopyFrom(response)
             response = copy
-        return self._frame(correlation_id, _with_header(response, correlation_id))
+        return self._frame(correlation_id, _with_header(response, correlation_id), own=False)
 
     def send_error(self, correlation_id: int, code: int, message: str) -> bytes:
         """A framed ErrorResponse (``message`` prefixed with the code's name)."""
