@@ -36,7 +36,7 @@ class SegmentFile:
     """One file the cache may open and close: its path, how to open it, and (while open)
     its descriptor."""
 
-    __slots__ = ("fd", "path", "pins", "retired")
+    __slots__ = ("closed", "fd", "path", "pins", "retired")
 
     def __init__(self, path: Path, fd: int = -1) -> None:
         self.path = path
@@ -45,6 +45,9 @@ class SegmentFile:
         # No longer reopened from its path (deleted, or replaced by a compacted file):
         # the descriptor it still holds is the only way to the old bytes.
         self.retired = False
+        # Closed for good (FileCache.close): the last pin's release closes the descriptor.
+        # A retired file that is not closed stays open between pins, for its readers.
+        self.closed = False
 
     def __repr__(self) -> str:
         return f"SegmentFile({self.path.name}, fd={self.fd}, pins={self.pins})"
@@ -111,7 +114,7 @@ class FileCache:
         with self._lock:
             handle.pins -= 1
             if handle.retired:
-                if handle.pins == 0 and handle.fd >= 0:
+                if handle.closed and handle.pins == 0 and handle.fd >= 0:
                     self._close(handle)
             elif self.capacity is not None and len(self._open) > self.capacity:
                 self._evict()
@@ -133,7 +136,7 @@ class FileCache:
     def close(self, handle: SegmentFile) -> None:
         """Close for good (the segment is closed); a pinned file closes when released."""
         with self._lock:
-            handle.retired = True
+            handle.retired = handle.closed = True
             self._open.pop(handle, None)
             if handle.pins == 0 and handle.fd >= 0:
                 self._close(handle)

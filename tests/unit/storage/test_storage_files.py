@@ -85,6 +85,24 @@ def test_a_retired_file_keeps_its_old_bytes_after_its_path_is_replaced(tmp_path:
         pass
 
 
+def test_a_retired_file_stays_open_for_every_read_until_closed(tmp_path: Path) -> None:
+    # A reader holding a segment that retention retired reads it a batch at a time: the
+    # first read's release must not close the file under the reads that follow.
+    files = FileCache(4)
+    path = tmp_path / "seg.log"
+    handle = files.create(path)
+    with files.pinned(handle) as fd:
+        os.pwrite(fd, b"old bytes", 0)
+    files.retire(handle)
+    path.unlink()  # as retention does after retiring
+    for _read in range(3):
+        with files.pinned(handle) as fd:
+            assert os.pread(fd, 9, 0) == b"old bytes"
+    baseline = open_fds()
+    files.close(handle)
+    assert open_fds() == baseline - 1
+
+
 def test_concurrent_writes_of_one_metadata_file_never_collide(tmp_path: Path) -> None:
     path = tmp_path / "tenant.json"
     errors: list[BaseException] = []
