@@ -426,6 +426,15 @@ class GroupCoordinator:
             raise RebalanceInProgress(f"group {group_id!r} is rebalancing: sync first")
         member.deadline_ms = self.clock() + member.session_timeout_ms
 
+    def partitions_changed(self, stream: str) -> None:
+        """A stream's partition count changed (it grew): every group consuming it
+        rebalances, its members learning so from their next heartbeat."""
+        now = self.clock()
+        for group in self.groups.values():
+            settled = group.state in (GroupState.STABLE, GroupState.COMPLETING_REBALANCE)
+            if settled and any(stream in m.streams for m in group.members.values()):
+                self._prepare_rebalance(group, now)
+
     def describe(self, group_id: str) -> GroupDescription:
         return self._group(group_id).describe()
 
