@@ -28,6 +28,8 @@ from headwater.engine.engine import (
     MAX_APPEND_EVENTS,
     Engine,
     EngineConfig,
+    PartitionedAppend,
+    PartitionInfo,
     Stream,
     StreamInfo,
     StreamSettings,
@@ -56,7 +58,7 @@ from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
-from headwater.storage.batch import EventColumns
+from headwater.storage.batch import EventColumns, Headers
 from headwater.storage.log import AppendInfo, ReadResult
 
 if TYPE_CHECKING:
@@ -80,6 +82,8 @@ __all__ = [
     "GroupLag",
     "KindStats",
     "OnClose",
+    "PartitionInfo",
+    "PartitionedAppend",
     "Principal",
     "QueryResult",
     "ReadResult",
@@ -175,17 +179,24 @@ class EngineAPI:
 
     Operations the engine's services already offer in the shape a front end needs are
     handed out as they are (bound in ``__post_init__``: ``list_streams``,
-    ``create_stream``, ``delete_stream``, ``append``, ``append_encoded``,
-    ``offset_for_timestamp``, ``sync_tenant``, ``subscribe``, ``grant``, ``query``,
-    ``query_at``, ``stream_range``); the methods below are what the API adds: plain values
-    instead of live engine objects, and the checks every front end would otherwise
-    repeat. The services themselves stay private.
+    ``create_stream``, ``delete_stream``, ``alter_partitions``, ``append``,
+    ``append_encoded``, ``append_partitioned``, ``offset_for_timestamp``,
+    ``sync_tenant``, ``subscribe``, ``grant``, ``query``, ``query_at``, ``stream_range``);
+    the methods below are what the API adds: plain values instead of live engine
+    objects, and the checks every front end would otherwise repeat. The services
+    themselves stay private.
+
+    Streams have partitions: ``append``, ``append_encoded``, ``read``, ``stream_end`` and
+    ``offset_for_timestamp`` take ``partition`` (0 when not named, so front ends that
+    know one partition keep working); ``append_partitioned`` places each event by the
+    stream's partitioner (explicit, Kafka's murmur2 of the key, sticky when keyless).
 
     With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
-    ``read``, ``create_stream``, ``delete_stream``, ``query``, ``query_at`` and
-    ``stream_range`` count what they serve and hold the answer back past a rate, and
-    subscription pushes wait before the next one (:mod:`headwater.api.quotas`); without
-    any quota they are the engine's own, untouched."""
+    ``append_partitioned``, ``read``, ``create_stream``, ``delete_stream``, ``query``,
+    ``query_at`` and ``stream_range`` count what they serve and hold the answer back past
+    a rate, and subscription pushes wait before the next one
+    (:mod:`headwater.api.quotas`); without any quota they are the engine's own,
+    untouched."""
 
     _engine: Engine
     _subscriptions: Subscriptions
@@ -200,8 +211,10 @@ class EngineAPI:
         self.list_streams = engine.list_streams
         self.create_stream = engine.create_stream
         self.delete_stream = engine.delete_stream
+        self.alter_partitions = engine.alter_partitions
         self.append = engine.append
         self.append_encoded = engine.append_encoded
+        self.append_partitioned = engine.append_partitioned
         self.offset_for_timestamp = engine.offset_for_timestamp
         self.sync_tenant = engine.sync_tenant
         # subscriptions
@@ -216,6 +229,7 @@ class EngineAPI:
             self.delete_stream = self._throttled_delete_stream
             self.append = self._throttled_append
             self.append_encoded = self._throttled_append_encoded
+            self.append_partitioned = self._throttled_append_partitioned
             self.query = self._throttled_query
             self.query_at = self._throttled_query_at
             self.stream_range = self._throttled_stream_range
@@ -301,9 +315,9 @@ class EngineAPI:
     def stream_name(self, tenant_id: int, stream_id: int) -> str:
         return self._engine.stream(tenant_id, stream_id).name
 
-    def stream_end(self, tenant_id: int, stream_id: int) -> int:
-        """The committed end offset (the next offset an append gets)."""
-        return self._engine.stream(tenant_id, stream_id).log.committed_offset
+    def stream_end(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
+        """A partition's committed end offset (the next offset an append to it gets)."""
+        return self._engine.stream(tenant_id, stream_id).partition_log(partition).committed_offset
 
     async def read(
         self,
@@ -313,21 +327,33 @@ class EngineAPI:
         max_bytes: int,
         *,
         max_events: int | None = None,
+        partition: int = 0,
     ) -> ReadResult:
-        """Committed events from ``from_offset`` as stored batches. InvalidOffset when
-        retention removed ``from_offset``."""
-        start = self._engine.stream(tenant_id, stream_id).log.start_offset
+        """Committed events of one partition (0 unless named) from ``from_offset`` as
+        stored batches. InvalidOffset when retention removed ``from_offset``."""
+        start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
+            where = f"partition {partition}" if partition else "the stream"
             raise InvalidOffset(
-                f"offset {from_offset} was removed by retention; the stream starts at {start}"
+                f"offset {from_offset} was removed by retention; {where} starts at {start}"
             )
         if not self.quotas.enabled:
             return await self._engine.read(
-                tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
+                tenant_id,
+                stream_id,
+                from_offset,
+                max_bytes,
+                max_events=max_events,
+                partition=partition,
             )
         try:
             result = await self._engine.read(
-                tenant_id, stream_id, from_offset, max_bytes, max_events=max_events
+                tenant_id,
+                stream_id,
+                from_offset,
+                max_bytes,
+                max_events=max_events,
+                partition=partition,
             )
         except HeadwaterError:
             await self.quotas.throttle(tenant_id, requests=1)
@@ -375,11 +401,17 @@ class EngineAPI:
         values: Sequence[bytes],
         *,
         timestamp_ms: int | None = None,
+        partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         try:
             info = await self._engine.append(
-                tenant_id, stream_id, values, timestamp_ms=timestamp_ms, **columns
+                tenant_id,
+                stream_id,
+                values,
+                timestamp_ms=timestamp_ms,
+                partition=partition,
+                **columns,
             )
         except HeadwaterError:
             await self.quotas.throttle(tenant_id, requests=1)
@@ -396,6 +428,7 @@ class EngineAPI:
         *,
         value_bytes: int | None = None,
         timestamp_ms: int | None = None,
+        partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         try:
@@ -406,6 +439,7 @@ class EngineAPI:
                 count,
                 value_bytes=value_bytes,
                 timestamp_ms=timestamp_ms,
+                partition=partition,
                 **columns,
             )
         except HeadwaterError:
@@ -415,6 +449,35 @@ class EngineAPI:
         produced = len(values_section) - 8 * count if value_bytes is None else value_bytes
         await self.quotas.throttle(tenant_id, produce=produced, requests=1)
         return info
+
+    async def _throttled_append_partitioned(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values: Sequence[bytes],
+        *,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Headers] | None = None,
+        partitions: Sequence[int | None] | None = None,
+        timestamps: Sequence[int | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+    ) -> PartitionedAppend:
+        try:
+            placed = await self._engine.append_partitioned(
+                tenant_id,
+                stream_id,
+                values,
+                keys=keys,
+                headers=headers,
+                partitions=partitions,
+                timestamps=timestamps,
+                tombstones=tombstones,
+            )
+        except HeadwaterError:
+            await self.quotas.throttle(tenant_id, requests=1)
+            raise
+        await self.quotas.throttle(tenant_id, produce=sum(map(len, values)), requests=1)
+        return placed
 
     async def _throttled_create_stream(
         self,

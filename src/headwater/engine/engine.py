@@ -21,7 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Unpack
 
+import numpy as np
+
 from headwater.engine.names import check_name
+from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
     InvalidRequest,
     StorageError,
@@ -30,7 +33,7 @@ from headwater.errors import (
     StreamQuotaExceeded,
     TenantNotFound,
 )
-from headwater.storage.batch import HEADER_SIZE, Event, EventColumns, encode_values
+from headwater.storage.batch import HEADER_SIZE, Event, EventColumns, Headers, encode_values
 from headwater.storage.compression import check_compression
 from headwater.storage.files import DEFAULT_OPEN_FILES, FileCache
 from headwater.storage.group_commit import GroupCommitter
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 
 MAX_APPEND_EVENTS = 10_000
 MAX_APPEND_BYTES = 4 << 20
+MAX_PARTITIONS = 1024
+TIMESTAMP_TYPES = ("CreateTime", "LogAppendTime")
 STREAM_META = "stream.json"
 TENANT_META = "tenant.json"
 
@@ -109,6 +114,12 @@ class StreamSettings:
     cleanup_policy: str = "delete"
     delete_retention_ms: int | None = None
     compression: str | None = None
+    # CreateTime: an event keeps the producer's timestamp (the broker's clock when it
+    # gives none); LogAppendTime: the broker's clock always, as Kafka's topic setting.
+    timestamp_type: str = "CreateTime"
+    # Asked for at creation (None: 1) and by alter_partitions; stream.json keeps the
+    # count at its top level ("partitions"), not among the settings.
+    partitions: int | None = None
 
     def log_config(self, defaults: EngineConfig) -> LogConfig:
         def pick(value: Any, default: Any) -> Any:
@@ -144,6 +155,10 @@ class StreamSettings:
             raise InvalidRequest("sync must be a string: fsync, none or interval:<ms>")
         if not isinstance(self.cleanup_policy, str):
             raise InvalidRequest("cleanup_policy must be 'delete' or 'compact'")
+        if self.timestamp_type not in TIMESTAMP_TYPES:
+            raise InvalidRequest("timestamp_type must be 'CreateTime' or 'LogAppendTime'")
+        if self.partitions is not None:
+            check_partition_count(self.partitions)
         if self.compression is not None:
             try:
                 check_compression(self.compression)
@@ -166,8 +181,28 @@ class StreamSettings:
             raise InvalidRequest(str(exc)) from None
 
 
+def check_partition_count(count: object) -> int:
+    """``count`` as a stream's partition count: an integer from 1 to MAX_PARTITIONS."""
+    if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_PARTITIONS:
+        raise InvalidRequest(f"partitions must be an integer from 1 to {MAX_PARTITIONS}")
+    return count
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    partition: int
+    start_offset: int
+    next_offset: int  # committed end: the next offset an append to it gets
+    size_bytes: int
+    segments: int
+
+
 @dataclass(frozen=True)
 class StreamInfo:
+    """A stream as front ends show it. ``start_offset`` and ``next_offset`` are partition
+    0's (what single-partition clients read); ``size_bytes`` and ``segments`` add up every
+    partition; ``partition_info`` has each partition's own."""
+
     tenant_id: int
     stream_id: int
     name: str
@@ -178,38 +213,91 @@ class StreamInfo:
     segments: int
     settings: StreamSettings
     sync: str
+    partitions: int = 1
+    partition_info: tuple[PartitionInfo, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartitionedAppend:
+    """Where each event of a partitioned append went: ``partitions[i]`` and
+    ``offsets[i]`` for event i, and the tenant log positions each partition's events
+    got (``appends``: one AppendInfo per batch written, in partition order)."""
+
+    partitions: list[int]
+    offsets: list[int]
+    timestamps: list[int]
+    appends: list[tuple[int, AppendInfo]]
 
 
 @dataclass(eq=False)
 class Stream:
-    """One stream: a single partition log in this version (``partition-0``)."""
+    """One stream: ``partition_logs[n]`` is ``partition-<n>/``, each with its own group
+    committer. ``log`` and ``committer`` are partition 0's, what every front end that
+    predates partitions reads and appends to."""
 
     tenant: Tenant = field(repr=False)
     stream_id: int
     name: str
     created_ns: int
     settings: StreamSettings
-    log: PartitionLog = field(repr=False)
-    committer: GroupCommitter = field(repr=False)
+    partition_logs: list[PartitionLog] = field(repr=False)
+    committers: list[GroupCommitter] = field(repr=False)
     deleted: bool = False
     delete_listeners: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # Told (with the new count) after alter_partitions added partitions.
+    partition_listeners: list[Callable[[int], None]] = field(default_factory=list, repr=False)
+    # Sticky partitioning of keyless events (the broker's, for producers that name none).
+    partitioner: Partitioner = field(default_factory=Partitioner, repr=False)
+    alter_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    @property
+    def log(self) -> PartitionLog:
+        return self.partition_logs[0]
+
+    @property
+    def committer(self) -> GroupCommitter:
+        return self.committers[0]
+
+    @property
+    def partitions(self) -> int:
+        return len(self.partition_logs)
 
     @property
     def directory(self) -> Path:
         return self.log.directory.parent
 
+    def partition_log(self, partition: int) -> PartitionLog:
+        if not isinstance(partition, int) or not 0 <= partition < len(self.partition_logs):
+            raise InvalidRequest(
+                f"partition {partition} does not exist: stream {self.name!r} has "
+                f"{len(self.partition_logs)} (0..{len(self.partition_logs) - 1})"
+            )
+        return self.partition_logs[partition]
+
     def info(self) -> StreamInfo:
+        parts = tuple(
+            PartitionInfo(
+                partition=n,
+                start_offset=plog.start_offset,
+                next_offset=plog.committed_offset,
+                size_bytes=plog.size_bytes,
+                segments=len(plog.segments),
+            )
+            for n, plog in enumerate(self.partition_logs)
+        )
         return StreamInfo(
             tenant_id=self.tenant.tenant_id,
             stream_id=self.stream_id,
             name=self.name,
             created_ns=self.created_ns,
-            start_offset=self.log.start_offset,
-            next_offset=self.log.committed_offset,
-            size_bytes=self.log.size_bytes,
-            segments=len(self.log.segments),
+            start_offset=parts[0].start_offset,
+            next_offset=parts[0].next_offset,
+            size_bytes=sum(p.size_bytes for p in parts),
+            segments=sum(p.segments for p in parts),
             settings=self.settings,
             sync=str(self.log.config.sync),
+            partitions=len(parts),
+            partition_info=parts,
         )
 
 
@@ -299,7 +387,8 @@ class Engine:
         )
         for tenant in engine.tenants.values():
             for stream in tenant.streams.values():
-                stream.committer.start()
+                for committer in stream.committers:
+                    committer.start()
         interval = engine.config.maintenance_interval_ms
         if interval > 0:
             engine._maintenance = loop.create_task(engine._maintenance_loop(interval / 1000))
@@ -363,7 +452,10 @@ class Engine:
                     stream.stream_id,
                 )
         last_positions = [
-            p for s in tenant.streams.values() if (p := s.log.last_position) is not None
+            p
+            for s in tenant.streams.values()
+            for plog in s.partition_logs
+            if (p := plog.last_position) is not None
         ]
         tenant.next_position = max([tenant.position_floor, *last_positions])
         self.metadata.write(meta_path, tenant.meta)
@@ -373,21 +465,39 @@ class Engine:
         """After a failed open: close what was opened and let the data directory go."""
         for tenant in self.tenants.values():
             for stream in tenant.streams.values():
-                stream.log.close()
+                for plog in stream.partition_logs:
+                    plog.close()
         self._lock.release()
 
     def _open_stream(self, tenant: Tenant, path: Path, meta: dict[str, Any]) -> Stream:
         settings = StreamSettings.from_dict(meta.get("settings", {}))
-        plog = PartitionLog.open(path / "partition-0", settings.log_config(self.config), self.files)
+        count = int(meta.get("partitions", 1))
+        if count < 1:
+            raise StorageError(f"{path / STREAM_META}: partitions {count} (run headwater check)")
+        logs: list[PartitionLog] = []
+        try:
+            for n in range(count):
+                logs.append(self._open_partition(path, n, settings))
+        except BaseException:
+            for plog in logs:
+                plog.close()
+            raise
         return Stream(
             tenant,
             int(meta["id"]),
             str(meta["name"]),
             int(meta["created_ns"]),
             settings,
-            plog,
-            GroupCommitter(plog, self.executor),
+            logs,
+            [GroupCommitter(plog, self.executor) for plog in logs],
         )
+
+    def _open_partition(self, path: Path, partition: int, settings: StreamSettings) -> PartitionLog:
+        # A partition directory missing under a count stream.json gives: created empty
+        # (alter_partitions makes the directories before it writes the count, so only
+        # outside damage takes one away; an empty partition is what it had at most).
+        directory = path / f"partition-{partition}"
+        return PartitionLog.open(directory, settings.log_config(self.config), self.files)
 
     async def close(self) -> None:
         """Graceful stop: refuse new appends, finish in-flight ones, fsync, close."""
@@ -401,8 +511,9 @@ class Engine:
         await self._idle.wait()
         for tenant in self.tenants.values():
             for stream in tenant.streams.values():
-                await stream.committer.aclose()
-                stream.log.close()
+                for committer, plog in zip(stream.committers, stream.partition_logs, strict=True):
+                    await committer.aclose()
+                    plog.close()
         loop = asyncio.get_running_loop()
         for tenant in self.tenants.values():
             await loop.run_in_executor(
@@ -485,12 +596,13 @@ class Engine:
         tenant.next_stream_id += 1
         tenant.reserved_names.add(name)
         tenant.creates_in_flight += 1
+        partitions = settings.partitions or 1
         meta = {
             "id": stream_id,
             "name": name,
             "created_ns": time.time_ns(),
-            "partitions": 1,
-            "settings": {k: v for k, v in asdict(settings).items() if v is not None},
+            "partitions": partitions,
+            "settings": _stored_settings(settings),
         }
         path = tenant.directory / "streams" / str(stream_id)
 
@@ -504,7 +616,8 @@ class Engine:
             # id's record, and a delete writes tenant.json before it removes one.
             building = path.with_name(f".creating-{stream_id}")
             shutil.rmtree(building, ignore_errors=True)
-            (building / "partition-0").mkdir(parents=True)
+            for n in range(partitions):
+                (building / f"partition-{n}").mkdir(parents=True)
             write_json_atomic(building / STREAM_META, meta)
             os.replace(building, path)
             fsync_directory(path.parent)
@@ -522,7 +635,8 @@ class Engine:
         finally:
             tenant.reserved_names.discard(name)
             tenant.creates_in_flight -= 1
-        stream.committer.start()
+        for committer in stream.committers:
+            committer.start()
         tenant.streams[stream_id] = stream
         tenant.by_name[name] = stream_id
         self._fire(self.stream_created_listeners, stream)
@@ -540,8 +654,9 @@ class Engine:
             except Exception:
                 log.exception("stream delete listener failed")
         self._fire(self.stream_deleted_listeners, stream)
-        await stream.committer.aclose()
-        stream.log.close()
+        for committer, plog in zip(stream.committers, stream.partition_logs, strict=True):
+            await committer.aclose()
+            plog.close()
         tenant.position_floor = max(tenant.position_floor, tenant.next_position)
         tomb = stream.directory.with_name(f".deleted-{stream_id}")
 
@@ -554,6 +669,60 @@ class Engine:
         await asyncio.get_running_loop().run_in_executor(self.executor, remove)
         tenant.streams.pop(stream_id, None)
         log.info("deleted stream %s (tenant %d, id %d)", stream.name, tenant_id, stream_id)
+
+    async def alter_partitions(self, tenant_id: int, stream_id: int, partitions: int) -> StreamInfo:
+        """Give a stream ``partitions`` partitions: more than it has adds empty ones, the
+        same count changes nothing, fewer is refused (InvalidRequest), as Kafka's. Events
+        already stored stay where they are; keyed events appended from now on are placed
+        by the new count (so a key's new events may go to another partition)."""
+        check_partition_count(partitions)
+        stream = self.stream(tenant_id, stream_id)
+        self._check_open()
+        have = stream.partitions
+        if partitions < have:
+            raise InvalidRequest(
+                f"stream {stream.name!r} has {have} partitions; partitions can be added, "
+                f"never removed (asked for {partitions})"
+            )
+        if partitions == have:
+            return stream.info()
+        meta = _read_meta(stream.directory / STREAM_META)
+        meta["partitions"] = partitions
+
+        def grow() -> list[PartitionLog]:
+            # The directories first (fsynced), the count last: stream.json's rename is
+            # the commit point, and a crash before it leaves empty directories past the
+            # count that the next alter reuses.
+            logs = [
+                self._open_partition(stream.directory, n, stream.settings)
+                for n in range(have, partitions)
+            ]
+            fsync_directory(stream.directory)
+            write_json_atomic(stream.directory / STREAM_META, meta)
+            return logs
+
+        async with stream.alter_lock:
+            if stream.partitions != have:  # another alter ran meanwhile
+                return await self.alter_partitions(tenant_id, stream_id, partitions)
+            logs = await asyncio.get_running_loop().run_in_executor(self.executor, grow)
+            committers = [GroupCommitter(plog, self.executor) for plog in logs]
+            for committer in committers:
+                committer.start()
+            stream.committers.extend(committers)
+            stream.partition_logs.extend(logs)
+        for listener in list(stream.partition_listeners):
+            try:
+                listener(partitions)
+            except Exception:
+                log.exception("partition listener failed")
+        log.info(
+            "stream %s (tenant %d) now has %d partitions (had %d)",
+            stream.name,
+            tenant_id,
+            partitions,
+            have,
+        )
+        return stream.info()
 
     # ---- appends and reads ----------------------------------------------------------
 
@@ -568,10 +737,12 @@ class Engine:
         values: Sequence[bytes],
         *,
         timestamp_ms: int | None = None,
+        partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
-        """Append a batch of events; returns once they are acknowledged. A ``producer``
-        (id, sequence) among ``columns``: see :meth:`append_idempotent`."""
+        """Append a batch of events to one partition (0 unless named); returns once they
+        are acknowledged. A ``producer`` (id, sequence) among ``columns``: see
+        :meth:`append_idempotent`."""
         return await self.append_encoded(
             tenant_id,
             stream_id,
@@ -579,7 +750,91 @@ class Engine:
             len(values),
             value_bytes=sum(map(len, values)),
             timestamp_ms=timestamp_ms,
+            partition=partition,
             **columns,
+        )
+
+    async def append_partitioned(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values: Sequence[bytes],
+        *,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Headers] | None = None,
+        partitions: Sequence[int | None] | None = None,
+        timestamps: Sequence[int | None] | None = None,
+        tombstones: Sequence[bool] | None = None,
+    ) -> PartitionedAppend:
+        """Append events placed by the stream's partitioner: ``partitions[i]`` when given
+        (it must exist), else Kafka's murmur2 of ``keys[i]``, else the sticky partition of
+        the batch's keyless events. The batch is split by partition in one pass and each
+        partition's events go in one append (one more per change of timestamp within a
+        partition: a stored batch has one timestamp), all written before any is awaited.
+        The whole batch is checked (sizes, partitions) before anything is written; a
+        storage failure part-way may leave some partitions' events stored."""
+        stream = self.stream(tenant_id, stream_id)
+        self._check_open()
+        count = len(values)
+        if not 1 <= count <= MAX_APPEND_EVENTS:
+            raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
+        if sum(map(len, values)) > MAX_APPEND_BYTES:
+            raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+        for name, column in (
+            ("keys", keys),
+            ("headers", headers),
+            ("partitions", partitions),
+            ("timestamps", timestamps),
+            ("tombstones", tombstones),
+        ):
+            if column is not None and len(column) != count:
+                raise InvalidRequest(
+                    f"{name} needs one entry per event ({count}), not {len(column)}"
+                )
+        placed = stream.partitioner.partition(
+            keys if keys is not None else [None] * count, stream.partitions, partitions
+        )
+        now = int(time.time() * 1000)
+        if timestamps is None or stream.settings.timestamp_type == "LogAppendTime":
+            stamped = [now] * count
+        else:
+            stamped = [now if t is None else t for t in timestamps]
+        # Events of one partition in their batch order (a stable sort), cut where the
+        # partition or the timestamp changes: each run is one stored batch.
+        order = np.argsort(placed, kind="stable").tolist()
+        runs: list[list[int]] = []
+        for i in order:
+            if runs and placed[runs[-1][0]] == placed[i] and stamped[runs[-1][0]] == stamped[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+
+        def take(column: Sequence[Any] | None, run: list[int]) -> list[Any] | None:
+            return None if column is None else [column[i] for i in run]
+
+        appends = [
+            self.append(
+                tenant_id,
+                stream_id,
+                [values[i] for i in run],
+                timestamp_ms=stamped[run[0]],
+                partition=int(placed[run[0]]),
+                keys=take(keys, run),
+                headers=take(headers, run) if headers is not None and any(headers) else None,
+                tombstones=take(tombstones, run),
+            )
+            for run in runs
+        ]
+        infos = await asyncio.gather(*appends)
+        offsets = [0] * count
+        for run, info in zip(runs, infos, strict=True):
+            for k, i in enumerate(run):
+                offsets[i] = info.base_offset + k
+        return PartitionedAppend(
+            partitions=placed.tolist(),
+            offsets=offsets,
+            timestamps=_timestamps_by_event(runs, infos, count),
+            appends=[(int(placed[run[0]]), info) for run, info in zip(runs, infos, strict=True)],
         )
 
     async def append_encoded(
@@ -591,43 +846,50 @@ class Engine:
         *,
         value_bytes: int | None = None,
         timestamp_ms: int | None = None,
+        partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
-        wire carries them), without touching each event again."""
+        wire carries them), without touching each event again, to one partition (0
+        unless named). ``timestamp_ms`` is the producer's (CreateTime; None: now); a
+        LogAppendTime stream stores its own clock's instead."""
         producer = columns.get("producer")
         stream = self.stream(tenant_id, stream_id)
+        plog = stream.partition_log(partition)
+        committer = stream.committers[partition]
         self._check_open()
+        if stream.settings.timestamp_type == "LogAppendTime":
+            timestamp_ms = None
         if not 1 <= count <= MAX_APPEND_EVENTS:
             raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
         if payload > MAX_APPEND_BYTES:
             raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
         # A batch never spans segments: refuse before a position is claimed for it.
-        segment_bytes = stream.log.config.segment_bytes
+        segment_bytes = plog.config.segment_bytes
         if HEADER_SIZE + len(values_section) > segment_bytes:
             raise InvalidRequest(
                 f"an append of {len(values_section)} stored bytes does not fit the stream's "
                 f"{segment_bytes}-byte segments (segment_bytes)"
             )
         if producer is not None:
-            stored = stream.log.check_producer(*producer)
+            stored = plog.check_producer(*producer)
             if stored is not None:  # a retry: answer as the first time, append nothing
-                await stream.committer.committed(stored.base_offset + stored.count)
+                await committer.committed(stored.base_offset + stored.count)
                 return AppendInfo(stored.base_offset, stored.count, -1, 0)
         tenant = stream.tenant
         first_position = tenant.claim_positions(count)
         self._inflight_appends += 1
         self._idle.clear()
         try:
-            info = stream.log.append_encoded(
+            info = plog.append_encoded(
                 values_section,
                 count,
                 first_position=first_position,
                 timestamp_ms=timestamp_ms,
                 **columns,
             )
-            await stream.committer.committed(info.next_offset)
+            await committer.committed(info.next_offset)
         finally:
             tenant.release_positions(first_position)
             self._inflight_appends -= 1
@@ -650,10 +912,17 @@ class Engine:
         return await self.append(tenant_id, stream_id, values, producer=(producer_id, sequence))
 
     def read_now(
-        self, tenant_id: int, stream_id: int, from_offset: int, max_bytes: int = 1 << 20
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        max_bytes: int = 1 << 20,
+        *,
+        partition: int = 0,
     ) -> ReadResult:
         """Read on the calling thread (for small reads and worker threads)."""
-        return self.stream(tenant_id, stream_id).log.read(from_offset, max_bytes)
+        plog = self.stream(tenant_id, stream_id).partition_log(partition)
+        return plog.read(from_offset, max_bytes)
 
     async def read(
         self,
@@ -663,42 +932,57 @@ class Engine:
         max_bytes: int = 1 << 20,
         *,
         max_events: int | None = None,
+        partition: int = 0,
     ) -> ReadResult:
-        """Committed events from ``from_offset``. Data in the page cache is read right
-        here on the loop (no-wait reads); anything that would wait for the disk is read
-        in a worker thread."""
-        stream = self.stream(tenant_id, stream_id)
+        """Committed events of one partition (0 unless named) from ``from_offset``. Data
+        in the page cache is read right here on the loop (no-wait reads); anything that
+        would wait for the disk is read in a worker thread."""
+        plog = self.stream(tenant_id, stream_id).partition_log(partition)
         try:
             with no_wait():
-                return stream.log.read(from_offset, max_bytes, max_events=max_events)
+                return plog.read(from_offset, max_bytes, max_events=max_events)
         except WouldBlock:
             pass
         return await asyncio.get_running_loop().run_in_executor(
             self.executor,
-            lambda: stream.log.read(from_offset, max_bytes, max_events=max_events),
+            lambda: plog.read(from_offset, max_bytes, max_events=max_events),
         )
 
     async def read_events(
-        self, tenant_id: int, stream_id: int, from_offset: int, limit: int = 1000
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        limit: int = 1000,
+        *,
+        partition: int = 0,
     ) -> list[Event]:
-        result = await self.read(tenant_id, stream_id, from_offset, 1 << 62, max_events=limit)
+        result = await self.read(
+            tenant_id, stream_id, from_offset, 1 << 62, max_events=limit, partition=partition
+        )
         return list(result.events())
 
     async def offset_for_timestamp(
-        self, tenant_id: int, stream_id: int, timestamp_ms: int
+        self, tenant_id: int, stream_id: int, timestamp_ms: int, *, partition: int = 0
     ) -> int | None:
-        stream = self.stream(tenant_id, stream_id)
+        """The first offset of one partition (0 unless named) whose batch's timestamp is
+        at or after ``timestamp_ms``; None when no committed event is that late."""
+        plog = self.stream(tenant_id, stream_id).partition_log(partition)
         return await asyncio.get_running_loop().run_in_executor(
-            self.executor, stream.log.offset_for_timestamp, timestamp_ms
+            self.executor, plog.offset_for_timestamp, timestamp_ms
         )
 
     async def sync_tenant(self, tenant_id: int) -> None:
-        """fsync every stream of a tenant, whatever its sync policy."""
+        """fsync every partition of every stream of a tenant, whatever its sync policy."""
         loop = asyncio.get_running_loop()
-        streams = [s for s in self.tenant(tenant_id).streams.values() if not s.deleted]
-        await asyncio.gather(
-            *(loop.run_in_executor(self.executor, s.log.sync) for s in streams if not s.log.closed)
-        )
+        logs = [
+            plog
+            for s in self.tenant(tenant_id).streams.values()
+            if not s.deleted
+            for plog in s.partition_logs
+            if not plog.closed
+        ]
+        await asyncio.gather(*(loop.run_in_executor(self.executor, plog.sync) for plog in logs))
 
     # ---- maintenance ----------------------------------------------------------------
 
@@ -709,15 +993,16 @@ class Engine:
         loop = asyncio.get_running_loop()
         for tenant in list(self.tenants.values()):
             for stream in list(tenant.streams.values()):
-                if stream.deleted or stream.log.closed:
-                    continue
-                removed += await loop.run_in_executor(self.executor, stream.log.enforce_retention)
-                if stream.log.config.cleanup_policy == "compact":
-                    result = await loop.run_in_executor(self.executor, stream.log.compact)
-                    compacted += result.events_removed
-                if stream.log.config.compression != "none":
-                    done = await loop.run_in_executor(self.executor, stream.log.compress)
-                    compressed += done.segments_compressed
+                for plog in list(stream.partition_logs):
+                    if stream.deleted or plog.closed:
+                        continue
+                    removed += await loop.run_in_executor(self.executor, plog.enforce_retention)
+                    if plog.config.cleanup_policy == "compact":  # per key, per partition
+                        result = await loop.run_in_executor(self.executor, plog.compact)
+                        compacted += result.events_removed
+                    if plog.config.compression != "none":
+                        done = await loop.run_in_executor(self.executor, plog.compress)
+                        compressed += done.segments_compressed
         return {
             "segments_removed": removed,
             "events_compacted": compacted,
@@ -726,6 +1011,25 @@ class Engine:
 
     async def _maintenance_loop(self, interval: float) -> None:
         await run_every(interval, self.run_maintenance, "maintenance")
+
+
+def _timestamps_by_event(
+    runs: Sequence[Sequence[int]], infos: Sequence[AppendInfo], count: int
+) -> list[int]:
+    """The stored timestamp of each event of a partitioned append (its batch's)."""
+    out = [0] * count
+    for run, info in zip(runs, infos, strict=True):
+        for i in run:
+            out[i] = info.timestamp_ms
+    return out
+
+
+def _stored_settings(settings: StreamSettings) -> dict[str, Any]:
+    """Settings as stream.json keeps them: those set, without the partition count (kept
+    at the top level, where it changes with alter_partitions)."""
+    stored = {k: v for k, v in asdict(settings).items() if v is not None}
+    stored.pop("partitions", None)
+    return stored
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
