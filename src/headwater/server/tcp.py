@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
@@ -199,6 +199,16 @@ class ConnectionGuard:
         self._close()
         # A peer that reads nothing must not hold its socket open through the last word.
         self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
+
+
+DRAIN_TIMEOUT_S = 10.0  # how long a stopping listener waits for requests in flight
+
+
+async def finish_in_flight(tasks: Collection[asyncio.Future[Any]]) -> None:
+    """A listener's ``drain``: let requests already received finish (an append in flight
+    gets its answer) before the connections close, for at most ``DRAIN_TIMEOUT_S``."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
 
 
 async def start_tcp_listener(

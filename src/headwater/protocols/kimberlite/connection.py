@@ -123,21 +123,6 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         payload = encode_read_events_response(request_id, count, chunks, next_offset)
         return encode_frame_chunks(payload)
 
-    def send_subscription_events(
-        self,
-        request_id: int,
-        subscription_id: int,
-        start_offset: int,
-        count: int,
-        chunks: Iterable[Buffer],
-        credits_remaining: int,
-    ) -> list[Buffer]:
-        """A framed SubscriptionEvents push from stored ``u64 len | bytes`` records."""
-        payload = encode_subscription_events(
-            request_id, subscription_id, start_offset, count, chunks, credits_remaining
-        )
-        return encode_frame_chunks(payload)
-
     def send_subscription_pushes(
         self,
         request_id: int,

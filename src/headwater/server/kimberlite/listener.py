@@ -35,7 +35,7 @@ from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, finish_in_flight, start_tcp_listener
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -236,10 +236,7 @@ async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
     connections: set[KimberliteConnection] = set()
 
     async def drain() -> None:
-        # Let requests already received finish (in-flight appends get their answers).
-        pending = [t for c in connections for t in c.tasks]
-        if pending:
-            await asyncio.wait(pending, timeout=10)
+        await finish_in_flight([t for c in connections for t in c.tasks])
 
     return await start_tcp_listener(
         server,

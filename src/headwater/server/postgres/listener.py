@@ -53,7 +53,7 @@ from headwater.protocols.postgres.connection import TENANT
 from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, finish_in_flight, start_tcp_listener
 from headwater.server.tls import context_for
 from headwater.sql.values import Timestamp
 
@@ -418,10 +418,8 @@ async def start_postgres(server: Server, host: str, port: int) -> Listener:
     state = ListenerState(server)
 
     async def drain() -> None:
-        # Let running queries answer (each connection runs at most one).
-        pending = [c.running for c in state.connections if c.running is not None]
-        if pending:
-            await asyncio.wait(pending, timeout=10)
+        # Each connection runs at most one query.
+        await finish_in_flight([c.running for c in state.connections if c.running is not None])
 
     return await start_tcp_listener(
         server,
