@@ -370,6 +370,24 @@ def test_client_ids_wrap_past_u32_and_skip_zero() -> None:
         client.send_request(pb.PingResponse())  # not a request
 
 
+def test_server_refuses_to_send_nothing_or_too_much() -> None:
+    server = ServerConnection(max_frame=64)
+    with pytest.raises(UsageError):
+        server.send(1, pb.Response())  # no answer
+    with pytest.raises(UsageError):
+        server.send(1, pb.PingRequest())  # not a response
+    with pytest.raises(FrameTooLarge):
+        server.send(1, pb.ListTopicsResponse(topics=["t" * 64]))
+    # its own error answers still go out under the tiny limit
+    assert len(server.send_error(1, ErrorCode.TIMEOUT, "x" * 80)) > 64
+    assert error_response_code_name(server.send_error(1, 999, "odd")) == "UNKNOWN: odd"
+
+
+def error_response_code_name(data: bytes) -> str:
+    response = pb.Response.FromString(data[9:])
+    return response.error.message
+
+
 def test_frame_decoder_cuts_bodies() -> None:
     decoder = FrameDecoder()
     decoder.feed(frame(1, b"ab")[:6])

@@ -195,6 +195,8 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         if not isinstance(response, pb.Response):
             response = response_of(response)
         else:
+            if response.WhichOneof("response_type") is None:
+                raise UsageError("the response carries no answer")
             copy = pb.Response()
             copy.CopyFrom(response)
             response = copy

@@ -232,7 +232,10 @@ def response_of(body: Message, *, header: pb.Header | None = None) -> pb.Respons
 def error_response(code: int, message: str) -> pb.Response:
     """An ErrorResponse; the message starts with the code's name (``INVALID_REQUEST:
     ...``), the form Rivven's clients look for, since Rivven itself sends code 1 always."""
-    name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else "UNKNOWN"
+    try:
+        name = ErrorCode(code).name
+    except ValueError:  # a code this schema does not name
+        name = ErrorCode.UNKNOWN.name
     return pb.Response(error=pb.ErrorResponse(code=code, message=f"{name}: {message}"))
 
 
