@@ -1,0 +1,683 @@
+"""Kafka record batches, format v2 (magic 2): the unit a producer sends, a partition
+stores and a fetch returns.
+
+Layout (big-endian), 61 bytes of header then the records (compressed as a whole when the
+codec is not none)::
+
+    0  base offset        int64   rewritten by the broker on append (not under the CRC)
+    8  batch length       int32   bytes after this field
+   12  partition leader   int32   rewritten by the broker (not under the CRC)
+       epoch
+   16  magic              int8    2
+   17  crc                uint32  CRC-32C of every byte from offset 21 to the end
+   21  attributes         int16   bits 0-2 codec, 3 LogAppendTime, 4 transactional,
+                                  5 control, 6 delete horizon set
+   23  last offset delta  int32
+   27  base timestamp     int64
+   35  max timestamp      int64
+   43  producer id        int64   -1 without idempotence
+   51  producer epoch     int16
+   53  base sequence      int32
+   57  records count      int32
+
+Each record: varint length, int8 attributes, varlong timestamp delta, varint offset
+delta, varint key length (-1 null) and key, varint value length (-1 null) and value,
+varint header count, each header a varint-length UTF-8 key and a varint-length value.
+
+What the engine needs from this module, batch at a time:
+
+- :func:`split_batches` cuts a Produce's records field into :class:`RecordBatch` views
+  (refusing magic 0/1, which Produce v3+ may not carry, as Kafka does with
+  INVALID_RECORD; a torn batch is CORRUPT_MESSAGE) and :meth:`RecordBatch.check_crc`
+  checks the CRC-32C without decompressing;
+- :meth:`RecordBatch.validate_for_append` decompresses once and checks what Kafka's log
+  validator checks (record count, offset deltas 0..n-1, lengths), returning the records as
+  columns (:class:`RecordColumns`) should the engine need keys, timestamps or headers;
+- the batch is then stored as it came: :func:`stamp` writes the assigned base offset
+  and partition leader epoch (outside the CRC, so nothing is recomputed) and, for a
+  stream with LogAppendTime, the append time and its attribute bit (the CRC is
+  recomputed); the header gives the producer id, epoch and base sequence for
+  idempotence and the transactional flag;
+- a fetch returns stored batches' bytes untouched; :func:`control_batch` builds the
+  commit/abort markers a transaction ends with, and :func:`build_batch` a batch from
+  records the engine holds in its own form.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import cramjam
+import lz4.frame
+import zstandard
+from crc32c import crc32c
+from kio.schema.errors import ErrorCode
+
+from headwater.engine.kinds.reader import Buffer
+from headwater.errors import ProtocolError
+
+HEADER = struct.Struct(">qiibIhiqqqhii")
+HEADER_SIZE = HEADER.size  # 61
+LENGTH_OFFSET = 8
+EPOCH_OFFSET = 12
+MAGIC_OFFSET = 16
+CRC_OFFSET = 17
+ATTRIBUTES_OFFSET = 21
+MAX_TIMESTAMP_OFFSET = 35
+LOG_OVERHEAD = 12  # base offset and batch length precede what the length counts
+MAGIC = 2
+
+ATTR_CODEC = 0x07
+ATTR_LOG_APPEND_TIME = 0x08
+ATTR_TRANSACTIONAL = 0x10
+ATTR_CONTROL = 0x20
+ATTR_DELETE_HORIZON = 0x40
+
+NO_PRODUCER_ID = -1
+NO_PRODUCER_EPOCH = -1
+NO_SEQUENCE = -1
+
+MAX_DECOMPRESSED = 128 * 1024 * 1024
+"""Default bound on one batch's decompressed records: past it the batch is refused
+(MESSAGE_TOO_LARGE) before more is inflated, so a small batch cannot claim gigabytes."""
+
+
+class Compression(IntEnum):
+    """The codec in a batch's attributes (bits 0-2)."""
+
+    NONE = 0
+    GZIP = 1
+    SNAPPY = 2
+    LZ4 = 3
+    ZSTD = 4
+
+
+class TimestampType(IntEnum):
+    CREATE_TIME = 0
+    LOG_APPEND_TIME = 1
+
+
+class ControlType(IntEnum):
+    """A control record's type (its key's second int16)."""
+
+    ABORT = 0
+    COMMIT = 1
+
+
+class RecordBatchError(ProtocolError):
+    """A batch the broker must refuse, with the Kafka error code its partition gets
+    (CORRUPT_MESSAGE, INVALID_RECORD, MESSAGE_TOO_LARGE...). It concerns that batch's
+    partition alone: the connection goes on."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _corrupt(message: str) -> RecordBatchError:
+    return RecordBatchError(ErrorCode.corrupt_message, message)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchHeader:
+    base_offset: int
+    batch_length: int
+    partition_leader_epoch: int
+    magic: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    base_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    records_count: int
+
+    @property
+    def compression(self) -> int:
+        """The codec number (a :class:`Compression` value when known)."""
+        return self.attributes & ATTR_CODEC
+
+    @property
+    def timestamp_type(self) -> TimestampType:
+        return TimestampType((self.attributes & ATTR_LOG_APPEND_TIME) >> 3)
+
+    @property
+    def is_transactional(self) -> bool:
+        return bool(self.attributes & ATTR_TRANSACTIONAL)
+
+    @property
+    def is_control(self) -> bool:
+        return bool(self.attributes & ATTR_CONTROL)
+
+    @property
+    def last_offset(self) -> int:
+        return self.base_offset + self.last_offset_delta
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record as a producer gives it: offsets and timestamps relative to the batch."""
+
+    offset_delta: int
+    timestamp_delta: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordColumns:
+    """A batch's records as columns, one list per field, in record order."""
+
+    offset_deltas: list[int]
+    timestamp_deltas: list[int]
+    keys: list[bytes | None]
+    values: list[bytes | None]
+    headers: list[tuple[tuple[str, bytes | None], ...]]
+
+    def __len__(self) -> int:
+        return len(self.offset_deltas)
+
+    def rows(self) -> list[Record]:
+        return [
+            Record(*row)
+            for row in zip(
+                self.offset_deltas,
+                self.timestamp_deltas,
+                self.keys,
+                self.values,
+                self.headers,
+                strict=True,
+            )
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordBatch:
+    """One batch: its parsed header and all its bytes (header included)."""
+
+    header: BatchHeader
+    data: bytes
+
+    def check_crc(self) -> None:
+        """Raise CORRUPT_MESSAGE when the CRC-32C does not match the bytes."""
+        actual = crc32c(memoryview(self.data)[ATTRIBUTES_OFFSET:])
+        if actual != self.header.crc:
+            raise _corrupt(
+                f"record batch CRC-32C is {actual:#010x}, its header says {self.header.crc:#010x}"
+            )
+
+    def records(self, max_decompressed: int = MAX_DECOMPRESSED) -> RecordColumns:
+        """The records, decompressed once and parsed to columns."""
+        body = decompress(
+            self.header.compression, memoryview(self.data)[HEADER_SIZE:], max_decompressed
+        )
+        return parse_records(body, self.header.records_count)
+
+    def validate_for_append(self, max_decompressed: int = MAX_DECOMPRESSED) -> RecordColumns:
+        """What Kafka checks of a produced batch before storing it: the CRC, a known
+        codec, the records decoding to exactly ``records_count`` records with offset
+        deltas 0..n-1, and ``last_offset_delta`` n-1. Returns the records."""
+        header = self.header
+        self.check_crc()
+        if header.records_count <= 0:
+            raise RecordBatchError(ErrorCode.invalid_record, "record batch has no records")
+        columns = self.records(max_decompressed)
+        count = len(columns)
+        if header.last_offset_delta != count - 1:
+            raise RecordBatchError(
+                ErrorCode.invalid_record,
+                f"last offset delta {header.last_offset_delta} for {count} records",
+            )
+        if columns.offset_deltas != list(range(count)):
+            raise RecordBatchError(
+                ErrorCode.invalid_record, "record offset deltas are not 0, 1, 2, ..."
+            )
+        return columns
+
+
+def parse_header(data: Buffer, offset: int = 0) -> BatchHeader:
+    """The header of the batch at ``offset`` (at least 61 bytes must be there)."""
+    return BatchHeader(*HEADER.unpack_from(data, offset))
+
+
+def split_batches(data: Buffer) -> list[RecordBatch]:
+    """The v2 batches of a Produce's records field, in order. A torn or short batch is
+    CORRUPT_MESSAGE; a batch of magic 0 or 1 is INVALID_RECORD (Produce v3 and later
+    carry magic 2 only)."""
+    view = memoryview(data)
+    total = view.nbytes
+    batches: list[RecordBatch] = []
+    offset = 0
+    while offset < total:
+        if total - offset < HEADER_SIZE:
+            raise _corrupt(f"{total - offset} bytes after the last batch are not a batch")
+        magic = view[offset + MAGIC_OFFSET]
+        if magic != MAGIC:
+            raise RecordBatchError(
+                ErrorCode.invalid_record, f"record batch of magic {magic}: only magic 2"
+            )
+        header = parse_header(view, offset)
+        size = LOG_OVERHEAD + header.batch_length
+        if header.batch_length < HEADER_SIZE - LOG_OVERHEAD or size > total - offset:
+            raise _corrupt(
+                f"record batch length {header.batch_length} does not fit "
+                f"{total - offset - LOG_OVERHEAD} bytes"
+            )
+        batches.append(RecordBatch(header, bytes(view[offset : offset + size])))
+        offset += size
+    return batches
+
+
+# ---- records ---------------------------------------------------------------------------
+
+
+def _varint(buf: Buffer, pos: int) -> tuple[int, int]:
+    """A zigzag varint (varlong) at ``pos``: (value, position after it)."""
+    byte = buf[pos]
+    pos += 1
+    if byte < 0x80:
+        return (byte >> 1) ^ -(byte & 1), pos
+    raw = byte & 0x7F
+    shift = 7
+    while True:
+        byte = buf[pos]
+        pos += 1
+        raw |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return (raw >> 1) ^ -(raw & 1), pos
+        shift += 7
+        if shift > 63:
+            raise _corrupt("varint longer than 10 bytes")
+
+
+def parse_records(body: Buffer, count: int) -> RecordColumns:
+    """``count`` records from a batch's (decompressed) records bytes, to columns. Every
+    length is checked against the bytes left before it is sliced."""
+    buf = bytes(body)
+    end = len(buf)
+    if count < 0 or count > end:  # a record takes at least 7 bytes
+        raise _corrupt(f"{count} records claimed in {end} bytes")
+    offset_deltas: list[int] = []
+    timestamp_deltas: list[int] = []
+    keys: list[bytes | None] = []
+    values: list[bytes | None] = []
+    all_headers: list[tuple[tuple[str, bytes | None], ...]] = []
+    varint = _varint
+    pos = 0
+    try:
+        for _ in range(count):
+            length, pos = varint(buf, pos)
+            record_end = pos + length
+            if length < 6 or record_end > end:
+                raise _corrupt(f"record length {length} does not fit {end - pos} bytes")
+            pos += 1  # attributes: unused in v2
+            timestamp_delta, pos = varint(buf, pos)
+            offset_delta, pos = varint(buf, pos)
+            size, pos = varint(buf, pos)
+            if size < 0:
+                key = None
+            elif pos + size > record_end:
+                raise _corrupt("record key runs past its record")
+            else:
+                key = buf[pos : pos + size]
+                pos += size
+            size, pos = varint(buf, pos)
+            if size < 0:
+                value = None
+            elif pos + size > record_end:
+                raise _corrupt("record value runs past its record")
+            else:
+                value = buf[pos : pos + size]
+                pos += size
+            header_count, pos = varint(buf, pos)
+            if header_count < 0 or header_count > record_end - pos:
+                raise _corrupt(f"{header_count} record headers claimed")
+            headers: tuple[tuple[str, bytes | None], ...] = ()
+            if header_count:
+                pairs = []
+                for _ in range(header_count):
+                    size, pos = varint(buf, pos)
+                    if size < 0 or pos + size > record_end:
+                        raise _corrupt("record header key runs past its record")
+                    name = buf[pos : pos + size].decode()
+                    pos += size
+                    size, pos = varint(buf, pos)
+                    if size < 0:
+                        header_value = None
+                    elif pos + size > record_end:
+                        raise _corrupt("record header value runs past its record")
+                    else:
+                        header_value = buf[pos : pos + size]
+                        pos += size
+                    pairs.append((name, header_value))
+                headers = tuple(pairs)
+            if pos != record_end:
+                raise _corrupt(f"record of {length} bytes holds {length + pos - record_end}")
+            offset_deltas.append(offset_delta)
+            timestamp_deltas.append(timestamp_delta)
+            keys.append(key)
+            values.append(value)
+            all_headers.append(headers)
+    except IndexError:
+        raise _corrupt("records end inside a record") from None
+    except UnicodeDecodeError:
+        raise _corrupt("record header key is not UTF-8") from None
+    if pos != end:
+        raise _corrupt(f"{end - pos} bytes after the batch's {count} records")
+    return RecordColumns(offset_deltas, timestamp_deltas, keys, values, all_headers)
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    raw = (value << 1) ^ (value >> 63)
+    while raw >= 0x80:
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+    out.append(raw)
+
+
+def _put_bytes(out: bytearray, value: bytes | None) -> None:
+    if value is None:
+        out.append(1)  # zigzag(-1)
+        return
+    _put_varint(out, len(value))
+    out += value
+
+
+def encode_records(records: Sequence[Record]) -> bytes:
+    """The records part of a batch (before compression)."""
+    out = bytearray()
+    body = bytearray()
+    for record in records:
+        body.clear()
+        body.append(0)
+        _put_varint(body, record.timestamp_delta)
+        _put_varint(body, record.offset_delta)
+        _put_bytes(body, record.key)
+        _put_bytes(body, record.value)
+        _put_varint(body, len(record.headers))
+        for name, header_value in record.headers:
+            _put_bytes(body, name.encode())
+            _put_bytes(body, header_value)
+        _put_varint(out, len(body))
+        out += body
+    return bytes(out)
+
+
+def build_batch(
+    records: Sequence[Record],
+    *,
+    base_offset: int = 0,
+    base_timestamp: int,
+    compression: Compression = Compression.NONE,
+    timestamp_type: TimestampType = TimestampType.CREATE_TIME,
+    producer_id: int = NO_PRODUCER_ID,
+    producer_epoch: int = NO_PRODUCER_EPOCH,
+    base_sequence: int = NO_SEQUENCE,
+    transactional: bool = False,
+    control: bool = False,
+    partition_leader_epoch: int = -1,
+    max_timestamp: int | None = None,
+) -> bytes:
+    """A whole batch (header, CRC and records compressed with ``compression``)."""
+    if not records:
+        raise ValueError("a record batch holds at least one record")
+    body = compress(compression, encode_records(records))
+    attributes = int(compression) | (int(timestamp_type) << 3)
+    if transactional:
+        attributes |= ATTR_TRANSACTIONAL
+    if control:
+        attributes |= ATTR_CONTROL
+    if max_timestamp is None:
+        max_timestamp = base_timestamp + max(record.timestamp_delta for record in records)
+    header = bytearray(
+        HEADER.pack(
+            base_offset,
+            HEADER_SIZE - LOG_OVERHEAD + len(body),
+            partition_leader_epoch,
+            MAGIC,
+            0,
+            attributes,
+            max(record.offset_delta for record in records),
+            base_timestamp,
+            max_timestamp,
+            producer_id,
+            producer_epoch,
+            base_sequence,
+            len(records),
+        )
+    )
+    batch = header + body
+    struct.pack_into(">I", batch, CRC_OFFSET, crc32c(memoryview(batch)[ATTRIBUTES_OFFSET:]))
+    return bytes(batch)
+
+
+def stamp(
+    batch: Buffer,
+    base_offset: int,
+    partition_leader_epoch: int = 0,
+    log_append_time: int | None = None,
+) -> bytearray:
+    """``batch`` as the log stores it: its base offset and partition leader epoch set
+    (outside the CRC). With ``log_append_time`` (a LogAppendTime stream) the max
+    timestamp becomes it and the attribute says so, and the CRC is recomputed."""
+    stamped = bytearray(batch)
+    struct.pack_into(">q", stamped, 0, base_offset)
+    struct.pack_into(">i", stamped, EPOCH_OFFSET, partition_leader_epoch)
+    if log_append_time is not None:
+        (attributes,) = struct.unpack_from(">h", stamped, ATTRIBUTES_OFFSET)
+        struct.pack_into(">h", stamped, ATTRIBUTES_OFFSET, attributes | ATTR_LOG_APPEND_TIME)
+        struct.pack_into(">q", stamped, MAX_TIMESTAMP_OFFSET, log_append_time)
+        crc = crc32c(memoryview(stamped)[ATTRIBUTES_OFFSET:])
+        struct.pack_into(">I", stamped, CRC_OFFSET, crc)
+    return stamped
+
+
+# ---- transaction markers ---------------------------------------------------------------
+
+_CONTROL_KEY = struct.Struct(">hh")  # version 0, type
+_CONTROL_VALUE = struct.Struct(">hi")  # version 0, coordinator epoch
+
+
+def control_batch(
+    control_type: ControlType,
+    *,
+    producer_id: int,
+    producer_epoch: int,
+    coordinator_epoch: int,
+    base_offset: int,
+    timestamp: int,
+    partition_leader_epoch: int = 0,
+) -> bytes:
+    """The commit or abort marker a transaction writes to each partition it touched: a
+    transactional control batch of one record (key: version, type; value: version,
+    coordinator epoch)."""
+    record = Record(
+        offset_delta=0,
+        timestamp_delta=0,
+        key=_CONTROL_KEY.pack(0, int(control_type)),
+        value=_CONTROL_VALUE.pack(0, coordinator_epoch),
+    )
+    return build_batch(
+        [record],
+        base_offset=base_offset,
+        base_timestamp=timestamp,
+        producer_id=producer_id,
+        producer_epoch=producer_epoch,
+        transactional=True,
+        control=True,
+        partition_leader_epoch=partition_leader_epoch,
+    )
+
+
+def control_type(batch: RecordBatch) -> ControlType:
+    """The marker type of a control batch (from its one record's key)."""
+    if not batch.header.is_control:
+        raise ValueError("not a control batch")
+    columns = batch.records()
+    key = columns.keys[0] if len(columns) else None
+    if key is None or len(key) < _CONTROL_KEY.size:
+        raise _corrupt("control record without its key")
+    _, kind = _CONTROL_KEY.unpack_from(key)
+    if kind not in (ControlType.ABORT, ControlType.COMMIT):
+        raise _corrupt(f"control record type {kind}")
+    return ControlType(kind)
+
+
+# ---- compression -----------------------------------------------------------------------
+
+_XERIAL_MAGIC = b"\x82SNAPPY\x00"
+_XERIAL_HEADER = struct.Struct(">8sii")  # magic, version, compatible version
+_XERIAL_BLOCK = 32 * 1024  # snappy-java's default block size
+_CHUNK = struct.Struct(">i")
+
+
+def compress(codec: Compression, data: bytes) -> bytes:
+    """``data`` compressed as Kafka's producers do for ``codec``: gzip; snappy in the
+    xerial framing of Kafka's Java client (snappy-java), which every consumer reads;
+    lz4 as an LZ4 frame of independent 64 KiB blocks (KafkaLZ4BlockOutputStream);
+    zstd as one frame."""
+    if codec == Compression.NONE:
+        return data
+    if codec == Compression.GZIP:
+        compressor = zlib.compressobj(wbits=31)  # 16 + 15: the gzip wrapper
+        return compressor.compress(data) + compressor.flush()
+    if codec == Compression.SNAPPY:
+        out = bytearray(_XERIAL_HEADER.pack(_XERIAL_MAGIC, 1, 1))
+        for start in range(0, len(data), _XERIAL_BLOCK):
+            block = bytes(cramjam.snappy.compress_raw(data[start : start + _XERIAL_BLOCK]))
+            out += _CHUNK.pack(len(block))
+            out += block
+        return bytes(out)
+    if codec == Compression.LZ4:
+        return bytes(
+            lz4.frame.compress(
+                data,
+                block_size=lz4.frame.BLOCKSIZE_MAX64KB,
+                block_linked=False,
+                content_checksum=False,
+                store_size=False,
+            )
+        )
+    if codec == Compression.ZSTD:
+        return zstandard.ZstdCompressor().compress(data)
+    raise ValueError(f"unknown codec {codec}")
+
+
+def _too_large(limit: int) -> RecordBatchError:
+    return RecordBatchError(
+        ErrorCode.message_too_large, f"records decompress to more than {limit} bytes"
+    )
+
+
+def decompress(codec: int, data: Buffer, max_bytes: int = MAX_DECOMPRESSED) -> bytes:
+    """The records bytes of a batch compressed with ``codec``, never inflating more than
+    ``max_bytes`` (MESSAGE_TOO_LARGE past it); bad compressed bytes are CORRUPT_MESSAGE,
+    an unknown codec is UNSUPPORTED_COMPRESSION_TYPE."""
+    if codec == Compression.NONE:
+        if memoryview(data).nbytes > max_bytes:
+            raise _too_large(max_bytes)
+        return bytes(data)
+    try:
+        if codec == Compression.GZIP:
+            return _gunzip(data, max_bytes)
+        if codec == Compression.SNAPPY:
+            return _unsnappy(bytes(data), max_bytes)
+        if codec == Compression.LZ4:
+            return _unlz4(data, max_bytes)
+        if codec == Compression.ZSTD:
+            return _unzstd(data, max_bytes)
+    except RecordBatchError:
+        raise
+    except (zlib.error, zstandard.ZstdError, RuntimeError, ValueError) as exc:
+        # lz4.frame raises RuntimeError on a bad frame, cramjam's snappy ValueError
+        raise _corrupt(f"records do not decompress as {Compression(codec).name}: {exc}") from None
+    raise RecordBatchError(ErrorCode.unsupported_compression_type, f"unknown codec {codec}")
+
+
+def _gunzip(data: Buffer, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=31)
+    out = inflater.decompress(data, max_bytes + 1)
+    if len(out) > max_bytes:
+        raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("gzip stream ends early")
+    return out
+
+
+def _snappy_block(block: bytes, limit: int) -> bytes:
+    # A raw snappy block starts with its uncompressed length: checked before inflating.
+    length = 0
+    shift = 0
+    for index in range(min(5, len(block))):
+        byte = block[index]
+        length |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+    else:
+        raise _corrupt("snappy block without its length")
+    if length > limit:
+        raise _too_large(limit)
+    return bytes(cramjam.snappy.decompress_raw(block))
+
+
+def _unsnappy(data: bytes, max_bytes: int) -> bytes:
+    if not data.startswith(_XERIAL_MAGIC):
+        return _snappy_block(data, max_bytes)  # librdkafka sends one raw block
+    if len(data) < _XERIAL_HEADER.size:
+        raise _corrupt("xerial snappy header cut short")
+    out = bytearray()
+    pos = _XERIAL_HEADER.size
+    while pos < len(data):
+        if len(data) - pos < _CHUNK.size:
+            raise _corrupt("xerial snappy chunk length cut short")
+        (size,) = _CHUNK.unpack_from(data, pos)
+        pos += _CHUNK.size
+        if size < 0 or size > len(data) - pos:
+            raise _corrupt(f"xerial snappy chunk of {size} bytes")
+        out += _snappy_block(data[pos : pos + size], max_bytes - len(out))
+        pos += size
+    return bytes(out)
+
+
+def _unlz4(data: Buffer, max_bytes: int) -> bytes:
+    inflater = lz4.frame.LZ4FrameDecompressor()
+    out = bytes(inflater.decompress(bytes(data), max_length=max_bytes + 1))
+    if len(out) > max_bytes:
+        raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("LZ4 frame ends early")
+    return out
+
+
+_ZSTD_MAX_RATIO = 65536
+"""Above zstd's largest expansion of input bytes (a 128 KiB block from a 4-byte RLE
+block is 32,768:1), so a slice of ``remaining // _ZSTD_MAX_RATIO`` bytes cannot inflate
+much past what is left of the limit."""
+
+
+def _unzstd(data: Buffer, max_bytes: int) -> bytes:
+    # zstandard's one-shot decompress trusts a frame's declared content size (it would
+    # allocate what the frame claims) and its readers do not see a truncated frame, so
+    # the frame is fed to a decompression object in slices sized to what the limit
+    # leaves, and its eof tells a whole frame from a cut one.
+    inflater = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    view = memoryview(data)
+    pos, total = 0, view.nbytes
+    while pos < total and not inflater.eof:
+        step = max(64, (max_bytes - len(out)) // _ZSTD_MAX_RATIO)
+        out += inflater.decompress(view[pos : pos + step])
+        pos += step
+        if len(out) > max_bytes:
+            raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("zstd frame ends early")
+    return bytes(out)
