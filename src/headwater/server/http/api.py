@@ -33,9 +33,11 @@ from headwater.server.http.app import (
 )
 from headwater.server.http.events import (
     NDJSON_TYPES,
+    decode_json,
     event_json,
     parse_json_array,
     parse_ndjson,
+    parse_records,
 )
 from headwater.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from headwater.sql.projection import RANGE_SCHEMA
@@ -66,7 +68,14 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
         "size_bytes": info.size_bytes,
         "segments": info.segments,
         "sync": info.sync,
-        "settings": {k: v for k, v in asdict(info.settings).items() if v is not None},
+        "settings": {
+            k: v for k, v in asdict(info.settings).items() if v is not None and k != "partitions"
+        },
+        "partitions": info.partitions,
+        "partition_offsets": [
+            {"partition": p.partition, "start_offset": p.start_offset, "next_offset": p.next_offset}
+            for p in info.partition_info
+        ],
     }
 
 
@@ -175,6 +184,38 @@ async def describe_stream(request: web.Request) -> web.Response:
     return json_response(stream_json(stream))
 
 
+async def alter_stream(request: web.Request) -> web.Response:
+    """``{"partitions": N}``: the stream gets N partitions (more than it has; the same
+    count changes nothing; fewer is refused with 400, as Kafka refuses)."""
+    api, tenant_id, stream = _named_stream(request)
+    body = await json_body(request)
+    if not isinstance(body, dict) or set(body) != {"partitions"}:
+        raise InvalidRequest('the body must be {"partitions": N}: the one setting that changes')
+    altered = await api.alter_partitions(tenant_id, stream.stream_id, body["partitions"])
+    return json_response(stream_json(altered))
+
+
+async def offset_for_time(request: web.Request) -> web.Response:
+    """The first offset of a partition stored at or after ``timestamp_ms`` (null when no
+    event is that late: wait at the end offset)."""
+    api, tenant_id, stream = _named_stream(request)
+    timestamp_ms = int_param(request, "timestamp_ms", None)
+    if timestamp_ms is None:
+        raise InvalidRequest("timestamp_ms (milliseconds since the epoch, UTC) is required")
+    partition = int_param(request, "partition", 0, at_least=0)
+    offset = await api.offset_for_timestamp(
+        tenant_id, stream.stream_id, timestamp_ms, partition=partition
+    )
+    return json_response(
+        {
+            "partition": partition,
+            "timestamp_ms": timestamp_ms,
+            "offset": offset,
+            "end_offset": api.stream_end(tenant_id, stream.stream_id, partition),
+        }
+    )
+
+
 async def delete_stream(request: web.Request) -> web.Response:
     api, tenant_id, stream = _named_stream(request)
     await api.delete_stream(tenant_id, stream.stream_id)
@@ -190,6 +231,14 @@ async def append_events(request: web.Request) -> web.Response:
     if encoding not in ("text", "base64"):
         raise InvalidRequest("encoding must be 'text' or 'base64'")
     body = await read_body(request)
+    partition = int_param(request, "partition", 0, at_least=0)
+    if request.content_type in ("application/json", "") and body.lstrip()[:1] == b"{":
+        if "partition" in request.query or encoding != "text":
+            raise InvalidRequest(
+                "a records body names each record's partition and encoding itself"
+                " (partition, value_b64): no partition or encoding parameter"
+            )
+        return await _append_records(request, api, tenant_id, stream, body)
     if request.content_type in NDJSON_TYPES:
         if encoding != "text":
             raise InvalidRequest("encoding=base64 applies to JSON array bodies only")
@@ -202,7 +251,7 @@ async def append_events(request: web.Request) -> web.Response:
             "use application/json (an array) or application/x-ndjson"
         )
     started = time.perf_counter()
-    appended = await api.append(tenant_id, stream.stream_id, values)
+    appended = await api.append(tenant_id, stream.stream_id, values, partition=partition)
     value_bytes = sum(map(len, values))
     request.app[METRICS_KEY].record_append(
         PROTOCOL,
@@ -219,12 +268,60 @@ async def append_events(request: web.Request) -> web.Response:
             "next_offset": appended.next_offset,
             "first_position": appended.first_position,
             "timestamp_ms": appended.timestamp_ms,
+            "partition": partition,
+        }
+    )
+
+
+async def _append_records(
+    request: web.Request, api: EngineAPI, tenant_id: int, stream: StreamInfo, body: bytes
+) -> web.Response:
+    """A ``{"records": [...]}`` body: each record placed by the stream's partitioner
+    (its partition, else its key's murmur2, else the batch's sticky partition)."""
+    data = decode_json(body, "the body")
+    if not isinstance(data, dict):
+        raise InvalidRequest('the body must be {"records": [...]}, a JSON array or NDJSON')
+    records = parse_records(data)
+    started = time.perf_counter()
+    placed = await api.append_partitioned(
+        tenant_id,
+        stream.stream_id,
+        records.values,
+        keys=records.keys,
+        headers=records.headers,
+        partitions=records.partitions,
+        timestamps=records.timestamps,
+    )
+    request.app[METRICS_KEY].record_append(
+        PROTOCOL,
+        tenant_id,
+        stream.name,
+        len(records.values),
+        sum(map(len, records.values)),
+        time.perf_counter() - started,
+    )
+    return json_response(
+        {
+            "count": len(records.values),
+            "records": [
+                {"partition": p, "offset": o, "timestamp_ms": t}
+                for p, o, t in zip(
+                    placed.partitions, placed.offsets, placed.timestamps, strict=True
+                )
+            ],
         }
     )
 
 
 async def read_events(request: web.Request) -> web.Response:
     api, tenant_id, stream = _named_stream(request)
+    partition = int_param(request, "partition", 0, at_least=0)
+    if partition >= stream.partitions:
+        raise InvalidRequest(
+            f"partition {partition} does not exist: stream {stream.name!r} has "
+            f"{stream.partitions} (0..{stream.partitions - 1})"
+        )
+    start_offset = stream.partition_info[partition].start_offset
     start = int_param(request, "from", 0)
     limit = int_param(request, "limit", DEFAULT_READ_LIMIT, at_least=1, at_most=MAX_READ_LIMIT)
     end = int_param(request, "to", None)
@@ -232,26 +329,33 @@ async def read_events(request: web.Request) -> web.Response:
         if end < start:
             raise InvalidRequest(f"to ({end}) must not be below from ({start})")
         limit = min(limit, end - start)
-    if start < stream.start_offset:  # also when limit is 0
+    where = f"partition {partition}" if partition else "the stream"
+    if start < start_offset:  # also when limit is 0
         raise InvalidOffset(
-            f"offset {start} was removed by retention; the stream starts at {stream.start_offset}"
+            f"offset {start} was removed by retention; {where} starts at {start_offset}"
         )
     events = []
     if limit > 0:
         result = await api.read(
-            tenant_id, stream.stream_id, start, MAX_READ_BYTES, max_events=limit
+            tenant_id,
+            stream.stream_id,
+            start,
+            MAX_READ_BYTES,
+            max_events=limit,
+            partition=partition,
         )
         events = list(result.events())
-    next_offset = events[-1].offset + 1 if events else max(start, stream.start_offset)
+    next_offset = events[-1].offset + 1 if events else max(start, start_offset)
     request.app[METRICS_KEY].record_read(
         PROTOCOL, tenant_id, stream.name, len(events), sum(len(e.value) for e in events)
     )
     return json_response(
         {
-            "events": [event_json(e) for e in events],
+            "partition": partition,
+            "events": [event_json(e, partition) for e in events],
             "next_offset": next_offset,
-            "start_offset": stream.start_offset,
-            "end_offset": api.stream_end(tenant_id, stream.stream_id),
+            "start_offset": start_offset,
+            "end_offset": api.stream_end(tenant_id, stream.stream_id, partition),
         }
     )
 
@@ -370,6 +474,8 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/api/streams", create_stream),
     ("GET", "/api/streams/{name}", describe_stream),
     ("DELETE", "/api/streams/{name}", delete_stream),
+    ("PATCH", "/api/streams/{name}", alter_stream),
+    ("GET", "/api/streams/{name}/offsets", offset_for_time),
     ("POST", "/api/streams/{name}/events", append_events),
     ("GET", "/api/streams/{name}/events", read_events),
     ("GET", "/api/streams/{name}/arrow", read_arrow),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from headwater.api import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
@@ -14,25 +15,131 @@ from headwater.storage.batch import Event
 NDJSON_TYPES = frozenset({"application/x-ndjson", "application/ndjson", "application/jsonl"})
 
 
-def event_json(event: Event) -> dict[str, Any]:
-    """An event: ``value`` is its text when the bytes are UTF-8 (else null);
-    ``value_b64`` always carries the exact bytes."""
+def _text(data: bytes) -> str | None:
     try:
-        text: str | None = event.value.decode()
+        return data.decode()
     except UnicodeDecodeError:
-        text = None
+        return None
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def event_json(event: Event, partition: int = 0) -> dict[str, Any]:
+    """An event: ``value`` (and ``key``, a header's ``value``) is its text when the bytes
+    are UTF-8 (else null); ``value_b64`` (``key_b64``) always carries the exact bytes."""
     out: dict[str, Any] = {
+        "partition": partition,
         "offset": event.offset,
         "position": event.position,
         "timestamp_ms": event.timestamp_ms,
-        "value": text,
-        "value_b64": base64.b64encode(event.value).decode("ascii"),
+        "value": _text(event.value),
+        "value_b64": _b64(event.value),
     }
     if event.key is not None:
-        out["key_b64"] = base64.b64encode(event.key).decode("ascii")
+        out["key"] = _text(event.key)
+        out["key_b64"] = _b64(event.key)
+    if event.headers:
+        out["headers"] = [
+            {"name": name.decode(errors="replace"), "value": _text(value), "value_b64": _b64(value)}
+            for name, value in event.headers
+        ]
     if event.tombstone:
         out["tombstone"] = True
     return out
+
+
+@dataclass(frozen=True)
+class Records:
+    """The ``{"records": [...]}`` append body, as columns for ``append_partitioned``
+    (a column is None when no record set it)."""
+
+    values: list[bytes]
+    keys: list[bytes | None] | None
+    headers: list[tuple[tuple[bytes, bytes], ...]] | None
+    partitions: list[int | None] | None
+    timestamps: list[int | None] | None
+
+
+_RECORD_FIELDS = frozenset(
+    {"value", "value_b64", "key", "key_b64", "headers", "partition", "timestamp_ms"}
+)
+_HEADER_FIELDS = frozenset({"name", "value", "value_b64"})
+
+
+def _bytes_field(item: dict[str, Any], name: str, where: str) -> bytes | None:
+    """``item[name]`` (text, stored as UTF-8) or ``item[name + "_b64"]`` (base64 of the
+    exact bytes); None when neither is there."""
+    text, encoded = item.get(name), item.get(name + "_b64")
+    if text is not None and encoded is not None:
+        raise InvalidRequest(f"{where}: give {name} or {name}_b64, not both")
+    if encoded is not None:
+        if not isinstance(encoded, str):
+            raise InvalidRequest(f"{where}: {name}_b64 must be a base64 string")
+        try:
+            return base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest(f"{where}: {name}_b64 is not valid base64") from None
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequest(f"{where}: {name} must be a string")
+    return None if text is None else text.encode()
+
+
+def _int_field(item: dict[str, Any], name: str, where: str) -> int | None:
+    value = item.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"{where}: {name} must be a non-negative integer")
+    return value
+
+
+def parse_records(data: dict[str, Any]) -> Records:
+    """``{"records": [{"value" | "value_b64", "key" | "key_b64", "headers": [{"name",
+    "value" | "value_b64"}], "partition", "timestamp_ms"}]}``: every field but the value
+    optional. Checked whole before anything is stored."""
+    if set(data) != {"records"} or not isinstance(data["records"], list):
+        raise InvalidRequest('an object body is {"records": [...]}, with nothing else')
+    values: list[bytes] = []
+    keys: list[bytes | None] = []
+    headers: list[tuple[tuple[bytes, bytes], ...]] = []
+    partitions: list[int | None] = []
+    timestamps: list[int | None] = []
+    for index, item in enumerate(data["records"]):
+        where = f"record {index}"
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"{where} must be an object with a value")
+        unknown = set(item) - _RECORD_FIELDS
+        if unknown:
+            raise InvalidRequest(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        value = _bytes_field(item, "value", where)
+        if value is None:
+            raise InvalidRequest(f"{where} has no value (value or value_b64)")
+        values.append(value)
+        keys.append(_bytes_field(item, "key", where))
+        raw_headers = item.get("headers") or []
+        if not isinstance(raw_headers, list):
+            raise InvalidRequest(f"{where}: headers must be a list of {{name, value}}")
+        pairs: list[tuple[bytes, bytes]] = []
+        for h, header in enumerate(raw_headers):
+            at = f"{where} header {h}"
+            if not isinstance(header, dict) or not isinstance(header.get("name"), str):
+                raise InvalidRequest(f"{at} must be an object with a name string")
+            if set(header) - _HEADER_FIELDS:
+                raise InvalidRequest(f"{at}: fields are name, value and value_b64")
+            pairs.append((header["name"].encode(), _bytes_field(header, "value", at) or b""))
+        headers.append(tuple(pairs))
+        partitions.append(_int_field(item, "partition", where))
+        timestamps.append(_int_field(item, "timestamp_ms", where))
+    _check_limits(values)
+    return Records(
+        values=values,
+        keys=keys if any(k is not None for k in keys) else None,
+        headers=headers if any(headers) else None,
+        partitions=partitions if any(p is not None for p in partitions) else None,
+        timestamps=timestamps if any(t is not None for t in timestamps) else None,
+    )
 
 
 def decode_json(data: bytes, what: str) -> Any:
