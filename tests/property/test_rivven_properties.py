@@ -100,6 +100,21 @@ def test_responses_reach_their_requests_in_any_order(
 
 
 @MANY
+@given(responses(), st.integers(0, 2**32 - 1), st.booleans())
+def test_send_writes_the_canonical_bytes(
+    answer: pb.Response, correlation_id: int, with_header: bool
+) -> None:
+    if with_header:
+        answer.header.client_id = "replaced"
+    expected = pb.Response()
+    expected.CopyFrom(answer)
+    expected.header.CopyFrom(pb.Header(version=PROTOCOL_VERSION, correlation_id=correlation_id))
+    data = ServerConnection().send(correlation_id, answer)
+    assert data[9:] == expected.SerializeToString()
+    assert answer.header.client_id == ("replaced" if with_header else "")  # not mutated
+
+
+@MANY
 @given(st.text(max_size=300))
 def test_postcard_error_round_trips(message: str) -> None:
     assert decode_postcard_error(encode_postcard_error(message)) == message

@@ -191,16 +191,26 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         """One framed answer (a Response, or its member message such as a
         PublishResponse) to the request ``correlation_id``, its Header filled in. Raises
         :class:`~.frames.FrameTooLarge` past the frame limit: answer with a smaller
-        response (fewer records) or :meth:`send_error`."""
+        response (fewer records) or :meth:`send_error`.
+
+        A Response without a Header is not copied: the Header's bytes go in front of
+        its own (protobuf merges concatenated messages, and field 1 first is the
+        canonical order), so a large Consume answer built in place is serialised once.
+        """
         if not isinstance(response, pb.Response):
             response = response_of(response)
-        else:
-            if response.WhichOneof("response_type") is None:
-                raise UsageError("the response carries no answer")
+        elif response.WhichOneof("response_type") is None:
+            raise UsageError("the response carries no answer")
+        header = pb.Header(version=PROTOCOL_VERSION, correlation_id=correlation_id)
+        if response.HasField("header"):
             copy = pb.Response()
             copy.CopyFrom(response)
-            response = copy
-        return self._frame(correlation_id, _with_header(response, correlation_id), own=False)
+            copy.header.CopyFrom(header)
+            payload = copy.SerializeToString()
+        else:
+            payload = pb.Response(header=header).SerializeToString()
+            payload += response.SerializeToString()
+        return encode_frame(WireFormat.PROTOBUF, correlation_id, payload, max_frame=self.max_frame)
 
     def send_error(self, correlation_id: int, code: int, message: str) -> bytes:
         """A framed ErrorResponse (``message`` prefixed with the code's name)."""
