@@ -467,7 +467,10 @@ def open_files(directory: Path, plog: PartitionLog) -> _Opened:
 
 
 class StreamProjection:
-    """The SQL table of one stream. Every attribute is owned by the loop thread."""
+    """The projection of one partition of a stream (``partition-<n>/`` into
+    ``projection-<n>/``); a stream's SQL table is its partitions' projections together
+    (:class:`headwater.sql.tables.StreamTable`). Every attribute is owned by the loop
+    thread."""
 
     def __init__(
         self,
@@ -475,11 +478,15 @@ class StreamProjection:
         builder: ChunkBuilder,
         executor: Executor,
         on_progress: Callable[[], None],
+        partition: int = 0,
     ) -> None:
         self.stream = stream
+        self.partition = partition
+        self.plog = stream.partition_logs[partition]
+        self.committer = stream.committers[partition]
         self.name = stream.name
         self.tenant_id = stream.tenant.tenant_id
-        self.directory = projection_directory(stream.directory)
+        self.directory = projection_directory(stream.directory, partition)
         self.chunks: tuple[Chunk, ...] = ()
         self.opened = False  # the sealed files are open (the first task does it)
         self._parked: list[list[Chunk]] = []  # sealed runs past a gap being rebuilt
@@ -498,7 +505,7 @@ class StreamProjection:
         self._urgent = False  # someone waits for the projection: no delay
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
-        stream.committer.add_listener(self._on_commit)
+        self.committer.add_listener(self._on_commit)
         self.request_catch_up()
 
     # ---- coverage and snapshots (loop thread) -----------------------------------------
@@ -510,7 +517,7 @@ class StreamProjection:
     def covered_position(self, head: int) -> int:
         """Every event of this stream below the returned position is projected. ``head``
         is the tenant's committed position, read before this call."""
-        if self.next_offset >= self.stream.log.committed_offset and head > self.covered:
+        if self.next_offset >= self.plog.committed_offset and head > self.covered:
             self.covered = head
         return self.covered
 
@@ -534,13 +541,13 @@ class StreamProjection:
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         self._expire()
         chunks = self.chunks
-        start = self.stream.log.start_offset
+        start = self.plog.start_offset
         return lambda: table_at(chunks, position, start)
 
     def _expire(self) -> None:
         """Retention moved the log's start past whole chunks: free them and delete their
         files (a query still reading one keeps its mapping until it is done)."""
-        start = self.stream.log.start_offset
+        start = self.plog.start_offset
         expired = [c for c in self.chunks if c.last_offset < start]
         if not expired and not (self._parked and self._parked[0][0].last_offset < start):
             return
@@ -573,7 +580,7 @@ class StreamProjection:
         """Project everything committed, starting now (queries and reads call this)."""
         if self.closed:
             return
-        self._target = max(self._target, self.stream.log.committed_offset)
+        self._target = max(self._target, self.plog.committed_offset)
         self._urgent = True
         self._kick()
 
@@ -614,7 +621,7 @@ class StreamProjection:
         try:
             if not self.opened:
                 opened = await self._loop.run_in_executor(
-                    self._executor, open_files, self.directory, self.stream.log
+                    self._executor, open_files, self.directory, self.plog
                 )
                 if self.closed:
                     return
@@ -663,7 +670,7 @@ class StreamProjection:
         the round reaches ``gap_end`` (a parked run's first offset) everything built is
         sealed, so the files stay in offset order with only the tail in memory; so it is
         with ``seal_tail`` (the tails of all streams have outgrown their budget)."""
-        pieces, next_offset = read_round(self.stream.log, from_offset, upto)
+        pieces, next_offset = read_round(self.plog, from_offset, upto)
         gap_closed = gap_end is not None and next_offset >= gap_end
         max_position = None
         new_tail = list(tail)
@@ -682,7 +689,7 @@ class StreamProjection:
             return chunks
         cut = full[-1] + 1
         merged = chunks[0] if cut == 1 else self._builder.merge(chunks[:cut])
-        plog = self.stream.log
+        plog = self.plog
         if merged.last_offset >= plog.durable_offset:
             # Under sync "none" or "interval" committed events may not be on disk yet; a
             # file must never outlive the log events it holds (a power loss could give
@@ -726,7 +733,7 @@ class StreamProjection:
 
     async def close(self) -> None:
         self.closed = True
-        self.stream.committer.remove_listener(self._on_commit)
+        self.committer.remove_listener(self._on_commit)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -72,8 +72,9 @@ class SealedMeta:
     monotonic: bool
 
 
-def projection_directory(stream_directory: Path) -> Path:
-    return stream_directory / DIRECTORY
+def projection_directory(stream_directory: Path, partition: int = 0) -> Path:
+    """``projection-<n>/``, beside ``partition-<n>/``, the log it projects."""
+    return stream_directory / (DIRECTORY if partition == 0 else f"projection-{partition}")
 
 
 def sealed_name(first_offset: int, last_offset: int) -> str:

@@ -20,6 +20,7 @@ import pyarrow as pa
 from headwater.engine.names import RESERVED_PREFIXES
 from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder, StreamProjection
+from headwater.sql.sealed import SCHEMA
 
 if TYPE_CHECKING:
     from headwater.engine.engine import Engine, Stream
@@ -60,6 +61,69 @@ class TableSource(Protocol):
     async def close(self) -> None: ...
 
 
+PARTITIONED_SCHEMA = SCHEMA.append(pa.field("partition", pa.int32(), nullable=False))
+
+
+class StreamTable:
+    """The SQL table of one stream: its partitions' projections together. A stream of
+    one partition is its projection's table as it always was; with more, every row also
+    has its ``partition``, the last column, so the columns before it keep their places.
+    Positions are the tenant log's, assigned per append across partitions, so a
+    snapshot at a position cuts every partition at the same point of the tenant log."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        builder: ChunkBuilder,
+        executor: Executor,
+        on_progress: Callable[[], None],
+    ) -> None:
+        self.stream = stream
+        self.name = stream.name
+        self._builder = builder
+        self._executor = executor
+        self._on_progress = on_progress
+        self.parts: list[StreamProjection] = [self._make(n) for n in range(stream.partitions)]
+        stream.partition_listeners.append(self._grown)
+
+    def _make(self, partition: int) -> StreamProjection:
+        return StreamProjection(
+            self.stream, self._builder, self._executor, self._on_progress, partition
+        )
+
+    def _grown(self, partitions: int) -> None:
+        if self.parts and not self.parts[0].closed:
+            self.parts += [self._make(n) for n in range(len(self.parts), partitions)]
+
+    def covered_position(self, head: int) -> int:
+        return min(part.covered_position(head) for part in self.parts)
+
+    def request_catch_up(self) -> None:
+        for part in self.parts:
+            part.request_catch_up()
+
+    def snapshot(self, position: int) -> Callable[[], pa.Table]:
+        if len(self.parts) == 1:
+            return self.parts[0].snapshot(position)
+        reads = [(part.partition, part.snapshot(position)) for part in self.parts]
+
+        def table() -> pa.Table:
+            tables = []
+            for partition, read in reads:
+                rows = read()
+                column = pa.array([partition] * rows.num_rows, pa.int32())
+                tables.append(rows.append_column(PARTITIONED_SCHEMA.field("partition"), column))
+            return pa.concat_tables(tables)
+
+        return table
+
+    async def close(self) -> None:
+        if self._grown in self.stream.partition_listeners:
+            self.stream.partition_listeners.remove(self._grown)
+        for part in self.parts:
+            await part.close()
+
+
 class StreamTables:
     """One table per stream (names with a reserved prefix are headwater's own: hidden)."""
 
@@ -74,7 +138,7 @@ class StreamTables:
         self._builder = builder
         self._executor = executor
         self._on_progress = on_progress
-        self.projections: dict[int, dict[int, StreamProjection]] = {}  # tenant -> stream id
+        self.projections: dict[int, dict[int, StreamTable]] = {}  # tenant -> stream id
         self._started = False
 
     def start(self) -> None:
@@ -89,7 +153,7 @@ class StreamTables:
             return
         tenant = self.projections.setdefault(stream.tenant.tenant_id, {})
         if stream.stream_id not in tenant:
-            tenant[stream.stream_id] = StreamProjection(
+            tenant[stream.stream_id] = StreamTable(
                 stream, self._builder, self._executor, self._progressed
             )
 
@@ -102,7 +166,12 @@ class StreamTables:
         hold more than ``TAIL_BUDGET_BYTES``, down to half of it: each tail stays below a
         seal's size, but many streams' tails add up."""
         budget = projection_module.TAIL_BUDGET_BYTES
-        tails = [(p.tail_bytes, p) for t in self.projections.values() for p in t.values()]
+        tails = [
+            (p.tail_bytes, p)
+            for tenant in self.projections.values()
+            for table in tenant.values()
+            for p in table.parts
+        ]
         total = sum(size for size, _ in tails)
         if total <= budget:
             return
@@ -119,10 +188,11 @@ class StreamTables:
             task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
             self._on_progress()
 
-    def projection(self, tenant_id: int, name: str) -> StreamProjection | None:
-        for projection in self.projections.get(tenant_id, {}).values():
-            if projection.name == name:
-                return projection
+    def projection(self, tenant_id: int, name: str, partition: int = 0) -> StreamProjection | None:
+        """The projection of one partition (0 unless named) of stream ``name``."""
+        for table in self.projections.get(tenant_id, {}).values():
+            if table.name == name:
+                return table.parts[partition] if partition < len(table.parts) else None
         return None
 
     def tables(self, tenant_id: int) -> list[SqlTable]:
