@@ -141,6 +141,20 @@ def test_a_crash_after_the_checkpoint_replays_only_the_tail(
     asyncio.run(main())
 
 
+def test_a_new_kind_is_checkpointed_at_creation(tmp_path: Path) -> None:
+    """A new kind's store has a first (empty) checkpoint from its creation, so a crash
+    before its first real one replays the changelog into it instead of rebuilding it."""
+
+    async def main() -> None:
+        engine, kinds, tk = await session(tmp_path)
+        kind = await tk.create_kind("k", FIELDS)
+        meta = tk.kind_state(kind.kind_id).store.meta()
+        assert meta is not None and meta.offset == 0 and meta.count == 0
+        await end(engine, kinds)
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("damage", ["missing", "garbage", "ahead"])
 def test_a_damaged_store_is_rebuilt_from_the_changelog(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture

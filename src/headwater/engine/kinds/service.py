@@ -350,11 +350,7 @@ class KindsEngine:
 
         def load() -> tuple[KindRegistry, list[KindState]]:
             registry = KindRegistry.load(tenant.tenant_id, directory)
-            states = []
-            for info in registry.kinds():
-                state = self.open_kind(info)
-                state.load()
-                states.append(state)
+            states = [self.open_kind(info) for info in registry.kinds()]
             return registry, states
 
         registry, states = await loop.run_in_executor(self.executor, load)
@@ -372,7 +368,8 @@ class KindsEngine:
         return tk
 
     def open_kind(self, info: KindInfo) -> KindState:
-        """Open (creating) a kind's changelog; worker thread."""
+        """Open (creating) a kind's changelog and store, and its committed state from
+        them (a new kind's store gets its first, empty, checkpoint); worker thread."""
         tenant = self.engine.tenant(info.tenant_id)
         kind_dir = tenant.directory / KINDS_DIR / str(info.kind_id)
         directory = kind_dir / "changelog"
@@ -384,9 +381,11 @@ class KindsEngine:
         )
         plog = PartitionLog.open(Path(directory), config, self.engine.files)
         store = KindStore.open(Path(kind_dir) / STORE_DIR, sync=config.sync.kind != "none")
-        return KindState(
+        state = KindState(
             info, plog, GroupCommitter(plog, self.executor), store, self.config.hot_entities
         )
+        state.load()
+        return state
 
     def fire_kind_created(self, tenant: TenantKinds, state: KindState) -> None:
         for hook in list(self.hooks.kind_created):
