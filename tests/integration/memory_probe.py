@@ -10,6 +10,7 @@ files) are reclaimable and are reported, never bounded.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 from headwater.server.memory import ProcessMemory, process_memory
@@ -18,8 +19,10 @@ MIB = 1 << 20
 
 
 class RssSampler:
-    def __init__(self, pid: int, interval: float = 0.005) -> None:
-        self.pid = pid
+    def __init__(self, pid: int | Callable[[], int], interval: float = 0.005) -> None:
+        # A callable is asked for the pid at every sample: a restarted server is followed
+        # from the moment its new process exists, its start-up included.
+        self._pid = pid if callable(pid) else (lambda: pid)
         self.interval = interval
         self.phase = "start"
         self.peak_anon = 0
@@ -31,7 +34,7 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            memory = process_memory(self.pid)
+            memory = process_memory(self._pid())
             if memory is None:  # the process is gone (a restart): the next one is sampled
                 self._stop.wait(self.interval)
                 continue
@@ -43,10 +46,6 @@ class RssSampler:
         self.peak_anon = max(self.peak_anon, memory.rss_anon)
         self.peak_file = max(self.peak_file, memory.rss_file)
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), memory.rss_anon)
-
-    def follow(self, pid: int) -> None:
-        """Sample another process from now on (the same server, restarted)."""
-        self.pid = pid
 
     def report(self) -> str:
         phases = ", ".join(f"{name} {peak / MIB:.0f}" for name, peak in self.peaks.items())
@@ -67,6 +66,6 @@ class RssSampler:
     ) -> None:
         self._stop.set()
         self._thread.join()
-        memory = process_memory(self.pid)  # one last sample: the end state counts too
+        memory = process_memory(self._pid())  # one last sample: the end state counts too
         if memory is not None:
             self._record(memory)
