@@ -1,9 +1,10 @@
 """Property test of the group coordinator: consumers (modelled as Kafka's client behaves)
-join, rejoin, sync, heartbeat, leave and crash in any order while the clock jumps and
-sessions expire. At every step no two members hold the same partition (in cooperative
-groups a partition is never handed over before its holder let go; in eager ones members
-give up all before rejoining), generations only grow, and once the rebalance settles
-every partition is held by exactly one member, as the coordinator assigned it."""
+join, rejoin, sync, heartbeat, leave, crash and (static members) restart in any order
+while the clock jumps, sessions expire and partitions are added. At every step no two
+members hold the same partition (in cooperative groups a partition is never handed over
+before its holder let go; in eager ones members give up all before rejoining),
+generations only grow, and once the rebalance settles every partition is held by exactly
+one member, as the coordinator assigned it."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ class Client:
     member_id: str
     protocols: tuple[str, ...]
     streams: tuple[str, ...]
+    instance_id: str | None = None  # a static member's group.instance.id
     owned: set[TopicPartition] = field(default_factory=set)
     generation: int = -1
     joined: JoinResult | None = None  # a join answered, not yet synced
@@ -78,6 +80,7 @@ class GroupMachine(RuleBasedStateMachine):
         )
         self.clients: dict[str, Client] = {}
         self.last_generation = 0
+        self.instances = 0
 
     # ---- the client side --------------------------------------------------------------
 
@@ -112,13 +115,16 @@ class GroupMachine(RuleBasedStateMachine):
             session_timeout_ms=SESSION,
             rebalance_timeout_ms=REBALANCE,
             owned=set(client.owned),
+            instance_id=client.instance_id,
         )
         self.deliver(replies)
 
     def send_sync(self, client: Client) -> None:
         assert client.joined is not None
         try:
-            result = self.coordinator.sync("g", client.member_id, client.joined.generation)
+            result = self.coordinator.sync(
+                "g", client.member_id, client.joined.generation, client.instance_id
+            )
         except RebalanceInProgress:
             client.joined = None
             client.must_rejoin = True
@@ -137,7 +143,7 @@ class GroupMachine(RuleBasedStateMachine):
 
     def send_heartbeat(self, client: Client) -> None:
         try:
-            self.coordinator.heartbeat("g", client.member_id, client.generation)
+            self.coordinator.heartbeat("g", client.member_id, client.generation, client.instance_id)
         except RebalanceInProgress:
             client.must_rejoin = True
         except (IllegalGeneration, UnknownMemberId):
@@ -157,10 +163,22 @@ class GroupMachine(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------------------
 
-    @rule(protocols=st.sampled_from(PROTOCOLS), streams=st.sampled_from(SUBSCRIPTIONS))
-    def new_member(self, protocols: tuple[str, ...], streams: tuple[str, ...]) -> None:
+    @rule(
+        protocols=st.sampled_from(PROTOCOLS),
+        streams=st.sampled_from(SUBSCRIPTIONS),
+        static=st.booleans(),
+    )
+    def new_member(
+        self, protocols: tuple[str, ...], streams: tuple[str, ...], static: bool
+    ) -> None:
         if len(self.clients) >= 6:
             return
+        self.instances += 1
+        self.start(protocols, streams, f"i{self.instances}" if static else None)
+
+    def start(
+        self, protocols: tuple[str, ...], streams: tuple[str, ...], instance_id: str | None
+    ) -> None:
         try:
             member_id, replies = self.coordinator.join(
                 "g",
@@ -169,12 +187,22 @@ class GroupMachine(RuleBasedStateMachine):
                 streams=streams,
                 session_timeout_ms=SESSION,
                 rebalance_timeout_ms=REBALANCE,
+                instance_id=instance_id,
             )
         except InconsistentGroupProtocol:
             return
-        self.clients[member_id] = Client(member_id, protocols, streams, waiting=True)
+        self.clients[member_id] = Client(member_id, protocols, streams, instance_id, waiting=True)
         self.deliver(replies)
         self.forget_removed()
+
+    @precondition(lambda self: any(c.instance_id for c in self.clients.values()))
+    @rule(data=st.data())
+    def static_member_restarts(self, data: st.DataObject) -> None:
+        """A static member's process restarts: the new one joins under a new member id
+        with the same instance id and takes the old one's place (the old is fenced)."""
+        static = sorted(c.member_id for c in self.clients.values() if c.instance_id)
+        old = self.clients.pop(data.draw(st.sampled_from(static)))
+        self.start(old.protocols, old.streams, old.instance_id)
 
     @precondition(lambda self: self.clients)
     @rule(data=st.data())
