@@ -211,6 +211,8 @@ STREAM_SETTINGS = (
     "cleanup_policy",
     "delete_retention_ms",
     "compression",
+    "partitions",
+    "timestamp_type",
 )
 
 
@@ -226,7 +228,10 @@ def cmd_stream_create(args: argparse.Namespace) -> int:
     hw, api = http_api(args)
     with hw:
         stream = api.request("POST", "/api/streams", {"name": args.name, "settings": settings})
-    shown = ", ".join(f"{k}={v}" for k, v in sorted(stream.get("settings", settings).items()))
+    shown_settings = dict(stream.get("settings", settings))
+    if stream.get("partitions", 1) > 1:
+        shown_settings["partitions"] = stream["partitions"]
+    shown = ", ".join(f"{k}={v}" for k, v in sorted(shown_settings.items()))
     out.print(
         f"created stream {args.name} (id {stream['stream_id']}): {shown}",
         markup=False,
@@ -280,24 +285,24 @@ def cmd_stream_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stream_settings(args: argparse.Namespace, hw: Client) -> dict[str, Any] | None:
-    """The stream's settings from the HTTP API (Kimberlite cannot carry them), or None
-    when the server advertises no HTTP API."""
+def _stream_json(args: argparse.Namespace, hw: Client) -> dict[str, Any] | None:
+    """The stream as the HTTP API shows it (settings, partitions: Kimberlite carries
+    neither), or None when the server advertises no HTTP API."""
     from headwater.protocols.kimberlite.messages import http_port
 
     if http_port(hw.capabilities) is None:
         return None
     path = f"/api/streams/{quote(args.name, safe='')}"
-    stream = HttpApi.advertised(args, hw).request("GET", path)
-    settings: dict[str, Any] = stream.get("settings", {})
-    return settings
+    stream: dict[str, Any] = HttpApi.advertised(args, hw).request("GET", path)
+    return stream
 
 
 @client_command
 def cmd_stream_describe(args: argparse.Namespace) -> int:
     with connect(args) as hw:
         info = hw.stream_info(args.name)
-        settings = _stream_settings(args, hw)
+        described = _stream_json(args, hw)
+        settings = None if described is None else described.get("settings", {})
         last = None
         if info.next_offset > 0:
             events = hw.read(info.stream_id, info.next_offset - 1, 1 << 16).events
@@ -315,12 +320,33 @@ def cmd_stream_describe(args: argparse.Namespace) -> int:
     if settings is not None:
         shown = ", ".join(f"{k}={v}" for k, v in sorted(settings.items()))
         table.add_row("settings", shown or "the server's defaults")
+    if described is not None and described.get("partitions", 1) > 1:
+        ranges = ", ".join(
+            f"{p['partition']}: {p['start_offset']:,}..{p['next_offset']:,}"
+            for p in described["partition_offsets"]
+        )
+        table.add_row("partitions", f"{described['partitions']} ({ranges})")
     if last is not None:
         preview = format_value(last.value)
         if len(preview) > 120:
             preview = preview[:117] + "..."
         table.add_row("last event", f"{last.offset}: {preview}")
     out.print(table)
+    return 0
+
+
+@client_command
+def cmd_stream_alter(args: argparse.Namespace) -> int:
+    """Partitions are the one thing that changes after creation (added, never removed)."""
+    hw, api = http_api(args)
+    with hw:
+        path = f"/api/streams/{quote(args.name, safe='')}"
+        stream = api.request("PATCH", path, {"partitions": args.partitions})
+    out.print(
+        f"stream {args.name} has {stream['partitions']} partitions",
+        markup=False,
+        soft_wrap=True,
+    )
     return 0
 
 
@@ -484,8 +510,49 @@ def _write_event(offset: int, value: bytes, stream: IO[str], fmt: str = "text") 
     stream.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
+def _write_record(event: dict[str, Any], stream: IO[str], fmt: str) -> None:
+    """An event as the HTTP API gives it (partition, key, headers, timestamp): ``json``
+    prints it as it came; ``text`` as partition, offset, timestamp (UTC), key and value,
+    tab-separated (a missing key: empty)."""
+    import json
+
+    if fmt == "json":
+        event.pop("position", None)
+        stream.write(json.dumps(event, ensure_ascii=False) + "\n")
+        return
+    when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(event["timestamp_ms"] / 1000))
+    key = event.get("key_b64")
+    key_text = "" if key is None else format_value(base64.b64decode(key))
+    value = format_value(base64.b64decode(event["value_b64"]))
+    stream.write(f"{event['partition']}\t{event['offset']}\t{when}Z\t{key_text}\t{value}\n")
+
+
+def _read_partition(args: argparse.Namespace) -> None:
+    """``read --partition N``: pages of the HTTP API's read, which carries partitions,
+    keys, headers and timestamps (Kimberlite's ReadEvents carries values only)."""
+    hw, api = http_api(args)
+    with hw:
+        path = f"/api/streams/{quote(args.stream, safe='')}/events"
+        offset, left = args.from_offset, args.limit
+        while left is None or left > 0:
+            page_size = 1000 if left is None else min(1000, left)
+            page = api.request(
+                "GET", f"{path}?partition={args.partition}&from={offset}&limit={page_size}"
+            )
+            for event in page["events"]:
+                _write_record(event, sys.stdout, args.format)
+            if not page["events"]:
+                break
+            offset = page["next_offset"]
+            left = None if left is None else left - len(page["events"])
+    sys.stdout.flush()
+
+
 @client_command
 def cmd_read(args: argparse.Namespace) -> int:
+    if args.partition is not None:
+        _read_partition(args)
+        return 0
     with connect(args) as hw:
         stdout = sys.stdout
         for event in hw.scan(args.stream, args.from_offset, limit=args.limit):
@@ -744,7 +811,26 @@ def add_client_commands(sub: Any) -> None:
     settings.add_argument(
         "--segment-ms", type=positive, default=None, help="roll a segment at this age"
     )
+    settings.add_argument(
+        "--partitions",
+        type=positive,
+        default=None,
+        help="partitions of the stream (default 1; more later with stream alter)",
+    )
+    settings.add_argument(
+        "--timestamp-type",
+        choices=("CreateTime", "LogAppendTime"),
+        default=None,
+        help="CreateTime: events keep their producer's timestamp (default); "
+        "LogAppendTime: the server's clock",
+    )
     p.set_defaults(func=cmd_stream_create)
+    p = stream_sub.add_parser(
+        "alter", parents=[conn], help="add partitions to a stream (never fewer)"
+    )
+    p.add_argument("name")
+    p.add_argument("--partitions", type=positive, required=True, help="the new partition count")
+    p.set_defaults(func=cmd_stream_alter)
     p = stream_sub.add_parser("list", parents=[conn], help="list the tenant's streams")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_stream_list)
@@ -796,6 +882,13 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
     p.add_argument("--limit", type=non_negative, default=None, help="at most this many events")
     p.add_argument("--format", **event_format)
+    p.add_argument(
+        "--partition",
+        type=non_negative,
+        default=None,
+        help="read this partition through the HTTP API, with keys, headers and timestamps: "
+        "text is partition<TAB>offset<TAB>time<TAB>key<TAB>value",
+    )
     p.set_defaults(func=cmd_read)
 
     p = sub.add_parser("tail", parents=[conn], help="follow a stream live (Ctrl-C to stop)")
