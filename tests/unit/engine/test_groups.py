@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from headwater.engine.groups import (
+    GroupConfig,
     GroupCoordinator,
     GroupState,
     JoinFailed,
@@ -16,12 +17,14 @@ from headwater.engine.groups import (
 from headwater.engine.groups.errors import (
     FencedInstanceId,
     GroupError,
+    GroupMaxSizeReached,
     IllegalGeneration,
     InconsistentGroupProtocol,
     InvalidSessionTimeout,
     RebalanceInProgress,
     UnknownMemberId,
 )
+from headwater.errors import InvalidRequest
 
 SESSION = 10_000
 REBALANCE = 30_000
@@ -300,3 +303,51 @@ def test_commit_checks_follow_kafka() -> None:
     with pytest.raises(IllegalGeneration):  # a generation went by
         c.validate_commit("g", a, 1)
     assert isinstance(stale.value, GroupError) and b
+
+
+def test_a_stream_growing_rebalances_the_groups_that_consume_it() -> None:
+    clock = Clock()
+    counts = {"s": 2, "t": 1}
+    c = coordinator(clock, counts)
+    a, _ = join(c)
+    assert len(c.sync("g", a, 1).assignment) == 2
+    c.partitions_changed("t")  # nobody consumes t: nothing happens
+    c.heartbeat("g", a, 1)
+    counts["s"] = 3
+    c.partitions_changed("s")
+    with pytest.raises(RebalanceInProgress):
+        c.heartbeat("g", a, 1)
+    join(c, a)
+    assert len(c.sync("g", a, 2).assignment) == 3
+
+
+def test_group_size_limit_and_a_fenced_pending_join() -> None:
+    clock = Clock()
+    c = GroupCoordinator(
+        lambda s: 4, clock=clock, config=GroupConfig(max_size=2), new_member_id=lambda _: "x"
+    )
+    ids = iter(["a", "b", "a2"])  # a refused join takes no id
+    c.new_member_id = lambda _: next(ids)
+    join(c, instance_id="ia")
+    join(c)
+    with pytest.raises(GroupMaxSizeReached) as raised:
+        join(c)
+    assert raised.value.kafka_code == 81
+    # a's join is still pending (b joined after it) when a's process restarts.
+    a2, replies = join(c, instance_id="ia")
+    assert a2 == "a2"
+    failed = [r for r in replies if isinstance(r, JoinFailed)]
+    assert [(r.member_id, type(r.error)) for r in failed] == [("a", FencedInstanceId)]
+    assert set(results(replies)) == {"a2", "b"}  # a2 in a's place completes the join
+
+
+def test_an_empty_group_can_be_deleted_a_live_one_not() -> None:
+    clock = Clock()
+    c = coordinator(clock)
+    a, _ = join(c)
+    with pytest.raises(InvalidRequest):
+        c.delete_group("g")
+    c.leave("g", a)
+    c.delete_group("g")
+    with pytest.raises(UnknownMemberId):
+        c.describe("g")
