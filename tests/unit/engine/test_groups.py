@@ -323,22 +323,27 @@ def test_a_stream_growing_rebalances_the_groups_that_consume_it() -> None:
 
 def test_group_size_limit_and_a_fenced_pending_join() -> None:
     clock = Clock()
-    c = GroupCoordinator(
-        lambda s: 4, clock=clock, config=GroupConfig(max_size=2), new_member_id=lambda _: "x"
-    )
-    ids = iter(["a", "b", "a2"])  # a refused join takes no id
+    c = GroupCoordinator(lambda s: 4, clock=clock, config=GroupConfig(max_size=3))
+    ids = iter(["a", "b", "c", "a2"])  # a refused join takes no id
     c.new_member_id = lambda _: next(ids)
     join(c, instance_id="ia")
     join(c)
+    join(c, "a", instance_id="ia")  # generation 2: a and b
+    join(c)  # c: a rebalance begins
     with pytest.raises(GroupMaxSizeReached) as raised:
         join(c)
     assert raised.value.kafka_code == 81
-    # a's join is still pending (b joined after it) when a's process restarts.
+    _, replies = join(c, "a", instance_id="ia")
+    assert replies == []  # a waits for b
+    # a's process restarts while its join is pending: the old join is fenced.
     a2, replies = join(c, instance_id="ia")
     assert a2 == "a2"
-    failed = [r for r in replies if isinstance(r, JoinFailed)]
-    assert [(r.member_id, type(r.error)) for r in failed] == [("a", FencedInstanceId)]
-    assert set(results(replies)) == {"a2", "b"}  # a2 in a's place completes the join
+    assert [(r.member_id, type(r.error)) for r in replies if isinstance(r, JoinFailed)] == [
+        ("a", FencedInstanceId)
+    ]
+    _, replies = join(c, "b")
+    got = results(replies)
+    assert set(got) == {"a2", "b", "c"} and got["b"].generation == 3
 
 
 def test_an_empty_group_can_be_deleted_a_live_one_not() -> None:
