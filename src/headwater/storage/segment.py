@@ -470,6 +470,10 @@ class Segment:
 def _unit(view: memoryview, *, verify: bool = True) -> list[Batch]:
     """The batches of one stored unit, exactly ``view``: a bare batch or a frame."""
     if is_frame(view):
+        if getattr(_nowait, "on", False):
+            # Decompressing is CPU work (about a millisecond a frame, a read may cross
+            # dozens): done in a worker thread, never on the event loop.
+            raise WouldBlock
         return decode_frame(view, verify=verify)
     return [Batch(view, verify=verify)]
 

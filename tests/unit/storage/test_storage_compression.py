@@ -12,7 +12,7 @@ from headwater.errors import CorruptBatchError
 from headwater.storage.check import check_partition
 from headwater.storage.compression import FRAME_MAGIC, decode_frame, encode_frame
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from headwater.storage.segment import Segment
+from headwater.storage.segment import Segment, WouldBlock, no_wait
 
 NONE = SyncPolicy("none")
 
@@ -159,3 +159,19 @@ def test_a_crash_mid_compression_leaves_the_plain_segment(tmp_path: Path) -> Non
 def test_a_server_setting_rejects_an_unknown_codec() -> None:
     with pytest.raises(ValueError, match="compression must be one of none, zstd, lz4"):
         LogConfig(compression="gzip")
+
+
+def test_no_wait_reads_leave_decompression_to_a_worker_thread(tmp_path: Path) -> None:
+    """The event loop reads hot plain data itself; a compressed frame is CPU work, so a
+    no-wait read reaching one is sent to a thread (WouldBlock), as a cold page is."""
+    plog = open_log(tmp_path, "lz4")
+    values = fill(plog, 600, 3)
+    plog.compress()
+    tail = plog.active.base_offset
+    assert [e.value for e in plog.events(0)] == values  # warm: every page cached
+    with no_wait():
+        assert plog.read(tail, 1 << 20).first_offset == tail
+        with pytest.raises(WouldBlock):
+            plog.read(0, 1 << 20)
+    assert plog.read(0, 1 << 20).first_offset == 0
+    plog.close()
