@@ -595,8 +595,14 @@ def decompress(codec: int, data: Buffer, max_bytes: int = MAX_DECOMPRESSED) -> b
             return _unzstd(data, max_bytes)
     except RecordBatchError:
         raise
-    except (zlib.error, zstandard.ZstdError, RuntimeError, ValueError) as exc:
-        # lz4.frame raises RuntimeError on a bad frame, cramjam's snappy ValueError
+    except (
+        zlib.error,
+        zstandard.ZstdError,
+        cramjam.DecompressionError,
+        RuntimeError,
+        ValueError,
+    ) as exc:
+        # lz4.frame raises RuntimeError on a bad frame
         raise _corrupt(f"records do not decompress as {Compression(codec).name}: {exc}") from None
     raise RecordBatchError(ErrorCode.unsupported_compression_type, f"unknown codec {codec}")
 

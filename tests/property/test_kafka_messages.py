@@ -1,0 +1,116 @@
+"""Round trips of every request and response of every API version headwater's Kafka
+codec implements: kio writes, our bounded reader reads back the same message, framed
+with the header its version takes; and any split of the bytes gives the same requests."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka_strategies import message
+from kio.schema.errors import ErrorCode
+
+from headwater.protocols.kafka.apis import SUPPORTED, ApiKey, request_type, response_type
+from headwater.protocols.kafka.connection import Reply, Request, ServerConnection
+from headwater.protocols.kafka.frames import decode_response, encode_request, encode_response
+from headwater.protocols.kafka.schema import decode_exact, encode_entity
+
+VERSIONS = [
+    (key, version)
+    for key, versions in sorted(SUPPORTED.items())
+    for version in range(versions.min_version, versions.max_version + 1)
+]
+IDS = [f"{key.name.lower()}-v{version}" for key, version in VERSIONS]
+CORRELATION_IDS = st.integers(0, 2**31 - 1)
+FEW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize(("api_key", "version"), VERSIONS, ids=IDS)
+def test_request_round_trips_through_the_connection(api_key: ApiKey, version: int) -> None:
+    @FEW
+    @given(
+        request=message(request_type(api_key, version)), correlation_id=st.integers(0, 2**31 - 1)
+    )
+    def check(request: Any, correlation_id: int) -> None:
+        assert decode_exact(type(request), encode_entity(request)) == request
+        [event] = ServerConnection().receive_data(encode_request(correlation_id, request))
+        if api_key is ApiKey.API_VERSIONS:
+            assert isinstance(event, Reply)
+            return
+        assert isinstance(event, Request)
+        assert (event.api_key, event.api_version, event.correlation_id) == (
+            api_key,
+            version,
+            correlation_id,
+        )
+        assert event.request == request
+
+    check()
+
+
+@pytest.mark.parametrize(("api_key", "version"), VERSIONS, ids=IDS)
+def test_response_round_trips(api_key: ApiKey, version: int) -> None:
+    @FEW
+    @given(
+        response=message(response_type(api_key, version)), correlation_id=st.integers(0, 2**31 - 1)
+    )
+    def check(response: Any, correlation_id: int) -> None:
+        framed = encode_response(correlation_id, response)
+        assert int.from_bytes(framed[:4], "big") == len(framed) - 4
+        assert decode_response(api_key, version, framed[4:]) == (correlation_id, response)
+
+    check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_any_split_of_pipelined_requests_gives_the_same_events(data: st.DataObject) -> None:
+    chosen = data.draw(st.lists(st.sampled_from(VERSIONS), min_size=1, max_size=4))
+    requests = [data.draw(message(request_type(key, version))) for key, version in chosen]
+    stream = b"".join(encode_request(index, request) for index, request in enumerate(requests))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
+    connection = ServerConnection()
+    events = []
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        events += connection.receive_data(stream[start:end])
+    assert len(events) == len(requests)
+    for event, request in zip(events, requests, strict=True):
+        if isinstance(event, Request):
+            assert event.request == request
+        else:
+            assert isinstance(event, Reply)
+    assert connection.receive_eof() == []
+
+
+@settings(max_examples=30, deadline=None)
+@given(order=st.permutations(range(5)))
+def test_answers_go_out_in_request_order_whatever_order_they_come(order: list[int]) -> None:
+    heartbeat = request_type(ApiKey.HEARTBEAT, 4)
+    answer = response_type(ApiKey.HEARTBEAT, 4)
+    connection = ServerConnection()
+    requests = [
+        heartbeat(group_id="g", generation_id=1, member_id="m", group_instance_id=None)  # type: ignore[call-arg]
+        for _ in range(5)
+    ]
+    events = connection.receive_data(
+        b"".join(encode_request(index, request) for index, request in enumerate(requests))
+    )
+    assert all(isinstance(event, Request) for event in events)
+    sent = b""
+
+    for index in order:
+        event = events[index]
+        assert isinstance(event, Request)
+        sent += connection.send(
+            event, answer(throttle_time=timedelta(0), error_code=ErrorCode.none)
+        )  # type: ignore[call-arg]
+    assert connection.pending_responses == 0
+    correlation_ids = []
+    while sent:
+        size = int.from_bytes(sent[:4], "big")
+        correlation_ids.append(decode_response(ApiKey.HEARTBEAT, 4, sent[4 : 4 + size])[0])
+        sent = sent[4 + size :]
+    assert correlation_ids == [0, 1, 2, 3, 4]
