@@ -41,14 +41,14 @@ def server_context(config: TlsConfig) -> ssl.SSLContext:
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(
             f"tls: cannot load the certificate {config.cert} with the key {config.key} "
-            f"({_why(exc)}): both must be PEM, the key matching the certificate"
+            f"({failure_reason(exc)}): both must be PEM, the key matching the certificate"
         ) from None
     if config.client_ca is not None:
         try:
             context.load_verify_locations(cafile=config.client_ca)
         except (ssl.SSLError, OSError) as exc:
             raise ConfigError(
-                f"tls.client_ca: cannot load {config.client_ca} ({_why(exc)}): "
+                f"tls.client_ca: cannot load {config.client_ca} ({failure_reason(exc)}): "
                 "it must hold PEM CA certificates"
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED
@@ -209,7 +209,9 @@ class TlsServer:
             )
         except OSError as exc:  # ssl.SSLError, a reset: what a peer's bad bytes cause
             sock.close()
-            log.warning("%s: TLS handshake with %s failed: %s", self.listener, peer, _why(exc))
+            log.warning(
+                "%s: TLS handshake with %s failed: %s", self.listener, peer, failure_reason(exc)
+            )
         except asyncio.CancelledError:  # the listener stopped
             sock.close()
             raise
@@ -231,7 +233,7 @@ def peer_common_name(transport: asyncio.BaseTransport | None) -> str | None:
     return None
 
 
-def _why(exc: OSError) -> str:
+def failure_reason(exc: OSError) -> str:
     """A failed handshake in a few words: the SSL reason (``WRONG_VERSION_NUMBER`` for
     plain text, ``PEER_DID_NOT_RETURN_A_CERTIFICATE``...) or the socket error."""
     if isinstance(exc, ssl.SSLError) and exc.reason:

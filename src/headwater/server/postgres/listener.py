@@ -54,7 +54,7 @@ from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import ConnectionGuard, finish_in_flight, start_tcp_listener
-from headwater.server.tls import context_for
+from headwater.server.tls import context_for, failure_reason
 from headwater.sql.values import Timestamp
 
 if TYPE_CHECKING:
@@ -193,6 +193,13 @@ class PostgresConnection(asyncio.Protocol):
         self._worker = asyncio.get_running_loop().create_task(self._work())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        """The connection is gone: give back its place and stop its work. Called by
+        ``connection_lost``, and by the TLS upgrade when the connection closed during
+        the handshake, where asyncio and uvloop may never call ``connection_lost`` (the
+        TLS layer swallows it): so it may run twice."""
         self.closed = True
         self._writable.set()
         self.guard.release()
@@ -292,14 +299,19 @@ class PostgresConnection(asyncio.Protocol):
                 self,
                 context,
                 server_side=True,
-                ssl_handshake_timeout=self.state.server.config.limits.handshake_timeout_s,
+                # The guard's handshake_timeout_s (counted from the connection) decides,
+                # with an error naming it; this only must not be shorter.
+                ssl_handshake_timeout=self.state.server.config.limits.handshake_timeout_s + 1.0,
             )
         except (OSError, ssl.SSLError, TimeoutError) as exc:
-            log.warning("postgres %s: TLS handshake failed: %s", self.peer, exc)
+            log.warning("postgres %s: TLS handshake failed: %s", self.peer, failure_reason(exc))
             self.close()
+            self._ended()
             return
-        if transport is None:  # the peer went away during the handshake
+        if transport is None or self.closed:
+            # The peer went away, or a limit closed the connection, during the handshake.
             self.close()
+            self._ended()
             return
         self.transport = transport
         self.guard.upgraded(transport)
