@@ -186,10 +186,11 @@ class EngineAPI:
     objects, and the checks every front end would otherwise repeat. The services
     themselves stay private.
 
-    Streams have partitions: ``append``, ``append_encoded``, ``read``, ``stream_end`` and
-    ``offset_for_timestamp`` take ``partition`` (0 when not named, so front ends that
-    know one partition keep working); ``append_partitioned`` places each event by the
-    stream's partitioner (explicit, Kafka's murmur2 of the key, sticky when keyless).
+    Streams have partitions: ``append``, ``append_encoded``, ``read``, ``stream_end``,
+    ``offset_for_timestamp`` and ``subscribe`` take ``partition`` (0 when not named, so
+    front ends that know one partition keep working); ``append_partitioned`` places each
+    event by the stream's partitioner (explicit, Kafka's murmur2 of the key, sticky when
+    keyless).
 
     With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
     ``append_partitioned``, ``read``, ``create_stream``, ``delete_stream``, ``query``,

@@ -258,10 +258,12 @@ class Subscription:
         deliver: Deliver | None,
         on_close: OnClose,
         deliver_read: DeliverRead | None = None,
+        partition: int = 0,
     ) -> None:
         self.manager = manager
         self.subscription_id = subscription_id
         self.stream = stream
+        self.partition = partition
         self.next_offset = next_offset
         self.credits = credits
         self.group = group
@@ -282,7 +284,7 @@ class Subscription:
 
     async def _pump(self) -> None:
         engine = self.manager.engine
-        plog = self.stream.log
+        plog = self.stream.partition_logs[self.partition]
         timeout = self.manager.backpressure_timeout
         try:
             while not self.closed:
@@ -308,6 +310,7 @@ class Subscription:
                     self.next_offset,
                     READ_MAX_BYTES,
                     max_events=min(READ_MAX_EVENTS, self.credits),
+                    partition=self.partition,
                 )
                 if self.closed:
                     return
@@ -345,6 +348,12 @@ class Subscription:
             self.manager.close(self, CloseReason.PROTOCOL_ERROR)
 
 
+def commit_key(tenant_id: int, stream_id: int, partition: int) -> tuple[int, ...]:
+    """The key of a stream partition's commit waiters: ``(tenant, stream)`` for
+    partition 0, as before partitions, ``(tenant, stream, partition)`` for the others."""
+    return (tenant_id, stream_id) if partition == 0 else (tenant_id, stream_id, partition)
+
+
 class Subscriptions:
     """Every live subscription of the server."""
 
@@ -352,13 +361,14 @@ class Subscriptions:
         self.engine = engine
         self.backpressure_timeout = backpressure_timeout
         self.by_stream: dict[tuple[int, int], set[Subscription]] = {}
-        # Per stream, the subscriptions waiting for its next commit (caught up, with
-        # credit): what an append wakes, so its cost is theirs and not every
-        # subscription's of the stream (50k without credit made each append 100x slower).
-        self.awaiting_commit: dict[tuple[int, int], set[Subscription]] = {}
+        # Per stream partition (commit_key), the subscriptions waiting for its next
+        # commit (caught up, with credit): what an append wakes, so its cost is theirs
+        # and not every subscription's of the stream (50k without credit made each
+        # append 100x slower).
+        self.awaiting_commit: dict[tuple[int, ...], set[Subscription]] = {}
         self.groups: dict[tuple[int, int], GroupOffsets] = {}
         self._next_id = 1
-        self._listening: set[tuple[int, int]] = set()
+        self._listening: set[tuple[int, ...]] = set()
         # Awaited after each delivery, outside its backpressure timeout, with the tenant
         # and the bytes delivered: the engine API's consume quota holds the next read
         # back there. None (no quota anywhere): nothing is awaited.
@@ -375,10 +385,12 @@ class Subscriptions:
         """The consumer groups of ``stream`` (read from its groups.json on first use)."""
         return self._groups_for(stream)
 
-    def _listen(self, stream: Stream) -> None:
-        key = (stream.tenant.tenant_id, stream.stream_id)
+    def _listen(self, stream: Stream, partition: int) -> None:
+        stream_key = (stream.tenant.tenant_id, stream.stream_id)
+        key = commit_key(*stream_key, partition)
         if key in self._listening:
             return
+        first = not any(k[:2] == key[:2] for k in self._listening)
         self._listening.add(key)
 
         def committed(_offset: int) -> None:
@@ -388,15 +400,16 @@ class Subscriptions:
                     sub.wake()
 
         def deleted() -> None:
-            for sub in list(self.by_stream.get(key, ())):
+            for sub in list(self.by_stream.get(stream_key, ())):
                 self.close(sub, CloseReason.STREAM_DELETED)
 
-        stream.committer.add_listener(committed)
-        stream.delete_listeners.append(deleted)
+        stream.committers[partition].add_listener(committed)
+        if first:
+            stream.delete_listeners.append(deleted)
 
     def await_commit(self, sub: Subscription) -> None:
-        """Wake ``sub`` at its stream's next commit (once)."""
-        key = (sub.stream.tenant.tenant_id, sub.stream.stream_id)
+        """Wake ``sub`` at its partition's next commit (once)."""
+        key = commit_key(sub.stream.tenant.tenant_id, sub.stream.stream_id, sub.partition)
         self.awaiting_commit.setdefault(key, set()).add(sub)
 
     def subscribe(
@@ -410,9 +423,12 @@ class Subscriptions:
         on_close: OnClose,
         *,
         deliver_read: DeliverRead | None = None,
+        partition: int = 0,
     ) -> Subscription:
-        """Start a subscription; its start offset is ``next_offset`` on return. Exactly
-        one of ``deliver`` (pushes of values) and ``deliver_read`` (whole reads) is given."""
+        """Start a subscription to one partition (0 unless named); its start offset is
+        ``next_offset`` on return. Exactly one of ``deliver`` (pushes of values) and
+        ``deliver_read`` (whole reads) is given. A consumer group's offset is the
+        stream's (partition 0's): a group subscription of another partition is refused."""
         if (deliver is None) == (deliver_read is None):
             raise UsageError("give exactly one of deliver and deliver_read")
         stream = self.engine.stream(tenant_id, stream_id)
@@ -420,7 +436,12 @@ class Subscriptions:
             raise InvalidRequest("credits must fit in u32")
         if group is not None and not group:
             raise InvalidRequest("a consumer group name must not be empty")
-        plog = stream.log
+        plog = stream.partition_log(partition)
+        if group is not None and partition != 0:
+            raise InvalidRequest(
+                "a consumer group subscription reads partition 0 (its offset is the "
+                "stream's); subscribe to other partitions without a group"
+            )
         groups = self._groups_for(stream) if group is not None else None
         if from_offset == RESUME:
             if groups is not None and group is not None:
@@ -435,10 +456,19 @@ class Subscriptions:
             start = from_offset
         start = max(start, plog.start_offset)
         sub = Subscription(
-            self, self._next_id, stream, start, credits, group, deliver, on_close, deliver_read
+            self,
+            self._next_id,
+            stream,
+            start,
+            credits,
+            group,
+            deliver,
+            on_close,
+            deliver_read,
+            partition,
         )
         self._next_id += 1
-        self._listen(stream)
+        self._listen(stream, partition)
         self.by_stream.setdefault((tenant_id, stream_id), set()).add(sub)
         if groups is not None and group is not None:
             if group in groups.active:
@@ -473,11 +503,12 @@ class Subscriptions:
         subs = self.by_stream.get(key)
         if subs is not None:
             subs.discard(sub)
-        waiting = self.awaiting_commit.get(key)
+        waiting_key = commit_key(*key, sub.partition)
+        waiting = self.awaiting_commit.get(waiting_key)
         if waiting is not None:
             waiting.discard(sub)
             if not waiting:
-                del self.awaiting_commit[key]
+                del self.awaiting_commit[waiting_key]
         if sub.group is not None:
             self._hand_over(sub)
         try:

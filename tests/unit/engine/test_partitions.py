@@ -232,3 +232,52 @@ def test_reads_return_exactly_what_was_appended_per_partition(
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_subscriptions_follow_one_partition_each(tmp_path: Path) -> None:
+    from headwater.engine.subscriptions import CloseReason, Push, Subscription, Subscriptions
+    from headwater.errors import InvalidRequest as Invalid
+    from headwater.storage.batch import value_spans
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        subs = Subscriptions(engine)
+        info = await engine.create_stream(0, "s", StreamSettings(partitions=3))
+        got: dict[int, list[tuple[int, bytes]]] = {0: [], 1: [], 2: []}
+        arrived = asyncio.Event()
+        closed: list[CloseReason] = []
+
+        async def deliver(sub: Subscription, pushes: list[Push]) -> None:
+            for start, count, chunks, _credits in pushes:
+                data = b"".join(chunks)
+                bounds = value_spans(data, count)
+                got[sub.partition] += [
+                    (start + i, data[bounds[i] + 8 : bounds[i + 1]]) for i in range(count)
+                ]
+            arrived.set()
+
+        def on_close(sub: Subscription, reason: CloseReason) -> None:
+            closed.append(reason)
+
+        await engine.append(0, info.stream_id, [b"before-1"], partition=1)
+        live = [
+            subs.subscribe(0, info.stream_id, 0, 100, None, deliver, on_close, partition=p)
+            for p in range(3)
+        ]
+        with pytest.raises(Invalid, match="partition 0"):
+            subs.subscribe(0, info.stream_id, 0, 10, "g", deliver, on_close, partition=1)
+        with pytest.raises(Invalid, match="partition 7 does not exist"):
+            subs.subscribe(0, info.stream_id, 0, 10, None, deliver, on_close, partition=7)
+        await engine.append(0, info.stream_id, [b"a", b"b"], partition=2)
+        await engine.append(0, info.stream_id, [b"zero"], partition=0)
+        async with asyncio.timeout(10):
+            while [len(got[p]) for p in range(3)] != [1, 1, 2]:
+                arrived.clear()
+                await arrived.wait()
+        assert got == {0: [(0, b"zero")], 1: [(0, b"before-1")], 2: [(0, b"a"), (1, b"b")]}
+        for sub in live:
+            subs.close(sub, CloseReason.CLIENT_CANCELLED)
+        assert closed == [CloseReason.CLIENT_CANCELLED] * 3
+        await engine.close()
+
+    asyncio.run(main())
