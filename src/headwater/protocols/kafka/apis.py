@@ -70,7 +70,7 @@ SUPPORTED: dict[ApiKey, VersionRange] = {
     ApiKey.PRODUCE: VersionRange(3, 10),  # 3: record batch v2 (magic 2) only
     ApiKey.FETCH: VersionRange(4, 12),  # 4: isolation level, aborted transactions
     ApiKey.LIST_OFFSETS: VersionRange(1, 7),
-    ApiKey.METADATA: VersionRange(0, 12),
+    ApiKey.METADATA: VersionRange(0, 13),
     ApiKey.OFFSET_COMMIT: VersionRange(2, 9),
     ApiKey.OFFSET_FETCH: VersionRange(1, 9),
     ApiKey.FIND_COORDINATOR: VersionRange(0, 4),
