@@ -201,12 +201,23 @@ class ServerProcess:
 class HeadwaterServer(ServerProcess):
     name = "headwater"
 
-    def __init__(self, src: Path | None = None, name: str = "headwater") -> None:
+    # Every listener this checkout has; an older revision (``src``) may know fewer, and
+    # its config refuses a key it does not know.
+    LISTENERS = ("kimberlite", "http", "convergedb", "ripple", "postgres")
+
+    def __init__(
+        self,
+        src: Path | None = None,
+        name: str = "headwater",
+        known_listeners: tuple[str, ...] = LISTENERS,
+    ) -> None:
         """``src``: run the server from that checkout's ``src/`` (another revision, for a
-        before/after comparison in one run) instead of the installed package."""
+        before/after comparison in one run) instead of the installed package;
+        ``known_listeners``: the listener keys that revision's config takes."""
         super().__init__()
         self.src = src
         self.name = name
+        self.known_listeners = known_listeners
 
     def start(
         self, root: Path, extra_config: str = "", listeners: tuple[str, ...] = ("kimberlite",)
@@ -217,7 +228,7 @@ class HeadwaterServer(ServerProcess):
         config = root / "headwater.toml"
         listen = "".join(
             f'{name} = "{"127.0.0.1:0" if name in listeners else ""}"\n'
-            for name in ("kimberlite", "http", "convergedb", "ripple", "postgres")
+            for name in self.known_listeners
         )
         config.write_text("[listen]\n" + listen + '\n[logging]\nlevel = "WARNING"\n' + extra_config)
         self.log_path = root / "headwater.log"

@@ -140,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         text=True,
     ).stdout.strip()
     sides = {
-        "before": HeadwaterServer(src=tree / "src", name="before"),
+        "before": HeadwaterServer(
+            src=tree / "src",
+            name="before",
+            known_listeners=("kimberlite", "http", "convergedb", "ripple"),
+        ),
         "after": HeadwaterServer(name="after"),
     }
     results: dict[str, Any] = {
