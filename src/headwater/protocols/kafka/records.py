@@ -270,7 +270,11 @@ def split_batches(data: Buffer) -> list[RecordBatch]:
                 f"record batch length {header.batch_length} does not fit "
                 f"{total - offset - LOG_OVERHEAD} bytes"
             )
-        batches.append(RecordBatch(header, bytes(view[offset : offset + size])))
+        if size == total and isinstance(data, bytes):
+            whole = data  # the usual Produce: one batch, kept without a copy
+        else:
+            whole = bytes(view[offset : offset + size])
+        batches.append(RecordBatch(header, whole))
         offset += size
     return batches
 
