@@ -32,7 +32,8 @@ def http(server: Server, method: str, path: str, body: Any = None) -> tuple[int,
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
+            payload = response.read()
+            return response.status, json.loads(payload) if payload else None
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
 
@@ -188,3 +189,38 @@ def test_six_partitions_over_http_and_cli_survive_restart_and_sigkill(make_serve
     server.kill()
     server.start()
     assert snapshot(server, "orders") == expected
+
+
+def test_kiwi_results_carry_each_events_partition_offset_key_and_time(make_server: Any) -> None:
+    from websockets.sync.client import connect
+
+    server: Server = make_server(listen={"http": LOCAL})
+    status, _ = http(server, "POST", "/api/streams", {"name": "k", "settings": {"partitions": 3}})
+    assert status == 201
+    url = f"ws://{server.address_of('http')}/ws"
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "SUBSCRIBE", "sourceId": "k", "mode": "push"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "SUBSCRIBE_OK"
+        sent = [
+            {"key": "a", "value": "one", "partition": 2, "timestamp_ms": BASE_TS},
+            {"key": "b", "value": "two", "partition": 0, "timestamp_ms": BASE_TS + 1},
+            {"value": "three", "partition": 2, "timestamp_ms": BASE_TS + 2},
+        ]
+        status, appended = http(server, "POST", "/api/streams/k/events", {"records": sent})
+        assert status == 200, appended
+        got = [json.loads(ws.recv(timeout=30))["data"] for _ in sent]
+        seen = sorted(
+            (d["partition"], d["offset"], d["key"], d["value"], d["timestamp"]) for d in got
+        )
+        assert seen == [
+            (0, 0, "b", "two", BASE_TS + 1),
+            (2, 0, "a", "one", BASE_TS),
+            (2, 1, None, "three", BASE_TS + 2),
+        ]
+        # Deleting the stream closes the source once, not once per partition.
+        status, _ = http(server, "DELETE", "/api/streams/k")
+        assert status == 204
+        notice = json.loads(ws.recv(timeout=30))
+        assert notice["type"] == "NOTICE" and notice["data"]["type"] == "SUBSCRIPTION_CLOSED"
+        ws.send(json.dumps({"type": "UNSUBSCRIBE", "sourceId": "k"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "UNSUBSCRIBE_ERROR"

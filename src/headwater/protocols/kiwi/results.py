@@ -23,8 +23,6 @@ from typing import Any
 from headwater.protocols.kiwi.messages import dumps, result
 from headwater.storage.batch import ATTR_KEYS, Batch, Event
 
-PARTITION = 0  # a stream is one partition in this version
-
 
 def _text_or_null(data: bytes | None) -> str:
     """``data`` as a JSON string when it is UTF-8 text, else ``null``."""
@@ -36,9 +34,9 @@ def _text_or_null(data: bytes | None) -> str:
         return "null"
 
 
-def stream_results(source_id: str, events: Iterable[Event]) -> list[bytes]:
-    """One RESULT payload per event: ``{sourceId, sourceType "kafka", payload (base64),
-    partition, offset, key, value, timestamp}``."""
+def stream_results(source_id: str, events: Iterable[Event], partition: int = 0) -> list[bytes]:
+    """One RESULT payload per event of stream partition ``partition``: ``{sourceId,
+    sourceType "kafka", payload (base64), partition, offset, key, value, timestamp}``."""
     head = '{"type":"RESULT","data":{"sourceId":' + dumps(source_id) + ',"sourceType":"kafka"'
     out: list[bytes] = []
     append = out.append
@@ -47,7 +45,7 @@ def stream_results(source_id: str, events: Iterable[Event]) -> list[bytes]:
         value = event.value
         append(
             (
-                f'{head},"payload":"{b64(value).decode("ascii")}","partition":{PARTITION},'
+                f'{head},"payload":"{b64(value).decode("ascii")}","partition":{partition},'
                 f'"offset":{event.offset},"key":{_text_or_null(event.key)},'
                 f'"value":{_text_or_null(value)},"timestamp":{event.timestamp_ms}}}}}'
             ).encode()
@@ -55,16 +53,18 @@ def stream_results(source_id: str, events: Iterable[Event]) -> list[bytes]:
     return out
 
 
-def batch_results(source_id: str, batch: Batch, start: int, stop: int) -> list[bytes]:
-    """The RESULT payloads of events [start, stop) of a stored batch: the same bytes as
-    :func:`stream_results` over its decoded events."""
-    if batch.attributes & ATTR_KEYS:  # keyed events (rare on streams): decode them
-        return stream_results(source_id, islice(batch.events(start), stop - start))
+def batch_results(
+    source_id: str, batch: Batch, start: int, stop: int, partition: int = 0
+) -> list[bytes]:
+    """The RESULT payloads of events [start, stop) of a stored batch of stream partition
+    ``partition``: the same bytes as :func:`stream_results` over its decoded events."""
+    if batch.attributes & ATTR_KEYS:  # keyed events: decode them
+        return stream_results(source_id, islice(batch.events(start), stop - start), partition)
     head = '{"type":"RESULT","data":{"sourceId":' + dumps(source_id) + ',"sourceType":"kafka"'
     template = (
         head.replace("%", "%%")
         + ',"payload":"%s","partition":'
-        + str(PARTITION)
+        + str(partition)
         + ',"offset":%d,"key":null,"value":%s,"timestamp":'
         + str(batch.first_timestamp_ms)
         + "}}"

@@ -1,5 +1,7 @@
 """Streams as Kiwi sources: one :class:`StreamFeed` per (tenant, stream, partition) with
-subscribers, shared by all of them.
+subscribers, shared by all of them. A subscriber of a stream is a subscriber of every
+partition the stream has when it subscribes, and its RESULTs carry each event's real
+partition, offset, key and timestamp.
 
 A feed holds one engine subscription from the live end, with credit it keeps topped up
 (Kiwi has no credit). Each commit wakes that one subscription, which reads the log once;
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING
 from headwater.api import MAX_CREDITS, RESUME, CloseReason, ReadResult, StreamInfo, Subscription
 from headwater.protocols.kiwi.fanout import Fanout
 from headwater.protocols.kiwi.frames import text_frame
-from headwater.protocols.kiwi.results import PARTITION, batch_results
+from headwater.protocols.kiwi.results import batch_results
 from headwater.server.kiwi.session import Detach, KiwiSession
 
 if TYPE_CHECKING:
@@ -40,16 +42,17 @@ CLOSE_MESSAGES = {
 FeedKey = tuple[int, int, int]  # (tenant, stream, partition)
 
 
-def feed_key(stream: StreamInfo) -> FeedKey:
-    return (stream.tenant_id, stream.stream_id, PARTITION)
+def feed_key(stream: StreamInfo, partition: int) -> FeedKey:
+    return (stream.tenant_id, stream.stream_id, partition)
 
 
 class StreamFeed:
-    def __init__(self, gateway: Gateway, stream: StreamInfo) -> None:
+    def __init__(self, gateway: Gateway, stream: StreamInfo, partition: int = 0) -> None:
         self.gateway = gateway
         self.stream = stream
+        self.partition = partition
         self.source_id = stream.name
-        self.key = feed_key(stream)
+        self.key = feed_key(stream, partition)
         self.fanout: Fanout[KiwiSession] = Fanout()
         self.closed = False
         self.api = gateway.server.api
@@ -62,11 +65,13 @@ class StreamFeed:
             None,
             self._on_close,
             deliver_read=self._deliver_read,
+            partition=partition,
         )
 
     def attach(self, session: KiwiSession) -> Detach:
         """``session`` gets the events committed from now on."""
-        self.fanout.add(session, self.api.stream_end(self.stream.tenant_id, self.stream.stream_id))
+        end = self.api.stream_end(self.stream.tenant_id, self.stream.stream_id, self.partition)
+        self.fanout.add(session, end)
 
         def detach() -> None:
             if self.fanout.remove(session) and not self.fanout:
@@ -95,7 +100,7 @@ class StreamFeed:
         # (packing connections take the bare messages and frame them as they write).
         messages: list[bytes] = []
         for span in result.spans:
-            messages += batch_results(source_id, span.batch, span.start, span.stop)
+            messages += batch_results(source_id, span.batch, span.start, span.stop, self.partition)
         frames: list[bytes] | None = None
         delivered, value_bytes = 0, 0
         for session, index in routes:
@@ -128,8 +133,18 @@ class StreamFeed:
         if reason is CloseReason.CLIENT_CANCELLED:
             return
         message = CLOSE_MESSAGES.get(reason, "the source ended")
-        for session in self.fanout:
+        siblings = [
+            feed
+            for key, feed in self.gateway.feeds.items()
+            if key[:2] == self.key[:2] and feed is not self
+        ]
+        for session in list(self.fanout):
             session.source_closed(self.source_id, message)
+            # The source is closed for the session: the stream's other partitions stop
+            # delivering to it too.
+            for feed in siblings:
+                if feed.fanout.remove(session) and not feed.fanout:
+                    feed.close()
 
     def _forget(self) -> None:
         self.closed = True
@@ -142,8 +157,20 @@ def _offsets(result: ReadResult) -> list[int]:
 
 
 def attach_stream(gateway: Gateway, session: KiwiSession, stream: StreamInfo) -> Detach:
-    """Subscribe ``session`` to ``stream`` through the stream's feed (started on first use)."""
-    feed = gateway.feeds.get(feed_key(stream))
-    if feed is None or feed.closed:
-        feed = gateway.feeds[feed_key(stream)] = StreamFeed(gateway, stream)
-    return feed.attach(session)
+    """Subscribe ``session`` to every partition of ``stream`` through each partition's
+    feed (started on first use)."""
+    detaches: list[Detach] = []
+    for partition in range(stream.partitions):
+        key = feed_key(stream, partition)
+        feed = gateway.feeds.get(key)
+        if feed is None or feed.closed:
+            feed = gateway.feeds[key] = StreamFeed(gateway, stream, partition)
+        detaches.append(feed.attach(session))
+    if len(detaches) == 1:
+        return detaches[0]
+
+    def detach() -> None:
+        for one in detaches:
+            one()
+
+    return detach
