@@ -83,7 +83,9 @@ SUPPORTED: dict[ApiKey, VersionRange] = {
     # v0 sends the SASL tokens unframed after the handshake; every supported client
     # uses v1, whose tokens travel in SaslAuthenticate requests.
     ApiKey.SASL_HANDSHAKE: VersionRange(1, 1),
-    ApiKey.API_VERSIONS: VersionRange(0, 3),
+    # 4 is 3 again (KAFKA-17011 only lets a feature's min version be 0); Kafka's Java
+    # client 3.9+ asks for it first.
+    ApiKey.API_VERSIONS: VersionRange(0, 4),
     ApiKey.CREATE_TOPICS: VersionRange(2, 7),
     ApiKey.DELETE_TOPICS: VersionRange(1, 5),
     ApiKey.INIT_PRODUCER_ID: VersionRange(0, 4),
@@ -130,7 +132,7 @@ def api_versions_response(version: int) -> ResponsePayload:
 
     A version above the supported ones gets the v0 answer with UNSUPPORTED_VERSION and
     the table (Kafka's rule: the client then retries with a version from it). Nothing
-    is ever put in the v3 answer's tagged fields (features, finalized features, their
+    is ever put in the v3/v4 answer's tagged fields (features, finalized features, their
     epoch): librdkafka before 2.2.0 (kcat 1.7.1 in Debian bundles 2.0.2) skips one byte
     too few of every tagged field it does not know, which misreads the next field or
     runs off the end ("Read underflow"). An answer with only empty tag sections reads
