@@ -62,6 +62,10 @@ class ErrorName(StrEnum):
     SUBSCRIPTION_OVERFLOW = "SubscriptionOverflow"
     RESERVED_NAME = "ReservedName"
     NO_EPOCH = "NoEpoch"
+    # InvalidRequest, more precisely: idempotent producers and transactions
+    OUT_OF_ORDER_SEQUENCE = "OutOfOrderSequence"
+    PRODUCER_FENCED = "ProducerFenced"
+    INVALID_TXN_STATE = "InvalidTxnState"
     # the SDKs' own (headwater.client.errors)
     CLIENT_ERROR = "ClientError"
     SERVER_UNAVAILABLE = "ServerUnavailable"
@@ -208,6 +212,30 @@ class EntityNotFound(TableNotFound):
     name = ErrorName.ENTITY_NOT_FOUND
 
 
+class OutOfOrderSequence(InvalidRequest):
+    """An idempotent producer's sequence skips ahead of (or falls behind the remembered
+    window of) what the partition has stored: a batch between was lost. Nothing of it is
+    stored; the producer must start over with a new producer id or epoch."""
+
+    name = ErrorName.OUT_OF_ORDER_SEQUENCE
+
+
+class ProducerFenced(InvalidRequest):
+    """The producer's epoch is older than the one the server knows for its producer id:
+    a newer instance (same transactional id) took over, or its transaction was aborted
+    on timeout. The zombie's write is refused; it must stop."""
+
+    name = ErrorName.PRODUCER_FENCED
+
+
+class InvalidTxnState(InvalidRequest):
+    """A transactional operation that does not fit the transaction's state: an unknown
+    transactional id or producer, a commit of a transaction already ending, an append of
+    a producer that has no transactional id."""
+
+    name = ErrorName.INVALID_TXN_STATE
+
+
 ERRORS_BY_CODE: dict[int, type[HeadwaterError]] = {
     cls.code: cls
     for cls in (
@@ -231,8 +259,16 @@ ERRORS_BY_CODE: dict[int, type[HeadwaterError]] = {
 }
 
 
-# The classes a name alone picks beyond the codes' own: TableNotFound's refinements.
-_NAMED: list[type[HeadwaterError]] = [*ERRORS_BY_CODE.values(), KindNotFound, EntityNotFound]
+# The classes a name alone picks beyond the codes' own: TableNotFound's and
+# InvalidRequest's refinements.
+_NAMED: list[type[HeadwaterError]] = [
+    *ERRORS_BY_CODE.values(),
+    KindNotFound,
+    EntityNotFound,
+    OutOfOrderSequence,
+    ProducerFenced,
+    InvalidTxnState,
+]
 ERRORS_BY_NAME: dict[str, type[HeadwaterError]] = {cls.name: cls for cls in _NAMED}
 
 

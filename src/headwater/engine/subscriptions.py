@@ -291,7 +291,7 @@ class Subscription:
                 if (
                     not self.active
                     or self.credits <= 0
-                    or self.next_offset >= plog.committed_offset
+                    or self.next_offset >= plog.last_stable_offset
                 ):
                     if self.active and self.credits > 0:
                         # Only a commit can move it on: be woken by the next one. Without
@@ -315,6 +315,8 @@ class Subscription:
                 if self.closed:
                     return
                 if result.count == 0:
+                    # Only markers or aborted transactions were there: move past them.
+                    self.next_offset = max(self.next_offset, result.end_offset)
                     continue
                 # The whole read goes to the front end at once: one call, one timeout.
                 # The cursor moves first: the front end hands every push to the

@@ -10,7 +10,8 @@ Header, little-endian, 64 bytes::
     0  u32 batch_length    whole batch, header included
     4  u32 crc32c          CRC-32C (Castagnoli) of bytes [8, batch_length)
     8  u8  magic           1
-    9  u8  attributes      bit 0 keys, bit 1 headers, bit 2 offset deltas, bit 3 producer
+    9  u8  attributes      bit 0 keys, bit 1 headers, bit 2 offset deltas, bit 3 producer,
+                           bit 4 producer epoch, bit 5 transactional, bit 6 control
     10 u16 reserved        0
     12 u32 count           events in the batch (>= 1)
     16 u64 base_offset     offset of the first event
@@ -26,7 +27,13 @@ Sections follow in that order. values: count x (u64 len, bytes). keys: count x (
 [1 = has key, 2 = tombstone], u32 len, bytes). headers: count x (u32 n, n x (u32 len, name,
 u32 len, value)). deltas: count x u32 (event i has offset base_offset + delta[i] and
 position first_position + delta[i]); without deltas the batch is dense (delta[i] = i).
-producer (16 bytes, last): u64 producer_id, u64 sequence of an idempotent append.
+producer (16 bytes, last): u64 producer_id, u64 sequence of an idempotent append; with
+bit 4 (24 bytes): u64 producer_id, u64 sequence, u32 epoch, u32 reserved (0).
+
+A transactional batch (bit 5, always with bits 3 and 4) belongs to its producer's open
+transaction in this partition until a control batch (bits 3-6) of the same producer
+ends it: one event whose value is ``u16 version (0) | u16 type`` (0 abort, 1 commit), the
+transaction marker. Control batches are never handed to readers.
 """
 
 from __future__ import annotations
@@ -47,7 +54,15 @@ ATTR_KEYS = 0x01
 ATTR_HEADERS = 0x02
 ATTR_DELTAS = 0x04
 ATTR_PRODUCER = 0x08
+ATTR_EPOCH = 0x10
+ATTR_TRANSACTIONAL = 0x20
+ATTR_CONTROL = 0x40
 PRODUCER = struct.Struct("<QQ")
+PRODUCER_EPOCH = struct.Struct("<QQII")
+CONTROL = struct.Struct("<HH")  # a marker's value: version, type
+CONTROL_ABORT = 0
+CONTROL_COMMIT = 1
+MAX_EPOCH = 0xFFFF_FFFF
 KEY_PRESENT = 0x01
 KEY_TOMBSTONE = 0x02
 MAX_BATCH_BYTES = 0x7FFF_FFFF
@@ -162,11 +177,17 @@ def build_batch(
     headers: Sequence[Headers] | None = None,
     deltas: Sequence[int] | None = None,
     producer: tuple[int, int] | None = None,
+    producer_epoch: int | None = None,
+    transactional: bool = False,
+    control: bool = False,
 ) -> bytes:
     """Assemble one batch from an already encoded values section (trusted: the caller
-    checked it with :func:`value_spans` or built it with :func:`encode_values`)."""
+    checked it with :func:`value_spans` or built it with :func:`encode_values`). A
+    transactional or control batch needs its producer and epoch."""
     if count < 1:
         raise UsageError("a batch holds at least one event")
+    if (transactional or control) and (producer is None or producer_epoch is None):
+        raise UsageError("a transactional or control batch needs a producer and its epoch")
     attributes = 0
     sections = [values_section]
     keys_bytes = headers_bytes = deltas_bytes = b""
@@ -193,7 +214,15 @@ def build_batch(
     producer_bytes = b""
     if producer is not None:
         attributes |= ATTR_PRODUCER
-        producer_bytes = PRODUCER.pack(*producer)
+        if producer_epoch is None:
+            producer_bytes = PRODUCER.pack(*producer)
+        else:
+            attributes |= ATTR_EPOCH
+            producer_bytes = PRODUCER_EPOCH.pack(*producer, producer_epoch, 0)
+        if transactional or control:
+            attributes |= ATTR_TRANSACTIONAL
+        if control:
+            attributes |= ATTR_CONTROL
         sections.append(producer_bytes)
     total = HEADER_SIZE + len(values_section) + len(keys_bytes)
     total += len(headers_bytes) + len(deltas_bytes) + len(producer_bytes)
@@ -224,12 +253,17 @@ def build_batch(
 class EventColumns(TypedDict, total=False):
     """What an append may carry beside the values, passed down unchanged from the engine
     to :func:`build_batch`: per-event keys, tombstones and headers (one entry per event),
-    and the producer ``(id, sequence)`` of an idempotent append."""
+    the producer ``(id, sequence)`` of an idempotent append and its epoch (None: a
+    producer without epochs, as Kimberlite's), and whether the batch is transactional or
+    a transaction marker (control)."""
 
     keys: Sequence[bytes | None] | None
     tombstones: Sequence[bool] | None
     headers: Sequence[Headers] | None
     producer: tuple[int, int] | None
+    producer_epoch: int | None
+    transactional: bool
+    control: bool
 
 
 def encode_batch(
@@ -265,6 +299,7 @@ class Batch:
         "first_timestamp_ms",
         "max_timestamp_ms",
         "producer",
+        "producer_epoch",
     )
 
     def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
@@ -295,13 +330,22 @@ class Batch:
         v_end = HEADER_SIZE + values_length
         k_end = v_end + keys_length
         h_end = k_end + headers_length
-        producer_length = PRODUCER.size if self.attributes & ATTR_PRODUCER else 0
+        producer_length = 0
+        if self.attributes & ATTR_PRODUCER:
+            producer_length = PRODUCER_EPOCH.size if self.attributes & ATTR_EPOCH else 16
         if h_end + deltas_length + producer_length != length or self.count < 1:
             raise CorruptBatchError("batch sections do not add up to its length")
         self._section_bounds = (v_end, k_end, h_end)
         self.buffer = buffer
         self._deltas = None
-        self.producer = PRODUCER.unpack_from(buffer, length - 16) if producer_length else None
+        self.producer = None
+        self.producer_epoch = None
+        if producer_length:
+            self.producer = PRODUCER.unpack_from(buffer, length - producer_length)
+            if producer_length == PRODUCER_EPOCH.size:
+                self.producer_epoch = PRODUCER_EPOCH.unpack_from(buffer, length - 24)[2]
+        elif self.attributes & (ATTR_TRANSACTIONAL | ATTR_CONTROL):
+            raise CorruptBatchError("a transactional batch without its producer")
         if self.attributes & ATTR_DELTAS:
             if deltas_length != 4 * self.count:
                 raise CorruptBatchError("offset deltas do not match the event count")
@@ -310,6 +354,24 @@ class Batch:
     @property
     def length(self) -> int:
         return len(self.buffer)
+
+    @property
+    def transactional(self) -> bool:
+        return bool(self.attributes & ATTR_TRANSACTIONAL)
+
+    @property
+    def control(self) -> bool:
+        """A transaction marker, never shown to readers."""
+        return bool(self.attributes & ATTR_CONTROL)
+
+    def marker_commits(self) -> bool:
+        """A control batch's decision: True for a commit marker, False for an abort."""
+        if self.count != 1:
+            raise CorruptBatchError(f"control batch at offset {self.base_offset} is malformed")
+        try:
+            return marker_commits(self.values_section())
+        except ValueError as exc:
+            raise CorruptBatchError(f"control batch at offset {self.base_offset}: {exc}") from None
 
     @property
     def last_offset(self) -> int:
@@ -459,6 +521,22 @@ class Batch:
                 raise CorruptBatchError("header count overruns its section")
             out.append(tuple((take(), take()) for _ in range(n)))
         return out
+
+
+def marker_value(commit: bool) -> bytes:
+    """The one event of a transaction marker's control batch."""
+    return CONTROL.pack(0, CONTROL_COMMIT if commit else CONTROL_ABORT)
+
+
+def marker_commits(values_section: bytes | memoryview) -> bool:
+    """A marker's values section (``u64 len | marker``): True for commit, False for
+    abort; ValueError when it is no marker."""
+    if len(values_section) != 8 + CONTROL.size or _U64_AT(values_section, 0)[0] != CONTROL.size:
+        raise ValueError("a marker is one 4-byte value")
+    version, kind = CONTROL.unpack_from(values_section, 8)
+    if version != 0 or kind not in (CONTROL_ABORT, CONTROL_COMMIT):
+        raise ValueError(f"unknown marker version {version} or type {kind}")
+    return bool(kind == CONTROL_COMMIT)
 
 
 def peek_length(buffer: bytes | bytearray | memoryview, pos: int = 0) -> int:

@@ -28,6 +28,7 @@ from headwater.storage.batch import (
     EventColumns,
     build_batch,
     encode_values,
+    marker_commits,
 )
 from headwater.storage.compression import FRAME_BYTES, check_compression, encode_frame
 from headwater.storage.files import FileCache
@@ -313,14 +314,25 @@ class PartitionLog:
     ) -> AppendInfo:
         """Append ``count`` events whose values are already in stored form: one batch,
         one CRC, one write, at most one index entry. With ``producer`` (id, sequence) the
-        append is idempotent: check it first with :meth:`check_producer`."""
+        append is idempotent: check it first with :meth:`check_producer`. A control batch
+        (a transaction marker) skips the sequence check: its sequence is unused."""
         producer = columns.get("producer")
+        epoch = columns.get("producer_epoch")
+        control = bool(columns.get("control"))
         if count < 1:
             raise UsageError("append needs at least one event")
+        try:
+            commits = marker_commits(values_section) if control else False
+        except ValueError as exc:
+            raise UsageError(f"a control batch holds one marker: {exc}") from None
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
         with self._lock:
             self._check_writable()
-            if producer is not None and self.producers.check(*producer) is not None:
+            if (
+                producer is not None
+                and not control
+                and self.producers.check(*producer, epoch) is not None
+            ):
                 raise UsageError("duplicate producer sequence: check_producer() first")
             base = self.end_offset
             data = build_batch(
@@ -340,13 +352,36 @@ class PartitionLog:
             except OSError as exc:
                 raise StorageError(f"write failed: {exc}") from exc
             if producer is not None:
-                self.producers.record(producer[0], producer[1], base, count, ts)
+                if control:
+                    self.producers.end(producer[0], epoch or 0, commits, base, ts)
+                else:
+                    self.producers.record(producer[0], producer[1], base, count, ts, epoch)
+                    if columns.get("transactional"):
+                        self.producers.begin(producer[0], base)
             return AppendInfo(base, count, first_position, ts)
 
-    def check_producer(self, producer_id: int, sequence: int) -> ProducerEntry | None:
-        """Where a retried idempotent append was stored, or None when it is new."""
+    def check_producer(
+        self, producer_id: int, sequence: int, epoch: int | None = None
+    ) -> ProducerEntry | None:
+        """Where a retried idempotent append was stored, or None when it is new
+        (OutOfOrderSequence, ProducerFenced: see :meth:`ProducerTable.check`)."""
         with self._lock:
-            return self.producers.check(producer_id, sequence)
+            return self.producers.check(producer_id, sequence, epoch)
+
+    def has_open_transaction(self, producer_id: int) -> bool:
+        """Whether the producer has transactional batches here not yet ended by a
+        marker."""
+        with self._lock:
+            return producer_id in self.producers.ongoing
+
+    @property
+    def last_stable_offset(self) -> int:
+        """read_committed readers stop here: the first offset of the oldest open
+        transaction, or the committed offset when none is open (Kafka's LSO)."""
+        with self._lock:
+            unstable = self.producers.first_unstable_offset()
+            committed = self.committed_offset
+            return committed if unstable is None else min(unstable, committed)
 
     def _check_writable(self) -> None:
         if self.closed:
@@ -386,6 +421,7 @@ class PartitionLog:
 
     def _snapshot_producers(self, offset: int) -> None:
         self.producers.expire(now_ms() - self.config.producer_expiry_ms)
+        self.producers.prune_aborted(self.start_offset)
         write_snapshot(self.directory, offset, self.producers)
 
     # ---- durability -----------------------------------------------------------------
@@ -443,10 +479,39 @@ class PartitionLog:
         return max(bisect_right(bases, offset) - 1, 0)
 
     def batches(
-        self, from_offset: int, upto: int | None = None, chunk: int = 1 << 20
+        self,
+        from_offset: int,
+        upto: int | None = None,
+        chunk: int = 1 << 20,
+        *,
+        committed_only: bool = False,
     ) -> Iterator[Batch]:
         """Checked batches holding events at or after ``from_offset`` and below ``upto``
-        (default: the committed offset). Bad batches raise CorruptBatchError."""
+        (default: the committed offset). Bad batches raise CorruptBatchError. Every
+        batch as stored, markers included, unless ``committed_only``: what a
+        read_committed reader sees (below the last stable offset, without markers and
+        aborted transactions' batches)."""
+        if committed_only:
+            return self._committed_batches(from_offset, upto, chunk)
+        return self._stored_batches(from_offset, upto, chunk)
+
+    def _committed_batches(self, from_offset: int, upto: int | None, chunk: int) -> Iterator[Batch]:
+        stable = self.last_stable_offset
+        end = stable if upto is None else min(upto, stable)
+        for batch in self._stored_batches(from_offset, end, chunk):
+            if not self.hidden(batch, committed_only=True):
+                yield batch
+
+    def hidden(self, batch: Batch, *, committed_only: bool) -> bool:
+        """Whether a reader never sees ``batch``: a marker, or (read_committed) a batch
+        of an aborted transaction, found in the aborted-transactions index."""
+        if batch.control:
+            return True
+        if committed_only and batch.transactional and batch.producer is not None:
+            return self.producers.is_aborted(batch.producer[0], batch.base_offset)
+        return False
+
+    def _stored_batches(self, from_offset: int, upto: int | None, chunk: int) -> Iterator[Batch]:
         end = self.committed_offset if upto is None else upto
         with self._lock:
             if from_offset >= end:
@@ -477,12 +542,21 @@ class PartitionLog:
         *,
         max_events: int | None = None,
         upto: int | None = None,
+        committed_only: bool = True,
     ) -> ReadResult:
         """Committed events from ``from_offset``, stopping before the sum of value lengths
         would pass ``max_bytes`` (always at least one event when one exists). Whole
-        batches are returned as stored; only the first and last may be cut."""
+        batches are returned as stored; only the first and last may be cut. Markers
+        are never returned; ``committed_only`` (read_committed, the default) also stops
+        at the last stable offset and leaves out aborted transactions' batches, and
+        read_uncommitted (False) returns them. Batches left out still move
+        ``end_offset`` (and ``next_offset``) past them, so a reader does not stall."""
         if from_offset < 0:
             raise UsageError("offsets are non-negative")
+        limit = self.last_stable_offset if committed_only else self.committed_offset
+        if upto is not None:
+            limit = min(limit, upto)
+        skipped_to: int | None = None
         spans: list[ReadSpan] = []
         count = value_bytes = 0
         next_offset: int | None = None
@@ -490,7 +564,11 @@ class PartitionLog:
         from_offset = max(from_offset, self.start_offset)
         # Read about as much as the answer needs: a small read must not copy a megabyte.
         chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), 8 << 20)
-        for batch in self.batches(from_offset, upto, chunk):
+        for batch in self._stored_batches(from_offset, limit, chunk):
+            if self.hidden(batch, committed_only=committed_only):
+                skipped_to = batch.next_offset
+                continue
+            skipped_to = None
             start = batch.index_of(from_offset)
             whole_bytes = len(batch.values_section()) - 8 * batch.count
             n_avail = batch.count - start
@@ -523,8 +601,10 @@ class PartitionLog:
                     break
             if value_bytes >= max_bytes or budget_events <= 0:
                 break
+        if skipped_to is not None:
+            next_offset = skipped_to
         end_offset = from_offset if next_offset is None else next_offset
-        if next_offset is not None and next_offset >= self.committed_offset:
+        if next_offset is not None and next_offset >= limit:
             next_offset = None
         return ReadResult(spans, count, value_bytes, next_offset, end_offset)
 
@@ -686,6 +766,9 @@ class PartitionLog:
                     headers=[e.headers for e in kept],
                     deltas=[e.offset - batch.base_offset for e in kept],
                     producer=batch.producer,
+                    producer_epoch=batch.producer_epoch,
+                    transactional=batch.transactional,
+                    control=batch.control,
                 )
 
     def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:

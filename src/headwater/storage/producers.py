@@ -1,12 +1,27 @@
-"""Idempotent producers: the table that makes a retried append harmless.
+"""Producers of one partition: idempotence, epochs and transactions.
 
-Each idempotent batch carries ``(producer_id, sequence)`` in its producer section. The
-table remembers, per producer, the last ``WINDOW`` sequences and where they were stored.
-It is rebuilt on open from the newest snapshot (written when a segment is sealed and at
-shutdown) plus the batches after it, so it survives restarts without a write of its own
-on the append path. A producer idle for longer than the log's ``producer_expiry_ms`` is
-forgotten when the next snapshot is written (as Kafka expires producer ids), so writers
-that use a fresh producer id per task, such as the Spark sink, do not grow it forever.
+Each idempotent batch carries ``(producer_id, sequence)`` in its producer section, and
+since transactions an epoch too. The table remembers, per producer, its epoch and the
+last ``WINDOW`` sequences of that epoch and where they were stored: a retried batch is
+answered from it (stored once), a sequence that skips ahead is refused
+(OutOfOrderSequence) and an older epoch than the one known is a zombie (ProducerFenced).
+A new epoch starts its sequences at 0 again. Producers without epochs (Kimberlite's
+idempotent appends) keep the sequence rules alone.
+
+Transactions: a producer's first transactional batch in this partition opens its
+transaction here (``ongoing``: producer -> first offset); its control batch (the marker)
+closes it. An aborted transaction's range ``[first_offset, marker offset]`` goes to the
+aborted-transactions index (Kafka's ``.txnindex``), which read_committed readers consult
+so they skip its batches without scanning; the least first offset of the open ones is
+the partition's first unstable offset, where read_committed reads stop (the last stable
+offset).
+
+The whole table is rebuilt on open from the newest snapshot (written when a segment is
+sealed and at shutdown) plus the batches after it, so it survives restarts without a
+write of its own on the append path. A producer idle for longer than the log's
+``producer_expiry_ms`` and without an open transaction is forgotten when the next
+snapshot is written (as Kafka expires producer ids), so writers that use a fresh
+producer id per task, such as the Spark sink, do not grow it forever.
 """
 
 from __future__ import annotations
@@ -14,12 +29,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headwater.errors import InvalidRequest
+from headwater.errors import OutOfOrderSequence, ProducerFenced
 from headwater.storage.batch import Batch
 
 
@@ -39,17 +55,47 @@ class ProducerEntry:
     timestamp_ms: int  # of the batch: when the producer was last heard from
 
 
+@dataclass(frozen=True)
+class AbortedTxn:
+    """An aborted transaction's batches lie in ``[first_offset, last_offset]`` (the
+    abort marker's offset) among the producer's batches."""
+
+    producer_id: int
+    first_offset: int
+    last_offset: int
+
+
 class ProducerTable:
     def __init__(self) -> None:
         self.producers: dict[int, OrderedDict[int, ProducerEntry]] = {}
+        self.epochs: dict[int, int] = {}
+        self.heard_ms: dict[int, int] = {}
+        self.ongoing: dict[int, int] = {}  # producer -> first offset of its open txn
+        self.aborted: dict[int, list[AbortedTxn]] = {}  # per producer, by offset
 
-    def check(self, producer_id: int, sequence: int) -> ProducerEntry | None:
+    def check(
+        self, producer_id: int, sequence: int, epoch: int | None = None
+    ) -> ProducerEntry | None:
         """The stored entry when this is a retry, None when it is the next sequence;
-        InvalidRequest for anything else."""
+        ProducerFenced for an epoch older than the known one, OutOfOrderSequence for a
+        sequence that is neither."""
+        if epoch is not None:
+            known = self.epochs.get(producer_id)
+            if known is not None and epoch < known:
+                raise ProducerFenced(
+                    f"producer {producer_id} epoch {epoch} is fenced: epoch {known} took over"
+                )
+            if known is None or epoch > known:
+                if sequence != 0:
+                    raise OutOfOrderSequence(
+                        f"producer {producer_id} epoch {epoch} is new here: its first "
+                        f"sequence must be 0, not {sequence}"
+                    )
+                return None
         history = self.producers.get(producer_id)
-        if history is None:
+        if not history:
             if sequence != 0:
-                raise InvalidRequest(
+                raise OutOfOrderSequence(
                     f"producer {producer_id} is new: its first sequence must be 0, not {sequence}"
                 )
             return None
@@ -60,57 +106,167 @@ class ProducerTable:
         if entry is not None:
             return entry
         if sequence <= last:
-            raise InvalidRequest(
+            raise OutOfOrderSequence(
                 f"producer {producer_id} sequence {sequence} is older than the last "
                 f"{WINDOW} remembered (last applied {last})"
             )
-        raise InvalidRequest(
+        raise OutOfOrderSequence(
             f"producer {producer_id} sequence {sequence} out of order: expected {last + 1}"
         )
 
+    def _set_epoch(self, producer_id: int, epoch: int | None) -> None:
+        if epoch is None:
+            return
+        if self.epochs.get(producer_id) != epoch:
+            # A new epoch: the old one's sequences say nothing about the new one's.
+            self.producers.pop(producer_id, None)
+            self.epochs[producer_id] = max(epoch, self.epochs.get(producer_id, epoch))
+
     def record(
-        self, producer_id: int, sequence: int, base_offset: int, count: int, timestamp_ms: int
+        self,
+        producer_id: int,
+        sequence: int,
+        base_offset: int,
+        count: int,
+        timestamp_ms: int,
+        epoch: int | None = None,
     ) -> None:
+        self._set_epoch(producer_id, epoch)
         history = self.producers.setdefault(producer_id, OrderedDict())
         history[sequence] = ProducerEntry(sequence, base_offset, count, timestamp_ms)
         while len(history) > WINDOW:
             history.popitem(last=False)
+        self.heard_ms[producer_id] = timestamp_ms
+
+    def begin(self, producer_id: int, offset: int) -> None:
+        """A transactional batch at ``offset``: opens the producer's transaction here
+        unless it is open already."""
+        self.ongoing.setdefault(producer_id, offset)
+
+    def end(
+        self, producer_id: int, epoch: int, commit: bool, offset: int, timestamp_ms: int
+    ) -> None:
+        """The producer's marker at ``offset``: its open transaction here ends; an
+        aborted one's range goes to the index. A marker may carry a newer epoch (the
+        coordinator's abort of a timed-out transaction fences the producer)."""
+        if epoch > self.epochs.get(producer_id, -1):
+            self._set_epoch(producer_id, epoch)
+        self.heard_ms[producer_id] = timestamp_ms
+        first = self.ongoing.pop(producer_id, None)
+        if first is not None and not commit:
+            self.aborted.setdefault(producer_id, []).append(AbortedTxn(producer_id, first, offset))
 
     def observe(self, batch: Batch) -> None:
-        if batch.producer is not None:
-            producer_id, sequence = batch.producer
-            self.record(
-                producer_id, sequence, batch.base_offset, batch.count, batch.max_timestamp_ms
-            )
+        """Replay one stored batch (on open, after the snapshot)."""
+        if batch.producer is None:
+            return
+        producer_id, sequence = batch.producer
+        if batch.control:
+            epoch = batch.producer_epoch if batch.producer_epoch is not None else 0
+            commit = batch.marker_commits()
+            self.end(producer_id, epoch, commit, batch.base_offset, batch.max_timestamp_ms)
+            return
+        self.record(
+            producer_id,
+            sequence,
+            batch.base_offset,
+            batch.count,
+            batch.max_timestamp_ms,
+            batch.producer_epoch,
+        )
+        if batch.transactional:
+            self.begin(producer_id, batch.base_offset)
+
+    def first_unstable_offset(self) -> int | None:
+        """The first offset of the oldest open transaction (None when none is open)."""
+        return min(self.ongoing.values()) if self.ongoing else None
+
+    def is_aborted(self, producer_id: int, offset: int) -> bool:
+        """Whether a transactional batch of ``producer_id`` at ``offset`` belongs to an
+        aborted transaction."""
+        ranges = self.aborted.get(producer_id)
+        if not ranges:
+            return False
+        i = bisect_right(ranges, offset, key=lambda r: r.first_offset) - 1
+        return i >= 0 and ranges[i].first_offset <= offset <= ranges[i].last_offset
+
+    def aborted_between(self, start: int, end: int) -> list[AbortedTxn]:
+        """Aborted transactions overlapping ``[start, end)``, by first offset."""
+        found = [
+            r
+            for ranges in self.aborted.values()
+            for r in ranges
+            if r.first_offset < end and r.last_offset >= start
+        ]
+        return sorted(found, key=lambda r: r.first_offset)
+
+    def prune_aborted(self, start_offset: int) -> None:
+        """Forget aborted ranges wholly below the log's start (retention removed them)."""
+        for pid in list(self.aborted):
+            kept = [r for r in self.aborted[pid] if r.last_offset >= start_offset]
+            if kept:
+                self.aborted[pid] = kept
+            else:
+                del self.aborted[pid]
 
     def expire(self, idle_before_ms: int) -> int:
-        """Forget producers last heard from before ``idle_before_ms``; how many."""
+        """Forget producers last heard from before ``idle_before_ms`` (unless they have
+        a transaction open here); how many."""
         idle = [
             pid
-            for pid, history in self.producers.items()
-            if history[next(reversed(history))].timestamp_ms < idle_before_ms
+            for pid, heard in self.heard_ms.items()
+            if heard < idle_before_ms and pid not in self.ongoing
         ]
         for pid in idle:
-            del self.producers[pid]
+            self.producers.pop(pid, None)
+            self.epochs.pop(pid, None)
+            del self.heard_ms[pid]
         return len(idle)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            str(pid): [
-                [e.sequence, e.base_offset, e.count, e.timestamp_ms] for e in history.values()
-            ]
-            for pid, history in self.producers.items()
+            "producers": {
+                str(pid): [
+                    [e.sequence, e.base_offset, e.count, e.timestamp_ms] for e in history.values()
+                ]
+                for pid, history in self.producers.items()
+            },
+            "epochs": {str(pid): epoch for pid, epoch in self.epochs.items()},
+            "heard": {str(pid): ms for pid, ms in self.heard_ms.items()},
+            "ongoing": {str(pid): first for pid, first in self.ongoing.items()},
+            "aborted": [
+                [r.producer_id, r.first_offset, r.last_offset]
+                for ranges in self.aborted.values()
+                for r in ranges
+            ],
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any], loaded_ms: int) -> ProducerTable:
-        """From :meth:`to_json`; entries written before timestamps were kept count as
-        heard from at ``loaded_ms``."""
+        """From :meth:`to_json` (or a snapshot's ``producers`` alone, as written before
+        epochs); entries written before timestamps were kept count as heard from at
+        ``loaded_ms``."""
         table = cls()
-        for pid, entries in data.items():
+        for pid, epoch in data.get("epochs", {}).items():
+            table.epochs[int(pid)] = int(epoch)
+        for pid, entries in data["producers"].items():
+            history = table.producers.setdefault(int(pid), OrderedDict())
             for sequence, base_offset, count, *rest in entries:
                 heard = int(rest[0]) if rest else loaded_ms
-                table.record(int(pid), int(sequence), int(base_offset), int(count), heard)
+                history[int(sequence)] = ProducerEntry(
+                    int(sequence), int(base_offset), int(count), heard
+                )
+                table.heard_ms[int(pid)] = heard
+        for pid, ms in data.get("heard", {}).items():
+            table.heard_ms[int(pid)] = int(ms)
+        for pid, first in data.get("ongoing", {}).items():
+            table.ongoing[int(pid)] = int(first)
+        for pid, first, last in data.get("aborted", []):
+            table.aborted.setdefault(int(pid), []).append(
+                AbortedTxn(int(pid), int(first), int(last))
+            )
+        for ranges in table.aborted.values():
+            ranges.sort(key=lambda r: r.first_offset)
         return table
 
 
@@ -123,7 +279,7 @@ def write_snapshot(directory: Path, offset: int, table: ProducerTable) -> None:
     scan on open; the directory is fsynced with the next sync."""
     path = snapshot_path(directory, offset)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"offset": offset, "producers": table.to_json()}))
+    tmp.write_text(json.dumps({"offset": offset, **table.to_json()}))
     os.replace(tmp, path)
     snapshots = sorted(directory.glob(f"*{SNAPSHOT_SUFFIX}"))
     for old in snapshots[:-2]:
@@ -137,7 +293,7 @@ def load_snapshot(directory: Path, end_offset: int) -> tuple[int, ProducerTable]
             data = json.loads(path.read_text())
             offset = int(data["offset"])
             if offset <= end_offset:
-                return offset, ProducerTable.from_json(data["producers"], now_ms())
+                return offset, ProducerTable.from_json(data, now_ms())
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return 0, ProducerTable()
