@@ -64,6 +64,19 @@ STREAM_META = "stream.json"
 TENANT_META = "tenant.json"
 
 
+READ_COMMITTED = "read_committed"
+READ_UNCOMMITTED = "read_uncommitted"
+
+
+def committed_only(isolation: str) -> bool:
+    """Whether a read at ``isolation`` sees committed transactions only."""
+    if isolation == READ_COMMITTED:
+        return True
+    if isolation == READ_UNCOMMITTED:
+        return False
+    raise InvalidRequest(f"isolation is read_committed or read_uncommitted, not {isolation!r}")
+
+
 async def run_every(
     interval: float, job: Callable[[], Awaitable[object]], what: str, logger: logging.Logger = log
 ) -> None:
@@ -215,6 +228,14 @@ class StreamInfo:
     sync: str
     partitions: int = 1
     partition_info: tuple[PartitionInfo, ...] = ()
+
+    @property
+    def events_appended(self) -> int:
+        """Events ever appended to the stream: the sum of its partitions' next offsets
+        (``next_offset`` alone for a stream of one partition)."""
+        if not self.partition_info:
+            return self.next_offset
+        return sum(p.next_offset for p in self.partition_info)
 
 
 @dataclass(frozen=True)
@@ -872,8 +893,8 @@ class Engine:
                 f"an append of {len(values_section)} stored bytes does not fit the stream's "
                 f"{segment_bytes}-byte segments (segment_bytes)"
             )
-        if producer is not None:
-            stored = plog.check_producer(*producer)
+        if producer is not None and not columns.get("control"):
+            stored = plog.check_producer(*producer, columns.get("producer_epoch"))
             if stored is not None:  # a retry: answer as the first time, append nothing
                 await committer.committed(stored.base_offset + stored.count)
                 return AppendInfo(stored.base_offset, stored.count, -1, 0)
@@ -919,10 +940,11 @@ class Engine:
         max_bytes: int = 1 << 20,
         *,
         partition: int = 0,
+        isolation: str = READ_COMMITTED,
     ) -> ReadResult:
         """Read on the calling thread (for small reads and worker threads)."""
         plog = self.stream(tenant_id, stream_id).partition_log(partition)
-        return plog.read(from_offset, max_bytes)
+        return plog.read(from_offset, max_bytes, committed_only=committed_only(isolation))
 
     async def read(
         self,
@@ -933,19 +955,28 @@ class Engine:
         *,
         max_events: int | None = None,
         partition: int = 0,
+        isolation: str = READ_COMMITTED,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset``. Data
         in the page cache is read right here on the loop (no-wait reads); anything that
-        would wait for the disk is read in a worker thread."""
+        would wait for the disk is read in a worker thread. ``isolation``:
+        ``read_committed`` (the default) stops at the partition's last stable offset
+        and leaves out aborted transactions; ``read_uncommitted`` shows every stored
+        event (transaction markers are never shown)."""
         plog = self.stream(tenant_id, stream_id).partition_log(partition)
+        committed = committed_only(isolation)
         try:
             with no_wait():
-                return plog.read(from_offset, max_bytes, max_events=max_events)
+                return plog.read(
+                    from_offset, max_bytes, max_events=max_events, committed_only=committed
+                )
         except WouldBlock:
             pass
         return await asyncio.get_running_loop().run_in_executor(
             self.executor,
-            lambda: plog.read(from_offset, max_bytes, max_events=max_events),
+            lambda: plog.read(
+                from_offset, max_bytes, max_events=max_events, committed_only=committed
+            ),
         )
 
     async def read_events(

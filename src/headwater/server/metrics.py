@@ -305,7 +305,7 @@ class _ServerCollector(Collector):
         )
         appended = CounterMetricFamily(
             "headwater_events_appended",
-            "Events ever appended to the stream (its next offset), every protocol",
+            "Events ever appended to the stream (its partitions' next offsets), every protocol",
             labels=["tenant", "stream"],
         )
         start = GaugeMetricFamily(
@@ -323,7 +323,7 @@ class _ServerCollector(Collector):
             position.add_metric([tenant_label], tenant.log_position)
             for stream in api.list_streams(tenant_id):
                 labels = [tenant_label, stream.name]
-                appended.add_metric(labels, stream.next_offset)
+                appended.add_metric(labels, stream.events_appended)
                 start.add_metric(labels, stream.start_offset)
                 size.add_metric(labels, stream.size_bytes)
         yield from (streams, position, appended, start, size)

@@ -67,6 +67,7 @@ def test_keyed_events_land_on_kafka_partition_with_keys_headers_timestamps(
             assert [e.timestamp_ms for e in events] == [timestamps[i] for i in mine]
             assert [e.offset for e in events] == [placed.offsets[i] for i in mine]
             assert [e.offset for e in events] == list(range(len(mine)))
+        assert engine.stream(0, info.stream_id).info().events_appended == 60
         positions = [e.position for p in range(6) for e in await read_all(engine, 1, p)]
         assert sorted(positions) == list(range(60)), "one tenant log position per event"
         await engine.close()
