@@ -487,7 +487,8 @@ class StreamProjection:
         self.name = stream.name
         self.tenant_id = stream.tenant.tenant_id
         self.directory = projection_directory(stream.directory, partition)
-        self.chunks: tuple[Chunk, ...] = ()
+        self._chunks: tuple[Chunk, ...] = ()
+        self._tail_bytes = 0
         self.opened = False  # the sealed files are open (the first task does it)
         self._parked: list[list[Chunk]] = []  # sealed runs past a gap being rebuilt
         self._seal_tail = False  # seal the in-memory tail now, however small
@@ -522,9 +523,22 @@ class StreamProjection:
         return self.covered
 
     @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: tuple[Chunk, ...]) -> None:
+        # The tail's size is kept with the chunks: the tail budget reads every
+        # projection's, so it must not cost a walk over each one's chunks.
+        self._chunks = chunks
+        self._tail_bytes = sum(
+            c.batch.column(3).nbytes + 24 * c.rows for c in chunks if c.path is None
+        )
+
+    @property
     def tail_bytes(self) -> int:
         """Memory held by the unsealed chunks (their data; ``json`` shares it)."""
-        return sum(c.batch.column(3).nbytes + 24 * c.rows for c in self.chunks if c.path is None)
+        return self._tail_bytes
 
     def seal_tail(self) -> None:
         """Write the in-memory tail to a sealed file now (the tail budget is exceeded)."""

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+BUDGET_CHECK_S = 0.05  # the tail budget is checked at most this often
+
 
 class SqlTable(Protocol):
     """One table of one tenant. Called on the loop thread only."""
@@ -140,6 +142,7 @@ class StreamTables:
         self._on_progress = on_progress
         self.projections: dict[int, dict[int, StreamTable]] = {}  # tenant -> stream id
         self._started = False
+        self._budget_check: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self._started = True
@@ -159,12 +162,20 @@ class StreamTables:
 
     def _progressed(self) -> None:
         self._on_progress()
-        self._keep_tails_in_budget()
+        # One budget check per BUDGET_CHECK_S at most: it reads every projection's tail,
+        # and at start-up each of thousands of streams progresses in turn (a check per
+        # progress made start-up quadratic in the number of streams: 3,000 streams took
+        # over a minute to serve).
+        if self._budget_check is None:
+            self._budget_check = asyncio.get_running_loop().call_later(
+                BUDGET_CHECK_S, self._keep_tails_in_budget
+            )
 
     def _keep_tails_in_budget(self) -> None:
         """Seal the largest in-memory tails (into small files) while all tails together
         hold more than ``TAIL_BUDGET_BYTES``, down to half of it: each tail stays below a
         seal's size, but many streams' tails add up."""
+        self._budget_check = None
         budget = projection_module.TAIL_BUDGET_BYTES
         tails = [
             (p.tail_bytes, p)
@@ -199,6 +210,9 @@ class StreamTables:
         return list(self.projections.get(tenant_id, {}).values())
 
     async def close(self) -> None:
+        if self._budget_check is not None:
+            self._budget_check.cancel()
+            self._budget_check = None
         if self._started:
             self._started = False
             for listeners, hook in (

@@ -391,3 +391,36 @@ def test_headwater_check_repair_refuses_a_running_servers_data_dir(
         assert "needs the server stopped" in capsys.readouterr().err
     finally:
         lock.release()
+
+
+def test_start_up_reads_the_tail_budget_a_bounded_number_of_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every projection progresses once at start; the budget check that reads all their
+    tails must not run per progress (quadratic in streams: 3,000 streams took over a
+    minute to serve)."""
+    streams = 150
+
+    async def write() -> None:
+        async with running(tmp_path) as (engine, _sql):
+            for i in range(streams):
+                info = await engine.create_stream(0, f"s{i}")
+                await engine.append(0, info.stream_id, [value(i)])
+
+    asyncio.run(write())
+    reads = itertools.count()
+    monkeypatch.setattr(
+        StreamProjection, "tail_bytes", property(lambda self: next(reads) * 0 + self._tail_bytes)
+    )
+
+    async def restart() -> None:
+        async with running(tmp_path) as (_engine, sql):
+            projections = [projection_of(sql, f"s{i}") for i in range(streams)]
+            await wait_until_async(
+                lambda: all(p.next_offset == 1 for p in projections),
+                message="the projections did not catch up",
+            )
+            await sql.query(0, "SELECT count(*) FROM s0")
+
+    asyncio.run(restart())
+    assert next(reads) < 20 * streams  # a few checks of every tail, not one per progress
