@@ -474,12 +474,14 @@ class GroupCoordinator:
 
     def _replace_static(self, group: Group, old: Member, member_id: str) -> list[Reply]:
         """A static member back under a new id: same place, same assignment; the old
-        id is fenced (and its pending join, if any, answered so)."""
+        id is fenced (and its pending join, if any, answered so). The old process is
+        presumed gone, as after a session timeout."""
         replies: list[Reply] = []
         if old.awaiting_join:
             replies.append(JoinFailed(old.member_id, FencedInstanceId("a newer member joined")))
         del group.members[old.member_id]
         old.member_id = member_id
+        old.holding = ()  # a new process: it holds nothing until its SyncGroup
         group.members[member_id] = old
         assert old.instance_id is not None
         group.static[old.instance_id] = member_id
@@ -546,9 +548,10 @@ class GroupCoordinator:
             assignment, group.withheld = cooperative_step(target, subscriptions)
         else:
             assignment, group.withheld = target, set()
-        for member in group.members.values():
-            if not assignor.cooperative:
-                member.holding = ()
+        for member, subscription in zip(group.members.values(), subscriptions, strict=True):
+            # What it still holds as it rejoined: its SyncGroup answer revokes from that
+            # only (an eager member, or one that reported letting go, holds less).
+            member.holding = tuple(sorted(subscription.owned))
             member.assignment = tuple(sorted(assignment[member.member_id]))
             member.awaiting_join = False
             member.synced = False
