@@ -145,13 +145,12 @@ def _check(args: argparse.Namespace) -> int:
     unrepaired = 0
     for projection in projections:
         rel = projection.stream_dir.relative_to(args.data_dir)
+        where = f"{rel}/projection-{projection.partition}"
         for problem in projection.problems:
-            out.print(
-                f"{rel}/projection-0: {problem}", soft_wrap=True, highlight=False, markup=False
-            )
+            out.print(f"{where}: {problem}", soft_wrap=True, highlight=False, markup=False)
         for fixed in projection.repaired:
             out.print(
-                f"{rel}/projection-0: repaired: {fixed}",
+                f"{where}: repaired: {fixed}",
                 soft_wrap=True,
                 highlight=False,
                 markup=False,
@@ -164,7 +163,8 @@ def _check(args: argparse.Namespace) -> int:
             out.print(f"[red]{len(metadata_problems)} metadata problems[/]")
         if unrepaired:
             out.print(
-                f"[red]{unrepaired} streams' SQL projection files do not match the log[/] "
+                f"[red]{unrepaired} stream partitions' SQL projection files do not match the "
+                "log[/] "
                 "(stop the server and run with --repair to rebuild them)"
             )
         return 1

@@ -39,15 +39,15 @@ from headwater.storage.batch import Batch
 from headwater.storage.files import FileCache
 from headwater.storage.segment import Segment
 
-PARTITION = "partition-0"
-
 
 @dataclass
 class ProjectionReport:
-    """One stream's projection files: what was found wrong and what was repaired."""
+    """One stream partition's projection files (``projection-<partition>/``): what was
+    found wrong and what was repaired."""
 
     stream_dir: Path
     name: str
+    partition: int = 0
     files: int = 0
     rows: int = 0
     problems: list[str] = field(default_factory=list)
@@ -150,16 +150,20 @@ def _write(directory: Path, builder: ChunkBuilder, pieces: list[_Piece]) -> list
 
 
 def _verify_stream(
-    stream_dir: Path, meta: dict[str, object], builder: ChunkBuilder, repair: bool
+    stream_dir: Path,
+    meta: dict[str, object],
+    builder: ChunkBuilder,
+    repair: bool,
+    partition: int = 0,
 ) -> ProjectionReport:
     settings = meta.get("settings")
     compacted = isinstance(settings, dict) and settings.get("cleanup_policy") == "compact"
-    report = ProjectionReport(stream_dir, str(meta.get("name")))
-    directory = projection_directory(stream_dir)
+    report = ProjectionReport(stream_dir, str(meta.get("name")), partition)
+    directory = projection_directory(stream_dir, partition)
     files = list_sealed(directory)
     if not files:
         return report
-    log = _LogCursor(stream_dir / PARTITION)
+    log = _LogCursor(stream_dir / f"partition-{partition}")
     try:
         cursor = log.start
 
@@ -220,14 +224,21 @@ def _verify_stream(
     return report
 
 
+def _partition_count(meta: dict[str, object]) -> int:
+    count = meta.get("partitions", 1)
+    return count if isinstance(count, int) and count >= 1 else 1
+
+
 def verify_projections(data_dir: Path, *, repair: bool = False) -> list[ProjectionReport]:
-    """Check (and with ``repair``, rebuild) every stream's sealed projection files."""
+    """Check (and with ``repair``, rebuild) the sealed projection files of every
+    partition of every stream: one report per stream partition."""
     db = Database()
     builder = ChunkBuilder(db)
     try:
         return [
-            _verify_stream(stream_dir, meta, builder, repair)
+            _verify_stream(stream_dir, meta, builder, repair, partition)
             for stream_dir, meta in stream_dirs(data_dir)
+            for partition in range(_partition_count(meta))
         ]
     finally:
         builder.close()
