@@ -1,0 +1,21 @@
+"""Exactly-once producers: producer ids, epochs and transactions (docs/transactions.md)."""
+
+from headwater.engine.transactions.coordinator import (
+    DEFAULT_TRANSACTION_TIMEOUT_MS,
+    FIRST_PRODUCER_ID,
+    TXN_STATE_STREAM,
+    ProducerIdentity,
+    TenantTransactions,
+    TransactionCoordinator,
+    TxnState,
+)
+
+__all__ = [
+    "DEFAULT_TRANSACTION_TIMEOUT_MS",
+    "FIRST_PRODUCER_ID",
+    "TXN_STATE_STREAM",
+    "ProducerIdentity",
+    "TenantTransactions",
+    "TransactionCoordinator",
+    "TxnState",
+]

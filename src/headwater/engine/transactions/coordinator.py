@@ -1,0 +1,591 @@
+"""The transaction coordinator: producer ids, epochs and atomic multi-partition writes.
+
+Per tenant, as Kafka's transaction coordinator and ``__transaction_state``:
+
+* ``init_producer`` hands out a producer id, durable across restarts (ids start at
+  ``FIRST_PRODUCER_ID``, far above the small ids Kimberlite clients pick for their own
+  idempotent appends). With a transactional id it returns that id's producer with its
+  epoch bumped: the previous instance (a zombie) is fenced, and a transaction it left
+  open is aborted first.
+* A transaction begins implicitly with its first partition. ``add_partitions`` (also
+  done by ``append`` for a partition not yet in the transaction) records the partition
+  durably *before* anything is written to it, so recovery knows every partition that may
+  hold the transaction's batches. Appends are transactional batches (the batch
+  attribute bit) with the producer's id, epoch and per-partition sequence.
+* ``add_offsets`` stages consumer-group offsets (consume-transform-produce): they are
+  committed to the group offset store with the transaction, never without it.
+* ``end_transaction`` writes the decision (PrepareCommit / PrepareAbort, with the staged
+  offsets) to the tenant's internal stream ``hw_transaction_state`` (fsync policy), then
+  a marker (control batch) to every partition of the transaction, then the offsets, then
+  CompleteCommit / CompleteAbort.
+
+Recovery (``open``) replays the state stream: a transaction found prepared is finished
+(its markers written where missing, its offsets committed), so a SIGKILL mid-commit ends
+with the transaction wholly visible; one found Ongoing is aborted with its epoch bumped,
+so it is wholly absent and its producer fenced. A transaction open longer than its
+timeout is aborted the same way by ``abort_expired``.
+
+Markers are written only where the partition's producer table shows the producer's
+transaction still open there, so finishing a transaction twice (a retry, a recovery
+after some markers were written) adds nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+from headwater.engine.engine import Engine, StreamSettings, run_every
+from headwater.engine.groups.offsets import (
+    CommittedOffset,
+    LogOffsetStore,
+    OffsetKey,
+)
+from headwater.errors import (
+    InvalidRequest,
+    InvalidTxnState,
+    ProducerFenced,
+    StreamNotFound,
+)
+from headwater.storage.batch import MAX_EPOCH, Headers, marker_value
+from headwater.storage.log import AppendInfo
+
+log = logging.getLogger(__name__)
+
+TXN_STATE_STREAM = "hw_transaction_state"
+FIRST_PRODUCER_ID = 1 << 48
+DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000  # Kafka's transaction.timeout.ms
+MAX_TRANSACTION_TIMEOUT_MS = 900_000  # Kafka's transaction.max.timeout.ms
+MAX_TRANSACTIONAL_ID_BYTES = 0xFFFF
+_PRODUCER_IDS_KEY = b"\x00producer-ids"  # no transactional id is empty: never a clash
+
+# (group offsets to commit) for a tenant: the consumer-group offset store's commit.
+OffsetsSink = Callable[[int, Mapping[OffsetKey, CommittedOffset]], Awaitable[None]]
+Clock = Callable[[], int]
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class TxnState(StrEnum):
+    EMPTY = "Empty"
+    ONGOING = "Ongoing"
+    PREPARE_COMMIT = "PrepareCommit"
+    PREPARE_ABORT = "PrepareAbort"
+    COMPLETE_COMMIT = "CompleteCommit"
+    COMPLETE_ABORT = "CompleteAbort"
+
+
+class ProducerIdentity(NamedTuple):
+    producer_id: int
+    epoch: int
+
+
+@dataclass
+class TxnMetadata:
+    transactional_id: str
+    producer_id: int
+    epoch: int
+    timeout_ms: int
+    state: TxnState = TxnState.EMPTY
+    partitions: set[tuple[int, int]] = field(default_factory=set)  # (stream id, partition)
+    offsets: dict[OffsetKey, CommittedOffset] = field(default_factory=dict)
+    started_ms: int = 0
+    # Appends admitted but not yet stored: an end waits for them (in memory only).
+    appending: int = 0
+    appends_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "producer_id": self.producer_id,
+            "epoch": self.epoch,
+            "timeout_ms": self.timeout_ms,
+            "state": str(self.state),
+            "partitions": sorted(self.partitions),
+            "offsets": [
+                [k.group, k.stream, k.partition, v.offset, v.metadata, v.commit_ms]
+                for k, v in self.offsets.items()
+            ],
+            "started_ms": self.started_ms,
+        }
+
+    @classmethod
+    def from_json(cls, transactional_id: str, data: Mapping[str, Any]) -> TxnMetadata:
+        return cls(
+            transactional_id,
+            int(data["producer_id"]),
+            int(data["epoch"]),
+            int(data["timeout_ms"]),
+            TxnState(data["state"]),
+            {(int(s), int(p)) for s, p in data["partitions"]},
+            {
+                OffsetKey(str(g), str(s), int(p)): CommittedOffset(int(o), str(m), int(t))
+                for g, s, p, o, m, t in data["offsets"]
+            },
+            int(data["started_ms"]),
+        )
+
+
+class TenantTransactions:
+    """One tenant's transaction coordinator (use :meth:`open`)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tenant_id: int,
+        stream_id: int,
+        offsets_sink: OffsetsSink,
+        clock_ms: Clock,
+    ) -> None:
+        self.engine = engine
+        self.tenant_id = tenant_id
+        self.stream_id = stream_id
+        self.offsets_sink = offsets_sink
+        self.clock_ms = clock_ms
+        self.transactions: dict[str, TxnMetadata] = {}
+        self.next_producer_id = FIRST_PRODUCER_ID
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.recovered = 0  # transactions finished or aborted by recovery
+
+    @classmethod
+    async def open(
+        cls,
+        engine: Engine,
+        tenant_id: int,
+        offsets_sink: OffsetsSink | None = None,
+        clock_ms: Clock = _wall_ms,
+    ) -> TenantTransactions:
+        """The tenant's coordinator, its state stream created on first use and replayed;
+        every transaction left prepared is finished and every one left open aborted."""
+        try:
+            stream_id = engine.stream_by_name(tenant_id, TXN_STATE_STREAM).stream_id
+        except StreamNotFound:
+            settings = StreamSettings(cleanup_policy="compact", sync="fsync")
+            info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
+            stream_id = info.stream_id
+        coordinator = cls(
+            engine, tenant_id, stream_id, offsets_sink or _log_offsets(engine), clock_ms
+        )
+        await coordinator._replay()
+        await coordinator._recover()
+        return coordinator
+
+    async def _replay(self) -> None:
+        plog = self.engine.stream(self.tenant_id, self.stream_id).log
+        at = plog.start_offset
+        while True:
+            result = await self.engine.read(self.tenant_id, self.stream_id, at, 4 << 20)
+            if result.count == 0:
+                return
+            for event in result.events():
+                if event.key is None:
+                    continue
+                data = json.loads(event.value)
+                self.next_producer_id = max(self.next_producer_id, int(data["next_producer_id"]))
+                if event.key != _PRODUCER_IDS_KEY:
+                    tid = event.key.decode()
+                    self.transactions[tid] = TxnMetadata.from_json(tid, data["txn"])
+            at = result.end_offset
+
+    async def _recover(self) -> None:
+        for txn in list(self.transactions.values()):
+            if txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+                log.info(
+                    "tenant %d: finishing transaction %r left %s",
+                    self.tenant_id,
+                    txn.transactional_id,
+                    txn.state,
+                )
+                async with self._lock(txn.transactional_id):
+                    await self._complete(txn)
+                self.recovered += 1
+            elif txn.state == TxnState.ONGOING:
+                log.info(
+                    "tenant %d: aborting transaction %r left open by a restart",
+                    self.tenant_id,
+                    txn.transactional_id,
+                )
+                async with self._lock(txn.transactional_id):
+                    await self._abort_fencing(txn)
+                self.recovered += 1
+
+    # ---- the state stream ---------------------------------------------------------
+
+    async def _write(self, key: bytes, txn: TxnMetadata | None) -> None:
+        """One keyed record, durable (fsync policy) before this returns."""
+        record: dict[str, Any] = {"next_producer_id": self.next_producer_id}
+        if txn is not None:
+            record["txn"] = txn.to_json()
+        await self.engine.append(
+            self.tenant_id, self.stream_id, [json.dumps(record).encode()], keys=[key]
+        )
+
+    async def _store(self, txn: TxnMetadata) -> None:
+        await self._write(txn.transactional_id.encode(), txn)
+
+    def _lock(self, transactional_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(transactional_id, asyncio.Lock())
+
+    # ---- producers ----------------------------------------------------------------
+
+    async def init_producer(
+        self, transactional_id: str | None = None, timeout_ms: int | None = None
+    ) -> ProducerIdentity:
+        """InitProducerId: a new producer id (epoch 0) without a transactional id; with
+        one, its producer with the epoch bumped (an open transaction is aborted first,
+        an ending one finished)."""
+        timeout = DEFAULT_TRANSACTION_TIMEOUT_MS if timeout_ms is None else timeout_ms
+        if not 1 <= timeout <= MAX_TRANSACTION_TIMEOUT_MS:
+            raise InvalidRequest(
+                f"transaction_timeout_ms is 1..{MAX_TRANSACTION_TIMEOUT_MS}, not {timeout}"
+            )
+        if transactional_id is None:
+            pid = self._allocate()
+            await self._write(_PRODUCER_IDS_KEY, None)
+            return ProducerIdentity(pid, 0)
+        _check_transactional_id(transactional_id)
+        async with self._lock(transactional_id):
+            txn = self.transactions.get(transactional_id)
+            if txn is None:
+                txn = TxnMetadata(transactional_id, self._allocate(), 0, timeout)
+            else:
+                if txn.state == TxnState.ONGOING:
+                    await self._abort_fencing(txn)
+                elif txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+                    await self._complete(txn)
+                if txn.epoch >= MAX_EPOCH:
+                    txn.producer_id, txn.epoch = self._allocate(), 0
+                else:
+                    txn.epoch += 1
+                txn.timeout_ms = timeout
+                txn.state = TxnState.EMPTY
+                txn.partitions.clear()
+                txn.offsets.clear()
+            await self._store(txn)
+            self.transactions[transactional_id] = txn
+            return ProducerIdentity(txn.producer_id, txn.epoch)
+
+    def _allocate(self) -> int:
+        pid = self.next_producer_id
+        self.next_producer_id += 1
+        return pid
+
+    def _current(self, transactional_id: str, producer: ProducerIdentity) -> TxnMetadata:
+        """The transaction of ``transactional_id`` if ``producer`` is its current one."""
+        txn = self.transactions.get(transactional_id)
+        if txn is None:
+            raise InvalidTxnState(
+                f"transactional id {transactional_id!r} is unknown: call init_producer first"
+            )
+        if producer.producer_id != txn.producer_id:
+            raise InvalidTxnState(
+                f"producer {producer.producer_id} is not transactional id "
+                f"{transactional_id!r}'s (init_producer gave {txn.producer_id})"
+            )
+        if producer.epoch < txn.epoch:
+            raise ProducerFenced(
+                f"producer {producer.producer_id} epoch {producer.epoch} is fenced: "
+                f"transactional id {transactional_id!r} is at epoch {txn.epoch}"
+            )
+        if producer.epoch > txn.epoch:
+            raise InvalidTxnState(
+                f"producer {producer.producer_id} epoch {producer.epoch} was never given out"
+            )
+        return txn
+
+    # ---- transactions -------------------------------------------------------------
+
+    async def add_partitions(
+        self,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        partitions: Iterable[tuple[int, int]],
+    ) -> None:
+        """AddPartitionsToTxn: (stream id, partition) pairs join the transaction (it
+        begins with the first); stored before any batch is written to them."""
+        async with self._lock(transactional_id):
+            txn = self._current(transactional_id, producer)
+            await self._add_partitions(txn, partitions)
+
+    async def _add_partitions(
+        self, txn: TxnMetadata, partitions: Iterable[tuple[int, int]]
+    ) -> None:
+        self._check_open(txn)
+        new = set()
+        for stream_id, partition in partitions:
+            stream = self.engine.stream(self.tenant_id, stream_id)  # StreamNotFound
+            stream.partition_log(partition)  # InvalidRequest for a partition not there
+            if (stream_id, partition) not in txn.partitions:
+                new.add((stream_id, partition))
+        if not new:
+            return
+        self._begin(txn)
+        txn.partitions |= new
+        await self._store(txn)
+
+    def _check_open(self, txn: TxnMetadata) -> None:
+        if txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
+            raise InvalidTxnState(
+                f"transaction {txn.transactional_id!r} is ending ({txn.state}): wait for it"
+            )
+
+    def _begin(self, txn: TxnMetadata) -> None:
+        if txn.state != TxnState.ONGOING:
+            txn.state = TxnState.ONGOING
+            txn.started_ms = self.clock_ms()
+
+    async def append(
+        self,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        stream_id: int,
+        sequence: int,
+        values: Sequence[bytes],
+        *,
+        partition: int = 0,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Headers] | None = None,
+        timestamp_ms: int | None = None,
+    ) -> AppendInfo:
+        """A transactional batch to one partition (added to the transaction first if
+        it is not in it yet); a retried (producer, epoch, sequence) is answered with its
+        first offsets and stored once."""
+        async with self._lock(transactional_id):
+            txn = self._current(transactional_id, producer)
+            if (stream_id, partition) not in txn.partitions or txn.state != TxnState.ONGOING:
+                await self._add_partitions(txn, [(stream_id, partition)])
+            # Admitted: an end of the transaction waits for this append to be stored,
+            # so no batch can land after its partition's marker.
+            txn.appending += 1
+            txn.appends_done.clear()
+        # Appended outside the lock: a transaction's batches to different partitions
+        # are written concurrently.
+        try:
+            return await self.engine.append(
+                self.tenant_id,
+                stream_id,
+                values,
+                partition=partition,
+                timestamp_ms=timestamp_ms,
+                keys=keys,
+                headers=headers,
+                producer=(producer.producer_id, sequence),
+                producer_epoch=producer.epoch,
+                transactional=True,
+            )
+        finally:
+            txn.appending -= 1
+            if txn.appending == 0:
+                txn.appends_done.set()
+
+    async def add_offsets(
+        self,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        group: str,
+        offsets: Mapping[tuple[str, int], tuple[int, str]],
+    ) -> None:
+        """TxnOffsetCommit: a consumer group's offsets ((stream name, partition) ->
+        (next offset, metadata)) are committed with the transaction."""
+        now = self.clock_ms()
+        staged: dict[OffsetKey, CommittedOffset] = {}
+        for (stream_name, partition), (offset, metadata) in offsets.items():
+            stream = self.engine.stream_by_name(self.tenant_id, stream_name)
+            stream.partition_log(partition)
+            if offset < 0:
+                raise InvalidRequest(f"offset {offset} of {stream_name}/{partition} is negative")
+            staged[OffsetKey(group, stream_name, partition)] = CommittedOffset(
+                offset, metadata, now
+            )
+        async with self._lock(transactional_id):
+            txn = self._current(transactional_id, producer)
+            self._check_open(txn)
+            if txn.state != TxnState.ONGOING:
+                self._begin(txn)
+                await self._store(txn)
+            txn.offsets.update(staged)
+
+    async def end_transaction(
+        self, transactional_id: str, producer: ProducerIdentity, commit: bool
+    ) -> None:
+        """EndTxn: commit or abort. Returns once every partition has its marker (and a
+        commit's offsets are stored). Ending a transaction with nothing in it, or
+        repeating the end just done, is a no-op; the opposite of the end just done is
+        InvalidTxnState."""
+        async with self._lock(transactional_id):
+            txn = self._current(transactional_id, producer)
+            done = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
+            if txn.state in (TxnState.EMPTY, done):
+                return
+            if txn.state != TxnState.ONGOING:
+                raise InvalidTxnState(
+                    f"cannot {'commit' if commit else 'abort'} transaction "
+                    f"{transactional_id!r}: it is {txn.state}"
+                )
+            await _appends_stored(txn)
+            txn.state = TxnState.PREPARE_COMMIT if commit else TxnState.PREPARE_ABORT
+            if not commit:
+                txn.offsets.clear()
+            await self._store(txn)
+            await self._complete(txn)
+
+    async def _complete(self, txn: TxnMetadata) -> None:
+        """Markers to every partition, a commit's offsets, then Complete*: the second
+        phase, the same after a crash as the first time."""
+        commit = txn.state == TxnState.PREPARE_COMMIT
+        await asyncio.gather(
+            *(
+                self._write_marker(stream_id, partition, txn, commit)
+                for stream_id, partition in sorted(txn.partitions)
+            )
+        )
+        if commit and txn.offsets:
+            await self.offsets_sink(self.tenant_id, dict(txn.offsets))
+        txn.state = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
+        txn.partitions.clear()
+        txn.offsets.clear()
+        await self._store(txn)
+
+    async def _write_marker(
+        self, stream_id: int, partition: int, txn: TxnMetadata, commit: bool
+    ) -> None:
+        try:
+            plog = self.engine.stream(self.tenant_id, stream_id).partition_log(partition)
+        except StreamNotFound:
+            return  # deleted with the transaction's batches
+        if not plog.has_open_transaction(txn.producer_id):
+            return  # nothing appended there, or its marker is written already
+        await self.engine.append(
+            self.tenant_id,
+            stream_id,
+            [marker_value(commit)],
+            partition=partition,
+            producer=(txn.producer_id, 0),
+            producer_epoch=txn.epoch,
+            control=True,
+        )
+
+    async def _abort_fencing(self, txn: TxnMetadata) -> None:
+        """Abort an open transaction whose producer may still be alive (timed out, left
+        by a restart, or replaced by init_producer): the epoch is bumped first, so the
+        markers carry the new epoch and the old instance is fenced everywhere."""
+        await _appends_stored(txn)
+        if txn.epoch < MAX_EPOCH:
+            txn.epoch += 1
+        txn.state = TxnState.PREPARE_ABORT
+        txn.offsets.clear()
+        await self._store(txn)
+        await self._complete(txn)
+
+    async def abort_expired(self) -> list[str]:
+        """Abort every transaction open longer than its timeout; their ids."""
+        now = self.clock_ms()
+        aborted = []
+        for txn in list(self.transactions.values()):
+            if txn.state == TxnState.ONGOING and now - txn.started_ms > txn.timeout_ms:
+                async with self._lock(txn.transactional_id):
+                    if txn.state != TxnState.ONGOING or now - txn.started_ms <= txn.timeout_ms:
+                        continue
+                    log.info(
+                        "tenant %d: aborting transaction %r after its timeout of %d ms",
+                        self.tenant_id,
+                        txn.transactional_id,
+                        txn.timeout_ms,
+                    )
+                    await self._abort_fencing(txn)
+                    aborted.append(txn.transactional_id)
+        return aborted
+
+    def state(self, transactional_id: str) -> TxnState | None:
+        txn = self.transactions.get(transactional_id)
+        return None if txn is None else txn.state
+
+
+class TransactionCoordinator:
+    """Every tenant's coordinator, each opened on first use."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        offsets_sink: OffsetsSink | None = None,
+        clock_ms: Clock = _wall_ms,
+    ) -> None:
+        self.engine = engine
+        self.offsets_sink = offsets_sink
+        self.clock_ms = clock_ms
+        self._tenants: dict[int, TenantTransactions] = {}
+        self._opening: dict[int, asyncio.Lock] = {}
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def recover(self) -> None:
+        """Open the coordinator of every tenant that has a state stream (finishing or
+        aborting what a crash left), so no transaction waits for its tenant's next
+        transactional call to be resolved."""
+        for tenant_id in sorted(self.engine.tenants):
+            tenant = self.engine.tenant(tenant_id)
+            if TXN_STATE_STREAM in tenant.by_name:
+                await self.tenant(tenant_id)
+
+    async def tenant(self, tenant_id: int) -> TenantTransactions:
+        found = self._tenants.get(tenant_id)
+        if found is not None:
+            return found
+        self.engine.tenant(tenant_id)  # TenantNotFound
+        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
+            found = self._tenants.get(tenant_id)
+            if found is None:
+                found = await TenantTransactions.open(
+                    self.engine, tenant_id, self.offsets_sink, self.clock_ms
+                )
+                self._tenants[tenant_id] = found
+            return found
+
+    async def abort_expired(self) -> list[tuple[int, str]]:
+        aborted = []
+        for tenant_id, coordinator in list(self._tenants.items()):
+            aborted += [(tenant_id, tid) for tid in await coordinator.abort_expired()]
+        return aborted
+
+    def start_expiry(self, interval_s: float = 1.0) -> None:
+        """Check transaction timeouts every ``interval_s`` seconds."""
+        self._expiry = asyncio.get_running_loop().create_task(
+            run_every(interval_s, self.abort_expired, "transaction timeouts", log)
+        )
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+            self._expiry = None
+
+
+async def _appends_stored(txn: TxnMetadata) -> None:
+    """Wait for the transaction's admitted appends (the caller holds its lock, so no
+    more are admitted meanwhile)."""
+    if txn.appending:
+        await txn.appends_done.wait()
+
+
+def _check_transactional_id(transactional_id: str) -> None:
+    size = len(transactional_id.encode())
+    if not 1 <= size <= MAX_TRANSACTIONAL_ID_BYTES:
+        raise InvalidRequest(f"a transactional id is 1..{MAX_TRANSACTIONAL_ID_BYTES} bytes")
+
+
+def _log_offsets(engine: Engine) -> OffsetsSink:
+    """Commit to the tenant's ``hw_consumer_offsets`` (engine/groups/offsets.py)."""
+
+    async def commit(tenant_id: int, offsets: Mapping[OffsetKey, CommittedOffset]) -> None:
+        store = await LogOffsetStore.open(engine, tenant_id)
+        await store.commit(offsets)
+
+    return commit

@@ -1,0 +1,283 @@
+"""Transactions in the engine: markers, read_committed, fencing, offsets, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from headwater.engine.engine import Engine, EngineConfig, StreamSettings
+from headwater.engine.groups.offsets import CommittedOffset, LogOffsetStore, OffsetKey
+from headwater.engine.transactions import (
+    FIRST_PRODUCER_ID,
+    ProducerIdentity,
+    TenantTransactions,
+    TxnState,
+)
+from headwater.errors import InvalidTxnState, OutOfOrderSequence, ProducerFenced
+
+CONFIG = EngineConfig(maintenance_interval_ms=0)
+
+
+def run(tmp_path: Path, body: Callable[[Engine], Awaitable[None]]) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        try:
+            await body(engine)
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def values(
+    engine: Engine, stream_id: int, partition: int = 0, isolation: str = "read_committed"
+) -> list[tuple[int, bytes]]:
+    result = await engine.read(0, stream_id, 0, 1 << 30, partition=partition, isolation=isolation)
+    return [(e.offset, e.value) for e in result.events()]
+
+
+def test_the_seeds_read_committed_example(tmp_path: Path) -> None:
+    """Offsets 0-5: 0 plain, 1 of a transaction later aborted, 2 of one later committed,
+    3 and 4 their markers, 5 plain. read_uncommitted sees {0,1,2,5}, read_committed
+    {0,2,5}; before the markers read_committed stops at the open transaction (LSO 1)."""
+
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        aborting = await txns.init_producer("t1")
+        committing = await txns.init_producer("t2")
+        await engine.append(0, sid, [b"p0"])
+        await txns.append("t1", aborting, sid, 0, [b"a1"])
+        await txns.append("t2", committing, sid, 0, [b"c2"])
+        assert await values(engine, sid) == [(0, b"p0")]
+        assert engine.stream(0, sid).log.last_stable_offset == 1
+        await txns.end_transaction("t1", aborting, commit=False)
+        assert await values(engine, sid) == [(0, b"p0")]  # t2 still open at 2
+        await txns.end_transaction("t2", committing, commit=True)
+        await engine.append(0, sid, [b"p5"])
+        assert engine.stream(0, sid).log.end_offset == 6
+        uncommitted = await values(engine, sid, isolation="read_uncommitted")
+        assert [o for o, _ in uncommitted] == [0, 1, 2, 5]
+        committed = await values(engine, sid)
+        assert committed == [(0, b"p0"), (2, b"c2"), (5, b"p5")]
+
+    run(tmp_path, body)
+
+
+def test_commit_spans_streams_and_partitions_and_abort_leaves_nothing(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        a = (await engine.create_stream(0, "a", StreamSettings(partitions=3))).stream_id
+        b = (await engine.create_stream(0, "b")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("job")
+        targets = [(a, 0), (a, 2), (b, 0)]
+        for k, (sid, part) in enumerate(targets):
+            await txns.append("job", producer, sid, 0, [f"x{k}".encode()], partition=part)
+        for sid, part in targets:
+            assert await values(engine, sid, part) == []
+        await txns.end_transaction("job", producer, commit=True)
+        assert [await values(engine, sid, part) for sid, part in targets] == [
+            [(0, b"x0")],
+            [(0, b"x1")],
+            [(0, b"x2")],
+        ]
+        # The next transaction of the same producer (sequences go on) is aborted.
+        for sid, part in targets:
+            await txns.append("job", producer, sid, 1, [b"gone"], partition=part)
+        await txns.end_transaction("job", producer, commit=False)
+        await engine.append(0, b, [b"after"])
+        for sid, part in targets:
+            seen = [v for _, v in await values(engine, sid, part)]
+            assert b"gone" not in seen
+            every = [v for _, v in await values(engine, sid, part, "read_uncommitted")]
+            assert b"gone" in every
+        assert [v for _, v in await values(engine, b)] == [b"x2", b"after"]
+        assert txns.state("job") == TxnState.COMPLETE_ABORT
+
+    run(tmp_path, body)
+
+
+def test_offsets_committed_inside_a_transaction_come_with_it(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        src = (await engine.create_stream(0, "in")).stream_id
+        out = (await engine.create_stream(0, "out")).stream_id
+        await engine.append(0, src, [b"e0", b"e1"])
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("ctp")
+        await txns.append("ctp", producer, out, 0, [b"E0"])
+        await txns.add_offsets("ctp", producer, "g", {("in", 0): (1, "m")})
+        await txns.end_transaction("ctp", producer, commit=False)
+        store = await LogOffsetStore.open(engine, 0)
+        assert await store.load() == {}
+        await txns.append("ctp", producer, out, 1, [b"E0"])
+        await txns.add_offsets("ctp", producer, "g", {("in", 0): (1, "m")})
+        await txns.end_transaction("ctp", producer, commit=True)
+        loaded = await store.load()
+        assert {k: v.offset for k, v in loaded.items()} == {OffsetKey("g", "in", 0): 1}
+        assert [v for _, v in await values(engine, out)] == [b"E0"]
+        assert src != out
+
+    run(tmp_path, body)
+
+
+def test_a_new_instance_fences_the_old_and_aborts_its_transaction(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        old = await txns.init_producer("app")
+        await txns.append("app", old, sid, 0, [b"zombie"])
+        new = await txns.init_producer("app")
+        assert new == ProducerIdentity(old.producer_id, old.epoch + 2)  # abort bumped too
+        with pytest.raises(ProducerFenced):
+            await txns.append("app", old, sid, 1, [b"late"])
+        with pytest.raises(ProducerFenced):
+            await txns.end_transaction("app", old, commit=True)
+        # Even straight at the partition, the old epoch is refused (the abort marker
+        # carried the bumped epoch).
+        with pytest.raises(ProducerFenced):
+            await engine.append(
+                0, sid, [b"direct"], producer=(old.producer_id, 1), producer_epoch=old.epoch
+            )
+        await txns.append("app", new, sid, 0, [b"fresh"])
+        await txns.end_transaction("app", new, commit=True)
+        assert [v for _, v in await values(engine, sid)] == [b"fresh"]
+
+    run(tmp_path, body)
+
+
+def test_retried_batches_are_stored_once_and_gaps_refused(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("r")
+        first = await txns.append("r", producer, sid, 0, [b"a", b"b"])
+        again = await txns.append("r", producer, sid, 0, [b"a", b"b"])
+        assert (again.base_offset, again.count) == (first.base_offset, first.count)
+        with pytest.raises(OutOfOrderSequence):
+            await txns.append("r", producer, sid, 2, [b"skip"])
+        await txns.end_transaction("r", producer, commit=True)
+        assert [v for _, v in await values(engine, sid)] == [b"a", b"b"]
+        # An idempotent producer without a transactional id: ids from the coordinator.
+        plain = await txns.init_producer()
+        assert plain.producer_id >= FIRST_PRODUCER_ID and plain.epoch == 0
+        columns = {"producer_epoch": plain.epoch}
+        one = await engine.append(0, sid, [b"i"], producer=(plain.producer_id, 0), **columns)
+        two = await engine.append(0, sid, [b"i"], producer=(plain.producer_id, 0), **columns)
+        assert one.base_offset == two.base_offset
+        assert [v for _, v in await values(engine, sid)] == [b"a", b"b", b"i"]
+
+    run(tmp_path, body)
+
+
+def test_misuse_is_refused(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        with pytest.raises(InvalidTxnState):
+            await txns.append("nobody", ProducerIdentity(1, 0), sid, 0, [b"x"])
+        producer = await txns.init_producer("t")
+        with pytest.raises(InvalidTxnState):
+            await txns.append("t", ProducerIdentity(producer.producer_id + 1, 0), sid, 0, [b"x"])
+        await txns.end_transaction("t", producer, commit=True)  # empty: a no-op
+        await txns.append("t", producer, sid, 0, [b"x"])
+        await txns.end_transaction("t", producer, commit=False)
+        await txns.end_transaction("t", producer, commit=False)  # a retried end
+        with pytest.raises(InvalidTxnState):
+            await txns.end_transaction("t", producer, commit=True)
+        assert await values(engine, sid) == []
+
+    run(tmp_path, body)
+
+
+def test_timeout_aborts_and_fences(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        now = [1_000]
+        txns = await TenantTransactions.open(engine, 0, clock_ms=lambda: now[0])
+        producer = await txns.init_producer("slow", timeout_ms=500)
+        await txns.append("slow", producer, sid, 0, [b"x"])
+        now[0] += 500
+        assert await txns.abort_expired() == []
+        now[0] += 1
+        assert await txns.abort_expired() == ["slow"]
+        assert engine.stream(0, sid).log.last_stable_offset == 2  # data and marker
+        with pytest.raises(ProducerFenced):
+            await txns.end_transaction("slow", producer, commit=True)
+        assert await values(engine, sid) == []
+
+    run(tmp_path, body)
+
+
+def test_restart_finishes_prepared_and_aborts_open_transactions(tmp_path: Path) -> None:
+    """What a SIGKILL leaves: one transaction whose commit decision is stored but no
+    marker written, one open. After the restart the first is wholly visible, the second
+    wholly absent, and producer ids go on from where they were."""
+
+    async def before(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s", StreamSettings(partitions=2))).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        deciding = await txns.init_producer("deciding")
+        hanging = await txns.init_producer("hanging")
+        for part in (0, 1):
+            await txns.append("deciding", deciding, sid, 0, [b"kept"], partition=part)
+            await txns.append("hanging", hanging, sid, 0, [b"dropped"], partition=part)
+        txn = txns.transactions["deciding"]
+        txn.state = TxnState.PREPARE_COMMIT
+        await txns._store(txn)  # the decision, then the crash before any marker
+
+    async def after(engine: Engine) -> None:
+        sid = engine.stream_by_name(0, "s").stream_id
+        for part in (0, 1):
+            assert await values(engine, sid, part) == []  # both still open in the log
+        txns = await TenantTransactions.open(engine, 0)
+        assert txns.recovered == 2
+        assert txns.state("deciding") == TxnState.COMPLETE_COMMIT
+        assert txns.state("hanging") == TxnState.COMPLETE_ABORT
+        for part in (0, 1):
+            assert [v for _, v in await values(engine, sid, part)] == [b"kept"]
+        assert (await txns.init_producer()).producer_id == FIRST_PRODUCER_ID + 2
+
+    run(tmp_path, before)
+    run(tmp_path, after)
+
+
+def test_the_aborted_index_survives_restart(tmp_path: Path) -> None:
+    async def before(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("t")
+        await txns.append("t", producer, sid, 0, [b"no"])
+        await txns.end_transaction("t", producer, commit=False)
+        await engine.append(0, sid, [b"yes"])
+
+    async def after(engine: Engine) -> None:
+        sid = engine.stream_by_name(0, "s").stream_id
+        assert [v for _, v in await values(engine, sid)] == [b"yes"]
+        aborted = engine.stream(0, sid).log.producers.aborted_between(0, 10)
+        assert [(r.first_offset, r.last_offset) for r in aborted] == [(0, 1)]
+
+    run(tmp_path, before)
+    run(tmp_path, after)
+
+
+def test_group_offsets_sink_is_pluggable(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        got: list[dict[OffsetKey, CommittedOffset]] = []
+
+        async def sink(tenant_id: int, offsets: dict[OffsetKey, CommittedOffset]) -> None:
+            got.append(dict(offsets))
+
+        txns = await TenantTransactions.open(engine, 0, offsets_sink=sink)
+        producer = await txns.init_producer("t")
+        await txns.append("t", producer, sid, 0, [b"x"])
+        await txns.add_offsets("t", producer, "g", {("s", 0): (5, "")})
+        await txns.end_transaction("t", producer, commit=True)
+        assert [{k: v.offset for k, v in batch.items()} for batch in got] == [
+            {OffsetKey("g", "s", 0): 5}
+        ]
+
+    run(tmp_path, body)
