@@ -102,9 +102,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROUND_ROWS = 65_536  # events per catch-up round
-ROUND_BYTES = 32 << 20  # values-section bytes per catch-up round
+# Values-section bytes per catch-up round, and the data bytes that seal a chunk. A
+# round's batches, the chunk built from them, DuckDB's json_valid over it and the merges
+# of small chunks up to a seal all stand in memory at once, for each of the projection
+# threads: with 32 MiB rounds and 64 MiB seals, appends of 1 KiB events took RssAnon to
+# 496 MiB against a 300 MiB memory_mib; with these, 239 MiB
+# (tests/integration/test_memory_budget.py). Rows cap a chunk too (SEAL_ROWS).
+ROUND_BYTES = 8 << 20
 SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
-SEAL_BYTES = 64 << 20  # (so merged data stays far below the 2 GiB of int32 offsets)
+SEAL_BYTES = 16 << 20
 # All streams' unsealed tails together: past this the largest tails are sealed early
 # (small files), so memory does not grow with the number of streams written to.
 TAIL_BUDGET_BYTES = 256 << 20
