@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import pyarrow as pa
 from servers import LOCAL, Server
 
 import headwater
@@ -156,6 +157,14 @@ def test_six_partitions_over_http_and_cli_survive_restart_and_sigkill(make_serve
     assert result["rows"] == [[p, placed.count(p)] for p in sorted(set(placed))]
     status, star = http(server, "POST", "/api/sql", {"sql": "SELECT * FROM orders LIMIT 1"})
     assert star["columns"][-1] == "partition"
+    # The columnar range read of one partition (what the Spark source reads).
+    arrow_url = f"http://{server.address_of('http')}/api/streams/orders/arrow?partition={busiest}"
+    with urllib.request.urlopen(arrow_url, timeout=30) as response:
+        table = pa.ipc.open_stream(response.read()).read_all()
+    assert table.column("offset").to_pylist() == list(range(placed.count(busiest)))
+    assert [json.loads(v) for v in table.column("data").to_pylist()] == [
+        json.loads(r["value"]) for r, p in zip(sent, placed, strict=True) if p == busiest
+    ]
 
     # Bad input: a partition that does not exist, a record without a value. Refused
     # whole, nothing stored, and the server goes on serving.
@@ -167,6 +176,11 @@ def test_six_partitions_over_http_and_cli_survive_restart_and_sigkill(make_serve
     ):
         status, error = http(server, "POST", "/api/streams/orders/events", bad)
         assert status == 400 and error["error"]["name"] == "InvalidRequest", error
+    status, error = http(
+        server, "POST", "/api/streams", {"name": "huge", "settings": {"partitions": 2000}}
+    )
+    assert status == 400 and "from 1 to 1024" in error["error"]["message"], error
+    assert http(server, "GET", "/api/streams/huge")[0] == 404
     status, error = http(server, "GET", "/api/streams/orders/events?partition=6")
     assert status == 400 and "partition 6 does not exist" in error["error"]["message"]
     assert snapshot(server, "orders") == before

@@ -187,10 +187,10 @@ class EngineAPI:
     themselves stay private.
 
     Streams have partitions: ``append``, ``append_encoded``, ``read``, ``stream_end``,
-    ``offset_for_timestamp`` and ``subscribe`` take ``partition`` (0 when not named, so
-    front ends that know one partition keep working); ``append_partitioned`` places each
-    event by the stream's partitioner (explicit, Kafka's murmur2 of the key, sticky when
-    keyless).
+    ``offset_for_timestamp``, ``subscribe`` and ``stream_range`` take ``partition`` (0
+    when not named, so front ends that know one partition keep working);
+    ``append_partitioned`` places each event by the stream's partitioner (explicit,
+    Kafka's murmur2 of the key, sticky when keyless).
 
     With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
     ``append_partitioned``, ``read``, ``create_stream``, ``delete_stream``, ``query``,
@@ -506,9 +506,9 @@ class EngineAPI:
         return await self._request(tenant_id, operation)
 
     async def _throttled_stream_range(
-        self, tenant_id: int, name: str, start: int, end: int
+        self, tenant_id: int, name: str, start: int, end: int, partition: int = 0
     ) -> list[pa.RecordBatch]:
-        operation = self._queries.stream_range(tenant_id, name, start, end)
+        operation = self._queries.stream_range(tenant_id, name, start, end, partition)
         return await self._request(tenant_id, operation)
 
     async def _pace_subscription(self, tenant_id: int, value_bytes: int) -> None:

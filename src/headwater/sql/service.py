@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from headwater.engine.engine import MAX_APPEND_EVENTS
+from headwater.engine.transactions import stable_position
 from headwater.errors import (
     HeadwaterError,
     InvalidOffset,
@@ -266,19 +267,21 @@ class SqlService:
     # ---- stream ranges ----------------------------------------------------------------
 
     async def stream_range(
-        self, tenant_id: int, name: str, start: int, end: int
+        self, tenant_id: int, name: str, start: int, end: int, partition: int = 0
     ) -> list[pa.RecordBatch]:
-        """Offsets [start, end) of a stream from its projection, as record batches of
-        ``offset, position, ts, data`` (zero-copy slices): a bulk read with no per-event
-        work. ``end`` is clamped to the committed offset; the projection is awaited up to
-        it. InvalidOffset when retention has removed ``start``."""
+        """Offsets [start, end) of one partition of a stream (0 unless named) from its
+        projection, as record batches of ``offset, position, ts, data`` (zero-copy
+        slices): a bulk read with no per-event work. ``end`` is clamped to the committed
+        offset; the projection is awaited up to it. InvalidOffset when retention has
+        removed ``start``."""
         stream = self.engine.stream_by_name(tenant_id, name)  # StreamNotFound
-        projection = self.streams.projection(tenant_id, stream.name)
+        plog = stream.partition_log(partition)  # InvalidRequest when it does not exist
+        projection = self.streams.projection(tenant_id, stream.name, partition)
         if projection is None:
             raise InvalidRequest(f"stream {name} has no SQL projection")
         if start < 0 or end < start:
             raise InvalidRequest(f"bad range {start}..{end}: 0 <= from <= to")
-        end = min(end, stream.log.committed_offset)
+        end = min(end, plog.last_stable_offset)  # read_committed: the projection's end
 
         def lag() -> str:
             error = f" (failing: {projection.error})" if projection.error else ""
@@ -293,10 +296,10 @@ class SqlService:
         )
         if projection.closed:
             raise StreamNotFound(f"stream {name} was deleted")
-        if start < stream.log.start_offset:
+        if start < plog.start_offset:
+            where = f"partition {partition}" if partition else "the stream"
             raise InvalidOffset(
-                f"offset {start} was removed by retention; the stream starts at "
-                f"{stream.log.start_offset}"
+                f"offset {start} was removed by retention; {where} starts at {plog.start_offset}"
             )
         return range_batches(projection.chunks, start, end)
 
@@ -310,6 +313,9 @@ class SqlService:
         # already acknowledged. Every position claimed before now is below
         # ``next_position``: wait for that (in-flight appends finish within an fsync).
         claimed = self.engine.tenant(tenant_id).next_position
+        # read_committed: an open transaction's events are not shown, so answer below
+        # its first event instead of waiting for its end (QueryAt past it does wait).
+        claimed = stable_position(self.engine, tenant_id, claimed)
         position = await self.wait_for_position(tenant_id, claimed, self.read_timeout)
         outcome = await self._run(tenant_id, sql, params, position, allow_insert=True)
         if isinstance(outcome, QueryResult):

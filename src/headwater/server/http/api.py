@@ -369,17 +369,19 @@ _ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
 
 
 async def read_arrow(request: web.Request) -> web.StreamResponse:
-    """Offsets [from, to) of a stream as an Arrow IPC stream of (offset, position, ts,
-    data), sliced from the stream's SQL projection: a bulk read with no work per event,
-    for columnar readers (the Spark data source). ``to`` defaults to the committed end."""
+    """Offsets [from, to) of a stream partition (``partition``, default 0) as an Arrow
+    IPC stream of (offset, position, ts, data), sliced from its SQL projection: a bulk
+    read with no work per event, for columnar readers (the Spark data source). ``to``
+    defaults to the partition's committed end."""
     api, tenant_id, stream = _named_stream(request)
+    partition = int_param(request, "partition", 0, at_least=0)
     start = int_param(request, "from", 0)
     end = int_param(request, "to", None)
     if end is None:
-        end = max(start, stream.next_offset)
+        end = max(start, api.stream_end(tenant_id, stream.stream_id, partition))
     elif end < start:
         raise InvalidRequest(f"to ({end}) must not be below from ({start})")
-    batches = await api.stream_range(tenant_id, stream.name, start, end)
+    batches = await api.stream_range(tenant_id, stream.name, start, end, partition)
     response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
     await response.prepare(request)
     await response.write(memoryview(RANGE_SCHEMA.serialize()))
