@@ -86,7 +86,6 @@ def check_data_dir(data_dir: Path) -> list[PartitionReport]:
 # The names the engine gives its metadata files (engine/engine.py reads them).
 TENANT_META = "tenant.json"
 STREAM_META = "stream.json"
-PARTITION_DIR = "partition-0"
 
 
 @dataclass(frozen=True)
@@ -151,7 +150,6 @@ def _check_tenant(tenant_dir: Path, problems: list[MetadataProblem]) -> None:
         if not (stream_dir.is_dir() and stream_dir.name.isdigit()):
             continue  # .creating-/.deleted- leftovers: the server removes them on start
         stream_meta = stream_dir / STREAM_META
-        partition = stream_dir / PARTITION_DIR
         if not stream_meta.exists():
             problems.append(
                 MetadataProblem(
@@ -174,12 +172,18 @@ def _check_tenant(tenant_dir: Path, problems: list[MetadataProblem]) -> None:
         else:
             holders[name].append(int(stream_dir.name))
         _int_field(meta, "created_ns", stream_meta, problems)
-        if not partition.is_dir():
-            problems.append(
-                MetadataProblem(
-                    stream_meta, f"metadata without its {PARTITION_DIR}/ directory (no data)"
+        # Written before partitions existed: no count, one partition.
+        count = meta.get("partitions", 1)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            problems.append(MetadataProblem(stream_meta, f"partitions is {count!r}, not >= 1"))
+            count = 1
+        for n in range(count):
+            if not (stream_dir / f"partition-{n}").is_dir():
+                problems.append(
+                    MetadataProblem(
+                        stream_meta, f"metadata without its partition-{n}/ directory (no data)"
+                    )
                 )
-            )
     for name, ids in sorted(holders.items()):
         if len(ids) > 1:
             listed = ", ".join(str(i) for i in sorted(ids))

@@ -282,3 +282,29 @@ def test_subscriptions_follow_one_partition_each(tmp_path: Path) -> None:
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_check_names_a_missing_partition_and_checks_every_partitions_segments(
+    tmp_path: Path,
+) -> None:
+    from headwater.storage.check import check_data_dir, check_metadata
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        info = await engine.create_stream(0, "s", StreamSettings(partitions=3))
+        for partition in range(3):
+            await engine.append(0, info.stream_id, [b"x"], partition=partition)
+        await engine.close()
+
+    asyncio.run(main())
+    reports = check_data_dir(tmp_path)
+    checked = sorted(r.path.name for r in reports if r.path.parent.name == "1")
+    assert checked == ["partition-0", "partition-1", "partition-2"]
+    assert check_metadata(tmp_path) == []
+    stream_dir = tmp_path / "tenants/0/streams/1"
+    for leftover in (stream_dir / "partition-2").iterdir():
+        leftover.unlink()
+    (stream_dir / "partition-2").rmdir()
+    assert [(p.path.name, p.problem) for p in check_metadata(tmp_path)] == [
+        ("stream.json", "metadata without its partition-2/ directory (no data)")
+    ]
