@@ -259,16 +259,19 @@ class GroupMachine(RuleBasedStateMachine):
         self.counts["b"] += 1
         self.coordinator.partitions_changed("b")
 
-    @rule()
-    def settle(self) -> None:
-        """Every live member does what its client would until the group is stable."""
+    @rule(newest_first=st.booleans())
+    def settle(self, newest_first: bool = True) -> None:
+        """Every live member does what its client would until the group is stable (the
+        newest members first syncing first is the order that would catch a partition
+        handed over before its holder let go)."""
         for _ in range(12):
             if self.stable():
                 break
             for client in list(self.clients.values()):
                 if client.must_rejoin and not client.waiting and client.member_id in self.clients:
                     self.send_join(client)
-            for client in list(self.clients.values()):
+            clients = list(self.clients.values())
+            for client in reversed(clients) if newest_first else clients:
                 if client.joined is not None and client.member_id in self.clients:
                     self.send_sync(client)
             for client in list(self.clients.values()):
@@ -318,6 +321,17 @@ class GroupMachine(RuleBasedStateMachine):
     def no_partition_held_twice(self) -> None:
         held = [tp for c in self.clients.values() for tp in c.owned]
         assert len(held) == len(set(held))
+
+    @invariant()
+    def nobody_is_assigned_what_another_still_holds(self) -> None:
+        group = self.coordinator.groups.get("g")
+        if group is None:
+            return
+        for client in self.clients.values():
+            assigned = set(group.members[client.member_id].assignment)
+            for other in self.clients.values():
+                if other is not client:
+                    assert not assigned & other.owned, (client, other)
 
     @invariant()
     def generations_only_grow(self) -> None:
