@@ -185,10 +185,13 @@ def _int(value: int) -> pa.Scalar:
 
 def read_round(plog: PartitionLog, from_offset: int, upto: int) -> tuple[list[_Piece], int]:
     """Stored batches holding events in [from_offset, upto), at most one round's worth;
-    returns them and the offset the next round starts at."""
+    returns them and the offset the next round starts at. Only what read_committed
+    readers see: ``upto`` is cut at the last stable offset, and transaction markers and
+    aborted transactions' batches are left out (never projected)."""
     pieces: list[_Piece] = []
     rows = size = 0
-    for batch in plog.batches(from_offset, upto):
+    upto = min(upto, plog.last_stable_offset)
+    for batch in plog.batches(from_offset, upto, committed_only=True):
         start = batch.index_of(from_offset) if batch.base_offset < from_offset else 0
         stop = batch.index_of(upto) if batch.last_offset >= upto else batch.count
         if stop <= start:
@@ -523,9 +526,12 @@ class StreamProjection:
 
     def covered_position(self, head: int) -> int:
         """Every event of this stream below the returned position is projected. ``head``
-        is the tenant's committed position, read before this call."""
-        if self.next_offset >= self.plog.committed_offset and head > self.covered:
-            self.covered = head
+        is the tenant's committed position, read before this call. Past an open
+        transaction's first event nothing is covered until it ends (QueryAt stays exact:
+        a commit cannot add rows below a position already answered)."""
+        if self.next_offset >= self.plog.last_stable_offset and head > self.covered:
+            unstable = self.plog.first_unstable_position()
+            self.covered = head if unstable is None else max(self.covered, min(head, unstable))
         return self.covered
 
     @property
@@ -585,8 +591,10 @@ class StreamProjection:
     # ---- catch-up ----------------------------------------------------------------------
 
     def _on_commit(self, committed_offset: int) -> None:
-        if committed_offset > self._target:
-            self._target = committed_offset
+        # Up to the last stable offset: an open transaction's events wait for its end.
+        stable = min(committed_offset, self.plog.last_stable_offset)
+        if stable > self._target:
+            self._target = stable
         if self._target - self.next_offset >= ROUND_ROWS:
             self._kick()  # a full round's worth: no reason to wait
         elif self._timer is None and self._task is None:
@@ -600,7 +608,7 @@ class StreamProjection:
         """Project everything committed, starting now (queries and reads call this)."""
         if self.closed:
             return
-        self._target = max(self._target, self.plog.committed_offset)
+        self._target = max(self._target, self.plog.last_stable_offset)
         self._urgent = True
         self._kick()
 

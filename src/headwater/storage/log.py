@@ -191,6 +191,7 @@ class PartitionLog:
         self.failed: str | None = None
         self.closed = False
         self.producers = ProducerTable()
+        self._unstable_position = (-1, 0)  # (offset, position) of the last looked up
         # Where the last read cut a batch: (batch identity, event index, record position).
         self._cut_hint: tuple[tuple[int, bytes], int, int] = ((-1, b""), 0, 0)
 
@@ -373,6 +374,22 @@ class PartitionLog:
         marker."""
         with self._lock:
             return producer_id in self.producers.ongoing
+
+    def first_unstable_position(self) -> int | None:
+        """Tenant log position of the oldest open transaction's first batch here; None
+        when no transaction is open (or its first batch is not committed yet). Every
+        event at or past the last stable offset has a position at least this."""
+        with self._lock:
+            unstable = self.producers.first_unstable_offset()
+            if unstable is None or unstable >= self.committed_offset:
+                return None
+            if self._unstable_position[0] == unstable:
+                return self._unstable_position[1]
+        for batch in self._stored_batches(unstable, None, 64 << 10):
+            position = int(batch.first_position)
+            self._unstable_position = (unstable, position)
+            return position
+        return None
 
     @property
     def last_stable_offset(self) -> int:

@@ -9,6 +9,7 @@ from headwater.engine.transactions.coordinator import (
     TransactionCoordinator,
     TxnState,
 )
+from headwater.engine.transactions.stable import stable_position
 
 __all__ = [
     "DEFAULT_TRANSACTION_TIMEOUT_MS",
@@ -18,4 +19,5 @@ __all__ = [
     "TenantTransactions",
     "TransactionCoordinator",
     "TxnState",
+    "stable_position",
 ]
