@@ -26,6 +26,7 @@ from headwater.api.quotas import Quotas, TenantQuota
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
+    READ_COMMITTED,
     Engine,
     EngineConfig,
     PartitionedAppend,
@@ -53,6 +54,7 @@ from headwater.engine.subscriptions import (
     Subscription,
     Subscriptions,
 )
+from headwater.engine.transactions import ProducerIdentity, TransactionCoordinator
 from headwater.errors import HeadwaterError, InvalidOffset, InvalidRequest
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
@@ -218,6 +220,8 @@ class EngineAPI:
         self.append_partitioned = engine.append_partitioned
         self.offset_for_timestamp = engine.offset_for_timestamp
         self.sync_tenant = engine.sync_tenant
+        # exactly-once producers (engine/transactions): ids, epochs, transactions
+        self._transactions = TransactionCoordinator(engine)
         # subscriptions
         self.subscribe = subscriptions.subscribe
         self.grant = subscriptions.grant
@@ -256,7 +260,12 @@ class EngineAPI:
         queries = SqlService(engine, limits=sql_limits, on_limit=on_sql_limit)
         queries.add_source(KindTables(kinds))
         queries.start()
-        return cls(engine, subscriptions, kinds, queries, Auth(auth_config), Quotas(quotas or {}))
+        api = cls(engine, subscriptions, kinds, queries, Auth(auth_config), Quotas(quotas or {}))
+        # Before any front end listens: a transaction a crash left prepared is finished,
+        # one left open aborted (each wholly visible or wholly absent).
+        await api._transactions.recover()
+        api._transactions.start_expiry()
+        return api
 
     async def close_subscriptions(self) -> None:
         """End every subscription (each front end is told: server shutdown)."""
@@ -269,6 +278,7 @@ class EngineAPI:
 
     async def close(self) -> None:
         """End every subscription, stop the projections, flush kinds, close the log."""
+        await self._transactions.close()
         await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
         await self._queries.close()
         await self._kinds.close()
@@ -329,9 +339,12 @@ class EngineAPI:
         *,
         max_events: int | None = None,
         partition: int = 0,
+        isolation: str = READ_COMMITTED,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset`` as
-        stored batches. InvalidOffset when retention removed ``from_offset``."""
+        stored batches. InvalidOffset when retention removed ``from_offset``.
+        ``isolation``: read_committed (default: open transactions' events wait for
+        their end, aborted ones are never shown) or read_uncommitted."""
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
             where = f"partition {partition}" if partition else "the stream"
@@ -346,6 +359,7 @@ class EngineAPI:
                 max_bytes,
                 max_events=max_events,
                 partition=partition,
+                isolation=isolation,
             )
         try:
             result = await self._engine.read(
@@ -355,12 +369,83 @@ class EngineAPI:
                 max_bytes,
                 max_events=max_events,
                 partition=partition,
+                isolation=isolation,
             )
         except HeadwaterError:
             await self.quotas.throttle(tenant_id, requests=1)
             raise
         await self.quotas.throttle(tenant_id, consume=result.value_bytes, requests=1)
         return result
+
+    # ---- exactly-once producers (docs/transactions.md) ---------------------------------
+
+    async def init_producer(
+        self,
+        tenant_id: int,
+        transactional_id: str | None = None,
+        transaction_timeout_ms: int | None = None,
+    ) -> ProducerIdentity:
+        """InitProducerId: a producer id and epoch (with a transactional id: its
+        producer, the epoch bumped, an older instance fenced)."""
+        txns = await self._transactions.tenant(tenant_id)
+        return await txns.init_producer(transactional_id, transaction_timeout_ms)
+
+    async def add_partitions_to_txn(
+        self,
+        tenant_id: int,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        partitions: Sequence[tuple[int, int]],
+    ) -> None:
+        """(stream id, partition) pairs join the producer's transaction."""
+        txns = await self._transactions.tenant(tenant_id)
+        await txns.add_partitions(transactional_id, producer, partitions)
+
+    async def append_transactional(
+        self,
+        tenant_id: int,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        stream_id: int,
+        sequence: int,
+        values: Sequence[bytes],
+        *,
+        partition: int = 0,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Headers] | None = None,
+    ) -> AppendInfo:
+        """A batch inside the producer's transaction (its partition joins it)."""
+        txns = await self._transactions.tenant(tenant_id)
+        return await txns.append(
+            transactional_id,
+            producer,
+            stream_id,
+            sequence,
+            values,
+            partition=partition,
+            keys=keys,
+            headers=headers,
+        )
+
+    async def add_offsets_to_txn(
+        self,
+        tenant_id: int,
+        transactional_id: str,
+        producer: ProducerIdentity,
+        group: str,
+        offsets: Mapping[tuple[str, int], tuple[int, str]],
+    ) -> None:
+        """Consumer-group offsets ((stream, partition) -> (offset, metadata)) committed
+        with the transaction."""
+        txns = await self._transactions.tenant(tenant_id)
+        await txns.add_offsets(transactional_id, producer, group, offsets)
+
+    async def end_transaction(
+        self, tenant_id: int, transactional_id: str, producer: ProducerIdentity, commit: bool
+    ) -> None:
+        """Commit or abort the producer's transaction, atomically across partitions."""
+        txns = await self._transactions.tenant(tenant_id)
+        await txns.end_transaction(transactional_id, producer, commit)
 
     def fsync_stats(self) -> FsyncStats:
         """The group committers' fsyncs over every live stream."""
