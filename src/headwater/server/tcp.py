@@ -30,18 +30,41 @@ log = logging.getLogger("headwater.limits")
 
 REFUSAL_LINGER_S = 2.0  # how long a refused peer may take to read the last word
 
-Refusal = Callable[[str, str], bytes]
-"""``(limit, message)`` -> the protocol's framed last word naming the limit (b"": none)."""
-
 
 class Connection(Protocol):
     def close(self) -> None: ...
 
 
+class Buffering(Protocol):
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and held: a frame not yet whole."""
+        ...
+
+
+class GuardedConnection(Connection, Protocol):
+    """What a connection kept by a :class:`ConnectionGuard` shows it."""
+
+    @property
+    def protocol(self) -> Buffering:
+        """The connection's sans-I/O protocol state."""
+        ...
+
+    def refusal(self, limit: str, message: str) -> bytes:
+        """The protocol's framed last word naming ``limit`` (b"": none)."""
+        ...
+
+    def busy(self) -> bool:
+        """Whether the connection is in use while quiet (subscriptions, requests in
+        flight): the idle timeout waits."""
+        ...
+
+
 class ConnectionGuard:
     """One client connection's share of ``[limits]``, for the binary listeners.
 
-    The connection makes one in ``connection_made`` and calls :meth:`admit` (False: the
+    The connection makes one (``ConnectionGuard(limits, listener, self)``) and in
+    ``connection_made`` calls :meth:`admit` (False: the
     connection was refused by ``max_connections``, do nothing more), :meth:`received`
     from ``data_received`` (the one per-read cost after auth: a clock read),
     :meth:`authenticated` once the peer's handshake or CONNECT is accepted, and
@@ -49,19 +72,16 @@ class ConnectionGuard:
 
     One timer per connection: before auth it fires at ``handshake_timeout_s``; after,
     at ``idle_timeout_s`` past the last bytes received, re-armed instead of closing
-    while ``busy()`` (subscriptions or requests in flight). Each refusal sends the
-    protocol's last word (``refusal(limit, message)``: its error frame), closes, logs
-    one warning line with the peer's address and is counted in /metrics."""
+    while the connection is ``busy()``. Each refusal sends the protocol's last word
+    (the connection's ``refusal(limit, message)``: its error frame), closes, logs one
+    warning line with the peer's address and is counted in /metrics."""
 
     __slots__ = (
         "_admitted",
-        "_busy",
-        "_close",
         "_config",
+        "_connection",
         "_limits",
         "_loop",
-        "_pending",
-        "_refusal",
         "_timer",
         "_transport",
         "authed",
@@ -71,22 +91,12 @@ class ConnectionGuard:
     )
 
     def __init__(
-        self,
-        limits: ConnectionLimits,
-        listener: str,
-        *,
-        refusal: Refusal,
-        close: Callable[[], None],
-        pending: Callable[[], int],
-        busy: Callable[[], bool],
+        self, limits: ConnectionLimits, listener: str, connection: GuardedConnection
     ) -> None:
         self._limits = limits
         self._config = limits.config
         self.listener = listener
-        self._refusal = refusal
-        self._close = close
-        self._pending = pending
-        self._busy = busy
+        self._connection = connection
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -116,13 +126,15 @@ class ConnectionGuard:
         return True
 
     def received(self) -> bool:
-        """Bytes arrived and were processed. Before auth, ``pending()`` (what the
-        connection holds for the peer: a partial frame, answers it has not read) must
-        stay within ``max_pending_bytes``; False: it did not, the connection is closing."""
+        """Bytes arrived and were processed. Before auth, what the connection holds for
+        the peer (a partial frame, answers it has not read) must stay within
+        ``max_pending_bytes``; False: it did not, the connection is closing."""
         self.last_received = self._loop.time()
         if self.authed:
             return True
-        pending = self._pending()
+        transport = self._transport
+        unread = transport.get_write_buffer_size() if transport is not None else 0
+        pending = self._connection.protocol.buffered_bytes + unread
         if pending <= self._config.max_pending_bytes:
             return True
         self._refuse(
@@ -174,7 +186,7 @@ class ConnectionGuard:
         deadline = self.last_received + config.idle_timeout_s
         if now < deadline:
             self._rearm(deadline)
-        elif self._busy():
+        elif self._connection.busy():
             self._rearm(now + config.idle_timeout_s)
         else:
             self._refuse(
@@ -193,10 +205,10 @@ class ConnectionGuard:
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        data = self._refusal(limit, message)
+        data = self._connection.refusal(limit, message)
         if data:
             transport.write(data)
-        self._close()
+        self._connection.close()
         # A peer that reads nothing must not hold its socket open through the last word.
         self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
 

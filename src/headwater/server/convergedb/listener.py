@@ -73,14 +73,7 @@ class ConvergeConnection(asyncio.Protocol):
         self._writable.set()
         self._blocked = False
         self.closed = False
-        self.guard = ConnectionGuard(
-            server.limits,
-            "convergedb",
-            refusal=self._refusal,
-            close=self.close,
-            pending=self._pending,
-            busy=lambda: bool(self.subscriptions or self.tasks),
-        )
+        self.guard = ConnectionGuard(server.limits, "convergedb", self)
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -320,12 +313,11 @@ class ConvergeConnection(asyncio.Protocol):
 
     # ---- limits ---------------------------------------------------------------------
 
-    def _refusal(self, limit: str, message: str) -> bytes:
+    def refusal(self, limit: str, message: str) -> bytes:
         return self.protocol.send_error(0, ErrorCode.LIMIT_EXCEEDED, Opcode.CONNECT, message)
 
-    def _pending(self) -> int:
-        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
-        return self.protocol.buffered_bytes + written
+    def busy(self) -> bool:
+        return bool(self.subscriptions or self.tasks)
 
     # ---- subscriptions --------------------------------------------------------------
 

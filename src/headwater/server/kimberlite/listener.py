@@ -61,14 +61,7 @@ class KimberliteConnection(asyncio.Protocol):
         self._reading_paused = False
         self._eof = False
         self.closed = False
-        self.guard = ConnectionGuard(
-            server.limits,
-            "kimberlite",
-            refusal=self._refusal,
-            close=self.close,
-            pending=self._pending,
-            busy=self._busy,
-        )
+        self.guard = ConnectionGuard(server.limits, "kimberlite", self)
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -132,17 +125,13 @@ class KimberliteConnection(asyncio.Protocol):
 
     # ---- limits ---------------------------------------------------------------------
 
-    def _refusal(self, limit: str, message: str) -> bytes:
+    def refusal(self, limit: str, message: str) -> bytes:
         # Error with request id 0: about the connection, not a request. Too many
         # connections is worth retrying later; the other limits are the client's doing.
         code = RateLimited.code if limit == "max_connections" else InvalidRequest.code
         return self.protocol.send_error(0, code, message)
 
-    def _pending(self) -> int:
-        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
-        return self.protocol.buffered_bytes + written
-
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
         return bool(self.tasks or self.session.subscriptions)
 
     # ---- requests -------------------------------------------------------------------

@@ -169,14 +169,7 @@ class PostgresConnection(asyncio.Protocol):
         self._reading_paused = False
         self._worker: asyncio.Task[None] | None = None
         self.closed = False
-        self.guard = ConnectionGuard(
-            server.limits,
-            "postgres",
-            refusal=self._refusal,
-            close=self.close,
-            pending=lambda: self.protocol.buffered_bytes,
-            busy=lambda: self.running is not None,
-        )
+        self.guard = ConnectionGuard(server.limits, "postgres", self)
 
     # ---- transport callbacks ------------------------------------------------------------
 
@@ -412,7 +405,10 @@ class PostgresConnection(asyncio.Protocol):
 
     # ---- output ---------------------------------------------------------------------------
 
-    def _refusal(self, limit: str, message: str) -> bytes:
+    def busy(self) -> bool:
+        return self.running is not None
+
+    def refusal(self, limit: str, message: str) -> bytes:
         fields = ErrorFields("FATAL", LIMIT_STATES.get(limit, "53400"), message)
         return encode_error(fields)
 

@@ -199,16 +199,7 @@ class RippleConnection(asyncio.Protocol):
         self.outputs: dict[str, KindInfo] = {}
         self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
-        self.guard = ConnectionGuard(
-            server.limits,
-            "ripple",
-            refusal=lambda _limit, message: self.protocol.send(
-                rm.SchemaNegotiation(False, (message,))
-            ),
-            close=self.close,
-            pending=self._pending,
-            busy=lambda: False,  # no subscriptions: a worker keeps its link with Heartbeats
-        )
+        self.guard = ConnectionGuard(server.limits, "ripple", self)
 
     # ---- transport ----------------------------------------------------------------------
 
@@ -379,9 +370,11 @@ class RippleConnection(asyncio.Protocol):
         self._write(self.protocol.accept_handshake())
         self.guard.authenticated()
 
-    def _pending(self) -> int:
-        written = self.transport.get_write_buffer_size() if self.transport is not None else 0
-        return self.protocol.buffered_bytes + written
+    def refusal(self, limit: str, message: str) -> bytes:
+        return self.protocol.send(rm.SchemaNegotiation(False, (message,)))
+
+    def busy(self) -> bool:
+        return False  # no subscriptions: a worker keeps its link with Heartbeats
 
     async def _kind_for(
         self, kinds: TenantKinds, name: str, fields: list[tuple[str, int]]
