@@ -13,7 +13,9 @@ binary protocol."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -211,6 +213,15 @@ class ConnectionGuard:
         self._connection.close()
         # A peer that reads nothing must not hold its socket open through the last word.
         self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
+
+
+def without_nagle(transport: asyncio.BaseTransport) -> None:
+    """Turn off Nagle's delay on ``transport``'s socket: the binary protocols' answers
+    are small and latency-bound."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 DRAIN_TIMEOUT_S = 10.0  # how long a stopping listener waits for requests in flight

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -39,7 +38,7 @@ from headwater.protocols.convergedb.ops import from_wire
 from headwater.protocols.convergedb.replies import bootstrap_frames, kind_ack, query_state
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import ConnectionGuard, start_tcp_listener
+from headwater.server.tcp import ConnectionGuard, start_tcp_listener, without_nagle
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -81,12 +80,8 @@ class ConvergeConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         if not self.guard.admit(self.transport):
             return
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = self.transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        without_nagle(self.transport)
+        self.peer = self.guard.peer
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

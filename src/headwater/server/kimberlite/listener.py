@@ -9,9 +9,7 @@ holds back only its own subscriptions.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -35,7 +33,12 @@ from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import ConnectionGuard, finish_in_flight, start_tcp_listener
+from headwater.server.tcp import (
+    ConnectionGuard,
+    finish_in_flight,
+    start_tcp_listener,
+    without_nagle,
+)
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
@@ -69,12 +72,8 @@ class KimberliteConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         if not self.guard.admit(self.transport):
             return
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:  # answers are small and latency-bound: no Nagle delay
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = self.transport.get_extra_info("peername")
-        self.session.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        without_nagle(self.transport)
+        self.session.peer = self.guard.peer
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

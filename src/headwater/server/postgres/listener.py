@@ -11,10 +11,8 @@ running query of the backend it names (57014).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
-import socket
 import ssl
 from typing import TYPE_CHECKING, cast
 
@@ -53,7 +51,12 @@ from headwater.protocols.postgres.connection import TENANT
 from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
-from headwater.server.tcp import ConnectionGuard, finish_in_flight, start_tcp_listener
+from headwater.server.tcp import (
+    ConnectionGuard,
+    finish_in_flight,
+    start_tcp_listener,
+    without_nagle,
+)
 from headwater.server.tls import context_for, failure_reason
 from headwater.sql.values import Timestamp
 
@@ -178,10 +181,7 @@ class PostgresConnection(asyncio.Protocol):
         if not self.guard.admit(self.transport):
             return
         self.peer = self.guard.peer
-        sock = self.transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        without_nagle(self.transport)
         self.state.connections.add(self)
         self._worker = asyncio.get_running_loop().create_task(self._work())
 
