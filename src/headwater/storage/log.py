@@ -700,16 +700,20 @@ class PartitionLog:
         now = int(time.time() * 1000) if now_ms is None else now_ms
         result = CompactionResult()
         with self._lock:
-            upto = self.committed_offset
-            # Only segments that are wholly committed: an unsynced event may not decide
-            # which value of a key survives (a power loss could still take it away).
+            # Only segments that are wholly committed and stable: an unsynced event may
+            # not decide which value of a key survives (a power loss could still take it
+            # away), nor may an event of a transaction still open.
+            upto = self.last_stable_offset
             sealed = [s for s in self.segments[:-1] if s.next_offset <= upto]
         if not sealed:
             return result
+        # The latest value per key among what read_committed readers see: an aborted
+        # transaction's event never supersedes a key's value (and is itself removed).
         latest: dict[bytes, int] = {}
-        for event in self.events(self.start_offset, upto):
-            if event.key is not None:
-                latest[event.key] = event.offset
+        for batch in self.batches(self.start_offset, upto, committed_only=True):
+            for event in batch.events():
+                if event.key is not None:
+                    latest[event.key] = event.offset
         horizon = now - self.config.delete_retention_ms
         for seg in sealed:
             rewritten = self._compact_segment(seg, latest, horizon, result)

@@ -281,3 +281,25 @@ def test_group_offsets_sink_is_pluggable(tmp_path: Path) -> None:
         ]
 
     run(tmp_path, body)
+
+
+def test_compaction_keeps_the_committed_value_over_an_aborted_one(tmp_path: Path) -> None:
+    async def body(engine: Engine) -> None:
+        settings = StreamSettings(cleanup_policy="compact", segment_bytes=4096)
+        sid = (await engine.create_stream(0, "c", settings)).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("t")
+        await engine.append(0, sid, [b"committed"], keys=[b"k"])
+        await txns.append("t", producer, sid, 0, [b"aborted"], keys=[b"k"])
+        await txns.end_transaction("t", producer, commit=False)
+        plog = engine.stream(0, sid).log
+        while len(plog.segments) < 2:  # fill up to a sealed segment
+            await engine.append(0, sid, [b"x" * 512], keys=[b"filler"])
+        result = await asyncio.get_running_loop().run_in_executor(None, plog.compact)
+        assert result.events_removed > 0
+        seen = {e.key: e.value for e in (await engine.read_events(0, sid, 0, 10_000))}
+        assert seen[b"k"] == b"committed"
+        every = await engine.read(0, sid, 0, 1 << 30, isolation="read_uncommitted")
+        assert b"aborted" not in [e.value for e in every.events()]  # removed by compaction
+
+    run(tmp_path, body)
