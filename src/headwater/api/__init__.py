@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, Unpack
 
 from headwater.api.auth import Auth, AuthConfig, Principal
+from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
@@ -220,8 +221,11 @@ class EngineAPI:
         self.append_partitioned = engine.append_partitioned
         self.offset_for_timestamp = engine.offset_for_timestamp
         self.sync_tenant = engine.sync_tenant
-        # exactly-once producers (engine/transactions): ids, epochs, transactions
-        self._transactions = TransactionCoordinator(engine)
+        # consumer groups (engine/groups): membership, committed offsets per partition
+        self.groups = ConsumerGroups(engine)
+        # exactly-once producers (engine/transactions): ids, epochs, transactions; a
+        # transaction's offsets reach the groups' view as it commits
+        self._transactions = TransactionCoordinator(engine, self.groups.commit_staged)
         # subscriptions
         self.subscribe = subscriptions.subscribe
         self.grant = subscriptions.grant
@@ -376,6 +380,33 @@ class EngineAPI:
             raise
         await self.quotas.throttle(tenant_id, consume=result.value_bytes, requests=1)
         return result
+
+    async def wait_for_end(
+        self, tenant_id: int, stream_id: int, partition: int, offset: int, timeout_s: float
+    ) -> bool:
+        """Wait until the partition's committed end passes ``offset`` (an event at or
+        after it is stored), at most ``timeout_s``: a consumer's long poll. False when
+        the time ran out first."""
+        stream = self._engine.stream(tenant_id, stream_id)
+        plog = stream.partition_log(partition)
+        if plog.committed_offset > offset:
+            return True
+        committer = stream.committers[partition]
+        arrived = asyncio.Event()
+
+        def on_commit(committed: int) -> None:
+            if committed > offset:
+                arrived.set()
+
+        committer.add_listener(on_commit)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await arrived.wait()
+        except TimeoutError:
+            return False
+        finally:
+            committer.remove_listener(on_commit)
+        return True
 
     # ---- exactly-once producers (docs/transactions.md) ---------------------------------
 

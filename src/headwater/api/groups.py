@@ -1,0 +1,120 @@
+"""Consumer groups of every tenant, as the front ends reach them (engine/groups).
+
+One :class:`~headwater.engine.groups.GroupCoordinator` and one
+:class:`~headwater.engine.groups.OffsetManager` per tenant, opened on first use (the
+offsets are loaded once from the tenant's ``hw_consumer_offsets``). Front ends that speak
+a group protocol (Kafka's JoinGroup/SyncGroup...) use :meth:`ConsumerGroups.coordinator`;
+those that only commit and fetch positions (Rivven's protobuf clients) use
+:meth:`ConsumerGroups.commit` and :meth:`ConsumerGroups.fetch`. Offsets committed inside a
+transaction reach the same in-memory view through :meth:`ConsumerGroups.commit_staged`
+(the transaction coordinator's offsets sink), so a fetch sees them once committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from headwater.engine.engine import Engine
+from headwater.engine.groups import (
+    NO_GENERATION,
+    CommittedOffset,
+    GroupCoordinator,
+    LogOffsetStore,
+    OffsetKey,
+    OffsetManager,
+    TopicPartition,
+)
+from headwater.errors import StreamNotFound
+
+
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ConsumerGroups:
+    """Every tenant's group coordinator and committed offsets."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._tenants: dict[int, OffsetManager] = {}
+        self._opening: dict[int, asyncio.Lock] = {}
+
+    async def _manager(self, tenant_id: int) -> OffsetManager:
+        found = self._tenants.get(tenant_id)
+        if found is not None:
+            return found
+        self._engine.tenant(tenant_id)  # TenantNotFound
+        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
+            found = self._tenants.get(tenant_id)
+            if found is None:
+                coordinator = GroupCoordinator(self._partitions_of(tenant_id), clock=_wall_ms)
+                store = await LogOffsetStore.open(self._engine, tenant_id)
+                found = await OffsetManager.open(coordinator, store)
+                self._tenants[tenant_id] = found
+            return found
+
+    def _partitions_of(self, tenant_id: int) -> Callable[[str], int]:
+        def partitions_of(stream: str) -> int:
+            try:
+                return self._engine.stream_by_name(tenant_id, stream).partitions
+            except StreamNotFound:
+                return 0
+
+        return partitions_of
+
+    async def coordinator(self, tenant_id: int) -> GroupCoordinator:
+        """The tenant's group state machine (membership, rebalances)."""
+        return (await self._manager(tenant_id)).coordinator
+
+    async def commit(
+        self,
+        tenant_id: int,
+        group: str,
+        offsets: Mapping[tuple[str, int], tuple[int, str]],
+        *,
+        member_id: str = "",
+        generation: int = NO_GENERATION,
+        instance_id: str | None = None,
+    ) -> None:
+        """OffsetCommit: (stream name, partition) -> (next offset, metadata), stored
+        durably before returning (refused whole: StreamNotFound, InvalidRequest for a
+        partition the stream lacks, InvalidOffset for a negative offset, the group
+        errors for a member or generation the group does not have)."""
+        manager = await self._manager(tenant_id)
+        await manager.commit(
+            group,
+            {TopicPartition(s, p): value for (s, p), value in offsets.items()},
+            member_id=member_id,
+            generation=generation,
+            instance_id=instance_id,
+        )
+
+    async def fetch(
+        self, tenant_id: int, group: str, partitions: Iterable[tuple[str, int]] | None = None
+    ) -> dict[tuple[str, int], CommittedOffset]:
+        """OffsetFetch: the group's committed offsets (of ``partitions``, or all); a
+        partition without a commit is absent."""
+        manager = await self._manager(tenant_id)
+        wanted = None if partitions is None else [TopicPartition(s, p) for s, p in partitions]
+        return {(tp.stream, tp.partition): v for tp, v in manager.fetch(group, wanted).items()}
+
+    async def group_ids(self, tenant_id: int) -> list[str]:
+        """Groups with committed offsets or members, sorted."""
+        manager = await self._manager(tenant_id)
+        return sorted(set(manager.committed.groups()) | set(manager.coordinator.groups))
+
+    async def delete(self, tenant_id: int, group: str) -> None:
+        """DeleteGroups: an empty group and its offsets (InvalidRequest while it has
+        members)."""
+        manager = await self._manager(tenant_id)
+        await manager.delete_group(group)
+
+    async def commit_staged(
+        self, tenant_id: int, offsets: Mapping[OffsetKey, CommittedOffset]
+    ) -> None:
+        """A committed transaction's offsets: stored, then visible to :meth:`fetch`."""
+        manager = await self._manager(tenant_id)
+        await manager.store.commit(offsets)
+        manager.committed.apply(offsets)
