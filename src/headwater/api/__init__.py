@@ -334,6 +334,11 @@ class EngineAPI:
         """A partition's committed end offset (the next offset an append to it gets)."""
         return self._engine.stream(tenant_id, stream_id).partition_log(partition).committed_offset
 
+    def last_stable_offset(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
+        """A partition's last stable offset: where read_committed reads stop (the first
+        offset of a transaction still open, else the committed end)."""
+        return self._engine.stream(tenant_id, stream_id).partition_log(partition).last_stable_offset
+
     async def read(
         self,
         tenant_id: int,
