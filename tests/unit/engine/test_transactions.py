@@ -303,3 +303,25 @@ def test_compaction_keeps_the_committed_value_over_an_aborted_one(tmp_path: Path
         assert b"aborted" not in [e.value for e in every.events()]  # removed by compaction
 
     run(tmp_path, body)
+
+
+def test_a_foreign_record_in_the_state_stream_is_skipped(tmp_path: Path) -> None:
+    async def before(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("t")
+        await txns.append("t", producer, sid, 0, [b"x"])
+        await txns.end_transaction("t", producer, commit=True)
+        state = engine.stream_by_name(0, "hw_transaction_state").stream_id
+        await engine.append(0, state, [b"not json"], keys=[b"t"])
+        await engine.append(0, state, [b"{}"], keys=[b"u"])
+
+    async def after(engine: Engine) -> None:
+        txns = await TenantTransactions.open(engine, 0)
+        assert txns.state("t") == TxnState.COMPLETE_COMMIT
+        assert txns.state("u") is None
+        again = await txns.init_producer("t")
+        assert again.epoch == 1
+
+    run(tmp_path, before)
+    run(tmp_path, after)

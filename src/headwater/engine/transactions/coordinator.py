@@ -188,11 +188,27 @@ class TenantTransactions:
             for event in result.events():
                 if event.key is None:
                     continue
-                data = json.loads(event.value)
-                self.next_producer_id = max(self.next_producer_id, int(data["next_producer_id"]))
-                if event.key != _PRODUCER_IDS_KEY:
-                    tid = event.key.decode()
-                    self.transactions[tid] = TxnMetadata.from_json(tid, data["txn"])
+                try:
+                    data = json.loads(event.value)
+                    next_id = int(data["next_producer_id"])
+                    txn = None
+                    if event.key != _PRODUCER_IDS_KEY:
+                        tid = event.key.decode()
+                        txn = TxnMetadata.from_json(tid, data["txn"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    # Not the coordinator's record (the stream is internal, but its name
+                    # is not hidden from every front end yet): skipped, never fatal.
+                    log.warning(
+                        "tenant %d: %s offset %d is no transaction record (%s); skipped",
+                        self.tenant_id,
+                        TXN_STATE_STREAM,
+                        event.offset,
+                        exc,
+                    )
+                    continue
+                self.next_producer_id = max(self.next_producer_id, next_id)
+                if txn is not None:
+                    self.transactions[txn.transactional_id] = txn
             at = result.end_offset
 
     async def _recover(self) -> None:
