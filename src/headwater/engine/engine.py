@@ -699,33 +699,40 @@ class Engine:
         check_partition_count(partitions)
         stream = self.stream(tenant_id, stream_id)
         self._check_open()
-        have = stream.partitions
-        if partitions < have:
-            raise InvalidRequest(
-                f"stream {stream.name!r} has {have} partitions; partitions can be added, "
-                f"never removed (asked for {partitions})"
-            )
-        if partitions == have:
-            return stream.info()
-        meta = _read_meta(stream.directory / STREAM_META)
-        meta["partitions"] = partitions
-
-        def grow() -> list[PartitionLog]:
-            # The directories first (fsynced), the count last: stream.json's rename is
-            # the commit point, and a crash before it leaves empty directories past the
-            # count that the next alter reuses.
-            logs = [
-                self._open_partition(stream.directory, n, stream.settings)
-                for n in range(have, partitions)
-            ]
-            fsync_directory(stream.directory)
-            write_json_atomic(stream.directory / STREAM_META, meta)
-            return logs
-
+        # One alter of a stream at a time: each sees the count the one before left.
         async with stream.alter_lock:
-            if stream.partitions != have:  # another alter ran meanwhile
-                return await self.alter_partitions(tenant_id, stream_id, partitions)
+            have = stream.partitions
+            if partitions < have:
+                raise InvalidRequest(
+                    f"stream {stream.name!r} has {have} partitions; partitions can be added, "
+                    f"never removed (asked for {partitions})"
+                )
+            if partitions == have:
+                return stream.info()
+
+            def grow() -> list[PartitionLog]:
+                # The directories first (fsynced), the count last: stream.json's rename
+                # is the commit point, and a crash before it leaves empty directories
+                # past the count that the next alter reuses.
+                meta = _read_meta(stream.directory / STREAM_META)
+                meta["partitions"] = partitions
+                logs: list[PartitionLog] = []
+                try:
+                    for n in range(have, partitions):
+                        logs.append(self._open_partition(stream.directory, n, stream.settings))
+                    fsync_directory(stream.directory)
+                    write_json_atomic(stream.directory / STREAM_META, meta)
+                except BaseException:
+                    for plog in logs:
+                        plog.close()
+                    raise
+                return logs
+
             logs = await asyncio.get_running_loop().run_in_executor(self.executor, grow)
+            if stream.deleted:  # deleted while its directories were made: gone with it
+                for plog in logs:
+                    plog.close()
+                raise StreamNotFound(f"stream {stream_id} does not exist")
             committers = [GroupCommitter(plog, self.executor) for plog in logs]
             for committer in committers:
                 committer.start()

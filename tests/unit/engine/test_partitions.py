@@ -308,3 +308,26 @@ def test_check_names_a_missing_partition_and_checks_every_partitions_segments(
     assert [(p.path.name, p.problem) for p in check_metadata(tmp_path)] == [
         ("stream.json", "metadata without its partition-2/ directory (no data)")
     ]
+
+
+def test_concurrent_alters_take_turns(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        info = await engine.create_stream(0, "s")
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(
+                engine.alter_partitions(0, info.stream_id, 5),
+                engine.alter_partitions(0, info.stream_id, 3),
+                return_exceptions=True,
+            )
+        # The first grows to 5; the second then asks for fewer than there are.
+        assert isinstance(results[0], type(info)) and results[0].partitions == 5
+        assert isinstance(results[1], InvalidRequest)
+        await engine.append(0, info.stream_id, [b"x"], partition=4)
+        await engine.close()
+        engine = await Engine.open(tmp_path, CONFIG)
+        assert engine.stream(0, info.stream_id).partitions == 5
+        assert [e.value for e in await read_all(engine, info.stream_id, 4)] == [b"x"]
+        await engine.close()
+
+    asyncio.run(main())
