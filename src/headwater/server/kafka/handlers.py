@@ -1,0 +1,642 @@
+"""Kafka requests answered by the engine API: one coroutine per API, each returning the
+answer as a mapping of every field any version has (:func:`.build.build` keeps the
+version's own).
+
+A topic is a stream of the connection's tenant, a partition one of its partitions,
+and this node (id 0) the leader of every one. What differs from Kafka is in
+docs/kafka.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kio.schema.errors import ErrorCode
+
+from headwater.api import EngineAPI
+from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
+from headwater.engine.names import RESERVED_PREFIXES
+from headwater.errors import (
+    HeadwaterError,
+    InvalidOffset,
+    InvalidRequest,
+    InvalidTxnState,
+    OutOfOrderSequence,
+    ProducerFenced,
+    StreamAlreadyExists,
+    StreamNotFound,
+    StreamQuotaExceeded,
+)
+from headwater.protocols.kafka import ApiKey, RecordBatchError, split_batches
+from headwater.protocols.kafka.records import Compression, Record, build_batch
+from headwater.storage.log import ReadResult
+
+log = logging.getLogger("headwater.kafka")
+
+NODE_ID = 0
+CLUSTER_ID = "headwater"
+MAX_MESSAGE_BYTES = 1_048_588
+"""Kafka's default ``max.message.bytes``: a produced batch larger than this is refused
+with MESSAGE_TOO_LARGE, as Kafka refuses it."""
+MAX_FETCH_WAIT_S = 30.0  # a client asking to be held longer is held this long
+
+# Kafka's topic configs and the stream settings they are (DescribeConfigs, CreateTopics).
+TOPIC_CONFIGS: dict[str, str] = {
+    "cleanup.policy": "cleanup_policy",
+    "retention.ms": "retention_ms",
+    "retention.bytes": "retention_bytes",
+    "segment.bytes": "segment_bytes",
+    "segment.ms": "segment_ms",
+    "delete.retention.ms": "delete_retention_ms",
+    "message.timestamp.type": "timestamp_type",
+}
+_INT_SETTINGS = frozenset(
+    ("retention_ms", "retention_bytes", "segment_bytes", "segment_ms", "delete_retention_ms")
+)
+
+
+def error_code(exc: HeadwaterError) -> ErrorCode:
+    """Kafka's error code for an engine refusal."""
+    if isinstance(exc, StreamNotFound):
+        return ErrorCode.unknown_topic_or_partition
+    if isinstance(exc, OutOfOrderSequence):
+        return ErrorCode.out_of_order_sequence_number
+    if isinstance(exc, ProducerFenced):
+        return ErrorCode.producer_fenced
+    if isinstance(exc, InvalidTxnState):
+        return ErrorCode.invalid_txn_state
+    if isinstance(exc, StreamAlreadyExists):
+        return ErrorCode.topic_already_exists
+    if isinstance(exc, StreamQuotaExceeded):
+        return ErrorCode.policy_violation
+    if isinstance(exc, InvalidOffset):
+        return ErrorCode.offset_out_of_range
+    if isinstance(exc, InvalidRequest):
+        return ErrorCode.invalid_request
+    return ErrorCode.unknown_server_error
+
+
+@dataclass
+class Session:
+    """One connection's standing: its tenant and the address it reached us at (what
+    Metadata and FindCoordinator give as this node's)."""
+
+    api: EngineAPI
+    host: str
+    port: int
+    peer: str
+    tenant_id: int = 0
+    client_id: str = ""
+    authenticated: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def broker(self) -> dict[str, Any]:
+        return {"node_id": NODE_ID, "host": self.host, "port": self.port, "rack": None}
+
+
+Handler = Callable[[Session, Any, int], Awaitable[Mapping[str, Any]]]
+
+
+# ---- metadata and topics --------------------------------------------------------------
+
+
+def _topic_entry(info: StreamInfo) -> dict[str, Any]:
+    return {
+        "error_code": ErrorCode.none,
+        "name": info.name,
+        "topic_id": None,
+        "is_internal": info.name.startswith(RESERVED_PREFIXES),
+        "partitions": [
+            {
+                "error_code": ErrorCode.none,
+                "partition_index": p,
+                "leader_id": NODE_ID,
+                "leader_epoch": 0,
+                "replica_nodes": [NODE_ID],
+                "isr_nodes": [NODE_ID],
+                "offline_replicas": [],
+            }
+            for p in range(info.partitions)
+        ],
+    }
+
+
+async def metadata(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    topics: list[dict[str, Any]] = []
+    if request.topics is None or (version == 0 and not request.topics):
+        topics = [
+            _topic_entry(info)
+            for info in api.list_streams(tenant)
+            if not info.name.startswith(RESERVED_PREFIXES)
+        ]
+    else:
+        # Kafka's auto.create.topics.enable defaults to true; v0-3 always ask for it.
+        auto_create = getattr(request, "allow_auto_topic_creation", True)
+        for wanted in request.topics:
+            name = wanted.name
+            try:
+                topics.append(_topic_entry(api.stream_named(tenant, name)))
+                continue
+            except StreamNotFound:
+                pass
+            code = ErrorCode.unknown_topic_or_partition
+            if auto_create:
+                try:
+                    topics.append(_topic_entry(await api.create_stream(tenant, name)))
+                    continue
+                except StreamAlreadyExists:
+                    topics.append(_topic_entry(api.stream_named(tenant, name)))
+                    continue
+                except InvalidRequest as exc:
+                    log.warning("kafka %s: topic %r not created: %s", session.peer, name, exc)
+                    code = ErrorCode.invalid_topic_exception
+            topics.append({"error_code": code, "name": name, "partitions": []})
+    return {
+        "throttle_time": 0,
+        "brokers": [session.broker()],
+        "cluster_id": CLUSTER_ID,
+        "controller_id": NODE_ID,
+        "topics": topics,
+    }
+
+
+def _settings_from_configs(configs: Sequence[Any]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    for config in configs:
+        setting = TOPIC_CONFIGS.get(config.name)
+        if setting is None:
+            raise InvalidRequest(f"topic config {config.name!r} is not supported")
+        value = config.value
+        if value is not None and setting in _INT_SETTINGS:
+            try:
+                value = int(value)
+            except ValueError:
+                raise InvalidRequest(f"{config.name} must be an integer") from None
+        settings[setting] = value
+    return settings
+
+
+async def create_topics(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    results = []
+    for topic in request.topics:
+        partitions = topic.num_partitions if topic.num_partitions > 0 else 1
+        code, message = ErrorCode.none, None
+        try:
+            if topic.replication_factor not in (-1, 1):
+                raise InvalidRequest("one node: replication_factor must be 1 (or -1)")
+            settings = StreamSettings.from_dict(
+                {**_settings_from_configs(topic.configs), "partitions": partitions}
+            )
+            if not request.validate_only:
+                await api.create_stream(tenant, topic.name, settings)
+        except HeadwaterError as exc:
+            code = error_code(exc)
+            if code is ErrorCode.invalid_request:
+                code = ErrorCode.invalid_config
+            message = str(exc)
+        results.append(
+            {
+                "name": topic.name,
+                "topic_id": None,
+                "error_code": code,
+                "error_message": message,
+                "num_partitions": partitions if code is ErrorCode.none else -1,
+                "replication_factor": 1 if code is ErrorCode.none else -1,
+                "configs": [],
+            }
+        )
+    return {"throttle_time": 0, "topics": results}
+
+
+async def delete_topics(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    results = []
+    for name in request.topic_names:
+        code, message = ErrorCode.none, None
+        try:
+            await api.delete_stream(tenant, api.stream_named(tenant, name).stream_id)
+        except HeadwaterError as exc:
+            code, message = error_code(exc), str(exc)
+        results.append(
+            {"name": name, "topic_id": None, "error_code": code, "error_message": message}
+        )
+    return {"throttle_time": 0, "responses": results}
+
+
+async def create_partitions(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    results = []
+    for topic in request.topics:
+        code, message = ErrorCode.none, None
+        try:
+            info = api.stream_named(tenant, topic.name)
+            if topic.count <= info.partitions:
+                code = ErrorCode.invalid_partitions
+                message = f"{topic.name} has {info.partitions} partitions: it can only grow"
+            elif not request.validate_only:
+                await api.alter_partitions(tenant, info.stream_id, topic.count)
+        except HeadwaterError as exc:
+            code, message = error_code(exc), str(exc)
+            if code is ErrorCode.invalid_request:
+                code = ErrorCode.invalid_partitions
+        results.append({"name": topic.name, "error_code": code, "error_message": message})
+    return {"throttle_time": 0, "results": results}
+
+
+RESOURCE_TOPIC = 2
+
+
+async def describe_configs(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    results = []
+    for resource in request.resources:
+        entry: dict[str, Any] = {
+            "error_code": ErrorCode.none,
+            "error_message": None,
+            "resource_type": resource.resource_type,
+            "resource_name": resource.resource_name,
+            "configs": [],
+        }
+        if resource.resource_type != RESOURCE_TOPIC:
+            entry["error_code"] = ErrorCode.invalid_request
+            entry["error_message"] = "only topic configs are described"
+        else:
+            try:
+                info = api.stream_named(tenant, resource.resource_name)
+            except StreamNotFound as exc:
+                entry["error_code"] = ErrorCode.unknown_topic_or_partition
+                entry["error_message"] = str(exc)
+            else:
+                wanted = resource.configuration_keys
+                for name, setting in TOPIC_CONFIGS.items():
+                    if wanted is not None and name not in wanted:
+                        continue
+                    value = getattr(info.settings, setting)
+                    entry["configs"].append(
+                        {
+                            "name": name,
+                            "value": None if value is None else str(value),
+                            "read_only": False,
+                            # 1: the topic's own; 5: the broker's default
+                            "config_source": 5 if value is None else 1,
+                            "config_type": 0,
+                            "is_sensitive": False,
+                            "synonyms": [],
+                        }
+                    )
+        results.append(entry)
+    return {"throttle_time": 0, "results": results}
+
+
+async def find_coordinator(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    broker = session.broker()
+    keys = list(request.coordinator_keys) if version >= 4 else [request.key]
+    return {
+        "throttle_time": 0,
+        "error_code": ErrorCode.none,
+        "error_message": None,
+        **broker,
+        "coordinators": [
+            {"key": key, **broker, "error_code": ErrorCode.none, "error_message": None}
+            for key in keys
+        ],
+    }
+
+
+# ---- produce ----------------------------------------------------------------------------
+
+
+async def produce(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    topics = []
+    for topic in request.topic_data:
+        try:
+            info: StreamInfo | None = api.stream_named(tenant, topic.name)
+        except StreamNotFound:
+            info = None
+        answers = await asyncio.gather(
+            *(
+                _produce_partition(session, info, data.index, data.records)
+                for data in topic.partition_data
+            )
+        )
+        topics.append({"name": topic.name, "partition_responses": answers})
+    return {"responses": topics, "throttle_time": 0}
+
+
+async def _produce_partition(
+    session: Session, info: StreamInfo | None, index: int, records: bytes | None
+) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "index": index,
+        "error_code": ErrorCode.none,
+        "base_offset": -1,
+        "log_append_time": None,
+        "log_start_offset": -1,
+        "record_errors": [],
+        "error_message": None,
+    }
+    if info is None or not 0 <= index < info.partitions:
+        answer["error_code"] = ErrorCode.unknown_topic_or_partition
+        return answer
+    try:
+        base_offset = -1
+        for batch in split_batches(records or b""):
+            if len(batch.data) > MAX_MESSAGE_BYTES:
+                raise RecordBatchError(
+                    ErrorCode.message_too_large,
+                    f"a record batch of {len(batch.data)} bytes is over the"
+                    f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
+                )
+            offset = await _append_batch(session, info, index, batch)
+            if base_offset < 0:
+                base_offset = offset
+        answer["base_offset"] = base_offset
+        answer["log_start_offset"] = info.partition_info[index].start_offset
+    except RecordBatchError as exc:
+        log.warning("kafka %s: produce to %s refused: %s", session.peer, info.name, exc)
+        answer["error_code"], answer["error_message"] = exc.code, str(exc)
+    except HeadwaterError as exc:
+        answer["error_code"], answer["error_message"] = error_code(exc), str(exc)
+    return answer
+
+
+async def _append_batch(session: Session, info: StreamInfo, index: int, batch: Any) -> int:
+    """Store one produced batch; the offset of its first record."""
+    api, tenant = session.api, session.tenant_id
+    header = batch.header
+    columns = batch.validate_for_append()
+    values = [b"" if value is None else value for value in columns.values]
+    tombstones = [value is None for value in columns.values]
+    keys = columns.keys if any(key is not None for key in columns.keys) else None
+    headers = (
+        [tuple((name.encode(), value or b"") for name, value in row) for row in columns.headers]
+        if any(columns.headers)
+        else None
+    )
+    if header.producer_id >= 0:
+        # Idempotent (and transactional) batches keep their producer fields: the
+        # partition's producer table stores a retry once and fences an old epoch.
+        if header.is_transactional:
+            producer = session.extra.get("producer")
+            transactional_id = session.extra.get("transactional_id")
+            if producer is None or transactional_id is None:
+                raise InvalidTxnState("a transactional batch before InitProducerId")
+            stored = await api.append_transactional(
+                tenant,
+                transactional_id,
+                producer,
+                info.stream_id,
+                header.base_sequence,
+                values,
+                partition=index,
+                keys=keys,
+                headers=headers,
+            )
+            return stored.base_offset
+        stored = await api.append(
+            tenant,
+            info.stream_id,
+            values,
+            timestamp_ms=header.max_timestamp,
+            partition=index,
+            keys=keys,
+            headers=headers,
+            tombstones=tombstones if any(tombstones) else None,
+            producer=(header.producer_id, header.base_sequence),
+            producer_epoch=header.producer_epoch,
+        )
+        return stored.base_offset
+    placed = await api.append_partitioned(
+        tenant,
+        info.stream_id,
+        values,
+        keys=keys,
+        headers=headers,
+        partitions=[index] * len(values),
+        timestamps=[header.base_timestamp + delta for delta in columns.timestamp_deltas],
+        tombstones=tombstones if any(tombstones) else None,
+    )
+    return placed.offsets[0]
+
+
+# ---- fetch and offsets -----------------------------------------------------------------
+
+
+def _isolation(request: Any) -> str:
+    return READ_COMMITTED if getattr(request, "isolation_level", 0) == 1 else READ_UNCOMMITTED
+
+
+def records_of(result: ReadResult) -> bytes:
+    """Kafka record batches (uncompressed, one per stored batch) of what was read."""
+    out: list[bytes] = []
+    for span in result.spans:
+        events = span.batch.events(span.start)
+        rows = [next(events) for _ in range(span.stop - span.start)]
+        if not rows:
+            continue
+        base, base_ts = rows[0].offset, rows[0].timestamp_ms
+        records = [
+            Record(
+                offset_delta=event.offset - base,
+                timestamp_delta=event.timestamp_ms - base_ts,
+                key=event.key,
+                value=None if event.tombstone else event.value,
+                headers=tuple((n.decode("utf-8", "replace"), v) for n, v in event.headers),
+            )
+            for event in rows
+        ]
+        out.append(
+            build_batch(
+                records,
+                base_offset=base,
+                base_timestamp=base_ts,
+                compression=Compression.NONE,
+                partition_leader_epoch=0,
+            )
+        )
+    return b"".join(out)
+
+
+async def fetch(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api = session.api
+    loop = asyncio.get_running_loop()
+    max_wait_s = min(request.max_wait.total_seconds(), MAX_FETCH_WAIT_S)
+    deadline = loop.time() + max(max_wait_s, 0.0)
+    while True:
+        answer, size, waits = await _fetch_once(session, request)
+        remaining = deadline - loop.time()
+        if size >= max(request.min_bytes, 1) or remaining <= 0 or not waits or api.closing:
+            return answer
+        # Long poll: until any partition asked for gets something new, or max_wait.
+        tasks = [
+            asyncio.ensure_future(
+                api.wait_for_end(session.tenant_id, stream_id, partition, offset, remaining)
+            )
+            for stream_id, partition, offset in waits
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+        if loop.time() >= deadline:
+            answer, size, waits = await _fetch_once(session, request)
+            return answer
+
+
+async def _fetch_once(
+    session: Session, request: Any
+) -> tuple[dict[str, Any], int, list[tuple[int, int, int]]]:
+    api, tenant = session.api, session.tenant_id
+    isolation = _isolation(request)
+    budget = max(getattr(request, "max_bytes", 1 << 31), 1)
+    size = 0
+    waits: list[tuple[int, int, int]] = []
+    topics = []
+    for topic in request.topics:
+        partitions = []
+        try:
+            info: StreamInfo | None = api.stream_named(tenant, topic.topic)
+        except StreamNotFound:
+            info = None
+        for wanted in topic.partitions:
+            entry: dict[str, Any] = {
+                "partition_index": wanted.partition,
+                "error_code": ErrorCode.none,
+                "high_watermark": -1,
+                "last_stable_offset": -1,
+                "log_start_offset": -1,
+                "aborted_transactions": [],
+                "records": b"",
+            }
+            partitions.append(entry)
+            if info is None or not 0 <= wanted.partition < info.partitions:
+                entry["error_code"] = ErrorCode.unknown_topic_or_partition
+                continue
+            p = wanted.partition
+            end = api.stream_end(tenant, info.stream_id, p)
+            stable = api.last_stable_offset(tenant, info.stream_id, p)
+            entry["high_watermark"] = end
+            entry["last_stable_offset"] = stable
+            entry["log_start_offset"] = info.partition_info[p].start_offset
+            offset = wanted.fetch_offset
+            if offset > end or offset < 0:
+                entry["error_code"] = ErrorCode.offset_out_of_range
+                continue
+            limit = stable if isolation == READ_COMMITTED else end
+            if offset >= limit or size >= budget:
+                waits.append((info.stream_id, p, offset))
+                continue
+            try:
+                result = await api.read(
+                    tenant,
+                    info.stream_id,
+                    offset,
+                    min(wanted.partition_max_bytes, budget - size),
+                    partition=p,
+                    isolation=isolation,
+                )
+            except InvalidOffset:
+                entry["error_code"] = ErrorCode.offset_out_of_range
+                continue
+            except HeadwaterError as exc:
+                entry["error_code"] = error_code(exc)
+                continue
+            data = records_of(result)
+            entry["records"] = data
+            size += len(data)
+            if not data:
+                waits.append((info.stream_id, p, offset))
+        topics.append({"topic": topic.topic, "partitions": partitions})
+    answer = {
+        "throttle_time": 0,
+        "error_code": ErrorCode.none,
+        "session_id": 0,
+        "responses": topics,
+    }
+    return answer, size, waits
+
+
+EARLIEST, LATEST, MAX_TIMESTAMP = -2, -1, -3
+
+
+async def list_offsets(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    committed = _isolation(request) == READ_COMMITTED
+    topics = []
+    for topic in request.topics:
+        partitions = []
+        try:
+            info: StreamInfo | None = api.stream_named(tenant, topic.name)
+        except StreamNotFound:
+            info = None
+        for wanted in topic.partitions:
+            entry: dict[str, Any] = {
+                "partition_index": wanted.partition_index,
+                "error_code": ErrorCode.none,
+                "timestamp": -1,
+                "offset": -1,
+                "leader_epoch": 0,
+                "old_style_offsets": [],
+            }
+            partitions.append(entry)
+            p = wanted.partition_index
+            if info is None or not 0 <= p < info.partitions:
+                entry["error_code"] = ErrorCode.unknown_topic_or_partition
+                continue
+            if wanted.timestamp == EARLIEST:
+                entry["offset"] = info.partition_info[p].start_offset
+            elif wanted.timestamp == LATEST:
+                entry["offset"] = (
+                    api.last_stable_offset(tenant, info.stream_id, p)
+                    if committed
+                    else api.stream_end(tenant, info.stream_id, p)
+                )
+            elif wanted.timestamp >= 0:
+                found = await api.offset_for_timestamp(
+                    tenant, info.stream_id, wanted.timestamp, partition=p
+                )
+                if found is not None:
+                    entry["offset"] = found
+                    entry["timestamp"] = await _timestamp_at(session, info, p, found)
+            else:
+                entry["error_code"] = ErrorCode.unsupported_version
+        topics.append({"name": topic.name, "partitions": partitions})
+    return {"throttle_time": 0, "topics": topics}
+
+
+async def _timestamp_at(session: Session, info: StreamInfo, partition: int, offset: int) -> int:
+    result = await session.api.read(
+        session.tenant_id,
+        info.stream_id,
+        offset,
+        1,
+        max_events=1,
+        partition=partition,
+        isolation=READ_UNCOMMITTED,
+    )
+    for event in result.events():
+        return event.timestamp_ms
+    return -1
+
+
+HANDLERS: dict[ApiKey, Handler] = {
+    ApiKey.METADATA: metadata,
+    ApiKey.PRODUCE: produce,
+    ApiKey.FETCH: fetch,
+    ApiKey.LIST_OFFSETS: list_offsets,
+    ApiKey.CREATE_TOPICS: create_topics,
+    ApiKey.DELETE_TOPICS: delete_topics,
+    ApiKey.CREATE_PARTITIONS: create_partitions,
+    ApiKey.DESCRIBE_CONFIGS: describe_configs,
+    ApiKey.FIND_COORDINATOR: find_coordinator,
+}
+"""The APIs answered so far; a request of another (announced) API is answered with
+its error code by the listener."""

@@ -1,0 +1,194 @@
+"""The asyncio shell of the Kafka front end: it moves bytes and runs the handlers.
+
+Each decoded request runs as its own task (a Fetch long-polling must not hold up a
+Produce or a Heartbeat on the same connection); the protocol hands back answers in
+request order, as Kafka clients require. Reading pauses while too many requests are in
+flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, cast
+
+from headwater.errors import AuthenticationFailed, HeadwaterError
+from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConnection
+from headwater.protocols.kafka.apis import response_type
+from headwater.server.app import Listener
+from headwater.server.kafka.build import build
+from headwater.server.kafka.handlers import HANDLERS, Session
+from headwater.server.tcp import (
+    ConnectionGuard,
+    finish_in_flight,
+    start_tcp_listener,
+    without_nagle,
+)
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.kafka")
+
+MAX_INFLIGHT = 128  # requests per connection before reading pauses
+RESUME_INFLIGHT = MAX_INFLIGHT // 2
+
+# Before SASL completes (when [auth] requires it) only these are served, as Kafka does.
+_BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE))
+
+
+class KafkaConnection(asyncio.Protocol):
+    def __init__(self, server: Server, connections: set[KafkaConnection], port: int) -> None:
+        self.server = server
+        self.protocol = ServerConnection()
+        self.api = server.api
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._connections = connections
+        self._port = port
+        self._reading_paused = False
+        self._eof = False
+        self.closed = False
+        self.guard = ConnectionGuard(server.limits, "kafka", self)
+        self.session = Session(self.api, "127.0.0.1", port, "?")
+
+    # ---- transport callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.guard.admit(self.transport):
+            return
+        without_nagle(self.transport)
+        local = self.transport.get_extra_info("sockname")
+        host = local[0] if local else "127.0.0.1"
+        self.session = Session(self.api, host, self._port, self.guard.peer)
+        try:
+            # Without [auth] required an unauthenticated client acts for tenant 0.
+            principal = self.api.authenticate(None)
+        except AuthenticationFailed:
+            pass  # SASL first
+        else:
+            self.session.tenant_id = principal.default_tenant
+            self.session.authenticated = True
+            self.guard.authenticated()
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.guard.release()
+        self._connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.protocol.receive_data(data):
+            if isinstance(event, Request):
+                self._dispatch(event)
+            elif isinstance(event, Reply):
+                self._write(event.data)
+            elif isinstance(event, Close):
+                log.warning("kafka %s: closing: %s", self.guard.peer, event.reason)
+                self.close(abort=True)
+                return
+        self.guard.received()
+
+    def eof_received(self) -> bool | None:
+        self.protocol.receive_eof()
+        self._eof = True
+        if not self.tasks:
+            self.close()
+        return True
+
+    # ---- limits ---------------------------------------------------------------------
+
+    def refusal(self, limit: str, message: str) -> bytes:
+        # Kafka has no unsolicited error frame: a refused client sees the connection
+        # close (the reason is in the server's log).
+        return b""
+
+    def busy(self) -> bool:
+        return bool(self.tasks)
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _dispatch(self, request: Request) -> None:
+        task = asyncio.get_running_loop().create_task(self._handle(request))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._eof and not self.tasks:
+            self.close()
+            return
+        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
+            self._reading_paused = False
+            if not self.closed:
+                self.transport.resume_reading()
+
+    async def _handle(self, request: Request) -> None:
+        session = self.session
+        api_key = request.api_key
+        if request.client_id:
+            session.client_id = request.client_id
+        handler = HANDLERS.get(api_key)
+        if not session.authenticated and api_key not in _BEFORE_AUTH:
+            log.warning(
+                "kafka %s: %s before SASL authentication: closing", session.peer, api_key.name
+            )
+            self.close()
+            return
+        try:
+            if handler is None:
+                raise NotImplementedError(f"{api_key.name} has no handler")
+            fields = await handler(session, request.request, request.api_version)
+        except HeadwaterError as exc:
+            log.warning("kafka %s: %s failed: %s", session.peer, api_key.name, exc)
+            self.close()
+            return
+        except Exception:  # a bug of ours: log it, and the client reconnects
+            log.exception(
+                "kafka %s: %s v%d failed", session.peer, api_key.name, request.api_version
+            )
+            self.close()
+            return
+        if not request.expects_response or self.closed:
+            return
+        response = build(response_type(api_key, request.api_version), fields)
+        self._write(self.protocol.send(request, response))
+
+    # ---- output ---------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        if data and self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self, *, abort: bool = False) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+async def start_kafka(server: Server, host: str, port: int) -> Listener:
+    connections: set[KafkaConnection] = set()
+    bound: dict[str, int] = {"port": port}
+
+    async def drain() -> None:
+        await finish_in_flight([t for c in connections for t in c.tasks])
+
+    listener = await start_tcp_listener(
+        server,
+        "kafka",
+        host,
+        port,
+        lambda: KafkaConnection(server, connections, bound["port"]),
+        connections,
+        drain=drain,
+    )
+    # Metadata names this node by the port actually bound (port 0: the one picked).
+    bound["port"] = listener.port
+    return listener
