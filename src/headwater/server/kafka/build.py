@@ -90,4 +90,3 @@ def _blank(hint: Any) -> Any:
     if dataclasses.is_dataclass(inner):
         return build(inner, {})  # type: ignore[arg-type]
     return 0
-

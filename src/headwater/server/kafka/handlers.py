@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
 from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
+from headwater.engine.groups import GroupError
 from headwater.engine.names import RESERVED_PREFIXES
+from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
     HeadwaterError,
     InvalidOffset,
@@ -61,6 +63,8 @@ _INT_SETTINGS = frozenset(
 
 def error_code(exc: HeadwaterError) -> ErrorCode:
     """Kafka's error code for an engine refusal."""
+    if isinstance(exc, GroupError):
+        return ErrorCode(exc.kafka_code)
     if isinstance(exc, StreamNotFound):
         return ErrorCode.unknown_topic_or_partition
     if isinstance(exc, OutOfOrderSequence):
@@ -92,7 +96,6 @@ class Session:
     tenant_id: int = 0
     client_id: str = ""
     authenticated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def broker(self) -> dict[str, Any]:
         return {"node_id": NODE_ID, "host": self.host, "port": self.port, "rack": None}
@@ -322,7 +325,9 @@ async def produce(session: Session, request: Any, version: int) -> Mapping[str, 
             info = None
         answers = await asyncio.gather(
             *(
-                _produce_partition(session, info, data.index, data.records)
+                _produce_partition(
+                    session, info, data.index, data.records, request.transactional_id
+                )
                 for data in topic.partition_data
             )
         )
@@ -331,7 +336,11 @@ async def produce(session: Session, request: Any, version: int) -> Mapping[str, 
 
 
 async def _produce_partition(
-    session: Session, info: StreamInfo | None, index: int, records: bytes | None
+    session: Session,
+    info: StreamInfo | None,
+    index: int,
+    records: bytes | None,
+    transactional_id: str | None,
 ) -> dict[str, Any]:
     answer: dict[str, Any] = {
         "index": index,
@@ -354,7 +363,7 @@ async def _produce_partition(
                     f"a record batch of {len(batch.data)} bytes is over the"
                     f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
                 )
-            offset = await _append_batch(session, info, index, batch)
+            offset = await _append_batch(session, info, index, batch, transactional_id)
             if base_offset < 0:
                 base_offset = offset
         answer["base_offset"] = base_offset
@@ -367,7 +376,9 @@ async def _produce_partition(
     return answer
 
 
-async def _append_batch(session: Session, info: StreamInfo, index: int, batch: Any) -> int:
+async def _append_batch(
+    session: Session, info: StreamInfo, index: int, batch: Any, transactional_id: str | None
+) -> int:
     """Store one produced batch; the offset of its first record."""
     api, tenant = session.api, session.tenant_id
     header = batch.header
@@ -384,14 +395,12 @@ async def _append_batch(session: Session, info: StreamInfo, index: int, batch: A
         # Idempotent (and transactional) batches keep their producer fields: the
         # partition's producer table stores a retry once and fences an old epoch.
         if header.is_transactional:
-            producer = session.extra.get("producer")
-            transactional_id = session.extra.get("transactional_id")
-            if producer is None or transactional_id is None:
-                raise InvalidTxnState("a transactional batch before InitProducerId")
+            if transactional_id is None:
+                raise InvalidTxnState("a transactional batch in a Produce without transactional_id")
             stored = await api.append_transactional(
                 tenant,
                 transactional_id,
-                producer,
+                ProducerIdentity(header.producer_id, header.producer_epoch),
                 info.stream_id,
                 header.base_sequence,
                 values,
@@ -532,7 +541,9 @@ async def _fetch_once(
                 continue
             limit = stable if isolation == READ_COMMITTED else end
             if offset >= limit or size >= budget:
-                waits.append((info.stream_id, p, offset))
+                # Woken by anything past the current end: a new batch, or a marker
+                # that moves the last stable offset.
+                waits.append((info.stream_id, p, end))
                 continue
             try:
                 result = await api.read(
@@ -552,8 +563,8 @@ async def _fetch_once(
             data = records_of(result)
             entry["records"] = data
             size += len(data)
-            if not data:
-                waits.append((info.stream_id, p, offset))
+            if not data:  # only transaction markers or aborted batches up to the end
+                waits.append((info.stream_id, p, end))
         topics.append({"topic": topic.topic, "partitions": partitions})
     answer = {
         "throttle_time": 0,
@@ -627,6 +638,126 @@ async def _timestamp_at(session: Session, info: StreamInfo, partition: int, offs
     return -1
 
 
+# ---- idempotent and transactional producers ---------------------------------------------
+
+
+def _producer(request: Any) -> ProducerIdentity:
+    return ProducerIdentity(request.producer_id, request.producer_epoch)
+
+
+async def init_producer_id(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    timeout_ms = int(request.transaction_timeout.total_seconds() * 1000)
+    try:
+        producer = await session.api.init_producer(
+            session.tenant_id,
+            request.transactional_id,
+            timeout_ms if request.transactional_id is not None else None,
+        )
+    except HeadwaterError as exc:
+        code = error_code(exc)
+        if code is ErrorCode.invalid_request:
+            code = ErrorCode.invalid_transaction_timeout
+        log.warning("kafka %s: InitProducerId refused: %s", session.peer, exc)
+        return {"throttle_time": 0, "error_code": code, "producer_id": -1, "producer_epoch": -1}
+    return {
+        "throttle_time": 0,
+        "error_code": ErrorCode.none,
+        "producer_id": producer.producer_id,
+        "producer_epoch": producer.epoch,
+    }
+
+
+async def add_partitions_to_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    api, tenant = session.api, session.tenant_id
+    transactional_id = request.v3_and_below_transactional_id
+    producer = ProducerIdentity(
+        request.v3_and_below_producer_id, request.v3_and_below_producer_epoch
+    )
+    wanted: list[tuple[int, int]] = []
+    code = ErrorCode.none
+    try:
+        for topic in request.v3_and_below_topics:
+            info = api.stream_named(tenant, topic.name)
+            for partition in topic.partitions:
+                if not 0 <= partition < info.partitions:
+                    raise StreamNotFound(f"{topic.name} has no partition {partition}")
+                wanted.append((info.stream_id, partition))
+        await api.add_partitions_to_txn(tenant, transactional_id, producer, wanted)
+    except HeadwaterError as exc:
+        code = error_code(exc)
+    return {
+        "throttle_time": 0,
+        "results_by_topic_v3_and_below": [
+            {
+                "name": topic.name,
+                "results_by_partition": [
+                    {"partition_index": partition, "partition_error_code": code}
+                    for partition in topic.partitions
+                ],
+            }
+            for topic in request.v3_and_below_topics
+        ],
+    }
+
+
+async def add_offsets_to_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    # The group's offsets join with TxnOffsetCommit; this only checks the producer.
+    code = ErrorCode.none
+    try:
+        await session.api.add_offsets_to_txn(
+            session.tenant_id, request.transactional_id, _producer(request), request.group_id, {}
+        )
+    except HeadwaterError as exc:
+        code = error_code(exc)
+    return {"throttle_time": 0, "error_code": code}
+
+
+async def txn_offset_commit(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    offsets = {
+        (topic.name, partition.partition_index): (
+            partition.committed_offset,
+            partition.committed_metadata or "",
+        )
+        for topic in request.topics
+        for partition in topic.partitions
+    }
+    code = ErrorCode.none
+    try:
+        await session.api.add_offsets_to_txn(
+            session.tenant_id,
+            request.transactional_id,
+            _producer(request),
+            request.group_id,
+            offsets,
+        )
+    except HeadwaterError as exc:
+        code = error_code(exc)
+    return {
+        "throttle_time": 0,
+        "topics": [
+            {
+                "name": topic.name,
+                "partitions": [
+                    {"partition_index": p.partition_index, "error_code": code}
+                    for p in topic.partitions
+                ],
+            }
+            for topic in request.topics
+        ],
+    }
+
+
+async def end_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    code = ErrorCode.none
+    try:
+        await session.api.end_transaction(
+            session.tenant_id, request.transactional_id, _producer(request), request.committed
+        )
+    except HeadwaterError as exc:
+        code = error_code(exc)
+    return {"throttle_time": 0, "error_code": code}
+
+
 HANDLERS: dict[ApiKey, Handler] = {
     ApiKey.METADATA: metadata,
     ApiKey.PRODUCE: produce,
@@ -637,6 +768,11 @@ HANDLERS: dict[ApiKey, Handler] = {
     ApiKey.CREATE_PARTITIONS: create_partitions,
     ApiKey.DESCRIBE_CONFIGS: describe_configs,
     ApiKey.FIND_COORDINATOR: find_coordinator,
+    ApiKey.INIT_PRODUCER_ID: init_producer_id,
+    ApiKey.ADD_PARTITIONS_TO_TXN: add_partitions_to_txn,
+    ApiKey.ADD_OFFSETS_TO_TXN: add_offsets_to_txn,
+    ApiKey.TXN_OFFSET_COMMIT: txn_offset_commit,
+    ApiKey.END_TXN: end_txn,
 }
 """The APIs answered so far; a request of another (announced) API is answered with
 its error code by the listener."""
