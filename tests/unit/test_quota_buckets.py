@@ -1,5 +1,7 @@
 """Per-tenant quotas (headwater.api.quotas): the token bucket's arithmetic on an injected
-clock, what Quotas charges per tenant and quota, and the throttle a task reports."""
+clock, the turn a request waits before it is served (Quotas.reserve/admit: pipelined
+requests spaced at the rate, a large request's debt paid by the next one), what a served
+read charges afterwards (Quotas.charge/throttle), and the throttle a task reports."""
 
 from __future__ import annotations
 
@@ -130,3 +132,85 @@ def test_throttle_waits_and_reports_to_the_enclosing_block_only() -> None:
     # 3 requests past the burst at 100/s (the clock stands still): 30 ms.
     assert waited == pytest.approx(0.03)
     assert (outer_ms, inner_ms) == (30, 0)
+
+
+def test_pipelined_requests_are_spaced_at_the_rate() -> None:
+    """40 appends of 10 kB sent at once (the clock stands still) against 100 kB/s: the
+    burst (10 of them) and the one that puts the tenant in debt pass at once, then each
+    waits until the ones before it are paid for: turns 0.1 s apart, up to 2.9 s."""
+    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100_000)}, clock=Clock())
+    turns = [quotas.reserve(1, produce=10_000, requests=1) for _ in range(40)]
+    assert turns == pytest.approx([0.0] * 11 + [k / 10 for k in range(1, 30)])
+    # Each request's own turn is counted: their waits overlap in time.
+    assert quotas.throttle_seconds_total == {(1, Quota.PRODUCE): pytest.approx(43.5)}
+
+
+def test_a_request_larger_than_the_cap_leaves_its_debt_to_the_next_request() -> None:
+    """A sequential client: each request waits its whole turn (no cap before serving),
+    so 25 s of debt left by one request is paid by the next, not forgiven."""
+    clock = Clock()
+    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100)}, clock=clock, max_throttle_s=10)
+    assert quotas.reserve(1, produce=100 + 2500) == 0.0  # served at once: 25 s owed
+    clock.now += 10
+    assert quotas.reserve(1, produce=1) == 15.0  # the rest of it, beyond any cap
+    clock.now += 15
+    # Only the byte of the request before is owed, then nothing.
+    assert quotas.reserve(1, produce=1) == pytest.approx(0.01)
+    clock.now += 0.02
+    assert quotas.reserve(1, produce=1) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_consume_debt_delays_the_next_read_but_not_an_append() -> None:
+    clock = Clock()
+    quotas = Quotas(
+        {1: TenantQuota(produce_bytes_per_s=100, consume_bytes_per_s=100)},
+        clock=clock,
+        max_throttle_s=1,
+    )
+    assert quotas.reserve(1, requests=1, consume=True) == 0.0  # a read: nothing owed
+    # It read 400 bytes: 3 s owed, its answer held back 1 s (the cap).
+    assert quotas.charge(1, consume=400) == 1.0
+    clock.now += 1
+    assert quotas.reserve(1, produce=100) == 0.0  # an append owes nothing to consume
+    assert quotas.reserve(1, requests=1, consume=True) == 2.0  # the next read: the rest
+    assert quotas.throttle_seconds_total == {(1, Quota.CONSUME): 1.0 + 2.0}
+
+
+def test_admitted_requests_are_served_in_turn_and_report_their_wait() -> None:
+    """admit really waits each turn (on the real clock, hence milliseconds): pipelined
+    requests are served in the order of their turns, and an HTTP answer's throttle
+    includes the wait before it was served."""
+    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100_000)})
+    served: list[int] = []
+
+    async def request(index: int, produce: int) -> int:
+        with report_throttle() as report:
+            await quotas.admit(1, produce=produce, requests=1)
+        served.append(index)
+        return report.ms
+
+    async def main() -> list[int]:
+        # The burst, then three of 1 kB at 100 kB/s: turns 0, 0, 10 and 20 ms.
+        sizes = [100_000, 1000, 1000, 1000]
+        return await asyncio.gather(*(request(i, size) for i, size in enumerate(sizes)))
+
+    reported = asyncio.run(main())
+    assert served == [0, 1, 2, 3]
+    assert reported == [0, 0, 10, 20]
+
+
+def test_a_cancelled_request_gives_back_what_it_reserved() -> None:
+    clock = Clock()
+    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100)}, clock=clock)
+
+    async def main() -> None:
+        quotas.reserve(1, produce=200)  # 1 s owed
+        waiting = asyncio.ensure_future(quotas.admit(1, produce=10_000))
+        await asyncio.sleep(0)  # it reserved its 100 s and waits its 1 s turn
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+
+    asyncio.run(main())
+    # Only the served request's debt is left: 1 s, not 101 s.
+    assert quotas.reserve(1, produce=1) == 1.0

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar, Unpack
+from typing import TYPE_CHECKING, Unpack
 
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.groups import ConsumerGroups
@@ -56,7 +57,7 @@ from headwater.engine.subscriptions import (
     Subscriptions,
 )
 from headwater.engine.transactions import ProducerIdentity, TransactionCoordinator
-from headwater.errors import HeadwaterError, InvalidOffset, InvalidRequest
+from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.service import SqlService
@@ -66,8 +67,6 @@ from headwater.storage.log import AppendInfo, ReadResult
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-T = TypeVar("T")
 
 __all__ = [
     "MAX_APPEND_BYTES",
@@ -197,8 +196,9 @@ class EngineAPI:
 
     With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
     ``append_partitioned``, ``read``, ``create_stream``, ``delete_stream``, ``query``,
-    ``query_at`` and ``stream_range`` count what they serve and hold the answer back past
-    a rate, and subscription pushes wait before the next one
+    ``query_at`` and ``stream_range`` first wait their turn past a rate, then are served
+    (a read's answer is also held back for the bytes it read), and subscription pushes
+    wait before the next one
     (:mod:`headwater.api.quotas`); without any quota they are the engine's own,
     untouched."""
 
@@ -370,20 +370,19 @@ class EngineAPI:
                 partition=partition,
                 isolation=isolation,
             )
-        try:
-            result = await self._engine.read(
-                tenant_id,
-                stream_id,
-                from_offset,
-                max_bytes,
-                max_events=max_events,
-                partition=partition,
-                isolation=isolation,
-            )
-        except HeadwaterError:
-            await self.quotas.throttle(tenant_id, requests=1)
-            raise
-        await self.quotas.throttle(tenant_id, consume=result.value_bytes, requests=1)
+        # Its turn first (the consume debt of earlier reads too), then the bytes it read
+        # hold its answer back (capped; the rest is waited by the next read's turn).
+        await self.quotas.admit(tenant_id, requests=1, consume=True)
+        result = await self._engine.read(
+            tenant_id,
+            stream_id,
+            from_offset,
+            max_bytes,
+            max_events=max_events,
+            partition=partition,
+            isolation=isolation,
+        )
+        await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
 
     async def wait_for_end(
@@ -502,19 +501,9 @@ class EngineAPI:
         return self._engine.bytes_appended
 
     # ---- quotas: the engine's operations, counted and throttled ------------------------
-    # Bound in place of the engine's own by __post_init__ when a tenant has a quota. A
-    # request that fails still counts as a request.
-
-    async def _request(self, tenant_id: int, operation: Awaitable[T]) -> T:
-        """Serve one request, then hold its answer (or its error) back past the tenant's
-        requests/s."""
-        try:
-            result = await operation
-        except HeadwaterError:
-            await self.quotas.throttle(tenant_id, requests=1)
-            raise
-        await self.quotas.throttle(tenant_id, requests=1)
-        return result
+    # Bound in place of the engine's own by __post_init__ when a tenant has a quota. Each
+    # first reserves what it is known to spend and waits its turn (Quotas.admit), then is
+    # served: a request that then fails still counted, it was admitted.
 
     async def _throttled_append(
         self,
@@ -526,20 +515,15 @@ class EngineAPI:
         partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
-        try:
-            info = await self._engine.append(
-                tenant_id,
-                stream_id,
-                values,
-                timestamp_ms=timestamp_ms,
-                partition=partition,
-                **columns,
-            )
-        except HeadwaterError:
-            await self.quotas.throttle(tenant_id, requests=1)
-            raise
-        await self.quotas.throttle(tenant_id, produce=sum(map(len, values)), requests=1)
-        return info
+        await self.quotas.admit(tenant_id, produce=sum(map(len, values)), requests=1)
+        return await self._engine.append(
+            tenant_id,
+            stream_id,
+            values,
+            timestamp_ms=timestamp_ms,
+            partition=partition,
+            **columns,
+        )
 
     async def _throttled_append_encoded(
         self,
@@ -553,24 +537,19 @@ class EngineAPI:
         partition: int = 0,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
-        try:
-            info = await self._engine.append_encoded(
-                tenant_id,
-                stream_id,
-                values_section,
-                count,
-                value_bytes=value_bytes,
-                timestamp_ms=timestamp_ms,
-                partition=partition,
-                **columns,
-            )
-        except HeadwaterError:
-            await self.quotas.throttle(tenant_id, requests=1)
-            raise
         # The events' own bytes, without the section's u64 length prefixes.
         produced = len(values_section) - 8 * count if value_bytes is None else value_bytes
-        await self.quotas.throttle(tenant_id, produce=produced, requests=1)
-        return info
+        await self.quotas.admit(tenant_id, produce=produced, requests=1)
+        return await self._engine.append_encoded(
+            tenant_id,
+            stream_id,
+            values_section,
+            count,
+            value_bytes=value_bytes,
+            timestamp_ms=timestamp_ms,
+            partition=partition,
+            **columns,
+        )
 
     async def _throttled_append_partitioned(
         self,
@@ -584,22 +563,17 @@ class EngineAPI:
         timestamps: Sequence[int | None] | None = None,
         tombstones: Sequence[bool] | None = None,
     ) -> PartitionedAppend:
-        try:
-            placed = await self._engine.append_partitioned(
-                tenant_id,
-                stream_id,
-                values,
-                keys=keys,
-                headers=headers,
-                partitions=partitions,
-                timestamps=timestamps,
-                tombstones=tombstones,
-            )
-        except HeadwaterError:
-            await self.quotas.throttle(tenant_id, requests=1)
-            raise
-        await self.quotas.throttle(tenant_id, produce=sum(map(len, values)), requests=1)
-        return placed
+        await self.quotas.admit(tenant_id, produce=sum(map(len, values)), requests=1)
+        return await self._engine.append_partitioned(
+            tenant_id,
+            stream_id,
+            values,
+            keys=keys,
+            headers=headers,
+            partitions=partitions,
+            timestamps=timestamps,
+            tombstones=tombstones,
+        )
 
     async def _throttled_create_stream(
         self,
@@ -609,36 +583,41 @@ class EngineAPI:
         *,
         internal: bool = False,
     ) -> StreamInfo:
-        operation = self._engine.create_stream(tenant_id, name, settings, internal=internal)
-        return await self._request(tenant_id, operation)
+        await self.quotas.admit(tenant_id, requests=1)
+        return await self._engine.create_stream(tenant_id, name, settings, internal=internal)
 
     async def _throttled_delete_stream(self, tenant_id: int, stream_id: int) -> None:
-        await self._request(tenant_id, self._engine.delete_stream(tenant_id, stream_id))
+        await self.quotas.admit(tenant_id, requests=1)
+        await self._engine.delete_stream(tenant_id, stream_id)
 
     async def _throttled_query(
         self, tenant_id: int, sql: str, params: Sequence[object] = ()
     ) -> QueryResult:
-        return await self._request(tenant_id, self._queries.query(tenant_id, sql, params))
+        await self.quotas.admit(tenant_id, requests=1)
+        return await self._queries.query(tenant_id, sql, params)
 
     async def _throttled_query_at(
         self, tenant_id: int, sql: str, params: Sequence[object], position: int
     ) -> QueryResult:
-        operation = self._queries.query_at(tenant_id, sql, params, position)
-        return await self._request(tenant_id, operation)
+        await self.quotas.admit(tenant_id, requests=1)
+        return await self._queries.query_at(tenant_id, sql, params, position)
 
     async def _throttled_stream_range(
         self, tenant_id: int, name: str, start: int, end: int, partition: int = 0
     ) -> list[pa.RecordBatch]:
-        operation = self._queries.stream_range(tenant_id, name, start, end, partition)
-        return await self._request(tenant_id, operation)
+        # A read of the stream: it waits the consume debt earlier reads left too.
+        await self.quotas.admit(tenant_id, requests=1, consume=True)
+        return await self._queries.stream_range(tenant_id, name, start, end, partition)
 
     async def _pace_subscription(self, tenant_id: int, value_bytes: int) -> None:
-        """After a subscription's push: its next one waits while the tenant is past its
-        consume rate (the push itself went out at once)."""
-        await self.quotas.throttle(tenant_id, consume=value_bytes)
+        """After a subscription's push (it went out at once): its bytes are counted, and
+        the subscription's next push waits until the tenant's consume debt is paid, in
+        full (no answer is waiting on it, so no cap)."""
+        await self.quotas.throttle(tenant_id, consume=value_bytes, max_wait_s=math.inf)
 
     def throttle_seconds(self) -> dict[tuple[int, str], float]:
-        """Seconds answers were held back, per (tenant, quota), since start."""
+        """Seconds requests waited their turn or answers were held back, per (tenant,
+        quota), since start (summed over requests: concurrent ones' waits overlap)."""
         return {
             (tenant_id, str(quota)): seconds
             for (tenant_id, quota), seconds in sorted(self.quotas.throttle_seconds_total.items())

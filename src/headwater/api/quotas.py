@@ -1,18 +1,26 @@
-"""Per-tenant quotas, throttled as Kafka does it: the request is served, then its answer
-is held back for as long as the tenant needs to come back under its rate, and that time
-is reported (HTTP: ``X-Headwater-Throttle-Ms``; /metrics:
-``headwater_throttle_seconds_total{tenant,quota}``).
+"""Per-tenant quotas, throttled as Kafka does it: a request past its tenant's rate waits
+its turn before it is served, and that time is reported (HTTP: ``X-Headwater-Throttle-Ms``;
+/metrics: ``headwater_throttle_seconds_total{tenant,quota}``).
 
 ``[[tenants]]`` may set three rates (:class:`TenantQuota`): bytes produced per second
 (the events of appends), bytes consumed per second (reads and subscription pushes) and
 requests per second (every call through the engine API that a client's request makes).
 Each rate of each tenant is a token bucket (:class:`TokenBucket`) that holds one second
 of its rate, so a tenant under its rate is never delayed and a burst of up to a second's
-worth passes at once; past it the bucket goes into debt, and the answer waits until the
-debt is paid back. One answer waits at most :data:`MAX_THROTTLE_S` (a client's timeout
-must not fire because of a throttle); the rest of the debt is paid by the next answers.
+worth passes at once; past it the bucket goes into debt.
 
-The wait is an ``await asyncio.sleep`` in the task serving the request: other requests,
+What a request is known to spend before it is served (one request; an append's bytes) is
+reserved by :meth:`Quotas.admit` at once, atomically on the event loop, and the request
+then waits the debt its tenant had *before* it: its turn. Requests pipelined on one
+connection (Kimberlite allows 1,024 in flight) are so spaced at the rate instead of all
+being served at once, and a request too large for one second of the rate puts its debt
+on the next request, which waits it in full (Kafka mutes the connection instead, to the
+same effect). The bytes of a read are known only once it is served: they are counted
+then by :meth:`Quotas.throttle`, which holds the answer back for the consume debt but at
+most :data:`MAX_THROTTLE_S` (a client's timeout must not fire because of a throttle);
+the rest of that debt is waited by the tenant's next read, in its admission.
+
+Waits are an ``await asyncio.sleep`` in the task serving the request: other requests,
 other tenants and the event loop go on meanwhile. A tenant without a quota costs one
 dict lookup, and a server without any quota does not wrap the engine's operations at all
 (:meth:`Quotas.enabled`).
@@ -31,13 +39,14 @@ from enum import StrEnum
 BURST_S = 1.0
 """A bucket holds this many seconds of its rate: the burst that passes undelayed."""
 MAX_THROTTLE_S = 10.0
-"""Longest one answer is held back (the debt beyond it is carried to the next ones)."""
+"""Longest one answer is held back after its read (the consume debt beyond it is waited
+by the tenant's next read before it is served)."""
 
 
 @dataclass(frozen=True)
 class TenantQuota:
     """Per-tenant rates of ``[[tenants]]`` (None: unlimited). Past a rate the server
-    delays its answer and reports the throttle time, as Kafka's quotas do."""
+    delays the tenant's requests and reports the throttle time, as Kafka's quotas do."""
 
     produce_bytes_per_s: int | None = None
     consume_bytes_per_s: int | None = None
@@ -55,9 +64,10 @@ class Quota(StrEnum):
 class TokenBucket:
     """``rate`` units per second, ``rate * burst_s`` of them at most in hand.
 
-    :meth:`take` spends units (a served request spends them whatever the balance, so the
-    balance can go negative: a debt) and answers how long the caller must wait until the
-    balance is back at zero: debt / rate. The clock is passed in, so the arithmetic is
+    Spending is never refused, so the balance can go negative: a debt, paid back at the
+    rate. :meth:`take` spends and answers the debt after (a served request's wait),
+    :meth:`reserve` spends and answers the debt before (an admitted request's turn),
+    :meth:`owed` only answers the debt. The clock is passed in, so the arithmetic is
     testable without waiting.
     """
 
@@ -71,18 +81,34 @@ class TokenBucket:
         self.tokens = self.capacity
         self.updated = now
 
-    def take(self, amount: float, now: float) -> float:
-        """Spend ``amount`` at ``now``; the seconds until the balance is back at zero."""
+    def owed(self, now: float) -> float:
+        """The seconds until the balance is back at zero, spending nothing."""
         elapsed = max(0.0, now - self.updated)  # a clock never runs backwards here
         self.tokens = min(self.capacity, self.tokens + elapsed * self.rate)
         self.updated = now
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def take(self, amount: float, now: float) -> float:
+        """Spend ``amount`` at ``now``; the seconds until the balance is back at zero."""
+        self.owed(now)
         self.tokens -= amount
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+    def reserve(self, amount: float, now: float) -> float:
+        """Spend ``amount`` at ``now``; the seconds the balance owed before it (the
+        spender's turn: the requests reserved before it are paid for by then)."""
+        turn = self.owed(now)
+        self.tokens -= amount
+        return turn
+
+    def refund(self, amount: float) -> None:
+        """Give back what a request reserved but never spent (it was cancelled)."""
+        self.tokens = min(self.capacity, self.tokens + amount)
 
 
 @dataclass
 class ThrottleReport:
-    """The throttle time of the answers awaited inside :func:`report_throttle`."""
+    """The throttle time of the engine API calls awaited inside :func:`report_throttle`."""
 
     seconds: float = 0.0
 
@@ -138,15 +164,79 @@ class Quotas:
         """Whether any tenant has a quota (without one, nothing needs counting)."""
         return bool(self._buckets)
 
-    def charge(
-        self, tenant_id: int, *, produce: int = 0, consume: int = 0, requests: int = 0
+    def _count(self, tenant_id: int, kind: Quota, wait: float) -> None:
+        key = (tenant_id, kind)
+        self.throttle_seconds_total[key] = self.throttle_seconds_total.get(key, 0.0) + wait
+
+    def reserve(
+        self, tenant_id: int, *, produce: int = 0, requests: int = 0, consume: bool = False
     ) -> float:
-        """Count what a served request spent; the seconds its answer must wait (the
-        longest of its quotas' waits, at most ``max_throttle_s``). Each quota's own wait
-        is added to ``throttle_seconds_total``."""
+        """Reserve what a request about to be served is known to spend; its turn: the
+        seconds until the debt its tenant had before it is paid (the longest of the
+        quotas it spends, and of the consume debt too when ``consume``: a read). Each
+        quota's own wait is added to ``throttle_seconds_total``."""
         buckets = self._buckets.get(tenant_id)
         if buckets is None:
             return 0.0
+        now = self._clock()
+        turn = 0.0
+        for kind, amount in ((Quota.PRODUCE, produce), (Quota.REQUESTS, requests)):
+            bucket = buckets.get(kind)
+            if bucket is None or not amount:
+                continue
+            wait = bucket.reserve(amount, now)
+            if wait > 0:
+                self._count(tenant_id, kind, wait)
+                turn = max(turn, wait)
+        if consume and (bucket := buckets.get(Quota.CONSUME)) is not None:
+            wait = bucket.owed(now)
+            if wait > 0:
+                self._count(tenant_id, Quota.CONSUME, wait)
+                turn = max(turn, wait)
+        return turn
+
+    async def admit(
+        self, tenant_id: int, *, produce: int = 0, requests: int = 0, consume: bool = False
+    ) -> float:
+        """Before serving a request: :meth:`reserve`, then wait its turn (this task only,
+        however long: that is what spaces pipelined requests at the rate), reported to
+        the enclosing :func:`report_throttle`; the seconds waited. Cancelled while
+        waiting (its client is gone), the request gives back what it reserved."""
+        buckets = self._buckets.get(tenant_id)
+        if buckets is None:
+            return 0.0
+        turn = self.reserve(tenant_id, produce=produce, requests=requests, consume=consume)
+        if turn <= 0:
+            return 0.0
+        report = _REPORT.get()
+        if report is not None:
+            report.seconds += turn
+        try:
+            await asyncio.sleep(turn)
+        except asyncio.CancelledError:
+            for kind, amount in ((Quota.PRODUCE, produce), (Quota.REQUESTS, requests)):
+                if amount and (bucket := buckets.get(kind)) is not None:
+                    bucket.refund(amount)
+            raise
+        return turn
+
+    def charge(
+        self,
+        tenant_id: int,
+        *,
+        produce: int = 0,
+        consume: int = 0,
+        requests: int = 0,
+        max_wait_s: float | None = None,
+    ) -> float:
+        """Count what a served request spent; the seconds its answer must wait (the
+        longest of its quotas' waits, at most ``max_wait_s``, by default
+        :data:`MAX_THROTTLE_S`). Each quota's own wait is added to
+        ``throttle_seconds_total``."""
+        buckets = self._buckets.get(tenant_id)
+        if buckets is None:
+            return 0.0
+        cap = self._max_throttle_s if max_wait_s is None else max_wait_s
         now = self._clock()
         delay = 0.0
         for kind, amount in (
@@ -157,19 +247,27 @@ class Quotas:
             bucket = buckets.get(kind)
             if bucket is None or not amount:
                 continue
-            wait = min(bucket.take(amount, now), self._max_throttle_s)
+            wait = min(bucket.take(amount, now), cap)
             if wait > 0:
-                key = (tenant_id, kind)
-                self.throttle_seconds_total[key] = self.throttle_seconds_total.get(key, 0.0) + wait
+                self._count(tenant_id, kind, wait)
                 delay = max(delay, wait)
         return delay
 
     async def throttle(
-        self, tenant_id: int, *, produce: int = 0, consume: int = 0, requests: int = 0
+        self,
+        tenant_id: int,
+        *,
+        produce: int = 0,
+        consume: int = 0,
+        requests: int = 0,
+        max_wait_s: float | None = None,
     ) -> float:
-        """:meth:`charge`, then wait that long (this task only), reported to the
-        enclosing :func:`report_throttle`; the seconds waited."""
-        delay = self.charge(tenant_id, produce=produce, consume=consume, requests=requests)
+        """After serving a request whose cost was known only then (a read's bytes):
+        :meth:`charge`, then wait that long (this task only), reported to the enclosing
+        :func:`report_throttle`; the seconds waited."""
+        delay = self.charge(
+            tenant_id, produce=produce, consume=consume, requests=requests, max_wait_s=max_wait_s
+        )
         report = _REPORT.get()
         if report is not None:
             report.seconds += delay
