@@ -17,7 +17,8 @@ from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConne
 from headwater.protocols.kafka.apis import response_type
 from headwater.server.app import Listener
 from headwater.server.kafka.build import build
-from headwater.server.kafka.handlers import HANDLERS, Session
+from headwater.server.kafka.groups import KafkaGroups
+from headwater.server.kafka.handlers import HANDLERS, Handler, Session
 from headwater.server.tcp import (
     ConnectionGuard,
     finish_in_flight,
@@ -38,7 +39,13 @@ _BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SAS
 
 
 class KafkaConnection(asyncio.Protocol):
-    def __init__(self, server: Server, connections: set[KafkaConnection], port: int) -> None:
+    def __init__(
+        self,
+        server: Server,
+        connections: set[KafkaConnection],
+        port: int,
+        handlers: dict[ApiKey, Handler],
+    ) -> None:
         self.server = server
         self.protocol = ServerConnection()
         self.api = server.api
@@ -46,6 +53,7 @@ class KafkaConnection(asyncio.Protocol):
         self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
         self._port = port
+        self._handlers = handlers
         self._reading_paused = False
         self._eof = False
         self.closed = False
@@ -132,7 +140,7 @@ class KafkaConnection(asyncio.Protocol):
         api_key = request.api_key
         if request.client_id:
             session.client_id = request.client_id
-        handler = HANDLERS.get(api_key)
+        handler = self._handlers.get(api_key)
         if not session.authenticated and api_key not in _BEFORE_AUTH:
             log.warning(
                 "kafka %s: %s before SASL authentication: closing", session.peer, api_key.name
@@ -176,8 +184,24 @@ class KafkaConnection(asyncio.Protocol):
 async def start_kafka(server: Server, host: str, port: int) -> Listener:
     connections: set[KafkaConnection] = set()
     bound: dict[str, int] = {"port": port}
+    groups = KafkaGroups(server.api)
+    handlers: dict[ApiKey, Handler] = {
+        **HANDLERS,
+        ApiKey.JOIN_GROUP: groups.join_group,
+        ApiKey.SYNC_GROUP: groups.sync_group,
+        ApiKey.HEARTBEAT: groups.heartbeat,
+        ApiKey.LEAVE_GROUP: groups.leave_group,
+        ApiKey.OFFSET_COMMIT: groups.offset_commit,
+        ApiKey.OFFSET_FETCH: groups.offset_fetch,
+        ApiKey.LIST_GROUPS: groups.list_groups,
+        ApiKey.DESCRIBE_GROUPS: groups.describe_groups,
+        ApiKey.DELETE_GROUPS: groups.delete_groups,
+    }
 
     async def drain() -> None:
+        # JoinGroups waiting for other members are ended first: they would hold the
+        # drain for its whole timeout.
+        await groups.close()
         await finish_in_flight([t for c in connections for t in c.tasks])
 
     listener = await start_tcp_listener(
@@ -185,7 +209,7 @@ async def start_kafka(server: Server, host: str, port: int) -> Listener:
         "kafka",
         host,
         port,
-        lambda: KafkaConnection(server, connections, bound["port"]),
+        lambda: KafkaConnection(server, connections, bound["port"], handlers),
         connections,
         drain=drain,
     )

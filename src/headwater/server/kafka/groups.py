@@ -1,0 +1,462 @@
+"""Kafka's consumer group APIs over the engine's group coordinator (engine/groups).
+
+The coordinator is a pure state machine: a JoinGroup may have to wait for the other
+members, so :class:`KafkaGroups` keeps each pending join's future by (group, member) and
+resolves it when the coordinator hands out its reply (from another member's join or
+leave, or from :meth:`GroupCoordinator.tick` at its next deadline: session and rebalance
+timeouts). The assignment is computed by the coordinator (range, roundrobin or
+cooperative-sticky, the members' vote) and every member, the leader included, gets it
+from SyncGroup; what a leader sends in its SyncGroup is not used.
+
+The member metadata and assignments are Kafka's consumer protocol
+(ConsumerProtocolSubscription / ConsumerProtocolAssignment, written here: kio models
+only the wire messages, not these embedded byte layouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from kio.schema.errors import ErrorCode
+
+from headwater.api import EngineAPI
+from headwater.engine.groups import (
+    GroupCoordinator,
+    GroupError,
+    JoinFailed,
+    JoinResult,
+    Reply,
+    TopicPartition,
+)
+from headwater.errors import HeadwaterError, InvalidRequest, StreamNotFound
+from headwater.server.kafka.handlers import Session, error_code
+
+log = logging.getLogger("headwater.kafka")
+
+PROTOCOL_TYPE = "consumer"
+
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+
+
+# ---- the consumer protocol's embedded bytes ---------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def _take(self, size: int) -> bytes:
+        if size < 0 or self.pos + size > len(self.data):
+            raise InvalidRequest("consumer protocol metadata is cut short")
+        chunk = self.data[self.pos : self.pos + size]
+        self.pos += size
+        return chunk
+
+    def i16(self) -> int:
+        value: int = _I16.unpack(self._take(2))[0]
+        return value
+
+    def i32(self) -> int:
+        value: int = _I32.unpack(self._take(4))[0]
+        return value
+
+    def string(self) -> str:
+        return self._take(self.i16()).decode("utf-8", "replace")
+
+    def nullable_bytes(self) -> None:
+        size = self.i32()
+        if size >= 0:
+            self._take(size)
+
+    def count(self) -> int:
+        count = self.i32()
+        if count > len(self.data) - self.pos:  # every element takes at least a byte
+            raise InvalidRequest("consumer protocol metadata claims more than it holds")
+        return max(count, 0)
+
+
+def parse_subscription(data: bytes) -> tuple[list[str], list[TopicPartition] | None]:
+    """The topics a member subscribes to and (version 1+) the partitions it owns."""
+    reader = _Reader(data)
+    version = reader.i16()
+    topics = [reader.string() for _ in range(reader.count())]
+    reader.nullable_bytes()  # user data
+    if version < 1 or reader.pos >= len(data):
+        return topics, None
+    owned = []
+    for _ in range(reader.count()):
+        topic = reader.string()
+        owned += [TopicPartition(topic, reader.i32()) for _ in range(reader.count())]
+    return topics, owned
+
+
+def encode_assignment(assignment: tuple[TopicPartition, ...]) -> bytes:
+    """ConsumerProtocolAssignment v0: topics with their partitions, no user data."""
+    by_topic: dict[str, list[int]] = {}
+    for tp in assignment:
+        by_topic.setdefault(tp.stream, []).append(tp.partition)
+    out = bytearray(_I16.pack(0) + _I32.pack(len(by_topic)))
+    for topic, partitions in sorted(by_topic.items()):
+        name = topic.encode()
+        out += _I16.pack(len(name)) + name + _I32.pack(len(partitions))
+        for partition in sorted(partitions):
+            out += _I32.pack(partition)
+    out += _I32.pack(0)  # user data: empty
+    return bytes(out)
+
+
+# ---- the shell around each tenant's coordinator -----------------------------------------
+
+
+def _ms(delta: Any) -> int:
+    return int(delta.total_seconds() * 1000)
+
+
+class _TenantGroups:
+    def __init__(self, coordinator: GroupCoordinator) -> None:
+        self.coordinator = coordinator
+        # pending JoinGroups by member id (unique: the coordinator makes them)
+        self.pending: dict[str, asyncio.Future[Reply]] = {}
+        self.metadata: dict[tuple[str, str], dict[str, bytes]] = {}
+        self.wake = asyncio.Event()
+        self.ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+
+    def dispatch(self, replies: list[Reply]) -> None:
+        for reply in replies:
+            future = self.pending.pop(reply.member_id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+        self.wake.set()  # the next deadline may have moved
+
+    async def _tick_loop(self) -> None:
+        coordinator = self.coordinator
+        while True:
+            deadline = coordinator.next_deadline()
+            timeout = None if deadline is None else max(0.0, (deadline - _now_ms()) / 1000)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
+            self.wake.clear()
+            replies = coordinator.tick()
+            if replies:
+                self.dispatch(replies)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class KafkaGroups:
+    """The group APIs of one Kafka listener, for every tenant."""
+
+    def __init__(self, api: EngineAPI) -> None:
+        self.api = api
+        self._tenants: dict[int, _TenantGroups] = {}
+
+    async def _tenant(self, tenant_id: int) -> _TenantGroups:
+        found = self._tenants.get(tenant_id)
+        if found is None:
+            coordinator = await self.api.groups.coordinator(tenant_id)
+            found = self._tenants.get(tenant_id)
+            if found is None:
+                found = self._tenants[tenant_id] = _TenantGroups(coordinator)
+        return found
+
+    async def close(self) -> None:
+        for tenant in self._tenants.values():
+            tenant.ticker.cancel()
+            for future in tenant.pending.values():
+                future.cancel()
+        self._tenants.clear()
+
+    # ---- membership ---------------------------------------------------------------
+
+    async def join_group(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        group_id = request.group_id
+        protocols = {p.name: bytes(p.metadata) for p in request.protocols}
+        answer: dict[str, Any] = {
+            "throttle_time": 0,
+            "error_code": ErrorCode.none,
+            "generation_id": -1,
+            "protocol_type": PROTOCOL_TYPE,
+            "protocol_name": None,
+            "leader": "",
+            "skip_assignment": False,
+            "member_id": request.member_id,
+            "members": [],
+        }
+        if request.protocol_type != PROTOCOL_TYPE:
+            answer["error_code"] = ErrorCode.inconsistent_group_protocol
+            return answer
+        session_timeout = _ms(request.session_timeout)
+        rebalance = getattr(request, "rebalance_timeout", None)
+        try:
+            topics, owned = parse_subscription(next(iter(protocols.values()), b""))
+            member_id, replies = tenant.coordinator.join(
+                group_id,
+                request.member_id,
+                protocols=list(protocols),
+                streams=topics,
+                client_id=session.client_id,
+                instance_id=getattr(request, "group_instance_id", None),
+                session_timeout_ms=session_timeout,
+                rebalance_timeout_ms=_ms(rebalance) if rebalance is not None else session_timeout,
+                owned=owned,
+            )
+        except HeadwaterError as exc:
+            log.warning("kafka %s: JoinGroup %r refused: %s", session.peer, group_id, exc)
+            answer["error_code"] = error_code(exc)
+            return answer
+        tenant.metadata[(group_id, member_id)] = protocols
+        key = member_id
+        earlier = tenant.pending.pop(key, None)
+        if earlier is not None:
+            earlier.cancel()
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        tenant.pending[key] = future
+        tenant.dispatch(replies)
+        try:
+            reply = await future
+        finally:
+            if tenant.pending.get(key) is future:
+                del tenant.pending[key]
+        answer["member_id"] = member_id
+        if isinstance(reply, JoinFailed):
+            answer["error_code"] = error_code(reply.error)
+            return answer
+        assert isinstance(reply, JoinResult)
+        answer.update(
+            generation_id=reply.generation,
+            protocol_name=reply.protocol,
+            leader=reply.leader,
+        )
+        if member_id == reply.leader:
+            answer["members"] = [
+                {
+                    "member_id": member,
+                    "group_instance_id": None,
+                    "metadata": tenant.metadata.get((group_id, member), {}).get(
+                        reply.protocol, b""
+                    ),
+                }
+                for member in reply.members
+            ]
+        return answer
+
+    async def sync_group(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        answer: dict[str, Any] = {
+            "throttle_time": 0,
+            "error_code": ErrorCode.none,
+            "protocol_type": PROTOCOL_TYPE,
+            "protocol_name": getattr(request, "protocol_name", None),
+            "assignment": b"",
+        }
+        try:
+            result = tenant.coordinator.sync(
+                request.group_id,
+                request.member_id,
+                request.generation_id,
+                getattr(request, "group_instance_id", None),
+            )
+        except HeadwaterError as exc:
+            answer["error_code"] = error_code(exc)
+            return answer
+        tenant.wake.set()
+        answer["assignment"] = encode_assignment(result.assignment)
+        return answer
+
+    async def heartbeat(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        code = ErrorCode.none
+        try:
+            tenant.coordinator.heartbeat(
+                request.group_id,
+                request.member_id,
+                request.generation_id,
+                getattr(request, "group_instance_id", None),
+            )
+        except HeadwaterError as exc:
+            code = error_code(exc)
+        tenant.wake.set()
+        return {"throttle_time": 0, "error_code": code}
+
+    async def leave_group(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        group_id = request.group_id
+        if version < 3:
+            leaving = [(request.member_id, None)]
+        else:
+            leaving = [(m.member_id, m.group_instance_id) for m in request.members]
+        results = []
+        top = ErrorCode.none
+        for member_id, instance_id in leaving:
+            code = ErrorCode.none
+            try:
+                tenant.dispatch(tenant.coordinator.leave(group_id, member_id, instance_id))
+                tenant.metadata.pop((group_id, member_id), None)
+            except HeadwaterError as exc:
+                code = error_code(exc)
+                top = code if version < 3 else top
+            results.append(
+                {"member_id": member_id, "group_instance_id": instance_id, "error_code": code}
+            )
+        return {"throttle_time": 0, "error_code": top, "members": results}
+
+    # ---- offsets --------------------------------------------------------------------
+
+    async def offset_commit(
+        self, session: Session, request: Any, version: int
+    ) -> Mapping[str, Any]:
+        offsets = {
+            (topic.name, p.partition_index): (p.committed_offset, p.committed_metadata or "")
+            for topic in request.topics
+            for p in topic.partitions
+        }
+        code = ErrorCode.none
+        try:
+            await self.api.groups.commit(
+                session.tenant_id,
+                request.group_id,
+                offsets,
+                member_id=request.member_id,
+                generation=request.generation_id_or_member_epoch,
+                instance_id=getattr(request, "group_instance_id", None),
+            )
+        except StreamNotFound:
+            code = ErrorCode.unknown_topic_or_partition
+        except HeadwaterError as exc:
+            code = error_code(exc)
+            if code is ErrorCode.invalid_request:
+                code = ErrorCode.unknown_topic_or_partition
+        if code is not ErrorCode.none:
+            log.warning(
+                "kafka %s: OffsetCommit of %r refused: %s", session.peer, request.group_id, code
+            )
+        return {
+            "throttle_time": 0,
+            "topics": [
+                {
+                    "name": topic.name,
+                    "partitions": [
+                        {"partition_index": p.partition_index, "error_code": code}
+                        for p in topic.partitions
+                    ],
+                }
+                for topic in request.topics
+            ],
+        }
+
+    async def _fetch_group(
+        self, session: Session, group_id: str, topics: Any
+    ) -> list[dict[str, Any]]:
+        wanted = (
+            None if topics is None else [(t.name, p) for t in topics for p in t.partition_indexes]
+        )
+        committed = await self.api.groups.fetch(session.tenant_id, group_id, wanted)
+        by_topic: dict[str, list[dict[str, Any]]] = {}
+        for name, partition in wanted if wanted is not None else sorted(committed):
+            offset = committed.get((name, partition))
+            by_topic.setdefault(name, []).append(
+                {
+                    "partition_index": partition,
+                    "committed_offset": offset.offset if offset is not None else -1,
+                    "committed_leader_epoch": -1,
+                    "metadata": offset.metadata if offset is not None else "",
+                    "error_code": ErrorCode.none,
+                }
+            )
+        return [{"name": name, "partitions": parts} for name, parts in by_topic.items()]
+
+    async def offset_fetch(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        if version >= 8:
+            groups = [
+                {
+                    "group_id": group.group_id,
+                    "topics": await self._fetch_group(session, group.group_id, group.topics),
+                    "error_code": ErrorCode.none,
+                }
+                for group in request.groups
+            ]
+            return {"throttle_time": 0, "groups": groups}
+        topics = await self._fetch_group(session, request.group_id, request.topics)
+        return {"throttle_time": 0, "topics": topics, "error_code": ErrorCode.none}
+
+    # ---- administration ---------------------------------------------------------------
+
+    async def list_groups(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        groups = []
+        for group_id in await self.api.groups.group_ids(session.tenant_id):
+            group = tenant.coordinator.groups.get(group_id)
+            state = str(group.state) if group is not None else "Empty"
+            wanted = getattr(request, "states_filter", ())
+            if wanted and state not in wanted:
+                continue
+            groups.append(
+                {"group_id": group_id, "protocol_type": PROTOCOL_TYPE, "group_state": state}
+            )
+        return {"throttle_time": 0, "error_code": ErrorCode.none, "groups": groups}
+
+    async def describe_groups(
+        self, session: Session, request: Any, version: int
+    ) -> Mapping[str, Any]:
+        tenant = await self._tenant(session.tenant_id)
+        described = []
+        for group_id in request.groups:
+            entry: dict[str, Any] = {
+                "error_code": ErrorCode.none,
+                "group_id": group_id,
+                "group_state": "Dead",
+                "protocol_type": "",
+                "protocol_data": "",
+                "members": [],
+                "authorized_operations": -(2**31),
+            }
+            if group_id in tenant.coordinator.groups:
+                description = tenant.coordinator.describe(group_id)
+                entry.update(
+                    group_state=str(description.state),
+                    protocol_type=PROTOCOL_TYPE,
+                    protocol_data=description.protocol or "",
+                    members=[
+                        {
+                            "member_id": m.member_id,
+                            "group_instance_id": m.instance_id,
+                            "client_id": m.client_id,
+                            "client_host": "",
+                            "member_metadata": tenant.metadata.get((group_id, m.member_id), {}).get(
+                                description.protocol or "", b""
+                            ),
+                            "member_assignment": encode_assignment(m.assignment),
+                        }
+                        for m in description.members
+                    ],
+                )
+            described.append(entry)
+        return {"throttle_time": 0, "groups": described}
+
+    async def delete_groups(
+        self, session: Session, request: Any, version: int
+    ) -> Mapping[str, Any]:
+        results = []
+        for group_id in request.groups_names:
+            code = ErrorCode.none
+            try:
+                await self.api.groups.delete(session.tenant_id, group_id)
+            except GroupError as exc:
+                code = error_code(exc)
+            except InvalidRequest:
+                code = ErrorCode.non_empty_group
+            except HeadwaterError as exc:
+                code = error_code(exc)
+            results.append({"group_id": group_id, "error_code": code})
+        return {"throttle_time": 0, "results": results}
