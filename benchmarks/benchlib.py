@@ -203,7 +203,7 @@ class HeadwaterServer(ServerProcess):
 
     # Every listener this checkout has; an older revision (``src``) may know fewer, and
     # its config refuses a key it does not know.
-    LISTENERS = ("kimberlite", "http", "convergedb", "ripple", "postgres")
+    LISTENERS = ("kimberlite", "http", "convergedb", "ripple", "postgres", "rivven", "kafka")
 
     def __init__(
         self,

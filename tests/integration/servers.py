@@ -32,7 +32,7 @@ from waiting import wait_until
 
 START_SECONDS = 30.0  # generous: the machine is shared
 STOP_SECONDS = 30.0
-LISTENERS = ("kimberlite", "convergedb", "ripple", "http", "postgres")
+LISTENERS = ("kimberlite", "convergedb", "ripple", "http", "postgres", "rivven", "kafka")
 LOCAL = "127.0.0.1:0"  # a listener on, at a port the server picks
 
 

@@ -9,17 +9,21 @@ from headwater.server.app import ListenerFactory, Server, setup_logging, tune_gc
 from headwater.server.config import ServerConfig
 from headwater.server.convergedb.listener import start_convergedb
 from headwater.server.http.listener import start_http
+from headwater.server.kafka.listener import start_kafka
 from headwater.server.kimberlite.listener import start_kimberlite
 from headwater.server.memory import tune_malloc
 from headwater.server.postgres.listener import start_postgres
 from headwater.server.ripple.listener import start_ripple
+from headwater.server.rivven.listener import start_rivven
 
 FRONT_ENDS: dict[str, ListenerFactory] = {
     "convergedb": start_convergedb,
     "http": start_http,
+    "kafka": start_kafka,
     "kimberlite": start_kimberlite,
     "postgres": start_postgres,
     "ripple": start_ripple,
+    "rivven": start_rivven,
 }
 """Every front end, by its key in ``[listen]`` and in the ports file."""
 

@@ -1,0 +1,1 @@
+"""The Rivven front end (protobuf format): docs/protocols/rivven.md."""

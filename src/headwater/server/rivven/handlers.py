@@ -1,0 +1,554 @@
+"""Each Rivven request mapped to the engine (docs/protocols/rivven.md, "Messages").
+
+A handler takes the connection's :class:`Session` and the request's message and returns
+the answer's message, or raises a :class:`~headwater.errors.HeadwaterError` that the
+listener answers as an ErrorResponse. Topics are the session tenant's streams; a
+partition is a stream's partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import Message
+
+from headwater.api import EngineAPI
+from headwater.api.auth import Principal
+from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
+from headwater.engine.names import RESERVED_PREFIXES
+from headwater.engine.partitioner import keyed_partition
+from headwater.engine.transactions import ProducerIdentity
+from headwater.errors import (
+    AuthenticationFailed,
+    InvalidOffset,
+    InvalidRequest,
+    InvalidTxnState,
+    ProducerFenced,
+)
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.messages import record_key
+
+BROKER_ID = 0  # this server: the one broker of every topic's metadata
+DEFAULT_MAX_MESSAGES = 1000  # a Consume that names no count
+MAX_CONSUME_BYTES = 8 << 20  # what one Consume reads, below the 10 MiB frame
+MAX_WAIT_MS = 30_000  # longest long poll a Consume may ask for
+SESSION_EXPIRES_S = 3600  # what Authenticate tells the client (the token does not expire)
+
+# CreateTopic's config keys (Kafka's names, as Rivven takes them) and StreamSettings'.
+TOPIC_CONFIG_KEYS = {
+    "retention.ms": "retention_ms",
+    "retention.bytes": "retention_bytes",
+    "segment.bytes": "segment_bytes",
+    "segment.ms": "segment_ms",
+    "cleanup.policy": "cleanup_policy",
+    "delete.retention.ms": "delete_retention_ms",
+    "compression.type": "compression",
+    "message.timestamp.type": "timestamp_type",
+}
+_INT_SETTINGS = frozenset(
+    {"retention_ms", "retention_bytes", "segment_bytes", "segment_ms", "delete_retention_ms"}
+)
+
+
+class PartitionNotFound(InvalidRequest):
+    """A partition the topic does not have (answered PARTITION_NOT_FOUND)."""
+
+
+@dataclass
+class TransactionalIds:
+    """Rivven names a transaction's producer by the id and epoch InitProducerId gave it,
+    then BeginTransaction binds a transactional id to them; the engine gives a
+    transactional id its own producer (init_producer, which fences an older instance).
+    This maps each (tenant, transactional id) to the client's (producer id, epoch) that
+    began it and the engine's identity for it; shared by every connection of the
+    listener, so a producer may reconnect between calls."""
+
+    bound: dict[tuple[int, str], tuple[tuple[int, int], ProducerIdentity]] = field(
+        default_factory=dict
+    )
+
+    async def begin(
+        self, api: EngineAPI, tenant_id: int, txn_id: str, client: tuple[int, int], timeout: int
+    ) -> None:
+        found = self.bound.get((tenant_id, txn_id))
+        if found is not None:
+            (producer_id, epoch), _identity = found
+            if (producer_id, epoch) == client:
+                return  # the next transaction of the same producer
+            if producer_id == client[0] and client[1] < epoch:
+                raise ProducerFenced(
+                    f"producer {producer_id} epoch {client[1]} is fenced: transaction"
+                    f" {txn_id!r} was begun by epoch {epoch}"
+                )
+        # A new producer (or this server's first sight of it): the engine bumps the
+        # transactional id's epoch, aborting what an older instance left open.
+        identity = await api.init_producer(tenant_id, txn_id, timeout or None)
+        self.bound[(tenant_id, txn_id)] = (client, identity)
+
+    def identity(self, tenant_id: int, txn_id: str, client: tuple[int, int]) -> ProducerIdentity:
+        found = self.bound.get((tenant_id, txn_id))
+        if found is None:
+            raise InvalidTxnState(f"transaction {txn_id!r} has not begun: BeginTransaction first")
+        bound_client, identity = found
+        if bound_client != client:
+            raise ProducerFenced(
+                f"producer {client[0]} epoch {client[1]} is not transaction {txn_id!r}'s"
+                f" (begun by producer {bound_client[0]} epoch {bound_client[1]})"
+            )
+        return identity
+
+
+@dataclass
+class Session:
+    """One connection's state: who it is and what it may touch."""
+
+    api: EngineAPI
+    transactions: TransactionalIds
+    host: str
+    port: int
+    principal: Principal | None = None  # set by Authenticate, or on first use without auth
+
+    @property
+    def tenant_id(self) -> int:
+        principal = self.principal
+        if principal is None:
+            principal = self.principal = self.api.authenticate(None)  # required: refused
+        return principal.default_tenant
+
+    def stream(self, topic: str) -> StreamInfo:
+        return self.api.stream_named(self.tenant_id, topic)
+
+    def partition(self, topic: str, partition: int) -> StreamInfo:
+        info = self.stream(topic)
+        if not 0 <= partition < info.partitions:
+            raise PartitionNotFound(
+                f"topic {topic!r} has no partition {partition} (it has {info.partitions})"
+            )
+        return info
+
+
+Handler = Callable[[Session, Any], Awaitable[Message]]
+
+
+# ---- auth and metadata --------------------------------------------------------------
+
+
+async def authenticate(session: Session, request: pb.AuthenticateRequest) -> Message:
+    if request.WhichOneof("mechanism") != "plain":
+        raise AuthenticationFailed("headwater takes PLAIN authentication (the token as password)")
+    session.principal = session.api.authenticate(request.plain.password or None)
+    return pb.AuthenticateResponse(
+        session_id=f"tenant-{session.principal.default_tenant}",
+        expires_in=SESSION_EXPIRES_S,
+    )
+
+
+async def ping(session: Session, request: pb.PingRequest) -> Message:
+    return pb.PingResponse()
+
+
+def _internal(name: str) -> bool:
+    return name.startswith(RESERVED_PREFIXES[1])
+
+
+def _topic_metadata(info: StreamInfo) -> pb.TopicMetadata:
+    return pb.TopicMetadata(
+        name=info.name,
+        internal=_internal(info.name),
+        partitions=[
+            pb.PartitionMetadata(id=n, leader=BROKER_ID, replicas=[BROKER_ID], isr=[BROKER_ID])
+            for n in range(info.partitions)
+        ],
+    )
+
+
+def _topics(session: Session, names: list[str]) -> list[pb.TopicMetadata]:
+    if names:
+        return [_topic_metadata(session.stream(name)) for name in names]
+    return [_topic_metadata(info) for info in session.api.list_streams(session.tenant_id)]
+
+
+def _broker(session: Session) -> pb.BrokerInfo:
+    return pb.BrokerInfo(id=BROKER_ID, host=session.host, port=session.port)
+
+
+async def get_metadata(session: Session, request: pb.GetMetadataRequest) -> Message:
+    return pb.GetMetadataResponse(
+        topics=_topics(session, list(request.topics)), brokers=[_broker(session)]
+    )
+
+
+async def get_cluster_metadata(session: Session, request: pb.GetClusterMetadataRequest) -> Message:
+    return pb.GetClusterMetadataResponse(
+        controller_id=str(BROKER_ID),
+        brokers=[_broker(session)],
+        topics=_topics(session, list(request.topics)),
+    )
+
+
+async def list_topics(session: Session, request: pb.ListTopicsRequest) -> Message:
+    names = [
+        info.name
+        for info in session.api.list_streams(session.tenant_id)
+        if info.name.startswith(request.prefix) and not _internal(info.name)
+    ]
+    return pb.ListTopicsResponse(topics=names)
+
+
+# ---- topics -------------------------------------------------------------------------
+
+
+def _settings(partitions: int, config: dict[str, str]) -> StreamSettings:
+    values: dict[str, Any] = {"partitions": partitions or 1}
+    for key, value in config.items():
+        name = TOPIC_CONFIG_KEYS.get(key)
+        if name is None:
+            raise InvalidRequest(
+                f"topic config {key!r} is not supported (one of {', '.join(TOPIC_CONFIG_KEYS)})"
+            )
+        if name in _INT_SETTINGS:
+            try:
+                values[name] = int(value)
+            except ValueError:
+                raise InvalidRequest(f"topic config {key} must be an integer") from None
+        else:
+            values[name] = value
+    settings = StreamSettings(**values)
+    settings.validate()
+    return settings
+
+
+async def create_topic(session: Session, request: pb.CreateTopicRequest) -> Message:
+    if request.replication_factor > 1:
+        raise InvalidRequest("headwater is one broker: replication_factor must be 0 or 1")
+    settings = _settings(request.partitions, dict(request.config))
+    info = await session.api.create_stream(session.tenant_id, request.name, settings)
+    return pb.CreateTopicResponse(name=info.name, partitions=info.partitions)
+
+
+async def delete_topic(session: Session, request: pb.DeleteTopicRequest) -> Message:
+    info = session.stream(request.name)
+    await session.api.delete_stream(session.tenant_id, info.stream_id)
+    return pb.DeleteTopicResponse()
+
+
+async def create_partitions(session: Session, request: pb.CreatePartitionsRequest) -> Message:
+    info = session.stream(request.topic)
+    grown = await session.api.alter_partitions(
+        session.tenant_id, info.stream_id, request.new_partition_count
+    )
+    return pb.CreatePartitionsResponse(topic=grown.name, new_partition_count=grown.partitions)
+
+
+# ---- produce ------------------------------------------------------------------------
+
+
+def _headers(record: pb.Record) -> list[tuple[bytes, bytes]]:
+    return [(header.key.encode(), header.value) for header in record.headers]
+
+
+def _producer_partition(
+    info: StreamInfo, partition: int | None, key: bytes | None, producer_id: int
+) -> int:
+    """Where an idempotent or transactional record goes: its partition, else its key's
+    (murmur2, as any publish), else the producer's own (producer id modulo the count),
+    so a retry lands where its first attempt went and its sequence is checked there."""
+    if partition is not None:
+        if not 0 <= partition < info.partitions:
+            raise PartitionNotFound(
+                f"topic {info.name!r} has no partition {partition} (it has {info.partitions})"
+            )
+        return partition
+    if key is not None:
+        return keyed_partition(key, info.partitions)
+    return producer_id % info.partitions
+
+
+async def publish(session: Session, request: pb.PublishRequest) -> Message:
+    info = session.stream(request.topic)
+    record = request.record
+    explicit = request.partition if request.HasField("partition") else None
+    if explicit is not None and not 0 <= explicit < info.partitions:
+        raise PartitionNotFound(
+            f"topic {info.name!r} has no partition {explicit} (it has {info.partitions})"
+        )
+    placed = await session.api.append_partitioned(
+        session.tenant_id,
+        info.stream_id,
+        [record.value],
+        keys=[record_key(record)],
+        headers=[_headers(record)],
+        partitions=[explicit],
+        timestamps=[record.timestamp or None],
+    )
+    return pb.PublishResponse(
+        offset=placed.offsets[0], partition=placed.partitions[0], timestamp=placed.timestamps[0]
+    )
+
+
+async def init_producer_id(session: Session, request: pb.InitProducerIdRequest) -> Message:
+    # A given producer id is not resumed: an idempotent producer without a
+    # transactional id gets a new id each time, as Kafka's does.
+    identity = await session.api.init_producer(session.tenant_id)
+    return pb.InitProducerIdResponse(
+        producer_id=identity.producer_id, producer_epoch=identity.epoch
+    )
+
+
+async def idempotent_publish(session: Session, request: pb.IdempotentPublishRequest) -> Message:
+    info = session.stream(request.topic)
+    record = request.record
+    key = record_key(record)
+    explicit = request.partition if request.HasField("partition") else None
+    partition = _producer_partition(info, explicit, key, request.producer_id)
+    stored = await session.api.append(
+        session.tenant_id,
+        info.stream_id,
+        [record.value],
+        timestamp_ms=record.timestamp or None,
+        partition=partition,
+        keys=[key],
+        headers=[_headers(record)] if record.headers else None,
+        producer=(request.producer_id, request.sequence),
+        producer_epoch=request.producer_epoch,
+    )
+    # A retry is answered with the first attempt's offsets and no log position.
+    return pb.IdempotentPublishResponse(
+        offset=stored.base_offset, partition=partition, duplicate=stored.first_position < 0
+    )
+
+
+# ---- consume ------------------------------------------------------------------------
+
+
+async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
+    api, tenant_id = session.api, session.tenant_id
+    info = session.partition(request.topic, request.partition)
+    partition, offset = request.partition, request.offset
+    isolation = READ_COMMITTED if request.isolation_level == 1 else READ_UNCOMMITTED
+    end = api.stream_end(tenant_id, info.stream_id, partition)
+    if offset > end:
+        raise InvalidOffset(f"offset {offset} is past partition {partition}'s end ({end})")
+    max_bytes = min(request.max_bytes or MAX_CONSUME_BYTES, MAX_CONSUME_BYTES)
+    max_events = request.max_messages or DEFAULT_MAX_MESSAGES
+    wait_s = min(request.max_wait_ms, MAX_WAIT_MS) / 1000 if request.HasField("max_wait_ms") else 0
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        result = await api.read(
+            tenant_id,
+            info.stream_id,
+            offset,
+            max_bytes,
+            max_events=max_events,
+            partition=partition,
+            isolation=isolation,
+        )
+        if result.count:
+            break
+        # Nothing to give (yet): a long poll waits for the partition to pass its end,
+        # then reads again (under read_committed the new events may still be open).
+        left = deadline - asyncio.get_running_loop().time()
+        end = max(offset, api.stream_end(tenant_id, info.stream_id, partition))
+        if left <= 0 or not await api.wait_for_end(tenant_id, info.stream_id, partition, end, left):
+            break
+        # A read that skipped only aborted events or markers resumes past them.
+        offset = max(offset, result.end_offset)
+    response = pb.ConsumeResponse(
+        high_watermark=api.stream_end(tenant_id, info.stream_id, partition)
+    )
+    records = response.records
+    for event in result.events():
+        records.add(
+            offset=event.offset,
+            partition=partition,
+            timestamp=event.timestamp_ms,
+            key=event.key or b"",
+            has_key=event.key is not None,
+            value=event.value,
+            headers=[
+                pb.RecordHeader(key=k.decode(errors="replace"), value=v) for k, v in event.headers
+            ],
+        )
+    return response
+
+
+async def get_offset_bounds(session: Session, request: pb.GetOffsetBoundsRequest) -> Message:
+    info = session.partition(request.topic, request.partition)
+    bounds = info.partition_info[request.partition]
+    return pb.GetOffsetBoundsResponse(earliest=bounds.start_offset, latest=bounds.next_offset)
+
+
+async def get_offset_for_timestamp(
+    session: Session, request: pb.GetOffsetForTimestampRequest
+) -> Message:
+    info = session.partition(request.topic, request.partition)
+    offset = await session.api.offset_for_timestamp(
+        session.tenant_id, info.stream_id, request.timestamp_ms, partition=request.partition
+    )
+    response = pb.GetOffsetForTimestampResponse()
+    if offset is not None:
+        response.offset = offset
+    return response
+
+
+# ---- consumer groups ----------------------------------------------------------------
+
+
+async def commit_offset(session: Session, request: pb.CommitOffsetRequest) -> Message:
+    session.partition(request.topic, request.partition)
+    await session.api.groups.commit(
+        session.tenant_id,
+        request.consumer_group,
+        {(request.topic, request.partition): (request.offset, request.metadata)},
+    )
+    return pb.CommitOffsetResponse()
+
+
+async def get_offset(session: Session, request: pb.GetOffsetRequest) -> Message:
+    session.partition(request.topic, request.partition)
+    found = await session.api.groups.fetch(
+        session.tenant_id, request.consumer_group, [(request.topic, request.partition)]
+    )
+    committed = found.get((request.topic, request.partition))
+    if committed is None:
+        return pb.GetOffsetResponse(offset=-1)
+    return pb.GetOffsetResponse(offset=committed.offset, metadata=committed.metadata)
+
+
+async def list_groups(session: Session, request: pb.ListGroupsRequest) -> Message:
+    return pb.ListGroupsResponse(groups=await session.api.groups.group_ids(session.tenant_id))
+
+
+async def describe_group(session: Session, request: pb.DescribeGroupRequest) -> Message:
+    found = await session.api.groups.fetch(session.tenant_id, request.consumer_group)
+    by_topic: dict[str, list[pb.GroupPartitionOffset]] = {}
+    for (topic, partition), committed in sorted(found.items()):
+        by_topic.setdefault(topic, []).append(
+            pb.GroupPartitionOffset(partition=partition, offset=committed.offset)
+        )
+    return pb.DescribeGroupResponse(
+        consumer_group=request.consumer_group,
+        topic_offsets=[
+            pb.GroupTopicOffsets(topic=topic, partition_offsets=offsets)
+            for topic, offsets in by_topic.items()
+        ],
+    )
+
+
+async def delete_group(session: Session, request: pb.DeleteGroupRequest) -> Message:
+    await session.api.groups.delete(session.tenant_id, request.consumer_group)
+    return pb.DeleteGroupResponse()
+
+
+# ---- transactions -------------------------------------------------------------------
+
+
+async def begin_transaction(session: Session, request: pb.BeginTransactionRequest) -> Message:
+    timeout = request.timeout_ms if request.HasField("timeout_ms") else 0
+    await session.transactions.begin(
+        session.api,
+        session.tenant_id,
+        request.txn_id,
+        (request.producer_id, request.producer_epoch),
+        timeout,
+    )
+    return pb.BeginTransactionResponse(txn_id=request.txn_id)
+
+
+def _txn_identity(session: Session, request: Any) -> ProducerIdentity:
+    return session.transactions.identity(
+        session.tenant_id, request.txn_id, (request.producer_id, request.producer_epoch)
+    )
+
+
+async def transactional_publish(
+    session: Session, request: pb.TransactionalPublishRequest
+) -> Message:
+    identity = _txn_identity(session, request)
+    info = session.stream(request.topic)
+    record = request.record
+    key = record_key(record)
+    explicit = request.partition if request.HasField("partition") else None
+    partition = _producer_partition(info, explicit, key, request.producer_id)
+    stored = await session.api.append_transactional(
+        session.tenant_id,
+        request.txn_id,
+        identity,
+        info.stream_id,
+        request.sequence,
+        [record.value],
+        partition=partition,
+        keys=[key],
+        headers=[_headers(record)] if record.headers else None,
+    )
+    return pb.TransactionalPublishResponse(
+        offset=stored.base_offset, partition=partition, sequence=request.sequence
+    )
+
+
+async def add_partitions_to_txn(session: Session, request: pb.AddPartitionsToTxnRequest) -> Message:
+    identity = _txn_identity(session, request)
+    pairs = []
+    for entry in request.partitions:
+        info = session.partition(entry.topic, entry.partition)
+        pairs.append((info.stream_id, entry.partition))
+    await session.api.add_partitions_to_txn(session.tenant_id, request.txn_id, identity, pairs)
+    return pb.PartitionsAddedToTxnResponse(txn_id=request.txn_id, partition_count=len(pairs))
+
+
+async def add_offsets_to_txn(session: Session, request: pb.AddOffsetsToTxnRequest) -> Message:
+    identity = _txn_identity(session, request)
+    offsets = {}
+    for entry in request.offsets:
+        session.partition(entry.topic, entry.partition)
+        offsets[(entry.topic, entry.partition)] = (entry.offset, "")
+    await session.api.add_offsets_to_txn(
+        session.tenant_id, request.txn_id, identity, request.group_id, offsets
+    )
+    return pb.OffsetsAddedToTxnResponse(txn_id=request.txn_id)
+
+
+async def commit_transaction(session: Session, request: pb.CommitTransactionRequest) -> Message:
+    identity = _txn_identity(session, request)
+    await session.api.end_transaction(session.tenant_id, request.txn_id, identity, True)
+    return pb.CommitTransactionResponse(txn_id=request.txn_id)
+
+
+async def abort_transaction(session: Session, request: pb.AbortTransactionRequest) -> Message:
+    identity = _txn_identity(session, request)
+    await session.api.end_transaction(session.tenant_id, request.txn_id, identity, False)
+    return pb.AbortTransactionResponse(txn_id=request.txn_id)
+
+
+HANDLERS: dict[str, Handler] = {
+    "authenticate": authenticate,
+    "ping": ping,
+    "get_metadata": get_metadata,
+    "get_cluster_metadata": get_cluster_metadata,
+    "list_topics": list_topics,
+    "create_topic": create_topic,
+    "delete_topic": delete_topic,
+    "create_partitions": create_partitions,
+    "publish": publish,
+    "init_producer_id": init_producer_id,
+    "idempotent_publish": idempotent_publish,
+    "consume": consume,
+    "get_offset_bounds": get_offset_bounds,
+    "get_offset_for_timestamp": get_offset_for_timestamp,
+    "commit_offset": commit_offset,
+    "get_offset": get_offset,
+    "list_groups": list_groups,
+    "describe_group": describe_group,
+    "delete_group": delete_group,
+    "begin_transaction": begin_transaction,
+    "transactional_publish": transactional_publish,
+    "add_partitions_to_txn": add_partitions_to_txn,
+    "add_offsets_to_txn": add_offsets_to_txn,
+    "commit_transaction": commit_transaction,
+    "abort_transaction": abort_transaction,
+}
+"""Every operation headwater answers; the schema's others (SCRAM, topic configs,
+DeleteRecords, quotas) are answered INVALID_REQUEST, naming the operation."""

@@ -1,0 +1,245 @@
+"""The asyncio shell of the Rivven front end: it only moves bytes.
+
+Each request runs as its own task, so answers go out in completion order, matched by
+correlation id (a long-polling Consume never holds up a Publish on the same
+connection). Reading pauses while too many requests are in flight. Peer errors are
+ErrorResponses and one warning line, never a traceback.
+
+Auth: with ``[auth] required = true`` every request but Handshake, Ping and Authenticate
+is refused UNAUTHORIZED until a PLAIN Authenticate presents a known token (its password);
+the tenant is the token's (its lowest). Without required auth, a client may skip
+Authenticate and acts for tenant 0. ``[limits] handshake_timeout_s`` is the time allowed
+until the first accepted request (a compatible Handshake, a successful Authenticate, or,
+without required auth, any request answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, cast
+
+from google.protobuf.message import Message
+
+from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError, InvalidRequest
+from headwater.protocols.rivven.connection import (
+    Close,
+    Reject,
+    Reply,
+    RequestFrame,
+    ServerConnection,
+)
+from headwater.protocols.rivven.frames import FrameTooLarge
+from headwater.protocols.rivven.messages import ErrorCode, error_code_for
+from headwater.server.app import Listener
+from headwater.server.metrics import metrics_for
+from headwater.server.rivven.handlers import (
+    HANDLERS,
+    PartitionNotFound,
+    Session,
+    TransactionalIds,
+)
+from headwater.server.tcp import (
+    ConnectionGuard,
+    finish_in_flight,
+    start_tcp_listener,
+    without_nagle,
+)
+
+if TYPE_CHECKING:
+    from headwater.server.app import Server
+
+log = logging.getLogger("headwater.rivven")
+
+LISTENER = "rivven"
+MAX_INFLIGHT = 1024  # requests per connection before reading pauses
+RESUME_INFLIGHT = MAX_INFLIGHT // 2
+# Answered before authentication (the rest need an accepted token when auth is required).
+OPEN_OPERATIONS = frozenset({"authenticate", "ping"})
+
+
+class RivvenConnection(asyncio.Protocol):
+    def __init__(
+        self,
+        server: Server,
+        connections: set[RivvenConnection],
+        transactions: TransactionalIds,
+        address: tuple[str, int],
+    ) -> None:
+        self.server = server
+        self.protocol = ServerConnection()
+        self.metrics = metrics_for(server)
+        self.session = Session(server.api, transactions, *address)
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._connections = connections
+        self._reading_paused = False
+        self._eof = False
+        self.closed = False
+        self.guard = ConnectionGuard(server.limits, LISTENER, self)
+
+    # ---- transport callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self.guard.admit(self.transport):
+            return
+        without_nagle(self.transport)
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.guard.release()
+        self._connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.protocol.receive_data(data):
+            if isinstance(event, RequestFrame):
+                self._dispatch(event)
+            elif isinstance(event, Reply):
+                if event.response.WhichOneof("response_type") == "handshake_result":
+                    self._accepted()
+                else:
+                    log.warning("rivven %s: %s", self.guard.peer, event.response.error.message)
+                self._write(event.data)
+            elif isinstance(event, Reject):
+                log.warning("rivven %s: closing: %s", self.guard.peer, event.reason)
+                self._write(event.data)
+                self.close()
+                return
+            elif isinstance(event, Close):
+                log.warning("rivven %s: closing: %s", self.guard.peer, event.reason)
+                self.close(abort=True)
+                return
+        self.guard.received()
+
+    def eof_received(self) -> bool | None:
+        # The peer sends no more but may still read: answer what it sent, then close.
+        self.protocol.receive_eof()
+        self._eof = True
+        if not self.tasks:
+            self.close()
+        return True
+
+    # ---- limits ---------------------------------------------------------------------
+
+    def refusal(self, limit: str, message: str) -> bytes:
+        # Correlation id 0: about the connection, not a request. Too many connections is
+        # worth retrying later (a quota's code); the other limits are the client's doing.
+        code = ErrorCode.QUOTA_EXCEEDED if limit == "max_connections" else ErrorCode.TIMEOUT
+        if limit == "max_pending_bytes":
+            code = ErrorCode.INVALID_REQUEST
+        return self.protocol.send_error(0, code, message)
+
+    def busy(self) -> bool:
+        return bool(self.tasks)
+
+    def _accepted(self) -> None:
+        self.guard.authenticated()
+
+    # ---- requests -------------------------------------------------------------------
+
+    def _dispatch(self, frame: RequestFrame) -> None:
+        task = asyncio.get_running_loop().create_task(self._handle(frame))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._eof and not self.tasks:
+            self.close()
+            return
+        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
+            self._reading_paused = False
+            if not self.closed:
+                self.transport.resume_reading()
+
+    async def _handle(self, frame: RequestFrame) -> None:
+        operation = frame.operation
+        correlation_id = frame.correlation_id
+        session = self.session
+        try:
+            required = session.api.auth.required
+            if required and session.principal is None and operation not in OPEN_OPERATIONS:
+                raise AuthenticationFailed(
+                    f"{operation} needs an accepted token first: Authenticate (PLAIN,"
+                    " the token as password)"
+                )
+            handler = HANDLERS.get(operation)
+            if handler is None:
+                raise UnsupportedOperation(
+                    f"{operation} is not supported by headwater (docs/protocols/rivven.md)"
+                )
+            response = await handler(session, getattr(frame.request, operation))
+            if session.principal is not None or not required:
+                self._accepted()
+            data = self._answer(correlation_id, response)
+        except HeadwaterError as exc:
+            self.metrics.record_error(LISTENER, exc)
+            code = ErrorCode.PARTITION_NOT_FOUND
+            if not isinstance(exc, PartitionNotFound):
+                code = error_code_for(exc)
+            log.warning(
+                "rivven %s: %s %d refused: %s", self.guard.peer, operation, correlation_id, exc
+            )
+            data = self.protocol.send_error(correlation_id, code, str(exc))
+        except Exception as exc:  # a bug of ours: answer, log, keep serving
+            log.exception("rivven request %d (%s) failed", correlation_id, operation)
+            internal = InternalError(f"internal error: {exc}")
+            self.metrics.record_error(LISTENER, internal)
+            data = self.protocol.send_error(correlation_id, ErrorCode.UNKNOWN, str(internal))
+        self._write(data)
+
+    def _answer(self, correlation_id: int, response: Message) -> bytes:
+        try:
+            return self.protocol.send(correlation_id, response)
+        except FrameTooLarge as exc:
+            # Only a Consume's records are unbounded by the request; say so.
+            return self.protocol.send_error(
+                correlation_id,
+                ErrorCode.MESSAGE_TOO_LARGE,
+                f"the answer is over the frame limit ({exc}): ask for fewer records"
+                " (max_messages, max_bytes)",
+            )
+
+    # ---- output ---------------------------------------------------------------------
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self, *, abort: bool = False) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+class UnsupportedOperation(InvalidRequest):
+    """An operation of the schema headwater does not answer (INVALID_REQUEST)."""
+
+
+async def start_rivven(server: Server, host: str, port: int) -> Listener:
+    connections: set[RivvenConnection] = set()
+    transactions = TransactionalIds()
+    bound = {"port": port}
+
+    async def drain() -> None:
+        await finish_in_flight([t for c in connections for t in c.tasks])
+
+    listener = await start_tcp_listener(
+        server,
+        LISTENER,
+        host,
+        port,
+        lambda: RivvenConnection(server, connections, transactions, (host, bound["port"])),
+        connections,
+        drain=drain,
+    )
+    bound["port"] = listener.port  # metadata names the port actually bound
+    return listener

@@ -1,0 +1,444 @@
+"""The rivven listener against a real server, spoken by the project's own Rivven client
+connection (protocols/rivven ClientConnection) over a socket (docs/protocols/rivven.md).
+
+One server runs without required auth; a second requires tokens and has small
+``[limits]`` (and HTTP for /metrics), each driven past its value.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+import urllib.error
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from limits_clients import counted, read_to_end, refusals
+from servers import LOCAL, Server, serving
+
+from headwater.engine.partitioner import keyed_partition
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.connection import ClientConnection, ResponseFrame
+from headwater.protocols.rivven.frames import MAX_FRAME, WireFormat, encode_frame
+from headwater.protocols.rivven.messages import ErrorCode, decode_postcard_error, make_record
+from waiting import wait_until
+
+PARTITIONS = 6
+TOKEN = "s3cret"
+MAX_CONNECTIONS = 3
+HANDSHAKE_TIMEOUT_S = 1.0
+AUTH_CONFIG = f"""
+[auth]
+required = true
+[[auth.tokens]]
+token = "{TOKEN}"
+tenants = [0]
+"""
+LIMITS_CONFIG = f"""
+[limits]
+max_connections = {MAX_CONNECTIONS}
+handshake_timeout_s = {HANDSHAKE_TIMEOUT_S}
+idle_timeout_s = 30
+"""
+
+
+class Rivven:
+    """A blocking client: the sans-I/O ClientConnection over a TCP socket."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = ClientConnection("rivven-test")
+        self.answers: dict[int, ResponseFrame] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> Rivven:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, message: Any) -> int:
+        correlation_id, data = self.conn.send_request(message)
+        self.sock.sendall(data)
+        return correlation_id
+
+    def answer(self, correlation_id: int) -> pb.Response:
+        while correlation_id not in self.answers:
+            data = self.sock.recv(1 << 20)
+            assert data, "the server closed the connection"
+            for frame in self.conn.receive_data(data):
+                self.answers[frame.correlation_id] = frame
+        return self.answers.pop(correlation_id).response
+
+    def call(self, message: Any) -> pb.Response:
+        return self.answer(self.send(message))
+
+    def handshake(self) -> pb.HandshakeResultResponse:
+        correlation_id, data = self.conn.handshake()
+        self.sock.sendall(data)
+        answer: pb.HandshakeResultResponse = self.answer(correlation_id).handshake_result
+        return answer
+
+    def authenticate(self, token: str) -> None:
+        plain = pb.PlainAuth(username="u", password=token)
+        self.ok(pb.AuthenticateRequest(plain=plain), "authenticate")
+
+    def ok(self, message: Any, kind: str) -> Any:
+        response = self.call(message)
+        assert response.WhichOneof("response_type") == kind, response
+        return getattr(response, kind)
+
+    def error(self, message: Any) -> pb.ErrorResponse:
+        response = self.call(message)
+        assert response.WhichOneof("response_type") == "error", response
+        return response.error
+
+    def consume(
+        self, topic: str, partition: int, offset: int = 0, *, isolation: int = 0
+    ) -> pb.ConsumeResponse:
+        answer = self.ok(
+            pb.ConsumeRequest(
+                topic=topic, partition=partition, offset=offset, isolation_level=isolation
+            ),
+            "consume",
+        )
+        assert isinstance(answer, pb.ConsumeResponse)
+        return answer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("rivven"),
+        listen={"rivven": LOCAL, "kimberlite": ""},
+        clean_log=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("rivven_auth"),
+        config=AUTH_CONFIG,
+        listen={"rivven": LOCAL, "kimberlite": ""},
+    )
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("rivven_limits"),
+        config=LIMITS_CONFIG,
+        listen={"rivven": LOCAL, "http": LOCAL, "kimberlite": ""},
+    )
+
+
+def client(server: Server) -> Rivven:
+    return Rivven(server.ports["rivven"])
+
+
+def create_topic(rivven: Rivven, name: str, partitions: int = PARTITIONS) -> None:
+    created = rivven.ok(pb.CreateTopicRequest(name=name, partitions=partitions), "create_topic")
+    assert isinstance(created, pb.CreateTopicResponse)
+    assert created.partitions == partitions
+
+
+# ---- topics, keyed publish, consume per partition ---------------------------------------
+
+
+def test_keyed_messages_land_by_murmur2_and_come_back_whole(server: Server) -> None:
+    with client(server) as rivven:
+        assert rivven.handshake().compatible
+        create_topic(rivven, "orders")
+        [meta] = rivven.ok(pb.GetMetadataRequest(topics=["orders"]), "get_metadata").topics
+        assert [p.id for p in meta.partitions] == list(range(PARTITIONS))
+        assert "orders" in rivven.ok(pb.ListTopicsRequest(), "list_topics").topics
+
+        sent: dict[int, list[tuple[bytes, bytes, list[tuple[str, bytes]], int]]] = {}
+        base_ms = int(time.time() * 1000) - 60_000
+        for i in range(48):
+            key = f"customer-{i % 12}".encode()
+            value = f"order-{i}".encode()
+            headers = [("source", b"test"), ("seq", str(i).encode())]
+            timestamp = base_ms + i
+            placed = rivven.ok(
+                pb.PublishRequest(
+                    topic="orders",
+                    record=make_record(value, key=key, headers=headers, timestamp_ms=timestamp),
+                ),
+                "publish",
+            )
+            assert placed.partition == keyed_partition(key, PARTITIONS)
+            assert placed.timestamp == timestamp
+            sent.setdefault(placed.partition, []).append((key, value, headers, timestamp))
+        assert len(sent) > 1  # twelve keys spread over several partitions
+
+        for partition in range(PARTITIONS):
+            records = rivven.consume("orders", partition).records
+            got = [
+                (r.key, r.value, [(h.key, h.value) for h in r.headers], r.timestamp)
+                for r in records
+            ]
+            assert got == sent.get(partition, [])
+            assert [r.offset for r in records] == list(range(len(records)))
+            assert all(r.partition == partition and r.has_key for r in records)
+            bounds = rivven.ok(
+                pb.GetOffsetBoundsRequest(topic="orders", partition=partition),
+                "get_offset_bounds",
+            )
+            assert (bounds.earliest, bounds.latest) == (0, len(records))
+
+        # Seek by time: the first record at or after a timestamp.
+        partition, records_sent = next(iter(sent.items()))
+        second_ts = records_sent[1][3] if len(records_sent) > 1 else records_sent[0][3]
+        found = rivven.ok(
+            pb.GetOffsetForTimestampRequest(
+                topic="orders", partition=partition, timestamp_ms=second_ts
+            ),
+            "get_offset_for_timestamp",
+        )
+        assert found.offset == (1 if len(records_sent) > 1 else 0)
+
+
+def test_pipelined_long_poll_is_answered_after_a_later_publish(server: Server) -> None:
+    with client(server) as rivven:
+        create_topic(rivven, "pipelined", partitions=2)
+        waiting = rivven.send(
+            pb.ConsumeRequest(topic="pipelined", partition=1, offset=0, max_wait_ms=20_000)
+        )
+        published = rivven.send(
+            pb.PublishRequest(topic="pipelined", partition=1, record=make_record(b"late"))
+        )
+        # The publish sent second is answered while the consume still waits for it.
+        assert rivven.answer(published).publish.offset == 0
+        records = rivven.answer(waiting).consume.records
+        assert [(r.value, r.has_key) for r in records] == [(b"late", False)]
+
+
+# ---- consumer groups ----------------------------------------------------------------
+
+
+def test_group_offsets_commit_fetch_and_resume_after_restart(server: Server) -> None:
+    with client(server) as rivven:
+        create_topic(rivven, "resumable", partitions=3)
+        for i in range(5):
+            rivven.ok(
+                pb.PublishRequest(
+                    topic="resumable", partition=2, record=make_record(f"v{i}".encode())
+                ),
+                "publish",
+            )
+        unset = rivven.ok(
+            pb.GetOffsetRequest(consumer_group="g1", topic="resumable", partition=2),
+            "get_offset",
+        )
+        assert unset.offset == -1
+        rivven.ok(
+            pb.CommitOffsetRequest(
+                consumer_group="g1", topic="resumable", partition=2, offset=3, metadata="m"
+            ),
+            "commit_offset",
+        )
+        assert "g1" in rivven.ok(pb.ListGroupsRequest(), "list_groups").groups
+    server.restart()
+    with client(server) as rivven:
+        fetched = rivven.ok(
+            pb.GetOffsetRequest(consumer_group="g1", topic="resumable", partition=2),
+            "get_offset",
+        )
+        assert (fetched.offset, fetched.metadata) == (3, "m")
+        resumed = rivven.consume("resumable", 2, fetched.offset)
+        assert [r.value for r in resumed.records] == [b"v3", b"v4"]
+        described = rivven.ok(pb.DescribeGroupRequest(consumer_group="g1"), "describe_group")
+        [topic] = described.topic_offsets
+        assert (topic.topic, [(p.partition, p.offset) for p in topic.partition_offsets]) == (
+            "resumable",
+            [(2, 3)],
+        )
+
+
+# ---- exactly once -------------------------------------------------------------------
+
+
+def test_idempotent_retry_is_stored_once(server: Server) -> None:
+    with client(server) as rivven:
+        create_topic(rivven, "payments", partitions=2)
+        producer = rivven.ok(pb.InitProducerIdRequest(), "init_producer_id")
+        request = pb.IdempotentPublishRequest(
+            topic="payments",
+            partition=1,
+            record=make_record(b"pay-1", key=b"k"),
+            producer_id=producer.producer_id,
+            producer_epoch=producer.producer_epoch,
+            sequence=0,
+        )
+        first = rivven.ok(request, "idempotent_publish")
+        retry = rivven.ok(request, "idempotent_publish")
+        assert (first.offset, first.duplicate) == (0, False)
+        assert (retry.offset, retry.duplicate) == (0, True)
+        request.sequence = 1
+        request.record.value = b"pay-2"
+        assert rivven.ok(request, "idempotent_publish").offset == 1
+        assert [r.value for r in rivven.consume("payments", 1).records] == [b"pay-1", b"pay-2"]
+
+
+def test_committed_transaction_visible_aborted_invisible(server: Server) -> None:
+    with client(server) as rivven:
+        create_topic(rivven, "ledger", partitions=2)
+        producer = rivven.ok(pb.InitProducerIdRequest(), "init_producer_id")
+        pid, epoch = producer.producer_id, producer.producer_epoch
+
+        def run(txn: str, values: list[bytes], commit: bool, first_sequence: int) -> None:
+            rivven.ok(
+                pb.BeginTransactionRequest(txn_id=txn, producer_id=pid, producer_epoch=epoch),
+                "begin_transaction",
+            )
+            for n, value in enumerate(values):
+                rivven.ok(
+                    pb.TransactionalPublishRequest(
+                        txn_id=txn,
+                        topic="ledger",
+                        partition=n % 2,
+                        record=make_record(value),
+                        producer_id=pid,
+                        producer_epoch=epoch,
+                        sequence=first_sequence + n // 2,
+                    ),
+                    "transactional_publish",
+                )
+            end = pb.CommitTransactionRequest if commit else pb.AbortTransactionRequest
+            kind = "commit_transaction" if commit else "abort_transaction"
+            rivven.ok(end(txn_id=txn, producer_id=pid, producer_epoch=epoch), kind)
+
+        run("t1", [b"a0", b"a1", b"a2", b"a3"], commit=False, first_sequence=0)
+        run("t1", [b"c0", b"c1"], commit=True, first_sequence=2)
+        # Open: published, neither committed nor aborted yet.
+        rivven.ok(
+            pb.BeginTransactionRequest(txn_id="t1", producer_id=pid, producer_epoch=epoch),
+            "begin_transaction",
+        )
+        rivven.ok(
+            pb.TransactionalPublishRequest(
+                txn_id="t1",
+                topic="ledger",
+                partition=0,
+                record=make_record(b"open"),
+                producer_id=pid,
+                producer_epoch=epoch,
+                sequence=3,
+            ),
+            "transactional_publish",
+        )
+        committed = [
+            r.value for p in (0, 1) for r in rivven.consume("ledger", p, isolation=1).records
+        ]
+        assert sorted(committed) == [b"c0", b"c1"]
+        uncommitted = [r.value for p in (0, 1) for r in rivven.consume("ledger", p).records]
+        assert sorted(uncommitted) == sorted([b"a0", b"a1", b"a2", b"a3", b"c0", b"c1", b"open"])
+
+
+# ---- errors: answered, the connection still serving ---------------------------------
+
+
+def test_errors_are_answered_and_the_connection_keeps_serving(server: Server) -> None:
+    with client(server) as rivven:
+        missing = rivven.error(pb.ConsumeRequest(topic="no-such-topic", partition=0))
+        assert missing.code == ErrorCode.TOPIC_NOT_FOUND
+        assert missing.message.startswith("TOPIC_NOT_FOUND:")
+        create_topic(rivven, "small", partitions=2)
+        beyond = rivven.error(pb.ConsumeRequest(topic="small", partition=5))
+        assert beyond.code == ErrorCode.PARTITION_NOT_FOUND
+        scram = rivven.error(pb.ScramClientFirstRequest(message=b"n,,n=user,r=abc"))
+        assert scram.code == ErrorCode.INVALID_REQUEST and "not supported" in scram.message
+
+        # A postcard frame: answered in postcard, the connection open.
+        rivven.sock.sendall(encode_frame(WireFormat.POSTCARD, 77, b"\x1e"))
+        reply = read_frame(rivven.sock)
+        assert reply[:2] == (WireFormat.POSTCARD, 77)
+        assert "postcard (0x00) is not accepted" in decode_postcard_error(reply[2])
+        rivven.ok(pb.PingRequest(), "ping")
+
+    # A frame over 10 MiB: MESSAGE_TOO_LARGE with id 0, then the server closes.
+    with client(server) as rivven:
+        rivven.sock.sendall(struct.pack(">I", MAX_FRAME + 1) + b"\x01")
+        data = read_to_end(rivven.sock)
+        answers = ClientConnection().receive_data(data)
+        [answer] = answers
+        assert answer.correlation_id == 0
+        assert answer.response.error.code == ErrorCode.MESSAGE_TOO_LARGE
+    with client(server) as rivven:  # the server still serves another client
+        rivven.ok(pb.PingRequest(), "ping")
+    assert "Traceback" not in server.log_text()
+
+
+def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
+    """One raw frame: (format, correlation id, payload)."""
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    (length,) = struct.unpack(">I", head)
+    body = b""
+    while len(body) < length:
+        body += sock.recv(length - len(body))
+    return body[0], struct.unpack(">I", body[1:5])[0], body[5:]
+
+
+# ---- auth and limits ----------------------------------------------------------------
+
+
+def test_required_auth_refuses_until_a_token_is_presented(secured: Server) -> None:
+    with client(secured) as rivven:
+        refused = rivven.error(pb.ListTopicsRequest())
+        assert refused.code == ErrorCode.UNAUTHORIZED
+        wrong = rivven.error(
+            pb.AuthenticateRequest(plain=pb.PlainAuth(username="u", password="wrong"))
+        )
+        assert wrong.code == ErrorCode.UNAUTHORIZED
+        rivven.authenticate(TOKEN)
+        rivven.ok(pb.ListTopicsRequest(), "list_topics")
+
+
+def test_max_connections(limited: Server) -> None:
+    before = refusals(limited)
+    held = [client(limited) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for rivven in held:  # each admitted: it answers
+            rivven.ok(pb.PingRequest(), "ping")
+        extra = client(limited)
+        answers = ClientConnection().receive_data(read_to_end(extra.sock))
+        extra.close()
+        [answer] = answers
+        assert answer.response.error.code == ErrorCode.QUOTA_EXCEEDED
+        assert "max_connections" in answer.response.error.message
+    finally:
+        for rivven in held:
+            rivven.close()
+
+    # /metrics is a connection too: read once the held ones are gone.
+    def refusal_counted() -> bool:
+        try:
+            return counted(limited, before, "max_connections", "rivven") == 1
+        except urllib.error.HTTPError as exc:  # 503 while the held ones are still closing
+            assert exc.code == 503
+            return False
+
+    wait_until(refusal_counted, message="the refusal was not counted in /metrics")
+    with client(limited) as rivven:  # its places are given back
+        rivven.ok(pb.PingRequest(), "ping")
+
+
+def test_handshake_timeout(limited: Server) -> None:
+    before = refusals(limited)
+    with client(limited) as rivven:  # connects and sends nothing
+        answers = ClientConnection().receive_data(read_to_end(rivven.sock))
+    [answer] = answers
+    assert answer.correlation_id == 0
+    assert "handshake_timeout_s" in answer.response.error.message
+    assert counted(limited, before, "handshake_timeout_s", "rivven") == 1
+    with client(limited) as rivven:  # the server still serves another client
+        rivven.ok(pb.PingRequest(), "ping")
