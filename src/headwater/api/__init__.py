@@ -308,7 +308,7 @@ class EngineAPI:
             tenant_id=tenant_id,
             name=tenant.name,
             log_position=tenant.committed_position,
-            streams=sum(1 for s in tenant.streams.values() if not s.deleted),
+            streams=sum(1 for s in tenant.streams.values() if not s.deleted and not s.internal),
         )
 
     def tenant_ids(self) -> list[int]:
@@ -317,7 +317,7 @@ class EngineAPI:
     # ---- streams ----------------------------------------------------------------------
 
     def all_streams(self) -> list[StreamInfo]:
-        """Every live stream of every tenant."""
+        """Every live stream of every tenant (internal ones are not shown)."""
         return [stream.info() for stream in self._engine.all_streams()]
 
     def stream_info(self, tenant_id: int, stream_id: int) -> StreamInfo:
@@ -483,9 +483,10 @@ class EngineAPI:
         await txns.end_transaction(transactional_id, producer, commit)
 
     def fsync_stats(self) -> FsyncStats:
-        """The group committers' fsyncs over every live stream."""
+        """The group committers' fsyncs over every live stream (internal ones too: the
+        totals are the server's, they name no stream)."""
         count, seconds, last = 0, 0.0, 0.0
-        for stream in self._engine.all_streams():
+        for stream in self._engine.all_streams(internal=True):
             committer = stream.committer
             count += committer.fsyncs
             seconds += committer.fsync_seconds_total
@@ -513,6 +514,7 @@ class EngineAPI:
         *,
         timestamp_ms: int | None = None,
         partition: int = 0,
+        internal: bool = False,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         await self.quotas.admit(tenant_id, produce=sum(map(len, values)), requests=1)
@@ -522,6 +524,7 @@ class EngineAPI:
             values,
             timestamp_ms=timestamp_ms,
             partition=partition,
+            internal=internal,
             **columns,
         )
 
@@ -535,6 +538,7 @@ class EngineAPI:
         value_bytes: int | None = None,
         timestamp_ms: int | None = None,
         partition: int = 0,
+        internal: bool = False,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         # The events' own bytes, without the section's u64 length prefixes.
@@ -548,6 +552,7 @@ class EngineAPI:
             value_bytes=value_bytes,
             timestamp_ms=timestamp_ms,
             partition=partition,
+            internal=internal,
             **columns,
         )
 

@@ -23,7 +23,7 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from headwater.engine.names import check_name
+from headwater.engine.names import RESERVED_PREFIXES, check_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
     InvalidRequest,
@@ -270,6 +270,9 @@ class Stream:
     # Sticky partitioning of keyless events (the broker's, for producers that name none).
     partitioner: Partitioner = field(default_factory=Partitioner, repr=False)
     alter_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # headwater's own state (a reserved name: hw_consumer_offsets, hw_transaction_state):
+    # the engine's lookups treat it as absent unless the caller passes internal=True.
+    internal: bool = False
 
     @property
     def log(self) -> PartitionLog:
@@ -511,6 +514,9 @@ class Engine:
             settings,
             logs,
             [GroupCommitter(plog, self.executor) for plog in logs],
+            # From the name, so recovery marks what create_stream(internal=True) made:
+            # only internal creates may take a reserved name (check_name).
+            internal=str(meta["name"]).startswith(RESERVED_PREFIXES),
         )
 
     def _open_partition(self, path: Path, partition: int, settings: StreamSettings) -> PartitionLog:
@@ -552,8 +558,14 @@ class Engine:
             except Exception:
                 log.exception("engine listener failed")
 
-    def all_streams(self) -> list[Stream]:
-        return [s for t in self.tenants.values() for s in t.streams.values() if not s.deleted]
+    def all_streams(self, *, internal: bool = False) -> list[Stream]:
+        """Every live stream of every tenant; internal ones only with ``internal``."""
+        return [
+            s
+            for t in self.tenants.values()
+            for s in t.streams.values()
+            if not s.deleted and (internal or not s.internal)
+        ]
 
     # ---- lookups --------------------------------------------------------------------
 
@@ -563,28 +575,38 @@ class Engine:
         except KeyError:
             raise TenantNotFound(f"tenant {tenant_id} does not exist") from None
 
-    def stream(self, tenant_id: int, stream_id: int) -> Stream:
+    # Every operation on a stream finds it here, so this is where internal streams are
+    # hidden from front ends: without ``internal=True`` (which only headwater's own
+    # components pass: the group offset store, the transaction coordinator) an internal
+    # stream is StreamNotFound with the message of one that does not exist, by id or by
+    # name, so neither its existence nor its id leaks.
+
+    def stream(self, tenant_id: int, stream_id: int, *, internal: bool = False) -> Stream:
         stream = self.tenant(tenant_id).streams.get(stream_id)
-        if stream is None or stream.deleted:
+        if stream is None or stream.deleted or (stream.internal and not internal):
             raise StreamNotFound(f"stream {stream_id} does not exist")
         return stream
 
-    def stream_by_name(self, tenant_id: int, name: str) -> Stream:
+    def stream_by_name(self, tenant_id: int, name: str, *, internal: bool = False) -> Stream:
         tenant = self.tenant(tenant_id)
         stream_id = tenant.by_name.get(name)
         if stream_id is None:
             raise StreamNotFound(f"stream {name!r} does not exist")
-        return self.stream(tenant_id, stream_id)
+        try:
+            return self.stream(tenant_id, stream_id, internal=internal)
+        except StreamNotFound:
+            raise StreamNotFound(f"stream {name!r} does not exist") from None
 
     def list_streams(self, tenant_id: int) -> list[StreamInfo]:
         """The tenant's streams, each under its name. A stream whose name another holds
         (damage from an older version, see _load_tenant) is left out: clients resolve
-        names from this list and must find the one the server resolves them to."""
+        names from this list and must find the one the server resolves them to. Internal
+        streams are left out (see :meth:`stream`)."""
         tenant = self.tenant(tenant_id)
         return [
             s.info()
             for _, s in sorted(tenant.streams.items())
-            if not s.deleted and tenant.by_name.get(s.name) == s.stream_id
+            if not s.deleted and not s.internal and tenant.by_name.get(s.name) == s.stream_id
         ]
 
     # ---- stream admin ---------------------------------------------------------------
@@ -766,11 +788,12 @@ class Engine:
         *,
         timestamp_ms: int | None = None,
         partition: int = 0,
+        internal: bool = False,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append a batch of events to one partition (0 unless named); returns once they
         are acknowledged. A ``producer`` (id, sequence) among ``columns``: see
-        :meth:`append_idempotent`."""
+        :meth:`append_idempotent`. ``internal``: see :meth:`stream`."""
         return await self.append_encoded(
             tenant_id,
             stream_id,
@@ -779,6 +802,7 @@ class Engine:
             value_bytes=sum(map(len, values)),
             timestamp_ms=timestamp_ms,
             partition=partition,
+            internal=internal,
             **columns,
         )
 
@@ -875,6 +899,7 @@ class Engine:
         value_bytes: int | None = None,
         timestamp_ms: int | None = None,
         partition: int = 0,
+        internal: bool = False,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
@@ -882,7 +907,7 @@ class Engine:
         unless named). ``timestamp_ms`` is the producer's (CreateTime; None: now); a
         LogAppendTime stream stores its own clock's instead."""
         producer = columns.get("producer")
-        stream = self.stream(tenant_id, stream_id)
+        stream = self.stream(tenant_id, stream_id, internal=internal)
         plog = stream.partition_log(partition)
         committer = stream.committers[partition]
         self._check_open()
@@ -963,14 +988,15 @@ class Engine:
         max_events: int | None = None,
         partition: int = 0,
         isolation: str = READ_COMMITTED,
+        internal: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset``. Data
         in the page cache is read right here on the loop (no-wait reads); anything that
         would wait for the disk is read in a worker thread. ``isolation``:
         ``read_committed`` (the default) stops at the partition's last stable offset
         and leaves out aborted transactions; ``read_uncommitted`` shows every stored
-        event (transaction markers are never shown)."""
-        plog = self.stream(tenant_id, stream_id).partition_log(partition)
+        event (transaction markers are never shown). ``internal``: see :meth:`stream`."""
+        plog = self.stream(tenant_id, stream_id, internal=internal).partition_log(partition)
         committed = committed_only(isolation)
         try:
             with no_wait():

@@ -83,7 +83,7 @@ def test_commit_fetch_restart_and_compaction(tmp_path: Path) -> None:
         # Lag: the partition's end minus the committed offset, never below zero.
         assert manager.committed.lag("g", {P0: 20, P1: 3}.__getitem__) == {P0: 8, P1: 0}
         # The stream is the tenant's internal compacted stream, keyed per partition.
-        stream = engine.stream_by_name(0, OFFSETS_STREAM)
+        stream = engine.stream_by_name(0, OFFSETS_STREAM, internal=True)
         assert stream.settings.cleanup_policy == "compact"
         assert stream.info().next_offset == 4  # 3 commits: 2 + 1 + 1 events
         await engine.close()
@@ -92,7 +92,7 @@ def test_commit_fetch_restart_and_compaction(tmp_path: Path) -> None:
         manager = await open_manager(engine, clock)
         assert manager.fetch("g")[P0] == CommittedOffset(12, "second", clock.now)
         assert manager.fetch("solo") == {P1: CommittedOffset(1, "", clock.now)}
-        log = engine.stream_by_name(0, OFFSETS_STREAM).log
+        log = engine.stream_by_name(0, OFFSETS_STREAM, internal=True).log
         log.roll()
         await engine.sync_tenant(0)
         result = log.compact()
@@ -113,7 +113,7 @@ def test_commit_fetch_restart_and_compaction(tmp_path: Path) -> None:
 
 
 def log_stream_id(engine: Engine) -> int:
-    return engine.stream_by_name(0, OFFSETS_STREAM).stream_id
+    return engine.stream_by_name(0, OFFSETS_STREAM, internal=True).stream_id
 
 
 def test_refused_commits_store_nothing(tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_refused_commits_store_nothing(tmp_path: Path) -> None:
             )
         with pytest.raises(InvalidRequest, match="metadata"):
             await manager.commit("g", {P0: (1, "x" * 4097)}, member_id=a, generation=2)
-        stream = engine.stream_by_name(0, OFFSETS_STREAM)
+        stream = engine.stream_by_name(0, OFFSETS_STREAM, internal=True)
         assert stream.info().next_offset == 1  # only the first commit was written
         # The same member at the current generation is accepted.
         await manager.commit("g", {P0: (9, "")}, member_id=b, generation=2)

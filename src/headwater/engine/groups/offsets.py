@@ -120,7 +120,7 @@ class LogOffsetStore:
     async def open(cls, engine: Engine, tenant_id: int) -> LogOffsetStore:
         """The tenant's store, its stream created on first use."""
         try:
-            stream_id = engine.stream_by_name(tenant_id, OFFSETS_STREAM).stream_id
+            stream_id = engine.stream_by_name(tenant_id, OFFSETS_STREAM, internal=True).stream_id
         except StreamNotFound:
             settings = StreamSettings(cleanup_policy="compact")
             info = await engine.create_stream(tenant_id, OFFSETS_STREAM, settings, internal=True)
@@ -128,11 +128,13 @@ class LogOffsetStore:
         return cls(engine, tenant_id, stream_id)
 
     async def load(self) -> dict[OffsetKey, CommittedOffset]:
-        log = self.engine.stream(self.tenant_id, self.stream_id).log
+        log = self.engine.stream(self.tenant_id, self.stream_id, internal=True).log
         offsets: dict[OffsetKey, CommittedOffset] = {}
         at = log.start_offset
         while True:
-            result = await self.engine.read(self.tenant_id, self.stream_id, at, 4 << 20)
+            result = await self.engine.read(
+                self.tenant_id, self.stream_id, at, 4 << 20, internal=True
+            )
             if result.count == 0:
                 return offsets
             for event in result.events():
@@ -154,6 +156,7 @@ class LogOffsetStore:
                 self.stream_id,
                 [encode_value(v) for _, v in chunk],
                 keys=[encode_key(k) for k, _ in chunk],
+                internal=True,
             )
 
     async def delete(self, keys: Iterable[OffsetKey]) -> None:
@@ -166,6 +169,7 @@ class LogOffsetStore:
                 [b""] * len(chunk),
                 keys=chunk,
                 tombstones=[True] * len(chunk),
+                internal=True,
             )
 
 

@@ -166,7 +166,7 @@ class TenantTransactions:
         """The tenant's coordinator, its state stream created on first use and replayed;
         every transaction left prepared is finished and every one left open aborted."""
         try:
-            stream_id = engine.stream_by_name(tenant_id, TXN_STATE_STREAM).stream_id
+            stream_id = engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True).stream_id
         except StreamNotFound:
             settings = StreamSettings(cleanup_policy="compact", sync="fsync")
             info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
@@ -179,10 +179,12 @@ class TenantTransactions:
         return coordinator
 
     async def _replay(self) -> None:
-        plog = self.engine.stream(self.tenant_id, self.stream_id).log
+        plog = self.engine.stream(self.tenant_id, self.stream_id, internal=True).log
         at = plog.start_offset
         while True:
-            result = await self.engine.read(self.tenant_id, self.stream_id, at, 4 << 20)
+            result = await self.engine.read(
+                self.tenant_id, self.stream_id, at, 4 << 20, internal=True
+            )
             if result.count == 0:
                 return
             for event in result.events():
@@ -196,8 +198,9 @@ class TenantTransactions:
                         tid = event.key.decode()
                         txn = TxnMetadata.from_json(tid, data["txn"])
                 except (ValueError, KeyError, TypeError) as exc:
-                    # Not the coordinator's record (the stream is internal, but its name
-                    # is not hidden from every front end yet): skipped, never fatal.
+                    # Not the coordinator's record (front ends cannot reach the stream,
+                    # but a data directory may hold what an older version let them
+                    # write): skipped, never fatal.
                     log.warning(
                         "tenant %d: %s offset %d is no transaction record (%s); skipped",
                         self.tenant_id,
@@ -241,7 +244,11 @@ class TenantTransactions:
         if txn is not None:
             record["txn"] = txn.to_json()
         await self.engine.append(
-            self.tenant_id, self.stream_id, [json.dumps(record).encode()], keys=[key]
+            self.tenant_id,
+            self.stream_id,
+            [json.dumps(record).encode()],
+            keys=[key],
+            internal=True,
         )
 
     async def _store(self, txn: TxnMetadata) -> None:
