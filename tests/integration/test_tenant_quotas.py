@@ -1,11 +1,13 @@
 """Per-tenant quotas against a real server (``[[tenants]]`` produce_bytes_per_s,
-consume_bytes_per_s; docs/operations.md "Quotas"): the request is served, its answer held
-back until the tenant is under its rate again, and the throttle time reported
-(``X-Headwater-Throttle-Ms``, ``headwater_throttle_seconds_total``), while a tenant
-without a quota is served at once, meanwhile."""
+consume_bytes_per_s; docs/operations.md "Quotas"): a request past its tenant's rate waits
+its turn before it is served (so requests pipelined on one connection are spaced at the
+rate), a read's answer is held back for the bytes it read, and the throttle time is
+reported (``X-Headwater-Throttle-Ms``, ``headwater_throttle_seconds_total``), while a
+tenant without a quota is served at once, meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.request
@@ -17,6 +19,7 @@ from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.api.quotas import BURST_S
+from headwater.client.aio import connect_async
 from waiting import wait_until
 
 PRODUCE_RATE = 100_000  # bytes/s of tenant 42
@@ -36,6 +39,10 @@ consume_bytes_per_s = {CONSUME_RATE}
 id = 44
 name = "subscriber"
 consume_bytes_per_s = {CONSUME_RATE}
+[[tenants]]
+id = 45
+name = "pipeliner"
+produce_bytes_per_s = {PRODUCE_RATE}
 """
 EVENT = "x" * 10_000
 CHUNK = [EVENT] * 10  # 100 kB of event values per append
@@ -59,6 +66,14 @@ def call(server: Server, method: str, path: str, tenant: int, body: object = Non
     with urllib.request.urlopen(request, timeout=60) as response:
         assert 200 <= response.status < 300
         return int(response.headers["X-Headwater-Throttle-Ms"])
+
+
+def get_json(server: Server, path: str, tenant: int) -> dict[str, object]:
+    request = urllib.request.Request(f"http://{server.address_of('http')}{path}")
+    request.add_header("X-Headwater-Tenant", str(tenant))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer: dict[str, object] = json.load(response)
+        return answer
 
 
 def throttle_seconds(server: Server) -> dict[tuple[str, str], float]:
@@ -86,7 +101,7 @@ def test_a_tenant_past_its_produce_rate_is_throttled_and_another_is_not(server: 
     producer = threading.Thread(target=produce)
     producer.start()
     wait_until(lambda: ("42", "produce") in throttle_seconds(server), message="no throttle")
-    # Tenant 0 has no quota: served at once while tenant 42's answers are held back
+    # Tenant 0 has no quota: served at once while tenant 42's requests wait their turn
     # (its 1 MB is all sent before tenant 42, already being throttled, is done).
     unthrottled = [
         call(server, "POST", "/api/streams/q_produce/events", 0, CHUNK) for _ in range(appends)
@@ -94,13 +109,15 @@ def test_a_tenant_past_its_produce_rate_is_throttled_and_another_is_not(server: 
     assert producer.is_alive()
     producer.join(timeout=60)
     assert unthrottled == [0] * appends
-    # The first append is the burst (one second of the rate); each later one owes its
-    # 100 kB at 100 kB/s. The time between two answers refills the bucket (so the sum
-    # can only fall short of the ideal, by at most one request's worth at the rate).
-    ideal_s = (appends * len(EVENT) * len(CHUNK) - PRODUCE_RATE * BURST_S) / PRODUCE_RATE
+    # The first append is the burst (one second of the rate), the second puts the tenant
+    # in debt and is served at once too; each later one waits until the 100 kB of the
+    # one before it are paid at 100 kB/s. The last one's debt is left to the tenant's
+    # next request; the time between two requests refills the bucket (so the sum can
+    # only fall short, by at most one more request's worth).
     chunk_s = len(EVENT) * len(CHUNK) / PRODUCE_RATE
-    assert throttled[0] == 0 and len(throttled) == appends
-    assert ideal_s - chunk_s <= sum(throttled) / 1000 <= ideal_s + appends * 0.0005
+    ideal_s = (appends * len(EVENT) * len(CHUNK) - PRODUCE_RATE * BURST_S) / PRODUCE_RATE
+    assert throttled[:2] == [0, 0] and len(throttled) == appends
+    assert ideal_s - 2 * chunk_s <= sum(throttled) / 1000 <= ideal_s - chunk_s + 0.001
     reported = throttle_seconds(server)
     assert reported[("42", "produce")] == pytest.approx(sum(throttled) / 1000, abs=0.01)
     assert [key for key in reported if key[0] == "0"] == []
@@ -139,3 +156,51 @@ def test_subscription_pushes_past_the_consume_rate_hold_the_next_push_back(
         message="the pushes were not counted against tenant 44's consume rate",
     )
     assert throttle_seconds(server)[("44", "consume")] == pytest.approx(ideal_s, abs=0.01)
+
+
+def test_pipelined_appends_are_spaced_at_the_produce_rate(server: Server) -> None:
+    """40 appends of 10 kB sent at once on one Kimberlite connection, none waiting for
+    an answer, against 100 kB/s: the first 100 kB are the burst, each later append waits
+    its turn before it is stored, so the last one is stored 2.9 s after the first (not
+    all at once with their answers held back), while tenant 0 is served meanwhile."""
+    for tenant in (0, 45):
+        call(server, "POST", "/api/streams", tenant, {"name": "q_pipe"})
+    appends = 40
+
+    async def pipeline() -> None:
+        async with (
+            connect_async(server.address, tenant=45) as pipeliner,
+            connect_async(server.address, tenant=0) as other,
+        ):
+            pipelined = asyncio.gather(
+                *(pipeliner.append("q_pipe", [EVENT]) for _ in range(appends))
+            )
+            await asyncio.to_thread(
+                wait_until,
+                lambda: ("45", "produce") in throttle_seconds(server),
+                message="tenant 45's pipelined appends were not throttled",
+            )
+            # Tenant 0 has no quota: stored at once while tenant 45's appends wait.
+            assert (await other.append("q_pipe", [EVENT])).count == 1
+            assert not pipelined.done()
+            assert sorted(result.first_offset for result in await pipelined) == list(range(appends))
+
+    asyncio.run(pipeline())
+    page = get_json(server, f"/api/streams/q_pipe/events?limit={appends}", 45)
+    events = page["events"]
+    assert isinstance(events, list) and len(events) == appends
+    stored_at_ms = sorted(event["timestamp_ms"] for event in events)
+    # The server's own append times: 300 kB past the burst at 100 kB/s, less the last
+    # append's 10 kB (its debt is the next request's to wait) = 2.9 s between the first
+    # and the last append stored (some of it may be eaten by the time the 40 requests
+    # took to arrive, which refills the bucket meanwhile).
+    event_s = len(EVENT) / PRODUCE_RATE
+    spaced_s = (appends * len(EVENT) - PRODUCE_RATE * BURST_S) / PRODUCE_RATE - event_s
+    assert (stored_at_ms[-1] - stored_at_ms[0]) / 1000 >= spaced_s - 0.4
+    # Each request's own wait is counted (they overlap): 0.1 s, 0.2 s, ... 2.9 s, at
+    # most 43.5 s in all (less what the bucket refilled while they arrived); an answer
+    # held back after serving (as before) would have counted 46.5 s.
+    turns_s = sum(k * event_s for k in range(1, round(spaced_s / event_s) + 1))
+    reported = throttle_seconds(server)
+    assert spaced_s <= reported[("45", "produce")] <= turns_s + 0.001
+    assert [key for key in reported if key[0] == "0"] == []
