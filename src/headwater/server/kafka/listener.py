@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+from kio.schema.errors import ErrorCode
 
 from headwater.errors import AuthenticationFailed, HeadwaterError
 from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConnection
@@ -35,6 +38,7 @@ MAX_INFLIGHT = 128  # requests per connection before reading pauses
 RESUME_INFLIGHT = MAX_INFLIGHT // 2
 
 # Before SASL completes (when [auth] requires it) only these are served, as Kafka does.
+SASL_MECHANISMS = ("PLAIN",)
 _BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE))
 
 
@@ -59,6 +63,7 @@ class KafkaConnection(asyncio.Protocol):
         self.closed = False
         self.guard = ConnectionGuard(server.limits, "kafka", self)
         self.session = Session(self.api, "127.0.0.1", port, "?")
+        self._mechanism: str | None = None
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -148,9 +153,14 @@ class KafkaConnection(asyncio.Protocol):
             self.close()
             return
         try:
-            if handler is None:
+            if api_key is ApiKey.SASL_HANDSHAKE:
+                fields: Mapping[str, Any] = self._sasl_handshake(request.request)
+            elif api_key is ApiKey.SASL_AUTHENTICATE:
+                fields = self._sasl_authenticate(request.request)
+            elif handler is None:
                 raise NotImplementedError(f"{api_key.name} has no handler")
-            fields = await handler(session, request.request, request.api_version)
+            else:
+                fields = await handler(session, request.request, request.api_version)
         except HeadwaterError as exc:
             log.warning("kafka %s: %s failed: %s", session.peer, api_key.name, exc)
             self.close()
@@ -165,6 +175,45 @@ class KafkaConnection(asyncio.Protocol):
             return
         response = build(response_type(api_key, request.api_version), fields)
         self._write(self.protocol.send(request, response))
+        if api_key is ApiKey.SASL_AUTHENTICATE and not session.authenticated:
+            self.close()  # Kafka closes the connection after a failed authentication
+
+    # ---- SASL -----------------------------------------------------------------------
+
+    def _sasl_handshake(self, request: Any) -> dict[str, Any]:
+        self._mechanism = request.mechanism
+        code = ErrorCode.none
+        if request.mechanism not in SASL_MECHANISMS:
+            log.warning("kafka %s: SASL mechanism %r refused", self.guard.peer, request.mechanism)
+            code = ErrorCode.unsupported_sasl_mechanism
+        return {"error_code": code, "mechanisms": list(SASL_MECHANISMS)}
+
+    def _sasl_authenticate(self, request: Any) -> dict[str, Any]:
+        """PLAIN (RFC 4616): ``authzid NUL user NUL password``; the password is a
+        headwater token and the tenant the lowest it grants."""
+        answer: dict[str, Any] = {
+            "error_code": ErrorCode.none,
+            "error_message": None,
+            "auth_bytes": b"",
+            "session_lifetime": 0,
+        }
+        parts = bytes(request.auth_bytes).split(b"\0")
+        try:
+            if self._mechanism != "PLAIN":
+                raise AuthenticationFailed("SaslHandshake with mechanism PLAIN first")
+            if len(parts) != 3:
+                raise AuthenticationFailed("a PLAIN message is authzid NUL user NUL password")
+            principal = self.api.authenticate(parts[2].decode("utf-8", "replace") or None)
+        except AuthenticationFailed as exc:
+            log.warning("kafka %s: SASL authentication failed: %s", self.guard.peer, exc)
+            answer["error_code"] = ErrorCode.sasl_authentication_failed
+            answer["error_message"] = f"authentication failed: {exc}"
+            self.session.authenticated = False
+            return answer
+        self.session.tenant_id = principal.default_tenant
+        self.session.authenticated = True
+        self.guard.authenticated()
+        return answer
 
     # ---- output ---------------------------------------------------------------------
 
