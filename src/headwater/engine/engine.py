@@ -822,9 +822,10 @@ class Engine:
         (it must exist), else Kafka's murmur2 of ``keys[i]``, else the sticky partition of
         the batch's keyless events. The batch is split by partition in one pass and each
         partition's events go in one append (one more per change of timestamp within a
-        partition: a stored batch has one timestamp), all written before any is awaited.
-        The whole batch is checked (sizes, partitions) before anything is written; a
-        storage failure part-way may leave some partitions' events stored."""
+        partition: a stored batch has one timestamp), all written before any commit is
+        awaited, so each partition's events of one call get consecutive offsets. The
+        whole batch is checked (sizes, partitions) before anything is written; a storage
+        failure part-way may leave some partitions' events stored."""
         stream = self.stream(tenant_id, stream_id)
         self._check_open()
         count = len(values)
@@ -847,7 +848,8 @@ class Engine:
             keys if keys is not None else [None] * count, stream.partitions, partitions
         )
         now = int(time.time() * 1000)
-        if timestamps is None or stream.settings.timestamp_type == "LogAppendTime":
+        log_append_time = stream.settings.timestamp_type == "LogAppendTime"
+        if timestamps is None or log_append_time:
             stamped = [now] * count
         else:
             stamped = [now if t is None else t for t in timestamps]
@@ -864,20 +866,54 @@ class Engine:
         def take(column: Sequence[Any] | None, run: list[int]) -> list[Any] | None:
             return None if column is None else [column[i] for i in run]
 
-        appends = [
-            self.append(
-                tenant_id,
-                stream_id,
-                [values[i] for i in run],
-                timestamp_ms=stamped[run[0]],
-                partition=int(placed[run[0]]),
-                keys=take(keys, run),
-                headers=take(headers, run) if headers is not None and any(headers) else None,
-                tombstones=take(tombstones, run),
+        sections = [encode_values([values[i] for i in run]) for run in runs]
+        for run, section in zip(runs, sections, strict=True):
+            # A batch never spans segments: every run is checked before any is written.
+            segment_bytes = stream.partition_logs[int(placed[run[0]])].config.segment_bytes
+            if HEADER_SIZE + len(section) > segment_bytes:
+                raise InvalidRequest(
+                    f"{len(run)} events of {len(section)} stored bytes for partition "
+                    f"{int(placed[run[0]])} do not fit the stream's {segment_bytes}-byte "
+                    "segments (segment_bytes)"
+                )
+        with_headers = headers is not None and any(headers)
+        tenant = stream.tenant
+        claimed: list[int] = []
+        infos: list[AppendInfo] = []
+        self._inflight_appends += 1
+        self._idle.clear()
+        try:
+            # Every run is written here, on the loop thread, before any commit is
+            # awaited: no other append gets between them, so a partition's events of
+            # this call have consecutive offsets (front ends answer a base offset).
+            for run, section in zip(runs, sections, strict=True):
+                first_position = tenant.claim_positions(len(run))
+                claimed.append(first_position)
+                infos.append(
+                    stream.partition_logs[int(placed[run[0]])].append_encoded(
+                        section,
+                        len(run),
+                        first_position=first_position,
+                        timestamp_ms=None if log_append_time else stamped[run[0]],
+                        keys=take(keys, run),
+                        headers=take(headers, run) if with_headers else None,
+                        tombstones=take(tombstones, run),
+                    )
+                )
+            await asyncio.gather(
+                *(
+                    stream.committers[int(placed[run[0]])].committed(info.next_offset)
+                    for run, info in zip(runs, infos, strict=True)
+                )
             )
-            for run in runs
-        ]
-        infos = await asyncio.gather(*appends)
+        finally:
+            for first_position in claimed:
+                tenant.release_positions(first_position)
+            self._inflight_appends -= 1
+            if self._inflight_appends == 0:
+                self._idle.set()
+        self.events_appended += count
+        self.bytes_appended += sum(map(len, values))
         offsets = [0] * count
         for run, info in zip(runs, infos, strict=True):
             for k, i in enumerate(run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -328,6 +329,33 @@ def test_concurrent_alters_take_turns(tmp_path: Path) -> None:
         engine = await Engine.open(tmp_path, CONFIG)
         assert engine.stream(0, info.stream_id).partitions == 5
         assert [e.value for e in await read_all(engine, info.stream_id, 4)] == [b"x"]
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_one_calls_events_of_a_partition_get_consecutive_offsets(tmp_path: Path) -> None:
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        info = await engine.create_stream(0, "s", StreamSettings(partitions=2))
+
+        def call(tag: bytes) -> Any:
+            # Ten timestamps: ten stored batches in partition 0 for one call.
+            return engine.append_partitioned(
+                0,
+                info.stream_id,
+                [tag + bytes([i]) for i in range(10)],
+                partitions=[0] * 10,
+                timestamps=[1000 + i for i in range(10)],
+            )
+
+        placed = await asyncio.gather(*(call(bytes([65 + n])) for n in range(4)))
+        for one in placed:
+            assert one.offsets == list(range(one.offsets[0], one.offsets[0] + 10))
+            assert one.timestamps == [1000 + i for i in range(10)]
+        events = await read_all(engine, info.stream_id, 0)
+        assert len(events) == 40 and [e.offset for e in events] == list(range(40))
+        assert len({e.position for e in events}) == 40
         await engine.close()
 
     asyncio.run(main())
