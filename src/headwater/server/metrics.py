@@ -364,7 +364,8 @@ class _ServerCollector(Collector):
         )
         throttled = CounterMetricFamily(
             "headwater_throttle_seconds",
-            "Seconds answers were held back by a tenant's quota ([[tenants]]), per quota",
+            "Seconds requests waited (or read answers were held back) because of a tenant's quota "
+            "([[tenants]]), per quota, summed over requests",
             labels=["tenant", "quota"],
         )
         for (tenant_id, quota), seconds in api.throttle_seconds().items():
