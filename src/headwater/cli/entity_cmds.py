@@ -201,6 +201,10 @@ def cmd_entity_watch(args: argparse.Namespace) -> int:
             bootstrap=not args.live_only,
             resubscribe=ResubscribeMode.LIVE_ONLY if args.live_only else ResubscribeMode.FULL,
         ).start()
+        if not args.live_only:
+            # "watching" promises the current state is in: a Ctrl-C right after it must
+            # still print the entities that were there (the table is drawn from the view).
+            sub.wait_bootstrapped()
         err.print(f"watching {kind.name} (Ctrl-C to stop)", markup=False, soft_wrap=True)
         if as_table:
             console = Console(force_terminal=args.format == "table" or None)
