@@ -7,11 +7,14 @@ One server runs without required auth; a second requires tokens and has small
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import time
 import urllib.error
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -442,3 +445,23 @@ def test_handshake_timeout(limited: Server) -> None:
     assert counted(limited, before, "handshake_timeout_s", "rivven") == 1
     with client(limited) as rivven:  # the server still serves another client
         rivven.ok(pb.PingRequest(), "ping")
+
+
+def test_a_long_poll_is_answered_when_the_server_stops(tmp_path: Path) -> None:
+    own = Server(tmp_path, listen={"rivven": LOCAL, "kimberlite": ""}).start()
+    try:
+        with client(own) as rivven:
+            create_topic(rivven, "quiet", partitions=1)
+            waiting = rivven.send(
+                pb.ConsumeRequest(topic="quiet", partition=0, offset=0, max_wait_ms=30_000)
+            )
+            rivven.ok(pb.PingRequest(), "ping")  # the consume is in flight, the ping answered
+            os.kill(own.pid, signal.SIGTERM)
+            # Answered (empty) as the listener stops, not cut off when the drain's 10 s
+            # run out and the connection is closed unanswered.
+            answer = rivven.answer(waiting)
+            assert answer.WhichOneof("response_type") == "consume"
+            assert list(answer.consume.records) == []
+        assert own.stop() == 0
+    finally:
+        own.kill()

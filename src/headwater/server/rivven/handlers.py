@@ -109,6 +109,8 @@ class Session:
     transactions: TransactionalIds
     host: str
     port: int
+    # Set as the listener stops: a long-polling Consume answers with what it has.
+    stopping: asyncio.Event
     principal: Principal | None = None  # set by Authenticate, or on first use without auth
 
     @property
@@ -351,8 +353,17 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
         # Nothing to give (yet): a long poll waits for the partition to pass its end,
         # then reads again (under read_committed the new events may still be open).
         left = deadline - asyncio.get_running_loop().time()
+        if left <= 0 or session.stopping.is_set():
+            break
         end = max(offset, api.stream_end(tenant_id, info.stream_id, partition))
-        if left <= 0 or not await api.wait_for_end(tenant_id, info.stream_id, partition, end, left):
+        arrived = asyncio.ensure_future(
+            api.wait_for_end(tenant_id, info.stream_id, partition, end, left)
+        )
+        stopping = asyncio.ensure_future(session.stopping.wait())
+        await asyncio.wait((arrived, stopping), return_when=asyncio.FIRST_COMPLETED)
+        arrived.cancel()
+        stopping.cancel()
+        if not (arrived.done() and not arrived.cancelled() and arrived.result()):
             break
         # A read that skipped only aborted events or markers resumes past them.
         offset = max(offset, result.end_offset)

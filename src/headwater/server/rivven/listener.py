@@ -65,11 +65,12 @@ class RivvenConnection(asyncio.Protocol):
         connections: set[RivvenConnection],
         transactions: TransactionalIds,
         address: tuple[str, int],
+        stopping: asyncio.Event,
     ) -> None:
         self.server = server
         self.protocol = ServerConnection()
         self.metrics = metrics_for(server)
-        self.session = Session(server.api, transactions, *address)
+        self.session = Session(server.api, transactions, *address, stopping)
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
@@ -227,9 +228,11 @@ class UnsupportedOperation(InvalidRequest):
 async def start_rivven(server: Server, host: str, port: int) -> Listener:
     connections: set[RivvenConnection] = set()
     transactions = TransactionalIds()
+    stopping = asyncio.Event()
     bound = {"port": port}
 
     async def drain() -> None:
+        stopping.set()  # long polls answer now with what they have
         await finish_in_flight([t for c in connections for t in c.tasks])
 
     listener = await start_tcp_listener(
@@ -237,7 +240,9 @@ async def start_rivven(server: Server, host: str, port: int) -> Listener:
         LISTENER,
         host,
         port,
-        lambda: RivvenConnection(server, connections, transactions, (host, bound["port"])),
+        lambda: RivvenConnection(
+            server, connections, transactions, (host, bound["port"]), stopping
+        ),
         connections,
         drain=drain,
     )
