@@ -1,0 +1,458 @@
+"""The kafka listener against a real server, with real Kafka clients as the oracle:
+confluent-kafka (librdkafka), aiokafka and Debian's kcat (librdkafka 2.0.2), unchanged
+(docs/kafka.md).
+
+One server (no auth) serves most tests, each on topics of its own; restart, SASL and
+limits tests start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic
+from servers import LOCAL, Server, serving
+
+from headwater.engine.partitioner import keyed_partition
+from waiting import wait_until
+
+PARTITIONS = 3
+DEADLINE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(tmp_path_factory.mktemp("kafka"), listen={"kafka": LOCAL}, clean_log=True)
+
+
+def bootstrap(server: Server) -> str:
+    return server.address_of("kafka")
+
+
+def topic_name() -> str:
+    return "t_" + uuid.uuid4().hex[:12]  # stream names are [A-Za-z0-9_]
+
+
+def create_topic(server: Server, partitions: int = PARTITIONS) -> str:
+    name = topic_name()
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+    futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    futures[name].result(timeout=DEADLINE_S)
+    return name
+
+
+def produce(
+    server: Server, topic: str, messages: list[dict[str, Any]], **config: Any
+) -> list[Message]:
+    """Produce and flush; the delivery reports, every one checked for errors."""
+    producer = Producer({"bootstrap.servers": bootstrap(server), "linger.ms": 5, **config})
+    delivered: list[Message] = []
+    errors: list[KafkaError] = []
+
+    def report(err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            errors.append(err)
+        else:
+            delivered.append(msg)
+
+    for message in messages:
+        producer.produce(topic, on_delivery=report, **message)
+    assert producer.flush(DEADLINE_S) == 0, "messages still in flight"
+    assert not errors, errors
+    return delivered
+
+
+def consume(
+    server: Server,
+    topic: str,
+    count: int,
+    *,
+    partitions: int = PARTITIONS,
+    **config: Any,
+) -> list[Message]:
+    """``count`` messages read from offset 0 of every partition (assigned, no group)."""
+    consumer = Consumer({"bootstrap.servers": bootstrap(server), "group.id": "reader", **config})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    got: list[Message] = []
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while len(got) < count and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            assert message.error() is None, message.error()
+            got.append(message)
+    finally:
+        consumer.close()
+    assert len(got) == count, f"read {len(got)} of {count}"
+    return got
+
+
+# ---- produce and fetch ---------------------------------------------------------------
+
+
+def test_keyed_messages_land_on_kafkas_partition_and_read_back(server: Server) -> None:
+    topic = create_topic(server)
+    messages = [
+        {"key": f"key-{i}".encode(), "value": f"value-{i}".encode(), "headers": [("h", b"%d" % i)]}
+        for i in range(60)
+    ]
+    # murmur2_random: Kafka's Java partitioner (librdkafka's default is CRC32).
+    delivered = produce(server, topic, messages, partitioner="murmur2_random")
+    for msg in delivered:
+        assert msg.partition() == keyed_partition(msg.key(), PARTITIONS)
+    got = consume(server, topic, len(messages))
+    by_key = {m.key(): m for m in got}
+    for i in range(60):
+        message = by_key[f"key-{i}".encode()]
+        assert message.value() == f"value-{i}".encode()
+        assert message.headers() == [("h", b"%d" % i)]
+        assert message.partition() == keyed_partition(message.key(), PARTITIONS)
+    # Offsets within each partition are 0, 1, 2, ... in produce order.
+    for p in range(PARTITIONS):
+        offsets = [m.offset() for m in got if m.partition() == p]
+        assert sorted(offsets) == list(range(len(offsets)))
+
+
+@pytest.mark.parametrize("codec", ["none", "gzip", "snappy", "lz4", "zstd"])
+def test_every_compression_codec(server: Server, codec: str) -> None:
+    topic = create_topic(server, partitions=1)
+    values = [f"{codec}-{i}-".encode() * 20 for i in range(200)]
+    produce(server, topic, [{"value": v} for v in values], **{"compression.type": codec})
+    got = consume(server, topic, len(values), partitions=1)
+    assert [m.value() for m in got] == values
+
+
+def test_idempotent_producer_stores_each_message_once(server: Server) -> None:
+    topic = create_topic(server, partitions=1)
+    values = [b"idem-%d" % i for i in range(500)]
+    delivered = produce(
+        server,
+        topic,
+        [{"value": v} for v in values],
+        **{"enable.idempotence": True, "acks": "all", "max.in.flight": 5},
+    )
+    assert sorted(m.offset() for m in delivered) == list(range(len(values)))
+    got = consume(server, topic, len(values), partitions=1)
+    assert [m.value() for m in got] == values
+
+
+def test_offsets_for_times_and_watermarks(server: Server) -> None:
+    topic = create_topic(server, partitions=1)
+    produce(server, topic, [{"value": b"early-%d" % i, "timestamp": 1_000 + i} for i in range(5)])
+    produce(server, topic, [{"value": b"late-%d" % i, "timestamp": 9_000 + i} for i in range(5)])
+    consumer = Consumer({"bootstrap.servers": bootstrap(server), "group.id": "times"})
+    try:
+        (found,) = consumer.offsets_for_times([TopicPartition(topic, 0, 5_000)], timeout=15)
+        assert found.offset == 5
+        (beyond,) = consumer.offsets_for_times([TopicPartition(topic, 0, 99_999)], timeout=15)
+        assert beyond.offset == -1  # Kafka: no such record
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=15)
+        assert (low, high) == (0, 10)
+    finally:
+        consumer.close()
+    got = consume(server, topic, 10, partitions=1)
+    assert [m.timestamp()[1] for m in got] == [1_000 + i for i in range(5)] + [
+        9_000 + i for i in range(5)
+    ]
+
+
+def test_oversize_message_is_refused_and_the_server_serves_on(server: Server) -> None:
+    topic = create_topic(server, partitions=1)
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap(server),
+            "message.max.bytes": 4_000_000,  # let the client send it: the broker decides
+            "compression.type": "none",
+        }
+    )
+    results: list[KafkaError | None] = []
+    producer.produce(topic, b"x" * 2_000_000, on_delivery=lambda err, msg: results.append(err))
+    producer.flush(DEADLINE_S)
+    assert len(results) == 1 and results[0] is not None
+    assert results[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
+    # Nothing was stored, and another client is served.
+    produce(server, topic, [{"value": b"small"}])
+    assert [m.value() for m in consume(server, topic, 1, partitions=1)] == [b"small"]
+
+
+def test_fetch_long_polls_until_a_message_arrives(server: Server) -> None:
+    topic = create_topic(server, partitions=1)
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap(server), "group.id": "poll", "fetch.wait.max.ms": 10_000}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    try:
+        assert consumer.poll(1.0) is None  # the fetch is parked on the server
+        started = time.monotonic()
+        produce(server, topic, [{"value": b"wake"}])
+        message = None
+        while message is None and time.monotonic() - started < DEADLINE_S:
+            message = consumer.poll(0.5)
+        assert message is not None and message.value() == b"wake"
+        # Woken by the append, not by fetch.wait.max.ms (10 s).
+        assert time.monotonic() - started < 8.0
+    finally:
+        consumer.close()
+
+
+# ---- groups ---------------------------------------------------------------------------
+
+
+def group_consumer(server: Server, group: str, **config: Any) -> Consumer:
+    return Consumer(
+        {
+            "bootstrap.servers": bootstrap(server),
+            "group.id": group,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "session.timeout.ms": 6_000,
+            "heartbeat.interval.ms": 300,
+            **config,
+        }
+    )
+
+
+def poll_until(consumers: list[Consumer], done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for consumer in consumers:
+            message = consumer.poll(0.05)
+            assert message is None or message.error() is None, message.error()
+
+
+def test_a_group_of_three_rebalances_when_one_leaves(server: Server) -> None:
+    topic = create_topic(server)
+    group = "g_" + uuid.uuid4().hex[:8]
+    consumers = [group_consumer(server, group) for _ in range(3)]
+    for consumer in consumers:
+        consumer.subscribe([topic])
+
+    def owned(members: list[Consumer]) -> list[set[int]]:
+        return [{tp.partition for tp in c.assignment()} for c in members]
+
+    try:
+        poll_until(consumers, lambda: all(len(o) == 1 for o in owned(consumers)), "3 x 1")
+        assert set().union(*owned(consumers)) == set(range(PARTITIONS))
+        consumers.pop().close()  # LeaveGroup
+        poll_until(
+            consumers,
+            lambda: (
+                sorted(len(o) for o in owned(consumers)) == [1, 2]
+                and set().union(*owned(consumers)) == set(range(PARTITIONS))
+            ),
+            "the partitions of the member that left to move to the others",
+        )
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+
+def test_committed_offsets_resume_after_a_restart(make_server: Callable[..., Server]) -> None:
+    server = make_server(listen={"kafka": LOCAL})
+    topic = create_topic(server, partitions=1)
+    produce(server, topic, [{"value": b"m%d" % i} for i in range(10)])
+    group = "resume"
+    first = group_consumer(server, group)
+    first.subscribe([topic])
+    got: list[Message] = []
+    poll_until_messages(first, got, 4)
+    first.commit(message=got[3], asynchronous=False)  # commits offset 4
+    first.close()
+
+    server.stop()
+    server.start()
+    second = group_consumer(server, group)
+    second.subscribe([topic])
+    rest: list[Message] = []
+    try:
+        poll_until_messages(second, rest, 6)
+    finally:
+        second.close()
+    assert [m.value() for m in rest] == [b"m%d" % i for i in range(4, 10)]
+
+
+def poll_until_messages(consumer: Consumer, into: list[Message], count: int) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while len(into) < count:
+        assert time.monotonic() < deadline, f"read {len(into)} of {count}"
+        message = consumer.poll(0.5)
+        if message is not None:
+            assert message.error() is None, message.error()
+            into.append(message)
+
+
+# ---- transactions ---------------------------------------------------------------------
+
+
+def test_transactions_commit_abort_and_fencing(server: Server) -> None:
+    topic = create_topic(server, partitions=1)
+    transactional_id = "tx_" + uuid.uuid4().hex[:8]
+    config = {"bootstrap.servers": bootstrap(server), "transactional.id": transactional_id}
+    producer = Producer(config)
+    producer.init_transactions(DEADLINE_S)
+    producer.begin_transaction()
+    producer.produce(topic, b"committed-1")
+    producer.commit_transaction(DEADLINE_S)
+    producer.begin_transaction()
+    producer.produce(topic, b"aborted")
+    producer.flush(DEADLINE_S)
+    producer.abort_transaction(DEADLINE_S)
+    producer.begin_transaction()
+    producer.produce(topic, b"committed-2")
+    producer.commit_transaction(DEADLINE_S)
+
+    # A second instance with the same transactional.id fences the first.
+    successor = Producer(config)
+    successor.init_transactions(DEADLINE_S)
+    with pytest.raises(KafkaException) as fenced:
+        producer.begin_transaction()
+        producer.produce(topic, b"zombie")
+        producer.commit_transaction(DEADLINE_S)
+    assert fenced.value.args[0].fatal()
+    assert fenced.value.args[0].code() == KafkaError._FENCED
+    successor.begin_transaction()
+    successor.produce(topic, b"committed-3")
+    successor.commit_transaction(DEADLINE_S)
+
+    committed = consume(server, topic, 3, partitions=1, **{"isolation.level": "read_committed"})
+    assert [m.value() for m in committed] == [b"committed-1", b"committed-2", b"committed-3"]
+    everything = consume(server, topic, 4, partitions=1, **{"isolation.level": "read_uncommitted"})
+    assert [m.value() for m in everything] == [
+        b"committed-1",
+        b"aborted",
+        b"committed-2",
+        b"committed-3",
+    ]
+
+
+# ---- other clients --------------------------------------------------------------------
+
+
+def test_aiokafka_produces_and_consumes(server: Server) -> None:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka import TopicPartition as AioPartition
+
+    topic = create_topic(server, partitions=1)
+
+    async def run() -> list[bytes]:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap(server), compression_type="gzip")
+        await producer.start()
+        try:
+            for i in range(20):
+                await producer.send_and_wait(topic, b"aio-%d" % i, key=b"k")
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap(server))
+        await consumer.start()
+        try:
+            partition = AioPartition(topic, 0)
+            consumer.assign([partition])
+            consumer.seek(partition, 0)
+            values: list[bytes] = []
+            async with asyncio.timeout(DEADLINE_S):
+                while len(values) < 20:
+                    batch = await consumer.getmany(timeout_ms=1000)
+                    values += [r.value for records in batch.values() for r in records]
+            return values
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(run()) == [b"aio-%d" % i for i in range(20)]
+
+
+KCAT = shutil.which("kcat")
+
+
+def kcat(*args: str, stdin: bytes = b"") -> str:
+    assert KCAT is not None, "kcat is not installed (make system-deps)"
+    done = subprocess.run(
+        [KCAT, *args], input=stdin, capture_output=True, timeout=DEADLINE_S, check=False
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout.decode()
+
+
+def test_kcat_lists_produces_and_consumes(server: Server) -> None:
+    topic = create_topic(server)
+    broker = bootstrap(server)
+    listing = kcat("-b", broker, "-L")
+    assert f'topic "{topic}" with {PARTITIONS} partitions' in listing
+    lines = [f"line-{i}" for i in range(10)]
+    kcat(
+        "-b", broker, "-P", "-t", topic, "-p", "1", "-z", "snappy", stdin="\n".join(lines).encode()
+    )
+    out = kcat("-b", broker, "-C", "-t", topic, "-p", "1", "-o", "beginning", "-e", "-q")
+    assert out.split() == lines
+
+
+# ---- SASL -----------------------------------------------------------------------------
+
+TOKEN = "s3cret"
+AUTH_CONFIG = f"""
+[auth]
+required = true
+[[auth.tokens]]
+token = "{TOKEN}"
+tenants = [0]
+"""
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("kafka-auth"), config=AUTH_CONFIG, listen={"kafka": LOCAL}
+    )
+
+
+SASL = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN", "sasl.username": "u"}
+
+
+def test_sasl_plain_wrong_password_is_an_authentication_error(auth_server: Server) -> None:
+    errors: list[KafkaError] = []
+    wrong = Producer(
+        {
+            "bootstrap.servers": bootstrap(auth_server),
+            **SASL,
+            "sasl.password": "wrong",
+            "error_cb": errors.append,
+        }
+    )
+
+    def refused() -> bool:
+        wrong.poll(0.1)
+        return any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+
+    wait_until(refused, DEADLINE_S, "no authentication error")
+    # The right token is served after the refused client, for tenant 0.
+    topic = topic_name()
+    produce(auth_server, topic, [{"value": b"authed"}], **SASL, **{"sasl.password": TOKEN})
+    got = consume(auth_server, topic, 1, partitions=1, **SASL, **{"sasl.password": TOKEN})
+    assert got[0].value() == b"authed"
+
+
+def test_without_sasl_an_auth_server_serves_nothing(auth_server: Server) -> None:
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap(auth_server), "group.id": "anon", "error_cb": print}
+    )
+    try:
+        with pytest.raises(KafkaException):
+            consumer.list_topics(timeout=2)
+    finally:
+        consumer.close()
