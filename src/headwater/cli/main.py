@@ -192,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=parse_listen,
         metavar="NAME=HOST:PORT",
-        help="where listener NAME (http, kimberlite, convergedb, ripple, postgres) listens, "
-        "over the config's [listen]; NAME=off (or NAME=) switches it off; port 0 picks a "
+        help="where listener NAME (http, kimberlite, convergedb, ripple, rivven, postgres) "
+        "listens, over the config's [listen]; NAME=off (or NAME=) switches it off; port 0 picks a "
         "free port; repeat for more listeners",
     )
     serve.set_defaults(func=cmd_serve)
