@@ -37,17 +37,18 @@ typecheck: $(STAMP)
 
 # The dashboard and WebSocket browser tests drive Debian's headless chromium, the
 # postgres listener's tests Debian's psql, the Prometheus tests promtool (Debian's
-# prometheus package) and the systemd unit's test systemd-analyze (Debian's systemd; no
-# running systemd needed); a fresh machine (CI) gets them from apt. Skipped when they
-# are already there.
+# prometheus package), the systemd unit's test systemd-analyze (Debian's systemd; no
+# running systemd needed) and the kafka listener's tests Debian's kcat (librdkafka
+# 2.0.2, the oldest client it serves); a fresh machine (CI) gets them from apt. Skipped
+# when they are already there.
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
 			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null \
-			|| ! command -v systemd-analyze >/dev/null; then \
+			|| ! command -v systemd-analyze >/dev/null || ! command -v kcat >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
-			postgresql-client prometheus systemd >/dev/null; \
+			postgresql-client prometheus systemd kcat >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
