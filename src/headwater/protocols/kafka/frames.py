@@ -73,12 +73,16 @@ def decode_request_body(
     fixed: FixedHeader, body: Buffer
 ) -> tuple[RequestHeaderV1 | RequestHeaderV2, RequestPayload]:
     """The header and request of a frame ``body`` whose API version is supported.
-    Raises :class:`~.schema.SchemaDecodeError` when the bytes do not decode."""
+    Raises :class:`~.schema.SchemaDecodeError` when the bytes do not decode.
+
+    Bytes after the request are ignored, as Kafka's parser ignores them: librdkafka 2.16
+    sends a Metadata v13 for every topic with 3 zero bytes after the message, and
+    Kafka serves it."""
     payload_type = request_type(fixed.api_key, fixed.api_version)
     header_type = RequestHeaderV2 if payload_type.__flexible__ else RequestHeaderV1
     header: RequestHeaderV1 | RequestHeaderV2
     header, offset = decode_entity(header_type, body)
-    request = decode_exact(payload_type, memoryview(body)[offset:])
+    request, _end = decode_entity(payload_type, memoryview(body)[offset:])
     return header, request
 
 
