@@ -28,10 +28,12 @@ TCP_LISTENERS = ("kimberlite", "convergedb", "ripple")
 SCHEMA = rm.Schema("limits", 1, (rm.Field("n", rm.FieldType.INT),))
 
 
-def refusals(server: Server) -> dict[tuple[str, str], float]:
-    """headwater_limit_refusals_total by (limit, listener)."""
+def refusals(server: Server, token: str | None = None) -> dict[tuple[str, str], float]:
+    """headwater_limit_refusals_total by (limit, listener); ``token``: an admin token,
+    for a server whose /metrics requires one."""
     url = f"http://127.0.0.1:{server.ports['http']}/metrics"
-    with urllib.request.urlopen(url, timeout=15) as answer:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=15) as answer:
         text = answer.read().decode()
     return {
         (sample.labels["limit"], sample.labels["listener"]): sample.value
@@ -42,8 +44,15 @@ def refusals(server: Server) -> dict[tuple[str, str], float]:
     }
 
 
-def counted(server: Server, before: dict[tuple[str, str], float], limit: str, listener: str) -> int:
-    return int(refusals(server).get((limit, listener), 0) - before.get((limit, listener), 0))
+def counted(
+    server: Server,
+    before: dict[tuple[str, str], float],
+    limit: str,
+    listener: str,
+    token: str | None = None,
+) -> int:
+    after = refusals(server, token)
+    return int(after.get((limit, listener), 0) - before.get((limit, listener), 0))
 
 
 def raw_socket(server: Server, listener: str) -> socket.socket:

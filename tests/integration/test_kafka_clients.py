@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import struct
 import subprocess
 import time
 import uuid
@@ -26,6 +27,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, NewTopic
+from limits_clients import counted, raw_socket, read_to_end, refusals
 from servers import LOCAL, Server, serving
 
 from headwater.engine.partitioner import keyed_partition
@@ -456,3 +458,83 @@ def test_without_sasl_an_auth_server_serves_nothing(auth_server: Server) -> None
             consumer.list_topics(timeout=2)
     finally:
         consumer.close()
+
+
+# ---- [limits] -------------------------------------------------------------------------
+
+MAX_CONNECTIONS = 8  # a librdkafka client opens up to 3 (bootstrap, broker, coordinator)
+ADMIN_TOKEN = "operator"
+LIMITS_CONFIG = f"""{AUTH_CONFIG}
+[[auth.tokens]]
+token = "{ADMIN_TOKEN}"
+tenants = [0]
+admin = true
+[limits]
+max_connections = {MAX_CONNECTIONS}
+handshake_timeout_s = 1.0
+max_pending_bytes = 4096
+"""
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("kafka-limits"),
+        config=LIMITS_CONFIG,
+        listen={"kafka": LOCAL, "http": LOCAL},
+    )
+
+
+def authed_topics(server: Server) -> list[str]:
+    """A SASL client's view of the topics: proof the listener serves."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap(server), "group.id": "ok", **SASL, "sasl.password": TOKEN}
+    )
+    try:
+        return list(consumer.list_topics(timeout=DEADLINE_S).topics)
+    finally:
+        consumer.close()
+
+
+def test_max_connections_closes_the_one_past_it(limited: Server) -> None:
+    before = refusals(limited, ADMIN_TOKEN)
+    held = [raw_socket(limited, "kafka") for _ in range(MAX_CONNECTIONS)]
+    try:
+        # Admitted connections are quiet; one more is closed at once (Kafka has no
+        # frame to say why: the client sees the close and retries).
+        extra = raw_socket(limited, "kafka")
+        assert read_to_end(extra) == b""
+        extra.close()
+    finally:
+        for sock in held:
+            sock.close()
+    # Served again once the held connections are gone (the server sees them close).
+    wait_until(lambda: served_again(limited), DEADLINE_S, "not served again")
+    assert counted(limited, before, "max_connections", "kafka", ADMIN_TOKEN) == 1
+
+
+def served_again(server: Server) -> bool:
+    try:
+        return bool(authed_topics(server) is not None)
+    except KafkaException:  # still full: the client was refused too
+        return False
+
+
+def test_handshake_timeout_closes_a_client_that_never_authenticates(limited: Server) -> None:
+    before = refusals(limited, ADMIN_TOKEN)
+    sock = raw_socket(limited, "kafka")
+    assert read_to_end(sock) == b""
+    sock.close()
+    assert counted(limited, before, "handshake_timeout_s", "kafka", ADMIN_TOKEN) == 1
+    assert authed_topics(limited) is not None
+
+
+def test_max_pending_bytes_before_authentication(limited: Server) -> None:
+    before = refusals(limited, ADMIN_TOKEN)
+    sock = raw_socket(limited, "kafka")
+    # A frame that claims 1 MiB and sends 8 KiB of it, before any SASL.
+    sock.sendall(struct.pack(">i", 1 << 20) + b"\0" * 8192)
+    assert read_to_end(sock) == b""
+    sock.close()
+    assert counted(limited, before, "max_pending_bytes", "kafka", ADMIN_TOKEN) == 1
+    assert authed_topics(limited) is not None
