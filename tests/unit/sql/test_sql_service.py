@@ -363,7 +363,8 @@ def test_case_clash_and_hidden_internal_streams(tmp_path: Path) -> None:
             internal = await engine.create_stream(0, "hw_internal", internal=True)
             await engine.append(0, upper.stream_id, [b"U"])
             await engine.append(0, lower.stream_id, [b"l", b"l"])
-            await engine.append(0, internal.stream_id, [b"i"])
+            # As headwater's own writers of internal streams (transactions, group offsets) do.
+            await engine.append(0, internal.stream_id, [b"i"], internal=True)
             assert (await sql.query(0, 'SELECT count(*) FROM "Foo"')).rows == [[1]]
             assert (await sql.query(0, "SELECT count(*) FROM foo")).rows == [[2]]
             with pytest.raises(TableNotFound):
