@@ -538,3 +538,23 @@ def test_max_pending_bytes_before_authentication(limited: Server) -> None:
     sock.close()
     assert counted(limited, before, "max_pending_bytes", "kafka", ADMIN_TOKEN) == 1
     assert authed_topics(limited) is not None
+
+
+def test_kcat_authenticates_with_sasl_plain(auth_server: Server) -> None:
+    # librdkafka 2.0.2 enables SASL only when SaslHandshake's range includes v0.
+    sasl = [
+        "-X",
+        "security.protocol=SASL_PLAINTEXT",
+        "-X",
+        "sasl.mechanisms=PLAIN",
+        "-X",
+        "sasl.username=u",
+        "-X",
+        f"sasl.password={TOKEN}",
+    ]
+    broker = bootstrap(auth_server)
+    topic = topic_name()
+    kcat("-b", broker, "-P", "-t", topic, *sasl, stdin=b"kcat-sasl")
+    assert kcat("-b", broker, "-C", "-t", topic, "-o", "beginning", "-e", "-q", *sasl).split() == [
+        "kcat-sasl"
+    ]

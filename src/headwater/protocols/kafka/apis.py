@@ -82,7 +82,7 @@ SUPPORTED: dict[ApiKey, VersionRange] = {
     ApiKey.LIST_GROUPS: VersionRange(0, 4),
     # v0 sends the SASL tokens unframed after the handshake; every supported client
     # uses v1, whose tokens travel in SaslAuthenticate requests.
-    ApiKey.SASL_HANDSHAKE: VersionRange(1, 1),
+    ApiKey.SASL_HANDSHAKE: VersionRange(0, 1),
     # 4 is 3 again (KAFKA-17011 only lets a feature's min version be 0); Kafka's Java
     # client 3.9+ asks for it first.
     ApiKey.API_VERSIONS: VersionRange(0, 4),

@@ -154,7 +154,9 @@ class KafkaConnection(asyncio.Protocol):
             return
         try:
             if api_key is ApiKey.SASL_HANDSHAKE:
-                fields: Mapping[str, Any] = self._sasl_handshake(request.request)
+                fields: Mapping[str, Any] = self._sasl_handshake(
+                    request.request, request.api_version
+                )
             elif api_key is ApiKey.SASL_AUTHENTICATE:
                 fields = self._sasl_authenticate(request.request)
             elif handler is None:
@@ -180,10 +182,16 @@ class KafkaConnection(asyncio.Protocol):
 
     # ---- SASL -----------------------------------------------------------------------
 
-    def _sasl_handshake(self, request: Any) -> dict[str, Any]:
+    def _sasl_handshake(self, request: Any, version: int) -> dict[str, Any]:
         self._mechanism = request.mechanism
         code = ErrorCode.none
-        if request.mechanism not in SASL_MECHANISMS:
+        if version == 0:
+            # v0 is announced only because librdkafka before 2.2 (Debian's kcat) enables
+            # SASL when the range includes 0; it then uses v1. A v0 client would send
+            # its tokens unframed, which this listener does not read: refused clearly.
+            log.warning("kafka %s: SaslHandshake v0 (unframed tokens) refused", self.guard.peer)
+            code = ErrorCode.unsupported_version
+        elif request.mechanism not in SASL_MECHANISMS:
             log.warning("kafka %s: SASL mechanism %r refused", self.guard.peer, request.mechanism)
             code = ErrorCode.unsupported_sasl_mechanism
         return {"error_code": code, "mechanisms": list(SASL_MECHANISMS)}
