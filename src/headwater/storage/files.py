@@ -12,6 +12,10 @@ file is never closed under its user, so a descriptor number is never reused for 
 file while a read or write is still on it. Pins last one system call or one scan, so the
 open count may pass ``capacity`` by at most the number of operations running at that
 moment (the worker threads plus the event loop); the next release closes the surplus.
+Room is made *before* a file is opened (the least recently used one closed first), so a
+(re)open never holds ``capacity + 1`` descriptors even for an instant: with thousands of
+streams every reopen is such an instant, and a process counted at one of them (or sized
+to ``ulimit -n``) would see the bound passed.
 
 Linux reports a writeback error to an ``fsync`` on any descriptor of the file, one opened
 after the write included, so closing a written file before its ``fdatasync`` loses no
@@ -75,6 +79,7 @@ class FileCache:
         """Create ``path`` (it must not exist) and hold it open."""
         handle = SegmentFile(path)
         with self._lock:
+            self._make_room()
             handle.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             self._added(handle)
         return handle
@@ -105,8 +110,9 @@ class FileCache:
                 return handle.fd
             if handle.retired:
                 raise StorageError(f"{handle.path.name} was removed (retention or compaction)")
+            self._make_room()
             handle.fd = os.open(handle.path, os.O_RDWR)
-            handle.pins += 1  # before _added: the file just opened is not a candidate
+            handle.pins += 1
             self._added(handle)
             return handle.fd
 
@@ -142,15 +148,22 @@ class FileCache:
                 self._close(handle)
 
     def _added(self, handle: SegmentFile) -> None:
+        """Count ``handle``, just opened after :meth:`_make_room` (lock held)."""
         self.opens += 1
         self._open[handle] = None
-        if self.capacity is not None and len(self._open) > self.capacity:
-            self._evict()
 
-    def _evict(self) -> None:
-        """Close least recently used unpinned files until within capacity (lock held)."""
+    def _make_room(self) -> None:
+        """Before an open: close least recently used unpinned files until one more fits
+        (lock held). When every open file is pinned the open goes past the bound, and the
+        release of a pin closes the surplus (:meth:`unpin`)."""
+        if self.capacity is not None and len(self._open) >= self.capacity:
+            self._evict(self.capacity - 1)
+
+    def _evict(self, keep: int | None = None) -> None:
+        """Close least recently used unpinned files until at most ``keep`` (default:
+        ``capacity``) are open (lock held)."""
         assert self.capacity is not None
-        excess = len(self._open) - self.capacity
+        excess = len(self._open) - (self.capacity if keep is None else keep)
         for handle in list(self._open):
             if excess <= 0:
                 return

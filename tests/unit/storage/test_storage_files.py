@@ -66,6 +66,32 @@ def test_a_pinned_file_stays_open_past_the_bound_until_released(tmp_path: Path) 
         files.close(handle)
 
 
+def test_room_is_made_before_a_file_is_opened_so_the_bound_holds_at_every_instant(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Closing the least recently used file after opening the next one held capacity + 1
+    # descriptors for a moment at every reopen: a server with thousands of streams was
+    # seen with 513 segment files open under open_files = 512.
+    files = FileCache(3)
+    open_before_each_open: list[int] = []
+    real_open = os.open
+
+    def counting_open(path: str | Path, flags: int, mode: int = 0o777) -> int:
+        open_before_each_open.append(files.open_count)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", counting_open)
+    handles = [files.create(tmp_path / f"f{i}") for i in range(6)]  # creates past the bound
+    for handle in handles * 2:  # every pin a reopen of the least recently used
+        with files.pinned(handle):
+            assert files.open_count <= 3
+    monkeypatch.undo()
+    assert len(open_before_each_open) == 6 + 12
+    assert max(open_before_each_open) == 2  # one place free before each open
+    for handle in handles:
+        files.close(handle)
+
+
 def test_a_retired_file_keeps_its_old_bytes_after_its_path_is_replaced(tmp_path: Path) -> None:
     files = FileCache(1)
     path = tmp_path / "seg.log"
