@@ -308,6 +308,12 @@ def _next_offset(srv: HttpApi, name: str) -> int:
         (b'{"ok": 1}\nnot json\n', "application/x-ndjson"),
         (b'["ok"]', "text/plain"),
         (b'["not base64!"]', "application/json; encoding=base64"),
+        # Padding past a whole quantum: Python's decoder takes it, the spec's pattern not.
+        (b'["AAAA="]', "application/json; encoding=base64"),
+        # Each record carries exactly one of value and value_b64 (the Records schema).
+        (b'{"records": [{}]}', "application/json"),
+        (b'{"records": [{"value": "a", "value_b64": "YQ=="}]}', "application/json"),
+        (b'{"records": [{"value_b64": "AAAA="}]}', "application/json"),
     ],
 )
 def test_append_rejects_and_stores_nothing(srv: HttpApi, raw: bytes, content_type: str) -> None:
