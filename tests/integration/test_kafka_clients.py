@@ -558,3 +558,47 @@ def test_kcat_authenticates_with_sasl_plain(auth_server: Server) -> None:
     assert kcat("-b", broker, "-C", "-t", topic, "-o", "beginning", "-e", "-q", *sasl).split() == [
         "kcat-sasl"
     ]
+
+
+SCRAM = {**SASL, "sasl.mechanism": "SCRAM-SHA-256"}
+
+
+def test_sasl_scram_sha_256_with_a_token_and_a_wrong_password(auth_server: Server) -> None:
+    errors: list[KafkaError] = []
+    wrong = Producer(
+        {
+            "bootstrap.servers": bootstrap(auth_server),
+            **SCRAM,
+            "sasl.password": "wrong",
+            "error_cb": errors.append,
+        }
+    )
+
+    def refused() -> bool:
+        wrong.poll(0.1)
+        return any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+
+    wait_until(refused, DEADLINE_S, "no authentication error")
+    topic = topic_name()
+    produce(auth_server, topic, [{"value": b"scram"}], **SCRAM, **{"sasl.password": TOKEN})
+    # Debian's kcat (librdkafka 2.0.2, which repeats the client nonce) reads it back.
+    out = kcat(
+        "-b",
+        bootstrap(auth_server),
+        "-C",
+        "-t",
+        topic,
+        "-o",
+        "beginning",
+        "-e",
+        "-q",
+        "-X",
+        "security.protocol=SASL_PLAINTEXT",
+        "-X",
+        "sasl.mechanisms=SCRAM-SHA-256",
+        "-X",
+        "sasl.username=u",
+        "-X",
+        f"sasl.password={TOKEN}",
+    )
+    assert out.split() == ["scram"]

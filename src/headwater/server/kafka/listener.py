@@ -22,6 +22,8 @@ from headwater.server.app import Listener
 from headwater.server.kafka.build import build
 from headwater.server.kafka.groups import KafkaGroups
 from headwater.server.kafka.handlers import HANDLERS, Handler, Session
+from headwater.server.kafka.scram import MECHANISM as SCRAM
+from headwater.server.kafka.scram import ScramServer
 from headwater.server.tcp import (
     ConnectionGuard,
     finish_in_flight,
@@ -38,7 +40,7 @@ MAX_INFLIGHT = 128  # requests per connection before reading pauses
 RESUME_INFLIGHT = MAX_INFLIGHT // 2
 
 # Before SASL completes (when [auth] requires it) only these are served, as Kafka does.
-SASL_MECHANISMS = ("PLAIN",)
+SASL_MECHANISMS = ("PLAIN", SCRAM)
 _BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE))
 
 
@@ -64,6 +66,8 @@ class KafkaConnection(asyncio.Protocol):
         self.guard = ConnectionGuard(server.limits, "kafka", self)
         self.session = Session(self.api, "127.0.0.1", port, "?")
         self._mechanism: str | None = None
+        self._scram: ScramServer | None = None
+        self._sasl_failed = False
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -158,7 +162,7 @@ class KafkaConnection(asyncio.Protocol):
                     request.request, request.api_version
                 )
             elif api_key is ApiKey.SASL_AUTHENTICATE:
-                fields = self._sasl_authenticate(request.request)
+                fields = await self._sasl_authenticate(request.request)
             elif handler is None:
                 raise NotImplementedError(f"{api_key.name} has no handler")
             else:
@@ -177,7 +181,7 @@ class KafkaConnection(asyncio.Protocol):
             return
         response = build(response_type(api_key, request.api_version), fields)
         self._write(self.protocol.send(request, response))
-        if api_key is ApiKey.SASL_AUTHENTICATE and not session.authenticated:
+        if api_key is ApiKey.SASL_AUTHENTICATE and self._sasl_failed:
             self.close()  # Kafka closes the connection after a failed authentication
 
     # ---- SASL -----------------------------------------------------------------------
@@ -196,26 +200,43 @@ class KafkaConnection(asyncio.Protocol):
             code = ErrorCode.unsupported_sasl_mechanism
         return {"error_code": code, "mechanisms": list(SASL_MECHANISMS)}
 
-    def _sasl_authenticate(self, request: Any) -> dict[str, Any]:
-        """PLAIN (RFC 4616): ``authzid NUL user NUL password``; the password is a
-        headwater token and the tenant the lowest it grants."""
+    async def _sasl_authenticate(self, request: Any) -> dict[str, Any]:
+        """PLAIN (RFC 4616): ``authzid NUL user NUL password``, or SCRAM-SHA-256's two
+        rounds (:mod:`.scram`); the password is a headwater token and the tenant the
+        lowest it grants."""
         answer: dict[str, Any] = {
             "error_code": ErrorCode.none,
             "error_message": None,
             "auth_bytes": b"",
             "session_lifetime": 0,
         }
-        parts = bytes(request.auth_bytes).split(b"\0")
+        data = bytes(request.auth_bytes)
         try:
-            if self._mechanism != "PLAIN":
-                raise AuthenticationFailed("SaslHandshake with mechanism PLAIN first")
-            if len(parts) != 3:
-                raise AuthenticationFailed("a PLAIN message is authzid NUL user NUL password")
-            principal = self.api.authenticate(parts[2].decode("utf-8", "replace") or None)
+            if self._mechanism == "PLAIN":
+                parts = data.split(b"\0")
+                if len(parts) != 3:
+                    raise AuthenticationFailed("a PLAIN message is authzid NUL user NUL password")
+                principal = self.api.authenticate(parts[2].decode("utf-8", "replace") or None)
+            elif self._mechanism == SCRAM:
+                if self._scram is None:
+                    self._scram = ScramServer()
+                    answer["auth_bytes"] = self._scram.first(data)
+                    return answer
+                tokens = list(self.api.auth.config.tokens)
+                token, answer["auth_bytes"] = await asyncio.to_thread(
+                    self._scram.final, data, tokens
+                )
+                principal = self.api.authenticate(token)
+            else:
+                raise AuthenticationFailed(
+                    f"SaslHandshake with a mechanism of {', '.join(SASL_MECHANISMS)} first"
+                )
         except AuthenticationFailed as exc:
             log.warning("kafka %s: SASL authentication failed: %s", self.guard.peer, exc)
             answer["error_code"] = ErrorCode.sasl_authentication_failed
             answer["error_message"] = f"authentication failed: {exc}"
+            answer["auth_bytes"] = b""
+            self._sasl_failed = True
             self.session.authenticated = False
             return answer
         self.session.tenant_id = principal.default_tenant
