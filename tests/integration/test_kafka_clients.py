@@ -140,6 +140,22 @@ def test_every_compression_codec(server: Server, codec: str) -> None:
     assert [m.value() for m in got] == values
 
 
+def test_a_batch_of_more_records_than_one_append_takes(server: Server) -> None:
+    # 15,000 records in one batch: over the engine's 10,000 per append, within
+    # max.message.bytes; stored in order as several appends.
+    topic = create_topic(server, partitions=1)
+    values = [b"%d" % i for i in range(15_000)]
+    delivered = produce(
+        server,
+        topic,
+        [{"value": v, "partition": 0} for v in values],
+        **{"batch.num.messages": 20_000, "batch.size": 1_000_000, "linger.ms": 500},
+    )
+    assert sorted(m.offset() for m in delivered) == list(range(len(values)))
+    got = consume(server, topic, len(values), partitions=1)
+    assert [m.value() for m in got] == values
+
+
 def test_idempotent_producer_stores_each_message_once(server: Server) -> None:
     topic = create_topic(server, partitions=1)
     values = [b"idem-%d" % i for i in range(500)]

@@ -18,7 +18,14 @@ from typing import Any
 from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
-from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
+from headwater.engine.engine import (
+    MAX_APPEND_BYTES,
+    MAX_APPEND_EVENTS,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
+    StreamInfo,
+    StreamSettings,
+)
 from headwater.engine.groups import GroupError
 from headwater.engine.names import RESERVED_PREFIXES
 from headwater.engine.transactions import ProducerIdentity
@@ -422,17 +429,37 @@ async def _append_batch(
             producer_epoch=header.producer_epoch,
         )
         return stored.base_offset
-    placed = await api.append_partitioned(
-        tenant,
-        info.stream_id,
-        values,
-        keys=keys,
-        headers=headers,
-        partitions=[index] * len(values),
-        timestamps=[header.base_timestamp + delta for delta in columns.timestamp_deltas],
-        tombstones=tombstones if any(tombstones) else None,
-    )
-    return placed.offsets[0]
+    timestamps = [header.base_timestamp + delta for delta in columns.timestamp_deltas]
+    first = -1
+    # A batch within max.message.bytes may still hold more records or (decompressed)
+    # bytes than one engine append takes: stored in order as several appends.
+    for start, stop in _chunks(values):
+        placed = await api.append_partitioned(
+            tenant,
+            info.stream_id,
+            values[start:stop],
+            keys=keys[start:stop] if keys is not None else None,
+            headers=headers[start:stop] if headers is not None else None,
+            partitions=[index] * (stop - start),
+            timestamps=timestamps[start:stop],
+            tombstones=tombstones[start:stop] if any(tombstones) else None,
+        )
+        if first < 0:
+            first = placed.offsets[0]
+    return first
+
+
+def _chunks(values: Sequence[bytes]) -> list[tuple[int, int]]:
+    """[start, stop) runs of ``values`` within one append's event and byte limits."""
+    runs: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, value in enumerate(values):
+        if i > start and (i - start >= MAX_APPEND_EVENTS or size + len(value) > MAX_APPEND_BYTES):
+            runs.append((start, i))
+            start, size = i, 0
+        size += len(value)
+    runs.append((start, len(values)))
+    return runs
 
 
 # ---- fetch and offsets -----------------------------------------------------------------
