@@ -618,3 +618,47 @@ def test_sasl_scram_sha_256_with_a_token_and_a_wrong_password(auth_server: Serve
         f"sasl.password={TOKEN}",
     )
     assert out.split() == ["scram"]
+
+
+# ---- administration ---------------------------------------------------------------------
+
+
+def test_admin_client_topics_configs_and_groups(server: Server) -> None:
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import ConfigResource, NewPartitions, ResourceType
+
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+    topic = create_topic(server, partitions=2)
+    admin.create_partitions([NewPartitions(topic, 4)])[topic].result(timeout=DEADLINE_S)
+    metadata = admin.list_topics(topic, timeout=DEADLINE_S)
+    assert len(metadata.topics[topic].partitions) == 4
+    shrink = admin.create_partitions([NewPartitions(topic, 3)])[topic]
+    with pytest.raises(KafkaException) as refused:
+        shrink.result(timeout=DEADLINE_S)
+    assert refused.value.args[0].code() == KafkaError.INVALID_PARTITIONS
+
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    configs = admin.describe_configs([resource])[resource].result(timeout=DEADLINE_S)
+    assert configs["cleanup.policy"].value == "delete"
+    assert configs["message.timestamp.type"].value == "CreateTime"
+
+    # A group with a member is listed and described; once empty it can be deleted.
+    group = "admin_" + uuid.uuid4().hex[:8]
+    consumer = group_consumer(server, group)
+    consumer.subscribe([topic])
+    poll_until([consumer], lambda: len(consumer.assignment()) == 4, "the assignment")
+    listed = admin.list_consumer_groups().result(timeout=DEADLINE_S)
+    states = {g.group_id: g.state for g in listed.valid}
+    assert states[group] == ConsumerGroupState.STABLE
+    described = admin.describe_consumer_groups([group])[group].result(timeout=DEADLINE_S)
+    assert len(described.members) == 1
+    assert {tp.partition for tp in described.members[0].assignment.topic_partitions} == set(
+        range(4)
+    )
+    consumer.close()
+    admin.delete_consumer_groups([group])[group].result(timeout=DEADLINE_S)
+    remaining = admin.list_consumer_groups().result(timeout=DEADLINE_S)
+    assert group not in {g.group_id for g in remaining.valid}
+
+    admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
+    assert topic not in admin.list_topics(timeout=DEADLINE_S).topics
