@@ -133,7 +133,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag(tmp_path: Path, occupied_port
 
 def test_bad_listen_flags_are_refused_before_start(tmp_path: Path) -> None:
     for flag, message in (
-        ("kafka=127.0.0.1:9092", "unknown listener 'kafka' (one of http, kimberlite"),
+        ("amqp=127.0.0.1:5672", "unknown listener 'amqp' (one of http, kimberlite"),
         ("http", "expected NAME=HOST:PORT, not 'http'"),
         ("http=localhost", "listen.http: expected host:port, got 'localhost'"),
     ):
