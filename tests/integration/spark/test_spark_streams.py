@@ -18,6 +18,14 @@ pytestmark = pytest.mark.spark
 
 FMT = "headwater"
 
+# The failure-injecting UDFs are plain Python UDFs (useArrow=False): rows go through them
+# in small pickled batches, so the writer has appended earlier rows when one waits for
+# that at a late row. With pandas installed, pyspark (spark.sql.execution.pythonUDF.arrow.
+# enabled) makes a udf() Arrow-optimised instead: it answers a whole Arrow batch (up to
+# 10,000 rows, or one page of the reader) at once, the writer is given none of those rows
+# before the UDF returns, and the failure would land before any append: nothing about a
+# retry after a partial write would be tested.
+
 
 def _read(spark: Any, server: str, stream: str, **options: str) -> Any:
     reader = spark.read.format(FMT).option("server", server).option("stream", stream)
@@ -160,7 +168,7 @@ def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Calla
             raise RuntimeError("injected failure")
         return str(n)
 
-    return udf(value, "string")
+    return udf(value, "string", useArrow=False)
 
 
 def test_retried_write_task_leaves_no_duplicate(
@@ -592,7 +600,7 @@ def _failing_while(marker: Path, server: str, sink: str, fail_at: int) -> Callab
             raise RuntimeError("injected failure in the sink's task")
         return str(n)
 
-    return udf(value, "string")
+    return udf(value, "string", useArrow=False)
 
 
 def test_query_failing_mid_batch_restarts_without_loss_or_duplicates(
