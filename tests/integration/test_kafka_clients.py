@@ -15,9 +15,11 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -662,3 +664,56 @@ def test_admin_client_topics_configs_and_groups(server: Server) -> None:
 
     admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
     assert topic not in admin.list_topics(timeout=DEADLINE_S).topics
+
+
+# ---- [tls] ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Path]]:
+    """``[tls]`` (a trustme certificate) and required auth; the server and the CA file."""
+    root = tmp_path_factory.mktemp("kafka-tls")
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
+        str(root / "server.pem")
+    )
+    config = f"""{AUTH_CONFIG}
+[tls]
+cert = "{root / "server.pem"}"
+key = "{root / "server.pem"}"
+"""
+    listen = {"kafka": LOCAL, "kimberlite": ""}
+    for server in serving(root / "server", config=config, listen=listen, clean_log=True):
+        yield server, root / "ca.pem"
+
+
+def test_sasl_ssl_with_confluent_kafka_and_kcat(tls_server: tuple[Server, Path]) -> None:
+    server, ca_file = tls_server
+    tls = {
+        **SCRAM,
+        "security.protocol": "SASL_SSL",
+        "ssl.ca.location": str(ca_file),
+        "sasl.password": TOKEN,
+    }
+    topic = topic_name()
+    produce(server, topic, [{"value": b"over-tls"}], **tls)
+    assert [m.value() for m in consume(server, topic, 1, partitions=1, **tls)] == [b"over-tls"]
+    out = kcat(
+        "-b",
+        bootstrap(server),
+        "-C",
+        "-t",
+        topic,
+        "-o",
+        "beginning",
+        "-e",
+        "-q",
+        *[arg for key, value in tls.items() for arg in ("-X", f"{kcat_key(key)}={value}")],
+    )
+    assert out.split() == ["over-tls"]
+
+
+def kcat_key(key: str) -> str:
+    # librdkafka 2.0.2 names the mechanism property in the plural.
+    return "sasl.mechanisms" if key == "sasl.mechanism" else key
