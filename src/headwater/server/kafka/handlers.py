@@ -379,7 +379,7 @@ async def _produce_partition(
         log.warning("kafka %s: produce to %s refused: %s", session.peer, info.name, exc)
         answer["error_code"], answer["error_message"] = exc.code, str(exc)
     except HeadwaterError as exc:
-        answer["error_code"], answer["error_message"] = error_code(exc), str(exc)
+        answer["error_code"], answer["error_message"] = _produce_error(exc), str(exc)
     return answer
 
 
@@ -667,6 +667,29 @@ async def _timestamp_at(session: Session, info: StreamInfo, partition: int, offs
 
 # ---- idempotent and transactional producers ---------------------------------------------
 
+# The first version of each transaction API that may answer PRODUCER_FENCED (KIP-588);
+# older ones get INVALID_PRODUCER_EPOCH for the same refusal, as Kafka answers them.
+_PRODUCER_FENCED_FROM = {
+    ApiKey.INIT_PRODUCER_ID: 4,
+    ApiKey.ADD_PARTITIONS_TO_TXN: 2,
+    ApiKey.ADD_OFFSETS_TO_TXN: 2,
+    ApiKey.END_TXN: 2,
+    ApiKey.TXN_OFFSET_COMMIT: 3,
+}
+
+
+def _txn_error(exc: HeadwaterError, api_key: ApiKey, version: int) -> ErrorCode:
+    if isinstance(exc, ProducerFenced) and version < _PRODUCER_FENCED_FROM[api_key]:
+        return ErrorCode.invalid_producer_epoch
+    return error_code(exc)
+
+
+def _produce_error(exc: HeadwaterError) -> ErrorCode:
+    # A Produce from a fenced epoch is INVALID_PRODUCER_EPOCH in every version.
+    if isinstance(exc, ProducerFenced):
+        return ErrorCode.invalid_producer_epoch
+    return error_code(exc)
+
 
 def _producer(request: Any) -> ProducerIdentity:
     return ProducerIdentity(request.producer_id, request.producer_epoch)
@@ -681,7 +704,7 @@ async def init_producer_id(session: Session, request: Any, version: int) -> Mapp
             timeout_ms if request.transactional_id is not None else None,
         )
     except HeadwaterError as exc:
-        code = error_code(exc)
+        code = _txn_error(exc, ApiKey.INIT_PRODUCER_ID, version)
         if code is ErrorCode.invalid_request:
             code = ErrorCode.invalid_transaction_timeout
         log.warning("kafka %s: InitProducerId refused: %s", session.peer, exc)
@@ -711,7 +734,7 @@ async def add_partitions_to_txn(session: Session, request: Any, version: int) ->
                 wanted.append((info.stream_id, partition))
         await api.add_partitions_to_txn(tenant, transactional_id, producer, wanted)
     except HeadwaterError as exc:
-        code = error_code(exc)
+        code = _txn_error(exc, ApiKey.ADD_PARTITIONS_TO_TXN, version)
     return {
         "throttle_time": 0,
         "results_by_topic_v3_and_below": [
@@ -735,7 +758,7 @@ async def add_offsets_to_txn(session: Session, request: Any, version: int) -> Ma
             session.tenant_id, request.transactional_id, _producer(request), request.group_id, {}
         )
     except HeadwaterError as exc:
-        code = error_code(exc)
+        code = _txn_error(exc, ApiKey.ADD_OFFSETS_TO_TXN, version)
     return {"throttle_time": 0, "error_code": code}
 
 
@@ -758,7 +781,7 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
             offsets,
         )
     except HeadwaterError as exc:
-        code = error_code(exc)
+        code = _txn_error(exc, ApiKey.TXN_OFFSET_COMMIT, version)
     return {
         "throttle_time": 0,
         "topics": [
@@ -781,7 +804,7 @@ async def end_txn(session: Session, request: Any, version: int) -> Mapping[str, 
             session.tenant_id, request.transactional_id, _producer(request), request.committed
         )
     except HeadwaterError as exc:
-        code = error_code(exc)
+        code = _txn_error(exc, ApiKey.END_TXN, version)
     return {"throttle_time": 0, "error_code": code}
 
 
