@@ -397,6 +397,59 @@ def test_aiokafka_produces_and_consumes(server: Server) -> None:
     assert asyncio.run(run()) == [b"aio-%d" % i for i in range(20)]
 
 
+def test_aiokafka_idempotent_transactional_and_group(server: Server) -> None:
+    # aiokafka speaks the oldest versions: JoinGroup v2, OffsetCommit v2, the v0
+    # transaction APIs.
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka import TopicPartition as AioPartition
+
+    topic = create_topic(server, partitions=2)
+
+    async def run() -> tuple[list[bytes], int | None]:
+        producer = AIOKafkaProducer(bootstrap_servers=bootstrap(server), enable_idempotence=True)
+        await producer.start()
+        try:
+            for i in range(6):
+                await producer.send_and_wait(topic, b"idem-%d" % i, partition=i % 2)
+        finally:
+            await producer.stop()
+        transactional = AIOKafkaProducer(
+            bootstrap_servers=bootstrap(server), transactional_id="aio_" + uuid.uuid4().hex[:8]
+        )
+        await transactional.start()
+        try:
+            async with transactional.transaction():
+                await transactional.send(topic, b"committed", partition=0)
+            await transactional.begin_transaction()
+            await transactional.send(topic, b"aborted", partition=0)
+            await transactional.abort_transaction()
+        finally:
+            await transactional.stop()
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=bootstrap(server),
+            group_id="aio_" + uuid.uuid4().hex[:8],
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
+        await consumer.start()
+        try:
+            values: list[bytes] = []
+            async with asyncio.timeout(DEADLINE_S):
+                while len(values) < 7:
+                    batch = await consumer.getmany(timeout_ms=1000)
+                    values += [r.value for records in batch.values() for r in records]
+            await consumer.commit()
+            return sorted(values), await consumer.committed(AioPartition(topic, 1))
+        finally:
+            await consumer.stop()
+
+    values, committed = asyncio.run(run())
+    assert values == sorted([b"idem-%d" % i for i in range(6)] + [b"committed"])
+    assert committed == 3  # partition 1 holds idem-1, -3, -5
+
+
 KCAT = shutil.which("kcat")
 
 
