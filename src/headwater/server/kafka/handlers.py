@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kio.schema.errors import ErrorCode
@@ -103,6 +103,9 @@ class Session:
     tenant_id: int = 0
     client_id: str = ""
     authenticated: bool = False
+    # Set when the listener stops: long polls answer at once instead of holding the
+    # drain for their max_wait.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     def broker(self) -> dict[str, Any]:
         return {"node_id": NODE_ID, "host": self.host, "port": self.port, "rack": None}
@@ -511,18 +514,19 @@ async def fetch(session: Session, request: Any, version: int) -> Mapping[str, An
         if size >= max(request.min_bytes, 1) or remaining <= 0 or not waits or api.closing:
             return answer
         # Long poll: until any partition asked for gets something new, or max_wait.
-        tasks = [
+        tasks: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(
                 api.wait_for_end(session.tenant_id, stream_id, partition, offset, remaining)
             )
             for stream_id, partition, offset in waits
         ]
+        tasks.append(asyncio.ensure_future(session.stopping.wait()))
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in tasks:
                 task.cancel()
-        if loop.time() >= deadline:
+        if loop.time() >= deadline or session.stopping.is_set():
             answer, size, waits = await _fetch_once(session, request)
             return answer
 

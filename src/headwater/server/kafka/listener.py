@@ -51,6 +51,7 @@ class KafkaConnection(asyncio.Protocol):
         connections: set[KafkaConnection],
         port: int,
         handlers: dict[ApiKey, Handler],
+        stopping: asyncio.Event,
     ) -> None:
         self.server = server
         self.protocol = ServerConnection()
@@ -64,7 +65,8 @@ class KafkaConnection(asyncio.Protocol):
         self._eof = False
         self.closed = False
         self.guard = ConnectionGuard(server.limits, "kafka", self)
-        self.session = Session(self.api, "127.0.0.1", port, "?")
+        self.stopping = stopping
+        self.session = Session(self.api, "127.0.0.1", port, "?", stopping=stopping)
         self._mechanism: str | None = None
         self._scram: ScramServer | None = None
         self._sasl_failed = False
@@ -78,7 +80,7 @@ class KafkaConnection(asyncio.Protocol):
         without_nagle(self.transport)
         local = self.transport.get_extra_info("sockname")
         host = local[0] if local else "127.0.0.1"
-        self.session = Session(self.api, host, self._port, self.guard.peer)
+        self.session = Session(self.api, host, self._port, self.guard.peer, stopping=self.stopping)
         try:
             # Without [auth] required an unauthenticated client acts for tenant 0.
             principal = self.api.authenticate(None)
@@ -263,6 +265,7 @@ async def start_kafka(server: Server, host: str, port: int) -> Listener:
     connections: set[KafkaConnection] = set()
     bound: dict[str, int] = {"port": port}
     groups = KafkaGroups(server.api)
+    stopping = asyncio.Event()
     handlers: dict[ApiKey, Handler] = {
         **HANDLERS,
         ApiKey.JOIN_GROUP: groups.join_group,
@@ -277,8 +280,9 @@ async def start_kafka(server: Server, host: str, port: int) -> Listener:
     }
 
     async def drain() -> None:
-        # JoinGroups waiting for other members are ended first: they would hold the
-        # drain for its whole timeout.
+        # Long polls answer now and JoinGroups waiting for other members end: either
+        # would hold the drain for its whole timeout.
+        stopping.set()
         await groups.close()
         await finish_in_flight([t for c in connections for t in c.tasks])
 
@@ -287,7 +291,7 @@ async def start_kafka(server: Server, host: str, port: int) -> Listener:
         "kafka",
         host,
         port,
-        lambda: KafkaConnection(server, connections, bound["port"], handlers),
+        lambda: KafkaConnection(server, connections, bound["port"], handlers, stopping),
         connections,
         drain=drain,
     )
