@@ -770,3 +770,27 @@ def test_sasl_ssl_with_confluent_kafka_and_kcat(tls_server: tuple[Server, Path])
 def kcat_key(key: str) -> str:
     # librdkafka 2.0.2 names the mechanism property in the plural.
     return "sasl.mechanisms" if key == "sasl.mechanism" else key
+
+
+@pytest.fixture
+def idle_server(tmp_path: Path) -> Iterator[Server]:
+    config = "[limits]\nidle_timeout_s = 1\n"
+    yield from serving(tmp_path, config=config, listen={"kafka": LOCAL, "http": LOCAL})
+
+
+def test_idle_timeout_closes_a_quiet_connection(idle_server: Server) -> None:
+    server = idle_server
+    before = refusals(server)
+    sock = raw_socket(server, "kafka")
+    # ApiVersions v0 (api key 18, correlation id 7), then nothing.
+    header = struct.pack(">hhih", 18, 0, 7, -1)
+    sock.sendall(struct.pack(">i", len(header)) + header)
+    answer = read_to_end(sock)
+    sock.close()
+    (size,) = struct.unpack_from(">i", answer)
+    assert len(answer) == 4 + size  # the answer, then the close
+    assert struct.unpack_from(">i", answer, 4) == (7,)
+    assert counted(server, before, "idle_timeout_s", "kafka") == 1
+    # A client that keeps talking is served.
+    produce(server, "after_idle", [{"value": b"still served"}])
+    assert consume(server, "after_idle", 1, partitions=1)[0].value() == b"still served"
