@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Awaitable, Callable, Collection, Coroutine
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
@@ -222,6 +222,70 @@ def without_nagle(transport: asyncio.BaseTransport) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class TaskPerRequestConnection(asyncio.Protocol):
+    """The connection shell of the binary front ends that run each request as its own
+    task (Kimberlite, Kafka, Rivven): a slow request never holds up the next one on the
+    same connection. Reading pauses at ``max_inflight`` requests in flight and resumes
+    at half; after the peer's EOF the connection closes once the last answer is out.
+
+    A front end calls :meth:`_start` with each decoded request's handler coroutine,
+    :meth:`_close_when_answered` from ``eof_received``, and writes with :meth:`_write`;
+    ``tasks`` is what its listener's drain waits for (:func:`finish_in_flight`)."""
+
+    max_inflight: ClassVar[int] = 1024  # requests per connection before reading pauses
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self._reading_paused = False
+        self._eof = False
+        self.closed = False
+
+    def _set_transport(self, transport: asyncio.BaseTransport) -> asyncio.Transport:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        return self.transport
+
+    def busy(self) -> bool:
+        """Requests in flight keep the idle timeout waiting (see :class:`ConnectionGuard`)."""
+        return bool(self.tasks)
+
+    def _start(self, handling: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(handling)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        if len(self.tasks) >= self.max_inflight and not self._reading_paused and self.transport:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self._eof and not self.tasks:
+            self.close()
+            return
+        if self._reading_paused and len(self.tasks) <= self.max_inflight // 2 and self.transport:
+            self._reading_paused = False
+            if not self.closed:
+                self.transport.resume_reading()
+
+    def _close_when_answered(self) -> None:
+        """The peer sends no more but may still read: answer what it sent, then close."""
+        self._eof = True
+        if not self.tasks:
+            self.close()
+
+    def _write(self, data: bytes) -> None:
+        if data and self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def close(self, *, abort: bool = False) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
 
 
 DRAIN_TIMEOUT_S = 10.0  # how long a stopping listener waits for requests in flight

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from kio.schema.errors import ErrorCode
 
@@ -26,6 +26,7 @@ from headwater.server.kafka.scram import MECHANISM as SCRAM
 from headwater.server.kafka.scram import ScramServer
 from headwater.server.tcp import (
     ConnectionGuard,
+    TaskPerRequestConnection,
     finish_in_flight,
     start_tcp_listener,
     without_nagle,
@@ -36,15 +37,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("headwater.kafka")
 
-MAX_INFLIGHT = 128  # requests per connection before reading pauses
-RESUME_INFLIGHT = MAX_INFLIGHT // 2
-
 # Before SASL completes (when [auth] requires it) only these are served, as Kafka does.
 SASL_MECHANISMS = ("PLAIN", SCRAM)
 _BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE))
 
 
-class KafkaConnection(asyncio.Protocol):
+class KafkaConnection(TaskPerRequestConnection):
+    max_inflight = 128  # answers go out in request order: a deep queue only waits
+
     def __init__(
         self,
         server: Server,
@@ -53,17 +53,13 @@ class KafkaConnection(asyncio.Protocol):
         handlers: dict[ApiKey, Handler],
         stopping: asyncio.Event,
     ) -> None:
+        super().__init__()
         self.server = server
         self.protocol = ServerConnection()
         self.api = server.api
-        self.transport: asyncio.Transport | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
         self._port = port
         self._handlers = handlers
-        self._reading_paused = False
-        self._eof = False
-        self.closed = False
         self.guard = ConnectionGuard(server.limits, "kafka", self)
         self.stopping = stopping
         self.session = Session(self.api, "127.0.0.1", port, "?", stopping=stopping)
@@ -74,11 +70,10 @@ class KafkaConnection(asyncio.Protocol):
     # ---- transport callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if not self.guard.admit(self.transport):
+        if not self.guard.admit(self._set_transport(transport)):
             return
-        without_nagle(self.transport)
-        local = self.transport.get_extra_info("sockname")
+        without_nagle(transport)
+        local = transport.get_extra_info("sockname")
         host = local[0] if local else "127.0.0.1"
         self.session = Session(self.api, host, self._port, self.guard.peer, stopping=self.stopping)
         try:
@@ -100,7 +95,7 @@ class KafkaConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):
             if isinstance(event, Request):
-                self._dispatch(event)
+                self._start(self._handle(event))
             elif isinstance(event, Reply):
                 self._write(event.data)
             elif isinstance(event, Close):
@@ -111,9 +106,7 @@ class KafkaConnection(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         self.protocol.receive_eof()
-        self._eof = True
-        if not self.tasks:
-            self.close()
+        self._close_when_answered()
         return True
 
     # ---- limits ---------------------------------------------------------------------
@@ -123,28 +116,7 @@ class KafkaConnection(asyncio.Protocol):
         # close (the reason is in the server's log).
         return b""
 
-    def busy(self) -> bool:
-        return bool(self.tasks)
-
     # ---- requests -------------------------------------------------------------------
-
-    def _dispatch(self, request: Request) -> None:
-        task = asyncio.get_running_loop().create_task(self._handle(request))
-        self.tasks.add(task)
-        task.add_done_callback(self._task_done)
-        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self.tasks.discard(task)
-        if self._eof and not self.tasks:
-            self.close()
-            return
-        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
-            self._reading_paused = False
-            if not self.closed:
-                self.transport.resume_reading()
 
     async def _handle(self, request: Request) -> None:
         session = self.session
@@ -245,20 +217,6 @@ class KafkaConnection(asyncio.Protocol):
         self.session.authenticated = True
         self.guard.authenticated()
         return answer
-
-    # ---- output ---------------------------------------------------------------------
-
-    def _write(self, data: bytes) -> None:
-        if data and self.transport is not None and not self.closed:
-            self.transport.write(data)
-
-    def close(self, *, abort: bool = False) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            if abort:
-                self.transport.abort()
-            else:
-                self.transport.close()
 
 
 async def start_kafka(server: Server, host: str, port: int) -> Listener:

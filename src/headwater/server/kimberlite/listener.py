@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from headwater.api import CloseReason, EngineAPI
 from headwater.errors import (
@@ -35,6 +35,7 @@ from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import (
     ConnectionGuard,
+    TaskPerRequestConnection,
     finish_in_flight,
     start_tcp_listener,
     without_nagle,
@@ -45,34 +46,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("headwater.kimberlite")
 
-MAX_INFLIGHT = 1024  # requests per connection before reading pauses
-RESUME_INFLIGHT = MAX_INFLIGHT // 2
 
-
-class KimberliteConnection(asyncio.Protocol):
+class KimberliteConnection(TaskPerRequestConnection):
     def __init__(self, server: Server, connections: set[KimberliteConnection]) -> None:
+        super().__init__()
         self.server = server
         self.protocol = ServerConnection()
         self.api: EngineAPI = server.api
         self.session = Session(self.api.auth)
         self.metrics = metrics_for(server)
-        self.transport: asyncio.Transport | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
         self._writable = asyncio.Event()
         self._writable.set()
-        self._reading_paused = False
-        self._eof = False
-        self.closed = False
         self.guard = ConnectionGuard(server.limits, "kimberlite", self)
 
     # ---- transport callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if not self.guard.admit(self.transport):
+        if not self.guard.admit(self._set_transport(transport)):
             return
-        without_nagle(self.transport)
+        without_nagle(transport)
         self.session.peer = self.guard.peer
         self._connections.add(self)
 
@@ -98,7 +91,7 @@ class KimberliteConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):
             if isinstance(event, m.Request):
-                self._dispatch(event)
+                self._start(self._handle(event))
             elif isinstance(event, Reply):
                 self._write(event.data)
             elif isinstance(event, Reject):
@@ -113,13 +106,10 @@ class KimberliteConnection(asyncio.Protocol):
         self.guard.received()
 
     def eof_received(self) -> bool | None:
-        # The peer will send no more, but may still read: answer what it already sent,
-        # then close. Its subscriptions end now (nothing more can be granted).
+        # Its subscriptions end now (nothing more can be granted).
         self.protocol.receive_eof()
-        self._eof = True
         self._end_subscriptions()
-        if not self.tasks:
-            self.close()
+        self._close_when_answered()
         return True
 
     # ---- limits ---------------------------------------------------------------------
@@ -134,24 +124,6 @@ class KimberliteConnection(asyncio.Protocol):
         return bool(self.tasks or self.session.subscriptions)
 
     # ---- requests -------------------------------------------------------------------
-
-    def _dispatch(self, request: m.Request) -> None:
-        task = asyncio.get_running_loop().create_task(self._handle(request))
-        self.tasks.add(task)
-        task.add_done_callback(self._task_done)
-        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self.tasks.discard(task)
-        if self._eof and not self.tasks:
-            self.close()
-            return
-        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
-            self._reading_paused = False
-            if not self.closed:
-                self.transport.resume_reading()
 
     async def _handle(self, request: m.Request) -> None:
         payload = request.payload
@@ -199,10 +171,6 @@ class KimberliteConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.transport.writelines(chunks)
 
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.write(data)
-
     async def drained(self) -> None:
         """Return once the transport accepts more (a push waits here, nothing else)."""
         if self.closed:
@@ -210,14 +178,6 @@ class KimberliteConnection(asyncio.Protocol):
         await self._writable.wait()
         if self.closed:
             raise ConnectionResetError("connection closed")
-
-    def close(self, *, abort: bool = False) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            if abort:
-                self.transport.abort()
-            else:
-                self.transport.close()
 
 
 async def start_kimberlite(server: Server, host: str, port: int) -> Listener:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
@@ -41,6 +41,7 @@ from headwater.server.rivven.handlers import (
 )
 from headwater.server.tcp import (
     ConnectionGuard,
+    TaskPerRequestConnection,
     finish_in_flight,
     start_tcp_listener,
     without_nagle,
@@ -52,13 +53,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("headwater.rivven")
 
 LISTENER = "rivven"
-MAX_INFLIGHT = 1024  # requests per connection before reading pauses
-RESUME_INFLIGHT = MAX_INFLIGHT // 2
 # Answered before authentication (the rest need an accepted token when auth is required).
 OPEN_OPERATIONS = frozenset({"authenticate", "ping"})
 
 
-class RivvenConnection(asyncio.Protocol):
+class RivvenConnection(TaskPerRequestConnection):
     def __init__(
         self,
         server: Server,
@@ -67,25 +66,20 @@ class RivvenConnection(asyncio.Protocol):
         address: tuple[str, int],
         stopping: asyncio.Event,
     ) -> None:
+        super().__init__()
         self.server = server
         self.protocol = ServerConnection()
         self.metrics = metrics_for(server)
         self.session = Session(server.api, transactions, *address, stopping)
-        self.transport: asyncio.Transport | None = None
-        self.tasks: set[asyncio.Task[None]] = set()
         self._connections = connections
-        self._reading_paused = False
-        self._eof = False
-        self.closed = False
         self.guard = ConnectionGuard(server.limits, LISTENER, self)
 
     # ---- transport callbacks --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        if not self.guard.admit(self.transport):
+        if not self.guard.admit(self._set_transport(transport)):
             return
-        without_nagle(self.transport)
+        without_nagle(transport)
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -96,7 +90,7 @@ class RivvenConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):
             if isinstance(event, RequestFrame):
-                self._dispatch(event)
+                self._start(self._handle(event))
             elif isinstance(event, Reply):
                 if event.response.WhichOneof("response_type") == "handshake_result":
                     self._accepted()
@@ -115,11 +109,8 @@ class RivvenConnection(asyncio.Protocol):
         self.guard.received()
 
     def eof_received(self) -> bool | None:
-        # The peer sends no more but may still read: answer what it sent, then close.
         self.protocol.receive_eof()
-        self._eof = True
-        if not self.tasks:
-            self.close()
+        self._close_when_answered()
         return True
 
     # ---- limits ---------------------------------------------------------------------
@@ -132,31 +123,10 @@ class RivvenConnection(asyncio.Protocol):
             code = ErrorCode.INVALID_REQUEST
         return self.protocol.send_error(0, code, message)
 
-    def busy(self) -> bool:
-        return bool(self.tasks)
-
     def _accepted(self) -> None:
         self.guard.authenticated()
 
     # ---- requests -------------------------------------------------------------------
-
-    def _dispatch(self, frame: RequestFrame) -> None:
-        task = asyncio.get_running_loop().create_task(self._handle(frame))
-        self.tasks.add(task)
-        task.add_done_callback(self._task_done)
-        if len(self.tasks) >= MAX_INFLIGHT and not self._reading_paused and self.transport:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self.tasks.discard(task)
-        if self._eof and not self.tasks:
-            self.close()
-            return
-        if self._reading_paused and len(self.tasks) <= RESUME_INFLIGHT and self.transport:
-            self._reading_paused = False
-            if not self.closed:
-                self.transport.resume_reading()
 
     async def _handle(self, frame: RequestFrame) -> None:
         operation = frame.operation
@@ -205,20 +175,6 @@ class RivvenConnection(asyncio.Protocol):
                 f"the answer is over the frame limit ({exc}): ask for fewer records"
                 " (max_messages, max_bytes)",
             )
-
-    # ---- output ---------------------------------------------------------------------
-
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.write(data)
-
-    def close(self, *, abort: bool = False) -> None:
-        if self.transport is not None and not self.closed:
-            self.closed = True
-            if abort:
-                self.transport.abort()
-            else:
-                self.transport.close()
 
 
 class UnsupportedOperation(InvalidRequest):
