@@ -17,6 +17,7 @@ import pytest
 from convergedb_strategies import client_frames, frames, messages, schemas, small_schemas
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mutations import mutated as mutated_bytes
 
 from headwater.errors import ProtocolError
 from headwater.protocols.convergedb import (
@@ -51,26 +52,14 @@ CONNECT = Frame(1, Connect("fuzz")).encode()
 OPCODES = st.sampled_from(sorted(Opcode)) | st.integers(0, 0xFFFF)
 
 
-@st.composite
-def mutated(draw: st.DrawFn, valid: bytes) -> bytes:
-    """``valid`` with a few random byte flips, cuts, insertions or planted huge lengths."""
-    data = bytearray(valid)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "truncate", "insert", "extend", "u16", "u32"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "truncate":
-            del data[at:]
-        elif op == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=4))
-        elif op == "extend":
-            data += draw(st.binary(min_size=1, max_size=16))
-        elif op == "u16" and len(data) >= at + 2:
-            data[at : at + 2] = struct.pack("<H", draw(st.sampled_from([0xFFFF, 0x8000, 64])))
-        elif op == "u32" and len(data) >= at + 4:
-            data[at : at + 4] = struct.pack("<I", draw(st.sampled_from([2**32 - 1, 2**31, 2**24])))
-    return bytes(data)
+# Huge u16 and u32 lengths, planted where a field might be.
+HUGE_NUMBERS = [struct.pack("<H", n) for n in (0xFFFF, 0x8000, 64)] + [
+    struct.pack("<I", n) for n in (2**32 - 1, 2**31, 2**24)
+]
+
+
+def mutated(valid: bytes) -> st.SearchStrategy[bytes]:
+    return mutated_bytes(valid, HUGE_NUMBERS)
 
 
 def _message_or_decode_error(opcode: int, data: bytes) -> None:

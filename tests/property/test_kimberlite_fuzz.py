@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kimberlite_strategies import requests, responses
+from mutations import mutated as mutated_bytes
 
 from headwater.errors import ProtocolError
 from headwater.protocols.kimberlite import (
@@ -42,25 +43,12 @@ FUZZ = settings(max_examples=400, deadline=None)
 HANDSHAKE_FRAME = encode_frame(encode_request(Request(1, 0, HandshakeRequest())))
 
 
-@st.composite
-def mutated(draw: st.DrawFn, valid: bytes) -> bytes:
-    """``valid`` with a few random byte flips, cuts, insertions or extensions."""
-    data = bytearray(valid)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "truncate", "insert", "extend", "u64"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "truncate":
-            del data[at:]
-        elif op == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=4))
-        elif op == "extend":
-            data += draw(st.binary(min_size=1, max_size=16))
-        elif op == "u64" and len(data) >= at + 8:
-            # Plant a huge count/length where a field might be.
-            data[at : at + 8] = struct.pack("<Q", draw(st.sampled_from([2**32, 2**63, 2**64 - 1])))
-    return bytes(data)
+# Huge u64 counts/lengths, planted where a field might be.
+HUGE_NUMBERS = [struct.pack("<Q", n) for n in (2**32, 2**63, 2**64 - 1)]
+
+
+def mutated(valid: bytes) -> st.SearchStrategy[bytes]:
+    return mutated_bytes(valid, HUGE_NUMBERS)
 
 
 def _request_or_decode_error(data: bytes) -> None:

@@ -16,6 +16,7 @@ import tracemalloc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mutations import mutated as mutated_bytes
 from ripple_strategies import messages, schemas, wire_deltas
 
 from headwater.errors import ProtocolError
@@ -69,36 +70,18 @@ SCHEMA = Schema(
 )
 
 
-@st.composite
-def mutated(draw: st.DrawFn, valid: bytes) -> bytes:
-    """``valid`` with a few random byte flips, cuts, insertions or planted huge numbers."""
-    data = bytearray(valid)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "truncate", "insert", "extend", "big"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "truncate":
-            del data[at:]
-        elif op == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=4))
-        elif op == "extend":
-            data += draw(st.binary(min_size=1, max_size=16))
-        elif op == "big":
-            # a bin_prot nat0/int of a huge value, or a huge int32 length
-            planted = draw(
-                st.sampled_from(
-                    [
-                        b"\xfc" + struct.pack("<Q", 2**62 - 1),
-                        b"\xfc" + struct.pack("<Q", 2**64 - 1),
-                        b"\xfd\xff\xff\xff\x7f",
-                        struct.pack("<i", 2**31 - 1),
-                        struct.pack("<i", -1),
-                    ]
-                )
-            )
-            data[at : at + len(planted)] = planted
-    return bytes(data)
+# A bin_prot nat0/int of a huge value, or a huge int32 length.
+HUGE_NUMBERS = [
+    b"\xfc" + struct.pack("<Q", 2**62 - 1),
+    b"\xfc" + struct.pack("<Q", 2**64 - 1),
+    b"\xfd\xff\xff\xff\x7f",
+    struct.pack("<i", 2**31 - 1),
+    struct.pack("<i", -1),
+]
+
+
+def mutated(valid: bytes) -> st.SearchStrategy[bytes]:
+    return mutated_bytes(valid, HUGE_NUMBERS)
 
 
 def _payload_or_decode_error(kind: int, payload: bytes) -> None:

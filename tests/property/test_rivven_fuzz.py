@@ -14,6 +14,7 @@ import tracemalloc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mutations import mutated as mutated_bytes
 from rivven_strategies import requests, responses
 
 from headwater.errors import ProtocolError
@@ -44,24 +45,12 @@ def _frame(wire_format: int, correlation_id: int, payload: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-@st.composite
-def mutated(draw: st.DrawFn, valid: bytes) -> bytes:
-    """``valid`` with a few random byte flips, cuts, insertions or extensions."""
-    data = bytearray(valid)
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "truncate", "insert", "extend", "varint"]))
-        at = draw(st.integers(0, max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "truncate":
-            del data[at:]
-        elif op == "insert":
-            data[at:at] = draw(st.binary(min_size=1, max_size=4))
-        elif op == "extend":
-            data += draw(st.binary(min_size=1, max_size=16))
-        else:  # a huge varint (a length or a value) spliced in
-            data[at:at] = b"\xff\xff\xff\xff\x0f"
-    return bytes(data)
+# A huge protobuf varint (a length or a value), spliced in whole.
+HUGE_VARINT = b"\xff\xff\xff\xff\x0f"
+
+
+def mutated(valid: bytes) -> st.SearchStrategy[bytes]:
+    return mutated_bytes(valid, [HUGE_VARINT], splice=True)
 
 
 def valid_payloads() -> st.SearchStrategy[bytes]:
