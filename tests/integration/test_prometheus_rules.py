@@ -48,7 +48,7 @@ DASHBOARD = ROOT / "docs" / "ops" / "grafana-dashboard.json"
 OPERATIONS = ROOT / "docs" / "operations.md"
 
 TOKEN = "scrape-0123456789abcdef"
-GROUP_LAG = 'headwater_consumer_group_lag{group="billing",stream="orders",tenant="0"}'
+GROUP_LAG = 'headwater_consumer_group_lag{group="billing",partition="0",stream="orders",tenant="0"}'
 CONFIG = f"""
 [auth]
 required = true

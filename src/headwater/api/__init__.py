@@ -269,6 +269,8 @@ class EngineAPI:
         # one left open aborted (each wholly visible or wholly absent).
         await api._transactions.recover()
         api._transactions.start_expiry()
+        # Committed group offsets are known from the start (/metrics' group lag).
+        await api.groups.load_stored()
         return api
 
     async def close_subscriptions(self) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
 from headwater.engine.engine import Engine
 from headwater.engine.groups import (
@@ -26,7 +27,22 @@ from headwater.engine.groups import (
     OffsetManager,
     TopicPartition,
 )
+from headwater.engine.groups.offsets import OFFSETS_STREAM
 from headwater.errors import StreamNotFound
+
+
+@dataclass(frozen=True)
+class PartitionLag:
+    """A group's committed offset on one partition against the partition's end (the
+    dashboard's and ``headwater_consumer_group_lag``'s view)."""
+
+    tenant_id: int
+    group: str
+    stream: str
+    partition: int
+    committed_offset: int
+    end_offset: int  # the partition's next offset to be written
+    lag: int  # end_offset - committed_offset, never negative
 
 
 def _wall_ms() -> int:
@@ -54,6 +70,45 @@ class ConsumerGroups:
                 found = await OffsetManager.open(coordinator, store)
                 self._tenants[tenant_id] = found
             return found
+
+    async def load_stored(self) -> None:
+        """Load the offsets of every tenant that has stored some, so lag is known (at
+        /metrics, on the dashboard) after a restart before any group client returns."""
+        for tenant_id in sorted(self._engine.tenants):
+            try:
+                self._engine.stream_by_name(tenant_id, OFFSETS_STREAM, internal=True)
+            except StreamNotFound:
+                continue
+            await self._manager(tenant_id)
+
+    def partition_lags(self, tenant_id: int | None = None) -> Iterator[PartitionLag]:
+        """Every committed (group, stream, partition) of ``tenant_id`` (or of every
+        tenant) with its lag, by tenant, group, stream, partition. A partition the group
+        never committed is absent (as Kafka's tools show no lag for it); so is one whose
+        stream was deleted. Tenants whose offsets are not loaded have none: every tenant
+        with stored offsets is loaded by :meth:`load_stored` when the server opens."""
+        for tenant in sorted(self._tenants):
+            if tenant_id is not None and tenant != tenant_id:
+                continue
+            committed = self._tenants[tenant].committed
+            for group in committed.groups():
+                for tp, value in committed.fetch(group).items():
+                    try:
+                        stream = self._engine.stream_by_name(tenant, tp.stream)
+                    except StreamNotFound:
+                        continue
+                    if tp.partition >= stream.partitions:
+                        continue
+                    end = stream.partition_log(tp.partition).committed_offset
+                    yield PartitionLag(
+                        tenant,
+                        group,
+                        tp.stream,
+                        tp.partition,
+                        value.offset,
+                        end,
+                        max(0, end - value.offset),
+                    )
 
     def _partitions_of(self, tenant_id: int) -> Callable[[str], int]:
         def partitions_of(stream: str) -> int:

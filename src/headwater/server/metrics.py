@@ -393,11 +393,21 @@ class _ServerCollector(Collector):
 
         lag = GaugeMetricFamily(
             "headwater_consumer_group_lag",
-            "Events between a consumer group's committed offset and the stream's end",
-            labels=["tenant", "stream", "group"],
+            "Events between a consumer group's committed offset and its partition's end",
+            labels=["tenant", "group", "stream", "partition"],
         )
+        # Partitioned groups (Kafka, Rivven: engine/groups) per committed partition, then
+        # the push subscriptions' resume groups as partition 0; a resume group sharing a
+        # partitioned group's name and partition is left out (one sample per label set).
+        seen: set[tuple[str, ...]] = set()
+        for part in api.groups.partition_lags():
+            labels = [str(part.tenant_id), part.group, part.stream, str(part.partition)]
+            seen.add(tuple(labels))
+            lag.add_metric(labels, part.lag)
         for group in api.group_lags():
-            lag.add_metric([str(group.tenant_id), group.stream, group.group], group.lag)
+            labels = [str(group.tenant_id), group.group, group.stream, "0"]
+            if tuple(labels) not in seen:
+                lag.add_metric(labels, group.lag)
         yield lag
 
     @staticmethod

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from headwater.api import GroupInfo, KindStats
+from headwater.api.groups import PartitionLag
 from headwater.engine.kinds import EntityState, KindInfo
 from headwater.engine.kinds.errors import KindNotFound as EngineKindNotFound
 from headwater.entity_keys import key_text, parse_entity_ref
@@ -98,9 +99,30 @@ def group_json(group: GroupInfo) -> dict[str, Any]:
 
 
 async def consumer_groups(request: web.Request) -> web.Response:
-    """Every consumer group of the tenant's streams: committed offset, lag, members."""
-    groups = api_of(request).consumer_groups(tenant_of(request))
-    return json_response({"groups": [group_json(g) for g in groups]})
+    """Every consumer group of the tenant: the push subscriptions' resume groups
+    (``groups``: committed offset, lag, members) and the partitioned groups of Kafka and
+    Rivven clients (``partition_groups``: one entry per committed partition)."""
+    api = api_of(request)
+    tenant_id = tenant_of(request)
+    groups = api.consumer_groups(tenant_id)
+    partitions = api.groups.partition_lags(tenant_id)
+    return json_response(
+        {
+            "groups": [group_json(g) for g in groups],
+            "partition_groups": [partition_lag_json(p) for p in partitions],
+        }
+    )
+
+
+def partition_lag_json(part: PartitionLag) -> dict[str, Any]:
+    return {
+        "group": part.group,
+        "stream": part.stream,
+        "partition": part.partition,
+        "committed_offset": part.committed_offset,
+        "end_offset": part.end_offset,
+        "lag": part.lag,
+    }
 
 
 RESET_TARGETS = ("offset", "to", "timestamp_ms")

@@ -389,7 +389,7 @@
     $("card-kinds-sub").textContent = grouped(entities) + " entities";
   }
 
-  function renderGroups(groups) {
+  function renderGroups(groups, partitionGroups) {
     let total = 0;
     const rows = groups.map((g) => {
       total += g.lag;
@@ -409,9 +409,30 @@
       tr.dataset.group = g.group;
       return tr;
     });
+    // Kafka and Rivven groups: one row per committed partition (reset them with the
+    // client's own tools; the Reset button moves the resume groups above only).
+    const partitioned = new Set();
+    for (const p of partitionGroups) {
+      total += p.lag;
+      partitioned.add(p.group);
+      const tr = row([
+        { text: p.stream + " [" + p.partition + "]" },
+        { text: p.group, cls: "name" },
+        { text: grouped(p.committed_offset), cls: "num" },
+        { text: grouped(p.end_offset), cls: "num" },
+        { text: grouped(p.lag), cls: "num" + (p.lag > 1000 ? " lag-high" : "") },
+        badge("partition " + p.partition),
+        el("td"),
+      ]);
+      tr.dataset.stream = p.stream;
+      tr.dataset.group = p.group;
+      tr.dataset.partition = String(p.partition);
+      rows.push(tr);
+    }
     fillTable("groups-table", "groups-empty", rows);
+    const count = groups.length + partitioned.size;
     $("card-lag").textContent = compact(total);
-    $("card-lag-sub").textContent = groups.length + (groups.length === 1 ? " group" : " groups");
+    $("card-lag-sub").textContent = count + (count === 1 ? " group" : " groups");
   }
 
   function renderSources(sources, workers) {
@@ -484,7 +505,7 @@
       renderInfo(info);
       renderStreams(streams.streams, now);
       renderKinds(kinds.kinds);
-      renderGroups(groups.groups);
+      renderGroups(groups.groups, groups.partition_groups || []);
       renderSources(sources.sources, workers.workers);
       drawCharts();
       setPill("api-status", "ok", "API");
