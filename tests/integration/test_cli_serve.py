@@ -90,6 +90,10 @@ def test_listen_flags_override_the_config(
         "ripple=off",
         "--listen",
         "postgres=127.0.0.1:0",
+        "--listen",
+        "kafka=off",
+        "--listen",
+        "rivven=off",
     )
     ports = ports_of(tmp_path, proc)
     assert sorted(ports) == ["kimberlite", "postgres"]

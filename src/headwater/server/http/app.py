@@ -264,6 +264,13 @@ def _http_error(exc: web.HTTPException) -> web.Response:
 THROTTLE_HEADER = "X-Headwater-Throttle-Ms"
 
 
+def _peer(request: web.Request) -> str:
+    """The client's address (host:port) for a log line, also after it reset the
+    connection (the handler noted it when the connection was made)."""
+    peer = getattr(request.protocol, "peer", None)
+    return peer if isinstance(peer, str) and peer != "?" else str(request.remote)
+
+
 @web.middleware
 async def throttle_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every answer says how long the tenant's quotas held it back (Kafka's
@@ -285,11 +292,11 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise web.HTTPRequestEntityTooLarge(MAX_BODY_BYTES, length)
         return await handler(request)
     except ClientGone as exc:  # nobody will read an answer: one line, no traceback
-        log.warning("http: %s %s from %s: %s", request.method, request.path, request.remote, exc)
+        log.warning("http: %s %s from %s: %s", request.method, request.path, _peer(request), exc)
         return web.Response(status=400)
     except BodyTimeout as exc:
         metrics.record_limit(exc.limit, PROTOCOL)
-        log.warning("http: %s %s from %s: %s", request.method, request.path, request.remote, exc)
+        log.warning("http: %s %s from %s: %s", request.method, request.path, _peer(request), exc)
         response = error_response(InvalidRequest(str(exc)))
         response.set_status(408)
         response.force_close()

@@ -98,6 +98,7 @@ class LimitedRequestHandler(web.RequestHandler):
         self.connection_limits = connection_limits
         self.handshake_timeout_s = connection_limits.config.handshake_timeout_s
         self.admitted = False
+        self.peer = "?"
         self.refused_transport: asyncio.Transport | None = None
         self.header_deadline: asyncio.TimerHandle | None = None
         self.requests_at_deadline = 0
@@ -105,6 +106,9 @@ class LimitedRequestHandler(web.RequestHandler):
     # ---- admission ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Kept for log lines: once a client has reset the connection, aiohttp's
+        # request.remote no longer knows who it was.
+        self.peer = peer_address(transport)
         if not self.connection_limits.admit(LISTENER):
             self._refuse(transport)  # type: ignore[arg-type]
             return
