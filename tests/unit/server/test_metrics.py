@@ -110,7 +110,14 @@ def test_engine_state_collector(tmp_path: Path) -> None:
     assert value(data, "headwater_subscriptions_open", tenant="0", stream="orders") == 1
     # 2 delivered, then 5 granted; the pump delivers the 2 remaining events (4 total).
     assert value(data, "headwater_credits_outstanding", tenant="0", stream="orders") == 3
-    lag = value(data, "headwater_consumer_group_lag", tenant="0", stream="orders", group="g1")
+    lag = value(
+        data,
+        "headwater_consumer_group_lag",
+        tenant="0",
+        stream="orders",
+        group="g1",
+        partition="0",
+    )
     assert lag == 2
     assert value(data, "headwater_sql_queries_total") >= 0
 
