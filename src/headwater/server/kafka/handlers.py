@@ -27,7 +27,6 @@ from headwater.engine.engine import (
     StreamSettings,
 )
 from headwater.engine.groups import GroupError
-from headwater.engine.names import RESERVED_PREFIXES
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
     HeadwaterError,
@@ -122,7 +121,7 @@ def _topic_entry(info: StreamInfo) -> dict[str, Any]:
         "error_code": ErrorCode.none,
         "name": info.name,
         "topic_id": None,
-        "is_internal": info.name.startswith(RESERVED_PREFIXES),
+        "is_internal": False,  # headwater's own streams never reach a client (Engine.stream)
         "partitions": [
             {
                 "error_code": ErrorCode.none,
@@ -142,11 +141,7 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
     api, tenant = session.api, session.tenant_id
     topics: list[dict[str, Any]] = []
     if request.topics is None or (version == 0 and not request.topics):
-        topics = [
-            _topic_entry(info)
-            for info in api.list_streams(tenant)
-            if not info.name.startswith(RESERVED_PREFIXES)
-        ]
+        topics = [_topic_entry(info) for info in api.list_streams(tenant)]
     else:
         # Kafka's auto.create.topics.enable defaults to true; v0-3 always ask for it.
         auto_create = getattr(request, "allow_auto_topic_creation", True)

@@ -18,7 +18,6 @@ from google.protobuf.message import Message
 from headwater.api import EngineAPI
 from headwater.api.auth import Principal
 from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
-from headwater.engine.names import RESERVED_PREFIXES
 from headwater.engine.partitioner import keyed_partition
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
@@ -152,14 +151,10 @@ async def ping(session: Session, request: pb.PingRequest) -> Message:
     return pb.PingResponse()
 
 
-def _internal(name: str) -> bool:
-    return name.startswith(RESERVED_PREFIXES[1])
-
-
 def _topic_metadata(info: StreamInfo) -> pb.TopicMetadata:
     return pb.TopicMetadata(
         name=info.name,
-        internal=_internal(info.name),
+        internal=False,  # headwater's own streams never reach a client (Engine.stream)
         partitions=[
             pb.PartitionMetadata(id=n, leader=BROKER_ID, replicas=[BROKER_ID], isr=[BROKER_ID])
             for n in range(info.partitions)
@@ -195,7 +190,7 @@ async def list_topics(session: Session, request: pb.ListTopicsRequest) -> Messag
     names = [
         info.name
         for info in session.api.list_streams(session.tenant_id)
-        if info.name.startswith(request.prefix) and not _internal(info.name)
+        if info.name.startswith(request.prefix)
     ]
     return pb.ListTopicsResponse(topics=names)
 
