@@ -362,19 +362,11 @@ class EngineAPI:
             raise InvalidOffset(
                 f"offset {from_offset} was removed by retention; {where} starts at {start}"
             )
-        if not self.quotas.enabled:
-            return await self._engine.read(
-                tenant_id,
-                stream_id,
-                from_offset,
-                max_bytes,
-                max_events=max_events,
-                partition=partition,
-                isolation=isolation,
-            )
-        # Its turn first (the consume debt of earlier reads too), then the bytes it read
-        # hold its answer back (capped; the rest is waited by the next read's turn).
-        await self.quotas.admit(tenant_id, requests=1, consume=True)
+        throttled = self.quotas.enabled
+        if throttled:
+            # Its turn first (the consume debt of earlier reads too), then the bytes it
+            # read hold its answer back (capped; the rest is waited by the next turn).
+            await self.quotas.admit(tenant_id, requests=1, consume=True)
         result = await self._engine.read(
             tenant_id,
             stream_id,
@@ -384,7 +376,8 @@ class EngineAPI:
             partition=partition,
             isolation=isolation,
         )
-        await self.quotas.throttle(tenant_id, consume=result.value_bytes)
+        if throttled:
+            await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
 
     async def wait_for_end(
