@@ -17,8 +17,9 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Collection, Coroutine
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
+from headwater.protocols._connection import Close, Reject, Reply, ServerConnection
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
 from headwater.server.metrics import metrics_for
@@ -231,10 +232,13 @@ class TaskPerRequestConnection(asyncio.Protocol):
     at half; after the peer's EOF the connection closes once the last answer is out.
 
     A front end calls :meth:`_start` with each decoded request's handler coroutine,
-    :meth:`_close_when_answered` from ``eof_received``, and writes with :meth:`_write`;
-    ``tasks`` is what its listener's drain waits for (:func:`finish_in_flight`)."""
+    :meth:`_close_when_answered` from ``eof_received``, :meth:`_end` with the protocol's
+    Reject or Close, and writes with :meth:`_write`; ``tasks`` is what its listener's
+    drain waits for (:func:`finish_in_flight`). :class:`ServerConnectionShell` adds the
+    transport callbacks for a protocol built on ``protocols._connection``."""
 
     max_inflight: ClassVar[int] = 1024  # requests per connection before reading pauses
+    guard: ConnectionGuard  # the front end makes it in its __init__
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -275,6 +279,16 @@ class TaskPerRequestConnection(asyncio.Protocol):
         if not self.tasks:
             self.close()
 
+    def _end(self, event: Reject[Any] | Close) -> None:
+        """The peer broke the protocol: one warning line, then a Reject's last word is
+        sent before closing, a Close closes at once."""
+        log.warning("%s %s: closing: %s", self.guard.listener, self.guard.peer, event.reason)
+        if isinstance(event, Reject):
+            self._write(event.data)
+            self.close()
+        else:
+            self.close(abort=True)
+
     def _write(self, data: bytes) -> None:
         if data and self.transport is not None and not self.closed:
             self.transport.write(data)
@@ -286,6 +300,75 @@ class TaskPerRequestConnection(asyncio.Protocol):
                 self.transport.abort()
             else:
                 self.transport.close()
+
+
+ProtocolT = TypeVar("ProtocolT", bound=ServerConnection[Any, Any])
+
+
+class ServerConnectionShell(TaskPerRequestConnection, Generic[ProtocolT]):
+    """The transport callbacks of a request-per-task front end whose sans-I/O
+    ``protocol`` is a ``protocols._connection.ServerConnection`` (Kimberlite, Rivven).
+
+    The front end's ``__init__`` makes its ``protocol``, its ``guard`` and the set of
+    open ``_connections``; this shell admits, registers and releases the connection,
+    feeds the protocol and starts :meth:`_handle` (the front end's) for each request it
+    decodes, writes the protocol's own replies and ends the connection on its Reject or
+    Close. The hooks :meth:`_connected`, :meth:`_disconnected`, :meth:`_replied` and
+    :meth:`_ending` add a front end's own steps."""
+
+    protocol: ProtocolT
+    _connections: set[Any]
+
+    # ---- transport callbacks --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self.guard.admit(self._set_transport(transport)):
+            return
+        without_nagle(transport)
+        self._connected()
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.guard.release()
+        self._connections.discard(self)
+        self._disconnected()
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.protocol.receive_data(data):
+            if isinstance(event, Reply):
+                self._replied(event.answer)
+                self._write(event.data)
+            elif isinstance(event, Reject | Close):
+                self._end(event)
+                return
+            else:
+                self._start(self._handle(event))
+        self.guard.received()
+
+    def eof_received(self) -> bool | None:
+        self.protocol.receive_eof()
+        self._ending()
+        self._close_when_answered()
+        return True
+
+    # ---- what a front end adds --------------------------------------------------------
+
+    async def _handle(self, request: Any) -> None:
+        """Answer one request the protocol decoded (a task of its own)."""
+        raise NotImplementedError
+
+    def _connected(self) -> None:
+        """The connection was admitted (before it joins the open ones)."""
+
+    def _disconnected(self) -> None:
+        """The connection is gone (already released and out of the open ones)."""
+
+    def _replied(self, answer: Any) -> None:
+        """The protocol answered the peer itself (``answer`` is written next)."""
+
+    def _ending(self) -> None:
+        """The peer sent its EOF; answers to what it sent still go out."""
 
 
 DRAIN_TIMEOUT_S = 10.0  # how long a stopping listener waits for requests in flight

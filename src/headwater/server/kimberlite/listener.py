@@ -23,9 +23,6 @@ from headwater.errors import (
 )
 from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import (
-    Close,
-    Reject,
-    Reply,
     ServerConnection,
 )
 from headwater.protocols.kimberlite.frames import MAX_FRAME, FrameTooLarge
@@ -35,10 +32,9 @@ from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import (
     ConnectionGuard,
-    TaskPerRequestConnection,
+    ServerConnectionShell,
     finish_in_flight,
     start_tcp_listener,
-    without_nagle,
 )
 
 if TYPE_CHECKING:
@@ -47,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("headwater.kimberlite")
 
 
-class KimberliteConnection(TaskPerRequestConnection):
+class KimberliteConnection(ServerConnectionShell[ServerConnection]):
     def __init__(self, server: Server, connections: set[KimberliteConnection]) -> None:
         super().__init__()
         self.server = server
@@ -62,19 +58,15 @@ class KimberliteConnection(TaskPerRequestConnection):
 
     # ---- transport callbacks --------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self.guard.admit(self._set_transport(transport)):
-            return
-        without_nagle(transport)
+    def _connected(self) -> None:
         self.session.peer = self.guard.peer
-        self._connections.add(self)
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.guard.release()
-        self._connections.discard(self)
+    def _disconnected(self) -> None:
         self._writable.set()  # wake pushes so they notice the connection is gone
         self._end_subscriptions()
+
+    def _ending(self) -> None:
+        self._end_subscriptions()  # nothing more can be granted
 
     def _end_subscriptions(self) -> None:
         for sub, _tenant in list(self.session.subscriptions.values()):
@@ -87,30 +79,6 @@ class KimberliteConnection(TaskPerRequestConnection):
 
     def resume_writing(self) -> None:
         self._writable.set()
-
-    def data_received(self, data: bytes) -> None:
-        for event in self.protocol.receive_data(data):
-            if isinstance(event, m.Request):
-                self._start(self._handle(event))
-            elif isinstance(event, Reply):
-                self._write(event.data)
-            elif isinstance(event, Reject):
-                log.warning("rejecting %s: %s", self.session.peer, event.reason)
-                self._write(event.data)
-                self.close()
-                return
-            elif isinstance(event, Close):
-                log.warning("closing %s: %s", self.session.peer, event.reason)
-                self.close(abort=True)
-                return
-        self.guard.received()
-
-    def eof_received(self) -> bool | None:
-        # Its subscriptions end now (nothing more can be granted).
-        self.protocol.receive_eof()
-        self._end_subscriptions()
-        self._close_when_answered()
-        return True
 
     # ---- limits ---------------------------------------------------------------------
 

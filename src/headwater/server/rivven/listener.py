@@ -22,13 +22,8 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import Message
 
 from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError, InvalidRequest
-from headwater.protocols.rivven.connection import (
-    Close,
-    Reject,
-    Reply,
-    RequestFrame,
-    ServerConnection,
-)
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.connection import RequestFrame, ServerConnection
 from headwater.protocols.rivven.frames import FrameTooLarge
 from headwater.protocols.rivven.messages import ErrorCode, error_code_for
 from headwater.server.app import Listener
@@ -41,10 +36,9 @@ from headwater.server.rivven.handlers import (
 )
 from headwater.server.tcp import (
     ConnectionGuard,
-    TaskPerRequestConnection,
+    ServerConnectionShell,
     finish_in_flight,
     start_tcp_listener,
-    without_nagle,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +51,7 @@ LISTENER = "rivven"
 OPEN_OPERATIONS = frozenset({"authenticate", "ping"})
 
 
-class RivvenConnection(TaskPerRequestConnection):
+class RivvenConnection(ServerConnectionShell[ServerConnection]):
     def __init__(
         self,
         server: Server,
@@ -76,42 +70,11 @@ class RivvenConnection(TaskPerRequestConnection):
 
     # ---- transport callbacks --------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self.guard.admit(self._set_transport(transport)):
-            return
-        without_nagle(transport)
-        self._connections.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.guard.release()
-        self._connections.discard(self)
-
-    def data_received(self, data: bytes) -> None:
-        for event in self.protocol.receive_data(data):
-            if isinstance(event, RequestFrame):
-                self._start(self._handle(event))
-            elif isinstance(event, Reply):
-                if event.response.WhichOneof("response_type") == "handshake_result":
-                    self._accepted()
-                else:
-                    log.warning("rivven %s: %s", self.guard.peer, event.response.error.message)
-                self._write(event.data)
-            elif isinstance(event, Reject):
-                log.warning("rivven %s: closing: %s", self.guard.peer, event.reason)
-                self._write(event.data)
-                self.close()
-                return
-            elif isinstance(event, Close):
-                log.warning("rivven %s: closing: %s", self.guard.peer, event.reason)
-                self.close(abort=True)
-                return
-        self.guard.received()
-
-    def eof_received(self) -> bool | None:
-        self.protocol.receive_eof()
-        self._close_when_answered()
-        return True
+    def _replied(self, response: pb.Response) -> None:
+        if response.WhichOneof("response_type") == "handshake_result":
+            self._accepted()
+        else:
+            log.warning("rivven %s: %s", self.guard.peer, response.error.message)
 
     # ---- limits ---------------------------------------------------------------------
 
