@@ -247,31 +247,43 @@ def _headers(record: pb.Record) -> list[tuple[bytes, bytes]]:
     return [(header.key.encode(), header.value) for header in record.headers]
 
 
-def _producer_partition(
-    info: StreamInfo, partition: int | None, key: bytes | None, producer_id: int
-) -> int:
-    """Where an idempotent or transactional record goes: its partition, else its key's
-    (murmur2, as any publish), else the producer's own (producer id modulo the count),
-    so a retry lands where its first attempt went and its sequence is checked there."""
-    if partition is not None:
-        if not 0 <= partition < info.partitions:
-            raise PartitionNotFound(
-                f"topic {info.name!r} has no partition {partition} (it has {info.partitions})"
-            )
-        return partition
-    if key is not None:
-        return keyed_partition(key, info.partitions)
-    return producer_id % info.partitions
+_Publish = pb.PublishRequest | pb.IdempotentPublishRequest | pb.TransactionalPublishRequest
+
+
+def _named_partition(info: StreamInfo, request: _Publish) -> int | None:
+    """The partition a publish names (None: it names none); one the topic lacks is
+    refused."""
+    if not request.HasField("partition"):
+        return None
+    if not 0 <= request.partition < info.partitions:
+        raise PartitionNotFound(
+            f"topic {info.name!r} has no partition {request.partition} (it has {info.partitions})"
+        )
+    return request.partition
+
+
+def _producer_target(
+    session: Session, request: pb.IdempotentPublishRequest | pb.TransactionalPublishRequest
+) -> tuple[StreamInfo, bytes | None, int]:
+    """The topic, key and partition of an idempotent or transactional publish. The
+    partition: the one it names, else its key's (murmur2, as any publish), else the
+    producer's own (producer id modulo the count), so a retry lands where its first
+    attempt went and its sequence is checked there."""
+    info = session.stream(request.topic)
+    key = record_key(request.record)
+    partition = _named_partition(info, request)
+    if partition is None:
+        if key is not None:
+            partition = keyed_partition(key, info.partitions)
+        else:
+            partition = request.producer_id % info.partitions
+    return info, key, partition
 
 
 async def publish(session: Session, request: pb.PublishRequest) -> Message:
     info = session.stream(request.topic)
     record = request.record
-    explicit = request.partition if request.HasField("partition") else None
-    if explicit is not None and not 0 <= explicit < info.partitions:
-        raise PartitionNotFound(
-            f"topic {info.name!r} has no partition {explicit} (it has {info.partitions})"
-        )
+    explicit = _named_partition(info, request)
     placed = await session.api.append_partitioned(
         session.tenant_id,
         info.stream_id,
@@ -296,11 +308,8 @@ async def init_producer_id(session: Session, request: pb.InitProducerIdRequest) 
 
 
 async def idempotent_publish(session: Session, request: pb.IdempotentPublishRequest) -> Message:
-    info = session.stream(request.topic)
+    info, key, partition = _producer_target(session, request)
     record = request.record
-    key = record_key(record)
-    explicit = request.partition if request.HasField("partition") else None
-    partition = _producer_partition(info, explicit, key, request.producer_id)
     stored = await session.api.append(
         session.tenant_id,
         info.stream_id,
@@ -474,11 +483,8 @@ async def transactional_publish(
     session: Session, request: pb.TransactionalPublishRequest
 ) -> Message:
     identity = _txn_identity(session, request)
-    info = session.stream(request.topic)
+    info, key, partition = _producer_target(session, request)
     record = request.record
-    key = record_key(record)
-    explicit = request.partition if request.HasField("partition") else None
-    partition = _producer_partition(info, explicit, key, request.producer_id)
     stored = await session.api.append_transactional(
         session.tenant_id,
         request.txn_id,
