@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -187,14 +187,22 @@ def _check_operation(operation: str, body: Any) -> None:
         raise DecodeError("authenticate names no mechanism")
 
 
+_Envelope = TypeVar("_Envelope", pb.Request, pb.Response)
+
+
+def _carrying(envelope: _Envelope, field_by_type: dict[str, str], body: Message) -> _Envelope:
+    """``envelope`` (a Request or Response) with ``body`` in the oneof field of its type."""
+    name = field_by_type.get(body.DESCRIPTOR.full_name)
+    if name is None:
+        what = "request operation" if isinstance(envelope, pb.Request) else "response"
+        raise UsageError(f"{body.DESCRIPTOR.name} is not a {what}")
+    getattr(envelope, name).CopyFrom(body)
+    return envelope
+
+
 def request_of(body: Message, *, header: pb.Header | None = None) -> pb.Request:
     """The Request carrying ``body`` (a PingRequest, a PublishRequest...)."""
-    name = _REQUEST_FIELD_BY_TYPE.get(body.DESCRIPTOR.full_name)
-    if name is None:
-        raise UsageError(f"{body.DESCRIPTOR.name} is not a request operation")
-    request = pb.Request(header=header)
-    getattr(request, name).CopyFrom(body)
-    return request
+    return _carrying(pb.Request(header=header), _REQUEST_FIELD_BY_TYPE, body)
 
 
 def operation_of(request: pb.Request) -> tuple[str, Message]:
@@ -221,12 +229,7 @@ def decode_response(payload: Buffer) -> pb.Response:
 
 def response_of(body: Message, *, header: pb.Header | None = None) -> pb.Response:
     """The Response carrying ``body`` (a PublishResponse, an ErrorResponse...)."""
-    name = _RESPONSE_FIELD_BY_TYPE.get(body.DESCRIPTOR.full_name)
-    if name is None:
-        raise UsageError(f"{body.DESCRIPTOR.name} is not a response")
-    response = pb.Response(header=header)
-    getattr(response, name).CopyFrom(body)
-    return response
+    return _carrying(pb.Response(header=header), _RESPONSE_FIELD_BY_TYPE, body)
 
 
 def error_response(code: int, message: str) -> pb.Response:
