@@ -20,14 +20,21 @@ from test_http_api import LISTEN, OPENAPI, TENANTS_CONFIG, HttpApi
 # drives it with a real WebSocket client.
 schema = schemathesis.openapi.from_path(str(OPENAPI)).exclude(path="/ws")
 # SQL text is a string to the schema; whether DuckDB parses it is beyond any schema, so
-# a well-formed body with bad SQL may be refused (400 QueryParseError).
-FREE_TEXT_OPERATIONS = {("POST", "/api/sql")}
+# a well-formed body with bad SQL may be refused (400 QueryParseError). An Arrow append's
+# body is bytes to the schema; whether they are an Arrow IPC stream is beyond it too.
+FREE_TEXT_OPERATIONS = {("POST", "/api/sql"), ("POST", "/api/streams/{name}/arrow")}
 
 
 @schemathesis.serializer("application/x-ndjson")
 def ndjson_body(ctx: object, value: object) -> bytes:
     # The schema says "a string"; generated negative cases are other JSON values.
     return value.encode() if isinstance(value, str) else json.dumps(value).encode()
+
+
+@schemathesis.serializer("application/vnd.apache.arrow.stream")
+def arrow_body(ctx: object, value: object) -> bytes:
+    # Generated "binary" bodies: bytes, or text for the negative cases.
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 @pytest.fixture(scope="module")

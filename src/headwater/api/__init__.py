@@ -29,6 +29,7 @@ from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
     READ_COMMITTED,
+    READ_UNCOMMITTED,
     Engine,
     EngineConfig,
     PartitionedAppend,
@@ -60,6 +61,7 @@ from headwater.engine.transactions import ProducerIdentity, TransactionCoordinat
 from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
+from headwater.sql.records import RecordsCursor
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
 from headwater.storage.batch import EventColumns, Headers
@@ -379,6 +381,37 @@ class EngineAPI:
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
+
+    async def stream_records(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        start: int,
+        end: int,
+        *,
+        partition: int = 0,
+        isolation: str = READ_COMMITTED,
+    ) -> RecordsCursor:
+        """Offsets [start, end) of one partition as Arrow record batches with keys and
+        headers, read from the log round by round (:class:`RecordsCursor`: call its
+        ``next_batch`` off the event loop). ``end`` is cut at the last stable offset
+        (read_committed) or the committed offset (read_uncommitted). InvalidOffset when
+        retention removed ``start``."""
+        if isolation not in (READ_COMMITTED, READ_UNCOMMITTED):
+            raise InvalidRequest(
+                f"isolation must be {READ_COMMITTED} or {READ_UNCOMMITTED}, not {isolation!r}"
+            )
+        if start < 0 or end < start:
+            raise InvalidRequest(f"bad range {start}..{end}: 0 <= from <= to")
+        plog = self._engine.stream(tenant_id, stream_id).partition_log(partition)
+        if start < plog.start_offset:
+            where = f"partition {partition}" if partition else "the stream"
+            raise InvalidOffset(
+                f"offset {start} was removed by retention; {where} starts at {plog.start_offset}"
+            )
+        if self.quotas.enabled:
+            await self.quotas.admit(tenant_id, requests=1, consume=True)
+        return RecordsCursor(plog, start, end, committed_only=isolation == READ_COMMITTED)
 
     async def wait_for_end(
         self, tenant_id: int, stream_id: int, partition: int, offset: int, timeout_s: float

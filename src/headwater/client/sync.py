@@ -34,6 +34,8 @@ from .results import AppendResult, Event, QueryResult, RawReadResult, ReadResult
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from .arrow import HttpApi
+
 _T = TypeVar("_T")
 
 
@@ -48,29 +50,53 @@ class Client(Blocking[AsyncClient]):
     retried = Inner[int]("How many requests were retried (retryable errors, lost connections).")
 
     def read_arrow(
-        self, stream: str, start: int = 0, end: int | None = None
+        self,
+        stream: str,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        partition: int = 0,
+        records: bool = False,
+        isolation: str | None = None,
     ) -> Iterator[pa.RecordBatch]:
-        """Offsets [start, end) of ``stream`` as Arrow record batches (``offset, position,
-        ts, data``) from the server's HTTP API, whose port the Handshake advertised: a
+        """Offsets [start, end) of a partition of ``stream`` as Arrow record batches
+        (``offset, position, ts, data``; with ``records`` also ``key, headers``, under
+        ``isolation``) from the server's HTTP API, whose port the Handshake advertised: a
         bulk read with no work per event (see :mod:`headwater.client.arrow`)."""
-        port = http_port(self.capabilities)
-        if port is None:
-            raise ServerUnavailable(
-                f"the server at {self.address} does not advertise an HTTP API (http:<port>)"
-            )
         from .arrow import read_arrow  # pyarrow loads only for those who use it
 
         inner = self._inner
         return read_arrow(
             inner.host,
-            port,
+            self._http_port(),
             stream,
             start,
             end,
             token=inner.token,
             tenant=inner.tenant,
             tls=inner.tls,
+            partition=partition,
+            records=records,
+            isolation=isolation,
         )
+
+    def http_api(self) -> HttpApi:
+        """A keep-alive connection to the server's HTTP API (found through the
+        Handshake, as for :meth:`read_arrow`): stream partitions, Arrow appends."""
+        from .arrow import HttpApi
+
+        inner = self._inner
+        return HttpApi(
+            inner.host, self._http_port(), token=inner.token, tenant=inner.tenant, tls=inner.tls
+        )
+
+    def _http_port(self) -> int:
+        port = http_port(self.capabilities)
+        if port is None:
+            raise ServerUnavailable(
+                f"the server at {self.address} does not advertise an HTTP API (http:<port>)"
+            )
+        return port
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
         """Run a coroutine of :attr:`aio` on the client's loop without waiting, e.g.

@@ -208,6 +208,7 @@ class PartitionInfo:
     next_offset: int  # committed end: the next offset an append to it gets
     size_bytes: int
     segments: int
+    last_stable_offset: int  # where read_committed readers stop (an open transaction)
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ class Stream:
                 next_offset=plog.committed_offset,
                 size_bytes=plog.size_bytes,
                 segments=len(plog.segments),
+                last_stable_offset=plog.last_stable_offset,
             )
             for n, plog in enumerate(self.partition_logs)
         )

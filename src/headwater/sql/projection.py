@@ -183,15 +183,21 @@ def _int(value: int) -> pa.Scalar:
     return pa.scalar(value, pa.int64())
 
 
-def read_round(plog: PartitionLog, from_offset: int, upto: int) -> tuple[list[_Piece], int]:
+def read_round(
+    plog: PartitionLog, from_offset: int, upto: int, *, committed_only: bool = True
+) -> tuple[list[_Piece], int]:
     """Stored batches holding events in [from_offset, upto), at most one round's worth;
     returns them and the offset the next round starts at. Only what read_committed
     readers see: ``upto`` is cut at the last stable offset, and transaction markers and
-    aborted transactions' batches are left out (never projected)."""
+    aborted transactions' batches are left out (never projected). ``committed_only``
+    false: what read_uncommitted readers see (open and aborted transactions' batches
+    too, up to the committed offset; never markers)."""
     pieces: list[_Piece] = []
     rows = size = 0
-    upto = min(upto, plog.last_stable_offset)
-    for batch in plog.batches(from_offset, upto, committed_only=True):
+    upto = min(upto, plog.last_stable_offset if committed_only else plog.committed_offset)
+    for batch in plog.batches(from_offset, upto, committed_only=committed_only):
+        if batch.control:
+            continue
         start = batch.index_of(from_offset) if batch.base_offset < from_offset else 0
         stop = batch.index_of(upto) if batch.last_offset >= upto else batch.count
         if stop <= start:
@@ -205,6 +211,77 @@ def read_round(plog: PartitionLog, from_offset: int, upto: int) -> tuple[list[_P
         rows += n
         size += section
     return pieces, upto
+
+
+def piece_columns(
+    pieces: Sequence[_Piece],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, pa.Array]:
+    """The offset, position and timestamp (µs) columns (numpy int64) and the data column
+    (Arrow binary) of stored batch pieces, column by column in bulk: Python work per
+    piece is a few integers (numpy builds the columns), so a round of many single-event
+    commits costs little more than one of a single large batch."""
+    counts: list[int] = []
+    firsts: list[int] = []
+    position_deltas: list[int] = []
+    stamps_us: list[int] = []
+    sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
+    sections: list[memoryview] = []
+    record_starts: list[np.ndarray] = []
+    singles: list[int] = []  # record starts of one-event pieces, not yet in an array
+    shift = 0
+    rows = 0
+    for piece in pieces:
+        batch = piece.batch
+        n = piece.stop - piece.start
+        if batch.dense:
+            firsts.append(batch.base_offset + piece.start)
+        else:
+            listed = batch.offsets()[piece.start : piece.stop]
+            sparse.append((rows, listed))
+            firsts.append(listed[0])
+        counts.append(n)
+        position_deltas.append(batch.first_position - batch.base_offset)
+        stamps_us.append(batch.first_timestamp_ms * 1000)
+        record = batch.value_bounds()
+        lo, hi = record[piece.start], record[piece.stop]
+        sections.append(batch.values_section()[lo:hi])
+        if n == 1:
+            singles.append(shift)
+        else:
+            if singles:
+                record_starts.append(np.array(singles, np.int64))
+                singles = []
+            starts = np.array(record[piece.start : piece.stop], np.int64)
+            record_starts.append(starts + (shift - lo))
+        shift += hi - lo
+        rows += n
+    if singles or not record_starts:
+        record_starts.append(np.array(singles, np.int64))
+    record_bounds = np.concatenate([*record_starts, np.array([shift], np.int64)])
+    # Row i of piece k: offset firsts[k] + (i - first row of k), unless the piece is
+    # sparse (its offsets are written over).
+    piece_rows = np.array(counts, np.int64)
+    piece_start = np.cumsum(piece_rows) - piece_rows
+    offsets = np.repeat(np.array(firsts, np.int64) - piece_start, piece_rows)
+    offsets += np.arange(rows, dtype=np.int64)
+    for row, listed in sparse:
+        offsets[row : row + len(listed)] = listed
+    positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
+    stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
+    longest = int(np.diff(record_bounds).max())
+    records = pa.Array.from_buffers(
+        pa.binary(),
+        rows,
+        [
+            None,
+            pa.py_buffer(record_bounds.astype(np.int32)),
+            pa.py_buffer(b"".join(sections)),
+        ],
+    )
+    # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
+    # output from it, and the default overflows).
+    data = pc.binary_slice(records, 8, longest)
+    return offsets, positions, stamps, data
 
 
 class ChunkBuilder:
@@ -250,74 +327,13 @@ class ChunkBuilder:
         return valid.buffers()[1]
 
     def build(self, pieces: Sequence[_Piece]) -> Chunk:
-        """One chunk from stored batch pieces, column by column in bulk: Python work per
-        piece is a few integers (numpy builds the columns), so a round of many
-        single-event commits costs little more than one of a single large batch."""
-        counts: list[int] = []
-        firsts: list[int] = []
-        position_deltas: list[int] = []
-        stamps_us: list[int] = []
-        sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
-        sections: list[memoryview] = []
-        record_starts: list[np.ndarray] = []
-        singles: list[int] = []  # record starts of one-event pieces, not yet in an array
-        shift = 0
-        rows = 0
-        for piece in pieces:
-            batch = piece.batch
-            n = piece.stop - piece.start
-            if batch.dense:
-                firsts.append(batch.base_offset + piece.start)
-            else:
-                listed = batch.offsets()[piece.start : piece.stop]
-                sparse.append((rows, listed))
-                firsts.append(listed[0])
-            counts.append(n)
-            position_deltas.append(batch.first_position - batch.base_offset)
-            stamps_us.append(batch.first_timestamp_ms * 1000)
-            record = batch.value_bounds()
-            lo, hi = record[piece.start], record[piece.stop]
-            sections.append(batch.values_section()[lo:hi])
-            if n == 1:
-                singles.append(shift)
-            else:
-                if singles:
-                    record_starts.append(np.array(singles, np.int64))
-                    singles = []
-                starts = np.array(record[piece.start : piece.stop], np.int64)
-                record_starts.append(starts + (shift - lo))
-            shift += hi - lo
-            rows += n
-        if singles or not record_starts:
-            record_starts.append(np.array(singles, np.int64))
-        record_bounds = np.concatenate([*record_starts, np.array([shift], np.int64)])
-        # Row i of piece k: offset firsts[k] + (i - first row of k), unless the piece is
-        # sparse (its offsets are written over).
-        piece_rows = np.array(counts, np.int64)
-        piece_start = np.cumsum(piece_rows) - piece_rows
-        offsets = np.repeat(np.array(firsts, np.int64) - piece_start, piece_rows)
-        offsets += np.arange(rows, dtype=np.int64)
-        for row, listed in sparse:
-            offsets[row : row + len(listed)] = listed
-        positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
-        stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
-        longest = int(np.diff(record_bounds).max())
-        records = pa.Array.from_buffers(
-            pa.binary(),
-            rows,
-            [
-                None,
-                pa.py_buffer(record_bounds.astype(np.int32)),
-                pa.py_buffer(b"".join(sections)),
-            ],
-        )
-        # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
-        # output from it, and the default overflows).
-        data = pc.binary_slice(records, 8, longest)
+        """One chunk from stored batch pieces (see :func:`piece_columns`), with the
+        events that are JSON text found by DuckDB."""
+        offsets, positions, stamps, data = piece_columns(pieces)
         return self._chunk(
             pa.array(offsets),
             pa.array(positions),
-            pa.Array.from_buffers(TS_TYPE, rows, [None, pa.py_buffer(stamps)]),
+            pa.Array.from_buffers(TS_TYPE, len(data), [None, pa.py_buffer(stamps)]),
             data,
             self.json_validity(data),
         )

@@ -477,6 +477,14 @@ class Batch:
                 tombstone=tombstone,
             )
 
+    def keys(self) -> list[tuple[bytes | None, bool]] | None:
+        """Each event's (key, tombstone); None for a batch stored without keys."""
+        return self._keys() if self.attributes & ATTR_KEYS else None
+
+    def headers(self) -> list[tuple[tuple[bytes, bytes], ...]] | None:
+        """Each event's headers; None for a batch stored without headers."""
+        return self._headers() if self.attributes & ATTR_HEADERS else None
+
     def _keys(self) -> list[tuple[bytes | None, bool]]:
         v_end, k_end, _ = self._section_bounds
         buf = self.buffer

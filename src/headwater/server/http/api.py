@@ -31,6 +31,7 @@ from headwater.server.http.app import (
     server_of,
     tenant_of,
 )
+from headwater.server.http.arrow import append_arrow, read_records
 from headwater.server.http.events import (
     NDJSON_TYPES,
     decode_json,
@@ -73,7 +74,12 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
         },
         "partitions": info.partitions,
         "partition_offsets": [
-            {"partition": p.partition, "start_offset": p.start_offset, "next_offset": p.next_offset}
+            {
+                "partition": p.partition,
+                "start_offset": p.start_offset,
+                "next_offset": p.next_offset,
+                "last_stable_offset": p.last_stable_offset,
+            }
             for p in info.partition_info
         ],
     }
@@ -372,7 +378,14 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     """Offsets [from, to) of a stream partition (``partition``, default 0) as an Arrow
     IPC stream of (offset, position, ts, data), sliced from its SQL projection: a bulk
     read with no work per event, for columnar readers (the Spark data source). ``to``
-    defaults to the partition's committed end."""
+    defaults to the partition's committed end. ``records=true``: keys and headers too,
+    read from the log (:func:`headwater.server.http.arrow.read_records`), as does an
+    ``isolation`` (the projection holds what read_committed readers see only)."""
+    records = request.query.get("records", "false")
+    if records not in ("true", "false"):
+        raise InvalidRequest(f"records must be true or false, not {records!r}")
+    if records == "true" or "isolation" in request.query:
+        return await read_records(request)
     api, tenant_id, stream = _named_stream(request)
     partition = int_param(request, "partition", 0, at_least=0)
     start = int_param(request, "from", 0)
@@ -481,6 +494,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/api/streams/{name}/events", append_events),
     ("GET", "/api/streams/{name}/events", read_events),
     ("GET", "/api/streams/{name}/arrow", read_arrow),
+    ("POST", "/api/streams/{name}/arrow", append_arrow),
     ("POST", "/api/sql", sql),
     ("GET", "/api/ripple/workers", ripple_workers),
 ]

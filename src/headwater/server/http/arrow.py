@@ -1,0 +1,201 @@
+"""Arrow IPC bodies of the HTTP API: a partition's records (keys and headers included)
+read from its log, and an idempotent append of one record batch to one partition: the
+columnar paths of bulk clients such as the Spark source and sink (docs/http-api.md,
+"Records as Arrow" and "Append as Arrow").
+
+Neither side does work per event on a value: values travel as Arrow binary arrays and
+become the stored ``u64 len | bytes`` section in C (:func:`values_section`); keys and
+headers are handed to the engine as they are only when a batch has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from aiohttp import web
+
+from headwater.api import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
+from headwater.errors import InvalidRequest
+from headwater.server.http.app import (
+    METRICS_KEY,
+    PROTOCOL,
+    api_of,
+    int_param,
+    json_response,
+    read_body,
+    tenant_of,
+)
+from headwater.sql.records import RECORDS_SCHEMA
+
+ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
+_ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
+MAX_U64 = (1 << 64) - 1
+
+
+def _partition(request: web.Request, partitions: int, name: str) -> int:
+    partition = int_param(request, "partition", 0, at_least=0)
+    if partition >= partitions:
+        raise InvalidRequest(
+            f"partition {partition} does not exist: stream {name!r} has "
+            f"{partitions} (0..{partitions - 1})"
+        )
+    return partition
+
+
+async def read_records(request: web.Request) -> web.StreamResponse:
+    """``GET /api/streams/{name}/arrow?records=true``: offsets [from, to) of partition
+    ``partition`` as an Arrow IPC stream of :data:`RECORDS_SCHEMA`, read from the log a
+    round at a time (in a worker thread: it reads files), under ``isolation``
+    (read_committed by default, or read_uncommitted). ``to`` defaults to the end that
+    isolation allows and is cut there."""
+    tenant_id = tenant_of(request)
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
+    partition = _partition(request, stream.partitions, stream.name)
+    isolation = request.query.get("isolation", "read_committed")
+    start = int_param(request, "from", 0)
+    end = int_param(request, "to", None)
+    if end is not None and end < start:
+        raise InvalidRequest(f"to ({end}) must not be below from ({start})")
+    cursor = await api.stream_records(
+        tenant_id,
+        stream.stream_id,
+        start,
+        (1 << 63) - 1 if end is None else end,
+        partition=partition,
+        isolation=isolation,
+    )
+    response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
+    await response.prepare(request)
+    await response.write(memoryview(RECORDS_SCHEMA.serialize()))
+    rows = value_bytes = 0
+    while (batch := await asyncio.to_thread(cursor.next_batch)) is not None:
+        await response.write(memoryview(batch.serialize()))
+        rows += batch.num_rows
+        value_bytes += pc.sum(pc.binary_length(batch.column("data"))).as_py() or 0
+    await response.write(_ARROW_END)
+    await response.write_eof()
+    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream.name, rows, value_bytes)
+    return response
+
+
+def values_section(values: pa.Array) -> tuple[bytes, int]:
+    """The stored values section (``u64 len | bytes`` per event) of a binary array, and
+    its values' bytes: each length prefix joined to its value by one Arrow kernel."""
+    lengths = pc.binary_length(values).to_numpy(zero_copy_only=False).astype("<u8")
+    prefixes = pa.Array.from_buffers(
+        pa.binary(8), len(values), [None, pa.py_buffer(lengths.tobytes())]
+    ).cast(pa.binary())
+    records = pc.binary_join_element_wise(prefixes, values, b"")
+    value_bytes = int(lengths.sum())
+    size = value_bytes + 8 * len(values)
+    first = records.offset
+    start = int(np.frombuffer(records.buffers()[1], np.int32, 1, first * 4)[0])
+    section = records.buffers()[2].slice(start, size).to_pybytes()
+    return section, value_bytes
+
+
+def _binary_column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
+    index = batch.schema.get_field_index(name)
+    if index < 0:
+        return None
+    column = batch.column(index)
+    kind = column.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_large_binary(kind):
+        column = column.cast(pa.binary())
+    if not pa.types.is_binary(column.type):
+        raise InvalidRequest(f"column {name} must be binary or string, not {column.type}")
+    return column
+
+
+def _headers(batch: pa.RecordBatch) -> list[tuple[tuple[bytes, bytes], ...]] | None:
+    index = batch.schema.get_field_index("headers")
+    if index < 0:
+        return None
+    column = batch.column(index)
+    if not column.type.equals(RECORDS_SCHEMA.field("headers").type):
+        raise InvalidRequest(
+            f"column headers must be list<struct<key: string, value: binary>>, not {column.type}"
+        )
+    if column.null_count == len(column):
+        return None
+    out: list[tuple[tuple[bytes, bytes], ...]] = []
+    for entry in column.to_pylist():  # only batches that carry headers pay this
+        pairs = entry or ()
+        if any(p["key"] is None or p["value"] is None for p in pairs):
+            raise InvalidRequest("a header needs a key and a value")
+        out.append(tuple((p["key"].encode(), p["value"]) for p in pairs))
+    return out
+
+
+async def append_arrow(request: web.Request) -> web.Response:
+    """``POST /api/streams/{name}/arrow?partition=N[&producer_id=P&sequence=S]``: one
+    Arrow IPC stream of one record batch (columns ``value``, and optionally ``key`` and
+    ``headers``) appended as one batch to partition N, all or nothing. With a producer
+    id and sequence the append is idempotent as Kimberlite's AppendIdempotent: a retry
+    of the same (producer, sequence) is answered with where it was stored, and nothing
+    is appended twice."""
+    tenant_id = tenant_of(request)
+    api = api_of(request)
+    stream = api.stream_named(tenant_id, request.match_info["name"])
+    partition = _partition(request, stream.partitions, stream.name)
+    producer_id = int_param(request, "producer_id", None, at_least=0, at_most=MAX_U64)
+    sequence = int_param(request, "sequence", None, at_least=0, at_most=MAX_U64)
+    if (producer_id is None) != (sequence is None):
+        raise InvalidRequest("producer_id and sequence go together")
+    if request.content_type != ARROW_STREAM_TYPE:
+        raise InvalidRequest(f"the body must be {ARROW_STREAM_TYPE}, not {request.content_type!r}")
+    body = await read_body(request)
+    try:
+        table = pa.ipc.open_stream(body).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InvalidRequest(f"the body is not an Arrow IPC stream: {exc}") from None
+    if not 1 <= table.num_rows <= MAX_APPEND_EVENTS:
+        raise InvalidRequest(
+            f"an append carries 1..{MAX_APPEND_EVENTS} events, not {table.num_rows}"
+        )
+    batch = table.combine_chunks().to_batches()[0]
+    unknown = set(batch.schema.names) - {"value", "key", "headers"}
+    if unknown:
+        raise InvalidRequest(f"unknown column(s) {', '.join(sorted(unknown))}: value, key, headers")
+    values = _binary_column(batch, "value")
+    if values is None:
+        raise InvalidRequest("the batch needs a value column")
+    if values.null_count:
+        raise InvalidRequest("column value has nulls: every event needs a value")
+    section, value_bytes = values_section(values)
+    if value_bytes > MAX_APPEND_BYTES:
+        raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+    keys = _binary_column(batch, "key")
+    started = time.perf_counter()
+    appended = await api.append_encoded(
+        tenant_id,
+        stream.stream_id,
+        section,
+        batch.num_rows,
+        value_bytes=value_bytes,
+        partition=partition,
+        keys=None if keys is None or keys.null_count == len(keys) else keys.to_pylist(),
+        headers=_headers(batch),
+        producer=None if producer_id is None or sequence is None else (producer_id, sequence),
+    )
+    request.app[METRICS_KEY].record_append(
+        PROTOCOL,
+        tenant_id,
+        stream.name,
+        appended.count,
+        value_bytes,
+        time.perf_counter() - started,
+    )
+    return json_response(
+        {
+            "partition": partition,
+            "base_offset": appended.base_offset,
+            "count": appended.count,
+            "next_offset": appended.next_offset,
+        }
+    )
