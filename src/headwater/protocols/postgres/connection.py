@@ -171,10 +171,8 @@ class TlsRequested:
     pass
 
 
-@dataclass(frozen=True, slots=True)
-class CancelRequested:
-    process_id: int
-    secret_key: int
+CancelRequested = m.CancelRequest
+"""The CancelRequest packet is itself the event: cancel that backend's running query."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +356,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             return Reply("GSSENC refused", b"N")
         if isinstance(packet, m.CancelRequest):
             self._closed = True
-            return CancelRequested(packet.process_id, packet.secret_key)
+            return packet
         if self.require_tls and not self.tls_active:
             return self._reject(
                 "28000", "this server takes TLS connections only: connect with sslmode=require"
