@@ -17,10 +17,10 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Unpack
+from typing import Any, ParamSpec, TypeVar
 
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.groups import ConsumerGroups
@@ -64,11 +64,10 @@ from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
-from headwater.storage.batch import EventColumns, Headers
+from headwater.storage.batch import Headers
+from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo, ReadResult
-
-if TYPE_CHECKING:
-    import pyarrow as pa
+from headwater.storage.producers import AbortedTxn
 
 __all__ = [
     "MAX_APPEND_BYTES",
@@ -177,6 +176,66 @@ def _kind_stats(tenant_id: int, state: KindState) -> KindStats:
     )
 
 
+# ---- quotas: the engine's operations, counted and throttled ------------------------------
+# Bound in place of the engine's own by EngineAPI.__post_init__ when a tenant has a quota.
+# Each first reserves what it is known to spend and waits its turn (Quotas.admit), then
+# is served: a request that then fails still counted, it was admitted.
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """What a request is known to spend before it is served."""
+
+    tenant_id: int
+    produce: int = 0  # bytes of event values
+    consume: bool = False  # a read: it waits the consume debt earlier reads left
+
+
+def _request_cost(tenant_id: int, *_: object, **__: object) -> _Cost:
+    return _Cost(tenant_id)
+
+
+def _read_cost(tenant_id: int, *_: object, **__: object) -> _Cost:
+    return _Cost(tenant_id, consume=True)
+
+
+def _values_cost(tenant_id: int, stream_id: int, values: Sequence[bytes], **_: object) -> _Cost:
+    return _Cost(tenant_id, produce=sum(map(len, values)))
+
+
+def _section_cost(
+    tenant_id: int,
+    stream_id: int,
+    values_section: bytes | memoryview,
+    count: int,
+    *,
+    value_bytes: int | None = None,
+    **_: object,
+) -> _Cost:
+    # The events' own bytes, without the section's u64 length prefixes.
+    produced = len(values_section) - 8 * count if value_bytes is None else value_bytes
+    return _Cost(tenant_id, produce=produced)
+
+
+def _admitted(
+    quotas: Quotas, serve: Callable[_P, Coroutine[Any, Any, _R]], cost: Callable[_P, _Cost]
+) -> Callable[_P, Coroutine[Any, Any, _R]]:
+    """``serve`` once the request's ``cost`` (one request, and what else it spends) has
+    waited its turn."""
+
+    async def admitted(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        spent = cost(*args, **kwargs)
+        await quotas.admit(
+            spent.tenant_id, produce=spent.produce, requests=1, consume=spent.consume
+        )
+        return await serve(*args, **kwargs)
+
+    return admitted
+
+
 @dataclass(eq=False)
 class EngineAPI:
     """Streams, subscriptions, kinds, queries and tenants of one data directory.
@@ -236,14 +295,17 @@ class EngineAPI:
         self.query_at = queries.query_at
         self.stream_range = queries.stream_range
         if self.quotas.enabled:
-            self.create_stream = self._throttled_create_stream
-            self.delete_stream = self._throttled_delete_stream
-            self.append = self._throttled_append
-            self.append_encoded = self._throttled_append_encoded
-            self.append_partitioned = self._throttled_append_partitioned
-            self.query = self._throttled_query
-            self.query_at = self._throttled_query_at
-            self.stream_range = self._throttled_stream_range
+            self.create_stream = _admitted(self.quotas, engine.create_stream, _request_cost)
+            self.delete_stream = _admitted(self.quotas, engine.delete_stream, _request_cost)
+            self.append = _admitted(self.quotas, engine.append, _values_cost)
+            self.append_encoded = _admitted(self.quotas, engine.append_encoded, _section_cost)
+            self.append_partitioned = _admitted(
+                self.quotas, engine.append_partitioned, _values_cost
+            )
+            self.query = _admitted(self.quotas, queries.query, _request_cost)
+            self.query_at = _admitted(self.quotas, queries.query_at, _request_cost)
+            # A read of the stream: it waits the consume debt earlier reads left too.
+            self.stream_range = _admitted(self.quotas, queries.stream_range, _read_cost)
             subscriptions.pace = self._pace_subscription
 
     @classmethod
@@ -353,11 +415,14 @@ class EngineAPI:
         max_events: int | None = None,
         partition: int = 0,
         isolation: str = READ_COMMITTED,
+        kafka: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset`` as
         stored batches. InvalidOffset when retention removed ``from_offset``.
         ``isolation``: read_committed (default: open transactions' events wait for
-        their end, aborted ones are never shown) or read_uncommitted."""
+        their end, aborted ones are never shown) or read_uncommitted. ``kafka``: as a
+        Kafka fetch reads (whole batches, markers and aborted batches included, the
+        client filtering by :meth:`aborted_transactions`)."""
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
             where = f"partition {partition}" if partition else "the stream"
@@ -377,10 +442,19 @@ class EngineAPI:
             max_events=max_events,
             partition=partition,
             isolation=isolation,
+            kafka=kafka,
         )
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
+
+    def aborted_transactions(
+        self, tenant_id: int, stream_id: int, partition: int, start: int, end: int
+    ) -> list[AbortedTxn]:
+        """Aborted transactions with batches in offsets ``[start, end)`` of one
+        partition, by first offset (a Kafka read_committed fetch lists them)."""
+        plog = self._engine.stream(tenant_id, stream_id).partition_log(partition)
+        return plog.aborted_transactions(start, end)
 
     async def stream_records(
         self,
@@ -471,13 +545,14 @@ class EngineAPI:
         producer: ProducerIdentity,
         stream_id: int,
         sequence: int,
-        values: Sequence[bytes],
+        values: Sequence[bytes] | KafkaSection,
         *,
         partition: int = 0,
         keys: Sequence[bytes | None] | None = None,
         headers: Sequence[Headers] | None = None,
     ) -> AppendInfo:
-        """A batch inside the producer's transaction (its partition joins it)."""
+        """A batch inside the producer's transaction (its partition joins it); a
+        produced Kafka batch is stored in Kafka form."""
         txns = await self._transactions.tenant(tenant_id)
         return await txns.append(
             transactional_id,
@@ -529,118 +604,7 @@ class EngineAPI:
     def bytes_appended(self) -> int:
         return self._engine.bytes_appended
 
-    # ---- quotas: the engine's operations, counted and throttled ------------------------
-    # Bound in place of the engine's own by __post_init__ when a tenant has a quota. Each
-    # first reserves what it is known to spend and waits its turn (Quotas.admit), then is
-    # served: a request that then fails still counted, it was admitted.
-
-    async def _throttled_append(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        values: Sequence[bytes],
-        *,
-        timestamp_ms: int | None = None,
-        partition: int = 0,
-        internal: bool = False,
-        **columns: Unpack[EventColumns],
-    ) -> AppendInfo:
-        await self.quotas.admit(tenant_id, produce=sum(map(len, values)), requests=1)
-        return await self._engine.append(
-            tenant_id,
-            stream_id,
-            values,
-            timestamp_ms=timestamp_ms,
-            partition=partition,
-            internal=internal,
-            **columns,
-        )
-
-    async def _throttled_append_encoded(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        values_section: bytes | memoryview,
-        count: int,
-        *,
-        value_bytes: int | None = None,
-        timestamp_ms: int | None = None,
-        partition: int = 0,
-        internal: bool = False,
-        **columns: Unpack[EventColumns],
-    ) -> AppendInfo:
-        # The events' own bytes, without the section's u64 length prefixes.
-        produced = len(values_section) - 8 * count if value_bytes is None else value_bytes
-        await self.quotas.admit(tenant_id, produce=produced, requests=1)
-        return await self._engine.append_encoded(
-            tenant_id,
-            stream_id,
-            values_section,
-            count,
-            value_bytes=value_bytes,
-            timestamp_ms=timestamp_ms,
-            partition=partition,
-            internal=internal,
-            **columns,
-        )
-
-    async def _throttled_append_partitioned(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        values: Sequence[bytes],
-        *,
-        keys: Sequence[bytes | None] | None = None,
-        headers: Sequence[Headers] | None = None,
-        partitions: Sequence[int | None] | None = None,
-        timestamps: Sequence[int | None] | None = None,
-        tombstones: Sequence[bool] | None = None,
-    ) -> PartitionedAppend:
-        await self.quotas.admit(tenant_id, produce=sum(map(len, values)), requests=1)
-        return await self._engine.append_partitioned(
-            tenant_id,
-            stream_id,
-            values,
-            keys=keys,
-            headers=headers,
-            partitions=partitions,
-            timestamps=timestamps,
-            tombstones=tombstones,
-        )
-
-    async def _throttled_create_stream(
-        self,
-        tenant_id: int,
-        name: str,
-        settings: StreamSettings | None = None,
-        *,
-        internal: bool = False,
-    ) -> StreamInfo:
-        await self.quotas.admit(tenant_id, requests=1)
-        return await self._engine.create_stream(tenant_id, name, settings, internal=internal)
-
-    async def _throttled_delete_stream(self, tenant_id: int, stream_id: int) -> None:
-        await self.quotas.admit(tenant_id, requests=1)
-        await self._engine.delete_stream(tenant_id, stream_id)
-
-    async def _throttled_query(
-        self, tenant_id: int, sql: str, params: Sequence[object] = ()
-    ) -> QueryResult:
-        await self.quotas.admit(tenant_id, requests=1)
-        return await self._queries.query(tenant_id, sql, params)
-
-    async def _throttled_query_at(
-        self, tenant_id: int, sql: str, params: Sequence[object], position: int
-    ) -> QueryResult:
-        await self.quotas.admit(tenant_id, requests=1)
-        return await self._queries.query_at(tenant_id, sql, params, position)
-
-    async def _throttled_stream_range(
-        self, tenant_id: int, name: str, start: int, end: int, partition: int = 0
-    ) -> list[pa.RecordBatch]:
-        # A read of the stream: it waits the consume debt earlier reads left too.
-        await self.quotas.admit(tenant_id, requests=1, consume=True)
-        return await self._queries.stream_range(tenant_id, name, start, end, partition)
+    # ---- quotas ------------------------------------------------------------------------
 
     async def _pace_subscription(self, tenant_id: int, value_bytes: int) -> None:
         """After a subscription's push (it went out at once): its bytes are counted, and
