@@ -65,7 +65,9 @@ from headwater.sql.records import RecordsCursor
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
 from headwater.storage.batch import Headers
+from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo, ReadResult
+from headwater.storage.producers import AbortedTxn
 
 __all__ = [
     "MAX_APPEND_BYTES",
@@ -413,11 +415,14 @@ class EngineAPI:
         max_events: int | None = None,
         partition: int = 0,
         isolation: str = READ_COMMITTED,
+        kafka: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset`` as
         stored batches. InvalidOffset when retention removed ``from_offset``.
         ``isolation``: read_committed (default: open transactions' events wait for
-        their end, aborted ones are never shown) or read_uncommitted."""
+        their end, aborted ones are never shown) or read_uncommitted. ``kafka``: as a
+        Kafka fetch reads (whole batches, markers and aborted batches included, the
+        client filtering by :meth:`aborted_transactions`)."""
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
             where = f"partition {partition}" if partition else "the stream"
@@ -437,10 +442,19 @@ class EngineAPI:
             max_events=max_events,
             partition=partition,
             isolation=isolation,
+            kafka=kafka,
         )
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
+
+    def aborted_transactions(
+        self, tenant_id: int, stream_id: int, partition: int, start: int, end: int
+    ) -> list[AbortedTxn]:
+        """Aborted transactions with batches in offsets ``[start, end)`` of one
+        partition, by first offset (a Kafka read_committed fetch lists them)."""
+        plog = self._engine.stream(tenant_id, stream_id).partition_log(partition)
+        return plog.aborted_transactions(start, end)
 
     async def stream_records(
         self,
@@ -531,13 +545,14 @@ class EngineAPI:
         producer: ProducerIdentity,
         stream_id: int,
         sequence: int,
-        values: Sequence[bytes],
+        values: Sequence[bytes] | KafkaSection,
         *,
         partition: int = 0,
         keys: Sequence[bytes | None] | None = None,
         headers: Sequence[Headers] | None = None,
     ) -> AppendInfo:
-        """A batch inside the producer's transaction (its partition joins it)."""
+        """A batch inside the producer's transaction (its partition joins it); a
+        produced Kafka batch is stored in Kafka form."""
         txns = await self._transactions.tenant(tenant_id)
         return await txns.append(
             transactional_id,

@@ -1027,28 +1027,34 @@ class Engine:
         partition: int = 0,
         isolation: str = READ_COMMITTED,
         internal: bool = False,
+        kafka: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset``. Data
         in the page cache is read right here on the loop (no-wait reads); anything that
         would wait for the disk is read in a worker thread. ``isolation``:
         ``read_committed`` (the default) stops at the partition's last stable offset
         and leaves out aborted transactions; ``read_uncommitted`` shows every stored
-        event (transaction markers are never shown). ``internal``: see :meth:`stream`."""
+        event (transaction markers are never shown). ``internal``: see :meth:`stream`.
+        ``kafka``: whole stored batches, markers and aborted batches included, as a
+        Kafka fetch answers (:meth:`PartitionLog.read`)."""
         plog = self.stream(tenant_id, stream_id, internal=internal).partition_log(partition)
         committed = committed_only(isolation)
+
+        def read() -> ReadResult:
+            return plog.read(
+                from_offset,
+                max_bytes,
+                max_events=max_events,
+                committed_only=committed,
+                kafka=kafka,
+            )
+
         try:
             with no_wait():
-                return plog.read(
-                    from_offset, max_bytes, max_events=max_events, committed_only=committed
-                )
+                return read()
         except WouldBlock:
             pass
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor,
-            lambda: plog.read(
-                from_offset, max_bytes, max_events=max_events, committed_only=committed
-            ),
-        )
+        return await asyncio.get_running_loop().run_in_executor(self.executor, read)
 
     async def read_events(
         self,

@@ -11,7 +11,8 @@ Header, little-endian, 64 bytes::
     4  u32 crc32c          CRC-32C (Castagnoli) of bytes [8, batch_length)
     8  u8  magic           1
     9  u8  attributes      bit 0 keys, bit 1 headers, bit 2 offset deltas, bit 3 producer,
-                           bit 4 producer epoch, bit 5 transactional, bit 6 control
+                           bit 4 producer epoch, bit 5 transactional, bit 6 control,
+                           bit 7 Kafka form
     10 u16 reserved        0
     12 u32 count           events in the batch (>= 1)
     16 u64 base_offset     offset of the first event
@@ -34,6 +35,13 @@ A transactional batch (bit 5, always with bits 3 and 4) belongs to its producer'
 transaction in this partition until a control batch (bits 3-6) of the same producer
 ends it: one event whose value is ``u16 version (0) | u16 type`` (0 abort, 1 commit), the
 transaction marker. Control batches are never handed to readers.
+
+A batch in Kafka form (bit 7, never with bits 0-2) holds, as its values section, a Kafka
+record batch v2 as produced, from its CRC to its end (storage/kafka_batch.py): a Kafka
+fetch returns those bytes with their 17-byte prefix put back, and every other reader
+gets its records decoded into events by :class:`KafkaBatch`, with a timestamp per
+record. Its count and timestamps are the Kafka batch's; its producer section is as
+above.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from typing import TypedDict, Unpack
 import crc32c
 
 from headwater.errors import CorruptBatchError, UsageError
+from headwater.storage import kafka_batch
 
 MAGIC = 1
 HEADER = struct.Struct("<IIBBHIQqqQIIII")
@@ -57,6 +66,7 @@ ATTR_PRODUCER = 0x08
 ATTR_EPOCH = 0x10
 ATTR_TRANSACTIONAL = 0x20
 ATTR_CONTROL = 0x40
+ATTR_KAFKA = 0x80
 PRODUCER = struct.Struct("<QQ")
 PRODUCER_EPOCH = struct.Struct("<QQII")
 CONTROL = struct.Struct("<HH")  # a marker's value: version, type
@@ -180,15 +190,24 @@ def build_batch(
     producer_epoch: int | None = None,
     transactional: bool = False,
     control: bool = False,
+    kafka: bool = False,
 ) -> bytes:
     """Assemble one batch from an already encoded values section (trusted: the caller
-    checked it with :func:`value_spans` or built it with :func:`encode_values`). A
-    transactional or control batch needs its producer and epoch."""
+    checked it with :func:`value_spans` or built it with :func:`encode_values`; with
+    ``kafka``, a Kafka batch from its CRC on, checked with
+    :func:`kafka_batch.check_section`). A transactional or control batch needs its
+    producer and epoch."""
     if count < 1:
         raise UsageError("a batch holds at least one event")
     if (transactional or control) and (producer is None or producer_epoch is None):
         raise UsageError("a transactional or control batch needs a producer and its epoch")
     attributes = 0
+    if kafka:
+        if keys is not None or tombstones is not None or headers is not None or deltas:
+            raise UsageError("a Kafka-form batch carries its keys and headers in its records")
+        if control:
+            raise UsageError("transaction markers are stored in headwater's form")
+        attributes |= ATTR_KAFKA
     sections = [values_section]
     keys_bytes = headers_bytes = deltas_bytes = b""
     if keys is not None or tombstones is not None:
@@ -254,8 +273,9 @@ class EventColumns(TypedDict, total=False):
     """What an append may carry beside the values, passed down unchanged from the engine
     to :func:`build_batch`: per-event keys, tombstones and headers (one entry per event),
     the producer ``(id, sequence)`` of an idempotent append and its epoch (None: a
-    producer without epochs, as Kimberlite's), and whether the batch is transactional or
-    a transaction marker (control)."""
+    producer without epochs, as Kimberlite's), whether the batch is transactional or
+    a transaction marker (control), and whether its values section is a Kafka batch
+    (``kafka``: stored in Kafka form, keys and headers inside its records)."""
 
     keys: Sequence[bytes | None] | None
     tombstones: Sequence[bool] | None
@@ -264,6 +284,7 @@ class EventColumns(TypedDict, total=False):
     producer_epoch: int | None
     transactional: bool
     control: bool
+    kafka: bool
 
 
 def encode_batch(
@@ -286,7 +307,8 @@ def encode_batch(
 
 
 class Batch:
-    """A stored batch, checked on construction; its bytes are never copied."""
+    """A stored batch, checked on construction; its bytes are never copied. A batch in
+    Kafka form is made a :class:`KafkaBatch`."""
 
     __slots__ = (
         "_deltas",
@@ -301,6 +323,11 @@ class Batch:
         "producer",
         "producer_epoch",
     )
+
+    def __new__(cls, buffer: memoryview, *, verify: bool = True) -> Batch:
+        if cls is Batch and len(buffer) > 9 and buffer[9] & ATTR_KAFKA:
+            return object.__new__(KafkaBatch)
+        return object.__new__(cls)
 
     def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
         if len(buffer) < HEADER_SIZE:
@@ -354,6 +381,22 @@ class Batch:
     @property
     def length(self) -> int:
         return len(self.buffer)
+
+    @property
+    def kafka_section(self) -> memoryview | None:
+        """A Kafka-form batch's stored Kafka bytes (from the CRC on); None otherwise."""
+        return None
+
+    @property
+    def payload_bytes(self) -> int:
+        """What a read counts this batch's events as: their values' bytes (a Kafka-form
+        batch: its stored records, as a Kafka fetch returns them, never decoded)."""
+        return int(self._section_bounds[0] - HEADER_SIZE - 8 * self.count)
+
+    def timestamps(self) -> list[int] | None:
+        """Each event's timestamp; None when every event has ``first_timestamp_ms``
+        (headwater's form: a batch has one timestamp)."""
+        return None
 
     @property
     def transactional(self) -> bool:
@@ -529,6 +572,86 @@ class Batch:
                 raise CorruptBatchError("header count overruns its section")
             out.append(tuple((take(), take()) for _ in range(n)))
         return out
+
+
+class KafkaBatch(Batch):
+    """A stored batch in Kafka form. Its records are decoded once, when a reader first
+    asks for events, values, keys or headers, into a batch of headwater's form kept
+    beside it; a Kafka fetch never asks (:attr:`kafka_section`). ``attributes`` says
+    keys and headers are there to ask for (bits 0 and 1), as a decoded batch may have
+    them."""
+
+    __slots__ = ("_decoded", "_timestamps")
+
+    def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
+        super().__init__(buffer, verify=verify)
+        v_end, _, h_end = self._section_bounds
+        if self.attributes & (ATTR_KEYS | ATTR_HEADERS | ATTR_DELTAS) or h_end != v_end:
+            raise CorruptBatchError(f"Kafka-form batch at offset {self.base_offset} has sections")
+        try:
+            header = kafka_batch.section_header(self.kafka_section)
+        except kafka_batch.KafkaRecordsError as exc:
+            raise CorruptBatchError(f"batch at offset {self.base_offset}: {exc}") from None
+        if header.records_count != self.count:
+            raise CorruptBatchError(
+                f"Kafka-form batch at offset {self.base_offset} holds {header.records_count}"
+                f" records, its header says {self.count}"
+            )
+        self.attributes |= ATTR_KEYS | ATTR_HEADERS
+        self._decoded: Batch | None = None
+        self._timestamps: list[int] | None = None
+
+    @property
+    def kafka_section(self) -> memoryview:
+        return self.buffer[HEADER_SIZE : self._section_bounds[0]]
+
+    @property
+    def payload_bytes(self) -> int:
+        return int(self._section_bounds[0]) - HEADER_SIZE
+
+    def decoded(self) -> Batch:
+        """The same events in headwater's form (decoded on first use, then kept)."""
+        if self._decoded is None:
+            try:
+                timestamps, keys, values, headers = kafka_batch.decode_section(self.kafka_section)
+            except kafka_batch.KafkaRecordsError as exc:
+                raise CorruptBatchError(
+                    f"Kafka-form batch at offset {self.base_offset}: {exc}"
+                ) from None
+            data = build_batch(
+                encode_values([b"" if value is None else value for value in values]),
+                self.count,
+                base_offset=self.base_offset,
+                first_position=self.first_position,
+                timestamp_ms=self.first_timestamp_ms,
+                max_timestamp_ms=self.max_timestamp_ms,
+                keys=keys,
+                tombstones=[value is None for value in values],
+                headers=headers,
+            )
+            self._decoded = Batch(memoryview(data), verify=False)
+            self._timestamps = timestamps
+        return self._decoded
+
+    def timestamps(self) -> list[int]:
+        self.decoded()
+        assert self._timestamps is not None
+        return self._timestamps
+
+    def values_section(self) -> memoryview:
+        return self.decoded().values_section()
+
+    def events(self, start: int = 0) -> Iterator[Event]:
+        timestamps = self.timestamps()
+        for event in self.decoded().events(start):
+            event.timestamp_ms = timestamps[event.offset - self.base_offset]
+            yield event
+
+    def _keys(self) -> list[tuple[bytes | None, bool]]:
+        return self.decoded()._keys()
+
+    def _headers(self) -> list[tuple[tuple[bytes, bytes], ...]]:
+        return self.decoded()._headers()
 
 
 def marker_value(commit: bool) -> bytes:

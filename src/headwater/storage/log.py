@@ -32,7 +32,9 @@ from headwater.storage.batch import (
 )
 from headwater.storage.compression import FRAME_BYTES, check_compression, encode_frame
 from headwater.storage.files import FileCache
+from headwater.storage.kafka_batch import section_header, stamp_log_append_time
 from headwater.storage.producers import (
+    AbortedTxn,
     ProducerEntry,
     ProducerTable,
     load_snapshot,
@@ -316,7 +318,11 @@ class PartitionLog:
         """Append ``count`` events whose values are already in stored form: one batch,
         one CRC, one write, at most one index entry. With ``producer`` (id, sequence) the
         append is idempotent: check it first with :meth:`check_producer`. A control batch
-        (a transaction marker) skips the sequence check: its sequence is unused."""
+        (a transaction marker) skips the sequence check: its sequence is unused.
+
+        With ``kafka`` the section is a checked Kafka batch from its CRC on, stored as it
+        is (Kafka form): its timestamps are its own, or without ``timestamp_ms`` (a
+        LogAppendTime stream) the log's clock, stamped into it as Kafka's broker does."""
         producer = columns.get("producer")
         epoch = columns.get("producer_epoch")
         control = bool(columns.get("control"))
@@ -327,6 +333,12 @@ class PartitionLog:
         except ValueError as exc:
             raise UsageError(f"a control batch holds one marker: {exc}") from None
         ts = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        max_ts = None
+        if columns.get("kafka"):
+            if timestamp_ms is None:
+                values_section = stamp_log_append_time(values_section, ts)
+            kafka_header = section_header(values_section)
+            ts, max_ts = kafka_header.first_timestamp, kafka_header.max_timestamp
         with self._lock:
             self._check_writable()
             if (
@@ -342,6 +354,7 @@ class PartitionLog:
                 base_offset=base,
                 first_position=first_position,
                 timestamp_ms=ts,
+                max_timestamp_ms=max_ts,
                 **columns,
             )
             if len(data) > self.config.segment_bytes:
@@ -560,6 +573,7 @@ class PartitionLog:
         max_events: int | None = None,
         upto: int | None = None,
         committed_only: bool = True,
+        kafka: bool = False,
     ) -> ReadResult:
         """Committed events from ``from_offset``, stopping before the sum of value lengths
         would pass ``max_bytes`` (always at least one event when one exists). Whole
@@ -567,10 +581,18 @@ class PartitionLog:
         are never returned; ``committed_only`` (read_committed, the default) also stops
         at the last stable offset and leaves out aborted transactions' batches, and
         read_uncommitted (False) returns them. Batches left out still move
-        ``end_offset`` (and ``next_offset``) past them, so a reader does not stall."""
+        ``end_offset`` (and ``next_offset``) past them, so a reader does not stall.
+
+        ``kafka``: read as a Kafka fetch does: whole batches only (a Kafka-form batch is
+        never decoded; the first may start before ``from_offset``, the client skips
+        what it did not ask for), markers included, and read_committed stops at the
+        last stable offset but returns aborted batches (the fetch lists the aborted
+        transactions: :meth:`aborted_transactions`; the client drops them)."""
         if from_offset < 0:
             raise UsageError("offsets are non-negative")
         limit = self.last_stable_offset if committed_only else self.committed_offset
+        if kafka:
+            committed_only = False
         if upto is not None:
             limit = min(limit, upto)
         skipped_to: int | None = None
@@ -582,13 +604,24 @@ class PartitionLog:
         # Read about as much as the answer needs: a small read must not copy a megabyte.
         chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), 8 << 20)
         for batch in self._stored_batches(from_offset, limit, chunk):
-            if self.hidden(batch, committed_only=committed_only):
+            if not kafka and self.hidden(batch, committed_only=committed_only):
                 skipped_to = batch.next_offset
                 continue
             skipped_to = None
             start = batch.index_of(from_offset)
-            whole_bytes = len(batch.values_section()) - 8 * batch.count
             n_avail = batch.count - start
+            if kafka:
+                whole_bytes = batch.payload_bytes
+                if count and value_bytes + whole_bytes > max_bytes:
+                    break
+                spans.append(ReadSpan(batch, start, batch.count))
+                count += n_avail
+                value_bytes += whole_bytes
+                next_offset = batch.next_offset
+                if value_bytes >= max_bytes:
+                    break
+                continue
+            whole_bytes = len(batch.values_section()) - 8 * batch.count
             if start == 0 and value_bytes + whole_bytes <= max_bytes and n_avail <= budget_events:
                 spans.append(ReadSpan(batch, 0, batch.count))
                 count += batch.count
@@ -624,6 +657,12 @@ class PartitionLog:
         if next_offset is not None and next_offset >= limit:
             next_offset = None
         return ReadResult(spans, count, value_bytes, next_offset, end_offset)
+
+    def aborted_transactions(self, start: int, end: int) -> list[AbortedTxn]:
+        """Aborted transactions with batches in ``[start, end)``, by first offset (what
+        a Kafka read_committed fetch of that range lists)."""
+        with self._lock:
+            return self.producers.aborted_between(start, end)
 
     def events(self, from_offset: int = 0, upto: int | None = None) -> Iterator[Event]:
         """Decoding iterator over committed events from ``from_offset``."""

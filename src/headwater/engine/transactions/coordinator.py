@@ -55,6 +55,7 @@ from headwater.errors import (
     StreamNotFound,
 )
 from headwater.storage.batch import MAX_EPOCH, Headers, marker_value
+from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo
 
 log = logging.getLogger(__name__)
@@ -371,7 +372,7 @@ class TenantTransactions:
         producer: ProducerIdentity,
         stream_id: int,
         sequence: int,
-        values: Sequence[bytes],
+        values: Sequence[bytes] | KafkaSection,
         *,
         partition: int = 0,
         keys: Sequence[bytes | None] | None = None,
@@ -380,7 +381,8 @@ class TenantTransactions:
     ) -> AppendInfo:
         """A transactional batch to one partition (added to the transaction first if
         it is not in it yet); a retried (producer, epoch, sequence) is answered with its
-        first offsets and stored once."""
+        first offsets and stored once. ``values`` may be a produced Kafka batch, stored
+        in Kafka form (its keys and headers are in it)."""
         async with self._lock(transactional_id):
             txn = self._current(transactional_id, producer)
             if (stream_id, partition) not in txn.partitions or txn.state != TxnState.ONGOING:
@@ -392,6 +394,20 @@ class TenantTransactions:
         # Appended outside the lock: a transaction's batches to different partitions
         # are written concurrently.
         try:
+            if isinstance(values, KafkaSection):
+                return await self.engine.append_encoded(
+                    self.tenant_id,
+                    stream_id,
+                    values.section,
+                    values.count,
+                    value_bytes=len(values.section),
+                    partition=partition,
+                    timestamp_ms=values.timestamp_ms,
+                    producer=(producer.producer_id, sequence),
+                    producer_epoch=producer.epoch,
+                    transactional=True,
+                    kafka=True,
+                )
             return await self.engine.append(
                 self.tenant_id,
                 stream_id,

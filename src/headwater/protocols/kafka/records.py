@@ -33,14 +33,16 @@ What the engine needs from this module, batch at a time:
 - :meth:`RecordBatch.validate_for_append` decompresses once and checks what Kafka's log
   validator checks (record count, offset deltas 0..n-1, lengths), returning the records as
   columns (:class:`RecordColumns`) should the engine need keys, timestamps or headers;
-- the batch is then stored as it came: :func:`stamp` writes the assigned base offset
-  and partition leader epoch (outside the CRC, so nothing is recomputed) and, for a
-  stream with LogAppendTime, the append time and its attribute bit (the CRC is
-  recomputed); the header gives the producer id, epoch and base sequence for
-  idempotence and the transactional flag;
-- a fetch returns stored batches' bytes untouched; :func:`control_batch` builds the
-  commit/abort markers a transaction ends with, and :func:`build_batch` a batch from
-  records the engine holds in its own form.
+- :meth:`RecordBatch.check_for_append` checks the same in one walk over the records
+  that decodes none of them; the batch is then stored as it came, from its CRC on
+  (:attr:`RecordBatch.section`, headwater's Kafka form: storage/kafka_batch.py), the
+  header giving the producer id, epoch and base sequence for idempotence and the
+  transactional flag; :func:`stamp` is what a broker writes over a batch (base
+  offset, partition leader epoch, and for LogAppendTime the append time, CRC
+  recomputed);
+- a fetch returns stored batches' bytes with their 17-byte prefix put back;
+  :func:`control_batch` builds the commit/abort markers a transaction ends with, and
+  :func:`build_batch` a batch from records the engine holds in its own form.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ from kio.schema.errors import ErrorCode
 
 from headwater.engine.kinds.reader import Buffer
 from headwater.errors import ProtocolError
+from headwater.storage import kafka_batch
+from headwater.storage.kafka_batch import KafkaRecordsError
 
 HEADER = struct.Struct(">qiibIhiqqqhii")
 HEADER_SIZE = HEADER.size  # 61
@@ -81,7 +85,7 @@ NO_PRODUCER_ID = -1
 NO_PRODUCER_EPOCH = -1
 NO_SEQUENCE = -1
 
-MAX_DECOMPRESSED = 128 * 1024 * 1024
+MAX_DECOMPRESSED = kafka_batch.MAX_DECOMPRESSED
 """Default bound on one batch's decompressed records: past it the batch is refused
 (MESSAGE_TOO_LARGE) before more is inflated, so a small batch cannot claim gigabytes."""
 
@@ -120,6 +124,14 @@ class RecordBatchError(ProtocolError):
 
 def _corrupt(message: str) -> RecordBatchError:
     return RecordBatchError(ErrorCode.corrupt_message, message)
+
+
+_REASON_CODES = {
+    "corrupt": ErrorCode.corrupt_message,
+    "invalid": ErrorCode.invalid_record,
+    "too_large": ErrorCode.message_too_large,
+    "codec": ErrorCode.unsupported_compression_type,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +225,22 @@ class RecordBatch:
                 f"record batch CRC-32C is {actual:#010x}, its header says {self.header.crc:#010x}"
             )
 
+    @property
+    def section(self) -> memoryview:
+        """What headwater stores of this batch (its Kafka form): the bytes from the CRC
+        on, which the CRC covers but for itself."""
+        return memoryview(self.data)[CRC_OFFSET:]
+
+    def check_for_append(self, max_decompressed: int = MAX_DECOMPRESSED) -> None:
+        """What Kafka checks of a produced batch before storing it: the CRC, a known
+        codec, the records decoding to exactly ``records_count`` records with offset
+        deltas 0..n-1, and ``last_offset_delta`` n-1; one walk over the records, with
+        nothing decoded (:func:`headwater.storage.kafka_batch.check_section`)."""
+        try:
+            kafka_batch.check_section(self.section, max_decompressed)
+        except KafkaRecordsError as exc:
+            raise _records_error(exc) from None
+
     def records(self, max_decompressed: int = MAX_DECOMPRESSED) -> RecordColumns:
         """The records, decompressed once and parsed to columns."""
         body = decompress(
@@ -282,100 +310,17 @@ def split_batches(data: Buffer) -> list[RecordBatch]:
 # ---- records ---------------------------------------------------------------------------
 
 
-def _varint(buf: Buffer, pos: int) -> tuple[int, int]:
-    """A zigzag varint (varlong) at ``pos``: (value, position after it)."""
-    byte = buf[pos]
-    pos += 1
-    if byte < 0x80:
-        return (byte >> 1) ^ -(byte & 1), pos
-    raw = byte & 0x7F
-    shift = 7
-    while True:
-        byte = buf[pos]
-        pos += 1
-        raw |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return (raw >> 1) ^ -(raw & 1), pos
-        shift += 7
-        if shift > 63:
-            raise _corrupt("varint longer than 10 bytes")
+def _records_error(exc: KafkaRecordsError) -> RecordBatchError:
+    return RecordBatchError(_REASON_CODES[exc.reason], str(exc))
 
 
 def parse_records(body: Buffer, count: int) -> RecordColumns:
-    """``count`` records from a batch's (decompressed) records bytes, to columns. Every
-    length is checked against the bytes left before it is sliced."""
-    buf = bytes(body)
-    end = len(buf)
-    if count < 0 or count > end:  # a record takes at least 7 bytes
-        raise _corrupt(f"{count} records claimed in {end} bytes")
-    offset_deltas: list[int] = []
-    timestamp_deltas: list[int] = []
-    keys: list[bytes | None] = []
-    values: list[bytes | None] = []
-    all_headers: list[tuple[tuple[str, bytes | None], ...]] = []
-    varint = _varint
-    pos = 0
+    """``count`` records from a batch's (decompressed) records bytes, to columns
+    (:func:`headwater.storage.kafka_batch.parse_records`, errors as Kafka codes)."""
     try:
-        for _ in range(count):
-            length, pos = varint(buf, pos)
-            record_end = pos + length
-            if length < 6 or record_end > end:
-                raise _corrupt(f"record length {length} does not fit {end - pos} bytes")
-            pos += 1  # attributes: unused in v2
-            timestamp_delta, pos = varint(buf, pos)
-            offset_delta, pos = varint(buf, pos)
-            size, pos = varint(buf, pos)
-            if size < 0:
-                key = None
-            elif pos + size > record_end:
-                raise _corrupt("record key runs past its record")
-            else:
-                key = buf[pos : pos + size]
-                pos += size
-            size, pos = varint(buf, pos)
-            if size < 0:
-                value = None
-            elif pos + size > record_end:
-                raise _corrupt("record value runs past its record")
-            else:
-                value = buf[pos : pos + size]
-                pos += size
-            header_count, pos = varint(buf, pos)
-            if header_count < 0 or header_count > record_end - pos:
-                raise _corrupt(f"{header_count} record headers claimed")
-            headers: tuple[tuple[str, bytes | None], ...] = ()
-            if header_count:
-                pairs = []
-                for _ in range(header_count):
-                    size, pos = varint(buf, pos)
-                    if size < 0 or pos + size > record_end:
-                        raise _corrupt("record header key runs past its record")
-                    name = buf[pos : pos + size].decode()
-                    pos += size
-                    size, pos = varint(buf, pos)
-                    if size < 0:
-                        header_value = None
-                    elif pos + size > record_end:
-                        raise _corrupt("record header value runs past its record")
-                    else:
-                        header_value = buf[pos : pos + size]
-                        pos += size
-                    pairs.append((name, header_value))
-                headers = tuple(pairs)
-            if pos != record_end:
-                raise _corrupt(f"record of {length} bytes holds {length + pos - record_end}")
-            offset_deltas.append(offset_delta)
-            timestamp_deltas.append(timestamp_delta)
-            keys.append(key)
-            values.append(value)
-            all_headers.append(headers)
-    except IndexError:
-        raise _corrupt("records end inside a record") from None
-    except UnicodeDecodeError:
-        raise _corrupt("record header key is not UTF-8") from None
-    if pos != end:
-        raise _corrupt(f"{end - pos} bytes after the batch's {count} records")
-    return RecordColumns(offset_deltas, timestamp_deltas, keys, values, all_headers)
+        return RecordColumns(*kafka_batch.parse_records(bytes(body), count))
+    except KafkaRecordsError as exc:
+        raise _records_error(exc) from None
 
 
 def _put_varint(out: bytearray, value: int) -> None:
@@ -475,11 +420,8 @@ def stamp(
     struct.pack_into(">q", stamped, 0, base_offset)
     struct.pack_into(">i", stamped, EPOCH_OFFSET, partition_leader_epoch)
     if log_append_time is not None:
-        (attributes,) = struct.unpack_from(">h", stamped, ATTRIBUTES_OFFSET)
-        struct.pack_into(">h", stamped, ATTRIBUTES_OFFSET, attributes | ATTR_LOG_APPEND_TIME)
-        struct.pack_into(">q", stamped, MAX_TIMESTAMP_OFFSET, log_append_time)
-        crc = crc32c(memoryview(stamped)[ATTRIBUTES_OFFSET:])
-        struct.pack_into(">I", stamped, CRC_OFFSET, crc)
+        section = memoryview(stamped)[CRC_OFFSET:]
+        stamped[CRC_OFFSET:] = kafka_batch.stamp_log_append_time(section, log_append_time)
     return stamped
 
 
@@ -536,8 +478,8 @@ def control_type(batch: RecordBatch) -> ControlType:
 
 # ---- compression -----------------------------------------------------------------------
 
-_XERIAL_MAGIC = b"\x82SNAPPY\x00"
-_XERIAL_HEADER = struct.Struct(">8sii")  # magic, version, compatible version
+_XERIAL_MAGIC = kafka_batch.XERIAL_MAGIC
+_XERIAL_HEADER = kafka_batch.XERIAL_HEADER
 _XERIAL_BLOCK = 32 * 1024  # snappy-java's default block size
 _CHUNK = struct.Struct(">i")
 
@@ -574,120 +516,11 @@ def compress(codec: Compression, data: bytes) -> bytes:
     raise ValueError(f"unknown codec {codec}")
 
 
-def _too_large(limit: int) -> RecordBatchError:
-    return RecordBatchError(
-        ErrorCode.message_too_large, f"records decompress to more than {limit} bytes"
-    )
-
-
 def decompress(codec: int, data: Buffer, max_bytes: int = MAX_DECOMPRESSED) -> bytes:
     """The records bytes of a batch compressed with ``codec``, never inflating more than
     ``max_bytes`` (MESSAGE_TOO_LARGE past it); bad compressed bytes are CORRUPT_MESSAGE,
     an unknown codec is UNSUPPORTED_COMPRESSION_TYPE."""
-    if codec == Compression.NONE:
-        if memoryview(data).nbytes > max_bytes:
-            raise _too_large(max_bytes)
-        return bytes(data)
     try:
-        if codec == Compression.GZIP:
-            return _gunzip(data, max_bytes)
-        if codec == Compression.SNAPPY:
-            return _unsnappy(bytes(data), max_bytes)
-        if codec == Compression.LZ4:
-            return _unlz4(data, max_bytes)
-        if codec == Compression.ZSTD:
-            return _unzstd(data, max_bytes)
-    except RecordBatchError:
-        raise
-    except (
-        zlib.error,
-        zstandard.ZstdError,
-        cramjam.DecompressionError,
-        RuntimeError,
-        ValueError,
-    ) as exc:
-        # lz4.frame raises RuntimeError on a bad frame
-        raise _corrupt(f"records do not decompress as {Compression(codec).name}: {exc}") from None
-    raise RecordBatchError(ErrorCode.unsupported_compression_type, f"unknown codec {codec}")
-
-
-def _gunzip(data: Buffer, max_bytes: int) -> bytes:
-    inflater = zlib.decompressobj(wbits=31)
-    out = inflater.decompress(data, max_bytes + 1)
-    if len(out) > max_bytes:
-        raise _too_large(max_bytes)
-    if not inflater.eof:
-        raise _corrupt("gzip stream ends early")
-    return out
-
-
-def _snappy_block(block: bytes, limit: int) -> bytes:
-    # A raw snappy block starts with its uncompressed length: checked before inflating.
-    length = 0
-    shift = 0
-    for index in range(min(5, len(block))):
-        byte = block[index]
-        length |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            break
-        shift += 7
-    else:
-        raise _corrupt("snappy block without its length")
-    if length > limit:
-        raise _too_large(limit)
-    return bytes(cramjam.snappy.decompress_raw(block))
-
-
-def _unsnappy(data: bytes, max_bytes: int) -> bytes:
-    if not data.startswith(_XERIAL_MAGIC):
-        return _snappy_block(data, max_bytes)  # librdkafka sends one raw block
-    if len(data) < _XERIAL_HEADER.size:
-        raise _corrupt("xerial snappy header cut short")
-    out = bytearray()
-    pos = _XERIAL_HEADER.size
-    while pos < len(data):
-        if len(data) - pos < _CHUNK.size:
-            raise _corrupt("xerial snappy chunk length cut short")
-        (size,) = _CHUNK.unpack_from(data, pos)
-        pos += _CHUNK.size
-        if size < 0 or size > len(data) - pos:
-            raise _corrupt(f"xerial snappy chunk of {size} bytes")
-        out += _snappy_block(data[pos : pos + size], max_bytes - len(out))
-        pos += size
-    return bytes(out)
-
-
-def _unlz4(data: Buffer, max_bytes: int) -> bytes:
-    inflater = lz4.frame.LZ4FrameDecompressor()
-    out = bytes(inflater.decompress(bytes(data), max_length=max_bytes + 1))
-    if len(out) > max_bytes:
-        raise _too_large(max_bytes)
-    if not inflater.eof:
-        raise _corrupt("LZ4 frame ends early")
-    return out
-
-
-_ZSTD_MAX_RATIO = 65536
-"""Above zstd's largest expansion of input bytes (a 128 KiB block from a 4-byte RLE
-block is 32,768:1), so a slice of ``remaining // _ZSTD_MAX_RATIO`` bytes cannot inflate
-much past what is left of the limit."""
-
-
-def _unzstd(data: Buffer, max_bytes: int) -> bytes:
-    # zstandard's one-shot decompress trusts a frame's declared content size (it would
-    # allocate what the frame claims) and its readers do not see a truncated frame, so
-    # the frame is fed to a decompression object in slices sized to what the limit
-    # leaves, and its eof tells a whole frame from a cut one.
-    inflater = zstandard.ZstdDecompressor().decompressobj()
-    out = bytearray()
-    view = memoryview(data)
-    pos, total = 0, view.nbytes
-    while pos < total and not inflater.eof:
-        step = max(64, (max_bytes - len(out)) // _ZSTD_MAX_RATIO)
-        out += inflater.decompress(view[pos : pos + step])
-        pos += step
-        if len(out) > max_bytes:
-            raise _too_large(max_bytes)
-    if not inflater.eof:
-        raise _corrupt("zstd frame ends early")
-    return bytes(out)
+        return kafka_batch.decompress(codec, memoryview(data), max_bytes)
+    except KafkaRecordsError as exc:
+        raise _records_error(exc) from None

@@ -39,8 +39,15 @@ from headwater.errors import (
     StreamNotFound,
     StreamQuotaExceeded,
 )
-from headwater.protocols.kafka import ApiKey, RecordBatchError, split_batches
-from headwater.protocols.kafka.records import Compression, Record, build_batch
+from headwater.protocols.kafka import ApiKey, RecordBatch, RecordBatchError, split_batches
+from headwater.protocols.kafka.records import (
+    Compression,
+    ControlType,
+    Record,
+    build_batch,
+    control_batch,
+)
+from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
 from headwater.storage.log import ReadResult
 
 log = logging.getLogger("headwater.kafka")
@@ -382,9 +389,59 @@ async def _produce_partition(
 
 
 async def _append_batch(
-    session: Session, info: StreamInfo, index: int, batch: Any, transactional_id: str | None
+    session: Session,
+    info: StreamInfo,
+    index: int,
+    batch: RecordBatch,
+    transactional_id: str | None,
 ) -> int:
-    """Store one produced batch; the offset of its first record."""
+    """Store one produced batch; the offset of its first record. It is checked once
+    (CRC, header, one walk over its records) and stored as it came, in Kafka form; the
+    idempotence and transaction checks read its header."""
+    api, tenant = session.api, session.tenant_id
+    header = batch.header
+    if header.records_count > MAX_APPEND_EVENTS:
+        # More records than one stored batch holds: decoded and stored as several.
+        return await _append_decoded(session, info, index, batch, transactional_id)
+    batch.check_for_append()
+    if header.is_transactional:
+        if transactional_id is None or header.producer_id < 0:
+            raise InvalidTxnState("a transactional batch in a Produce without transactional_id")
+        stored = await api.append_transactional(
+            tenant,
+            transactional_id,
+            ProducerIdentity(header.producer_id, header.producer_epoch),
+            info.stream_id,
+            header.base_sequence,
+            KafkaSection(batch.section, header.records_count, header.max_timestamp),
+            partition=index,
+        )
+        return stored.base_offset
+    idempotent = header.producer_id >= 0
+    stored = await api.append_encoded(
+        tenant,
+        info.stream_id,
+        batch.section,
+        header.records_count,
+        value_bytes=len(batch.section),
+        timestamp_ms=header.max_timestamp,
+        partition=index,
+        producer=(header.producer_id, header.base_sequence) if idempotent else None,
+        producer_epoch=header.producer_epoch if idempotent else None,
+        kafka=True,
+    )
+    return stored.base_offset
+
+
+async def _append_decoded(
+    session: Session,
+    info: StreamInfo,
+    index: int,
+    batch: RecordBatch,
+    transactional_id: str | None,
+) -> int:
+    """Store a produced batch of more records than one stored batch holds: decoded,
+    as several appends of headwater's form."""
     api, tenant = session.api, session.tenant_id
     header = batch.header
     columns = batch.validate_for_append()
@@ -468,9 +525,30 @@ def _isolation(request: Any) -> str:
 
 
 def records_of(result: ReadResult) -> bytes:
-    """Kafka record batches (uncompressed, one per stored batch) of what was read."""
-    out: list[bytes] = []
+    """Kafka record batches of what was read, one per stored batch: a batch stored in
+    Kafka form as it was produced (its 17-byte prefix put back), a transaction marker
+    as a control batch, and a batch of headwater's form (another front end's) encoded
+    uncompressed."""
+    out: list[bytes | memoryview] = []
     for span in result.spans:
+        batch = span.batch
+        section = batch.kafka_section
+        if section is not None:
+            out += (fetch_prefix(batch.base_offset, len(section)), section)
+            continue
+        if batch.control:
+            assert batch.producer is not None  # a marker always has its producer
+            out.append(
+                control_batch(
+                    ControlType.COMMIT if batch.marker_commits() else ControlType.ABORT,
+                    producer_id=batch.producer[0],
+                    producer_epoch=batch.producer_epoch or 0,
+                    coordinator_epoch=0,
+                    base_offset=batch.base_offset,
+                    timestamp=batch.first_timestamp_ms,
+                )
+            )
+            continue
         events = span.batch.events(span.start)
         rows = [next(events) for _ in range(span.stop - span.start)]
         if not rows:
@@ -572,6 +650,8 @@ async def _fetch_once(
                 waits.append((info.stream_id, p, end))
                 continue
             try:
+                # Up to the last stable offset for read_committed, aborted batches and
+                # markers included: the client drops what the aborted list names.
                 result = await api.read(
                     tenant,
                     info.stream_id,
@@ -579,6 +659,7 @@ async def _fetch_once(
                     min(wanted.partition_max_bytes, budget - size),
                     partition=p,
                     isolation=isolation,
+                    kafka=True,
                 )
             except InvalidOffset:
                 entry["error_code"] = ErrorCode.offset_out_of_range
@@ -589,7 +670,18 @@ async def _fetch_once(
             data = records_of(result)
             entry["records"] = data
             size += len(data)
-            if not data:  # only transaction markers or aborted batches up to the end
+            if isolation == READ_COMMITTED and result.spans:
+                entry["aborted_transactions"] = [
+                    {"producer_id": aborted.producer_id, "first_offset": aborted.first_offset}
+                    for aborted in api.aborted_transactions(
+                        tenant,
+                        info.stream_id,
+                        p,
+                        result.spans[0].batch.base_offset,
+                        result.end_offset,
+                    )
+                ]
+            if not data:
                 waits.append((info.stream_id, p, end))
         topics.append({"topic": topic.topic, "partitions": partitions})
     answer = {

@@ -1,0 +1,457 @@
+"""Kafka record batches (v2) as headwater stores them: the bytes of a produced batch
+from its CRC to its end, verbatim, compressed or not (docs/storage-format.md, "Kafka
+form"). The Kafka CRC-32C covers exactly the bytes after it, so it stays valid; a fetch
+puts back the 17 bytes before it (base offset, batch length, partition leader epoch,
+magic), which the broker rewrites anyway.
+
+The stored section, big-endian as Kafka has it::
+
+    0  crc                uint32  CRC-32C of bytes [4, end)
+    4  attributes         int16   bits 0-2 codec, 3 LogAppendTime, 4 transactional,
+                                  5 control
+    6  last offset delta  int32
+   10  base timestamp     int64
+   18  max timestamp      int64
+   26  producer id        int64
+   34  producer epoch     int16
+   36  base sequence      int32
+   40  records count      int32
+   44  records (compressed as a whole when the codec is not none)
+
+This module is the one place that reads records out of such a section: the log checks
+a produced section once (:func:`check_section`, a walk over the records that builds no
+objects) and every reader that wants events rather than Kafka bytes decodes it with
+:func:`decode_section`. The protocol module (``protocols.kafka.records``) builds on the
+same decompression and record parsing.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import cramjam
+import lz4.frame
+import zstandard
+from crc32c import crc32c
+
+SECTION_HEADER = struct.Struct(">Ihiqqqhii")
+SECTION_HEADER_SIZE = SECTION_HEADER.size  # 44
+PREFIX = struct.Struct(">qiib")  # base offset, batch length, leader epoch, magic
+PREFIX_SIZE = PREFIX.size  # 17: where the section starts in a Kafka batch
+LENGTH_AFTER = 12  # Kafka's batch length counts the bytes after base offset and itself
+MAGIC = 2
+ATTR_CODEC = 0x07
+ATTR_LOG_APPEND_TIME = 0x08
+ATTR_TRANSACTIONAL = 0x10
+ATTR_CONTROL = 0x20
+_ATTRIBUTES_AT = 4
+_MAX_TIMESTAMP_AT = 18
+_I16 = struct.Struct(">h")
+_I64 = struct.Struct(">q")
+_U32 = struct.Struct(">I")
+
+CODEC_NAMES = {1: "GZIP", 2: "SNAPPY", 3: "LZ4", 4: "ZSTD"}
+
+
+class KafkaRecordsError(ValueError):
+    """Records that cannot be read. ``reason``: ``corrupt`` (bad bytes), ``too_large``
+    (they inflate past the bound) or ``codec`` (an unknown compression codec)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _corrupt(message: str) -> KafkaRecordsError:
+    return KafkaRecordsError("corrupt", message)
+
+
+@dataclass(frozen=True, slots=True)
+class SectionHeader:
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    base_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    records_count: int
+
+    @property
+    def log_append_time(self) -> bool:
+        return bool(self.attributes & ATTR_LOG_APPEND_TIME)
+
+    @property
+    def first_timestamp(self) -> int:
+        """The first record's timestamp as a reader sees it (with LogAppendTime every
+        record has the batch's max timestamp)."""
+        return self.max_timestamp if self.log_append_time else self.base_timestamp
+
+
+def section_header(section: bytes | bytearray | memoryview) -> SectionHeader:
+    if len(section) < SECTION_HEADER_SIZE:
+        raise _corrupt(f"a Kafka batch section of {len(section)} bytes has no header")
+    return SectionHeader(*SECTION_HEADER.unpack_from(section))
+
+
+def fetch_prefix(base_offset: int, section_length: int, leader_epoch: int = 0) -> bytes:
+    """The 17 bytes a stored section needs before it to be a whole Kafka batch."""
+    return PREFIX.pack(base_offset, PREFIX_SIZE - LENGTH_AFTER + section_length, leader_epoch, 2)
+
+
+def stamp_log_append_time(section: bytes | bytearray | memoryview, now_ms: int) -> bytes:
+    """``section`` as a LogAppendTime topic stores it: the attribute set, the max
+    timestamp the broker's clock, the CRC recomputed (Kafka's broker does the same)."""
+    stamped = bytearray(section)
+    (attributes,) = _I16.unpack_from(stamped, _ATTRIBUTES_AT)
+    _I16.pack_into(stamped, _ATTRIBUTES_AT, attributes | ATTR_LOG_APPEND_TIME)
+    _I64.pack_into(stamped, _MAX_TIMESTAMP_AT, now_ms)
+    _U32.pack_into(stamped, 0, crc32c(memoryview(stamped)[4:]))
+    return bytes(stamped)
+
+
+def check_section(section: bytes | memoryview, max_decompressed: int) -> SectionHeader:
+    """What Kafka's log validator checks of a produced batch, from the CRC on: the
+    CRC-32C, at least one record, a known codec, the records decompressing within
+    ``max_decompressed`` to exactly ``records_count`` well-formed records with offset
+    deltas 0..n-1 and ``last_offset_delta`` n-1. Nothing is decoded into objects: a
+    stored section always decodes (:func:`decode_section`)."""
+    header = section_header(section)
+    actual = crc32c(memoryview(section)[4:])
+    if actual != header.crc:
+        raise _corrupt(
+            f"record batch CRC-32C is {actual:#010x}, its header says {header.crc:#010x}"
+        )
+    count = header.records_count
+    if count <= 0:
+        raise KafkaRecordsError("invalid", "record batch has no records")
+    if header.last_offset_delta != count - 1:
+        raise KafkaRecordsError(
+            "invalid", f"last offset delta {header.last_offset_delta} for {count} records"
+        )
+    body = decompress(
+        header.attributes & ATTR_CODEC, memoryview(section)[SECTION_HEADER_SIZE:], max_decompressed
+    )
+    walk_records(body, count)
+    return header
+
+
+StoredHeaders = tuple[tuple[bytes, bytes], ...]
+
+
+def decode_section(
+    section: bytes | memoryview,
+) -> tuple[list[int], list[bytes | None], list[bytes | None], list[StoredHeaders]]:
+    """A stored section's records as columns (timestamps, keys, values, headers): the
+    timestamps per record (base timestamp + delta, or the max timestamp for
+    LogAppendTime), a null value for a tombstone, header names as UTF-8 bytes and a
+    null header value as empty bytes (headwater's headers have no null)."""
+    header = section_header(section)
+    body = decompress(header.attributes & ATTR_CODEC, memoryview(section)[SECTION_HEADER_SIZE:])
+    deltas, ts_deltas, keys, values, headers = parse_records(body, header.records_count)
+    if header.log_append_time:
+        timestamps = [header.max_timestamp] * len(deltas)
+    else:
+        base = header.base_timestamp
+        timestamps = [base + d for d in ts_deltas]
+    stored_headers = [
+        tuple((name.encode(), value or b"") for name, value in row) if row else ()
+        for row in headers
+    ]
+    return timestamps, keys, values, stored_headers
+
+
+# ---- records ---------------------------------------------------------------------------
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """A zigzag varint (varlong) at ``pos``: (value, position after it)."""
+    byte = buf[pos]
+    pos += 1
+    if byte < 0x80:
+        return (byte >> 1) ^ -(byte & 1), pos
+    raw = byte & 0x7F
+    shift = 7
+    while True:
+        byte = buf[pos]
+        pos += 1
+        raw |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return (raw >> 1) ^ -(raw & 1), pos
+        shift += 7
+        if shift > 63:
+            raise _corrupt("varint longer than 10 bytes")
+
+
+def walk_records(body: bytes, count: int) -> None:
+    """Check ``count`` records' structure in ``body`` (every length within its record,
+    offset deltas 0..n-1, nothing after the last) without building anything: the
+    produce path's one pass over the records."""
+    buf = body
+    end = len(buf)
+    if count < 0 or count > end:  # a record takes at least 7 bytes
+        raise _corrupt(f"{count} records claimed in {end} bytes")
+    varint = _varint
+    pos = 0
+    try:
+        for index in range(count):
+            length, pos = varint(buf, pos)
+            record_end = pos + length
+            if length < 6 or record_end > end:
+                raise _corrupt(f"record length {length} does not fit {end - pos} bytes")
+            _, pos = varint(buf, pos + 1)  # attributes (unused), timestamp delta
+            delta, pos = varint(buf, pos)
+            if delta != index:
+                raise KafkaRecordsError("invalid", "record offset deltas are not 0, 1, 2, ...")
+            for _ in (0, 1):  # key, value
+                size, pos = varint(buf, pos)
+                if size > 0:
+                    pos += size
+            header_count, pos = varint(buf, pos)
+            if header_count < 0 or header_count > record_end - pos:
+                raise _corrupt(f"{header_count} record headers claimed")
+            for _ in range(header_count):
+                size, pos = varint(buf, pos)
+                if size < 0 or pos + size > record_end:
+                    raise _corrupt("record header key runs past its record")
+                buf[pos : pos + size].decode()  # a reader decodes names as UTF-8
+                pos += size
+                size, pos = varint(buf, pos)
+                if size > 0:
+                    pos += size
+                if pos > record_end:
+                    break
+            if pos != record_end:
+                raise _corrupt(f"record of {length} bytes holds {length + pos - record_end}")
+    except IndexError:
+        raise _corrupt("records end inside a record") from None
+    except UnicodeDecodeError:
+        raise _corrupt("record header key is not UTF-8") from None
+    if pos != end:
+        raise _corrupt(f"{end - pos} bytes after the batch's {count} records")
+
+
+def parse_records(
+    body: bytes, count: int
+) -> tuple[
+    list[int],
+    list[int],
+    list[bytes | None],
+    list[bytes | None],
+    list[tuple[tuple[str, bytes | None], ...]],
+]:
+    """``count`` records from a batch's (decompressed) records bytes, as columns:
+    offset deltas, timestamp deltas, keys, values, headers. Every length is checked
+    against the bytes left before it is sliced."""
+    buf = bytes(body)
+    end = len(buf)
+    if count < 0 or count > end:  # a record takes at least 7 bytes
+        raise _corrupt(f"{count} records claimed in {end} bytes")
+    offset_deltas: list[int] = []
+    timestamp_deltas: list[int] = []
+    keys: list[bytes | None] = []
+    values: list[bytes | None] = []
+    all_headers: list[tuple[tuple[str, bytes | None], ...]] = []
+    varint = _varint
+    pos = 0
+    try:
+        for _ in range(count):
+            length, pos = varint(buf, pos)
+            record_end = pos + length
+            if length < 6 or record_end > end:
+                raise _corrupt(f"record length {length} does not fit {end - pos} bytes")
+            pos += 1  # attributes: unused in v2
+            timestamp_delta, pos = varint(buf, pos)
+            offset_delta, pos = varint(buf, pos)
+            size, pos = varint(buf, pos)
+            if size < 0:
+                key = None
+            elif pos + size > record_end:
+                raise _corrupt("record key runs past its record")
+            else:
+                key = buf[pos : pos + size]
+                pos += size
+            size, pos = varint(buf, pos)
+            if size < 0:
+                value = None
+            elif pos + size > record_end:
+                raise _corrupt("record value runs past its record")
+            else:
+                value = buf[pos : pos + size]
+                pos += size
+            header_count, pos = varint(buf, pos)
+            if header_count < 0 or header_count > record_end - pos:
+                raise _corrupt(f"{header_count} record headers claimed")
+            headers: tuple[tuple[str, bytes | None], ...] = ()
+            if header_count:
+                pairs = []
+                for _ in range(header_count):
+                    size, pos = varint(buf, pos)
+                    if size < 0 or pos + size > record_end:
+                        raise _corrupt("record header key runs past its record")
+                    name = buf[pos : pos + size].decode()
+                    pos += size
+                    size, pos = varint(buf, pos)
+                    if size < 0:
+                        header_value = None
+                    elif pos + size > record_end:
+                        raise _corrupt("record header value runs past its record")
+                    else:
+                        header_value = buf[pos : pos + size]
+                        pos += size
+                    pairs.append((name, header_value))
+                headers = tuple(pairs)
+            if pos != record_end:
+                raise _corrupt(f"record of {length} bytes holds {length + pos - record_end}")
+            offset_deltas.append(offset_delta)
+            timestamp_deltas.append(timestamp_delta)
+            keys.append(key)
+            values.append(value)
+            all_headers.append(headers)
+    except IndexError:
+        raise _corrupt("records end inside a record") from None
+    except UnicodeDecodeError:
+        raise _corrupt("record header key is not UTF-8") from None
+    if pos != end:
+        raise _corrupt(f"{end - pos} bytes after the batch's {count} records")
+    return offset_deltas, timestamp_deltas, keys, values, all_headers
+
+
+# ---- decompression ---------------------------------------------------------------------
+
+MAX_DECOMPRESSED = 128 * 1024 * 1024
+"""Default bound on one batch's decompressed records: past it the batch is refused
+before more is inflated, so a small batch cannot claim gigabytes."""
+
+XERIAL_MAGIC = b"\x82SNAPPY\x00"
+XERIAL_HEADER = struct.Struct(">8sii")  # magic, version, compatible version
+_CHUNK = struct.Struct(">i")
+
+
+def _too_large(limit: int) -> KafkaRecordsError:
+    return KafkaRecordsError("too_large", f"records decompress to more than {limit} bytes")
+
+
+def decompress(codec: int, data: bytes | memoryview, max_bytes: int = MAX_DECOMPRESSED) -> bytes:
+    """The records bytes of a batch compressed with ``codec`` (Kafka's numbering: 0 none,
+    1 gzip, 2 snappy, 3 lz4, 4 zstd), never inflating more than ``max_bytes``."""
+    if codec == 0:
+        if memoryview(data).nbytes > max_bytes:
+            raise _too_large(max_bytes)
+        return bytes(data)
+    try:
+        if codec == 1:
+            return _gunzip(data, max_bytes)
+        if codec == 2:
+            return _unsnappy(bytes(data), max_bytes)
+        if codec == 3:
+            return _unlz4(data, max_bytes)
+        if codec == 4:
+            return _unzstd(data, max_bytes)
+    except KafkaRecordsError:
+        raise
+    except (
+        zlib.error,
+        zstandard.ZstdError,
+        cramjam.DecompressionError,
+        RuntimeError,
+        ValueError,
+    ) as exc:
+        # lz4.frame raises RuntimeError on a bad frame
+        raise _corrupt(f"records do not decompress as {CODEC_NAMES[codec]}: {exc}") from None
+    raise KafkaRecordsError("codec", f"unknown codec {codec}")
+
+
+def _gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
+    inflater = zlib.decompressobj(wbits=31)
+    out = inflater.decompress(data, max_bytes + 1)
+    if len(out) > max_bytes:
+        raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("gzip stream ends early")
+    return out
+
+
+def _snappy_block(block: bytes, limit: int) -> bytes:
+    # A raw snappy block starts with its uncompressed length: checked before inflating.
+    length = 0
+    shift = 0
+    for index in range(min(5, len(block))):
+        byte = block[index]
+        length |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+    else:
+        raise _corrupt("snappy block without its length")
+    if length > limit:
+        raise _too_large(limit)
+    return bytes(cramjam.snappy.decompress_raw(block))
+
+
+def _unsnappy(data: bytes, max_bytes: int) -> bytes:
+    if not data.startswith(XERIAL_MAGIC):
+        return _snappy_block(data, max_bytes)  # librdkafka sends one raw block
+    if len(data) < XERIAL_HEADER.size:
+        raise _corrupt("xerial snappy header cut short")
+    out = bytearray()
+    pos = XERIAL_HEADER.size
+    while pos < len(data):
+        if len(data) - pos < _CHUNK.size:
+            raise _corrupt("xerial snappy chunk length cut short")
+        (size,) = _CHUNK.unpack_from(data, pos)
+        pos += _CHUNK.size
+        if size < 0 or size > len(data) - pos:
+            raise _corrupt(f"xerial snappy chunk of {size} bytes")
+        out += _snappy_block(data[pos : pos + size], max_bytes - len(out))
+        pos += size
+    return bytes(out)
+
+
+def _unlz4(data: bytes | memoryview, max_bytes: int) -> bytes:
+    inflater = lz4.frame.LZ4FrameDecompressor()
+    out = bytes(inflater.decompress(bytes(data), max_length=max_bytes + 1))
+    if len(out) > max_bytes:
+        raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("LZ4 frame ends early")
+    return out
+
+
+_ZSTD_MAX_RATIO = 65536
+"""Above zstd's largest expansion of input bytes (a 128 KiB block from a 4-byte RLE
+block is 32,768:1), so a slice of ``remaining // _ZSTD_MAX_RATIO`` bytes cannot inflate
+much past what is left of the limit."""
+
+
+def _unzstd(data: bytes | memoryview, max_bytes: int) -> bytes:
+    # zstandard's one-shot decompress trusts a frame's declared content size (it would
+    # allocate what the frame claims) and its readers do not see a truncated frame, so
+    # the frame is fed to a decompression object in slices sized to what the limit
+    # leaves, and its eof tells a whole frame from a cut one.
+    inflater = zstandard.ZstdDecompressor().decompressobj()
+    out = bytearray()
+    view = memoryview(data)
+    pos, total = 0, view.nbytes
+    while pos < total and not inflater.eof:
+        step = max(64, (max_bytes - len(out)) // _ZSTD_MAX_RATIO)
+        out += inflater.decompress(view[pos : pos + step])
+        pos += step
+        if len(out) > max_bytes:
+            raise _too_large(max_bytes)
+    if not inflater.eof:
+        raise _corrupt("zstd frame ends early")
+    return bytes(out)
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaSection:
+    """A checked produced batch on its way to the log in Kafka form: its bytes from
+    the CRC on, its record count and its max timestamp (the producer's)."""
+
+    section: bytes | memoryview
+    count: int
+    timestamp_ms: int
