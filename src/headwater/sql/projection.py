@@ -225,6 +225,7 @@ def piece_columns(
     position_deltas: list[int] = []
     stamps_us: list[int] = []
     sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
+    stamped: list[tuple[int, list[int]]] = []  # (row, ms) of pieces stamped per event
     sections: list[memoryview] = []
     record_starts: list[np.ndarray] = []
     singles: list[int] = []  # record starts of one-event pieces, not yet in an array
@@ -242,6 +243,9 @@ def piece_columns(
         counts.append(n)
         position_deltas.append(batch.first_position - batch.base_offset)
         stamps_us.append(batch.first_timestamp_ms * 1000)
+        per_event = batch.timestamps()  # a Kafka-form batch: a timestamp per record
+        if per_event is not None:
+            stamped.append((rows, per_event[piece.start : piece.stop]))
         record = batch.value_bounds()
         lo, hi = record[piece.start], record[piece.stop]
         sections.append(batch.values_section()[lo:hi])
@@ -268,6 +272,8 @@ def piece_columns(
         offsets[row : row + len(listed)] = listed
     positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
     stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
+    for row, listed in stamped:
+        stamps[row : row + len(listed)] = np.array(listed, np.int64) * 1000
     longest = int(np.diff(record_bounds).max())
     records = pa.Array.from_buffers(
         pa.binary(),

@@ -1,0 +1,259 @@
+"""Batches stored in Kafka form (docs/storage-format.md): a produced Kafka record batch
+kept verbatim from its CRC on, read back as the same bytes by a Kafka fetch and as
+events (keys, headers, a timestamp per record) by every other reader; damage is found;
+compaction keeps the latest value per key; headwater-form files written before the
+Kafka form existed still read."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+from crc32c import crc32c
+
+from headwater.errors import CorruptBatchError, UsageError
+from headwater.protocols.kafka.records import Compression, Record, build_batch
+from headwater.storage.batch import ATTR_KAFKA, Batch, KafkaBatch
+from headwater.storage.batch import build_batch as build_stored
+from headwater.storage.check import check_partition
+from headwater.storage.kafka_batch import (
+    PREFIX_SIZE,
+    KafkaRecordsError,
+    check_section,
+    fetch_prefix,
+    section_header,
+)
+from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from headwater.storage.segment import segment_name
+
+BASE_TS = 1_700_000_000_000
+RECORDS = [
+    Record(0, 0, b"key-0", b"value-0", (("trace", b"abc"),)),
+    Record(1, 7, None, b"value-1 without a key"),
+    Record(2, 3, b"key-2", None),  # a tombstone
+    Record(3, 20, b"key-3", b"x" * 300, (("a", b"1"), ("b", None))),
+    Record(4, 5, b"key-0", b"value-4 replaces key-0"),
+]
+
+
+def kafka_batch(codec: Compression = Compression.NONE, records: list[Record] = RECORDS) -> bytes:
+    return build_batch(records, base_timestamp=BASE_TS, compression=codec)
+
+
+def open_log(path: Path, **config: object) -> PartitionLog:
+    config.setdefault("sync", SyncPolicy("none"))
+    return PartitionLog.open(path, LogConfig(**config))  # type: ignore[arg-type]
+
+
+def append_kafka(plog: PartitionLog, data: bytes, *, log_append_time: bool = False) -> int:
+    section = data[PREFIX_SIZE:]
+    header = check_section(section, 1 << 20)
+    info = plog.append_encoded(
+        section,
+        header.records_count,
+        first_position=plog.end_offset,
+        timestamp_ms=None if log_append_time else header.max_timestamp,
+        kafka=True,
+    )
+    return info.base_offset
+
+
+@pytest.mark.parametrize("codec", list(Compression))
+def test_a_kafka_batch_is_stored_and_read_back_byte_for_byte(
+    tmp_path: Path, codec: Compression
+) -> None:
+    plog = open_log(tmp_path)
+    plog.append([b"headwater-form"], first_position=0, timestamp_ms=1)
+    data = kafka_batch(codec)
+    assert append_kafka(plog, data) == 1
+    result = plog.read(1, kafka=True)
+    [span] = result.spans
+    assert isinstance(span.batch, KafkaBatch) and span.batch.buffer[9] & ATTR_KAFKA
+    section = span.batch.kafka_section
+    assert bytes(section) == data[PREFIX_SIZE:]
+    # The prefix put back is Kafka's: the stored offset, the batch length, magic 2.
+    fetched = fetch_prefix(span.batch.base_offset, len(section)) + bytes(section)
+    assert (
+        fetched[8:]
+        == build_batch(
+            RECORDS,
+            base_offset=1,
+            base_timestamp=BASE_TS,
+            compression=codec,
+            partition_leader_epoch=0,
+        )[8:]
+    )
+    assert struct.unpack_from(">q", fetched)[0] == 1
+    # A fetch never decodes the records.
+    assert span.batch._decoded is None
+    plog.close()
+
+
+@pytest.mark.parametrize("codec", [Compression.NONE, Compression.ZSTD])
+def test_other_readers_see_events_with_keys_headers_and_record_timestamps(
+    tmp_path: Path, codec: Compression
+) -> None:
+    plog = open_log(tmp_path)
+    append_kafka(plog, kafka_batch(codec))
+    events = list(plog.events(0))
+    assert [e.offset for e in events] == [0, 1, 2, 3, 4]
+    assert [e.position for e in events] == [0, 1, 2, 3, 4]
+    assert [e.key for e in events] == [r.key for r in RECORDS]
+    assert [e.value for e in events] == [r.value or b"" for r in RECORDS]
+    assert [e.tombstone for e in events] == [False, False, True, False, False]
+    assert [e.timestamp_ms for e in events] == [BASE_TS + r.timestamp_delta for r in RECORDS]
+    assert events[0].headers == ((b"trace", b"abc"),)
+    assert events[3].headers == ((b"a", b"1"), (b"b", b""))
+    # A read cut by bytes (a Kimberlite reader's) cuts the decoded values.
+    cut = plog.read(1, max_bytes=30)
+    assert [e.value for e in cut.events()] == [b"value-1 without a key", b""]
+    assert bytes(cut.values_chunks()[0]) == b"".join(
+        struct.pack("<Q", len(v)) + v for v in (b"value-1 without a key", b"")
+    )
+    [span] = plog.read(0).spans
+    assert span.batch.timestamps() == [BASE_TS + r.timestamp_delta for r in RECORDS]
+    plog.close()
+
+
+def test_log_append_time_is_stamped_into_the_batch_with_its_crc(tmp_path: Path) -> None:
+    plog = open_log(tmp_path)
+    append_kafka(plog, kafka_batch(Compression.GZIP), log_append_time=True)
+    [span] = plog.read(0, kafka=True).spans
+    header = check_section(span.batch.kafka_section, 1 << 20)  # the CRC holds
+    assert header.log_append_time and header.max_timestamp > BASE_TS
+    assert header.base_timestamp == BASE_TS  # Kafka keeps the producer's base
+    events = list(plog.events(0))
+    assert {e.timestamp_ms for e in events} == {header.max_timestamp}
+    assert span.batch.first_timestamp_ms == span.batch.max_timestamp_ms == header.max_timestamp
+    plog.close()
+
+
+def test_a_kafka_form_batch_survives_a_reopen(tmp_path: Path) -> None:
+    plog = open_log(tmp_path)
+    data = kafka_batch(Compression.LZ4)
+    append_kafka(plog, data)
+    plog.close()
+    plog = open_log(tmp_path)
+    [span] = plog.read(0, kafka=True).spans
+    assert bytes(span.batch.kafka_section) == data[PREFIX_SIZE:]
+    assert plog.end_offset == len(RECORDS)
+    plog.close()
+
+
+def test_damage_in_a_stored_kafka_batch_is_found_by_check_and_on_read(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, segment_bytes=600)
+    for _ in range(3):  # three segments: the first two sealed
+        append_kafka(plog, kafka_batch())
+    assert len(plog.segments) == 3
+    plog.close()
+    assert not check_partition(tmp_path).damaged
+    log_file = tmp_path / segment_name(0, ".log")
+    data = bytearray(log_file.read_bytes())
+    data[200] ^= 0x01  # a byte of a record's value, inside the Kafka section
+    log_file.write_bytes(bytes(data))
+    report = check_partition(tmp_path)
+    assert report.damaged
+    assert "CRC" in " ".join(report.segments[0].problems)
+    plog = open_log(tmp_path)
+    with pytest.raises(CorruptBatchError):
+        plog.read(0, kafka=True)
+    with pytest.raises(CorruptBatchError):
+        list(plog.events(0))
+    assert [e.offset for e in plog.events(5)][:1] == [5]  # the next segment still reads
+    plog.close()
+
+
+def test_a_section_that_disagrees_with_its_header_is_corrupt() -> None:
+    plog_bytes = bytearray(
+        _stored_batch(kafka_batch())  # a whole stored batch, then its count changed
+    )
+    struct.pack_into("<I", plog_bytes, 12, 4)
+    struct.pack_into("<I", plog_bytes, 4, crc32c(bytes(plog_bytes[8:])))
+    with pytest.raises(CorruptBatchError, match="holds 5 records"):
+        Batch(memoryview(bytes(plog_bytes)))
+
+
+def _stored_batch(data: bytes) -> bytes:
+    return build_stored(
+        data[PREFIX_SIZE:],
+        len(RECORDS),
+        base_offset=0,
+        first_position=0,
+        timestamp_ms=BASE_TS,
+        kafka=True,
+    )
+
+
+def test_kafka_form_carries_no_sections_of_its_own() -> None:
+    with pytest.raises(UsageError):
+        build_stored(
+            kafka_batch()[PREFIX_SIZE:],
+            5,
+            base_offset=0,
+            first_position=0,
+            timestamp_ms=0,
+            keys=[b"k"] * 5,
+            kafka=True,
+        )
+
+
+def test_the_produce_check_refuses_what_kafka_refuses() -> None:
+    good = kafka_batch()[PREFIX_SIZE:]
+    check_section(good, 1 << 20)
+    flipped = bytearray(good)
+    flipped[-1] ^= 1
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(bytes(flipped), 1 << 20)
+    assert raised.value.reason == "corrupt"
+    gapped = build_batch(
+        [Record(0, 0, None, b"a"), Record(2, 0, None, b"b")], base_timestamp=BASE_TS
+    )
+    # last offset delta 2 for two records: refused before the records are walked
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(gapped[PREFIX_SIZE:], 1 << 20)
+    assert raised.value.reason == "invalid"
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(kafka_batch(Compression.GZIP)[PREFIX_SIZE:], 100)
+    assert raised.value.reason == "too_large"
+    assert section_header(good).records_count == len(RECORDS)
+
+
+def test_compaction_keeps_the_latest_value_per_key_of_kafka_batches(tmp_path: Path) -> None:
+    plog = open_log(tmp_path, segment_bytes=700, cleanup_policy="compact")
+    append_kafka(plog, kafka_batch())  # offsets 0-4: key-0 at 0 and 4
+    append_kafka(plog, kafka_batch(records=[Record(0, 9, b"key-3", b"newer key-3")]))  # 5
+    plog.roll()
+    append_kafka(plog, kafka_batch(records=[Record(0, 0, None, b"tail")]))
+    result = plog.compact(now_ms=BASE_TS)
+    assert result.events_removed == 2  # key-0 at 0, key-3 at 3
+    events = [(e.offset, e.key, e.value, e.timestamp_ms) for e in plog.events(0)]
+    assert events[:4] == [
+        (1, None, b"value-1 without a key", BASE_TS),  # a compacted batch: one timestamp
+        (2, b"key-2", b"", BASE_TS),
+        (4, b"key-0", b"value-4 replaces key-0", BASE_TS),
+        (5, b"key-3", b"newer key-3", BASE_TS + 9),  # kept whole: still Kafka form
+    ]
+    plog.close()
+
+
+# A segment written before the Kafka form existed (headwater's form, keys and headers):
+# the same bytes read as they always did.
+# Written by headwater's batch.py as of c94dc5c~1.
+OLD_BATCH = bytes.fromhex(
+    "72000000dfc41a030103000002000000000000000000000000806e8774010000"
+    "00806e87740100000000000000000000140000000c0000001200000000000000"
+    "020000000000000076300200000000000000763101020000006b300000000000"
+    "010000000100000068010000003100000000"
+)
+
+
+def test_a_segment_of_the_previous_format_still_reads(tmp_path: Path) -> None:
+    (tmp_path / segment_name(0, ".log")).write_bytes(OLD_BATCH)
+    plog = open_log(tmp_path)
+    events = list(plog.events(0))
+    assert [(e.offset, e.key, e.value, e.headers, e.timestamp_ms) for e in events] == [
+        (0, b"k0", b"v0", ((b"h", b"1"),), 1_600_000_000_000),
+        (1, None, b"v1", (), 1_600_000_000_000),
+    ]
+    plog.close()
