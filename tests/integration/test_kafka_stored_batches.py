@@ -1,0 +1,264 @@
+"""The Kafka record batch path against a real server (docs/kafka.md, docs/storage-format.md
+"Kafka form"): a batch librdkafka produced (captured in tests/conformance/kafka/) is
+fetched back byte for byte from its CRC on, for every codec, while the HTTP read API
+and SQL see its records as events with keys, headers and a timestamp per record; a
+read_committed Fetch answers as Kafka does: aborted batches, the commit/abort markers as
+control batches and the aborted-transactions list, up to the last stable offset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from kio.schema.fetch.v11.request import FetchPartition, FetchRequest, FetchTopic
+from kio.schema.fetch.v11.response import FetchResponse, PartitionData
+from kio.schema.produce.v10.request import ProduceRequest
+from kio.schema.produce.v10.response import ProduceResponse
+from kio.schema.types import BrokerId, TopicName
+from kio.static.primitive import i8, i32, i64
+from limits_clients import raw_socket
+from servers import LOCAL, Server, serving
+
+from headwater.protocols.kafka import ApiKey
+from headwater.protocols.kafka.connection import Request, ServerConnection
+from headwater.protocols.kafka.frames import decode_response, encode_request
+from headwater.protocols.kafka.records import ControlType, control_type, split_batches
+
+VECTORS = Path(__file__).resolve().parents[1] / "conformance" / "kafka"
+CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+DEADLINE_S = 30.0
+# What the captured batches hold (tests/conformance/kafka_capture.py): key, value,
+# headers, timestamp.
+RECORDS = [
+    (b"key-0", b"value-0", (("trace", b"abc"),), 1_700_000_000_000),
+    (None, b"value-1 without a key", (), 1_700_000_000_001),
+    (b"key-2", None, (), 1_700_000_000_002),
+    (b"key-3", b"x" * 300, (("a", b"1"), ("b", None)), 1_700_000_000_010),
+    (b"key-4", "unicode \u00e9\u4e2d".encode(), (), 1_700_000_000_004),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("kafka-stored"),
+        listen={"kafka": LOCAL, "http": LOCAL},
+        clean_log=True,
+    )
+
+
+def create_topic(server: Server) -> str:
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic(name, num_partitions=1)])[name].result(timeout=DEADLINE_S)
+    return name
+
+
+class RawKafka:
+    """One connection sending kio requests and reading their answers in order."""
+
+    def __init__(self, server: Server) -> None:
+        self.sock = raw_socket(server, "kafka")
+        self.correlation = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _exact(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            assert chunk, "the server closed the connection"
+            data += chunk
+        return bytes(data)
+
+    def call(self, request: Any, api_key: ApiKey, version: int) -> Any:
+        self.correlation += 1
+        self.sock.sendall(encode_request(self.correlation, request))
+        (size,) = struct.unpack(">i", self._exact(4))
+        correlation, response = decode_response(api_key, version, self._exact(size))
+        assert correlation == self.correlation
+        return response
+
+    def fetch(self, topic: str, offset: int, *, read_committed: bool) -> PartitionData:
+        request = FetchRequest(
+            replica_id=BrokerId(-1),
+            max_wait=timedelta(0),
+            min_bytes=i32(0),
+            max_bytes=i32(1 << 20),
+            isolation_level=i8(1 if read_committed else 0),
+            session_id=i32(0),
+            session_epoch=i32(-1),
+            topics=(
+                FetchTopic(
+                    topic=TopicName(topic),
+                    partitions=(
+                        FetchPartition(
+                            partition=i32(0),
+                            current_leader_epoch=i32(-1),
+                            fetch_offset=i64(offset),
+                            log_start_offset=i64(-1),
+                            partition_max_bytes=i32(1 << 20),
+                        ),
+                    ),
+                ),
+            ),
+            forgotten_topics_data=(),
+            rack_id="",
+        )
+        response = self.call(request, ApiKey.FETCH, 11)
+        assert isinstance(response, FetchResponse)
+        [topic_answer] = response.responses
+        [partition] = topic_answer.partitions
+        assert partition.error_code == 0, partition
+        return partition
+
+
+def captured_produce(codec: str, topic: str) -> tuple[ProduceRequest, bytes]:
+    """librdkafka's Produce v10 of RECORDS with ``codec``, sent to ``topic`` instead,
+    and the batch in it."""
+    [event] = ServerConnection().receive_data(
+        (VECTORS / f"librdkafka-2.16.0-produce-v10-{codec}.bin").read_bytes()
+    )
+    assert isinstance(event, Request) and isinstance(event.request, ProduceRequest)
+    request = event.request
+    [data] = request.topic_data
+    assert data.partition_data[0].records is not None
+    batch = bytes(data.partition_data[0].records)
+    retargeted = dataclasses.replace(
+        request, topic_data=(dataclasses.replace(data, name=TopicName(topic)),)
+    )
+    return retargeted, batch
+
+
+def http(server: Server, path: str, body: Any = None) -> Any:
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as answer:
+        return json.loads(answer.read())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_produced_batch_is_fetched_back_byte_for_byte(server: Server, codec: str) -> None:
+    topic = create_topic(server)
+    request, produced = captured_produce(codec, topic)
+    kafka = RawKafka(server)
+    try:
+        for expected_base in (0, len(RECORDS)):  # the second lands at offset 5
+            response = kafka.call(request, ApiKey.PRODUCE, 10)
+            assert isinstance(response, ProduceResponse)
+            [answer] = response.responses[0].partition_responses
+            assert (answer.error_code, answer.base_offset) == (0, expected_base)
+        fetched = kafka.fetch(topic, len(RECORDS), read_committed=False)
+    finally:
+        kafka.close()
+    assert fetched.high_watermark == 2 * len(RECORDS)
+    assert fetched.records is not None
+    data = bytes(fetched.records)
+    # Kafka's prefix (base offset 5, the length, leader epoch 0, magic 2), then the
+    # producer's bytes from its CRC on, untouched: compressed as it came.
+    assert data[17:] == produced[17:]
+    assert struct.unpack_from(">qiib", data) == (len(RECORDS), len(produced) - 12, 0, 2)
+    [batch] = split_batches(data)
+    batch.check_crc()
+
+    # Every other reader: the records as events, with keys, headers and each record's
+    # own timestamp.
+    read = http(server, f"/api/streams/{topic}/events?from={len(RECORDS)}&limit=100")
+    events = read["events"]
+    assert [e["offset"] for e in events] == list(range(len(RECORDS), 2 * len(RECORDS)))
+    assert [e.get("key") for e in events] == [
+        None if key is None else key.decode() for key, _, _, _ in RECORDS
+    ]
+    assert [e["timestamp_ms"] for e in events] == [ts for _, _, _, ts in RECORDS]
+    assert [bool(e.get("tombstone")) for e in events] == [v is None for _, v, _, _ in RECORDS]
+    assert [[(h["name"], h["value"]) for h in e.get("headers", [])] for e in events] == [
+        [(name, (value or b"").decode()) for name, value in headers] for _, _, headers, _ in RECORDS
+    ]
+    rows = http(
+        server,
+        "/api/sql",
+        {"sql": f'SELECT "offset", epoch_ms(ts) FROM {topic} ORDER BY "offset"'},
+    )["rows"]
+    assert rows == [[i, RECORDS[i % len(RECORDS)][3]] for i in range(2 * len(RECORDS))]
+
+
+def test_read_committed_fetch_lists_aborted_transactions_and_markers(server: Server) -> None:
+    topic = create_topic(server)
+    config = {
+        "bootstrap.servers": server.address_of("kafka"),
+        "transactional.id": "tx_" + uuid.uuid4().hex[:8],
+        "compression.type": "zstd",
+    }
+    producer = Producer(config)
+    producer.init_transactions(DEADLINE_S)
+    for value, commit in ((b"committed", True), (b"aborted", False)):
+        producer.begin_transaction()
+        producer.produce(topic, value, key=b"k")
+        producer.flush(DEADLINE_S)
+        if commit:
+            producer.commit_transaction(DEADLINE_S)
+        else:
+            producer.abort_transaction(DEADLINE_S)
+    producer.begin_transaction()
+    producer.produce(topic, b"open")
+    producer.flush(DEADLINE_S)  # stored, its transaction still open
+
+    kafka = RawKafka(server)
+    try:
+        committed = kafka.fetch(topic, 0, read_committed=True)
+        uncommitted = kafka.fetch(topic, 0, read_committed=False)
+        producer.commit_transaction(DEADLINE_S)
+        after = kafka.fetch(topic, 0, read_committed=True)
+    finally:
+        kafka.close()
+
+    # Offsets: 0 committed, 1 its commit marker, 2 aborted, 3 its abort marker, 4 open.
+    assert (committed.high_watermark, committed.last_stable_offset) == (5, 4)
+    batches = split_batches(bytes(committed.records or b""))
+    assert [b.header.base_offset for b in batches] == [0, 1, 2, 3]
+    assert [b.header.is_control for b in batches] == [False, True, False, True]
+    assert [control_type(b) for b in batches if b.header.is_control] == [
+        ControlType.COMMIT,
+        ControlType.ABORT,
+    ]
+    assert [b.records().values for b in batches if not b.header.is_control] == [
+        [b"committed"],
+        [b"aborted"],
+    ]
+    producer_id = batches[0].header.producer_id
+    assert [(a.producer_id, a.first_offset) for a in committed.aborted_transactions] == [
+        (producer_id, 2)
+    ]
+    # read_uncommitted: up to the end, the open transaction's batch too, and no list.
+    assert [b.header.base_offset for b in split_batches(bytes(uncommitted.records or b""))] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert not uncommitted.aborted_transactions
+    # Once committed, the last stable offset moves past its marker.
+    assert (after.high_watermark, after.last_stable_offset) == (6, 6)
+    assert [b.header.base_offset for b in split_batches(bytes(after.records or b""))] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
