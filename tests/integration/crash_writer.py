@@ -4,9 +4,11 @@ Usage::
 
     python crash_writer.py DATA_DIR MODE RUN SEED [MAX_SECONDS]
 
-MODE is ``plain`` (a stream with the delete policy) or ``compact`` (a compacted stream
-with keys from a small key space, plus a task that runs compaction over and over, so a
-kill often lands in the middle of one). RUN numbers the restarts of one test so each
+MODE is ``plain`` (a stream with the delete policy), ``kafka`` (the same appends as
+Kafka record batches stored in Kafka form, each codec in turn, as the Kafka listener
+stores a Produce) or ``compact`` (a compacted stream with keys from a small key space,
+plus a task that runs compaction over and over, so a kill often lands in the middle of
+one). RUN numbers the restarts of one test so each
 run's values differ; SEED makes every value reproducible.
 
 Output on stdout, one flushed line each:
@@ -35,12 +37,13 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 SEGMENT_BYTES = 64 << 10
 MAX_BATCH_VALUE_BYTES = 40 << 10  # keeps every batch well under one segment
 APPENDERS = 3
 KEY_SPACE = 24
-STREAM_NAMES = {"plain": "events", "compact": "table"}
+STREAM_NAMES = {"plain": "events", "kafka": "produced", "compact": "table"}
 
 MAGIC = b"HWCR"
 IDENT = struct.Struct("<4sIIII")  # magic, run, seq, index, payload length
@@ -146,9 +149,12 @@ async def run_writer(data_dir: Path, mode: str, run: int, seed: int, max_seconds
             seq = next_seq
             next_seq += 1
             spec = batch_spec(seed, mode, run, seq)
-            info = await engine.append(
-                0, stream.stream_id, spec.values, keys=spec.keys, tombstones=spec.tombstones
-            )
+            if mode == "kafka":
+                info = await append_kafka(engine, stream.stream_id, spec.values, seq)
+            else:
+                info = await engine.append(
+                    0, stream.stream_id, spec.values, keys=spec.keys, tombstones=spec.tombstones
+                )
             emit(f"ACK {info.base_offset} {info.count} {run} {seq}")
 
     async def maintenance() -> None:
@@ -168,6 +174,28 @@ async def run_writer(data_dir: Path, mode: str, run: int, seed: int, max_seconds
     finally:
         await engine.close()
     emit("DONE")
+
+
+async def append_kafka(engine: Any, stream_id: int, values: tuple[bytes, ...], seq: int) -> Any:
+    """``values`` as one Kafka record batch (codec by ``seq``), stored in Kafka form."""
+    from headwater.protocols.kafka.records import Compression, Record, build_batch
+    from headwater.storage.kafka_batch import PREFIX_SIZE, check_section
+
+    records = [Record(i, i, None, value) for i, value in enumerate(values)]
+    now = int(time.time() * 1000)
+    section = build_batch(records, base_timestamp=now, compression=Compression(seq % 5))[
+        PREFIX_SIZE:
+    ]
+    header = check_section(section, 1 << 20)
+    return await engine.append_encoded(
+        0,
+        stream_id,
+        section,
+        len(values),
+        value_bytes=len(section),
+        timestamp_ms=header.max_timestamp,
+        kafka=True,
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -61,10 +61,11 @@ def _load_writer() -> ModuleType:
 
 cw = _load_writer()
 
-KILLS_PER_MODE = 22  # two modes: 44 SIGKILLs in all
+KILLS_PER_MODE = 22  # three modes: 66 SIGKILLs in all
 # When each kill lands (besides two runs that just write): see provoke().
 SCHEDULES = {
     "plain": ["startup"] * 5 + ["roll"] * 7 + ["acks"] * 8,
+    "kafka": ["startup"] * 5 + ["roll"] * 7 + ["acks"] * 8,
     "compact": ["startup"] * 4 + ["roll"] * 5 + ["acks"] * 3 + ["compaction"] * 5 + ["rewrite"] * 3,
 }
 CHILD_MAX_SECONDS = 60  # a child left alone stops by itself
@@ -248,7 +249,7 @@ def verify_stream(
         assert event.offset - index == base, f"{where}: not at offset {base} + {index}"
         served[event.offset] = (run, seq, index)
         prev_offset, prev_position, prev_run = event.offset, event.position, run
-    if mode == "plain":
+    if mode in ("plain", "kafka"):
         # No append is served in part: a batch is whole or absent.
         counts = Counter((run, seq) for run, seq, _ in served.values())
         for (run, seq), count in counts.items():
@@ -279,7 +280,7 @@ def verify_stream(
             f"(latest served for that key: {last_key_offset.get(key)})"
         )
         compacted_away += 1
-    if mode == "plain":
+    if mode in ("plain", "kafka"):
         offsets = [e.offset for e in events]
         assert offsets == list(range(len(offsets))), f"{context}: offsets not contiguous"
     return {"served": len(events), "acknowledged": len(expected), "compacted": compacted_away}
@@ -421,6 +422,17 @@ def crash_loop(tmp_path: Path, seed: int, mode: str) -> tuple[Counter[str], list
 @pytest.mark.timeout(240)
 def test_sigkill_loop_plain_stream(tmp_path: Path, seed: int) -> None:
     stats, acks = crash_loop(tmp_path, seed, "plain")
+    assert stats["kills"] == KILLS_PER_MODE
+    assert len(acks) > KILLS_PER_MODE
+    assert stats["kills right after a roll"] >= 3, stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkill_loop_kafka_form_stream(tmp_path: Path, seed: int) -> None:
+    # Kafka record batches of every codec, stored in Kafka form as a Produce stores
+    # them: recovery keeps exactly the whole acknowledged batches.
+    stats, acks = crash_loop(tmp_path, seed, "kafka")
     assert stats["kills"] == KILLS_PER_MODE
     assert len(acks) > KILLS_PER_MODE
     assert stats["kills right after a roll"] >= 3, stats
