@@ -282,7 +282,11 @@ class TaskPerRequestConnection(asyncio.Protocol):
     def _end(self, event: Reject[Any] | Close) -> None:
         """The peer broke the protocol: one warning line, then a Reject's last word is
         sent before closing, a Close closes at once."""
-        log.warning("%s %s: closing: %s", self.guard.listener, self.guard.peer, event.reason)
+        # On the front end's own logger (headwater.kimberlite...), as its other lines.
+        listener = self.guard.listener
+        logging.getLogger(f"headwater.{listener}").warning(
+            "%s %s: closing: %s", listener, self.guard.peer, event.reason
+        )
         if isinstance(event, Reject):
             self._write(event.data)
             self.close()
