@@ -1,9 +1,9 @@
 """Options of the ``headwater`` Spark format, parsed without Spark.
 
 Offsets follow Spark's Kafka source: ``earliest``, ``latest`` or JSON such as
-``{"trades": {"0": 10}}`` where -2 means earliest and -1 latest. A stream is one partition
-("0") in this version of the protocol. Offsets that Spark checkpoints are plain JSON with
-streams in sorted order, because Spark compares offsets as JSON text.
+``{"trades": {"0": 10, "1": 4}}`` (stream, then partition) where -2 means earliest and -1
+latest. Offsets that Spark checkpoints are plain JSON with streams in name order and
+partitions in number order, because Spark compares offsets as JSON text.
 """
 
 from __future__ import annotations
@@ -11,16 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from headwater.client.aio import DEFAULT_SERVER, parse_server
 from headwater.errors import UsageError
 
 EARLIEST = -2
 LATEST = -1
-PARTITION = "0"  # a stream is one ordered log (one partition) in this protocol version
+READ_COMMITTED = "read_committed"
+READ_UNCOMMITTED = "read_uncommitted"
+ISOLATION_LEVELS = (READ_COMMITTED, READ_UNCOMMITTED)
 _NAME = re.compile(r"^[A-Za-z0-9_]{1,256}$")
 VALUE_FORMATS = ("raw", "json", "csv")
 
@@ -116,41 +118,68 @@ class ConnectionOptions:
         )
 
 
-def parse_offsets(text: str | None, streams: list[str], name: str, default: int) -> dict[str, int]:
-    """``earliest``/``latest``/Kafka JSON -> {stream: offset or EARLIEST/LATEST}."""
+@dataclass(frozen=True)
+class OffsetSpec:
+    """Where reading starts (or ends) in each partition of one stream: the offset named
+    for a partition, else ``default`` (EARLIEST or LATEST). A partition the stream does
+    not have is refused when the read is planned (:meth:`check`)."""
+
+    default: int
+    partitions: Mapping[int, int] = field(default_factory=dict)
+
+    def at(self, partition: int) -> int:
+        return self.partitions.get(partition, self.default)
+
+    def check(self, stream: str, partitions: int, name: str) -> None:
+        missing = sorted(p for p in self.partitions if p >= partitions)
+        if missing:
+            raise UsageError(
+                f"option {name} names partition {missing[0]} of stream {stream}, which has "
+                f"{partitions} (0..{partitions - 1})"
+            )
+
+
+def parse_offsets(
+    text: str | None, streams: list[str], name: str, default: int
+) -> dict[str, OffsetSpec]:
+    """``earliest``/``latest``/Kafka JSON -> {stream: OffsetSpec}; a partition the JSON
+    does not name gets ``default``."""
     if text is None:
-        return dict.fromkeys(streams, default)
+        return {s: OffsetSpec(default) for s in streams}
     stripped = str(text).strip()
     if stripped == "earliest":
-        return dict.fromkeys(streams, EARLIEST)
+        return {s: OffsetSpec(EARLIEST) for s in streams}
     if stripped == "latest":
-        return dict.fromkeys(streams, LATEST)
+        return {s: OffsetSpec(LATEST) for s in streams}
     try:
         data = json.loads(stripped)
     except ValueError:
         raise UsageError(
             f"option {name} must be earliest, latest or JSON like "
-            f'{{"{streams[0]}": {{"0": 10}}}}, not {text!r}'
+            f'{{"{streams[0]}": {{"0": 10, "1": -2}}}}, not {text!r}'
         ) from None
     if not isinstance(data, dict):
         raise UsageError(f"option {name}: JSON must be an object of streams, not {text!r}")
     unknown = sorted(set(data) - set(streams))
     if unknown:
         raise UsageError(f"option {name} names streams that are not read: {', '.join(unknown)}")
-    result = dict.fromkeys(streams, default)
+    result = {s: OffsetSpec(default) for s in streams}
     for stream, partitions in data.items():
         if not isinstance(partitions, dict):
             raise UsageError(f'option {name}: {stream} needs partitions, e.g. {{"0": 10}}')
+        named: dict[int, int] = {}
         for partition, offset in partitions.items():
-            if partition != PARTITION:
+            if not (isinstance(partition, str) and partition.isdigit()):
                 raise UsageError(
-                    f"option {name}: stream {stream} has one partition, '0', not {partition!r}"
+                    f'option {name}: partitions of {stream} are numbers like "0", not {partition!r}'
                 )
             if not isinstance(offset, int) or isinstance(offset, bool) or offset < EARLIEST:
                 raise UsageError(
-                    f"option {name}: offset of {stream} must be an integer >= -2, not {offset!r}"
+                    f"option {name}: offset of {stream} partition {partition} must be an "
+                    f"integer >= -2, not {offset!r}"
                 )
-            result[stream] = offset
+            named[int(partition)] = offset
+        result[stream] = OffsetSpec(default, named)
     return result
 
 
@@ -158,14 +187,15 @@ def parse_offsets(text: str | None, streams: list[str], name: str, default: int)
 class ReadOptions:
     connection: ConnectionOptions
     streams: tuple[str, ...]
-    starting: dict[str, int]
-    ending: dict[str, int]
+    starting: dict[str, OffsetSpec]
+    ending: dict[str, OffsetSpec]
     max_offsets_per_trigger: int | None
     fail_on_data_loss: bool
     include_headers: bool
     value_format: str
     value_schema: str | None
     split: int
+    isolation: str = READ_COMMITTED
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> ReadOptions:
@@ -185,8 +215,17 @@ class ReadOptions:
         if value_format != "raw" and not value_schema:
             raise UsageError(f"valueFormat {value_format} needs a schema option (Spark DDL)")
         ending = parse_offsets(lowered.get("endingoffsets"), streams, "endingOffsets", LATEST)
-        if any(v == EARLIEST for v in ending.values()):
+        if any(
+            spec.default == EARLIEST or EARLIEST in spec.partitions.values()
+            for spec in ending.values()
+        ):
             raise UsageError("option endingOffsets cannot be earliest (-2)")
+        isolation = lowered.get("isolation", READ_COMMITTED).strip().lower()
+        if isolation not in ISOLATION_LEVELS:
+            raise UsageError(
+                f"option isolation must be {READ_COMMITTED} or {READ_UNCOMMITTED}, "
+                f"not {lowered['isolation']!r}"
+            )
         return cls(
             connection=ConnectionOptions.parse(lowered),
             streams=tuple(streams),
@@ -200,6 +239,7 @@ class ReadOptions:
             value_format=value_format,
             value_schema=value_schema,
             split=_positive(lowered, "maxoffsetsperpartition") or DEFAULT_SPLIT,
+            isolation=isolation,
         )
 
     def schema_ddl(self) -> str:
@@ -233,41 +273,57 @@ class WriteOptions:
         )
 
 
-def offsets_json(offsets: Mapping[str, int]) -> dict[str, dict[str, int]]:
-    """Spark offset dict with a stable key order (Spark compares offsets as JSON text)."""
-    return {stream: {PARTITION: int(offsets[stream])} for stream in sorted(offsets)}
+Offsets = dict[str, dict[int, int]]  # stream -> partition -> offset
 
 
-def offsets_from_json(data: Mapping[str, object]) -> dict[str, int]:
-    result: dict[str, int] = {}
+def offsets_json(offsets: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str, int]]:
+    """Spark offset dict with a stable key order (Spark compares offsets as JSON text):
+    streams by name, partitions by number."""
+    return {
+        stream: {str(p): int(offsets[stream][p]) for p in sorted(offsets[stream])}
+        for stream in sorted(offsets)
+    }
+
+
+def offsets_from_json(data: Mapping[str, object]) -> Offsets:
+    result: Offsets = {}
     for stream, partitions in data.items():
-        if not isinstance(partitions, dict) or PARTITION not in partitions:
-            raise UsageError(f"checkpointed offset of {stream} is not {{'0': offset}}")
-        result[stream] = int(partitions[PARTITION])
+        if not isinstance(partitions, dict) or not all(
+            isinstance(p, str) and p.isdigit() for p in partitions
+        ):
+            raise UsageError(
+                f"checkpointed offset of {stream} is not {{partition: offset}}: {partitions!r}"
+            )
+        result[stream] = {int(p): int(o) for p, o in partitions.items()}
     return result
 
 
+_K = TypeVar("_K", bound=Hashable)
+
+
 def limit_offsets(
-    start: Mapping[str, int], latest: Mapping[str, int], max_rows: int | None
-) -> dict[str, int]:
+    start: Mapping[_K, int], latest: Mapping[_K, int], max_rows: int | None
+) -> dict[_K, int]:
     """Admission control: at most ``max_rows`` offsets past ``start`` in all, shared out in
-    proportion to what each stream has waiting (like Kafka's maxOffsetsPerTrigger)."""
-    ends = {s: max(latest[s], start.get(s, 0)) for s in latest}
+    proportion to what each (stream, partition) has waiting (like Kafka's
+    maxOffsetsPerTrigger)."""
+    ends = {k: max(latest[k], start.get(k, 0)) for k in latest}
     if max_rows is None:
         return ends
-    waiting = {s: ends[s] - start.get(s, 0) for s in ends}
+    waiting = {k: ends[k] - start.get(k, 0) for k in ends}
     total = sum(waiting.values())
     if total <= max_rows:
         return ends
-    result: dict[str, int] = {}
+    result: dict[_K, int] = {}
     left = max_rows
-    for stream in sorted(ends):
-        share = min(waiting[stream], waiting[stream] * max_rows // total)
-        result[stream] = start.get(stream, 0) + share
+    order = sorted(ends, key=repr)
+    for key in order:
+        share = min(waiting[key], waiting[key] * max_rows // total)
+        result[key] = start.get(key, 0) + share
         left -= share
-    for stream in sorted(ends):  # hand out what rounding down kept back, in name order
-        extra = min(left, ends[stream] - result[stream])
-        result[stream] += extra
+    for key in order:  # hand out what rounding down kept back, in key order
+        extra = min(left, ends[key] - result[key])
+        result[key] += extra
         left -= extra
     return result
 

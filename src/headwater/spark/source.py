@@ -54,6 +54,7 @@ from .options import (
     LATEST,
     ConnectionOptions,
     DataLossError,
+    Offsets,
     ReadOptions,
     WriteOptions,
     limit_offsets,
@@ -62,11 +63,12 @@ from .options import (
     split_range,
 )
 from .streams import (
-    IdempotentAppender,
+    TIMESTAMP_TYPE_LOG_APPEND,
+    PartitionedAppender,
     RangeReader,
-    check_write_columns,
+    check_write_schema,
     open_client,
-    stream_bounds,
+    stream_partitions,
 )
 
 FORMAT = "headwater"
@@ -168,7 +170,7 @@ def _micro_batch(options: Any) -> tuple[str, int] | None:
 
 
 def _prepare_write(options: WriteOptions, schema: StructType) -> None:
-    check_write_columns(schema.fieldNames())
+    check_write_schema(_arrow_schema(schema))
     if not options.create:
         return
     with open_client(options.connection) as client, contextlib.suppress(StreamAlreadyExists):
@@ -177,9 +179,17 @@ def _prepare_write(options: WriteOptions, schema: StructType) -> None:
 
 @dataclass(frozen=True)
 class OffsetRange(InputPartition):
+    """Offsets [start, end) of one partition of a stream: one Spark partition (a long
+    range is split into several, maxOffsetsPerPartition)."""
+
     stream: str
+    partition: int
     start: int
     end: int
+    timestamp_type: int = TIMESTAMP_TYPE_LOG_APPEND
+    # A partition the stream gained after the query started is read from its first
+    # stored offset, as Spark's Kafka source does: what retention removed is no loss.
+    from_first_stored: bool = False
 
 
 def _arrow_schema(schema: StructType) -> pa.Schema:
@@ -192,21 +202,42 @@ def _read(options: ReadOptions, schema: StructType, part: OffsetRange) -> Iterat
         part.stream,
         part.start,
         part.end,
-        options.fail_on_data_loss,
+        options.fail_on_data_loss and not part.from_first_stored,
         options.value_format,
         _arrow_schema(schema),
+        partition=part.partition,
+        isolation=options.isolation,
+        timestamp_type=part.timestamp_type,
     )
     return reader.batches()
 
 
-def _resolve(spec: int, start: int, end: int, stream: str, name: str) -> int:
+def _resolve(spec: int, start: int, end: int, where: str, name: str) -> int:
     if spec == EARLIEST:
         return start
     if spec == LATEST:
         return end
     if spec > end:
-        raise UsageError(f"{name} offset {spec} of {stream} is past its end ({end})")
+        raise UsageError(f"{name} offset {spec} of {where} is past its end ({end})")
     return spec
+
+
+def _where(stream: str, partition: int) -> str:
+    return f"stream {stream} partition {partition}"
+
+
+Key = tuple[str, int]  # (stream, partition)
+
+
+def _flat(offsets: Offsets) -> dict[Key, int]:
+    return {(s, p): o for s, parts in offsets.items() for p, o in parts.items()}
+
+
+def _nested(flat: dict[Key, int]) -> Offsets:
+    out: Offsets = {}
+    for (stream, partition), offset in flat.items():
+        out.setdefault(stream, {})[partition] = offset
+    return out
 
 
 class HeadwaterBatchReader(DataSourceReader):
@@ -215,23 +246,41 @@ class HeadwaterBatchReader(DataSourceReader):
         self.schema = schema
 
     def partitions(self) -> Sequence[InputPartition]:
+        """One or more Spark partitions per stream partition (as Spark's Kafka source),
+        so the partitions are read in parallel."""
         parts: list[InputPartition] = []
-        with open_client(self.options.connection) as client:
-            for stream in self.options.streams:
-                bounds = stream_bounds(client, stream)
-                start = _resolve(
-                    self.options.starting[stream], bounds.start, bounds.end, stream, "start"
-                )
-                end = _resolve(self.options.ending[stream], bounds.start, bounds.end, stream, "end")
-                if start < bounds.start:
-                    if self.options.fail_on_data_loss:
-                        raise DataLossError(
-                            f"stream {stream}: offsets {start}..{bounds.start - 1} were removed "
-                            "by retention; set failOnDataLoss=false to skip them"
-                        )
-                    start = bounds.start
-                for a, b in split_range(start, end, self.options.split):
-                    parts.append(OffsetRange(stream, a, b))
+        options = self.options
+        with open_client(options.connection) as client:
+            for stream in options.streams:
+                found = stream_partitions(client, stream, options.isolation)
+                count = len(found.bounds)
+                options.starting[stream].check(stream, count, "startingOffsets")
+                options.ending[stream].check(stream, count, "endingOffsets")
+                for partition, bounds in enumerate(found.bounds):
+                    where = _where(stream, partition)
+                    start = _resolve(
+                        options.starting[stream].at(partition),
+                        bounds.start,
+                        bounds.end,
+                        where,
+                        "startingOffsets",
+                    )
+                    end = _resolve(
+                        options.ending[stream].at(partition),
+                        bounds.start,
+                        bounds.end,
+                        where,
+                        "endingOffsets",
+                    )
+                    if start < bounds.start:
+                        if options.fail_on_data_loss:
+                            raise DataLossError(
+                                f"{where}: offsets {start}..{bounds.start - 1} were removed "
+                                "by retention; set failOnDataLoss=false to skip them"
+                            )
+                        start = bounds.start
+                    for a, b in split_range(start, end, options.split):
+                        parts.append(OffsetRange(stream, partition, a, b, found.timestamp_type))
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -357,41 +406,50 @@ class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailabl
 
 
 class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Micro-batch reads. The driver-side client is made on first use and never pickled."""
+    """Micro-batch reads; offsets are ``{stream: {partition: offset}}`` as Spark's Kafka
+    source keeps them. The driver-side client is made on first use and never pickled."""
 
     def __init__(self, options: ReadOptions, schema: StructType) -> None:
         self.options = options
         self.schema = schema
         self._client: Any = None
-        self._target: dict[str, int] | None = None  # Trigger.AvailableNow: ends fixed at start
-        self._initial: dict[str, int] | None = None  # the starting offsets, resolved once
+        self._target: dict[Key, int] | None = None  # Trigger.AvailableNow: ends fixed at start
+        self._initial: dict[Key, int] | None = None  # the starting offsets, resolved once
+        self._timestamp_types: dict[str, int] = {}
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = {s: b for s, (_, b) in self._bounds().items()}
+        self._target = {k: b for k, (_, b) in self._bounds().items()}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_client"] = None
         return state
 
-    def _bounds(self) -> dict[str, tuple[int, int]]:
+    def _bounds(self) -> dict[Key, tuple[int, int]]:
+        """(first stored, end) of every partition of every stream read."""
         if self._client is None or self._client.closed:
             self._client = open_client(self.options.connection)
-        result = {}
+        result: dict[Key, tuple[int, int]] = {}
         for stream in self.options.streams:
-            b = stream_bounds(self._client, stream)
-            result[stream] = (b.start, b.end)
+            found = stream_partitions(self._client, stream, self.options.isolation)
+            self._timestamp_types[stream] = found.timestamp_type
+            for partition, b in enumerate(found.bounds):
+                result[(stream, partition)] = (b.start, b.end)
         return result
 
     def initialOffset(self) -> dict[str, Any]:
         # Spark asks at every trigger until the first batch is in its log, and again when
         # that batch runs: "latest" is resolved once, or an append in between is skipped.
         if self._initial is None:
+            bounds = self._bounds()
+            for stream in self.options.streams:
+                count = sum(1 for s, _ in bounds if s == stream)
+                self.options.starting[stream].check(stream, count, "startingOffsets")
             self._initial = {
-                s: _resolve(self.options.starting[s], a, b, s, "start")
-                for s, (a, b) in self._bounds().items()
+                (s, p): _resolve(self.options.starting[s].at(p), a, b, _where(s, p), "start")
+                for (s, p), (a, b) in bounds.items()
             }
-        return offsets_json(self._initial)
+        return offsets_json(_nested(self._initial))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_offsets_per_trigger is None:
@@ -400,41 +458,48 @@ class HeadwaterStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         bounds = self._bounds()
-        begin = self._checked_start(offsets_from_json(start), bounds)
+        begin = self._checked_start(_flat(offsets_from_json(start)), bounds)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        latest = {s: b for s, (_, b) in bounds.items()}
+        latest = {k: b for k, (_, b) in bounds.items()}
         if self._target is not None:
-            latest = {s: min(b, self._target[s]) for s, b in latest.items()}
-        return offsets_json(limit_offsets(begin, latest, max_rows))
+            # A partition gained since AvailableNow started is not waited for.
+            latest = {k: min(b, self._target.get(k, begin[k])) for k, b in latest.items()}
+        return offsets_json(_nested(limit_offsets(begin, latest, max_rows)))
 
     def reportLatestOffset(self) -> dict[str, Any]:
-        return offsets_json({s: b for s, (_, b) in self._bounds().items()})
+        return offsets_json(_nested({k: b for k, (_, b) in self._bounds().items()}))
 
     def _checked_start(
-        self, start: dict[str, int], bounds: dict[str, tuple[int, int]]
-    ) -> dict[str, int]:
-        """Where reading really starts: past what retention removed, or DataLossError."""
+        self, start: dict[Key, int], bounds: dict[Key, tuple[int, int]]
+    ) -> dict[Key, int]:
+        """Where reading really starts in each partition: past what retention removed,
+        or DataLossError; a partition gained since the query started, at its first
+        stored offset."""
         begin = {}
-        for stream, (first, _) in bounds.items():
-            offset = start.get(stream, first)
+        for key, (first, _) in bounds.items():
+            offset = start.get(key, first)
             if offset < first:
                 if self.options.fail_on_data_loss:
                     raise DataLossError(
-                        f"stream {stream}: offsets {offset}..{first - 1} were removed by "
+                        f"{_where(*key)}: offsets {offset}..{first - 1} were removed by "
                         "retention before the query read them; set failOnDataLoss=false "
                         "to skip them"
                     )
                 offset = first
-            begin[stream] = offset
+            begin[key] = offset
         return begin
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        begin, stop = offsets_from_json(start), offsets_from_json(end)
+        begin, stop = _flat(offsets_from_json(start)), _flat(offsets_from_json(end))
+        if not self._timestamp_types:
+            self._bounds()
         parts: list[InputPartition] = []
-        for stream in self.options.streams:
-            a, b = begin.get(stream, stop.get(stream, 0)), stop.get(stream, 0)
-            for lo, hi in split_range(a, b, self.options.split):
-                parts.append(OffsetRange(stream, lo, hi))
+        for key in sorted(stop):
+            stream, partition = key
+            new = key not in begin  # gained since the batch before: from its first offset
+            kind = self._timestamp_types.get(stream, TIMESTAMP_TYPE_LOG_APPEND)
+            for lo, hi in split_range(begin.get(key, 0), stop[key], self.options.split):
+                parts.append(OffsetRange(stream, partition, lo, hi, kind, new))
         return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -472,7 +537,7 @@ class HeadwaterBatchWriter(DataSourceArrowWriter):
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AppendCommit:
         partition, _ = _task_partition()
-        appender = IdempotentAppender(
+        appender = PartitionedAppender(
             self.options.connection, self.options.stream, self.job, partition
         )
         result = appender.append(iterator)
@@ -496,7 +561,7 @@ class HeadwaterStreamWriter(DataSourceStreamArrowWriter):
     def write(self, iterator: Iterator[pa.RecordBatch]) -> AppendCommit:
         partition, query_id, batch_id = _streaming_task()
         job = f"{query_id}/{batch_id}"
-        appender = IdempotentAppender(self.options.connection, self.options.stream, job, partition)
+        appender = PartitionedAppender(self.options.connection, self.options.stream, job, partition)
         result = appender.append(iterator)
         return AppendCommit(partition, result.events, result.appends)
 

@@ -1,36 +1,46 @@
-"""What executors and the driver do against the server: bounds of a stream, reading an
-offset range as Arrow record batches, and idempotent appends.
+"""What executors and the driver do against the server: the partitions of a stream and
+their bounds, reading an offset range of one partition as Arrow record batches, and
+idempotent appends placed by partition.
 
-Runs wherever Spark puts it: each call opens its own connection with the blocking SDK.
+Runs wherever Spark puts it: each call opens its own connection with the blocking SDK
+(and its keep-alive connection to the server's HTTP API, found through the Handshake).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
-from headwater.client.aio import split_events
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
+from headwater.engine.partitioner import murmur2_batch
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
-from headwater.protocols.kimberlite.messages import EventBatch, http_port
+from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, EventBatch, http_port
 
-from .options import ConnectionOptions, DataLossError
+from .options import READ_COMMITTED, ConnectionOptions, DataLossError, producer_id
 
 log = logging.getLogger(__name__)
 
 READ_BYTES = 8 << 20
+TIMESTAMP_TYPE_CREATE = 0  # Kafka's CreateTime: the producer's timestamp
 TIMESTAMP_TYPE_LOG_APPEND = 1  # Kafka's LogAppendTime: the server stamps each batch
 SEQUENCES_PER_PRODUCER = 32  # the server remembers the last 64 sequences of a producer
+APPEND_ROWS = 10_000  # the server's limit of events per append
+# A partition's gathered rows are sent at the end of an input batch once they reach
+# either (else they wait for more): keyed rows of one input batch spread over every
+# partition, and an append per partition per batch would be a few hundred rows each.
+EAGER_ROWS = 2_000
+EAGER_BYTES = 1 << 20
 
 
 def open_client(conn: ConnectionOptions) -> Client:
@@ -48,6 +58,7 @@ class Bounds:
 
 
 def stream_bounds(client: Client, stream: str) -> Bounds:
+    """Partition 0's bounds over Kimberlite alone (for a server without the HTTP API)."""
     try:
         end = client.stream_info(stream).next_offset
     except StreamNotFound:
@@ -55,6 +66,43 @@ def stream_bounds(client: Client, stream: str) -> Bounds:
     first = client.query(f'SELECT min("offset") FROM {_quote(stream)}').scalar()
     start = end if first is None else int(str(first))
     return Bounds(min(start, end), end)
+
+
+@dataclass(frozen=True)
+class StreamPartitions:
+    """A stream's partitions as a reader plans them: each one's bounds (its end is the
+    last stable offset under read_committed, the committed end under read_uncommitted)
+    and Kafka's timestamp type of the stream."""
+
+    bounds: tuple[Bounds, ...]
+    timestamp_type: int = TIMESTAMP_TYPE_LOG_APPEND
+    over_http: bool = True  # False: Kimberlite only, which knows partition 0 alone
+
+
+def stream_partitions(client: Client, stream: str, isolation: str) -> StreamPartitions:
+    """Every partition of ``stream`` from the server's HTTP API; a server without it is
+    read over Kimberlite, partition 0 only (a warning says so)."""
+    try:
+        api = client.http_api()
+    except ServerUnavailable as exc:
+        log.warning("%s; reading partition 0 of %s over Kimberlite only", exc, stream)
+        return StreamPartitions((stream_bounds(client, stream),), over_http=False)
+    with api:
+        try:
+            info = api.stream(stream)
+        except StreamNotFound:
+            raise UsageError(f"stream {stream} does not exist on {client.address}") from None
+        except ServerUnavailable as exc:
+            log.warning("%s; reading partition 0 of %s over Kimberlite only", exc, stream)
+            return StreamPartitions((stream_bounds(client, stream),), over_http=False)
+    end_key = "last_stable_offset" if isolation == READ_COMMITTED else "next_offset"
+    bounds = tuple(
+        Bounds(int(p["start_offset"]), int(p[end_key])) for p in info["partition_offsets"]
+    )
+    create_time = info["settings"].get("timestamp_type", "CreateTime") == "CreateTime"
+    return StreamPartitions(
+        bounds, TIMESTAMP_TYPE_CREATE if create_time else TIMESTAMP_TYPE_LOG_APPEND
+    )
 
 
 # Each (position - offset, timestamp) group is normally one run of consecutive offsets
@@ -165,7 +213,8 @@ ROW_SCHEMA = pa.schema(
 
 @dataclass(frozen=True)
 class RangeReader:
-    """Reads offsets [start, end) of one stream into record batches of ``schema``."""
+    """Reads offsets [start, end) of one partition of a stream into record batches of
+    ``schema``."""
 
     conn: ConnectionOptions
     stream: str
@@ -174,11 +223,15 @@ class RangeReader:
     fail_on_data_loss: bool
     value_format: str
     schema: Any  # pa.Schema of the Spark columns
+    partition: int = 0
+    isolation: str = READ_COMMITTED
+    timestamp_type: int = TIMESTAMP_TYPE_LOG_APPEND
 
     def batches(self, *, via_http: bool = True) -> Iterator[pa.RecordBatch]:
         """The range's rows. Columnar from the server's HTTP API when the Handshake
-        advertises it (no work per event on either side), else (or when that API cannot
-        be reached) pages of ReadEvents over the Kimberlite connection."""
+        advertises it (the partition's records with keys and headers, no work per event
+        on either side), else (or when that API cannot be reached) pages of ReadEvents
+        over the Kimberlite connection, which knows partition 0 and no keys."""
         with open_client(self.conn) as client:
             if via_http and http_port(client.capabilities) is not None:
                 yielded = False
@@ -188,44 +241,69 @@ class RangeReader:
                         yield batch
                     return
                 except ServerUnavailable as exc:
-                    if yielded:
+                    if yielded or self.partition != 0:
                         raise
                     log.warning("%s; reading over Kimberlite instead", exc)
+            if self.partition != 0:
+                raise ServerUnavailable(
+                    f"partition {self.partition} of {self.stream} is read over the server's "
+                    "HTTP API, which it does not advertise"
+                )
             yield from self._batches(client, self.start)
 
     def _http_batches(self, client: Client) -> Iterator[pa.RecordBatch]:
         offset = self.start
         while offset < self.end:
             try:
-                for part in client.read_arrow(self.stream, offset, self.end):
+                for part in client.read_arrow(
+                    self.stream,
+                    offset,
+                    self.end,
+                    partition=self.partition,
+                    records=True,
+                    isolation=self.isolation,
+                ):
                     if part.num_rows:
-                        offsets, position, stamps, values = part.columns
-                        yield self._record_batch(offsets, values, position, stamps)
+                        offsets, position, stamps, values, keys, headers = part.columns
+                        yield self._record_batch(offsets, values, position, stamps, keys, headers)
                         offset = offsets[-1].as_py() + 1
+                # The server answers every record of the range that the isolation shows;
+                # markers and aborted transactions leave gaps at its end, a partition
+                # that ends before it (deleted and made again, say) is data loss.
+                if offset < self.end:
+                    bounds = stream_partitions(client, self.stream, self.isolation).bounds
+                    end = bounds[self.partition].end if self.partition < len(bounds) else 0
+                    if end < self.end:
+                        raise DataLossError(
+                            f"stream {self.stream} partition {self.partition} ends at {end}, "
+                            f"before offset {self.end} that was planned"
+                        )
+                return
             except InvalidOffset as exc:
                 offset = self._after_data_loss(client, offset, exc)
-                continue
             except StreamNotFound:
                 raise DataLossError(f"stream {self.stream} was deleted while read") from None
-            if offset < self.end:
-                raise DataLossError(
-                    f"stream {self.stream} ends at {offset}, before offset {self.end} that "
-                    "was planned"
-                )
 
     def _after_data_loss(self, client: Client, offset: int, exc: InvalidOffset) -> int:
-        """Where reading resumes after retention removed ``offset``: the stream's new
+        """Where reading resumes after retention removed ``offset``: the partition's new
         start, or DataLossError when failOnDataLoss."""
-        bounds = stream_bounds(client, self.stream)
-        if bounds.start <= offset:
+        if self.partition == 0 and http_port(client.capabilities) is None:
+            start = stream_bounds(client, self.stream).start
+        else:
+            start = (
+                stream_partitions(client, self.stream, self.isolation).bounds[self.partition].start
+            )
+        if start <= offset:
             raise exc
         if self.fail_on_data_loss:
+            where = f"stream {self.stream}" + (
+                f" partition {self.partition}" if self.partition else ""
+            )
             raise DataLossError(
-                f"stream {self.stream}: offsets {offset}..{bounds.start - 1} were "
-                f"removed by retention before they were read ({exc}); set "
-                "failOnDataLoss=false to skip them"
+                f"{where}: offsets {offset}..{start - 1} were removed by retention before "
+                f"they were read ({exc}); set failOnDataLoss=false to skip them"
             ) from None
-        return bounds.start
+        return start
 
     def _batches(self, client: Client, offset: int) -> Iterator[pa.RecordBatch]:
         meta: _Metadata | None = None
@@ -264,22 +342,26 @@ class RangeReader:
         return client.submit(client.aio.read_batch(self.stream, offset, READ_BYTES))
 
     def _record_batch(
-        self, offsets: pa.Array, values: pa.Array, position: pa.Array, stamps: pa.Array
+        self,
+        offsets: pa.Array,
+        values: pa.Array,
+        position: pa.Array,
+        stamps: pa.Array,
+        keys: pa.Array | None = None,
+        headers: pa.Array | None = None,
     ) -> pa.RecordBatch:
-        """Spark's columns for consecutive events: their offsets, values, log positions
-        and timestamps (µs, int64 or timestamp)."""
+        """Spark's columns for events of the partition: their offsets, values, log
+        positions, timestamps (µs, int64 or timestamp), keys and headers (None: none)."""
         count = len(values)
         columns: dict[str, pa.Array] = {
-            "key": pa.nulls(count, pa.binary()),
+            "key": pa.nulls(count, pa.binary()) if keys is None else keys,
             "stream": pa.repeat(pa.scalar(self.stream, pa.string()), count),
-            "partition": pa.repeat(pa.scalar(0, pa.int32()), count),
+            "partition": pa.repeat(pa.scalar(self.partition, pa.int32()), count),
             "offset": offsets,
             "timestamp": stamps.cast(pa.timestamp("us", tz="UTC")),
-            "timestampType": pa.repeat(pa.scalar(TIMESTAMP_TYPE_LOG_APPEND, pa.int32()), count),
+            "timestampType": pa.repeat(pa.scalar(self.timestamp_type, pa.int32()), count),
             "position": position,
-            "headers": pa.nulls(
-                count, pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
-            ),
+            "headers": pa.nulls(count, _HEADERS_TYPE) if headers is None else headers,
         }
         if self.value_format == "raw":
             columns["value"] = values
@@ -335,61 +417,213 @@ class WriteResult:
     appends: int = 0
 
 
-def _values(batch: pa.RecordBatch) -> list[bytes]:
-    column = batch.column("value")
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = column.cast(pa.binary())
-    if not (pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)):
-        raise UsageError(f"column value must be STRING or BINARY, not {column.type}")
-    if column.null_count:
-        raise UsageError("column value has nulls: every event needs a value")
-    values: list[bytes] = column.to_pylist()
-    return values
+WRITE_COLUMNS = ("value", "key", "headers", "partition")
 
 
-def check_write_columns(names: Sequence[str]) -> None:
+def check_write_schema(schema: pa.Schema) -> None:
+    """Refuse, before any task runs, columns the sink cannot write: ``value`` (STRING or
+    BINARY) is required; ``key`` (STRING or BINARY), ``headers`` (ARRAY<STRUCT<key
+    STRING, value BINARY>>) and ``partition`` (an integer) are optional; other columns
+    are not written (as Spark's Kafka sink)."""
+    names = schema.names
     if "value" not in names:
         raise UsageError(
             "writing to a headwater stream needs a column named value (STRING or BINARY); "
             f"the columns are {', '.join(names)}"
         )
-    carried = [n for n in ("key", "headers") if n in names]
-    if carried:
-        raise UsageError(
-            f"column(s) {', '.join(carried)}: the Kimberlite protocol stores event values "
-            "only; select the value column (and encode keys or headers into it)"
-        )
+    for name in ("value", "key"):
+        if name in names and not _is_bytes(schema.field(name).type):
+            kind = schema.field(name).type
+            raise UsageError(f"column {name} must be STRING or BINARY, not {kind}")
+    if "partition" in names and not pa.types.is_integer(schema.field("partition").type):
+        kind = schema.field("partition").type
+        raise UsageError(f"column partition must be an integer, not {kind}")
+    if "headers" in names:
+        kind = schema.field("headers").type
+        if not (
+            pa.types.is_list(kind)
+            and pa.types.is_struct(kind.value_type)
+            and [f.name for f in kind.value_type] == ["key", "value"]
+            and pa.types.is_string(kind.value_type.field("key").type)
+            and _is_bytes(kind.value_type.field("value").type)
+        ):
+            raise UsageError(
+                f"column headers must be ARRAY<STRUCT<key: STRING, value: BINARY>>, not {kind}"
+            )
 
 
-class IdempotentAppender:
-    """Appends a task's rows so that running the task again appends nothing new.
+def _is_bytes(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+    )
 
-    Producer ids come from ``(job, partition, chunk // SEQUENCES_PER_PRODUCER)`` and the
-    sequence is the chunk's place within its producer, so a retry sends the same
-    (producer, sequence) pairs and the server answers them from its producer table.
+
+def _write_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The columns an append carries, as the HTTP API takes them: ``value`` and ``key``
+    binary, ``headers`` as stored."""
+    check_write_schema(batch.schema)
+    value = batch.column("value").cast(pa.binary())
+    if value.null_count:
+        raise UsageError("column value has nulls: every event needs a value")
+    columns = {"value": value}
+    # Kept when all NULL too: every batch of a task has the same columns (the server
+    # stores a batch without keys or headers when they are all NULL).
+    if "key" in batch.schema.names:
+        columns["key"] = batch.column("key").cast(pa.binary())
+    if "headers" in batch.schema.names:
+        columns["headers"] = batch.column("headers").cast(_HEADERS_TYPE)
+    return pa.RecordBatch.from_pydict(columns)
+
+
+def place(batch: pa.RecordBatch, partitions: int, sticky: int) -> np.ndarray:
+    """The stream partition of each row, as the engine's partitioner places events: the
+    row's ``partition`` when set (it must exist), else Kafka's ``murmur2(key)`` modulo the
+    count when it has a key, else ``sticky`` (one partition for the whole batch, which
+    the caller rotates batch by batch: a rerun of the task places every row again where
+    it went the first time, which exactly-once needs)."""
+    rows = batch.num_rows
+    target = np.full(rows, sticky, np.int64)
+    names = batch.schema.names
+    if "key" in names:
+        key = batch.column("key").cast(pa.binary())
+        if key.null_count < rows:
+            keyed = np.flatnonzero(pc.is_valid(key).to_numpy(zero_copy_only=False))
+            hashes = murmur2_batch(key.take(pa.array(keyed)).to_pylist())
+            target[keyed] = (hashes & 0x7FFFFFFF).astype(np.int64) % partitions
+    if "partition" in names:
+        explicit = batch.column("partition")
+        if explicit.null_count < rows:
+            named = np.flatnonzero(pc.is_valid(explicit).to_numpy(zero_copy_only=False))
+            chosen = explicit.take(pa.array(named)).to_numpy(zero_copy_only=False).astype(np.int64)
+            bad = chosen[(chosen < 0) | (chosen >= partitions)]
+            if len(bad):
+                raise UsageError(
+                    f"column partition: partition {int(bad[0])} does not exist; the stream has "
+                    f"{partitions} (0..{partitions - 1})"
+                )
+            target[named] = chosen
+    return target
+
+
+@dataclass
+class _Pending:
+    """Rows waiting for one stream partition, sent as one append once a full one is
+    gathered (or at the end of the task)."""
+
+    batches: list[pa.RecordBatch] = field(default_factory=list)
+    rows: int = 0
+    size: int = 0
+
+
+class PartitionedAppender:
+    """Appends a task's rows to the stream's partitions so that running the task again
+    appends nothing new.
+
+    Each row goes to its partition (:func:`place`); each partition's rows are gathered
+    into appends of at most 10,000 rows and 4 MiB of values and keys (sent at the end of
+    an input batch once 2,000 rows or 1 MiB are gathered), one Arrow batch per append
+    (``POST /api/streams/{name}/arrow``). The n-th append to stream partition p is sent
+    by producer ``(job, task partition, p, n // SEQUENCES_PER_PRODUCER)`` with sequence
+    ``n % SEQUENCES_PER_PRODUCER``, so a rerun sends the same (producer, sequence) pairs
+    with the same rows, and the server answers them from the partition's
+    producer table instead of appending.
     """
 
     def __init__(self, conn: ConnectionOptions, stream: str, job: str, partition: int) -> None:
         self.conn = conn
         self.stream = stream
         self.job = job
-        self.partition = partition
+        self.partition = partition  # the Spark task's
 
     def append(self, batches: Iterator[pa.RecordBatch]) -> WriteResult:
-        from .options import producer_id
-
         result = WriteResult()
-        chunk = 0
-        with open_client(self.conn) as client:
+        with open_client(self.conn) as client, client.http_api() as api:
+            try:
+                partitions = int(api.stream(self.stream)["partitions"])
+            except StreamNotFound:
+                raise UsageError(f"stream {self.stream} does not exist on {api.address}") from None
+            pending = [_Pending() for _ in range(partitions)]
+            appended = [0] * partitions  # appends sent to each stream partition
+            sticky = self.partition % partitions
+
+            def flush(p: int) -> None:
+                rows = pending[p]
+                if not rows.batches:
+                    return
+                whole = pa.concat_batches(rows.batches)
+                group, sequence = divmod(appended[p], SEQUENCES_PER_PRODUCER)
+                producer = producer_id(self.job, self.partition, p, group)
+                answer = api.append_arrow(
+                    self.stream, whole, partition=p, producer=(producer, sequence)
+                )
+                result.events += int(answer["count"])
+                result.appends += 1
+                appended[p] += 1
+                pending[p] = _Pending()
+
             for batch in batches:
                 if batch.num_rows == 0:
                     continue
-                check_write_columns(batch.schema.names)
-                for events in split_events(_values(batch)):
-                    group, sequence = divmod(chunk, SEQUENCES_PER_PRODUCER)
-                    producer = producer_id(self.job, self.partition, group)
-                    _, count = client.append_idempotent(self.stream, producer, sequence, events)
-                    result.events += count
-                    result.appends += 1
-                    chunk += 1
+                target = place(batch, partitions, sticky)
+                sticky = (sticky + 1) % partitions
+                rows = _write_batch(batch)
+                if (target == target[0]).all():
+                    groups = [(int(target[0]), rows)]
+                else:
+                    order = np.argsort(target, kind="stable")  # keeps each partition's order
+                    ordered = rows.take(pa.array(order))
+                    cuts = np.flatnonzero(np.diff(target[order])) + 1
+                    starts = [0, *cuts.tolist()]
+                    ends = [*cuts.tolist(), len(order)]
+                    groups = [
+                        (int(target[order[a]]), ordered.slice(a, b - a))
+                        for a, b in zip(starts, ends, strict=True)
+                    ]
+                for p, part in groups:
+                    for piece in _append_pieces(part):
+                        size = _size(piece)
+                        waiting = pending[p]
+                        if waiting.rows + piece.num_rows > APPEND_ROWS or (
+                            waiting.size + size > MAX_APPEND_BYTES
+                        ):
+                            flush(p)
+                            waiting = pending[p]
+                        waiting.batches.append(piece)
+                        waiting.rows += piece.num_rows
+                        waiting.size += size
+                # What is gathered goes out with the batch that gathered it, unless it is
+                # small: rows do not wait on the next batch, appends are not tiny.
+                for p, waiting in enumerate(pending):
+                    if waiting.rows >= EAGER_ROWS or waiting.size >= EAGER_BYTES:
+                        flush(p)
+            for p in range(partitions):
+                flush(p)
         return result
+
+
+def _size(batch: pa.RecordBatch) -> int:
+    """Bytes of values and keys: what an append's 4 MiB covers (and then some)."""
+    size = pc.sum(pc.binary_length(batch.column("value"))).as_py() or 0
+    if "key" in batch.schema.names:
+        size += pc.sum(pc.binary_length(batch.column("key"))).as_py() or 0
+    return int(size)
+
+
+def _append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """``batch`` cut where an append would pass 10,000 rows or 4 MiB of values and keys
+    (a single larger event stays alone and the server refuses it clearly)."""
+    lengths = pc.binary_length(batch.column("value")).to_numpy(zero_copy_only=False)
+    if "key" in batch.schema.names:
+        keys = pc.fill_null(pc.binary_length(batch.column("key")), 0)
+        lengths = lengths + keys.to_numpy(zero_copy_only=False)
+    total = np.cumsum(lengths, dtype=np.int64)
+    start = 0
+    while start < batch.num_rows:
+        base = total[start - 1] if start else 0
+        fits = int(np.searchsorted(total, base + MAX_APPEND_BYTES, side="right")) - start
+        count = max(1, min(fits, APPEND_ROWS, batch.num_rows - start))
+        yield batch.slice(start, count)
+        start += count

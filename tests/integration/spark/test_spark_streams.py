@@ -59,7 +59,8 @@ def test_batch_read_schema_values_and_offsets(spark: Any, shared_server: Any, sd
     assert [r.offset for r in rows] == list(range(end))
     assert json.loads(rows[7].value) == {"n": 7, "s": "x7"}
     assert {r.stream for r in rows} == {sdk_stream_name} and {r.partition for r in rows} == {0}
-    assert all(r.timestamp is not None and r.timestampType == 1 for r in rows)
+    # CreateTime (0), the stream's default: the SDK gave no timestamp, the server's clock
+    assert all(r.timestamp is not None and r.timestampType == 0 for r in rows)
     positions = [r.position for r in rows]
     assert positions == sorted(positions) and len(set(positions)) == len(positions)
 
@@ -142,12 +143,21 @@ def test_batch_write_then_read_back(spark: Any, shared_server: Any, sdk_stream_n
     with headwater.connect(shared_server.address) as hw:
         values = _values(hw, sdk_stream_name)
     assert sorted(int(v) for v in values) == list(range(2500))
-    with pytest.raises(Exception, match="stores event values only"):
-        spark.range(3).selectExpr("CAST(id AS STRING) AS value", "'k' AS key").write.format(
-            FMT
-        ).option("server", shared_server.address).option("stream", sdk_stream_name).mode(
-            "append"
-        ).save()
+    for columns, message in (
+        (["CAST(id AS STRING) AS key"], "needs a column named value"),
+        (["id AS value"], "column value must be STRING or BINARY"),
+        (["'v' AS value", "id AS key"], "column key must be STRING or BINARY"),
+        (["'v' AS value", "'p' AS partition"], "column partition must be an integer"),
+        (["'v' AS value", "array('h') AS headers"], "column headers must be ARRAY<STRUCT"),
+        (["'v' AS value", "7 AS partition"], "partition 7 does not exist"),
+        (["CAST(NULL AS STRING) AS value"], "column value has nulls"),
+    ):
+        with pytest.raises(Exception, match=message):
+            spark.range(3).selectExpr(*columns).write.format(FMT).option(
+                "server", shared_server.address
+            ).option("stream", sdk_stream_name).mode("append").save()
+    with headwater.connect(shared_server.address) as hw:
+        assert len(_values(hw, sdk_stream_name)) == 2500  # none of those stored anything
 
 
 def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Callable[..., Any]:

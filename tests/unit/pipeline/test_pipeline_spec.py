@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from headwater.pipeline.spec import PipelineError, load_pipeline, parse_ddl, parse_pipeline
-from headwater.spark.options import limit_offsets, offsets_json, parse_offsets
+from headwater.spark.options import OffsetSpec, limit_offsets, offsets_json, parse_offsets
 
 GOOD = {
     "name": "p",
@@ -219,15 +219,23 @@ def test_bad_yaml_and_missing_file(tmp_path: Path):
 
 def test_offsets_forms_and_admission_control():
     streams = ["a", "b"]
-    assert parse_offsets(None, streams, "startingOffsets", -2) == {"a": -2, "b": -2}
-    assert parse_offsets("latest", streams, "startingOffsets", -2) == {"a": -1, "b": -1}
-    assert parse_offsets('{"b": {"0": 7}}', streams, "startingOffsets", -2) == {"a": -2, "b": 7}
-    with pytest.raises(Exception, match="one partition"):
-        parse_offsets('{"a": {"1": 7}}', streams, "startingOffsets", -2)
+    assert parse_offsets(None, streams, "startingOffsets", -2) == {
+        "a": OffsetSpec(-2),
+        "b": OffsetSpec(-2),
+    }
+    assert parse_offsets("latest", streams, "startingOffsets", -2)["b"] == OffsetSpec(-1)
+    spec = parse_offsets('{"b": {"0": 7, "3": -1}}', streams, "startingOffsets", -2)
+    assert spec["a"] == OffsetSpec(-2)
+    assert [spec["b"].at(p) for p in range(4)] == [7, -2, -2, -1]  # unnamed: the default
+    with pytest.raises(Exception, match="names partition 3 of stream b, which has 2"):
+        spec["b"].check("b", 2, "startingOffsets")
+    with pytest.raises(Exception, match="partitions of a are numbers"):
+        parse_offsets('{"a": {"x": 7}}', streams, "startingOffsets", -2)
     with pytest.raises(Exception, match="not read"):
         parse_offsets('{"c": {"0": 7}}', streams, "startingOffsets", -2)
     # Spark compares offsets as JSON text: stable order whatever the input order.
-    assert list(offsets_json({"b": 1, "a": 2})) == ["a", "b"]
+    assert list(offsets_json({"b": {0: 1}, "a": {0: 2}})) == ["a", "b"]
+    assert list(offsets_json({"a": {10: 1, 2: 5, 0: 3}})["a"]) == ["0", "2", "10"]
     # At most max rows past start, shared by waiting amounts, never past the end.
     assert limit_offsets({"a": 0, "b": 0}, {"a": 300, "b": 100}, 100) == {"a": 75, "b": 25}
     assert limit_offsets({"a": 0, "b": 0}, {"a": 1, "b": 100}, 10) == {"a": 1, "b": 9}
