@@ -187,9 +187,11 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def walk_records(body: bytes, count: int) -> None:
-    """Check ``count`` records' structure in ``body`` (every length within its record,
-    offset deltas 0..n-1, nothing after the last) without building anything: the
-    produce path's one pass over the records."""
+    """Check ``count`` records' structure in ``body`` exactly as :func:`parse_records`
+    would (every length within its record, offset deltas 0..n-1, header names UTF-8,
+    nothing after the last) without building anything: the produce path's one pass
+    over the records. One-byte varints, nearly every field of a record, are read
+    inline: a call per field would cost as much as decoding."""
     buf = body
     end = len(buf)
     if count < 0 or count > end:  # a record takes at least 7 bytes
@@ -198,19 +200,48 @@ def walk_records(body: bytes, count: int) -> None:
     pos = 0
     try:
         for index in range(count):
-            length, pos = varint(buf, pos)
+            byte = buf[pos]
+            if byte < 0x80:
+                length = (byte >> 1) ^ -(byte & 1)
+                pos += 1
+            elif buf[pos + 1] < 0x80:  # two bytes: records of 64 to 8,191 bytes
+                raw = (byte & 0x7F) | (buf[pos + 1] << 7)
+                length = (raw >> 1) ^ -(raw & 1)
+                pos += 2
+            else:
+                length, pos = varint(buf, pos)
             record_end = pos + length
             if length < 6 or record_end > end:
                 raise _corrupt(f"record length {length} does not fit {end - pos} bytes")
-            _, pos = varint(buf, pos + 1)  # attributes (unused), timestamp delta
-            delta, pos = varint(buf, pos)
-            if delta != index:
-                raise KafkaRecordsError("invalid", "record offset deltas are not 0, 1, 2, ...")
-            for _ in (0, 1):  # key, value
-                size, pos = varint(buf, pos)
-                if size > 0:
-                    pos += size
-            header_count, pos = varint(buf, pos)
+            pos += 1  # attributes: unused in v2
+            if buf[pos] < 0x80:  # timestamp delta: any value
+                pos += 1
+            else:
+                _, pos = varint(buf, pos)
+            byte = buf[pos]
+            if byte == index << 1 and byte < 0x80:  # delta == index, one byte below 64
+                pos += 1
+            else:
+                delta, pos = varint(buf, pos)
+                if delta != index:
+                    raise KafkaRecordsError("invalid", "record offset deltas are not 0, 1, 2, ...")
+            for _ in (0, 1):  # key, value: a negative length is null
+                byte = buf[pos]
+                if byte < 0x80:
+                    pos += 1 if byte & 1 else 1 + (byte >> 1)
+                elif buf[pos + 1] < 0x80:
+                    raw = (byte & 0x7F) | (buf[pos + 1] << 7)
+                    pos += 2 if raw & 1 else 2 + (raw >> 1)
+                else:
+                    size, pos = varint(buf, pos)
+                    if size > 0:
+                        pos += size
+            byte = buf[pos]
+            if byte < 0x80:
+                header_count = (byte >> 1) ^ -(byte & 1)
+                pos += 1
+            else:
+                header_count, pos = varint(buf, pos)
             if header_count < 0 or header_count > record_end - pos:
                 raise _corrupt(f"{header_count} record headers claimed")
             for _ in range(header_count):
