@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean system-deps rivven-proto
+.PHONY: run test lint typecheck pytest bench clean system-deps rivven-proto cluster
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,16 +39,17 @@ typecheck: $(STAMP)
 # postgres listener's tests Debian's psql, the Prometheus tests promtool (Debian's
 # prometheus package), the systemd unit's test systemd-analyze (Debian's systemd; no
 # running systemd needed) and the kafka listener's tests Debian's kcat (librdkafka
-# 2.0.2, the oldest client it serves); a fresh machine (CI) gets them from apt. Skipped
-# when they are already there.
+# 2.0.2, the oldest client it serves), the cluster's tests and `make cluster` Debian's
+# etcd-server; a fresh machine (CI) gets them from apt. Skipped when they are already there.
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
 			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null \
-			|| ! command -v systemd-analyze >/dev/null || ! command -v kcat >/dev/null; then \
+			|| ! command -v systemd-analyze >/dev/null || ! command -v kcat >/dev/null \
+			|| ! command -v etcd >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
-			postgresql-client prometheus systemd kcat >/dev/null; \
+			postgresql-client prometheus systemd kcat etcd-server >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
@@ -60,6 +61,11 @@ test: lint typecheck pytest
 # (tests/conformance/test_rivven_vectors.py fails while they disagree).
 rivven-proto: $(STAMP)
 	$(BIN)/python -m headwater.protocols.rivven.regenerate
+
+# etcd and three nodes on this machine, every listener on a free port, data in
+# ./cluster-data; prints each node's ports; Ctrl-C stops them all (docs/cluster.md).
+cluster: $(RUN_STAMP) system-deps
+	$(BIN)/python -m headwater.cluster.local --dir ./cluster-data
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

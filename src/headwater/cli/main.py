@@ -16,6 +16,7 @@ import headwater
 from headwater.cli.admin_cmds import add_admin_commands
 from headwater.cli.backup_cmd import add_backup_command
 from headwater.cli.client_cmds import add_client_commands, fail, stdout_console
+from headwater.cli.cluster_cmds import add_cluster_commands
 from headwater.cli.connection import ProfileError, resolve_connection
 from headwater.cli.entity_cmds import add_entity_commands
 from headwater.cli.kind_cmds import add_kind_commands
@@ -30,6 +31,7 @@ out = stdout_console()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from headwater.cluster.node import ClusterJoinError
     from headwater.errors import StorageError
     from headwater.server.app import ListenError
     from headwater.server.config import ConfigError, load_config
@@ -52,8 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # metadata): say so in one line, as for a bad config.
         err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 1
-    except ListenError as exc:
-        # A port in use (or not ours to bind): one line that names the way out.
+    except (ListenError, ClusterJoinError) as exc:
+        # A port in use (or not ours to bind), etcd unreachable or the node id taken:
+        # one line that names the way out.
         sys.stderr.write(f"headwater: {exc}\n")
         return 2
 
@@ -213,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_entity_commands(sub)
     add_pipeline_commands(sub)
     add_admin_commands(sub)
+    add_cluster_commands(sub)
     add_profile_commands(sub)
     return parser
 

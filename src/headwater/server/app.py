@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from headwater.api import EngineAPI, SqlLimits
+from headwater.cluster.node import ClusterNode
 from headwater.server.config import ServerConfig
 from headwater.server.limits import ConnectionLimits
 from headwater.server.memory import warn_if_over_budget
@@ -81,6 +82,7 @@ class Server:
         self.stopping = asyncio.Event()
         self.started_at = time.time()
         self.limits = ConnectionLimits(config.limits, metrics_for(self))
+        self.cluster: ClusterNode | None = None  # with [cluster]: this node's part in it
 
     @property
     def api(self) -> EngineAPI:
@@ -127,6 +129,12 @@ class Server:
             log.info(
                 "listening", extra={"listener": name, "host": address[0], "port": listener.port}
             )
+        if self.config.cluster is not None:
+            # Joined once the listeners are bound: the node's key advertises their ports.
+            self.cluster = ClusterNode(
+                self.config.cluster, self._api, {lst.name: lst.port for lst in self.listeners}
+            )
+            await self.cluster.start()
         if self.ports_file is not None:
             ports = {lst.name: lst.port for lst in self.listeners}
             tmp = self.ports_file.with_name(self.ports_file.name + ".tmp")
@@ -136,6 +144,9 @@ class Server:
 
     async def stop(self) -> None:
         log.info("shutting down")
+        if self.cluster is not None:
+            # First: leadership moves to the other nodes while this one drains.
+            await self.cluster.stop()
         if self._api is not None:
             # First: a running query would hold its front end's drain for its whole run.
             self._api.stop_queries()

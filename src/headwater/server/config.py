@@ -13,6 +13,7 @@ from typing import Any
 
 from headwater.api.auth import AuthConfig
 from headwater.api.quotas import TenantQuota
+from headwater.cluster.config import ClusterConfig
 from headwater.engine.engine import EngineConfig
 from headwater.engine.kinds.model import KindsConfig
 from headwater.engine.names import check_name
@@ -124,6 +125,7 @@ class ServerConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     tls: TlsConfig | None = None
     quotas: dict[int, TenantQuota] = field(default_factory=dict)  # by tenant id
+    cluster: ClusterConfig | None = None  # [cluster]: a node of a replicated cluster
 
     def address(self, name: str) -> tuple[str, int] | None:
         """(host, port) of a listener, or None when it is switched off."""
@@ -169,7 +171,7 @@ def load_config(path: Path | None) -> ServerConfig:
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
         {"listen", "storage", "auth", "tenants", "convergedb", "ripple", "kiwi", "logging"}
-        | {"limits", "tls"}
+        | {"limits", "tls", "cluster"}
     ),
     "storage": frozenset(
         {"sync", "segment_bytes", "segment_ms", "retention_ms", "retention_bytes"}
@@ -187,6 +189,7 @@ KNOWN_KEYS: dict[str, frozenset[str]] = {
     "logging": frozenset({"level", "format"}),
     "limits": frozenset(LimitsConfig.__dataclass_fields__),
     "tls": frozenset({"cert", "key", "client_ca"}),
+    "cluster": frozenset(ClusterConfig.__dataclass_fields__),
 }
 
 
@@ -298,6 +301,7 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         limits=_limits_config(data.get("limits", {})),
         tls=_tls_config(data.get("tls")),
         quotas=quotas,
+        cluster=_cluster_config(data.get("cluster")),
     )
 
 
@@ -350,6 +354,36 @@ def _limits_config(data: Any) -> LimitsConfig:
         else:
             values[key] = _positive_int(data, key, "limits")
     return LimitsConfig(**values)
+
+
+def _cluster_config(data: Any) -> ClusterConfig | None:
+    """``[cluster]`` (docs/cluster.md); None without the table: a single node."""
+    if data is None:
+        return None
+    data = _table(data, "[cluster]")
+    node_id = data.get("node_id")
+    if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
+        raise ConfigError(f"cluster.node_id must be a non-negative integer, got {node_id!r}")
+    etcd = data.get("etcd")
+    if isinstance(etcd, str):
+        etcd = [etcd]
+    if not isinstance(etcd, list) or not etcd or not all(isinstance(e, str) and e for e in etcd):
+        raise ConfigError("cluster.etcd must be a list of etcd endpoints like '127.0.0.1:2379'")
+    options: dict[str, Any] = {}
+    for key in ("advertise_host", "rack", "prefix"):
+        value = data.get(key)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"cluster.{key} must be a non-empty string")
+            options[key] = value
+    for key in ("replication_factor", "min_insync_replicas", "lease_s"):
+        size = _positive_int(data, key, "cluster")
+        if size is not None:
+            options[key] = size
+    try:
+        return ClusterConfig(node_id=node_id, etcd=tuple(etcd), **options)
+    except ValueError as exc:
+        raise ConfigError(f"cluster: {exc}") from None
 
 
 def _tls_config(data: Any) -> TlsConfig | None:

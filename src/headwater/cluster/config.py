@@ -1,0 +1,24 @@
+"""``[cluster]``: what makes a server one node of a cluster (docs/cluster.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    node_id: int  # unique in the cluster; also the node's Kafka broker id
+    etcd: tuple[str, ...]  # etcd client endpoints, e.g. ("127.0.0.1:2379",)
+    advertise_host: str = "127.0.0.1"  # the host other nodes and clients reach it at
+    replication_factor: int = 3  # replicas of each partition (fewer while fewer nodes live)
+    min_insync_replicas: int = 2  # acks=all is refused below this many in-sync replicas
+    lease_s: int = 6  # a node silent this long is dead; its partitions move
+    rack: str | None = None  # replicas of a partition go to different racks first
+    prefix: str = "/headwater/"  # every key of the cluster lives under it in etcd
+
+    def __post_init__(self) -> None:
+        if self.min_insync_replicas > self.replication_factor:
+            raise ValueError(
+                f"min_insync_replicas ({self.min_insync_replicas}) is above "
+                f"replication_factor ({self.replication_factor})"
+            )

@@ -1,0 +1,284 @@
+"""One server's part in the cluster: membership, stream registry and the controller.
+
+Every node holds an etcd lease (``lease_s``), renewed a few times per lease, and its
+``nodes/<id>`` key under it; a node that dies (SIGKILL, a cut network) stops renewing,
+etcd drops its key when the lease runs out, and the controller sees it gone.
+
+Each tick (``TICK_S``) a node
+* registers the streams it has that etcd does not know yet, and creates locally the
+  streams etcd knows that it lacks (so a stream created through any node's front end
+  exists on every node, with the same partition count),
+* publishes its end offset per partition (``offsets/<id>``: what ``headwater cluster
+  status`` reports lag from),
+* tries to become the controller (a txn creating ``controller`` under its lease: etcd
+  lets exactly one node win, and the key goes with its lease), and if it is, places the
+  partitions that have no state yet and moves the leadership of dead nodes' partitions
+  to live in-sync replicas (:func:`headwater.cluster.layout.after_failures`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+
+from headwater.api import EngineAPI, StreamSettings
+from headwater.cluster.config import ClusterConfig
+from headwater.cluster.etcd import (
+    Etcd,
+    EtcdError,
+    KeyValue,
+    absent,
+    put_json,
+    unchanged,
+)
+from headwater.cluster.layout import (
+    Keys,
+    NodeInfo,
+    PartitionKey,
+    PartitionState,
+    after_failures,
+    place_replicas,
+)
+from headwater.errors import HeadwaterError
+
+log = logging.getLogger("headwater.cluster")
+
+TICK_S = 0.5  # how often a node reconciles with etcd (a failover takes lease_s + this)
+
+
+class ClusterJoinError(Exception):
+    """The node cannot join: etcd unreachable, or its node id held by a live process.
+    ``headwater serve`` says so in one line and exits."""
+
+
+class ClusterNode:
+    def __init__(self, config: ClusterConfig, api: EngineAPI, ports: Mapping[str, int]):
+        self.config = config
+        self.api = api
+        self.keys = Keys(config.prefix)
+        self.info = NodeInfo(config.node_id, config.advertise_host, config.rack, dict(ports))
+        self.etcd = Etcd(config.etcd)
+        self.lease = 0
+        self.is_controller = False
+        # What the last tick read from etcd: front ends answer from these.
+        self.nodes: dict[int, NodeInfo] = {}
+        self.partitions: dict[PartitionKey, PartitionState] = {}
+        self._published_offsets: dict[str, int] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- life ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join: take a lease and the node's key under it. A key still held by an
+        earlier run of this node (killed, its lease not yet expired) is waited out, up
+        to two leases; a key held longer than that is another live process. Either that
+        or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
+        try:
+            await self._join()
+        except EtcdError as exc:
+            raise ClusterJoinError(f"cannot join the cluster: {exc}") from None
+        self._tasks = [
+            asyncio.create_task(self._keep_alive_forever(), name="cluster-lease"),
+            asyncio.create_task(self._tick_forever(), name="cluster-tick"),
+        ]
+        log.info("joined the cluster", extra={"node_id": self.config.node_id})
+
+    async def _join(self) -> None:
+        deadline = time.monotonic() + 2 * self.config.lease_s + 2
+        waited = False
+        while not await self._register():
+            if time.monotonic() > deadline:
+                raise ClusterJoinError(
+                    f"cannot join the cluster: node_id {self.config.node_id} is held by "
+                    "another live node"
+                )
+            if not waited:
+                log.info(
+                    "waiting for an earlier registration of this node to expire",
+                    extra={"node_id": self.config.node_id},
+                )
+                waited = True
+            await asyncio.sleep(TICK_S)
+        await self.tick()
+
+    async def stop(self) -> None:
+        """Leave: the lease is revoked, so the node's key (and the controller key, if it
+        held it) go at once and its partitions move without waiting for the lease."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.lease:
+            try:
+                await self.etcd.revoke_lease(self.lease)
+            except EtcdError as exc:
+                log.warning("could not revoke the node's lease: %s", exc)
+        await self.etcd.close()
+
+    async def _register(self) -> bool:
+        if not self.lease:
+            self.lease = await self.etcd.grant_lease(self.config.lease_s)
+        return await self.etcd.txn(
+            [absent(self.keys.node(self.config.node_id))],
+            [put_json(self.keys.node(self.config.node_id), self.info.to_json(), self.lease)],
+        )
+
+    async def _keep_alive_forever(self) -> None:
+        interval = self.config.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if await self.etcd.keep_alive(self.lease) > 0:
+                    continue
+                # Expired (etcd unreachable longer than a lease): the cluster has
+                # counted this node dead; it rejoins with a new lease.
+                log.warning("the node's lease expired; rejoining the cluster")
+                self.lease = 0
+                self._published_offsets = None
+                self.is_controller = False
+                await self._register()
+            except EtcdError as exc:
+                log.warning("cannot renew the node's lease: %s", exc)
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                await self.tick()
+            except EtcdError as exc:
+                log.warning("cannot reach etcd: %s", exc)
+
+    # ---- one round ----------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        known_streams = await self.etcd.get_prefix(self.keys.streams)
+        await self._sync_streams(known_streams)
+        await self._publish_offsets()
+        if await self._hold_controller():
+            await self._control()
+        await self._read_state()
+
+    async def _sync_streams(self, known: list[KeyValue]) -> None:
+        counts: dict[tuple[int, str], int] = {}
+        for kv in known:
+            tenant, name = kv.key[len(self.keys.streams) :].split("/")
+            counts[int(tenant), name] = int(kv.json()["partitions"])
+        for tenant_id in self.api.tenant_ids():
+            for stream in self.api.list_streams(tenant_id):
+                theirs = counts.get((tenant_id, stream.name))
+                if theirs is None or theirs < stream.partitions:
+                    key = self.keys.stream(tenant_id, stream.name)
+                    await self.etcd.put(key, json.dumps({"partitions": stream.partitions}).encode())
+                    log.info(
+                        "stream registered", extra={"tenant": tenant_id, "stream": stream.name}
+                    )
+                counts.pop((tenant_id, stream.name), None)
+                if theirs is not None and theirs > stream.partitions:
+                    await self.api.alter_partitions(tenant_id, stream.stream_id, theirs)
+        # What is left: streams other nodes have and this one lacks.
+        for (tenant_id, name), partitions in counts.items():
+            if tenant_id not in self.api.tenant_ids():
+                continue
+            try:
+                await self.api.create_stream(tenant_id, name, StreamSettings(partitions=partitions))
+            except HeadwaterError as exc:
+                log.warning("cannot create stream %s of tenant %d: %s", name, tenant_id, exc)
+            else:
+                log.info(
+                    "stream created from the cluster", extra={"tenant": tenant_id, "stream": name}
+                )
+
+    def local_ends(self) -> dict[str, int]:
+        """This node's end offset of every partition it holds, by partition path."""
+        ends: dict[str, int] = {}
+        for tenant_id in self.api.tenant_ids():
+            for stream in self.api.list_streams(tenant_id):
+                for part in stream.partition_info:
+                    key = PartitionKey(tenant_id, stream.name, part.partition)
+                    ends[key.path()] = part.next_offset
+        return ends
+
+    async def _publish_offsets(self) -> None:
+        ends = self.local_ends()
+        if ends != self._published_offsets:
+            await self.etcd.put(
+                self.keys.node_offsets(self.config.node_id),
+                json.dumps(ends, sort_keys=True).encode(),
+                self.lease,
+            )
+            self._published_offsets = ends
+
+    async def _hold_controller(self) -> bool:
+        me = json.dumps({"node_id": self.config.node_id}).encode()
+        won = await self.etcd.txn(
+            [absent(self.keys.controller)],
+            [put_json(self.keys.controller, {"node_id": self.config.node_id}, self.lease)],
+        )
+        if not won:
+            current = await self.etcd.get(self.keys.controller)
+            won = current is not None and current.lease == self.lease and current.value == me
+        if won != self.is_controller:
+            log.info("controller" if won else "no longer the controller",
+                     extra={"node_id": self.config.node_id})  # fmt: skip
+            self.is_controller = won
+        return won
+
+    async def _control(self) -> None:
+        """The controller's round: place new partitions, fail over dead leaders."""
+        nodes = [
+            NodeInfo.from_json(kv.json()) for kv in await self.etcd.get_prefix(self.keys.nodes)
+        ]
+        live = {n.node_id for n in nodes}
+        stored = {
+            PartitionKey.parse(kv.key[len(self.keys.partitions) :]): kv
+            for kv in await self.etcd.get_prefix(self.keys.partitions)
+        }
+        load: Counter[int] = Counter()
+        leaders: Counter[int] = Counter()
+        for kv in stored.values():
+            state = PartitionState.from_json(kv.json())
+            load.update(state.replicas)
+            leaders[state.leader] += 1
+        for kv in await self.etcd.get_prefix(self.keys.streams):
+            tenant, name = kv.key[len(self.keys.streams) :].split("/")
+            for partition in range(int(kv.json()["partitions"])):
+                key = PartitionKey(int(tenant), name, partition)
+                if key in stored:
+                    continue
+                replicas = place_replicas(nodes, load, leaders, self.config.replication_factor)
+                if not replicas:
+                    continue
+                state = PartitionState(replicas, replicas[0], 1, replicas)
+                path = self.keys.partition(key)
+                if await self.etcd.txn([absent(path)], [put_json(path, state.to_json())]):
+                    log.info("partition placed", extra={"partition": key.path(), **state.to_json()})
+        for key, kv in stored.items():
+            state = PartitionState.from_json(kv.json())
+            moved = after_failures(state, live)
+            if moved == state:
+                continue
+            if await self.etcd.txn([unchanged(kv)], [put_json(kv.key, moved.to_json())]):
+                log.info(
+                    "partition leadership moved" if moved.leader != state.leader else "isr shrunk",
+                    extra={"partition": key.path(), "from": state.leader, **moved.to_json()},
+                )
+
+    async def _read_state(self) -> None:
+        self.nodes = {
+            info.node_id: info
+            for info in (
+                NodeInfo.from_json(kv.json()) for kv in await self.etcd.get_prefix(self.keys.nodes)
+            )
+        }
+        self.partitions = {
+            PartitionKey.parse(kv.key[len(self.keys.partitions) :]): PartitionState.from_json(
+                kv.json()
+            )
+            for kv in await self.etcd.get_prefix(self.keys.partitions)
+        }
