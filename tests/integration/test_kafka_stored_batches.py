@@ -29,10 +29,15 @@ from kio.static.primitive import i8, i32, i64
 from limits_clients import raw_socket
 from servers import LOCAL, Server, serving
 
-from headwater.protocols.kafka import ApiKey
+from headwater.protocols.kafka import ApiKey, ErrorCode
 from headwater.protocols.kafka.connection import Request, ServerConnection
 from headwater.protocols.kafka.frames import decode_response, encode_request
-from headwater.protocols.kafka.records import ControlType, control_type, split_batches
+from headwater.protocols.kafka.records import (
+    ControlType,
+    control_batch,
+    control_type,
+    split_batches,
+)
 
 VECTORS = Path(__file__).resolve().parents[1] / "conformance" / "kafka"
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
@@ -262,3 +267,36 @@ def test_read_committed_fetch_lists_aborted_transactions_and_markers(server: Ser
         4,
         5,
     ]
+
+
+def test_a_produced_control_batch_is_refused_and_nothing_is_stored(server: Server) -> None:
+    topic = create_topic(server)
+    request, _ = captured_produce("none", topic)
+    marker = control_batch(
+        ControlType.COMMIT,
+        producer_id=7,
+        producer_epoch=0,
+        coordinator_epoch=0,
+        base_offset=0,
+        timestamp=1_700_000_000_000,
+    )
+    [data] = request.topic_data
+    forged = dataclasses.replace(
+        request,
+        topic_data=(
+            dataclasses.replace(
+                data, partition_data=(dataclasses.replace(data.partition_data[0], records=marker),)
+            ),
+        ),
+    )
+    kafka = RawKafka(server)
+    try:
+        response = kafka.call(forged, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert answer.error_code == ErrorCode.invalid_record
+        # The connection serves on, and the topic holds only what comes next.
+        response = kafka.call(request, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
+    finally:
+        kafka.close()

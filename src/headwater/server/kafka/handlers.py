@@ -400,6 +400,9 @@ async def _append_batch(
     idempotence and transaction checks read its header."""
     api, tenant = session.api, session.tenant_id
     header = batch.header
+    if header.is_control:
+        # Markers are the broker's to write (Kafka: INVALID_RECORD for a client's).
+        raise RecordBatchError(ErrorCode.invalid_record, "a client may not produce control batches")
     if header.records_count > MAX_APPEND_EVENTS:
         # More records than one stored batch holds: decoded and stored as several.
         return await _append_decoded(session, info, index, batch, transactional_id)
