@@ -29,6 +29,7 @@ from headwater.storage.batch import (
     build_batch,
     encode_values,
     marker_commits,
+    peek_length,
 )
 from headwater.storage.compression import FRAME_BYTES, check_compression, encode_frame
 from headwater.storage.files import FileCache
@@ -39,6 +40,7 @@ from headwater.storage.producers import (
     ProducerTable,
     load_snapshot,
     now_ms,
+    remove_snapshots_from,
     write_snapshot,
 )
 from headwater.storage.segment import Segment, segment_name
@@ -373,6 +375,85 @@ class PartitionLog:
                     if columns.get("transactional"):
                         self.producers.begin(producer[0], base)
             return AppendInfo(base, count, first_position, ts)
+
+    def append_stored(self, data: bytes | memoryview) -> int:
+        """Append batches exactly as another replica of this partition stored them (a
+        follower copying its leader): each is checked (length, CRC, sections) and must
+        start at this log's end; its bytes are written as they are, header and tenant
+        log position included. Returns the new end offset. Nothing of a run is written
+        unless every batch of it checks."""
+        view = memoryview(data)
+        checked: list[Batch] = []
+        expected = self.end_offset
+        pos = 0
+        while pos < len(view):
+            if len(view) - pos < HEADER_SIZE:
+                raise CorruptBatchError("a replicated run ends inside a batch header")
+            length = peek_length(view, pos)
+            if length < HEADER_SIZE or pos + length > len(view):
+                raise CorruptBatchError(f"a replicated batch's length {length} is wrong")
+            batch = Batch(view[pos : pos + length])
+            if batch.base_offset != expected:
+                raise UsageError(
+                    f"a replicated batch starts at {batch.base_offset}, not at {expected}"
+                )
+            if length > self.config.segment_bytes:
+                raise UsageError("batch larger than a segment")
+            checked.append(batch)
+            expected = batch.next_offset
+            pos += length
+        with self._lock:
+            self._check_writable()
+            if checked and checked[0].base_offset != self.end_offset:
+                raise UsageError("the log moved while a replicated run was checked")
+            for batch in checked:
+                self._maybe_roll(batch.length, batch.first_timestamp_ms)
+                try:
+                    self.active.append(bytes(batch.buffer), batch)
+                except OSError as exc:
+                    raise StorageError(f"write failed: {exc}") from exc
+                self.producers.observe(batch)
+            return self.end_offset
+
+    def truncate_to(self, offset: int) -> int:
+        """Drop every event at or past ``offset`` (a replica's tail that its leader does
+        not have). The cut falls on a stored unit's start: a batch (or compressed frame)
+        holding ``offset`` goes whole, so the log may end below ``offset``. Returns the
+        new end offset."""
+        with self._lock:
+            self._check_writable()
+            if offset >= self.end_offset:
+                return self.end_offset
+            while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
+                gone = self.segments.pop()
+                gone.retire()
+                gone.delete_files()
+                self._graveyard.append((time.monotonic(), gone))
+                self._dirty.discard(gone.base_offset)
+                self._dir_changes += 1
+            seg = self.segments[-1]
+            cut = pos = seg.position_for(offset)
+            while pos < seg.size:
+                unit, length = seg._read_unit_at(pos, verify=False)
+                if unit[-1].next_offset > offset:
+                    break
+                pos += length
+                cut = pos
+            with seg.pinned() as fd:
+                os.ftruncate(fd, cut)
+                os.fsync(fd)
+            seg.close()
+            self._dirty.discard(seg.base_offset)
+            tail = Segment.open_tail(
+                self.directory, seg.base_offset, self.config.index_interval_bytes, self.files
+            )
+            self.segments[-1] = tail
+            self.durable_offset = min(self.durable_offset, tail.next_offset)
+            remove_snapshots_from(self.directory, tail.next_offset)
+            self._unstable_position = (-1, 0)
+            self._cut_hint = ((-1, b""), 0, 0)
+            self._load_producers()
+            return self.end_offset
 
     def check_producer(
         self, producer_id: int, sequence: int, epoch: int | None = None

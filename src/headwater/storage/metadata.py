@@ -37,8 +37,13 @@ def temp_path(path: Path) -> Path:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    write_bytes_atomic(path, json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def write_bytes_atomic(path: Path, payload: bytes) -> None:
+    """``path`` holds ``payload`` or what it held before, never a mix: temp file, fsync,
+    rename, fsync of the directory."""
     tmp = temp_path(path)
-    payload = json.dumps(data, indent=2, sort_keys=True).encode() + b"\n"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

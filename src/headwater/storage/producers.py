@@ -286,6 +286,14 @@ def write_snapshot(directory: Path, offset: int, table: ProducerTable) -> None:
         old.unlink(missing_ok=True)
 
 
+def remove_snapshots_from(directory: Path, offset: int) -> None:
+    """Drop snapshots of states at or past ``offset`` (the log was cut there: they
+    describe batches it no longer has)."""
+    for path in directory.glob(f"*{SNAPSHOT_SUFFIX}"):
+        if path.name[: -len(SNAPSHOT_SUFFIX)].isdigit() and int(path.name[:20]) > offset:
+            path.unlink(missing_ok=True)
+
+
 def load_snapshot(directory: Path, end_offset: int) -> tuple[int, ProducerTable]:
     """The newest readable snapshot at or below ``end_offset`` (or an empty table at 0)."""
     for path in sorted(directory.glob(f"*{SNAPSHOT_SUFFIX}"), reverse=True):
