@@ -648,10 +648,13 @@ class KafkaBatch(Batch):
             yield event
 
     def _keys(self) -> list[tuple[bytes | None, bool]]:
-        return self.decoded()._keys()
+        decoded = self.decoded()
+        return decoded._keys() if decoded.attributes & ATTR_KEYS else [(None, False)] * self.count
 
     def _headers(self) -> list[tuple[tuple[bytes, bytes], ...]]:
-        return self.decoded()._headers()
+        # The decoded batch has a headers section only when some record has headers.
+        decoded = self.decoded()
+        return decoded._headers() if decoded.attributes & ATTR_HEADERS else [()] * self.count
 
 
 def marker_value(commit: bool) -> bytes:

@@ -257,3 +257,14 @@ def test_a_segment_of_the_previous_format_still_reads(tmp_path: Path) -> None:
         (1, None, b"v1", (), 1_600_000_000_000),
     ]
     plog.close()
+
+
+def test_keys_and_headers_of_records_without_them(tmp_path: Path) -> None:
+    # Records with neither keys nor headers: the decoded batch has no such sections,
+    # and a reader asking for them per event gets none (SQL's records read asks).
+    plog = open_log(tmp_path)
+    append_kafka(plog, kafka_batch(records=[Record(0, 0, None, b"a"), Record(1, 1, None, b"b")]))
+    [span] = plog.read(0).spans
+    assert span.batch.headers() == [(), ()]
+    assert span.batch._keys() == [(None, False), (None, False)]
+    plog.close()
