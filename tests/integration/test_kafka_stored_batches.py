@@ -29,6 +29,7 @@ from kio.static.primitive import i8, i32, i64
 from limits_clients import raw_socket
 from servers import LOCAL, Server, serving
 
+import headwater
 from headwater.protocols.kafka import ApiKey, ErrorCode
 from headwater.protocols.kafka.connection import Request, ServerConnection
 from headwater.protocols.kafka.frames import decode_response, encode_request
@@ -193,6 +194,10 @@ def test_a_produced_batch_is_fetched_back_byte_for_byte(server: Server, codec: s
     assert [[(h["name"], h["value"]) for h in e.get("headers", [])] for e in events] == [
         [(name, (value or b"").decode()) for name, value in headers] for _, _, headers, _ in RECORDS
     ]
+    # Kimberlite's ReadEvents: the values, one byte-cut read after another.
+    with headwater.connect(server.address) as client:
+        values = [e.value for e in client.scan(topic, len(RECORDS), max_bytes=64)]
+    assert values == [value or b"" for _, value, _, _ in RECORDS]
     rows = http(
         server,
         "/api/sql",
