@@ -754,7 +754,9 @@ class PartitionLog:
                 yield event
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
-        """Offset of the first batch whose timestamp is at or after ``timestamp_ms``."""
+        """Offset of the first batch whose timestamp is at or after ``timestamp_ms``; in a
+        batch of Kafka form (a timestamp per record), of its first record at or after it,
+        as Kafka answers."""
         with self._lock:
             segments = list(self.segments)
         committed = self.committed_offset
@@ -768,7 +770,11 @@ class PartitionLog:
                 if batch.base_offset >= committed:
                     return None
                 if batch.max_timestamp_ms >= timestamp_ms:
-                    return int(batch.base_offset)
+                    stamps = batch.timestamps()
+                    if stamps is None:
+                        return int(batch.base_offset)
+                    first = next(i for i, ts in enumerate(stamps) if ts >= timestamp_ms)
+                    return int(batch.offsets()[first])
         return None
 
     # ---- retention and compaction ---------------------------------------------------

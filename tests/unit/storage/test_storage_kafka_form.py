@@ -268,3 +268,15 @@ def test_keys_and_headers_of_records_without_them(tmp_path: Path) -> None:
     assert span.batch.headers() == [(), ()]
     assert span.batch._keys() == [(None, False), (None, False)]
     plog.close()
+
+
+def test_offset_for_timestamp_finds_the_record_in_a_kafka_batch(tmp_path: Path) -> None:
+    # Record timestamps BASE_TS + 0, 7, 3, 20, 5: the first at or after +4 is offset 1,
+    # after +8 offset 3 (Kafka's ListOffsets by timestamp); past the max, none.
+    plog = open_log(tmp_path)
+    append_kafka(plog, kafka_batch())
+    assert plog.offset_for_timestamp(BASE_TS + 4) == 1
+    assert plog.offset_for_timestamp(BASE_TS + 8) == 3
+    assert plog.offset_for_timestamp(BASE_TS) == 0
+    assert plog.offset_for_timestamp(BASE_TS + 21) is None
+    plog.close()
