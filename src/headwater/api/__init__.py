@@ -93,9 +93,20 @@ __all__ = [
     "SqlLimits",
     "StreamInfo",
     "StreamSettings",
+    "StreamTarget",
     "Subscription",
     "TenantInfo",
 ]
+
+
+@dataclass(frozen=True)
+class StreamTarget:
+    """What a write needs of a stream it names: its id and partition count, without the
+    per-partition offsets and sizes a StreamInfo gathers (O(partitions) a call)."""
+
+    stream_id: int
+    name: str
+    partitions: int
 
 
 @dataclass(frozen=True)
@@ -392,6 +403,12 @@ class EngineAPI:
     def stream_named(self, tenant_id: int, name: str) -> StreamInfo:
         """StreamNotFound unless ``name`` exists in the tenant."""
         return self._engine.stream_by_name(tenant_id, name).info()
+
+    def stream_target(self, tenant_id: int, name: str) -> StreamTarget:
+        """StreamNotFound unless ``name`` exists in the tenant; cheap enough for a
+        request that writes one record."""
+        stream = self._engine.stream_by_name(tenant_id, name)
+        return StreamTarget(stream.stream_id, stream.name, len(stream.partition_logs))
 
     def stream_name(self, tenant_id: int, stream_id: int) -> str:
         return self._engine.stream(tenant_id, stream_id).name

@@ -15,7 +15,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from headwater.api import EngineAPI
+from headwater.api import EngineAPI, StreamTarget
 from headwater.api.auth import Principal
 from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
 from headwater.engine.partitioner import keyed_partition
@@ -121,6 +121,11 @@ class Session:
 
     def stream(self, topic: str) -> StreamInfo:
         return self.api.stream_named(self.tenant_id, topic)
+
+    def target(self, topic: str) -> StreamTarget:
+        """The topic a publish writes to (one record a request: a StreamInfo would cost
+        more than the append with many partitions)."""
+        return self.api.stream_target(self.tenant_id, topic)
 
     def partition(self, topic: str, partition: int) -> StreamInfo:
         info = self.stream(topic)
@@ -250,7 +255,7 @@ def _headers(record: pb.Record) -> list[tuple[bytes, bytes]]:
 _Publish = pb.PublishRequest | pb.IdempotentPublishRequest | pb.TransactionalPublishRequest
 
 
-def _named_partition(info: StreamInfo, request: _Publish) -> int | None:
+def _named_partition(info: StreamTarget, request: _Publish) -> int | None:
     """The partition a publish names (None: it names none); one the topic lacks is
     refused."""
     if not request.HasField("partition"):
@@ -264,12 +269,12 @@ def _named_partition(info: StreamInfo, request: _Publish) -> int | None:
 
 def _producer_target(
     session: Session, request: pb.IdempotentPublishRequest | pb.TransactionalPublishRequest
-) -> tuple[StreamInfo, bytes | None, int]:
+) -> tuple[StreamTarget, bytes | None, int]:
     """The topic, key and partition of an idempotent or transactional publish. The
     partition: the one it names, else its key's (murmur2, as any publish), else the
     producer's own (producer id modulo the count), so a retry lands where its first
     attempt went and its sequence is checked there."""
-    info = session.stream(request.topic)
+    info = session.target(request.topic)
     key = record_key(request.record)
     partition = _named_partition(info, request)
     if partition is None:
@@ -281,7 +286,7 @@ def _producer_target(
 
 
 async def publish(session: Session, request: pb.PublishRequest) -> Message:
-    info = session.stream(request.topic)
+    info = session.target(request.topic)
     record = request.record
     explicit = _named_partition(info, request)
     placed = await session.api.append_partitioned(
