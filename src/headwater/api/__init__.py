@@ -25,6 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
+from headwater.api.replication import Replicas
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -295,6 +296,8 @@ class EngineAPI:
         self.sync_tenant = engine.sync_tenant
         # consumer groups (engine/groups): membership, committed offsets per partition
         self.groups = ConsumerGroups(engine)
+        # replication (docs/cluster.md): stored batches out and in, divergent tails cut
+        self.replicas = Replicas(engine)
         # exactly-once producers (engine/transactions): ids, epochs, transactions; a
         # transaction's offsets reach the groups' view as it commits
         self._transactions = TransactionCoordinator(engine, self.groups.commit_staged)

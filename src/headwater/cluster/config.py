@@ -14,6 +14,8 @@ class ClusterConfig:
     min_insync_replicas: int = 2  # acks=all is refused below this many in-sync replicas
     lease_s: int = 6  # a node silent this long is dead; its partitions move
     rack: str | None = None  # replicas of a partition go to different racks first
+    replica_lag_s: float = 10.0  # an in-sync follower this far behind leaves the ISR
+    replication_port: int = 0  # the replication listener's port (0: any free one)
     prefix: str = "/headwater/"  # every key of the cluster lives under it in etcd
 
     def __post_init__(self) -> None:

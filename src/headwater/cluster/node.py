@@ -44,6 +44,7 @@ from headwater.cluster.layout import (
     after_failures,
     place_replicas,
 )
+from headwater.cluster.replication import Replication
 from headwater.errors import HeadwaterError
 
 log = logging.getLogger("headwater.cluster")
@@ -70,6 +71,7 @@ class ClusterNode:
         self.partitions: dict[PartitionKey, PartitionState] = {}
         self._published_offsets: dict[str, int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.replication = Replication(self)
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -78,6 +80,13 @@ class ClusterNode:
         earlier run of this node (killed, its lease not yet expired) is waited out, up
         to two leases; a key held longer than that is another live process. Either that
         or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
+        await self.replication.start(self.config.advertise_host, self.config.replication_port)
+        self.info = NodeInfo(
+            self.info.node_id,
+            self.info.host,
+            self.info.rack,
+            {**self.info.ports, "replication": self.replication.port},
+        )
         try:
             await self._join()
         except EtcdError as exc:
@@ -114,6 +123,7 @@ class ClusterNode:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.replication.stop()
         if self.lease:
             try:
                 await self.etcd.revoke_lease(self.lease)
@@ -163,6 +173,7 @@ class ClusterNode:
         if await self._hold_controller():
             await self._control()
         await self._read_state()
+        await self.replication.reconcile()
 
     async def _sync_streams(self, known: list[KeyValue]) -> None:
         counts: dict[tuple[int, str], int] = {}

@@ -380,6 +380,16 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
         size = _positive_int(data, key, "cluster")
         if size is not None:
             options[key] = size
+    lag = data.get("replica_lag_s")
+    if lag is not None:
+        if not isinstance(lag, int | float) or isinstance(lag, bool) or lag <= 0:
+            raise ConfigError("cluster.replica_lag_s must be a positive number of seconds")
+        options["replica_lag_s"] = float(lag)
+    port = data.get("replication_port")
+    if port is not None:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise ConfigError("cluster.replication_port must be a port number (0: any free one)")
+        options["replication_port"] = port
     try:
         return ClusterConfig(node_id=node_id, etcd=tuple(etcd), **options)
     except ValueError as exc:

@@ -23,6 +23,7 @@ class Cluster:
         self.etcd = etcd
         self.lease_s = lease_s
         self.nodes: dict[int, Server] = {}
+        self.stream = "events"  # the stream wait_replicas_agree looks at
 
     def config(self, node_id: int, extra: str = "") -> str:
         return (
@@ -49,6 +50,9 @@ class Cluster:
 
         return asyncio.run(read())
 
+    def status_node(self, node_id: int) -> dict[str, Any]:
+        return next(n for n in self.status()["nodes"] if n["node_id"] == node_id)
+
     def partitions(self) -> dict[str, dict[str, Any]]:
         return {p["partition"]: p for p in self.status()["partitions"]}
 
@@ -57,6 +61,26 @@ class Cluster:
             lambda: (found := self.partitions()) and len(found) == count and found,
             message=lambda: f"not {count} partitions placed: {self.status()}",
         )
+
+    def log_files(self, node_id: int, stream_id: int = 1, partition: int = 0) -> dict[str, bytes]:
+        """The segment files of one replica (tenant 0), by name."""
+        directory = (
+            self.nodes[node_id].data_dir / f"tenants/0/streams/{stream_id}/partition-{partition}"
+        )
+        return {p.name: p.read_bytes() for p in sorted(directory.glob("*.log"))}
+
+    def wait_replicas_agree(self, node_ids: list[int], end: int) -> dict[str, bytes]:
+        """Every listed replica holds the same bytes (and reports ``end``)."""
+
+        def agree() -> dict[str, bytes] | None:
+            files = [self.log_files(n) for n in node_ids]
+            if any(f != files[0] for f in files) or not files[0]:
+                return None
+            part = self.partitions()["0/" + self.stream + "/0"]
+            lags = [part["lag"].get(str(n)) for n in node_ids]
+            return files[0] if part["end"] == end and lags == [0] * len(node_ids) else None
+
+        return wait_until(agree, message=lambda: f"replicas differ: {self.status()}")
 
     def bootstrap(self) -> str:
         return ",".join(n.address_of("kafka") for n in self.nodes.values() if n.running)

@@ -1,0 +1,382 @@
+"""Followers fetch from leaders; leaders keep the ISR and the high watermark.
+
+Every node runs a replication listener (its port advertised in ``nodes/<id>`` as
+``replication``) speaking :mod:`headwater.protocols.replication`.
+
+**Follower.** For each partition it holds a replica of and does not lead, a task fetches
+from the leader its stored batches from the follower's end and appends them byte for
+byte. Each fetch names the follower's latest leader epoch; a leader whose log parted
+from the follower's there answers ``diverging`` and the follower cuts its tail (the
+tail an old leader wrote that nobody else has) before fetching again. The leader's
+epoch list comes with every answer: the follower keeps the entries below its end.
+
+**Leader.** A follower's fetch offset is its end: the leader records it, and the high
+watermark is the smallest end among the ISR (its own included). An ISR member that has
+not caught up with the leader's end for ``replica_lag_s`` leaves the ISR; a replica
+that reaches the high watermark (and the current epoch's start) joins it; both are
+written to etcd by a txn guarded on the partition key's revision, and only while this
+node still leads at the same epoch. On becoming leader a node adds its epoch at its log
+end to its leader-epoch checkpoint before it serves anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from headwater.cluster.etcd import EtcdError, put_json, unchanged
+from headwater.cluster.layout import NO_LEADER, PartitionKey, PartitionState
+from headwater.errors import HeadwaterError, ProtocolError, StorageError
+from headwater.protocols import replication as wire
+from headwater.storage.leader_epochs import UNKNOWN
+
+if TYPE_CHECKING:
+    from headwater.cluster.node import ClusterNode
+
+log = logging.getLogger("headwater.cluster.replication")
+
+FETCH_MAX_BYTES = 1 << 20
+LONG_POLL_S = 0.5  # a caught-up follower's fetch waits this long for new batches
+RETRY_S = 0.25
+
+
+class NotEnoughReplicas(StorageError):
+    """acks=all refused or unconfirmed: fewer in-sync replicas than min_insync_replicas
+    (Kafka: NOT_ENOUGH_REPLICAS); retryable. Kimberlite shows it as StorageError."""
+
+
+class Replication:
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+        self.replicas = node.api.replicas
+        self.me = node.config.node_id
+        self.port = 0
+        # Leader side, per partition led: each follower's end and when it last had
+        # caught up with the leader's end; when this node started leading.
+        self._ends: dict[PartitionKey, dict[int, int]] = {}
+        self._caught_up: dict[PartitionKey, dict[int, float]] = {}
+        self._last_fetch: dict[PartitionKey, dict[int, tuple[float, int]]] = {}
+        self._leading_since: dict[PartitionKey, tuple[int, float]] = {}  # (epoch, when)
+        self._progress = asyncio.Event()  # set on every follower progress: acks=all waits
+        # Follower side: the task per partition followed and the high watermark learned.
+        self._followers: dict[PartitionKey, tuple[tuple[int, int], asyncio.Task[None]]] = {}
+        self.follower_hw: dict[PartitionKey, int] = {}
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.StreamWriter] = set()
+
+    # ---- life ---------------------------------------------------------------------------
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        for _, task in self._followers.values():
+            task.cancel()
+        for _, task in self._followers.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._followers.clear()
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._connections):
+                writer.close()
+            await self._server.wait_closed()
+
+    # ---- what the front ends ask --------------------------------------------------------
+
+    def leads(self, key: PartitionKey) -> bool:
+        """Whether this node leads ``key`` now (and has taken its epoch)."""
+        state = self.node.partitions.get(key)
+        if state is None or state.leader != self.me:
+            return False
+        since = self._leading_since.get(key)
+        return since is not None and since[0] == state.epoch
+
+    def high_watermark(self, key: PartitionKey) -> int:
+        """Offsets below it are on every in-sync replica: what consumers may read. A
+        follower answers the one its leader last told it."""
+        state = self.node.partitions.get(key)
+        if state is None:
+            return 0
+        if state.leader != self.me:
+            return self.follower_hw.get(key, 0)
+        end = self.replicas.end(key.tenant_id, key.stream, key.partition)
+        ends = self._ends.get(key, {})
+        hw = end
+        for member in state.isr:
+            if member != self.me:
+                hw = min(hw, ends.get(member, 0))
+        return hw
+
+    async def wait_replicated(self, key: PartitionKey, offset: int, timeout_s: float) -> None:
+        """acks=all: return once every in-sync replica holds offsets below ``offset``.
+        NotEnoughReplicas when the ISR is below min_insync_replicas (before or while
+        waiting) or the time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = self.node.partitions.get(key)
+            if state is None or len(state.isr) < self.node.config.min_insync_replicas:
+                have = 0 if state is None else len(state.isr)
+                raise NotEnoughReplicas(
+                    f"{have} in-sync replicas, below min_insync_replicas "
+                    f"({self.node.config.min_insync_replicas})"
+                )
+            if self.high_watermark(key) >= offset:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NotEnoughReplicas("the in-sync replicas did not confirm in time")
+            self._progress.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.1)):
+                    await self._progress.wait()
+
+    # ---- each tick ----------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Take new leaderships (epoch into the checkpoint), keep the ISR of those led,
+        start and stop follower tasks to match etcd's leaders."""
+        wanted: dict[PartitionKey, tuple[int, int]] = {}
+        for key, state in self.node.partitions.items():
+            if self.me not in state.replicas:
+                continue
+            if state.leader == self.me:
+                try:
+                    self._take_leadership(key, state)
+                    await self._keep_isr(key, state)
+                except HeadwaterError:
+                    continue  # the stream is not here yet: the next tick creates it
+            elif state.leader != NO_LEADER:
+                wanted[key] = (state.leader, state.epoch)
+        for key, (leader_epoch, task) in list(self._followers.items()):
+            if wanted.get(key) != leader_epoch or task.done():
+                task.cancel()
+                del self._followers[key]
+        for key, leader_epoch in wanted.items():
+            if key not in self._followers:
+                task = asyncio.create_task(self._follow(key, *leader_epoch), name=f"follow {key}")
+                self._followers[key] = (leader_epoch, task)
+
+    def _take_leadership(self, key: PartitionKey, state: PartitionState) -> None:
+        since = self._leading_since.get(key)
+        if since is not None and since[0] == state.epoch:
+            return
+        epochs = self.replicas.epochs(key.tenant_id, key.stream, key.partition)
+        end = self.replicas.end(key.tenant_id, key.stream, key.partition)
+        epochs.assign(state.epoch, end)
+        self._leading_since[key] = (state.epoch, time.monotonic())
+        self._ends[key] = {}
+        self._caught_up[key] = {}
+        self._last_fetch[key] = {}
+        log.info("leading", extra={"partition": key.path(), "epoch": state.epoch, "end": end})
+
+    async def _keep_isr(self, key: PartitionKey, state: PartitionState) -> None:
+        now = time.monotonic()
+        lag_s = self.node.config.replica_lag_s
+        ends = self._ends.get(key, {})
+        caught_up = self._caught_up.get(key, {})
+        started = self._leading_since[key][1]
+        hw = self.high_watermark(key)
+        epochs = self.replicas.epochs(key.tenant_id, key.stream, key.partition)
+        epoch_start = epochs.entries[-1][1] if epochs.entries else 0
+        isr = [
+            member
+            for member in state.isr
+            if member == self.me or now - caught_up.get(member, started) <= lag_s
+        ]
+        for replica in state.replicas:
+            end = ends.get(replica)
+            if replica not in isr and end is not None and end >= max(hw, epoch_start):
+                isr.append(replica)
+        if set(isr) == set(state.isr):
+            return
+        await self._write_isr(key, state, tuple(isr))
+
+    async def _write_isr(
+        self, key: PartitionKey, state: PartitionState, isr: tuple[int, ...]
+    ) -> None:
+        path = self.node.keys.partition(key)
+        try:
+            kv = await self.node.etcd.get(path)
+            if kv is None:
+                return
+            current = PartitionState.from_json(kv.json())
+            if (current.leader, current.epoch) != (self.me, state.epoch):
+                return  # no longer ours to change
+            changed = PartitionState(current.replicas, current.leader, current.epoch, isr)
+            if await self.node.etcd.txn([unchanged(kv)], [put_json(path, changed.to_json())]):
+                self.node.partitions[key] = changed
+                log.info(
+                    "isr changed",
+                    extra={"partition": key.path(), "from": list(current.isr), "isr": list(isr)},
+                )
+        except EtcdError as exc:
+            log.warning("cannot change the isr of %s: %s", key.path(), exc)
+
+    # ---- leader: answering fetches -------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        self._connections.add(writer)
+        frames = wire.FrameReader()
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    return
+                for frame in frames.feed(data):
+                    writer.write(await self._answer(wire.Fetch.from_header(frame.header)))
+                    await writer.drain()
+        except ProtocolError as exc:
+            log.warning("replication peer %s sent a bad frame: %s", peer, exc)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._connections.discard(writer)
+            writer.close()
+
+    async def _answer(self, fetch: wire.Fetch) -> bytes:
+        key = PartitionKey(fetch.tenant, fetch.stream, fetch.partition)
+        replica, offset, last_epoch = fetch.replica, fetch.offset, fetch.epoch
+        max_bytes = min(fetch.max_bytes, FETCH_MAX_BYTES)
+        state = self.node.partitions.get(key)
+        if state is None or not self.leads(key):
+            return wire.encode({"error": wire.NOT_LEADER})
+        try:
+            epochs = self.replicas.epochs(key.tenant_id, key.stream, key.partition)
+            end = self.replicas.end(key.tenant_id, key.stream, key.partition)
+        except HeadwaterError:
+            return wire.encode({"error": wire.UNKNOWN_PARTITION})
+        answer: dict[str, object] = {
+            "error": None,
+            "leader_epoch": state.epoch,
+            "epochs": [list(entry) for entry in epochs.entries],
+            "diverging": None,
+        }
+        if last_epoch != UNKNOWN:
+            epoch, epoch_end = epochs.end_offset_for(last_epoch, end)
+            if epoch < last_epoch or epoch_end < offset:
+                answer["diverging"] = [epoch, epoch_end]
+        elif offset > end:
+            answer["diverging"] = [UNKNOWN, end]
+        if answer["diverging"] is not None:
+            return wire.encode({**answer, "hw": self.high_watermark(key), "leader_end": end})
+        self._record(key, replica, offset, end)
+        data = b""
+        if offset < end:
+            data = await self.replicas.read_stored(
+                key.tenant_id, key.stream, key.partition, offset, max_bytes
+            )
+        else:
+            stream_id = self.node.api.stream_named(key.tenant_id, key.stream).stream_id
+            if await self.node.api.wait_for_end(
+                key.tenant_id, stream_id, key.partition, offset, LONG_POLL_S
+            ):
+                data = await self.replicas.read_stored(
+                    key.tenant_id, key.stream, key.partition, offset, max_bytes
+                )
+        end = self.replicas.end(key.tenant_id, key.stream, key.partition)
+        return wire.encode({**answer, "hw": self.high_watermark(key), "leader_end": end}, data)
+
+    def _record(self, key: PartitionKey, replica: int, offset: int, leader_end: int) -> None:
+        """A follower fetching from ``offset`` holds everything below it."""
+        now = time.monotonic()
+        self._ends.setdefault(key, {})[replica] = offset
+        previous = self._last_fetch.setdefault(key, {}).get(replica)
+        caught_up = self._caught_up.setdefault(key, {})
+        if offset >= leader_end:
+            caught_up[replica] = now
+        elif previous is not None and offset >= previous[1]:
+            caught_up[replica] = previous[0]  # it had what the leader had at its last fetch
+        self._last_fetch[key][replica] = (now, leader_end)
+        self._progress.set()
+
+    # ---- follower: fetching ---------------------------------------------------------------
+
+    async def _follow(self, key: PartitionKey, leader: int, epoch: int) -> None:
+        writer: asyncio.StreamWriter | None = None
+        reader: asyncio.StreamReader | None = None
+        frames = wire.FrameReader()
+        complained = False
+        try:
+            while True:
+                try:
+                    if writer is None or reader is None:
+                        node = self.node.nodes.get(leader)
+                        if node is None or "replication" not in node.ports:
+                            await asyncio.sleep(RETRY_S)
+                            continue
+                        reader, writer = await asyncio.open_connection(
+                            node.host, node.ports["replication"]
+                        )
+                        frames = wire.FrameReader()
+                    await self._fetch_once(key, reader, writer, frames)
+                    complained = False
+                except (OSError, ProtocolError, HeadwaterError, asyncio.IncompleteReadError) as exc:
+                    if not complained:
+                        log.warning(
+                            "replication of %s from node %d: %s",
+                            key.path(),
+                            leader,
+                            exc or type(exc).__name__,
+                        )
+                        complained = True
+                    if writer is not None:
+                        writer.close()
+                    writer = reader = None
+                    await asyncio.sleep(RETRY_S)
+        finally:
+            if writer is not None:
+                writer.close()
+
+    async def _fetch_once(
+        self,
+        key: PartitionKey,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        frames: wire.FrameReader,
+    ) -> None:
+        where = (key.tenant_id, key.stream, key.partition)
+        epochs = self.replicas.epochs(*where)
+        end = self.replicas.end(*where)
+        fetch = wire.Fetch(
+            key.tenant_id, key.stream, key.partition, end, epochs.latest, self.me, FETCH_MAX_BYTES
+        )
+        writer.write(fetch.encode())
+        await writer.drain()
+        answer = None
+        while answer is None:
+            data = await reader.read(1 << 20)
+            if not data:
+                raise ConnectionError("the leader closed the connection")
+            got = frames.feed(data)
+            if got:
+                answer = got[0]
+        header = answer.header
+        if header.get("error"):
+            await asyncio.sleep(RETRY_S)  # not (yet) the leader: etcd's next state tells
+            return
+        diverging = header.get("diverging")
+        if diverging is not None:
+            epoch, epoch_end = int(diverging[0]), int(diverging[1])
+            target = 0
+            if epoch != UNKNOWN:
+                mine_epoch, mine_end = epochs.end_offset_for(epoch, end)
+                target = min(epoch_end, mine_end) if mine_epoch != UNKNOWN else 0
+            new_end = await self.replicas.truncate(*where, max(target, 0))
+            log.warning(
+                "truncated a divergent tail",
+                extra={"partition": key.path(), "from": end, "to": new_end, "epoch": epoch},
+            )
+            return
+        if answer.data:
+            end = await self.replicas.append_stored(*where, answer.data)
+        leader_epochs = [(int(e), int(s)) for e, s in header.get("epochs", [])]
+        held = [(e, s) for e, s in leader_epochs if s < end]  # the epochs of what it holds
+        if held and held != epochs.entries:
+            epochs.replace(held)
+        self.follower_hw[key] = min(int(header.get("hw", 0)), end)
