@@ -8,8 +8,9 @@ falls on every case alike:
 * **Kafka produce**: ``--messages`` messages of each ``--sizes`` with confluent-kafka
   (acks=all, linger.ms=5), spread round-robin over the topic's partitions, from the first
   produce() to flush() returning;
-* **Kafka consume**: the same messages read back by one group consumer (subscribe),
-  from its first message to its last (the group join before it is reported apart);
+* **Kafka consume**: the same messages read back by one group consumer (subscribe,
+  ``fetch.queue.backoff.ms`` 10), from its assignment to its last message (the group
+  join before it is reported apart);
 * **Rivven produce / consume** (the protobuf format carries one record per Publish, so
   this is ``--depth`` single-record Publishes in flight; consumed with ConsumeRequests
   of every partition in flight): ``--rivven-messages`` messages, the project's own
@@ -113,6 +114,11 @@ def kafka_consume(
             "group.id": group,
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
+            # librdkafka stops fetching for fetch.queue.backoff.ms (1000) whenever its
+            # local queue holds queued.min.messages (100,000): with 100 B messages over
+            # many partitions one fetch round fills it, and the consumer then sat idle
+            # for a second while this loop drained it (seen with debug=fetch).
+            "fetch.queue.backoff.ms": 10,
         }
     )
     assigned: list[float] = []
