@@ -132,7 +132,7 @@ def kafka_consume(
     got = 0
     try:
         while got < messages:
-            batch = consumer.consume(10_000, 1.0)
+            batch = consumer.consume(min(10_000, messages - got), 1.0)
             if not batch and time.perf_counter() - t0 > DEADLINE_S:
                 raise RuntimeError(f"consumed {got} of {messages} within {DEADLINE_S}s")
             for message in batch:
