@@ -9,9 +9,10 @@ Runs wherever Spark puts it: each call opens its own connection with the blockin
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
+from headwater.client.arrow import HttpApi
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
 from headwater.engine.partitioner import murmur2_batch
@@ -36,11 +38,6 @@ TIMESTAMP_TYPE_CREATE = 0  # Kafka's CreateTime: the producer's timestamp
 TIMESTAMP_TYPE_LOG_APPEND = 1  # Kafka's LogAppendTime: the server stamps each batch
 SEQUENCES_PER_PRODUCER = 32  # the server remembers the last 64 sequences of a producer
 APPEND_ROWS = 10_000  # the server's limit of events per append
-# A partition's gathered rows are sent at the end of an input batch once they reach
-# either (else they wait for more): keyed rows of one input batch spread over every
-# partition, and an append per partition per batch would be a few hundred rows each.
-EAGER_ROWS = 2_000
-EAGER_BYTES = 1 << 20
 
 
 def open_client(conn: ConnectionOptions) -> Client:
@@ -508,27 +505,21 @@ def place(batch: pa.RecordBatch, partitions: int, sticky: int) -> np.ndarray:
     return target
 
 
-@dataclass
-class _Pending:
-    """Rows waiting for one stream partition, sent as one append once a full one is
-    gathered (or at the end of the task)."""
-
-    batches: list[pa.RecordBatch] = field(default_factory=list)
-    rows: int = 0
-    size: int = 0
-
-
 class PartitionedAppender:
     """Appends a task's rows to the stream's partitions so that running the task again
     appends nothing new.
 
-    Each row goes to its partition (:func:`place`); each partition's rows are gathered
-    into appends of at most 10,000 rows and 4 MiB of values and keys (sent at the end of
-    an input batch once 2,000 rows or 1 MiB are gathered), one Arrow batch per append
-    (``POST /api/streams/{name}/arrow``). The n-th append to stream partition p is sent
-    by producer ``(job, task partition, p, n // SEQUENCES_PER_PRODUCER)`` with sequence
-    ``n % SEQUENCES_PER_PRODUCER``, so a rerun sends the same (producer, sequence) pairs
-    with the same rows, and the server answers them from the partition's
+    Each row goes to its partition (:func:`place`); each input batch's rows of a
+    partition are one append (more when they pass 10,000 rows or 4 MiB of values and
+    keys), an Arrow batch (``POST /api/streams/{name}/arrow``). Appends never gather rows
+    of several input batches: when a task fails, Spark ends the writer's input early as
+    if it were complete, at a batch boundary, and a rerun must send exactly the appends
+    the failed attempt sent, which holds only if every append ends where a batch ends.
+    (A larger ``spark.sql.execution.arrow.maxRecordsPerBatch`` makes larger appends.)
+    The n-th append to stream partition p is sent by producer ``(job, task partition,
+    p, n // SEQUENCES_PER_PRODUCER)`` with sequence ``n % SEQUENCES_PER_PRODUCER``, so a
+    rerun sends the same (producer, sequence) pairs with the same rows, and the server
+    answers them from the partition's
     producer table instead of appending.
     """
 
@@ -539,77 +530,95 @@ class PartitionedAppender:
         self.partition = partition  # the Spark task's
 
     def append(self, batches: Iterator[pa.RecordBatch]) -> WriteResult:
-        result = WriteResult()
         with open_client(self.conn) as client, client.http_api() as api:
             try:
                 partitions = int(api.stream(self.stream)["partitions"])
             except StreamNotFound:
                 raise UsageError(f"stream {self.stream} does not exist on {api.address}") from None
-            pending = [_Pending() for _ in range(partitions)]
-            appended = [0] * partitions  # appends sent to each stream partition
-            sticky = self.partition % partitions
-
-            def flush(p: int) -> None:
-                rows = pending[p]
-                if not rows.batches:
-                    return
-                whole = pa.concat_batches(rows.batches)
-                group, sequence = divmod(appended[p], SEQUENCES_PER_PRODUCER)
-                producer = producer_id(self.job, self.partition, p, group)
-                answer = api.append_arrow(
-                    self.stream, whole, partition=p, producer=(producer, sequence)
-                )
-                result.events += int(answer["count"])
-                result.appends += 1
-                appended[p] += 1
-                pending[p] = _Pending()
-
-            for batch in batches:
-                if batch.num_rows == 0:
-                    continue
-                target = place(batch, partitions, sticky)
-                sticky = (sticky + 1) % partitions
-                rows = _write_batch(batch)
-                if (target == target[0]).all():
-                    groups = [(int(target[0]), rows)]
-                else:
-                    order = np.argsort(target, kind="stable")  # keeps each partition's order
-                    ordered = rows.take(pa.array(order))
-                    cuts = np.flatnonzero(np.diff(target[order])) + 1
-                    starts = [0, *cuts.tolist()]
-                    ends = [*cuts.tolist(), len(order)]
-                    groups = [
-                        (int(target[order[a]]), ordered.slice(a, b - a))
-                        for a, b in zip(starts, ends, strict=True)
-                    ]
-                for p, part in groups:
-                    for piece in _append_pieces(part):
-                        size = _size(piece)
-                        waiting = pending[p]
-                        if waiting.rows + piece.num_rows > APPEND_ROWS or (
-                            waiting.size + size > MAX_APPEND_BYTES
-                        ):
-                            flush(p)
-                            waiting = pending[p]
-                        waiting.batches.append(piece)
-                        waiting.rows += piece.num_rows
-                        waiting.size += size
-                # What is gathered goes out with the batch that gathered it, unless it is
-                # small: rows do not wait on the next batch, appends are not tiny.
-                for p, waiting in enumerate(pending):
-                    if waiting.rows >= EAGER_ROWS or waiting.size >= EAGER_BYTES:
-                        flush(p)
-            for p in range(partitions):
-                flush(p)
+            senders = [_Sender(client.http_api()) for _ in range(partitions)]
+            try:
+                self._place_and_send(batches, senders)
+                for sender in senders:
+                    sender.drain()
+            finally:
+                for sender in senders:
+                    sender.close()
+        result = WriteResult()
+        for sender in senders:
+            result.events += sender.events
+            result.appends += sender.appends
         return result
 
+    def _place_and_send(self, batches: Iterator[pa.RecordBatch], senders: list[_Sender]) -> None:
+        partitions = len(senders)
+        appended = [0] * partitions  # appends sent to each stream partition
+        sticky = self.partition % partitions
+        for batch in batches:
+            if batch.num_rows == 0:
+                continue
+            target = place(batch, partitions, sticky)
+            sticky = (sticky + 1) % partitions
+            rows = _write_batch(batch)
+            if (target == target[0]).all():
+                groups = [(int(target[0]), rows)]
+            else:
+                order = np.argsort(target, kind="stable")  # keeps each partition's order
+                ordered = rows.take(pa.array(order))
+                cuts = np.flatnonzero(np.diff(target[order])) + 1
+                starts = [0, *cuts.tolist()]
+                ends = [*cuts.tolist(), len(order)]
+                groups = [
+                    (int(target[order[a]]), ordered.slice(a, b - a))
+                    for a, b in zip(starts, ends, strict=True)
+                ]
+            for p, part in groups:
+                for piece in _append_pieces(part):
+                    group, sequence = divmod(appended[p], SEQUENCES_PER_PRODUCER)
+                    producer = (producer_id(self.job, self.partition, p, group), sequence)
+                    senders[p].send(self.stream, piece, p, producer)
+                    appended[p] += 1
 
-def _size(batch: pa.RecordBatch) -> int:
-    """Bytes of values and keys: what an append's 4 MiB covers (and then some)."""
-    size = pc.sum(pc.binary_length(batch.column("value"))).as_py() or 0
-    if "key" in batch.schema.names:
-        size += pc.sum(pc.binary_length(batch.column("key"))).as_py() or 0
-    return int(size)
+
+class _Sender:
+    """One stream partition's appends, sent in order by a thread of their own over a
+    connection of their own: the task goes on placing rows while appends are in flight,
+    and the partitions' appends (and the server's fsyncs of them) overlap. At most
+    ``IN_FLIGHT`` appends wait per partition; an error is raised by the next send."""
+
+    IN_FLIGHT = 2
+
+    def __init__(self, api: HttpApi) -> None:
+        self.api = api
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.in_flight: deque[Future[dict[str, Any]]] = deque()
+        self.events = 0
+        self.appends = 0
+
+    def send(
+        self, stream: str, batch: pa.RecordBatch, partition: int, producer: tuple[int, int]
+    ) -> None:
+        while len(self.in_flight) >= self.IN_FLIGHT:
+            self._settle(self.in_flight.popleft())
+        self.in_flight.append(
+            self.pool.submit(
+                self.api.append_arrow, stream, batch, partition=partition, producer=producer
+            )
+        )
+
+    def _settle(self, future: Future[dict[str, Any]]) -> None:
+        answer = future.result()
+        self.events += int(answer["count"])
+        self.appends += 1
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self._settle(self.in_flight.popleft())
+
+    def close(self) -> None:
+        for future in self.in_flight:
+            future.cancel()
+        self.pool.shutdown(wait=True)
+        self.api.close()
 
 
 def _append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:

@@ -183,6 +183,7 @@ def build_batch(
     timestamp_ms: int,
     max_timestamp_ms: int | None = None,
     keys: Sequence[bytes | None] | None = None,
+    keys_section: bytes | None = None,
     tombstones: Sequence[bool] | None = None,
     headers: Sequence[Headers] | None = None,
     deltas: Sequence[int] | None = None,
@@ -196,21 +197,31 @@ def build_batch(
     checked it with :func:`value_spans` or built it with :func:`encode_values`; with
     ``kafka``, a Kafka batch from its CRC on, checked with
     :func:`kafka_batch.check_section`). A transactional or control batch needs its
-    producer and epoch."""
+    producer and epoch. ``keys_section``: the keys already encoded as the keys section
+    (one ``u8 flags | u32 len | bytes`` per event, trusted as the values section is), in
+    place of ``keys``."""
     if count < 1:
         raise UsageError("a batch holds at least one event")
     if (transactional or control) and (producer is None or producer_epoch is None):
         raise UsageError("a transactional or control batch needs a producer and its epoch")
     attributes = 0
     if kafka:
-        if keys is not None or tombstones is not None or headers is not None or deltas:
+        if keys is not None or keys_section is not None or tombstones is not None:
+            raise UsageError("a Kafka-form batch carries its keys and headers in its records")
+        if headers is not None or deltas:
             raise UsageError("a Kafka-form batch carries its keys and headers in its records")
         if control:
             raise UsageError("transaction markers are stored in headwater's form")
         attributes |= ATTR_KAFKA
     sections = [values_section]
     keys_bytes = headers_bytes = deltas_bytes = b""
-    if keys is not None or tombstones is not None:
+    if keys_section is not None:
+        if keys is not None or tombstones is not None:
+            raise UsageError("keys come encoded (keys_section) or as keys, not both")
+        attributes |= ATTR_KEYS
+        keys_bytes = keys_section
+        sections.append(keys_bytes)
+    elif keys is not None or tombstones is not None:
         if keys is None:
             keys = [None] * count
         if len(keys) != count or (tombstones is not None and len(tombstones) != count):
@@ -278,6 +289,7 @@ class EventColumns(TypedDict, total=False):
     (``kafka``: stored in Kafka form, keys and headers inside its records)."""
 
     keys: Sequence[bytes | None] | None
+    keys_section: bytes | None
     tombstones: Sequence[bool] | None
     headers: Sequence[Headers] | None
     producer: tuple[int, int] | None
@@ -520,9 +532,11 @@ class Batch:
                 tombstone=tombstone,
             )
 
-    def keys(self) -> list[tuple[bytes | None, bool]] | None:
-        """Each event's (key, tombstone); None for a batch stored without keys."""
-        return self._keys() if self.attributes & ATTR_KEYS else None
+    def keys_section(self) -> memoryview | None:
+        """The keys section as stored (``u8 flags | u32 len | bytes`` per event), for
+        readers that decode it in bulk; None for a batch stored without keys."""
+        v_end, k_end, _ = self._section_bounds
+        return self.buffer[v_end:k_end] if self.attributes & ATTR_KEYS else None
 
     def headers(self) -> list[tuple[tuple[bytes, bytes], ...]] | None:
         """Each event's headers; None for a batch stored without headers."""
@@ -650,6 +664,9 @@ class KafkaBatch(Batch):
     def _keys(self) -> list[tuple[bytes | None, bool]]:
         decoded = self.decoded()
         return decoded._keys() if decoded.attributes & ATTR_KEYS else [(None, False)] * self.count
+
+    def keys_section(self) -> memoryview | None:
+        return self.decoded().keys_section()
 
     def _headers(self) -> list[tuple[tuple[bytes, bytes], ...]]:
         # The decoded batch has a headers section only when some record has headers.
