@@ -595,7 +595,7 @@ class KafkaBatch(Batch):
     keys and headers are there to ask for (bits 0 and 1), as a decoded batch may have
     them."""
 
-    __slots__ = ("_decoded", "_timestamps")
+    __slots__ = ("_columns", "_decoded", "_values")
 
     def __init__(self, buffer: memoryview, *, verify: bool = True) -> None:
         super().__init__(buffer, verify=verify)
@@ -612,8 +612,9 @@ class KafkaBatch(Batch):
                 f" records, its header says {self.count}"
             )
         self.attributes |= ATTR_KEYS | ATTR_HEADERS
+        self._columns: kafka_batch.Columns | None = None
         self._decoded: Batch | None = None
-        self._timestamps: list[int] | None = None
+        self._values: memoryview | None = None
 
     @property
     def kafka_section(self) -> memoryview:
@@ -623,17 +624,24 @@ class KafkaBatch(Batch):
     def payload_bytes(self) -> int:
         return int(self._section_bounds[0]) - HEADER_SIZE
 
-    def decoded(self) -> Batch:
-        """The same events in headwater's form (decoded on first use, then kept)."""
-        if self._decoded is None:
+    def columns(self) -> kafka_batch.Columns:
+        """The records as columns: timestamps, keys, values, headers (decoded on first
+        use, then kept)."""
+        if self._columns is None:
             try:
-                timestamps, keys, values, headers = kafka_batch.decode_section(self.kafka_section)
+                self._columns = kafka_batch.decode_section(self.kafka_section)
             except kafka_batch.KafkaRecordsError as exc:
                 raise CorruptBatchError(
                     f"Kafka-form batch at offset {self.base_offset}: {exc}"
                 ) from None
+        return self._columns
+
+    def decoded(self) -> Batch:
+        """The same events in headwater's form (built on first use, then kept)."""
+        if self._decoded is None:
+            _, keys, values, headers = self.columns()
             data = build_batch(
-                encode_values([b"" if value is None else value for value in values]),
+                self.values_section(),
                 self.count,
                 base_offset=self.base_offset,
                 first_position=self.first_position,
@@ -644,16 +652,18 @@ class KafkaBatch(Batch):
                 headers=headers,
             )
             self._decoded = Batch(memoryview(data), verify=False)
-            self._timestamps = timestamps
         return self._decoded
 
     def timestamps(self) -> list[int]:
-        self.decoded()
-        assert self._timestamps is not None
-        return self._timestamps
+        return self.columns()[0]
 
     def values_section(self) -> memoryview:
-        return self.decoded().values_section()
+        # Values alone (the SQL projection's and Kimberlite's reads): no keys or headers
+        # section is built for them.
+        if self._values is None:
+            values = self.columns()[2]
+            self._values = memoryview(encode_values([value or b"" for value in values]))
+        return self._values
 
     def events(self, start: int = 0) -> Iterator[Event]:
         timestamps = self.timestamps()
