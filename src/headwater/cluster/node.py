@@ -45,6 +45,7 @@ from headwater.cluster.layout import (
     place_replicas,
 )
 from headwater.cluster.replication import Replication
+from headwater.cluster.view import ClusterView
 from headwater.errors import HeadwaterError
 
 log = logging.getLogger("headwater.cluster")
@@ -72,6 +73,8 @@ class ClusterNode:
         self._published_offsets: dict[str, int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.replication = Replication(self)
+        self.controller_id = -1  # as of the last tick
+        self.view = ClusterView(self)  # what the front ends ask
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -281,6 +284,8 @@ class ClusterNode:
                 )
 
     async def _read_state(self) -> None:
+        controller = await self.etcd.get(self.keys.controller)
+        self.controller_id = int(controller.json()["node_id"]) if controller else -1
         self.nodes = {
             info.node_id: info
             for info in (

@@ -128,17 +128,23 @@ def test_an_out_of_sync_replica_never_leads(cluster: Cluster) -> None:
     others = [n for n in (1, 2, 3) if n != leader]
     for n in others:
         cluster.nodes[n].kill()
-    wait_until(lambda: cluster.partitions()["0/events/0"]["isr"] == [leader])
+    wait_until(
+        lambda: cluster.partitions()["0/events/0"]["isr"] == [leader],
+        message=lambda: str(cluster.status()),
+    )
     produce(cluster.nodes[leader].address_of("kafka"), [b"only-here"], acks="1")
     cluster.nodes[leader].kill()
     for n in others:
         cluster.nodes[n].start()
     wait_until(lambda: sorted(n["node_id"] for n in cluster.status()["nodes"]) == sorted(others))
-    wait_until(lambda: leader_of(cluster)[0] == -1)
+    wait_until(lambda: leader_of(cluster)[0] == -1, message=lambda: str(cluster.status()))
     leaderless_epoch = leader_of(cluster)[1]
     cluster.nodes[leader].start()
     # The only in-sync replica leads again, and the epoch shows nobody led in between.
-    assert wait_until(lambda: leader_of(cluster)[0] == leader and leader_of(cluster)) == (
+    assert wait_until(
+        lambda: leader_of(cluster)[0] == leader and leader_of(cluster),
+        message=lambda: str(cluster.status()),
+    ) == (
         leader,
         leaderless_epoch + 1,
     )

@@ -18,6 +18,7 @@ from typing import Any
 from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
+from headwater.cluster.view import ClusterView, NotEnoughReplicas
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -33,6 +34,7 @@ from headwater.errors import (
     InvalidOffset,
     InvalidRequest,
     InvalidTxnState,
+    NotLeader,
     OutOfOrderSequence,
     ProducerFenced,
     StreamAlreadyExists,
@@ -94,6 +96,10 @@ def error_code(exc: HeadwaterError) -> ErrorCode:
         return ErrorCode.offset_out_of_range
     if isinstance(exc, InvalidRequest):
         return ErrorCode.invalid_request
+    if isinstance(exc, NotLeader):
+        return ErrorCode.not_leader_or_follower
+    if isinstance(exc, NotEnoughReplicas):
+        return ErrorCode.not_enough_replicas
     return ErrorCode.unknown_server_error
 
 
@@ -112,9 +118,26 @@ class Session:
     # Set when the listener stops: long polls answer at once instead of holding the
     # drain for their max_wait.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    # With [cluster]: leadership, the high watermark and acks=all (docs/cluster.md).
+    cluster: ClusterView | None = None
+
+    @property
+    def node_id(self) -> int:
+        """This broker's id: the cluster's node id, or 0 on a single node."""
+        return NODE_ID if self.cluster is None else self.cluster.node_id
 
     def broker(self) -> dict[str, Any]:
-        return {"node_id": NODE_ID, "host": self.host, "port": self.port, "rack": None}
+        return {"node_id": self.node_id, "host": self.host, "port": self.port, "rack": None}
+
+    def brokers(self) -> list[dict[str, Any]]:
+        """Every broker a client may be sent to: each live node of a cluster."""
+        if self.cluster is None:
+            return [self.broker()]
+        return [
+            {"node_id": n.node_id, "host": n.host, "port": n.ports["kafka"], "rack": n.rack}
+            for n in self.cluster.nodes()
+            if "kafka" in n.ports
+        ]
 
 
 Handler = Callable[[Session, Any, int], Awaitable[Mapping[str, Any]]]
@@ -123,22 +146,45 @@ Handler = Callable[[Session, Any, int], Awaitable[Mapping[str, Any]]]
 # ---- metadata and topics --------------------------------------------------------------
 
 
-def _topic_entry(info: StreamInfo) -> dict[str, Any]:
+def _placement(session: Session, info: StreamInfo, partition: int) -> dict[str, Any]:
+    """Leader, epoch, replicas and ISR of one partition: this node alone without a
+    cluster; LEADER_NOT_AVAILABLE while a cluster's partition has no leader (or is not
+    placed yet)."""
+    cluster = session.cluster
+    if cluster is None:
+        return {
+            "error_code": ErrorCode.none,
+            "leader_id": NODE_ID,
+            "leader_epoch": 0,
+            "replica_nodes": [NODE_ID],
+            "isr_nodes": [NODE_ID],
+        }
+    view = cluster.partition(info.tenant_id, info.name, partition)
+    if view is None:  # created a moment ago: the controller has not placed it yet
+        return {
+            "error_code": ErrorCode.leader_not_available,
+            "leader_id": -1,
+            "leader_epoch": -1,
+            "replica_nodes": [],
+            "isr_nodes": [],
+        }
+    return {
+        "error_code": ErrorCode.leader_not_available if view.leader < 0 else ErrorCode.none,
+        "leader_id": view.leader,
+        "leader_epoch": view.epoch,
+        "replica_nodes": list(view.replicas),
+        "isr_nodes": list(view.isr),
+    }
+
+
+def _topic_entry(info: StreamInfo, session: Session) -> dict[str, Any]:
     return {
         "error_code": ErrorCode.none,
         "name": info.name,
         "topic_id": None,
         "is_internal": False,  # headwater's own streams never reach a client (Engine.stream)
         "partitions": [
-            {
-                "error_code": ErrorCode.none,
-                "partition_index": p,
-                "leader_id": NODE_ID,
-                "leader_epoch": 0,
-                "replica_nodes": [NODE_ID],
-                "isr_nodes": [NODE_ID],
-                "offline_replicas": [],
-            }
+            {"partition_index": p, **_placement(session, info, p), "offline_replicas": []}
             for p in range(info.partitions)
         ],
     }
@@ -148,24 +194,24 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
     api, tenant = session.api, session.tenant_id
     topics: list[dict[str, Any]] = []
     if request.topics is None or (version == 0 and not request.topics):
-        topics = [_topic_entry(info) for info in api.list_streams(tenant)]
+        topics = [_topic_entry(info, session) for info in api.list_streams(tenant)]
     else:
         # Kafka's auto.create.topics.enable defaults to true; v0-3 always ask for it.
         auto_create = getattr(request, "allow_auto_topic_creation", True)
         for wanted in request.topics:
             name = wanted.name
             try:
-                topics.append(_topic_entry(api.stream_named(tenant, name)))
+                topics.append(_topic_entry(api.stream_named(tenant, name), session))
                 continue
             except StreamNotFound:
                 pass
             code = ErrorCode.unknown_topic_or_partition
             if auto_create:
                 try:
-                    topics.append(_topic_entry(await api.create_stream(tenant, name)))
+                    topics.append(_topic_entry(await api.create_stream(tenant, name), session))
                     continue
                 except StreamAlreadyExists:
-                    topics.append(_topic_entry(api.stream_named(tenant, name)))
+                    topics.append(_topic_entry(api.stream_named(tenant, name), session))
                     continue
                 except InvalidRequest as exc:
                     log.warning("kafka %s: topic %r not created: %s", session.peer, name, exc)
@@ -173,9 +219,9 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
             topics.append({"error_code": code, "name": name, "partitions": []})
     return {
         "throttle_time": 0,
-        "brokers": [session.broker()],
+        "brokers": session.brokers(),
         "cluster_id": CLUSTER_ID,
-        "controller_id": NODE_ID,
+        "controller_id": NODE_ID if session.cluster is None else session.cluster.controller_id,
         "topics": topics,
     }
 
@@ -338,7 +384,7 @@ async def produce(session: Session, request: Any, version: int) -> Mapping[str, 
         answers = await asyncio.gather(
             *(
                 _produce_partition(
-                    session, info, data.index, data.records, request.transactional_id
+                    session, info, data.index, data.records, request.transactional_id, request
                 )
                 for data in topic.partition_data
             )
@@ -353,6 +399,7 @@ async def _produce_partition(
     index: int,
     records: bytes | None,
     transactional_id: str | None,
+    request: Any,
 ) -> dict[str, Any]:
     answer: dict[str, Any] = {
         "index": index,
@@ -366,7 +413,14 @@ async def _produce_partition(
     if info is None or not 0 <= index < info.partitions:
         answer["error_code"] = ErrorCode.unknown_topic_or_partition
         return answer
+    cluster = session.cluster
+    all_isr = getattr(request, "acks", 1) == -1
     try:
+        if cluster is not None:
+            # Only the leader takes writes; acks=all not even then below min ISR.
+            cluster.check_leader(session.tenant_id, info.name, index)
+            if all_isr:
+                cluster.check_min_isr(session.tenant_id, info.name, index)
         base_offset = -1
         for batch in split_batches(records or b""):
             if len(batch.data) > MAX_MESSAGE_BYTES:
@@ -378,6 +432,13 @@ async def _produce_partition(
             offset = await _append_batch(session, info, index, batch, transactional_id)
             if base_offset < 0:
                 base_offset = offset
+        if cluster is not None and all_isr:
+            # acks=all: answered once every in-sync replica has it (up to the current
+            # end, which covers this request's batches).
+            end = session.api.stream_end(session.tenant_id, info.stream_id, index)
+            timeout = getattr(request, "timeout", None)
+            seconds = timeout.total_seconds() if timeout is not None else 30.0
+            await cluster.replicated(session.tenant_id, info.name, index, end, seconds)
         answer["base_offset"] = base_offset
         answer["log_start_offset"] = info.partition_info[index].start_offset
     except RecordBatchError as exc:
@@ -639,14 +700,18 @@ async def _fetch_once(
             p = wanted.partition
             end = api.stream_end(tenant, info.stream_id, p)
             stable = api.last_stable_offset(tenant, info.stream_id, p)
-            entry["high_watermark"] = end
+            # In a cluster consumers read up to the high watermark (leader or follower).
+            cluster = session.cluster
+            readable = end if cluster is None else cluster.high_watermark(tenant, info.name, p, end)
+            stable = min(stable, readable)
+            entry["high_watermark"] = readable
             entry["last_stable_offset"] = stable
             entry["log_start_offset"] = info.partition_info[p].start_offset
             offset = wanted.fetch_offset
             if offset > end or offset < 0:
                 entry["error_code"] = ErrorCode.offset_out_of_range
                 continue
-            limit = stable if isolation == READ_COMMITTED else end
+            limit = stable if isolation == READ_COMMITTED else readable
             if offset >= limit or size >= budget:
                 # Woken by anything past the current end: a new batch, or a marker
                 # that moves the last stable offset.
@@ -670,6 +735,8 @@ async def _fetch_once(
             except HeadwaterError as exc:
                 entry["error_code"] = error_code(exc)
                 continue
+            if readable < end:  # whole batches: those from the high watermark on wait
+                result.spans = [s for s in result.spans if s.batch.base_offset < limit]
             data = records_of(result)
             entry["records"] = data
             size += len(data)
@@ -726,10 +793,13 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
             if wanted.timestamp == EARLIEST:
                 entry["offset"] = info.partition_info[p].start_offset
             elif wanted.timestamp == LATEST:
+                end = api.stream_end(tenant, info.stream_id, p)
+                if session.cluster is not None:
+                    end = session.cluster.high_watermark(tenant, info.name, p, end)
                 entry["offset"] = (
-                    api.last_stable_offset(tenant, info.stream_id, p)
+                    min(api.last_stable_offset(tenant, info.stream_id, p), end)
                     if committed
-                    else api.stream_end(tenant, info.stream_id, p)
+                    else end
                 )
             elif wanted.timestamp >= 0:
                 found = await api.offset_for_timestamp(

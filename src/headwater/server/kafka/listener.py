@@ -75,7 +75,10 @@ class KafkaConnection(TaskPerRequestConnection):
         without_nagle(transport)
         local = transport.get_extra_info("sockname")
         host = local[0] if local else "127.0.0.1"
-        self.session = Session(self.api, host, self._port, self.guard.peer, stopping=self.stopping)
+        cluster = None if self.server.cluster is None else self.server.cluster.view
+        self.session = Session(
+            self.api, host, self._port, self.guard.peer, stopping=self.stopping, cluster=cluster
+        )
         try:
             # Without [auth] required an unauthenticated client acts for tenant 0.
             principal = self.api.authenticate(None)

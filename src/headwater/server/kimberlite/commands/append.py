@@ -49,6 +49,12 @@ async def _append(
     columns: EventColumns | None = None,
 ) -> m.ResponsePayload:
     started = time.perf_counter()
+    cluster = conn.server.cluster
+    if cluster is not None:
+        # In a cluster only the leader of partition 0 takes Kimberlite appends: others
+        # answer NotLeader (retryable), its message naming the leader's addresses.
+        name = conn.api.stream_name(request.tenant_id, stream_id)
+        cluster.view.check_leader(request.tenant_id, name, 0)
     columns = columns or {}
     if producer is not None:
         columns["producer"] = producer

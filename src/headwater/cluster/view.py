@@ -1,0 +1,94 @@
+"""What a front end asks the cluster (docs/cluster.md, "Front ends"): who leads a
+partition, whether this node does, how far consumers may read, and acks=all's wait.
+
+A front end is handed ``server.cluster`` (None on a single node, where every
+partition is led here and readable to its end) and calls only these methods; the
+answers come from etcd's state as of this node's last tick and from replication."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from headwater.cluster.layout import NodeInfo, PartitionKey
+from headwater.cluster.replication import NotEnoughReplicas
+from headwater.errors import NotLeader
+
+if TYPE_CHECKING:
+    from headwater.cluster.node import ClusterNode
+
+__all__ = ["ClusterView", "NotEnoughReplicas", "NotLeader", "PartitionView"]
+
+
+@dataclass(frozen=True)
+class PartitionView:
+    leader: int  # -1: none now
+    epoch: int
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
+
+
+class ClusterView:
+    def __init__(self, node: ClusterNode) -> None:
+        self.node_id = node.config.node_id
+        self._node = node
+        self._replication = node.replication
+
+    def nodes(self) -> list[NodeInfo]:
+        """The live nodes, by id (this one always among them)."""
+        live = dict(self._node.nodes)
+        live.setdefault(self.node_id, self._node.info)
+        return [live[n] for n in sorted(live)]
+
+    @property
+    def controller_id(self) -> int:
+        return self._node.controller_id
+
+    def partition(self, tenant_id: int, stream: str, partition: int) -> PartitionView | None:
+        state = self._node.partitions.get(PartitionKey(tenant_id, stream, partition))
+        if state is None:
+            return None
+        return PartitionView(state.leader, state.epoch, state.replicas, state.isr)
+
+    def check_leader(self, tenant_id: int, stream: str, partition: int) -> None:
+        """NotLeader (its message naming the leader's Kafka and Kimberlite addresses when
+        one is known) unless this node leads the partition now."""
+        key = PartitionKey(tenant_id, stream, partition)
+        if self._replication.leads(key):
+            return
+        state = self._node.partitions.get(key)
+        leader = None if state is None else self._node.nodes.get(state.leader)
+        if leader is None:
+            raise NotLeader(f"partition {partition} of {stream} has no leader right now")
+        ports = ", ".join(
+            f"{name} {leader.host}:{leader.ports[name]}"
+            for name in ("kafka", "kimberlite")
+            if name in leader.ports
+        )
+        raise NotLeader(f"node {leader.node_id} leads partition {partition} of {stream}: {ports}")
+
+    def high_watermark(self, tenant_id: int, stream: str, partition: int, end: int) -> int:
+        """Where consumers of the partition stop (never past the local ``end``); a
+        partition etcd does not know yet (just created) is readable to its end here."""
+        key = PartitionKey(tenant_id, stream, partition)
+        if key not in self._node.partitions:
+            return end
+        return min(end, self._replication.high_watermark(key))
+
+    async def replicated(
+        self, tenant_id: int, stream: str, partition: int, end: int, timeout_s: float
+    ) -> None:
+        """acks=all: every in-sync replica holds the partition below ``end``
+        (NotEnoughReplicas when the ISR is below min_insync_replicas or time runs out)."""
+        key = PartitionKey(tenant_id, stream, partition)
+        await self._replication.wait_replicated(key, end, timeout_s)
+
+    def check_min_isr(self, tenant_id: int, stream: str, partition: int) -> None:
+        """NotEnoughReplicas before an acks=all append when the ISR is already too small
+        (Kafka refuses those before writing)."""
+        state = self._node.partitions.get(PartitionKey(tenant_id, stream, partition))
+        needed = self._node.config.min_insync_replicas
+        if state is not None and len(state.isr) < needed:
+            raise NotEnoughReplicas(
+                f"{len(state.isr)} in-sync replicas, below min_insync_replicas ({needed})"
+            )
