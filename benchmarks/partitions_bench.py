@@ -401,6 +401,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["kafka_produce"] = kafka_produce(
                         server, f"k_{name}", partitions, args.messages, value
                     )
+                    # The SQL projection catches up on what was just produced in the
+                    # background: the consume is timed once the server is idle again.
+                    settle([server.pid], 60.0)
                     row["kafka_consume"] = kafka_consume(
                         server, f"k_{name}", args.messages, f"g_{name}"
                     )
@@ -408,6 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row["rivven_produce"] = rivven_produce(
                             server, f"r_{name}", partitions, args.rivven_messages, value, args.depth
                         )
+                        settle([server.pid], 60.0)
                         row["rivven_consume"] = rivven_consume(
                             server, f"r_{name}", partitions, args.rivven_messages
                         )
