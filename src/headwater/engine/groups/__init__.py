@@ -21,6 +21,7 @@ from headwater.engine.groups.coordinator import (
     JoinFailed,
     JoinResult,
     Reply,
+    SyncFailed,
     SyncResult,
 )
 from headwater.engine.groups.errors import (
@@ -62,6 +63,7 @@ __all__ = [
     "OffsetStore",
     "RebalanceInProgress",
     "Reply",
+    "SyncFailed",
     "SyncResult",
     "TopicPartition",
     "UnknownMemberId",

@@ -25,6 +25,16 @@ rebalance, in which the partition, now owned by nobody, goes to B. So no partiti
 ever assigned to a member while another still holds it. Eager assignors (range,
 roundrobin) assume a member gives up everything before it rejoins, as Kafka's do.
 
+Assigned by the leader (``client_assigns``, Kafka's classic protocol as Kafka clients
+speak it): the coordinator only picks the protocol (the same vote) and a leader; the
+leader computes the assignment with its own assignor from the members' metadata and
+sends it in its SyncGroup (:meth:`sync_client`), and every member gets what the leader
+gave it, as opaque bytes with the partitions they name. A member's SyncGroup before the
+leader's waits for it (Kafka holds the request open): its reply comes out of the
+leader's call, or a SyncFailed when the group rebalances first. Cooperative protocols
+are then the clients' own business (they revoke and rejoin themselves). One group is
+assigned one way: a member asking the other is refused (InconsistentGroupProtocol).
+
 Static membership: a member with a ``group.instance.id`` that rejoins under a new member
 id (a restart) takes over the old member's place and assignment without a rebalance
 when its subscription is unchanged; the old member id is fenced (FencedInstanceId).
@@ -38,7 +48,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -101,18 +111,29 @@ class JoinFailed:
     error: GroupError
 
 
-Reply = JoinResult | JoinFailed
-
-
 @dataclass(frozen=True)
 class SyncResult:
     """A member's assignment for ``generation``; ``revoke`` is what it held and must give
-    up now (before it rejoins or commits for those partitions)."""
+    up now (before it rejoins or commits for those partitions). In a group its leader
+    assigns, ``data`` is the assignment exactly as the leader sent it."""
 
     member_id: str
     generation: int
     assignment: tuple[TopicPartition, ...]
     revoke: tuple[TopicPartition, ...]
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
+class SyncFailed:
+    """A SyncGroup waiting on the leader's, answered with an error: the group rebalanced
+    (or the member was removed or fenced) before the leader synced."""
+
+    member_id: str
+    error: GroupError
+
+
+Reply = JoinResult | JoinFailed | SyncResult | SyncFailed
 
 
 @dataclass
@@ -130,6 +151,13 @@ class Member:
     assignment: tuple[TopicPartition, ...] = ()  # this generation's
     awaiting_join: bool = False
     synced: bool = False
+    client_assigns: bool = False  # the group's leader assigns (sync_client)
+    assignment_data: bytes = b""  # the leader's bytes for this member
+    awaiting_sync: bool = False  # its SyncGroup waits for the leader's
+
+    def session_expired(self, now: int) -> bool:
+        """Whether its session has run out (a pending request keeps it alive)."""
+        return not (self.awaiting_join or self.awaiting_sync) and self.deadline_ms <= now
 
 
 @dataclass(frozen=True)
@@ -139,6 +167,7 @@ class MemberDescription:
     instance_id: str | None
     streams: tuple[str, ...]
     assignment: tuple[TopicPartition, ...]
+    assignment_data: bytes = b""  # as the leader sent it (a group its leader assigns)
 
 
 @dataclass(frozen=True)
@@ -149,6 +178,7 @@ class GroupDescription:
     protocol: str | None
     leader: str | None
     members: tuple[MemberDescription, ...]
+    client_assigned: bool = False
 
 
 @dataclass
@@ -162,6 +192,11 @@ class Group:
     static: dict[str, str] = field(default_factory=dict)  # instance id -> member id
     rebalance_deadline_ms: int | None = None
     withheld: set[TopicPartition] = field(default_factory=set)
+    assigned: bool = False  # the leader's assignment for this generation has arrived
+
+    @property
+    def client_assigned(self) -> bool:
+        return any(m.client_assigns for m in self.members.values())
 
     def common_protocols(self, excluding: str | None = None) -> set[str] | None:
         """The assignors every member (but ``excluding``) supports; None: no members."""
@@ -192,10 +227,16 @@ class Group:
             self.leader,
             tuple(
                 MemberDescription(
-                    m.member_id, m.client_id, m.instance_id, tuple(sorted(m.streams)), m.holding
+                    m.member_id,
+                    m.client_id,
+                    m.instance_id,
+                    tuple(sorted(m.streams)),
+                    m.holding,
+                    m.assignment_data if m.holding == m.assignment else b"",
                 )
                 for m in self.members.values()
             ),
+            self.client_assigned,
         )
 
 
@@ -221,6 +262,9 @@ class GroupCoordinator:
         self.new_member_id = new_member_id
         self.groups: dict[str, Group] = {}
         self.rebalances = 0  # completed rebalances, for metrics
+        # Replies for waiting SyncGroups that a state change answered: handed out with
+        # the replies of the call that made the change.
+        self._outbox: list[Reply] = []
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -236,9 +280,40 @@ class GroupCoordinator:
         session_timeout_ms: int = 45_000,
         rebalance_timeout_ms: int = 300_000,
         owned: Iterable[TopicPartition] | None = None,
+        client_assigns: bool = False,
     ) -> tuple[str, list[Reply]]:
         """JoinGroup. Returns the member's id (a new one when ``member_id`` is empty) and
-        the replies now ready (this member's among them unless it must wait)."""
+        the replies now ready (this member's among them unless it must wait). With
+        ``client_assigns`` the group's leader assigns (any protocol names; see
+        :meth:`sync_client`); otherwise the coordinator, with the assignors it knows."""
+        member_id, replies = self._join(
+            group_id,
+            member_id,
+            protocols=protocols,
+            streams=streams,
+            client_id=client_id,
+            instance_id=instance_id,
+            session_timeout_ms=session_timeout_ms,
+            rebalance_timeout_ms=rebalance_timeout_ms,
+            owned=owned,
+            client_assigns=client_assigns,
+        )
+        return member_id, self._drain(replies)
+
+    def _join(
+        self,
+        group_id: str,
+        member_id: str,
+        *,
+        protocols: Sequence[str],
+        streams: Iterable[str],
+        client_id: str,
+        instance_id: str | None,
+        session_timeout_ms: int,
+        rebalance_timeout_ms: int,
+        owned: Iterable[TopicPartition] | None,
+        client_assigns: bool,
+    ) -> tuple[str, list[Reply]]:
         if not group_id:
             raise InvalidGroupId("a consumer group id must not be empty")
         low, high = self.config.min_session_timeout_ms, self.config.max_session_timeout_ms
@@ -248,13 +323,26 @@ class GroupCoordinator:
             )
         if rebalance_timeout_ms <= 0:
             raise InvalidRequest("the rebalance timeout must be positive")
-        known = tuple(dict.fromkeys(p for p in protocols if p in ASSIGNORS))
-        if not known:
-            raise InconsistentGroupProtocol(
-                f"none of the assignors {list(protocols)} is one of {sorted(ASSIGNORS)}"
-            )
+        if client_assigns:
+            known = tuple(dict.fromkeys(protocols))
+            if not known:
+                raise InconsistentGroupProtocol("a member must offer at least one assignor")
+        else:
+            known = tuple(dict.fromkeys(p for p in protocols if p in ASSIGNORS))
+            if not known:
+                raise InconsistentGroupProtocol(
+                    f"none of the assignors {list(protocols)} is one of {sorted(ASSIGNORS)}"
+                )
         now = self.clock()
-        group = self.groups.setdefault(group_id, Group(group_id))
+        group = self.groups.get(group_id) or Group(group_id)
+        others = [m for m in group.members.values() if m.member_id != member_id]
+        if others and others[0].client_assigns != client_assigns:
+            raise InconsistentGroupProtocol(
+                f"group {group_id!r} is assigned by its "
+                + ("leader" if others[0].client_assigns else "coordinator")
+                + ", the member asks otherwise"
+            )
+        self.groups[group_id] = group
         reported = None if owned is None else frozenset(owned)
         metadata = (known, frozenset(streams))
         replies: list[Reply] = []
@@ -281,6 +369,7 @@ class GroupCoordinator:
                 now + session_timeout_ms,
                 reported_owned=reported,
                 awaiting_join=True,
+                client_assigns=client_assigns,
             )
             if instance_id is not None:
                 group.static[instance_id] = member_id
@@ -313,9 +402,12 @@ class GroupCoordinator:
     def sync(
         self, group_id: str, member_id: str, generation: int, instance_id: str | None = None
     ) -> SyncResult:
-        """SyncGroup: the member's assignment for ``generation``."""
+        """SyncGroup: the member's assignment for ``generation`` (a group the
+        coordinator assigns; see :meth:`sync_client` for one its leader assigns)."""
         group = self._group(group_id)
         member = self._member(group, member_id, instance_id)
+        if member.client_assigns:
+            raise InconsistentGroupProtocol(f"group {group_id!r} is assigned by its leader")
         if generation != group.generation:
             raise IllegalGeneration(
                 f"generation {generation} is not group {group_id!r}'s ({group.generation})"
@@ -336,6 +428,58 @@ class GroupCoordinator:
             if group.withheld:  # cooperative: hand over what has now been let go
                 self._prepare_rebalance(group, now)
         return SyncResult(member_id, generation, member.assignment, revoke)
+
+    def sync_client(
+        self,
+        group_id: str,
+        member_id: str,
+        generation: int,
+        instance_id: str | None = None,
+        assignments: Mapping[str, tuple[Sequence[TopicPartition], bytes]] | None = None,
+    ) -> list[Reply]:
+        """SyncGroup in a group its leader assigns. The leader's ``assignments`` (member
+        id -> the partitions and the bytes it gave that member; a member it names not
+        gets nothing) settle the generation. Returns the replies now ready: this
+        member's unless it waits for the leader's SyncGroup, and, from the leader's, the
+        waiting members' too. A group the coordinator assigns answers as :meth:`sync`."""
+        group = self._group(group_id)
+        member = self._member(group, member_id, instance_id)
+        if not member.client_assigns:
+            return [self.sync(group_id, member_id, generation, instance_id)]
+        if generation != group.generation:
+            raise IllegalGeneration(
+                f"generation {generation} is not group {group_id!r}'s ({group.generation})"
+            )
+        if group.state is GroupState.PREPARING_REBALANCE:
+            raise RebalanceInProgress(f"group {group_id!r} is rebalancing: rejoin")
+        member.deadline_ms = self.clock() + member.session_timeout_ms
+        member.synced = True
+        if group.assigned:
+            return [self._client_sync_result(member, generation)]
+        if member_id != group.leader or assignments is None:
+            member.awaiting_sync = True
+            return []
+        for each in group.members.values():
+            partitions, data = assignments.get(each.member_id, ((), b""))
+            each.assignment, each.assignment_data = tuple(sorted(partitions)), data
+        group.assigned = True
+        group.state = GroupState.STABLE
+        group.rebalance_deadline_ms = None
+        replies: list[Reply] = []
+        for each in group.members.values():
+            if each.awaiting_sync or each is member:
+                each.awaiting_sync = False
+                replies.append(self._client_sync_result(each, generation))
+        return replies
+
+    @staticmethod
+    def _client_sync_result(member: Member, generation: int) -> SyncResult:
+        kept = set(member.assignment)
+        revoke = tuple(tp for tp in member.holding if tp not in kept)
+        member.holding = member.assignment
+        return SyncResult(
+            member.member_id, generation, member.assignment, revoke, member.assignment_data
+        )
 
     def heartbeat(
         self, group_id: str, member_id: str, generation: int, instance_id: str | None = None
@@ -358,7 +502,7 @@ class GroupCoordinator:
         self._member(group, member_id, instance_id)
         now = self.clock()
         self._remove(group, member_id, now)
-        return self._try_complete_join(group, now)
+        return self._drain(self._try_complete_join(group, now))
 
     def tick(self) -> list[Reply]:
         """Apply every deadline passed by now: sessions, rebalance and sync timeouts."""
@@ -366,8 +510,9 @@ class GroupCoordinator:
         replies: list[Reply] = []
         for group in self.groups.values():
             for member in list(group.members.values()):
-                # A member waiting on its join is answered by the rebalance deadline.
-                if not member.awaiting_join and member.deadline_ms <= now:
+                # A member waiting on its join (or on the leader's sync, as Kafka keeps
+                # it alive) is answered by the rebalance deadline.
+                if member.session_expired(now):
                     self._remove(group, member.member_id, now)
             deadline = group.rebalance_deadline_ms
             if deadline is not None and deadline <= now:
@@ -380,7 +525,7 @@ class GroupCoordinator:
                         if not member.synced:
                             self._remove(group, member.member_id, now)
             replies += self._try_complete_join(group, now)
-        return replies
+        return self._drain(replies)
 
     def next_deadline(self) -> int | None:
         """When :meth:`tick` next has something to do (None: nothing pending)."""
@@ -389,7 +534,11 @@ class GroupCoordinator:
             for group in self.groups.values()
             for d in (
                 group.rebalance_deadline_ms,
-                *(m.deadline_ms for m in group.members.values() if not m.awaiting_join),
+                *(
+                    m.deadline_ms
+                    for m in group.members.values()
+                    if not (m.awaiting_join or m.awaiting_sync)
+                ),
             )
             if d is not None
         ]
@@ -426,14 +575,16 @@ class GroupCoordinator:
             raise RebalanceInProgress(f"group {group_id!r} is rebalancing: sync first")
         member.deadline_ms = self.clock() + member.session_timeout_ms
 
-    def partitions_changed(self, stream: str) -> None:
+    def partitions_changed(self, stream: str) -> list[Reply]:
         """A stream's partition count changed (it grew): every group consuming it
-        rebalances, its members learning so from their next heartbeat."""
+        rebalances, its members learning so from their next heartbeat. Returns the
+        replies of SyncGroups that were waiting (RebalanceInProgress)."""
         now = self.clock()
         for group in self.groups.values():
             settled = group.state in (GroupState.STABLE, GroupState.COMPLETING_REBALANCE)
             if settled and any(stream in m.streams for m in group.members.values()):
                 self._prepare_rebalance(group, now)
+        return self._drain([])
 
     def describe(self, group_id: str) -> GroupDescription:
         return self._group(group_id).describe()
@@ -446,6 +597,20 @@ class GroupCoordinator:
         del self.groups[group_id]
 
     # ---- internals --------------------------------------------------------------------
+
+    def _drain(self, replies: list[Reply]) -> list[Reply]:
+        """``replies`` and the waiting SyncGroups' answers that a change made."""
+        if not self._outbox:
+            return replies
+        out, self._outbox = self._outbox + replies, []
+        return out
+
+    def _fail_sync(self, member: Member, error: GroupError) -> None:
+        if member.awaiting_sync:
+            # Answered now: its session runs from here, as after any answer.
+            member.awaiting_sync = False
+            member.deadline_ms = self.clock() + member.session_timeout_ms
+            self._outbox.append(SyncFailed(member.member_id, error))
 
     def _group(self, group_id: str) -> Group:
         group = self.groups.get(group_id)
@@ -479,6 +644,7 @@ class GroupCoordinator:
         replies: list[Reply] = []
         if old.awaiting_join:
             replies.append(JoinFailed(old.member_id, FencedInstanceId("a newer member joined")))
+        self._fail_sync(old, FencedInstanceId("a newer member joined"))
         del group.members[old.member_id]
         old.member_id = member_id
         old.holding = ()  # a new process: it holds nothing until its SyncGroup
@@ -495,11 +661,14 @@ class GroupCoordinator:
         group.state = GroupState.PREPARING_REBALANCE
         timeouts = [m.rebalance_timeout_ms for m in group.members.values()]
         group.rebalance_deadline_ms = now + max(timeouts, default=0)
+        group.assigned = False
         for member in group.members.values():
             member.synced = False
+            self._fail_sync(member, RebalanceInProgress(f"group {group.group_id!r} rebalances"))
 
     def _remove(self, group: Group, member_id: str, now: int) -> None:
         member = group.members.pop(member_id)
+        self._fail_sync(member, UnknownMemberId(f"member {member_id!r} left the group"))
         if member.instance_id is not None and group.static.get(member.instance_id) == member_id:
             del group.static[member.instance_id]
         if group.leader == member_id:
@@ -533,6 +702,19 @@ class GroupCoordinator:
         if group.leader not in group.members:
             group.leader = next(iter(group.members))
         group.protocol = group.select_protocol()
+        if group.client_assigned:
+            # The leader assigns: every member waits for its SyncGroup.
+            group.withheld = set()
+            for member in group.members.values():
+                member.assignment, member.assignment_data = (), b""
+                member.awaiting_join = member.synced = False
+                member.reported_owned = None
+                member.deadline_ms = now + member.session_timeout_ms
+            group.state = GroupState.COMPLETING_REBALANCE
+            group.rebalance_deadline_ms = now + max(
+                m.rebalance_timeout_ms for m in group.members.values()
+            )
+            return [group.join_result(m) for m in group.members]
         assignor = ASSIGNORS[group.protocol]
         subscriptions = [
             MemberSubscription(

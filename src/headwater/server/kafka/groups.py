@@ -1,12 +1,10 @@
 """Kafka's consumer group APIs over the engine's group coordinator (engine/groups).
 
-The coordinator is a pure state machine: a JoinGroup may have to wait for the other
-members, so :class:`KafkaGroups` keeps each pending join's future by (group, member) and
-resolves it when the coordinator hands out its reply (from another member's join or
-leave, or from :meth:`GroupCoordinator.tick` at its next deadline: session and rebalance
-timeouts). The assignment is computed by the coordinator (range, roundrobin or
-cooperative-sticky, the members' vote) and every member, the leader included, gets it
-from SyncGroup; what a leader sends in its SyncGroup is not used.
+As in Kafka, the group's leader assigns: its JoinGroup answer lists every member with
+its subscription metadata, its client's assignor (range, roundrobin, cooperative-sticky,
+aiokafka's, any) computes the assignment, and each member's SyncGroup answer is exactly
+the bytes the leader's SyncGroup gave it; a SyncGroup before the leader's waits for it
+(the coordinator's ``sync_client``).
 
 The member metadata and assignments are Kafka's consumer protocol
 (ConsumerProtocolSubscription / ConsumerProtocolAssignment, written here: kio models
@@ -32,6 +30,8 @@ from headwater.engine.groups import (
     JoinFailed,
     JoinResult,
     Reply,
+    SyncFailed,
+    SyncResult,
     TopicPartition,
 )
 from headwater.errors import HeadwaterError, InvalidRequest, StreamNotFound
@@ -97,6 +97,20 @@ def parse_subscription(data: bytes) -> tuple[list[str], list[TopicPartition] | N
     return topics, owned
 
 
+def parse_assignment(data: bytes) -> list[TopicPartition]:
+    """The partitions a ConsumerProtocolAssignment (any version) names; its user data
+    (and a later version's fields) are the client's."""
+    if not data:
+        return []  # Kafka's "no assignment"
+    reader = _Reader(data)
+    reader.i16()  # version
+    assigned = []
+    for _ in range(reader.count()):
+        topic = reader.string()
+        assigned += [TopicPartition(topic, reader.i32()) for _ in range(reader.count())]
+    return assigned
+
+
 def encode_assignment(assignment: tuple[TopicPartition, ...]) -> bytes:
     """ConsumerProtocolAssignment v0: topics with their partitions, no user data."""
     by_topic: dict[str, list[int]] = {}
@@ -122,18 +136,44 @@ def _ms(delta: Any) -> int:
 class _TenantGroups:
     def __init__(self, coordinator: GroupCoordinator) -> None:
         self.coordinator = coordinator
-        # pending JoinGroups by member id (unique: the coordinator makes them)
-        self.pending: dict[str, asyncio.Future[Reply]] = {}
+        # pending JoinGroups and SyncGroups by member id (unique: the coordinator makes
+        # them)
+        self.joins: dict[str, asyncio.Future[Reply]] = {}
+        self.syncs: dict[str, asyncio.Future[Reply]] = {}
         self.metadata: dict[tuple[str, str], dict[str, bytes]] = {}
         self.wake = asyncio.Event()
         self.ticker = asyncio.get_running_loop().create_task(self._tick_loop())
 
     def dispatch(self, replies: list[Reply]) -> None:
         for reply in replies:
-            future = self.pending.pop(reply.member_id, None)
+            pending = self.syncs if isinstance(reply, SyncResult | SyncFailed) else self.joins
+            future = pending.pop(reply.member_id, None)
             if future is not None and not future.done():
                 future.set_result(reply)
         self.wake.set()  # the next deadline may have moved
+
+    async def wait_join(self, member_id: str, replies: list[Reply]) -> Reply:
+        """The reply to ``member_id``'s join (just made, which gave ``replies``)."""
+        return await self._wait(self.joins, member_id, replies)
+
+    async def wait_sync(self, member_id: str, replies: list[Reply]) -> Reply:
+        """The reply to ``member_id``'s sync (just made, which gave ``replies``)."""
+        return await self._wait(self.syncs, member_id, replies)
+
+    async def _wait(
+        self, pending: dict[str, asyncio.Future[Reply]], member_id: str, replies: list[Reply]
+    ) -> Reply:
+        earlier = pending.pop(member_id, None)
+        if earlier is not None:
+            earlier.cancel()
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        pending[member_id] = future
+        self.dispatch(replies)
+        try:
+            return await future
+        finally:
+            if pending.get(member_id) is future:
+                del pending[member_id]
 
     async def _tick_loop(self) -> None:
         coordinator = self.coordinator
@@ -172,7 +212,7 @@ class KafkaGroups:
     async def close(self) -> None:
         for tenant in self._tenants.values():
             tenant.ticker.cancel()
-            for future in tenant.pending.values():
+            for future in (*tenant.joins.values(), *tenant.syncs.values()):
                 future.cancel()
         self._tenants.clear()
 
@@ -210,24 +250,14 @@ class KafkaGroups:
                 session_timeout_ms=session_timeout,
                 rebalance_timeout_ms=_ms(rebalance) if rebalance is not None else session_timeout,
                 owned=owned,
+                client_assigns=True,
             )
         except HeadwaterError as exc:
             log.warning("kafka %s: JoinGroup %r refused: %s", session.peer, group_id, exc)
             answer["error_code"] = error_code(exc)
             return answer
         tenant.metadata[(group_id, member_id)] = protocols
-        key = member_id
-        earlier = tenant.pending.pop(key, None)
-        if earlier is not None:
-            earlier.cancel()
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        tenant.pending[key] = future
-        tenant.dispatch(replies)
-        try:
-            reply = await future
-        finally:
-            if tenant.pending.get(key) is future:
-                del tenant.pending[key]
+        reply = await tenant.wait_join(member_id, replies)
         answer["member_id"] = member_id
         if isinstance(reply, JoinFailed):
             answer["error_code"] = error_code(reply.error)
@@ -261,17 +291,28 @@ class KafkaGroups:
             "assignment": b"",
         }
         try:
-            result = tenant.coordinator.sync(
+            # Only the leader's assignments count (Kafka ignores a follower's).
+            assignments = {
+                a.member_id: (parse_assignment(bytes(a.assignment)), bytes(a.assignment))
+                for a in request.assignments
+            }
+            replies = tenant.coordinator.sync_client(
                 request.group_id,
                 request.member_id,
                 request.generation_id,
                 getattr(request, "group_instance_id", None),
+                assignments if request.assignments else None,
             )
         except HeadwaterError as exc:
+            log.warning("kafka %s: SyncGroup %r refused: %s", session.peer, request.group_id, exc)
             answer["error_code"] = error_code(exc)
             return answer
-        tenant.wake.set()
-        answer["assignment"] = encode_assignment(result.assignment)
+        reply = await tenant.wait_sync(request.member_id, replies)
+        if isinstance(reply, SyncFailed):
+            answer["error_code"] = error_code(reply.error)
+            return answer
+        assert isinstance(reply, SyncResult)
+        answer["assignment"] = reply.data
         return answer
 
     async def heartbeat(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
@@ -436,7 +477,11 @@ class KafkaGroups:
                             "member_metadata": tenant.metadata.get((group_id, m.member_id), {}).get(
                                 description.protocol or "", b""
                             ),
-                            "member_assignment": encode_assignment(m.assignment),
+                            "member_assignment": (
+                                m.assignment_data
+                                if description.client_assigned
+                                else encode_assignment(m.assignment)
+                            ),
                         }
                         for m in description.members
                     ],
