@@ -24,7 +24,8 @@ T = TypeVar("T")
 
 
 class _AsyncClient(Protocol):
-    reconnects: int
+    @property
+    def reconnects(self) -> int: ...
 
     @property
     def closed(self) -> bool: ...

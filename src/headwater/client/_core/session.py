@@ -531,17 +531,27 @@ class Session(Generic[L, S]):
         raise ServerUnavailable(f"{self.service} at {self.address} keeps closing the connection")
 
     async def _answer(
-        self, conn: L, key: Hashable, future: asyncio.Future[T], what: str, *, safe: bool
+        self,
+        conn: L,
+        key: Hashable,
+        future: asyncio.Future[T],
+        what: str,
+        *,
+        safe: bool,
+        wait: float | None = None,
     ) -> T:
         """The answer to a written request (an error answer included). Raises
-        ConnectionLost (the connection broke) or RequestTimeout."""
+        ConnectionLost (the connection broke) or RequestTimeout. ``wait``: seconds the
+        server may take beyond the client's timeout (a request it holds open, such as a
+        long poll or a group join)."""
+        timeout = self.timeout if self.timeout is None or wait is None else self.timeout + wait
         try:
-            return await asyncio.wait_for(future, self.timeout)
+            return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             conn.pending.pop(key, None)
             conn.routes.pop(key, None)
             raise RequestTimeout(
-                f"no answer to {what} from {self.service} at {self.address} within {self.timeout}s"
+                f"no answer to {what} from {self.service} at {self.address} within {timeout}s"
             ) from None
         except Lost as exc:
             conn.routes.pop(key, None)
@@ -560,15 +570,17 @@ class Session(Generic[L, S]):
         *,
         safe: bool,
         on_sent: Callable[[L, Any], None] | None = None,
+        wait: float | None = None,
     ) -> T:
-        """Send a request and return its answer, retrying when that is safe."""
+        """Send a request and return its answer, retrying when that is safe (``wait``:
+        see :meth:`_answer`)."""
         attempt = 0
         while True:
             conn, key, future = await self._send(post)
             if on_sent is not None:
                 on_sent(conn, key)
             try:
-                reply = await self._answer(conn, key, future, what, safe=safe)
+                reply = await self._answer(conn, key, future, what, safe=safe, wait=wait)
             except ConnectionLost:
                 if safe and self.reconnect and attempt < self.retries and not self._closed:
                     attempt += 1

@@ -212,11 +212,20 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
             payload += response.SerializeToString()
         return encode_frame(WireFormat.PROTOBUF, correlation_id, payload, max_frame=self.max_frame)
 
-    def send_error(self, correlation_id: int, code: int, message: str) -> bytes:
-        """A framed ErrorResponse (``message`` prefixed with the code's name)."""
-        return self._frame(
-            correlation_id, _with_header(error_response(code, message), correlation_id)
-        )
+    def send_error(
+        self,
+        correlation_id: int,
+        code: int,
+        message: str,
+        *,
+        details: dict[str, str] | None = None,
+    ) -> bytes:
+        """A framed ErrorResponse (``message`` prefixed with the code's name, ``details``
+        in its details map)."""
+        response = error_response(code, message)
+        if details:
+            response.error.details.update(details)
+        return self._frame(correlation_id, _with_header(response, correlation_id))
 
 
 class ClientConnection:

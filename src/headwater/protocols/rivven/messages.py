@@ -100,6 +100,9 @@ _NAME_FIELDS = frozenset(
         "entity_type",
         "entity_name",
         "quota_key",
+        "member_id",
+        "instance_id",
+        "assignors",
     }
 )
 """String fields held to :data:`MAX_NAME_LEN` wherever they occur in a request."""

@@ -215,6 +215,10 @@ class Request(_message.Message):
     DESCRIBE_QUOTAS_FIELD_NUMBER: _builtins.int
     ALTER_QUOTAS_FIELD_NUMBER: _builtins.int
     HANDSHAKE_FIELD_NUMBER: _builtins.int
+    PUBLISH_BATCH_FIELD_NUMBER: _builtins.int
+    JOIN_GROUP_FIELD_NUMBER: _builtins.int
+    GROUP_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    LEAVE_GROUP_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def header(self) -> Global___Header: ...
     @_builtins.property
@@ -283,6 +287,18 @@ class Request(_message.Message):
     def alter_quotas(self) -> Global___AlterQuotasRequest: ...
     @_builtins.property
     def handshake(self) -> Global___HandshakeRequest: ...
+    @_builtins.property
+    def publish_batch(self) -> Global___BatchPublishRequest:
+        """headwater's additions (200 and up, clear of Rivven's numbers): batches and
+        consumer-group membership, which Rivven carries only in postcard
+        """
+
+    @_builtins.property
+    def join_group(self) -> Global___JoinGroupRequest: ...
+    @_builtins.property
+    def group_heartbeat(self) -> Global___GroupHeartbeatRequest: ...
+    @_builtins.property
+    def leave_group(self) -> Global___LeaveGroupRequest: ...
     def __init__(
         self,
         *,
@@ -320,12 +336,16 @@ class Request(_message.Message):
         describe_quotas: Global___DescribeQuotasRequest | None = ...,
         alter_quotas: Global___AlterQuotasRequest | None = ...,
         handshake: Global___HandshakeRequest | None = ...,
+        publish_batch: Global___BatchPublishRequest | None = ...,
+        join_group: Global___JoinGroupRequest | None = ...,
+        group_heartbeat: Global___GroupHeartbeatRequest | None = ...,
+        leave_group: Global___LeaveGroupRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "add_offsets_to_txn", b"add_offsets_to_txn", "add_partitions_to_txn", b"add_partitions_to_txn", "alter_quotas", b"alter_quotas", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_quotas", b"describe_quotas", "describe_topic_configs", b"describe_topic_configs", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "handshake", b"handshake", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "list_groups", b"list_groups", "list_topics", b"list_topics", "ping", b"ping", "publish", b"publish", "request_type", b"request_type", "scram_client_final", b"scram_client_final", "scram_client_first", b"scram_client_first", "transactional_publish", b"transactional_publish"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "add_offsets_to_txn", b"add_offsets_to_txn", "add_partitions_to_txn", b"add_partitions_to_txn", "alter_quotas", b"alter_quotas", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_quotas", b"describe_quotas", "describe_topic_configs", b"describe_topic_configs", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "group_heartbeat", b"group_heartbeat", "handshake", b"handshake", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "join_group", b"join_group", "leave_group", b"leave_group", "list_groups", b"list_groups", "list_topics", b"list_topics", "ping", b"ping", "publish", b"publish", "publish_batch", b"publish_batch", "request_type", b"request_type", "scram_client_final", b"scram_client_final", "scram_client_first", b"scram_client_first", "transactional_publish", b"transactional_publish"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "add_offsets_to_txn", b"add_offsets_to_txn", "add_partitions_to_txn", b"add_partitions_to_txn", "alter_quotas", b"alter_quotas", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_quotas", b"describe_quotas", "describe_topic_configs", b"describe_topic_configs", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "handshake", b"handshake", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "list_groups", b"list_groups", "list_topics", b"list_topics", "ping", b"ping", "publish", b"publish", "request_type", b"request_type", "scram_client_final", b"scram_client_final", "scram_client_first", b"scram_client_first", "transactional_publish", b"transactional_publish"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "add_offsets_to_txn", b"add_offsets_to_txn", "add_partitions_to_txn", b"add_partitions_to_txn", "alter_quotas", b"alter_quotas", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_quotas", b"describe_quotas", "describe_topic_configs", b"describe_topic_configs", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "group_heartbeat", b"group_heartbeat", "handshake", b"handshake", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "join_group", b"join_group", "leave_group", b"leave_group", "list_groups", b"list_groups", "list_topics", b"list_topics", "ping", b"ping", "publish", b"publish", "publish_batch", b"publish_batch", "request_type", b"request_type", "scram_client_final", b"scram_client_final", "scram_client_first", b"scram_client_first", "transactional_publish", b"transactional_publish"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_request_type: _TypeAlias = _typing.Literal["publish", "consume", "create_topic", "delete_topic", "list_topics", "get_metadata", "commit_offset", "get_offset", "authenticate", "ping", "get_cluster_metadata", "get_offset_bounds", "list_groups", "describe_group", "delete_group", "get_offset_for_timestamp", "init_producer_id", "idempotent_publish", "begin_transaction", "commit_transaction", "abort_transaction", "transactional_publish", "add_partitions_to_txn", "add_offsets_to_txn", "alter_topic_config", "describe_topic_configs", "create_partitions", "delete_records", "scram_client_first", "scram_client_final", "describe_quotas", "alter_quotas", "handshake"]  # noqa: Y015
+    _WhichOneofReturnType_request_type: _TypeAlias = _typing.Literal["publish", "consume", "create_topic", "delete_topic", "list_topics", "get_metadata", "commit_offset", "get_offset", "authenticate", "ping", "get_cluster_metadata", "get_offset_bounds", "list_groups", "describe_group", "delete_group", "get_offset_for_timestamp", "init_producer_id", "idempotent_publish", "begin_transaction", "commit_transaction", "abort_transaction", "transactional_publish", "add_partitions_to_txn", "add_offsets_to_txn", "alter_topic_config", "describe_topic_configs", "create_partitions", "delete_records", "scram_client_first", "scram_client_final", "describe_quotas", "alter_quotas", "handshake", "publish_batch", "join_group", "group_heartbeat", "leave_group"]  # noqa: Y015
     _WhichOneofArgType_request_type: _TypeAlias = _typing.Literal["request_type", b"request_type"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_request_type) -> _WhichOneofReturnType_request_type | None: ...
 
@@ -374,8 +394,8 @@ Global___PublishRequest: _TypeAlias = PublishRequest  # noqa: Y015
 
 @_typing.final
 class BatchPublishRequest(_message.Message):
-    """Several partitions' records in one call. Declared by the schema but not reachable
-    from Request: Rivven sends batches only in its postcard format.
+    """Several partitions' records in one call. Rivven sends batches only in its postcard
+    format; headwater carries this message as Request.publish_batch (200).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -384,10 +404,17 @@ class BatchPublishRequest(_message.Message):
     PARTITION_RECORDS_FIELD_NUMBER: _builtins.int
     ACKS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    PRODUCER_ID_FIELD_NUMBER: _builtins.int
+    PRODUCER_EPOCH_FIELD_NUMBER: _builtins.int
+    TXN_ID_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     acks: _builtins.int
     """0 none, 1 leader, -1 every in-sync replica"""
     timeout_ms: _builtins.int
+    producer_id: _builtins.int
+    """headwater: an idempotent (producer_id set) or transactional (txn_id too) batch"""
+    producer_epoch: _builtins.int
+    txn_id: _builtins.str
     @_builtins.property
     def partition_records(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionRecords]: ...
     def __init__(
@@ -397,12 +424,17 @@ class BatchPublishRequest(_message.Message):
         partition_records: _abc.Iterable[Global___PartitionRecords] | None = ...,
         acks: _builtins.int = ...,
         timeout_ms: _builtins.int = ...,
+        producer_id: _builtins.int | None = ...,
+        producer_epoch: _builtins.int = ...,
+        txn_id: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_producer_id", b"_producer_id", "producer_id", b"producer_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "partition_records", b"partition_records", "timeout_ms", b"timeout_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_producer_id", b"_producer_id", "acks", b"acks", "partition_records", b"partition_records", "producer_epoch", b"producer_epoch", "producer_id", b"producer_id", "timeout_ms", b"timeout_ms", "topic", b"topic", "txn_id", b"txn_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__producer_id: _TypeAlias = _typing.Literal["producer_id"]  # noqa: Y015
+    _WhichOneofArgType__producer_id: _TypeAlias = _typing.Literal["_producer_id", b"_producer_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__producer_id) -> _WhichOneofReturnType__producer_id | None: ...
 
 Global___BatchPublishRequest: _TypeAlias = BatchPublishRequest  # noqa: Y015
 
@@ -412,7 +444,10 @@ class PartitionRecords(_message.Message):
 
     PARTITION_FIELD_NUMBER: _builtins.int
     RECORDS_FIELD_NUMBER: _builtins.int
+    BASE_SEQUENCE_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
+    base_sequence: _builtins.int
+    """headwater: the first record's sequence"""
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___Record]: ...
     def __init__(
@@ -420,10 +455,11 @@ class PartitionRecords(_message.Message):
         *,
         partition: _builtins.int = ...,
         records: _abc.Iterable[Global___Record] | None = ...,
+        base_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition", "records", b"records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_sequence", b"base_sequence", "partition", b"partition", "records", b"records"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -596,11 +632,16 @@ class CommitOffsetRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
     consumer_group: _builtins.str
     topic: _builtins.str
     partition: _builtins.int
     offset: _builtins.int
     metadata: _builtins.str
+    member_id: _builtins.str
+    """headwater: a group member's commit, checked against the group's generation"""
+    generation: _builtins.int
     def __init__(
         self,
         *,
@@ -609,12 +650,16 @@ class CommitOffsetRequest(_message.Message):
         partition: _builtins.int = ...,
         offset: _builtins.int = ...,
         metadata: _builtins.str = ...,
+        member_id: _builtins.str = ...,
+        generation: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "generation", b"generation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_group", b"consumer_group", "metadata", b"metadata", "offset", b"offset", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_generation", b"_generation", "consumer_group", b"consumer_group", "generation", b"generation", "member_id", b"member_id", "metadata", b"metadata", "offset", b"offset", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__generation: _TypeAlias = _typing.Literal["generation"]  # noqa: Y015
+    _WhichOneofArgType__generation: _TypeAlias = _typing.Literal["_generation", b"_generation"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__generation) -> _WhichOneofReturnType__generation | None: ...
 
 Global___CommitOffsetRequest: _TypeAlias = CommitOffsetRequest  # noqa: Y015
 
@@ -777,6 +822,10 @@ class Response(_message.Message):
     QUOTAS_ALTERED_FIELD_NUMBER: _builtins.int
     THROTTLED_FIELD_NUMBER: _builtins.int
     HANDSHAKE_RESULT_FIELD_NUMBER: _builtins.int
+    PUBLISH_BATCH_FIELD_NUMBER: _builtins.int
+    JOIN_GROUP_FIELD_NUMBER: _builtins.int
+    GROUP_HEARTBEAT_FIELD_NUMBER: _builtins.int
+    LEAVE_GROUP_FIELD_NUMBER: _builtins.int
     OK_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
@@ -850,6 +899,14 @@ class Response(_message.Message):
     @_builtins.property
     def handshake_result(self) -> Global___HandshakeResultResponse: ...
     @_builtins.property
+    def publish_batch(self) -> Global___BatchPublishResponse: ...
+    @_builtins.property
+    def join_group(self) -> Global___JoinGroupResponse: ...
+    @_builtins.property
+    def group_heartbeat(self) -> Global___GroupHeartbeatResponse: ...
+    @_builtins.property
+    def leave_group(self) -> Global___LeaveGroupResponse: ...
+    @_builtins.property
     def ok(self) -> Global___OkResponse: ...
     @_builtins.property
     def error(self) -> Global___ErrorResponse: ...
@@ -891,14 +948,18 @@ class Response(_message.Message):
         quotas_altered: Global___QuotasAlteredResponse | None = ...,
         throttled: Global___ThrottledResponse | None = ...,
         handshake_result: Global___HandshakeResultResponse | None = ...,
+        publish_batch: Global___BatchPublishResponse | None = ...,
+        join_group: Global___JoinGroupResponse | None = ...,
+        group_heartbeat: Global___GroupHeartbeatResponse | None = ...,
+        leave_group: Global___LeaveGroupResponse | None = ...,
         ok: Global___OkResponse | None = ...,
         error: Global___ErrorResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_topic_configs", b"describe_topic_configs", "error", b"error", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "handshake_result", b"handshake_result", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "list_groups", b"list_groups", "list_topics", b"list_topics", "offsets_added_to_txn", b"offsets_added_to_txn", "ok", b"ok", "partitions_added_to_txn", b"partitions_added_to_txn", "ping", b"ping", "publish", b"publish", "quotas_altered", b"quotas_altered", "quotas_described", b"quotas_described", "response_type", b"response_type", "scram_server_final", b"scram_server_final", "scram_server_first", b"scram_server_first", "throttled", b"throttled", "transactional_publish", b"transactional_publish"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_topic_configs", b"describe_topic_configs", "error", b"error", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "group_heartbeat", b"group_heartbeat", "handshake_result", b"handshake_result", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "join_group", b"join_group", "leave_group", b"leave_group", "list_groups", b"list_groups", "list_topics", b"list_topics", "offsets_added_to_txn", b"offsets_added_to_txn", "ok", b"ok", "partitions_added_to_txn", b"partitions_added_to_txn", "ping", b"ping", "publish", b"publish", "publish_batch", b"publish_batch", "quotas_altered", b"quotas_altered", "quotas_described", b"quotas_described", "response_type", b"response_type", "scram_server_final", b"scram_server_final", "scram_server_first", b"scram_server_first", "throttled", b"throttled", "transactional_publish", b"transactional_publish"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_topic_configs", b"describe_topic_configs", "error", b"error", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "handshake_result", b"handshake_result", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "list_groups", b"list_groups", "list_topics", b"list_topics", "offsets_added_to_txn", b"offsets_added_to_txn", "ok", b"ok", "partitions_added_to_txn", b"partitions_added_to_txn", "ping", b"ping", "publish", b"publish", "quotas_altered", b"quotas_altered", "quotas_described", b"quotas_described", "response_type", b"response_type", "scram_server_final", b"scram_server_final", "scram_server_first", b"scram_server_first", "throttled", b"throttled", "transactional_publish", b"transactional_publish"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort_transaction", b"abort_transaction", "alter_topic_config", b"alter_topic_config", "authenticate", b"authenticate", "begin_transaction", b"begin_transaction", "commit_offset", b"commit_offset", "commit_transaction", b"commit_transaction", "consume", b"consume", "create_partitions", b"create_partitions", "create_topic", b"create_topic", "delete_group", b"delete_group", "delete_records", b"delete_records", "delete_topic", b"delete_topic", "describe_group", b"describe_group", "describe_topic_configs", b"describe_topic_configs", "error", b"error", "get_cluster_metadata", b"get_cluster_metadata", "get_metadata", b"get_metadata", "get_offset", b"get_offset", "get_offset_bounds", b"get_offset_bounds", "get_offset_for_timestamp", b"get_offset_for_timestamp", "group_heartbeat", b"group_heartbeat", "handshake_result", b"handshake_result", "header", b"header", "idempotent_publish", b"idempotent_publish", "init_producer_id", b"init_producer_id", "join_group", b"join_group", "leave_group", b"leave_group", "list_groups", b"list_groups", "list_topics", b"list_topics", "offsets_added_to_txn", b"offsets_added_to_txn", "ok", b"ok", "partitions_added_to_txn", b"partitions_added_to_txn", "ping", b"ping", "publish", b"publish", "publish_batch", b"publish_batch", "quotas_altered", b"quotas_altered", "quotas_described", b"quotas_described", "response_type", b"response_type", "scram_server_final", b"scram_server_final", "scram_server_first", b"scram_server_first", "throttled", b"throttled", "transactional_publish", b"transactional_publish"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_response_type: _TypeAlias = _typing.Literal["publish", "consume", "create_topic", "delete_topic", "list_topics", "get_metadata", "commit_offset", "get_offset", "authenticate", "ping", "get_cluster_metadata", "get_offset_bounds", "list_groups", "describe_group", "delete_group", "get_offset_for_timestamp", "init_producer_id", "idempotent_publish", "begin_transaction", "commit_transaction", "abort_transaction", "partitions_added_to_txn", "transactional_publish", "offsets_added_to_txn", "alter_topic_config", "describe_topic_configs", "create_partitions", "delete_records", "scram_server_first", "scram_server_final", "quotas_described", "quotas_altered", "throttled", "handshake_result", "ok", "error"]  # noqa: Y015
+    _WhichOneofReturnType_response_type: _TypeAlias = _typing.Literal["publish", "consume", "create_topic", "delete_topic", "list_topics", "get_metadata", "commit_offset", "get_offset", "authenticate", "ping", "get_cluster_metadata", "get_offset_bounds", "list_groups", "describe_group", "delete_group", "get_offset_for_timestamp", "init_producer_id", "idempotent_publish", "begin_transaction", "commit_transaction", "abort_transaction", "partitions_added_to_txn", "transactional_publish", "offsets_added_to_txn", "alter_topic_config", "describe_topic_configs", "create_partitions", "delete_records", "scram_server_first", "scram_server_final", "quotas_described", "quotas_altered", "throttled", "handshake_result", "publish_batch", "join_group", "group_heartbeat", "leave_group", "ok", "error"]  # noqa: Y015
     _WhichOneofArgType_response_type: _TypeAlias = _typing.Literal["response_type", b"response_type"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_response_type) -> _WhichOneofReturnType_response_type | None: ...
 
@@ -958,11 +1019,14 @@ class PartitionPublishResult(_message.Message):
     BASE_OFFSET_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    DUPLICATE_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     base_offset: _builtins.int
     error_code: _builtins.int
     """0: written"""
     error_message: _builtins.str
+    duplicate: _builtins.bool
+    """headwater: a retry, stored before"""
     def __init__(
         self,
         *,
@@ -970,10 +1034,11 @@ class PartitionPublishResult(_message.Message):
         base_offset: _builtins.int = ...,
         error_code: _builtins.int = ...,
         error_message: _builtins.str = ...,
+        duplicate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_offset", b"base_offset", "error_code", b"error_code", "error_message", b"error_message", "partition", b"partition"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_offset", b"base_offset", "duplicate", b"duplicate", "error_code", b"error_code", "error_message", b"error_message", "partition", b"partition"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2816,3 +2881,212 @@ class HandshakeResultResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandshakeResultResponse: _TypeAlias = HandshakeResultResponse  # noqa: Y015
+
+@_typing.final
+class GroupAssignment(_message.Message):
+    """---------------------------------------------------------------------------
+    headwater's additions: consumer-group membership (Kafka's group protocol, the
+    assignment computed by the server, so JoinGroup answers with it: no SyncGroup)
+    ---------------------------------------------------------------------------
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    @_builtins.property
+    def partitions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partitions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["partitions", b"partitions", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupAssignment: _TypeAlias = GroupAssignment  # noqa: Y015
+
+@_typing.final
+class JoinGroupRequest(_message.Message):
+    """Join (member_id empty the first time) and wait until the group's rebalance ends."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    TOPICS_FIELD_NUMBER: _builtins.int
+    SESSION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    REBALANCE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNORS_FIELD_NUMBER: _builtins.int
+    OWNED_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    member_id: _builtins.str
+    session_timeout_ms: _builtins.int
+    rebalance_timeout_ms: _builtins.int
+    """0: the session timeout"""
+    instance_id: _builtins.str
+    """static membership; empty: none"""
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def assignors(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """in order of preference; empty: range"""
+
+    @_builtins.property
+    def owned(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupAssignment]:
+        """what the member holds (cooperative-sticky)"""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        member_id: _builtins.str = ...,
+        topics: _abc.Iterable[_builtins.str] | None = ...,
+        session_timeout_ms: _builtins.int = ...,
+        rebalance_timeout_ms: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+        assignors: _abc.Iterable[_builtins.str] | None = ...,
+        owned: _abc.Iterable[Global___GroupAssignment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignors", b"assignors", "group_id", b"group_id", "instance_id", b"instance_id", "member_id", b"member_id", "owned", b"owned", "rebalance_timeout_ms", b"rebalance_timeout_ms", "session_timeout_ms", b"session_timeout_ms", "topics", b"topics"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupRequest: _TypeAlias = JoinGroupRequest  # noqa: Y015
+
+@_typing.final
+class JoinGroupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    ASSIGNOR_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    REVOKE_FIELD_NUMBER: _builtins.int
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    member_id: _builtins.str
+    generation: _builtins.int
+    leader: _builtins.str
+    assignor: _builtins.str
+    @_builtins.property
+    def assignment(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupAssignment]: ...
+    @_builtins.property
+    def revoke(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupAssignment]:
+        """held until now, to give up (cooperative)"""
+
+    @_builtins.property
+    def members(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        member_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        leader: _builtins.str = ...,
+        assignor: _builtins.str = ...,
+        assignment: _abc.Iterable[Global___GroupAssignment] | None = ...,
+        revoke: _abc.Iterable[Global___GroupAssignment] | None = ...,
+        members: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "assignor", b"assignor", "generation", b"generation", "leader", b"leader", "member_id", b"member_id", "members", b"members", "revoke", b"revoke"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinGroupResponse: _TypeAlias = JoinGroupResponse  # noqa: Y015
+
+@_typing.final
+class GroupHeartbeatRequest(_message.Message):
+    """Errors (REBALANCE_IN_PROGRESS: join again) come as ErrorResponse, their Kafka name
+    in details["kafka_error"].
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    member_id: _builtins.str
+    generation: _builtins.int
+    instance_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        member_id: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "group_id", b"group_id", "instance_id", b"instance_id", "member_id", b"member_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupHeartbeatRequest: _TypeAlias = GroupHeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class GroupHeartbeatResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupHeartbeatResponse: _TypeAlias = GroupHeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class LeaveGroupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    MEMBER_ID_FIELD_NUMBER: _builtins.int
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    member_id: _builtins.str
+    instance_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        member_id: _builtins.str = ...,
+        instance_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "instance_id", b"instance_id", "member_id", b"member_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveGroupRequest: _TypeAlias = LeaveGroupRequest  # noqa: Y015
+
+@_typing.final
+class LeaveGroupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveGroupResponse: _TypeAlias = LeaveGroupResponse  # noqa: Y015

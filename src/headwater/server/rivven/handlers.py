@@ -17,7 +17,16 @@ from google.protobuf.message import Message
 
 from headwater.api import EngineAPI, StreamTarget
 from headwater.api.auth import Principal
-from headwater.engine.engine import READ_COMMITTED, READ_UNCOMMITTED, StreamInfo, StreamSettings
+from headwater.engine.engine import (
+    MAX_APPEND_BYTES,
+    MAX_APPEND_EVENTS,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
+    StreamInfo,
+    StreamSettings,
+)
+from headwater.engine.groups import JoinFailed, JoinResult, TopicPartition
+from headwater.engine.groups.coordinator import NO_GENERATION
 from headwater.engine.partitioner import keyed_partition
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
@@ -29,6 +38,7 @@ from headwater.errors import (
 )
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.messages import record_key
+from headwater.server.groups import GroupShells
 
 BROKER_ID = 0  # this server: the one broker of every topic's metadata
 DEFAULT_MAX_MESSAGES = 1000  # a Consume that names no count
@@ -110,7 +120,9 @@ class Session:
     port: int
     # Set as the listener stops: a long-polling Consume answers with what it has.
     stopping: asyncio.Event
+    groups: GroupShells  # the listener's group membership (headwater's additions)
     principal: Principal | None = None  # set by Authenticate, or on first use without auth
+    client_id: str = ""  # the client's name (its Header's, else its Handshake's)
 
     @property
     def tenant_id(self) -> int:
@@ -332,6 +344,91 @@ async def idempotent_publish(session: Session, request: pb.IdempotentPublishRequ
     )
 
 
+async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Message:
+    """headwater's batch publish: each partition's records in one append, plain,
+    idempotent (``producer_id``: its ``base_sequence`` checked, a retry answered with the
+    first offsets and ``duplicate``) or transactional (``txn_id`` too). The partitions'
+    appends run together; the first failure answers the whole request (an idempotent
+    producer sends it again: what was stored is recognised)."""
+    info = session.target(request.topic)
+    entries = list(request.partition_records)
+    if not entries:
+        raise InvalidRequest("publish_batch carries no partition_records")
+    for entry in entries:
+        if not 0 <= entry.partition < info.partitions:
+            raise PartitionNotFound(
+                f"topic {info.name!r} has no partition {entry.partition} (it has {info.partitions})"
+            )
+        if not 1 <= len(entry.records) <= MAX_APPEND_EVENTS:
+            raise InvalidRequest(
+                f"partition {entry.partition}: a batch carries 1..{MAX_APPEND_EVENTS} records"
+            )
+    identity = None
+    if request.txn_id:
+        if not request.HasField("producer_id"):
+            raise InvalidRequest("a transactional publish_batch names its producer_id")
+        identity = session.transactions.identity(
+            session.tenant_id, request.txn_id, (request.producer_id, request.producer_epoch)
+        )
+
+    async def write(entry: pb.PartitionRecords) -> pb.PartitionPublishResult:
+        records = entry.records
+        values = [record.value for record in records]
+        if sum(map(len, values)) > MAX_APPEND_BYTES:
+            raise InvalidRequest(
+                f"partition {entry.partition}: a batch carries at most {MAX_APPEND_BYTES}"
+                " bytes of values"
+            )
+        keys = [record_key(record) for record in records]
+        headers = [_headers(record) for record in records]
+        some_headers = headers if any(headers) else None
+        partition = entry.partition
+        if identity is not None:
+            stored = await session.api.append_transactional(
+                session.tenant_id,
+                request.txn_id,
+                identity,
+                info.stream_id,
+                entry.base_sequence,
+                values,
+                partition=partition,
+                keys=keys,
+                headers=some_headers,
+            )
+        elif request.HasField("producer_id"):
+            # One stored batch has one timestamp: the first record's (0: on arrival).
+            stored = await session.api.append(
+                session.tenant_id,
+                info.stream_id,
+                values,
+                timestamp_ms=records[0].timestamp or None,
+                partition=partition,
+                keys=keys,
+                headers=some_headers,
+                producer=(request.producer_id, entry.base_sequence),
+                producer_epoch=request.producer_epoch,
+            )
+        else:
+            placed = await session.api.append_partitioned(
+                session.tenant_id,
+                info.stream_id,
+                values,
+                keys=keys,
+                headers=headers,
+                partitions=[partition] * len(values),
+                timestamps=[record.timestamp or None for record in records],
+            )
+            return pb.PartitionPublishResult(partition=partition, base_offset=placed.offsets[0])
+        return pb.PartitionPublishResult(
+            partition=partition,
+            base_offset=stored.base_offset,
+            duplicate=stored.first_position < 0,
+        )
+
+    results = await asyncio.gather(*(write(entry) for entry in entries))
+    return pb.BatchPublishResponse(results=results)
+
+
 # ---- consume ------------------------------------------------------------------------
 
 
@@ -419,12 +516,83 @@ async def get_offset_for_timestamp(
 
 async def commit_offset(session: Session, request: pb.CommitOffsetRequest) -> Message:
     session.partition(request.topic, request.partition)
+    # A member's commit (headwater's member_id and generation) is checked against the
+    # group's generation: a member that lost the partition in a rebalance is refused.
     await session.api.groups.commit(
         session.tenant_id,
         request.consumer_group,
         {(request.topic, request.partition): (request.offset, request.metadata)},
+        member_id=request.member_id,
+        generation=request.generation if request.HasField("generation") else NO_GENERATION,
     )
     return pb.CommitOffsetResponse()
+
+
+def _assignment(partitions: tuple[TopicPartition, ...]) -> list[pb.GroupAssignment]:
+    by_topic: dict[str, list[int]] = {}
+    for tp in partitions:
+        by_topic.setdefault(tp.stream, []).append(tp.partition)
+    return [
+        pb.GroupAssignment(topic=topic, partitions=sorted(numbers))
+        for topic, numbers in sorted(by_topic.items())
+    ]
+
+
+async def join_group(session: Session, request: pb.JoinGroupRequest) -> Message:
+    """headwater's JoinGroup: Kafka's join, answered once the rebalance completes, then
+    the member's SyncGroup, so the answer carries its assignment."""
+    tenant = await session.groups.tenant(session.tenant_id)
+    coordinator = tenant.coordinator
+    session_timeout = request.session_timeout_ms or 45_000
+    instance_id = request.instance_id or None
+    member_id, replies = coordinator.join(
+        request.group_id,
+        request.member_id,
+        protocols=list(request.assignors) or ["range"],
+        streams=list(request.topics),
+        client_id=session.client_id,
+        instance_id=instance_id,
+        session_timeout_ms=session_timeout,
+        rebalance_timeout_ms=request.rebalance_timeout_ms or session_timeout,
+        owned=[
+            TopicPartition(entry.topic, partition)
+            for entry in request.owned
+            for partition in entry.partitions
+        ],
+    )
+    reply = await tenant.wait_join(member_id, replies)
+    if isinstance(reply, JoinFailed):
+        raise reply.error
+    if not isinstance(reply, JoinResult):  # only a join's reply is kept for a member joining
+        raise InvalidRequest(f"member {member_id!r} got {type(reply).__name__} to its join")
+    synced = coordinator.sync(request.group_id, member_id, reply.generation, instance_id)
+    tenant.wake.set()  # the sync may end the rebalance's deadlines
+    return pb.JoinGroupResponse(
+        member_id=member_id,
+        generation=reply.generation,
+        leader=reply.leader,
+        assignor=reply.protocol,
+        assignment=_assignment(synced.assignment),
+        revoke=_assignment(synced.revoke),
+        members=list(reply.members),
+    )
+
+
+async def group_heartbeat(session: Session, request: pb.GroupHeartbeatRequest) -> Message:
+    tenant = await session.groups.tenant(session.tenant_id)
+    tenant.coordinator.heartbeat(
+        request.group_id, request.member_id, request.generation, request.instance_id or None
+    )
+    tenant.wake.set()
+    return pb.GroupHeartbeatResponse()
+
+
+async def leave_group(session: Session, request: pb.LeaveGroupRequest) -> Message:
+    tenant = await session.groups.tenant(session.tenant_id)
+    tenant.dispatch(
+        tenant.coordinator.leave(request.group_id, request.member_id, request.instance_id or None)
+    )
+    return pb.LeaveGroupResponse()
 
 
 async def get_offset(session: Session, request: pb.GetOffsetRequest) -> Message:
@@ -550,6 +718,7 @@ HANDLERS: dict[str, Handler] = {
     "delete_topic": delete_topic,
     "create_partitions": create_partitions,
     "publish": publish,
+    "publish_batch": publish_batch,
     "init_producer_id": init_producer_id,
     "idempotent_publish": idempotent_publish,
     "consume": consume,
@@ -560,6 +729,9 @@ HANDLERS: dict[str, Handler] = {
     "list_groups": list_groups,
     "describe_group": describe_group,
     "delete_group": delete_group,
+    "join_group": join_group,
+    "group_heartbeat": group_heartbeat,
+    "leave_group": leave_group,
     "begin_transaction": begin_transaction,
     "transactional_publish": transactional_publish,
     "add_partitions_to_txn": add_partitions_to_txn,

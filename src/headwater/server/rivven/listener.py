@@ -27,6 +27,7 @@ from headwater.protocols.rivven.connection import RequestFrame, ServerConnection
 from headwater.protocols.rivven.frames import FrameTooLarge
 from headwater.protocols.rivven.messages import ErrorCode, error_code_for
 from headwater.server.app import Listener
+from headwater.server.groups import GroupShells
 from headwater.server.metrics import metrics_for
 from headwater.server.rivven.handlers import (
     HANDLERS,
@@ -59,12 +60,13 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
         transactions: TransactionalIds,
         address: tuple[str, int],
         stopping: asyncio.Event,
+        groups: GroupShells,
     ) -> None:
         super().__init__()
         self.server = server
         self.protocol = ServerConnection()
         self.metrics = metrics_for(server)
-        self.session = Session(server.api, transactions, *address, stopping)
+        self.session = Session(server.api, transactions, *address, stopping, groups)
         self._connections = connections
         self.guard = ConnectionGuard(server.limits, LISTENER, self)
 
@@ -107,6 +109,7 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
                 raise UnsupportedOperation(
                     f"{operation} is not supported by headwater (docs/protocols/rivven.md)"
                 )
+            session.client_id = frame.request.header.client_id or self.protocol.client_id
             response = await handler(session, getattr(frame.request, operation))
             if session.principal is not None or not required:
                 self._accepted()
@@ -119,7 +122,7 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
             log.warning(
                 "rivven %s: %s %d refused: %s", self.guard.peer, operation, correlation_id, exc
             )
-            data = self.protocol.send_error(correlation_id, code, str(exc))
+            data = self.protocol.send_error(correlation_id, code, str(exc), details=_details(exc))
         except Exception as exc:  # a bug of ours: answer, log, keep serving
             log.exception("rivven request %d (%s) failed", correlation_id, operation)
             internal = InternalError(f"internal error: {exc}")
@@ -140,6 +143,17 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
             )
 
 
+def _details(exc: HeadwaterError) -> dict[str, str]:
+    """What an ErrorResponse carries beyond Rivven's code (headwater's SDK raises the
+    same class from it): the error's name and Kimberlite code, and a group error's
+    Kafka name."""
+    details = {"error": str(exc.name), "error_code": str(exc.code)}
+    kafka_name = getattr(exc, "kafka_name", None)
+    if isinstance(kafka_name, str):
+        details["kafka_error"] = kafka_name
+    return details
+
+
 class UnsupportedOperation(InvalidRequest):
     """An operation of the schema headwater does not answer (INVALID_REQUEST)."""
 
@@ -147,11 +161,13 @@ class UnsupportedOperation(InvalidRequest):
 async def start_rivven(server: Server, host: str, port: int) -> Listener:
     connections: set[RivvenConnection] = set()
     transactions = TransactionalIds()
+    groups = GroupShells(server.api)
     stopping = asyncio.Event()
     bound = {"port": port}
 
     async def drain() -> None:
         stopping.set()  # long polls answer now with what they have
+        await groups.close()  # and JoinGroups waiting for other members end
         await finish_in_flight([t for c in connections for t in c.tasks])
 
     listener = await start_tcp_listener(
@@ -160,7 +176,7 @@ async def start_rivven(server: Server, host: str, port: int) -> Listener:
         host,
         port,
         lambda: RivvenConnection(
-            server, connections, transactions, (host, bound["port"]), stopping
+            server, connections, transactions, (host, bound["port"]), stopping, groups
         ),
         connections,
         drain=drain,

@@ -1,0 +1,189 @@
+"""The Rivven link of the connection core: one TCP connection speaking Rivven's
+protobuf format (docs/protocols/rivven.md), beside the Kimberlite one.
+
+:class:`RivvenLink` frames requests through the sans-I/O
+:class:`~headwater.protocols.rivven.ClientConnection` (correlation ids, any number in
+flight) and resolves each request's future with the answer's message (a
+``pb.PublishResponse``, a ``pb.ErrorResponse``...). :class:`RivvenSession` is the
+:class:`~.session.Session` over it (connect with the version Handshake and a PLAIN
+Authenticate carrying the token, reconnect, retry what is safe) and turns an
+ErrorResponse into the ``headwater.errors`` class the server raised: headwater's server
+names it in the answer's ``details``; a Rivven code alone picks the nearest class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from google.protobuf.message import Message
+
+from headwater.engine.groups import errors as group_errors
+from headwater.errors import (
+    AuthenticationFailed,
+    HeadwaterError,
+    InvalidOffset,
+    InvalidRequest,
+    NotLeader,
+    RateLimited,
+    StreamAlreadyExists,
+    StreamNotFound,
+    UnknownError,
+    error_for_code,
+)
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.connection import ClientConnection, ResponseFrame
+from headwater.protocols.rivven.messages import PROTOCOL_VERSION, ErrorCode
+
+from ..errors import ServerUnavailable
+from .link import Link, Route
+from .session import Resumable, Session
+
+DEFAULT_PORT = 7404
+DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_PORT}"
+
+M = TypeVar("M", bound=Message)
+
+# Rivven's codes, for an answer that does not name headwater's class.
+_BY_RIVVEN_CODE: dict[int, type[HeadwaterError]] = {
+    ErrorCode.INVALID_REQUEST: InvalidRequest,
+    ErrorCode.TOPIC_NOT_FOUND: StreamNotFound,
+    ErrorCode.PARTITION_NOT_FOUND: InvalidRequest,
+    ErrorCode.OFFSET_OUT_OF_RANGE: InvalidOffset,
+    ErrorCode.NOT_LEADER: NotLeader,
+    ErrorCode.INVALID_TOPIC: StreamAlreadyExists,
+    ErrorCode.UNAUTHORIZED: AuthenticationFailed,
+    ErrorCode.QUOTA_EXCEEDED: RateLimited,
+}
+_GROUP_ERRORS: dict[str, type[group_errors.GroupError]] = {
+    cls.kafka_name: cls
+    for cls in vars(group_errors).values()
+    if isinstance(cls, type) and issubclass(cls, group_errors.GroupError) and cls.kafka_name
+}
+
+
+def error_of(answer: pb.ErrorResponse) -> HeadwaterError:
+    """The exception an ErrorResponse stands for."""
+    message = answer.message
+    name, colon, rest = message.partition(": ")
+    if colon and name in ErrorCode.__members__:
+        message = rest  # the NAME: prefix every Rivven error carries
+    details = answer.details
+    group_error = _GROUP_ERRORS.get(details.get("kafka_error", ""))
+    if group_error is not None:
+        return group_error(message)
+    code = details.get("error_code", "")
+    if code.isdigit():
+        return error_for_code(int(code), message, details.get("error"))
+    return _BY_RIVVEN_CODE.get(answer.code, UnknownError)(message)
+
+
+class RivvenLink(Link[ResponseFrame, Message]):
+    """One Rivven connection: answers matched by correlation id (no pushes)."""
+
+    def __init__(
+        self,
+        codec: ClientConnection,
+        on_lost: Callable[[RivvenLink, BaseException | None], None],
+    ) -> None:
+        super().__init__(on_lost)
+        self.codec = codec
+
+    def _decode(self, data: bytes) -> list[ResponseFrame]:
+        return self.codec.receive_data(data)
+
+    def _dispatch(self, frame: ResponseFrame) -> None:
+        answer: Message = getattr(frame.response, frame.kind)
+        if self._deliver(frame.correlation_id, answer, push=False):
+            return
+        if frame.correlation_id == 0 and isinstance(answer, pb.ErrorResponse):
+            # About the connection, not a request: the server closes it next.
+            self.close_reason = f"the server refused the connection: {answer.message}"
+        # Anything else answers a request nobody waits for any more (it timed out).
+
+    def send(
+        self, request: Message, route: Route | None = None
+    ) -> tuple[int, asyncio.Future[Message]]:
+        """Frame and write one request (an operation's message, such as a
+        PublishRequest); its future gets the answer's message (or Lost)."""
+        self._check()
+        correlation_id, data = self.codec.send_request(request)
+        return correlation_id, self._expect(correlation_id, data, route)
+
+
+class RivvenSession(Session[RivvenLink, Resumable[Any]]):
+    """A client's connection to a server's Rivven listener (see the module)."""
+
+    default_port: ClassVar[int] = DEFAULT_PORT
+    service = "headwater (Rivven)"
+
+    def __init__(
+        self,
+        server: str,
+        *,
+        token: str | None,
+        client_id: str,
+        timeout: float | None,
+        reconnect: bool,
+        retries: int,
+        reconnect_attempts: int,
+        backoff_base: float,
+        backoff_max: float,
+        tls: ssl.SSLContext | None,
+    ) -> None:
+        super().__init__(
+            server,
+            timeout,
+            reconnect,
+            reconnect_attempts,
+            backoff_base,
+            backoff_max,
+            retries,
+            tls=tls,
+        )
+        self.token = token
+        self.client_id = client_id
+        self.requests = 0  # requests written, handy in tests and for monitoring
+
+    async def _open(self) -> RivvenLink:
+        codec = ClientConnection(self.client_id)
+        conn = await self._dial(lambda: RivvenLink(codec, self._on_lost))
+        hello = await self._greet(
+            conn,
+            lambda c: c.send(
+                pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, client_id=self.client_id)
+            ),
+            "Handshake",
+            pb.HandshakeResultResponse,
+        )
+        if not hello.compatible:
+            conn.close()
+            raise ServerUnavailable(f"{self._where}: {hello.message}")
+        if self.token is not None:
+            plain = pb.PlainAuth(username=self.client_id, password=self.token)
+            await self._greet(
+                conn,
+                lambda c: c.send(pb.AuthenticateRequest(plain=plain)),
+                "Authenticate",
+                pb.AuthenticateResponse,
+            )
+        return conn
+
+    def _error_of(self, reply: Any) -> HeadwaterError | None:
+        return error_of(reply) if isinstance(reply, pb.ErrorResponse) else None
+
+    async def request(
+        self, message: Message, expect: type[M], *, safe: bool, wait: float | None = None
+    ) -> M:
+        """Send one request and return its answer (``expect``), retrying when ``safe``;
+        an ErrorResponse raises its error. ``wait``: seconds the server may hold it."""
+        what = type(message).__name__.removesuffix("Request")
+
+        def post(conn: RivvenLink) -> tuple[int, asyncio.Future[Message]]:
+            sent = conn.send(message)
+            self.requests += 1
+            return sent
+
+        return await self._exchange(post, what, expect, safe=safe, wait=wait)

@@ -1,0 +1,596 @@
+"""The producer: :class:`AsyncProducer` (asyncio) and :class:`Producer` (blocking).
+
+Modelled on confluent-kafka's and aiokafka's producers, over the server's Rivven
+listener (docs/sdk.md, "Producer"):
+
+* ``send(stream, value, key=, headers=, partition=, timestamp=)`` places the record at
+  once (the partition named; else Kafka's murmur2 of the key, the partition Kafka would
+  pick; else the sticky partition of keyless records, as Kafka's and Rivven's
+  producers do) and adds it to that partition's batch; it returns a future of its
+  :class:`RecordMetadata` ``(partition, offset)``.
+* A batch goes out when it reaches ``batch_bytes`` of values (or 10,000 records), or
+  ``linger_ms`` after its first record, as one request (headwater's ``publish_batch``).
+  At most one batch per partition is in flight, so a partition's records are stored in
+  the order they were sent.
+* Idempotence is on by default: the producer gets an id and epoch (InitProducerId) and
+  numbers each partition's records, so a batch sent again after a lost connection is
+  stored once (the server answers it with the first attempt's offsets).
+* ``transactional_id``: ``init_transactions()``, then ``begin_transaction()``,
+  sends, ``send_offsets_to_transaction(...)`` and ``commit_transaction()`` or
+  ``abort_transaction()``: all of a transaction's records and offsets become visible to
+  ``read_committed`` consumers together, or never.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Self
+
+from headwater.engine.partitioner import Partitioner, keyed_partition
+from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
+from headwater.protocols.rivven import rivven_pb2 as pb
+
+from ._core.blocking import Blocking, LoopThread
+from ._core.rivven import DEFAULT_SERVER, RivvenSession
+from ._core.tls import PathLike, client_context
+from .aio import EventLike, HeadersLike, to_event_bytes, to_headers
+from .errors import ClientClosed, EventTooLarge
+
+MAX_BATCH_RECORDS = 10_000  # what one append may carry
+MAX_BATCH_BYTES = 4 << 20
+DEFAULT_LINGER_MS = 5  # librdkafka's linger.ms
+DEFAULT_BATCH_BYTES = 1 << 20
+
+
+class RecordMetadata(NamedTuple):
+    """Where a record was stored."""
+
+    partition: int
+    offset: int
+
+
+OffsetsLike = Mapping[tuple[str, int], int]
+"""Offsets by (stream, partition): the next offset to read, as Kafka commits them."""
+
+
+@dataclass
+class _Batch:
+    records: list[pb.Record] = field(default_factory=list)
+    futures: list[asyncio.Future[RecordMetadata]] = field(default_factory=list)
+    size: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+@dataclass
+class _PartitionQueue:
+    """One partition's batches: the one filling, those ready, whether one is in flight
+    and the next sequence number (idempotence)."""
+
+    filling: _Batch | None = None
+    ready: list[_Batch] = field(default_factory=list)
+    in_flight: bool = False
+    sequence: int = 0
+
+
+class AsyncProducer:
+    """A producer for asyncio (see the module). Use as ``async with AsyncProducer(...)
+    as producer:`` or call :meth:`start` and :meth:`close`."""
+
+    def __init__(
+        self,
+        server: str = DEFAULT_SERVER,
+        *,
+        linger_ms: float = DEFAULT_LINGER_MS,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        enable_idempotence: bool = True,
+        transactional_id: str | None = None,
+        transaction_timeout_ms: int = 60_000,
+        client_id: str = "headwater-producer",
+        token: str | None = None,
+        timeout: float | None = 30.0,
+        reconnect: bool = True,
+        retries: int = 5,
+        reconnect_attempts: int = 10,
+        backoff_base: float = 0.05,
+        backoff_max: float = 2.0,
+        tls: bool | ssl.SSLContext = False,
+        ca: PathLike | None = None,
+        cert: PathLike | None = None,
+        key: PathLike | None = None,
+    ) -> None:
+        """``server`` is the Rivven listener (``host:port``, default port 7404).
+        ``linger_ms`` and ``batch_bytes`` bound a batch by time and size (librdkafka's
+        ``linger.ms`` and ``batch.size``); a transactional producer is idempotent."""
+        if not 1 <= batch_bytes <= MAX_BATCH_BYTES:
+            raise ValueError(f"batch_bytes must be 1..{MAX_BATCH_BYTES}")
+        if linger_ms < 0:
+            raise ValueError("linger_ms must not be negative")
+        if transactional_id is not None and not enable_idempotence:
+            raise ValueError("a transactional producer is idempotent: enable_idempotence=True")
+        self.linger_ms = linger_ms
+        self.batch_bytes = batch_bytes
+        self.enable_idempotence = enable_idempotence
+        self.transactional_id = transactional_id
+        self.transaction_timeout_ms = transaction_timeout_ms
+        self._session = RivvenSession(
+            server,
+            token=token,
+            client_id=client_id,
+            timeout=timeout,
+            reconnect=reconnect,
+            retries=retries,
+            reconnect_attempts=reconnect_attempts,
+            backoff_base=backoff_base,
+            backoff_max=backoff_max,
+            tls=client_context(tls, ca, cert, key),
+        )
+        self.producer_id: int | None = None
+        self.producer_epoch = 0
+        self._partitions: dict[str, int] = {}
+        self._partitioners: dict[str, Partitioner] = {}
+        self._queues: dict[tuple[str, int], _PartitionQueue] = {}
+        # records sent before their stream's partition count is known, in order
+        self._waiting_metadata: dict[
+            str, list[tuple[Callable[[], None], asyncio.Future[RecordMetadata]]]
+        ] = {}
+        self._outstanding: set[asyncio.Future[RecordMetadata]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._in_transaction = False
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    @property
+    def requests(self) -> int:
+        """Requests written so far (a batch is one)."""
+        return self._session.requests
+
+    @property
+    def reconnects(self) -> int:
+        return self._session.reconnects
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _ensure(self) -> None:
+        await self._session._ensure()
+
+    async def start(self) -> Self:
+        """Connect, and get a producer id when idempotent (and not transactional:
+        :meth:`init_transactions` does that)."""
+        await self._session._ensure()
+        if self.enable_idempotence and self.transactional_id is None:
+            await self._init_producer_id()
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Send what is waiting, then close the connection."""
+        if self._closed:
+            return
+        try:
+            await self.flush()
+        finally:
+            self._closed = True
+            await self._session.close()
+
+    async def _init_producer_id(self) -> None:
+        answer = await self._session.request(
+            pb.InitProducerIdRequest(), pb.InitProducerIdResponse, safe=True
+        )
+        self.producer_id, self.producer_epoch = answer.producer_id, answer.producer_epoch
+        for queue in self._queues.values():
+            queue.sequence = 0  # a new id numbers from 0
+
+    # ---- sending --------------------------------------------------------------------
+
+    def send(
+        self,
+        stream: str,
+        value: EventLike | None,
+        *,
+        key: EventLike | None = None,
+        headers: HeadersLike | None = None,
+        partition: int | None = None,
+        timestamp: int | None = None,
+    ) -> asyncio.Future[RecordMetadata]:
+        """Add a record to its partition's batch; the future resolves with where it was
+        stored once its batch is acknowledged (or with the batch's error). ``timestamp``
+        in ms since the epoch (default: the server's clock on arrival); ``value`` None
+        is an empty value."""
+        if self._closed:
+            raise ClientClosed("the producer is closed")
+        if self.transactional_id is not None and not self._in_transaction:
+            raise InvalidTxnState("a transactional producer sends inside begin_transaction()")
+        data = b"" if value is None else to_event_bytes(value)
+        if len(data) > MAX_BATCH_BYTES:
+            raise EventTooLarge(
+                f"a {len(data):,}-byte value is over what one append carries "
+                f"({MAX_BATCH_BYTES:,} bytes); nothing was sent"
+            )
+        key_bytes = None if key is None else to_event_bytes(key)
+        record = pb.Record(
+            key=key_bytes or b"",
+            has_key=key_bytes is not None,
+            value=data,
+            headers=[pb.RecordHeader(key=k, value=v) for k, v in to_headers(headers or ())],
+            timestamp=timestamp or 0,
+        )
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        self._outstanding.add(future)
+        future.add_done_callback(self._outstanding.discard)
+
+        def place() -> None:
+            count = self._partitions[stream]
+            if partition is not None:
+                if not 0 <= partition < count:
+                    future.set_exception(
+                        UsageError(f"stream {stream!r} has no partition {partition} ({count})")
+                    )
+                    return
+                chosen = partition
+            elif key_bytes is not None:
+                chosen = keyed_partition(key_bytes, count)
+            else:
+                sticky = self._partitioners.setdefault(stream, Partitioner())
+                chosen = int(sticky.partition([None], count)[0])
+            self._add(stream, chosen, record, len(data), future)
+
+        if stream in self._partitions:
+            place()
+        else:
+            waiting = self._waiting_metadata.get(stream)
+            if waiting is None:
+                self._waiting_metadata[stream] = [(place, future)]
+                self._spawn(self._fetch_metadata(stream))
+            else:
+                waiting.append((place, future))
+        return future
+
+    async def send_and_wait(
+        self,
+        stream: str,
+        value: EventLike | None,
+        *,
+        key: EventLike | None = None,
+        headers: HeadersLike | None = None,
+        partition: int | None = None,
+        timestamp: int | None = None,
+    ) -> RecordMetadata:
+        """:meth:`send`, then wait for its acknowledgement (its batch goes at once)."""
+        future = self.send(
+            stream, value, key=key, headers=headers, partition=partition, timestamp=timestamp
+        )
+        self._release_all()
+        return await future
+
+    async def flush(self) -> None:
+        """Send every waiting batch now and wait until each is acknowledged (errors
+        stay on the records' futures)."""
+        while self._outstanding or self._waiting_metadata:
+            waiting = list(self._outstanding)
+            self._release_all()
+            if waiting:
+                await asyncio.wait(waiting)
+            else:
+                await asyncio.sleep(0)  # a metadata lookup still to place its records
+
+    async def create_stream(self, name: str, *, partitions: int = 1, exist_ok: bool = False) -> int:
+        """Create a stream of ``partitions`` partitions (CreateTopic); returns its
+        partition count. ``exist_ok``: a stream of that name is taken as it is."""
+        try:
+            answer = await self._session.request(
+                pb.CreateTopicRequest(name=name, partitions=partitions),
+                pb.CreateTopicResponse,
+                safe=exist_ok,
+            )
+        except StreamAlreadyExists:
+            if not exist_ok:
+                raise
+            await self._lookup(name)
+            return self._partitions[name]
+        self._partitions[name] = answer.partitions
+        return answer.partitions
+
+    async def partitions_for(self, stream: str) -> int:
+        """How many partitions ``stream`` has (looked up once, then cached)."""
+        if stream not in self._partitions:
+            await self._lookup(stream)
+        return self._partitions[stream]
+
+    async def _lookup(self, stream: str) -> None:
+        answer = await self._session.request(
+            pb.GetMetadataRequest(topics=[stream]), pb.GetMetadataResponse, safe=True
+        )
+        self._partitions[stream] = len(answer.topics[0].partitions)
+
+    async def _fetch_metadata(self, stream: str) -> None:
+        try:
+            await self._lookup(stream)
+        except BaseException as exc:
+            for _place, future in self._waiting_metadata.pop(stream, []):
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for place, _future in self._waiting_metadata.pop(stream, []):
+            place()
+
+    def _add(
+        self,
+        stream: str,
+        partition: int,
+        record: pb.Record,
+        size: int,
+        future: asyncio.Future[RecordMetadata],
+    ) -> None:
+        queue = self._queues.get((stream, partition))
+        if queue is None:
+            queue = self._queues[(stream, partition)] = _PartitionQueue()
+        batch = queue.filling
+        if batch is not None and (
+            batch.size + size > self.batch_bytes or len(batch.records) >= MAX_BATCH_RECORDS
+        ):
+            self._release(stream, partition, queue)
+            batch = None
+        if batch is None:
+            batch = queue.filling = _Batch()
+            if self.linger_ms > 0:
+                batch.timer = asyncio.get_running_loop().call_later(
+                    self.linger_ms / 1000, self._linger_over, stream, partition, batch
+                )
+        batch.records.append(record)
+        batch.futures.append(future)
+        batch.size += size
+        if self.linger_ms <= 0 or batch.size >= self.batch_bytes:
+            self._release(stream, partition, queue)
+
+    def _linger_over(self, stream: str, partition: int, batch: _Batch) -> None:
+        queue = self._queues[(stream, partition)]
+        if queue.filling is batch:
+            self._release(stream, partition, queue)
+
+    def _release(self, stream: str, partition: int, queue: _PartitionQueue) -> None:
+        """The filling batch is ready: send it unless one is in flight."""
+        batch = queue.filling
+        if batch is not None:
+            queue.filling = None
+            if batch.timer is not None:
+                batch.timer.cancel()
+            queue.ready.append(batch)
+        if not queue.in_flight and queue.ready:
+            queue.in_flight = True
+            self._spawn(self._send_batch(stream, partition, queue, queue.ready.pop(0)))
+
+    def _release_all(self) -> None:
+        for (stream, partition), queue in list(self._queues.items()):
+            self._release(stream, partition, queue)
+
+    async def _send_batch(
+        self, stream: str, partition: int, queue: _PartitionQueue, batch: _Batch
+    ) -> None:
+        records = batch.records
+        try:
+            request = pb.BatchPublishRequest(topic=stream)
+            idempotent = self.enable_idempotence
+            if idempotent:
+                if self.producer_id is None:
+                    await self._init_producer_id()
+                assert self.producer_id is not None
+                request.producer_id = self.producer_id
+                request.producer_epoch = self.producer_epoch
+                if self.transactional_id is not None:
+                    request.txn_id = self.transactional_id
+            entry = request.partition_records.add(partition=partition, records=records)
+            if idempotent:
+                # The sequence is the batch's for good: a retry carries the same one.
+                entry.base_sequence = queue.sequence
+                queue.sequence += len(records)
+            answer = await self._session.request(request, pb.BatchPublishResponse, safe=idempotent)
+            base = answer.results[0].base_offset
+            for index, future in enumerate(batch.futures):
+                if not future.done():
+                    future.set_result(RecordMetadata(partition, base + index))
+        except BaseException as exc:
+            for future in batch.futures:
+                if not future.done():
+                    future.set_exception(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            queue.in_flight = False
+            if not self._closed:
+                self._release(stream, partition, queue)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- transactions ---------------------------------------------------------------
+
+    def _txn_request_fields(self) -> dict[str, Any]:
+        if self.transactional_id is None:
+            raise InvalidTxnState("the producer has no transactional_id")
+        if self.producer_id is None:
+            raise InvalidTxnState("init_transactions() first")
+        return {
+            "txn_id": self.transactional_id,
+            "producer_id": self.producer_id,
+            "producer_epoch": self.producer_epoch,
+        }
+
+    async def init_transactions(self) -> None:
+        """Get the producer's id and epoch; the first transaction it begins fences any
+        older producer of the same ``transactional_id`` (its open transaction aborted)."""
+        if self.transactional_id is None:
+            raise InvalidTxnState("the producer has no transactional_id")
+        await self._init_producer_id()
+
+    async def begin_transaction(self) -> None:
+        """Start a transaction: the records sent until it ends belong to it."""
+        fields = self._txn_request_fields()
+        if self._in_transaction:
+            raise InvalidTxnState("a transaction is already open")
+        await self._session.request(
+            pb.BeginTransactionRequest(**fields, timeout_ms=self.transaction_timeout_ms),
+            pb.BeginTransactionResponse,
+            safe=True,
+        )
+        self._in_transaction = True
+
+    async def send_offsets_to_transaction(self, offsets: OffsetsLike, group_id: str) -> None:
+        """Commit ``offsets`` ((stream, partition) -> the next offset to read) of
+        consumer group ``group_id`` with the transaction (consume-transform-produce)."""
+        fields = self._txn_request_fields()
+        if not self._in_transaction:
+            raise InvalidTxnState("begin_transaction() first")
+        await self._session.request(
+            pb.AddOffsetsToTxnRequest(
+                **fields,
+                group_id=group_id,
+                offsets=[
+                    pb.TopicPartitionOffset(topic=s, partition=p, offset=o)
+                    for (s, p), o in offsets.items()
+                ],
+            ),
+            pb.OffsetsAddedToTxnResponse,
+            safe=True,
+        )
+
+    async def commit_transaction(self) -> None:
+        """Send what is waiting, then commit: every record and offset of the
+        transaction becomes visible together. A record that failed aborts instead and
+        raises its error."""
+        fields = self._txn_request_fields()
+        if not self._in_transaction:
+            raise InvalidTxnState("begin_transaction() first")
+        failed = await self._flush_transaction()
+        if failed is not None:
+            await self._end(pb.AbortTransactionRequest(**fields), pb.AbortTransactionResponse)
+            raise failed
+        await self._end(pb.CommitTransactionRequest(**fields), pb.CommitTransactionResponse)
+
+    async def abort_transaction(self) -> None:
+        """Abort: no record or offset of the transaction is ever seen by a
+        read_committed consumer."""
+        fields = self._txn_request_fields()
+        if not self._in_transaction:
+            raise InvalidTxnState("begin_transaction() first")
+        await self._flush_transaction()
+        await self._end(pb.AbortTransactionRequest(**fields), pb.AbortTransactionResponse)
+
+    async def _flush_transaction(self) -> BaseException | None:
+        waiting = list(self._outstanding)
+        await self.flush()
+        for future in waiting:
+            if not future.cancelled() and future.exception() is not None:
+                return future.exception()
+        return None
+
+    async def _end(self, request: Any, expect: type[Any]) -> None:
+        try:
+            await self._session.request(request, expect, safe=False)
+        finally:
+            self._in_transaction = False
+
+
+class Producer(Blocking[AsyncProducer]):
+    """The blocking producer: :class:`AsyncProducer` on a loop thread of its own. Its
+    ``send`` returns a :class:`concurrent.futures.Future` and takes an ``on_delivery``
+    callback ``(error, metadata)``, as confluent-kafka's ``produce`` does."""
+
+    def __init__(self, server: str = DEFAULT_SERVER, **options: Any) -> None:
+        inner = AsyncProducer(server, **options)
+        runner = LoopThread(name="headwater-producer", closed_message="the producer is closed")
+        try:
+            runner.run(inner.start())
+        except BaseException:
+            runner.stop()
+            raise
+        super().__init__(inner, runner)
+
+    @property
+    def requests(self) -> int:
+        return self._inner.requests
+
+    def send(
+        self,
+        stream: str,
+        value: EventLike | None,
+        *,
+        key: EventLike | None = None,
+        headers: HeadersLike | None = None,
+        partition: int | None = None,
+        timestamp: int | None = None,
+        on_delivery: Callable[[BaseException | None, RecordMetadata | None], None] | None = None,
+    ) -> concurrent.futures.Future[RecordMetadata]:
+        """Queue a record (see :meth:`AsyncProducer.send`); ``on_delivery(error,
+        metadata)`` runs on the producer's thread once it is acknowledged or failed."""
+        result: concurrent.futures.Future[RecordMetadata] = concurrent.futures.Future()
+
+        def settle(done: asyncio.Future[RecordMetadata]) -> None:
+            error = done.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(done.result())
+            if on_delivery is not None:
+                on_delivery(error, None if error is not None else done.result())
+
+        def start() -> None:
+            try:
+                future = self._inner.send(
+                    stream,
+                    value,
+                    key=key,
+                    headers=headers,
+                    partition=partition,
+                    timestamp=timestamp,
+                )
+            except BaseException as exc:
+                result.set_exception(exc)
+                return
+            future.add_done_callback(settle)
+
+        if self._runner.stopped:
+            raise ClientClosed("the producer is closed")
+        self._runner.loop.call_soon_threadsafe(start)
+        return result
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send every waiting record and wait for their acknowledgements."""
+        future = self._runner.submit(self._inner.flush())
+        future.result(timeout)
+
+    def partitions_for(self, stream: str) -> int:
+        return self._run(self._inner.partitions_for(stream))
+
+    def create_stream(self, name: str, *, partitions: int = 1, exist_ok: bool = False) -> int:
+        return self._run(self._inner.create_stream(name, partitions=partitions, exist_ok=exist_ok))
+
+    def init_transactions(self) -> None:
+        self._run(self._inner.init_transactions())
+
+    def begin_transaction(self) -> None:
+        self._run(self._inner.begin_transaction())
+
+    def send_offsets_to_transaction(self, offsets: OffsetsLike, group_id: str) -> None:
+        self._run(self._inner.send_offsets_to_transaction(offsets, group_id))
+
+    def commit_transaction(self) -> None:
+        self._run(self._inner.commit_transaction())
+
+    def abort_transaction(self) -> None:
+        self._run(self._inner.abort_transaction())
