@@ -256,7 +256,8 @@ class EngineAPI:
     handed out as they are (bound in ``__post_init__``: ``list_streams``,
     ``create_stream``, ``delete_stream``, ``alter_partitions``, ``append``,
     ``append_encoded``, ``append_partitioned``, ``offset_for_timestamp``,
-    ``sync_tenant``, ``subscribe``, ``grant``, ``query``, ``query_at``, ``stream_range``);
+    ``offset_of_max_timestamp``, ``sync_tenant``, ``subscribe``, ``grant``, ``query``,
+    ``query_at``, ``stream_range``);
     the methods below are what the API adds: plain values instead of live engine
     objects, and the checks every front end would otherwise repeat. The services
     themselves stay private.
@@ -293,6 +294,7 @@ class EngineAPI:
         self.append_encoded = engine.append_encoded
         self.append_partitioned = engine.append_partitioned
         self.offset_for_timestamp = engine.offset_for_timestamp
+        self.offset_of_max_timestamp = engine.offset_of_max_timestamp
         self.sync_tenant = engine.sync_tenant
         # consumer groups (engine/groups): membership, committed offsets per partition
         self.groups = ConsumerGroups(engine)

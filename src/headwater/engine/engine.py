@@ -1080,6 +1080,16 @@ class Engine:
             self.executor, plog.offset_for_timestamp, timestamp_ms
         )
 
+    async def offset_of_max_timestamp(
+        self, tenant_id: int, stream_id: int, *, partition: int = 0
+    ) -> tuple[int, int] | None:
+        """(offset, timestamp) of one partition's first record with its largest
+        timestamp; None when it has none."""
+        plog = self.stream(tenant_id, stream_id).partition_log(partition)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, plog.offset_of_max_timestamp
+        )
+
     async def sync_tenant(self, tenant_id: int) -> None:
         """fsync every partition of every stream of a tenant, whatever its sync policy."""
         loop = asyncio.get_running_loop()

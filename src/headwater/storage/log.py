@@ -371,7 +371,8 @@ class PartitionLog:
                 if control:
                     self.producers.end(producer[0], epoch or 0, commits, base, ts)
                 else:
-                    self.producers.record(producer[0], producer[1], base, count, ts, epoch)
+                    step = count if columns.get("kafka") else 1  # Kafka numbers records
+                    self.producers.record(producer[0], producer[1], base, count, ts, epoch, step)
                     if columns.get("transactional"):
                         self.producers.begin(producer[0], base)
             return AppendInfo(base, count, first_position, ts)
@@ -776,6 +777,16 @@ class PartitionLog:
                     first = next(i for i, ts in enumerate(stamps) if ts >= timestamp_ms)
                     return int(batch.offsets()[first])
         return None
+
+    def offset_of_max_timestamp(self) -> tuple[int, int] | None:
+        """(offset, timestamp) of the first record with the log's largest timestamp, as
+        Kafka's ListOffsets answers MAX_TIMESTAMP (-3); None for an empty log."""
+        with self._lock:
+            latest = max((seg.max_timestamp_ms for seg in self.segments), default=-1)
+        if latest < 0:
+            return None
+        offset = self.offset_for_timestamp(latest)
+        return None if offset is None else (offset, latest)
 
     # ---- retention and compaction ---------------------------------------------------
 

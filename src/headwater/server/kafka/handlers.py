@@ -808,6 +808,10 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
                 if found is not None:
                     entry["offset"] = found
                     entry["timestamp"] = await _timestamp_at(session, info, p, found)
+            elif wanted.timestamp == MAX_TIMESTAMP and version >= 7:
+                latest = await api.offset_of_max_timestamp(tenant, info.stream_id, partition=p)
+                if latest is not None:
+                    entry["offset"], entry["timestamp"] = latest
             else:
                 entry["error_code"] = ErrorCode.unsupported_version
         topics.append({"name": topic.name, "partitions": partitions})
