@@ -371,8 +371,7 @@ class PartitionLog:
                 if control:
                     self.producers.end(producer[0], epoch or 0, commits, base, ts)
                 else:
-                    step = count if columns.get("kafka") else 1  # Kafka numbers records
-                    self.producers.record(producer[0], producer[1], base, count, ts, epoch, step)
+                    self.producers.record(producer[0], producer[1], base, count, ts, epoch)
                     if columns.get("transactional"):
                         self.producers.begin(producer[0], base)
             return AppendInfo(base, count, first_position, ts)
