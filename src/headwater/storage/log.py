@@ -371,7 +371,8 @@ class PartitionLog:
                 if control:
                     self.producers.end(producer[0], epoch or 0, commits, base, ts)
                 else:
-                    self.producers.record(producer[0], producer[1], base, count, ts, epoch)
+                    step = count if columns.get("kafka") else 1  # Kafka numbers records
+                    self.producers.record(producer[0], producer[1], base, count, ts, epoch, step)
                     if columns.get("transactional"):
                         self.producers.begin(producer[0], base)
             return AppendInfo(base, count, first_position, ts)

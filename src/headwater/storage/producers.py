@@ -53,6 +53,10 @@ class ProducerEntry:
     base_offset: int
     count: int
     timestamp_ms: int  # of the batch: when the producer was last heard from
+    # Sequences the batch used: 1 for a headwater append (one sequence per append, as
+    # Kimberlite's AppendIdempotent numbers them), its record count for a Kafka batch
+    # (Kafka numbers records: the next batch's base sequence is this one's + count).
+    step: int = 1
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,7 @@ class ProducerTable:
                 )
             return None
         last = next(reversed(history))
-        if sequence == last + 1:
+        if sequence == last + history[last].step:
             return None
         entry = history.get(sequence)
         if entry is not None:
@@ -130,10 +134,11 @@ class ProducerTable:
         count: int,
         timestamp_ms: int,
         epoch: int | None = None,
+        step: int = 1,
     ) -> None:
         self._set_epoch(producer_id, epoch)
         history = self.producers.setdefault(producer_id, OrderedDict())
-        history[sequence] = ProducerEntry(sequence, base_offset, count, timestamp_ms)
+        history[sequence] = ProducerEntry(sequence, base_offset, count, timestamp_ms, step)
         while len(history) > WINDOW:
             history.popitem(last=False)
         self.heard_ms[producer_id] = timestamp_ms
@@ -173,6 +178,7 @@ class ProducerTable:
             batch.count,
             batch.max_timestamp_ms,
             batch.producer_epoch,
+            batch.count if batch.kafka_section is not None else 1,
         )
         if batch.transactional:
             self.begin(producer_id, batch.base_offset)
@@ -227,7 +233,8 @@ class ProducerTable:
         return {
             "producers": {
                 str(pid): [
-                    [e.sequence, e.base_offset, e.count, e.timestamp_ms] for e in history.values()
+                    [e.sequence, e.base_offset, e.count, e.timestamp_ms, e.step]
+                    for e in history.values()
                 ]
                 for pid, history in self.producers.items()
             },
@@ -253,8 +260,9 @@ class ProducerTable:
             history = table.producers.setdefault(int(pid), OrderedDict())
             for sequence, base_offset, count, *rest in entries:
                 heard = int(rest[0]) if rest else loaded_ms
+                step = int(rest[1]) if len(rest) > 1 else 1
                 history[int(sequence)] = ProducerEntry(
-                    int(sequence), int(base_offset), int(count), heard
+                    int(sequence), int(base_offset), int(count), heard, step
                 )
                 table.heard_ms[int(pid)] = heard
         for pid, ms in data.get("heard", {}).items():

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from headwater.errors import CorruptBatchError, StorageError, UsageError
+from headwater.errors import CorruptBatchError, OutOfOrderSequence, StorageError, UsageError
 from headwater.storage.leader_epochs import FILE_NAME, UNKNOWN, LeaderEpochs
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from headwater.storage.producers import now_ms
+from headwater.storage.producers import ProducerTable, now_ms
 from headwater.storage.segment import segment_name
 
 NONE = SyncPolicy("none")
@@ -124,3 +124,18 @@ def test_a_damaged_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / FILE_NAME).write_text("0\n2\n1 0\n")
     with pytest.raises(StorageError, match="damaged"):
         LeaderEpochs(tmp_path)
+
+
+def test_kafka_batches_advance_the_sequence_by_their_record_count() -> None:
+    # Kafka numbers records (the next base sequence is this batch's + its count);
+    # headwater's appends number appends (+1). Both survive a snapshot.
+    table = ProducerTable()
+    table.record(9, 0, base_offset=0, count=5, timestamp_ms=now_ms(), epoch=0, step=5)
+    assert table.check(9, 5, 0) is None
+    assert table.check(9, 0, 0) is not None  # a retry of the first batch
+    with pytest.raises(OutOfOrderSequence):
+        table.check(9, 1, 0)
+    table.record(8, 0, base_offset=5, count=5, timestamp_ms=now_ms())
+    assert table.check(8, 1) is None
+    again = ProducerTable.from_json(table.to_json(), now_ms())
+    assert again.check(9, 5, 0) is None and again.check(8, 1) is None
