@@ -7,12 +7,42 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from headwater.client import AsyncClient, Client, connect, connect_async
+    from headwater.client import (
+        AsyncClient,
+        AsyncConsumer,
+        AsyncProducer,
+        Client,
+        Consumer,
+        Producer,
+        connect,
+        connect_async,
+    )
 
 # The SDK is imported on first use, so `import headwater` stays cheap.
-_LAZY = frozenset({"connect", "connect_async", "Client", "AsyncClient"})
+_LAZY = frozenset(
+    {
+        "connect",
+        "connect_async",
+        "Client",
+        "AsyncClient",
+        "Producer",
+        "AsyncProducer",
+        "Consumer",
+        "AsyncConsumer",
+    }
+)
 
-__all__ = ["AsyncClient", "Client", "__version__", "connect", "connect_async"]
+__all__ = [
+    "AsyncClient",
+    "AsyncConsumer",
+    "AsyncProducer",
+    "Client",
+    "Consumer",
+    "Producer",
+    "__version__",
+    "connect",
+    "connect_async",
+]
 
 
 def __getattr__(name: str) -> Any:

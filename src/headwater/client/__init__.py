@@ -1,5 +1,6 @@
 """The headwater Python SDK: a blocking :class:`Client` and an asyncio :class:`AsyncClient`
-over the Kimberlite protocol.
+over the Kimberlite protocol, and the partitioned log's :class:`Producer` /
+:class:`AsyncProducer` and group :class:`Consumer` / :class:`AsyncConsumer` over Rivven.
 
 >>> import headwater
 >>> with headwater.connect("127.0.0.1:7401") as hw:                  # doctest: +SKIP
@@ -20,6 +21,7 @@ from .aio import (
     parse_server,
     split_events,
 )
+from .consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
 from .errors import (
     ClientClosed,
     ClientError,
@@ -29,6 +31,7 @@ from .errors import (
     ServerUnavailable,
     SubscriptionClosed,
 )
+from .producer import AsyncProducer, Producer, RecordMetadata
 from .results import AppendResult, Event, QueryResult, ReadResult
 from .sync import Client, Subscription, connect
 
@@ -36,24 +39,31 @@ __all__ = [
     "DEFAULT_SERVER",
     "AppendResult",
     "AsyncClient",
+    "AsyncConsumer",
+    "AsyncProducer",
     "AsyncSubscription",
     "Client",
     "ClientClosed",
     "ClientError",
     "ConnectionLost",
+    "Consumer",
+    "ConsumerRecord",
     "DataClass",
     "Event",
     "EventTooLarge",
     "HeadwaterError",
     "Placement",
+    "Producer",
     "QueryResult",
     "ReadResult",
+    "RecordMetadata",
     "RequestTimeout",
     "ServerUnavailable",
     "StreamInfo",
     "Subscription",
     "SubscriptionClosed",
     "Timestamp",
+    "TopicPartition",
     "connect",
     "connect_async",
     "parse_server",
