@@ -1,0 +1,171 @@
+"""The fault suite (issue 20): a confluent-kafka producer (acks=all, idempotence)
+writes without pause while the test SIGKILLs the partition's leader at a random moment,
+waits for a new leader, restarts the killed node and waits for it to rejoin the ISR;
+round after round. Then every acknowledged message must be read back exactly once, in
+the order of its offsets, and every replica must hold the same bytes.
+
+Rounds: ``HEADWATER_FAULT_ROUNDS`` (default 20). Failover times are printed (run with
+``-s``) and recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from cluster_nodes import LEASE_S, Cluster
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from test_cluster_membership import create_topic
+
+from waiting import wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+ROUNDS = int(os.environ.get("HEADWATER_FAULT_ROUNDS", "20"))
+TOPIC = "events"
+
+
+@dataclass
+class Acks:
+    """What the producer was told: offset of each acknowledged value, and failures."""
+
+    offsets: dict[bytes, int] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # when each ack arrived
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, err: KafkaError | None, message: Message) -> None:
+        with self.lock:
+            if err is not None:
+                self.failed.append(str(err))
+                return
+            value = message.value()
+            assert value is not None
+            self.offsets[value] = int(message.offset())  # type: ignore[arg-type]
+            self.times.append(time.monotonic())
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.offsets)
+
+    def first_after(self, moment: float) -> float | None:
+        with self.lock:
+            later = [t for t in self.times if t > moment]
+        return min(later) if later else None
+
+
+def produce_forever(bootstrap: str, acks: Acks, stop: threading.Event) -> None:
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "message.timeout.ms": 120_000,  # retried across failovers, never dropped
+            "retry.backoff.ms": 50,
+        }
+    )
+    sequence = 0
+    while not stop.is_set():
+        try:
+            producer.produce(TOPIC, b"m%08d" % sequence, partition=0, on_delivery=acks)
+            sequence += 1
+        except BufferError:
+            pass
+        producer.poll(0.002)
+    assert producer.flush(120) == 0
+
+
+def read_back(bootstrap: str, count: int) -> list[tuple[int, bytes]]:
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "faults", "enable.auto.commit": False}
+    )
+    consumer.assign([TopicPartition(TOPIC, 0, 0)])
+    found: list[tuple[int, bytes]] = []
+    try:
+        while len(found) < count:
+            message = wait_until(lambda: consumer.poll(0.2), message=f"read {len(found)}")
+            assert message.error() is None, message.error()
+            found.append((int(message.offset()), bytes(message.value())))  # type: ignore[arg-type]
+    finally:
+        consumer.close()
+    return found
+
+
+def test_acknowledged_writes_survive_leader_kills(cluster: Cluster) -> None:
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), TOPIC, 1)
+    cluster.wait_partitions(1)
+    acks = Acks()
+    stop = threading.Event()
+    producer = threading.Thread(
+        target=produce_forever, args=(cluster.bootstrap(), acks, stop), daemon=True
+    )
+    producer.start()
+    rng = random.Random(20)
+    leader_moves: list[float] = []
+    first_acks: list[float] = []
+    try:
+        for round_no in range(ROUNDS):
+            part = cluster.partitions()[f"0/{TOPIC}/0"]
+            victim, epoch = part["leader"], part["epoch"]
+            # A random moment: after a random number of further acknowledgements.
+            target = acks.count() + rng.randint(20, 400)
+            wait_until(lambda target=target: acks.count() >= target, timeout=60)
+            killed_at = time.monotonic()
+            cluster.nodes[victim].kill()
+            wait_until(
+                lambda victim=victim: (
+                    cluster.partitions()[f"0/{TOPIC}/0"]["leader"] not in (victim, -1)
+                ),
+                timeout=6 * LEASE_S,
+                message=lambda: str(cluster.status()),
+            )
+            leader_moves.append(time.monotonic() - killed_at)
+            after = wait_until(lambda k=killed_at: acks.first_after(k), timeout=60)
+            first_acks.append(after - killed_at)
+            assert cluster.partitions()[f"0/{TOPIC}/0"]["epoch"] == epoch + 1
+            cluster.nodes[victim].start()
+            wait_until(
+                lambda: len(cluster.partitions()[f"0/{TOPIC}/0"]["isr"]) == 3,
+                timeout=30,
+                message=lambda: str(cluster.status()),
+            )
+            print(
+                f"round {round_no + 1}: killed {victim}, new leader in {leader_moves[-1]:.2f} s,"
+                f" next ack after {first_acks[-1]:.2f} s, {acks.count()} acknowledged"
+            )
+    finally:
+        stop.set()
+        producer.join(150)
+    assert not producer.is_alive()
+
+    assert acks.failed == []
+    acknowledged = acks.count()
+    # Every message the producer sent was acknowledged (none failed): the log ends
+    # right after the last one.
+    end = max(acks.offsets.values()) + 1
+    files = cluster.wait_replicas_agree([1, 2, 3], end)
+    assert files  # the same bytes on every replica
+    leader = cluster.partitions()[f"0/{TOPIC}/0"]["leader"]
+    found = read_back(cluster.nodes[leader].address_of("kafka"), end)
+    values = [value for _, value in found]
+    duplicated = len(values) - len(set(values))
+    lost = [v for v in acks.offsets if v not in set(values)]
+    print(
+        f"{ROUNDS} rounds: acknowledged {acknowledged}, stored {len(values)}, lost {len(lost)},"
+        f" duplicated {duplicated}; new leader after SIGKILL: median"
+        f" {statistics.median(leader_moves):.2f} s, max {max(leader_moves):.2f} s; first ack"
+        f" after the kill: median {statistics.median(first_acks):.2f} s, max"
+        f" {max(first_acks):.2f} s (lease_s = {LEASE_S})"
+    )
+    assert lost == [] and duplicated == 0
+    # Each acknowledged value is where its acknowledgement said, in offset order.
+    stored_at = {value: offset for offset, value in found}
+    assert all(stored_at[v] == offset for v, offset in acks.offsets.items())
+    assert values == sorted(values)  # the producer's order
