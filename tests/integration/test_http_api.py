@@ -196,7 +196,7 @@ def test_stream_lifecycle(srv: HttpApi, spec: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        {"name": "bad-name"},
+        {"name": "bad name"},
         {"name": "hw_reserved"},
         {"name": ""},
         {"name": 5},

@@ -23,7 +23,7 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from headwater.engine.names import RESERVED_PREFIXES, check_name
+from headwater.engine.names import RESERVED_PREFIXES, check_stream_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
     InvalidRequest,
@@ -517,7 +517,7 @@ class Engine:
             logs,
             [GroupCommitter(plog, self.executor) for plog in logs],
             # From the name, so recovery marks what create_stream(internal=True) made:
-            # only internal creates may take a reserved name (check_name).
+            # only internal creates may take a reserved name (check_stream_name).
             internal=str(meta["name"]).startswith(RESERVED_PREFIXES),
         )
 
@@ -622,7 +622,7 @@ class Engine:
         internal: bool = False,
     ) -> StreamInfo:
         tenant = self.tenant(tenant_id)
-        check_name(name, internal=internal)
+        check_stream_name(name, internal=internal)
         settings = settings or StreamSettings()
         settings.validate()
         if name in tenant.by_name or name in tenant.reserved_names:

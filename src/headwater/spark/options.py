@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from headwater.client.aio import DEFAULT_SERVER, parse_server
-from headwater.errors import UsageError
+from headwater.engine import names as name_rules
+from headwater.errors import InvalidRequest, UsageError
 
 EARLIEST = -2
 LATEST = -1
 READ_COMMITTED = "read_committed"
 READ_UNCOMMITTED = "read_uncommitted"
 ISOLATION_LEVELS = (READ_COMMITTED, READ_UNCOMMITTED)
-_NAME = re.compile(r"^[A-Za-z0-9_]{1,256}$")
 VALUE_FORMATS = ("raw", "json", "csv")
 
 # Columns of a read, as Spark's Kafka source has them plus the tenant log position.
@@ -65,9 +64,13 @@ def _positive(options: Mapping[str, str], name: str) -> int | None:
 
 
 def check_stream_name(name: str, what: str = "stream") -> str:
-    """``name`` when it is a valid stream (or kind) name; it is quoted into SQL as is."""
-    if not _NAME.match(name):
-        raise UsageError(f"{what} name {name!r} must be 1..256 characters of [A-Za-z0-9_]")
+    """``name`` when it is a valid stream (or kind) name (engine/names.py: a stream's
+    may hold '.' and '-'); it is quoted into SQL as is (neither may hold a quote)."""
+    check = name_rules.check_stream_name if what == "stream" else name_rules.check_name
+    try:
+        check(name, internal=True)
+    except InvalidRequest as exc:
+        raise UsageError(f"{what}: {exc.message}") from None
     return name
 
 

@@ -51,7 +51,7 @@ def test_create_list_describe_delete(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["", "a b", "x" * 257, "hw_internal", "convergedb_x", "naïve", "a-b"]
+    "name", ["", "a b", "x" * 257, "hw_internal", "convergedb_x", "naïve", "a/b", ".", ".."]
 )
 def test_bad_names_are_invalid_requests(tmp_path: Path, name: str) -> None:
     async def main() -> None:

@@ -74,8 +74,8 @@ def test_good_pipeline_tracks_columns_through_steps(tmp_path: Path):
         (_with(colour="red"), "unknown key"),
         (_with(sources=[{"name": "s", "type": "kafka"}]), r"sources\[0\]: type must be one of"),
         (
-            _with(sources=[{"name": "s", "type": "stream", "stream": "bad-name"}]),
-            "must be 1..256 characters",
+            _with(sources=[{"name": "s", "type": "stream", "stream": "bad name"}]),
+            "use 1..256 characters",
         ),
         (
             _with(sources=[{"name": "s", "type": "stream", "stream": "x", "format": "json"}]),

@@ -28,6 +28,7 @@ from headwater.engine.engine import (
     StreamSettings,
 )
 from headwater.engine.groups import GroupError
+from headwater.engine.names import InvalidName, check_topic_name
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
     HeadwaterError,
@@ -94,6 +95,8 @@ def error_code(exc: HeadwaterError) -> ErrorCode:
         return ErrorCode.policy_violation
     if isinstance(exc, InvalidOffset):
         return ErrorCode.offset_out_of_range
+    if isinstance(exc, InvalidName):
+        return ErrorCode.invalid_topic_exception
     if isinstance(exc, InvalidRequest):
         return ErrorCode.invalid_request
     if isinstance(exc, NotLeader):
@@ -208,6 +211,7 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
             code = ErrorCode.unknown_topic_or_partition
             if auto_create:
                 try:
+                    check_topic_name(name)
                     topics.append(_topic_entry(await api.create_stream(tenant, name), session))
                     continue
                 except StreamAlreadyExists:
@@ -249,6 +253,7 @@ async def create_topics(session: Session, request: Any, version: int) -> Mapping
         partitions = topic.num_partitions if topic.num_partitions > 0 else 1
         code, message = ErrorCode.none, None
         try:
+            check_topic_name(topic.name)
             if topic.replication_factor not in (-1, 1):
                 raise InvalidRequest("one node: replication_factor must be 1 (or -1)")
             settings = StreamSettings.from_dict(

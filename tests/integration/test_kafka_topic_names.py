@@ -1,0 +1,134 @@
+"""Stream names follow Kafka's topic rules ([A-Za-z0-9._-], engine/names.py): a topic a
+Kafka client creates with '.' and '-' in its name (confluent-kafka, kcat) is read back
+over HTTP, SQL (quoted) and Kimberlite; the names Kafka refuses (".", "..", other
+characters, more than 249 characters) and headwater's reserved ones are refused over
+Kafka with INVALID_TOPIC_EXCEPTION and over Kimberlite with InvalidRequest."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import kimberlite_raw as kr
+import pytest
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from servers import LOCAL, Server, serving
+
+from headwater.protocols.kimberlite import (
+    CreateStreamRequest,
+    ListStreamsRequest,
+    StreamsResponse,
+)
+from headwater.protocols.kimberlite import ErrorCode as E
+
+DEADLINE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("names"),
+        listen={"kafka": LOCAL, "http": LOCAL, "kimberlite": LOCAL},
+        clean_log=False,  # the refused names are logged as warnings
+    )
+
+
+def http(server: Server, method: str, path: str, body: Any = None) -> Any:
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=DEADLINE_S) as response:
+        return json.loads(response.read())
+
+
+def kimberlite_stream_id(client: kr.RawClient, name: str) -> int:
+    listing = client.call(ListStreamsRequest())
+    assert isinstance(listing, StreamsResponse), listing
+    (found,) = [s.stream_id for s in listing.streams if s.name == name]
+    return found
+
+
+def test_a_topic_with_dots_and_dashes_is_read_over_every_front_end(server: Server) -> None:
+    topic = "orders.v1-eu"
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic(topic, num_partitions=1)])[topic].result(DEADLINE_S)
+    producer = Producer({"bootstrap.servers": server.address_of("kafka")})
+    for i in range(3):
+        producer.produce(topic, b'{"n": %d}' % i, key=b"k")
+    assert producer.flush(DEADLINE_S) == 0
+    # HTTP: the name in the path as it is.
+    page = http(server, "GET", f"/api/streams/{urllib.parse.quote(topic)}/events")
+    assert [e["value"] for e in page["events"]] == ['{"n": 0}', '{"n": 1}', '{"n": 2}']
+    # SQL: a quoted identifier.
+    result = http(server, "POST", "/api/sql", {"sql": f'SELECT count(*) AS c FROM "{topic}"'})
+    assert result["rows"] == [[3]]
+    # Kimberlite: listed by name, read by id.
+    client = server.client()
+    try:
+        stream_id = kimberlite_stream_id(client, topic)
+        assert kr.read_all(client, stream_id) == [b'{"n": 0}', b'{"n": 1}', b'{"n": 2}']
+        answer = kr.query(client, f'SELECT count(*) FROM "{topic}"')
+        assert [list(row) for row in answer.rows] == [[3]]
+    finally:
+        client.close()
+
+
+def test_a_debezium_style_topic_is_created_by_kcat(server: Server) -> None:
+    kcat = shutil.which("kcat")
+    assert kcat is not None, "kcat is not installed (make system-deps)"
+    topic = "dbserver1.inventory.customers"
+    broker = server.address_of("kafka")
+    subprocess.run(
+        [kcat, "-b", broker, "-P", "-t", topic],
+        input=b"c1\nc2\n",
+        check=True,
+        timeout=DEADLINE_S,
+        capture_output=True,
+    )
+    done = subprocess.run(
+        [kcat, "-b", broker, "-C", "-t", topic, "-o", "beginning", "-c", "2", "-e"],
+        check=True,
+        timeout=DEADLINE_S,
+        capture_output=True,
+    )
+    assert done.stdout.split() == [b"c1", b"c2"]
+    assert http(server, "GET", f"/api/streams/{topic}")["name"] == topic
+
+
+REFUSED = [".", "..", "a/b", "with space", "naïve", "x" * 250, "hw_mine", "convergedb_x"]
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_names_kafka_refuses_are_refused_over_kafka(server: Server, name: str) -> None:
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    future = admin.create_topics([NewTopic(name, num_partitions=1)])[name]
+    with pytest.raises(KafkaException) as refused:
+        future.result(DEADLINE_S)
+    assert refused.value.args[0].code() == KafkaError.TOPIC_EXCEPTION, refused.value
+    listed = {s["name"] for s in http(server, "GET", "/api/streams")["streams"]}
+    assert name not in listed
+
+
+def test_the_longest_kafka_topic_name_and_the_longest_stream_name(server: Server) -> None:
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    longest = "t." + "x" * 247  # 249: Kafka's limit
+    admin.create_topics([NewTopic(longest, num_partitions=1)])[longest].result(DEADLINE_S)
+    client = server.client()
+    try:
+        # headwater's own limit is 256, over its own protocols.
+        kr.create_stream(client, "s-" + "y" * 254)
+        reply = client.call(CreateStreamRequest("s-" + "y" * 255))
+        kr.expect_error(reply, E.INVALID_REQUEST, "257 characters")
+        for name in [".", "..", "a/b"]:
+            kr.expect_error(client.call(CreateStreamRequest(name)), E.INVALID_REQUEST, name)
+    finally:
+        client.close()
