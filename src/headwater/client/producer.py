@@ -68,7 +68,7 @@ class _Batch:
 @dataclass
 class _PartitionQueue:
     """One partition's batches: the one filling, those ready, whether one is in flight
-    and the next sequence number (idempotence)."""
+    and the next batch's sequence number (idempotence)."""
 
     filling: _Batch | None = None
     ready: list[_Batch] = field(default_factory=list)
@@ -340,7 +340,10 @@ class AsyncProducer:
             queue = self._queues[(stream, partition)] = _PartitionQueue()
         batch = queue.filling
         if batch is not None and (
-            batch.size + size > self.batch_bytes or len(batch.records) >= MAX_BATCH_RECORDS
+            batch.size + size > self.batch_bytes
+            or len(batch.records) >= MAX_BATCH_RECORDS
+            # an idempotent batch is stored with one timestamp: its first record's
+            or (self.enable_idempotence and record.timestamp != batch.records[0].timestamp)
         ):
             self._release(stream, partition, queue)
             batch = None
@@ -394,9 +397,10 @@ class AsyncProducer:
                     request.txn_id = self.transactional_id
             entry = request.partition_records.add(partition=partition, records=records)
             if idempotent:
-                # The sequence is the batch's for good: a retry carries the same one.
+                # One sequence number a batch (the server's producer table numbers
+                # appends), the batch's for good: a retry carries the same one.
                 entry.base_sequence = queue.sequence
-                queue.sequence += len(records)
+                queue.sequence += 1
             answer = await self._session.request(request, pb.BatchPublishResponse, safe=idempotent)
             base = answer.results[0].base_offset
             for index, future in enumerate(batch.futures):

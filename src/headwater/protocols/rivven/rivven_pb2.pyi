@@ -447,7 +447,7 @@ class PartitionRecords(_message.Message):
     BASE_SEQUENCE_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     base_sequence: _builtins.int
-    """headwater: the first record's sequence"""
+    """headwater: the batch's sequence (one a batch)"""
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___Record]: ...
     def __init__(

@@ -1,0 +1,216 @@
+"""The SDK's producer against a real server's Rivven listener (docs/sdk.md, "Producer"):
+keyed records on Kafka's partition for the key, batching and linger, idempotent retries
+stored once, transactions seen whole or not at all by read_committed consumers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import Producer as KafkaProducer
+from servers import LOCAL, Server, serving
+
+import headwater
+from headwater.client._core import batching
+from headwater.client.consumer import AsyncConsumer, ConsumerRecord, TopicPartition
+from headwater.client.producer import AsyncProducer, RecordMetadata
+from headwater.engine.partitioner import keyed_partition
+from headwater.errors import InvalidTxnState
+from headwater.protocols.rivven import rivven_pb2 as pb
+
+PARTITIONS = 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("sdk_producer"),
+        listen={"rivven": LOCAL, "kafka": LOCAL, "kimberlite": ""},
+    )
+
+
+def rivven(server: Server) -> str:
+    return server.address_of("rivven")
+
+
+async def read_all(
+    server: Server,
+    stream: str,
+    count: int,
+    *,
+    partitions: int = PARTITIONS,
+    isolation: Any = "read_committed",
+) -> list[ConsumerRecord]:
+    """``count`` records of every partition from offset 0 (no group membership)."""
+    async with AsyncConsumer(rivven(server), isolation_level=isolation) as consumer:
+        consumer.assign([(stream, p) for p in range(partitions)])
+        records: list[ConsumerRecord] = []
+        while len(records) < count:
+            got = await consumer.getmany(timeout=10)
+            assert got, f"only {len(records)} of {count} records came"
+            records += got
+        assert len(records) == count
+        return records
+
+
+def test_keyed_records_land_on_kafkas_partition_for_the_key(server: Server) -> None:
+    keys = [f"customer-{i}".encode() for i in range(300)]
+    with headwater.Producer(rivven(server)) as producer:
+        producer.create_stream("keyed", partitions=PARTITIONS)
+        producer.create_stream("keyed-by-kafka", partitions=PARTITIONS)
+        futures = [producer.send("keyed", b"v" + key, key=key) for key in keys]
+        producer.flush()
+        placed = [future.result() for future in futures]
+    # The same keys through a Kafka client (Java's partitioner, murmur2_random) to the
+    # server's Kafka listener: the same partition for every key.
+    kafka = KafkaProducer(
+        {
+            "bootstrap.servers": server.address_of("kafka"),
+            "partitioner": "murmur2_random",
+            "linger.ms": 5,
+        }
+    )
+    by_kafka: dict[bytes, int] = {}
+
+    def delivered(error: Any, message: Any) -> None:
+        assert error is None, error
+        by_kafka[message.key()] = message.partition()
+
+    for key in keys:
+        kafka.produce("keyed-by-kafka", b"v", key=key, on_delivery=delivered)
+    assert kafka.flush(30) == 0
+    assert [p for p, _ in placed] == [by_kafka[key] for key in keys]
+    assert [p for p, _ in placed] == [keyed_partition(key, PARTITIONS) for key in keys]
+    assert len({p for p, _ in placed}) == PARTITIONS
+    # Read back: each record where its metadata said, with its key.
+    records = asyncio.run(read_all(server, "keyed", len(keys)))
+    stored = {(r.partition, r.offset): (r.key, r.value) for r in records}
+    for key, (partition, offset) in zip(keys, placed, strict=True):
+        assert stored[(partition, offset)] == (key, b"v" + key)
+
+
+def test_linger_gathers_records_into_fewer_requests(server: Server) -> None:
+    async def produce(stream: str, linger_ms: float, batch_bytes: int) -> tuple[int, list[Any]]:
+        async with AsyncProducer(
+            rivven(server), linger_ms=linger_ms, batch_bytes=batch_bytes
+        ) as producer:
+            await producer.create_stream(stream, partitions=1)
+            before = producer.requests
+            placed = await asyncio.gather(
+                *(producer.send(stream, f"{stream}-{i}".encode()) for i in range(400))
+            )
+            return producer.requests - before, placed
+
+    async def main() -> None:
+        lingering, placed = await produce("lingered", 1_000, 1 << 20)
+        one_by_one, _ = await produce("unlingered", 0, 1 << 20)
+        cut, _ = await produce("cut", 1_000, 1_000)  # batches of at most 1,000 B of values
+        assert placed == [RecordMetadata(0, i) for i in range(400)]
+        assert lingering == 1  # the 400 records: one batch, one request
+        assert one_by_one == 400  # no linger: each record its own batch
+        values = [f"cut-{i}".encode() for i in range(400)]
+        assert cut == len(batching.batches(values, len, 10_000, 1_000)) == 3
+        records = await read_all(server, "lingered", 400, partitions=1)
+        assert [r.value for r in records] == [f"lingered-{i}".encode() for i in range(400)]
+
+    asyncio.run(main())
+
+
+def test_idempotent_batch_sent_again_is_stored_once(server: Server) -> None:
+    async def main() -> None:
+        async with AsyncProducer(rivven(server), linger_ms=0) as producer:
+            await producer.create_stream("idem", partitions=2)
+            assert producer.producer_id is not None
+            # The same batch twice, as a retry after a lost answer sends it.
+            request = pb.BatchPublishRequest(
+                topic="idem", producer_id=producer.producer_id, producer_epoch=0
+            )
+            request.partition_records.add(
+                partition=1,
+                base_sequence=0,
+                records=[pb.Record(value=b"a"), pb.Record(value=b"b")],
+            )
+            first = await producer._session.request(request, pb.BatchPublishResponse, safe=True)
+            again = await producer._session.request(request, pb.BatchPublishResponse, safe=True)
+            assert not first.results[0].duplicate
+            assert again.results[0].duplicate
+            assert again.results[0].base_offset == first.results[0].base_offset == 0
+
+            # And through the producer: the connection closes right after the batch is
+            # written, so its answer never arrives and the producer sends it again on a
+            # new connection; stored once, whether the first copy was stored or not.
+            def closing(conn: Any) -> None:
+                send = conn.send
+
+                def send_then_close(message: Any, route: Any = None) -> Any:
+                    sent = send(message, route)
+                    if isinstance(message, pb.BatchPublishRequest):
+                        conn.close()
+                    return sent
+
+                conn.send = send_then_close
+
+            closing(await producer._session._ensure())
+            placed = await asyncio.gather(
+                *(producer.send("idem", f"r{i}".encode(), partition=0) for i in range(5))
+            )
+            assert producer._session.retried >= 1
+            assert placed == [RecordMetadata(0, i) for i in range(5)]
+            for partition, end in ((0, 5), (1, 2)):  # nothing stored twice
+                bounds = await producer._session.request(
+                    pb.GetOffsetBoundsRequest(topic="idem", partition=partition),
+                    pb.GetOffsetBoundsResponse,
+                    safe=True,
+                )
+                assert bounds.latest == end
+
+    asyncio.run(main())
+    records = asyncio.run(read_all(server, "idem", 7, partitions=2))
+    assert sorted((r.partition, r.value) for r in records) == [
+        (0, b"r0"),
+        (0, b"r1"),
+        (0, b"r2"),
+        (0, b"r3"),
+        (0, b"r4"),
+        (1, b"a"),
+        (1, b"b"),
+    ]
+
+
+def test_transactions_commit_whole_and_abort_whole(server: Server) -> None:
+    async def main() -> None:
+        async with AsyncProducer(rivven(server), transactional_id="tx-orders") as producer:
+            await producer.create_stream("txn", partitions=2)
+            with pytest.raises(InvalidTxnState):
+                producer.send("txn", b"outside")
+            await producer.init_transactions()
+            await producer.begin_transaction()
+            for i in range(10):
+                producer.send("txn", f"committed-{i}".encode(), partition=i % 2)
+            await producer.send_offsets_to_transaction({("txn", 0): 7}, "txn-group")
+            await producer.commit_transaction()
+            await producer.begin_transaction()
+            for i in range(6):
+                producer.send("txn", f"aborted-{i}".encode(), partition=i % 2)
+            await producer.send_offsets_to_transaction({("txn", 0): 99}, "txn-group")
+            await producer.abort_transaction()
+            await producer.begin_transaction()
+            # after the aborted records in both partitions: a reader that reaches these
+            # has passed the aborted ones
+            sent = [producer.send("txn", f"late-{i}".encode(), partition=i % 2) for i in range(4)]
+            await producer.commit_transaction()
+            assert all(f.done() for f in sent)
+
+        committed = await read_all(server, "txn", 14, partitions=2)
+        assert sorted(r.value for r in committed) == sorted(
+            [f"committed-{i}".encode() for i in range(10)]
+            + [f"late-{i}".encode() for i in range(4)]
+        )
+        everything = await read_all(server, "txn", 20, partitions=2, isolation="read_uncommitted")
+        assert sum(r.value.startswith(b"aborted-") for r in everything) == 6
+        async with AsyncConsumer(rivven(server), group_id="txn-group") as consumer:
+            assert await consumer.committed([("txn", 0)]) == {TopicPartition("txn", 0): 7}
+
+    asyncio.run(main())
