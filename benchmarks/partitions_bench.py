@@ -11,10 +11,14 @@ falls on every case alike:
 * **Kafka consume**: the same messages read back by one group consumer (subscribe,
   ``fetch.queue.backoff.ms`` 10), from its assignment to its last message (the group
   join before it is reported apart);
-* **Rivven produce / consume** (the protobuf format carries one record per Publish, so
-  this is ``--depth`` single-record Publishes in flight; consumed with ConsumeRequests
-  of every partition in flight): ``--rivven-messages`` messages, the project's own
-  sans-I/O client connection (no Rivven SDK producer exists yet);
+* **SDK produce / consume**: ``--sdk-messages`` messages through headwater's own
+  producer (``headwater.AsyncProducer`` over the Rivven listener: batches per partition,
+  linger 5 ms, idempotent) and group consumer (``AsyncConsumer``, timed from its first
+  records to its last);
+* **Rivven produce / consume** (single-record Publish, the protobuf message a plain
+  Rivven client sends: ``--depth`` in flight; consumed with ConsumeRequests of every
+  partition in flight): ``--rivven-messages`` messages, the project's own sans-I/O
+  client connection;
 * **rebalance**: consumers of one group on a 16-partition topic join one by one (1, 2,
   3) and leave again (3 -> 2 -> 1); the time from the join (subscribe) or the leave
   (close) to the moment the last member has its new assignment (each consumer's
@@ -33,6 +37,7 @@ a client-bound case can be told from a server-bound one.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import statistics
@@ -54,6 +59,8 @@ from benchlib import (
     proc_cpu,
     settle,
 )
+from headwater.client.consumer import AsyncConsumer
+from headwater.client.producer import AsyncProducer
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.connection import ClientConnection
 from headwater.protocols.rivven.messages import make_record
@@ -266,6 +273,64 @@ def rivven_consume(
     }
 
 
+# ---- the SDK (over the Rivven listener) ---------------------------------------------------
+
+
+def sdk_produce(
+    server: HeadwaterServer, topic: str, partitions: int, messages: int, value: bytes
+) -> dict[str, float]:
+    """headwater.AsyncProducer (batches per partition, linger 5 ms, idempotent)."""
+
+    async def produce() -> float:
+        address = f"127.0.0.1:{server.ports['rivven']}"
+        async with AsyncProducer(address, linger_ms=5) as producer:
+            await producer.create_stream(topic, partitions=partitions)
+            t0 = time.perf_counter()
+            sent = [producer.send(topic, value, partition=i % partitions) for i in range(messages)]
+            await producer.flush()
+            await asyncio.gather(*sent)  # any batch's error
+            return time.perf_counter() - t0
+
+    cpu_server, cpu_client = proc_cpu(server.pid), time.process_time()
+    seconds = asyncio.run(produce())
+    return {
+        "seconds": seconds,
+        "msgs_per_s": messages / seconds,
+        "mb_per_s": messages * len(value) / seconds / 1e6,
+        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
+        "client_cpu_s": time.process_time() - cpu_client,
+    }
+
+
+def sdk_consume(server: HeadwaterServer, topic: str, messages: int, group: str) -> dict[str, float]:
+    """headwater.AsyncConsumer in a group, from its first records to its last."""
+
+    async def consume() -> tuple[float, float, int]:
+        address = f"127.0.0.1:{server.ports['rivven']}"
+        async with AsyncConsumer(address, group_id=group, enable_auto_commit=False) as consumer:
+            t0 = time.perf_counter()
+            consumer.subscribe([topic])
+            first = await consumer.getmany(timeout=DEADLINE_S, max_records=10_000)
+            start = time.perf_counter()
+            got = len(first)
+            while got < messages:
+                batch = await consumer.getmany(timeout=DEADLINE_S, max_records=10_000)
+                if not batch:
+                    raise RuntimeError(f"consumed {got} of {messages} within {DEADLINE_S}s")
+                got += len(batch)
+            return start - t0, time.perf_counter() - start, messages - len(first)
+
+    cpu_server, cpu_client = proc_cpu(server.pid), time.process_time()
+    join_s, seconds, timed = asyncio.run(consume())
+    return {
+        "join_s": join_s,
+        "seconds": seconds,
+        "msgs_per_s": timed / seconds,
+        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
+        "client_cpu_s": time.process_time() - cpu_client,
+    }
+
+
 # ---- group rebalance ----------------------------------------------------------------------
 
 
@@ -374,7 +439,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "config": {
             k: getattr(args, k)
-            for k in ("messages", "rivven_messages", "sizes", "partitions", "repeat", "depth")
+            for k in (
+                "messages",
+                "sdk_messages",
+                "rivven_messages",
+                "sizes",
+                "partitions",
+                "repeat",
+                "depth",
+            )
         }
         | {"heartbeats_ms": args.heartbeats_ms},
         "runs": [],
@@ -415,6 +488,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row["rivven_consume"] = rivven_consume(
                             server, f"r_{name}", partitions, args.rivven_messages
                         )
+                    if args.sdk_messages:
+                        settle([server.pid], 60.0)
+                        row["sdk_produce"] = sdk_produce(
+                            server, f"s_{name}", partitions, args.sdk_messages, value
+                        )
+                        settle([server.pid], 60.0)
+                        row["sdk_consume"] = sdk_consume(
+                            server, f"s_{name}", args.sdk_messages, f"sg_{name}"
+                        )
                     log(f"{name}: {json.dumps(row)}")
                     results["runs"].append(row)
         create_topic(bootstrap, "rebalance", REBALANCE_PARTITIONS)
@@ -432,7 +514,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-CASES = ("kafka_produce", "kafka_consume", "rivven_produce", "rivven_consume")
+CASES = (
+    "kafka_produce",
+    "kafka_consume",
+    "sdk_produce",
+    "sdk_consume",
+    "rivven_produce",
+    "rivven_consume",
+)
 STEPS = ("join 0->1", "join 1->2", "join 2->3", "leave 3->2", "leave 2->1")
 
 
@@ -456,7 +545,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"partitions_bench at {env['revision']}, {env['started']}, load average "
         f"{env['load_before']} before, {env['load_after']} after; medians of "
         f"{config['repeat']} interleaved repeats; Kafka {config['messages']:,} messages, "
-        f"Rivven {config['rivven_messages']:,} (depth {config['depth']})",
+        f"SDK {config['sdk_messages']:,}, Rivven {config['rivven_messages']:,} (depth "
+        f"{config['depth']})",
         "",
         "| case | size | partitions | msgs/s | vs 1 partition | server CPU s | client CPU s |",
         "|---|---|---|---|---|---|---|",
@@ -503,6 +593,12 @@ def main() -> None:
     p.add_argument(
         "--rivven-messages", type=int, default=20_000, help="Rivven messages per case (0: none)"
     )
+    p.add_argument(
+        "--sdk-messages",
+        type=int,
+        default=100_000,
+        help="messages per case through the SDK's producer and group consumer (0: none)",
+    )
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[100, 1024])
     p.add_argument(
         "--partitions", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16]
@@ -520,6 +616,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.messages, args.rivven_messages, args.repeat = 5_000, 1_000, 1
+        args.sdk_messages = 5_000
         args.heartbeats_ms = [100]
     results = run(args)
     if args.out is not None:
