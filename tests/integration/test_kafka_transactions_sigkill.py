@@ -44,7 +44,7 @@ from servers import LOCAL, Server
 
 DRIVER = Path(__file__).with_name("kafka_txn_driver.py")
 INPUT_RECORDS = 400
-MAX_ROUNDS = 15
+MAX_ROUNDS = 30  # stops once both were seen (3-6 rounds so far)
 MIN_ROUNDS = 3  # every kill point at least once
 KILL_POINTS = ("before_end", "decision", "markers")
 DEADLINE_S = 30.0
