@@ -88,9 +88,12 @@ def read_back(bootstrap: str, count: int) -> list[tuple[int, bytes]]:
     found: list[tuple[int, bytes]] = []
     try:
         while len(found) < count:
-            message = wait_until(lambda: consumer.poll(0.2), message=f"read {len(found)}")
-            assert message.error() is None, message.error()
-            found.append((int(message.offset()), bytes(message.value())))  # type: ignore[arg-type]
+            messages = wait_until(
+                lambda: consumer.consume(10_000, 0.2), message=f"read {len(found)} of {count}"
+            )
+            for message in messages:
+                assert message.error() is None, message.error()
+                found.append((int(message.offset()), bytes(message.value())))  # type: ignore[arg-type]
     finally:
         consumer.close()
     return found
@@ -156,7 +159,8 @@ def test_acknowledged_writes_survive_leader_kills(cluster: Cluster) -> None:
     found = read_back(cluster.nodes[leader].address_of("kafka"), end)
     values = [value for _, value in found]
     duplicated = len(values) - len(set(values))
-    lost = [v for v in acks.offsets if v not in set(values)]
+    stored = set(values)
+    lost = [v for v in acks.offsets if v not in stored]
     print(
         f"{ROUNDS} rounds: acknowledged {acknowledged}, stored {len(values)}, lost {len(lost)},"
         f" duplicated {duplicated}; new leader after SIGKILL: median"
