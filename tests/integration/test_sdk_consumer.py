@@ -13,6 +13,7 @@ from servers import LOCAL, Server, serving
 import headwater
 from headwater.client.consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
 from headwater.client.producer import AsyncProducer
+from headwater.engine.groups.errors import IllegalGeneration
 from waiting import wait_until, wait_until_async
 
 PARTITIONS = 6
@@ -120,6 +121,12 @@ def test_commit_and_resume(server: Server) -> None:
         first.commit()
         assert first.committed([tp]) == {tp: 15}
         first.commit({tp: 12})  # explicit offsets: back to 12
+        assert first.committed([tp]) == {tp: 12}
+        # A member's commit names its generation: one that is over is refused.
+        first.aio.generation -= 1
+        with pytest.raises(IllegalGeneration):
+            first.commit({tp: 1})
+        first.aio.generation += 1
         assert first.committed([tp]) == {tp: 12}
     with Consumer(rivven(server), group_id="resumers", **options) as second:
         second.subscribe(["resume"])

@@ -15,9 +15,10 @@ from servers import LOCAL, Server, serving
 import headwater
 from headwater.client._core import batching
 from headwater.client.consumer import AsyncConsumer, ConsumerRecord, TopicPartition
-from headwater.client.producer import AsyncProducer, RecordMetadata
+from headwater.client.errors import EventTooLarge
+from headwater.client.producer import MAX_BATCH_BYTES, AsyncProducer, RecordMetadata
 from headwater.engine.partitioner import keyed_partition
-from headwater.errors import InvalidTxnState
+from headwater.errors import InvalidRequest, InvalidTxnState
 from headwater.protocols.rivven import rivven_pb2 as pb
 
 PARTITIONS = 6
@@ -212,5 +213,48 @@ def test_transactions_commit_whole_and_abort_whole(server: Server) -> None:
         assert sum(r.value.startswith(b"aborted-") for r in everything) == 6
         async with AsyncConsumer(rivven(server), group_id="txn-group") as consumer:
             assert await consumer.committed([("txn", 0)]) == {TopicPartition("txn", 0): 7}
+
+    asyncio.run(main())
+
+
+def test_batches_past_the_limits_are_refused_whole(server: Server) -> None:
+    async def main() -> None:
+        async with AsyncProducer(rivven(server)) as producer:
+            await producer.create_stream("limits", partitions=2)
+            # One value over what an append carries: refused before anything is sent.
+            with pytest.raises(EventTooLarge):
+                producer.send("limits", b"x" * (MAX_BATCH_BYTES + 1))
+            session = producer._session
+
+            def batch(partition: int, *values: bytes) -> pb.BatchPublishRequest:
+                request = pb.BatchPublishRequest(topic="limits")
+                request.partition_records.add(
+                    partition=partition, records=[pb.Record(value=v) for v in values]
+                )
+                return request
+
+            # Over 4 MiB of values in one partition's batch (the frame is under 10 MiB).
+            big = batch(0, b"a" * (3 << 20), b"b" * (2 << 20))
+            with pytest.raises(InvalidRequest, match="at most"):
+                await session.request(big, pb.BatchPublishResponse, safe=False)
+            # A partition the stream lacks: refused, even beside a good one.
+            mixed = batch(1, b"fine")
+            mixed.partition_records.add(partition=2, records=[pb.Record(value=b"nowhere")])
+            with pytest.raises(InvalidRequest, match="no partition 2"):
+                await session.request(mixed, pb.BatchPublishResponse, safe=False)
+            # A transactional batch of a producer that began no transaction.
+            stray = batch(0, b"stray")
+            stray.producer_id, stray.txn_id = 1, "never-begun"
+            with pytest.raises(InvalidTxnState):
+                await session.request(stray, pb.BatchPublishResponse, safe=False)
+            # Nothing of them was stored; the connection still serves.
+            for partition in (0, 1):
+                bounds = await session.request(
+                    pb.GetOffsetBoundsRequest(topic="limits", partition=partition),
+                    pb.GetOffsetBoundsResponse,
+                    safe=True,
+                )
+                assert bounds.latest == 0
+            assert await producer.send("limits", b"after", partition=1) == (1, 0)
 
     asyncio.run(main())
