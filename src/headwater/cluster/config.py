@@ -18,6 +18,12 @@ class ClusterConfig:
     replication_port: int = 0  # the replication listener's port (0: any free one)
     prefix: str = "/headwater/"  # every key of the cluster lives under it in etcd
 
+    @property
+    def first_producer_id(self) -> int:
+        """Where this node's producer ids start: 2**48 (the single node's first) plus
+        2**40 per node id, so nodes never hand out the same id (2**40 ids each)."""
+        return (1 << 48) + self.node_id * (1 << 40)
+
     def __post_init__(self) -> None:
         if self.min_insync_replicas > self.replication_factor:
             raise ValueError(

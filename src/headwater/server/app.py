@@ -114,6 +114,9 @@ class Server:
             on_sql_limit=lambda limit: self.limits.refused(limit, "sql"),
             quotas=self.config.quotas,
         )
+        if self.config.cluster is not None:
+            # Before any listener: an id handed out must be unique in the cluster.
+            self._api.start_producer_ids_at(self.config.cluster.first_producer_id)
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.
         for name, factory in sorted(
             self.front_ends.items(), key=lambda item: item[0] == "kimberlite"

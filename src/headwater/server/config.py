@@ -362,8 +362,8 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
         return None
     data = _table(data, "[cluster]")
     node_id = data.get("node_id")
-    if not isinstance(node_id, int) or isinstance(node_id, bool) or node_id < 0:
-        raise ConfigError(f"cluster.node_id must be a non-negative integer, got {node_id!r}")
+    if not isinstance(node_id, int) or isinstance(node_id, bool) or not 0 <= node_id < 1 << 20:
+        raise ConfigError(f"cluster.node_id must be an integer 0..1048575, got {node_id!r}")
     etcd = data.get("etcd")
     if isinstance(etcd, str):
         etcd = [etcd]

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from datetime import timedelta
 
 import pytest
 from cluster_nodes import Cluster
 from confluent_kafka.admin import AdminClient
 from kimberlite_raw import append, batch, expect_error
+from kio.schema.init_producer_id.v4.request import InitProducerIdRequest
 from kio.schema.produce.v10.response import ProduceResponse
-from kio.static.primitive import i16
+from kio.schema.types import ProducerId
+from kio.static.primitive import i16, i32Timedelta
 from test_cluster_membership import create_topic
 from test_kafka_stored_batches import RECORDS, RawKafka, captured_produce
 
@@ -128,3 +131,28 @@ def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluste
     )
     assert produce_raw(cluster, leader, acks=-1) == (ErrorCode.not_enough_replicas, -1)
     assert produce_raw(cluster, leader, acks=1) == (0, n_after)
+
+
+def test_nodes_hand_out_producer_ids_from_ranges_of_their_own(cluster: Cluster) -> None:
+    # Two idempotent producers whose InitProducerId went to different nodes must not
+    # share an id: they would corrupt each other's sequences in every partition.
+    for node_id in (1, 2):
+        cluster.add(node_id)
+    ids = []
+    for node_id in (1, 2, 1):
+        kafka = RawKafka(cluster.nodes[node_id])
+        try:
+            request = InitProducerIdRequest(
+                transactional_id=None,
+                transaction_timeout=i32Timedelta.parse(timedelta(seconds=60)),
+                producer_id=ProducerId(-1),
+                producer_epoch=i16(-1),
+            )
+            answer = kafka.call(request, ApiKey.INIT_PRODUCER_ID, 4)
+        finally:
+            kafka.close()
+        assert answer.error_code == 0
+        ids.append(int(answer.producer_id))
+    assert len(set(ids)) == 3
+    assert ids[0] >> 40 == ids[2] >> 40 == (1 << 8) + 1  # node 1's range
+    assert ids[1] >> 40 == (1 << 8) + 2  # node 2's
