@@ -183,6 +183,9 @@ def test_seek_and_seek_by_time(server: Server) -> None:
             record = await consumer.poll(5)
             assert record is not None and record.offset == 1
             assert consumer.position(tp) == 2
+            consumer.seek(tp, 1_000)  # past the end: back to auto_offset_reset's earliest
+            record = await consumer.poll(5)
+            assert record is not None and record.offset == 0
 
     asyncio.run(main())
 

@@ -43,7 +43,7 @@ from headwater.engine.groups.errors import (
     RebalanceInProgress,
     UnknownMemberId,
 )
-from headwater.errors import HeadwaterError, UsageError
+from headwater.errors import HeadwaterError, InvalidOffset, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
 from ._core.blocking import Blocking, LoopThread
@@ -99,6 +99,7 @@ class _Fetched(NamedTuple):
     tp: TopicPartition
     epoch: int  # the partition's fetch epoch when read: a seek or revoke makes it stale
     records: list[pb.ConsumedRecord]
+    error: BaseException | None = None  # the fetch failed: the next poll raises it
 
 
 class AsyncConsumer:
@@ -478,18 +479,24 @@ class AsyncConsumer:
                     await self._queue.put(_Fetched(tp, epoch, records))
         except asyncio.CancelledError:
             raise
+        except InvalidOffset as exc:
+            # Past the end or below retention (a seek, a deleted segment): start again
+            # where auto_offset_reset says, as Kafka's consumer does.
+            log.warning("consumer %s: %s; reset to %s", tp, exc, self.auto_offset_reset)
+            self._positions.pop(tp, None)
+            self._fetchers.pop(tp, None)
         except BaseException as exc:
-            # Handed to the next poll, which raises it.
-            await self._queue.put(_Fetched(tp, -1, [exc]))  # type: ignore[list-item]
+            await self._queue.put(_Fetched(tp, epoch, [], exc))
 
     def _take(self, fetched: _Fetched) -> None:
         """A fetched batch into the buffer, unless its partition was sought or revoked
         since it was read."""
         tp = fetched.tp
-        if fetched.epoch == -1:
-            raise fetched.records[0]  # type: ignore[misc]
         if fetched.epoch != self._fetch_epochs.get(tp) or tp not in self._assignment:
             return
+        if fetched.error is not None:
+            self._fetchers.pop(tp, None)  # the next poll fetches it again, if it is called
+            raise fetched.error
         position = self._positions.get(tp, 0)
         stream, partition = tp
         self._buffer.extend(
