@@ -1,6 +1,6 @@
 """Stream names follow Kafka's topic rules ([A-Za-z0-9._-], engine/names.py): a topic a
 Kafka client creates with '.' and '-' in its name (confluent-kafka, kcat) is read back
-over HTTP, SQL (quoted) and Kimberlite; the names Kafka refuses (".", "..", other
+over HTTP, SQL (quoted), Kimberlite and Kiwi; the names Kafka refuses (".", "..", other
 characters, more than 249 characters) and headwater's reserved ones are refused over
 Kafka with INVALID_TOPIC_EXCEPTION and over Kimberlite with InvalidRequest."""
 
@@ -19,6 +19,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from servers import LOCAL, Server, serving
+from websockets.sync.client import connect
 
 from headwater.protocols.kimberlite import (
     CreateStreamRequest,
@@ -80,6 +81,27 @@ def test_a_topic_with_dots_and_dashes_is_read_over_every_front_end(server: Serve
         assert [list(row) for row in answer.rows] == [[3]]
     finally:
         client.close()
+
+
+def test_kiwi_pushes_a_dotted_topics_records(server: Server) -> None:
+    topic = "ticks.eu-west"
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic(topic, num_partitions=1)])[topic].result(DEADLINE_S)
+    with connect(f"ws://{server.address_of('http')}/ws", open_timeout=DEADLINE_S) as ws:
+        ws.send(json.dumps({"type": "SUBSCRIBE", "sourceId": topic, "mode": "push"}))
+        ok = json.loads(ws.recv(timeout=DEADLINE_S))
+        assert ok == {"type": "SUBSCRIBE_OK", "data": {"sourceId": topic}}
+        producer = Producer({"bootstrap.servers": server.address_of("kafka")})
+        producer.produce(topic, b"px=10", key=b"eur")
+        assert producer.flush(DEADLINE_S) == 0
+        result = json.loads(ws.recv(timeout=DEADLINE_S))
+    assert result["type"] == "RESULT"
+    assert {k: result["data"][k] for k in ("sourceId", "key", "value", "offset")} == {
+        "sourceId": topic,
+        "key": "eur",
+        "value": "px=10",
+        "offset": 0,
+    }
 
 
 def test_a_debezium_style_topic_is_created_by_kcat(server: Server) -> None:
