@@ -10,7 +10,8 @@ Keys (under the configured prefix, ``/headwater/`` by default; values are JSON):
 
 A partition's state is only ever changed by a txn guarded on its mod revision, so two
 writers (the controller, a leader shrinking its ISR) never overwrite each other.
-Stream names are ``[A-Za-z0-9_]``, so they go into keys as they are.
+Stream names are ``[A-Za-z0-9._-]`` and never "." or ".." (engine/names.py), so they go
+into keys as they are: no "/" to split on, no path step.
 """
 
 from __future__ import annotations
