@@ -43,7 +43,9 @@ def create_topic(server: Server) -> str:
 class Member:
     """A confluent-kafka group consumer and the partitions its callbacks revoked."""
 
-    def __init__(self, server: Server, group: str, strategy: str, topic: str) -> None:
+    def __init__(
+        self, server: Server, group: str, strategy: str, topic: str, **config: str
+    ) -> None:
         self.consumer = Consumer(
             {
                 "bootstrap.servers": server.address_of("kafka"),
@@ -52,6 +54,7 @@ class Member:
                 "session.timeout.ms": 6_000,
                 "heartbeat.interval.ms": 300,
                 "enable.auto.commit": False,
+                **config,
             }
         )
         self.revoked: list[int] = []
@@ -188,3 +191,26 @@ def test_aiokafka_group_of_three_with_the_clients_assignor(server: Server, assig
         else:  # sorted member ids dealt the sorted partitions in turn
             ids = sorted(owned)
             assert all(owned[m] == set(range(i, PARTITIONS, len(ids))) for i, m in enumerate(ids))
+
+
+def test_a_restarted_static_member_gets_its_partitions_back_without_a_rebalance(
+    server: Server,
+) -> None:
+    topic = create_topic(server)
+    group = "static_" + uuid.uuid4().hex[:8]
+
+    def static(instance: str) -> Member:
+        return Member(server, group, "range", topic, **{"group.instance.id": instance})
+
+    members = [static("a"), static("b")]
+    try:
+        poll_until(members, lambda: split(members, [3, 3]), "2 x 3 partitions")
+        kept, had = members[0].owned(), members[1].owned()
+        members[0].revoked.clear()
+        members.pop().consumer.close()  # a static member sends no LeaveGroup
+        members.append(static("b"))
+        poll_until(members, lambda: members[1].owned() == had, "b's partitions back")
+        assert members[0].owned() == kept and members[0].revoked == []
+    finally:
+        for m in members:
+            m.consumer.close()

@@ -269,10 +269,15 @@ class KafkaGroups:
             leader=reply.leader,
         )
         if member_id == reply.leader:
+            # The leader's assignor sees each member's static instance id too (a sticky
+            # assignor keys what a restarted static member had on it).
+            instances = {
+                m.member_id: m.instance_id for m in tenant.coordinator.describe(group_id).members
+            }
             answer["members"] = [
                 {
                     "member_id": member,
-                    "group_instance_id": None,
+                    "group_instance_id": instances.get(member),
                     "metadata": tenant.metadata.get((group_id, member), {}).get(
                         reply.protocol, b""
                     ),
