@@ -13,11 +13,8 @@ only the wire messages, not these embedded byte layouts).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import struct
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,16 +22,15 @@ from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
 from headwater.engine.groups import (
-    GroupCoordinator,
     GroupError,
     JoinFailed,
     JoinResult,
-    Reply,
     SyncFailed,
     SyncResult,
     TopicPartition,
 )
 from headwater.errors import HeadwaterError, InvalidRequest, StreamNotFound
+from headwater.server.groups import GroupShells, TenantGroups
 from headwater.server.kafka.handlers import Session, error_code
 
 log = logging.getLogger("headwater.kafka")
@@ -133,88 +129,18 @@ def _ms(delta: Any) -> int:
     return int(delta.total_seconds() * 1000)
 
 
-class _TenantGroups:
-    def __init__(self, coordinator: GroupCoordinator) -> None:
-        self.coordinator = coordinator
-        # pending JoinGroups and SyncGroups by member id (unique: the coordinator makes
-        # them)
-        self.joins: dict[str, asyncio.Future[Reply]] = {}
-        self.syncs: dict[str, asyncio.Future[Reply]] = {}
-        self.metadata: dict[tuple[str, str], dict[str, bytes]] = {}
-        self.wake = asyncio.Event()
-        self.ticker = asyncio.get_running_loop().create_task(self._tick_loop())
-
-    def dispatch(self, replies: list[Reply]) -> None:
-        for reply in replies:
-            pending = self.syncs if isinstance(reply, SyncResult | SyncFailed) else self.joins
-            future = pending.pop(reply.member_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply)
-        self.wake.set()  # the next deadline may have moved
-
-    async def wait_join(self, member_id: str, replies: list[Reply]) -> Reply:
-        """The reply to ``member_id``'s join (just made, which gave ``replies``)."""
-        return await self._wait(self.joins, member_id, replies)
-
-    async def wait_sync(self, member_id: str, replies: list[Reply]) -> Reply:
-        """The reply to ``member_id``'s sync (just made, which gave ``replies``)."""
-        return await self._wait(self.syncs, member_id, replies)
-
-    async def _wait(
-        self, pending: dict[str, asyncio.Future[Reply]], member_id: str, replies: list[Reply]
-    ) -> Reply:
-        earlier = pending.pop(member_id, None)
-        if earlier is not None:
-            earlier.cancel()
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        pending[member_id] = future
-        self.dispatch(replies)
-        try:
-            return await future
-        finally:
-            if pending.get(member_id) is future:
-                del pending[member_id]
-
-    async def _tick_loop(self) -> None:
-        coordinator = self.coordinator
-        while True:
-            deadline = coordinator.next_deadline()
-            timeout = None if deadline is None else max(0.0, (deadline - _now_ms()) / 1000)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await self.wake.wait()
-            self.wake.clear()
-            replies = coordinator.tick()
-            if replies:
-                self.dispatch(replies)
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 class KafkaGroups:
     """The group APIs of one Kafka listener, for every tenant."""
 
     def __init__(self, api: EngineAPI) -> None:
         self.api = api
-        self._tenants: dict[int, _TenantGroups] = {}
+        self._shells = GroupShells(api)
 
-    async def _tenant(self, tenant_id: int) -> _TenantGroups:
-        found = self._tenants.get(tenant_id)
-        if found is None:
-            coordinator = await self.api.groups.coordinator(tenant_id)
-            found = self._tenants.get(tenant_id)
-            if found is None:
-                found = self._tenants[tenant_id] = _TenantGroups(coordinator)
-        return found
+    async def _tenant(self, tenant_id: int) -> TenantGroups:
+        return await self._shells.tenant(tenant_id)
 
     async def close(self) -> None:
-        for tenant in self._tenants.values():
-            tenant.ticker.cancel()
-            for future in (*tenant.joins.values(), *tenant.syncs.values()):
-                future.cancel()
-        self._tenants.clear()
+        await self._shells.close()
 
     # ---- membership ---------------------------------------------------------------
 
