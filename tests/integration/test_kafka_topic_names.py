@@ -140,6 +140,24 @@ def test_names_kafka_refuses_are_refused_over_kafka(server: Server, name: str) -
     assert name not in listed
 
 
+def test_a_topic_colliding_with_another_in_dots_and_underscores_is_refused(
+    server: Server,
+) -> None:
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic("metrics_eu", num_partitions=1)])["metrics_eu"].result(DEADLINE_S)
+    future = admin.create_topics([NewTopic("metrics.eu", num_partitions=1)])["metrics.eu"]
+    with pytest.raises(KafkaException) as refused:
+        future.result(DEADLINE_S)
+    assert refused.value.args[0].code() == KafkaError.TOPIC_EXCEPTION, refused.value
+    assert "collides" in refused.value.args[0].str()
+    # headwater's own front ends keep their own rules: both names may be streams.
+    client = server.client()
+    try:
+        kr.create_stream(client, "metrics.eu")
+    finally:
+        client.close()
+
+
 def test_the_longest_kafka_topic_name_and_the_longest_stream_name(server: Server) -> None:
     admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
     longest = "t." + "x" * 247  # 249: Kafka's limit

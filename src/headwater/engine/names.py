@@ -10,6 +10,7 @@ headwater's 256 characters at most (Kafka's 249 where a Kafka client creates one
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from headwater.errors import InvalidRequest
 
@@ -48,13 +49,24 @@ def check_stream_name(name: str, *, internal: bool = False) -> str:
     return name
 
 
-def check_topic_name(name: str) -> str:
-    """A stream name a Kafka client may create: Kafka's length limit too."""
+def check_topic_name(name: str, existing: Iterable[str] = ()) -> str:
+    """A stream name a Kafka client may create: Kafka's length limit too, and, as Kafka
+    refuses it, no name that differs from one of ``existing`` only in '.' against '_'
+    (Kafka's metric names make them one)."""
     if len(name) > KAFKA_MAX_TOPIC_NAME:
         raise InvalidName(
             f"invalid topic name: {len(name)} characters, Kafka's limit is {KAFKA_MAX_TOPIC_NAME}"
         )
-    return check_stream_name(name)
+    check_stream_name(name)
+    if "." in name or "_" in name:
+        folded = name.replace(".", "_")
+        for other in existing:
+            if other != name and other.replace(".", "_") == folded:
+                raise InvalidName(
+                    f"topic {name!r} collides with the existing {other!r}: Kafka takes '.'"
+                    " and '_' for one"
+                )
+    return name
 
 
 def _check_reserved(name: str, internal: bool) -> None:

@@ -211,7 +211,7 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
             code = ErrorCode.unknown_topic_or_partition
             if auto_create:
                 try:
-                    check_topic_name(name)
+                    check_topic_name(name, (s.name for s in api.list_streams(tenant)))
                     topics.append(_topic_entry(await api.create_stream(tenant, name), session))
                     continue
                 except StreamAlreadyExists:
@@ -253,7 +253,7 @@ async def create_topics(session: Session, request: Any, version: int) -> Mapping
         partitions = topic.num_partitions if topic.num_partitions > 0 else 1
         code, message = ErrorCode.none, None
         try:
-            check_topic_name(topic.name)
+            check_topic_name(topic.name, (s.name for s in api.list_streams(tenant)))
             if topic.replication_factor not in (-1, 1):
                 raise InvalidRequest("one node: replication_factor must be 1 (or -1)")
             settings = StreamSettings.from_dict(
