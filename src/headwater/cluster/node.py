@@ -72,6 +72,7 @@ class ClusterNode:
         self.partitions: dict[PartitionKey, PartitionState] = {}
         self._published_offsets: dict[str, int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._etcd_down = False  # the last tick could not reach etcd
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
         self.view = ClusterView(self)  # what the front ends ask
@@ -157,7 +158,8 @@ class ClusterNode:
                 self.is_controller = False
                 await self._register()
             except EtcdError as exc:
-                log.warning("cannot renew the node's lease: %s", exc)
+                if not self._etcd_down:
+                    log.warning("cannot renew the node's lease: %s", exc)
 
     async def _tick_forever(self) -> None:
         while True:
@@ -165,7 +167,15 @@ class ClusterNode:
             try:
                 await self.tick()
             except EtcdError as exc:
-                log.warning("cannot reach etcd: %s", exc)
+                # Once per outage, not every tick: the node serves on meanwhile, with
+                # the leaders and ISRs it last read (no election can happen without etcd).
+                if not self._etcd_down:
+                    log.warning("cannot reach etcd; serving with the last state read: %s", exc)
+                    self._etcd_down = True
+            else:
+                if self._etcd_down:
+                    log.info("etcd reachable again")
+                    self._etcd_down = False
 
     # ---- one round ----------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Replication against real nodes: followers copy the leader's stored batches byte for
 byte, a killed leader's replacement takes over and the old leader rejoins the ISR; an
 old leader's tail that no follower had is truncated when it comes back; an out-of-sync
-replica never leads (unclean election off)."""
+replica never leads (unclean election off); with etcd down the cluster goes on serving,
+and elects again once it is back."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from cluster_nodes import Cluster
 from confluent_kafka import Consumer, Producer, TopicPartition
 from test_cluster_membership import create_topic
 
+from headwater.cluster.local import EtcdProcess
 from waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -150,3 +152,33 @@ def test_an_out_of_sync_replica_never_leads(cluster: Cluster) -> None:
     )
     assert leaderless_epoch == epoch + 1
     cluster.wait_replicas_agree([1, 2, 3], 1)
+
+
+def test_the_cluster_serves_while_etcd_is_down_and_elects_again_after(
+    cluster: Cluster, etcd: EtcdProcess
+) -> None:
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 1)
+    cluster.wait_partitions(1)
+    leader, epoch = leader_of(cluster)
+    produce(cluster.bootstrap(), [b"before%d" % i for i in range(50)])
+    etcd.kill()
+    noticed = "cannot reach etcd; serving with the last state read"
+    wait_until(lambda: all(noticed in n.log_text() for n in cluster.nodes.values()))
+    # Leaders and ISRs stay as last read: acks=all writes and reads go on.
+    produce(cluster.bootstrap(), [b"during%d" % i for i in range(50)])
+    during = read_all(cluster.nodes[leader].address_of("kafka"), 100)
+    assert during[50:] == [b"during%d" % i for i in range(50)]
+    etcd.start()  # the same data and ports
+    cluster.nodes[leader].kill()
+    new, new_epoch = wait_until(
+        lambda: (found := leader_of(cluster))[0] not in (leader, -1) and found,
+        timeout=30,
+        message=lambda: str(cluster.status()),
+    )
+    assert new_epoch == epoch + 1
+    produce(cluster.bootstrap(), [b"after%d" % i for i in range(10)])
+    values = read_all(cluster.nodes[new].address_of("kafka"), 110)
+    assert values[100:] == [b"after%d" % i for i in range(10)]
+    assert "etcd reachable again" in cluster.nodes[new].log_text()
