@@ -1,8 +1,10 @@
 """The fault suite (issue 20): a confluent-kafka producer (acks=all, idempotence)
 writes without pause while the test SIGKILLs the partition's leader at a random moment,
 waits for a new leader, restarts the killed node and waits for it to rejoin the ISR;
-round after round. Then every acknowledged message must be read back exactly once, in
-the order of its offsets, and every replica must hold the same bytes.
+every other round it also SIGKILLs a follower (writes go on with two in-sync
+replicas), then restarts it; round after round. Then every acknowledged message must
+be read back exactly once, in the order of its offsets, and every replica must hold
+the same bytes.
 
 Rounds: ``HEADWATER_FAULT_ROUNDS`` (default 20). Failover times are printed (run with
 ``-s``) and recorded in docs/benchmarks.md."""
@@ -143,6 +145,28 @@ def test_acknowledged_writes_survive_leader_kills(cluster: Cluster) -> None:
                 f"round {round_no + 1}: killed {victim}, new leader in {leader_moves[-1]:.2f} s,"
                 f" next ack after {first_acks[-1]:.2f} s, {acks.count()} acknowledged"
             )
+            if round_no % 2:
+                # Every other round a follower dies too: acks=all goes on with the two
+                # left (min_insync_replicas 2), and the follower catches up on return.
+                part = cluster.partitions()[f"0/{TOPIC}/0"]
+                follower = rng.choice([n for n in part["replicas"] if n != part["leader"]])
+                target = acks.count() + rng.randint(20, 400)
+                wait_until(lambda target=target: acks.count() >= target, timeout=60)
+                cluster.nodes[follower].kill()
+                wait_until(
+                    lambda f=follower: f not in cluster.partitions()[f"0/{TOPIC}/0"]["isr"],
+                    timeout=6 * LEASE_S,
+                    message=lambda: str(cluster.status()),
+                )
+                target = acks.count() + 100
+                wait_until(lambda target=target: acks.count() >= target, timeout=60)
+                cluster.nodes[follower].start()
+                wait_until(
+                    lambda: len(cluster.partitions()[f"0/{TOPIC}/0"]["isr"]) == 3,
+                    timeout=30,
+                    message=lambda: str(cluster.status()),
+                )
+                print(f"round {round_no + 1}: killed follower {follower}; it rejoined")
     finally:
         stop.set()
         producer.join(150)
