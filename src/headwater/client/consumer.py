@@ -53,6 +53,8 @@ from .errors import ClientClosed
 
 log = logging.getLogger("headwater.client")
 
+FETCH_MAX_RECORDS = 10_000  # records one fetch asks for (fetch_max_bytes bounds it too)
+
 
 class TopicPartition(NamedTuple):
     """A partition of a stream."""
@@ -464,7 +466,7 @@ class AsyncConsumer:
                         topic=tp.stream,
                         partition=tp.partition,
                         offset=offset,
-                        max_messages=self.max_poll_records,
+                        max_messages=FETCH_MAX_RECORDS,
                         max_bytes=self.fetch_max_bytes,
                         isolation_level=isolation,
                         max_wait_ms=self.fetch_max_wait_ms,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Self
 
-from headwater.engine.partitioner import Partitioner, keyed_partition
+from headwater.engine.partitioner import Partitioner
 from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
@@ -57,23 +57,33 @@ OffsetsLike = Mapping[tuple[str, int], int]
 """Offsets by (stream, partition): the next offset to read, as Kafka commits them."""
 
 
-@dataclass
+@dataclass(eq=False)  # kept in a set, by identity
 class _Batch:
-    records: list[pb.Record] = field(default_factory=list)
+    """Records of one stream waiting to be sent, in send order. They are placed on
+    partitions when the batch is sent (keys hashed together, keyless records on the
+    batch's sticky partition), and go as one request."""
+
+    values: list[bytes] = field(default_factory=list)
+    keys: list[bytes | None] = field(default_factory=list)
+    headers: list[list[pb.RecordHeader]] = field(default_factory=list)
+    partitions: list[int | None] = field(default_factory=list)
+    timestamps: list[int] = field(default_factory=list)
     futures: list[asyncio.Future[RecordMetadata]] = field(default_factory=list)
     size: int = 0
     timer: asyncio.TimerHandle | None = None
+    sent: asyncio.Future[None] | None = None  # done once every record is answered
 
 
 @dataclass
-class _PartitionQueue:
-    """One partition's batches: the one filling, those ready, whether one is in flight
-    and the next batch's sequence number (idempotence)."""
+class _StreamQueue:
+    """One stream's batches: the one filling, those ready, whether one is in flight (one
+    at a time, so each partition stores records in send order) and each partition's
+    next batch sequence number (idempotence)."""
 
     filling: _Batch | None = None
     ready: list[_Batch] = field(default_factory=list)
     in_flight: bool = False
-    sequence: int = 0
+    sequences: dict[int, int] = field(default_factory=dict)
 
 
 class AsyncProducer:
@@ -132,12 +142,8 @@ class AsyncProducer:
         self.producer_epoch = 0
         self._partitions: dict[str, int] = {}
         self._partitioners: dict[str, Partitioner] = {}
-        self._queues: dict[tuple[str, int], _PartitionQueue] = {}
-        # records sent before their stream's partition count is known, in order
-        self._waiting_metadata: dict[
-            str, list[tuple[Callable[[], None], asyncio.Future[RecordMetadata]]]
-        ] = {}
-        self._outstanding: set[asyncio.Future[RecordMetadata]] = set()
+        self._queues: dict[str, _StreamQueue] = {}
+        self._outstanding: set[_Batch] = set()  # batches not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_transaction = False
         self._closed = False
@@ -190,7 +196,7 @@ class AsyncProducer:
         )
         self.producer_id, self.producer_epoch = answer.producer_id, answer.producer_epoch
         for queue in self._queues.values():
-            queue.sequence = 0  # a new id numbers from 0
+            queue.sequences.clear()  # a new id numbers from 0
 
     # ---- sending --------------------------------------------------------------------
 
@@ -204,7 +210,7 @@ class AsyncProducer:
         partition: int | None = None,
         timestamp: int | None = None,
     ) -> asyncio.Future[RecordMetadata]:
-        """Add a record to its partition's batch; the future resolves with where it was
+        """Add a record to its stream's batch; the future resolves with where it was
         stored once its batch is acknowledged (or with the batch's error). ``timestamp``
         in ms since the epoch (default: the server's clock on arrival); ``value`` None
         is an empty value."""
@@ -213,48 +219,46 @@ class AsyncProducer:
         if self.transactional_id is not None and not self._in_transaction:
             raise InvalidTxnState("a transactional producer sends inside begin_transaction()")
         data = b"" if value is None else to_event_bytes(value)
-        if len(data) > MAX_BATCH_BYTES:
+        size = len(data)
+        if size > MAX_BATCH_BYTES:
             raise EventTooLarge(
-                f"a {len(data):,}-byte value is over what one append carries "
+                f"a {size:,}-byte value is over what one append carries "
                 f"({MAX_BATCH_BYTES:,} bytes); nothing was sent"
             )
-        key_bytes = None if key is None else to_event_bytes(key)
-        record = pb.Record(
-            key=key_bytes or b"",
-            has_key=key_bytes is not None,
-            value=data,
-            headers=[pb.RecordHeader(key=k, value=v) for k, v in to_headers(headers or ())],
-            timestamp=timestamp or 0,
-        )
+        if partition is not None and not 0 <= partition < self._partitions.get(stream, 1 << 31):
+            raise UsageError(f"stream {stream!r} has no partition {partition}")
+        queue = self._queues.get(stream)
+        if queue is None:
+            queue = self._queues[stream] = _StreamQueue()
+        stamp = timestamp or 0
+        batch = queue.filling
+        if batch is not None and (
+            batch.size + size > self.batch_bytes
+            or len(batch.values) >= MAX_BATCH_RECORDS
+            # an idempotent batch is stored with one timestamp: its first record's
+            or (self.enable_idempotence and stamp != batch.timestamps[0])
+        ):
+            self._release(stream, queue)
+            batch = None
+        if batch is None:
+            batch = queue.filling = _Batch()
+            self._outstanding.add(batch)
+            if self.linger_ms > 0:
+                batch.timer = asyncio.get_running_loop().call_later(
+                    self.linger_ms / 1000, self._linger_over, stream, batch
+                )
         future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
-        self._outstanding.add(future)
-        future.add_done_callback(self._outstanding.discard)
-
-        def place() -> None:
-            count = self._partitions[stream]
-            if partition is not None:
-                if not 0 <= partition < count:
-                    future.set_exception(
-                        UsageError(f"stream {stream!r} has no partition {partition} ({count})")
-                    )
-                    return
-                chosen = partition
-            elif key_bytes is not None:
-                chosen = keyed_partition(key_bytes, count)
-            else:
-                sticky = self._partitioners.setdefault(stream, Partitioner())
-                chosen = int(sticky.partition([None], count)[0])
-            self._add(stream, chosen, record, len(data), future)
-
-        if stream in self._partitions:
-            place()
-        else:
-            waiting = self._waiting_metadata.get(stream)
-            if waiting is None:
-                self._waiting_metadata[stream] = [(place, future)]
-                self._spawn(self._fetch_metadata(stream))
-            else:
-                waiting.append((place, future))
+        batch.values.append(data)
+        batch.keys.append(None if key is None else to_event_bytes(key))
+        batch.headers.append(
+            [pb.RecordHeader(key=k, value=v) for k, v in to_headers(headers)] if headers else []
+        )
+        batch.partitions.append(partition)
+        batch.timestamps.append(stamp)
+        batch.futures.append(future)
+        batch.size += size
+        if self.linger_ms <= 0 or batch.size >= self.batch_bytes:
+            self._release(stream, queue)
         return future
 
     async def send_and_wait(
@@ -275,15 +279,13 @@ class AsyncProducer:
         return await future
 
     async def flush(self) -> None:
-        """Send every waiting batch now and wait until each is acknowledged (errors
-        stay on the records' futures)."""
-        while self._outstanding or self._waiting_metadata:
-            waiting = list(self._outstanding)
+        """Send every waiting batch now and wait until each is answered (errors stay on
+        the records' futures)."""
+        while self._outstanding:
             self._release_all()
+            waiting = [b.sent for b in self._outstanding if b.sent is not None]
             if waiting:
-                await asyncio.wait(waiting)
-            else:
-                await asyncio.sleep(0)  # a metadata lookup still to place its records
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
 
     async def create_stream(self, name: str, *, partitions: int = 1, exist_ok: bool = False) -> int:
         """Create a stream of ``partitions`` partitions (CreateTopic); returns its
@@ -314,77 +316,44 @@ class AsyncProducer:
         )
         self._partitions[stream] = len(answer.topics[0].partitions)
 
-    async def _fetch_metadata(self, stream: str) -> None:
-        try:
-            await self._lookup(stream)
-        except BaseException as exc:
-            for _place, future in self._waiting_metadata.pop(stream, []):
-                if not future.done():
-                    future.set_exception(exc)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        for place, _future in self._waiting_metadata.pop(stream, []):
-            place()
-
-    def _add(
-        self,
-        stream: str,
-        partition: int,
-        record: pb.Record,
-        size: int,
-        future: asyncio.Future[RecordMetadata],
-    ) -> None:
-        queue = self._queues.get((stream, partition))
-        if queue is None:
-            queue = self._queues[(stream, partition)] = _PartitionQueue()
-        batch = queue.filling
-        if batch is not None and (
-            batch.size + size > self.batch_bytes
-            or len(batch.records) >= MAX_BATCH_RECORDS
-            # an idempotent batch is stored with one timestamp: its first record's
-            or (self.enable_idempotence and record.timestamp != batch.records[0].timestamp)
-        ):
-            self._release(stream, partition, queue)
-            batch = None
-        if batch is None:
-            batch = queue.filling = _Batch()
-            if self.linger_ms > 0:
-                batch.timer = asyncio.get_running_loop().call_later(
-                    self.linger_ms / 1000, self._linger_over, stream, partition, batch
-                )
-        batch.records.append(record)
-        batch.futures.append(future)
-        batch.size += size
-        if self.linger_ms <= 0 or batch.size >= self.batch_bytes:
-            self._release(stream, partition, queue)
-
-    def _linger_over(self, stream: str, partition: int, batch: _Batch) -> None:
-        queue = self._queues[(stream, partition)]
+    def _linger_over(self, stream: str, batch: _Batch) -> None:
+        queue = self._queues[stream]
         if queue.filling is batch:
-            self._release(stream, partition, queue)
+            self._release(stream, queue)
 
-    def _release(self, stream: str, partition: int, queue: _PartitionQueue) -> None:
+    def _release(self, stream: str, queue: _StreamQueue) -> None:
         """The filling batch is ready: send it unless one is in flight."""
         batch = queue.filling
         if batch is not None:
             queue.filling = None
             if batch.timer is not None:
                 batch.timer.cancel()
+            batch.sent = asyncio.get_running_loop().create_future()
             queue.ready.append(batch)
         if not queue.in_flight and queue.ready:
             queue.in_flight = True
-            self._spawn(self._send_batch(stream, partition, queue, queue.ready.pop(0)))
+            self._spawn(self._send_batch(stream, queue, queue.ready.pop(0)))
 
     def _release_all(self) -> None:
-        for (stream, partition), queue in list(self._queues.items()):
-            self._release(stream, partition, queue)
+        for stream, queue in list(self._queues.items()):
+            self._release(stream, queue)
 
-    async def _send_batch(
-        self, stream: str, partition: int, queue: _PartitionQueue, batch: _Batch
-    ) -> None:
-        records = batch.records
+    def _place(self, stream: str, batch: _Batch) -> list[int]:
+        """Each record's partition: named, else its key's (murmur2, hashed together),
+        else the stream's sticky partition for this batch."""
+        count = self._partitions[stream]
+        for partition in batch.partitions:
+            if partition is not None and partition >= count:
+                raise UsageError(f"stream {stream!r} has no partition {partition} ({count})")
+        partitioner = self._partitioners.setdefault(stream, Partitioner())
+        placed: list[int] = partitioner.partition(batch.keys, count, batch.partitions).tolist()
+        return placed
+
+    async def _send_batch(self, stream: str, queue: _StreamQueue, batch: _Batch) -> None:
         try:
+            if stream not in self._partitions:
+                await self._lookup(stream)
+            placed = self._place(stream, batch)
             request = pb.BatchPublishRequest(topic=stream)
             idempotent = self.enable_idempotence
             if idempotent:
@@ -395,17 +364,36 @@ class AsyncProducer:
                 request.producer_epoch = self.producer_epoch
                 if self.transactional_id is not None:
                     request.txn_id = self.transactional_id
-            entry = request.partition_records.add(partition=partition, records=records)
-            if idempotent:
-                # One sequence number a batch (the server's producer table numbers
-                # appends), the batch's for good: a retry carries the same one.
-                entry.base_sequence = queue.sequence
-                queue.sequence += 1
+            entries: dict[int, pb.PartitionRecords] = {}
+            rows: dict[int, list[int]] = {}  # each partition's records, in send order
+            for index, partition in enumerate(placed):
+                entry = entries.get(partition)
+                if entry is None:
+                    entry = entries[partition] = request.partition_records.add(partition=partition)
+                    rows[partition] = []
+                    if idempotent:
+                        # One sequence number a batch (the server's producer table
+                        # numbers appends), the batch's for good: a retry carries it.
+                        entry.base_sequence = queue.sequences.get(partition, 0)
+                        queue.sequences[partition] = entry.base_sequence + 1
+                key = batch.keys[index]
+                entry.records.add(
+                    key=key or b"",
+                    has_key=key is not None,
+                    value=batch.values[index],
+                    headers=batch.headers[index],
+                    timestamp=batch.timestamps[index],
+                )
+                rows[partition].append(index)
             answer = await self._session.request(request, pb.BatchPublishResponse, safe=idempotent)
-            base = answer.results[0].base_offset
-            for index, future in enumerate(batch.futures):
-                if not future.done():
-                    future.set_result(RecordMetadata(partition, base + index))
+            futures = batch.futures
+            for result in answer.results:
+                base = result.base_offset
+                partition = result.partition
+                for position, index in enumerate(rows[partition]):
+                    future = futures[index]
+                    if not future.done():
+                        future.set_result(RecordMetadata(partition, base + position))
         except BaseException as exc:
             for future in batch.futures:
                 if not future.done():
@@ -413,9 +401,12 @@ class AsyncProducer:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
+            self._outstanding.discard(batch)
+            if batch.sent is not None and not batch.sent.done():
+                batch.sent.set_result(None)
             queue.in_flight = False
             if not self._closed:
-                self._release(stream, partition, queue)
+                self._release(stream, queue)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -496,9 +487,9 @@ class AsyncProducer:
         await self._end(pb.AbortTransactionRequest(**fields), pb.AbortTransactionResponse)
 
     async def _flush_transaction(self) -> BaseException | None:
-        waiting = list(self._outstanding)
+        futures = [f for b in self._outstanding for f in b.futures]
         await self.flush()
-        for future in waiting:
+        for future in futures:
             if not future.cancelled() and future.exception() is not None:
                 return future.exception()
         return None
