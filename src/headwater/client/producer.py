@@ -3,15 +3,17 @@
 Modelled on confluent-kafka's and aiokafka's producers, over the server's Rivven
 listener (docs/sdk.md, "Producer"):
 
-* ``send(stream, value, key=, headers=, partition=, timestamp=)`` places the record at
-  once (the partition named; else Kafka's murmur2 of the key, the partition Kafka would
-  pick; else the sticky partition of keyless records, as Kafka's and Rivven's
-  producers do) and adds it to that partition's batch; it returns a future of its
-  :class:`RecordMetadata` ``(partition, offset)``.
+* ``send(stream, value, key=, headers=, partition=, timestamp=)`` adds the record to
+  its stream's batch and returns a future of its :class:`RecordMetadata`
+  ``(partition, offset)``.
 * A batch goes out when it reaches ``batch_bytes`` of values (or 10,000 records), or
-  ``linger_ms`` after its first record, as one request (headwater's ``publish_batch``).
-  At most one batch per partition is in flight, so a partition's records are stored in
-  the order they were sent.
+  ``linger_ms`` after its first record, as one request (headwater's ``publish_batch``,
+  each partition's records one append). Its records are placed as it goes, by the
+  engine's partitioner over the whole batch: the partition named; else Kafka's murmur2
+  of the key (the partition Kafka would pick), the keys hashed together; else the
+  batch's sticky partition, as Kafka's and Rivven's producers do. One batch of a stream
+  is in flight at a time, so a partition's records are stored in the order they were
+  sent.
 * Idempotence is on by default: the producer gets an id and epoch (InitProducerId) and
   numbers each partition's records, so a batch sent again after a lost connection is
   stored once (the server answers it with the first attempt's offsets).
