@@ -31,7 +31,7 @@ from .errors import (
     ServerUnavailable,
     SubscriptionClosed,
 )
-from .producer import AsyncProducer, Producer, RecordMetadata
+from .producer import AsyncProducer, Producer, RecordFuture, RecordMetadata
 from .results import AppendResult, Event, QueryResult, ReadResult
 from .sync import Client, Subscription, connect
 
@@ -56,6 +56,7 @@ __all__ = [
     "Producer",
     "QueryResult",
     "ReadResult",
+    "RecordFuture",
     "RecordMetadata",
     "RequestTimeout",
     "ServerUnavailable",

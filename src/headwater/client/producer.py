@@ -26,11 +26,11 @@ listener (docs/sdk.md, "Producer"):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import ssl
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple, Self, TypeAlias
 
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
@@ -59,6 +59,24 @@ OffsetsLike = Mapping[tuple[str, int], int]
 """Offsets by (stream, partition): the next offset to read, as Kafka commits them."""
 
 
+Delivery: TypeAlias = Callable[[BaseException | None, RecordMetadata | None], None]
+"""``on_delivery(error, metadata)``: told how a record's send ended."""
+_Target: TypeAlias = "asyncio.Future[RecordMetadata] | Delivery"
+"""Who learns where a record went: the future :meth:`AsyncProducer.send` returned, or a
+callback (the blocking producer's, which needs no loop turn per record)."""
+
+
+def _settle(target: Any, error: BaseException | None, metadata: RecordMetadata | None) -> None:
+    if isinstance(target, asyncio.Future):
+        if not target.done():
+            if error is not None:
+                target.set_exception(error)
+            else:
+                target.set_result(metadata)
+    else:
+        target(error, metadata)
+
+
 @dataclass(eq=False)  # kept in a set, by identity
 class _Batch:
     """Records of one stream waiting to be sent, in send order. They are placed on
@@ -70,7 +88,7 @@ class _Batch:
     headers: list[list[pb.RecordHeader]] = field(default_factory=list)
     partitions: list[int | None] = field(default_factory=list)
     timestamps: list[int] = field(default_factory=list)
-    futures: list[asyncio.Future[RecordMetadata]] = field(default_factory=list)
+    futures: list[_Target] = field(default_factory=list)
     size: int = 0
     timer: asyncio.TimerHandle | None = None
     sent: asyncio.Future[None] | None = None  # done once every record is answered
@@ -216,6 +234,21 @@ class AsyncProducer:
         stored once its batch is acknowledged (or with the batch's error). ``timestamp``
         in ms since the epoch (default: the server's clock on arrival); ``value`` None
         is an empty value."""
+        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        self._enqueue(stream, value, key, headers, partition, timestamp, future)
+        return future
+
+    def _enqueue(
+        self,
+        stream: str,
+        value: EventLike | None,
+        key: EventLike | None,
+        headers: HeadersLike | None,
+        partition: int | None,
+        timestamp: int | None,
+        target: Any,
+    ) -> None:
+        """Add a record to its stream's batch; ``target`` learns how it ended."""
         if self._closed:
             raise ClientClosed("the producer is closed")
         if self.transactional_id is not None and not self._in_transaction:
@@ -249,7 +282,6 @@ class AsyncProducer:
                 batch.timer = asyncio.get_running_loop().call_later(
                     self.linger_ms / 1000, self._linger_over, stream, batch
                 )
-        future: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
         batch.values.append(data)
         batch.keys.append(None if key is None else to_event_bytes(key))
         batch.headers.append(
@@ -257,11 +289,10 @@ class AsyncProducer:
         )
         batch.partitions.append(partition)
         batch.timestamps.append(stamp)
-        batch.futures.append(future)
+        batch.futures.append(target)
         batch.size += size
         if self.linger_ms <= 0 or batch.size >= self.batch_bytes:
             self._release(stream, queue)
-        return future
 
     async def send_and_wait(
         self,
@@ -388,18 +419,15 @@ class AsyncProducer:
                 )
                 rows[partition].append(index)
             answer = await self._session.request(request, pb.BatchPublishResponse, safe=idempotent)
-            futures = batch.futures
+            targets = batch.futures
             for result in answer.results:
                 base = result.base_offset
                 partition = result.partition
                 for position, index in enumerate(rows[partition]):
-                    future = futures[index]
-                    if not future.done():
-                        future.set_result(RecordMetadata(partition, base + position))
+                    _settle(targets[index], None, RecordMetadata(partition, base + position))
         except BaseException as exc:
-            for future in batch.futures:
-                if not future.done():
-                    future.set_exception(exc)
+            for target in batch.futures:
+                _settle(target, exc, None)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         finally:
@@ -489,12 +517,12 @@ class AsyncProducer:
         await self._end(pb.AbortTransactionRequest(**fields), pb.AbortTransactionResponse)
 
     async def _flush_transaction(self) -> BaseException | None:
-        futures = [f for b in self._outstanding for f in b.futures]
+        """Flush; the first error a record of the transaction got, if any."""
+        failed: list[BaseException] = []
+        for batch in self._outstanding:
+            batch.futures = [_watching(target, failed) for target in batch.futures]
         await self.flush()
-        for future in futures:
-            if not future.cancelled() and future.exception() is not None:
-                return future.exception()
-        return None
+        return failed[0] if failed else None
 
     async def _end(self, request: Any, expect: type[Any]) -> None:
         try:
@@ -503,10 +531,70 @@ class AsyncProducer:
             self._in_transaction = False
 
 
+def _watching(target: Any, failed: list[BaseException]) -> Delivery:
+    """``target``, and a failure noted in ``failed`` too."""
+
+    def settle(error: BaseException | None, metadata: RecordMetadata | None) -> None:
+        if error is not None:
+            failed.append(error)
+        _settle(target, error, metadata)
+
+    return settle
+
+
+class RecordFuture:
+    """What the blocking producer's ``send`` returns: ``result(timeout)`` waits for the
+    record's :class:`RecordMetadata` (or raises its error), as a
+    :class:`concurrent.futures.Future` does. Lighter than one: nothing to wait on is made
+    unless someone waits, so a send costs little in the sending thread."""
+
+    __slots__ = ("_done", "_error", "_event", "_metadata")
+    _lock = threading.Lock()  # guards the lazily made event of every RecordFuture
+
+    def __init__(self) -> None:
+        self._done = False
+        self._error: BaseException | None = None
+        self._metadata: RecordMetadata | None = None
+        self._event: threading.Event | None = None
+
+    def _settle(self, error: BaseException | None, metadata: RecordMetadata | None) -> None:
+        with RecordFuture._lock:
+            self._error, self._metadata, self._done = error, metadata, True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def done(self) -> bool:
+        return self._done
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._done:
+            return
+        with RecordFuture._lock:
+            if self._done:
+                return
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if not event.wait(timeout):
+            raise TimeoutError(f"the record was not acknowledged within {timeout}s")
+
+    def result(self, timeout: float | None = None) -> RecordMetadata:
+        self._wait(timeout)
+        if self._error is not None:
+            raise self._error
+        assert self._metadata is not None
+        return self._metadata
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return self._error
+
+
 class Producer(Blocking[AsyncProducer]):
     """The blocking producer: :class:`AsyncProducer` on a loop thread of its own. Its
-    ``send`` returns a :class:`concurrent.futures.Future` and takes an ``on_delivery``
-    callback ``(error, metadata)``, as confluent-kafka's ``produce`` does."""
+    ``send`` returns a :class:`RecordFuture` and takes an ``on_delivery`` callback
+    ``(error, metadata)``, as confluent-kafka's ``produce`` does."""
 
     def __init__(self, server: str = DEFAULT_SERVER, **options: Any) -> None:
         inner = AsyncProducer(server, **options)
@@ -517,6 +605,10 @@ class Producer(Blocking[AsyncProducer]):
             runner.stop()
             raise
         super().__init__(inner, runner)
+        # records sent from the caller's thread, taken in by the loop in one go
+        self._handoff: list[tuple[Any, ...]] = []
+        self._handoff_lock = threading.Lock()
+        self._handoff_scheduled = False
 
     @property
     def requests(self) -> int:
@@ -532,44 +624,47 @@ class Producer(Blocking[AsyncProducer]):
         partition: int | None = None,
         timestamp: int | None = None,
         on_delivery: Callable[[BaseException | None, RecordMetadata | None], None] | None = None,
-    ) -> concurrent.futures.Future[RecordMetadata]:
+    ) -> RecordFuture:
         """Queue a record (see :meth:`AsyncProducer.send`); ``on_delivery(error,
         metadata)`` runs on the producer's thread once it is acknowledged or failed."""
-        result: concurrent.futures.Future[RecordMetadata] = concurrent.futures.Future()
+        result = RecordFuture()
+        settle = result._settle
+        if on_delivery is not None:
 
-        def settle(done: asyncio.Future[RecordMetadata]) -> None:
-            error = done.exception()
-            if error is not None:
-                result.set_exception(error)
-            else:
-                result.set_result(done.result())
-            if on_delivery is not None:
-                on_delivery(error, None if error is not None else done.result())
-
-        def start() -> None:
-            try:
-                future = self._inner.send(
-                    stream,
-                    value,
-                    key=key,
-                    headers=headers,
-                    partition=partition,
-                    timestamp=timestamp,
-                )
-            except BaseException as exc:
-                result.set_exception(exc)
-                return
-            future.add_done_callback(settle)
+            def settle(error: BaseException | None, metadata: RecordMetadata | None) -> None:
+                result._settle(error, metadata)
+                on_delivery(error, metadata)
 
         if self._runner.stopped:
             raise ClientClosed("the producer is closed")
-        self._runner.loop.call_soon_threadsafe(start)
+        record = (stream, value, key, headers, partition, timestamp, settle)
+        with self._handoff_lock:
+            self._handoff.append(record)
+            if self._handoff_scheduled:
+                return result
+            self._handoff_scheduled = True
+        # One wake-up of the loop for every record sent meanwhile, not one each.
+        self._runner.loop.call_soon_threadsafe(self._take_handoff)
         return result
+
+    def _take_handoff(self) -> None:
+        with self._handoff_lock:
+            records, self._handoff = self._handoff, []
+            self._handoff_scheduled = False
+        for record in records:
+            try:
+                self._inner._enqueue(*record)
+            except BaseException as exc:
+                record[-1](exc, None)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send every waiting record and wait for their acknowledgements."""
-        future = self._runner.submit(self._inner.flush())
+        future = self._runner.submit(self._flush())
         future.result(timeout)
+
+    async def _flush(self) -> None:
+        self._take_handoff()  # what was sent before the flush is in it
+        await self._inner.flush()
 
     def partitions_for(self, stream: str) -> int:
         return self._run(self._inner.partitions_for(stream))
