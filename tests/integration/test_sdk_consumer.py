@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from servers import LOCAL, Server, serving
+from servers import AUTH_CONFIG, LOCAL, Server, serving
 
 import headwater
 from headwater.client.consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
 from headwater.client.producer import AsyncProducer
-from headwater.engine.groups.errors import IllegalGeneration
+from headwater.engine.groups.errors import IllegalGeneration, InvalidSessionTimeout
+from headwater.errors import AuthenticationFailed, InvalidRequest
 from waiting import wait_until, wait_until_async
 
 PARTITIONS = 6
@@ -223,3 +225,41 @@ def test_async_group_reads_with_async_for_and_resumes(server: Server) -> None:
             ]
 
     asyncio.run(main())
+
+
+def test_group_limits_are_refused_with_clear_errors(server: Server) -> None:
+    async def main() -> None:
+        # Below the server's least session timeout (6 s): the first poll raises it.
+        async with AsyncConsumer(
+            rivven(server), group_id="impatient", session_timeout_ms=1_000
+        ) as consumer:
+            consumer.subscribe(["shared-limits"])
+            with pytest.raises(InvalidSessionTimeout):
+                await consumer.poll(15)
+        # A group name over 256 bytes: refused by the protocol's name limit.
+        async with AsyncConsumer(rivven(server), group_id="g" * 257, **GROUP) as consumer:
+            consumer.subscribe(["shared-limits"])
+            with pytest.raises(InvalidRequest, match="256"):
+                await consumer.poll(15)
+
+    produce(server, "shared-limits", 1)
+    asyncio.run(main())
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[Server]:
+    yield from serving(tmp_path, config=AUTH_CONFIG, listen={"rivven": LOCAL, "kimberlite": ""})
+
+
+def test_token_required_by_the_server(secured: Server) -> None:
+    address = secured.address_of("rivven")
+    with pytest.raises(AuthenticationFailed):
+        headwater.Producer(address, token="wrong")
+    with pytest.raises(AuthenticationFailed):
+        headwater.Producer(address)  # no token: every request is refused
+    with headwater.Producer(address, token="s3cret") as producer:
+        producer.create_stream("guarded", partitions=2)
+        assert producer.send("guarded", b"in", key=b"k").result(15).offset == 0
+    with Consumer(address, token="s3cret", group_id="guards", **GROUP) as consumer:
+        consumer.subscribe(["guarded"])
+        assert wait_until(lambda: consumer.poll(0.1)).value == b"in"
