@@ -66,20 +66,22 @@ def each_owned_once(
     return set(held) == wanted and all(len(by) == 1 for by in held.values())
 
 
-def test_group_of_three_rebalances_as_members_leave(server: Server) -> None:
-    produce(server, "shared", 60)
+@pytest.mark.parametrize("assignor", ["range", "roundrobin", "cooperative-sticky"])
+def test_group_of_three_rebalances_as_members_leave(server: Server, assignor: str) -> None:
+    stream = f"shared-{assignor}"
+    produce(server, stream, 60)
     assigned: list[list[int]] = [[], [], []]
     seen: list[ConsumerRecord] = []  # what every member polled, all along
     consumers = [Consumer(rivven(server), group_id="three", **GROUP) for _ in range(3)]
     try:
         for index, consumer in enumerate(consumers):
             consumer.subscribe(
-                ["shared"],
+                [stream],
                 on_assign=lambda tps, i=index: assigned[i].extend(tp.partition for tp in tps),
             )
         wait_until(
             lambda: (
-                each_owned_once(consumers, "shared", seen)
+                each_owned_once(consumers, stream, seen)
                 and all(len(c.assignment()) == 2 for c in consumers)
             ),
             message=lambda: f"owners: {owners(consumers)}",
@@ -89,7 +91,7 @@ def test_group_of_three_rebalances_as_members_leave(server: Server) -> None:
         survivors = consumers[:2]
         wait_until(
             lambda: (
-                each_owned_once(survivors, "shared", seen)
+                each_owned_once(survivors, stream, seen)
                 and all(len(c.assignment()) == 3 for c in survivors)
             ),
             message=lambda: f"owners: {owners(survivors)}",
@@ -97,14 +99,14 @@ def test_group_of_three_rebalances_as_members_leave(server: Server) -> None:
         assert survivors[0].generation > generation
         survivors[1].close()
         wait_until(
-            lambda: each_owned_once(survivors[:1], "shared", seen),
+            lambda: each_owned_once(survivors[:1], stream, seen),
             message=lambda: f"owners: {owners(survivors[:1])}",
         )
         assert sorted(set(assigned[0])) == list(range(PARTITIONS))
         # Every record was read, and once only: each member committed its positions
         # as it gave its partitions up, and the next owner went on from there.
         wait_until(lambda: survivors[0].consume(100, 0.01) == [] and len(seen) >= 60)
-        assert sorted(r.value for r in seen) == sorted(f"shared-{i}".encode() for i in range(60))
+        assert sorted(r.value for r in seen) == sorted(f"{stream}-{i}".encode() for i in range(60))
     finally:
         for consumer in consumers:
             consumer.close()

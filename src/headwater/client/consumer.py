@@ -729,10 +729,14 @@ class Consumer(Blocking[AsyncConsumer]):
         on_assign: Callable[[list[TopicPartition]], None] | None = None,
         on_revoke: Callable[[list[TopicPartition]], None] | None = None,
     ) -> None:
-        self._inner.subscribe(streams, on_assign=on_assign, on_revoke=on_revoke)
+        topics = list(streams)  # on the loop: a rejoin sets one of its events
+        self._run(
+            _call(lambda: self._inner.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke))
+        )
 
     def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
-        self._inner.assign(partitions)
+        wanted = list(partitions)
+        self._run(_call(lambda: self._inner.assign(wanted)))
 
     def assignment(self) -> list[TopicPartition]:
         return self._inner.assignment()
@@ -772,7 +776,7 @@ class Consumer(Blocking[AsyncConsumer]):
         return self._inner.position(partition)
 
     def seek(self, partition: TopicPartition | tuple[str, int], offset: int) -> None:
-        self._runner.run(_call(lambda: self._inner.seek(partition, offset)))
+        self._run(_call(lambda: self._inner.seek(partition, offset)))
 
     def offsets_for_times(
         self, times: Mapping[TopicPartition | tuple[str, int], int | float | _dt.datetime]
