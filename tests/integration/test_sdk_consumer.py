@@ -9,10 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 from servers import AUTH_CONFIG, LOCAL, Server, serving
 
 import headwater
 from headwater.client.consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
+from headwater.client.errors import ServerUnavailable
 from headwater.client.producer import AsyncProducer
 from headwater.engine.groups.errors import IllegalGeneration, InvalidSessionTimeout
 from headwater.errors import AuthenticationFailed, InvalidRequest
@@ -249,19 +251,35 @@ def test_group_limits_are_refused_with_clear_errors(server: Server) -> None:
 
 
 @pytest.fixture
-def secured(tmp_path: Path) -> Iterator[Server]:
-    yield from serving(tmp_path, config=AUTH_CONFIG, listen={"rivven": LOCAL, "kimberlite": ""})
+def secured(tmp_path: Path) -> Iterator[tuple[Server, Path]]:
+    """``[tls]`` (a trustme certificate) and required auth; the server and the CA file."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(
+        str(tmp_path / "server.pem")
+    )
+    config = f"""{AUTH_CONFIG}
+[tls]
+cert = "{tmp_path / "server.pem"}"
+key = "{tmp_path / "server.pem"}"
+"""
+    listen = {"rivven": LOCAL, "kimberlite": ""}
+    for server in serving(tmp_path / "server", config=config, listen=listen):
+        yield server, tmp_path / "ca.pem"
 
 
-def test_token_required_by_the_server(secured: Server) -> None:
-    address = secured.address_of("rivven")
+def test_tls_and_the_token_the_server_requires(secured: tuple[Server, Path]) -> None:
+    server, ca = secured
+    address = server.address_of("rivven")
+    with pytest.raises(ServerUnavailable, match="tls=True"):
+        headwater.Producer(address, token="s3cret", reconnect_attempts=1)  # plain TCP
     with pytest.raises(AuthenticationFailed):
-        headwater.Producer(address, token="wrong")
+        headwater.Producer(address, ca=ca, token="wrong")
     with pytest.raises(AuthenticationFailed):
-        headwater.Producer(address)  # no token: every request is refused
-    with headwater.Producer(address, token="s3cret") as producer:
+        headwater.Producer(address, ca=ca)  # no token: every request is refused
+    with headwater.Producer(address, ca=ca, token="s3cret") as producer:
         producer.create_stream("guarded", partitions=2)
         assert producer.send("guarded", b"in", key=b"k").result(15).offset == 0
-    with Consumer(address, token="s3cret", group_id="guards", **GROUP) as consumer:
+    with Consumer(address, ca=ca, token="s3cret", group_id="guards", **GROUP) as consumer:
         consumer.subscribe(["guarded"])
         assert wait_until(lambda: consumer.poll(0.1)).value == b"in"
