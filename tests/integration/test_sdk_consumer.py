@@ -283,3 +283,44 @@ def test_tls_and_the_token_the_server_requires(secured: tuple[Server, Path]) -> 
     with Consumer(address, ca=ca, token="s3cret", group_id="guards", **GROUP) as consumer:
         consumer.subscribe(["guarded"])
         assert wait_until(lambda: consumer.poll(0.1)).value == b"in"
+
+
+def test_producer_and_group_go_on_across_a_server_restart(tmp_path: Path) -> None:
+    server = Server(tmp_path / "restarting", listen={"rivven": LOCAL, "kimberlite": ""}).start()
+    try:
+        address = server.address_of("rivven")
+        producer = headwater.Producer(address)
+        consumer = Consumer(address, group_id="restarts", auto_commit_interval_ms=50, **GROUP)
+        try:
+            producer.create_stream("lasting", partitions=3)
+            for i in range(100):
+                producer.send("lasting", f"before-{i}".encode(), key=f"k{i}".encode())
+            producer.flush()
+            consumer.subscribe(["lasting"])
+            seen: list[ConsumerRecord] = []
+            wait_until(lambda: seen.extend(consumer.consume(100, 0.1)) or len(seen) >= 100)
+            consumer.commit()
+            server.restart()  # same data and port; the group's members are forgotten
+            # The producer reconnects (its idempotent batches are safe to send again),
+            # the consumer rejoins as a new member and resumes from its commits.
+            sent = [
+                producer.send("lasting", f"after-{i}".encode(), key=f"k{i}".encode())
+                for i in range(100)
+            ]
+            producer.flush()
+            assert all(future.result(15) for future in sent)
+            wait_until(
+                lambda: seen.extend(consumer.consume(100, 0.1)) or len(seen) >= 200,
+                message=lambda: f"{len(seen)} records",
+            )
+            values = sorted(r.value for r in seen)
+            assert values == sorted(
+                [f"before-{i}".encode() for i in range(100)]
+                + [f"after-{i}".encode() for i in range(100)]
+            )
+            assert producer.reconnects >= 1 and consumer.reconnects >= 1
+        finally:
+            consumer.close()
+            producer.close()
+    finally:
+        server.stop()
