@@ -10,6 +10,8 @@ over the Kimberlite protocol, and the partitioned log's :class:`Producer` /
 ...         print(event.offset, event.value)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from headwater.errors import HeadwaterError
 from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, Timestamp
 
@@ -21,7 +23,6 @@ from .aio import (
     parse_server,
     split_events,
 )
-from .consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
 from .errors import (
     ClientClosed,
     ClientError,
@@ -31,9 +32,41 @@ from .errors import (
     ServerUnavailable,
     SubscriptionClosed,
 )
-from .producer import AsyncProducer, Producer, RecordFuture, RecordMetadata
 from .results import AppendResult, Event, QueryResult, ReadResult
 from .sync import Client, Subscription, connect
+
+if TYPE_CHECKING:
+    from .consumer import AsyncConsumer, Consumer, ConsumerRecord, TopicPartition
+    from .producer import AsyncProducer, Producer, RecordFuture, RecordMetadata
+
+# The producer and consumer (numpy, the engine's partitioner and group errors) are
+# imported on first use, so a Kimberlite-only client does not pay for them.
+_LAZY = {
+    "AsyncProducer": "producer",
+    "Producer": "producer",
+    "RecordFuture": "producer",
+    "RecordMetadata": "producer",
+    "AsyncConsumer": "consumer",
+    "Consumer": "consumer",
+    "ConsumerRecord": "consumer",
+    "TopicPartition": "consumer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'headwater.client' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "DEFAULT_SERVER",
