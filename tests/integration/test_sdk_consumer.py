@@ -324,3 +324,12 @@ def test_producer_and_group_go_on_across_a_server_restart(tmp_path: Path) -> Non
             producer.close()
     finally:
         server.stop()
+
+
+def test_seek_from_on_assign(server: Server) -> None:
+    produce(server, "rewound", 10, partitions=1)
+    with Consumer(rivven(server), group_id="rewinders", **GROUP) as consumer:
+        # confluent-kafka's habit: place the new partitions from the assignment callback
+        consumer.subscribe(["rewound"], on_assign=lambda tps: [consumer.seek(tp, 7) for tp in tps])
+        record = wait_until(lambda: consumer.poll(0.1))
+        assert (record.offset, record.value) == (7, b"rewound-7")

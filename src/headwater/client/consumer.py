@@ -31,6 +31,7 @@ import datetime as _dt
 import inspect
 import logging
 import ssl
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -730,13 +731,21 @@ class Consumer(Blocking[AsyncConsumer]):
         on_revoke: Callable[[list[TopicPartition]], None] | None = None,
     ) -> None:
         topics = list(streams)  # on the loop: a rejoin sets one of its events
-        self._run(
-            _call(lambda: self._inner.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke))
+        self._on_loop(
+            lambda: self._inner.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke)
         )
+
+    def _on_loop(self, function: Callable[[], None]) -> None:
+        """Run ``function`` on the consumer's loop: at once when called there (from an
+        ``on_assign`` / ``on_revoke`` callback, which polls run on the loop)."""
+        if threading.current_thread() is self._runner.thread:
+            function()
+        else:
+            self._run(_call(function))
 
     def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
         wanted = list(partitions)
-        self._run(_call(lambda: self._inner.assign(wanted)))
+        self._on_loop(lambda: self._inner.assign(wanted))
 
     def assignment(self) -> list[TopicPartition]:
         return self._inner.assignment()
@@ -776,7 +785,8 @@ class Consumer(Blocking[AsyncConsumer]):
         return self._inner.position(partition)
 
     def seek(self, partition: TopicPartition | tuple[str, int], offset: int) -> None:
-        self._run(_call(lambda: self._inner.seek(partition, offset)))
+        """Read ``partition`` from ``offset`` on (also from within ``on_assign``)."""
+        self._on_loop(lambda: self._inner.seek(partition, offset))
 
     def offsets_for_times(
         self, times: Mapping[TopicPartition | tuple[str, int], int | float | _dt.datetime]
