@@ -333,3 +333,12 @@ def test_seek_from_on_assign(server: Server) -> None:
         consumer.subscribe(["rewound"], on_assign=lambda tps: [consumer.seek(tp, 7) for tp in tps])
         record = wait_until(lambda: consumer.poll(0.1))
         assert (record.offset, record.value) == (7, b"rewound-7")
+    # and commit from on_revoke, without auto-commit, as Kafka applications do
+    tp = TopicPartition("rewound", 0)
+    with Consumer(
+        rivven(server), group_id="revokers", enable_auto_commit=False, **GROUP
+    ) as consumer:
+        consumer.subscribe(["rewound"], on_revoke=lambda tps: consumer.commit())
+        wait_until(lambda: (r := consumer.poll(0.1)) is not None and r.offset == 3)
+    with Consumer(rivven(server), group_id="revokers", **GROUP) as again:
+        assert again.committed([tp]) == {tp: 4}

@@ -413,15 +413,16 @@ class AsyncConsumer:
     async def _revoke(self, lost: list[TopicPartition]) -> None:
         if not lost:
             return
+        self._stop_fetchers(lost)
+        self._buffer = deque(r for r in self._buffer if (r.stream, r.partition) not in lost)
         if self.enable_auto_commit:
             await self._commit_positions(lost)
-        self._stop_fetchers(lost)
+        # Still assigned while on_revoke runs, so that it may commit their positions.
+        await self._call(self._on_revoke, lost)
         self._assignment = [tp for tp in self._assignment if tp not in lost]
         for tp in lost:
             self._positions.pop(tp, None)
             self._committed_positions.pop(tp, None)
-        self._buffer = deque(r for r in self._buffer if (r.stream, r.partition) not in lost)
-        await self._call(self._on_revoke, lost)
 
     async def _call(self, callback: PartitionsCallback | None, tps: list[TopicPartition]) -> None:
         if callback is not None:
@@ -730,9 +731,14 @@ class Consumer(Blocking[AsyncConsumer]):
         on_assign: Callable[[list[TopicPartition]], None] | None = None,
         on_revoke: Callable[[list[TopicPartition]], None] | None = None,
     ) -> None:
+        """Join ``group_id`` for ``streams``; the callbacks run on a worker thread while
+        the poll that carries out the rebalance waits for them, so they may call the
+        consumer (commit, seek, committed...)."""
         topics = list(streams)  # on the loop: a rejoin sets one of its events
         self._on_loop(
-            lambda: self._inner.subscribe(topics, on_assign=on_assign, on_revoke=on_revoke)
+            lambda: self._inner.subscribe(
+                topics, on_assign=_threaded(on_assign), on_revoke=_threaded(on_revoke)
+            )
         )
 
     def _on_loop(self, function: Callable[[], None]) -> None:
@@ -823,3 +829,17 @@ async def _make_consumer(server: str, options: dict[str, Any]) -> AsyncConsumer:
 
 async def _call(function: Callable[[], None]) -> None:
     function()
+
+
+def _threaded(
+    callback: Callable[[list[TopicPartition]], None] | None,
+) -> PartitionsCallback | None:
+    """``callback`` run on a worker thread, so that it may call the blocking consumer
+    (whose calls run on the loop the poll is on)."""
+    if callback is None:
+        return None
+
+    async def run(partitions: list[TopicPartition]) -> None:
+        await asyncio.to_thread(callback, partitions)
+
+    return run
