@@ -301,6 +301,7 @@ class AsyncConsumer:
         again; errors other than the group's own end the consumer's polls."""
         assert self.group_id is not None
         group_id = self.group_id
+        attempts = 0  # joins refused in a row: each waits a little longer
         while True:
             try:
                 answer = await self._session.request(
@@ -318,11 +319,13 @@ class AsyncConsumer:
                     safe=True,
                     wait=self.rebalance_timeout_ms / 1000,
                 )
-            except UnknownMemberId:
-                self.member_id = ""
+            except (UnknownMemberId, RebalanceInProgress) as exc:
+                if isinstance(exc, UnknownMemberId):
+                    self.member_id = ""  # forgotten (a restart, an expiry): join anew
+                attempts += 1
+                await asyncio.sleep(self._session._backoff(attempts))
                 continue
-            except RebalanceInProgress:
-                continue
+            attempts = 0
             self.member_id, self.generation = answer.member_id, answer.generation
             gained = [TopicPartition(a.topic, p) for a in answer.assignment for p in a.partitions]
             lost = [TopicPartition(a.topic, p) for a in answer.revoke for p in a.partitions]
