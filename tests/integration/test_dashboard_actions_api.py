@@ -77,7 +77,7 @@ def test_history_counts_the_tenants_own_appends_and_reads(
     assert 1 <= len(history["points"]) <= 60
     assert round(counted(history, "events_per_s") - appended_before) == 123
     assert round(counted(history, "reads_per_s") - read_before) == 7
-    assert round(counted(history, "errors_per_s")) >= 1  # rate × seconds: float sums
+    assert round(counted(history, "errors_per_s")) >= 1  # rate * seconds: float sums
     current = history["points"][-1]
     assert current["connections"] >= 1 and current["bytes_per_s"] > 0
     assert [p["t_ms"] % 60_000 for p in history["points"]] == [0] * len(history["points"])
