@@ -73,6 +73,7 @@ class ClusterNode:
         self._published_offsets: dict[str, int] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._etcd_down = False  # the last tick could not reach etcd
+        self._renewed_at = 0.0  # when etcd last renewed the lease (monotonic)
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
         self.view = ClusterView(self)  # what the front ends ask
@@ -135,9 +136,15 @@ class ClusterNode:
                 log.warning("could not revoke the node's lease: %s", exc)
         await self.etcd.close()
 
+    def lease_fresh(self) -> bool:
+        """Whether etcd renewed this node's lease within the last lease: if not, the
+        others may have counted it dead and elected new leaders."""
+        return time.monotonic() - self._renewed_at < self.config.lease_s
+
     async def _register(self) -> bool:
         if not self.lease:
             self.lease = await self.etcd.grant_lease(self.config.lease_s)
+            self._renewed_at = time.monotonic()
         return await self.etcd.txn(
             [absent(self.keys.node(self.config.node_id))],
             [put_json(self.keys.node(self.config.node_id), self.info.to_json(), self.lease)],
@@ -149,6 +156,7 @@ class ClusterNode:
             await asyncio.sleep(interval)
             try:
                 if await self.etcd.keep_alive(self.lease) > 0:
+                    self._renewed_at = time.monotonic()
                     continue
                 # Expired (etcd unreachable longer than a lease): the cluster has
                 # counted this node dead; it rejoins with a new lease.

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from headwater.cluster.etcd import EtcdError, put_json, unchanged
 from headwater.cluster.layout import NO_LEADER, PartitionKey, PartitionState
-from headwater.errors import HeadwaterError, ProtocolError, StorageError
+from headwater.errors import HeadwaterError, NotLeader, ProtocolError, StorageError
 from headwater.protocols import replication as wire
 from headwater.storage.leader_epochs import UNKNOWN
 
@@ -66,6 +66,7 @@ class Replication:
         self.follower_hw: dict[PartitionKey, int] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()  # one per follower connection
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -82,6 +83,11 @@ class Replication:
         self._followers.clear()
         if self._server is not None:
             self._server.close()
+            # A fetch waiting for batches would hold the close for its long poll.
+            handlers = list(self._handlers)
+            for handler in handlers:
+                handler.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             for writer in list(self._connections):
                 writer.close()
             await self._server.wait_closed()
@@ -89,12 +95,24 @@ class Replication:
     # ---- what the front ends ask --------------------------------------------------------
 
     def leads(self, key: PartitionKey) -> bool:
-        """Whether this node leads ``key`` now (and has taken its epoch)."""
+        """Whether this node leads ``key`` now (and has taken its epoch).
+
+        A leader whose lease etcd has not renewed for a lease may have been replaced:
+        cut off from etcd, it leads on only while a follower still fetches from it
+        (within a lease), which none does once another leader is elected (followers
+        follow etcd). So during an etcd outage, when nobody can be elected and the
+        followers stay, it serves on; cut off alone, it stops taking writes and stops
+        naming itself leader, and clients find the new one."""
         state = self.node.partitions.get(key)
         if state is None or state.leader != self.me:
             return False
         since = self._leading_since.get(key)
-        return since is not None and since[0] == state.epoch
+        if since is None or since[0] != state.epoch:
+            return False
+        if self.node.lease_fresh():
+            return True
+        fetched = [at for at, _end in self._last_fetch.get(key, {}).values()]
+        return bool(fetched) and time.monotonic() - max(fetched) < self.node.config.lease_s
 
     def high_watermark(self, key: PartitionKey) -> int:
         """Offsets below it are on every in-sync replica: what consumers may read. A
@@ -127,6 +145,10 @@ class Replication:
                 )
             if self.high_watermark(key) >= offset:
                 return
+            if not self.leads(key):  # replaced meanwhile: the client asks the new leader
+                raise NotLeader(
+                    f"no longer the leader of partition {key.partition} of {key.stream}"
+                )
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NotEnoughReplicas("the in-sync replicas did not confirm in time")
@@ -222,6 +244,9 @@ class Replication:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         self._connections.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         frames = wire.FrameReader()
         try:
             while True:
@@ -233,10 +258,16 @@ class Replication:
                     await writer.drain()
         except ProtocolError as exc:
             log.warning("replication peer %s sent a bad frame: %s", peer, exc)
+        except asyncio.CancelledError:
+            # stop() cancels waiting fetches. Ended normally: Python 3.11's stream
+            # server logs a connection task that ends cancelled as an unhandled error.
+            pass
         except (ConnectionError, OSError):
             pass
         finally:
             self._connections.discard(writer)
+            if task is not None:
+                self._handlers.discard(task)
             writer.close()
 
     async def _answer(self, fetch: wire.Fetch) -> bytes:

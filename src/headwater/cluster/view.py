@@ -45,10 +45,14 @@ class ClusterView:
         return self._node.controller_id
 
     def partition(self, tenant_id: int, stream: str, partition: int) -> PartitionView | None:
-        state = self._node.partitions.get(PartitionKey(tenant_id, stream, partition))
+        key = PartitionKey(tenant_id, stream, partition)
+        state = self._node.partitions.get(key)
         if state is None:
             return None
-        return PartitionView(state.leader, state.epoch, state.replicas, state.isr)
+        leader = state.leader
+        if leader == self.node_id and not self._replication.leads(key):
+            leader = -1  # not (or no longer surely) leading: clients ask the others
+        return PartitionView(leader, state.epoch, state.replicas, state.isr)
 
     def check_leader(self, tenant_id: int, stream: str, partition: int) -> None:
         """NotLeader (its message naming the leader's Kafka and Kimberlite addresses when

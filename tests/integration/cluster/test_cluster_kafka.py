@@ -70,11 +70,16 @@ def test_metadata_names_every_broker_and_each_partition_s_leader(cluster: Cluste
         }
         return brokers, parts
 
-    brokers, parts = wait_until(described)
-    assert brokers == {n: cluster.nodes[n].ports["kafka"] for n in (1, 2, 3)}
-    assert parts == {
+    expected = {
         path: (p["leader"], sorted(p["replicas"]), sorted(p["isr"])) for path, p in placed.items()
     }
+    # A leader names itself once it has taken its epoch (its next tick): until then its
+    # partition shows no leader, so the answer is waited for, not read once.
+    brokers, _agreed = wait_until(
+        lambda: (found := described()) and found[1] == expected and found,
+        message=lambda: f"{described()} != {expected}",
+    )
+    assert brokers == {n: cluster.nodes[n].ports["kafka"] for n in (1, 2, 3)}
 
 
 def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluster) -> None:
