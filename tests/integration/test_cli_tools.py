@@ -31,7 +31,9 @@ from waiting import wait_until
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from serving(tmp_path_factory.mktemp("cli_tools"), listen={"http": LOCAL})
+    yield from serving(
+        tmp_path_factory.mktemp("cli_tools"), listen={"http": LOCAL, "rivven": LOCAL}
+    )
 
 
 @pytest.fixture
@@ -78,7 +80,11 @@ def test_info_and_ping(server: Server, env: dict[str, str]) -> None:
     assert f"http 127.0.0.1:{server.ports['http']}" in shown
     info = json.loads(ok(cli("info", "--json", "--server", server.address, env=env)))
     assert info["version"] == headwater.__version__
-    assert info["listeners"] == {"kimberlite": server.port, "http": server.ports["http"]}
+    assert info["listeners"] == {
+        "kimberlite": server.port,
+        "http": server.ports["http"],
+        "rivven": server.ports["rivven"],
+    }
     assert info["uptime_seconds"] > 0
 
     pinged = ok(cli("ping", "-c", "3", "--server", server.address, env=env)).splitlines()
@@ -360,3 +366,37 @@ def test_append_with_keys_and_headers(
         (b"x", b"fixed", ()),
         (b"z", None, ((b"h", b"v"),)),
     ]
+
+
+def test_partitioned_groups_are_listed(
+    server: Server, env: dict[str, str], sdk_stream_name: str
+) -> None:
+    """A Kafka/Rivven/SDK group's committed partitions show in `group list` and
+    `group describe`, one row per partition, beside the push subscriptions' groups."""
+    stream, group = sdk_stream_name, f"ledger_{sdk_stream_name[-8:]}"
+    rivven = server.address_of("rivven")
+    with headwater.Producer(rivven) as producer:
+        producer.create_stream(stream, partitions=3)
+        for i in range(30):
+            producer.send(stream, f"{i}", partition=i % 3)
+    consumer = headwater.Consumer(
+        rivven, group_id=group, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    try:
+        consumer.subscribe([stream])
+        seen = 0
+        while seen < 30:
+            seen += len(consumer.consume(30, timeout=5))
+        consumer.commit({(stream, 0): 10, (stream, 1): 4})
+    finally:
+        consumer.close()
+
+    rows = json.loads(
+        ok(cli("group", "describe", group, "--json", "--server", server.address, env=env))
+    )
+    lags = {(r["partition"], r["committed_offset"], r["lag"]) for r in rows}
+    assert lags == {(0, 10, 0), (1, 4, 6)}
+    table = ok(cli("group", "list", "--stream", stream, "--server", server.address, env=env))
+    assert group in table and "partition" in table
+    described = ok(cli("group", "describe", group, "--server", server.address, env=env))
+    assert "1 stream, total lag 6" in described

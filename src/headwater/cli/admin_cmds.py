@@ -110,7 +110,11 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def _groups(api: HttpApi) -> list[dict[str, Any]]:
-    groups: list[dict[str, Any]] = api.request("GET", "/api/consumer-groups")["groups"]
+    """The resume groups of push subscriptions (one row per stream) and the partitioned
+    groups of Kafka, Rivven and SDK consumers (one row per committed partition, with
+    ``partition``; membership is not in these rows)."""
+    answer = api.request("GET", "/api/consumer-groups")
+    groups: list[dict[str, Any]] = answer["groups"] + answer.get("partition_groups", [])
     return groups
 
 
@@ -118,19 +122,22 @@ def _group_table(title: str, groups: list[dict[str, Any]]) -> Table:
     table = Table(title=title)
     table.add_column("group", no_wrap=True)
     table.add_column("stream", no_wrap=True)
+    table.add_column("partition", justify="right")
     for column in ("committed offset", "end offset", "lag"):
         table.add_column(column, justify="right")
     table.add_column("consuming")
     table.add_column("waiting", justify="right")
-    for g in sorted(groups, key=lambda g: (g["group"], g["stream"])):
+    for g in sorted(groups, key=lambda g: (g["group"], g["stream"], g.get("partition", -1))):
+        partitioned = "partition" in g
         table.add_row(
             g["group"],
             g["stream"],
+            str(g["partition"]) if partitioned else "-",
             f"{g['committed_offset']:,}",
             f"{g['end_offset']:,}",
             f"{g['lag']:,}",
-            "yes" if g["active"] else "no",
-            str(g["waiting"]),
+            "-" if partitioned else ("yes" if g["active"] else "no"),
+            "-" if partitioned else str(g["waiting"]),
         )
     return table
 
@@ -168,7 +175,8 @@ def cmd_group_describe(args: argparse.Namespace) -> int:
     table = _group_table(f"consumer group {args.group}", groups)
     out.print(table)
     total = sum(g["lag"] for g in groups)
-    out.print(f"{len(groups)} stream{'s' if len(groups) != 1 else ''}, total lag {total:,}")
+    streams = len({g["stream"] for g in groups})
+    out.print(f"{streams} stream{'s' if streams != 1 else ''}, total lag {total:,}")
     return 0
 
 
