@@ -108,7 +108,7 @@ def test_kind_state_now_and_as_of_a_position(spark: Any, kind_server: Server) ->
 def test_kind_read_errors(spark: Any, kind_server: Server) -> None:
     with pytest.raises(Exception, match="kind no_such_kind does not exist"):
         _read(spark, kind_server, kind="no_such_kind").collect()
-    with pytest.raises(Exception, match="kind name"):
+    with pytest.raises(Exception, match="kind: invalid name"):
         _read(spark, kind_server, kind='x" OR 1=1 --').collect()
     with pytest.raises(Exception, match="asOf must be a log position"):
         _read(spark, kind_server, kind="sensors", asOf="yesterday").collect()
