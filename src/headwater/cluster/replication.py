@@ -48,6 +48,17 @@ class NotEnoughReplicas(StorageError):
     (Kafka: NOT_ENOUGH_REPLICAS); retryable. Kimberlite shows it as StorageError."""
 
 
+class NotEnoughReplicasAfterAppend(NotEnoughReplicas):
+    """acks=all: stored at the leader, then the ISR fell below min_insync_replicas
+    before it was confirmed (Kafka: NOT_ENOUGH_REPLICAS_AFTER_APPEND): a retry may
+    store it twice, unlike after NOT_ENOUGH_REPLICAS, which is answered before storing."""
+
+
+class ReplicationTimedOut(NotEnoughReplicas):
+    """acks=all: stored at the leader, not confirmed by the ISR within the request's
+    timeout (Kafka: REQUEST_TIMED_OUT)."""
+
+
 class Replication:
     def __init__(self, node: ClusterNode) -> None:
         self.node = node
@@ -131,15 +142,15 @@ class Replication:
         return hw
 
     async def wait_replicated(self, key: PartitionKey, offset: int, timeout_s: float) -> None:
-        """acks=all: return once every in-sync replica holds offsets below ``offset``.
-        NotEnoughReplicas when the ISR is below min_insync_replicas (before or while
-        waiting) or the time runs out."""
+        """acks=all, after the append: return once every in-sync replica holds offsets
+        below ``offset``. NotEnoughReplicasAfterAppend when the ISR is (or falls) below
+        min_insync_replicas, ReplicationTimedOut when the time runs out."""
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.node.partitions.get(key)
             if state is None or len(state.isr) < self.node.config.min_insync_replicas:
                 have = 0 if state is None else len(state.isr)
-                raise NotEnoughReplicas(
+                raise NotEnoughReplicasAfterAppend(
                     f"{have} in-sync replicas, below min_insync_replicas "
                     f"({self.node.config.min_insync_replicas})"
                 )
@@ -151,7 +162,7 @@ class Replication:
                 )
             left = deadline - time.monotonic()
             if left <= 0:
-                raise NotEnoughReplicas("the in-sync replicas did not confirm in time")
+                raise ReplicationTimedOut("the in-sync replicas did not confirm in time")
             self._progress.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(left, 0.1)):
@@ -201,6 +212,7 @@ class Replication:
         lag_s = self.node.config.replica_lag_s
         ends = self._ends.get(key, {})
         caught_up = self._caught_up.get(key, {})
+        fetches = self._last_fetch.get(key, {})
         started = self._leading_since[key][1]
         hw = self.high_watermark(key)
         epochs = self.replicas.epochs(key.tenant_id, key.stream, key.partition)
@@ -212,7 +224,17 @@ class Replication:
         ]
         for replica in state.replicas:
             end = ends.get(replica)
-            if replica not in isr and end is not None and end >= max(hw, epoch_start):
+            fetched = fetches.get(replica)
+            # Back in on a fetch within the lag, as Kafka expands the ISR only on a
+            # follower's fetch: a dead follower's last end, once caught up, would
+            # otherwise put it back on every tick after it was dropped.
+            if (
+                replica not in isr
+                and end is not None
+                and end >= max(hw, epoch_start)
+                and fetched is not None
+                and now - fetched[0] <= lag_s
+            ):
                 isr.append(replica)
         if set(isr) == set(state.isr):
             return

@@ -11,13 +11,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from headwater.cluster.layout import NodeInfo, PartitionKey
-from headwater.cluster.replication import NotEnoughReplicas
+from headwater.cluster.replication import (
+    NotEnoughReplicas,
+    NotEnoughReplicasAfterAppend,
+    ReplicationTimedOut,
+)
 from headwater.errors import NotLeader
 
 if TYPE_CHECKING:
     from headwater.cluster.node import ClusterNode
 
-__all__ = ["ClusterView", "NotEnoughReplicas", "NotLeader", "PartitionView"]
+__all__ = [
+    "ClusterView",
+    "NotEnoughReplicas",
+    "NotEnoughReplicasAfterAppend",
+    "NotLeader",
+    "PartitionView",
+    "ReplicationTimedOut",
+]
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,9 @@ class ClusterView:
     async def replicated(
         self, tenant_id: int, stream: str, partition: int, end: int, timeout_s: float
     ) -> None:
-        """acks=all: every in-sync replica holds the partition below ``end``
-        (NotEnoughReplicas when the ISR is below min_insync_replicas or time runs out)."""
+        """acks=all, after the append: every in-sync replica holds the partition below
+        ``end`` (NotEnoughReplicasAfterAppend when the ISR is below min_insync_replicas,
+        ReplicationTimedOut when time runs out)."""
         key = PartitionKey(tenant_id, stream, partition)
         await self._replication.wait_replicated(key, end, timeout_s)
 

@@ -15,6 +15,10 @@ from headwater.cluster.status import cluster_status
 from waiting import wait_until
 
 LEASE_S = 3  # short, so failover tests are quick; docs/cluster.md reports the default's
+# Every cluster wait's deadline: a lease to expire, replica_lag_s (10 s) to drop a dead
+# follower, then an election, on a loaded 2-core CI machine. A bound, never a pace: the
+# waits end at their event.
+WAIT_S = 60.0
 
 
 class Cluster:
@@ -60,6 +64,7 @@ class Cluster:
         return wait_until(
             lambda: (found := self.partitions()) and len(found) == count and found,
             message=lambda: f"not {count} partitions placed: {self.status()}",
+            timeout=WAIT_S,
         )
 
     def log_files(self, node_id: int, stream_id: int = 1, partition: int = 0) -> dict[str, bytes]:
@@ -80,7 +85,9 @@ class Cluster:
             lags = [part["lag"].get(str(n)) for n in node_ids]
             return files[0] if part["end"] == end and lags == [0] * len(node_ids) else None
 
-        return wait_until(agree, message=lambda: f"replicas differ: {self.status()}")
+        return wait_until(
+            agree, message=lambda: f"replicas differ: {self.status()}", timeout=WAIT_S
+        )
 
     def bootstrap(self) -> str:
         return ",".join(n.address_of("kafka") for n in self.nodes.values() if n.running)

@@ -11,7 +11,7 @@ import signal
 from datetime import timedelta
 
 import pytest
-from cluster_nodes import Cluster
+from cluster_nodes import WAIT_S, Cluster
 from confluent_kafka.admin import AdminClient
 from kimberlite_raw import append, batch, expect_error
 from kio.schema.init_producer_id.v4.request import InitProducerIdRequest
@@ -78,6 +78,7 @@ def test_metadata_names_every_broker_and_each_partition_s_leader(cluster: Cluste
     brokers, _agreed = wait_until(
         lambda: (found := described()) and found[1] == expected and found,
         message=lambda: f"{described()} != {expected}",
+        timeout=WAIT_S,
     )
     assert brokers == {n: cluster.nodes[n].ports["kafka"] for n in (1, 2, 3)}
 
@@ -89,7 +90,7 @@ def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluste
     leader = cluster.wait_partitions(1)["0/events/0"]["leader"]
     followers = [n for n in (1, 2, 3) if n != leader]
     # The leader takes its epoch on its next tick: until then it refuses too (retryable).
-    assert wait_until(lambda: produce_raw(cluster, leader)[0] == 0 or None) is True
+    assert wait_until(lambda: produce_raw(cluster, leader)[0] == 0 or None, timeout=WAIT_S) is True
     for follower in followers:
         assert produce_raw(cluster, follower) == (ErrorCode.not_leader_or_follower, -1)
         # Kimberlite: NotLeader (15), naming where the leader is.
@@ -103,8 +104,13 @@ def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluste
         assert append(client, 1, [b"k"]).first_offset == len(RECORDS)
     n = len(RECORDS) + 1  # and Kimberlite's one event
     cluster.wait_replicas_agree([1, 2, 3], n)
-    # Followers answer fetches too, up to the high watermark, with the leader's bytes.
-    assert {fetched(cluster, node) for node in (1, 2, 3)} == {fetched(cluster, leader)}
+    # Followers answer fetches too, up to the high watermark, with the leader's bytes
+    # (a follower learns the high watermark on its next fetch: it is waited for).
+    wait_until(
+        lambda: {fetched(cluster, node) for node in (1, 2, 3)} == {fetched(cluster, leader)},
+        timeout=WAIT_S,
+        message=lambda: str({node: fetched(cluster, node)[0] for node in (1, 2, 3)}),
+    )
     assert fetched(cluster, leader)[0] == n
 
     # Paused followers hold the high watermark back: acks=1 is taken but not yet
@@ -114,14 +120,14 @@ def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluste
     try:
         assert produce_raw(cluster, leader, acks=1) == (0, n)
         n_after = n + len(RECORDS)
-        wait_until(lambda: cluster.partitions()["0/events/0"]["end"] == n_after)
+        wait_until(lambda: cluster.partitions()["0/events/0"]["end"] == n_after, timeout=WAIT_S)
         assert fetched(cluster, leader) == fetched(cluster, leader, 0)
         assert fetched(cluster, leader)[0] == n  # stored at the leader, not yet readable
         assert fetched(cluster, leader, n) == (n, b"")
     finally:
         for follower in followers:
             cluster.nodes[follower].proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
-    wait_until(lambda: fetched(cluster, leader)[0] == n_after)
+    wait_until(lambda: fetched(cluster, leader)[0] == n_after, timeout=WAIT_S)
 
     # Both followers gone: the ISR is the leader alone, below min_insync_replicas (2).
     for follower in followers:
@@ -133,7 +139,9 @@ def test_only_the_leader_takes_writes_and_acks_all_needs_min_isr(cluster: Cluste
             admin.list_topics("events", timeout=5).topics["events"].partitions[0].isrs == [leader]
         ),
         message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
     )
+    # Refused before it is stored: the acks=1 batch after it takes the next offset.
     assert produce_raw(cluster, leader, acks=-1) == (ErrorCode.not_enough_replicas, -1)
     assert produce_raw(cluster, leader, acks=1) == (0, n_after)
 

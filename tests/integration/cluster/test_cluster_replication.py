@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from cluster_nodes import Cluster
+from cluster_nodes import WAIT_S, Cluster
 from confluent_kafka import Consumer, Producer, TopicPartition
 from test_cluster_membership import create_topic
 
@@ -38,7 +38,9 @@ def read_all(bootstrap: str, count: int) -> list[bytes]:
     values: list[bytes] = []
     try:
         while len(values) < count:
-            message = wait_until(lambda: consumer.poll(0.2), message="no more messages")
+            message = wait_until(
+                lambda: consumer.poll(0.2), message="no more messages", timeout=WAIT_S
+            )
             assert message.error() is None, message.error()
             values.append(message.value())
     finally:
@@ -76,11 +78,14 @@ def test_followers_copy_the_leader_and_a_killed_leader_rejoins(cluster: Cluster)
     second, new_epoch = wait_until(
         lambda: (found := leader_of(cluster))[0] not in (first, -1) and found,
         message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
     )
     assert new_epoch == epoch + 1
     produce(cluster.nodes[second].address_of("kafka"), [b"b%d" % i for i in range(200)])
     cluster.nodes[first].start()
-    wait_until(lambda: sorted(cluster.partitions()["0/events/0"]["isr"]) == [1, 2, 3])
+    wait_until(
+        lambda: sorted(cluster.partitions()["0/events/0"]["isr"]) == [1, 2, 3], timeout=WAIT_S
+    )
     cluster.wait_replicas_agree([1, 2, 3], 500)
     expected = [b"a%d" % i for i in range(300)] + [b"b%d" % i for i in range(200)]
     assert read_all(cluster.nodes[second].address_of("kafka"), 500) == expected
@@ -114,7 +119,7 @@ def test_an_old_leader_s_unreplicated_tail_is_truncated(cluster: Cluster) -> Non
         raise AssertionError("the followers never paused with their fetches answered")
     try:
         produce(cluster.nodes[old].address_of("kafka"), [b"lost%d" % i for i in range(7)], "1")
-        wait_until(lambda: cluster.partitions()["0/events/0"]["end"] == 57)
+        wait_until(lambda: cluster.partitions()["0/events/0"]["end"] == 57, timeout=WAIT_S)
         cluster.nodes[old].kill()
     finally:
         for n in followers:
@@ -122,6 +127,7 @@ def test_an_old_leader_s_unreplicated_tail_is_truncated(cluster: Cluster) -> Non
     new, _ = wait_until(
         lambda: (found := leader_of(cluster))[0] in followers and found,
         message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
     )
     produce(cluster.nodes[new].address_of("kafka"), [b"new%d" % i for i in range(20)])
     cluster.nodes[old].start()
@@ -143,19 +149,26 @@ def test_an_out_of_sync_replica_never_leads(cluster: Cluster) -> None:
     wait_until(
         lambda: cluster.partitions()["0/events/0"]["isr"] == [leader],
         message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
     )
     produce(cluster.nodes[leader].address_of("kafka"), [b"only-here"], acks="1")
     cluster.nodes[leader].kill()
     for n in others:
         cluster.nodes[n].start()
-    wait_until(lambda: sorted(n["node_id"] for n in cluster.status()["nodes"]) == sorted(others))
-    wait_until(lambda: leader_of(cluster)[0] == -1, message=lambda: str(cluster.status()))
+    wait_until(
+        lambda: sorted(n["node_id"] for n in cluster.status()["nodes"]) == sorted(others),
+        timeout=WAIT_S,
+    )
+    wait_until(
+        lambda: leader_of(cluster)[0] == -1, message=lambda: str(cluster.status()), timeout=WAIT_S
+    )
     leaderless_epoch = leader_of(cluster)[1]
     cluster.nodes[leader].start()
     # The only in-sync replica leads again, and the epoch shows nobody led in between.
     assert wait_until(
         lambda: leader_of(cluster)[0] == leader and leader_of(cluster),
         message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
     ) == (
         leader,
         leaderless_epoch + 1,
@@ -175,7 +188,7 @@ def test_the_cluster_serves_while_etcd_is_down_and_elects_again_after(
     produce(cluster.bootstrap(), [b"before%d" % i for i in range(50)])
     etcd.kill()
     noticed = "cannot reach etcd; serving with the last state read"
-    wait_until(lambda: all(noticed in n.log_text() for n in cluster.nodes.values()))
+    wait_until(lambda: all(noticed in n.log_text() for n in cluster.nodes.values()), timeout=WAIT_S)
     # Leaders and ISRs stay as last read: acks=all writes and reads go on.
     produce(cluster.bootstrap(), [b"during%d" % i for i in range(50)])
     during = read_all(cluster.nodes[leader].address_of("kafka"), 100)

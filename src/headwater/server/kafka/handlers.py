@@ -18,7 +18,12 @@ from typing import Any
 from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
-from headwater.cluster.view import ClusterView, NotEnoughReplicas
+from headwater.cluster.view import (
+    ClusterView,
+    NotEnoughReplicas,
+    NotEnoughReplicasAfterAppend,
+    ReplicationTimedOut,
+)
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -101,6 +106,11 @@ def error_code(exc: HeadwaterError) -> ErrorCode:
         return ErrorCode.invalid_request
     if isinstance(exc, NotLeader):
         return ErrorCode.not_leader_or_follower
+    # Stored, then not confirmed: a client must not read these as "not stored".
+    if isinstance(exc, NotEnoughReplicasAfterAppend):
+        return ErrorCode.not_enough_replicas_after_append
+    if isinstance(exc, ReplicationTimedOut):
+        return ErrorCode.request_timed_out
     if isinstance(exc, NotEnoughReplicas):
         return ErrorCode.not_enough_replicas
     return ErrorCode.unknown_server_error
