@@ -30,13 +30,12 @@ import contextlib
 import datetime as _dt
 import inspect
 import logging
-import ssl
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Self, Unpack
 
 from headwater.engine.groups.errors import (
     GroupError,
@@ -48,8 +47,7 @@ from headwater.errors import HeadwaterError, InvalidOffset, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
 from ._core.blocking import Blocking, LoopThread
-from ._core.rivven import DEFAULT_SERVER, RivvenSession
-from ._core.tls import PathLike, client_context
+from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .errors import ClientClosed
 
 log = logging.getLogger("headwater.client")
@@ -105,7 +103,7 @@ class _Fetched(NamedTuple):
     error: BaseException | None = None  # the fetch failed: the next poll raises it
 
 
-class AsyncConsumer:
+class AsyncConsumer(RivvenClient):
     """A group consumer for asyncio (see the module). ``async with AsyncConsumer(...)
     as consumer:``, ``consumer.subscribe([...])``, then ``async for record in
     consumer:`` or ``await consumer.poll(timeout)``."""
@@ -129,17 +127,7 @@ class AsyncConsumer:
         fetch_max_wait_ms: int = 500,
         fetch_max_bytes: int = 1 << 20,
         on_commit: CommitCallback | None = None,
-        token: str | None = None,
-        timeout: float | None = 30.0,
-        reconnect: bool = True,
-        retries: int = 5,
-        reconnect_attempts: int = 10,
-        backoff_base: float = 0.05,
-        backoff_max: float = 2.0,
-        tls: bool | ssl.SSLContext = False,
-        ca: PathLike | None = None,
-        cert: PathLike | None = None,
-        key: PathLike | None = None,
+        **connection: Unpack[ConnectionOptions],
     ) -> None:
         """``server`` is the Rivven listener (``host:port``, default port 7404); the
         options keep Kafka's names and defaults (``session_timeout_ms`` at least the
@@ -167,18 +155,7 @@ class AsyncConsumer:
         self.fetch_max_wait_ms = fetch_max_wait_ms
         self.fetch_max_bytes = fetch_max_bytes
         self.on_commit = on_commit
-        self._session = RivvenSession(
-            server,
-            token=token,
-            client_id=client_id,
-            timeout=timeout,
-            reconnect=reconnect,
-            retries=retries,
-            reconnect_attempts=reconnect_attempts,
-            backoff_base=backoff_base,
-            backoff_max=backoff_max,
-            tls=client_context(tls, ca, cert, key),
-        )
+        super().__init__(server, client_id, connection)
         # membership
         self.member_id = ""
         self.generation = -1
@@ -201,31 +178,13 @@ class AsyncConsumer:
         self._queue: asyncio.Queue[_Fetched] = asyncio.Queue(maxsize=16)
         self._buffer: deque[ConsumerRecord] = deque()
         self._last_auto_commit = time.monotonic()
-        self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def reconnects(self) -> int:
-        return self._session.reconnects
-
-    async def _ensure(self) -> None:
-        await self._session._ensure()
 
     async def start(self) -> Self:
         """Connect (the group is joined by the first poll after :meth:`subscribe`)."""
         await self._session._ensure()
         return self
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Commit the positions (with auto-commit), run ``on_revoke``, leave the group

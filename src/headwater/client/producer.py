@@ -26,19 +26,17 @@ listener (docs/sdk.md, "Producer"):
 from __future__ import annotations
 
 import asyncio
-import ssl
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Self, TypeAlias
+from typing import Any, NamedTuple, Self, TypeAlias, Unpack
 
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
 from ._core.blocking import Blocking, LoopThread
-from ._core.rivven import DEFAULT_SERVER, RivvenSession
-from ._core.tls import PathLike, client_context
+from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .aio import EventLike, HeadersLike, to_event_bytes, to_headers
 from .errors import ClientClosed, EventTooLarge
 
@@ -106,7 +104,7 @@ class _StreamQueue:
     sequences: dict[int, int] = field(default_factory=dict)
 
 
-class AsyncProducer:
+class AsyncProducer(RivvenClient):
     """A producer for asyncio (see the module). Use as ``async with AsyncProducer(...)
     as producer:`` or call :meth:`start` and :meth:`close`."""
 
@@ -120,17 +118,7 @@ class AsyncProducer:
         transactional_id: str | None = None,
         transaction_timeout_ms: int = 60_000,
         client_id: str = "headwater-producer",
-        token: str | None = None,
-        timeout: float | None = 30.0,
-        reconnect: bool = True,
-        retries: int = 5,
-        reconnect_attempts: int = 10,
-        backoff_base: float = 0.05,
-        backoff_max: float = 2.0,
-        tls: bool | ssl.SSLContext = False,
-        ca: PathLike | None = None,
-        cert: PathLike | None = None,
-        key: PathLike | None = None,
+        **connection: Unpack[ConnectionOptions],
     ) -> None:
         """``server`` is the Rivven listener (``host:port``, default port 7404).
         ``linger_ms`` and ``batch_bytes`` bound a batch by time and size (librdkafka's
@@ -146,18 +134,7 @@ class AsyncProducer:
         self.enable_idempotence = enable_idempotence
         self.transactional_id = transactional_id
         self.transaction_timeout_ms = transaction_timeout_ms
-        self._session = RivvenSession(
-            server,
-            token=token,
-            client_id=client_id,
-            timeout=timeout,
-            reconnect=reconnect,
-            retries=retries,
-            reconnect_attempts=reconnect_attempts,
-            backoff_base=backoff_base,
-            backoff_max=backoff_max,
-            tls=client_context(tls, ca, cert, key),
-        )
+        super().__init__(server, client_id, connection)
         self.producer_id: int | None = None
         self.producer_epoch = 0
         self._partitions: dict[str, int] = {}
@@ -166,7 +143,6 @@ class AsyncProducer:
         self._outstanding: set[_Batch] = set()  # batches not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_transaction = False
-        self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -175,17 +151,6 @@ class AsyncProducer:
         """Requests written so far (a batch is one)."""
         return self._session.requests
 
-    @property
-    def reconnects(self) -> int:
-        return self._session.reconnects
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    async def _ensure(self) -> None:
-        await self._session._ensure()
-
     async def start(self) -> Self:
         """Connect, and get a producer id when idempotent (and not transactional:
         :meth:`init_transactions` does that)."""
@@ -193,12 +158,6 @@ class AsyncProducer:
         if self.enable_idempotence and self.transactional_id is None:
             await self._init_producer_id()
         return self
-
-    async def __aenter__(self) -> Self:
-        return await self.start()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
 
     async def close(self) -> None:
         """Send what is waiting, then close the connection."""

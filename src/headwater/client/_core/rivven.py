@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Self, TypedDict, TypeVar
 
 from google.protobuf.message import Message
 
@@ -40,6 +40,7 @@ from headwater.protocols.rivven.messages import PROTOCOL_VERSION, ErrorCode
 from ..errors import ServerUnavailable
 from .link import Link, Route
 from .session import Resumable, Session
+from .tls import PathLike, client_context
 
 DEFAULT_PORT = 7404
 DEFAULT_SERVER = f"127.0.0.1:{DEFAULT_PORT}"
@@ -187,3 +188,76 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
             return sent
 
         return await self._exchange(post, what, expect, safe=safe, wait=wait)
+
+
+class ConnectionOptions(TypedDict, total=False):
+    """The connection options the SDK's producer and consumer both take, with their
+    defaults: ``token`` (None), ``timeout`` (30.0 s), ``reconnect`` (True), ``retries``
+    (5), ``reconnect_attempts`` (10), ``backoff_base`` (0.05 s), ``backoff_max`` (2.0
+    s), ``tls`` (False, or an ``ssl.SSLContext``), ``ca``/``cert``/``key`` (None)."""
+
+    token: str | None
+    timeout: float | None
+    reconnect: bool
+    retries: int
+    reconnect_attempts: int
+    backoff_base: float
+    backoff_max: float
+    tls: bool | ssl.SSLContext
+    ca: PathLike | None
+    cert: PathLike | None
+    key: PathLike | None
+
+
+class RivvenClient:
+    """What the producer and the consumer share: one :class:`RivvenSession` made from
+    the :class:`ConnectionOptions`, and the ``async with`` lifecycle around it."""
+
+    def __init__(self, server: str, client_id: str, connection: ConnectionOptions) -> None:
+        unknown = connection.keys() - ConnectionOptions.__optional_keys__
+        if unknown:  # what an explicit keyword list would raise
+            raise TypeError(
+                f"{type(self).__name__}.__init__() got an unexpected keyword argument "
+                f"{sorted(unknown)[0]!r}"
+            )
+        self._session = RivvenSession(
+            server,
+            token=connection.get("token"),
+            client_id=client_id,
+            timeout=connection.get("timeout", 30.0),
+            reconnect=connection.get("reconnect", True),
+            retries=connection.get("retries", 5),
+            reconnect_attempts=connection.get("reconnect_attempts", 10),
+            backoff_base=connection.get("backoff_base", 0.05),
+            backoff_max=connection.get("backoff_max", 2.0),
+            tls=client_context(
+                connection.get("tls", False),
+                connection.get("ca"),
+                connection.get("cert"),
+                connection.get("key"),
+            ),
+        )
+        self._closed = False
+
+    @property
+    def reconnects(self) -> int:
+        return self._session.reconnects
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def _ensure(self) -> None:
+        await self._session._ensure()
+
+    async def start(self) -> Self:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
