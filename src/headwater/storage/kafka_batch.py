@@ -291,6 +291,17 @@ def walk_records(body: bytes, count: int) -> None:
         raise _corrupt(f"{end - pos} bytes after the batch's {count} records")
 
 
+def _nullable_bytes(buf: bytes, pos: int, record_end: int, what: str) -> tuple[bytes | None, int]:
+    """A record's length-prefixed field at ``pos`` (key, value, header value; a negative
+    length is null), checked to end within its record, and the position after it."""
+    size, pos = _varint(buf, pos)
+    if size < 0:
+        return None, pos
+    if pos + size > record_end:
+        raise _corrupt(f"record {what} runs past its record")
+    return buf[pos : pos + size], pos + size
+
+
 def parse_records(
     body: bytes, count: int
 ) -> tuple[
@@ -325,22 +336,8 @@ def parse_records(
             pos += 1
             timestamp_delta, pos = varint(buf, pos)
             offset_delta, pos = varint(buf, pos)
-            size, pos = varint(buf, pos)
-            if size < 0:
-                key = None
-            elif pos + size > record_end:
-                raise _corrupt("record key runs past its record")
-            else:
-                key = buf[pos : pos + size]
-                pos += size
-            size, pos = varint(buf, pos)
-            if size < 0:
-                value = None
-            elif pos + size > record_end:
-                raise _corrupt("record value runs past its record")
-            else:
-                value = buf[pos : pos + size]
-                pos += size
+            key, pos = _nullable_bytes(buf, pos, record_end, "key")
+            value, pos = _nullable_bytes(buf, pos, record_end, "value")
             header_count, pos = varint(buf, pos)
             if header_count < 0 or header_count > record_end - pos:
                 raise _corrupt(f"{header_count} record headers claimed")
@@ -353,14 +350,7 @@ def parse_records(
                         raise _corrupt("record header key runs past its record")
                     name = buf[pos : pos + size].decode()
                     pos += size
-                    size, pos = varint(buf, pos)
-                    if size < 0:
-                        header_value = None
-                    elif pos + size > record_end:
-                        raise _corrupt("record header value runs past its record")
-                    else:
-                        header_value = buf[pos : pos + size]
-                        pos += size
+                    header_value, pos = _nullable_bytes(buf, pos, record_end, "header value")
                     pairs.append((name, header_value))
                 headers = tuple(pairs)
             if pos != record_end:
