@@ -13,10 +13,12 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -444,3 +446,69 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.nargs == 0 or action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+def timed(action: Callable[[], object]) -> float:
+    """Seconds ``action()`` took."""
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+# ---- Spark against Parquet (spark_bench, spark_partitions_bench) ------------------------
+
+
+def spark_session(**conf: str) -> Any:
+    """The Spark benchmarks' session: local[2] (the machine's 2 cores), no UI, 2 GB
+    driver, UTC, errors only; ``conf`` adds settings. Imports pyspark only when called."""
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.memory", "2g")
+        .config("spark.sql.session.timeZone", "UTC")
+    )
+    for name, value in conf.items():
+        builder = builder.config(name, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def spark_rates(events: int, runs: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    """``runs[measurement][side]`` (side "headwater" or "parquet": seconds per run) as
+    the median rows/s of each side plus the runs, per measurement."""
+    return {
+        name: {
+            "headwater": events / statistics.median(sides["headwater"]),
+            "parquet": events / statistics.median(sides["parquet"]),
+            "runs_s": sides,
+        }
+        for name, sides in runs.items()
+    }
+
+
+def spark_table(results: dict[str, Any], with_runs: bool = False) -> list[str]:
+    """The Markdown table of the read and write measurements (``spark_rates``), with
+    each run's seconds when ``with_runs``."""
+    lines = [
+        "| measurement | headwater rows/s | Parquet rows/s | headwater / Parquet "
+        + ("| runs s (hw / pq) |" if with_runs else "|"),
+        "|---|--:|--:|--:|" + ("---|" if with_runs else ""),
+    ]
+    for name in ("read", "write"):
+        r = results[name]
+        runs = r["runs_s"]
+        lines.append(
+            f"| {name} | {r['headwater']:,.0f} | {r['parquet']:,.0f} | "
+            f"**{r['headwater'] / r['parquet']:.2f}** |"
+            + (
+                f" {', '.join(f'{t:.2f}' for t in runs['headwater'])} / "
+                f"{', '.join(f'{t:.2f}' for t in runs['parquet'])} |"
+                if with_runs
+                else ""
+            )
+        )
+    return lines
+

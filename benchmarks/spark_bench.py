@@ -24,15 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import headwater
-from benchlib import HeadwaterServer
+from benchlib import HeadwaterServer, spark_rates, spark_session, spark_table, timed
 
 
 def fill(server: str, stream: str, events: int) -> None:
@@ -50,12 +48,6 @@ def fill(server: str, stream: str, events: int) -> None:
             )
 
 
-def timed(action: Any) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--events", type=int, default=2_000_000)
@@ -66,22 +58,13 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.events, args.repeat = 100_000, 1
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
     root = Path(tempfile.mkdtemp(prefix="spark_bench_"))
     hw_server = HeadwaterServer()
     hw_server.start(root, listeners=("kimberlite", "http"))
     server = f"127.0.0.1:{hw_server.port}"
     try:
         fill_s = timed(lambda: fill(server, "bench", args.events))
-        spark = (
-            SparkSession.builder.master("local[2]")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.memory", "2g")
-            .config("spark.sql.session.timeZone", "UTC")
-            .getOrCreate()
-        )
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = spark_session()
         half = str((args.events + 1) // 2)
 
         def stream_df() -> Any:
@@ -125,23 +108,17 @@ def main(argv: list[str]) -> int:
         hw_server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    def rate(times: list[float]) -> float:
-        return args.events / statistics.median(times)
-
     results = {
         "events": args.events,
         "repeat": args.repeat,
         "fill_events_per_s": args.events / fill_s,
-        "read": {
-            "headwater": rate(read_hw),
-            "parquet": rate(read_pq),
-            "runs_s": {"headwater": read_hw, "parquet": read_pq},
-        },
-        "write": {
-            "headwater": rate(write_hw),
-            "parquet": rate(write_pq),
-            "runs_s": {"headwater": write_hw, "parquet": write_pq},
-        },
+        **spark_rates(
+            args.events,
+            {
+                "read": {"headwater": read_hw, "parquet": read_pq},
+                "write": {"headwater": write_hw, "parquet": write_pq},
+            },
+        ),
         "load_after": os.getloadavg()[0],
     }
     print(markdown(results))
@@ -154,15 +131,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"{results['events']:,} events, median of {results['repeat']}",
         "",
-        "| measurement | headwater rows/s | Parquet rows/s | headwater / Parquet |",
-        "|---|--:|--:|--:|",
+        *spark_table(results),
     ]
-    for name in ("read", "write"):
-        r = results[name]
-        lines.append(
-            f"| {name} | {r['headwater']:,.0f} | {r['parquet']:,.0f} | "
-            f"**{r['headwater'] / r['parquet']:.2f}** |"
-        )
     return "\n".join(lines)
 
 

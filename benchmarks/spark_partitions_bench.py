@@ -30,10 +30,8 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 import headwater
-from benchlib import HeadwaterServer
+from benchlib import HeadwaterServer, spark_rates, spark_session, spark_table, timed
 from headwater.engine.partitioner import murmur2_batch
 
 KEYS = 10_000
@@ -81,12 +79,6 @@ def fill(server: str, stream: str, events: int, partitions: int) -> None:
                     api.append_arrow(stream, part, partition=p)
 
 
-def timed(action: Any) -> float:
-    started = time.perf_counter()
-    action()
-    return time.perf_counter() - started
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--events", type=int, default=2_000_000)
@@ -104,8 +96,6 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.events, args.repeat = 100_000, 1
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
     load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="spark_partitions_bench_"))
     hw_server = HeadwaterServer()
@@ -113,18 +103,12 @@ def main(argv: list[str]) -> int:
     server = f"127.0.0.1:{hw_server.port}"
     try:
         fill_s = timed(lambda: fill(server, "bench", args.events, args.partitions))
-        builder = (
-            SparkSession.builder.master("local[2]")
-            .config("spark.ui.enabled", "false")
-            .config("spark.driver.memory", "2g")
-            .config("spark.sql.session.timeZone", "UTC")
+        arrow_conf = (
+            {"spark.sql.execution.arrow.maxRecordsPerBatch": str(args.arrow_batch_rows)}
+            if args.arrow_batch_rows
+            else {}
         )
-        if args.arrow_batch_rows:
-            builder = builder.config(
-                "spark.sql.execution.arrow.maxRecordsPerBatch", str(args.arrow_batch_rows)
-            )
-        spark = builder.getOrCreate()
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = spark_session(**arrow_conf)
 
         def stream_df() -> Any:
             return (
@@ -174,25 +158,19 @@ def main(argv: list[str]) -> int:
         hw_server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    def rate(times: list[float]) -> float:
-        return args.events / statistics.median(times)
-
     results = {
         "events": args.events,
         "partitions": args.partitions,
         "arrow_batch_rows": args.arrow_batch_rows or 10_000,
         "repeat": args.repeat,
         "fill_events_per_s": args.events / fill_s,
-        "read": {
-            "headwater": rate(read_hw),
-            "parquet": rate(read_pq),
-            "runs_s": {"headwater": read_hw, "parquet": read_pq},
-        },
-        "write": {
-            "headwater": rate(write_hw),
-            "parquet": rate(write_pq),
-            "runs_s": {"headwater": write_hw, "parquet": write_pq},
-        },
+        **spark_rates(
+            args.events,
+            {
+                "read": {"headwater": read_hw, "parquet": read_pq},
+                "write": {"headwater": write_hw, "parquet": write_pq},
+            },
+        ),
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
@@ -209,19 +187,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['repeat']} (load {results['load_before']:.1f} before, "
         f"{results['load_after']:.1f} after)",
         "",
-        "| measurement | headwater rows/s | Parquet rows/s | headwater / Parquet "
-        "| runs s (hw / pq) |",
-        "|---|--:|--:|--:|---|",
+        *spark_table(results, with_runs=True),
     ]
-    for name in ("read", "write"):
-        r = results[name]
-        runs = r["runs_s"]
-        lines.append(
-            f"| {name} | {r['headwater']:,.0f} | {r['parquet']:,.0f} | "
-            f"**{r['headwater'] / r['parquet']:.2f}** | "
-            f"{', '.join(f'{t:.2f}' for t in runs['headwater'])} / "
-            f"{', '.join(f'{t:.2f}' for t in runs['parquet'])} |"
-        )
     return "\n".join(lines)
 
 
