@@ -69,6 +69,25 @@ DEADLINE_S = 60.0
 REBALANCE_PARTITIONS = 16
 
 
+def figures(
+    server: HeadwaterServer,
+    messages: int,
+    seconds: float,
+    cpu_server: float,
+    cpu_client: float,
+    value: bytes | None = None,
+) -> dict[str, float]:
+    """A run's rate (and MB/s when ``value`` is what each message carried) with the
+    server's and this process's CPU seconds since ``cpu_server`` / ``cpu_client``."""
+    rates = {"seconds": seconds, "msgs_per_s": messages / seconds}
+    if value is not None:
+        rates["mb_per_s"] = messages * len(value) / seconds / 1e6
+    return rates | {
+        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
+        "client_cpu_s": time.process_time() - cpu_client,
+    }
+
+
 # ---- Kafka: produce and consume -----------------------------------------------------------
 
 
@@ -102,13 +121,7 @@ def kafka_produce(
     seconds = time.perf_counter() - t0
     if left or errors:
         raise RuntimeError(f"{left} undelivered, errors {errors[:3]}")
-    return {
-        "seconds": seconds,
-        "msgs_per_s": messages / seconds,
-        "mb_per_s": messages * len(value) / seconds / 1e6,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return figures(server, messages, seconds, cpu_server, cpu_client, value)
 
 
 def kafka_consume(
@@ -151,13 +164,7 @@ def kafka_consume(
         consumer.close()
     # From the assignment (the join is reported apart) to the last message.
     seconds = end - assigned[0]
-    return {
-        "join_s": assigned[0] - t0,
-        "seconds": seconds,
-        "msgs_per_s": messages / seconds,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return {"join_s": assigned[0] - t0} | figures(server, messages, seconds, cpu_server, cpu_client)
 
 
 # ---- Rivven: produce and consume ----------------------------------------------------------
@@ -229,13 +236,7 @@ def rivven_produce(
         seconds = time.perf_counter() - t0
     finally:
         client.close()
-    return {
-        "seconds": seconds,
-        "msgs_per_s": messages / seconds,
-        "mb_per_s": messages * len(value) / seconds / 1e6,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return figures(server, messages, seconds, cpu_server, cpu_client, value)
 
 
 def rivven_consume(
@@ -265,12 +266,7 @@ def rivven_consume(
         seconds = time.perf_counter() - t0
     finally:
         client.close()
-    return {
-        "seconds": seconds,
-        "msgs_per_s": messages / seconds,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return figures(server, messages, seconds, cpu_server, cpu_client)
 
 
 # ---- the SDK (over the Rivven listener) ---------------------------------------------------
@@ -293,13 +289,7 @@ def sdk_produce(
 
     cpu_server, cpu_client = proc_cpu(server.pid), time.process_time()
     seconds = asyncio.run(produce())
-    return {
-        "seconds": seconds,
-        "msgs_per_s": messages / seconds,
-        "mb_per_s": messages * len(value) / seconds / 1e6,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return figures(server, messages, seconds, cpu_server, cpu_client, value)
 
 
 def sdk_consume(server: HeadwaterServer, topic: str, messages: int, group: str) -> dict[str, float]:
@@ -322,13 +312,7 @@ def sdk_consume(server: HeadwaterServer, topic: str, messages: int, group: str) 
 
     cpu_server, cpu_client = proc_cpu(server.pid), time.process_time()
     join_s, seconds, timed = asyncio.run(consume())
-    return {
-        "join_s": join_s,
-        "seconds": seconds,
-        "msgs_per_s": timed / seconds,
-        "server_cpu_s": proc_cpu(server.pid) - cpu_server,
-        "client_cpu_s": time.process_time() - cpu_client,
-    }
+    return {"join_s": join_s} | figures(server, timed, seconds, cpu_server, cpu_client)
 
 
 # ---- group rebalance ----------------------------------------------------------------------
