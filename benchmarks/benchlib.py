@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -512,3 +513,39 @@ def spark_table(results: dict[str, Any], with_runs: bool = False) -> list[str]:
         )
     return lines
 
+
+# ---- Kafka ------------------------------------------------------------------------------
+
+
+def kafka_consume_all(
+    bootstrap: str, topic: str, partitions: int, count: int, deadline_s: float
+) -> None:
+    """``count`` messages read with confluent-kafka from offset 0 of every partition of
+    ``topic`` (one consumer assigned them all); a message error raises, and so does
+    not having them all within ``deadline_s``."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "bench_" + uuid.uuid4().hex[:8],
+            "enable.auto.commit": False,
+            "fetch.max.bytes": 8 << 20,
+            "max.partition.fetch.bytes": 4 << 20,
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    got = 0
+    deadline = time.monotonic() + deadline_s
+    try:
+        while got < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"consumed {got} of {count}")
+            # Only what is left: consume() waits out its timeout for a number not coming.
+            batch = consumer.consume(min(10_000, count - got), 1.0)
+            for message in batch:
+                if message.error() is not None:
+                    raise KafkaException(message.error())
+            got += len(batch)
+    finally:
+        consumer.close()

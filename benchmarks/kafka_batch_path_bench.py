@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from benchlib import (
@@ -28,6 +28,7 @@ from benchlib import (
     HelpFormatter,
     default_root,
     git_revision,
+    kafka_consume_all,
     loadavg,
     log,
     proc_cpu,
@@ -71,30 +72,6 @@ def produce(bootstrap: str, topic: str, count: int, size: int, codec: str) -> No
                 producer.poll(0.01)
     if producer.flush(120) or failed:
         raise RuntimeError(f"{failed} messages failed")
-
-
-def consume(bootstrap: str, topic: str, partitions: int, count: int) -> None:
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "bench_" + uuid.uuid4().hex[:8],
-            "enable.auto.commit": False,
-            "fetch.max.bytes": 8 << 20,
-            "max.partition.fetch.bytes": 4 << 20,
-        }
-    )
-    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-    got = 0
-    deadline = time.monotonic() + 300
-    try:
-        while got < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"consumed {got} of {count}")
-            for message in consumer.consume(10_000, 1.0):
-                if message.error() is None:
-                    got += 1
-    finally:
-        consumer.close()
 
 
 def timed(server: HeadwaterServer, work: Any, *args: Any) -> tuple[float, float]:
@@ -147,7 +124,9 @@ def main() -> None:
                 cpu = proc_cpu(server.pid)
                 settle([s.pid for s in servers.values()], 120)
                 runs[name]["catch_up_cpu"].append(proc_cpu(server.pid) - cpu)
-                wall, cpu = timed(server, consume, bootstrap, topic, args.partitions, args.messages)
+                wall, cpu = timed(
+                    server, kafka_consume_all, bootstrap, topic, args.partitions, args.messages, 300
+                )
                 runs[name]["consume_s"].append(wall)
                 runs[name]["consume_cpu"].append(cpu)
                 log(

@@ -60,6 +60,7 @@ from benchlib import (
     default_root,
     free_port,
     git_revision,
+    kafka_consume_all,
     loadavg,
     log,
     proc_cpu,
@@ -152,34 +153,6 @@ def kafka_produce(bootstrap: str, topic: str, partitions: int, count: int, value
         raise RuntimeError(f"{left} undelivered, errors {errors[:3]}")
 
 
-def kafka_consume(bootstrap: str, topic: str, partitions: int, count: int) -> None:
-    """``count`` messages read from offset 0 of every partition."""
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": "bench_" + uuid.uuid4().hex[:8],
-            "enable.auto.commit": False,
-            "fetch.max.bytes": 8 << 20,
-            "max.partition.fetch.bytes": 4 << 20,
-        }
-    )
-    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-    got = 0
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while got < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"consumed {got} of {count}")
-            # Only what is left: consume() waits out its timeout for a number not coming.
-            batch = consumer.consume(min(10_000, count - got), 1.0)
-            for message in batch:
-                if message.error() is not None:
-                    raise KafkaException(message.error())
-            got += len(batch)
-    finally:
-        consumer.close()
-
-
 # ---- one round per system ------------------------------------------------------------
 
 
@@ -206,7 +179,9 @@ def kafka_round(
         "produce_client_cpu_us": client / count * 1e6,
     }
     settle([pid], 60)
-    seconds, cpu, client, _ = measure(pid, kafka_consume, bootstrap, topic, partitions, count)
+    seconds, cpu, client, _ = measure(
+        pid, kafka_consume_all, bootstrap, topic, partitions, count, DEADLINE_S
+    )
     row |= {
         "consume_msgs_s": count / seconds,
         "consume_cpu_us": cpu / count * 1e6,
