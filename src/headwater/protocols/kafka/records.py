@@ -73,12 +73,12 @@ CRC_OFFSET = 17
 ATTRIBUTES_OFFSET = 21
 MAX_TIMESTAMP_OFFSET = 35
 LOG_OVERHEAD = 12  # base offset and batch length precede what the length counts
-MAGIC = 2
-
-ATTR_CODEC = 0x07
-ATTR_LOG_APPEND_TIME = 0x08
-ATTR_TRANSACTIONAL = 0x10
-ATTR_CONTROL = 0x20
+# The magic and attribute bits are the stored Kafka form's (one definition of the layout).
+MAGIC = kafka_batch.MAGIC
+ATTR_CODEC = kafka_batch.ATTR_CODEC
+ATTR_LOG_APPEND_TIME = kafka_batch.ATTR_LOG_APPEND_TIME
+ATTR_TRANSACTIONAL = kafka_batch.ATTR_TRANSACTIONAL
+ATTR_CONTROL = kafka_batch.ATTR_CONTROL
 ATTR_DELETE_HORIZON = 0x40
 
 NO_PRODUCER_ID = -1
