@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 from servers import START_SECONDS, STOP_SECONDS, Server
 
 import headwater
+from headwater.server.config import DEFAULT_LISTEN
 from waiting import wait_until
 
 
@@ -152,3 +154,17 @@ def test_bad_listen_flags_are_refused_before_start(tmp_path: Path) -> None:
         assert message in proc.stderr.splitlines()[-1]
         assert "Traceback" not in proc.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_help_names_every_listener() -> None:
+    """--listen's help lists the listener names a user may give (it had left kafka out)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "headwater.cli.main", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    listen_help = " ".join(done.stdout.split("--listen NAME=HOST:PORT")[-1].split())
+    assert [name for name in DEFAULT_LISTEN if name not in listen_help] == []

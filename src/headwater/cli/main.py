@@ -195,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         type=parse_listen,
         metavar="NAME=HOST:PORT",
-        help="where listener NAME (http, kimberlite, convergedb, ripple, rivven, postgres) "
+        # The names are server.config.DEFAULT_LISTEN's, written out: importing the server's
+        # config here would slow every command's start (test_cli_serve checks they agree).
+        help="where listener NAME (http, kimberlite, convergedb, ripple, rivven, postgres, "
+        "kafka) "
         "listens, over the config's [listen]; NAME=off (or NAME=) switches it off; port 0 picks a "
         "free port; repeat for more listeners",
     )
