@@ -256,7 +256,16 @@ def test_dashboard_actions(
         _, groups = http_json(server, "/api/consumer-groups")
         assert [g["committed_offset"] for g in groups["groups"] if g["stream"] == source] == [45]
 
-        # SQL: a result table, then an error shown as such.
+        # SQL: Run on the empty box runs the example it shows, as it is (it was invalid
+        # SQL once: a table that did not exist and DuckDB's reserved word offset unquoted).
+        assert tab.input_value("#sql-text") == ""
+        tab.click("#sql-run")
+        tab.locator("#sql-info", has_text=" ms").wait_for()
+        assert tab.locator("#sql-error").is_hidden()
+        example = tab.input_value("#sql-text")
+        assert example.startswith("SELECT * FROM ") and 'ORDER BY "offset" DESC' in example
+        assert "offset" in tab.locator("#sql-table thead th").all_inner_texts()
+        # A result table, then an error shown as such.
         tab.fill(
             "#sql-text", f"SELECT count(*) AS events, 'x' AS label, NULL AS nothing FROM {source}"
         )

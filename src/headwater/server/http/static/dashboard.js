@@ -307,7 +307,18 @@
     return tr;
   }
 
+  // The SQL console's example must run as it is shown: one of the tenant's own streams
+  // (quoted unless a plain identifier: stream names may hold '.' and '-') and "offset"
+  // quoted, a reserved word in DuckDB; SHOW TABLES before there is a stream.
+  function sqlExample(streams) {
+    if (!streams.length) return "SHOW TABLES";
+    const name = streams[0].name;
+    const table = /^[A-Za-z_][A-Za-z0-9_]*$/.test(name) ? name : '"' + name + '"';
+    return "SELECT * FROM " + table + ' ORDER BY "offset" DESC LIMIT 10';
+  }
+
   function renderStreams(streams, now) {
+    $("sql-text").placeholder = sqlExample(streams);
     const previous = state.previous;
     let totalEvents = 0;
     let totalRate = 0;
@@ -695,13 +706,12 @@
 
   async function runSql(event) {
     if (event) event.preventDefault();
-    const text = $("sql-text").value;
+    const box = $("sql-text");
+    // Run on an empty box runs the example shown in it, typed in so it can be edited.
+    if (!box.value.trim()) box.value = box.placeholder;
+    const text = box.value;
     const table = $("sql-table");
     $("sql-error").hidden = true;
-    if (!text.trim()) {
-      showError("sql-error", new Error("type a SQL statement"));
-      return;
-    }
     $("sql-run").disabled = true;
     $("sql-info").textContent = "running…";
     const started = performance.now();
