@@ -40,16 +40,20 @@ typecheck: $(STAMP)
 # prometheus package), the systemd unit's test systemd-analyze (Debian's systemd; no
 # running systemd needed) and the kafka listener's tests Debian's kcat (librdkafka
 # 2.0.2, the oldest client it serves), the cluster's tests and `make cluster` Debian's
-# etcd-server; a fresh machine (CI) gets them from apt. Skipped when they are already there.
+# etcd-server, the Spark tests a JDK and the postgres listener's JDBC test (DBeaver's
+# driver) Debian's pgjdbc; a fresh machine (CI) gets them from apt. Skipped when they are
+# already there.
 system-deps:
 	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null \
 			|| ! command -v psql >/dev/null || ! command -v promtool >/dev/null \
 			|| ! command -v systemd-analyze >/dev/null || ! command -v kcat >/dev/null \
-			|| ! command -v etcd >/dev/null; then \
+			|| ! command -v etcd >/dev/null || ! command -v java >/dev/null \
+			|| [ ! -e /usr/share/java/postgresql.jar ]; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver \
-			postgresql-client prometheus systemd kcat etcd-server >/dev/null; \
+			postgresql-client prometheus systemd kcat etcd-server openjdk-17-jdk-headless \
+			libpostgresql-jdbc-java >/dev/null; \
 	fi
 
 pytest: $(STAMP) system-deps
