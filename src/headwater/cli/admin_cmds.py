@@ -257,7 +257,7 @@ def add_admin_commands(sub: Any) -> None:
     to = p.add_mutually_exclusive_group(required=True)
     to.add_argument("--to-earliest", action="store_true", help="the first retained offset")
     to.add_argument("--to-latest", action="store_true", help="the end: skip everything so far")
-    to.add_argument("--to-offset", type=non_negative, default=None, metavar="N")
+    to.add_argument("--to-offset", type=non_negative, default=None, metavar="N", help="offset N")
     to.add_argument(
         "--to-timestamp",
         type=non_negative,

@@ -879,7 +879,9 @@ def add_client_commands(sub: Any) -> None:
     }
     p = sub.add_parser("read", parents=[conn], help="print events: offset<TAB>value per line")
     p.add_argument("stream")
-    p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
+    p.add_argument(
+        "--from", dest="from_offset", type=non_negative, default=0, help="first offset (0)"
+    )
     p.add_argument("--limit", type=non_negative, default=None, help="at most this many events")
     p.add_argument("--format", **event_format)
     p.add_argument(
@@ -928,16 +930,23 @@ def add_client_commands(sub: Any) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("produce", parents=[conn], help="append synthetic events")
     p.add_argument("stream")
-    p.add_argument("--events", type=positive, default=100_000)
+    p.add_argument("--events", type=positive, default=100_000, help="events to append")
     p.add_argument("--batch", type=positive, default=1000, help="events per append")
     p.add_argument("--size", type=non_negative, default=100, help="bytes per event")
     p.add_argument("--concurrency", type=positive, default=8, help="appends in flight")
     p.set_defaults(func=cmd_bench_produce)
     p = bench_sub.add_parser("consume", parents=[conn], help="read a stream as fast as possible")
     p.add_argument("stream")
-    p.add_argument("--from", dest="from_offset", type=non_negative, default=0)
+    p.add_argument(
+        "--from", dest="from_offset", type=non_negative, default=0, help="first offset (0)"
+    )
     p.add_argument("--events", type=positive, default=None, help="stop after this many")
-    p.add_argument("--mode", choices=("read", "subscribe"), default="read")
+    p.add_argument(
+        "--mode",
+        choices=("read", "subscribe"),
+        default="read",
+        help="pull with ReadEvents (default) or take pushed events with credits",
+    )
     p.add_argument("--max-bytes", type=positive, default=4 << 20, help="bytes per read")
     p.add_argument("--credits", type=positive, default=10_000, help="subscribe window")
     p.set_defaults(func=cmd_bench_consume)
