@@ -3,6 +3,7 @@
 // runs it with Debian's driver (/usr/share/java/postgresql.jar) and checks each line:
 //   java -cp /usr/share/java/postgresql.jar PgjdbcProbe.java PORT TOKEN STREAM
 import java.sql.Connection;
+import java.sql.DatabaseMetaData;
 import java.sql.DriverManager;
 import java.sql.PreparedStatement;
 import java.sql.ResultSet;
@@ -72,12 +73,47 @@ public class PgjdbcProbe {
           System.out.println("latest: " + r.getLong(1));
         }
       }
-      // DatabaseMetaData (a schema browser's tree) reads PostgreSQL's catalog, which DuckDB
-      // has only in part: a clear error, and the connection goes on.
-      try (ResultSet r = c.getMetaData().getTables(null, null, "%", null)) {
-        System.out.println("metadata: ok");
-      } catch (SQLException e) {
-        System.out.println("metadata: " + e.getSQLState());
+      // DatabaseMetaData: what a schema browser (DBeaver's navigator) draws its tree from.
+      DatabaseMetaData meta = c.getMetaData();
+      try (ResultSet r = meta.getSchemas()) {
+        StringBuilder schemas = new StringBuilder();
+        while (r.next()) {
+          schemas.append(schemas.length() == 0 ? "" : ",").append(r.getString("TABLE_SCHEM"));
+        }
+        System.out.println("schemas: " + schemas);
+      }
+      try (ResultSet r = meta.getTables(null, null, "%", new String[] {"TABLE"})) {
+        while (r.next()) {
+          if (r.getString("TABLE_NAME").equals(stream)) {
+            System.out.println("table: " + r.getString("TABLE_SCHEM") + "," + r.getString("TABLE_TYPE"));
+          }
+        }
+      }
+      try (ResultSet r = meta.getColumns(null, "main", stream, "%")) {
+        while (r.next()) {
+          System.out.println("column: " + r.getInt("ORDINAL_POSITION") + "," + r.getString("COLUMN_NAME")
+              + "," + r.getString("TYPE_NAME") + "," + r.getInt("DATA_TYPE") + ","
+              + r.getString("IS_NULLABLE"));
+        }
+      }
+      try (ResultSet r = meta.getPrimaryKeys(null, "main", stream)) {
+        int keys = 0;
+        while (r.next()) {
+          keys++;
+        }
+        System.out.println("primary key columns: " + keys);
+      }
+      try (ResultSet r = meta.getTypeInfo()) {
+        StringBuilder names = new StringBuilder();
+        while (r.next()) {
+          String name = r.getString("TYPE_NAME");
+          if (name.equals("int8") || name.equals("float8") || name.equals("timestamp")
+              || name.equals("bytea") || name.equals("json")) {
+            names.append(names.length() == 0 ? "" : ",").append(name).append("=")
+                .append(r.getInt("DATA_TYPE"));
+          }
+        }
+        System.out.println("types: " + names);
       }
       try (Statement s = c.createStatement(); ResultSet r = s.executeQuery("SELECT 1 + 1")) {
         r.next();

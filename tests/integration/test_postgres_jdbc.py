@@ -1,8 +1,10 @@
 """The postgres listener through pgjdbc, the PostgreSQL JDBC driver that DBeaver and
 other JVM tools use (Debian's libpostgresql-jdbc-java, run by the JDK Spark needs):
 SCRAM with a token and a wrong one, INSERT, GROUP BY with its column types, a prepared
-statement past pgjdbc's switch to a named binary statement, AS OF, and the catalog
-metadata DuckDB cannot answer refused clearly (docs/protocols/postgres.md).
+statement past pgjdbc's switch to a named binary statement, AS OF, and the
+DatabaseMetaData calls a schema browser draws its tree from (getSchemas, getTables,
+getColumns, getPrimaryKeys, getTypeInfo: PostgreSQL catalog queries, answered through
+server/postgres/catalog.py; docs/protocols/postgres.md).
 """
 
 from __future__ import annotations
@@ -66,7 +68,17 @@ def test_pgjdbc(server: Server) -> None:
         *(f"prepared {run}: {2 if run % 2 == 0 else 1},true" for run in range(1, 7)),
         "as of: 3",
         "latest: 4",
-        "metadata: 42000",
+        # DatabaseMetaData: DBeaver's navigator tree (the stream a table of schema main,
+        # its columns with the types the wire sends, no key, the wire's types).
+        "schemas: information_schema,main,pg_catalog",
+        "table: main,TABLE",
+        "column: 1,offset,int8,-5,YES",
+        "column: 2,position,int8,-5,YES",
+        "column: 3,ts,timestamp,93,YES",
+        "column: 4,data,bytea,-2,YES",
+        "column: 5,json,json,1111,YES",
+        "primary key columns: 0",
+        "types: int8=-5,bytea=-2,float8=8,timestamp=93,json=1111",
         "after: 2",
     ]
     assert "password authentication failed" in server.log_text()

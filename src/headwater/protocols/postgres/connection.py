@@ -53,6 +53,7 @@ TENANT = "headwater.tenant"
 # Reported at start-up (ParameterStatus) and answered by SHOW.
 DEFAULT_SETTINGS = {
     "server_version": SERVER_VERSION,
+    "server_version_num": "160000",
     "server_encoding": "UTF8",
     "client_encoding": "UTF8",
     "datestyle": "ISO, MDY",

@@ -45,7 +45,7 @@ JSONB = 3802
 SIZES = {BOOL: 1, INT2: 2, INT4: 4, INT8: 8, OID: 4, FLOAT4: 4, FLOAT8: 8, DATE: 4}
 SIZES |= {TIMESTAMP: 8, TIMESTAMPTZ: 8, UUID: 16}
 
-_DUCKDB_TYPES = {
+DUCKDB_TYPES = {
     "BOOLEAN": BOOL,
     "TINYINT": INT2,
     "SMALLINT": INT2,
@@ -77,7 +77,7 @@ def oid_for_duckdb(type_name: str) -> int:
     name = type_name.upper()
     if name.startswith("DECIMAL"):
         return NUMERIC
-    return _DUCKDB_TYPES.get(name, TEXT)
+    return DUCKDB_TYPES.get(name, TEXT)
 
 
 def oid_for_value(value: object) -> int:

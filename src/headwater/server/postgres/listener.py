@@ -4,7 +4,8 @@ One worker task per connection pulls the protocol's events in order and answers 
 before it pulls the next (PostgreSQL answers in order, and an error changes what comes
 after it). Queries go to ``EngineAPI.query`` or, under ``SET headwater.as_of = <position>``,
 ``EngineAPI.query_at``: the same DuckDB tables, dialect and snapshots as Kimberlite's
-Query/QueryAt and HTTP's /api/sql. A CancelRequest on another connection cancels the
+Query/QueryAt and HTTP's /api/sql (a statement over PostgreSQL's catalog is first
+rewritten for DuckDB: catalog.py). A CancelRequest on another connection cancels the
 running query of the backend it names (57014).
 """
 
@@ -51,6 +52,7 @@ from headwater.protocols.postgres.connection import TENANT
 from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
+from headwater.server.postgres import catalog
 from headwater.server.tcp import (
     ConnectionGuard,
     finish_in_flight,
@@ -347,6 +349,8 @@ class PostgresConnection(asyncio.Protocol):
     # ---- queries ------------------------------------------------------------------------
 
     async def _query(self, sql: str, parameters: list[object], as_of: int | None) -> QueryOutcome:
+        # PostgreSQL's catalog and functions, as browsing tools use them (catalog.py).
+        sql = catalog.rewrite(sql, self.protocol.settings)
         if as_of is None:
             result = await self.api.query(self.tenant, sql, parameters)
         else:

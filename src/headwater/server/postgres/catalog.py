@@ -1,0 +1,438 @@
+"""PostgreSQL's catalog, as the postgres listener's clients read it, over DuckDB.
+
+Tools that browse a database (pgjdbc's DatabaseMetaData under DBeaver, Grafana's table
+and column pickers, psql's ``\\dt``) query ``pg_catalog`` and ``information_schema`` and
+use PostgreSQL functions and casts DuckDB lacks (``regclass``, ``quote_ident``,
+``array_upper``, ``current_setting('search_path')``, a scalar function in FROM).
+DuckDB's own ``pg_catalog`` views cannot be replaced (its system schema takes no new
+objects), and they do not match what this listener reports: the tenant's tables live
+in DuckDB's ``temp`` catalog, missing from its ``pg_namespace``, and their columns carry
+DuckDB's type OIDs, not the ones the wire sends.
+
+So a statement that names the catalog is rewritten before it runs:
+
+* ``pg_catalog.<relation>`` and ``information_schema.<relation>`` of :data:`RELATIONS`
+  become common table expressions prepended to the statement, built from DuckDB's
+  ``duckdb_views()`` / ``duckdb_columns()`` of the statement's own snapshot (the
+  tenant's streams and kinds: each a table, ``relkind 'r'``, in schema ``main``), with
+  the type OIDs and names of :mod:`headwater.protocols.postgres.types`;
+* casts to ``regclass`` / ``regtype`` / ``regnamespace`` of a literal look the name up
+  in those relations; other ``reg*`` casts are dropped (the value is the oid);
+* the PostgreSQL functions in :data:`FUNCTIONS` become DuckDB expressions, a scalar
+  function in a FROM list becomes a one-row ``unnest``, and ``current_setting('x')``
+  of a session setting is the session's value.
+
+Nothing is answered from a list of known queries: any statement over these relations
+runs in DuckDB. Statements that name none of it are passed through untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import duckdb
+
+from headwater.protocols.postgres import types as t
+
+SCHEMA = "main"  # where DuckDB keeps the tables (``SELECT * FROM main.trades`` works)
+NAMESPACES = ((11, "pg_catalog"), (2200, SCHEMA), (13000, "information_schema"))
+SCHEMA_OID = 2200
+OWNER = "headwater"
+
+# (oid, typname, information_schema data_type, typlen, typcategory) of every type the
+# wire sends or reads.
+PG_TYPES = (
+    (t.BOOL, "bool", "boolean", 1, "B"),
+    (t.BYTEA, "bytea", "bytea", -1, "U"),
+    (t.NAME, "name", "name", 64, "S"),
+    (t.INT8, "int8", "bigint", 8, "N"),
+    (t.INT2, "int2", "smallint", 2, "N"),
+    (t.INT4, "int4", "integer", 4, "N"),
+    (t.TEXT, "text", "text", -1, "S"),
+    (t.OID, "oid", "oid", 4, "N"),
+    (t.JSON, "json", "json", -1, "U"),
+    (t.FLOAT4, "float4", "real", 4, "N"),
+    (t.FLOAT8, "float8", "double precision", 8, "N"),
+    (t.BPCHAR, "bpchar", "character", -1, "S"),
+    (t.VARCHAR, "varchar", "character varying", -1, "S"),
+    (t.DATE, "date", "date", 4, "D"),
+    (t.TIMESTAMP, "timestamp", "timestamp without time zone", 8, "D"),
+    (t.TIMESTAMPTZ, "timestamptz", "timestamp with time zone", 8, "D"),
+    (t.NUMERIC, "numeric", "numeric", -1, "N"),
+    (t.UUID, "uuid", "uuid", 16, "U"),
+    (t.JSONB, "jsonb", "jsonb", -1, "U"),
+)
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _values(rows: list[tuple[object, ...]], names: str, alias: str = "v") -> str:
+    def literal(value: object) -> str:
+        return _quote(value) if isinstance(value, str) else str(value)
+
+    body = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
+    return f"(VALUES {body}) AS {alias}({names})"
+
+
+_TYPE_OID = "coalesce(v.oid, CASE WHEN c.data_type LIKE 'DECIMAL%' THEN 1700 ELSE 25 END)"
+# The tenant's tables: the snapshots the SQL layer registered for this statement.
+_TABLES = "duckdb_views() WHERE database_name = 'temp' AND NOT internal"
+# Each column's DuckDB type as the wire sends it: OID and length (DECIMAL(p,s) is
+# numeric, with PostgreSQL's typmod; a type without a counterpart is text).
+_COLUMNS = (
+    "duckdb_columns() AS c LEFT JOIN "
+    + _values(
+        [(name, oid, t.SIZES.get(oid, -1)) for name, oid in t.DUCKDB_TYPES.items()],
+        "duck, oid, len",
+    )
+    + " ON upper(c.data_type) = v.duck"
+    + " LEFT JOIN "
+    + _values(
+        [(oid, name, sql) for oid, name, sql, _, _ in PG_TYPES], "toid, typname, sqlname", "v2"
+    )
+    + f" ON v2.toid = {_TYPE_OID} WHERE c.database_name = 'temp'"
+)
+_TYPMOD = (
+    "CASE WHEN c.data_type LIKE 'DECIMAL%' "
+    "THEN ((c.numeric_precision << 16) | c.numeric_scale) + 4 ELSE -1 END"
+)
+
+#: Relation name as written (schema-qualified) -> the name of its CTE and its body.
+RELATIONS: dict[str, tuple[str, str]] = {
+    "pg_catalog.pg_namespace": (
+        "pg_namespace",
+        "SELECT oid::BIGINT AS oid, nspname, 10::BIGINT AS nspowner, NULL::VARCHAR AS nspacl"
+        f" FROM {_values(list(NAMESPACES), 'oid, nspname')}",
+    ),
+    "pg_catalog.pg_class": (
+        "pg_class",
+        f"SELECT view_oid::BIGINT AS oid, view_name AS relname,"
+        f" {SCHEMA_OID}::BIGINT AS relnamespace, 'r' AS relkind, 10::BIGINT AS relowner,"
+        " 0::BIGINT AS relam, 0::BIGINT AS reltype, 0::BIGINT AS reloftype,"
+        " column_count::SMALLINT AS relnatts, 'p' AS relpersistence, false AS relhasindex,"
+        " false AS relisshared, false AS relhasrules, false AS relhastriggers,"
+        " false AS relhassubclass, false AS relrowsecurity, false AS relforcerowsecurity,"
+        " true AS relispopulated, false AS relispartition, 0::BIGINT AS reltablespace,"
+        " 0 AS relpages, -1::FLOAT AS reltuples, 0::BIGINT AS reltoastrelid,"
+        " 0::SMALLINT AS relchecks, 'd' AS relreplident, NULL::VARCHAR AS relacl,"
+        " NULL::VARCHAR[] AS reloptions, NULL::VARCHAR AS relpartbound"
+        f" FROM {_TABLES}",
+    ),
+    "pg_catalog.pg_attribute": (
+        "pg_attribute",
+        f"SELECT c.table_oid::BIGINT AS attrelid, c.column_name AS attname,"
+        f" {_TYPE_OID}::BIGINT AS atttypid, c.column_index::SMALLINT AS attnum,"
+        f" NOT c.is_nullable AS attnotnull, {_TYPMOD}::INTEGER AS atttypmod,"
+        " coalesce(v.len, -1)::SMALLINT AS attlen, false AS attisdropped,"
+        " '' AS attidentity, '' AS attgenerated, false AS atthasdef, 0 AS attndims,"
+        " 0::BIGINT AS attcollation, true AS attislocal, 0 AS attinhcount,"
+        f" NULL::VARCHAR AS attacl FROM {_COLUMNS}",
+    ),
+    "pg_catalog.pg_type": (
+        "pg_type",
+        "SELECT oid::BIGINT AS oid, typname, 11::BIGINT AS typnamespace, 10::BIGINT AS typowner,"
+        " typlen::SMALLINT AS typlen, typlen > 0 AS typbyval, 'b' AS typtype, typcategory,"
+        " false AS typispreferred, true AS typisdefined, ',' AS typdelim,"
+        " 0::BIGINT AS typrelid, 0::BIGINT AS typelem, 0::BIGINT AS typarray,"
+        " NULL::VARCHAR AS typinput, NULL::VARCHAR AS typoutput, false AS typnotnull,"
+        " 0::BIGINT AS typbasetype, -1 AS typtypmod, 0 AS typndims,"
+        " 0::BIGINT AS typcollation, NULL::VARCHAR AS typdefault FROM "
+        + _values(
+            [(oid, name, size, cat) for oid, name, _, size, cat in PG_TYPES],
+            "oid, typname, typlen, typcategory",
+        ),
+    ),
+    # Nothing in headwater has a comment, a default, an index, a key, an access
+    # method or an extension: these are empty, with PostgreSQL's columns.
+    "pg_catalog.pg_description": (
+        "pg_description",
+        "SELECT 0::BIGINT AS objoid, 0::BIGINT AS classoid, 0 AS objsubid,"
+        " ''::VARCHAR AS description WHERE false",
+    ),
+    "pg_catalog.pg_attrdef": (
+        "pg_attrdef",
+        "SELECT 0::BIGINT AS oid, 0::BIGINT AS adrelid, 0::SMALLINT AS adnum,"
+        " ''::VARCHAR AS adbin WHERE false",
+    ),
+    "pg_catalog.pg_index": (
+        "pg_index",
+        "SELECT 0::BIGINT AS indexrelid, 0::BIGINT AS indrelid, 0::SMALLINT AS indnatts,"
+        " []::SMALLINT[] AS indkey, false AS indisprimary, false AS indisunique,"
+        " false AS indisvalid, false AS indisclustered, NULL::VARCHAR AS indpred,"
+        " NULL::VARCHAR AS indexprs WHERE false",
+    ),
+    "pg_catalog.pg_constraint": (
+        "pg_constraint",
+        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS conname, 0::BIGINT AS connamespace,"
+        " ''::VARCHAR AS contype, 0::BIGINT AS conrelid, 0::BIGINT AS confrelid,"
+        " []::SMALLINT[] AS conkey, []::SMALLINT[] AS confkey WHERE false",
+    ),
+    "pg_catalog.pg_am": (
+        "pg_am",
+        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS amname, ''::VARCHAR AS amtype WHERE false",
+    ),
+    "pg_catalog.pg_extension": (
+        "pg_extension",
+        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS extname, ''::VARCHAR AS extversion,"
+        " 0::BIGINT AS extnamespace WHERE false",
+    ),
+    "information_schema.schemata": (
+        "information_schema_schemata",
+        f"SELECT current_database() AS catalog_name, nspname AS schema_name,"
+        f" {_quote(OWNER)} AS schema_owner FROM {_values(list(NAMESPACES), 'oid, nspname')}",
+    ),
+    "information_schema.tables": (
+        "information_schema_tables",
+        f"SELECT current_database() AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
+        " view_name AS table_name, 'BASE TABLE' AS table_type,"
+        " 'YES' AS is_insertable_into, 'NO' AS is_typed, NULL::VARCHAR AS commit_action"
+        f" FROM {_TABLES}",
+    ),
+    "information_schema.columns": (
+        "information_schema_columns",
+        f"SELECT current_database() AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
+        " c.table_name, c.column_name, c.column_index AS ordinal_position,"
+        " NULL::VARCHAR AS column_default,"
+        " CASE WHEN c.is_nullable THEN 'YES' ELSE 'NO' END AS is_nullable,"
+        " v2.sqlname AS data_type, v2.typname AS udt_name,"
+        " NULL::INTEGER AS character_maximum_length,"
+        " CASE WHEN v2.typname = 'numeric' THEN c.numeric_precision END AS numeric_precision,"
+        " CASE WHEN v2.typname = 'numeric' THEN c.numeric_scale END AS numeric_scale,"
+        f" 'NO' AS is_identity, 'NEVER' AS is_generated FROM {_COLUMNS}",
+    ),
+}
+
+
+def _in_from(clause: str | None, previous: str) -> bool:
+    return clause in ("from", "join") and previous in ("from", "join", ",")
+
+
+def _list_length(args: list[str]) -> str:
+    return f"CASE WHEN len({args[0]}) > 0 THEN len({args[0]}) END"
+
+
+#: PostgreSQL functions DuckDB lacks, as DuckDB expressions of their rewritten
+#: arguments (keyed by the name as written, qualified or not).
+FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
+    "quote_ident": lambda a: (
+        f"(CASE WHEN regexp_full_match({a[0]}, '[a-z_][a-z0-9_$]*') THEN {a[0]}"
+        f" ELSE '\"' || replace({a[0]}, '\"', '\"\"') || '\"' END)"
+    ),
+    "array_lower": lambda a: f"CASE WHEN len({a[0]}) > 0 THEN 1 END",
+    "array_upper": _list_length,
+    "array_length": _list_length,
+    "parse_ident": lambda a: f"list_transform(string_split({a[0]}, '.'), lambda p: trim(p, '\"'))",
+    "pg_get_userbyid": lambda a: _quote(OWNER),
+    "information_schema._pg_expandarray": lambda a: (
+        f"{{'x': unnest({a[0]}), 'n': unnest(generate_series(1, len({a[0]})))}}"
+    ),
+}
+# Scalar functions PostgreSQL takes as a FROM item (one row, the alias names the column).
+SCALARS_IN_FROM = frozenset({"string_to_array", "current_schemas", "regexp_split_to_array"})
+# reg* casts of a literal: the relation and column to look the name up in.
+REG_LOOKUPS = {
+    "regclass": ("pg_catalog.pg_class", "relname"),
+    "regtype": ("pg_catalog.pg_type", "typname"),
+    "regnamespace": ("pg_catalog.pg_namespace", "nspname"),
+}
+REG_TYPES = frozenset({*REG_LOOKUPS, "regproc", "regprocedure", "regoper", "regrole"})
+CLAUSES = frozenset(
+    {"select", "from", "join", "where", "group", "order", "having", "limit", "on", "using"}
+)
+# Words without which a statement is passed through untouched (the common case).
+TRIGGERS = (
+    "pg_",
+    "information_schema",
+    "::reg",
+    "current_setting",
+    "quote_ident",
+    "array_",
+    "parse_ident",
+    "string_to_array",
+    "current_schemas",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    kind: str
+    word: str  # lower-cased text, quotes of an identifier kept
+    start: int
+    end: int  # where the next token starts (trailing blanks and comments included)
+
+
+def _tokens(sql: str) -> list[_Token]:
+    raw = duckdb.tokenize(sql)
+    out: list[_Token] = []
+    for i, (start, kind) in enumerate(raw):
+        if kind.name == "comment":
+            continue
+        end = raw[i + 1][0] if i + 1 < len(raw) else len(sql)
+        out.append(_Token(kind.name, sql[start:end].strip().lower(), start, end))
+    # A comment between tokens belongs to the span of the token before it.
+    return [
+        _Token(tok.kind, tok.word, tok.start, out[i + 1].start if i + 1 < len(out) else len(sql))
+        for i, tok in enumerate(out)
+    ]
+
+
+class _Rewriter:
+    def __init__(self, sql: str, settings: Mapping[str, str]) -> None:
+        self.sql = sql
+        self.settings = {k.lower(): v for k, v in settings.items()}
+        self.toks = _tokens(sql)
+        self.used: dict[str, str] = {}  # CTE name -> body, in first-use order
+
+    def relation(self, qualified: str) -> str:
+        name, body = RELATIONS[qualified]
+        self.used.setdefault(name, body)
+        return name
+
+    def text(self, i: int, j: int) -> str:
+        """Tokens ``i`` up to ``j`` (exclusive) as written, without the trailing blanks."""
+        if i >= j:
+            return ""
+        return self.sql[self.toks[i].start : self.toks[j - 1].end].rstrip()
+
+    def closing(self, i: int) -> int:
+        """Index of the parenthesis closing the one at ``i`` (len(toks) when none)."""
+        depth = 0
+        for k in range(i, len(self.toks)):
+            word = self.toks[k].word
+            if word == "(":
+                depth += 1
+            elif word == ")":
+                depth -= 1
+                if depth == 0:
+                    return k
+        return len(self.toks)
+
+    def arguments(self, i: int, j: int) -> list[str]:
+        """The rewritten, top-level comma-separated arguments between ``i`` and ``j``."""
+        args: list[str] = []
+        depth, first = 0, i
+        for k in range(i, j):
+            word = self.toks[k].word
+            depth += (word in ("(", "[")) - (word in (")", "]"))
+            if word == "," and depth == 0:
+                args.append(self.rewrite(first, k))
+                first = k + 1
+        if first < j:
+            args.append(self.rewrite(first, j))
+        return args
+
+    def qualified_name(self, i: int) -> tuple[str, int]:
+        """The name at ``i`` (``a`` or ``a.b``) and the index after it."""
+        toks = self.toks
+        if i + 2 < len(toks) and toks[i + 1].word == "." and toks[i + 2].kind != "operator":
+            return f"{toks[i].word}.{toks[i + 2].word}", i + 3
+        return toks[i].word, i + 1
+
+    def rewrite(self, i: int, j: int) -> str:
+        toks = self.toks
+        out: list[str] = []
+        clause: dict[int, str] = {}  # innermost clause keyword per parenthesis depth
+        depth = 0
+        previous = ""
+        k = i
+        while k < j:
+            tok = toks[k]
+            gap = self.sql[tok.start : tok.end][len(self.sql[tok.start : tok.end].rstrip()) :]
+            name, after = self.qualified_name(k)
+            if tok.kind in ("identifier", "keyword") and previous != ".":
+                bare = name.removeprefix("pg_catalog.")
+                calls = after < j and toks[after].word == "("
+                function = FUNCTIONS.get(name) or FUNCTIONS.get(bare)
+                if calls and function is not None:
+                    close = min(self.closing(after), j)
+                    out.append(function(self.arguments(after + 1, close)) + self._gap(close))
+                    previous, k = ")", close + 1
+                    continue
+                if calls and bare == "current_setting":
+                    close = min(self.closing(after), j)
+                    arg = toks[after + 1] if after + 2 == close else None
+                    value = None
+                    if arg is not None and arg.kind == "string_const":
+                        value = self.settings.get(arg.word.strip("'"))
+                    if value is not None:
+                        out.append(_quote(value) + self._gap(close))
+                        previous, k = ")", close + 1
+                        continue
+                if calls and bare in SCALARS_IN_FROM and _in_from(clause.get(depth), previous):
+                    close = min(self.closing(after), j)
+                    call = f"{self.text(k, after)}({', '.join(self.arguments(after + 1, close))})"
+                    out.append(f"unnest([{call}])" + self._gap(close))
+                    previous, k = ")", close + 1
+                    continue
+                if not calls:
+                    qualified = name if "." in name else f"pg_catalog.{name}"
+                    if qualified in RELATIONS and ("." in name or RELATIONS[qualified][0] == name):
+                        out.append(self.relation(qualified) + self._gap(after - 1))
+                        previous, k = "relation", after
+                        continue
+            if tok.word == "::" and k + 1 < j:
+                cast, after = self.qualified_name(k + 1)
+                cast = cast.removeprefix("pg_catalog.")
+                if cast in REG_TYPES:
+                    out.append(self._reg_cast(cast, out, toks[k - 1] if k > i else None))
+                    out.append(self._gap(after - 1))
+                    previous, k = "cast", after
+                    continue
+                if cast == "name":
+                    out.append("::VARCHAR" + self._gap(after - 1))
+                    previous, k = "cast", after
+                    continue
+            if tok.word == "(":
+                depth += 1
+            elif tok.word == ")":
+                clause.pop(depth, None)
+                depth -= 1
+            elif tok.kind == "keyword" and tok.word in CLAUSES:
+                clause[depth] = tok.word
+            out.append(self.sql[tok.start : tok.end].rstrip() + gap)
+            previous = tok.word
+            k += 1
+        return "".join(out).rstrip()
+
+    def _gap(self, k: int) -> str:
+        piece = self.sql[self.toks[k].start : self.toks[k].end]
+        return piece[len(piece.rstrip()) :]
+
+    def _reg_cast(self, cast: str, out: list[str], operand: _Token | None) -> str:
+        """``'name'::regclass`` looks the name up; any other operand keeps its value."""
+        if cast in REG_LOOKUPS and operand is not None and operand.kind == "string_const":
+            relation, column = REG_LOOKUPS[cast]
+            name = operand.word.strip("'").rsplit(".", 1)[-1].strip('"')
+            out[-1] = ""  # the literal, now inside the lookup
+            table = self.relation(relation)
+            return f"(SELECT oid FROM {table} WHERE {column} = {_quote(name)})"
+        return ""
+
+
+def rewrite(sql: str, settings: Mapping[str, str]) -> str:
+    """``sql`` as DuckDB runs it: the catalog relations it names prepended as CTEs, the
+    PostgreSQL functions and casts it uses translated (see the module's docstring).
+    Returned unchanged when it names none of them."""
+    lowered = sql.lower()
+    if not any(trigger in lowered for trigger in TRIGGERS):
+        return sql
+    try:
+        rewriter = _Rewriter(sql, settings)
+    except duckdb.Error:
+        return sql  # DuckDB will say what is wrong with it
+    if not rewriter.toks:
+        return sql
+    body = rewriter.rewrite(0, len(rewriter.toks))
+    if not rewriter.used:
+        return body
+    ctes = ", ".join(f"{name} AS ({cte})" for name, cte in rewriter.used.items())
+    first = rewriter.toks[0]
+    if first.word == "with":
+        recursive = len(rewriter.toks) > 1 and rewriter.toks[1].word == "recursive"
+        skip = rewriter.toks[1 if recursive else 0].end - first.start
+        head = body[:skip]
+        return f"{head}{ctes}, {body[skip:]}"
+    return f"WITH {ctes} {body}"
