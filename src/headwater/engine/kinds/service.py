@@ -296,6 +296,7 @@ class TenantKinds:
 
     async def close(self) -> None:
         self.closed = True
+        await self.writers.close()  # the sources' names and deadlines on disk
         try:
             await self.windows.close()
         except Exception:

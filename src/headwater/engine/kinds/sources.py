@@ -7,10 +7,16 @@ liveness deadline (its grace period: the same slot asked for again takes them ov
 a source silent past its deadline has its bit retracted from everything it holds. An
 epoch (SOURCE_EPOCH_BEGIN..END) retracts what the source held at its beginning and did
 not re-assert or patch by its end.
+
+Each held slot's name and liveness deadline are kept in ``kinds/sources.json`` (written
+in a worker thread whenever a slot changes hands or is freed), so a restart gives a
+source that is away its own name and deadline, not a nameless default.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +28,7 @@ from headwater.engine.kinds.fields import MAX_SOURCE_ID, FieldSpec, FieldType
 from headwater.engine.kinds.model import AssertOp, KindsConfig, RetractOp, WriteOp
 from headwater.engine.kinds.registry import KindRegistry
 from headwater.engine.kinds.state import KindState
+from headwater.storage.metadata import read_json, write_json_atomic
 
 if TYPE_CHECKING:
     from headwater.engine.kinds.service import TenantKinds
@@ -29,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SOURCES_FILE = "sources.json"  # beside the kind registry
 PRESENCE_KIND = "convergedb_connections"
 PRESENCE_FIELDS = (
     FieldSpec("source_id", FieldType.U8),
@@ -94,6 +102,11 @@ class Sources:
         self.by_slot: dict[int, Source] = {}  # slot -> holder (connected or in grace)
         # Open epochs: source -> kind -> entity ids asserted or patched since BEGIN.
         self.epochs: dict[int, dict[int, set[bytes]]] = {}
+        # The held slots' names and deadlines: wanted on disk, and last written there.
+        self.path = registry.directory / SOURCES_FILE
+        self._wanted: dict[str, dict[str, object]] = {}
+        self._written: dict[str, dict[str, object]] = {}
+        self._saving: asyncio.Task[None] | None = None
 
     def _apply(self, sid: int, ops: Sequence[WriteOp]) -> None:
         self.tenant.windows.apply(sid, ops)
@@ -164,6 +177,7 @@ class Sources:
         source = Source(self.tenant, source_id, name, deadline, on_dead)
         self.by_slot[source_id] = source
         self._write_presence(source, present=True)
+        self._remember()
         return source
 
     def disconnect(self, source: Source) -> None:
@@ -227,6 +241,8 @@ class Sources:
                     source.on_dead()
                 except Exception:
                     log.exception("on_dead callback failed")
+        if dead:
+            self._remember()
         return dead
 
     def retract_source(self, source_id: int) -> int:
@@ -264,21 +280,83 @@ class Sources:
 
     def restarted(self, presence: KindState) -> None:
         """Nobody is connected after a restart: presence entities from before go, and
-        every source holding entities gets one liveness deadline (its own, which its
-        presence entity kept) to come back."""
+        every source holding entities gets one liveness deadline (its own, which
+        sources.json or its presence entity kept) to come back, under its name."""
         deadlines: dict[int, int] = {}
+        names: dict[int, str] = {}
         for entity in list(presence.scan_entities()):
-            sid, _, _, deadline_ms = entity.values
+            sid, name, _, deadline_ms = entity.values
             assert isinstance(sid, int) and isinstance(deadline_ms, int)
             deadlines[sid] = deadline_ms
+            names[sid] = str(name or "")
             bits = entity.source_set
             for holder in range(MAX_SOURCE_ID + 1):
                 if bits >> holder & 1:
                     self._apply(holder, [RetractOp(presence.info.kind_id, entity.entity_id)])
+        # A source that disconnected before the restart has no presence entity left:
+        # sources.json has what its slot was held under.
+        for slot, kept in self._read_kept().items():
+            names[slot] = kept[0]
+            deadlines[slot] = kept[1]
         others = set(self.tenant.kinds) - {presence.info.kind_id}
         for sid in range(MAX_SOURCE_ID + 1):
             if sid not in self.by_slot and self.held_count(sid, others):
                 deadline = deadlines.get(sid) or self.config.default_liveness_ms
-                ghost = Source(self.tenant, sid, "", deadline, None)
+                ghost = Source(self.tenant, sid, names.get(sid, ""), deadline, None)
                 ghost.connected = False
                 self.by_slot[sid] = ghost
+        self._written = self._read_file()
+        self._remember()  # slots that hold nothing any more are forgotten
+
+    # ---- names and deadlines on disk ----------------------------------------------------
+
+    def _read_file(self) -> dict[str, dict[str, object]]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = read_json(self.path)
+            held = data.get("sources", {}) if isinstance(data, dict) else {}
+            return held if isinstance(held, dict) else {}
+        except (OSError, ValueError) as exc:  # a damaged file costs names, not the start
+            log.warning("%s could not be read (%s): sources come back unnamed", self.path, exc)
+            return {}
+
+    def _read_kept(self) -> dict[int, tuple[str, int]]:
+        """slot -> (name, liveness deadline ms) as sources.json has them."""
+        kept: dict[int, tuple[str, int]] = {}
+        for slot, entry in self._read_file().items():
+            if not (slot.isdigit() and isinstance(entry, dict)):
+                continue
+            name, deadline = entry.get("name"), entry.get("liveness_deadline_ms")
+            if isinstance(name, str) and isinstance(deadline, int):
+                kept[int(slot)] = (name, deadline)
+        return kept
+
+    def _remember(self) -> None:
+        """Have sources.json hold the held slots' names and deadlines: written in a
+        worker thread, one write at a time, the latest state last."""
+        self._wanted = {
+            str(sid): {"name": source.name, "liveness_deadline_ms": source.deadline_ms}
+            for sid, source in sorted(self.by_slot.items())
+        }
+        if self._wanted != self._written and (self._saving is None or self._saving.done()):
+            self._saving = asyncio.get_running_loop().create_task(self._save())
+
+    async def _save(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._wanted != self._written:
+            wanted = self._wanted
+            try:
+                await loop.run_in_executor(
+                    self.tenant.owner.executor, write_json_atomic, self.path, {"sources": wanted}
+                )
+            except OSError as exc:
+                log.error("%s not written (%s): names kept in memory only", self.path, exc)
+                return
+            self._written = wanted
+
+    async def close(self) -> None:
+        """Wait for the last write of sources.json."""
+        if self._saving is not None:
+            with contextlib.suppress(Exception):
+                await self._saving
