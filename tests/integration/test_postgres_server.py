@@ -199,6 +199,25 @@ def test_psql_session_statements(server: Server) -> None:
     assert lines[1:] == ["16.0", "SET", "mine", "BEGIN", "42", "COMMIT"]
 
 
+def test_psql_describe_commands(server: Server) -> None:
+    """psql's \\dt, \\dn and \\d <table>: its catalog queries, each several statements
+    that look a table up by the oid an earlier one answered."""
+    stream = new_stream(server)
+    done = psql(server, "\\dt", "\\dn", f"\\d {stream}")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert f"main,{stream},table,headwater" in lines
+    assert "main,headwater" in lines
+    columns = [line for line in lines if line.count(",") == 4]
+    assert columns == [
+        "offset,bigint,,,",
+        "position,bigint,,,",
+        "ts,timestamp without time zone,,,",
+        "data,bytea,,,",
+        "json,json,,,",
+    ]
+
+
 # ---- psycopg ---------------------------------------------------------------------------
 
 

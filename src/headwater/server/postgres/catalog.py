@@ -78,6 +78,15 @@ def _values(rows: list[tuple[object, ...]], names: str, alias: str = "v") -> str
 
 
 _TYPE_OID = "coalesce(v.oid, CASE WHEN c.data_type LIKE 'DECIMAL%' THEN 1700 ELSE 25 END)"
+
+
+def _oid(name: str) -> str:
+    """A table's oid, from its name: the same in every statement (DuckDB's own oid is
+    new each time, as each statement registers its snapshots anew), as tools that look
+    a table up by oid in a later statement (psql's ``\\d``) need."""
+    return f"(16384 + hash({name}) % 2000000000)::BIGINT"
+
+
 # The tenant's tables: the snapshots the SQL layer registered for this statement.
 _TABLES = "duckdb_views() WHERE database_name = 'temp' AND NOT internal"
 # Each column's DuckDB type as the wire sends it: OID and length (DECIMAL(p,s) is
@@ -100,8 +109,41 @@ _TYPMOD = (
     "THEN ((c.numeric_precision << 16) | c.numeric_scale) + 4 ELSE -1 END"
 )
 
+# Nothing in headwater has a comment, a default, an index, a key, a policy, a statistics
+# object, a publication, a parent table, an access method or an extension, and it has no
+# roles: these relations are empty, with the columns PostgreSQL's tools read.
+EMPTY = {
+    "pg_description": "objoid BIGINT, classoid BIGINT, objsubid INTEGER, description VARCHAR",
+    "pg_attrdef": "oid BIGINT, adrelid BIGINT, adnum SMALLINT, adbin VARCHAR",
+    "pg_index": "indexrelid BIGINT, indrelid BIGINT, indnatts SMALLINT, indkey SMALLINT[],"
+    " indisprimary BOOLEAN, indisunique BOOLEAN, indisvalid BOOLEAN, indisclustered BOOLEAN,"
+    " indpred VARCHAR, indexprs VARCHAR",
+    "pg_constraint": "oid BIGINT, conname VARCHAR, connamespace BIGINT, contype VARCHAR,"
+    " conrelid BIGINT, confrelid BIGINT, conkey SMALLINT[], confkey SMALLINT[]",
+    "pg_collation": "oid BIGINT, collname VARCHAR, collnamespace BIGINT",
+    "pg_policy": "polname VARCHAR, polrelid BIGINT, polpermissive BOOLEAN, polroles BIGINT[],"
+    " polcmd VARCHAR, polqual VARCHAR, polwithcheck VARCHAR",
+    "pg_roles": "oid BIGINT, rolname VARCHAR",
+    "pg_statistic_ext": "oid BIGINT, stxrelid BIGINT, stxnamespace BIGINT, stxname VARCHAR,"
+    " stxkind VARCHAR[], stxstattarget INTEGER",
+    "pg_publication": "oid BIGINT, pubname VARCHAR, puballtables BOOLEAN, pubviaroot BOOLEAN",
+    "pg_publication_rel": "oid BIGINT, prpubid BIGINT, prrelid BIGINT, prqual VARCHAR,"
+    " prattrs SMALLINT[]",
+    "pg_publication_namespace": "oid BIGINT, pnpubid BIGINT, pnnspid BIGINT",
+    "pg_inherits": "inhrelid BIGINT, inhparent BIGINT, inhseqno INTEGER, inhdetachpending BOOLEAN",
+    "pg_am": "oid BIGINT, amname VARCHAR, amtype VARCHAR",
+    "pg_extension": "oid BIGINT, extname VARCHAR, extversion VARCHAR, extnamespace BIGINT",
+}
+
+
+def _empty(columns: str) -> str:
+    typed = (column.split() for column in columns.split(","))
+    return "SELECT " + ", ".join(f"NULL::{kind} AS {name}" for name, kind in typed) + " WHERE false"
+
+
 #: Relation name as written (schema-qualified) -> the name of its CTE and its body.
 RELATIONS: dict[str, tuple[str, str]] = {
+    **{f"pg_catalog.{name}": (name, _empty(columns)) for name, columns in EMPTY.items()},
     "pg_catalog.pg_namespace": (
         "pg_namespace",
         "SELECT oid::BIGINT AS oid, nspname, 10::BIGINT AS nspowner, NULL::VARCHAR AS nspacl"
@@ -109,7 +151,7 @@ RELATIONS: dict[str, tuple[str, str]] = {
     ),
     "pg_catalog.pg_class": (
         "pg_class",
-        f"SELECT view_oid::BIGINT AS oid, view_name AS relname,"
+        f"SELECT {_oid('view_name')} AS oid, view_name AS relname,"
         f" {SCHEMA_OID}::BIGINT AS relnamespace, 'r' AS relkind, 10::BIGINT AS relowner,"
         " 0::BIGINT AS relam, 0::BIGINT AS reltype, 0::BIGINT AS reloftype,"
         " column_count::SMALLINT AS relnatts, 'p' AS relpersistence, false AS relhasindex,"
@@ -123,7 +165,7 @@ RELATIONS: dict[str, tuple[str, str]] = {
     ),
     "pg_catalog.pg_attribute": (
         "pg_attribute",
-        f"SELECT c.table_oid::BIGINT AS attrelid, c.column_name AS attname,"
+        f"SELECT {_oid('c.table_name')} AS attrelid, c.column_name AS attname,"
         f" {_TYPE_OID}::BIGINT AS atttypid, c.column_index::SMALLINT AS attnum,"
         f" NOT c.is_nullable AS attnotnull, {_TYPMOD}::INTEGER AS atttypmod,"
         " coalesce(v.len, -1)::SMALLINT AS attlen, false AS attisdropped,"
@@ -144,40 +186,6 @@ RELATIONS: dict[str, tuple[str, str]] = {
             [(oid, name, size, cat) for oid, name, _, size, cat in PG_TYPES],
             "oid, typname, typlen, typcategory",
         ),
-    ),
-    # Nothing in headwater has a comment, a default, an index, a key, an access
-    # method or an extension: these are empty, with PostgreSQL's columns.
-    "pg_catalog.pg_description": (
-        "pg_description",
-        "SELECT 0::BIGINT AS objoid, 0::BIGINT AS classoid, 0 AS objsubid,"
-        " ''::VARCHAR AS description WHERE false",
-    ),
-    "pg_catalog.pg_attrdef": (
-        "pg_attrdef",
-        "SELECT 0::BIGINT AS oid, 0::BIGINT AS adrelid, 0::SMALLINT AS adnum,"
-        " ''::VARCHAR AS adbin WHERE false",
-    ),
-    "pg_catalog.pg_index": (
-        "pg_index",
-        "SELECT 0::BIGINT AS indexrelid, 0::BIGINT AS indrelid, 0::SMALLINT AS indnatts,"
-        " []::SMALLINT[] AS indkey, false AS indisprimary, false AS indisunique,"
-        " false AS indisvalid, false AS indisclustered, NULL::VARCHAR AS indpred,"
-        " NULL::VARCHAR AS indexprs WHERE false",
-    ),
-    "pg_catalog.pg_constraint": (
-        "pg_constraint",
-        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS conname, 0::BIGINT AS connamespace,"
-        " ''::VARCHAR AS contype, 0::BIGINT AS conrelid, 0::BIGINT AS confrelid,"
-        " []::SMALLINT[] AS conkey, []::SMALLINT[] AS confkey WHERE false",
-    ),
-    "pg_catalog.pg_am": (
-        "pg_am",
-        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS amname, ''::VARCHAR AS amtype WHERE false",
-    ),
-    "pg_catalog.pg_extension": (
-        "pg_extension",
-        "SELECT 0::BIGINT AS oid, ''::VARCHAR AS extname, ''::VARCHAR AS extversion,"
-        " 0::BIGINT AS extnamespace WHERE false",
     ),
     "information_schema.schemata": (
         "information_schema_schemata",
@@ -210,6 +218,16 @@ def _in_from(clause: str | None, previous: str) -> bool:
     return clause in ("from", "join") and previous in ("from", "join", ",")
 
 
+def _format_type(oid: str, typmod: str) -> str:
+    """PostgreSQL's format_type(oid, typmod) over the wire's types."""
+    names = " ".join(f"WHEN {t_oid} THEN {_quote(sql)}" for t_oid, _, sql, _, _ in PG_TYPES)
+    numeric = (
+        f"WHEN {t.NUMERIC} THEN 'numeric' || CASE WHEN {typmod} >= 4 THEN '(' || "
+        f"(({typmod} - 4) >> 16) || ',' || (({typmod} - 4) & 65535) || ')' ELSE '' END"
+    )
+    return f"(CASE {oid} {numeric} {names} ELSE '???' END)"
+
+
 def _list_length(args: list[str]) -> str:
     return f"CASE WHEN len({args[0]}) > 0 THEN len({args[0]}) END"
 
@@ -226,6 +244,28 @@ FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
     "array_length": _list_length,
     "parse_ident": lambda a: f"list_transform(string_split({a[0]}, '.'), lambda p: trim(p, '\"'))",
     "pg_get_userbyid": lambda a: _quote(OWNER),
+    # No table has a default, an index or a check: no expression to show.
+    **dict.fromkeys(
+        (
+            "pg_get_expr",
+            "pg_get_statisticsobjdef_columns",
+            "pg_get_indexdef",
+            "pg_get_constraintdef",
+            "pg_get_triggerdef",
+            "pg_get_ruledef",
+            "pg_get_partkeydef",
+            "pg_get_partition_constraintdef",
+        ),
+        lambda a: "NULL::VARCHAR",
+    ),
+    "format_type": lambda a: _format_type(a[0], a[1]),
+    "pg_relation_is_publishable": lambda a: "false",
+    "pg_encoding_to_char": lambda a: "'UTF8'",
+    # Tables are projections in memory: no size on disk to report.
+    **dict.fromkeys(
+        ("pg_table_size", "pg_relation_size", "pg_total_relation_size", "pg_database_size"),
+        lambda a: "NULL::BIGINT",
+    ),
     "information_schema._pg_expandarray": lambda a: (
         f"{{'x': unnest({a[0]}), 'n': unnest(generate_series(1, len({a[0]})))}}"
     ),
@@ -367,12 +407,32 @@ class _Rewriter:
                     out.append(f"unnest([{call}])" + self._gap(close))
                     previous, k = ")", close + 1
                     continue
+                if calls and name.startswith("pg_catalog."):
+                    # DuckDB finds its PostgreSQL-named macros (array_to_string ...)
+                    # unqualified only.
+                    out.append(self.text(after - 1, after) + self._gap(after - 1))
+                    previous, k = "function", after
+                    continue
                 if not calls:
                     qualified = name if "." in name else f"pg_catalog.{name}"
                     if qualified in RELATIONS and ("." in name or RELATIONS[qualified][0] == name):
                         out.append(self.relation(qualified) + self._gap(after - 1))
                         previous, k = "relation", after
                         continue
+            if tok.word == "collate" and k + 1 < j:
+                # PostgreSQL's collations (pg_catalog.default, "C") are not DuckDB's.
+                collation, after = self.qualified_name(k + 1)
+                if collation.startswith("pg_catalog.") or collation in ('"c"', '"default"'):
+                    out.append(self._gap(after - 1))
+                    previous, k = "collation", after
+                    continue
+            if tok.word == "operator" and k + 1 < j and toks[k + 1].word == "(":
+                # OPERATOR(pg_catalog.~) is the operator itself.
+                close = min(self.closing(k + 1), j)
+                if close - 1 > k + 1:
+                    out.append(self.text(close - 1, close) + self._gap(close))
+                    previous, k = "operator", close + 1
+                    continue
             if tok.word == "::" and k + 1 < j:
                 cast, after = self.qualified_name(k + 1)
                 cast = cast.removeprefix("pg_catalog.")
@@ -381,8 +441,13 @@ class _Rewriter:
                     out.append(self._gap(after - 1))
                     previous, k = "cast", after
                     continue
-                if cast == "name":
+                if cast == "name" or cast == '"char"':
                     out.append("::VARCHAR" + self._gap(after - 1))
+                    previous, k = "cast", after
+                    continue
+                if self.text(k + 1, after).lower().startswith("pg_catalog."):
+                    # DuckDB knows PostgreSQL's type names (text, int4 ...), unqualified.
+                    out.append(f"::{self.text(after - 1, after)}" + self._gap(after - 1))
                     previous, k = "cast", after
                     continue
             if tok.word == "(":
