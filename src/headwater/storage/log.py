@@ -48,6 +48,9 @@ from headwater.storage.segment import Segment, segment_name
 log = logging.getLogger(__name__)
 
 GRAVEYARD_SECONDS = 30.0
+# The most one read takes from a segment at a time: an 8 MiB answer with its batches'
+# headers and lengths fits one chunk (a larger one reads a second).
+MAX_READ_CHUNK = 9 << 20
 
 
 @dataclass(frozen=True)
@@ -683,8 +686,9 @@ class PartitionLog:
         next_offset: int | None = None
         budget_events = max_events if max_events is not None else 1 << 62
         from_offset = max(from_offset, self.start_offset)
-        # Read about as much as the answer needs: a small read must not copy a megabyte.
-        chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), 8 << 20)
+        # Read about as much as the answer needs, in one chunk: a small read must not
+        # copy a megabyte, and a large one must not read a second chunk for its last batch.
+        chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), MAX_READ_CHUNK)
         for batch in self._stored_batches(from_offset, limit, chunk):
             if not kafka and self.hidden(batch, committed_only=committed_only):
                 skipped_to = batch.next_offset

@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import struct
+import sys
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
@@ -66,22 +67,74 @@ def no_wait() -> Iterator[None]:
         _nowait.on = previous
 
 
-def _read(fd: int, length: int, pos: int) -> bytes | bytearray:
-    if not getattr(_nowait, "on", False) or _RWF_NOWAIT == 0:
-        return os.pread(fd, length, pos)
-    buf = bytearray(length)
+class ReadBuffers:
+    """Large read buffers kept for reuse. A fresh multi-MiB buffer per read costs more
+    than the read (the server's malloc maps and unmaps every block over 256 KiB, so each
+    one is page-faulted in and zeroed again); a buffer is reused once nothing refers to
+    it any more: no batch, memoryview or transport write still holds a view of it.
+    At most ``max_bytes`` are kept; reads past that take a buffer of their own, which
+    is freed as usual."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffers: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, length: int) -> bytearray:
+        """A buffer of at least ``length`` bytes that nobody else refers to."""
+        with self._lock:
+            buffers = self._buffers
+            idle = None
+            for i in range(len(buffers)):
+                # Referents of an idle buffer: the list slot and getrefcount's argument.
+                if sys.getrefcount(buffers[i]) == 2:
+                    # Not one far too big: a reader keeping a batch keeps all of it.
+                    if length <= len(buffers[i]) <= 4 * length:
+                        return buffers[i]
+                    idle = i
+            size = -(-length // BUFFER_ROUND) * BUFFER_ROUND
+            held = sum(map(len, buffers))
+            if held + size > self.max_bytes and idle is not None:
+                held -= len(buffers.pop(idle))  # make room: an idle one of the wrong size
+            buffer = bytearray(size)
+            if held + size <= self.max_bytes:
+                buffers.append(buffer)
+            return buffer
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(map(len, self._buffers))
+
+
+BUFFER_ROUND = 1 << 20
+# Reads of at least this much go through the pool; smaller ones are cheap to allocate
+# and must not pin a big buffer (a batch kept by a reader keeps its buffer alive).
+POOLED_READ = 1 << 20
+READ_BUFFERS = ReadBuffers(32 << 20)
+
+
+def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
+    nowait = getattr(_nowait, "on", False) and _RWF_NOWAIT != 0
+    if length < POOLED_READ:
+        if not nowait:
+            return os.pread(fd, length, pos)
+        buf: bytearray | memoryview = bytearray(length)
+    else:
+        buf = memoryview(READ_BUFFERS.take(length))[:length]
     try:
-        got = os.preadv(fd, [buf], pos, _RWF_NOWAIT)
+        got = os.preadv(fd, [buf], pos, _RWF_NOWAIT if nowait else 0)
     except BlockingIOError:
         raise WouldBlock from None
     except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+        if nowait and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             return os.pread(fd, length, pos)  # filesystem without RWF_NOWAIT
         raise
     if got < length:
-        # Short: either the end of the file or a part not cached; let a thread decide.
-        if pos + got < os.fstat(fd).st_size:
+        if nowait and pos + got < os.fstat(fd).st_size:
+            # Short: either the end of the file or a part not cached; let a thread decide.
             raise WouldBlock
+        if isinstance(buf, memoryview):
+            return buf[:got]
         del buf[got:]
     return buf
 
@@ -430,6 +483,11 @@ class Segment:
             fd = self.files.pin(self.file)
             try:
                 data = _read(fd, want, pos)
+                if want >= POOLED_READ and pos + want < end:
+                    # Bounded read-ahead: a sequential reader's next chunk is read from
+                    # the disk while this one is answered (into the page cache only).
+                    ahead = min(want, end - pos - want)
+                    os.posix_fadvise(fd, pos + want, ahead, os.POSIX_FADV_WILLNEED)
             finally:
                 self.files.unpin(self.file)
             view = memoryview(data)
