@@ -19,8 +19,9 @@ The stored section, big-endian as Kafka has it::
    44  records (compressed as a whole when the codec is not none)
 
 This module is the one place that reads records out of such a section: the log checks
-a produced section once (:func:`check_section`, a walk over the records that builds no
-objects) and every reader that wants events rather than Kafka bytes decodes it with
+a produced section once (:func:`check_section`: aiokafka's compiled reader and numpy
+over the columns it reads, the Python walk only for batches that does not prove sound)
+and every reader that wants events rather than Kafka bytes decodes it with
 :func:`decode_section`. The protocol module (``protocols.kafka.records``) builds on the
 same decompression and record parsing.
 """
@@ -30,9 +31,13 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import attrgetter, itemgetter, length_hint
 
 import cramjam
 import lz4.frame
+import numpy as np
+import numpy.typing as npt
 import zstandard
 from aiokafka.errors import CorruptRecordException
 from aiokafka.record.default_records import DefaultRecordBatch
@@ -119,8 +124,9 @@ def check_section(section: bytes | memoryview, max_decompressed: int) -> Section
     """What Kafka's log validator checks of a produced batch, from the CRC on: the
     CRC-32C, at least one record, a known codec, the records decompressing within
     ``max_decompressed`` to exactly ``records_count`` well-formed records with offset
-    deltas 0..n-1 and ``last_offset_delta`` n-1. Nothing is decoded into objects: a
-    stored section always decodes (:func:`decode_section`)."""
+    deltas 0..n-1 and ``last_offset_delta`` n-1, batch-at-a-time
+    (:func:`_reads_canonically`); a stored section always decodes
+    (:func:`decode_section`)."""
     header = section_header(section)
     actual = crc32c(memoryview(section)[4:])
     if actual != header.crc:
@@ -137,8 +143,100 @@ def check_section(section: bytes | memoryview, max_decompressed: int) -> Section
     body = decompress(
         header.attributes & ATTR_CODEC, memoryview(section)[SECTION_HEADER_SIZE:], max_decompressed
     )
-    walk_records(body, count)
+    if not _reads_canonically(body, header):
+        walk_records(body, count)  # the exact verdict (and error) for the rare rest
     return header
+
+
+_VARINT_LIMITS = np.array([1 << (7 * i) for i in range(1, 10)], dtype=np.uint64)
+_OFFSET = attrgetter("offset")
+_TIMESTAMP = attrgetter("timestamp")
+_KEY = attrgetter("key")
+_VALUE = attrgetter("value")
+_HEADERS = attrgetter("headers")
+_NAME = itemgetter(0)
+_HEADER_VALUE = itemgetter(1)
+Int64s = npt.NDArray[np.int64]
+
+
+def _varint_sizes(values: Int64s) -> Int64s:
+    """The bytes of each value's shortest zigzag varint."""
+    zigzag = ((values << 1) ^ (values >> 63)).view(np.uint64)
+    return 1 + np.searchsorted(_VARINT_LIMITS, zigzag, side="right").astype(np.int64)
+
+
+def _lengths(fields: object, count: int) -> Int64s:
+    """Each field's byte length, -1 for None (a null key or value)."""
+    return np.fromiter(map(length_hint, fields, repeat(-1)), np.int64, count)  # type: ignore[call-overload]
+
+
+def _reads_canonically(body: bytes, header: SectionHeader) -> bool:
+    """Whether ``body`` holds ``records_count`` records that aiokafka's compiled reader
+    reads, with offset deltas 0..n-1 and every varint in its shortest form (record
+    attributes one byte below 0x80): then :func:`walk_records` would pass it too, and
+    every reader (aiokafka's, librdkafka's, Java's int8 attributes) reads the same
+    records. Batch-at-a-time: one compiled read, then columns and numpy; the bytes
+    each record takes are computed from what was read, and their sum equals the body's
+    length only when no field took more bytes than its shortest encoding. False sends
+    the batch to the walk (records with a -1 timestamp, long varints, damage)."""
+    count = header.records_count
+    # Base offset and base timestamp 0: the reader's offsets and timestamps are the
+    # deltas themselves; CreateTime so the timestamps are not the max timestamp.
+    reader_header = SECTION_HEADER.pack(
+        0,
+        header.attributes & ~(ATTR_CODEC | ATTR_LOG_APPEND_TIME),
+        header.last_offset_delta,
+        0,
+        header.max_timestamp,
+        header.producer_id,
+        header.producer_epoch,
+        header.base_sequence,
+        count,
+    )
+    batch = b"".join((fetch_prefix(0, SECTION_HEADER_SIZE + len(body)), reader_header, body))
+    try:
+        rows = list(DefaultRecordBatch(batch))
+        if len(rows) != count:
+            return False
+        offset_deltas = np.fromiter(map(_OFFSET, rows), np.int64, count)
+        if not np.array_equal(offset_deltas, np.arange(count, dtype=np.int64)):
+            return False
+        # A delta of -1 reads as None (aiokafka's "no timestamp"): a TypeError here.
+        timestamp_deltas = np.fromiter(map(_TIMESTAMP, rows), np.int64, count)
+        keys = _lengths(map(_KEY, rows), count)
+        values = _lengths(map(_VALUE, rows), count)
+        header_counts = np.fromiter(map(len, map(_HEADERS, rows)), np.int64, count)
+        headers_size = np.zeros(count, np.int64)
+        if header_counts.any():
+            pairs = list(chain.from_iterable(map(_HEADERS, rows)))
+            names = np.fromiter(map(len, map(str.encode, map(_NAME, pairs))), np.int64, len(pairs))
+            header_values = _lengths(map(_HEADER_VALUE, pairs), len(pairs))
+            sizes = (
+                _varint_sizes(names)
+                + names
+                + _varint_sizes(header_values)
+                + np.maximum(header_values, 0)
+            )
+            ends = np.concatenate(([0], np.cumsum(sizes)))
+            last = np.cumsum(header_counts)
+            headers_size = ends[last] - ends[last - header_counts]
+    except (CorruptRecordException, UnicodeDecodeError, ValueError, TypeError):
+        return False
+    timestamp_sizes = _varint_sizes(timestamp_deltas)
+    if int(timestamp_sizes.max()) >= 10:  # near 64 bits: the walk tells what fits
+        return False
+    lengths = (
+        1  # attributes
+        + timestamp_sizes
+        + _varint_sizes(offset_deltas)
+        + _varint_sizes(keys)
+        + np.maximum(keys, 0)
+        + _varint_sizes(values)
+        + np.maximum(values, 0)
+        + _varint_sizes(header_counts)
+        + headers_size
+    )
+    return int((_varint_sizes(lengths) + lengths).sum()) == len(body)
 
 
 StoredHeaders = tuple[tuple[bytes, bytes], ...]

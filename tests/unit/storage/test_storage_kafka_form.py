@@ -219,6 +219,57 @@ def test_the_produce_check_refuses_what_kafka_refuses() -> None:
     assert section_header(good).records_count == len(RECORDS)
 
 
+def _section_of(records_bytes: bytes, count: int) -> bytes:
+    """A section (CRC on) holding ``records_bytes`` as ``count`` records, its CRC right:
+    a producer that encodes its records wrongly but checksums them."""
+    header = bytearray(kafka_batch()[PREFIX_SIZE : PREFIX_SIZE + 44])
+    struct.pack_into(">i", header, 6, count - 1)  # last offset delta
+    struct.pack_into(">i", header, 40, count)  # records count
+    body = bytes(header[4:]) + records_bytes
+    return struct.pack(">I", crc32c(body)) + body
+
+
+def one_record(offset_delta: int) -> bytes:
+    """Length 7, attributes 0, timestamp delta 0, ``offset_delta`` (below 64), key null
+    (-1), a one-byte value "v", no headers; varints zigzag-encoded."""
+    return bytes([0x0E, 0x00, 0x00, offset_delta << 1, 0x01, 0x02, ord("v"), 0x00])
+
+
+THREE_RECORDS = one_record(0) + one_record(1) + one_record(2)
+
+
+def test_the_produce_check_refuses_a_batch_whose_records_lie_about_their_count() -> None:
+    check_section(_section_of(THREE_RECORDS, 3), 1 << 20)
+    for claimed in (2, 4):  # CRC right, header and records disagree
+        with pytest.raises(KafkaRecordsError) as raised:
+            check_section(_section_of(THREE_RECORDS, claimed), 1 << 20)
+        assert raised.value.reason == "corrupt"
+    torn = _section_of(THREE_RECORDS, 3)[:-1]  # CRC of the whole, one byte gone
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(torn, 1 << 20)
+    assert raised.value.reason == "corrupt"
+
+
+def test_the_produce_check_refuses_record_attributes_other_readers_misread() -> None:
+    # attributes 0x80: one byte to Kafka's readers, a two-byte varint to aiokafka's; the
+    # record's length fits aiokafka's reading (0x80 0x00 read as attributes 0).
+    record = bytes([0x10, 0x80, 0x00, 0x00, 0x00, 0x01, 0x02, ord("v"), 0x00])
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(_section_of(record, 1), 1 << 20)
+    assert raised.value.reason == "corrupt"
+
+
+def test_the_produce_check_takes_records_with_longer_varints_than_needed() -> None:
+    # The value's length 1 as a two-byte varint (0x82 0x00): Kafka reads it, and so
+    # does the check's walk once the compiled reader's sizes do not add up.
+    record = bytes([0x10, 0x00, 0x00, 0x00, 0x01, 0x82, 0x00, ord("v"), 0x00])
+    check_section(_section_of(record, 1), 1 << 20)
+    offsets_gapped = one_record(0) + one_record(2)
+    with pytest.raises(KafkaRecordsError) as raised:
+        check_section(_section_of(offsets_gapped, 2), 1 << 20)
+    assert raised.value.reason == "invalid"
+
+
 def test_compaction_keeps_the_latest_value_per_key_of_kafka_batches(tmp_path: Path) -> None:
     plog = open_log(tmp_path, segment_bytes=700, cleanup_policy="compact")
     append_kafka(plog, kafka_batch())  # offsets 0-4: key-0 at 0 and 4
