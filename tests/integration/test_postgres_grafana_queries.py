@@ -15,8 +15,9 @@ are its statements, copied from its source (github.com/grafana/grafana, 2026):
   (``col BETWEEN '<RFC 3339 from>' AND '<RFC 3339 to>'``), ``$__time``,
   ``$__timeFrom()`` / ``$__timeTo()``.
 
-Each runs both ways Grafana's drivers send it: the extended protocol (pgx) and the
-simple one (lib/pq, and pgx for a statement without arguments).
+Each runs the ways Grafana's drivers send it: the extended protocol (pgx; also with the
+statement described before it runs, as pgx's statement cache does) and the simple one
+(lib/pq, and pgx's ping).
 """
 
 from __future__ import annotations
@@ -139,10 +140,19 @@ def dsn(server: Server) -> str:
 
 
 def both_protocols(server: Server, sql: str) -> list[tuple[object, ...]]:
-    """``sql``'s rows through the extended protocol (pgx), checked equal to the simple
-    protocol's (lib/pq)."""
+    """``sql``'s rows through the extended protocol (pgx), also described before it runs
+    (pgx's statement cache), checked equal to the simple protocol's (lib/pq)."""
     with psycopg.connect(dsn(server), autocommit=True) as conn:
-        extended = conn.execute(sql).fetchall()
+        cursor = conn.execute(sql)
+        extended = cursor.fetchall()
+        columns = [column.name for column in cursor.description or []]
+        # pgx's default (cache statement) mode: Parse and Describe first, then Execute.
+        pgconn = conn.pgconn
+        assert pgconn.prepare(b"grafana", sql.encode()).status == psycopg.pq.ExecStatus.COMMAND_OK
+        described = pgconn.describe_prepared(b"grafana")
+        assert described.status == psycopg.pq.ExecStatus.COMMAND_OK, described.error_message
+        assert [described.fname(i).decode() for i in range(described.nfields)] == columns
+        assert pgconn.exec_prepared(b"grafana", []).ntuples == len(extended)
     with psycopg.connect(dsn(server), autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
         simple = conn.cursor().execute(sql).fetchall()
     assert simple == extended
