@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, Consumer, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from kio.schema.fetch.v11.request import FetchPartition, FetchRequest, FetchTopic
 from kio.schema.fetch.v11.response import FetchResponse, PartitionData
@@ -305,3 +306,47 @@ def test_a_produced_control_batch_is_refused_and_nothing_is_stored(server: Serve
         assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
     finally:
         kafka.close()
+
+
+@pytest.mark.parametrize("timestamp_type", ["LogAppendTime", "CreateTime"])
+def test_produce_answers_the_log_append_time_of_a_log_append_time_topic(
+    server: Server, timestamp_type: str
+) -> None:
+    # librdkafka takes a delivered message's timestamp from the Produce answer's
+    # log_append_time when it is not -1 (and says LogAppendTime); a consumer reads
+    # the stamped batch. On a CreateTime topic the answer is -1: the producer's own.
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    topic = NewTopic(name, num_partitions=1, config={"message.timestamp.type": timestamp_type})
+    admin.create_topics([topic])[name].result(timeout=DEADLINE_S)
+    producer = Producer({"bootstrap.servers": server.address_of("kafka"), "linger.ms": 0})
+    delivered: list[tuple[int, int]] = []
+    created_ms = 1_600_000_000_000  # far from now: tells the clock from the producer
+    before_ms = int(time.time() * 1000)
+    producer.produce(
+        name,
+        b"v",
+        timestamp=created_ms,
+        on_delivery=lambda err, msg: delivered.append(msg.timestamp()) if err is None else None,
+    )
+    assert producer.flush(DEADLINE_S) == 0
+    after_ms = int(time.time() * 1000)
+    [(kind, stamp_ms)] = delivered
+    consumer = Consumer(
+        {
+            "bootstrap.servers": server.address_of("kafka"),
+            "group.id": name,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.subscribe([name])
+    message = consumer.poll(DEADLINE_S)
+    consumer.close()
+    assert message is not None and message.error() is None
+    if timestamp_type == "LogAppendTime":
+        assert kind == TIMESTAMP_LOG_APPEND_TIME
+        assert before_ms <= stamp_ms <= after_ms
+        assert message.timestamp() == (TIMESTAMP_LOG_APPEND_TIME, stamp_ms)
+    else:
+        assert (kind, stamp_ms) == (TIMESTAMP_CREATE_TIME, created_ms)
+        assert message.timestamp() == (TIMESTAMP_CREATE_TIME, created_ms)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kio.schema.errors import ErrorCode
@@ -436,7 +438,7 @@ async def _produce_partition(
             cluster.check_leader(session.tenant_id, info.name, index)
             if all_isr:
                 cluster.check_min_isr(session.tenant_id, info.name, index)
-        base_offset = -1
+        base_offset, appended_ms = -1, -1
         for batch in split_batches(records or b""):
             if len(batch.data) > MAX_MESSAGE_BYTES:
                 raise RecordBatchError(
@@ -444,9 +446,9 @@ async def _produce_partition(
                     f"a record batch of {len(batch.data)} bytes is over the"
                     f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
                 )
-            offset = await _append_batch(session, info, index, batch, transactional_id)
+            offset, stamped_ms = await _append_batch(session, info, index, batch, transactional_id)
             if base_offset < 0:
-                base_offset = offset
+                base_offset, appended_ms = offset, stamped_ms
         if cluster is not None and all_isr:
             # acks=all: answered once every in-sync replica has it (up to the current
             # end, which covers this request's batches).
@@ -455,6 +457,9 @@ async def _produce_partition(
             seconds = timeout.total_seconds() if timeout is not None else 30.0
             await cluster.replicated(session.tenant_id, info.name, index, end, seconds)
         answer["base_offset"] = base_offset
+        if info.settings.timestamp_type == "LogAppendTime":
+            # Kafka answers the broker's append time on such a topic, -1 (None) otherwise.
+            answer["log_append_time"] = _EPOCH + timedelta(milliseconds=appended_ms)
         answer["log_start_offset"] = info.partition_info[index].start_offset
     except RecordBatchError as exc:
         log.warning("kafka %s: produce to %s refused: %s", session.peer, info.name, exc)
@@ -470,9 +475,10 @@ async def _append_batch(
     index: int,
     batch: RecordBatch,
     transactional_id: str | None,
-) -> int:
-    """Store one produced batch; the offset of its first record. It is checked once
-    (CRC, header, one walk over its records) and stored as it came, in Kafka form; the
+) -> tuple[int, int]:
+    """Store one produced batch; the offset of its first record and its stored first
+    timestamp (a LogAppendTime topic's: the log's clock). It is checked once (CRC,
+    header, its records read batch-at-a-time) and stored as it came, in Kafka form; the
     idempotence and transaction checks read its header."""
     api, tenant = session.api, session.tenant_id
     header = batch.header
@@ -495,7 +501,7 @@ async def _append_batch(
             KafkaSection(batch.section, header.records_count, header.max_timestamp),
             partition=index,
         )
-        return stored.base_offset
+        return stored.base_offset, stored.timestamp_ms
     idempotent = header.producer_id >= 0
     stored = await api.append_encoded(
         tenant,
@@ -509,7 +515,10 @@ async def _append_batch(
         producer_epoch=header.producer_epoch if idempotent else None,
         kafka=True,
     )
-    return stored.base_offset
+    return stored.base_offset, stored.timestamp_ms
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 async def _append_decoded(
@@ -518,10 +527,12 @@ async def _append_decoded(
     index: int,
     batch: RecordBatch,
     transactional_id: str | None,
-) -> int:
+) -> tuple[int, int]:
     """Store a produced batch of more records than one stored batch holds: decoded,
-    as several appends of headwater's form."""
+    as several appends of headwater's form. The time returned is the clock just before
+    the first append (what a LogAppendTime topic stamps, to the millisecond or so)."""
     api, tenant = session.api, session.tenant_id
+    now_ms = int(time.time() * 1000)
     header = batch.header
     columns = batch.validate_for_append()
     values = [b"" if value is None else value for value in columns.values]
@@ -549,7 +560,7 @@ async def _append_decoded(
                 keys=keys,
                 headers=headers,
             )
-            return stored.base_offset
+            return stored.base_offset, now_ms
         stored = await api.append(
             tenant,
             info.stream_id,
@@ -562,7 +573,7 @@ async def _append_decoded(
             producer=(header.producer_id, header.base_sequence),
             producer_epoch=header.producer_epoch,
         )
-        return stored.base_offset
+        return stored.base_offset, now_ms
     timestamps = [header.base_timestamp + delta for delta in columns.timestamp_deltas]
     first = -1
     # A batch within max.message.bytes may still hold more records or (decompressed)
@@ -580,7 +591,7 @@ async def _append_decoded(
         )
         if first < 0:
             first = placed.offsets[0]
-    return first
+    return first, now_ms
 
 
 def _chunks(values: Sequence[bytes]) -> list[tuple[int, int]]:
