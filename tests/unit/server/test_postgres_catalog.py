@@ -65,3 +65,26 @@ def test_casts_functions_and_settings(cur: duckdb.DuckDBPyConnection) -> None:
     ]
     # A scalar function in FROM is one row; its alias names the column.
     assert run(cur, "SELECT s[2] FROM string_to_array('a,b', ',') s") == [("b",)]
+
+
+def test_psql_spellings_and_a_stable_oid(cur: duckdb.DuckDBPyConnection) -> None:
+    """What psql's \\d sends: OPERATOR(pg_catalog.~), COLLATE pg_catalog.default,
+    ::pg_catalog.text, pg_catalog functions; the oid it answers finds the table again in
+    a later statement (on a new cursor, as the SQL layer uses one per statement)."""
+    [(oid, name)] = run(
+        cur,
+        "SELECT c.oid, c.relname::pg_catalog.text FROM pg_catalog.pg_class c "
+        "WHERE c.relname OPERATOR(pg_catalog.~) '^(trades)$' COLLATE pg_catalog.default "
+        "AND pg_catalog.pg_table_is_visible(c.oid)",
+    )
+    assert name == "trades"
+    later = cur.cursor()
+    later.register("trades", pa.table({"offset": pa.array([7], pa.int64())}))
+    assert later.sql(
+        rewrite(
+            "SELECT pg_catalog.format_type(a.atttypid, a.atttypmod), "
+            "pg_catalog.array_to_string(['x'], ',') FROM pg_catalog.pg_attribute a "
+            f"WHERE a.attrelid = '{oid}'",
+            DEFAULT_SETTINGS,
+        )
+    ).fetchall() == [("bigint", "x")]
