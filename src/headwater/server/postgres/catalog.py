@@ -235,9 +235,12 @@ def _list_length(args: list[str]) -> str:
 #: PostgreSQL functions DuckDB lacks, as DuckDB expressions of their rewritten
 #: arguments (keyed by the name as written, qualified or not).
 FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
+    # As PostgreSQL's: quoted unless a lower-case name that is no keyword but an
+    # unreserved one (DuckDB's keywords: "offset" must be quoted to be read back).
     "quote_ident": lambda a: (
-        f"(CASE WHEN regexp_full_match({a[0]}, '[a-z_][a-z0-9_$]*') THEN {a[0]}"
-        f" ELSE '\"' || replace({a[0]}, '\"', '\"\"') || '\"' END)"
+        f"(CASE WHEN regexp_full_match({a[0]}, '[a-z_][a-z0-9_$]*') AND {a[0]} NOT IN"
+        " (SELECT keyword_name FROM duckdb_keywords() WHERE keyword_category <> 'unreserved')"
+        f" THEN {a[0]} ELSE '\"' || replace({a[0]}, '\"', '\"\"') || '\"' END)"
     ),
     "array_lower": lambda a: f"CASE WHEN len({a[0]}) > 0 THEN 1 END",
     "array_upper": _list_length,
