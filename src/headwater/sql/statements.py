@@ -86,13 +86,26 @@ def tokens(text: str) -> list[Token]:
         raw = duckdb.tokenize(text)
     except duckdb.Error as exc:
         raise QueryParseError(str(exc)) from None
+    # DuckDB's offsets count bytes of the UTF-8 text: with a non-ASCII character before
+    # it, a token sliced by them out of the str was cut wrong ('é' before FROM trades
+    # made the table 'rades', not found).
+    data = text.encode()
+    chars: dict[int, int] | None = None  # byte offset -> character offset
+    if len(data) != len(text):
+        chars, at = {}, 0
+        for index, char in enumerate(text):
+            chars[at] = index
+            at += len(char.encode())
+        chars[at] = len(text)
     out: list[Token] = []
     for i, (start, kind) in enumerate(raw):
-        end = raw[i + 1][0] if i + 1 < len(raw) else len(text)
+        end = raw[i + 1][0] if i + 1 < len(raw) else len(data)
         name = kind.name
         if name == "comment":
             continue
-        piece = text[start:end].strip()
+        piece = data[start:end].decode().strip()
+        if chars is not None:
+            start = chars[start]
         if name == "string_const" and len(piece) >= 2 and piece[0] == piece[-1] == "'":
             piece = piece[1:-1].replace("''", "'")
         out.append(Token(name, piece, start))

@@ -88,3 +88,10 @@ def test_psql_spellings_and_a_stable_oid(cur: duckdb.DuckDBPyConnection) -> None
             DEFAULT_SETTINGS,
         )
     ).fetchall() == [("bigint", "x")]
+
+
+def test_text_beyond_ascii_before_the_catalog(cur: duckdb.DuckDBPyConnection) -> None:
+    """DuckDB's token offsets count UTF-8 bytes, not characters."""
+    assert run(cur, "SELECT 'ünï' AS u, relname FROM pg_catalog.pg_class -- é") == [
+        ("ünï", "trades")
+    ]

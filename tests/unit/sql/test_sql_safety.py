@@ -119,3 +119,22 @@ def test_parse_error_carries_duckdbs_message(tmp_path: Path) -> None:
                 await sql.query(0, "SELECT $1", [object()])
 
     asyncio.run(main())
+
+
+def test_text_beyond_ascii_before_a_table_name(tmp_path: Path) -> None:
+    """DuckDB's token offsets count UTF-8 bytes: 'é' before FROM s once cut the table
+    name wrong (TableNotFound), and an INSERT's rows out of the wrong place."""
+
+    async def main() -> None:
+        async with running(tmp_path) as (engine, sql):
+            await engine.create_stream(0, "trades")
+            inserted = await sql.query(
+                0, 'INSERT /* ünïcødé */ INTO trades (json) VALUES (\'{"city": "Zürich"}\')'
+            )
+            assert inserted.rows[0][0] == 1
+            result = await sql.query(
+                0, "SELECT 'éééééé' AS x, json->>'city' AS city, count(*) FROM trades GROUP BY 1, 2"
+            )
+            assert result.rows == [["éééééé", "Zürich", 1]]
+
+    asyncio.run(main())

@@ -307,26 +307,27 @@ class _Token:
     end: int  # where the next token starts (trailing blanks and comments included)
 
 
-def _tokens(sql: str) -> list[_Token]:
+def _tokens(sql: str, data: bytes) -> list[_Token]:
+    """DuckDB's tokens of ``sql``; their offsets count bytes of its UTF-8 (``data``)."""
     raw = duckdb.tokenize(sql)
     out: list[_Token] = []
     for i, (start, kind) in enumerate(raw):
         if kind.name == "comment":
             continue
-        end = raw[i + 1][0] if i + 1 < len(raw) else len(sql)
-        out.append(_Token(kind.name, sql[start:end].strip().lower(), start, end))
+        end = raw[i + 1][0] if i + 1 < len(raw) else len(data)
+        out.append(_Token(kind.name, data[start:end].decode().strip().lower(), start, end))
     # A comment between tokens belongs to the span of the token before it.
     return [
-        _Token(tok.kind, tok.word, tok.start, out[i + 1].start if i + 1 < len(out) else len(sql))
+        _Token(tok.kind, tok.word, tok.start, out[i + 1].start if i + 1 < len(out) else len(data))
         for i, tok in enumerate(out)
     ]
 
 
 class _Rewriter:
     def __init__(self, sql: str, settings: Mapping[str, str]) -> None:
-        self.sql = sql
+        self.data = sql.encode()  # token offsets count bytes
         self.settings = {k.lower(): v for k, v in settings.items()}
-        self.toks = _tokens(sql)
+        self.toks = _tokens(sql, self.data)
         self.used: dict[str, str] = {}  # CTE name -> body, in first-use order
 
     def relation(self, qualified: str) -> str:
@@ -338,7 +339,7 @@ class _Rewriter:
         """Tokens ``i`` up to ``j`` (exclusive) as written, without the trailing blanks."""
         if i >= j:
             return ""
-        return self.sql[self.toks[i].start : self.toks[j - 1].end].rstrip()
+        return self.data[self.toks[i].start : self.toks[j - 1].end].decode().rstrip()
 
     def closing(self, i: int) -> int:
         """Index of the parenthesis closing the one at ``i`` (len(toks) when none)."""
@@ -383,7 +384,6 @@ class _Rewriter:
         k = i
         while k < j:
             tok = toks[k]
-            gap = self.sql[tok.start : tok.end][len(self.sql[tok.start : tok.end].rstrip()) :]
             name, after = self.qualified_name(k)
             if tok.kind in ("identifier", "keyword") and previous != ".":
                 bare = name.removeprefix("pg_catalog.")
@@ -460,13 +460,13 @@ class _Rewriter:
                 depth -= 1
             elif tok.kind == "keyword" and tok.word in CLAUSES:
                 clause[depth] = tok.word
-            out.append(self.sql[tok.start : tok.end].rstrip() + gap)
+            out.append(self.data[tok.start : tok.end].decode())
             previous = tok.word
             k += 1
         return "".join(out).rstrip()
 
     def _gap(self, k: int) -> str:
-        piece = self.sql[self.toks[k].start : self.toks[k].end]
+        piece = self.data[self.toks[k].start : self.toks[k].end].decode()
         return piece[len(piece.rstrip()) :]
 
     def _reg_cast(self, cast: str, out: list[str], operand: _Token | None) -> str:
