@@ -538,6 +538,13 @@ class Batch:
         v_end, k_end, _ = self._section_bounds
         return self.buffer[v_end:k_end] if self.attributes & ATTR_KEYS else None
 
+    def headers_section(self) -> memoryview | None:
+        """The headers section as stored (``u32 n, n x (u32 len, name, u32 len, value)``
+        per event), for readers that decode it in bulk; None for a batch stored without
+        headers."""
+        _, k_end, h_end = self._section_bounds
+        return self.buffer[k_end:h_end] if self.attributes & ATTR_HEADERS else None
+
     def headers(self) -> list[tuple[tuple[bytes, bytes], ...]] | None:
         """Each event's headers; None for a batch stored without headers."""
         return self._headers() if self.attributes & ATTR_HEADERS else None
@@ -677,6 +684,9 @@ class KafkaBatch(Batch):
 
     def keys_section(self) -> memoryview | None:
         return self.decoded().keys_section()
+
+    def headers_section(self) -> memoryview | None:
+        return self.decoded().headers_section()
 
     def _headers(self) -> list[tuple[tuple[bytes, bytes], ...]]:
         # The decoded batch has a headers section only when some record has headers.
