@@ -719,11 +719,11 @@ def test_large_bootstrap_to_a_stalled_subscriber_is_held_back(
         wait_until(
             lambda: unread_bytes(slow.sock) >= 32 << 10, message="the server sent no bootstrap"
         )
+        # No clock here: a server blocked on the stalled socket would answer neither
+        # until the subscriber read (it never does before these return).
         for attempt in range(4):
-            started = time.monotonic()
             assert state_of(query(w, k, eid(attempt))).fields(fields) == [attempt, blob]
             w.call(m.Patch.of(fields, k, eid(attempt), {0: attempt + 1}))
-            assert time.monotonic() - started < 2.0
         during = memory_of(pid, "VmHWM")
         # Now read it all.
         frames = slow.collect(lambda f: isinstance(f.message, m.BootstrapEnd), timeout=120)
