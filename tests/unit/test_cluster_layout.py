@@ -69,13 +69,22 @@ def test_a_dead_follower_leaves_the_isr_without_a_new_epoch() -> None:
 def test_cluster_config_table() -> None:
     assert config_from_dict({}).cluster is None
     config = config_from_dict(
-        {"cluster": {"node_id": 2, "etcd": ["127.0.0.1:2379"], "rack": "r1", "lease_s": 3}}
+        {
+            "cluster": {
+                "node_id": 2,
+                "etcd": ["127.0.0.1:2379"],
+                "rack": "r1",
+                "lease_s": 3,
+                "advertise_ports": {"replication": 7500, "kafka": 19092},
+            }
+        }
     ).cluster
     assert config is not None
     assert (config.node_id, config.etcd, config.rack, config.lease_s) == (
         2, ("127.0.0.1:2379",), "r1", 3,
     )  # fmt: skip
     assert (config.replication_factor, config.min_insync_replicas) == (3, 2)
+    assert dict(config.advertise_ports) == {"kafka": 19092, "replication": 7500}
 
 
 @pytest.mark.parametrize(
@@ -86,6 +95,8 @@ def test_cluster_config_table() -> None:
         ({"node_id": 1, "etcd": ["e:1"], "lease_s": 0}, "lease_s"),
         ({"node_id": 1, "etcd": ["e:1"], "replication_factor": 1}, "min_insync_replicas"),
         ({"node_id": 1, "etcd": ["e:1"], "leader": 1}, "unknown key"),
+        ({"node_id": 1, "etcd": ["e:1"], "advertise_ports": {"kafka": 0}}, "advertise_ports"),
+        ({"node_id": 1, "etcd": ["e:1"], "advertise_ports": 9092}, "advertise_ports"),
     ],
 )
 def test_bad_cluster_config_is_refused(table: dict[str, object], message: str) -> None:

@@ -17,6 +17,9 @@ class ClusterConfig:
     replica_lag_s: float = 10.0  # an in-sync follower this far behind leaves the ISR
     replication_port: int = 0  # the replication listener's port (0: any free one)
     prefix: str = "/headwater/"  # every key of the cluster lives under it in etcd
+    # Ports others reach a listener at when not its own (a proxy or NAT between them),
+    # by listener name ("kafka", "replication", ...): as Kafka's advertised.listeners.
+    advertise_ports: tuple[tuple[str, int], ...] = ()
 
     @property
     def first_producer_id(self) -> int:

@@ -90,7 +90,11 @@ class ClusterNode:
             self.info.node_id,
             self.info.host,
             self.info.rack,
-            {**self.info.ports, "replication": self.replication.port},
+            {
+                **self.info.ports,
+                "replication": self.replication.port,
+                **dict(self.config.advertise_ports),
+            },
         )
         try:
             await self._join()

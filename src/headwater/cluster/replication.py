@@ -125,6 +125,19 @@ class Replication:
         fetched = [at for at, _end in self._last_fetch.get(key, {}).values()]
         return bool(fetched) and time.monotonic() - max(fetched) < self.node.config.lease_s
 
+    def fenced(self) -> bool:
+        """Whether this node is out of the cluster as far as clients should know: etcd
+        has not renewed its lease for a lease (so etcd has dropped it and elected others
+        in its place) and it leads nothing (no follower fetches from it). Its Kafka
+        Metadata then leaves it out of the brokers: a client talking only to it (the
+        producer's one connection once it led) would otherwise ask it, and only it, for
+        the leader forever, and be told none. Left out, librdkafka drops the broker and
+        asks the others, who know the new leader. During an etcd outage the leaders
+        still lead (their followers fetch), so they stay listed."""
+        if self.node.lease_fresh():
+            return False
+        return not any(self.leads(key) for key in self._leading_since)
+
     def high_watermark(self, key: PartitionKey) -> int:
         """Offsets below it are on every in-sync replica: what consumers may read. A
         follower answers the one its leader last told it."""

@@ -46,9 +46,12 @@ class ClusterView:
         self._replication = node.replication
 
     def nodes(self) -> list[NodeInfo]:
-        """The live nodes, by id (this one always among them)."""
+        """The live nodes, by id (this one among them unless it is fenced off:
+        Replication.fenced)."""
         live = dict(self._node.nodes)
         live.setdefault(self.node_id, self._node.info)
+        if self._replication.fenced():
+            del live[self.node_id]
         return [live[n] for n in sorted(live)]
 
     @property

@@ -390,6 +390,16 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError("cluster.replication_port must be a port number (0: any free one)")
         options["replication_port"] = port
+    advertised = data.get("advertise_ports")
+    if advertised is not None:
+        if not isinstance(advertised, dict) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p <= 65535
+            for p in advertised.values()
+        ):
+            raise ConfigError(
+                "cluster.advertise_ports must be a table of listener = port, e.g. {kafka = 9092}"
+            )
+        options["advertise_ports"] = tuple(sorted(advertised.items()))
     try:
         return ClusterConfig(node_id=node_id, etcd=tuple(etcd), **options)
     except ValueError as exc:

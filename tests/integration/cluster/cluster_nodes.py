@@ -29,16 +29,17 @@ class Cluster:
         self.nodes: dict[int, Server] = {}
         self.stream = "events"  # the stream wait_replicas_agree looks at
 
-    def config(self, node_id: int, extra: str = "") -> str:
+    def config(self, node_id: int, extra: str = "", etcd: str | None = None) -> str:
         return (
-            f'[cluster]\nnode_id = {node_id}\netcd = ["{self.etcd.endpoint}"]\n'
+            f'[cluster]\nnode_id = {node_id}\netcd = ["{etcd or self.etcd.endpoint}"]\n'
             f"lease_s = {self.lease_s}\n{extra}"
         )
 
-    def add(self, node_id: int, extra: str = "") -> Server:
+    def add(self, node_id: int, extra: str = "", etcd: str | None = None) -> Server:
+        """Node ``node_id`` started; ``etcd``: the endpoint it reaches etcd at (a proxy)."""
         server = Server(
             self.root / f"node{node_id}",
-            config=self.config(node_id, extra),
+            config=self.config(node_id, extra, etcd),
             listen={"kafka": LOCAL},
         )
         self.nodes[node_id] = server

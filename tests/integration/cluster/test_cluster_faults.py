@@ -60,7 +60,10 @@ class Acks:
         return min(later) if later else None
 
 
-def produce_forever(bootstrap: str, acks: Acks, stop: threading.Event) -> None:
+def produce_forever(
+    bootstrap: str, acks: Acks, stop: threading.Event, extra: dict[str, object] | None = None
+) -> None:
+    """``extra``: more librdkafka settings (e.g. ``debug`` while finding a fault)."""
     producer = Producer(
         {
             "bootstrap.servers": bootstrap,
@@ -69,6 +72,7 @@ def produce_forever(bootstrap: str, acks: Acks, stop: threading.Event) -> None:
             "linger.ms": 5,
             "message.timeout.ms": 120_000,  # retried across failovers, never dropped
             "retry.backoff.ms": 50,
+            **(extra or {}),
         }
     )
     sequence = 0
