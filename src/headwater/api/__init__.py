@@ -25,6 +25,7 @@ from typing import Any, ParamSpec, TypeVar
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
+from headwater.api.readahead import ReadAhead
 from headwater.api.replication import Replicas
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
@@ -282,6 +283,7 @@ class EngineAPI:
     _queries: SqlService
     auth: Auth
     quotas: Quotas = field(default_factory=lambda: Quotas({}))
+    _read_ahead: ReadAhead = field(default_factory=ReadAhead)
 
     def __post_init__(self) -> None:
         engine, subscriptions, queries = self._engine, self._subscriptions, self._queries
@@ -368,6 +370,7 @@ class EngineAPI:
 
     async def close(self) -> None:
         """End every subscription, stop the projections, flush kinds, close the log."""
+        self._read_ahead.close()
         await self._transactions.close()
         await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)
         await self._queries.close()
@@ -442,13 +445,16 @@ class EngineAPI:
         partition: int = 0,
         isolation: str = READ_COMMITTED,
         kafka: bool = False,
+        read_ahead: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset`` as
         stored batches. InvalidOffset when retention removed ``from_offset``.
         ``isolation``: read_committed (default: open transactions' events wait for
         their end, aborted ones are never shown) or read_uncommitted. ``kafka``: as a
         Kafka fetch reads (whole batches, markers and aborted batches included, the
-        client filtering by :meth:`aborted_transactions`)."""
+        client filtering by :meth:`aborted_transactions`). ``read_ahead``: a reader
+        that pages sequentially (:mod:`headwater.api.readahead`): when this read stops
+        at its budget, the next page is read while the reader handles this one."""
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
             where = f"partition {partition}" if partition else "the stream"
@@ -460,16 +466,28 @@ class EngineAPI:
             # Its turn first (the consume debt of earlier reads too), then the bytes it
             # read hold its answer back (capped; the rest is waited by the next turn).
             await self.quotas.admit(tenant_id, requests=1, consume=True)
-        result = await self._engine.read(
-            tenant_id,
-            stream_id,
-            from_offset,
-            max_bytes,
-            max_events=max_events,
-            partition=partition,
-            isolation=isolation,
-            kafka=kafka,
-        )
+
+        def read(offset: int) -> Coroutine[Any, Any, ReadResult]:
+            return self._engine.read(
+                tenant_id,
+                stream_id,
+                offset,
+                max_bytes,
+                max_events=max_events,
+                partition=partition,
+                isolation=isolation,
+                kafka=kafka,
+            )
+
+        # A throttled reader waits its turn anyway: reading ahead would only hold memory.
+        read_ahead = read_ahead and not throttled and not kafka
+        key = (tenant_id, stream_id, partition, max_bytes, max_events, isolation)
+        result = await self._read_ahead.take((*key, from_offset)) if read_ahead else None
+        if result is None:
+            result = await read(from_offset)
+        next_offset = result.next_offset
+        if read_ahead and next_offset is not None:
+            self._read_ahead.start((*key, next_offset), lambda: read(next_offset))
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result

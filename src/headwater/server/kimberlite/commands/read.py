@@ -19,7 +19,12 @@ async def read_events(
     max_bytes = min(payload.max_bytes, MAX_READ_BYTES)
     max_events = max(1, (MAX_READ_BYTES // 8) - 1)
     result = await conn.api.read(
-        request.tenant_id, payload.stream_id, payload.from_offset, max_bytes, max_events=max_events
+        request.tenant_id,
+        payload.stream_id,
+        payload.from_offset,
+        max_bytes,
+        max_events=max_events,
+        read_ahead=True,  # readers page from an offset on: the next page is read meanwhile
     )
     conn.metrics.record_read(
         "kimberlite",
