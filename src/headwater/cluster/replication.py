@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from headwater.cluster.etcd import EtcdError, put_json, unchanged
@@ -57,6 +58,27 @@ class NotEnoughReplicasAfterAppend(NotEnoughReplicas):
 class ReplicationTimedOut(NotEnoughReplicas):
     """acks=all: stored at the leader, not confirmed by the ISR within the request's
     timeout (Kafka: REQUEST_TIMED_OUT)."""
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One partition replica on this node, as /metrics shows it."""
+
+    key: PartitionKey
+    leader: bool  # leads it now (Replication.leads), else a follower
+    replicas: int
+    isr: int
+    high_watermark: int
+    log_end: int
+    # Leader only, per follower: records behind the leader's end as of its last fetch,
+    # and seconds since it last had everything the leader had (0: caught up).
+    lag_records: dict[int, int] = field(default_factory=dict)
+    lag_seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def under_replicated(self) -> bool:
+        """Kafka's UnderReplicatedPartitions: led here, fewer in sync than replicas."""
+        return self.leader and self.isr < self.replicas
 
 
 class Replication:
@@ -137,6 +159,45 @@ class Replication:
         if self.node.lease_fresh():
             return False
         return not any(self.leads(key) for key in self._leading_since)
+
+    def stats(self) -> list[ReplicaStats]:
+        """Every partition this node holds a replica of (/metrics, at scrape time)."""
+        now = time.monotonic()
+        found = []
+        for key, state in sorted(self.node.partitions.items()):
+            if self.me not in state.replicas:
+                continue
+            try:
+                end = self.replicas.end(key.tenant_id, key.stream, key.partition)
+            except HeadwaterError:
+                continue  # not created here yet: the next tick does
+            leading = self.leads(key)
+            lag_records: dict[int, int] = {}
+            lag_seconds: dict[int, float] = {}
+            if leading:
+                ends = self._ends.get(key, {})
+                caught_up = self._caught_up.get(key, {})
+                started = self._leading_since[key][1]
+                for follower in state.replicas:
+                    if follower == self.me:
+                        continue
+                    lag_records[follower] = max(end - ends.get(follower, 0), 0)
+                    behind = end > ends.get(follower, 0)
+                    since = caught_up.get(follower, started)
+                    lag_seconds[follower] = now - since if behind else 0.0
+            found.append(
+                ReplicaStats(
+                    key,
+                    leading,
+                    len(state.replicas),
+                    len(state.isr),
+                    self.high_watermark(key),
+                    end,
+                    lag_records,
+                    lag_seconds,
+                )
+            )
+        return found
 
     def high_watermark(self, key: PartitionKey) -> int:
         """Offsets below it are on every in-sync replica: what consumers may read. A

@@ -37,6 +37,7 @@ from headwater.server.memory import process_memory
 
 if TYPE_CHECKING:
     from headwater.api import EngineAPI
+    from headwater.cluster.replication import ReplicaStats
     from headwater.server.app import Server
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -217,6 +218,48 @@ class _TenantScope(Collector):
             yield family
 
 
+def _replica_metrics(replicas: list[ReplicaStats]) -> Iterator[Metric]:
+    """With [cluster]: each partition replica on this node (docs/cluster.md, Metrics)."""
+    labels = ["tenant", "stream", "partition"]
+
+    def gauge(name: str, documentation: str, extra: tuple[str, ...] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, documentation, labels=[*labels, *extra])
+
+    leader = gauge("headwater_replica_leader", "1 where this node leads the partition, else 0")
+    isr = gauge("headwater_replica_isr_size", "In-sync replicas of the partition (etcd's ISR)")
+    replica_count = gauge("headwater_replica_replicas", "Replicas of the partition")
+    hw = gauge("headwater_replica_high_watermark", "Offsets below it are on every ISR member")
+    end = gauge("headwater_replica_log_end_offset", "This replica's end offset")
+    lag_records = gauge(
+        "headwater_replica_follower_lag_records",
+        "On the leader: records a follower is behind the leader's end (as of its last fetch)",
+        ("follower",),
+    )
+    lag_seconds = gauge(
+        "headwater_replica_follower_lag_seconds",
+        "On the leader: seconds since a follower last had everything the leader had (0: now)",
+        ("follower",),
+    )
+    for replica in replicas:
+        key = replica.key
+        values = [str(key.tenant_id), key.stream, str(key.partition)]
+        leader.add_metric(values, 1 if replica.leader else 0)
+        isr.add_metric(values, replica.isr)
+        replica_count.add_metric(values, replica.replicas)
+        hw.add_metric(values, replica.high_watermark)
+        end.add_metric(values, replica.log_end)
+        for follower, records in sorted(replica.lag_records.items()):
+            lag_records.add_metric([*values, str(follower)], records)
+            lag_seconds.add_metric([*values, str(follower)], replica.lag_seconds[follower])
+    yield from (leader, isr, replica_count, hw, end, lag_records, lag_seconds)
+    yield GaugeMetricFamily(
+        "headwater_under_replicated_partitions",
+        "Partitions this node leads with fewer in-sync replicas than replicas (as Kafka's "
+        "UnderReplicatedPartitions)",
+        value=sum(1 for replica in replicas if replica.under_replicated),
+    )
+
+
 def _sum_sources(sources: list[Callable[[], int]]) -> int:
     total = 0
     for source in sources:
@@ -345,6 +388,8 @@ class _ServerCollector(Collector):
 
         yield from self._subscription_metrics(api)
         yield from self._kind_metrics(api)
+        if server.cluster is not None:
+            yield from _replica_metrics(server.cluster.replication.stats())
 
         queries, query_seconds = api.query_stats()
         yield CounterMetricFamily("headwater_sql_queries", "SQL statements run", value=queries)

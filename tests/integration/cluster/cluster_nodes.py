@@ -35,12 +35,15 @@ class Cluster:
             f"lease_s = {self.lease_s}\n{extra}"
         )
 
-    def add(self, node_id: int, extra: str = "", etcd: str | None = None) -> Server:
-        """Node ``node_id`` started; ``etcd``: the endpoint it reaches etcd at (a proxy)."""
+    def add(
+        self, node_id: int, extra: str = "", etcd: str | None = None, http: bool = False
+    ) -> Server:
+        """Node ``node_id`` started; ``etcd``: the endpoint it reaches etcd at (a proxy);
+        ``http``: its HTTP listener on too (/metrics)."""
         server = Server(
             self.root / f"node{node_id}",
             config=self.config(node_id, extra, etcd),
-            listen={"kafka": LOCAL},
+            listen={"kafka": LOCAL, **({"http": LOCAL} if http else {})},
         )
         self.nodes[node_id] = server
         return server.start()
