@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka_strategies import records
 
+from headwater.engine.partitioner import murmur2_batch
 from headwater.errors import CorruptBatchError
 from headwater.protocols.kafka.records import (
     CRC_OFFSET,
@@ -26,7 +27,7 @@ from headwater.protocols.kafka.records import (
 )
 from headwater.server.http.arrow import keys_section as arrow_keys_section
 from headwater.server.http.arrow import values_section as arrow_values_section
-from headwater.sql.kernels import keys_column, values_column
+from headwater.sql.kernels import keys_column, murmur2_column, values_column
 from headwater.sql.projection import _Piece, piece_columns
 from headwater.sql.records import records_batch
 from headwater.storage.batch import Batch, Event, build_batch, encode_values, value_spans
@@ -191,3 +192,12 @@ def test_an_arrow_append_stores_the_sections_encoding_event_by_event_stores(
     keys_section = stored.keys_section()
     assert keys_section is not None
     assert arrow_keys_section(keys) == bytes(keys_section)
+
+
+@SETTINGS
+@given(st.lists(st.binary(max_size=40), min_size=1, max_size=30), st.integers(0, 2))
+def test_compiled_murmur2_is_kafkas(keys: list[bytes], skip: int) -> None:
+    # The Spark sink places keyed rows with the compiled murmur2: it must agree with
+    # the engine's (Kafka's test vectors: tests/unit/engine/test_partitioner.py).
+    column = pa.array([b"?"] * skip + keys, pa.binary()).slice(skip)
+    assert murmur2_column(column).tolist() == murmur2_batch(keys).tolist()

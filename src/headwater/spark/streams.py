@@ -25,9 +25,9 @@ from headwater.client import Client, connect
 from headwater.client.arrow import HttpApi
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
-from headwater.engine.partitioner import murmur2_batch
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
 from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, EventBatch, http_port
+from headwater.sql.kernels import murmur2_column
 
 from .options import READ_COMMITTED, ConnectionOptions, DataLossError, producer_id
 
@@ -488,7 +488,7 @@ def place(batch: pa.RecordBatch, partitions: int, sticky: int) -> np.ndarray:
         key = batch.column("key").cast(pa.binary())
         if key.null_count < rows:
             keyed = np.flatnonzero(pc.is_valid(key).to_numpy(zero_copy_only=False))
-            hashes = murmur2_batch(key.take(pa.array(keyed)).to_pylist())
+            hashes = murmur2_column(key.take(pa.array(keyed)))
             target[keyed] = (hashes & 0x7FFFFFFF).astype(np.int64) % partitions
     if "partition" in names:
         explicit = batch.column("partition")

@@ -13,7 +13,6 @@ does not hold what its header says; the wrappers raise :class:`CorruptBatchError
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -274,11 +273,52 @@ def _prefixed_join(heads: Any, data: Any, offsets: Any, out: Any) -> None:
         pos += hi - lo
 
 
+@_jit
+def _murmur2(data: Any, offsets: Any, out: Any) -> None:
+    """Kafka's murmur2 (``Utils.murmur2``, unsigned) of each item of ``data`` bounded
+    by ``offsets``, as :func:`headwater.engine.partitioner.murmur2` computes it."""
+    mask = np.uint64(0xFFFFFFFF)
+    m = np.uint64(0x5BD1E995)
+    for i in range(out.shape[0]):
+        lo = offsets[i]
+        length = offsets[i + 1] - lo
+        h = (np.uint64(0x9747B28C) ^ np.uint64(length)) & mask
+        for j in range(length // 4):
+            at = lo + 4 * j
+            k = (
+                np.uint64(data[at])
+                | (np.uint64(data[at + 1]) << np.uint64(8))
+                | (np.uint64(data[at + 2]) << np.uint64(16))
+                | (np.uint64(data[at + 3]) << np.uint64(24))
+            )
+            k = (k * m) & mask
+            k ^= k >> np.uint64(24)
+            k = (k * m) & mask
+            h = ((h * m) & mask) ^ k
+        tail = length & 3
+        if tail:
+            base = lo + (length & ~3)
+            if tail == 3:
+                h ^= np.uint64(data[base + 2]) << np.uint64(16)
+            if tail >= 2:
+                h ^= np.uint64(data[base + 1]) << np.uint64(8)
+            h ^= np.uint64(data[base])
+            h = (h * m) & mask
+        h ^= h >> np.uint64(13)
+        h = (h * m) & mask
+        h ^= h >> np.uint64(15)
+        out[i] = h
+
+
 # ---- wrappers ------------------------------------------------------------------------
 
 
 def _bytes(view: bytes | bytearray | memoryview | pa.Buffer) -> np.ndarray:
-    return np.frombuffer(view, np.uint8)
+    """Stored bytes as a kernel's input, always read-only: numba compiles a kernel once
+    per argument type, and a writable array is another type."""
+    array = np.frombuffer(view, np.uint8)
+    array.flags.writeable = False
+    return array
 
 
 def _binary(
@@ -369,26 +409,49 @@ def headers_column(section: memoryview, count: int) -> pa.Array:
     return _headers_array(count, lists, headers, names, name_offsets, values, value_offsets)
 
 
-@dataclass(frozen=True, slots=True)
 class KafkaColumns:
-    """A Kafka-form batch's records as columns: each record's timestamp (ms), key and
-    value (NULL: none, a tombstone's value) and headers (NULL: none)."""
+    """A Kafka-form batch's records as columns: each record's timestamp (ms) and value
+    (NULL: none, a tombstone's value); :meth:`keys` (NULL: none) and :meth:`headers`
+    (NULL: none) are made into Arrow arrays only when asked for (the projection never
+    asks)."""
 
-    timestamps: np.ndarray
-    keys: pa.Array
-    values: pa.Array
-    headers: pa.Array
+    __slots__ = ("_headers", "_keys", "timestamps", "values")
+
+    def __init__(
+        self,
+        timestamps: np.ndarray,
+        values: pa.Array,
+        keys: tuple[np.ndarray, int, np.ndarray, np.ndarray],
+        headers: tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    ) -> None:
+        self.timestamps = timestamps
+        self.values = values
+        self._keys = keys
+        self._headers = headers
+
+    def keys(self) -> pa.Array:
+        data, size, offsets, valid = self._keys
+        return _binary(data, size, offsets, len(self.values), valid)
+
+    def headers(self) -> pa.Array:
+        rows = len(self.values)
+        lists, names, name_offsets, hvalues, hvalue_offsets = (
+            self._headers[0],
+            *self._headers[2:],
+        )
+        count = self._headers[1]
+        return _headers_array(rows, lists, count, names, name_offsets, hvalues, hvalue_offsets)
 
 
 def kafka_columns(section: memoryview | bytes) -> KafkaColumns:
     """A stored Kafka section (from its CRC on) decoded in one compiled pass over its
     (decompressed) records."""
+    view = memoryview(section)
     try:
-        header = kafka_batch.section_header(section)
-        body = kafka_batch.decompress(
-            header.attributes & kafka_batch.ATTR_CODEC,
-            memoryview(section)[kafka_batch.SECTION_HEADER_SIZE :],
-        )
+        header = kafka_batch.section_header(view)
+        codec = header.attributes & kafka_batch.ATTR_CODEC
+        records = view[kafka_batch.SECTION_HEADER_SIZE :]
+        body = records if codec == 0 else kafka_batch.decompress(codec, records)
     except kafka_batch.KafkaRecordsError as exc:
         raise CorruptBatchError(f"Kafka-form batch: {exc}") from None
     count = header.records_count
@@ -428,9 +491,9 @@ def kafka_columns(section: memoryview | bytes) -> KafkaColumns:
         stamps += header.base_timestamp
     return KafkaColumns(
         stamps,
-        _binary(keys, int(key_offsets[count]), key_offsets, count, key_valid),
         _binary(values, int(value_offsets[count]), value_offsets, count, value_valid),
-        _headers_array(count, lists, headers, names, name_offsets, hvalues, hvalue_offsets),
+        (keys, int(key_offsets[count]), key_offsets, key_valid),
+        (lists, headers, names, name_offsets, hvalues, hvalue_offsets),
     )
 
 
@@ -443,10 +506,23 @@ def prefixed_join(heads: np.ndarray, items: pa.Array) -> bytes:
     offsets = np.frombuffer(items.buffers()[1], np.int32, count + 1, items.offset * 4)
     first, last = int(offsets[0]), int(offsets[-1])
     data_buffer = items.buffers()[2]
-    data = _bytes(data_buffer)[first:last] if data_buffer is not None else np.empty(0, np.uint8)
+    data = _bytes(data_buffer if data_buffer is not None else b"")[first:last]
     width = heads.dtype.itemsize
     out = np.empty(count * width + last - first, np.uint8)
     _prefixed_join(
         heads.view(np.uint8).reshape(count, width), data, offsets.astype(np.int64) - first, out
     )
     return out.tobytes()
+
+
+def murmur2_column(items: pa.Array) -> np.ndarray:
+    """Kafka's murmur2 (unsigned, uint32) of every item of a binary array without
+    nulls, in one compiled pass over its buffers."""
+    count = len(items)
+    out = np.empty(count, np.uint64)
+    if count:
+        offsets = np.frombuffer(items.buffers()[1], np.int32, count + 1, items.offset * 4)
+        data_buffer = items.buffers()[2]
+        data = _bytes(data_buffer if data_buffer is not None else b"")
+        _murmur2(data, offsets.astype(np.int64), out)
+    return out.astype(np.uint32)

@@ -83,10 +83,10 @@ def records_batch(pieces: list[_Piece]) -> pa.RecordBatch:
         batch = piece.batch
         n = piece.stop - piece.start
         if columns is not None:  # Kafka form: a null value is a tombstone
-            keys.append(columns.keys.slice(piece.start, n))
+            keys.append(columns.keys().slice(piece.start, n))
             valid = columns.values.is_valid().slice(piece.start, n)
             tombstones.append(~valid.to_numpy(zero_copy_only=False))
-            headers.append(columns.headers.slice(piece.start, n))
+            headers.append(columns.headers().slice(piece.start, n))
             continue
         section = batch.keys_section()
         if section is None:
