@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from cluster_nodes import LEASE_S, Cluster
+from cluster_nodes import LEASE_S, WAIT_S, Cluster
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from test_cluster_membership import create_topic
 
@@ -201,3 +201,157 @@ def test_acknowledged_writes_survive_leader_kills(cluster: Cluster) -> None:
     stored_at = {value: offset for offset, value in found}
     assert all(stored_at[v] == offset for v, offset in acks.offsets.items())
     assert values == sorted(values)  # the producer's order
+
+
+PARTITIONS = 6
+
+
+@dataclass
+class PartitionAcks:
+    """Acknowledged offsets by (partition, value), for a topic of several partitions."""
+
+    offsets: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    per_partition: dict[int, int] = field(default_factory=dict)  # acknowledged so far
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, err: KafkaError | None, message: Message) -> None:
+        with self.lock:
+            if err is not None:
+                self.failed.append(str(err))
+                return
+            value = message.value()
+            partition = int(message.partition())  # type: ignore[arg-type]
+            assert value is not None
+            self.offsets[partition, value] = int(message.offset())  # type: ignore[arg-type]
+            self.per_partition[partition] = self.per_partition.get(partition, 0) + 1
+
+    def counts(self) -> dict[int, int]:
+        with self.lock:
+            return dict(self.per_partition)
+
+
+def produce_to_every_partition(bootstrap: str, acks: PartitionAcks, stop: threading.Event) -> None:
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "message.timeout.ms": 180_000,  # outlasts a partition's wait for min ISR
+            "retry.backoff.ms": 50,
+        }
+    )
+    # Every partition known before the first message (else: Local: Unknown partition).
+    wait_until(lambda: len(producer.list_topics(TOPIC, 5).topics[TOPIC].partitions) == PARTITIONS)
+    sequence = 0
+    while not stop.is_set():
+        try:
+            producer.produce(
+                TOPIC, b"m%08d" % sequence, partition=sequence % PARTITIONS, on_delivery=acks
+            )
+            sequence += 1
+        except BufferError:
+            pass
+        producer.poll(0.002)
+    assert producer.flush(180) == 0
+
+
+def test_leaders_of_several_partitions_killed_at_once(cluster: Cluster) -> None:
+    """Six partitions over three nodes (each leads two): SIGKILL one node, so two
+    partitions lose their leader at once; once they lead elsewhere and take writes,
+    restart it and at once SIGKILL a second node (now leading more than two), before
+    the first has necessarily caught up. Every partition goes on once the nodes are
+    back; nothing acknowledged is lost or duplicated and the replicas agree."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), TOPIC, PARTITIONS)
+    placed = cluster.wait_partitions(PARTITIONS)
+    assert sorted(p["leader"] for p in placed.values()) == [1, 1, 2, 2, 3, 3]
+    acks = PartitionAcks()
+    stop = threading.Event()
+    producer = threading.Thread(
+        target=produce_to_every_partition, args=(cluster.bootstrap(), acks, stop), daemon=True
+    )
+    producer.start()
+
+    def leaders() -> dict[int, int]:
+        return {int(k.rsplit("/", 1)[1]): p["leader"] for k, p in cluster.partitions().items()}
+
+    def every_partition_acknowledges(more: int = 50) -> None:
+        before = acks.counts()
+        wait_until(
+            lambda: all(
+                acks.counts().get(p, 0) >= before.get(p, 0) + more for p in range(PARTITIONS)
+            ),
+            timeout=WAIT_S,
+            message=lambda: f"{acks.counts()} acknowledged: {cluster.status()}",
+        )
+
+    try:
+        every_partition_acknowledges()
+        for victim in (1, 2):
+            led = [p for p, leader in leaders().items() if leader == victim]
+            assert len(led) >= 2  # several partitions' leaders at once
+            cluster.nodes[victim].kill()
+            wait_until(
+                lambda victim=victim: all(n not in (victim, -1) for n in leaders().values()),
+                timeout=WAIT_S,
+                message=lambda: str(cluster.status()),
+            )
+            if victim == 1:
+                every_partition_acknowledges()
+            cluster.nodes[victim].start()
+        every_partition_acknowledges()
+        wait_until(
+            lambda: all(len(p["isr"]) == 3 for p in cluster.partitions().values()),
+            timeout=WAIT_S,
+            message=lambda: str(cluster.status()),
+        )
+        every_partition_acknowledges()
+    finally:
+        stop.set()
+        producer.join(200)
+    assert not producer.is_alive()
+    assert acks.failed == []
+
+    consumer = Consumer(
+        {"bootstrap.servers": cluster.bootstrap(), "group.id": "six", "enable.auto.commit": False}
+    )
+    ends = {p: 0 for p in range(PARTITIONS)}
+    for (partition, _), offset in acks.offsets.items():
+        ends[partition] = max(ends[partition], offset + 1)
+    consumer.assign([TopicPartition(TOPIC, p, 0) for p in range(PARTITIONS)])
+    found: dict[tuple[int, bytes], list[int]] = {}
+    total = sum(ends.values())
+    read = 0
+    try:
+        while read < total:
+            for message in wait_until(lambda: consumer.consume(10_000, 0.2), timeout=WAIT_S):
+                assert message.error() is None, message.error()
+                key = (int(message.partition()), bytes(message.value()))  # type: ignore[arg-type]
+                found.setdefault(key, []).append(int(message.offset()))  # type: ignore[arg-type]
+                read += 1
+    finally:
+        consumer.close()
+    duplicated = [k for k, offsets in found.items() if len(offsets) > 1]
+    lost = [k for k in acks.offsets if k not in found]
+    print(
+        f"{PARTITIONS} partitions, two nodes' leaders killed: acknowledged {len(acks.offsets)},"
+        f" read {read}, lost {len(lost)}, duplicated {len(duplicated)}"
+    )
+    assert lost == [] and duplicated == [] and read == total
+    assert all(found[k] == [offset] for k, offset in acks.offsets.items())
+    # Every replica of every partition holds the same bytes.
+    for p in range(PARTITIONS):
+        wait_until(
+            lambda p=p: (
+                all(
+                    cluster.log_files(n, partition=p) == cluster.log_files(1, partition=p)
+                    for n in (2, 3)
+                )
+                and cluster.log_files(1, partition=p)
+            ),
+            timeout=WAIT_S,
+            message=lambda p=p: f"partition {p} differs: {cluster.status()}",
+        )
