@@ -11,6 +11,7 @@ the buffer never grows past one fed chunk.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from typing import ClassVar, Generic, TypeVar
 
@@ -43,6 +44,13 @@ class IncrementalDecoder(Generic[ItemT, ErrorT]):
     def at_boundary(self) -> bool:
         """True when no partial item is held (the end of input here is clean)."""
         return not self._buffer
+
+    def discard(self) -> None:
+        """The input ended: free the bytes held now. A server connection's objects form
+        reference cycles (transport and protocol), which the cyclic GC may reach only
+        thousands of connections later, holding each one's partial frame until then."""
+        self._buffer = bytearray()
+        self._length = -1
 
     @property
     def failed(self) -> bool:
@@ -101,3 +109,34 @@ class IncrementalDecoder(Generic[ItemT, ErrorT]):
         """The item from its complete bytes at the head of ``view`` (header, ``length``
         payload bytes, trailer). May raise through :meth:`_fail` (a bad checksum)."""
         raise NotImplementedError
+
+
+class LengthPrefixedDecoder(IncrementalDecoder[bytes, ErrorT]):
+    """Frames that are a length field and that many payload bytes (Kafka, Rivven): the
+    subclass names the length's struct, the least length it accepts and the error for a
+    length outside ``min_length..max_payload``; items are the payloads as bytes."""
+
+    __slots__ = ()
+    length_field: ClassVar[struct.Struct]
+    min_length: ClassVar[int] = 0
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls.head_size = cls.length_field.size  # the header is the length field alone
+
+    def _length_error(self, length: int) -> ErrorT:
+        raise NotImplementedError
+
+    def _check_header(self) -> bool:
+        buffer = self._buffer
+        if len(buffer) < self.head_size:
+            return False
+        (length,) = self.length_field.unpack_from(buffer)
+        if length < self.min_length or length > self.max_payload:
+            self._fail(self._length_error(length))
+            return False
+        self._length = length
+        return True
+
+    def _item(self, view: memoryview, length: int) -> bytes:
+        return bytes(view[self.head_size : self.head_size + length])

@@ -26,7 +26,7 @@ from kio.static.protocol import RequestPayload, ResponsePayload
 
 from headwater.engine.kinds.reader import Buffer
 from headwater.errors import ProtocolError, UsageError
-from headwater.protocols._stream import IncrementalDecoder
+from headwater.protocols._stream import LengthPrefixedDecoder
 
 from .apis import request_type, response_type
 from .schema import decode_entity, decode_exact, encode_entity
@@ -120,27 +120,17 @@ def _framed(message: bytes) -> bytes:
     return SIZE.pack(len(message)) + message
 
 
-class FrameDecoder(IncrementalDecoder[bytes, FrameError]):
+class FrameDecoder(LengthPrefixedDecoder[FrameError]):
     """Incremental decoder of size-prefixed frames: :meth:`feed` bytes, then take frame
     bodies in order (``for body in decoder``). A bad size is raised once its four bytes
     are in, and again on every later call."""
 
     __slots__ = ()
-    head_size = SIZE_BYTES
+    length_field = SIZE
+    min_length = FIXED_HEADER_BYTES
 
     def __init__(self, max_request: int = MAX_REQUEST) -> None:
         super().__init__(max_request)
 
-    def _check_header(self) -> bool:
-        buffer = self._buffer
-        if len(buffer) < SIZE_BYTES:
-            return False
-        (size,) = SIZE.unpack_from(buffer)
-        if size < FIXED_HEADER_BYTES or size > self.max_payload:
-            self._fail(FrameSizeError(size, self.max_payload))
-            return False
-        self._length = size
-        return True
-
-    def _item(self, view: memoryview, length: int) -> bytes:
-        return bytes(view[SIZE_BYTES : SIZE_BYTES + length])
+    def _length_error(self, length: int) -> FrameError:
+        return FrameSizeError(length, self.max_payload)

@@ -22,7 +22,7 @@ from enum import IntEnum
 
 from headwater.engine.kinds.reader import Buffer
 from headwater.errors import ProtocolError, UsageError
-from headwater.protocols._stream import IncrementalDecoder
+from headwater.protocols._stream import LengthPrefixedDecoder
 
 LENGTH = struct.Struct(">I")
 LENGTH_SIZE = LENGTH.size  # 4
@@ -107,28 +107,17 @@ def parse_frame(body: bytes) -> Frame:
     return Frame(wire_format, correlation_id, body[WIRE_HEADER_SIZE:])
 
 
-class FrameDecoder(IncrementalDecoder[bytes, FrameError]):
+class FrameDecoder(LengthPrefixedDecoder[FrameError]):
     """Incremental decoder: :meth:`feed` bytes, then take frame bodies in order
     (``for body in decoder``); an oversized length is raised once its four bytes are in,
     and again on every later call (see :class:`~headwater.protocols._stream.IncrementalDecoder`).
     """
 
     __slots__ = ()
-    head_size = LENGTH_SIZE
+    length_field = LENGTH
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         super().__init__(max_frame)
 
-    def _check_header(self) -> bool:
-        buffer = self._buffer
-        if len(buffer) < LENGTH_SIZE:
-            return False
-        (length,) = LENGTH.unpack_from(buffer)
-        if length > self.max_payload:
-            self._fail(FrameTooLargeError(length, self.max_payload))
-            return False
-        self._length = length
-        return True
-
-    def _item(self, view: memoryview, length: int) -> bytes:
-        return bytes(view[LENGTH_SIZE : LENGTH_SIZE + length])
+    def _length_error(self, length: int) -> FrameError:
+        return FrameTooLargeError(length, self.max_payload)
