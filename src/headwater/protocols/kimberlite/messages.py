@@ -84,6 +84,7 @@ U64_MAX = 2**64 - 1
 
 _E = TypeVar("_E", bound=IntEnum)
 _T = TypeVar("_T")
+_P = TypeVar("_P", bound="_Payload")
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -838,26 +839,24 @@ def encode_subscription_events(
     return out
 
 
-def decode_request_body(discriminant: int, body: Buffer) -> RequestPayload:
-    """Decode a request payload's fields alone (the inverse of :func:`encode_body`)."""
-    if not 0 <= discriminant < len(REQUEST_TYPES):
-        raise DecodeError(f"unknown request discriminant {discriminant}")
+def _decode_body(types: tuple[type[_P], ...], side: str, discriminant: int, body: Buffer) -> _P:
+    if not 0 <= discriminant < len(types):
+        raise DecodeError(f"unknown {side} discriminant {discriminant}")
     reader = _Reader(as_view(body), DecodeError)
-    cls = REQUEST_TYPES[discriminant]
+    cls = types[discriminant]
     payload = cls._read(reader)
     reader.finish(cls.__name__)
     return payload
+
+
+def decode_request_body(discriminant: int, body: Buffer) -> RequestPayload:
+    """Decode a request payload's fields alone (the inverse of :func:`encode_body`)."""
+    return _decode_body(REQUEST_TYPES, "request", discriminant, body)
 
 
 def decode_response_body(discriminant: int, body: Buffer) -> ResponsePayload:
     """Decode a response payload's fields alone (the inverse of :func:`encode_body`)."""
-    if not 0 <= discriminant < len(RESPONSE_TYPES):
-        raise DecodeError(f"unknown response discriminant {discriminant}")
-    reader = _Reader(as_view(body), DecodeError)
-    cls = RESPONSE_TYPES[discriminant]
-    payload = cls._read(reader)
-    reader.finish(cls.__name__)
-    return payload
+    return _decode_body(RESPONSE_TYPES, "response", discriminant, body)
 
 
 def decode_request(payload: Buffer, *, enforce_limits: bool = True) -> Request:
