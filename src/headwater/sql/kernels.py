@@ -526,3 +526,22 @@ def murmur2_column(items: pa.Array) -> np.ndarray:
         data = _bytes(data_buffer if data_buffer is not None else b"")
         _murmur2(data, offsets.astype(np.int64), out)
     return out.astype(np.uint32)
+
+
+def warm_up() -> None:
+    """Compile every kernel now (or load it from numba's cache beside this file) on
+    tiny inputs of the types the wrappers pass: ``make`` runs this after installing,
+    so no server pays the seconds of the first compile in a catch-up."""
+    values_column([memoryview(b"\x01\x00\x00\x00\x00\x00\x00\x00v")], [1])
+    keys_column(memoryview(b"\x01\x01\x00\x00\x00k"), 1)
+    headers_column(memoryview(b"\x01\x00\x00\x00\x01\x00\x00\x00h\x01\x00\x00\x00v"), 1)
+    # One record: length 6, attributes, timestamp and offset deltas 0, a null key, an
+    # empty value, no headers.
+    record = bytes([12, 0, 0, 0, 1, 0, 0])
+    section = kafka_batch.SECTION_HEADER.pack(0, 0, 0, 0, 0, -1, -1, -1, 1) + record
+    columns = kafka_columns(section)
+    columns.keys()
+    columns.headers()
+    heads = np.zeros(1, np.dtype([("length", "<u8")]))
+    prefixed_join(heads, pa.array([b"v"], pa.binary()))
+    murmur2_column(pa.array([b"key"], pa.binary()))
