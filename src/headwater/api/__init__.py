@@ -26,7 +26,7 @@ from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
 from headwater.api.readahead import ReadAhead
-from headwater.api.replication import Replicas
+from headwater.api.replication import Replicas, wait_for_end
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -538,25 +538,7 @@ class EngineAPI:
         after it is stored), at most ``timeout_s``: a consumer's long poll. False when
         the time ran out first."""
         stream = self._engine.stream(tenant_id, stream_id)
-        plog = stream.partition_log(partition)
-        if plog.committed_offset > offset:
-            return True
-        committer = stream.committers[partition]
-        arrived = asyncio.Event()
-
-        def on_commit(committed: int) -> None:
-            if committed > offset:
-                arrived.set()
-
-        committer.add_listener(on_commit)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await arrived.wait()
-        except TimeoutError:
-            return False
-        finally:
-            committer.remove_listener(on_commit)
-        return True
+        return await wait_for_end(stream, partition, offset, timeout_s)
 
     # ---- exactly-once producers (docs/transactions.md) ---------------------------------
 

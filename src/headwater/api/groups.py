@@ -21,13 +21,14 @@ from headwater.engine.engine import Engine
 from headwater.engine.groups import (
     NO_GENERATION,
     CommittedOffset,
+    CommittedOffsets,
     GroupCoordinator,
     LogOffsetStore,
     OffsetKey,
     OffsetManager,
     TopicPartition,
 )
-from headwater.engine.groups.offsets import OFFSETS_STREAM
+from headwater.engine.groups.offsets import OFFSETS_STREAM, Replicated
 from headwater.errors import StreamNotFound
 
 
@@ -56,6 +57,8 @@ class ConsumerGroups:
         self._engine = engine
         self._tenants: dict[int, OffsetManager] = {}
         self._opening: dict[int, asyncio.Lock] = {}
+        # With [cluster]: commits wait for the offsets partition's in-sync replicas.
+        self.replicated: Replicated | None = None
 
     async def _manager(self, tenant_id: int) -> OffsetManager:
         found = self._tenants.get(tenant_id)
@@ -66,7 +69,7 @@ class ConsumerGroups:
             found = self._tenants.get(tenant_id)
             if found is None:
                 coordinator = GroupCoordinator(self._partitions_of(tenant_id), clock=_wall_ms)
-                store = await LogOffsetStore.open(self._engine, tenant_id)
+                store = await LogOffsetStore.open(self._engine, tenant_id, self._wait_replicated)
                 found = await OffsetManager.open(coordinator, store)
                 self._tenants[tenant_id] = found
             return found
@@ -80,6 +83,27 @@ class ConsumerGroups:
             except StreamNotFound:
                 continue
             await self._manager(tenant_id)
+
+    async def _wait_replicated(self, tenant_id: int, stream: str, end: int) -> None:
+        # Looked up at each commit: the cluster sets it after the offsets were loaded.
+        if self.replicated is not None:
+            await self.replicated(tenant_id, stream, end)
+
+    async def open_stored(self, tenant_id: int) -> None:
+        """The tenant's offsets stream (created if missing) and its offsets loaded: a
+        cluster needs the stream before it can place it and name its coordinator."""
+        await self._manager(tenant_id)
+
+    async def reload(self, tenant_id: int) -> None:
+        """This node became (or stopped being) the tenant's group coordinator in a
+        cluster: the committed offsets are read again from the local replica of the
+        offsets stream (what the old coordinator had replicated), and the membership
+        kept here is dropped (members rejoin, as after a Kafka coordinator moves)."""
+        manager = self._tenants.get(tenant_id)
+        if manager is None:
+            return  # loaded from the replica on first use
+        manager.committed = CommittedOffsets(await manager.store.load())
+        manager.coordinator.groups.clear()
 
     def partition_lags(self, tenant_id: int | None = None) -> Iterator[PartitionLag]:
         """Every committed (group, stream, partition) of ``tenant_id`` (or of every

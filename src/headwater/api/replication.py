@@ -6,15 +6,24 @@ partition's group commit like any append, so subscriptions and SQL see them) and
 divergent tail (:meth:`Replicas.truncate`). Each replica's leader epochs are the
 partition's ``leader-epoch-checkpoint`` (storage/leader_epochs.py). Partitions are named
 as etcd names them: tenant, stream name, partition.
+
+Of the internal streams, the consumer groups' offsets (``hw_consumer_offsets``) are
+replicated like any stream (:data:`REPLICATED_INTERNAL`): the leader of its partition is
+the tenant's group coordinator. The others stay each node's own (docs/cluster.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
-from headwater.engine.engine import Engine
+from headwater.engine.engine import Engine, Stream, StreamInfo
+from headwater.engine.groups.offsets import OFFSETS_STREAM, LogOffsetStore
+from headwater.errors import StreamNotFound
 from headwater.storage.leader_epochs import LeaderEpochs
 from headwater.storage.log import PartitionLog
+
+REPLICATED_INTERNAL = (OFFSETS_STREAM,)
 
 
 class Replicas:
@@ -22,8 +31,40 @@ class Replicas:
         self._engine = engine
         self._epochs: dict[PartitionLog, LeaderEpochs] = {}
 
+    @property
+    def data_dir(self) -> Path:
+        return self._engine.data_dir
+
     def _log(self, tenant_id: int, stream: str, partition: int) -> PartitionLog:
-        return self._engine.stream_by_name(tenant_id, stream).partition_log(partition)
+        return self._engine.stream_by_name(tenant_id, stream, internal=True).partition_log(
+            partition
+        )
+
+    def internal_streams(self, tenant_id: int) -> list[StreamInfo]:
+        """The tenant's replicated internal streams that exist here."""
+        found = []
+        for name in REPLICATED_INTERNAL:
+            try:
+                found.append(self._engine.stream_by_name(tenant_id, name, internal=True).info())
+            except StreamNotFound:
+                continue
+        return found
+
+    async def create_internal(self, tenant_id: int, name: str) -> bool:
+        """Create a replicated internal stream another node registered (with the
+        settings its owner gives it); False for a name that is not one."""
+        if name != OFFSETS_STREAM:
+            return False
+        await LogOffsetStore.open(self._engine, tenant_id)
+        return True
+
+    async def wait_for_end(
+        self, tenant_id: int, stream: str, partition: int, offset: int, timeout_s: float
+    ) -> bool:
+        """A follower's long poll: the partition's committed end passes ``offset``
+        within ``timeout_s`` (internal streams too)."""
+        where = self._engine.stream_by_name(tenant_id, stream, internal=True)
+        return await wait_for_end(where, partition, offset, timeout_s)
 
     def end(self, tenant_id: int, stream: str, partition: int) -> int:
         """The replica's committed end: every offset below it is durable here."""
@@ -59,7 +100,7 @@ class Replicas:
 
     async def append_stored(self, tenant_id: int, stream: str, partition: int, data: bytes) -> int:
         """Append the leader's batches as they are; the new end once it is durable."""
-        where = self._engine.stream_by_name(tenant_id, stream)
+        where = self._engine.stream_by_name(tenant_id, stream, internal=True)
         plog = where.partition_log(partition)
         end = plog.append_stored(data)
         await where.committers[partition].committed(end)
@@ -73,3 +114,27 @@ class Replicas:
         )
         self.epochs(tenant_id, stream, partition).truncate_from(end)
         return end
+
+
+async def wait_for_end(stream: Stream, partition: int, offset: int, timeout_s: float) -> bool:
+    """Wait until the partition's committed end passes ``offset`` (an event at or after
+    it is stored), at most ``timeout_s``: a long poll. False when the time ran out first."""
+    plog = stream.partition_log(partition)
+    if plog.committed_offset > offset:
+        return True
+    committer = stream.committers[partition]
+    arrived = asyncio.Event()
+
+    def on_commit(committed: int) -> None:
+        if committed > offset:
+            arrived.set()
+
+    committer.add_listener(on_commit)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await arrived.wait()
+    except TimeoutError:
+        return False
+    finally:
+        committer.remove_listener(on_commit)
+    return True

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 from headwater.api import EngineAPI, StreamSettings
 from headwater.cluster.config import ClusterConfig
+from headwater.cluster.coordinators import GroupCoordinators
 from headwater.cluster.etcd import (
     Etcd,
     EtcdError,
@@ -76,6 +77,7 @@ class ClusterNode:
         self._renewed_at = 0.0  # when etcd last renewed the lease (monotonic)
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
+        self.coordinators = GroupCoordinators(self)
         self.view = ClusterView(self)  # what the front ends ask
 
     # ---- life ---------------------------------------------------------------------------
@@ -86,6 +88,8 @@ class ClusterNode:
         to two leases; a key held longer than that is another live process. Either that
         or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
+        # Offset commits are acknowledged once the offsets partition's ISR holds them.
+        self.api.groups.replicated = self.coordinators.replicated
         self.info = NodeInfo(
             self.info.node_id,
             self.info.host,
@@ -199,18 +203,26 @@ class ClusterNode:
             await self._control()
         await self._read_state()
         await self.replication.reconcile()
+        await self.coordinators.reconcile()
 
     async def _sync_streams(self, known: list[KeyValue]) -> None:
         counts: dict[tuple[int, str], int] = {}
+        internal: set[tuple[int, str]] = set()
         for kv in known:
             tenant, name = kv.key[len(self.keys.streams) :].split("/")
             counts[int(tenant), name] = int(kv.json()["partitions"])
+            if kv.json().get("internal"):
+                internal.add((int(tenant), name))
         for tenant_id in self.api.tenant_ids():
-            for stream in self.api.list_streams(tenant_id):
+            replicated_internal = self.api.replicas.internal_streams(tenant_id)
+            for stream in [*self.api.list_streams(tenant_id), *replicated_internal]:
                 theirs = counts.get((tenant_id, stream.name))
                 if theirs is None or theirs < stream.partitions:
                     key = self.keys.stream(tenant_id, stream.name)
-                    await self.etcd.put(key, json.dumps({"partitions": stream.partitions}).encode())
+                    value = {"partitions": stream.partitions}
+                    if stream in replicated_internal:
+                        value["internal"] = True  # the others create it as internal too
+                    await self.etcd.put(key, json.dumps(value).encode())
                     log.info(
                         "stream registered", extra={"tenant": tenant_id, "stream": stream.name}
                     )
@@ -222,7 +234,12 @@ class ClusterNode:
             if tenant_id not in self.api.tenant_ids():
                 continue
             try:
-                await self.api.create_stream(tenant_id, name, StreamSettings(partitions=partitions))
+                if (tenant_id, name) in internal:
+                    if not await self.api.replicas.create_internal(tenant_id, name):
+                        continue  # an internal stream this version does not replicate
+                else:
+                    settings = StreamSettings(partitions=partitions)
+                    await self.api.create_stream(tenant_id, name, settings)
             except HeadwaterError as exc:
                 log.warning("cannot create stream %s of tenant %d: %s", name, tenant_id, exc)
             else:
@@ -234,7 +251,8 @@ class ClusterNode:
         """This node's end offset of every partition it holds, by partition path."""
         ends: dict[str, int] = {}
         for tenant_id in self.api.tenant_ids():
-            for stream in self.api.list_streams(tenant_id):
+            streams = self.api.list_streams(tenant_id)
+            for stream in [*streams, *self.api.replicas.internal_streams(tenant_id)]:
                 for part in stream.partition_info:
                     key = PartitionKey(tenant_id, stream.name, part.partition)
                     ends[key.path()] = part.next_offset

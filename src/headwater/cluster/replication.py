@@ -17,6 +17,12 @@ that reaches the high watermark (and the current epoch's start) joins it; both a
 written to etcd by a txn guarded on the partition key's revision, and only while this
 node still leads at the same epoch. On becoming leader a node adds its epoch at its log
 end to its leader-epoch checkpoint before it serves anything.
+
+**High watermarks** are checkpointed to ``replication-offset-checkpoint`` in the data dir
+(storage/high_watermarks.py) each tick one moved: a restarted follower answers from it
+until its leader's first answer, and a new leader counts a follower it has not heard
+from yet as holding what the high watermark it knew covered (as Kafka's leader starts
+from its checkpointed high watermark), instead of zero.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from headwater.cluster.etcd import EtcdError, put_json, unchanged
 from headwater.cluster.layout import NO_LEADER, PartitionKey, PartitionState
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError, StorageError
 from headwater.protocols import replication as wire
+from headwater.storage.high_watermarks import read_high_watermarks, write_high_watermarks
 from headwater.storage.leader_epochs import UNKNOWN
 
 if TYPE_CHECKING:
@@ -97,6 +104,17 @@ class Replication:
         # Follower side: the task per partition followed and the high watermark learned.
         self._followers: dict[PartitionKey, tuple[tuple[int, int], asyncio.Task[None]]] = {}
         self.follower_hw: dict[PartitionKey, int] = {}
+        # The high watermarks last written to the checkpoint, and a leader's floor: what
+        # it knew as follower (or from the checkpoint) when it took the partition.
+        try:
+            checkpoint = read_high_watermarks(self.replicas.data_dir)
+        except StorageError as exc:
+            # Only a head start: without it the high watermarks start from zero, as
+            # before the checkpoint existed, and rise with the followers' fetches.
+            log.warning("%s; high watermarks start from zero", exc)
+            checkpoint = {}
+        self._checkpointed = {PartitionKey(*where): hw for where, hw in checkpoint.items()}
+        self._hw_floor: dict[PartitionKey, int] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()  # one per follower connection
@@ -206,13 +224,14 @@ class Replication:
         if state is None:
             return 0
         if state.leader != self.me:
-            return self.follower_hw.get(key, 0)
+            return self.follower_hw.get(key, self._checkpointed.get(key, 0))
         end = self.replicas.end(key.tenant_id, key.stream, key.partition)
         ends = self._ends.get(key, {})
+        floor = min(self._hw_floor.get(key, 0), end)
         hw = end
         for member in state.isr:
             if member != self.me:
-                hw = min(hw, ends.get(member, 0))
+                hw = min(hw, ends.get(member, floor))
         return hw
 
     async def wait_replicated(self, key: PartitionKey, offset: int, timeout_s: float) -> None:
@@ -267,6 +286,26 @@ class Replication:
             if key not in self._followers:
                 task = asyncio.create_task(self._follow(key, *leader_epoch), name=f"follow {key}")
                 self._followers[key] = (leader_epoch, task)
+        await self._checkpoint_high_watermarks()
+
+    async def _checkpoint_high_watermarks(self) -> None:
+        """Write the high watermark of every partition held here, if one moved."""
+        current: dict[PartitionKey, int] = dict(self._checkpointed)
+        for key, state in self.node.partitions.items():
+            if self.me not in state.replicas:
+                continue
+            try:
+                current[key] = self.high_watermark(key)
+            except HeadwaterError:
+                continue  # the stream is not here yet
+        if current == self._checkpointed:
+            return
+        await asyncio.to_thread(
+            write_high_watermarks,
+            self.replicas.data_dir,
+            {(k.tenant_id, k.stream, k.partition): hw for k, hw in current.items()},
+        )
+        self._checkpointed = current
 
     def _take_leadership(self, key: PartitionKey, state: PartitionState) -> None:
         since = self._leading_since.get(key)
@@ -276,6 +315,8 @@ class Replication:
         end = self.replicas.end(key.tenant_id, key.stream, key.partition)
         epochs.assign(state.epoch, end)
         self._leading_since[key] = (state.epoch, time.monotonic())
+        # Every in-sync replica held what the high watermark known here covered.
+        self._hw_floor[key] = self.follower_hw.get(key, self._checkpointed.get(key, 0))
         self._ends[key] = {}
         self._caught_up[key] = {}
         self._last_fetch[key] = {}
@@ -301,9 +342,12 @@ class Replication:
             fetched = fetches.get(replica)
             # Back in on a fetch within the lag, as Kafka expands the ISR only on a
             # follower's fetch: a dead follower's last end, once caught up, would
-            # otherwise put it back on every tick after it was dropped.
+            # otherwise put it back on every tick after it was dropped. A node etcd
+            # no longer lists is dead: the controller took it out of the ISR, and its
+            # last fetch (within the lag) must not put it back.
             if (
                 replica not in isr
+                and replica in self.node.nodes
                 and end is not None
                 and end >= max(hw, epoch_start)
                 and fetched is not None
@@ -399,9 +443,8 @@ class Replication:
                 key.tenant_id, key.stream, key.partition, offset, max_bytes
             )
         else:
-            stream_id = self.node.api.stream_named(key.tenant_id, key.stream).stream_id
-            if await self.node.api.wait_for_end(
-                key.tenant_id, stream_id, key.partition, offset, LONG_POLL_S
+            if await self.replicas.wait_for_end(
+                key.tenant_id, key.stream, key.partition, offset, LONG_POLL_S
             ):
                 data = await self.replicas.read_stored(
                     key.tenant_id, key.stream, key.partition, offset, max_bytes

@@ -58,6 +58,16 @@ class ClusterView:
     def controller_id(self) -> int:
         return self._node.controller_id
 
+    def group_coordinator(self, tenant_id: int) -> NodeInfo | None:
+        """The node coordinating the tenant's consumer groups (the leader of its offsets
+        stream), None while none does (FindCoordinator: COORDINATOR_NOT_AVAILABLE)."""
+        return self._node.coordinators.coordinator(tenant_id)
+
+    def check_group_coordinator(self, tenant_id: int) -> None:
+        """NotCoordinator / CoordinatorNotAvailable unless this node coordinates the
+        tenant's groups now."""
+        self._node.coordinators.check(tenant_id)
+
     def partition(self, tenant_id: int, stream: str, partition: int) -> PartitionView | None:
         key = PartitionKey(tenant_id, stream, partition)
         state = self._node.partitions.get(key)

@@ -25,10 +25,12 @@ from headwater.engine.groups.coordinator import (
     SyncResult,
 )
 from headwater.engine.groups.errors import (
+    CoordinatorNotAvailable,
     FencedInstanceId,
     GroupError,
     IllegalGeneration,
     InconsistentGroupProtocol,
+    NotCoordinator,
     RebalanceInProgress,
     UnknownMemberId,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "NO_GENERATION",
     "CommittedOffset",
     "CommittedOffsets",
+    "CoordinatorNotAvailable",
     "FencedInstanceId",
     "GroupConfig",
     "GroupCoordinator",
@@ -58,6 +61,7 @@ __all__ = [
     "JoinResult",
     "LogOffsetStore",
     "MemberSubscription",
+    "NotCoordinator",
     "OffsetKey",
     "OffsetManager",
     "OffsetStore",

@@ -63,3 +63,19 @@ class FencedInstanceId(GroupError):
     is a zombie: it must stop)."""
 
     kafka_name, kafka_code = "FENCED_INSTANCE_ID", 82
+
+
+class CoordinatorNotAvailable(GroupError):
+    """In a cluster: the group's offsets partition has no leader right now (not placed
+    yet, or failing over); the client asks again (FindCoordinator)."""
+
+    kafka_name, kafka_code = "COORDINATOR_NOT_AVAILABLE", 15
+    retryable = True
+
+
+class NotCoordinator(GroupError):
+    """In a cluster: another node leads the group's offsets partition, so it is the
+    group's coordinator; the client finds it again (FindCoordinator) and moves there."""
+
+    kafka_name, kafka_code = "NOT_COORDINATOR", 16
+    retryable = True

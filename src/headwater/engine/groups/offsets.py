@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import NamedTuple, Protocol
 
 from headwater.engine.engine import MAX_APPEND_EVENTS, Engine, StreamSettings
@@ -36,6 +36,11 @@ _KEY_VERSION = 1
 _U16 = struct.Struct(">H")
 _PARTITION = struct.Struct(">I")
 _VALUE = struct.Struct(">BqQ")  # version, offset, commit time (ms)
+
+# In a cluster: (tenant, stream name, end) returns once the in-sync replicas hold the
+# stream's partition 0 below ``end`` (acks=all), so a commit acknowledged survives the
+# coordinator's loss (docs/cluster.md, "Consumer groups across the cluster").
+Replicated = Callable[[int, str, int], Awaitable[None]]
 
 
 class OffsetKey(NamedTuple):
@@ -111,13 +116,18 @@ class OffsetStore(Protocol):
 class LogOffsetStore:
     """One tenant's offsets in its internal compacted stream."""
 
-    def __init__(self, engine: Engine, tenant_id: int, stream_id: int) -> None:
+    def __init__(
+        self, engine: Engine, tenant_id: int, stream_id: int, replicated: Replicated | None = None
+    ) -> None:
         self.engine = engine
         self.tenant_id = tenant_id
         self.stream_id = stream_id
+        self.replicated = replicated
 
     @classmethod
-    async def open(cls, engine: Engine, tenant_id: int) -> LogOffsetStore:
+    async def open(
+        cls, engine: Engine, tenant_id: int, replicated: Replicated | None = None
+    ) -> LogOffsetStore:
         """The tenant's store, its stream created on first use."""
         try:
             stream_id = engine.stream_by_name(tenant_id, OFFSETS_STREAM, internal=True).stream_id
@@ -125,7 +135,7 @@ class LogOffsetStore:
             settings = StreamSettings(cleanup_policy="compact")
             info = await engine.create_stream(tenant_id, OFFSETS_STREAM, settings, internal=True)
             stream_id = info.stream_id
-        return cls(engine, tenant_id, stream_id)
+        return cls(engine, tenant_id, stream_id, replicated)
 
     async def load(self) -> dict[OffsetKey, CommittedOffset]:
         log = self.engine.stream(self.tenant_id, self.stream_id, internal=True).log
@@ -149,21 +159,29 @@ class LogOffsetStore:
 
     async def commit(self, offsets: Mapping[OffsetKey, CommittedOffset]) -> None:
         items = list(offsets.items())
+        end = 0
         for start in range(0, len(items), MAX_APPEND_EVENTS):
             chunk = items[start : start + MAX_APPEND_EVENTS]
-            await self.engine.append(
+            stored = await self.engine.append(
                 self.tenant_id,
                 self.stream_id,
                 [encode_value(v) for _, v in chunk],
                 keys=[encode_key(k) for k, _ in chunk],
                 internal=True,
             )
+            end = stored.next_offset
+        await self._replicated(end)
+
+    async def _replicated(self, end: int) -> None:
+        if self.replicated is not None and end:
+            await self.replicated(self.tenant_id, OFFSETS_STREAM, end)
 
     async def delete(self, keys: Iterable[OffsetKey]) -> None:
         encoded = [encode_key(k) for k in keys]
+        end = 0
         for start in range(0, len(encoded), MAX_APPEND_EVENTS):
             chunk = encoded[start : start + MAX_APPEND_EVENTS]
-            await self.engine.append(
+            stored = await self.engine.append(
                 self.tenant_id,
                 self.stream_id,
                 [b""] * len(chunk),
@@ -171,6 +189,8 @@ class LogOffsetStore:
                 tombstones=[True] * len(chunk),
                 internal=True,
             )
+            end = stored.next_offset
+        await self._replicated(end)
 
 
 class CommittedOffsets:

@@ -129,6 +129,14 @@ def _ms(delta: Any) -> int:
     return int(delta.total_seconds() * 1000)
 
 
+def _check_coordinator(session: Session) -> None:
+    """In a cluster, only the node leading the tenant's offsets stream serves its groups:
+    NOT_COORDINATOR (or COORDINATOR_NOT_AVAILABLE during a move) elsewhere, and the
+    client finds the coordinator again (docs/cluster.md)."""
+    if session.cluster is not None:
+        session.cluster.check_group_coordinator(session.tenant_id)
+
+
 class KafkaGroups:
     """The group APIs of one Kafka listener, for every tenant."""
 
@@ -165,6 +173,7 @@ class KafkaGroups:
         session_timeout = _ms(request.session_timeout)
         rebalance = getattr(request, "rebalance_timeout", None)
         try:
+            _check_coordinator(session)
             topics, owned = parse_subscription(next(iter(protocols.values()), b""))
             member_id, replies = tenant.coordinator.join(
                 group_id,
@@ -222,6 +231,7 @@ class KafkaGroups:
             "assignment": b"",
         }
         try:
+            _check_coordinator(session)
             # Only the leader's assignments count (Kafka ignores a follower's).
             assignments = {
                 a.member_id: (parse_assignment(bytes(a.assignment)), bytes(a.assignment))
@@ -250,6 +260,7 @@ class KafkaGroups:
         tenant = await self._tenant(session.tenant_id)
         code = ErrorCode.none
         try:
+            _check_coordinator(session)
             tenant.coordinator.heartbeat(
                 request.group_id,
                 request.member_id,
@@ -273,6 +284,7 @@ class KafkaGroups:
         for member_id, instance_id in leaving:
             code = ErrorCode.none
             try:
+                _check_coordinator(session)
                 tenant.dispatch(tenant.coordinator.leave(group_id, member_id, instance_id))
                 tenant.metadata.pop((group_id, member_id), None)
             except HeadwaterError as exc:
@@ -295,6 +307,7 @@ class KafkaGroups:
         }
         code = ErrorCode.none
         try:
+            _check_coordinator(session)
             await self.api.groups.commit(
                 session.tenant_id,
                 request.group_id,
@@ -349,6 +362,17 @@ class KafkaGroups:
         return [{"name": name, "partitions": parts} for name, parts in by_topic.items()]
 
     async def offset_fetch(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
+        try:
+            _check_coordinator(session)
+        except HeadwaterError as exc:
+            code = error_code(exc)
+            if version >= 8:
+                groups = [
+                    {"group_id": group.group_id, "topics": [], "error_code": code}
+                    for group in request.groups
+                ]
+                return {"throttle_time": 0, "groups": groups}
+            return {"throttle_time": 0, "topics": [], "error_code": code}
         if version >= 8:
             groups = [
                 {
@@ -366,7 +390,12 @@ class KafkaGroups:
 
     async def list_groups(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
         tenant = await self._tenant(session.tenant_id)
-        groups = []
+        groups: list[dict[str, Any]] = []
+        try:
+            _check_coordinator(session)
+        except HeadwaterError:
+            # Kafka's ListGroups names the groups the broker asked coordinates: none.
+            return {"throttle_time": 0, "error_code": ErrorCode.none, "groups": groups}
         for group_id in await self.api.groups.group_ids(session.tenant_id):
             group = tenant.coordinator.groups.get(group_id)
             state = str(group.state) if group is not None else "Empty"
@@ -383,6 +412,11 @@ class KafkaGroups:
     ) -> Mapping[str, Any]:
         tenant = await self._tenant(session.tenant_id)
         described = []
+        try:
+            _check_coordinator(session)
+            refused = ErrorCode.none
+        except HeadwaterError as exc:
+            refused = error_code(exc)
         for group_id in request.groups:
             entry: dict[str, Any] = {
                 "error_code": ErrorCode.none,
@@ -393,7 +427,9 @@ class KafkaGroups:
                 "members": [],
                 "authorized_operations": -(2**31),
             }
-            if group_id in tenant.coordinator.groups:
+            if refused is not ErrorCode.none:
+                entry["error_code"] = refused
+            elif group_id in tenant.coordinator.groups:
                 description = tenant.coordinator.describe(group_id)
                 entry.update(
                     group_state=str(description.state),
@@ -427,6 +463,7 @@ class KafkaGroups:
         for group_id in request.groups_names:
             code = ErrorCode.none
             try:
+                _check_coordinator(session)
                 await self.api.groups.delete(session.tenant_id, group_id)
             except GroupError as exc:
                 code = error_code(exc)

@@ -372,19 +372,35 @@ async def describe_configs(session: Session, request: Any, version: int) -> Mapp
     return {"throttle_time": 0, "results": results}
 
 
+_GROUP_KEY = 0  # FindCoordinator's key_type of a consumer group (1: a transactional id)
+
+
 async def find_coordinator(session: Session, request: Any, version: int) -> Mapping[str, Any]:
-    broker = session.broker()
     keys = list(request.coordinator_keys) if version >= 4 else [request.key]
-    return {
-        "throttle_time": 0,
-        "error_code": ErrorCode.none,
-        "error_message": None,
-        **broker,
-        "coordinators": [
-            {"key": key, **broker, "error_code": ErrorCode.none, "error_message": None}
-            for key in keys
-        ],
-    }
+    key_type = getattr(request, "key_type", _GROUP_KEY)  # v0 asks for groups only
+    coordinators = [
+        {"key": key, **await _coordinator(session, key_type), "error_message": None} for key in keys
+    ]
+    first = {k: v for k, v in coordinators[0].items() if k != "key"}
+    return {"throttle_time": 0, **first, "coordinators": coordinators}
+
+
+async def _coordinator(session: Session, key_type: int) -> dict[str, Any]:
+    """The coordinator broker of a key: this node, but in a cluster a group's is the
+    node leading its tenant's offsets stream (docs/cluster.md). Transactional ids are
+    still coordinated by the node asked."""
+    cluster = session.cluster
+    if cluster is None or key_type != _GROUP_KEY:
+        return {**session.broker(), "error_code": ErrorCode.none}
+    # The offsets stream exists before it can be placed (created here on first use,
+    # as Kafka creates __consumer_offsets on the first FindCoordinator).
+    await session.api.groups.open_stored(session.tenant_id)
+    node = cluster.group_coordinator(session.tenant_id)
+    if node is None or "kafka" not in node.ports:
+        return {"node_id": -1, "host": "", "port": -1,
+                "error_code": ErrorCode.coordinator_not_available}  # fmt: skip
+    return {"node_id": node.node_id, "host": node.host, "port": node.ports["kafka"],
+            "error_code": ErrorCode.none}  # fmt: skip
 
 
 # ---- produce ----------------------------------------------------------------------------
