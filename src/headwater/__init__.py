@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from headwater._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -45,14 +47,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from headwater import client
-
-        value = getattr(client, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'headwater' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_LAZY, "client"))
 
 
 def __dir__() -> list[str]:

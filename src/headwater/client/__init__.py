@@ -10,8 +10,9 @@ over the Kimberlite protocol, and the partitioned log's :class:`Producer` /
 ...         print(event.offset, event.value)
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from headwater._lazy import lazy_getattr
 from headwater.errors import HeadwaterError
 from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, Timestamp
 
@@ -53,15 +54,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'headwater.client' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -30,9 +30,9 @@ numpy) only when first asked for, so a codec can use the types without loading i
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from headwater._lazy import lazy_getattr
 from headwater.engine.kinds.errors import (
     BadFieldData,
     BadName,
@@ -89,13 +89,7 @@ _LOADED_LATER = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LOADED_LATER.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LOADED_LATER)
 
 
 __all__ = [
