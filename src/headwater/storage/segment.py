@@ -111,6 +111,7 @@ BUFFER_ROUND = 1 << 20
 # and must not pin a big buffer (a batch kept by a reader keeps its buffer alive).
 POOLED_READ = 1 << 20
 READ_BUFFERS = ReadBuffers(32 << 20)
+PROBE_BYTES = 4096
 
 
 def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
@@ -122,6 +123,11 @@ def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
     else:
         buf = memoryview(READ_BUFFERS.take(length))[:length]
     try:
+        if nowait and isinstance(buf, memoryview) and length > PROBE_BYTES:
+            # The kernel fills a chunk front to back: while its last page is not in yet,
+            # the read below would copy the part that is and then give up. Ask that
+            # page first, so a cold chunk costs a 4 KiB copy on the loop, not megabytes.
+            os.preadv(fd, [buf[length - PROBE_BYTES :]], pos + length - PROBE_BYTES, _RWF_NOWAIT)
         got = os.preadv(fd, [buf], pos, _RWF_NOWAIT if nowait else 0)
     except BlockingIOError:
         raise WouldBlock from None

@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from unittest import mock
 
-from headwater.storage.segment import BUFFER_ROUND, POOLED_READ, ReadBuffers, _read
+import pytest
+
+from headwater.storage import segment
+from headwater.storage.segment import (
+    BUFFER_ROUND,
+    POOLED_READ,
+    ReadBuffers,
+    WouldBlock,
+    _read,
+    no_wait,
+)
 
 MIB = 1 << 20
 
@@ -59,5 +70,35 @@ def test_large_reads_use_the_pool_and_short_ones_end_at_the_file_end(tmp_path: P
         assert bytes(whole) == data
         tail = _read(fd, 100, len(data) - 50)
         assert bytes(tail) == data[-50:]
+    finally:
+        os.close(fd)
+
+
+def test_a_no_wait_read_of_a_chunk_whose_end_is_not_cached_copies_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(4 * MIB))
+    pool = ReadBuffers(8 * MIB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel read-ahead on fd
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 2 * MIB, 0)  # the front is cached again, the end is not
+        with mock.patch.object(segment, "READ_BUFFERS", pool):
+            buffer = pool.take(4 * MIB)
+            del buffer  # idle: the read below gets it
+            try:
+                with no_wait():
+                    _read(fd, 4 * MIB, 0)
+            except WouldBlock:
+                pass
+            else:
+                pytest.skip("the kernel kept the pages cached; nothing to observe here")
+            (lent,) = pool._buffers
+            # The end was asked first: the cached front was not copied for nothing.
+            assert bytes(lent[: 2 * MIB]) == bytes(2 * MIB)
+        assert bytes(_read(fd, 4 * MIB, 0)) == path.read_bytes()
     finally:
         os.close(fd)
