@@ -101,6 +101,12 @@ class ServerConnection(Generic[ItemT, EventT]):
             events.append(event)
         return events
 
+    def discard(self) -> None:
+        """The connection is gone: later input is ignored and the bytes held are freed
+        at once (see :meth:`IncrementalDecoder.discard`)."""
+        self._closed = True
+        self._decoder.discard()
+
     def receive_eof(self) -> list[Close]:
         """The peer closed its side: a Close event when it stopped inside an item."""
         if self._closed:
