@@ -16,6 +16,7 @@ ConvergeDB wire's own upper-case names (``KIND_NOT_FOUND``) stay readable as ali
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import ClassVar
 
@@ -197,7 +198,25 @@ class RateLimited(HeadwaterError):
 
 
 class NotLeader(HeadwaterError):
+    """This node does not lead the partition. ``leader``: the leader's node id and each
+    of its listeners' ``host:port`` by name (``kafka``, ``http`` ...) when one is known,
+    for front ends that can carry it beside the message (HTTP's JSON body)."""
+
     code, name, retryable = 15, ErrorName.NOT_LEADER, True
+
+    def __init__(self, message: str = "", leader: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader
+
+    def address_of(self, listener: str) -> str | None:
+        """The leader's ``host:port`` for ``listener`` (``rivven``, ``kimberlite`` ...):
+        from ``leader``, else from the message, which names each listener as
+        ``<name> <host>:<port>`` (Kimberlite's wire has no other place for it)."""
+        if self.leader is not None:
+            address = self.leader.get(listener)
+            return address if isinstance(address, str) else None
+        found = re.search(rf"\b{re.escape(listener)} (\S+:\d+)", self.message)
+        return None if found is None else found.group(1).rstrip(",")
 
 
 class KindNotFound(TableNotFound):

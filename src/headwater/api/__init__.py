@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from headwater.api.auth import Auth, AuthConfig, Principal
+from headwater.api.cluster_gate import ClusterGate
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
 from headwater.api.readahead import ReadAhead
@@ -302,6 +303,9 @@ class EngineAPI:
         self.groups = ConsumerGroups(engine)
         # replication (docs/cluster.md): stored batches out and in, divergent tails cut
         self.replicas = Replicas(engine)
+        # a cluster node's rules for every front end: appends on leaders, reads below
+        # the high watermark (docs/cluster.md, "Front ends")
+        self.cluster_gate = ClusterGate(engine)
         # exactly-once producers (engine/transactions): ids, epochs, transactions; a
         # transaction's offsets reach the groups' view as it commits
         self._transactions = TransactionCoordinator(engine, self.groups.commit_staged)
@@ -428,6 +432,38 @@ class EngineAPI:
     def stream_end(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
         """A partition's committed end offset (the next offset an append to it gets)."""
         return self._engine.stream(tenant_id, stream_id).partition_log(partition).committed_offset
+
+    def readable_end(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
+        """Where a partition's readers stop (read_uncommitted): its committed end, or in
+        a cluster its high watermark (docs/cluster.md, "Front ends")."""
+        return self._engine.stream(tenant_id, stream_id).partition_log(partition).readable_offset
+
+    async def wait_readable(
+        self, tenant_id: int, stream_id: int, partition: int, offset: int, timeout_s: float
+    ) -> bool:
+        """Wait until readers may read at ``offset`` (the readable end passes it: a
+        commit, or in a cluster a high watermark move), at most ``timeout_s``: a long
+        poll. False when the time ran out first."""
+        stream = self._engine.stream(tenant_id, stream_id)
+        plog = stream.partition_log(partition)
+        if plog.readable_offset > offset:
+            return True
+        committer = stream.committers[partition]
+        arrived = asyncio.Event()
+
+        def on_move(_committed: int) -> None:
+            if plog.readable_offset > offset:
+                arrived.set()
+
+        committer.add_listener(on_move)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await arrived.wait()
+        except TimeoutError:
+            return False
+        finally:
+            committer.remove_listener(on_move)
+        return True
 
     def last_stable_offset(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
         """A partition's last stable offset: where read_committed reads stop (the first

@@ -103,6 +103,11 @@ class Replicas:
         where = self._engine.stream_by_name(tenant_id, stream, internal=True)
         plog = where.partition_log(partition)
         end = plog.append_stored(data)
+        # The copies carry the leader's tenant log positions: this tenant's next position
+        # passes them, so a query here (which reads below it) sees them.
+        last = plog.last_position
+        if last is not None and last > where.tenant.next_position:
+            where.tenant.next_position = last
         await where.committers[partition].committed(end)
         return end
 

@@ -43,6 +43,7 @@ from typing import Literal, TypeVar
 
 from headwater.errors import (
     HeadwaterError,
+    NotLeader,
     ProtocolError,
     StreamAlreadyExists,
     StreamNotFound,
@@ -461,9 +462,33 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
                 part_headers = header_column[start:end] if header_column is not None else ()
                 parts.append(functools.partial(_append_records, batch, part_keys, part_headers))
                 start = end
-        return await self._with_stream(
-            stream, lambda sid: self._append_batches(sid, parts, max(1, max_in_flight))
+        return await self._following_leader(
+            lambda: self._with_stream(
+                stream, lambda sid: self._append_batches(sid, parts, max(1, max_in_flight))
+            )
         )
+
+    async def _following_leader(self, append: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``append``; refused with NotLeader before any part was stored (a
+        cluster's follower, docs/cluster.md), run it again at the leader the refusal
+        names (or here again after a pause while none is named), up to ``retries``."""
+        attempt = 0
+        while True:
+            try:
+                return await append()
+            except NotLeader as exc:
+                if getattr(exc, "appended_batches", None) or attempt >= self.retries:
+                    raise
+                attempt += 1
+                self.retried += 1
+                if not self._follow_leader(exc):
+                    await asyncio.sleep(self._backoff(attempt))
+
+    def _follow_leader(self, error: NotLeader) -> bool:
+        moved = super()._follow_leader(error)
+        if moved:
+            self._names.clear()  # stream ids are each node's own: look names up there
+        return moved
 
     async def _capabilities(self) -> tuple[str, ...]:
         """The Handshake's capabilities (connecting first when not connected yet)."""

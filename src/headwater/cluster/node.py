@@ -37,6 +37,7 @@ from headwater.cluster.etcd import (
     put_json,
     unchanged,
 )
+from headwater.cluster.frontends import FrontEndRules
 from headwater.cluster.layout import (
     Keys,
     NodeInfo,
@@ -79,6 +80,7 @@ class ClusterNode:
         self.controller_id = -1  # as of the last tick
         self.coordinators = GroupCoordinators(self)
         self.view = ClusterView(self)  # what the front ends ask
+        self.front_ends = FrontEndRules(self)  # appends on leaders, reads below the HW
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -87,6 +89,7 @@ class ClusterNode:
         earlier run of this node (killed, its lease not yet expired) is waited out, up
         to two leases; a key held longer than that is another live process. Either that
         or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
+        self.front_ends.start()
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
         # Offset commits are acknowledged once the offsets partition's ISR holds them.
         self.api.groups.replicated = self.coordinators.replicated
@@ -203,6 +206,7 @@ class ClusterNode:
             await self._control()
         await self._read_state()
         await self.replication.reconcile()
+        self.front_ends.reconcile()
         await self.coordinators.reconcile()
 
     async def _sync_streams(self, known: list[KeyValue]) -> None:

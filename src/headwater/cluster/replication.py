@@ -464,6 +464,7 @@ class Replication:
             caught_up[replica] = previous[0]  # it had what the leader had at its last fetch
         self._last_fetch[key][replica] = (now, leader_end)
         self._progress.set()
+        self.node.front_ends.moved(key)
 
     # ---- follower: fetching ---------------------------------------------------------------
 
@@ -550,3 +551,4 @@ class Replication:
         if held and held != epochs.entries:
             epochs.replace(held)
         self.follower_hw[key] = min(int(header.get("hw", 0)), end)
+        self.node.front_ends.moved(key)

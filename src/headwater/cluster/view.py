@@ -88,12 +88,18 @@ class ClusterView:
         leader = None if state is None else self._node.nodes.get(state.leader)
         if leader is None:
             raise NotLeader(f"partition {partition} of {stream} has no leader right now")
-        ports = ", ".join(
-            f"{name} {leader.host}:{leader.ports[name]}"
-            for name in ("kafka", "kimberlite")
-            if name in leader.ports
+        # Every client-facing listener's address, in the message (the only place most
+        # wires have for it) and beside it for HTTP's JSON body.
+        addresses = {
+            name: f"{leader.host}:{port}"
+            for name, port in sorted(leader.ports.items())
+            if name != "replication"
+        }
+        listed = ", ".join(f"{name} {address}" for name, address in addresses.items())
+        raise NotLeader(
+            f"node {leader.node_id} leads partition {partition} of {stream}: {listed}",
+            {"node_id": leader.node_id, **addresses},
         )
-        raise NotLeader(f"node {leader.node_id} leads partition {partition} of {stream}: {ports}")
 
     def high_watermark(self, tenant_id: int, stream: str, partition: int, end: int) -> int:
         """Where consumers of the partition stop (never past the local ``end``); a

@@ -390,6 +390,9 @@ class Engine:
         # Hooks for layers built on the engine (SQL projections, subscriptions, metrics).
         self.stream_created_listeners: list[Callable[[Stream], None]] = []
         self.stream_deleted_listeners: list[Callable[[Stream], None]] = []
+        # In a cluster (docs/cluster.md): raises NotLeader unless this node leads the
+        # partition (tenant, stream name, partition) now; None on a single node.
+        self.leader_check: Callable[[int, str, int], None] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -849,6 +852,9 @@ class Engine:
         placed = stream.partitioner.partition(
             keys if keys is not None else [None] * count, stream.partitions, partitions
         )
+        if self.leader_check is not None and not stream.internal:
+            for partition in np.unique(placed).tolist():
+                self.leader_check(tenant_id, stream.name, partition)
         now = int(time.time() * 1000)
         log_append_time = stream.settings.timestamp_type == "LogAppendTime"
         if timestamps is None or log_append_time:
@@ -947,6 +953,9 @@ class Engine:
         producer = columns.get("producer")
         stream = self.stream(tenant_id, stream_id, internal=internal)
         plog = stream.partition_log(partition)
+        # Transaction markers are the transaction coordinator's (docs/cluster.md).
+        if self.leader_check is not None and not stream.internal and not columns.get("control"):
+            self.leader_check(tenant_id, stream.name, partition)
         committer = stream.committers[partition]
         self._check_open()
         if stream.settings.timestamp_type == "LogAppendTime":

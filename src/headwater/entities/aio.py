@@ -127,6 +127,7 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
     """A ConvergeDB client for asyncio. Make one with :func:`connect_async`."""
 
     service = "ConvergeDB"
+    listener = "convergedb"
     default_port = DEFAULT_PORT
     refused_hint = "is `headwater serve` running with the ConvergeDB listener?"
     closed_message = "the entities client is closed"

@@ -133,6 +133,7 @@ class _AsyncWorker(Session[_Link, Resumable[_Link]]):
     framed in the caller's thread (:meth:`send`)."""
 
     service = "Ripple"
+    listener = "ripple"
     default_port = DEFAULT_PORT
     closed_message = "the worker is closed"
 

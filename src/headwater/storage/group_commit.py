@@ -54,6 +54,11 @@ class GroupCommitter:
         with contextlib.suppress(ValueError):
             self._listeners.remove(listener)
 
+    def readable_moved(self) -> None:
+        """More events became readable without a commit (a cluster's high watermark
+        moved): the listeners look again."""
+        self._notify()
+
     def _notify(self) -> None:
         committed = self.log.committed_offset
         for listener in list(self._listeners):

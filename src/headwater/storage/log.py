@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Unpack
@@ -186,6 +186,10 @@ class PartitionLog:
         self.files = files if files is not None else FileCache(None)
         self.segments: list[Segment] = []
         self._lock = threading.RLock()
+        # In a cluster (docs/cluster.md): the partition's high watermark, where every
+        # reader stops (the SQL projection, subscriptions and reads alike) and nothing
+        # else; None on a single node, whose readers read to the committed end.
+        self.readable_limit: Callable[[], int] | None = None
         # Sealed segments (base offsets) not yet fsynced since sealing. The active segment
         # is fsynced by every sync. Entries leave only when a sync of them succeeded, so
         # syncs may run concurrently and each one is complete on its own.
@@ -496,7 +500,17 @@ class PartitionLog:
         with self._lock:
             unstable = self.producers.first_unstable_offset()
             committed = self.committed_offset
-            return committed if unstable is None else min(unstable, committed)
+            stable = committed if unstable is None else min(unstable, committed)
+        limit = self.readable_limit
+        return stable if limit is None else min(stable, limit())
+
+    @property
+    def readable_offset(self) -> int:
+        """read_uncommitted readers stop here: the committed end, or in a cluster the
+        high watermark below it."""
+        committed = self.committed_offset
+        limit = self.readable_limit
+        return committed if limit is None else min(committed, limit())
 
     def _check_writable(self) -> None:
         if self.closed:
@@ -675,7 +689,7 @@ class PartitionLog:
         transactions: :meth:`aborted_transactions`; the client drops them)."""
         if from_offset < 0:
             raise UsageError("offsets are non-negative")
-        limit = self.last_stable_offset if committed_only else self.committed_offset
+        limit = self.last_stable_offset if committed_only else self.readable_offset
         if kafka:
             committed_only = False
         if upto is not None:

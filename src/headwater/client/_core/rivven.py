@@ -77,8 +77,16 @@ def error_of(answer: pb.ErrorResponse) -> HeadwaterError:
         return group_error(message)
     code = details.get("error_code", "")
     if code.isdigit():
-        return error_for_code(int(code), message, details.get("error"))
-    return _BY_RIVVEN_CODE.get(answer.code, UnknownError)(message)
+        error = error_for_code(int(code), message, details.get("error"))
+    else:
+        error = _BY_RIVVEN_CODE.get(answer.code, UnknownError)(message)
+    if isinstance(error, NotLeader):
+        # The leader's addresses, by listener (docs/protocols/rivven.md, "Errors").
+        leader = {
+            k.removeprefix("leader_"): v for k, v in details.items() if k.startswith("leader_")
+        }
+        error.leader = dict(leader) if leader else None
+    return error
 
 
 class RivvenLink(Link[ResponseFrame, Message]):
@@ -119,6 +127,7 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
 
     default_port: ClassVar[int] = DEFAULT_PORT
     service = "headwater (Rivven)"
+    listener = "rivven"
 
     def __init__(
         self,

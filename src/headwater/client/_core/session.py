@@ -27,7 +27,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Hashable
 from typing import Any, ClassVar, Generic, ParamSpec, Self, TypeVar, cast
 
-from headwater.errors import HeadwaterError, ProtocolError
+from headwater.errors import HeadwaterError, NotLeader, ProtocolError
 
 from ..errors import ClientClosed, ConnectionLost, RequestTimeout, ServerUnavailable
 from .link import Link, Lost, NotSent, reason
@@ -222,6 +222,8 @@ class Session(Generic[L, S]):
     closed_message: ClassVar[str] = "the client is closed"
     retry_on: ClassVar[tuple[type[BaseException], ...]] = (ServerUnavailable,)
     """What a failed connection attempt raises that the next attempt may not."""
+    listener: ClassVar[str] = "kimberlite"
+    """The server listener the session speaks to: a NotLeader's hint is looked up by it."""
 
     def __init__(
         self,
@@ -250,6 +252,8 @@ class Session(Generic[L, S]):
         # Counters, handy in tests and for monitoring.
         self.reconnects = 0
         self.retried = 0
+        self.redirects = 0  # moves to the leader a NotLeader named (a cluster)
+        self._moved = False  # the address changed: the next connection dials it afresh
         self._conn: L | None = None
         self._lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -429,8 +433,9 @@ class Session(Generic[L, S]):
             self._check_open()
             if round_seen != self._reconnect_round and self._reconnect_error is not None:
                 raise self._reconnect_error  # a reconnect failed while we waited: no storm
-            if not self._connected_once:
+            if not self._connected_once or self._moved:
                 conn = await self._open()
+                self._moved = False
             elif not self.reconnect:
                 why = (self._conn.close_reason if self._conn else None) or "closed"
                 raise ConnectionLost(
@@ -597,12 +602,52 @@ class Session(Generic[L, S]):
                     f"{self.service} answered {what} with {type(reply).__name__}, "
                     f"expected {expect.__name__}"
                 )
+            if isinstance(error, NotLeader) and attempt < self.retries and not self._closed:
+                # Refused before anything was stored, so safe to send again: to the leader
+                # the answer names (a cluster, docs/cluster.md), or, while none is named
+                # (an election), here again after a pause.
+                attempt += 1
+                self.retried += 1
+                if not self._follow_leader(error):
+                    await asyncio.sleep(self._backoff(attempt))
+                continue
             if error.retryable and safe and attempt < self.retries:
                 attempt += 1
                 self.retried += 1
                 await asyncio.sleep(self._backoff(attempt))
                 continue
             raise error
+
+    def _follow_leader(self, error: NotLeader) -> bool:
+        """Point the session at the leader ``error`` names for this listener: the next
+        request dials it, and the old connection is closed once the answers it owes
+        are in (its subscriptions then subscribe again on the new one). False when no
+        other address is named."""
+        address = error.address_of(self.listener)
+        if address is None:
+            return False
+        host, port = parse_server(address, self.default_port)
+        if (host, port) == (self.host, self.port):
+            return False
+        self.host, self.port, self.address = host, port, f"{host}:{port}"
+        self.redirects += 1
+        old, self._conn, self._moved = self._conn, None, True
+        if old is not None:
+            self._spawn(self._retire(old))
+        return True
+
+    async def _retire(self, old: L) -> None:
+        """Close a connection the session left for a leader, once the requests sent on
+        it are answered (or time out); its subscriptions move to the new connection."""
+        waiting = list(old.pending.values())
+        if waiting:
+            await asyncio.wait(waiting, timeout=self.timeout)
+        old.close()
+        subs = [s for s in self._subscriptions if s._orphaned_by(old)]
+        for sub in subs:
+            sub._detach()
+        if subs:
+            await self._recover(subs)
 
     async def _best_effort(self, conn: L, post: Post[L], timeout: float = 5.0) -> Any | None:
         """A request on one given connection: its answer, or None when it failed."""

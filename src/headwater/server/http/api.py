@@ -361,7 +361,7 @@ async def read_events(request: web.Request) -> web.Response:
             "events": [event_json(e, partition) for e in events],
             "next_offset": next_offset,
             "start_offset": start_offset,
-            "end_offset": api.stream_end(tenant_id, stream.stream_id, partition),
+            "end_offset": api.readable_end(tenant_id, stream.stream_id, partition),
         }
     )
 
@@ -391,7 +391,7 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     start = int_param(request, "from", 0)
     end = int_param(request, "to", None)
     if end is None:
-        end = max(start, api.stream_end(tenant_id, stream.stream_id, partition))
+        end = max(start, api.readable_end(tenant_id, stream.stream_id, partition))
     elif end < start:
         raise InvalidRequest(f"to ({end}) must not be below from ({start})")
     batches = await api.stream_range(tenant_id, stream.name, start, end, partition)

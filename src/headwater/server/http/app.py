@@ -16,6 +16,7 @@ from headwater.errors import (
     HeadwaterError,
     InternalError,
     InvalidRequest,
+    NotLeader,
     TenantForbidden,
 )
 from headwater.server.http.events import decode_json
@@ -52,7 +53,7 @@ STATUS_BY_CODE = {
     12: 503,  # StorageError
     13: 503,  # ProjectionLag
     14: 429,  # RateLimited
-    15: 503,  # NotLeader
+    15: 503,  # NotLeader while no node leads (421 when one does: error_response)
 }
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -72,7 +73,13 @@ def error_body(code: int, name: str, message: str, retryable: bool) -> dict[str,
 
 def error_response(exc: HeadwaterError) -> web.Response:
     status = 403 if isinstance(exc, TenantForbidden) else STATUS_BY_CODE.get(exc.code, 500)
-    response = json_response(error_body(exc.code, exc.name, exc.message, exc.retryable), status)
+    body = error_body(exc.code, exc.name, exc.message, exc.retryable)
+    if isinstance(exc, NotLeader) and exc.leader is not None:
+        # A cluster's partition led elsewhere (docs/cluster.md): 421 Misdirected Request,
+        # the leader's node id and addresses (its "http" among them) in the body.
+        status = 421
+        body["error"]["leader"] = exc.leader
+    response = json_response(body, status)
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="headwater"'
     if exc.retryable:

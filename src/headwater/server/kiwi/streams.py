@@ -70,7 +70,7 @@ class StreamFeed:
 
     def attach(self, session: KiwiSession) -> Detach:
         """``session`` gets the events committed from now on."""
-        end = self.api.stream_end(self.stream.tenant_id, self.stream.stream_id, self.partition)
+        end = self.api.readable_end(self.stream.tenant_id, self.stream.stream_id, self.partition)
         self.fanout.add(session, end)
 
         def detach() -> None:

@@ -461,9 +461,10 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0 or session.stopping.is_set():
             break
-        end = max(offset, api.stream_end(tenant_id, info.stream_id, partition))
+        # Past what readers may read: the end here, a cluster's high watermark.
+        end = max(offset, api.readable_end(tenant_id, info.stream_id, partition))
         arrived = asyncio.ensure_future(
-            api.wait_for_end(tenant_id, info.stream_id, partition, end, left)
+            api.wait_readable(tenant_id, info.stream_id, partition, end, left)
         )
         stopping = asyncio.ensure_future(session.stopping.wait())
         await asyncio.wait((arrived, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -474,7 +475,7 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
         # A read that skipped only aborted events or markers resumes past them.
         offset = max(offset, result.end_offset)
     response = pb.ConsumeResponse(
-        high_watermark=api.stream_end(tenant_id, info.stream_id, partition)
+        high_watermark=api.readable_end(tenant_id, info.stream_id, partition)
     )
     records = response.records
     for event in result.events():

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
-from headwater.errors import AuthenticationFailed, HeadwaterError, InternalError, InvalidRequest
+from headwater.errors import (
+    AuthenticationFailed,
+    HeadwaterError,
+    InternalError,
+    InvalidRequest,
+    NotLeader,
+)
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.connection import RequestFrame, ServerConnection
 from headwater.protocols.rivven.frames import FrameTooLarge
@@ -151,6 +157,10 @@ def _details(exc: HeadwaterError) -> dict[str, str]:
     kafka_name = getattr(exc, "kafka_name", None)
     if isinstance(kafka_name, str):
         details["kafka_error"] = kafka_name
+    if isinstance(exc, NotLeader) and exc.leader is not None:
+        # A cluster's partition led elsewhere: the leader's id and addresses, which the
+        # SDK follows (leader_rivven).
+        details.update({f"leader_{name}": str(value) for name, value in exc.leader.items()})
     return details
 
 

@@ -1,0 +1,49 @@
+"""What a cluster node sets on the engine so every front end keeps to the cluster's
+rules without asking (docs/cluster.md, "Front ends"): appends only on a partition's
+leader, reads only below its high watermark.
+
+A single node never calls these: its appends are not checked and its readers read to
+the committed end, at no cost (one ``is None`` test).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from headwater.engine.engine import Engine
+from headwater.errors import StreamNotFound
+
+
+class ClusterGate:
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def check_appends(self, check: Callable[[int, str, int], None]) -> None:
+        """Every append to a (non-internal) stream partition first calls
+        ``check(tenant, stream name, partition)``, which raises NotLeader to refuse it:
+        Rivven, HTTP, SQL INSERT, Kiwi and Kafka's and Kimberlite's appends alike."""
+        self._engine.leader_check = check
+
+    def limit_reads(
+        self, tenant_id: int, stream: str, partition: int, limit: Callable[[], int]
+    ) -> bool:
+        """Readers of the partition (reads, subscriptions, the SQL projection, long
+        polls) stop below ``limit()``, its high watermark, from now on. False when the
+        stream is not here (yet), or is internal (its owners read it as they need)."""
+        try:
+            where = self._engine.stream_by_name(tenant_id, stream)
+        except StreamNotFound:
+            return False
+        if partition >= where.partitions:
+            return False
+        where.partition_log(partition).readable_limit = limit
+        return True
+
+    def readable_moved(self, tenant_id: int, stream: str, partition: int) -> None:
+        """The partition's high watermark moved: waiting readers look again."""
+        try:
+            where = self._engine.stream_by_name(tenant_id, stream)
+        except StreamNotFound:
+            return
+        if partition < where.partitions:
+            where.committers[partition].readable_moved()
