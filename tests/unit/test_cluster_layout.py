@@ -13,6 +13,7 @@ from headwater.cluster.layout import (
     PartitionState,
     after_failures,
     place_replicas,
+    reassignment_step,
 )
 from headwater.server.config import ConfigError, config_from_dict
 
@@ -64,6 +65,23 @@ def test_a_dead_follower_leaves_the_isr_without_a_new_epoch() -> None:
     state = PartitionState((1, 2, 3), leader=1, epoch=4, isr=(1, 2, 3))
     assert after_failures(state, live={1, 2}) == PartitionState((1, 2, 3), 1, 4, (1, 2))
     assert after_failures(state, live={1, 2, 3}) is state
+
+
+def test_a_reassignment_adds_first_then_drops_once_in_sync() -> None:
+    state = PartitionState((1, 2, 3), 1, 4, (1, 2, 3))
+    live = {1, 2, 3, 4}
+    assert reassignment_step(state, (4, 2, 3), {1, 2, 3}) is state  # 4 not alive: waits
+    adding = reassignment_step(state, (4, 2, 3), live)
+    assert adding == PartitionState((1, 2, 3, 4), 1, 4, (1, 2, 3))
+    assert reassignment_step(adding, (4, 2, 3), live) is adding  # 4 not in sync yet
+    in_sync = PartitionState((1, 2, 3, 4), 1, 4, (1, 2, 3, 4))
+    # The leader (1) is left out: the first in-sync target replica leads, epoch + 1.
+    done = reassignment_step(in_sync, (4, 2, 3), live)
+    assert done == PartitionState((4, 2, 3), 4, 5, (2, 3, 4))
+    assert reassignment_step(done, (4, 2, 3), live) is done
+    # A leader that stays keeps leading and its epoch.
+    kept = reassignment_step(PartitionState((1, 2, 3, 4), 2, 4, (1, 2, 3, 4)), (2, 3, 4), live)
+    assert kept == PartitionState((2, 3, 4), 2, 4, (2, 3, 4))
 
 
 def test_cluster_config_table() -> None:

@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from headwater.cluster.etcd import Etcd, EtcdError
+from headwater.cluster.layout import PartitionKey, PartitionState
+from headwater.cluster.reassign import ReassignError, request_reassignment, wait_reassigned
 from headwater.cluster.status import cluster_status
 
 
@@ -43,7 +45,7 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
         nodes.add_row(str(node["node_id"]), node["host"], node["rack"] or "", ports)
     console.print(nodes)
     parts = Table(title="partitions")
-    for column in ("partition", "leader", "epoch", "replicas", "isr", "end", "lag"):
+    for column in ("partition", "leader", "epoch", "replicas", "isr", "end", "lag", "moving to"):
         parts.add_column(column)
     for part in status["partitions"]:
         lag = " ".join(
@@ -57,8 +59,48 @@ def cmd_cluster_status(args: argparse.Namespace) -> int:
             ",".join(map(str, part["isr"])),
             "?" if part["end"] is None else str(part["end"]),
             lag,
+            ",".join(map(str, part["reassigning"] or [])),
         )
     console.print(parts)
+    return 0
+
+
+def cmd_cluster_reassign(args: argparse.Namespace) -> int:
+    key = PartitionKey(args.tenant, args.stream, args.partition)
+    try:
+        replicas = [int(n) for n in args.replicas.split(",")]
+    except ValueError:
+        sys.stderr.write(f"error: --replicas must be node ids like 4,2,3, got {args.replicas}\n")
+        return 2
+
+    async def run() -> tuple[PartitionState, PartitionState | None]:
+        etcd = Etcd(args.etcd.split(","))
+        try:
+            before = await request_reassignment(etcd, key, replicas, args.prefix)
+            done = None
+            if args.wait:
+                done = await wait_reassigned(etcd, key, args.wait, args.prefix)
+            return before, done
+        finally:
+            await etcd.close()
+
+    try:
+        before, done = asyncio.run(run())
+    except (EtcdError, ReassignError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    target = ",".join(map(str, replicas))
+    sys.stdout.write(
+        f"{key.path()}: replicas {','.join(map(str, before.replicas))} -> {target} requested\n"
+    )
+    if args.wait:
+        if done is None:
+            sys.stderr.write(f"error: not done within {args.wait:g} s (it goes on)\n")
+            return 1
+        sys.stdout.write(
+            f"{key.path()}: done: replicas {','.join(map(str, done.replicas))}, "
+            f"leader {done.leader}, isr {','.join(map(str, done.isr))}\n"
+        )
     return 0
 
 
@@ -74,3 +116,25 @@ def add_cluster_commands(sub: Any) -> None:
     p.add_argument("--prefix", default="/headwater/", help="the cluster's etcd key prefix")
     p.add_argument("--json", action="store_true", help="print the status as JSON")
     p.set_defaults(func=cmd_cluster_status)
+    p = cluster_sub.add_parser(
+        "reassign",
+        help="move a partition's replicas (e.g. onto a new node): new ones copied first",
+    )
+    p.add_argument("--etcd", default="127.0.0.1:2379", help="etcd endpoints, comma-separated")
+    p.add_argument("--prefix", default="/headwater/", help="the cluster's etcd key prefix")
+    p.add_argument("--tenant", type=int, default=0, help="the stream's tenant id (default 0)")
+    p.add_argument("--stream", required=True, help="the stream (Kafka topic)")
+    p.add_argument("--partition", type=int, required=True)
+    p.add_argument(
+        "--replicas",
+        required=True,
+        help="the target replicas, node ids comma-separated, the preferred leader first",
+    )
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait up to this long for the move to finish (default: just request it)",
+    )
+    p.set_defaults(func=cmd_cluster_reassign)

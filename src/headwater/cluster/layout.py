@@ -7,6 +7,7 @@ Keys (under the configured prefix, ``/headwater/`` by default; values are JSON):
     streams/<tenant>/<name>              a stream: its partition count
     partitions/<tenant>/<name>/<p>       replicas, leader (-1: none), epoch, ISR
     offsets/<node_id>                    that node's end offset per replica (lease)
+    reassign/<tenant>/<name>/<p>         a reassignment under way: the target replicas
 
 A partition's state is only ever changed by a txn guarded on its mod revision, so two
 writers (the controller, a leader shrinking its ISR) never overwrite each other.
@@ -83,6 +84,7 @@ class Keys:
         self.streams = self.prefix + "streams/"
         self.partitions = self.prefix + "partitions/"
         self.offsets = self.prefix + "offsets/"
+        self.reassignments = self.prefix + "reassign/"
 
     def node(self, node_id: int) -> str:
         return f"{self.nodes}{node_id}"
@@ -95,6 +97,9 @@ class Keys:
 
     def node_offsets(self, node_id: int) -> str:
         return f"{self.offsets}{node_id}"
+
+    def reassignment(self, key: PartitionKey) -> str:
+        return self.reassignments + key.path()
 
 
 def place_replicas(
@@ -139,3 +144,26 @@ def after_failures(state: PartitionState, live: Iterable[int]) -> PartitionState
         return state
     epoch = state.epoch + 1 if leader != state.leader else state.epoch
     return replace(state, leader=leader, epoch=epoch, isr=isr)
+
+
+def reassignment_step(
+    state: PartitionState, target: Sequence[int], live: Iterable[int]
+) -> PartitionState:
+    """The next state of a partition moving to the ``target`` replicas (Kafka's
+    reassignment): first the new replicas are added (they fetch from the leader and the
+    leader takes them into the ISR once caught up), then, once every target replica is
+    in sync, the replicas become the target, the ISR keeps its target members and a
+    leader left out hands over to the first in-sync target replica (epoch + 1). The
+    state itself while a target node is not alive or a new replica has not caught up."""
+    alive = set(live)
+    if not all(n in alive for n in target):
+        return state
+    adding = tuple(n for n in target if n not in state.replicas)
+    if adding:
+        return replace(state, replicas=state.replicas + adding)
+    if tuple(target) == state.replicas or not set(target) <= set(state.isr):
+        return state
+    isr = tuple(n for n in state.isr if n in target)
+    leader = state.leader if state.leader in target else next(n for n in target if n in isr)
+    epoch = state.epoch + 1 if leader != state.leader else state.epoch
+    return PartitionState(tuple(target), leader, epoch, isr)

@@ -30,9 +30,11 @@ from headwater.api import EngineAPI, StreamSettings
 from headwater.cluster.config import ClusterConfig
 from headwater.cluster.coordinators import GroupCoordinators
 from headwater.cluster.etcd import (
+    Delete,
     Etcd,
     EtcdError,
     KeyValue,
+    Put,
     absent,
     put_json,
     unchanged,
@@ -45,6 +47,7 @@ from headwater.cluster.layout import (
     PartitionState,
     after_failures,
     place_replicas,
+    reassignment_step,
 )
 from headwater.cluster.replication import Replication
 from headwater.cluster.view import ClusterView
@@ -325,6 +328,39 @@ class ClusterNode:
                 log.info(
                     "partition leadership moved" if moved.leader != state.leader else "isr shrunk",
                     extra={"partition": key.path(), "from": state.leader, **moved.to_json()},
+                )
+        await self._reassign(live)
+
+    async def _reassign(self, live: set[int]) -> None:
+        """One step of each reassignment under way (``headwater cluster reassign``):
+        the new replicas added, then, once they are in sync, the old ones dropped
+        (:func:`headwater.cluster.layout.reassignment_step`); the request is deleted in
+        the txn that completes it."""
+        for request in await self.etcd.get_prefix(self.keys.reassignments):
+            key = PartitionKey.parse(request.key[len(self.keys.reassignments) :])
+            target = tuple(int(n) for n in request.json()["replicas"])
+            current = await self.etcd.get(self.keys.partition(key))
+            if current is None:
+                continue  # not placed yet
+            state = PartitionState.from_json(current.json())
+            moved = reassignment_step(state, target, live)
+            guards = [unchanged(current), unchanged(request)]
+            if moved.replicas == target:
+                writes: list[Put | Delete] = [Delete(request.key)]
+                if moved != state:
+                    writes.append(put_json(current.key, moved.to_json()))
+                if await self.etcd.txn(guards, writes):
+                    log.info(
+                        "partition reassigned",
+                        extra={"partition": key.path(), "from": list(state.replicas),
+                               **moved.to_json()},
+                    )  # fmt: skip
+            elif moved != state and await self.etcd.txn(
+                guards, [put_json(current.key, moved.to_json())]
+            ):
+                log.info(
+                    "reassignment: replicas added",
+                    extra={"partition": key.path(), **moved.to_json()},
                 )
 
     async def _read_state(self) -> None:

@@ -104,6 +104,9 @@ class Replication:
         # Follower side: the task per partition followed and the high watermark learned.
         self._followers: dict[PartitionKey, tuple[tuple[int, int], asyncio.Task[None]]] = {}
         self.follower_hw: dict[PartitionKey, int] = {}
+        # The partitions this node held a replica of at the last reconcile: one that a
+        # reassignment then moved away is dropped (its copy truncated to nothing).
+        self._held: set[PartitionKey] = set()
         # The high watermarks last written to the checkpoint, and a leader's floor: what
         # it knew as follower (or from the checkpoint) when it took the partition.
         try:
@@ -266,6 +269,11 @@ class Replication:
     async def reconcile(self) -> None:
         """Take new leaderships (epoch into the checkpoint), keep the ISR of those led,
         start and stop follower tasks to match etcd's leaders."""
+        held = {key for key, state in self.node.partitions.items() if self.me in state.replicas}
+        for key in self._held - held:
+            if key in self.node.partitions:  # still placed, on other nodes now
+                await self._drop(key)
+        self._held = held
         wanted: dict[PartitionKey, tuple[int, int]] = {}
         for key, state in self.node.partitions.items():
             if self.me not in state.replicas:
@@ -306,6 +314,18 @@ class Replication:
             {(k.tenant_id, k.stream, k.partition): hw for k, hw in current.items()},
         )
         self._checkpointed = current
+
+    async def _drop(self, key: PartitionKey) -> None:
+        """A replica moved off this node by a reassignment: its copy goes (truncated to
+        nothing, as Kafka deletes it), so it is neither served nor counted here."""
+        try:
+            end = await self.replicas.truncate(key.tenant_id, key.stream, key.partition, 0)
+        except HeadwaterError as exc:
+            log.warning("cannot drop the replica of %s: %s", key.path(), exc)
+            return
+        self.follower_hw.pop(key, None)
+        self._leading_since.pop(key, None)
+        log.info("replica dropped", extra={"partition": key.path(), "end": end})
 
     def _take_leadership(self, key: PartitionKey, state: PartitionState) -> None:
         since = self._leading_since.get(key)
