@@ -52,6 +52,8 @@ class Buffering(Protocol):
 class GuardedConnection(Connection, Protocol):
     """What a connection kept by a :class:`ConnectionGuard` shows it."""
 
+    transport: asyncio.Transport | None
+
     @property
     def protocol(self) -> Buffering:
         """The connection's sans-I/O protocol state."""
@@ -168,6 +170,10 @@ class ConnectionGuard:
         not when the cyclic GC reaches the connection (``tune_gc`` makes that rare: 3,000
         connections refused at ``max_pending_bytes`` held ~1.25 MiB each until then)."""
         self._connection.protocol.discard()
+        # Likewise the transport: under TLS it holds a 256 KiB read buffer and the
+        # TLS state, which the connection's cycle would keep until a collection.
+        self._connection.transport = None
+        self._transport = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
