@@ -59,6 +59,10 @@ class ConsumerGroups:
         self._opening: dict[int, asyncio.Lock] = {}
         # With [cluster]: commits wait for the offsets partition's in-sync replicas.
         self.replicated: Replicated | None = None
+        # With [cluster]: raises unless this node coordinates the tenant's groups, so a
+        # front end without a coordinator check of its own (Rivven's commits) never
+        # writes this node's follower copy of the offsets stream or reads a stale one.
+        self.check_coordinator: Callable[[int], None] | None = None
 
     async def _manager(self, tenant_id: int) -> OffsetManager:
         found = self._tenants.get(tenant_id)
@@ -89,6 +93,10 @@ class ConsumerGroups:
         if self.replicated is not None:
             await self.replicated(tenant_id, stream, end)
 
+    def _check_coordinator(self, tenant_id: int) -> None:
+        if self.check_coordinator is not None:
+            self.check_coordinator(tenant_id)
+
     async def open_stored(self, tenant_id: int) -> None:
         """The tenant's offsets stream (created if missing) and its offsets loaded: a
         cluster needs the stream before it can place it and name its coordinator."""
@@ -97,13 +105,14 @@ class ConsumerGroups:
     async def reload(self, tenant_id: int) -> None:
         """This node became (or stopped being) the tenant's group coordinator in a
         cluster: the committed offsets are read again from the local replica of the
-        offsets stream (what the old coordinator had replicated), and the membership
-        kept here is dropped (members rejoin, as after a Kafka coordinator moves)."""
+        offsets stream (what the old coordinator had replicated). Membership stays: a
+        JoinGroup may be waiting on it (a leadership that lapsed for a moment under
+        load comes back to it), and members of an older term here are unknown to their
+        clients' new generation, so they rejoin (UNKNOWN_MEMBER_ID) or time out."""
         manager = self._tenants.get(tenant_id)
         if manager is None:
             return  # loaded from the replica on first use
         manager.committed = CommittedOffsets(await manager.store.load())
-        manager.coordinator.groups.clear()
 
     def partition_lags(self, tenant_id: int | None = None) -> Iterator[PartitionLag]:
         """Every committed (group, stream, partition) of ``tenant_id`` (or of every
@@ -161,6 +170,7 @@ class ConsumerGroups:
         durably before returning (refused whole: StreamNotFound, InvalidRequest for a
         partition the stream lacks, InvalidOffset for a negative offset, the group
         errors for a member or generation the group does not have)."""
+        self._check_coordinator(tenant_id)
         manager = await self._manager(tenant_id)
         await manager.commit(
             group,
@@ -175,6 +185,7 @@ class ConsumerGroups:
     ) -> dict[tuple[str, int], CommittedOffset]:
         """OffsetFetch: the group's committed offsets (of ``partitions``, or all); a
         partition without a commit is absent."""
+        self._check_coordinator(tenant_id)
         manager = await self._manager(tenant_id)
         wanted = None if partitions is None else [TopicPartition(s, p) for s, p in partitions]
         return {(tp.stream, tp.partition): v for tp, v in manager.fetch(group, wanted).items()}
@@ -187,6 +198,7 @@ class ConsumerGroups:
     async def delete(self, tenant_id: int, group: str) -> None:
         """DeleteGroups: an empty group and its offsets (InvalidRequest while it has
         members)."""
+        self._check_coordinator(tenant_id)
         manager = await self._manager(tenant_id)
         await manager.delete_group(group)
 

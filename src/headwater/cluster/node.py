@@ -96,6 +96,7 @@ class ClusterNode:
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
         # Offset commits are acknowledged once the offsets partition's ISR holds them.
         self.api.groups.replicated = self.coordinators.replicated
+        self.api.groups.check_coordinator = self.coordinators.check
         self.info = NodeInfo(
             self.info.node_id,
             self.info.host,

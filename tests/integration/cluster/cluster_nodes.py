@@ -36,14 +36,23 @@ class Cluster:
         )
 
     def add(
-        self, node_id: int, extra: str = "", etcd: str | None = None, http: bool = False
+        self,
+        node_id: int,
+        extra: str = "",
+        etcd: str | None = None,
+        http: bool = False,
+        rivven: bool = False,
     ) -> Server:
         """Node ``node_id`` started; ``etcd``: the endpoint it reaches etcd at (a proxy);
-        ``http``: its HTTP listener on too (/metrics)."""
+        ``http``: its HTTP listener on too (/metrics); ``rivven``: its Rivven one."""
         server = Server(
             self.root / f"node{node_id}",
             config=self.config(node_id, extra, etcd),
-            listen={"kafka": LOCAL, **({"http": LOCAL} if http else {})},
+            listen={
+                "kafka": LOCAL,
+                **({"http": LOCAL} if http else {}),
+                **({"rivven": LOCAL} if rivven else {}),
+            },
         )
         self.nodes[node_id] = server
         return server.start()

@@ -5,6 +5,7 @@ Other nodes answer NOT_COORDINATOR; FindCoordinator names the coordinator everyw
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import pytest
@@ -18,6 +19,9 @@ from kio.static.primitive import i8
 from test_cluster_membership import create_topic
 from test_kafka_stored_batches import RawKafka
 
+from headwater.client import AsyncConsumer
+from headwater.client import TopicPartition as HwTopicPartition
+from headwater.errors import HeadwaterError
 from headwater.protocols.kafka import ApiKey, ErrorCode
 from headwater.storage.high_watermarks import read_high_watermarks
 from waiting import wait_until
@@ -125,6 +129,18 @@ def ends(consumer: Consumer) -> dict[int, int]:
     }
 
 
+async def committed_over_rivven(address: str) -> int | str:
+    """The group's committed offset of events/0 through the SDK, or its refusal."""
+    async with AsyncConsumer(address, group_id=GROUP, enable_auto_commit=False) as consumer:
+        try:
+            found = await consumer.committed([("events", 0)])
+        except HeadwaterError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    offset = found[HwTopicPartition("events", 0)]
+    assert offset is not None
+    return offset
+
+
 def coordinator_in_etcd(cluster: Cluster) -> int:
     leader: int = cluster.partitions()[OFFSETS]["leader"]
     return leader
@@ -134,7 +150,7 @@ def test_a_group_moves_to_the_new_coordinator_with_its_committed_offsets(
     cluster: Cluster,
 ) -> None:
     for node_id in (1, 2, 3):
-        cluster.add(node_id)
+        cluster.add(node_id, rivven=True)
     create_topic(cluster.nodes[1].address_of("kafka"), "events", 2)
     cluster.wait_partitions(2)
     wait_topic_everywhere(cluster)
@@ -223,3 +239,12 @@ def test_a_group_moves_to_the_new_coordinator_with_its_committed_offsets(
             assert fetched.error_code == expected, (node_id, fetched)
         finally:
             kafka.close()
+
+    # Rivven's offset calls have no coordinator lookup: elsewhere they are refused
+    # (never answered from, or written to, that node's follower copy).
+    for node_id in (1, 2, 3):
+        committed = asyncio.run(committed_over_rivven(cluster.nodes[node_id].address_of("rivven")))
+        if node_id == new_coordinator:
+            assert committed == final[0]
+        else:
+            assert isinstance(committed, str) and "coordinates" in committed, committed
