@@ -97,11 +97,19 @@ class RawKafka:
         assert correlation == self.correlation
         return response
 
-    def fetch(self, topic: str, offset: int, *, read_committed: bool) -> PartitionData:
+    def fetch(
+        self,
+        topic: str,
+        offset: int,
+        *,
+        read_committed: bool,
+        max_wait: timedelta = timedelta(0),
+        min_bytes: int = 0,
+    ) -> PartitionData:
         request = FetchRequest(
             replica_id=BrokerId(-1),
-            max_wait=timedelta(0),
-            min_bytes=i32(0),
+            max_wait=max_wait,
+            min_bytes=i32(min_bytes),
             max_bytes=i32(1 << 20),
             isolation_level=i8(1 if read_committed else 0),
             session_id=i32(0),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from headwater.engine.engine import Engine
-from headwater.errors import StreamNotFound
+from headwater.errors import NotLeader, StreamNotFound
 
 
 class ClusterGate:
@@ -23,6 +23,16 @@ class ClusterGate:
         ``check(tenant, stream name, partition)``, which raises NotLeader to refuse it:
         Rivven, HTTP, SQL INSERT, Kiwi and Kafka's and Kimberlite's appends alike."""
         self._engine.leader_check = check
+
+    def refuse_appends(self, why: str) -> None:
+        """Every append to a (non-internal) stream is NotLeader (``why``) until
+        :meth:`check_appends`: a cluster node's listeners are bound before it has read
+        from etcd what it leads."""
+
+        def refuse(_tenant_id: int, _stream: str, _partition: int) -> None:
+            raise NotLeader(why)
+
+        self._engine.leader_check = refuse
 
     def limit_reads(
         self, tenant_id: int, stream: str, partition: int, limit: Callable[[], int]

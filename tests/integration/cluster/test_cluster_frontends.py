@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -19,7 +22,7 @@ from kimberlite_raw import RawClient, append, batch, expect_error, read, rows_of
 from servers import LOCAL, Server
 from test_cluster_kafka import produce_raw
 from test_cluster_membership import create_topic
-from test_kafka_stored_batches import RECORDS
+from test_kafka_stored_batches import RECORDS, RawKafka
 from test_rivven_server import Rivven
 
 import headwater
@@ -115,6 +118,36 @@ def visible(server: Server) -> dict[str, int]:
     }
 
 
+LONG_POLL_S = 30  # the longest a Kafka Fetch or a Rivven Consume may be held
+
+
+def long_fetch(server: Server, offset: int) -> int:
+    """A Kafka Fetch held until something is readable at ``offset``: the high
+    watermark it answers."""
+    kafka = RawKafka(server)
+    kafka.sock.settimeout(LONG_POLL_S + WAIT_S)  # held up to LONG_POLL_S by design
+    try:
+        wait = timedelta(seconds=LONG_POLL_S)
+        answer = kafka.fetch("events", offset, read_committed=False, max_wait=wait, min_bytes=1)
+        return int(answer.high_watermark)
+    finally:
+        kafka.close()
+
+
+def long_consume(server: Server, offset: int) -> list[bytes]:
+    """A Rivven Consume held until something is readable at ``offset``: the values."""
+    with Rivven(server.ports["rivven"]) as rivven:
+        rivven.sock.settimeout(LONG_POLL_S + WAIT_S)
+        rivven.handshake()
+        answer = rivven.ok(
+            pb.ConsumeRequest(
+                topic="events", partition=0, offset=offset, max_wait_ms=LONG_POLL_S * 1000
+            ),
+            "consume",
+        )
+    return [record.value for record in answer.records]
+
+
 def batch_publish() -> pb.BatchPublishRequest:
     request = pb.BatchPublishRequest(topic="events")
     request.partition_records.add(partition=0, records=[make_record(b"x")])
@@ -130,8 +163,15 @@ def test_followers_refuse_every_write_naming_the_leader(cluster: Cluster) -> Non
     lead = cluster.nodes[leader]
     for follower in followers:
         node = cluster.nodes[follower]
-        # HTTP: 421 Misdirected Request, the leader's addresses in the body.
-        status, body = http(node, "POST", "/api/streams/events/events", ["x"])
+        # HTTP: 421 Misdirected Request, the leader's addresses in the body (503, no
+        # leader named, until the follower's tick has read the partition's state).
+        status, body = wait_until(
+            lambda n=node: (
+                (answer := http(n, "POST", "/api/streams/events/events", ["x"]))[0] != 503
+                and answer
+            ),
+            timeout=WAIT_S,
+        )
         assert status == 421, body
         assert body["error"]["name"] == "NotLeader" and body["error"]["retryable"]
         assert body["error"]["leader"]["node_id"] == leader
@@ -197,6 +237,12 @@ def test_no_reader_sees_past_the_high_watermark(cluster: Cluster) -> None:
             return part["end"] == total and part["lag"].get(str(holding)) == 0
 
         wait_until(held, timeout=WAIT_S, message=lambda: str(cluster.status()))
+        # Long polls for what comes after the high watermark, on the leader (Kafka) and
+        # on the follower holding the batch (Rivven): only its move can end them early.
+        polls = ThreadPoolExecutor(2)
+        polled_at = time.monotonic()
+        kafka_poll = polls.submit(long_fetch, lead, 3)
+        rivven_poll = polls.submit(long_consume, cluster.nodes[holding], 3)
         # Stored on both, readable on neither, by any front end.
         for node_id in (leader, holding):
             assert visible(cluster.nodes[node_id]) == everywhere(3), node_id
@@ -208,11 +254,17 @@ def test_no_reader_sees_past_the_high_watermark(cluster: Cluster) -> None:
             assert first is not None and isinstance(first.payload, SubscriptionEventsResponse)
             assert first.payload.events.values() == [b"first", b"a", b"b"]
         assert take_pushes() == 3
+        assert not kafka_poll.done() and not rivven_poll.done()
     finally:
         cluster.nodes[paused].proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
     # The follower catches up, the high watermark moves, and every reader sees it: the
-    # subscription is woken by that move alone (nothing was appended since).
+    # subscription and the long polls are woken by that move alone (nothing was
+    # appended since), well before their 30 s wait ends.
     wait_until(lambda: take_pushes() == total or None, timeout=WAIT_S)
+    assert kafka_poll.result(WAIT_S) == total
+    assert rivven_poll.result(WAIT_S) == [value or b"" for _k, value, _h, _ts in RECORDS]
+    assert time.monotonic() - polled_at < LONG_POLL_S - 5
+    polls.shutdown()
     assert pushed[3:] == [value or b"" for _key, value, _headers, _ts in RECORDS]
     for node_id in (1, 2, 3):
         wait_until(

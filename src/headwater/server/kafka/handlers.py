@@ -695,7 +695,7 @@ async def fetch(session: Session, request: Any, version: int) -> Mapping[str, An
         # Long poll: until any partition asked for gets something new, or max_wait.
         tasks: list[asyncio.Future[Any]] = [
             asyncio.ensure_future(
-                api.wait_for_end(session.tenant_id, stream_id, partition, offset, remaining)
+                api.wait_readable(session.tenant_id, stream_id, partition, offset, remaining)
             )
             for stream_id, partition, offset in waits
         ]
@@ -755,9 +755,9 @@ async def _fetch_once(
                 continue
             limit = stable if isolation == READ_COMMITTED else readable
             if offset >= limit or size >= budget:
-                # Woken by anything past the current end: a new batch, or a marker
-                # that moves the last stable offset.
-                waits.append((info.stream_id, p, end))
+                # Woken by anything readable past the current end: a new batch, a
+                # marker that moves the last stable offset, a high watermark move.
+                waits.append((info.stream_id, p, readable))
                 continue
             try:
                 # Up to the last stable offset for read_committed, aborted batches and
@@ -794,7 +794,7 @@ async def _fetch_once(
                     )
                 ]
             if not data:
-                waits.append((info.stream_id, p, end))
+                waits.append((info.stream_id, p, readable))
         topics.append({"topic": topic.topic, "partitions": partitions})
     answer = {
         "throttle_time": 0,
