@@ -209,6 +209,8 @@ class PartitionInfo:
     size_bytes: int
     segments: int
     last_stable_offset: int  # where read_committed readers stop (an open transaction)
+    # where read_uncommitted readers stop: next_offset, or in a cluster the high watermark
+    high_watermark: int
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,7 @@ class Stream:
                 size_bytes=plog.size_bytes,
                 segments=len(plog.segments),
                 last_stable_offset=plog.last_stable_offset,
+                high_watermark=plog.readable_offset,
             )
             for n, plog in enumerate(self.partition_logs)
         )

@@ -449,7 +449,7 @@ class Subscriptions:
             if groups is not None and group is not None:
                 start = groups.offsets.get(group, 0)
             else:
-                start = plog.committed_offset
+                start = plog.readable_offset  # a cluster's high watermark, else the end
         elif from_offset > plog.committed_offset:
             raise InvalidOffset(
                 f"offset {from_offset} is beyond the end of the stream ({plog.committed_offset})"

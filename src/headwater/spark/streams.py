@@ -92,10 +92,15 @@ def stream_partitions(client: Client, stream: str, isolation: str) -> StreamPart
         except ServerUnavailable as exc:
             log.warning("%s; reading partition 0 of %s over Kimberlite only", exc, stream)
             return StreamPartitions((stream_bounds(client, stream),), over_http=False)
-    end_key = "last_stable_offset" if isolation == READ_COMMITTED else "next_offset"
-    bounds = tuple(
-        Bounds(int(p["start_offset"]), int(p[end_key])) for p in info["partition_offsets"]
-    )
+
+    # read_uncommitted stops at the high watermark (a cluster's; next_offset elsewhere,
+    # and from a server too old to send it).
+    def end_of(p: dict[str, Any]) -> int:
+        if isolation == READ_COMMITTED:
+            return int(p["last_stable_offset"])
+        return int(p.get("high_watermark", p["next_offset"]))
+
+    bounds = tuple(Bounds(int(p["start_offset"]), end_of(p)) for p in info["partition_offsets"])
     create_time = info["settings"].get("timestamp_type", "CreateTime") == "CreateTime"
     return StreamPartitions(
         bounds, TIMESTAMP_TYPE_CREATE if create_time else TIMESTAMP_TYPE_LOG_APPEND

@@ -196,7 +196,7 @@ def read_round(
     too, up to the committed offset; never markers)."""
     pieces: list[_Piece] = []
     rows = size = 0
-    upto = min(upto, plog.last_stable_offset if committed_only else plog.committed_offset)
+    upto = min(upto, plog.last_stable_offset if committed_only else plog.readable_offset)
     for batch in plog.batches(from_offset, upto, committed_only=committed_only):
         if batch.control:
             continue

@@ -55,7 +55,7 @@ class RecordsCursor:
         self.plog = plog
         self.offset = start
         self.committed_only = committed_only
-        limit = plog.last_stable_offset if committed_only else plog.committed_offset
+        limit = plog.last_stable_offset if committed_only else plog.readable_offset
         self.end = max(start, min(end, limit))
 
     def next_batch(self) -> pa.RecordBatch | None:

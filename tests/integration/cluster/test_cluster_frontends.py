@@ -110,8 +110,13 @@ def visible(server: Server) -> dict[str, int]:
     assert consumed.high_watermark == len(consumed.records), consumed.high_watermark
     events, end = http_events(server)
     assert end == len(events), (end, len(events))
+    # Where the Spark source's partitions end (read_committed and read_uncommitted).
+    _status, stream = http(server, "GET", "/api/streams/events")
+    [offsets] = stream["partition_offsets"]
     return {
         "http": len(events),
+        "spark_committed": offsets["last_stable_offset"],
+        "spark_uncommitted": offsets["high_watermark"],
         "kimberlite": kimberlite,
         "rivven": len(consumed.records),
         "sql": int(sql),  # type: ignore[call-overload]
@@ -155,7 +160,8 @@ def batch_publish() -> pb.BatchPublishRequest:
 
 
 def everywhere(count: int) -> dict[str, int]:
-    return dict.fromkeys(("http", "kimberlite", "rivven", "sql"), count)
+    front_ends = ("http", "kimberlite", "rivven", "sql", "spark_committed", "spark_uncommitted")
+    return dict.fromkeys(front_ends, count)
 
 
 def test_followers_refuse_every_write_naming_the_leader(cluster: Cluster) -> None:

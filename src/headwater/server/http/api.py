@@ -79,6 +79,7 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
                 "start_offset": p.start_offset,
                 "next_offset": p.next_offset,
                 "last_stable_offset": p.last_stable_offset,
+                "high_watermark": p.high_watermark,
             }
             for p in info.partition_info
         ],
