@@ -36,6 +36,15 @@ def produce(bootstrap: str, values: list[bytes]) -> None:
     """``values`` alternately to partitions 0 and 1, acks=all, idempotent (it retries
     through a leader's failover)."""
     producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True})
+    # Its own metadata first: one node's answer (a topic just created) has been seen
+    # naming one partition after every node's had named both.
+    wait_until(
+        lambda: (
+            len(producer.list_topics("events", timeout=WAIT_S).topics["events"].partitions) == 2
+        ),
+        message="the producer never saw both partitions",
+        timeout=WAIT_S,
+    )
     failures: list[object] = []
     for i, value in enumerate(values):
         producer.produce(
