@@ -1,4 +1,5 @@
-"""The pre-auth path of every binary listener under hostile input, with ``[limits]`` on:
+"""The pre-auth path of every binary listener (Kimberlite, ConvergeDB, Ripple, Rivven,
+PostgreSQL, Kafka) under hostile input, with ``[limits]`` on:
 random bytes, bytes sent one at a time, half-open connections and many partial huge
 frames. The server must close each such peer by itself, hold bounded memory for them
 (far below what their frame headers claim), log each as a warning with the peer's
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 import trustme
 from limits_clients import (
-    TCP_LISTENERS,
+    ALL_BINARY,
     good_client,
     huge_frame_head,
     raw_socket,
@@ -49,7 +50,7 @@ max_pending_bytes = {MAX_PENDING_BYTES}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    listen = {name: LOCAL for name in (*TCP_LISTENERS, "http")}
+    listen = {name: LOCAL for name in (*ALL_BINARY, "http")}
     yield from serving(tmp_path_factory.mktemp("fuzz"), config=CONFIG, listen=listen)
 
 
@@ -78,7 +79,7 @@ def no_tracebacks(server: Server) -> None:
     assert not re.search(r"^\S+ (ERROR|CRITICAL)\b", text, re.M), server.log_tail(80)
 
 
-@pytest.mark.parametrize("listener", TCP_LISTENERS)
+@pytest.mark.parametrize("listener", ALL_BINARY)
 def test_random_bytes_are_refused_without_a_traceback(server: Server, listener: str) -> None:
     rng = random.Random(f"{SEED}-{listener}")
     socks = []
@@ -96,7 +97,7 @@ def test_random_bytes_are_refused_without_a_traceback(server: Server, listener: 
     no_tracebacks(server)
 
 
-@pytest.mark.parametrize("listener", TCP_LISTENERS)
+@pytest.mark.parametrize("listener", ALL_BINARY)
 def test_byte_at_a_time_does_not_extend_the_handshake_deadline(
     server: Server, listener: str
 ) -> None:
@@ -131,7 +132,7 @@ def test_byte_at_a_time_does_not_extend_the_handshake_deadline(
     no_tracebacks(server)
 
 
-@pytest.mark.parametrize("listener", TCP_LISTENERS)
+@pytest.mark.parametrize("listener", ALL_BINARY)
 def test_half_open_connections_are_closed(server: Server, listener: str) -> None:
     """Peers that end their side at once, inside a frame, or never (and never read):
     each is closed by the server."""
@@ -152,7 +153,7 @@ def test_half_open_connections_are_closed(server: Server, listener: str) -> None
     assert peer_lines and all("127.0.0.1:" in line for line in peer_lines), peer_lines[:5]
 
 
-@pytest.mark.parametrize("listener", TCP_LISTENERS)
+@pytest.mark.parametrize("listener", ALL_BINARY)
 def test_partial_huge_frames_hold_bounded_memory(server: Server, listener: str) -> None:
     """100 connections each start a frame claiming 16 MiB (1.6 GiB in all) and send
     just under max_pending_bytes of it: the server holds about what was sent, not what
@@ -187,7 +188,7 @@ def test_partial_huge_frames_hold_bounded_memory(server: Server, listener: str) 
     no_tracebacks(server)
 
 
-@pytest.mark.parametrize("listener", TCP_LISTENERS)
+@pytest.mark.parametrize("listener", ALL_BINARY)
 def test_refused_connections_free_what_they_sent_at_once(server: Server, listener: str) -> None:
     """Connections refused at max_pending_bytes, one after another: what each sent is
     freed as it ends. (The server's connection objects are reference cycles the tuned

@@ -226,7 +226,10 @@ class ConnectionGuard:
             transport.write(data)
         self._connection.close()
         # A peer that reads nothing must not hold its socket open through the last word.
-        self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
+        # The timer holds the transport: release() cancels it once the connection is gone.
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(REFUSAL_LINGER_S, transport.abort)
 
 
 def without_nagle(transport: asyncio.BaseTransport) -> None:
