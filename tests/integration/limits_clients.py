@@ -4,6 +4,7 @@ sockets, the protocol's last word before a close, and the refusals counted in /m
 from __future__ import annotations
 
 import socket
+import struct
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -11,20 +12,32 @@ from dataclasses import dataclass
 
 from convergedb_raw import CdbClient
 from kimberlite_raw import RawClient
+from kio.schema.api_versions.v3.request import ApiVersionsRequest
+from kio.schema.api_versions.v3.response import ApiVersionsResponse
 from prometheus_client.parser import text_string_to_metric_families
 from servers import Server
 
 from headwater.protocols.convergedb import messages as cm
 from headwater.protocols.convergedb.codes import Opcode
 from headwater.protocols.convergedb.frames import FrameDecoder, encode_header
+from headwater.protocols.kafka.apis import ApiKey
+from headwater.protocols.kafka.frames import decode_response, encode_request
 from headwater.protocols.kimberlite import messages as km
 from headwater.protocols.kimberlite.connection import ClientConnection as KimberliteClient
 from headwater.protocols.kimberlite.frames import frame_header
+from headwater.protocols.postgres import messages as pm
 from headwater.protocols.ripple import envelope
 from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection as RippleClient
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.connection import ClientConnection as RivvenClient
 
 TCP_LISTENERS = ("kimberlite", "convergedb", "ripple")
+# The later binary listeners: the same limits through the same ConnectionGuard. Kafka
+# has no error frame a broker may send unasked, so it has no last word before a close.
+LATER_LISTENERS = ("rivven", "postgres", "kafka")
+ALL_BINARY = (*TCP_LISTENERS, *LATER_LISTENERS)
+WITH_LAST_WORD = (*TCP_LISTENERS, "rivven", "postgres")
 SCHEMA = rm.Schema("limits", 1, (rm.Field("n", rm.FieldType.INT),))
 
 
@@ -90,6 +103,15 @@ def last_word(listener: str, data: bytes) -> tuple[object, str]:
         assert isinstance(message, cm.ErrorMessage), message
         assert raw.stream_id == 0
         return message.code, message.message
+    if listener == "rivven":
+        (frame,) = RivvenClient().receive_data(data)
+        assert frame.correlation_id == 0
+        return frame.response.error.code, frame.response.error.message
+    if listener == "postgres":
+        error = pm.split_backend(data)[-1]
+        assert (error.type, error.fields["S"]) == ("E", "FATAL"), error
+        return error.fields["C"], error.fields["M"]
+    assert listener == "ripple", f"{listener} sends no last word"
     envelopes = envelope.EnvelopeDecoder()
     envelopes.feed(data)
     (env,) = list(envelopes)
@@ -123,6 +145,8 @@ def good_client(server: Server, listener: str) -> Good:
     if listener == "convergedb":
         cdb = CdbClient(server.ports["convergedb"], name=f"w{uuid.uuid4().hex[:8]}")
         return Good(listener, cdb.barrier, cdb.sock)
+    if listener in LATER_LISTENERS:
+        return _later_client(server, listener)
     sock = raw_socket(server, "ripple")
     worker = RippleClient(f"w{uuid.uuid4().hex[:8]}")
     sock.sendall(worker.handshake({"limits": SCHEMA}))
@@ -133,6 +157,75 @@ def good_client(server: Server, listener: str) -> Good:
         assert isinstance(ripple_next(sock, worker, rm.CheckpointAck), rm.CheckpointAck)
 
     return Good(listener, checkpoint, sock)
+
+
+def _later_client(server: Server, listener: str) -> Good:
+    """A Rivven client that pings, a PostgreSQL one that runs SELECT 1, a Kafka one that
+    asks ApiVersions (servers without required auth)."""
+    sock = raw_socket(server, listener)
+    if listener == "rivven":
+        rivven = RivvenClient("limits")
+
+        def ping() -> None:
+            correlation_id, data = rivven.send_request(pb.PingRequest())
+            sock.sendall(data)
+            while not (frames := rivven.receive_data(_recv(sock))):
+                pass
+            (frame,) = frames
+            assert frame.correlation_id == correlation_id
+            assert frame.response.WhichOneof("response_type") == "ping", frame.response
+
+        ping()
+        return Good(listener, ping, sock)
+    if listener == "postgres":
+        sock.sendall(pm.encode_startup({"user": "limits", "database": "0"}))
+        _until_ready(sock)
+
+        def select() -> None:
+            sock.sendall(pm.encode_frontend(pm.Query("SELECT 1")))
+            assert "D" in [message.type for message in _until_ready(sock)]
+
+        return Good(listener, select, sock)
+    correlation = iter(range(1, 1 << 30))
+
+    def api_versions() -> None:
+        correlation_id = next(correlation)
+        sock.sendall(
+            encode_request(
+                correlation_id,
+                ApiVersionsRequest(client_software_name="limits", client_software_version="1"),
+            )
+        )
+        (size,) = struct.unpack(">i", _exact(sock, 4))
+        got, answer = decode_response(ApiKey.API_VERSIONS, 3, _exact(sock, size))
+        assert got == correlation_id and isinstance(answer, ApiVersionsResponse), answer
+
+    api_versions()
+    return Good(listener, api_versions, sock)
+
+
+def _recv(sock: socket.socket, most: int = 1 << 16) -> bytes:
+    data = sock.recv(most)
+    assert data, "the server closed the connection"
+    return data
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        data += _recv(sock, n - len(data))
+    return bytes(data)
+
+
+def _until_ready(sock: socket.socket) -> list[pm.BackendMessage]:
+    """PostgreSQL messages up to ReadyForQuery (none may be an error)."""
+    data = bytearray()
+    while True:
+        data += _recv(sock)
+        if data.endswith(b"Z\x00\x00\x00\x05I"):  # ReadyForQuery, idle
+            messages = pm.split_backend(bytes(data))
+            assert all(message.type != "E" for message in messages), messages
+            return messages
 
 
 def expect_list(reply: km.ResponsePayload) -> None:
@@ -163,6 +256,12 @@ def huge_frame_head(listener: str) -> bytes:
         return frame_header(16 << 20, 0)
     if listener == "convergedb":
         return encode_header(1, Opcode.CONNECT, 16 << 20)
+    if listener == "rivven":  # its frames are at most 10 MiB
+        return struct.pack(">I", 8 << 20)
+    if listener == "kafka":
+        return struct.pack(">i", 16 << 20)
+    if listener == "postgres":  # a startup packet is at most 10,000 bytes (PostgreSQL's)
+        return struct.pack(">ii", 9_000, pm.PROTOCOL_VERSION)
     return envelope.HEADER.pack(
         envelope.MAGIC, 1, int(envelope.MessageType.HANDSHAKE), 0, 1, 0,
         envelope.ZERO_FINGERPRINT, 16 << 20,

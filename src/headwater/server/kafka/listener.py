@@ -87,7 +87,9 @@ class KafkaConnection(TaskPerRequestConnection):
         else:
             self.session.tenant_id = principal.default_tenant
             self.session.authenticated = True
-            self.guard.authenticated()
+            # The guard's handshake is still to come: the first whole request (as on
+            # Rivven), so handshake_timeout_s and max_pending_bytes bound a peer that
+            # never sends one, instead of a 100 MiB frame held until idle_timeout_s.
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -97,6 +99,10 @@ class KafkaConnection(TaskPerRequestConnection):
 
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):
+            if not self.guard.authed and self.session.authenticated:
+                # Without [auth] required (see connection_made): a whole request. Kafka
+                # clients start with ApiVersions, which the protocol answers (a Reply).
+                self.guard.authenticated()
             if isinstance(event, Request):
                 self._start(self._handle(event))
             elif isinstance(event, Reply):
