@@ -213,12 +213,7 @@ def test_a_group_moves_to_the_new_coordinator_with_its_committed_offsets(
     assert {v for _, _, v in after} == set(uncommitted) | set(later)
     commit_all(resumed)
     final = ends(resumed[0])
-    try:
-        assert committed_offsets(resumed[0]) == final
-    except Exception:
-        for n, node in cluster.nodes.items():
-            print("NODE", n, node.log_tail())
-        raise
+    assert committed_offsets(resumed[0]) == final
     assert sum(final.values()) == 550
     for consumer in resumed:
         consumer.close()
