@@ -168,3 +168,29 @@ def test_help_names_every_listener() -> None:
     )
     listen_help = " ".join(done.stdout.split("--listen NAME=HOST:PORT")[-1].split())
     assert [name for name in DEFAULT_LISTEN if name not in listen_help] == []
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("[limits]\nmax_conections = 5\n", "error: unknown key in [limits]: max_conections"),
+        ("[limit]\nmax_connections = 5\n", "error: unknown key in the top level: limit"),
+    ],
+)
+def test_a_misspelt_config_key_is_refused_naming_its_section(
+    tmp_path: Path, config: str, message: str
+) -> None:
+    """A typo in a limit would otherwise drop the limit: start-up stops, naming the key
+    and its section (which rich once took for markup and dropped)."""
+    (tmp_path / "headwater.toml").write_text(config)
+    proc = subprocess.run(
+        [*serve_command(tmp_path), "--config", str(tmp_path / "headwater.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import headwater
@@ -44,7 +45,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # A certificate or key that does not load stops start-up here, in one line.
             server_context(config.tls)
     except ConfigError as exc:
-        err.print(f"[red]error:[/] {exc}")
+        # escape: the message names sections as TOML does ("[limits]"), which rich would
+        # take for markup and drop.
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     args.data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -52,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StorageError as exc:
         # The data directory cannot be served (another server holds it, damaged
         # metadata): say so in one line, as for a bad config.
-        err.print(f"[red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
         return 1
     except (ListenError, ClusterJoinError) as exc:
         # A port in use (or not ours to bind), etcd unreachable or the node id taken:
