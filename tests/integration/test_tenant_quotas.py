@@ -1,5 +1,6 @@
 """Per-tenant quotas against a real server (``[[tenants]]`` produce_bytes_per_s,
-consume_bytes_per_s; docs/operations.md "Quotas"): a request past its tenant's rate waits
+consume_bytes_per_s; docs/operations.md "Quotas"), over HTTP and Kimberlite, and Kafka's and
+Rivven's producers: a request past its tenant's rate waits
 its turn before it is served (so requests pipelined on one connection are spaced at the
 rate), a read's answer is held back for the bytes it read, and the throttle time is
 reported (``X-Headwater-Throttle-Ms``, ``headwater_throttle_seconds_total``), while a
@@ -11,14 +12,16 @@ import asyncio
 import json
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import confluent_kafka
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.api.quotas import BURST_S
+from headwater.client import Producer
 from headwater.client.aio import connect_async
 from waiting import wait_until
 
@@ -204,3 +207,51 @@ def test_pipelined_appends_are_spaced_at_the_produce_rate(server: Server) -> Non
     reported = throttle_seconds(server)
     assert spaced_s <= reported[("45", "produce")] <= turns_s + 0.001
     assert [key for key in reported if key[0] == "0"] == []
+
+
+WIRE_RATE = 200_000  # bytes/s of tenant 0 on the Kafka and Rivven server below
+WIRE_VALUE = b"k" * 100_000
+
+
+@pytest.fixture(scope="module")
+def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = f'[[tenants]]\nid = 0\nname = "default"\nproduce_bytes_per_s = {WIRE_RATE}\n'
+    listen = {"http": LOCAL, "kafka": LOCAL, "rivven": LOCAL}
+    yield from serving(tmp_path_factory.mktemp("wire_quotas"), config=config, listen=listen)
+
+
+def wire_throttled(server: Server, produce: Callable[[], None]) -> float:
+    """Seconds tenant 0's produce quota held back ``produce``'s six 100 kB requests."""
+    before = throttle_seconds(server).get(("0", "produce"), 0.0)
+    produce()
+    return throttle_seconds(server).get(("0", "produce"), 0.0) - before
+
+
+@pytest.mark.parametrize("client", ["kafka", "rivven"])
+def test_kafka_and_rivven_producers_are_held_to_the_produce_rate(
+    wire_server: Server, client: str
+) -> None:
+    """Six requests of 100 kB, each sent once the one before is answered: the first two
+    pass (a second's burst, then debt), each later one waits for the one before it to be
+    paid at 200 kB/s (0.5 s each), as an HTTP or Kimberlite append would."""
+    topic = f"wire_{client}"
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+
+    def kafka() -> None:
+        producer = confluent_kafka.Producer(
+            {"bootstrap.servers": wire_server.address_of("kafka"), "linger.ms": 0}
+        )
+        for _ in range(6):
+            producer.produce(topic, WIRE_VALUE)
+            assert producer.flush(60) == 0  # one Produce request each
+
+    def rivven() -> None:
+        with Producer(wire_server.address_of("rivven")) as producer:
+            for _ in range(6):
+                producer.send(topic, WIRE_VALUE).result(60)
+
+    waited = wire_throttled(wire_server, kafka if client == "kafka" else rivven)
+    # Four waits of 0.5 s (the time between requests refills the bucket a little), or
+    # up to six after the other client's test left its last request's debt to this one.
+    assert 1.0 <= waited <= 3.0 + 0.001, waited
