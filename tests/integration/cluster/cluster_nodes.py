@@ -4,6 +4,7 @@ processes through servers.Server), each node's state read back from etcd."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -80,12 +81,19 @@ class Cluster:
             timeout=WAIT_S,
         )
 
-    def log_files(self, node_id: int, stream_id: int = 1, partition: int = 0) -> dict[str, bytes]:
-        """The segment files of one replica (tenant 0), by name."""
-        directory = (
-            self.nodes[node_id].data_dir / f"tenants/0/streams/{stream_id}/partition-{partition}"
-        )
-        return {p.name: p.read_bytes() for p in sorted(directory.glob("*.log"))}
+    def log_files(
+        self, node_id: int, partition: int = 0, stream: str | None = None
+    ) -> dict[str, bytes]:
+        """The segment files of one replica (tenant 0; ``stream``: the one
+        wait_replicas_agree looks at), by name. Found by name: a stream's id differs
+        between nodes (each numbers its streams as it creates them, internal ones too)."""
+        name = stream or self.stream
+        streams = self.nodes[node_id].data_dir / "tenants/0/streams"
+        for meta in streams.glob("*/stream.json"):
+            if json.loads(meta.read_text()).get("name") == name:
+                directory = meta.parent / f"partition-{partition}"
+                return {p.name: p.read_bytes() for p in sorted(directory.glob("*.log"))}
+        return {}
 
     def wait_replicas_agree(self, node_ids: list[int], end: int) -> dict[str, bytes]:
         """Every listed replica holds the same bytes (and reports ``end``)."""

@@ -240,6 +240,7 @@ def produce_to_every_partition(bootstrap: str, acks: PartitionAcks, stop: thread
             "linger.ms": 5,
             "message.timeout.ms": 180_000,  # outlasts a partition's wait for min ISR
             "retry.backoff.ms": 50,
+            **({"debug": "eos,msg,protocol"} if os.environ.get("HEADWATER_KAFKA_DEBUG") else {}),
         }
     )
     # Every partition known before the first message (else: Local: Unknown partition).
