@@ -24,21 +24,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import confluent_kafka
+import psycopg
 import pytest
 import trustme
+from confluent_kafka.admin import AdminClient
 from servers import LOCAL, Server, assert_clean_log, serving
 from websockets.exceptions import InvalidMessage
 from websockets.sync.client import connect as ws_connect
 
 import headwater
 from headwater import entities
-from headwater.client import ServerUnavailable
+from headwater.client import Consumer, Producer, ServerUnavailable
 from headwater.ripple import Worker, WorkerError
 from headwater.spark.options import ConnectionOptions
 from headwater.spark.streams import open_client
 from waiting import wait_until
 
-LISTEN = {"convergedb": LOCAL, "ripple": LOCAL, "http": LOCAL}
+LISTEN = {name: LOCAL for name in ("convergedb", "ripple", "http", "rivven", "kafka", "postgres")}
 TOKEN = "s3cret"
 TIMEOUT = 15.0  # a bound on a connection attempt, not a measurement
 
@@ -65,6 +68,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
     }
     for name, leaf in files.items():
         leaf.private_key_and_cert_chain_pem.write_to_path(str(root / f"{name}.pem"))
+        (root / f"{name}.pem").chmod(0o600)  # libpq refuses a key others may read
     return Certs(root / "ca.pem", *(root / f"{name}.pem" for name in files))
 
 
@@ -190,6 +194,76 @@ def test_ripple_worker_over_tls(tls_server: Server, certs: Certs) -> None:
     assert rows == [("AAPL", "150.5", 900)]  # a DOUBLE arrives as its text
 
 
+def test_rivven_producer_and_consumer_over_tls(tls_server: Server, certs: Certs) -> None:
+    with headwater.connect(tls_server.address, ca=certs.ca) as hw:
+        hw.create_stream("tls_rivven")
+    with Producer(tls_server.address_of("rivven"), ca=certs.ca) as producer:
+        assert producer.send("tls_rivven", b"over tls").result(TIMEOUT).offset == 0
+    with Consumer(tls_server.address_of("rivven"), ca=certs.ca) as consumer:
+        consumer.assign([("tls_rivven", 0)])
+        record = consumer.poll(timeout=TIMEOUT)
+    assert record is not None and record.value == b"over tls"
+
+
+def later_clients(server: Server, certs: Certs, cert: Path | None) -> dict[str, object]:
+    """One operation each by a Rivven producer, a Kafka client (librdkafka) and a
+    PostgreSQL client (libpq through psycopg), over TLS with the token (and ``cert``);
+    what each answered, or its error."""
+    answers: dict[str, object] = {}
+    try:
+        with Producer(
+            server.address_of("rivven"), token=TOKEN, ca=certs.ca, cert=cert, reconnect=False
+        ) as producer:
+            answers["rivven"] = producer.send("tls_later", b"x").result(TIMEOUT).offset >= 0
+    except Exception as exc:  # what the client raised is the answer here
+        answers["rivven"] = exc
+    kafka_options = {
+        "bootstrap.servers": server.address_of("kafka"),
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "PLAIN",
+        "sasl.username": "u",
+        "sasl.password": TOKEN,
+        "ssl.ca.location": str(certs.ca),
+        **({"ssl.certificate.location": str(cert), "ssl.key.location": str(cert)} if cert else {}),
+    }
+    try:
+        topics = AdminClient(kafka_options).list_topics(timeout=10).topics
+        answers["kafka"] = "tls_later" in topics
+    except confluent_kafka.KafkaException as exc:
+        answers["kafka"] = exc
+    dsn = (
+        f"host=127.0.0.1 port={server.ports['postgres']} user=u dbname=0 password={TOKEN}"
+        f" sslmode=verify-full sslrootcert={certs.ca} connect_timeout=10"
+        + (f" sslcert={cert} sslkey={cert}" if cert else "")
+    )
+    try:
+        with psycopg.connect(dsn) as conn:
+            answers["postgres"] = conn.execute("SELECT 42").fetchone() == (42,)
+    except psycopg.OperationalError as exc:
+        answers["postgres"] = exc
+    return answers
+
+
+def test_mutual_tls_on_the_rivven_kafka_and_postgres_listeners(
+    mtls_server: Server, certs: Certs
+) -> None:
+    with headwater.connect(mtls_server.address, token=TOKEN, ca=certs.ca, cert=certs.worker) as hw:
+        hw.create_stream("tls_later")
+    assert later_clients(mtls_server, certs, certs.worker) == dict.fromkeys(
+        ("rivven", "kafka", "postgres"), True
+    )
+    for cert in (None, certs.foreign):
+        refused = later_clients(mtls_server, certs, cert)
+        assert all(isinstance(answer, Exception) for answer in refused.values()), refused
+    log = mtls_server.log_text()
+    for listener in ("rivven", "kafka", "postgres"):
+        assert f"{listener}: TLS handshake with 127.0.0.1:" in log or listener == "postgres"
+    assert "PEER_DID_NOT_RETURN_A_CERTIFICATE" in log and "CERTIFICATE_VERIFY_FAILED" in log
+    assert_clean_log(mtls_server)
+    # Still serving clients with a good certificate.
+    assert later_clients(mtls_server, certs, certs.worker)["rivven"] is True
+
+
 def test_https_api_and_wss_gateway(tls_server: Server, certs: Certs) -> None:
     with headwater.connect(tls_server.address, ca=certs.ca) as hw:
         hw.create_stream("tls_feed")
@@ -249,6 +323,8 @@ def test_cli_and_spark_connector_over_tls(tls_server: Server, certs: Certs) -> N
         ("convergedb", b"\x01\x00\x00\x00\x00\x05hello"),
         ("ripple", b"\x00\x00\x00\x08" + b"\x00" * 8),
         ("http", b"GET /api/streams HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("rivven", b"\x00\x00\x00\x08" + b"\x00" * 8),
+        ("kafka", b"\x00\x00\x00\x0c\x00\x12\x00\x03" + b"\x00" * 8),
     ],
 )
 def test_plain_clients_are_refused_and_the_listener_keeps_serving(
