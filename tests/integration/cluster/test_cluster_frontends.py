@@ -40,7 +40,6 @@ from waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-STREAM_ID = 1  # "events", the first stream on every node
 # The paused follower must stay in the ISR while the test looks (it holds the high
 # watermark back only as a member).
 CLUSTER_EXTRA = "replica_lag_s = 120\n"
@@ -65,10 +64,11 @@ def start_cluster(cluster: Cluster) -> tuple[int, list[int]]:
     create_topic(cluster.nodes[1].address_of("kafka"), "events", 1)
     leader = cluster.wait_partitions(1)["0/events/0"]["leader"]
     # The leader takes its epoch on its next tick: until then it refuses too.
-    with cluster.nodes[leader].client() as client:
+    lead = cluster.nodes[leader]
+    with lead.client() as client:
         wait_until(
             lambda: isinstance(
-                client.call(AppendEventsRequest(STREAM_ID, batch([b"first"]))),
+                client.call(AppendEventsRequest(events_id(lead), batch([b"first"]))),
                 AppendEventsResponse,
             ),
             timeout=WAIT_S,
@@ -92,6 +92,13 @@ def http(server: Server, method: str, path: str, body: object = None) -> tuple[i
         return refused.code, json.loads(refused.read())
 
 
+def events_id(server: Server) -> int:
+    """Stream "events"'s id on ``server`` (ids are each node's own)."""
+    status, body = http(server, "GET", "/api/streams/events")
+    assert status == 200, body
+    return int(body["stream_id"])
+
+
 def http_events(server: Server) -> tuple[list[str], int]:
     """The values an HTTP read from offset 0 gives, and its end_offset."""
     status, body = http(server, "GET", "/api/streams/events/events?from=0&limit=1000")
@@ -102,7 +109,7 @@ def http_events(server: Server) -> tuple[list[str], int]:
 def visible(server: Server) -> dict[str, int]:
     """How many events each front end shows on ``server``."""
     with server.client() as client:
-        kimberlite = len(read(client, STREAM_ID)[0])
+        kimberlite = len(read(client, events_id(server))[0])
         [[sql]] = rows_of(client.call(QueryRequest("SELECT count(*) FROM events")))
     with Rivven(server.ports["rivven"]) as rivven:
         rivven.handshake()
@@ -213,12 +220,12 @@ def test_no_reader_sees_past_the_high_watermark(cluster: Cluster) -> None:
     leader, (holding, paused) = start_cluster(cluster)
     lead = cluster.nodes[leader]
     with lead.client() as client:
-        append(client, STREAM_ID, [b"a", b"b"])
+        append(client, events_id(lead), [b"a", b"b"])
     cluster.wait_replicas_agree([1, 2, 3], 3)
     for node_id in (1, 2, 3):  # a follower learns the high watermark at its next fetch
         wait_until(lambda n=node_id: visible(cluster.nodes[n]) == everywhere(3), timeout=WAIT_S)
     watcher = RawClient(lead.port)
-    sub_id = watcher.send(SubscribeRequest(STREAM_ID, 0, 1000))
+    sub_id = watcher.send(SubscribeRequest(events_id(lead), 0, 1000))
     subscribed = watcher.reply(sub_id)
     assert isinstance(subscribed, SubscribeResponse), subscribed
     pushed: list[bytes] = []
@@ -254,7 +261,7 @@ def test_no_reader_sees_past_the_high_watermark(cluster: Cluster) -> None:
             assert visible(cluster.nodes[node_id]) == everywhere(3), node_id
         # A subscription opened now reads what is there in one read: it gets 3 events.
         with lead.client() as late:
-            late_id = late.send(SubscribeRequest(STREAM_ID, 0, 1000))
+            late_id = late.send(SubscribeRequest(events_id(lead), 0, 1000))
             assert isinstance(late.reply(late_id), SubscribeResponse)
             first = late.take(lambda r: isinstance(r.payload, SubscriptionEventsResponse), 15)
             assert first is not None and isinstance(first.payload, SubscriptionEventsResponse)
