@@ -27,7 +27,13 @@ from headwater.protocols.kafka.records import (
 )
 from headwater.server.http.arrow import keys_section as arrow_keys_section
 from headwater.server.http.arrow import values_section as arrow_values_section
-from headwater.sql.kernels import keys_column, murmur2_column, values_column
+from headwater.sql.kernels import (
+    headers_column,
+    kafka_columns,
+    keys_column,
+    murmur2_column,
+    values_column,
+)
 from headwater.sql.projection import _Piece, piece_columns
 from headwater.sql.records import records_batch
 from headwater.storage.batch import Batch, Event, build_batch, encode_values, value_spans
@@ -128,6 +134,33 @@ def test_columns_equal_the_events_decoded_one_by_one(chosen: list[_Piece]) -> No
     ]
     # The projection shows a tombstone's value as the empty bytes it stores.
     assert piece_columns(chosen)[3].to_pylist() == [e.value for e in events]
+    # The compiled decoders (not yet on the server's paths: docs/benchmarks.md) read
+    # each batch as decoding its events one by one does.
+    for piece in chosen:
+        whole = list(piece.batch.events())
+        section = piece.batch.kafka_section
+        if section is not None:
+            columns = kafka_columns(section)
+            assert columns.timestamps.tolist() == [e.timestamp_ms for e in whole]
+            assert columns.keys().to_pylist() == [e.key for e in whole]
+            assert columns.values.to_pylist() == [None if e.tombstone else e.value for e in whole]
+            assert columns.headers().to_pylist() == [
+                [{"key": k.decode(), "value": v} for k, v in e.headers] or None for e in whole
+            ]
+            continue
+        values = values_column([piece.batch.values_section()], [piece.batch.count])
+        assert values.to_pylist() == [e.value for e in whole]
+        stored_keys = piece.batch.keys_section()
+        if stored_keys is not None:
+            assert keys_column(stored_keys, piece.batch.count)[0].to_pylist() == [
+                e.key for e in whole
+            ]
+        stored_headers = piece.batch.headers_section()
+        if stored_headers is not None:
+            assert headers_column(stored_headers, piece.batch.count).to_pylist() == [
+                [{"key": k.decode("utf-8", "replace"), "value": v} for k, v in e.headers] or None
+                for e in whole
+            ]
 
 
 @SETTINGS

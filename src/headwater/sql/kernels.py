@@ -1,10 +1,14 @@
 """Compiled walks over stored record sections: the loops that must visit every record
 of a batch (``u64 len | bytes`` values, ``u8 flags | u32 len | bytes`` keys, headwater's
-headers section, Kafka's varint records) run as machine code (numba, compiled on first
-use and cached beside this file) over numpy views of the stored bytes, and hand back
-Arrow columns built from their output buffers. The projection's catch-up, the records
-path of the HTTP API and the Arrow append handler use them, so none of them takes a
-Python step per record.
+headers section, Kafka's varint records, murmur2 of keys) as machine code (numba,
+compiled on first use and cached beside this file) over numpy views of the stored bytes,
+handing back Arrow columns built from their output buffers.
+
+The Spark sink places keyed rows with :func:`murmur2_column`. The decoders are not on
+the server's paths: loading numba and LLVM costs a server about 35-45 MiB of RssAnon,
+which took tests/integration/test_memory_budget.py past its 300 MiB budget (308-326
+MiB); docs/benchmarks.md ("Compiled record walks") has what they gained the Spark write
+and the Kafka catch-up while they were.
 
 Every kernel checks each length against the bytes left before it reads or copies (numba
 does no bounds checking of its own) and answers a negative status for a section that

@@ -20,10 +20,9 @@ events one by one in Python:
   first position repeated, plus a ``0..n`` range; offset deltas are honoured for sparse
   batches), so the Python work is per stored batch, not per column and batch;
 * ``ts``: each batch's timestamp repeated (microseconds, DuckDB ``TIMESTAMP``);
-* ``data``: one compiled pass (:mod:`headwater.sql.kernels`) over the round's values
-  sections copies each value out without its length prefix; a Kafka-form batch's
-  records are decoded by another such pass, values, keys, headers and timestamps as
-  columns, never a Python object per record;
+* ``data``: the values section viewed as an Arrow binary array of ``u64 len | bytes``
+  records (offsets from the batch's value bounds), then ``binary_slice(8)`` drops the
+  length prefixes in one kernel;
 * ``json``: the very same offsets and bytes as an Arrow ``arrow.json`` string array whose
   validity is DuckDB's ``json_valid`` over the chunk, so events that are not JSON (or not
   UTF-8) are NULL and no bytes are copied twice.
@@ -80,7 +79,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from headwater.sql.duck import Database
-from headwater.sql.kernels import KafkaColumns, kafka_columns, values_column
 from headwater.sql.sealed import (
     SCHEMA,
     TS_TYPE,
@@ -206,7 +204,7 @@ def read_round(
             continue
         n = stop - start
         # A Kafka-form batch counts its stored records (decoding it here to size the
-        # round would decode it twice).
+        # round decoded it twice, per record in Python: 20% of a Kafka produce's CPU).
         section = batch.payload_bytes + 8 * batch.count
         if pieces and (rows + n > ROUND_ROWS or size + section > ROUND_BYTES):
             first = batch.base_offset + start if batch.dense else batch.offsets()[start]
@@ -217,86 +215,25 @@ def read_round(
     return pieces, upto
 
 
-def kafka_pieces(pieces: Sequence[_Piece]) -> list[KafkaColumns | None]:
-    """Each Kafka-form piece's records decoded as columns (None for headwater's form),
-    for :func:`piece_columns` and the records path to share."""
-    return [
-        None if (section := piece.batch.kafka_section) is None else kafka_columns(section)
-        for piece in pieces
-    ]
-
-
-def _rows_of(pieces: Sequence[_Piece]) -> np.ndarray | None:
-    """Indices of the pieces' events among all their batches' events laid end to end;
-    None when they are one contiguous run (a slice does)."""
-    whole = all(
-        (i == 0 or p.start == 0) and (i == len(pieces) - 1 or p.stop == p.batch.count)
-        for i, p in enumerate(pieces)
-    )
-    if whole:
-        return None
-    counts = np.array([p.batch.count for p in pieces], np.int64)
-    bases = np.cumsum(counts) - counts
-    runs = [np.arange(b + p.start, b + p.stop) for b, p in zip(bases, pieces, strict=True)]
-    return np.concatenate(runs).astype(np.int64)
-
-
-def _data_column(pieces: Sequence[_Piece], decoded: Sequence[KafkaColumns | None]) -> pa.Array:
-    """The values of the pieces' events, in order: each run of headwater-form pieces
-    walked in one compiled pass over its batches' values sections (:mod:`.kernels`), a
-    Kafka-form piece's values taken from its decoded records (a tombstone's as empty
-    bytes, as the projection has always shown it)."""
-    parts: list[pa.Array] = []
-    run: list[_Piece] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        column = values_column(
-            [p.batch.values_section() for p in run], [p.batch.count for p in run]
-        )
-        rows = _rows_of(run)
-        if rows is None:
-            first = run[0].start
-            last = sum(p.batch.count for p in run[:-1]) + run[-1].stop
-            parts.append(column.slice(first, last - first))
-        else:
-            parts.append(column.take(pa.array(rows)))
-        run.clear()
-
-    for piece, columns in zip(pieces, decoded, strict=True):
-        if columns is None:
-            run.append(piece)
-            continue
-        flush()
-        values = columns.values
-        if values.null_count:
-            _, bounds, data = values.buffers()
-            values = pa.Array.from_buffers(pa.binary(), len(values), [None, bounds, data])
-        parts.append(values.slice(piece.start, piece.stop - piece.start))
-    flush()
-    return parts[0] if len(parts) == 1 else pa.concat_arrays(parts)
-
-
 def piece_columns(
-    pieces: Sequence[_Piece], decoded: Sequence[KafkaColumns | None] | None = None
+    pieces: Sequence[_Piece],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, pa.Array]:
     """The offset, position and timestamp (µs) columns (numpy int64) and the data column
     (Arrow binary) of stored batch pieces, column by column in bulk: Python work per
-    piece is a few integers (numpy builds the columns, compiled kernels walk the
-    records), so a round of many single-event commits costs little more than one of a
-    single large batch. ``decoded``: :func:`kafka_pieces` of the pieces, when the caller
-    has it already."""
-    if decoded is None:
-        decoded = kafka_pieces(pieces)
+    piece is a few integers (numpy builds the columns), so a round of many single-event
+    commits costs little more than one of a single large batch."""
     counts: list[int] = []
     firsts: list[int] = []
     position_deltas: list[int] = []
     stamps_us: list[int] = []
     sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
-    stamped: list[tuple[int, np.ndarray]] = []  # (row, ms) of pieces stamped per event
+    stamped: list[tuple[int, list[int]]] = []  # (row, ms) of pieces stamped per event
+    sections: list[memoryview] = []
+    record_starts: list[np.ndarray] = []
+    singles: list[int] = []  # record starts of one-event pieces, not yet in an array
+    shift = 0
     rows = 0
-    for piece, columns in zip(pieces, decoded, strict=True):
+    for piece in pieces:
         batch = piece.batch
         n = piece.stop - piece.start
         if batch.dense:
@@ -308,9 +245,25 @@ def piece_columns(
         counts.append(n)
         position_deltas.append(batch.first_position - batch.base_offset)
         stamps_us.append(batch.first_timestamp_ms * 1000)
-        if columns is not None:  # a Kafka-form batch: a timestamp per record
-            stamped.append((rows, columns.timestamps[piece.start : piece.stop]))
+        per_event = batch.timestamps()  # a Kafka-form batch: a timestamp per record
+        if per_event is not None:
+            stamped.append((rows, per_event[piece.start : piece.stop]))
+        record = batch.value_bounds()
+        lo, hi = record[piece.start], record[piece.stop]
+        sections.append(batch.values_section()[lo:hi])
+        if n == 1:
+            singles.append(shift)
+        else:
+            if singles:
+                record_starts.append(np.array(singles, np.int64))
+                singles = []
+            starts = np.array(record[piece.start : piece.stop], np.int64)
+            record_starts.append(starts + (shift - lo))
+        shift += hi - lo
         rows += n
+    if singles or not record_starts:
+        record_starts.append(np.array(singles, np.int64))
+    record_bounds = np.concatenate([*record_starts, np.array([shift], np.int64)])
     # Row i of piece k: offset firsts[k] + (i - first row of k), unless the piece is
     # sparse (its offsets are written over).
     piece_rows = np.array(counts, np.int64)
@@ -321,9 +274,22 @@ def piece_columns(
         offsets[row : row + len(listed)] = listed
     positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
     stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
-    for row, per_event in stamped:
-        stamps[row : row + len(per_event)] = per_event * 1000
-    return offsets, positions, stamps, _data_column(pieces, decoded)
+    for row, listed in stamped:
+        stamps[row : row + len(listed)] = np.array(listed, np.int64) * 1000
+    longest = int(np.diff(record_bounds).max())
+    records = pa.Array.from_buffers(
+        pa.binary(),
+        rows,
+        [
+            None,
+            pa.py_buffer(record_bounds.astype(np.int32)),
+            pa.py_buffer(b"".join(sections)),
+        ],
+    )
+    # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
+    # output from it, and the default overflows).
+    data = pc.binary_slice(records, 8, longest)
+    return offsets, positions, stamps, data
 
 
 class ChunkBuilder:

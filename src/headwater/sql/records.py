@@ -4,33 +4,29 @@ holds offsets, positions, timestamps and values only, and only what read_committ
 readers see. Bulk readers that want Kafka's record (the Spark source) read this.
 
 Columns are built as the projection builds its own (:func:`piece_columns`: numpy per
-round, the records walked by compiled kernels, :mod:`.kernels`); keys and headers are
-decoded only for batches stored with them (a batch without keys costs one null array),
-and a tombstone's value is NULL, as Kafka readers see it.
+round, the values section sliced by Arrow in C); keys and headers are decoded only for
+batches stored with them (a batch without keys costs one null array), and a tombstone's
+value is NULL, as Kafka readers see it.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from headwater.sql.kernels import HEADERS_TYPE, headers_column, keys_column
-from headwater.sql.projection import (
-    RANGE_SCHEMA,
-    _Piece,
-    kafka_pieces,
-    piece_columns,
-    read_round,
-)
+from headwater.errors import CorruptBatchError
+from headwater.sql.projection import RANGE_SCHEMA, _Piece, piece_columns, read_round
 from headwater.sql.sealed import TS_TYPE
-from headwater.storage.batch import KEY_TOMBSTONE
+from headwater.storage.batch import KEY_PRESENT, KEY_TOMBSTONE
 
 if TYPE_CHECKING:
     from headwater.storage.log import PartitionLog
 
+HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 RECORDS_SCHEMA = pa.schema(
     [
         pa.field("offset", pa.int64(), nullable=False),
@@ -42,6 +38,7 @@ RECORDS_SCHEMA = pa.schema(
     ]
 )
 assert RECORDS_SCHEMA.names[:4] == RANGE_SCHEMA.names
+_U32_AT = struct.Struct("<I").unpack_from
 
 
 class RecordsCursor:
@@ -73,34 +70,36 @@ class RecordsCursor:
 
 
 def records_batch(pieces: list[_Piece]) -> pa.RecordBatch:
-    decoded = kafka_pieces(pieces)
-    offsets, positions, stamps, data = piece_columns(pieces, decoded)
+    offsets, positions, stamps, data = piece_columns(pieces)
     rows = len(data)
     keys: list[pa.Array] = []
     headers: list[pa.Array] = []
     tombstones: list[np.ndarray] = []
-    for piece, columns in zip(pieces, decoded, strict=True):
-        batch = piece.batch
+    for piece in pieces:
         n = piece.stop - piece.start
-        if columns is not None:  # Kafka form: a null value is a tombstone
-            keys.append(columns.keys().slice(piece.start, n))
-            valid = columns.values.is_valid().slice(piece.start, n)
-            tombstones.append(~valid.to_numpy(zero_copy_only=False))
-            headers.append(columns.headers().slice(piece.start, n))
-            continue
-        section = batch.keys_section()
+        section = piece.batch.keys_section()
         if section is None:
             keys.append(pa.nulls(n, pa.binary()))
             tombstones.append(np.zeros(n, np.bool_))
         else:
-            column, flags = keys_column(section, batch.count)
-            keys.append(column.slice(piece.start, n))
-            tombstones.append((flags[piece.start : piece.stop] & KEY_TOMBSTONE) != 0)
-        stored = batch.headers_section()
-        if stored is None:
+            column, tombstone = key_column(section, piece.batch.count, piece.start, piece.stop)
+            keys.append(column)
+            tombstones.append(tombstone)
+        stored_headers = piece.batch.headers()
+        if stored_headers is None:
             headers.append(pa.nulls(n, HEADERS_TYPE))
-        else:
-            headers.append(headers_column(stored, batch.count).slice(piece.start, n))
+        else:  # only batches stored with headers pay a Python step per event
+            headers.append(
+                pa.array(
+                    [
+                        [{"key": k.decode("utf-8", "replace"), "value": v} for k, v in h]
+                        if h
+                        else None
+                        for h in stored_headers[piece.start : piece.stop]
+                    ],
+                    HEADERS_TYPE,
+                )
+            )
     tombstone = np.concatenate(tombstones)
     if tombstone.any():
         data = pc.if_else(pa.array(tombstone), pa.scalar(None, pa.binary()), data)
@@ -115,3 +114,34 @@ def records_batch(pieces: list[_Piece]) -> pa.RecordBatch:
         ],
         schema=RECORDS_SCHEMA,
     )
+
+
+def key_column(
+    section: memoryview, count: int, start: int, stop: int
+) -> tuple[pa.Array, np.ndarray]:
+    """Keys ``start..stop-1`` of a batch's keys section (``u8 flags | u32 len | bytes``
+    per event) as an Arrow binary array (NULL where an event has no key) and the events'
+    tombstone flags. The record boundaries are walked once (a few integer operations per
+    event, as :func:`headwater.storage.batch.value_spans` walks values); the array is
+    the section's own bytes with each 5-byte head sliced off in C."""
+    pos = 0
+    try:
+        bounds = [0] + [pos := pos + 5 + _U32_AT(section, pos + 1)[0] for _ in range(count)]
+    except struct.error:
+        raise CorruptBatchError("keys section truncated: a key overruns it") from None
+    if pos != len(section):
+        raise CorruptBatchError("keys section does not match its keys")
+    edges = np.array(bounds[start : stop + 1], np.int64)
+    flags = np.frombuffer(section, np.uint8)[edges[:-1]]
+    first = int(edges[0])
+    records = pa.Array.from_buffers(
+        pa.binary(),
+        stop - start,
+        [None, pa.py_buffer((edges - first).astype(np.int32)), pa.py_buffer(section[first:pos])],
+    )
+    longest = int(np.diff(edges).max()) if stop > start else 5
+    column = pc.binary_slice(records, 5, longest)
+    present = (flags & KEY_PRESENT) != 0
+    if not present.all():
+        column = pc.if_else(pa.array(present), column, pa.scalar(None, pa.binary()))
+    return column, (flags & KEY_TOMBSTONE) != 0

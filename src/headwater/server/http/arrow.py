@@ -4,8 +4,7 @@ columnar paths of bulk clients such as the Spark source and sink (docs/http-api.
 "Records as Arrow" and "Append as Arrow").
 
 Neither side does work per event on a value: values travel as Arrow binary arrays and
-become the stored ``u64 len | bytes`` section in one compiled pass
-(:func:`values_section`, :func:`headwater.sql.kernels.prefixed_join`); keys and
+become the stored ``u64 len | bytes`` section in C (:func:`values_section`); keys and
 headers are handed to the engine as they are only when a batch has them.
 """
 
@@ -30,7 +29,6 @@ from headwater.server.http.app import (
     read_body,
     tenant_of,
 )
-from headwater.sql.kernels import prefixed_join
 from headwater.sql.records import RECORDS_SCHEMA
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
@@ -85,6 +83,20 @@ async def read_records(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def _joined(prefixes: np.ndarray, items: pa.Array) -> bytes:
+    """Each fixed-size prefix (a row of ``prefixes``, a numpy structured array) followed
+    by its item, all laid end to end: one Arrow kernel, no Python per item."""
+    count = len(items)
+    heads = pa.Array.from_buffers(
+        pa.binary(prefixes.dtype.itemsize), count, [None, pa.py_buffer(prefixes.tobytes())]
+    ).cast(pa.binary())
+    records = pc.binary_join_element_wise(heads, items, b"")
+    bounds = np.frombuffer(records.buffers()[1], np.int32, 2, records.offset * 4)
+    end = int(np.frombuffer(records.buffers()[1], np.int32, 1, (records.offset + count) * 4)[0])
+    section: bytes = records.buffers()[2].slice(int(bounds[0]), end - int(bounds[0])).to_pybytes()
+    return section
+
+
 _VALUE_HEAD = np.dtype([("length", "<u8")])
 _KEY_HEAD = np.dtype([("flags", "u1"), ("length", "<u4")])  # packed: 5 bytes
 
@@ -95,7 +107,7 @@ def values_section(values: pa.Array) -> tuple[bytes, int]:
     lengths = pc.binary_length(values).to_numpy(zero_copy_only=False)
     heads = np.empty(len(values), _VALUE_HEAD)
     heads["length"] = lengths
-    return prefixed_join(heads, values), int(lengths.sum())
+    return _joined(heads, values), int(lengths.sum())
 
 
 def keys_section(keys: pa.Array) -> bytes:
@@ -104,7 +116,7 @@ def keys_section(keys: pa.Array) -> bytes:
     heads = np.empty(len(keys), _KEY_HEAD)
     heads["flags"] = pc.is_valid(keys).to_numpy(zero_copy_only=False)  # KEY_PRESENT is 1
     heads["length"] = pc.fill_null(pc.binary_length(keys), 0).to_numpy(zero_copy_only=False)
-    return prefixed_join(heads, pc.fill_null(keys, pa.scalar(b"", pa.binary())))
+    return _joined(heads, pc.fill_null(keys, pa.scalar(b"", pa.binary())))
 
 
 def _binary_column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
