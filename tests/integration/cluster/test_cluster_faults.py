@@ -37,6 +37,9 @@ class Acks:
     """What the producer was told: offset of each acknowledged value, and failures."""
 
     offsets: dict[bytes, int] = field(default_factory=dict)
+    # Delivered without an offset: librdkafka acknowledges a retried batch that a later
+    # one proves stored ("implicit ack") without knowing where it went.
+    unplaced: set[bytes] = field(default_factory=set)
     failed: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # when each ack arrived
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -48,12 +51,20 @@ class Acks:
                 return
             value = message.value()
             assert value is not None
-            self.offsets[value] = int(message.offset())  # type: ignore[arg-type]
+            offset = message.offset()
+            if offset is None:
+                self.unplaced.add(value)
+            else:
+                self.offsets[value] = int(offset)
             self.times.append(time.monotonic())
 
     def count(self) -> int:
         with self.lock:
-            return len(self.offsets)
+            return len(self.offsets) + len(self.unplaced)
+
+    def acknowledged(self) -> list[bytes]:
+        with self.lock:
+            return [*self.offsets, *self.unplaced]
 
     def first_after(self, moment: float) -> float | None:
         with self.lock:
@@ -189,7 +200,7 @@ def test_acknowledged_writes_survive_leader_kills(cluster: Cluster) -> None:
     values = [value for _, value in found]
     duplicated = len(values) - len(set(values))
     stored = set(values)
-    lost = [v for v in acks.offsets if v not in stored]
+    lost = [v for v in acks.acknowledged() if v not in stored]
     print(
         f"{ROUNDS} rounds: acknowledged {acknowledged}, stored {len(values)}, lost {len(lost)},"
         f" duplicated {duplicated}; new leader after SIGKILL: median"
@@ -212,6 +223,7 @@ class PartitionAcks:
     """Acknowledged offsets by (partition, value), for a topic of several partitions."""
 
     offsets: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    unplaced: set[tuple[int, bytes]] = field(default_factory=set)  # as Acks.unplaced
     failed: list[str] = field(default_factory=list)
     per_partition: dict[int, int] = field(default_factory=dict)  # acknowledged so far
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -224,7 +236,11 @@ class PartitionAcks:
             value = message.value()
             partition = int(message.partition())  # type: ignore[arg-type]
             assert value is not None
-            self.offsets[partition, value] = int(message.offset())  # type: ignore[arg-type]
+            offset = message.offset()
+            if offset is None:
+                self.unplaced.add((partition, value))
+            else:
+                self.offsets[partition, value] = int(offset)
             self.per_partition[partition] = self.per_partition.get(partition, 0) + 1
 
     def counts(self) -> dict[int, int]:
@@ -340,9 +356,10 @@ def test_leaders_of_several_partitions_killed_at_once(cluster: Cluster) -> None:
     finally:
         consumer.close()
     duplicated = [k for k, offsets in found.items() if len(offsets) > 1]
-    lost = [k for k in acks.offsets if k not in found]
+    lost = [k for k in [*acks.offsets, *acks.unplaced] if k not in found]
     print(
-        f"{PARTITIONS} partitions, two nodes' leaders killed: acknowledged {len(acks.offsets)},"
+        f"{PARTITIONS} partitions, two nodes' leaders killed: acknowledged"
+        f" {len(acks.offsets) + len(acks.unplaced)} ({len(acks.unplaced)} without an offset),"
         f" read {read}, lost {len(lost)}, duplicated {len(duplicated)}"
     )
     assert lost == [] and duplicated == [] and read == total

@@ -144,7 +144,7 @@ def test_acknowledged_writes_survive_network_cuts(cluster: Cluster) -> None:
         values = [value for _, value in found]
         duplicated = len(values) - len(set(values))
         stored_at = {value: offset for offset, value in found}
-        lost = [v for v in acks.offsets if v not in stored_at]
+        lost = [v for v in acks.acknowledged() if v not in stored_at]
         print(
             f"{ROUNDS} rounds of cuts: acknowledged {acks.count()}, stored {len(values)},"
             f" lost {len(lost)}, duplicated {duplicated}; new leader after the cut: median"

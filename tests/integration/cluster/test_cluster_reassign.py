@@ -82,3 +82,4 @@ def test_a_partition_moves_onto_a_new_node(cluster: Cluster) -> None:
     assert len(values) == len(set(values)) == end
     stored_at = {value: offset for offset, value in found}
     assert all(stored_at[v] == offset for v, offset in acks.offsets.items())
+    assert all(v in stored_at for v in acks.acknowledged())
