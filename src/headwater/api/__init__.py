@@ -27,7 +27,7 @@ from headwater.api.cluster_gate import ClusterGate
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
 from headwater.api.readahead import ReadAhead
-from headwater.api.replication import Replicas, wait_for_end
+from headwater.api.replication import Replicas, wait_for_end, wait_for_log
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
@@ -445,25 +445,9 @@ class EngineAPI:
         commit, or in a cluster a high watermark move), at most ``timeout_s``: a long
         poll. False when the time ran out first."""
         stream = self._engine.stream(tenant_id, stream_id)
-        plog = stream.partition_log(partition)
-        if plog.readable_offset > offset:
-            return True
-        committer = stream.committers[partition]
-        arrived = asyncio.Event()
-
-        def on_move(_committed: int) -> None:
-            if plog.readable_offset > offset:
-                arrived.set()
-
-        committer.add_listener(on_move)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await arrived.wait()
-        except TimeoutError:
-            return False
-        finally:
-            committer.remove_listener(on_move)
-        return True
+        return await wait_for_log(
+            stream, partition, lambda plog: plog.readable_offset > offset, timeout_s
+        )
 
     def last_stable_offset(self, tenant_id: int, stream_id: int, partition: int = 0) -> int:
         """A partition's last stable offset: where read_committed reads stop (the first

@@ -15,6 +15,7 @@ the tenant's group coordinator. The others stay each node's own (docs/cluster.md
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 from headwater.engine.engine import Engine, Stream, StreamInfo
@@ -124,22 +125,33 @@ class Replicas:
 async def wait_for_end(stream: Stream, partition: int, offset: int, timeout_s: float) -> bool:
     """Wait until the partition's committed end passes ``offset`` (an event at or after
     it is stored), at most ``timeout_s``: a long poll. False when the time ran out first."""
+    return await wait_for_log(
+        stream, partition, lambda plog: plog.committed_offset > offset, timeout_s
+    )
+
+
+async def wait_for_log(
+    stream: Stream, partition: int, reached: Callable[[PartitionLog], bool], timeout_s: float
+) -> bool:
+    """Wait until ``reached(log)`` holds for the partition's log, checked now and at each
+    commit (or high watermark move) its committer announces, at most ``timeout_s``. False
+    when the time ran out first. The one long poll under follower and client fetches."""
     plog = stream.partition_log(partition)
-    if plog.committed_offset > offset:
+    if reached(plog):
         return True
     committer = stream.committers[partition]
     arrived = asyncio.Event()
 
-    def on_commit(committed: int) -> None:
-        if committed > offset:
+    def on_move(_committed: int) -> None:
+        if reached(plog):
             arrived.set()
 
-    committer.add_listener(on_commit)
+    committer.add_listener(on_move)
     try:
         async with asyncio.timeout(timeout_s):
             await arrived.wait()
     except TimeoutError:
         return False
     finally:
-        committer.remove_listener(on_commit)
+        committer.remove_listener(on_move)
     return True
