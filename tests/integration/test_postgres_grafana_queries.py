@@ -29,16 +29,10 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from kimberlite_raw import RawClient, create_stream
-from servers import LOCAL, Server, serving
+from servers import AUTH_CONFIG, LOCAL, Server, serving
 
-TOKEN = "s3cret"
-CONFIG = f"""
-[auth]
-required = true
-[[auth.tokens]]
-token = "{TOKEN}"
-tenants = [0]
-"""
+TOKEN = "s3cret"  # the token servers.AUTH_CONFIG grants tenant 0
+CONFIG = AUTH_CONFIG
 
 # postgresMetaQuery.ts, as written there (${...} filled in by the functions below).
 GET_VERSION = "SELECT current_setting('server_version_num')::int/100 as version"

@@ -17,18 +17,12 @@ from pathlib import Path
 
 import pytest
 from kimberlite_raw import RawClient, create_stream
-from servers import LOCAL, Server, serving
+from servers import AUTH_CONFIG, LOCAL, Server, serving
 
 DRIVER = Path("/usr/share/java/postgresql.jar")
 PROBE = Path(__file__).with_name("PgjdbcProbe.java")
-TOKEN = "s3cret"
-CONFIG = f"""
-[auth]
-required = true
-[[auth.tokens]]
-token = "{TOKEN}"
-tenants = [0]
-"""
+TOKEN = "s3cret"  # the token servers.AUTH_CONFIG grants tenant 0
+CONFIG = AUTH_CONFIG
 
 
 @pytest.fixture(scope="module")
