@@ -24,7 +24,7 @@ import functools
 import inspect
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Hashable
 from typing import Any, ClassVar, Generic, ParamSpec, Self, TypeVar, cast
 
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError
@@ -335,11 +335,10 @@ class Session(Generic[L, S]):
     def _backoff(self, attempt: int) -> float:
         return backoff_delay(attempt, self.backoff_base, self.backoff_max)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        async def run() -> None:
-            await coro
-
-        task = asyncio.get_running_loop().create_task(run())
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        # The coroutine itself becomes the task: a wrapper task cancelled before its first
+        # step (the loop stopping) would leave ``coro`` never awaited.
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
