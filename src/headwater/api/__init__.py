@@ -60,8 +60,16 @@ from headwater.engine.subscriptions import (
     Subscription,
     Subscriptions,
 )
-from headwater.engine.transactions import ProducerIdentity, TransactionCoordinator
-from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.engine.transactions import (
+    TXN_STATE_STREAM,
+    ClusterHooks,
+    ProducerIdentity,
+    TransactionCoordinator,
+    append_transactional,
+    create_state_stream,
+    write_marker,
+)
+from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
@@ -340,10 +348,12 @@ class EngineAPI:
         sql_limits: SqlLimits | None = None,
         on_sql_limit: Callable[[str], None] | None = None,
         quotas: Mapping[int, TenantQuota] | None = None,
+        clustered: bool = False,
     ) -> EngineAPI:
         """Recover the engine and kinds, start the SQL projections. ``on_sql_limit`` is
         told the ``[limits]`` key each statement stopped by a limit ran into; ``quotas``
-        are the per-tenant rates (``[[tenants]]``)."""
+        are the per-tenant rates (``[[tenants]]``). A ``clustered`` node leaves its
+        transactions to the coordinator the cluster names (docs/cluster.md)."""
         engine = await Engine.open(data_dir, engine_config)
         subscriptions = Subscriptions(engine)
         kinds = await KindsEngine.open(engine, kinds_config)
@@ -353,7 +363,8 @@ class EngineAPI:
         api = cls(engine, subscriptions, kinds, queries, Auth(auth_config), Quotas(quotas or {}))
         # Before any front end listens: a transaction a crash left prepared is finished,
         # one left open aborted (each wholly visible or wholly absent).
-        await api._transactions.recover()
+        if not clustered:
+            await api._transactions.recover()
         api._transactions.start_expiry()
         # Committed group offsets are known from the start (/metrics' group lag).
         await api.groups.load_stored()
@@ -570,6 +581,10 @@ class EngineAPI:
     ) -> ProducerIdentity:
         """InitProducerId: a producer id and epoch (with a transactional id: its
         producer, the epoch bumped, an older instance fenced)."""
+        if transactional_id is None:
+            anywhere = await self._transactions.new_producer_id(tenant_id)
+            if anywhere is not None:
+                return anywhere
         txns = await self._transactions.tenant(tenant_id)
         return await txns.init_producer(transactional_id, transaction_timeout_ms)
 
@@ -598,7 +613,21 @@ class EngineAPI:
         headers: Sequence[Headers] | None = None,
     ) -> AppendInfo:
         """A batch inside the producer's transaction (its partition joins it); a
-        produced Kafka batch is stored in Kafka form."""
+        produced Kafka batch is stored in Kafka form. In a cluster, a partition's leader
+        that does not coordinate the transaction stores it against the partition's
+        producer table (the client added the partition at the coordinator first)."""
+        if not self._transactions.coordinates(tenant_id):
+            return await append_transactional(
+                self._engine,
+                tenant_id,
+                producer,
+                stream_id,
+                sequence,
+                values,
+                partition=partition,
+                keys=keys,
+                headers=headers,
+            )
         txns = await self._transactions.tenant(tenant_id)
         return await txns.append(
             transactional_id,
@@ -630,6 +659,42 @@ class EngineAPI:
         """Commit or abort the producer's transaction, atomically across partitions."""
         txns = await self._transactions.tenant(tenant_id)
         await txns.end_transaction(transactional_id, producer, commit)
+
+    # ---- transactions across a cluster (docs/cluster.md) --------------------------------
+
+    def join_transactions_cluster(self, hooks: ClusterHooks) -> None:
+        """The cluster names the transaction coordinator from now on."""
+        self._transactions.join_cluster(hooks)
+
+    async def reload_transactions(self, tenant_id: int, coordinates: bool) -> None:
+        """This node started (replay the state, finish what was prepared) or stopped
+        coordinating the tenant's transactions."""
+        await self._transactions.reload(tenant_id, coordinates)
+
+    async def open_transaction_state(self, tenant_id: int) -> None:
+        """The tenant's transaction state stream, created if missing (as Kafka creates
+        __transaction_state on the first FindCoordinator for a transactional id)."""
+        try:
+            self._engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True)
+        except StreamNotFound:
+            await create_state_stream(self._engine, tenant_id)
+
+    async def write_marker(
+        self,
+        tenant_id: int,
+        stream: str,
+        partition: int,
+        producer_id: int,
+        epoch: int,
+        commit: bool,
+    ) -> int | None:
+        """A marker the coordinator asked this partition's leader for; the partition's
+        end after it, None when the transaction is not open there (already marked)."""
+        stream_id = self._engine.stream_by_name(tenant_id, stream).stream_id
+        stored = await write_marker(
+            self._engine, tenant_id, stream_id, partition, producer_id, epoch, commit
+        )
+        return None if stored is None else stored.next_offset
 
     def fsync_stats(self) -> FsyncStats:
         """The group committers' fsyncs over every live stream (internal ones too: the

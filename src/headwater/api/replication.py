@@ -7,9 +7,11 @@ divergent tail (:meth:`Replicas.truncate`). Each replica's leader epochs are the
 partition's ``leader-epoch-checkpoint`` (storage/leader_epochs.py). Partitions are named
 as etcd names them: tenant, stream name, partition.
 
-Of the internal streams, the consumer groups' offsets (``hw_consumer_offsets``) are
-replicated like any stream (:data:`REPLICATED_INTERNAL`): the leader of its partition is
-the tenant's group coordinator. The others stay each node's own (docs/cluster.md).
+Of the internal streams, the consumer groups' offsets (``hw_consumer_offsets``) and the
+transaction state (``hw_transaction_state``) are replicated like any stream
+(:data:`REPLICATED_INTERNAL`): the leader of its partition is the tenant's group
+coordinator, respectively transaction coordinator. The others stay each node's own
+(docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from pathlib import Path
 
 from headwater.engine.engine import Engine, Stream, StreamInfo
 from headwater.engine.groups.offsets import OFFSETS_STREAM, LogOffsetStore
+from headwater.engine.transactions import TXN_STATE_STREAM, create_state_stream
 from headwater.errors import StreamNotFound
 from headwater.storage.leader_epochs import LeaderEpochs
 from headwater.storage.log import PartitionLog
 
-REPLICATED_INTERNAL = (OFFSETS_STREAM,)
+REPLICATED_INTERNAL = (OFFSETS_STREAM, TXN_STATE_STREAM)
 
 
 class Replicas:
@@ -54,10 +57,13 @@ class Replicas:
     async def create_internal(self, tenant_id: int, name: str) -> bool:
         """Create a replicated internal stream another node registered (with the
         settings its owner gives it); False for a name that is not one."""
-        if name != OFFSETS_STREAM:
-            return False
-        await LogOffsetStore.open(self._engine, tenant_id)
-        return True
+        if name == OFFSETS_STREAM:
+            await LogOffsetStore.open(self._engine, tenant_id)
+            return True
+        if name == TXN_STATE_STREAM:
+            await create_state_stream(self._engine, tenant_id)
+            return True
+        return False
 
     async def wait_for_end(
         self, tenant_id: int, stream: str, partition: int, offset: int, timeout_s: float

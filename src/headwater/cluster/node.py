@@ -50,6 +50,7 @@ from headwater.cluster.layout import (
     reassignment_step,
 )
 from headwater.cluster.replication import Replication
+from headwater.cluster.transactions import TransactionCoordinators
 from headwater.cluster.view import ClusterView
 from headwater.errors import HeadwaterError
 
@@ -82,6 +83,7 @@ class ClusterNode:
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
         self.coordinators = GroupCoordinators(self)
+        self.transactions = TransactionCoordinators(self)
         self.view = ClusterView(self)  # what the front ends ask
         self.front_ends = FrontEndRules(self)  # appends on leaders, reads below the HW
 
@@ -97,6 +99,8 @@ class ClusterNode:
         # Offset commits are acknowledged once the offsets partition's ISR holds them.
         self.api.groups.replicated = self.coordinators.replicated
         self.api.groups.check_coordinator = self.coordinators.check
+        # The leader of the state stream coordinates transactions (cluster/transactions.py).
+        self.api.join_transactions_cluster(self.transactions.hooks())
         self.info = NodeInfo(
             self.info.node_id,
             self.info.host,
@@ -143,6 +147,7 @@ class ClusterNode:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.transactions.stop()
         await self.replication.stop()
         if self.lease:
             try:
@@ -212,6 +217,7 @@ class ClusterNode:
         await self.replication.reconcile()
         self.front_ends.reconcile()
         await self.coordinators.reconcile()
+        self.transactions.reconcile()
 
     async def _sync_streams(self, known: list[KeyValue]) -> None:
         counts: dict[tuple[int, str], int] = {}

@@ -414,7 +414,11 @@ class Replication:
                 if not data:
                     return
                 for frame in frames.feed(data):
-                    writer.write(await self._answer(wire.Fetch.from_header(frame.header)))
+                    if frame.header.get("kind") == wire.TXN_MARKER:  # cluster/transactions.py
+                        marker = wire.TxnMarker.from_header(frame.header)
+                        writer.write(await self.node.transactions.answer_marker(marker))
+                    else:
+                        writer.write(await self._answer(wire.Fetch.from_header(frame.header)))
                     await writer.drain()
         except ProtocolError as exc:
             log.warning("replication peer %s sent a bad frame: %s", peer, exc)

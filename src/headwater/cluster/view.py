@@ -63,6 +63,11 @@ class ClusterView:
         stream), None while none does (FindCoordinator: COORDINATOR_NOT_AVAILABLE)."""
         return self._node.coordinators.coordinator(tenant_id)
 
+    def transaction_coordinator(self, tenant_id: int) -> NodeInfo | None:
+        """The node coordinating the tenant's transactions (the leader of its state
+        stream), None while none does (FindCoordinator: COORDINATOR_NOT_AVAILABLE)."""
+        return self._node.transactions.coordinator(tenant_id)
+
     def check_group_coordinator(self, tenant_id: int) -> None:
         """NotCoordinator / CoordinatorNotAvailable unless this node coordinates the
         tenant's groups now."""

@@ -17,6 +17,13 @@ leader's; it truncates to ``min(end_offset, its own end of that epoch)`` and fet
 again, Kafka's OffsetForLeaderEpoch folded into the fetch as KIP-595 does),
 ``"epochs"`` (the leader's ``[[epoch, start_offset], ...]``)``}`` and the batches from
 ``offset``.
+
+A transaction marker (coordinator -> the partition's leader, Kafka's WriteTxnMarkers
+for one partition, docs/cluster.md): ``{"kind": "txn_marker", "tenant", "stream",
+"partition", "producer_id", "epoch", "commit"}`` (commit: true, abort: false). The
+answer, once the leader's in-sync replicas hold the marker (or the transaction was not
+open there): ``{"error"}`` (null, or why not: the coordinator retries). A frame without
+``kind`` is a fetch.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ MAX_FRAME_BYTES = 64 << 20  # a fetch answer holds at most max_bytes of batches 
 MAX_HEADER_BYTES = 64 << 10
 
 NOT_LEADER = "not_leader"
+TXN_MARKER = "txn_marker"  # a frame's "kind": a transaction marker request
 UNKNOWN_PARTITION = "unknown_partition"
 
 
@@ -67,14 +75,40 @@ class Fetch:
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Fetch:
         """ProtocolError naming the first field missing or not of its type."""
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            value = header.get(field.name)
-            kind = str if field.type == "str" else int
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ProtocolError(f"fetch field {field.name!r} must be {kind.__name__}")
-            values[field.name] = value
-        return cls(**values)
+        return cls(**_fields(cls, header, "fetch"))
+
+
+@dataclass(frozen=True)
+class TxnMarker:
+    """A coordinator's request: write ``producer_id``'s commit (or abort) marker at
+    ``epoch`` on ``tenant``/``stream``/``partition``, of which the receiver is leader."""
+
+    tenant: int
+    stream: str
+    partition: int
+    producer_id: int
+    epoch: int
+    commit: bool
+
+    def encode(self) -> bytes:
+        return encode({"kind": TXN_MARKER, **dataclasses.asdict(self)})
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> TxnMarker:
+        """ProtocolError naming the first field missing or not of its type."""
+        return cls(**_fields(cls, header, "txn_marker"))
+
+
+def _fields(cls: type, header: dict[str, Any], what: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        value = header.get(field.name)
+        kind = {"str": str, "bool": bool}.get(str(field.type), int)
+        # bool is an int in Python: an int field refuses it, a bool field wants one.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ProtocolError(f"{what} field {field.name!r} must be {kind.__name__}")
+        values[field.name] = value
+    return values
 
 
 class FrameReader:

@@ -113,6 +113,7 @@ class Server:
             ),
             on_sql_limit=lambda limit: self.limits.refused(limit, "sql"),
             quotas=self.config.quotas,
+            clustered=self.config.cluster is not None,
         )
         if self.config.cluster is not None:
             # Before any listener: an id handed out must be unique in the cluster.

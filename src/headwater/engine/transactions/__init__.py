@@ -4,10 +4,14 @@ from headwater.engine.transactions.coordinator import (
     DEFAULT_TRANSACTION_TIMEOUT_MS,
     FIRST_PRODUCER_ID,
     TXN_STATE_STREAM,
+    ClusterHooks,
     ProducerIdentity,
     TenantTransactions,
     TransactionCoordinator,
     TxnState,
+    append_transactional,
+    create_state_stream,
+    write_marker,
 )
 from headwater.engine.transactions.stable import stable_position
 
@@ -15,9 +19,13 @@ __all__ = [
     "DEFAULT_TRANSACTION_TIMEOUT_MS",
     "FIRST_PRODUCER_ID",
     "TXN_STATE_STREAM",
+    "ClusterHooks",
     "ProducerIdentity",
     "TenantTransactions",
     "TransactionCoordinator",
     "TxnState",
+    "append_transactional",
+    "create_state_stream",
     "stable_position",
+    "write_marker",
 ]

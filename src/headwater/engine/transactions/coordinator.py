@@ -28,6 +28,16 @@ timeout is aborted the same way by ``abort_expired``.
 Markers are written only where the partition's producer table shows the producer's
 transaction still open there, so finishing a transaction twice (a retry, a recovery
 after some markers were written) adds nothing.
+
+In a cluster (:class:`ClusterHooks`, docs/cluster.md "Transactions across the
+cluster") the state stream is replicated and its leader is the tenant's coordinator:
+other nodes refuse transactional calls NotCoordinator, producer ids come from the
+cluster's id blocks (no write to the state stream), each state record is acknowledged
+by the in-sync replicas, a marker is written by its partition's leader, wherever that
+is, and a transactional batch is appended by its partition's leader against the
+partition's producer state (epoch fencing) without asking the coordinator. A node that
+takes the coordinator's place replays the state stream and finishes what was prepared;
+an open transaction is left to its producer (or its timeout).
 """
 
 from __future__ import annotations
@@ -43,12 +53,14 @@ from enum import StrEnum
 from typing import Any, NamedTuple
 
 from headwater.engine.engine import Engine, StreamSettings, run_every
+from headwater.engine.groups.errors import CoordinatorNotAvailable
 from headwater.engine.groups.offsets import (
     CommittedOffset,
     LogOffsetStore,
     OffsetKey,
 )
 from headwater.errors import (
+    HeadwaterError,
     InvalidRequest,
     InvalidTxnState,
     ProducerFenced,
@@ -70,6 +82,21 @@ _PRODUCER_IDS_KEY = b"\x00producer-ids"  # no transactional id is empty: never a
 # (group offsets to commit) for a tenant: the consumer-group offset store's commit.
 OffsetsSink = Callable[[int, Mapping[OffsetKey, CommittedOffset]], Awaitable[None]]
 Clock = Callable[[], int]
+
+
+@dataclass(frozen=True)
+class ClusterHooks:
+    """What a cluster node gives the coordinator (headwater.cluster.transactions)."""
+
+    # NotCoordinator / CoordinatorNotAvailable unless this node coordinates the tenant.
+    check: Callable[[int], None]
+    # A producer id unique in the cluster (tenant id -> id).
+    allocate: Callable[[int], Awaitable[int]]
+    # The state stream's in-sync replicas hold it below ``end`` (tenant id, end).
+    replicated: Callable[[int, int], Awaitable[None]]
+    # A marker on the partition's leader (tenant, stream name, partition, producer id,
+    # epoch, commit); returns once it is replicated there.
+    write_marker: Callable[[int, str, int, int, int, bool], Awaitable[None]]
 
 
 def _wall_ms() -> int:
@@ -103,6 +130,9 @@ class TxnMetadata:
     # Appends admitted but not yet stored: an end waits for them (in memory only).
     appending: int = 0
     appends_done: asyncio.Event = field(default_factory=asyncio.Event)
+    # The partitions' stream names by id: stored by name, as a stream's id is each
+    # node's own in a cluster.
+    names: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +141,7 @@ class TxnMetadata:
             "timeout_ms": self.timeout_ms,
             "state": str(self.state),
             "partitions": sorted(self.partitions),
+            "partition_names": sorted([self.names[s], p] for s, p in self.partitions),
             "offsets": [
                 [k.group, k.stream, k.partition, v.offset, v.metadata, v.commit_ms]
                 for k, v in self.offsets.items()
@@ -145,8 +176,10 @@ class TenantTransactions:
         stream_id: int,
         offsets_sink: OffsetsSink,
         clock_ms: Clock,
+        cluster: ClusterHooks | None = None,
     ) -> None:
         self.engine = engine
+        self.cluster = cluster
         self.tenant_id = tenant_id
         self.stream_id = stream_id
         self.offsets_sink = offsets_sink
@@ -163,20 +196,20 @@ class TenantTransactions:
         tenant_id: int,
         offsets_sink: OffsetsSink | None = None,
         clock_ms: Clock = _wall_ms,
+        cluster: ClusterHooks | None = None,
     ) -> TenantTransactions:
         """The tenant's coordinator, its state stream created on first use and replayed;
-        every transaction left prepared is finished and every one left open aborted."""
+        every transaction left prepared is finished and every one left open aborted (in
+        a cluster: left to its producer or its timeout)."""
         try:
             stream_id = engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True).stream_id
         except StreamNotFound:
-            settings = StreamSettings(cleanup_policy="compact", sync="fsync")
-            info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
-            stream_id = info.stream_id
+            stream_id = await create_state_stream(engine, tenant_id)
         coordinator = cls(
-            engine, tenant_id, stream_id, offsets_sink or _log_offsets(engine), clock_ms
+            engine, tenant_id, stream_id, offsets_sink or _log_offsets(engine), clock_ms, cluster
         )
         await coordinator._replay()
-        await coordinator._recover()
+        await coordinator._recover(abort_open=cluster is None)
         return coordinator
 
     async def _replay(self) -> None:
@@ -198,6 +231,8 @@ class TenantTransactions:
                     if event.key != _PRODUCER_IDS_KEY:
                         tid = event.key.decode()
                         txn = TxnMetadata.from_json(tid, data["txn"])
+                        if "partition_names" in data["txn"]:
+                            self._resolve_names(txn, data["txn"]["partition_names"])
                 except (ValueError, KeyError, TypeError) as exc:
                     # Not the coordinator's record (front ends cannot reach the stream,
                     # but a data directory may hold what an older version let them
@@ -215,7 +250,19 @@ class TenantTransactions:
                     self.transactions[txn.transactional_id] = txn
             at = result.end_offset
 
-    async def _recover(self) -> None:
+    def _resolve_names(self, txn: TxnMetadata, named: Sequence[Sequence[Any]]) -> None:
+        """The transaction's partitions by this node's stream ids (a stream deleted
+        since is left out: its batches went with it)."""
+        txn.partitions.clear()
+        for name, partition in named:
+            try:
+                stream_id = self.engine.stream_by_name(self.tenant_id, str(name)).stream_id
+            except StreamNotFound:
+                continue
+            txn.partitions.add((stream_id, int(partition)))
+            txn.names[stream_id] = str(name)
+
+    async def _recover(self, abort_open: bool = True) -> None:
         for txn in list(self.transactions.values()):
             if txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
                 log.info(
@@ -227,7 +274,7 @@ class TenantTransactions:
                 async with self._lock(txn.transactional_id):
                     await self._complete(txn)
                 self.recovered += 1
-            elif txn.state == TxnState.ONGOING:
+            elif txn.state == TxnState.ONGOING and abort_open:
                 log.info(
                     "tenant %d: aborting transaction %r left open by a restart",
                     self.tenant_id,
@@ -244,13 +291,15 @@ class TenantTransactions:
         record: dict[str, Any] = {"next_producer_id": self.next_producer_id}
         if txn is not None:
             record["txn"] = txn.to_json()
-        await self.engine.append(
+        stored = await self.engine.append(
             self.tenant_id,
             self.stream_id,
             [json.dumps(record).encode()],
             keys=[key],
             internal=True,
         )
+        if self.cluster is not None:  # acks=all: the next coordinator's replica has it
+            await self.cluster.replicated(self.tenant_id, stored.next_offset)
 
     async def _store(self, txn: TxnMetadata) -> None:
         await self._write(txn.transactional_id.encode(), txn)
@@ -272,21 +321,22 @@ class TenantTransactions:
                 f"transaction_timeout_ms is 1..{MAX_TRANSACTION_TIMEOUT_MS}, not {timeout}"
             )
         if transactional_id is None:
-            pid = self._allocate()
-            await self._write(_PRODUCER_IDS_KEY, None)
+            pid = await self._allocate()
+            if self.cluster is None:  # a cluster's id blocks are etcd's to keep
+                await self._write(_PRODUCER_IDS_KEY, None)
             return ProducerIdentity(pid, 0)
         _check_transactional_id(transactional_id)
         async with self._lock(transactional_id):
             txn = self.transactions.get(transactional_id)
             if txn is None:
-                txn = TxnMetadata(transactional_id, self._allocate(), 0, timeout)
+                txn = TxnMetadata(transactional_id, await self._allocate(), 0, timeout)
             else:
                 if txn.state == TxnState.ONGOING:
                     await self._abort_fencing(txn)
                 elif txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
                     await self._complete(txn)
                 if txn.epoch >= MAX_EPOCH:
-                    txn.producer_id, txn.epoch = self._allocate(), 0
+                    txn.producer_id, txn.epoch = await self._allocate(), 0
                 else:
                     txn.epoch += 1
                 txn.timeout_ms = timeout
@@ -297,7 +347,9 @@ class TenantTransactions:
             self.transactions[transactional_id] = txn
             return ProducerIdentity(txn.producer_id, txn.epoch)
 
-    def _allocate(self) -> int:
+    async def _allocate(self) -> int:
+        if self.cluster is not None:
+            return await self.cluster.allocate(self.tenant_id)
         pid = self.next_producer_id
         self.next_producer_id += 1
         return pid
@@ -349,6 +401,7 @@ class TenantTransactions:
             stream.partition_log(partition)  # InvalidRequest for a partition not there
             if (stream_id, partition) not in txn.partitions:
                 new.add((stream_id, partition))
+                txn.names[stream_id] = stream.name
         if not new:
             return
         self._begin(txn)
@@ -394,31 +447,17 @@ class TenantTransactions:
         # Appended outside the lock: a transaction's batches to different partitions
         # are written concurrently.
         try:
-            if isinstance(values, KafkaSection):
-                return await self.engine.append_encoded(
-                    self.tenant_id,
-                    stream_id,
-                    values.section,
-                    values.count,
-                    value_bytes=len(values.section),
-                    partition=partition,
-                    timestamp_ms=values.timestamp_ms,
-                    producer=(producer.producer_id, sequence),
-                    producer_epoch=producer.epoch,
-                    transactional=True,
-                    kafka=True,
-                )
-            return await self.engine.append(
+            return await append_transactional(
+                self.engine,
                 self.tenant_id,
+                producer,
                 stream_id,
+                sequence,
                 values,
                 partition=partition,
-                timestamp_ms=timestamp_ms,
                 keys=keys,
                 headers=headers,
-                producer=(producer.producer_id, sequence),
-                producer_epoch=producer.epoch,
-                transactional=True,
+                timestamp_ms=timestamp_ms,
             )
         finally:
             txn.appending -= 1
@@ -496,20 +535,15 @@ class TenantTransactions:
     async def _write_marker(
         self, stream_id: int, partition: int, txn: TxnMetadata, commit: bool
     ) -> None:
-        try:
-            plog = self.engine.stream(self.tenant_id, stream_id).partition_log(partition)
-        except StreamNotFound:
-            return  # deleted with the transaction's batches
-        if not plog.has_open_transaction(txn.producer_id):
-            return  # nothing appended there, or its marker is written already
-        await self.engine.append(
-            self.tenant_id,
-            stream_id,
-            [marker_value(commit)],
-            partition=partition,
-            producer=(txn.producer_id, 0),
-            producer_epoch=txn.epoch,
-            control=True,
+        if self.cluster is not None:
+            # The partition's leader writes it, checking its own producer table.
+            name = txn.names.get(stream_id) or self.engine.stream(self.tenant_id, stream_id).name
+            await self.cluster.write_marker(
+                self.tenant_id, name, partition, txn.producer_id, txn.epoch, commit
+            )
+            return
+        await write_marker(
+            self.engine, self.tenant_id, stream_id, partition, txn.producer_id, txn.epoch, commit
         )
 
     async def _abort_fencing(self, txn: TxnMetadata) -> None:
@@ -564,6 +598,42 @@ class TransactionCoordinator:
         self._opening: dict[int, asyncio.Lock] = {}
         self._expiry: asyncio.Task[None] | None = None
         self.first_producer_id = FIRST_PRODUCER_ID
+        self.cluster: ClusterHooks | None = None
+
+    def join_cluster(self, hooks: ClusterHooks) -> None:
+        """From now on this node coordinates a tenant's transactions only while the
+        cluster says so (:meth:`reload` as that changes)."""
+        self.cluster = hooks
+        self._tenants.clear()
+
+    async def reload(self, tenant_id: int, coordinates: bool) -> None:
+        """A cluster node started (replay the state stream, finish what was prepared)
+        or stopped coordinating the tenant's transactions."""
+        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
+            self._tenants.pop(tenant_id, None)
+            if coordinates:
+                self._tenants[tenant_id] = await TenantTransactions.open(
+                    self.engine, tenant_id, self.offsets_sink, self.clock_ms, self.cluster
+                )
+
+    async def new_producer_id(self, tenant_id: int) -> ProducerIdentity | None:
+        """In a cluster, an idempotent producer's id from any node (epoch 0); None on
+        a single node (the tenant's coordinator hands it out)."""
+        if self.cluster is None:
+            return None
+        self.engine.tenant(tenant_id)  # TenantNotFound
+        return ProducerIdentity(await self.cluster.allocate(tenant_id), 0)
+
+    def coordinates(self, tenant_id: int) -> bool:
+        """Whether the tenant's transactions are coordinated here (always on a single
+        node)."""
+        if self.cluster is None:
+            return True
+        try:
+            self.cluster.check(tenant_id)
+        except HeadwaterError:
+            return False
+        return tenant_id in self._tenants
 
     def start_producer_ids_at(self, first: int) -> None:
         """Hand out producer ids from ``first`` on (ids already handed out stay): each
@@ -583,6 +653,12 @@ class TransactionCoordinator:
                 await self.tenant(tenant_id)
 
     async def tenant(self, tenant_id: int) -> TenantTransactions:
+        if self.cluster is not None:
+            self.cluster.check(tenant_id)  # NotCoordinator elsewhere
+            found = self._tenants.get(tenant_id)
+            if found is None:  # the leader, not reloaded yet
+                raise CoordinatorNotAvailable("the transaction coordinator is moving")
+            return found
         found = self._tenants.get(tenant_id)
         if found is not None:
             return found
@@ -615,6 +691,85 @@ class TransactionCoordinator:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._expiry
             self._expiry = None
+
+
+async def create_state_stream(engine: Engine, tenant_id: int) -> int:
+    """The tenant's ``hw_transaction_state`` (compacted, fsynced); its id."""
+    settings = StreamSettings(cleanup_policy="compact", sync="fsync")
+    info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
+    return info.stream_id
+
+
+async def append_transactional(
+    engine: Engine,
+    tenant_id: int,
+    producer: ProducerIdentity,
+    stream_id: int,
+    sequence: int,
+    values: Sequence[bytes] | KafkaSection,
+    *,
+    partition: int = 0,
+    keys: Sequence[bytes | None] | None = None,
+    headers: Sequence[Headers] | None = None,
+    timestamp_ms: int | None = None,
+) -> AppendInfo:
+    """A transactional batch stored as it is: the partition's producer table checks its
+    epoch (an older one is fenced) and sequence (a retry is answered, not stored)."""
+    if isinstance(values, KafkaSection):
+        return await engine.append_encoded(
+            tenant_id,
+            stream_id,
+            values.section,
+            values.count,
+            value_bytes=len(values.section),
+            partition=partition,
+            timestamp_ms=values.timestamp_ms,
+            producer=(producer.producer_id, sequence),
+            producer_epoch=producer.epoch,
+            transactional=True,
+            kafka=True,
+        )
+    return await engine.append(
+        tenant_id,
+        stream_id,
+        values,
+        partition=partition,
+        timestamp_ms=timestamp_ms,
+        keys=keys,
+        headers=headers,
+        producer=(producer.producer_id, sequence),
+        producer_epoch=producer.epoch,
+        transactional=True,
+    )
+
+
+async def write_marker(
+    engine: Engine,
+    tenant_id: int,
+    stream_id: int,
+    partition: int,
+    producer_id: int,
+    epoch: int,
+    commit: bool,
+) -> AppendInfo | None:
+    """The producer's commit or abort marker on the partition, if its transaction is
+    open there (None: nothing appended there, its marker written already, or the stream
+    deleted with the transaction's batches)."""
+    try:
+        plog = engine.stream(tenant_id, stream_id).partition_log(partition)
+    except StreamNotFound:
+        return None
+    if not plog.has_open_transaction(producer_id):
+        return None
+    return await engine.append(
+        tenant_id,
+        stream_id,
+        [marker_value(commit)],
+        partition=partition,
+        producer=(producer_id, 0),
+        producer_epoch=epoch,
+        control=True,
+    )
 
 
 async def _appends_stored(txn: TxnMetadata) -> None:

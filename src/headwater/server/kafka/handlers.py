@@ -387,15 +387,19 @@ async def find_coordinator(session: Session, request: Any, version: int) -> Mapp
 
 async def _coordinator(session: Session, key_type: int) -> dict[str, Any]:
     """The coordinator broker of a key: this node, but in a cluster a group's is the
-    node leading its tenant's offsets stream (docs/cluster.md). Transactional ids are
-    still coordinated by the node asked."""
+    node leading its tenant's offsets stream, a transactional id's the node leading its
+    transaction state stream (docs/cluster.md)."""
     cluster = session.cluster
-    if cluster is None or key_type != _GROUP_KEY:
+    if cluster is None:
         return {**session.broker(), "error_code": ErrorCode.none}
-    # The offsets stream exists before it can be placed (created here on first use,
-    # as Kafka creates __consumer_offsets on the first FindCoordinator).
-    await session.api.groups.open_stored(session.tenant_id)
-    node = cluster.group_coordinator(session.tenant_id)
+    # The stream exists before it can be placed (created here on first use, as Kafka
+    # creates __consumer_offsets and __transaction_state on the first FindCoordinator).
+    if key_type == _GROUP_KEY:
+        await session.api.groups.open_stored(session.tenant_id)
+        node = cluster.group_coordinator(session.tenant_id)
+    else:
+        await session.api.open_transaction_state(session.tenant_id)
+        node = cluster.transaction_coordinator(session.tenant_id)
     if node is None or "kafka" not in node.ports:
         return {"node_id": -1, "host": "", "port": -1,
                 "error_code": ErrorCode.coordinator_not_available}  # fmt: skip

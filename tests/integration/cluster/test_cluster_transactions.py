@@ -1,0 +1,208 @@
+"""Transactions across the cluster: a tenant's transactions are coordinated by the
+leader of its state stream (hw_transaction_state, replicated like any stream); the
+coordinator asks each partition's leader for its marker. A confluent-kafka
+transactional producer writes over partitions led by two different nodes; a
+read_committed consumer sees a committed transaction whole and an aborted one never,
+and a transaction committed just before the coordinator is SIGKILLed is whole on every
+partition after the failover, once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from cluster_nodes import WAIT_S, Cluster
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from kio.schema.find_coordinator.v3.request import FindCoordinatorRequest
+from kio.static.primitive import i8
+from servers import Server
+from test_cluster_groups import wait_topic_everywhere
+from test_cluster_membership import create_topic
+from test_kafka_stored_batches import RawKafka
+
+from headwater.protocols.kafka import ApiKey, ErrorCode
+from waiting import wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+STATE = "0/hw_transaction_state/0"  # the tenant's transaction state partition in etcd
+TXN_KEY = i8(1)  # FindCoordinator's key_type of a transactional id
+
+
+def transactional_producer(bootstrap: str, transactional_id: str) -> Producer:
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "transactional.id": transactional_id,
+            "transaction.timeout.ms": 60_000,
+        }
+    )
+    producer.init_transactions(WAIT_S)
+    return producer
+
+
+def send(producer: Producer, values: list[bytes]) -> None:
+    """``values`` alternately to partitions 0 and 1, in the producer's transaction."""
+    for i, value in enumerate(values):
+        producer.produce("events", value, partition=i % 2)
+
+
+def committed_reader(bootstrap: str) -> Consumer:
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "reader",
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    consumer.assign([TopicPartition("events", p, 0) for p in (0, 1)])
+    return consumer
+
+
+def read_until(consumer: Consumer, wanted: set[bytes], seen: list[bytes]) -> None:
+    def step() -> bool:
+        for message in consumer.consume(200, 0.2):
+            if message.error() is None:
+                seen.append(message.value())
+        return wanted <= set(seen)
+
+    wait_until(step, message=lambda: f"{len(seen)} read", timeout=WAIT_S)
+
+
+def coordinator_asked(node: Server) -> dict[str, Any]:
+    """FindCoordinator(transaction) as a node answers it."""
+    kafka = RawKafka(node)
+    try:
+        request = FindCoordinatorRequest(key="t1", key_type=TXN_KEY)
+        answer = kafka.call(request, ApiKey.FIND_COORDINATOR, 3)
+    finally:
+        kafka.close()
+    return {"error_code": answer.error_code, "node_id": answer.node_id}
+
+
+def test_transactions_over_partitions_led_by_two_nodes(cluster: Cluster) -> None:
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 2)
+    placed = cluster.wait_partitions(2)
+    wait_topic_everywhere(cluster)
+    leaders = {placed[f"0/events/{p}"]["leader"] for p in (0, 1)}
+    assert len(leaders) == 2, placed  # placement spreads the two leaderships
+    bootstrap = cluster.bootstrap()
+
+    producer = transactional_producer(bootstrap, "t1")
+    # The state stream is created by the first FindCoordinator and placed like any
+    # stream; every node names its leader, and only that node coordinates.
+    coordinator = wait_until(
+        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    for node in cluster.nodes.values():
+        answer = wait_until(
+            lambda node=node: (
+                (a := coordinator_asked(node)) and a["error_code"] == ErrorCode.none and a
+            ),
+            timeout=WAIT_S,
+        )
+        assert answer["node_id"] == coordinator
+
+    # Committed: all of it, on both partitions. Aborted: none of it.
+    committed = [b"c%d" % i for i in range(20)]
+    producer.begin_transaction()
+    send(producer, committed)
+    producer.commit_transaction(WAIT_S)
+    aborted = [b"x%d" % i for i in range(20)]
+    producer.begin_transaction()
+    send(producer, aborted)
+    producer.flush(WAIT_S)
+    producer.abort_transaction(WAIT_S)
+    after = [b"d%d" % i for i in range(20)]
+    producer.begin_transaction()
+    send(producer, after)
+    producer.commit_transaction(WAIT_S)
+
+    # Read on each node in turn (bootstrap through one node; every replica serves
+    # read_committed up to the last stable offset).
+    for node in cluster.nodes.values():
+        consumer = committed_reader(node.address_of("kafka"))
+        seen: list[bytes] = []
+        # The last transaction read whole proves the aborted one, before it, was passed.
+        read_until(consumer, set(committed) | set(after), seen)
+        consumer.close()
+        assert not set(aborted) & set(seen)
+        assert sorted(seen) == sorted(committed + after)  # each once
+
+    # A second instance fences the first across the cluster (epoch bumped at the
+    # coordinator, checked by each partition's leader).
+    zombie = producer
+    fresh = transactional_producer(bootstrap, "t1")
+    zombie.begin_transaction()
+    zombie.produce("events", b"zombie", partition=0)
+    with pytest.raises(KafkaException) as refused:
+        zombie.commit_transaction(WAIT_S)
+    assert refused.value.args[0].code() in (
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+    ), refused.value
+    fresh.begin_transaction()
+    send(fresh, [b"f0", b"f1"])
+    fresh.commit_transaction(WAIT_S)
+    consumer = committed_reader(bootstrap)
+    seen = []
+    read_until(consumer, {b"f0", b"f1"}, seen)
+    consumer.close()
+    assert b"zombie" not in seen
+
+
+def test_a_commit_survives_its_coordinator_s_sigkill(cluster: Cluster) -> None:
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 2)
+    cluster.wait_partitions(2)
+    wait_topic_everywhere(cluster)
+    bootstrap = cluster.bootstrap()
+    producer = transactional_producer(bootstrap, "t1")
+    coordinator = wait_until(
+        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    wait_until(
+        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    first = [b"a%d" % i for i in range(50)]
+    producer.begin_transaction()
+    send(producer, first)
+    producer.commit_transaction(WAIT_S)
+    # An open transaction at the kill: its producer goes on with it afterwards.
+    second = [b"b%d" % i for i in range(50)]
+    producer.begin_transaction()
+    send(producer, second[:25])
+    producer.flush(WAIT_S)
+
+    cluster.nodes[coordinator].kill()
+    survivors = [n for n in (1, 2, 3) if n != coordinator]
+    wait_until(
+        lambda: cluster.partitions()[STATE]["leader"] in survivors,
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    send(producer, second[25:])
+    producer.commit_transaction(WAIT_S)
+    third = [b"c%d" % i for i in range(10)]
+    producer.begin_transaction()
+    send(producer, third)
+    producer.commit_transaction(WAIT_S)
+
+    for node_id in survivors:
+        consumer = committed_reader(cluster.nodes[node_id].address_of("kafka"))
+        seen: list[bytes] = []
+        read_until(consumer, set(first + second + third), seen)
+        consumer.close()
+        assert sorted(seen) == sorted(first + second + third)  # nothing twice
