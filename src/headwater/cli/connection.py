@@ -20,7 +20,6 @@ the chosen profile (``--profile NAME``, else ``$HEADWATER_PROFILE``, else a prof
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import tomllib
@@ -268,9 +267,8 @@ class HttpApi:
         self.host = host
         self.port = port
         self.tls = client_context(**tls_options(args))
-        self.headers = {"X-Headwater-Tenant": str(args.tenant), "Accept": "application/json"}
-        if args.token:
-            self.headers["Authorization"] = f"Bearer {args.token}"
+        self.token: str | None = args.token
+        self.tenant: int = args.tenant
 
     @classmethod
     def advertised(cls, args: argparse.Namespace, hw: Client) -> HttpApi:
@@ -296,35 +294,26 @@ class HttpApi:
 
     def request(self, method: str, path: str, body: object = None) -> Any:
         """The answer's JSON; a headwater error (its class) for an error answer,
-        ServerUnavailable when the API cannot be reached."""
-        from headwater.client.errors import ServerUnavailable, http_api_error
+        ServerUnavailable when the API cannot be reached. A cluster's 421 is followed
+        to the leader it names (headwater.client.arrow.HttpApi, which sends it)."""
+        from headwater.client.arrow import HttpApi as Connection
 
-        conn = (
-            http.client.HTTPConnection(self.host, self.port, timeout=HTTP_TIMEOUT_S)
-            if self.tls is None
-            else http.client.HTTPSConnection(
-                self.host, self.port, timeout=HTTP_TIMEOUT_S, context=self.tls
+        with Connection(
+            self.host,
+            self.port,
+            token=self.token,
+            tenant=self.tenant,
+            timeout=HTTP_TIMEOUT_S,
+            tls=self.tls,
+        ) as api:
+            return api.request(
+                method,
+                path,
+                None if body is None else json.dumps(body).encode(),
+                None if body is None else "application/json",
+                repeatable=method == "GET",
+                accept="application/json",
             )
-        )
-        headers = dict(self.headers)
-        payload = None
-        if body is not None:
-            payload = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        try:
-            try:
-                conn.request(method, path, body=payload, headers=headers)
-                response = conn.getresponse()
-                data = response.read()
-            except OSError as exc:
-                raise ServerUnavailable(
-                    f"cannot reach the headwater HTTP API at {self.host}:{self.port}: {exc}"
-                ) from None
-        finally:
-            conn.close()
-        if response.status >= 300:
-            raise http_api_error(response.status, data, f"{self.host}:{self.port}{path}")
-        return json.loads(data) if data else None
 
 
 def http_api(args: argparse.Namespace) -> tuple[Client, HttpApi]:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
 import pyarrow as pa
 
+from headwater.errors import NotLeader
+
+from ._core.session import backoff_delay, parse_server
 from .errors import ServerUnavailable, http_api_error
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
@@ -78,11 +82,24 @@ def read_arrow(
         conn.close()
 
 
+MAX_LEADER_HOPS = 3  # moves to a named leader within one round of a request
+LEADER_WAIT_S = 30.0  # how long a request waits for its partition to have a leader
+
+
 class HttpApi:
     """One keep-alive connection to a server's HTTP API, for a client that makes many
     requests (the Spark sink: a stream's partitions, then one Arrow append per batch).
-    A connection the server closed while idle is opened again once per request; every
-    request made through it is safe to repeat (reads, and idempotent appends)."""
+    A connection the server closed while idle is opened again once per request.
+
+    In a cluster (docs/cluster.md, "Clients follow the leader") a node that does not
+    lead the partition answers an append 421 naming the leader: nothing was stored, so
+    the request is sent there (at most ``MAX_LEADER_HOPS`` moves a round), with the same
+    headers (token, tenant), and later requests go there too. While no leader is named
+    (503 NotLeader: an election), or the one moved to cannot be reached (killed), the
+    request is asked of the first node again after a pause, until ``leader_wait_s``
+    has passed; then NotLeader (or ServerUnavailable) says so. A request whose answer
+    was lost on the way is sent again only when ``repeatable`` (reads, idempotent
+    appends); ``redirects`` counts the moves."""
 
     def __init__(
         self,
@@ -93,19 +110,27 @@ class HttpApi:
         tenant: int = 0,
         timeout: float | None = 60.0,
         tls: ssl.SSLContext | None = None,
+        leader_wait_s: float = LEADER_WAIT_S,
     ) -> None:
-        self.address = f"{host}:{port}"
-        self._where = (host, port, timeout, tls)
+        self._home = self._target = (host, port)
+        self._timeout, self._tls = timeout, tls
+        self.leader_wait_s = leader_wait_s
+        self.redirects = 0
         self._conn: http.client.HTTPConnection | None = None
         self._headers = {"X-Headwater-Tenant": str(tenant)}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
 
+    @property
+    def address(self) -> str:
+        """``host:port`` requests go to now (the leader moved to, in a cluster)."""
+        return f"{self._target[0]}:{self._target[1]}"
+
     def _open(self) -> http.client.HTTPConnection:
-        host, port, timeout, tls = self._where
-        if tls is None:
-            return http.client.HTTPConnection(host, port, timeout=timeout)
-        return http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
+        host, port = self._target
+        if self._tls is None:
+            return http.client.HTTPConnection(host, port, timeout=self._timeout)
+        return http.client.HTTPSConnection(host, port, timeout=self._timeout, context=self._tls)
 
     def __enter__(self) -> HttpApi:
         return self
@@ -118,33 +143,97 @@ class HttpApi:
             self._conn.close()
             self._conn = None
 
+    def _move(self, target: tuple[str, int]) -> None:
+        self.close()
+        self._target = target
+
     def request(
-        self, method: str, path: str, body: bytes | None = None, content_type: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        content_type: str | None = None,
+        *,
+        repeatable: bool = True,
+        accept: str | None = None,
     ) -> Any:
         """The JSON answer of ``method path``; the ``headwater.errors`` class of an error
-        answer, ServerUnavailable when the API cannot be reached."""
+        answer, ServerUnavailable when the API cannot be reached. A 421 is followed to
+        the leader it names (the class docstring)."""
         headers = dict(self._headers)
         if content_type is not None:
             headers["Content-Type"] = content_type
+        if accept is not None:
+            headers["Accept"] = accept
+        deadline = time.monotonic() + self.leader_wait_s
+        hops = pauses = 0
+        while True:
+            try:
+                return self._send(method, path, body, headers, repeatable)
+            except NotLeader as refused:
+                named = refused.address_of("http")
+                leader = None if named is None else parse_address(named)
+                if leader is not None and leader != self._target and hops < MAX_LEADER_HOPS:
+                    hops += 1
+                    self.redirects += 1
+                    self._move(leader)
+                    continue
+                if time.monotonic() >= deadline:
+                    raise NotLeader(
+                        f"{method} {path}: no leader took it within {self.leader_wait_s:g} s "
+                        f"(last asked {self.address}: {refused.message})",
+                        refused.leader,
+                    ) from None
+            except _Unreachable as exc:
+                # The node moved to is gone (a killed leader): the first node names the
+                # next one. Only where nothing, or a repeatable request, was sent.
+                if not exc.resendable or self._target == self._home:
+                    raise exc.error from None
+                if time.monotonic() >= deadline:
+                    raise exc.error from None
+                self._move(self._home)
+            pauses += 1
+            hops = 0
+            time.sleep(min(backoff_delay(pauses, 0.1, 1.0), max(0.0, deadline - time.monotonic())))
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        repeatable: bool,
+    ) -> Any:
+        """One answer from the current target; its error class when it is an error."""
         for attempt in (1, 2):
             fresh = self._conn is None
             if self._conn is None:
                 self._conn = self._open()
+            sent = False
             try:
+                if self._conn.sock is None:
+                    self._conn.connect()  # refused here: nothing was sent
+                sent = True
                 self._conn.request(method, path, body=body, headers=headers)
                 response = self._conn.getresponse()
                 data = response.read()
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self.close()
                 if fresh or attempt == 2:
-                    raise ServerUnavailable(
-                        f"the headwater HTTP API at {self.address} closed the connection"
+                    raise _Unreachable(
+                        ServerUnavailable(
+                            f"the headwater HTTP API at {self.address} closed the connection"
+                        ),
+                        resendable=repeatable or not sent,
                     ) from None
                 continue  # closed while idle: once more on a new connection
             except OSError as exc:
                 self.close()
-                raise ServerUnavailable(
-                    f"cannot reach the headwater HTTP API at {self.address}: {exc}"
+                raise _Unreachable(
+                    ServerUnavailable(
+                        f"cannot reach the headwater HTTP API at {self.address}: {exc}"
+                    ),
+                    resendable=repeatable or not sent,
                 ) from None
             if not 200 <= response.status < 300:
                 raise http_api_error(response.status, data, f"{self.address}{path}")
@@ -175,6 +264,28 @@ class HttpApi:
             query += f"&producer_id={producer[0]}&sequence={producer[1]}"
         path = f"/api/streams/{quote(stream, safe='')}/arrow?{query}"
         answer: dict[str, Any] = self.request(
-            "POST", path, sink.getvalue().to_pybytes(), ARROW_STREAM_TYPE
+            "POST",
+            path,
+            sink.getvalue().to_pybytes(),
+            ARROW_STREAM_TYPE,
+            repeatable=producer is not None,  # the producer table answers a resend
         )
         return answer
+
+
+class _Unreachable(Exception):
+    """The target did not answer: ``error`` to raise, ``resendable`` when sending the
+    request again elsewhere cannot store it twice."""
+
+    def __init__(self, error: ServerUnavailable, *, resendable: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.resendable = resendable
+
+
+def parse_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` of a leader hint; None when it is not one."""
+    try:
+        return parse_server(address, 0)
+    except ValueError:
+        return None

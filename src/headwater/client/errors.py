@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 
-from headwater.errors import ErrorName, HeadwaterError
+from headwater.errors import ErrorName, HeadwaterError, NotLeader
 
 
 class ClientError(HeadwaterError):
@@ -78,7 +78,7 @@ def http_api_error(status: int, body: bytes, url: str) -> Exception:
     """What a non-200 answer of the HTTP API raises: the ``headwater.errors`` class of its
     error body (``{"error": {"code", "name", "message"}}``: the name picks KindNotFound or
     EntityNotFound within code 6), or ServerUnavailable when the body is
-    not JSON (something else answered)."""
+    not JSON (something else answered). A NotLeader carries the body's ``leader``."""
     from headwater.errors import error_for_code
 
     try:
@@ -87,8 +87,12 @@ def http_api_error(status: int, body: bytes, url: str) -> Exception:
         return ServerUnavailable(f"{url} answered {status} without JSON")
     error = data.get("error", {}) if isinstance(data, dict) else {}
     name = error.get("name")
-    return error_for_code(
+    exc = error_for_code(
         int(error.get("code", 0)),
         str(error.get("message", status)),
         name if isinstance(name, str) else None,
     )
+    leader = error.get("leader")
+    if isinstance(exc, NotLeader) and isinstance(leader, dict):
+        exc.leader = leader  # a cluster's 421: where to send the request (its "http")
+    return exc
