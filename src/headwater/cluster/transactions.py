@@ -51,6 +51,7 @@ STATE_PARTITION = 0  # the one partition of a tenant's transaction state stream
 REPLICATED_TIMEOUT_S = 30.0  # a state record's or a marker's wait for the ISR
 MARKER_TIMEOUT_S = 60.0  # a marker's retries while its partition has no reachable leader
 RETRY_S = 0.25
+ASK_TIMEOUT_S = REPLICATED_TIMEOUT_S + 5.0  # the leader waits up to its ISR's timeout
 BLOCK_SIZE = 1000  # producer ids a node takes at once
 # Above every id a single node (2**48...) or a node's own range (2**48 + id * 2**40)
 # handed out before id blocks existed.
@@ -146,7 +147,7 @@ class TransactionCoordinators:
                     return
                 await self._ask(state.leader, marker)
                 return
-            except (HeadwaterError, OSError, ProtocolError, asyncio.IncompleteReadError) as exc:
+            except (HeadwaterError, OSError, ProtocolError, TimeoutError) as exc:
                 if time.monotonic() > deadline:
                     raise NotLeader(
                         f"could not write the transaction marker on partition {partition} "
@@ -174,20 +175,19 @@ class TransactionCoordinators:
         node = self._node.nodes.get(leader)
         if node is None or "replication" not in node.ports:
             raise NotLeader(f"node {leader} is not reachable")
-        reader, writer = await asyncio.open_connection(node.host, node.ports["replication"])
-        try:
-            writer.write(marker.encode())
-            await writer.drain()
-            frames = wire.FrameReader()
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise ConnectionError(f"node {leader} closed the connection")
-                got = frames.feed(data)
-                if got:
-                    break
-        finally:
-            writer.close()
+        # Bounded: a leader that stopped answering (paused, cut off) is asked again, or
+        # its successor, once etcd names one.
+        async with asyncio.timeout(ASK_TIMEOUT_S):
+            reader, writer = await asyncio.open_connection(node.host, node.ports["replication"])
+            try:
+                writer.write(marker.encode())
+                await writer.drain()
+                frames = wire.FrameReader()
+                while not (got := frames.feed(await reader.read(1 << 16))):
+                    if reader.at_eof():
+                        raise ConnectionError(f"node {leader} closed the connection")
+            finally:
+                writer.close()
         error = got[0].header.get("error")
         if error:
             raise NotLeader(f"node {leader}: {error}")

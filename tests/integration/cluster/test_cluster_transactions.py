@@ -8,6 +8,9 @@ partition after the failover, once."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from typing import Any
 
 import pytest
@@ -206,3 +209,76 @@ def test_a_commit_survives_its_coordinator_s_sigkill(cluster: Cluster) -> None:
         read_until(consumer, set(first + second + third), seen)
         consumer.close()
         assert sorted(seen) == sorted(first + second + third)  # nothing twice
+
+
+def test_a_commit_prepared_when_its_coordinator_dies_is_finished_by_the_next(
+    cluster: Cluster,
+) -> None:
+    """The coordinator is SIGKILLed between its PrepareCommit and the markers: it is
+    held there by pausing the other partition's leader (a state record waits for the
+    in-sync replicas, the paused one among them), and killed the moment PrepareCommit is
+    in its log. The next coordinator finds the decision (or, if no replica had it yet,
+    the producer's EndTxn is retried there) and the transaction is whole, once."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 2)
+    placed = cluster.wait_partitions(2)
+    wait_topic_everywhere(cluster)
+    producer = transactional_producer(cluster.bootstrap(), "t1")
+    coordinator = wait_until(
+        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    wait_until(
+        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    paused = next(
+        placed[f"0/events/{p}"]["leader"]
+        for p in (0, 1)
+        if placed[f"0/events/{p}"]["leader"] != coordinator
+    )
+    values = [b"v%d" % i for i in range(40)]
+    producer.begin_transaction()
+    send(producer, values)
+    producer.flush(WAIT_S)
+    before = b"".join(cluster.log_files(coordinator, stream="hw_transaction_state").values())
+    assert before.count(b"PrepareCommit") == 0
+
+    os.kill(cluster.nodes[paused].pid, signal.SIGSTOP)
+    committing = threading.Thread(target=lambda: outcome.append(commit(producer)))
+    outcome: list[str | None] = []
+    try:
+        committing.start()
+        wait_until(
+            lambda: (
+                b"PrepareCommit"
+                in b"".join(cluster.log_files(coordinator, stream="hw_transaction_state").values())
+            ),
+            message="no PrepareCommit in the coordinator's state log",
+            timeout=WAIT_S,
+        )
+        cluster.nodes[coordinator].kill()
+    finally:
+        os.kill(cluster.nodes[paused].pid, signal.SIGCONT)
+    committing.join(3 * WAIT_S)
+    assert outcome == [None], outcome  # commit_transaction returned: committed
+
+    survivors = [n for n in (1, 2, 3) if n != coordinator]
+    for node_id in survivors:
+        consumer = committed_reader(cluster.nodes[node_id].address_of("kafka"))
+        seen: list[bytes] = []
+        read_until(consumer, set(values), seen)
+        consumer.close()
+        assert sorted(seen) == sorted(values)  # nothing twice
+
+
+def commit(producer: Producer) -> str | None:
+    """commit_transaction's outcome: None, or the error it raised."""
+    try:
+        producer.commit_transaction(3 * WAIT_S)
+    except KafkaException as exc:
+        return str(exc)
+    return None
