@@ -370,10 +370,6 @@ class EngineAPI:
         await api.groups.load_stored()
         return api
 
-    def start_producer_ids_at(self, first: int) -> None:
-        """Producer ids from ``first`` on: a cluster node's own range (docs/cluster.md)."""
-        self._transactions.start_producer_ids_at(first)
-
     async def close_subscriptions(self) -> None:
         """End every subscription (each front end is told: server shutdown)."""
         await self._subscriptions.close_all(CloseReason.SERVER_SHUTDOWN)

@@ -21,12 +21,6 @@ class ClusterConfig:
     # by listener name ("kafka", "replication", ...): as Kafka's advertised.listeners.
     advertise_ports: tuple[tuple[str, int], ...] = ()
 
-    @property
-    def first_producer_id(self) -> int:
-        """Where this node's producer ids start: 2**48 (the single node's first) plus
-        2**40 per node id, so nodes never hand out the same id (2**40 ids each)."""
-        return (1 << 48) + self.node_id * (1 << 40)
-
     def __post_init__(self) -> None:
         if self.min_insync_replicas > self.replication_factor:
             raise ValueError(

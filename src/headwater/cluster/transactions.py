@@ -53,8 +53,8 @@ MARKER_TIMEOUT_S = 60.0  # a marker's retries while its partition has no reachab
 RETRY_S = 0.25
 ASK_TIMEOUT_S = REPLICATED_TIMEOUT_S + 5.0  # the leader waits up to its ISR's timeout
 BLOCK_SIZE = 1000  # producer ids a node takes at once
-# Above every id a single node (2**48...) or a node's own range (2**48 + id * 2**40)
-# handed out before id blocks existed.
+# Above every id a single node (2**48 on) or a cluster node's own range (2**48 + node
+# id * 2**40, before id blocks replaced those ranges) handed out.
 FIRST_BLOCK_ID = 1 << 56
 
 

@@ -116,8 +116,6 @@ class Server:
             clustered=self.config.cluster is not None,
         )
         if self.config.cluster is not None:
-            # Before any listener: an id handed out must be unique in the cluster.
-            self._api.start_producer_ids_at(self.config.cluster.first_producer_id)
             # Nor is anything stored before the node knows what it leads (docs/cluster.md).
             self._api.cluster_gate.refuse_appends("this node is joining its cluster")
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.

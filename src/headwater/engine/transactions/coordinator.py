@@ -597,7 +597,6 @@ class TransactionCoordinator:
         self._tenants: dict[int, TenantTransactions] = {}
         self._opening: dict[int, asyncio.Lock] = {}
         self._expiry: asyncio.Task[None] | None = None
-        self.first_producer_id = FIRST_PRODUCER_ID
         self.cluster: ClusterHooks | None = None
 
     def join_cluster(self, hooks: ClusterHooks) -> None:
@@ -635,14 +634,6 @@ class TransactionCoordinator:
             return False
         return tenant_id in self._tenants
 
-    def start_producer_ids_at(self, first: int) -> None:
-        """Hand out producer ids from ``first`` on (ids already handed out stay): each
-        node of a cluster takes a range of its own, so no two nodes give one id to two
-        producers (docs/cluster.md)."""
-        self.first_producer_id = first
-        for coordinator in self._tenants.values():
-            coordinator.next_producer_id = max(coordinator.next_producer_id, first)
-
     async def recover(self) -> None:
         """Open the coordinator of every tenant that has a state stream (finishing or
         aborting what a crash left), so no transaction waits for its tenant's next
@@ -669,7 +660,6 @@ class TransactionCoordinator:
                 found = await TenantTransactions.open(
                     self.engine, tenant_id, self.offsets_sink, self.clock_ms
                 )
-                found.next_producer_id = max(found.next_producer_id, self.first_producer_id)
                 self._tenants[tenant_id] = found
             return found
 
