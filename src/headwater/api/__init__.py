@@ -69,7 +69,7 @@ from headwater.engine.transactions import (
     create_state_stream,
     write_marker,
 )
-from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
+from headwater.errors import InvalidOffset, InvalidRequest
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
@@ -670,10 +670,7 @@ class EngineAPI:
     async def open_transaction_state(self, tenant_id: int) -> None:
         """The tenant's transaction state stream, created if missing (as Kafka creates
         __transaction_state on the first FindCoordinator for a transactional id)."""
-        try:
-            self._engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True)
-        except StreamNotFound:
-            await create_state_stream(self._engine, tenant_id)
+        await create_state_stream(self._engine, tenant_id)
 
     async def write_marker(
         self,

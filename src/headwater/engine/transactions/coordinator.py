@@ -64,6 +64,7 @@ from headwater.errors import (
     InvalidRequest,
     InvalidTxnState,
     ProducerFenced,
+    StreamAlreadyExists,
     StreamNotFound,
 )
 from headwater.storage.batch import MAX_EPOCH, Headers, marker_value
@@ -201,10 +202,7 @@ class TenantTransactions:
         """The tenant's coordinator, its state stream created on first use and replayed;
         every transaction left prepared is finished and every one left open aborted (in
         a cluster: left to its producer or its timeout)."""
-        try:
-            stream_id = engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True).stream_id
-        except StreamNotFound:
-            stream_id = await create_state_stream(engine, tenant_id)
+        stream_id = await create_state_stream(engine, tenant_id)
         coordinator = cls(
             engine, tenant_id, stream_id, offsets_sink or _log_offsets(engine), clock_ms, cluster
         )
@@ -645,6 +643,9 @@ class TransactionCoordinator:
 
     async def tenant(self, tenant_id: int) -> TenantTransactions:
         if self.cluster is not None:
+            # Placed once it exists (Kafka clients create it by FindCoordinator;
+            # Rivven, which has none, by its first transactional call).
+            await create_state_stream(self.engine, tenant_id)
             self.cluster.check(tenant_id)  # NotCoordinator elsewhere
             found = self._tenants.get(tenant_id)
             if found is None:  # the leader, not reloaded yet
@@ -684,9 +685,17 @@ class TransactionCoordinator:
 
 
 async def create_state_stream(engine: Engine, tenant_id: int) -> int:
-    """The tenant's ``hw_transaction_state`` (compacted, fsynced); its id."""
+    """The tenant's ``hw_transaction_state`` (compacted, fsynced), created if missing;
+    its id."""
+    try:
+        return engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True).stream_id
+    except StreamNotFound:
+        pass
     settings = StreamSettings(cleanup_policy="compact", sync="fsync")
-    info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
+    try:
+        info = await engine.create_stream(tenant_id, TXN_STATE_STREAM, settings, internal=True)
+    except StreamAlreadyExists:  # created meanwhile (a concurrent first call)
+        return engine.stream_by_name(tenant_id, TXN_STATE_STREAM, internal=True).stream_id
     return info.stream_id
 
 
