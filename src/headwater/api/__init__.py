@@ -61,7 +61,6 @@ from headwater.engine.subscriptions import (
     Subscriptions,
 )
 from headwater.engine.transactions import (
-    TXN_STATE_STREAM,
     ClusterHooks,
     ProducerIdentity,
     TransactionCoordinator,
