@@ -178,23 +178,24 @@ class HttpApi:
                     self.redirects += 1
                     self._move(leader)
                     continue
-                if time.monotonic() >= deadline:
-                    raise NotLeader(
-                        f"{method} {path}: no leader took it within {self.leader_wait_s:g} s "
-                        f"(last asked {self.address}: {refused.message})",
-                        refused.leader,
-                    ) from None
+                failure: Exception = NotLeader(
+                    f"{method} {path}: no leader took it within {self.leader_wait_s:g} s "
+                    f"(last asked {self.address}: {refused.message})",
+                    refused.leader,
+                )
             except _Unreachable as exc:
                 # The node moved to is gone (a killed leader): the first node names the
                 # next one. Only where nothing, or a repeatable request, was sent.
                 if not exc.resendable or self._target == self._home:
                     raise exc.error from None
-                if time.monotonic() >= deadline:
-                    raise exc.error from None
+                failure = exc.error
                 self._move(self._home)
             pauses += 1
             hops = 0
-            time.sleep(min(backoff_delay(pauses, 0.1, 1.0), max(0.0, deadline - time.monotonic())))
+            pause = backoff_delay(pauses, 0.1, 1.0)
+            if time.monotonic() + pause > deadline:  # the next try would come too late
+                raise failure from None
+            time.sleep(pause)
 
     def _send(
         self,
