@@ -6,9 +6,11 @@ member leaves, against a real server (docs/kafka.md)."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -22,7 +24,12 @@ from aiokafka.coordinator.protocol import (
 )
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
+from kio.schema.types import GroupId
+from kio.static.primitive import i32Timedelta
 from servers import LOCAL, Server, serving
+from test_kafka_stored_batches import RawKafka
+
+from headwater.protocols.kafka import ApiKey, ErrorCode
 
 PARTITIONS = 6
 DEADLINE_S = 30.0
@@ -214,3 +221,29 @@ def test_a_restarted_static_member_gets_its_partitions_back_without_a_rebalance(
     finally:
         for m in members:
             m.consumer.close()
+
+
+@pytest.mark.parametrize("version", [5, 7])
+def test_a_refused_join_is_answered_in_every_version(server: Server, version: int) -> None:
+    """A JoinGroup refused before it joins (here a protocol type the group does not
+    speak) is answered with the error, in versions where the answer's protocol name is
+    not nullable (v0-6) too; it once failed to encode there and the client waited for
+    ever on a connection that answered nothing more."""
+    request_types = importlib.import_module(f"kio.schema.join_group.v{version}.request")
+    request = request_types.JoinGroupRequest(
+        group_id=GroupId("refused-" + uuid.uuid4().hex[:8]),
+        session_timeout=i32Timedelta.parse(timedelta(seconds=10)),
+        rebalance_timeout=i32Timedelta.parse(timedelta(seconds=10)),
+        member_id="",
+        group_instance_id=None,
+        protocol_type="connect",  # not "consumer"
+        protocols=(request_types.JoinGroupRequestProtocol(name="range", metadata=b""),),
+    )
+    kafka = RawKafka(server)
+    try:
+        for _ in range(2):  # answered, and the connection still answers the next one
+            answer = kafka.call(request, ApiKey.JOIN_GROUP, version)
+            assert answer.error_code == ErrorCode.inconsistent_group_protocol
+            assert answer.generation_id == -1
+    finally:
+        kafka.close()

@@ -161,7 +161,9 @@ class KafkaGroups:
             "error_code": ErrorCode.none,
             "generation_id": -1,
             "protocol_type": PROTOCOL_TYPE,
-            "protocol_name": None,
+            # Nullable from v7 only: an error answer to v0-6 carries "" (None cannot be
+            # encoded there).
+            "protocol_name": None if version >= 7 else "",
             "leader": "",
             "skip_assignment": False,
             "member_id": request.member_id,

@@ -162,8 +162,18 @@ class KafkaConnection(TaskPerRequestConnection):
             return
         if not request.expects_response or self.closed:
             return
-        response = build(response_type(api_key, request.api_version), fields)
-        self._write(self.protocol.send(request, response))
+        try:
+            response = build(response_type(api_key, request.api_version), fields)
+            self._write(self.protocol.send(request, response))
+        except Exception:  # a bug of ours: the client must not wait for an answer forever
+            log.exception(
+                "kafka %s: %s v%d answer not encoded",
+                session.peer,
+                api_key.name,
+                request.api_version,
+            )
+            self.close()
+            return
         if api_key is ApiKey.SASL_AUTHENTICATE and self._sasl_failed:
             self.close()  # Kafka closes the connection after a failed authentication
 
