@@ -89,9 +89,15 @@ Received = list[tuple[int, int, bytes]]  # (partition, offset, value)
 
 
 def consume(consumers: list[Consumer], received: Received, until: set[bytes], commit: bool) -> None:
-    """Poll the group's consumers in turn until every value of ``until`` came; with
-    ``commit`` each commits what it consumed (a commit refused during a rebalance or a
-    coordinator move is covered by its next one)."""
+    """Poll the group's consumers in turn until every value of ``until`` came and every
+    consumer holds an assignment; with ``commit`` each commits what it consumed (a
+    commit refused during a rebalance or a coordinator move is covered by its next one).
+
+    The assignment matters: one member can form the group and consume everything before
+    the other's JoinGroup arrives. That join then waits for the first member to rejoin,
+    which it does only inside a poll; a coordinator request the test makes meanwhile
+    (committed()) queues behind the blocked JoinGroup on the same connection, as Kafka
+    brokers answer a connection's requests in order."""
 
     def step() -> bool:
         for consumer in consumers:
@@ -102,7 +108,9 @@ def consume(consumers: list[Consumer], received: Received, until: set[bytes], co
             if commit and messages:
                 with contextlib.suppress(KafkaException):
                     consumer.commit(asynchronous=False)
-        return until <= {value for _, _, value in received}
+        return until <= {value for _, _, value in received} and all(
+            consumer.assignment() for consumer in consumers
+        )
 
     wait_until(step, message=lambda: f"{len(received)} received", timeout=2 * WAIT_S)
 
