@@ -282,3 +282,62 @@ def commit(producer: Producer) -> str | None:
     except KafkaException as exc:
         return str(exc)
     return None
+
+
+def test_an_open_transaction_left_by_a_dead_coordinator_times_out_at_the_next(
+    cluster: Cluster,
+) -> None:
+    """A producer abandons an open transaction (5 s timeout) and its coordinator is
+    SIGKILLed: the next coordinator, which replayed it as Ongoing, aborts it at its
+    timeout, so the partitions' last stable offset passes it. Shown by another
+    producer's later transaction being read, the abandoned records never."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 2)
+    cluster.wait_partitions(2)
+    wait_topic_everywhere(cluster)
+    abandoned = Producer(
+        {
+            "bootstrap.servers": cluster.bootstrap(),
+            "transactional.id": "left",
+            "transaction.timeout.ms": 5000,
+        }
+    )
+    abandoned.init_transactions(WAIT_S)
+    coordinator = wait_until(
+        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    wait_until(
+        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    left = [b"left%d" % i for i in range(10)]
+    abandoned.begin_transaction()
+    send(abandoned, left)
+    abandoned.flush(WAIT_S)
+    cluster.nodes[coordinator].kill()
+    survivors = [n for n in (1, 2, 3) if n != coordinator]
+    wait_until(
+        lambda: cluster.partitions()[STATE]["leader"] in survivors,
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+
+    later = transactional_producer(cluster.bootstrap(), "later")
+    after = [b"after%d" % i for i in range(10)]
+    later.begin_transaction()
+    send(later, after)
+    later.commit_transaction(WAIT_S)
+    for node_id in survivors:
+        consumer = committed_reader(cluster.nodes[node_id].address_of("kafka"))
+        seen: list[bytes] = []
+        read_until(consumer, set(after), seen)
+        consumer.close()
+        assert sorted(seen) == sorted(after)  # the abandoned transaction: aborted
+    assert any(
+        "aborting transaction 'left' after its timeout" in cluster.nodes[n].log_text()
+        for n in survivors
+    )
