@@ -231,9 +231,26 @@ def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
         walked = True
     except kafka_batch.KafkaRecordsError:
         walked = False
-    if kafka_batch._reads_canonically(bytes(body), header):
+    reader_batch = kafka_batch._reader_batch(bytes(body), header)
+    if kafka_batch._reads_canonically(len(body), header, reader_batch):
         assert walked
     elif body == built and all(r.timestamp_delta != -1 for r in batch_records):
         # A whole batch as a client encodes it takes the compiled path, not the walk
         # (aiokafka reads a -1 timestamp as none: those go to the walk).
         raise AssertionError("a sound batch was not read by the compiled check")
+    # The produced batch read in place: the reader adds the producer's base offset and
+    # base timestamp (anything a client sends), which the check takes off again.
+    base_offset = data.draw(st.integers(-(1 << 63), (1 << 63) - 1))
+    base_timestamp = data.draw(st.sampled_from([0, 1_700_000_000_000, -(1 << 63), (1 << 63) - 1]))
+    produced = (
+        kafka_batch.fetch_prefix(base_offset, kafka_batch.SECTION_HEADER_SIZE + len(body))
+        + kafka_batch.SECTION_HEADER.pack(0, 0, count - 1, base_timestamp, 0, -1, -1, -1, count)
+        + bytes(body)
+    )
+    in_place = kafka_batch._reads_canonically(len(body), header, produced)
+    if in_place:
+        assert walked
+    elif body == built and all(
+        r.timestamp_delta != -1 and base_timestamp + r.timestamp_delta != -1 for r in batch_records
+    ):
+        raise AssertionError("a sound produced batch was not read in place")

@@ -120,13 +120,17 @@ def stamp_log_append_time(section: bytes | bytearray | memoryview, now_ms: int) 
     return bytes(stamped)
 
 
-def check_section(section: bytes | memoryview, max_decompressed: int) -> SectionHeader:
+def check_section(
+    section: bytes | memoryview, max_decompressed: int, whole: bytes | None = None
+) -> SectionHeader:
     """What Kafka's log validator checks of a produced batch, from the CRC on: the
     CRC-32C, at least one record, a known codec, the records decompressing within
     ``max_decompressed`` to exactly ``records_count`` well-formed records with offset
     deltas 0..n-1 and ``last_offset_delta`` n-1, batch-at-a-time
     (:func:`_reads_canonically`); a stored section always decodes
-    (:func:`decode_section`)."""
+    (:func:`decode_section`). ``whole``: the produced batch ``section`` was cut from
+    (its 17-byte prefix first), which the reader then reads in place when the records
+    are uncompressed and stamped CreateTime (the usual batch): no copy of the records."""
     header = section_header(section)
     actual = crc32c(memoryview(section)[4:])
     if actual != header.crc:
@@ -140,10 +144,18 @@ def check_section(section: bytes | memoryview, max_decompressed: int) -> Section
         raise KafkaRecordsError(
             "invalid", f"last offset delta {header.last_offset_delta} for {count} records"
         )
-    body = decompress(
-        header.attributes & ATTR_CODEC, memoryview(section)[SECTION_HEADER_SIZE:], max_decompressed
-    )
-    if not _reads_canonically(body, header):
+    records = memoryview(section)[SECTION_HEADER_SIZE:]
+    if (
+        whole is not None
+        and not header.attributes & (ATTR_CODEC | ATTR_LOG_APPEND_TIME)
+        and len(whole) == PREFIX_SIZE + len(section)
+    ):
+        if records.nbytes > max_decompressed:
+            raise _too_large(max_decompressed)
+        if _reads_canonically(records.nbytes, header, whole):
+            return header
+    body = decompress(header.attributes & ATTR_CODEC, records, max_decompressed)
+    if not _reads_canonically(len(body), header, _reader_batch(body, header)):
         walk_records(body, count)  # the exact verdict (and error) for the rare rest
     return header
 
@@ -177,18 +189,10 @@ def _lengths(fields: list[bytes | None]) -> Int64s:
     return np.fromiter(map(length_hint, fields, repeat(-1)), np.int64, count)
 
 
-def _reads_canonically(body: bytes, header: SectionHeader) -> bool:
-    """Whether ``body`` holds ``records_count`` records that aiokafka's compiled reader
-    reads, with offset deltas 0..n-1 and every varint in its shortest form (record
-    attributes one byte below 0x80): then :func:`walk_records` would pass it too, and
-    every reader (aiokafka's, librdkafka's, Java's int8 attributes) reads the same
-    records. Batch-at-a-time: one compiled read, then columns and numpy; the bytes
-    each record takes are computed from what was read, and their sum equals the body's
-    length only when no field took more bytes than its shortest encoding. False sends
-    the batch to the walk (records with a -1 timestamp, long varints, damage)."""
-    count = header.records_count
-    # Base offset and base timestamp 0: the reader's offsets and timestamps are the
-    # deltas themselves; CreateTime so the timestamps are not the max timestamp.
+def _reader_batch(body: bytes, header: SectionHeader) -> bytes:
+    """A whole batch of ``body`` (decompressed records) for aiokafka's reader: base
+    offset and base timestamp 0, so its offsets and timestamps are the deltas
+    themselves; CreateTime, so the timestamps are not the max timestamp."""
     reader_header = SECTION_HEADER.pack(
         0,
         header.attributes & ~(ATTR_CODEC | ATTR_LOG_APPEND_TIME),
@@ -198,22 +202,43 @@ def _reads_canonically(body: bytes, header: SectionHeader) -> bool:
         header.producer_id,
         header.producer_epoch,
         header.base_sequence,
-        count,
+        header.records_count,
     )
-    batch = b"".join((fetch_prefix(0, SECTION_HEADER_SIZE + len(body)), reader_header, body))
+    return b"".join((fetch_prefix(0, SECTION_HEADER_SIZE + len(body)), reader_header, body))
+
+
+def _reads_canonically(body_size: int, header: SectionHeader, batch: bytes) -> bool:
+    """Whether ``batch`` (a whole Kafka batch whose records, uncompressed and stamped
+    CreateTime, take ``body_size`` bytes) holds ``records_count`` records that
+    aiokafka's compiled reader reads, with offset deltas 0..n-1 and every varint in its
+    shortest form (record attributes one byte below 0x80): then :func:`walk_records`
+    would pass it too, and every reader (aiokafka's, librdkafka's, Java's int8
+    attributes) reads the same records. Batch-at-a-time: one compiled read, then
+    columns and numpy; the bytes each record takes are computed from what was read,
+    and their sum equals the body's length only when no field took more bytes than its
+    shortest encoding. The reader adds the batch's base offset and base timestamp,
+    taken off again here (int64 arithmetic, as the reader's). False sends the batch to
+    the walk (records timestamped -1, long varints, damage)."""
+    count = header.records_count
+    (base_offset,) = _I64.unpack_from(batch)
+    (base_timestamp,) = _I64.unpack_from(batch, PREFIX_SIZE + 10)
     try:
         rows = list(DefaultRecordBatch(batch))
         if len(rows) != count:
             return False
-        if list(map(_OFFSET, rows)) != list(range(count)):
+        offset_deltas = np.fromiter(map(_OFFSET, rows), np.int64, count) - np.int64(base_offset)
+        if not np.array_equal(offset_deltas, _ascending(count)):
             return False
-        offset_deltas = np.arange(count, dtype=np.int64)
-        # A delta of -1 reads as None (aiokafka's "no timestamp"): a TypeError here.
-        timestamp_deltas = np.fromiter(map(_TIMESTAMP, rows), np.int64, count)
+        # A timestamp of -1 reads as None (aiokafka's "no timestamp"): a TypeError here.
+        timestamps = np.fromiter(map(_TIMESTAMP, rows), np.int64, count)
         keys = _lengths(list(map(_KEY, rows)))
-        values = _lengths(list(map(_VALUE, rows)))
-        header_counts = np.zeros(count, np.int64)
-        headers_size = header_counts
+        try:  # no tombstone (the usual batch): the lengths in one pass
+            values = np.fromiter(map(len, map(_VALUE, rows)), np.int64, count)
+        except TypeError:  # len(None)
+            values = _lengths(list(map(_VALUE, rows)))
+        # Each record's fixed bytes: its attributes and an empty headers count.
+        fixed: int | Int64s = 2
+        headers_size: int | Int64s = 0
         if any(map(_HEADERS, rows)):  # an empty list is false: most batches stop here
             header_counts = np.fromiter(map(len, map(_HEADERS, rows)), np.int64, count)
             pairs = list(chain.from_iterable(map(_HEADERS, rows)))
@@ -228,23 +253,40 @@ def _reads_canonically(body: bytes, header: SectionHeader) -> bool:
             ends = np.concatenate(([0], np.cumsum(sizes)))
             last = np.cumsum(header_counts)
             headers_size = ends[last] - ends[last - header_counts]
-    except (CorruptRecordException, UnicodeDecodeError, ValueError, TypeError):
+            fixed = 1 + _varint_sizes(header_counts)
+    except (CorruptRecordException, UnicodeDecodeError, ValueError, TypeError, OverflowError):
         return False
-    timestamp_sizes = _varint_sizes(timestamp_deltas)
-    if int(timestamp_sizes.max()) >= 10:  # near 64 bits: the walk tells what fits
+    # One varint sizing for the timestamp deltas, keys and values together: per batch,
+    # numpy's call overhead weighs as much as its per-record work.
+    fields = np.concatenate((timestamps - np.int64(base_timestamp), keys, values))
+    field_sizes = _varint_sizes(fields).reshape(3, count)
+    if int(field_sizes[0].max()) >= 10:  # near 64 bits: the walk tells what fits
         return False
+    np.maximum(fields, 0, out=fields)
     lengths = (
-        1  # attributes
-        + timestamp_sizes
-        + _varint_sizes(offset_deltas)
-        + _varint_sizes(keys)
-        + np.maximum(keys, 0)
-        + _varint_sizes(values)
-        + np.maximum(values, 0)
-        + _varint_sizes(header_counts)
+        fixed
+        + _ascending_sizes(count)
+        + field_sizes.sum(axis=0)
+        + fields[count:].reshape(2, count).sum(axis=0)
         + headers_size
     )
-    return int((_varint_sizes(lengths) + lengths).sum()) == len(body)
+    return int((_varint_sizes(lengths) + lengths).sum()) == body_size
+
+
+_ASCENDING = np.arange(1 << 17, dtype=np.int64)
+_ASCENDING_SIZES = 1 + np.searchsorted(_VARINT_LIMITS, (_ASCENDING << 1).view(np.uint64), "right")
+
+
+def _ascending(count: int) -> Int64s:
+    """0..count-1 (a read-only view for the usual counts)."""
+    return _ASCENDING[:count] if count <= len(_ASCENDING) else np.arange(count, dtype=np.int64)
+
+
+def _ascending_sizes(count: int) -> Int64s:
+    """The varint sizes of the offset deltas 0..count-1."""
+    if count <= len(_ASCENDING):
+        return _ASCENDING_SIZES[:count]
+    return _varint_sizes(np.arange(count, dtype=np.int64))
 
 
 StoredHeaders = tuple[tuple[bytes, bytes], ...]

@@ -237,7 +237,7 @@ class RecordBatch:
         deltas 0..n-1, and ``last_offset_delta`` n-1; one walk over the records, with
         nothing decoded (:func:`headwater.storage.kafka_batch.check_section`)."""
         try:
-            kafka_batch.check_section(self.section, max_decompressed)
+            kafka_batch.check_section(self.section, max_decompressed, self.data)
         except KafkaRecordsError as exc:
             raise _records_error(exc) from None
 
