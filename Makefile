@@ -18,13 +18,11 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,spark]'
-	$(BIN)/python -c 'from headwater.sql.kernels import warm_up; warm_up()'  # numba's cache
 	touch $(STAMP) $(RUN_STAMP)
 
 $(RUN_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e .
-	$(BIN)/python -c 'from headwater.sql.kernels import warm_up; warm_up()'
 	touch $(RUN_STAMP)
 
 run: $(RUN_STAMP)

@@ -1,22 +1,19 @@
-"""The compiled record walks (headwater.sql.kernels) read what decoding events one by
-one reads: on any mix of stored batch pieces of both forms (headwater's, with or
-without keys, tombstones, headers and offset gaps; Kafka's, of every codec, with null
-keys and values, headers and either timestamp type), cut anywhere, the records path's
-columns and the projection's data column equal the events :meth:`Batch.events` (the
-decoder they replaced, aiokafka's for Kafka form) gives."""
+"""The columnar decoders read what decoding events one by one reads: on any mix of
+stored batch pieces of both forms (headwater's, with or without keys, tombstones,
+headers and offset gaps; Kafka's, of every codec, with null keys and values, headers
+and either timestamp type), cut anywhere, the records path's columns and the
+projection's data column equal the events :meth:`Batch.events` (aiokafka's decoder for
+Kafka form) gives; the Arrow append's sections are what encoding event by event stores."""
 
 from __future__ import annotations
 
-from itertools import islice, pairwise
+from itertools import islice
 
 import pyarrow as pa
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka_strategies import records
 
-from headwater.engine.partitioner import murmur2_batch
-from headwater.errors import CorruptBatchError
 from headwater.protocols.kafka.records import (
     CRC_OFFSET,
     Compression,
@@ -27,16 +24,9 @@ from headwater.protocols.kafka.records import (
 )
 from headwater.server.http.arrow import keys_section as arrow_keys_section
 from headwater.server.http.arrow import values_section as arrow_values_section
-from headwater.sql.kernels import (
-    headers_column,
-    kafka_columns,
-    keys_column,
-    murmur2_column,
-    values_column,
-)
 from headwater.sql.projection import _Piece, piece_columns
 from headwater.sql.records import records_batch
-from headwater.storage.batch import Batch, Event, build_batch, encode_values, value_spans
+from headwater.storage.batch import Batch, Event, build_batch, encode_values
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NAMES = st.binary(max_size=5) | st.sampled_from([b"trace", b"\xff\xfe", "é".encode()])
@@ -134,64 +124,6 @@ def test_columns_equal_the_events_decoded_one_by_one(chosen: list[_Piece]) -> No
     ]
     # The projection shows a tombstone's value as the empty bytes it stores.
     assert piece_columns(chosen)[3].to_pylist() == [e.value for e in events]
-    # The compiled decoders (not yet on the server's paths: docs/benchmarks.md) read
-    # each batch as decoding its events one by one does.
-    for piece in chosen:
-        whole = list(piece.batch.events())
-        section = piece.batch.kafka_section
-        if section is not None:
-            columns = kafka_columns(section)
-            assert columns.timestamps.tolist() == [e.timestamp_ms for e in whole]
-            assert columns.keys().to_pylist() == [e.key for e in whole]
-            assert columns.values.to_pylist() == [None if e.tombstone else e.value for e in whole]
-            assert columns.headers().to_pylist() == [
-                [{"key": k.decode(), "value": v} for k, v in e.headers] or None for e in whole
-            ]
-            continue
-        values = values_column([piece.batch.values_section()], [piece.batch.count])
-        assert values.to_pylist() == [e.value for e in whole]
-        stored_keys = piece.batch.keys_section()
-        if stored_keys is not None:
-            assert keys_column(stored_keys, piece.batch.count)[0].to_pylist() == [
-                e.key for e in whole
-            ]
-        stored_headers = piece.batch.headers_section()
-        if stored_headers is not None:
-            assert headers_column(stored_headers, piece.batch.count).to_pylist() == [
-                [{"key": k.decode("utf-8", "replace"), "value": v} for k, v in e.headers] or None
-                for e in whole
-            ]
-
-
-@SETTINGS
-@given(st.lists(st.binary(max_size=20), min_size=1, max_size=8), st.data())
-def test_a_damaged_values_section_reads_as_the_walk_reads_it(
-    values: list[bytes], data: st.DataObject
-) -> None:
-    # Damaged lengths, a cut section or a wrong count: refused exactly when
-    # value_spans (the walk it replaced) refuses, and otherwise read as it reads.
-    section = bytearray(encode_values(values))
-    count = len(values) + data.draw(st.integers(-1, 1))
-    for _ in range(data.draw(st.integers(0, 2))):
-        section[data.draw(st.integers(0, len(section) - 1))] = data.draw(st.integers(0, 255))
-    if data.draw(st.booleans()):
-        del section[data.draw(st.integers(0, len(section))) :]
-    try:
-        bounds = value_spans(bytes(section), count)
-    except ValueError:
-        with pytest.raises(CorruptBatchError):
-            values_column([memoryview(bytes(section))], [count])
-        return
-    expected = [bytes(section[lo + 8 : hi]) for lo, hi in pairwise(bounds)]
-    assert values_column([memoryview(bytes(section))], [count]).to_pylist() == expected
-
-
-def test_a_damaged_keys_section_is_refused() -> None:
-    good = b"\x01\x02\x00\x00\x00ab"
-    assert keys_column(memoryview(good), 1)[0].to_pylist() == [b"ab"]
-    for bad in (good[:-1], good + b"x", b"\x01\xff\xff\xff\x7fab"):
-        with pytest.raises(CorruptBatchError):
-            keys_column(memoryview(bad), 1)
 
 
 @SETTINGS
@@ -225,12 +157,3 @@ def test_an_arrow_append_stores_the_sections_encoding_event_by_event_stores(
     keys_section = stored.keys_section()
     assert keys_section is not None
     assert arrow_keys_section(keys) == bytes(keys_section)
-
-
-@SETTINGS
-@given(st.lists(st.binary(max_size=40), min_size=1, max_size=30), st.integers(0, 2))
-def test_compiled_murmur2_is_kafkas(keys: list[bytes], skip: int) -> None:
-    # The Spark sink places keyed rows with the compiled murmur2: it must agree with
-    # the engine's (Kafka's test vectors: tests/unit/engine/test_partitioner.py).
-    column = pa.array([b"?"] * skip + keys, pa.binary()).slice(skip)
-    assert murmur2_column(column).tolist() == murmur2_batch(keys).tolist()

@@ -15,25 +15,36 @@ Kafka's producer):
   batch goes to the same partition (a batch is never split by the rotation; the check
   runs when a batch begins), so a producer's batch stays one append.
 
-A batch is hashed with numpy: keys are grouped by length and each group's 4-byte blocks
-are mixed as uint32 columns, one numpy step per block position rather than a Python step
-per key (uint32 arithmetic wraps modulo 2**32 exactly as Java's int does). Groups of a
-single key take the pure Python path, which is cheaper below a few keys.
+A batch is hashed with numpy (:func:`murmur2_spans`, over the keys laid end to end and
+their bounds, as an Arrow binary array holds them): block position by block position
+across every key that reaches it, as uint32 columns (uint32 arithmetic wraps modulo
+2**32 exactly as Java's int does), then the tail bytes and the final mix of all keys at
+once; no Python step per key.
 """
 
 from __future__ import annotations
 
+import itertools
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from headwater.engine.kinds.reader import Buffer
 from headwater.errors import InvalidRequest
 
 SEED = 0x9747B28C
 _M = 0x5BD1E995
 _MASK = 0xFFFFFFFF
+# Below this many keys (in a batch, or still hashing at a block position) the rest go one
+# key at a time in Python: numpy's fixed cost per operation is more than theirs.
+_FEW_KEYS = 16
+# By tail length (0-3): the bytes of the last word that are the key's, and whether the
+# tail is mixed (multiplied) at all.
+_TAIL_MASKS = np.array([0, 0xFF, 0xFFFF, 0xFFFFFF], dtype=np.uint32)
+_TAIL_MULTIPLIERS = np.array([1, _M, _M, _M], dtype=np.uint32)
 
 DEFAULT_BATCH_MESSAGES = 16 * 1024
 DEFAULT_LINGER_MS = 100
@@ -43,78 +54,120 @@ PartitionArray = npt.NDArray[np.int32]
 
 def murmur2(data: bytes) -> int:
     """Kafka's ``Utils.murmur2`` as a signed 32-bit int (the value Kafka's tests show)."""
-    unsigned = _murmur2_unsigned(data)
+    unsigned = _murmur2_one(data)
     return unsigned - (1 << 32) if unsigned & 0x80000000 else unsigned
-
-
-def _murmur2_unsigned(data: bytes) -> int:
-    length = len(data)
-    h = (SEED ^ length) & _MASK
-    blocks = length // 4
-    for k in np.frombuffer(data, dtype="<u4", count=blocks).tolist() if blocks else ():
-        k = (k * _M) & _MASK
-        k ^= k >> 24
-        k = (k * _M) & _MASK
-        h = ((h * _M) & _MASK) ^ k
-    tail = length & 3
-    if tail:
-        base = length & ~3
-        if tail == 3:
-            h ^= data[base + 2] << 16
-        if tail >= 2:
-            h ^= data[base + 1] << 8
-        h ^= data[base]
-        h = (h * _M) & _MASK
-    h ^= h >> 13
-    h = (h * _M) & _MASK
-    h ^= h >> 15
-    return h
 
 
 def murmur2_batch(keys: Sequence[bytes]) -> npt.NDArray[np.uint32]:
     """``murmur2`` of every key, unsigned (uint32), in the keys' order."""
-    out = np.empty(len(keys), dtype=np.uint32)
-    if not keys:
-        return out
     lengths = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
-    order = np.argsort(lengths, kind="stable")
-    sorted_lengths = lengths[order]
-    # Runs of equal length in the sorted order: each run is one matrix of rows.
-    starts = np.flatnonzero(np.diff(sorted_lengths, prepend=-1))
-    ends = np.append(starts[1:], len(keys))
+    bounds = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return murmur2_spans(b"".join(keys), bounds)
+
+
+def _mix_words(h: int, words: Iterable[int]) -> int:
+    """Mix 4-byte blocks (little-endian u32 values) into a hash, in Python ints."""
+    for k in words:
+        k = (k * _M) & _MASK
+        k ^= k >> 24
+        h = ((h * _M) & _MASK) ^ ((k * _M) & _MASK)
+    return h
+
+
+def _murmur2_one(key: Buffer) -> int:
+    """murmur2 (unsigned) of one key in Python ints: what :func:`murmur2_spans` does for
+    a handful of keys, where numpy's cost per call is more than the hash's."""
+    length = len(key)
+    blocks = length >> 2
+    h = _mix_words((SEED ^ length) & _MASK, struct.unpack_from(f"<{blocks}I", key))
+    tail = length & 3
+    if tail:
+        last = key[length - tail :]
+        h = ((h ^ int.from_bytes(last, "little")) * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    return h ^ (h >> 15)
+
+
+def murmur2_spans(data: Buffer, bounds: npt.ArrayLike) -> npt.NDArray[np.uint32]:
+    """Kafka's murmur2 (unsigned, uint32) of every item ``data[bounds[i]:bounds[i + 1]]``
+    (an Arrow binary array's data and offsets as they are; ``bounds`` need not start at
+    0). The one murmur2 of headwater: the engine's partitioner and the Spark sink both
+    place keys with it."""
+    ends = np.asarray(bounds, dtype=np.int64)
+    count = len(ends) - 1
+    if count < _FEW_KEYS:
+        view = memoryview(data).cast("B")
+        edges = ends.tolist()
+        hashes = [_murmur2_one(view[lo:hi]) for lo, hi in itertools.pairwise(edges)]
+        return np.array(hashes, dtype=np.uint32)
+    # Zeros past the end, so that a u32 can be read where any item ends (its tail).
+    buf = np.concatenate((np.frombuffer(data, dtype=np.uint8), np.zeros(4, np.uint8)))
+    # Every little-endian u32 of the buffer, at any byte offset (unaligned reads).
+    words = np.ndarray((len(buf) - 3,), dtype="<u4", buffer=buf, strides=(1,))
+    starts = ends[:-1]
+    lengths = ends[1:] - starts
     m = np.uint32(_M)
-    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-        rows = order[start:end]
-        length = int(sorted_lengths[start])
-        if end - start == 1:
-            out[rows[0]] = _murmur2_unsigned(keys[int(rows[0])])
-            continue
-        data = np.frombuffer(b"".join([keys[i] for i in rows.tolist()]), dtype=np.uint8)
-        data = data.reshape(len(rows), length)
-        h = np.full(len(rows), (SEED ^ length) & _MASK, dtype=np.uint32)
-        blocks = length // 4
-        if blocks:
-            words = np.ascontiguousarray(data[:, : blocks * 4]).view("<u4")
-            for j in range(blocks):
-                k = words[:, j] * m
-                k ^= k >> np.uint32(24)
-                k *= m
-                h *= m
-                h ^= k
-        tail = length & 3
-        if tail:
-            base = length & ~3
-            if tail == 3:
-                h ^= data[:, base + 2].astype(np.uint32) << np.uint32(16)
-            if tail >= 2:
-                h ^= data[:, base + 1].astype(np.uint32) << np.uint32(8)
-            h ^= data[:, base].astype(np.uint32)
-            h *= m
-        h ^= h >> np.uint32(13)
-        h *= m
-        h ^= h >> np.uint32(15)
-        out[rows] = h
-    return out
+    h = lengths.astype(np.uint32) ^ np.uint32(SEED)
+    blocks = lengths >> 2
+    most = int(blocks.max())
+    if most:
+        _mix_blocks(words, starts, blocks, most, h)
+    # The 1-3 bytes after the last block, as Kafka's switch mixes them, all keys at once.
+    tail = lengths & 3
+    h ^= words[starts + lengths - tail] & _TAIL_MASKS[tail]
+    h *= _TAIL_MULTIPLIERS[tail]
+    h ^= h >> np.uint32(13)
+    h *= m
+    h ^= h >> np.uint32(15)
+    return h
+
+
+def _mix_blocks(
+    words: npt.NDArray[np.uint32],
+    starts: npt.NDArray[np.int64],
+    blocks: npt.NDArray[np.int64],
+    most: int,
+    h: npt.NDArray[np.uint32],
+) -> None:
+    """Mix every key's 4-byte blocks into ``h``, one block position at a time across
+    all keys that reach it. Keys are ordered longest first, so the keys still hashing
+    at block j are a prefix of that order and each step is a slice; once fewer than
+    ``_FEW_KEYS`` keys are left, their remaining blocks go in Python, one key at a
+    time (a lone key of megabytes costs one Python step per block, not numpy's
+    overhead per block)."""
+    m = np.uint32(_M)
+    if int(blocks.min()) == most:  # every key as long (the common case): no sort
+        order = None
+        active = np.full(most, len(blocks), dtype=np.int64)
+        sorted_starts, hs = starts, h
+    else:
+        if most < 1 << 16:  # numpy's stable sort of 16-bit keys is a radix sort
+            order = np.argsort((most - blocks).astype(np.uint16), kind="stable")
+        else:
+            order = np.argsort(-blocks, kind="stable")
+        # active[j]: how many keys have more than j blocks.
+        active = len(blocks) - np.cumsum(np.bincount(blocks, minlength=most + 1))[:most]
+        sorted_starts, hs = starts[order], h[order]
+    active_counts = active.tolist()
+    j = 0
+    while j < most and active_counts[j] >= _FEW_KEYS:
+        reach = active_counts[j]
+        k = words[sorted_starts[:reach] + 4 * j]
+        k *= m
+        k ^= k >> np.uint32(24)
+        k *= m
+        hs[:reach] *= m
+        hs[:reach] ^= k
+        j += 1
+    if j < most:
+        key_blocks = blocks if order is None else blocks[order]
+        for row in range(active_counts[j]):
+            rest = words[sorted_starts[row] + 4 * np.arange(j, int(key_blocks[row]))]
+            hs[row] = _mix_words(int(hs[row]), rest.tolist())
+    if order is not None:
+        h[order] = hs
 
 
 def _monotonic_ms() -> int:
@@ -123,7 +176,7 @@ def _monotonic_ms() -> int:
 
 def keyed_partition(key: bytes, partitions: int) -> int:
     """Kafka's default partitioner for one key: ``toPositive(murmur2(key)) % partitions``."""
-    return (_murmur2_unsigned(key) & 0x7FFFFFFF) % partitions
+    return (_murmur2_one(key) & 0x7FFFFFFF) % partitions
 
 
 class Partitioner:

@@ -25,9 +25,9 @@ from headwater.client import Client, connect
 from headwater.client.arrow import HttpApi
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
+from headwater.engine.partitioner import murmur2_spans
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
 from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, EventBatch, http_port
-from headwater.sql.kernels import murmur2_column
 
 from .options import READ_COMMITTED, ConnectionOptions, DataLossError, producer_id
 
@@ -478,6 +478,15 @@ def _write_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
     if "headers" in batch.schema.names:
         columns["headers"] = batch.column("headers").cast(_HEADERS_TYPE)
     return pa.RecordBatch.from_pydict(columns)
+
+
+def murmur2_column(items: pa.Array) -> np.ndarray:
+    """Kafka's murmur2 (uint32) of every item of a binary array without nulls, over
+    its buffers as they are (no Python object per key)."""
+    count = len(items)
+    offsets = np.frombuffer(items.buffers()[1], np.int32, count + 1, items.offset * 4)
+    data = items.buffers()[2]
+    return murmur2_spans(b"" if data is None else memoryview(data), offsets)
 
 
 def place(batch: pa.RecordBatch, partitions: int, sticky: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""The partitioner: Kafka's murmur2 to the bit (Kafka's own test vectors), keyed
+"""The partitioner: Kafka's murmur2 to the bit (Kafka's own test vectors, and
+kafka-python's murmur2 on keys of every length 0-300 in one batch), keyed
 partitions as Kafka's default partitioner, explicit partitions checked, and the sticky
 partitioner's rotation on its two triggers."""
 
@@ -6,13 +7,16 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given
+from aiokafka.partitioner import murmur2 as aiokafka_murmur2
+from hypothesis import given, settings
 
 from headwater.engine.partitioner import (
+    _FEW_KEYS,
     Partitioner,
     keyed_partition,
     murmur2,
     murmur2_batch,
+    murmur2_spans,
 )
 from headwater.errors import InvalidRequest
 
@@ -33,17 +37,67 @@ def test_murmur2_matches_kafka(key: bytes, expected: int) -> None:
 
 
 def test_batch_hash_matches_kafka_vectors_together() -> None:
-    # Two keys of each length so the vectorised path (not the single-key one) runs.
-    keys = [k for k in KAFKA_VECTORS for _ in range(2)]
+    # All in one batch, each key three times: 18 keys, past the handful (_FEW_KEYS)
+    # hashed one by one in Python, so the numpy path runs.
+    keys = [k for k in KAFKA_VECTORS for _ in range(3)]
+    assert len(keys) > _FEW_KEYS
     hashes = murmur2_batch(keys)
     assert [int(h) - (1 << 32) if h & 0x80000000 else int(h) for h in hashes] == [
         KAFKA_VECTORS[k] for k in keys
     ]
 
 
-@given(st.lists(st.binary(max_size=40), max_size=60))
-def test_batch_hash_equals_one_key_at_a_time(keys: list[bytes]) -> None:
-    assert murmur2_batch(keys).tolist() == [murmur2(k) & 0xFFFFFFFF for k in keys]
+def kafka_murmur2(key: bytes) -> int:
+    """kafka-python's murmur2 (aiokafka keeps its code), one key at a time, unsigned."""
+    return int(aiokafka_murmur2(key)) & 0xFFFFFFFF
+
+
+KEYS_OF_ANY_LENGTH = st.lists(st.binary(max_size=300) | st.binary(max_size=9), max_size=80)
+
+
+@settings(max_examples=300)
+@given(KEYS_OF_ANY_LENGTH)
+def test_batch_hash_is_kafka_pythons_for_keys_of_every_length(keys: list[bytes]) -> None:
+    assert murmur2_batch(keys).tolist() == [kafka_murmur2(k) for k in keys]
+
+
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=20), st.binary(min_size=1))
+def test_every_length_0_to_300_in_one_batch_and_alone(extra: list[int], seed: bytes) -> None:
+    # Each length 0..300 (empty included) once, plus some drawn again, in one batch (the
+    # longest _FEW_KEYS finish one key at a time) and each alone (in Python).
+    filler = (seed * (300 // len(seed) + 1))[:300]
+    keys = [filler[:n] for n in [*range(301), *extra]]
+    expected = [kafka_murmur2(k) for k in keys]
+    assert murmur2_batch(keys).tolist() == expected
+    assert [murmur2(k) & 0xFFFFFFFF for k in keys] == expected
+
+
+def test_one_long_key_among_short_ones() -> None:
+    # 256 KiB: 65,536 blocks mixed one key at a time after the short keys are done.
+    keys = [bytes(range(256)) * 1024, *(b"k%d" % i for i in range(100))]
+    assert murmur2_batch(keys).tolist() == [kafka_murmur2(k) for k in keys]
+
+
+@given(st.lists(st.binary(max_size=40), max_size=30), st.integers(0, 5), st.integers(0, 5))
+def test_spans_of_a_buffer_need_not_start_at_zero(keys: list[bytes], lead: int, trail: int) -> None:
+    # As an Arrow array sliced from a bigger one hands them: bytes before the first key
+    # and after the last are not hashed.
+    data = b"\xaa" * lead + b"".join(keys) + b"\xbb" * trail
+    bounds = [lead]
+    for key in keys:
+        bounds.append(bounds[-1] + len(key))
+    assert murmur2_spans(data, bounds).tolist() == [kafka_murmur2(k) for k in keys]
+
+
+@given(st.lists(st.none() | st.binary(max_size=300), min_size=1, max_size=60), st.integers(1, 64))
+def test_null_keys_are_sticky_and_empty_keys_hash(keys: list[bytes | None], n: int) -> None:
+    partitioner = Partitioner()
+    got = partitioner.partition(keys, n).tolist()
+    for key, p in zip(keys, got, strict=True):
+        if key is None:  # not hashed: the batch's sticky partition
+            assert p == partitioner.sticky
+        else:
+            assert p == (kafka_murmur2(key) & 0x7FFFFFFF) % n
 
 
 @given(st.lists(st.binary(max_size=20), min_size=1, max_size=40), st.integers(1, 64))
