@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,10 @@ class ClusterConfig:
     # Ports others reach a listener at when not its own (a proxy or NAT between them),
     # by listener name ("kafka", "replication", ...): as Kafka's advertised.listeners.
     advertise_ports: tuple[tuple[str, int], ...] = ()
+    # The shared secret every node proves in the replication handshake (cluster/peers.py):
+    # given inline or read from secret_file at load; None: the listener asks for none.
+    secret: bytes | None = field(default=None, repr=False)
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.min_insync_replicas > self.replication_factor:

@@ -49,6 +49,7 @@ from headwater.cluster.layout import (
     place_replicas,
     reassignment_step,
 )
+from headwater.cluster.peers import PeerSecurity
 from headwater.cluster.replication import Replication
 from headwater.cluster.transactions import TransactionCoordinators
 from headwater.cluster.view import ClusterView
@@ -65,9 +66,16 @@ class ClusterJoinError(Exception):
 
 
 class ClusterNode:
-    def __init__(self, config: ClusterConfig, api: EngineAPI, ports: Mapping[str, int]):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        api: EngineAPI,
+        ports: Mapping[str, int],
+        security: PeerSecurity,
+    ):
         self.config = config
         self.api = api
+        self.security = security  # the replication listener's TLS, secret and limits
         self.keys = Keys(config.prefix)
         self.info = NodeInfo(config.node_id, config.advertise_host, config.rack, dict(ports))
         self.etcd = Etcd(config.etcd)

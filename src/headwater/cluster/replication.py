@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING
 
 from headwater.cluster.etcd import EtcdError, put_json, unchanged
 from headwater.cluster.layout import NO_LEADER, PartitionKey, PartitionState
+from headwater.cluster.peers import LISTENER
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError, StorageError
 from headwater.protocols import replication as wire
+from headwater.server.tls import Listening, listen_with
 from headwater.storage.high_watermarks import read_high_watermarks, write_high_watermarks
 from headwater.storage.leader_epochs import UNKNOWN
 
@@ -118,14 +120,22 @@ class Replication:
             checkpoint = {}
         self._checkpointed = {PartitionKey(*where): hw for where, hw in checkpoint.items()}
         self._hw_floor: dict[PartitionKey, int] = {}
-        self._server: asyncio.Server | None = None
+        self._server: Listening | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._handlers: set[asyncio.Task[None]] = set()  # one per follower connection
 
     # ---- life ---------------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port)
+        # TLS, the cluster secret and [limits] as node.security says (cluster/peers.py).
+        security = self.node.security
+
+        def connection() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(asyncio.StreamReader(), self._serve)
+
+        self._server = await listen_with(
+            security.limits, security.server_tls, LISTENER, connection, host, port
+        )
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -402,13 +412,18 @@ class Replication:
     # ---- leader: answering fetches -------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
+        address = writer.get_extra_info("peername")
+        peer = f"{address[0]}:{address[1]}" if address else "?"
         self._connections.add(writer)
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        frames = wire.FrameReader()
+        frames = self.node.security.frame_reader()
+        accepted = False
         try:
+            accepted = await self.node.security.accept(reader, writer, peer)
+            if not accepted:
+                return
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
@@ -429,6 +444,8 @@ class Replication:
         except (ConnectionError, OSError):
             pass
         finally:
+            if accepted:
+                self.node.security.release()
             self._connections.discard(writer)
             if task is not None:
                 self._handlers.discard(task)
@@ -505,7 +522,7 @@ class Replication:
                         if node is None or "replication" not in node.ports:
                             await asyncio.sleep(RETRY_S)
                             continue
-                        reader, writer = await asyncio.open_connection(
+                        reader, writer = await self.node.security.connect(
                             node.host, node.ports["replication"]
                         )
                         frames = wire.FrameReader()

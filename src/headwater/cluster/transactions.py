@@ -178,7 +178,7 @@ class TransactionCoordinators:
         # Bounded: a leader that stopped answering (paused, cut off) is asked again, or
         # its successor, once etcd names one.
         async with asyncio.timeout(ASK_TIMEOUT_S):
-            reader, writer = await asyncio.open_connection(node.host, node.ports["replication"])
+            reader, writer = await self._node.security.connect(node.host, node.ports["replication"])
             try:
                 writer.write(marker.encode())
                 await writer.drain()

@@ -24,6 +24,13 @@ for one partition, docs/cluster.md): ``{"kind": "txn_marker", "tenant", "stream"
 answer, once the leader's in-sync replicas hold the marker (or the transaction was not
 open there): ``{"error"}`` (null, or why not: the coordinator retries). A frame without
 ``kind`` is a fetch.
+
+The handshake (cluster/peers.py), before anything else on a connection: the listener
+sends ``{"kind": "challenge", "nonce"}`` (32 random bytes, hex); the connecting node
+answers ``{"kind": "hello", "node", "proof"}``, proof the hex HMAC-SHA256 of the nonce
+under the cluster's ``[cluster] secret`` ("" without one); the listener answers
+``{"error"}``: null, or why it refuses (``"unauthorized"``, ``"max_connections"``,
+``"handshake_timeout_s"``), and then closes.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ PREFIX = struct.Struct(">II")
 MAX_FRAME_BYTES = 64 << 20  # a fetch answer holds at most max_bytes of batches plus one
 MAX_HEADER_BYTES = 64 << 10
 
+CHALLENGE = "challenge"  # handshake frames' "kind"
+HELLO = "hello"
+UNAUTHORIZED = "unauthorized"
 NOT_LEADER = "not_leader"
 TXN_MARKER = "txn_marker"  # a frame's "kind": a transaction marker request
 UNKNOWN_PARTITION = "unknown_partition"
@@ -114,15 +124,16 @@ def _fields(cls: type, header: dict[str, Any], what: str) -> dict[str, Any]:
 class FrameReader:
     """Cuts frames out of the bytes a connection receives."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
+        self._max_frame_bytes = max_frame_bytes  # a listener takes only small requests
 
     def feed(self, data: bytes) -> list[Frame]:
         self._buffer += data
         frames = []
         while len(self._buffer) >= PREFIX.size:
             length, header_length = PREFIX.unpack_from(self._buffer)
-            if length > MAX_FRAME_BYTES or not length >= 4 or header_length > length - 4:
+            if length > self._max_frame_bytes or not length >= 4 or header_length > length - 4:
                 raise ProtocolError(f"bad replication frame: length {length}")
             if header_length > MAX_HEADER_BYTES:
                 raise ProtocolError(f"replication header of {header_length} bytes")

@@ -22,10 +22,12 @@ from typing import Any
 
 from headwater.api import EngineAPI, SqlLimits
 from headwater.cluster.node import ClusterNode
+from headwater.cluster.peers import PeerSecurity
 from headwater.server.config import ServerConfig
 from headwater.server.limits import ConnectionLimits
 from headwater.server.memory import warn_if_over_budget
 from headwater.server.metrics import metrics_for
+from headwater.server.tls import context_for
 
 log = logging.getLogger("headwater.server")
 
@@ -136,7 +138,12 @@ class Server:
         if self.config.cluster is not None:
             # Joined once the listeners are bound: the node's key advertises their ports.
             self.cluster = ClusterNode(
-                self.config.cluster, self._api, {lst.name: lst.port for lst in self.listeners}
+                self.config.cluster,
+                self._api,
+                {lst.name: lst.port for lst in self.listeners},
+                PeerSecurity.of(
+                    self.config.cluster, self.limits, context_for(self), self.config.tls
+                ),
             )
             await self.cluster.start()
         if self.ports_file is not None:

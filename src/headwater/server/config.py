@@ -390,6 +390,7 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError("cluster.replication_port must be a port number (0: any free one)")
         options["replication_port"] = port
+    options.update(_cluster_secret(data))
     advertised = data.get("advertise_ports")
     if advertised is not None:
         if not isinstance(advertised, dict) or not all(
@@ -404,6 +405,30 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
         return ClusterConfig(node_id=node_id, etcd=tuple(etcd), **options)
     except ValueError as exc:
         raise ConfigError(f"cluster: {exc}") from None
+
+
+def _cluster_secret(data: dict[str, Any]) -> dict[str, Any]:
+    """``secret`` or ``secret_file`` of ``[cluster]``: the bytes nodes prove to each other."""
+    secret, secret_file = data.get("secret"), data.get("secret_file")
+    if secret is not None and secret_file is not None:
+        raise ConfigError("cluster: give secret or secret_file, not both")
+    if secret is not None:
+        if not isinstance(secret, str) or len(secret) < 16:
+            raise ConfigError("cluster.secret must be a string of 16 characters or more")
+        return {"secret": secret.encode()}
+    if secret_file is None:
+        return {}
+    if not isinstance(secret_file, str) or not secret_file:
+        raise ConfigError("cluster.secret_file must be a file path")
+    try:
+        raw = Path(secret_file).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"cluster.secret_file: cannot read {secret_file}: {exc.strerror}"
+        ) from None
+    if len(raw) < 16:
+        raise ConfigError(f"cluster.secret_file: {secret_file} holds under 16 bytes")
+    return {"secret": raw, "secret_file": secret_file}
 
 
 def _tls_config(data: Any) -> TlsConfig | None:

@@ -24,6 +24,7 @@ from headwater.server.config import ConfigError, TlsConfig
 
 if TYPE_CHECKING:
     from headwater.server.app import Server
+    from headwater.server.limits import ConnectionLimits
 
 log = logging.getLogger("headwater.tls")
 
@@ -83,7 +84,21 @@ async def listen(
 ) -> Listening:
     """Bind ``host:port`` for ``listener``'s connections: plain TCP without ``[tls]``,
     else a :class:`TlsServer`."""
-    context = context_for(server)
+    return await listen_with(
+        server.limits, context_for(server), listener, make_connection, host, port
+    )
+
+
+async def listen_with(
+    limits: ConnectionLimits,
+    context: ssl.SSLContext | None,
+    listener: str,
+    make_connection: Callable[[], asyncio.BaseProtocol],
+    host: str,
+    port: int,
+) -> Listening:
+    """:func:`listen` for a listener outside the front ends (the cluster's replication
+    listener): ``context`` None binds plain TCP."""
     if context is None:
         return await asyncio.get_running_loop().create_server(
             make_connection, host, port, reuse_address=True
@@ -92,7 +107,7 @@ async def listen(
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
     sock.setblocking(False)
-    tls = TlsServer(server, listener, sock, context, make_connection)
+    tls = TlsServer(limits, listener, sock, context, make_connection)
     tls.start()
     return tls
 
@@ -126,18 +141,18 @@ class TlsServer:
 
     def __init__(
         self,
-        server: Server,
+        limits: ConnectionLimits,
         listener: str,
         sock: socket.socket,
         context: ssl.SSLContext,
         make_connection: Callable[[], asyncio.BaseProtocol],
     ) -> None:
-        self.server = server
+        self.limits = limits
         self.listener = listener
         self.sockets = (sock,)
         self.context = context
         self.make_connection = make_connection
-        self.timeout = server.config.limits.handshake_timeout_s
+        self.timeout = limits.config.handshake_timeout_s
         self.handshakes: set[asyncio.Task[None]] = set()
         self.accepting: asyncio.Task[None] | None = None
 
@@ -169,11 +184,11 @@ class TlsServer:
                 log.warning("%s: cannot accept a connection: %s", self.listener, exc)
                 await asyncio.sleep(1.0)
                 continue
-            if len(self.handshakes) >= self.server.config.limits.max_connections:
+            if len(self.handshakes) >= self.limits.config.max_connections:
                 # Handshakes under way are not connections yet (the front end counts
                 # those), but each holds a socket until its deadline: as many at most.
                 sock.close()
-                self.server.limits.refused("max_connections", self.listener)
+                self.limits.refused("max_connections", self.listener)
                 log.warning(
                     "%s: %s refused: %d TLS handshakes under way (limits.max_connections)",
                     self.listener,
@@ -200,7 +215,7 @@ class TlsServer:
                 )
         except TimeoutError:
             sock.close()
-            self.server.limits.refused("handshake_timeout_s", self.listener)
+            self.limits.refused("handshake_timeout_s", self.listener)
             log.warning(
                 "%s: TLS handshake with %s not done within %ss: closed",
                 self.listener,
