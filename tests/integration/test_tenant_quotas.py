@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -95,7 +96,7 @@ def test_a_tenant_past_its_produce_rate_is_throttled_and_another_is_not(server: 
     for tenant in (0, 42):
         call(server, "POST", "/api/streams", tenant, {"name": "q_produce"})
     appends = 10  # 1 MB at 100 kB/s
-    throttled: list[int] = []
+    throttled: list[float] = []
 
     def produce() -> None:
         for _ in range(appends):
@@ -215,7 +216,10 @@ WIRE_VALUE = b"k" * 100_000
 
 @pytest.fixture(scope="module")
 def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = f'[[tenants]]\nid = 0\nname = "default"\nproduce_bytes_per_s = {WIRE_RATE}\n'
+    config = (
+        f'[[tenants]]\nid = 0\nname = "default"\nproduce_bytes_per_s = {WIRE_RATE}\n'
+        f"consume_bytes_per_s = {WIRE_RATE}\n"
+    )
     listen = {"http": LOCAL, "kafka": LOCAL, "rivven": LOCAL}
     yield from serving(tmp_path_factory.mktemp("wire_quotas"), config=config, listen=listen)
 
@@ -255,3 +259,84 @@ def test_kafka_and_rivven_producers_are_held_to_the_produce_rate(
     # Four waits of 0.5 s (the time between requests refills the bucket a little), or
     # up to six after the other client's test left its last request's debt to this one.
     assert 1.0 <= waited <= 3.0 + 0.001, waited
+
+
+def kafka_config(server: Server, throttled: list[float], **extra: object) -> dict[str, object]:
+    """A confluent-kafka client config whose throttle_cb collects the throttle time of
+    every throttled answer (librdkafka reports each; confluent-kafka in seconds)."""
+    return {
+        "bootstrap.servers": server.address_of("kafka"),
+        "throttle_cb": lambda event: throttled.append(event.throttle_time),
+        **extra,
+    }
+
+
+def test_kafka_produce_answers_carry_the_throttle_time(wire_server: Server) -> None:
+    """KIP-219: past the produce rate the Produce answer comes at once with
+    throttle_time_ms (the debt left: 0.5 s per 100 kB at 200 kB/s), and the client is
+    held to the rate all the same (its connection muted for that long)."""
+    topic = "throttle_time_produce"
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+    throttled: list[float] = []
+    producer = confluent_kafka.Producer(kafka_config(wire_server, throttled, **{"linger.ms": 0}))
+    started = time.monotonic()
+    for _ in range(6):
+        producer.produce(topic, WIRE_VALUE)
+        assert producer.flush(60) == 0  # one Produce request each
+    producer.poll(0)  # serves the throttle callbacks of the last answer
+    elapsed = time.monotonic() - started
+    told = [s for s in throttled if s > 0]  # librdkafka reports 0 when it ends
+    assert told and all(0.1 <= s <= 1.5 for s in told), throttled
+    # 600 kB at 200 kB/s with a second's burst: at least 1 s, whoever waited it.
+    assert elapsed >= 1.0, elapsed
+
+
+def test_transactional_batches_count_toward_the_produce_quota(wire_server: Server) -> None:
+    topic = "throttle_time_txn"
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+    throttled: list[float] = []
+    producer = confluent_kafka.Producer(
+        kafka_config(wire_server, throttled, **{"linger.ms": 0, "transactional.id": "quota-t"})
+    )
+    producer.init_transactions(30)
+    before = throttle_seconds(wire_server).get(("0", "produce"), 0.0)
+    producer.begin_transaction()
+    for _ in range(6):
+        producer.produce(topic, WIRE_VALUE)
+        assert producer.flush(60) == 0
+    producer.commit_transaction(60)
+    producer.poll(0)
+    assert throttled, "no Produce answer of the transaction carried a throttle time"
+    assert throttle_seconds(wire_server).get(("0", "produce"), 0.0) - before >= 1.0
+
+
+def test_kafka_fetch_answers_carry_the_throttle_time(wire_server: Server) -> None:
+    topic = "throttle_time_fetch"
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+    with Producer(wire_server.address_of("rivven")) as producer:
+        for _ in range(8):  # 800 kB: past the consume rate's one-second burst
+            producer.send(topic, WIRE_VALUE).result(60)
+    throttled: list[float] = []
+    consumer = confluent_kafka.Consumer(
+        kafka_config(
+            wire_server,
+            throttled,
+            **{"group.id": "throttle-fetch", "auto.offset.reset": "earliest"},
+        )
+    )
+    consumer.subscribe([topic])
+    read = 0
+    try:
+        while read < 8:
+            message = wait_until(lambda: consumer.poll(0.2), message="no more messages")
+            assert message.error() is None, message.error()
+            read += 1
+        wait_until(lambda: consumer.poll(0) is None and throttled, message="no throttle event")
+    finally:
+        consumer.close()
+    # 800 kB read at once at 200 kB/s with a second's burst: about 3 s of debt told.
+    # (librdkafka also reports 0 once a broker stops throttling it.)
+    assert max(throttled) >= 1.0, throttled

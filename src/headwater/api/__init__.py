@@ -278,6 +278,7 @@ class EngineAPI:
     Kafka's murmur2 of the key, sticky when keyless).
 
     With per-tenant quotas (``quotas.enabled``), ``append``, ``append_encoded``,
+    ``append_transactional``,
     ``append_partitioned``, ``read``, ``create_stream``, ``delete_stream``, ``query``,
     ``query_at`` and ``stream_range`` first wait their turn past a rate, then are served
     (a read's answer is also held back for the bytes it read), and subscription pushes
@@ -611,6 +612,11 @@ class EngineAPI:
         produced Kafka batch is stored in Kafka form. In a cluster, a partition's leader
         that does not coordinate the transaction stores it against the partition's
         producer table (the client added the partition at the coordinator first)."""
+        if self.quotas.enabled:  # produced like any append: held to the produce rate
+            produced = (
+                len(values.section) if isinstance(values, KafkaSection) else sum(map(len, values))
+            )
+            await self.quotas.admit(tenant_id, produce=produced, requests=1)
         if not self._transactions.coordinates(tenant_id):
             return await append_transactional(
                 self._engine,

@@ -108,9 +108,12 @@ class TokenBucket:
 
 @dataclass
 class ThrottleReport:
-    """The throttle time of the engine API calls awaited inside :func:`report_throttle`."""
+    """The throttle time of the engine API calls awaited inside :func:`report_throttle`.
+    ``deferred``: the calls do not wait; the front end answers at once and holds the
+    client back itself (Kafka since KIP-219: throttle_time_ms and a muted connection)."""
 
     seconds: float = 0.0
+    deferred: bool = False
 
     @property
     def ms(self) -> int:
@@ -123,10 +126,11 @@ _REPORT: contextvars.ContextVar[ThrottleReport | None] = contextvars.ContextVar(
 
 
 @contextmanager
-def report_throttle() -> Iterator[ThrottleReport]:
+def report_throttle(*, deferred: bool = False) -> Iterator[ThrottleReport]:
     """Collect the throttle time of the engine API calls this task makes inside the
-    block (a front end whose answer has a field for it: HTTP's header)."""
-    report = ThrottleReport()
+    block (a front end whose answer has a field for it: HTTP's header). ``deferred``:
+    they spend their quotas without waiting (:attr:`ThrottleReport.deferred`)."""
+    report = ThrottleReport(deferred=deferred)
     token = _REPORT.set(report)
     try:
         yield report
@@ -163,6 +167,21 @@ class Quotas:
     def enabled(self) -> bool:
         """Whether any tenant has a quota (without one, nothing needs counting)."""
         return bool(self._buckets)
+
+    def owed(self, tenant_id: int) -> float:
+        """The seconds until every quota of the tenant is out of debt: how long its
+        next request would wait (Kafka's throttle_time_ms after a deferred request)."""
+        buckets = self._buckets.get(tenant_id)
+        if buckets is None:
+            return 0.0
+        now = self._clock()
+        return max(bucket.owed(now) for bucket in buckets.values())
+
+    def told(self, tenant_id: int, kind: Quota, seconds: float) -> None:
+        """A front end told a client to back off ``seconds`` (Kafka's throttle_time_ms
+        after a deferred request): counted as throttle time like a wait."""
+        if seconds > 0:
+            self._count(tenant_id, kind, seconds)
 
     def _count(self, tenant_id: int, kind: Quota, wait: float) -> None:
         key = (tenant_id, kind)
@@ -211,6 +230,8 @@ class Quotas:
         report = _REPORT.get()
         if report is not None:
             report.seconds += turn
+            if report.deferred:
+                return 0.0
         try:
             await asyncio.sleep(turn)
         except asyncio.CancelledError:
@@ -271,6 +292,6 @@ class Quotas:
         report = _REPORT.get()
         if report is not None:
             report.seconds += delay
-        if delay > 0:
+        if delay > 0 and not (report is not None and report.deferred):
             await asyncio.sleep(delay)
         return delay

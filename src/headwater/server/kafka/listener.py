@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kio.schema.errors import ErrorCode
 
+from headwater.api.quotas import Quota, report_throttle
 from headwater.errors import AuthenticationFailed, HeadwaterError
 from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConnection
 from headwater.protocols.kafka.apis import response_type
@@ -40,6 +41,10 @@ log = logging.getLogger("headwater.kafka")
 # Before SASL completes (when [auth] requires it) only these are served, as Kafka does.
 SASL_MECHANISMS = ("PLAIN", SCRAM)
 _BEFORE_AUTH = frozenset((ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE))
+# The requests a tenant's quotas throttle, and their first version of KIP-219: from it
+# the broker answers at once with throttle_time_ms and mutes the connection for that
+# long (the client backs off too); below it the answer waits and then reports the wait.
+_THROTTLED = {ApiKey.PRODUCE: 6, ApiKey.FETCH: 8}
 
 
 class KafkaConnection(TaskPerRequestConnection):
@@ -66,6 +71,7 @@ class KafkaConnection(TaskPerRequestConnection):
         self._mechanism: str | None = None
         self._scram: ScramServer | None = None
         self._sasl_failed = False
+        self._muted_until = 0.0  # loop time: requests wait for it (a throttled tenant)
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -148,6 +154,8 @@ class KafkaConnection(TaskPerRequestConnection):
                 fields = await self._sasl_authenticate(request.request)
             elif handler is None:
                 raise NotImplementedError(f"{api_key.name} has no handler")
+            elif api_key in _THROTTLED:
+                fields = await self._throttled(handler, request)
             else:
                 fields = await handler(session, request.request, request.api_version)
         except HeadwaterError as exc:
@@ -176,6 +184,28 @@ class KafkaConnection(TaskPerRequestConnection):
             return
         if api_key is ApiKey.SASL_AUTHENTICATE and self._sasl_failed:
             self.close()  # Kafka closes the connection after a failed authentication
+
+    async def _throttled(self, handler: Handler, request: Request) -> Mapping[str, Any]:
+        """A Produce or Fetch, its answer carrying the throttle time of the tenant's
+        quotas (docs/operations.md, "Quotas")."""
+        loop = asyncio.get_running_loop()
+        muted = self._muted_until - loop.time()
+        if muted > 0:  # the channel is muted: Kafka reads nothing more until then
+            await asyncio.sleep(muted)
+        kip219 = request.api_version >= _THROTTLED[request.api_key]
+        session = self.session
+        with report_throttle(deferred=kip219) as throttle:
+            fields = await handler(session, request.request, request.api_version)
+        if kip219:
+            # Answered at once: the client is to wait until the tenant's debt is paid.
+            seconds = self.api.quotas.owed(session.tenant_id)
+            kind = Quota.PRODUCE if request.api_key is ApiKey.PRODUCE else Quota.CONSUME
+            self.api.quotas.told(session.tenant_id, kind, seconds)
+            self._muted_until = loop.time() + seconds
+            throttle_ms = round(seconds * 1000)
+        else:
+            throttle_ms = throttle.ms  # waited already, before this answer
+        return {**fields, "throttle_time": throttle_ms} if throttle_ms else fields
 
     # ---- SASL -----------------------------------------------------------------------
 
