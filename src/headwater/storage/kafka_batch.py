@@ -322,14 +322,20 @@ def decode_section(section: bytes | memoryview) -> Columns:
         raise _corrupt(f"records do not read: {exc}") from None
     if len(rows) != header.records_count:
         raise _corrupt(f"{len(rows)} records where the header says {header.records_count}")
-    stored_headers = [
-        tuple((name.encode(), value or b"") for name, value in row.headers) if row.headers else ()
-        for row in rows
-    ]
+    # Columns by map over the rows (C-level calls, not a Python step per record), and
+    # the headers walked only when some record has them (an empty list is false).
+    stored_headers: list[StoredHeaders] = [()] * len(rows)
+    if any(map(_HEADERS, rows)):
+        stored_headers = [
+            tuple((name.encode(), value or b"") for name, value in row.headers)
+            if row.headers
+            else ()
+            for row in rows
+        ]
     return (
-        [row.timestamp for row in rows],
-        [row.key for row in rows],
-        [row.value for row in rows],
+        list(map(_TIMESTAMP, rows)),
+        list(map(_KEY, rows)),
+        list(map(_VALUE, rows)),
         stored_headers,
     )
 
