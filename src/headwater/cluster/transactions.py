@@ -68,7 +68,9 @@ class TransactionCoordinators:
         self._block_end = 0
 
     def hooks(self) -> ClusterHooks:
-        return ClusterHooks(self.check, self.allocate, self.replicated, self.write_marker)
+        return ClusterHooks(
+            self.check, self.check_leads, self.allocate, self.replicated, self.write_marker
+        )
 
     @staticmethod
     def partition(tenant_id: int) -> PartitionKey:
@@ -95,6 +97,11 @@ class TransactionCoordinators:
         if other is None or other.node_id == self._node.config.node_id:
             raise CoordinatorNotAvailable("the transaction coordinator is moving; find it again")
         raise NotCoordinator(f"node {other.node_id} coordinates this tenant's transactions")
+
+    def check_leads(self, tenant_id: int) -> None:
+        if not self._node.replication.leads(self.partition(tenant_id)):
+            # Not NotLeader: a Kafka client finds the coordinator again on this one.
+            raise CoordinatorNotAvailable("no longer the transaction coordinator; find it again")
 
     async def replicated(self, tenant_id: int, end: int) -> None:
         await self._node.replication.wait_replicated(

@@ -91,6 +91,10 @@ class ClusterHooks:
 
     # NotCoordinator / CoordinatorNotAvailable unless this node coordinates the tenant.
     check: Callable[[int], None]
+    # CoordinatorNotAvailable unless this node leads the tenant's state partition now
+    # (checked before each state record: a deposed coordinator must not write into its
+    # follower copy; a reloading one, not yet answering, may).
+    check_leads: Callable[[int], None]
     # A producer id unique in the cluster (tenant id -> id).
     allocate: Callable[[int], Awaitable[int]]
     # The state stream's in-sync replicas hold it below ``end`` (tenant id, end).
@@ -289,6 +293,8 @@ class TenantTransactions:
         record: dict[str, Any] = {"next_producer_id": self.next_producer_id}
         if txn is not None:
             record["txn"] = txn.to_json()
+        if self.cluster is not None:
+            self.cluster.check_leads(self.tenant_id)
         stored = await self.engine.append(
             self.tenant_id,
             self.stream_id,
