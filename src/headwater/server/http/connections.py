@@ -33,6 +33,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import _ErrInfo
 
 from headwater.errors import HeadwaterError, InvalidRequest, RateLimited
 from headwater.server.http.app import error_body, error_response
@@ -141,6 +142,12 @@ class LimitedRequestHandler(web.RequestHandler):
         if not self.admitted:
             return  # a refused client's request: discarded unread
         super().data_received(data)
+        if self._messages and isinstance(error := self._messages[-1][0], _ErrInfo):
+            # A parse error (always the last message queued): its traceback holds the
+            # frames of this call and the parser's, so this handler, its parser and
+            # the TLS transport would form a cycle freed only by a collection. It is
+            # the client's error, logged as one line without it (handle_error).
+            error.exc.__traceback__ = None
         if self.header_deadline is not None:
             if self._request_count != self.requests_at_deadline or self._upgraded:
                 self.header_deadline.cancel()  # a request's headers are complete
@@ -162,6 +169,9 @@ class LimitedRequestHandler(web.RequestHandler):
             self.header_deadline.cancel()
             self.header_deadline = None
         super().connection_lost(exc)
+        # Requests parsed and never served (the client left first) hold this handler
+        # through their payloads and errors: gone with the connection, not at a GC.
+        self._messages.clear()
 
     def handle_error(
         self,
