@@ -235,6 +235,8 @@ class TenantTransactions:
                         txn = TxnMetadata.from_json(tid, data["txn"])
                         if "partition_names" in data["txn"]:
                             self._resolve_names(txn, data["txn"]["partition_names"])
+                        else:  # written before names were stored: this node's ids
+                            self._name_ids(txn)
                 except (ValueError, KeyError, TypeError) as exc:
                     # Not the coordinator's record (front ends cannot reach the stream,
                     # but a data directory may hold what an older version let them
@@ -263,6 +265,13 @@ class TenantTransactions:
                 continue
             txn.partitions.add((stream_id, int(partition)))
             txn.names[stream_id] = str(name)
+
+    def _name_ids(self, txn: TxnMetadata) -> None:
+        for stream_id, partition in list(txn.partitions):
+            try:
+                txn.names[stream_id] = self.engine.stream(self.tenant_id, stream_id).name
+            except StreamNotFound:  # deleted with the transaction's batches
+                txn.partitions.discard((stream_id, partition))
 
     async def _recover(self, abort_open: bool = True) -> None:
         for txn in list(self.transactions.values()):
