@@ -189,6 +189,30 @@ class CorruptBatchError(StorageError):
     """A stored batch failed its CRC or structure check; it is never served."""
 
 
+class NotEnoughReplicas(StorageError):
+    """An acknowledged append in a cluster refused before anything was stored: fewer
+    in-sync replicas than min_insync_replicas (Kafka: NOT_ENOUGH_REPLICAS); retryable.
+    ``reason`` is Kafka's name for it, which every front end shows (docs/cluster.md)."""
+
+    reason: ClassVar[str] = "NOT_ENOUGH_REPLICAS"
+
+
+class NotEnoughReplicasAfterAppend(NotEnoughReplicas):
+    """Stored at the leader, then the ISR fell below min_insync_replicas before the
+    in-sync replicas confirmed it (Kafka: NOT_ENOUGH_REPLICAS_AFTER_APPEND): a plain
+    retry may store it twice (an idempotent one is recognised)."""
+
+    reason = "NOT_ENOUGH_REPLICAS_AFTER_APPEND"
+
+
+class ReplicationTimedOut(NotEnoughReplicas):
+    """Stored at the leader, not confirmed by the in-sync replicas in time (Kafka:
+    REQUEST_TIMED_OUT): as after NotEnoughReplicasAfterAppend, a plain retry may store
+    it twice."""
+
+    reason = "REQUEST_TIMED_OUT"
+
+
 class ProjectionLag(HeadwaterError):
     code, name, retryable = 13, ErrorName.PROJECTION_LAG, True
 

@@ -1,6 +1,7 @@
 """What a cluster node sets on the engine so every front end keeps to the cluster's
 rules without asking (docs/cluster.md, "Front ends"): appends only on a partition's
-leader, reads only below its high watermark.
+leader, acknowledged once its in-sync replicas hold them, reads only below its high
+watermark.
 
 A single node never calls these: its appends are not checked and its readers read to
 the committed end, at no cost (one ``is None`` test).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from headwater.engine.engine import Engine
+from headwater.engine.engine import Engine, ReplicaAcks
 from headwater.errors import NotLeader, StreamNotFound
 
 
@@ -23,6 +24,13 @@ class ClusterGate:
         ``check(tenant, stream name, partition)``, which raises NotLeader to refuse it:
         Rivven, HTTP, SQL INSERT, Kiwi and Kafka's and Kimberlite's appends alike."""
         self._engine.leader_check = check
+
+    def wait_for_replicas(self, acks: ReplicaAcks) -> None:
+        """Every append (acks=all, the default; Kafka's and Rivven's acks=1 excepted) to
+        a (non-internal) stream partition is refused NotEnoughReplicas before it is
+        written when the ISR is below min_insync_replicas, and answered only once the
+        in-sync replicas hold it: no acknowledged write is lost when the leader dies."""
+        self._engine.replica_acks = acks
 
     def refuse_appends(self, why: str) -> None:
         """Every append to a (non-internal) stream is NotLeader (``why``) until

@@ -1,7 +1,8 @@
 """The cluster's rules for every front end, set once on the engine (docs/cluster.md,
 "Front ends"): an append to a partition this node does not lead is NotLeader (naming
-the leader), and every reader of a replicated partition, leader or follower, stops
-below its high watermark and is woken when it moves.
+the leader), an acknowledged append waits for the in-sync replicas, and every reader
+of a replicated partition, leader or follower, stops below its high watermark and is
+woken when it moves.
 
 Set on the engine (through :class:`headwater.api.cluster_gate.ClusterGate`) rather than
 in each front end, so Rivven, HTTP, SQL INSERT, Kiwi, subscriptions and the SQL
@@ -27,8 +28,10 @@ class FrontEndRules:
         self._published: dict[PartitionKey, int] = {}
 
     def start(self) -> None:
-        """Appends are checked from now on (before the node has read etcd: none leads)."""
+        """Appends are checked from now on (before the node has read etcd: none leads),
+        and acknowledged once the in-sync replicas hold them."""
         self._gate.check_appends(self._node.view.check_leader)
+        self._gate.wait_for_replicas(self._node.view)
 
     def reconcile(self) -> None:
         """Each tick: cap the readers of every partition etcd places (new streams, new

@@ -38,6 +38,9 @@ from headwater.cluster.etcd import EtcdError, put_json, unchanged
 from headwater.cluster.layout import NO_LEADER, PartitionKey, PartitionState
 from headwater.cluster.peers import LISTENER
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError, StorageError
+from headwater.errors import NotEnoughReplicas as NotEnoughReplicas  # acks=all's, re-exported
+from headwater.errors import NotEnoughReplicasAfterAppend as NotEnoughReplicasAfterAppend
+from headwater.errors import ReplicationTimedOut as ReplicationTimedOut
 from headwater.protocols import replication as wire
 from headwater.server.tls import Listening, listen_with
 from headwater.storage.high_watermarks import read_high_watermarks, write_high_watermarks
@@ -51,22 +54,6 @@ log = logging.getLogger("headwater.cluster.replication")
 FETCH_MAX_BYTES = 1 << 20
 LONG_POLL_S = 0.5  # a caught-up follower's fetch waits this long for new batches
 RETRY_S = 0.25
-
-
-class NotEnoughReplicas(StorageError):
-    """acks=all refused or unconfirmed: fewer in-sync replicas than min_insync_replicas
-    (Kafka: NOT_ENOUGH_REPLICAS); retryable. Kimberlite shows it as StorageError."""
-
-
-class NotEnoughReplicasAfterAppend(NotEnoughReplicas):
-    """acks=all: stored at the leader, then the ISR fell below min_insync_replicas
-    before it was confirmed (Kafka: NOT_ENOUGH_REPLICAS_AFTER_APPEND): a retry may
-    store it twice, unlike after NOT_ENOUGH_REPLICAS, which is answered before storing."""
-
-
-class ReplicationTimedOut(NotEnoughReplicas):
-    """acks=all: stored at the leader, not confirmed by the ISR within the request's
-    timeout (Kafka: REQUEST_TIMED_OUT)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any, Protocol, Unpack
 
 import numpy as np
 
@@ -53,6 +53,25 @@ from headwater.storage.metadata import (
     write_json_atomic,
 )
 from headwater.storage.segment import WouldBlock, no_wait
+
+# An append's acknowledgement in a cluster (Kafka's acks): ACKS_ALL (the default for
+# every front end) waits until the partition's in-sync replicas hold the batch;
+# ACKS_LEADER answers once this node stored it (Kafka's acks=1 and 0, Rivven's acks=1).
+ACKS_ALL = -1
+ACKS_LEADER = 1
+
+
+class ReplicaAcks(Protocol):
+    """What a cluster node sets as :attr:`Engine.replica_acks` (its ClusterView)."""
+
+    def check_min_isr(self, tenant_id: int, stream: str, partition: int) -> None:
+        """NotEnoughReplicas, before anything is written, when the ISR is too small."""
+
+    async def replicated(
+        self, tenant_id: int, stream: str, partition: int, end: int, timeout_s: float
+    ) -> None:
+        """Return once the in-sync replicas hold the partition below ``end``."""
+
 
 log = logging.getLogger(__name__)
 
@@ -396,6 +415,11 @@ class Engine:
         # In a cluster (docs/cluster.md): raises NotLeader unless this node leads the
         # partition (tenant, stream name, partition) now; None on a single node.
         self.leader_check: Callable[[int, str, int], None] | None = None
+        # In a cluster: an ACKS_ALL append is refused below min ISR before it is written
+        # and answered once the in-sync replicas hold it (one wait per stored batch, up
+        # to replica_acks_timeout_s); None on a single node.
+        self.replica_acks: ReplicaAcks | None = None
+        self.replica_acks_timeout_s = 30.0
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -797,11 +821,13 @@ class Engine:
         timestamp_ms: int | None = None,
         partition: int = 0,
         internal: bool = False,
+        acks: int = ACKS_ALL,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append a batch of events to one partition (0 unless named); returns once they
-        are acknowledged. A ``producer`` (id, sequence) among ``columns``: see
-        :meth:`append_idempotent`. ``internal``: see :meth:`stream`."""
+        are acknowledged (``acks``: see :meth:`append_encoded`). A ``producer`` (id,
+        sequence) among ``columns``: see :meth:`append_idempotent`. ``internal``: see
+        :meth:`stream`."""
         return await self.append_encoded(
             tenant_id,
             stream_id,
@@ -811,6 +837,7 @@ class Engine:
             timestamp_ms=timestamp_ms,
             partition=partition,
             internal=internal,
+            acks=acks,
             **columns,
         )
 
@@ -825,6 +852,7 @@ class Engine:
         partitions: Sequence[int | None] | None = None,
         timestamps: Sequence[int | None] | None = None,
         tombstones: Sequence[bool] | None = None,
+        acks: int = ACKS_ALL,
     ) -> PartitionedAppend:
         """Append events placed by the stream's partitioner: ``partitions[i]`` when given
         (it must exist), else Kafka's murmur2 of ``keys[i]``, else the sticky partition of
@@ -833,7 +861,8 @@ class Engine:
         partition: a stored batch has one timestamp), all written before any commit is
         awaited, so each partition's events of one call get consecutive offsets. The
         whole batch is checked (sizes, partitions) before anything is written; a storage
-        failure part-way may leave some partitions' events stored."""
+        failure part-way may leave some partitions' events stored. ``acks``: see
+        :meth:`append_encoded` (one wait per partition written)."""
         stream = self.stream(tenant_id, stream_id)
         self._check_open()
         count = len(values)
@@ -858,6 +887,10 @@ class Engine:
         if self.leader_check is not None and not stream.internal:
             for partition in np.unique(placed).tolist():
                 self.leader_check(tenant_id, stream.name, partition)
+        replicated = self._replicated_acks(stream, acks)
+        if replicated is not None:
+            for partition in np.unique(placed).tolist():
+                replicated.check_min_isr(tenant_id, stream.name, partition)
         now = int(time.time() * 1000)
         log_append_time = stream.settings.timestamp_type == "LogAppendTime"
         if timestamps is None or log_append_time:
@@ -925,6 +958,12 @@ class Engine:
                 self._idle.set()
         self.events_appended += count
         self.bytes_appended += sum(map(len, values))
+        if replicated is not None:
+            ends: dict[int, int] = {}
+            for run, info in zip(runs, infos, strict=True):
+                partition = int(placed[run[0]])
+                ends[partition] = max(ends.get(partition, 0), info.next_offset)
+            await self._replicas_hold(replicated, tenant_id, stream, ends)
         offsets = [0] * count
         for run, info in zip(runs, infos, strict=True):
             for k, i in enumerate(run):
@@ -947,18 +986,26 @@ class Engine:
         timestamp_ms: int | None = None,
         partition: int = 0,
         internal: bool = False,
+        acks: int = ACKS_ALL,
         **columns: Unpack[EventColumns],
     ) -> AppendInfo:
         """Append events already in stored ``u64 len | bytes`` form (as the Kimberlite
         wire carries them), without touching each event again, to one partition (0
         unless named). ``timestamp_ms`` is the producer's (CreateTime; None: now); a
-        LogAppendTime stream stores its own clock's instead."""
+        LogAppendTime stream stores its own clock's instead. In a cluster an ``acks``
+        of ACKS_ALL (the default) is refused NotEnoughReplicas before anything is
+        written when the ISR is below min_insync_replicas, and answered once the
+        in-sync replicas hold the batch (NotEnoughReplicasAfterAppend,
+        ReplicationTimedOut or NotLeader if not); ACKS_LEADER once this node stored it."""
         producer = columns.get("producer")
         stream = self.stream(tenant_id, stream_id, internal=internal)
         plog = stream.partition_log(partition)
         # Transaction markers are the transaction coordinator's (docs/cluster.md).
         if self.leader_check is not None and not stream.internal and not columns.get("control"):
             self.leader_check(tenant_id, stream.name, partition)
+        replicated = None if columns.get("control") else self._replicated_acks(stream, acks)
+        if replicated is not None:
+            replicated.check_min_isr(tenant_id, stream.name, partition)
         committer = stream.committers[partition]
         self._check_open()
         if stream.settings.timestamp_type == "LogAppendTime":
@@ -979,6 +1026,9 @@ class Engine:
             stored = plog.check_producer(*producer, columns.get("producer_epoch"))
             if stored is not None:  # a retry: answer as the first time, append nothing
                 await committer.committed(stored.base_offset + stored.count)
+                if replicated is not None:  # its first answer may have been lost unconfirmed
+                    end = {partition: stored.base_offset + stored.count}
+                    await self._replicas_hold(replicated, tenant_id, stream, end)
                 return AppendInfo(stored.base_offset, stored.count, -1, 0)
         tenant = stream.tenant
         first_position = tenant.claim_positions(count)
@@ -1000,7 +1050,28 @@ class Engine:
                 self._idle.set()
         self.events_appended += count
         self.bytes_appended += payload
+        if replicated is not None:
+            await self._replicas_hold(replicated, tenant_id, stream, {partition: info.next_offset})
         return info
+
+    def _replicated_acks(self, stream: Stream, acks: int) -> ReplicaAcks | None:
+        """The cluster's acks=all hook when this append waits for the in-sync replicas:
+        in a cluster, ACKS_ALL, a user stream (internal streams' owners wait as they
+        need, e.g. the group and transaction coordinators)."""
+        if self.replica_acks is None or acks != ACKS_ALL or stream.internal:
+            return None
+        return self.replica_acks
+
+    async def _replicas_hold(
+        self, acks: ReplicaAcks, tenant_id: int, stream: Stream, ends: dict[int, int]
+    ) -> None:
+        """One wait per partition written: its in-sync replicas hold it below its end."""
+        await asyncio.gather(
+            *(
+                acks.replicated(tenant_id, stream.name, partition, end, self.replica_acks_timeout_s)
+                for partition, end in ends.items()
+            )
+        )
 
     async def append_idempotent(
         self,

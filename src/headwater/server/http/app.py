@@ -16,6 +16,7 @@ from headwater.errors import (
     HeadwaterError,
     InternalError,
     InvalidRequest,
+    NotEnoughReplicas,
     NotLeader,
     TenantForbidden,
 )
@@ -79,6 +80,10 @@ def error_response(exc: HeadwaterError) -> web.Response:
         # the leader's node id and addresses (its "http" among them) in the body.
         status = 421
         body["error"]["leader"] = exc.leader
+    if isinstance(exc, NotEnoughReplicas):
+        # acks=all in a cluster: Kafka's name for what happened, since only
+        # NOT_ENOUGH_REPLICAS says nothing was stored (docs/cluster.md).
+        body["error"]["replication"] = exc.reason
     response = json_response(body, status)
     if status == 401:
         response.headers["WWW-Authenticate"] = 'Bearer realm="headwater"'

@@ -27,6 +27,7 @@ from headwater.cluster.view import (
     ReplicationTimedOut,
 )
 from headwater.engine.engine import (
+    ACKS_LEADER,
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
     READ_COMMITTED,
@@ -534,6 +535,7 @@ async def _append_batch(
         producer=(header.producer_id, header.base_sequence) if idempotent else None,
         producer_epoch=header.producer_epoch if idempotent else None,
         kafka=True,
+        acks=ACKS_LEADER,  # acks=all is waited for by _produce_partition, its timeout
     )
     return stored.base_offset, stored.timestamp_ms
 
@@ -592,6 +594,7 @@ async def _append_decoded(
             tombstones=tombstones if any(tombstones) else None,
             producer=(header.producer_id, header.base_sequence),
             producer_epoch=header.producer_epoch,
+            acks=ACKS_LEADER,
         )
         return stored.base_offset, now_ms
     timestamps = [header.base_timestamp + delta for delta in columns.timestamp_deltas]
@@ -608,6 +611,7 @@ async def _append_decoded(
             partitions=[index] * (stop - start),
             timestamps=timestamps[start:stop],
             tombstones=tombstones[start:stop] if any(tombstones) else None,
+            acks=ACKS_LEADER,
         )
         if first < 0:
             first = placed.offsets[0]

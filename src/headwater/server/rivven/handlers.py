@@ -18,6 +18,8 @@ from google.protobuf.message import Message
 from headwater.api import EngineAPI, StreamTarget
 from headwater.api.auth import Principal
 from headwater.engine.engine import (
+    ACKS_ALL,
+    ACKS_LEADER,
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
     READ_COMMITTED,
@@ -363,6 +365,9 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
             raise InvalidRequest(
                 f"partition {entry.partition}: a batch carries 1..{MAX_APPEND_EVENTS} records"
             )
+    # acks 1: the leader's alone; -1 every in-sync replica, and so 0 too: proto3 cannot
+    # tell it from unset, and every publish is answered anyway (docs/protocols/rivven.md).
+    acks = ACKS_LEADER if request.acks == 1 else ACKS_ALL
     identity = None
     if request.txn_id:
         if not request.HasField("producer_id"):
@@ -407,6 +412,7 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
                 headers=some_headers,
                 producer=(request.producer_id, entry.base_sequence),
                 producer_epoch=request.producer_epoch,
+                acks=acks,
             )
         else:
             placed = await session.api.append_partitioned(
@@ -417,6 +423,7 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
                 headers=headers,
                 partitions=[partition] * len(values),
                 timestamps=[record.timestamp or None for record in records],
+                acks=acks,
             )
             return pb.PartitionPublishResult(partition=partition, base_offset=placed.offsets[0])
         return pb.PartitionPublishResult(
