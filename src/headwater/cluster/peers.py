@@ -26,6 +26,7 @@ import hmac
 import logging
 import secrets
 import ssl
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("headwater.cluster.peers")
 
 LISTENER = "replication"  # its name in logs and in headwater_limit_refusals_total
+WARN_EVERY_S = 60.0  # refusals of one host for one reason: a warning line at most this often
 
 
 def client_context(tls: TlsConfig) -> ssl.SSLContext:
@@ -66,6 +68,7 @@ class PeerSecurity:
     secret: bytes | None = field(default=None, repr=False)
     server_tls: ssl.SSLContext | None = None
     client_tls: ssl.SSLContext | None = None
+    _warned: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(
@@ -146,7 +149,17 @@ class PeerSecurity:
         self.limits.release()
 
     def _refuse(self, writer: asyncio.StreamWriter, peer: str, error: str, why: str) -> None:
-        log.warning("%s %s: refused: %s", LISTENER, peer, why)
+        # A misconfigured node retries every second per partition: one warning line per
+        # host and reason a minute, the rest at debug (all counted in /metrics).
+        host = peer.rpartition(":")[0]
+        now = time.monotonic()
+        if now - self._warned.get((host, error), -WARN_EVERY_S) >= WARN_EVERY_S:
+            if len(self._warned) >= 1024:  # many hosts: forget them rather than grow
+                self._warned.clear()
+            self._warned[(host, error)] = now
+            log.warning("%s %s: refused: %s", LISTENER, peer, why)
+        else:
+            log.debug("%s %s: refused: %s", LISTENER, peer, why)
         if not writer.is_closing():
             writer.write(wire.encode({"error": error}))
             writer.close()
