@@ -2,7 +2,8 @@
 a node without the cluster secret is refused and copies nothing, the right secret
 replicates; under [tls] nodes replicate over mutual TLS and a plain-text peer is
 refused; a peer that does not finish its handshake in handshake_timeout_s is closed,
-and one sending a frame past max_pending_bytes before it is refused at once."""
+one sending a frame past max_pending_bytes before it is refused at once, and one past
+max_connections is told so."""
 
 from __future__ import annotations
 
@@ -135,10 +136,10 @@ def test_replication_over_mutual_tls_and_a_plain_peer_is_refused(
     )
 
 
-def test_a_silent_peer_is_closed_after_the_handshake_timeout_and_a_huge_frame_at_once(
+def test_replication_limits_past_max_connections_handshake_timeout_and_frame_size(
     cluster: Cluster,
 ) -> None:
-    cluster.add(1, f'secret = "{SECRET}"\n[limits]\nhandshake_timeout_s = 1\n')
+    cluster.add(1, f'secret = "{SECRET}"\n[limits]\nhandshake_timeout_s = 1\nmax_connections = 4\n')
     address = replication_address(cluster, 1)
 
     with socket.create_connection(address, timeout=WAIT_S) as silent:
@@ -155,4 +156,17 @@ def test_a_silent_peer_is_closed_after_the_handshake_timeout_and_a_huge_frame_at
     assert frames[-1].header == {"error": wire.UNAUTHORIZED}
     log = cluster.nodes[1].log_text()
     assert "no handshake within 1 s" in log and "bad replication frame" in log
-    assert "Traceback" not in log
+
+    # max_connections (shared with the client listeners, none of which has a client):
+    # four peers in their handshake, the fifth is told so at once.
+    held = [socket.create_connection(address, timeout=WAIT_S) for _ in range(4)]
+    try:
+        for sock in held:  # each admitted: its challenge came
+            assert wire.FrameReader().feed(sock.recv(1 << 16))[0].header["kind"] == wire.CHALLENGE
+        with socket.create_connection(address, timeout=WAIT_S) as past:
+            frames, _ = read_frames(past, WAIT_S)
+        assert [f.header for f in frames] == [{"error": "max_connections"}]
+    finally:
+        for sock in held:
+            sock.close()
+    assert "Traceback" not in cluster.nodes[1].log_text()
