@@ -236,7 +236,8 @@ def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
         assert walked
     elif body == built and all(r.timestamp_delta != -1 for r in batch_records):
         # A whole batch as a client encodes it takes the compiled path, not the walk
-        # (aiokafka reads a -1 timestamp as none: those go to the walk).
+        # (aiokafka reads a -1 timestamp as none: with deltas over one byte, where the
+        # timestamps are read, those go to the walk).
         raise AssertionError("a sound batch was not read by the compiled check")
     # The produced batch read in place: the reader adds the producer's base offset and
     # base timestamp (anything a client sends), which the check takes off again.

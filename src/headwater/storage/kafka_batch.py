@@ -218,7 +218,7 @@ def _reads_canonically(body_size: int, header: SectionHeader, batch: bytes) -> b
     and their sum equals the body's length only when no field took more bytes than its
     shortest encoding. The reader adds the batch's base offset and base timestamp,
     taken off again here (int64 arithmetic, as the reader's). False sends the batch to
-    the walk (records timestamped -1, long varints, damage)."""
+    the walk (long varints, damage, a timestamp of -1 among deltas over one byte)."""
     count = header.records_count
     (base_offset,) = _I64.unpack_from(batch)
     (base_timestamp,) = _I64.unpack_from(batch, PREFIX_SIZE + 10)
