@@ -271,22 +271,29 @@ class Replication:
             if key in self.node.partitions:  # still placed, on other nodes now
                 await self._drop(key)
         self._held = held
-        wanted: dict[PartitionKey, tuple[int, int]] = {}
+        wanted = {
+            key: (state.leader, state.epoch)
+            for key, state in self.node.partitions.items()
+            if self.me in state.replicas and state.leader not in (self.me, NO_LEADER)
+        }
+        # Follower tasks stop (a cut under way finished) before this node leads: a
+        # fetch answer of the old leader taken after that would append its tail to the
+        # new leader's log, cut it, or put back its leader epochs, so the producer table
+        # and the log the new leader serves would not be what it acknowledged from.
+        stopping = []
+        for key, (leader_epoch, task) in list(self._followers.items()):
+            if wanted.get(key) != leader_epoch or task.done():
+                task.cancel()
+                stopping.append(task)
+                del self._followers[key]
+        await asyncio.gather(*stopping, return_exceptions=True)
         for key, state in self.node.partitions.items():
-            if self.me not in state.replicas:
-                continue
-            if state.leader == self.me:
+            if self.me in state.replicas and state.leader == self.me:
                 try:
                     self._take_leadership(key, state)
                     await self._keep_isr(key, state)
                 except HeadwaterError:
                     continue  # the stream is not here yet: the next tick creates it
-            elif state.leader != NO_LEADER:
-                wanted[key] = (state.leader, state.epoch)
-        for key, (leader_epoch, task) in list(self._followers.items()):
-            if wanted.get(key) != leader_epoch or task.done():
-                task.cancel()
-                del self._followers[key]
         for key, leader_epoch in wanted.items():
             if key not in self._followers:
                 task = asyncio.create_task(self._follow(key, *leader_epoch), name=f"follow {key}")
@@ -513,7 +520,8 @@ class Replication:
                             node.host, node.ports["replication"]
                         )
                         frames = wire.FrameReader()
-                    await self._fetch_once(key, reader, writer, frames)
+                    if not await self._fetch_once(key, leader, epoch, reader, writer, frames):
+                        return  # led elsewhere (or here) now: reconcile starts what is due
                     complained = False
                 except (OSError, ProtocolError, HeadwaterError, asyncio.IncompleteReadError) as exc:
                     if not complained:
@@ -532,13 +540,24 @@ class Replication:
             if writer is not None:
                 writer.close()
 
+    def _follows(self, key: PartitionKey, leader: int, epoch: int) -> bool:
+        """Whether etcd's state, as last read, still has this replica follow ``leader``
+        in ``epoch`` (checked on the loop right before a fetch answer changes the log)."""
+        state = self.node.partitions.get(key)
+        return state is not None and (state.leader, state.epoch) == (leader, epoch)
+
     async def _fetch_once(
         self,
         key: PartitionKey,
+        leader: int,
+        leader_epoch: int,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         frames: wire.FrameReader,
-    ) -> None:
+    ) -> bool:
+        """One fetch from ``leader`` and what its answer says done to this replica;
+        False, with nothing done, once etcd's state no longer has it lead in
+        ``leader_epoch`` (the answer is stale)."""
         where = (key.tenant_id, key.stream, key.partition)
         epochs = self.replicas.epochs(*where)
         end = self.replicas.end(*where)
@@ -556,9 +575,11 @@ class Replication:
             if got:
                 answer = got[0]
         header = answer.header
+        if not self._follows(key, leader, leader_epoch):
+            return False
         if header.get("error"):
             await asyncio.sleep(RETRY_S)  # not (yet) the leader: etcd's next state tells
-            return
+            return True
         diverging = header.get("diverging")
         if diverging is not None:
             epoch, epoch_end = int(diverging[0]), int(diverging[1])
@@ -566,17 +587,25 @@ class Replication:
             if epoch != UNKNOWN:
                 mine_epoch, mine_end = epochs.end_offset_for(epoch, end)
                 target = min(epoch_end, mine_end) if mine_epoch != UNKNOWN else 0
-            new_end = await self.replicas.truncate(*where, max(target, 0))
+            cut = asyncio.ensure_future(self.replicas.truncate(*where, max(target, 0)))
+            try:
+                new_end = await asyncio.shield(cut)
+            except asyncio.CancelledError:
+                await cut  # the cut runs in a thread: it ends before this task does
+                raise
             log.warning(
                 "truncated a divergent tail",
                 extra={"partition": key.path(), "from": end, "to": new_end, "epoch": epoch},
             )
-            return
+            return True
         if answer.data:
             end = await self.replicas.append_stored(*where, answer.data)
+            if not self._follows(key, leader, leader_epoch):
+                return False  # its epochs are the new leader's to set
         leader_epochs = [(int(e), int(s)) for e, s in header.get("epochs", [])]
         held = [(e, s) for e, s in leader_epochs if s < end]  # the epochs of what it holds
         if held and held != epochs.entries:
             epochs.replace(held)
         self.follower_hw[key] = min(int(header.get("hw", 0)), end)
         self.node.front_ends.moved(key)
+        return True
