@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import struct
 import subprocess
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,9 +21,14 @@ import kimberlite_raw as kr
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
+from kio.schema.metadata.v9.request import MetadataRequest, MetadataRequestTopic
+from kio.schema.types import TopicName
+from limits_clients import raw_socket
 from servers import LOCAL, Server, serving
 from websockets.sync.client import connect
 
+from headwater.protocols.kafka import ApiKey, ErrorCode
+from headwater.protocols.kafka.frames import decode_response, encode_request
 from headwater.protocols.kimberlite import (
     CreateStreamRequest,
     ListStreamsRequest,
@@ -172,3 +180,46 @@ def test_the_longest_kafka_topic_name_and_the_longest_stream_name(server: Server
             kr.expect_error(client.call(CreateStreamRequest(name)), E.INVALID_REQUEST, name)
     finally:
         client.close()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    data = bytearray()
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">i", data[:4])[0]:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the server closed the connection instead of answering"
+        data += chunk
+    return bytes(data[4:])
+
+
+def test_a_topic_auto_created_by_concurrent_metadata_requests_is_answered_on_each(
+    server: Server,
+) -> None:
+    """Several connections ask for the same new topic at once, each auto-creating it:
+    every one is answered (LEADER_NOT_AVAILABLE while another's create of it is under
+    way, as Kafka answers for a topic being created), none has its connection closed,
+    and the topic exists once afterwards."""
+    name = f"racing.{uuid.uuid4().hex[:8]}"
+    request = MetadataRequest(
+        topics=(MetadataRequestTopic(name=TopicName(name)),),
+        allow_auto_topic_creation=True,
+        include_cluster_authorized_operations=False,
+        include_topic_authorized_operations=False,
+    )
+    socks = [raw_socket(server, "kafka") for _ in range(8)]
+    try:
+        for sock in socks:  # all sent before any answer is read
+            sock.sendall(encode_request(1, request))
+        codes = []
+        for sock in socks:
+            correlation, answer = decode_response(ApiKey.METADATA, 9, _answer(sock))
+            assert correlation == 1
+            ((topic,),) = [answer.topics]
+            assert topic.name == name
+            codes.append(topic.error_code)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert set(codes) <= {ErrorCode.none, ErrorCode.leader_not_available}, codes
+    assert ErrorCode.none in codes, codes
+    listed = [s["name"] for s in http(server, "GET", "/api/streams")["streams"]]
+    assert listed.count(name) == 1, listed

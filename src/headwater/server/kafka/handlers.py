@@ -228,8 +228,13 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
                     topics.append(_topic_entry(await api.create_stream(tenant, name), session))
                     continue
                 except StreamAlreadyExists:
-                    topics.append(_topic_entry(api.stream_named(tenant, name), session))
-                    continue
+                    try:
+                        topics.append(_topic_entry(api.stream_named(tenant, name), session))
+                        continue
+                    except StreamNotFound:
+                        # Another request's create of it is under way: Kafka's answer
+                        # for a topic being created (the client asks again).
+                        code = ErrorCode.leader_not_available
                 except InvalidRequest as exc:
                     log.warning("kafka %s: topic %r not created: %s", session.peer, name, exc)
                     code = ErrorCode.invalid_topic_exception
