@@ -204,6 +204,11 @@ class NotEnoughReplicasAfterAppend(NotEnoughReplicas):
 
     reason = "NOT_ENOUGH_REPLICAS_AFTER_APPEND"
 
+    def __init__(self, message: str = "") -> None:
+        # Said first, whatever the cause: the only way most wires tell it from the
+        # refusal before the write (the same code), and a plain retry stores it twice.
+        super().__init__(f"stored on the leader, unconfirmed: {message}")
+
 
 class ReplicationTimedOut(NotEnoughReplicas):
     """Stored at the leader, not confirmed by the in-sync replicas in time (Kafka:
@@ -211,6 +216,9 @@ class ReplicationTimedOut(NotEnoughReplicas):
     it twice."""
 
     reason = "REQUEST_TIMED_OUT"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(f"stored on the leader, unconfirmed: {message}")
 
 
 class ProjectionLag(HeadwaterError):

@@ -133,8 +133,12 @@ def test_appends_refused_below_min_isr_then_taken_again(cluster: Cluster) -> Non
         for follower in followers:
             follower.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
         try:
-            # The ISR shrinks to the leader alone (the followers stop fetching and their
-            # leases lapse).
+            # Taken while the ISR still lists them: stored, then answered once the ISR
+            # shrinks to the leader alone (the followers stop fetching, their leases
+            # lapse) with the error that says it was stored.
+            with pytest.raises(StorageError, match="stored on the leader, unconfirmed"):
+                client.append("events", [b"unconfirmed"])
+
             def shrunk() -> bool:
                 return cluster.partitions()["0/events/0"]["isr"] == [leader]
 
@@ -171,4 +175,4 @@ def test_appends_refused_below_min_isr_then_taken_again(cluster: Cluster) -> Non
         after = client.append("events", [b"after"])
     assert after.first_offset == end + 1
     values, _ = http_events(lead)
-    assert values == ["before", "leader-only", "after"]
+    assert values == ["before", "unconfirmed", "leader-only", "after"]
