@@ -132,42 +132,36 @@ def _mix_blocks(
     h: npt.NDArray[np.uint32],
 ) -> None:
     """Mix every key's 4-byte blocks into ``h``, one block position at a time across
-    all keys that reach it. Keys are ordered longest first, so the keys still hashing
-    at block j are a prefix of that order and each step is a slice; once fewer than
-    ``_FEW_KEYS`` keys are left, their remaining blocks go in Python, one key at a
-    time (a lone key of megabytes costs one Python step per block, not numpy's
-    overhead per block)."""
+    all keys that reach it. The keys still hashing at block j are those at j - 1 less
+    the ones that ended, kept in their order (rows ascending: the reads of the keys'
+    bytes and of ``h`` go forward through memory). Once fewer than ``_FEW_KEYS`` keys
+    are left, their remaining blocks go in Python, one key at a time (a lone key of
+    megabytes costs one Python step per block, not numpy's overhead per block)."""
     m = np.uint32(_M)
-    if int(blocks.min()) == most:  # every key as long (the common case): no sort
-        order = None
-        active = np.full(most, len(blocks), dtype=np.int64)
-        sorted_starts, hs = starts, h
-    else:
-        if most < 1 << 16:  # numpy's stable sort of 16-bit keys is a radix sort
-            order = np.argsort((most - blocks).astype(np.uint16), kind="stable")
-        else:
-            order = np.argsort(-blocks, kind="stable")
-        # active[j]: how many keys have more than j blocks.
-        active = len(blocks) - np.cumsum(np.bincount(blocks, minlength=most + 1))[:most]
-        sorted_starts, hs = starts[order], h[order]
-    active_counts = active.tolist()
-    j = 0
-    while j < most and active_counts[j] >= _FEW_KEYS:
-        reach = active_counts[j]
-        k = words[sorted_starts[:reach] + 4 * j]
+    shortest = int(blocks.min())
+    for j in range(min(shortest, most)):  # every key reaches these: whole columns
+        k = words[starts + 4 * j]
         k *= m
         k ^= k >> np.uint32(24)
         k *= m
-        hs[:reach] *= m
-        hs[:reach] ^= k
+        h *= m
+        h ^= k
+    rows = np.flatnonzero(blocks > shortest)
+    j = shortest
+    while j < most and len(rows) >= _FEW_KEYS:
+        k = words[starts[rows] + 4 * j]
+        k *= m
+        k ^= k >> np.uint32(24)
+        k *= m
+        hashed = h[rows]
+        hashed *= m
+        hashed ^= k
+        h[rows] = hashed
         j += 1
-    if j < most:
-        key_blocks = blocks if order is None else blocks[order]
-        for row in range(active_counts[j]):
-            rest = words[sorted_starts[row] + 4 * np.arange(j, int(key_blocks[row]))]
-            hs[row] = _mix_words(int(hs[row]), rest.tolist())
-    if order is not None:
-        h[order] = hs
+        rows = rows[blocks[rows] > j]
+    for row in rows.tolist():
+        rest = words[starts[row] + 4 * np.arange(j, int(blocks[row]))]
+        h[row] = _mix_words(int(h[row]), rest.tolist())
 
 
 def _monotonic_ms() -> int:
