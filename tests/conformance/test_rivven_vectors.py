@@ -408,6 +408,20 @@ def test_engine_errors_map_to_error_codes() -> None:
     assert error_code_for(InternalError("x")) == ErrorCode.UNKNOWN
 
 
+def test_acks_all_errors_map_to_replica_not_available_and_timeout() -> None:
+    from headwater.errors import (
+        NotEnoughReplicas,
+        NotEnoughReplicasAfterAppend,
+        ReplicationTimedOut,
+    )
+
+    assert error_code_for(NotEnoughReplicas("x")) == ErrorCode.REPLICA_NOT_AVAILABLE
+    after = NotEnoughReplicasAfterAppend("1 in-sync replicas")
+    assert error_code_for(after) == ErrorCode.REPLICA_NOT_AVAILABLE
+    assert after.message == "stored on the leader, unconfirmed: 1 in-sync replicas"
+    assert error_code_for(ReplicationTimedOut("x")) == ErrorCode.TIMEOUT
+
+
 def test_close_is_only_for_a_frame_cut_short() -> None:
     server = ServerConnection()
     assert server.receive_data(frame(1, bytes.fromhex("f20100"))[:7]) == []
