@@ -28,6 +28,7 @@ from pathlib import Path
 import headwater
 from benchlib import HeadwaterServer, HelpFormatter, default_root, git_revision, loadavg, log, pct
 from headwater.cluster.local import EtcdProcess
+from headwater.errors import StreamNotFound
 
 NODES = (1, 2, 3)
 
@@ -38,8 +39,17 @@ def appends_round(address: str, appends: int, events: int) -> dict[str, float]:
     with headwater.connect(address, retries=50) as client:
         client.create_stream(stream)
         # Until the stream is placed and its leader has taken its epoch, appends are
-        # NotLeader, which the client waits out: not measured.
-        client.append(stream, values)
+        # NotLeader, which the client waits out, and the leader the client moves to
+        # may not have the stream yet (its next tick makes it): not measured.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.append(stream, values)
+                break
+            except StreamNotFound:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         latencies = []
         started = time.perf_counter()
         for _ in range(appends):
