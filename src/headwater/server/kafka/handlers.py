@@ -464,7 +464,7 @@ async def _produce_partition(
             cluster.check_leader(session.tenant_id, info.name, index)
             if all_isr:
                 cluster.check_min_isr(session.tenant_id, info.name, index)
-        base_offset, appended_ms = -1, -1
+        base_offset, appended_ms, stored_end = -1, -1, 0
         for batch in split_batches(records or b""):
             if len(batch.data) > MAX_MESSAGE_BYTES:
                 raise RecordBatchError(
@@ -475,13 +475,15 @@ async def _produce_partition(
             offset, stamped_ms = await _append_batch(session, info, index, batch, transactional_id)
             if base_offset < 0:
                 base_offset, appended_ms = offset, stamped_ms
+            stored_end = max(stored_end, offset + batch.header.records_count)
         if cluster is not None and all_isr:
-            # acks=all: answered once every in-sync replica has it (up to the current
-            # end, which covers this request's batches).
-            end = session.api.stream_end(session.tenant_id, info.stream_id, index)
+            # acks=all: answered once every in-sync replica holds this request's batches.
+            # Their own end, not the log's read afterwards: a leader dropped by a
+            # reassignment cuts its copy to nothing meanwhile, and an end of 0 was
+            # "replicated" at once (an acknowledged batch lost, docs/cluster.md).
             timeout = getattr(request, "timeout", None)
             seconds = timeout.total_seconds() if timeout is not None else 30.0
-            await cluster.replicated(session.tenant_id, info.name, index, end, seconds)
+            await cluster.replicated(session.tenant_id, info.name, index, stored_end, seconds)
         answer["base_offset"] = base_offset
         if info.settings.timestamp_type == "LogAppendTime":
             # Kafka answers the broker's append time on such a topic, -1 (None) otherwise.
