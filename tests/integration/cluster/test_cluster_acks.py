@@ -2,8 +2,10 @@
 front end's append on a cluster node is answered only once the partition's in-sync
 replicas hold it, so appends acknowledged by a leader SIGKILLed right after the
 acknowledgement are all on the new leader, over Kimberlite, HTTP and Rivven alike; and
-with the followers paused (the ISR below min_insync_replicas) an append is refused with
-each protocol's clear error, nothing stored, until they are back."""
+with the followers paused (the ISR below min_insync_replicas) an append (Kimberlite, HTTP,
+Rivven, SQL INSERT over PostgreSQL) is refused with each protocol's clear error, nothing
+stored, until they are back (one taken just before the ISR shrank is answered as stored
+but unconfirmed)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import psycopg
 import pyarrow as pa
 import pytest
 from cluster_nodes import WAIT_S, Cluster
@@ -36,7 +39,7 @@ def add_node(cluster: Cluster, node_id: int, replica_lag_s: int) -> Server:
     server = Server(
         cluster.root / f"node{node_id}",
         config=cluster.config(node_id, f"replica_lag_s = {replica_lag_s}\n"),
-        listen={"kafka": LOCAL, "rivven": LOCAL, "http": LOCAL},
+        listen={"kafka": LOCAL, "rivven": LOCAL, "http": LOCAL, "postgres": LOCAL},
     )
     cluster.nodes[node_id] = server
     return server.start()
@@ -60,7 +63,11 @@ def writer(front_end: str, server: Server) -> Iterator[Callable[[list[str]], Non
     ``server``, returning once it is acknowledged."""
     if front_end == "kimberlite":
         with headwater.connect(server.address) as client:
-            yield lambda values: client.append("events", [v.encode() for v in values]) and None
+
+            def append(values: list[str]) -> None:
+                client.append("events", [v.encode() for v in values])
+
+            yield append
     elif front_end == "http":
         host, port = server.address_of("http").split(":")
         with HttpApi(host, int(port), leader_wait_s=WAIT_S) as api:
@@ -161,6 +168,10 @@ def test_appends_refused_below_min_isr_then_taken_again(cluster: Cluster) -> Non
                 # acks=1 asks for the leader alone: taken.
                 request.acks = 1
                 assert rivven.ok(request, "publish_batch").results[0].base_offset == end
+            with postgres(lead) as conn, pytest.raises(psycopg.Error) as insert:
+                conn.execute("INSERT INTO events (data) VALUES ('refused-postgres')")
+            assert insert.value.sqlstate == "58030", insert.value
+            assert "below min_insync_replicas" in str(insert.value)
             _status, stream = http(lead, "GET", "/api/streams/events")
             assert stream["partition_offsets"][0]["next_offset"] == end + 1  # acks=1's alone
         finally:
@@ -174,5 +185,14 @@ def test_appends_refused_below_min_isr_then_taken_again(cluster: Cluster) -> Non
         )
         after = client.append("events", [b"after"])
     assert after.first_offset == end + 1
+    with postgres(lead) as conn:
+        inserted = conn.execute("INSERT INTO events (data) VALUES ('after-postgres')")
+        assert inserted.rowcount == 1
     values, _ = http_events(lead)
-    assert values == ["before", "unconfirmed", "leader-only", "after"]
+    assert values == ["before", "unconfirmed", "leader-only", "after", "after-postgres"]
+
+
+def postgres(server: Server) -> psycopg.Connection[tuple[object, ...]]:
+    port = server.ports["postgres"]
+    dsn = f"host=127.0.0.1 port={port} user=test dbname=0 sslmode=disable"
+    return psycopg.connect(dsn, autocommit=True)
