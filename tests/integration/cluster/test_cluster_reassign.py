@@ -27,15 +27,6 @@ def reassign(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-# An open bug, not a flaky test: 2 of the last 3 runs (one in a clean-clone CI run) had
-# librdkafka's idempotent producer fail with OUT_OF_ORDER_SEQUENCE_NUMBER on the new
-# replica once it led (a batch resent after NOT_LEADER_FOR_PARTITION did not match the
-# producer state node 4 built from its copy). docs/cluster.md, "Not yet", has it; when
-# fixed, drop this marker. Not strict: the move itself works in the runs that pass.
-@pytest.mark.xfail(
-    reason="open: idempotent producer OUT_OF_ORDER_SEQUENCE on a reassigned leader",
-    strict=False,
-)
 def test_a_partition_moves_onto_a_new_node(cluster: Cluster) -> None:
     for node_id in (1, 2, 3):
         cluster.add(node_id)
