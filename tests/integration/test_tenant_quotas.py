@@ -22,7 +22,7 @@ from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.api.quotas import BURST_S
-from headwater.client import Producer
+from headwater.client import AsyncConsumer, AsyncProducer, Producer
 from headwater.client.aio import connect_async
 from waiting import wait_until
 
@@ -340,3 +340,48 @@ def test_kafka_fetch_answers_carry_the_throttle_time(wire_server: Server) -> Non
     # 800 kB read at once at 200 kB/s with a second's burst: about 3 s of debt told.
     # (librdkafka also reports 0 once a broker stops throttling it.)
     assert max(throttled) >= 1.0, throttled
+
+
+@pytest.mark.parametrize("idempotent", [False, True])
+def test_rivven_requests_past_the_rate_are_answered_throttled_and_sent_again(
+    wire_server: Server, idempotent: bool
+) -> None:
+    """Rivven's contract (rivven.proto's ThrottledResponse, Rivven's docs/quotas.md):
+    past a quota the server answers ``throttled`` instead of serving the request, and
+    the client waits throttle_time_ms and sends it again. Six 100 kB publishes at
+    200 kB/s: the SDK is told to wait, and every record is stored exactly once, in
+    order. Without idempotence a throttled publish that had been stored all the same
+    would be stored twice by the resend; with it, a sequence advanced for a refused
+    publish would be refused as out of order."""
+    topic = f"rivven_throttled_{idempotent}"
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+
+    async def produce_then_consume() -> tuple[int, float, list[tuple[int, bytes]], int]:
+        address = wire_server.address_of("rivven")
+        started = time.monotonic()
+        async with AsyncProducer(address, enable_idempotence=idempotent) as producer:
+            for index in range(6):
+                await producer.send_and_wait(topic, WIRE_VALUE[:-1] + bytes([index]))
+            produced_throttled = producer.throttled
+        elapsed = time.monotonic() - started
+        read: list[tuple[int, bytes]] = []
+        async with AsyncConsumer(address) as consumer:
+            consumer.assign([(topic, 0)])
+            while len(read) < 6:  # 600 kB at 200 kB/s: the consumer is throttled too
+                record = await consumer.poll(5.0)
+                if record is not None:
+                    read.append((record.offset, record.value))
+            consume_throttled = consumer.throttled
+        return produced_throttled, elapsed, read, consume_throttled
+
+    told_before = throttle_seconds(wire_server).get(("0", "produce"), 0.0)
+    produced_throttled, elapsed, read, _ = asyncio.run(produce_then_consume())
+    assert produced_throttled >= 1
+    # 600 kB at 200 kB/s with a second's burst: at least 1 s, waited by the client.
+    assert elapsed >= 1.0, elapsed
+    assert read == [(index, WIRE_VALUE[:-1] + bytes([index])) for index in range(6)]
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        assert hw.stream_info(topic).next_offset == 6  # nothing stored twice
+    told = throttle_seconds(wire_server).get(("0", "produce"), 0.0) - told_before
+    assert told >= 0.4, told  # the waits told count as throttle time

@@ -177,6 +177,21 @@ class Quotas:
         now = self._clock()
         return max(bucket.owed(now) for bucket in buckets.values())
 
+    def debt(self, tenant_id: int, kinds: tuple[Quota, ...]) -> tuple[float, Quota | None]:
+        """The seconds until the tenant's ``kinds`` quotas are out of debt, and the one
+        owing longest (None: none owes): what a front end that refuses a request past
+        a rate tells its client (Rivven's ThrottledResponse)."""
+        buckets = self._buckets.get(tenant_id)
+        if buckets is None:
+            return 0.0, None
+        now = self._clock()
+        longest, owing = 0.0, None
+        for kind in kinds:
+            bucket = buckets.get(kind)
+            if bucket is not None and (wait := bucket.owed(now)) > longest:
+                longest, owing = wait, kind
+        return longest, owing
+
     def told(self, tenant_id: int, kind: Quota, seconds: float) -> None:
         """A front end told a client to back off ``seconds`` (Kafka's throttle_time_ms
         after a deferred request): counted as throttle time like a wait."""

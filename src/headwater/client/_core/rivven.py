@@ -89,6 +89,21 @@ def error_of(answer: pb.ErrorResponse) -> HeadwaterError:
     return error
 
 
+class Throttled(RateLimited):
+    """A ThrottledResponse: the request was not served, its tenant being past a quota.
+    :meth:`RivvenSession.request` sends it again after ``throttle_time_ms``; it is not
+    retryable for the session's generic retry, whose backoff does not wait that time."""
+
+    retryable = False
+
+    def __init__(self, answer: pb.ThrottledResponse) -> None:
+        super().__init__(
+            f"{answer.entity} is past its {answer.quota_type}: retry after"
+            f" {answer.throttle_time_ms} ms"
+        )
+        self.throttle_time_ms = answer.throttle_time_ms
+
+
 class RivvenLink(Link[ResponseFrame, Message]):
     """One Rivven connection: answers matched by correlation id (no pushes)."""
 
@@ -156,6 +171,7 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
         self.token = token
         self.client_id = client_id
         self.requests = 0  # requests written, handy in tests and for monitoring
+        self.throttled = 0  # ThrottledResponses answered (each request sent again)
 
     async def _open(self) -> RivvenLink:
         codec = ClientConnection(self.client_id)
@@ -182,13 +198,20 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
         return conn
 
     def _error_of(self, reply: Any) -> HeadwaterError | None:
+        if isinstance(reply, pb.ThrottledResponse):
+            return Throttled(reply)
         return error_of(reply) if isinstance(reply, pb.ErrorResponse) else None
 
     async def request(
         self, message: Message, expect: type[M], *, safe: bool, wait: float | None = None
     ) -> M:
         """Send one request and return its answer (``expect``), retrying when ``safe``;
-        an ErrorResponse raises its error. ``wait``: seconds the server may hold it."""
+        an ErrorResponse raises its error. ``wait``: seconds the server may hold it.
+
+        A ThrottledResponse (its tenant past a quota: docs/protocols/rivven.md,
+        "Quotas") means the request was not served: it is sent again as it was, after
+        throttle_time_ms, however often (an idempotent publish keeps its sequence, so
+        it is stored once)."""
         what = type(message).__name__.removesuffix("Request")
 
         def post(conn: RivvenLink) -> tuple[int, asyncio.Future[Message]]:
@@ -196,7 +219,12 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
             self.requests += 1
             return sent
 
-        return await self._exchange(post, what, expect, safe=safe, wait=wait)
+        while True:
+            try:
+                return await self._exchange(post, what, expect, safe=safe, wait=wait)
+            except Throttled as throttled:
+                self.throttled += 1
+                await asyncio.sleep(throttled.throttle_time_ms / 1000)
 
 
 class ConnectionOptions(TypedDict, total=False):
@@ -255,6 +283,12 @@ class RivvenClient:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def throttled(self) -> int:
+        """Requests the server answered with a ThrottledResponse (its tenant past a
+        quota), each sent again after the time it named."""
+        return self._session.throttled
 
     async def _ensure(self) -> None:
         await self._session._ensure()

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
+from headwater.api.quotas import Quota, report_throttle
 from headwater.errors import (
     AuthenticationFailed,
     HeadwaterError,
@@ -37,6 +39,7 @@ from headwater.server.groups import GroupShells
 from headwater.server.metrics import metrics_for
 from headwater.server.rivven.handlers import (
     HANDLERS,
+    Handler,
     PartitionNotFound,
     Session,
     TransactionalIds,
@@ -56,6 +59,24 @@ log = logging.getLogger("headwater.rivven")
 LISTENER = "rivven"
 # Answered before authentication (the rest need an accepted token when auth is required).
 OPEN_OPERATIONS = frozenset({"authenticate", "ping"})
+# The operations a tenant's quotas refuse with a ThrottledResponse while it is in debt on
+# one of their rates (docs/protocols/rivven.md, "Quotas"): the request is not served and
+# the client sends it again after throttle_time_ms. The others wait their turn instead.
+_PRODUCE = (Quota.PRODUCE, Quota.REQUESTS)
+_CONSUME = (Quota.CONSUME, Quota.REQUESTS)
+THROTTLED_OPERATIONS: dict[str, tuple[Quota, ...]] = {
+    "publish": _PRODUCE,
+    "publish_batch": _PRODUCE,
+    "idempotent_publish": _PRODUCE,
+    "transactional_publish": _PRODUCE,
+    "consume": _CONSUME,
+}
+# Rivven's names of the rates (its QuotaManager's keys), for ThrottledResponse.quota_type.
+QUOTA_TYPES = {
+    Quota.PRODUCE: "produce_bytes_rate",
+    Quota.CONSUME: "consume_bytes_rate",
+    Quota.REQUESTS: "request_rate",
+}
 
 
 class RivvenConnection(ServerConnectionShell[ServerConnection]):
@@ -116,7 +137,12 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
                     f"{operation} is not supported by headwater (docs/protocols/rivven.md)"
                 )
             session.client_id = frame.request.header.client_id or self.protocol.client_id
-            response = await handler(session, getattr(frame.request, operation))
+            request = getattr(frame.request, operation)
+            kinds = THROTTLED_OPERATIONS.get(operation)
+            if kinds is not None and session.api.quotas.enabled:
+                response = await self._throttled(handler, request, kinds)
+            else:
+                response = await handler(session, request)
             if session.principal is not None or not required:
                 self._accepted()
             data = self._answer(correlation_id, response)
@@ -135,6 +161,27 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
             self.metrics.record_error(LISTENER, internal)
             data = self.protocol.send_error(correlation_id, ErrorCode.UNKNOWN, str(internal))
         self._write(data)
+
+    async def _throttled(
+        self, handler: Handler, request: Message, kinds: tuple[Quota, ...]
+    ) -> Message:
+        """A publish or consume of a tenant with quotas. In debt on one of the rates it
+        spends, it is refused with a ThrottledResponse (Rivven's answer: wait
+        throttle_time_ms, then retry), nothing served; otherwise it is served at once,
+        spending without waiting, so the debt it leaves refuses the tenant's next one."""
+        session = self.session
+        quotas = session.api.quotas
+        tenant_id = session.tenant_id
+        owed, kind = quotas.debt(tenant_id, kinds)
+        if kind is not None:
+            quotas.told(tenant_id, kind, owed)
+            return pb.ThrottledResponse(
+                throttle_time_ms=math.ceil(owed * 1000),
+                quota_type=QUOTA_TYPES[kind],
+                entity=f"tenant:{tenant_id}",
+            )
+        with report_throttle(deferred=True):
+            return await handler(session, request)
 
     def _answer(self, correlation_id: int, response: Message) -> bytes:
         try:
