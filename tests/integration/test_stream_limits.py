@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
 from servers import LOCAL, Server, stop_cleanly
+from test_rivven_server import Rivven
 
 import headwater
 from headwater.client import AsyncClient
 from headwater.errors import InvalidRequest, StreamAlreadyExists
+from headwater.protocols.rivven import rivven_pb2 as pb
+from headwater.protocols.rivven.messages import ErrorCode as RivvenErrorCode
 
 CREATORS = 16
 OWN_NAMES = 3  # names only one creator asks for
@@ -359,6 +364,49 @@ def test_thousands_of_streams_under_ulimit_1024(tmp_path: Path) -> None:
                     assert [e.value for e in events] == [name.encode()] * 2
 
         asyncio.run(every_stream_holds_two_events())
+        stop_cleanly(server, clean_log=True)
+    finally:
+        server.kill()
+
+
+def test_stream_quota_through_kafka_create_topics_and_rivven_create_topic(
+    tmp_path: Path,
+) -> None:
+    """The same limit through the Kafka and Rivven front ends: a tenant at its quota is
+    refused CreateTopics (POLICY_VIOLATION, the message naming the limit) and Rivven's
+    CreateTopic (INVALID_REQUEST, so named), each counted for its listener, and nothing
+    is created; a delete makes room for Kafka's create again."""
+    listen = {"http": LOCAL, "kafka": LOCAL, "rivven": LOCAL}
+    server = Server(tmp_path / "quota_wire", config=QUOTA_CONFIG, listen=listen).start()
+    try:
+        for index in range(QUOTA):
+            asyncio.run(_create(server, f"full_{index}"))
+        admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+        futures = admin.create_topics([NewTopic("kafka_over", num_partitions=1)])
+        with pytest.raises(KafkaException) as refused:
+            futures["kafka_over"].result(30)
+        error = refused.value.args[0]
+        assert error.code() == KafkaError.POLICY_VIOLATION, error
+        assert "max_streams_per_tenant" in error.str(), error
+        assert _refusals(server, "kafka") == 1
+
+        with Rivven(server.ports["rivven"]) as rivven:
+            answer = rivven.error(pb.CreateTopicRequest(name="rivven_over", partitions=1))
+        assert answer.code == RivvenErrorCode.INVALID_REQUEST, answer
+        assert "max_streams_per_tenant" in answer.message, answer
+        assert _refusals(server, "rivven") == 1
+
+        names = asyncio.run(stream_names(server))
+        assert sorted(names) == sorted(f"full_{index}" for index in range(QUOTA))
+
+        async def make_room() -> None:
+            async with await connect(server) as client:
+                await client.delete_stream("full_0")
+
+        asyncio.run(make_room())
+        futures = admin.create_topics([NewTopic("kafka_fits", num_partitions=1)])
+        futures["kafka_fits"].result(30)
+        assert "kafka_fits" in asyncio.run(stream_names(server))
         stop_cleanly(server, clean_log=True)
     finally:
         server.kill()

@@ -136,6 +136,8 @@ class Session:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # With [cluster]: leadership, the high watermark and acks=all (docs/cluster.md).
     cluster: ClusterView | None = None
+    # Counts a request refused by a [limits] key (headwater_limit_refusals_total).
+    refused: Callable[[str], None] = field(default=lambda limit: None)
 
     @property
     def node_id(self) -> int:
@@ -280,6 +282,8 @@ async def create_topics(session: Session, request: Any, version: int) -> Mapping
             if not request.validate_only:
                 await api.create_stream(tenant, topic.name, settings)
         except HeadwaterError as exc:
+            if isinstance(exc, StreamQuotaExceeded):
+                session.refused(exc.limit)
             code = error_code(exc)
             if code is ErrorCode.invalid_request:
                 code = ErrorCode.invalid_config

@@ -82,8 +82,15 @@ class KafkaConnection(TaskPerRequestConnection):
         local = transport.get_extra_info("sockname")
         host = local[0] if local else "127.0.0.1"
         cluster = None if self.server.cluster is None else self.server.cluster.view
+        limits = self.server.limits
         self.session = Session(
-            self.api, host, self._port, self.guard.peer, stopping=self.stopping, cluster=cluster
+            self.api,
+            host,
+            self._port,
+            self.guard.peer,
+            stopping=self.stopping,
+            cluster=cluster,
+            refused=lambda limit: limits.refused(limit, "kafka"),
         )
         try:
             # Without [auth] required an unauthenticated client acts for tenant 0.
