@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from servers import LOCAL, Server
 
@@ -215,3 +216,23 @@ def test_one_tenants_backlog_of_scans_does_not_starve_another_tenant(
         assert isinstance(outcome[0], QueryExecutionError), outcome
         assert "limits.sql_timeout_ms" in outcome[0].message
     assert refusals(server, "sql_timeout_ms") == 3
+
+
+def test_a_query_past_sql_timeout_ms_is_cancelled_over_postgresql(
+    make_server: Callable[..., Server],
+) -> None:
+    """The same limit through the PostgreSQL front end (psycopg): the statement is
+    cancelled with SQLSTATE 57014 query_canceled, the message naming the key, counted,
+    and the next query on the same connection is answered."""
+    server = make_server(config=limits(sql_timeout_ms=500), listen={**HTTP, "postgres": LOCAL})
+    dsn = f"host=127.0.0.1 port={server.ports['postgres']} user=u dbname=0 sslmode=disable"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.QueryCanceled) as caught:
+            conn.execute(SLOW)
+        assert caught.value.sqlstate == "57014"
+        assert caught.value.diag.message_primary == (
+            "query cancelled after 500 ms (limits.sql_timeout_ms)"
+        )
+        assert conn.execute("SELECT 42 AS answer").fetchall() == [(42,)]
+    assert refusals(server, "sql_timeout_ms") == 1
+    assert metric(server, "headwater_sql_queries_running") == 0
