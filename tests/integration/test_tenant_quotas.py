@@ -14,16 +14,19 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import confluent_kafka
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from servers import LOCAL, Server, serving
+from test_rivven_server import Rivven
 
 import headwater
 from headwater.api.quotas import BURST_S
 from headwater.client import AsyncConsumer, AsyncProducer, Producer
 from headwater.client.aio import connect_async
+from headwater.protocols.rivven import rivven_pb2 as pb
 from waiting import wait_until
 
 PRODUCE_RATE = 100_000  # bytes/s of tenant 42
@@ -385,3 +388,40 @@ def test_rivven_requests_past_the_rate_are_answered_throttled_and_sent_again(
         assert hw.stream_info(topic).next_offset == 6  # nothing stored twice
     told = throttle_seconds(wire_server).get(("0", "produce"), 0.0) - told_before
     assert told >= 0.4, told  # the waits told count as throttle time
+
+
+def test_a_rivven_request_answered_throttled_is_not_served(wire_server: Server) -> None:
+    """On the wire: a publish past the produce rate is answered ``throttled`` (the time
+    until the debt is paid, Rivven's name of the rate, the tenant) and not stored; sent
+    again after that time, it is. A consume past the consume rate likewise."""
+    topic = "rivven_throttled_raw"
+    publish = pb.PublishRequest(topic=topic, record=pb.Record(value=WIRE_VALUE))
+    consume = pb.ConsumeRequest(topic=topic, partition=0, offset=0)
+    with Rivven(wire_server.ports["rivven"]) as rivven:
+        rivven.handshake()
+        rivven.ok(pb.CreateTopicRequest(name=topic, partitions=1), "create_topic")
+
+        def until_served(request: pb.PublishRequest | pb.ConsumeRequest, times: int) -> list[Any]:
+            """Send ``request`` until it is served ``times`` times, waiting out each
+            throttled answer as the contract says; the throttled answers."""
+            told = []
+            while times:
+                answer = rivven.call(request)
+                if answer.HasField("throttled"):
+                    told.append(answer.throttled)
+                    time.sleep(answer.throttled.throttle_time_ms / 1000)
+                else:
+                    assert answer.HasField("publish") or answer.HasField("consume"), answer
+                    times -= 1
+            return told
+
+        # Four of 100 kB at 200 kB/s, a second's burst: the fourth finds the tenant in debt.
+        told = until_served(publish, 4)
+        assert told and all(0 < t.throttle_time_ms <= 1000 for t in told), told
+        assert {(t.quota_type, t.entity) for t in told} == {("produce_bytes_rate", "tenant:0")}
+        bounds = rivven.ok(pb.GetOffsetBoundsRequest(topic=topic, partition=0), "get_offset_bounds")
+        assert bounds.latest == 4  # the throttled publishes stored nothing
+
+        # Each read of the 400 kB puts the tenant in debt for the next.
+        told = until_served(consume, 2)
+        assert told and {t.quota_type for t in told} == {"consume_bytes_rate"}, told
