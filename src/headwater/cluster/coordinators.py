@@ -32,19 +32,29 @@ OFFSETS_PARTITION = 0  # the one partition of a tenant's offsets stream
 COMMIT_TIMEOUT_S = 30.0  # an offset commit's wait for the in-sync replicas
 
 
-class GroupCoordinators:
+class TenantPartitionCoordinators:
+    """The coordinator of a tenant's ``NOUN`` is the leader of the tenant's one
+    partition of an internal stream (Kafka's ``__consumer_offsets`` /
+    ``__transaction_state``), once that leader has reloaded the partition: the tenants
+    it has are in ``_coordinating``, which the subclass keeps."""
+
+    STREAM: str
+    PARTITION: int
+    NOUN: str  # what a tenant's coordinator coordinates, as the messages name it
+
     def __init__(self, node: ClusterNode) -> None:
         self._node = node
-        # Tenants whose offsets partition this node leads and has reloaded.
+        # Tenants whose partition this node leads and has reloaded.
         self._coordinating: set[int] = set()
 
-    @staticmethod
-    def partition(tenant_id: int) -> PartitionKey:
-        return PartitionKey(tenant_id, OFFSETS_STREAM, OFFSETS_PARTITION)
+    @classmethod
+    def partition(cls, tenant_id: int) -> PartitionKey:
+        return PartitionKey(tenant_id, cls.STREAM, cls.PARTITION)
 
     def coordinator(self, tenant_id: int) -> NodeInfo | None:
-        """The node coordinating the tenant's groups now, None while there is none (the
-        offsets partition not placed yet, or leaderless during a failover)."""
+        """The node coordinating the tenant's ``NOUN`` now, None while there is none
+        (the partition not placed yet, leaderless during a failover, or its leader
+        reloading)."""
         if tenant_id in self._coordinating:
             return self._node.info
         state = self._node.partitions.get(self.partition(tenant_id))
@@ -54,15 +64,22 @@ class GroupCoordinators:
 
     def check(self, tenant_id: int) -> None:
         """NotCoordinator (another node coordinates) or CoordinatorNotAvailable (none
-        does now) unless this node coordinates the tenant's groups."""
+        does now) unless this node coordinates the tenant's ``NOUN``."""
         if tenant_id in self._coordinating and self._node.replication.leads(
             self.partition(tenant_id)
         ):
             return
         other = self.coordinator(tenant_id)
+        noun = self.NOUN
         if other is None or other.node_id == self._node.config.node_id:
-            raise CoordinatorNotAvailable("the group coordinator is moving; find it again")
-        raise NotCoordinator(f"node {other.node_id} coordinates this tenant's groups")
+            raise CoordinatorNotAvailable(f"the {noun} coordinator is moving; find it again")
+        raise NotCoordinator(f"node {other.node_id} coordinates this tenant's {noun}s")
+
+
+class GroupCoordinators(TenantPartitionCoordinators):
+    STREAM = OFFSETS_STREAM
+    PARTITION = OFFSETS_PARTITION
+    NOUN = "group"
 
     async def replicated(self, tenant_id: int, stream: str, end: int) -> None:
         """An offset commit's acks=all: the in-sync replicas hold the offsets partition

@@ -35,9 +35,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from headwater.cluster.coordinators import TenantPartitionCoordinators
 from headwater.cluster.etcd import absent, put_json, unchanged
-from headwater.cluster.layout import NO_LEADER, NodeInfo, PartitionKey
-from headwater.engine.groups import CoordinatorNotAvailable, NotCoordinator
+from headwater.cluster.layout import NO_LEADER, PartitionKey
+from headwater.engine.groups import CoordinatorNotAvailable
 from headwater.engine.transactions import TXN_STATE_STREAM, ClusterHooks
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError
 from headwater.protocols import replication as wire
@@ -58,10 +59,13 @@ BLOCK_SIZE = 1000  # producer ids a node takes at once
 FIRST_BLOCK_ID = 1 << 56
 
 
-class TransactionCoordinators:
+class TransactionCoordinators(TenantPartitionCoordinators):
+    STREAM = TXN_STATE_STREAM
+    PARTITION = STATE_PARTITION
+    NOUN = "transaction"
+
     def __init__(self, node: ClusterNode) -> None:
-        self._node = node
-        self._coordinating: set[int] = set()  # tenants whose state this node reloaded
+        super().__init__(node)
         self._reloads: dict[int, asyncio.Task[None]] = {}
         self._ids_lock = asyncio.Lock()
         self._next_id = 0
@@ -71,32 +75,6 @@ class TransactionCoordinators:
         return ClusterHooks(
             self.check, self.check_leads, self.allocate, self.replicated, self.write_marker
         )
-
-    @staticmethod
-    def partition(tenant_id: int) -> PartitionKey:
-        return PartitionKey(tenant_id, TXN_STATE_STREAM, STATE_PARTITION)
-
-    def coordinator(self, tenant_id: int) -> NodeInfo | None:
-        """The node coordinating the tenant's transactions now, None while none does
-        (the state partition not placed yet, leaderless, or its leader reloading)."""
-        if tenant_id in self._coordinating:
-            return self._node.info
-        state = self._node.partitions.get(self.partition(tenant_id))
-        if state is None or state.leader in (NO_LEADER, self._node.config.node_id):
-            return None
-        return self._node.nodes.get(state.leader)
-
-    def check(self, tenant_id: int) -> None:
-        """NotCoordinator (another node coordinates) or CoordinatorNotAvailable (none
-        does now) unless this node coordinates the tenant's transactions."""
-        if tenant_id in self._coordinating and self._node.replication.leads(
-            self.partition(tenant_id)
-        ):
-            return
-        other = self.coordinator(tenant_id)
-        if other is None or other.node_id == self._node.config.node_id:
-            raise CoordinatorNotAvailable("the transaction coordinator is moving; find it again")
-        raise NotCoordinator(f"node {other.node_id} coordinates this tenant's transactions")
 
     def check_leads(self, tenant_id: int) -> None:
         if not self._node.replication.leads(self.partition(tenant_id)):
