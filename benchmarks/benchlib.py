@@ -19,7 +19,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +261,40 @@ class HeadwaterServer(ServerProcess):
             time.sleep(0.05)
         self.ports: dict[str, int] = json.loads(ports_file.read_text())
         self.port = self.ports.get("kimberlite", 0)
+
+
+CLUSTER_NODES = (1, 2, 3)
+
+
+@contextmanager
+def cluster_and_single(
+    root: Path, listeners: tuple[str, ...] = ("kafka", "kimberlite")
+) -> Iterator[tuple[list[HeadwaterServer], HeadwaterServer]]:
+    """A cluster of :data:`CLUSTER_NODES` on one etcd and a single node beside it (each
+    under ``root``, with ``listeners``), for the cluster benchmarks to compare side by
+    side in one run; every server and etcd stopped at the end."""
+    from headwater.cluster.local import EtcdProcess  # only the cluster benchmarks need it
+
+    etcd = EtcdProcess(root / "etcd").start()
+    nodes: list[HeadwaterServer] = []
+    single = HeadwaterServer(name="single")
+    try:
+        for node_id in CLUSTER_NODES:
+            node = HeadwaterServer(name=f"node{node_id}")
+            (root / f"node{node_id}").mkdir(parents=True, exist_ok=True)
+            node.start(
+                root / f"node{node_id}",
+                f'[cluster]\nnode_id = {node_id}\netcd = ["{etcd.endpoint}"]\n',
+                listeners=listeners,
+            )
+            nodes.append(node)
+        (root / "single").mkdir(parents=True, exist_ok=True)
+        single.start(root / "single", listeners=listeners)
+        yield nodes, single
+    finally:
+        for node in [*nodes, single]:
+            node.stop()
+        etcd.stop()
 
 
 class RedisServer(ServerProcess):

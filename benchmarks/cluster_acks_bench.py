@@ -26,11 +26,16 @@ import uuid
 from pathlib import Path
 
 import headwater
-from benchlib import HeadwaterServer, HelpFormatter, default_root, git_revision, loadavg, log, pct
-from headwater.cluster.local import EtcdProcess
+from benchlib import (
+    HelpFormatter,
+    cluster_and_single,
+    default_root,
+    git_revision,
+    loadavg,
+    log,
+    pct,
+)
 from headwater.errors import StreamNotFound
-
-NODES = (1, 2, 3)
 
 
 def appends_round(address: str, appends: int, events: int) -> dict[str, float]:
@@ -73,21 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     root = args.root or default_root("headwater-cluster-acks-bench-")
     log(f"data under {root}; revision {git_revision()}")
-    etcd = EtcdProcess(root / "etcd").start()
-    nodes: list[HeadwaterServer] = []
-    single = HeadwaterServer(name="single")
-    try:
-        for node_id in NODES:
-            node = HeadwaterServer(name=f"node{node_id}")
-            (root / f"node{node_id}").mkdir(parents=True, exist_ok=True)
-            node.start(
-                root / f"node{node_id}",
-                f'[cluster]\nnode_id = {node_id}\netcd = ["{etcd.endpoint}"]\n',
-                listeners=("kafka", "kimberlite"),
-            )
-            nodes.append(node)
-        (root / "single").mkdir(parents=True, exist_ok=True)
-        single.start(root / "single", listeners=("kafka", "kimberlite"))
+    with cluster_and_single(root) as (nodes, single):
         systems = {
             "single": f"127.0.0.1:{single.ports['kimberlite']}",
             "cluster": f"127.0.0.1:{nodes[0].ports['kimberlite']}",
@@ -119,10 +110,6 @@ def main() -> None:
             f" p99 {cluster['p99_ms'] / one['p99_ms']:.2f}x;"
             f" load average {min(loads):.1f}-{max(loads):.1f}"
         )
-    finally:
-        for node in [*nodes, single]:
-            node.stop()
-        etcd.stop()
 
 
 if __name__ == "__main__":

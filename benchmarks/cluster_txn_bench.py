@@ -30,10 +30,15 @@ from pathlib import Path
 from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-from benchlib import HeadwaterServer, HelpFormatter, default_root, git_revision, loadavg, log, pct
-from headwater.cluster.local import EtcdProcess
-
-NODES = (1, 2, 3)
+from benchlib import (
+    HelpFormatter,
+    cluster_and_single,
+    default_root,
+    git_revision,
+    loadavg,
+    log,
+    pct,
+)
 
 
 def transactions_round(
@@ -84,21 +89,7 @@ def main() -> None:
     args = parser.parse_args()
     root = args.root or default_root("headwater-cluster-txn-bench-")
     log(f"data under {root}; revision {git_revision()}")
-    etcd = EtcdProcess(root / "etcd").start()
-    nodes: list[HeadwaterServer] = []
-    single = HeadwaterServer(name="single")
-    try:
-        for node_id in NODES:
-            node = HeadwaterServer(name=f"node{node_id}")
-            (root / f"node{node_id}").mkdir(parents=True, exist_ok=True)
-            node.start(
-                root / f"node{node_id}",
-                f'[cluster]\nnode_id = {node_id}\netcd = ["{etcd.endpoint}"]\n',
-                listeners=("kafka", "kimberlite"),
-            )
-            nodes.append(node)
-        (root / "single").mkdir(parents=True, exist_ok=True)
-        single.start(root / "single", listeners=("kafka", "kimberlite"))
+    with cluster_and_single(root) as (nodes, single):
         systems = {
             "single": f"127.0.0.1:{single.ports['kafka']}",
             "cluster": ",".join(f"127.0.0.1:{n.ports['kafka']}" for n in nodes),
@@ -131,10 +122,6 @@ def main() -> None:
             f"cluster / single: transactions/s {rate:.2f}x, commit p50 {p50:.2f}x; "
             f"load average {min(loads):.1f}-{max(loads):.1f}"
         )
-    finally:
-        for node in [*nodes, single]:
-            node.stop()
-        etcd.stop()
 
 
 if __name__ == "__main__":
