@@ -85,6 +85,36 @@ def coordinator_asked(node: Server) -> dict[str, Any]:
     return {"error_code": answer.error_code, "node_id": answer.node_id}
 
 
+def state_leader(cluster: Cluster, all_in_sync: bool = False) -> int:
+    """The node leading the transaction state partition (the coordinator), once there
+    is one; with ``all_in_sync``, once nodes 1, 2 and 3 are all in its ISR too."""
+    leader: int = wait_until(
+        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    if all_in_sync:
+        wait_until(
+            lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
+            message=lambda: str(cluster.status()),
+            timeout=WAIT_S,
+        )
+    return leader
+
+
+def kill_coordinator(cluster: Cluster, coordinator: int) -> list[int]:
+    """SIGKILL the coordinator; the surviving nodes, once one of them leads the state
+    partition."""
+    cluster.nodes[coordinator].kill()
+    survivors = [n for n in (1, 2, 3) if n != coordinator]
+    wait_until(
+        lambda: cluster.partitions()[STATE]["leader"] in survivors,
+        message=lambda: str(cluster.status()),
+        timeout=WAIT_S,
+    )
+    return survivors
+
+
 def test_transactions_over_partitions_led_by_two_nodes(cluster: Cluster) -> None:
     for node_id in (1, 2, 3):
         cluster.add(node_id)
@@ -98,11 +128,7 @@ def test_transactions_over_partitions_led_by_two_nodes(cluster: Cluster) -> None
     producer = transactional_producer(bootstrap, "t1")
     # The state stream is created by the first FindCoordinator and placed like any
     # stream; every node names its leader, and only that node coordinates.
-    coordinator = wait_until(
-        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    coordinator = state_leader(cluster)
     for node in cluster.nodes.values():
         answer = wait_until(
             lambda node=node: (
@@ -169,16 +195,7 @@ def test_a_commit_survives_its_coordinator_s_sigkill(cluster: Cluster) -> None:
     wait_topic_everywhere(cluster)
     bootstrap = cluster.bootstrap()
     producer = transactional_producer(bootstrap, "t1")
-    coordinator = wait_until(
-        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
-    wait_until(
-        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    coordinator = state_leader(cluster, all_in_sync=True)
     first = [b"a%d" % i for i in range(50)]
     producer.begin_transaction()
     send(producer, first)
@@ -189,13 +206,7 @@ def test_a_commit_survives_its_coordinator_s_sigkill(cluster: Cluster) -> None:
     send(producer, second[:25])
     producer.flush(WAIT_S)
 
-    cluster.nodes[coordinator].kill()
-    survivors = [n for n in (1, 2, 3) if n != coordinator]
-    wait_until(
-        lambda: cluster.partitions()[STATE]["leader"] in survivors,
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    survivors = kill_coordinator(cluster, coordinator)
     send(producer, second[25:])
     producer.commit_transaction(WAIT_S)
     third = [b"c%d" % i for i in range(10)]
@@ -225,16 +236,7 @@ def test_a_commit_prepared_when_its_coordinator_dies_is_finished_by_the_next(
     placed = cluster.wait_partitions(2)
     wait_topic_everywhere(cluster)
     producer = transactional_producer(cluster.bootstrap(), "t1")
-    coordinator = wait_until(
-        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
-    wait_until(
-        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    coordinator = state_leader(cluster, all_in_sync=True)
     paused = next(
         placed[f"0/events/{p}"]["leader"]
         for p in (0, 1)
@@ -304,27 +306,12 @@ def test_an_open_transaction_left_by_a_dead_coordinator_times_out_at_the_next(
         }
     )
     abandoned.init_transactions(WAIT_S)
-    coordinator = wait_until(
-        lambda: (p := cluster.partitions().get(STATE)) and p["leader"] > 0 and p["leader"],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
-    wait_until(
-        lambda: sorted(cluster.partitions()[STATE]["isr"]) == [1, 2, 3],
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    coordinator = state_leader(cluster, all_in_sync=True)
     left = [b"left%d" % i for i in range(10)]
     abandoned.begin_transaction()
     send(abandoned, left)
     abandoned.flush(WAIT_S)
-    cluster.nodes[coordinator].kill()
-    survivors = [n for n in (1, 2, 3) if n != coordinator]
-    wait_until(
-        lambda: cluster.partitions()[STATE]["leader"] in survivors,
-        message=lambda: str(cluster.status()),
-        timeout=WAIT_S,
-    )
+    survivors = kill_coordinator(cluster, coordinator)
 
     later = transactional_producer(cluster.bootstrap(), "later")
     after = [b"after%d" % i for i in range(10)]
