@@ -15,6 +15,7 @@ from cluster_nodes import WAIT_S, Cluster
 from confluent_kafka.admin import AdminClient
 from kimberlite_raw import append, batch, expect_error
 from kio.schema.init_producer_id.v4.request import InitProducerIdRequest
+from kio.schema.produce.v10.request import ProduceRequest
 from kio.schema.produce.v10.response import ProduceResponse
 from kio.schema.types import ProducerId
 from kio.static.primitive import i16, i32Timedelta
@@ -32,7 +33,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 def produce_raw(cluster: Cluster, node_id: int, acks: int = -1) -> tuple[int, int]:
     """One captured librdkafka batch of 5 records, sent to ``node_id``: (error, base)."""
     request, _ = captured_produce("none", "events")
-    request = dataclasses.replace(request, acks=i16(acks))
+    return send_produce(cluster, node_id, dataclasses.replace(request, acks=i16(acks)))
+
+
+def send_produce(cluster: Cluster, node_id: int, request: ProduceRequest) -> tuple[int, int]:
+    """A Produce v10 of one partition sent to ``node_id`` over the raw Kafka wire: that
+    partition's (error code, base offset)."""
     kafka = RawKafka(cluster.nodes[node_id])
     try:
         response = kafka.call(request, ApiKey.PRODUCE, 10)

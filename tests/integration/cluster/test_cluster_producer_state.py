@@ -12,12 +12,12 @@ import dataclasses
 
 import pytest
 from cluster_nodes import WAIT_S, Cluster
-from kio.schema.produce.v10.response import ProduceResponse
 from kio.static.primitive import i16
+from test_cluster_kafka import send_produce
 from test_cluster_membership import create_topic
-from test_kafka_stored_batches import RawKafka, captured_produce
+from test_kafka_stored_batches import captured_produce
 
-from headwater.protocols.kafka import ApiKey, ErrorCode
+from headwater.protocols.kafka import ErrorCode
 from headwater.protocols.kafka.records import Record, build_batch
 from waiting import wait_until
 
@@ -48,14 +48,7 @@ def produce(cluster: Cluster, node_id: int, batch: bytes) -> tuple[int, int]:
         acks=i16(-1),
         topic_data=(dataclasses.replace(data, partition_data=(partition,)),),
     )
-    kafka = RawKafka(cluster.nodes[node_id])
-    try:
-        response = kafka.call(request, ApiKey.PRODUCE, 10)
-    finally:
-        kafka.close()
-    assert isinstance(response, ProduceResponse)
-    [answer] = response.responses[0].partition_responses
-    return int(answer.error_code), int(answer.base_offset)
+    return send_produce(cluster, node_id, request)
 
 
 # NOT_LEADER until the node takes its epoch (its next tick), NOT_ENOUGH_REPLICAS until
