@@ -297,6 +297,27 @@ def cluster_and_single(
         etcd.stop()
 
 
+def rounds_side_by_side(
+    systems: dict[str, str], rounds: int, run_round: Callable[[str], dict[str, float]]
+) -> tuple[dict[str, dict[str, float]], list[float]]:
+    """``run_round`` against each system's address in turn, ``rounds`` times (the systems
+    interleaved, so the machine's load falls on all alike): each system's median of
+    every measure, and the 1-minute load average before and after each round."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
+    loads = [loadavg()[0]]
+    for round_no in range(rounds):
+        for name, address in systems.items():
+            result = run_round(address)
+            results[name].append(result)
+            log(f"round {round_no + 1} {name}: {result}")
+        loads.append(loadavg()[0])
+    medians = {
+        name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        for name, runs in results.items()
+    }
+    return medians, loads
+
+
 class RedisServer(ServerProcess):
     name = "redis"
 

@@ -20,7 +20,6 @@ average.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -31,9 +30,9 @@ from benchlib import (
     cluster_and_single,
     default_root,
     git_revision,
-    loadavg,
     log,
     pct,
+    rounds_side_by_side,
 )
 from headwater.errors import StreamNotFound
 
@@ -83,18 +82,11 @@ def main() -> None:
             "single": f"127.0.0.1:{single.ports['kimberlite']}",
             "cluster": f"127.0.0.1:{nodes[0].ports['kimberlite']}",
         }
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-        loads = [loadavg()[0]]
-        for round_no in range(args.rounds):
-            for name, address in systems.items():
-                result = appends_round(address, args.appends, args.events)
-                results[name].append(result)
-                log(f"round {round_no + 1} {name}: {result}")
-            loads.append(loadavg()[0])
-        medians = {
-            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            for name, runs in results.items()
-        }
+        medians, loads = rounds_side_by_side(
+            systems,
+            args.rounds,
+            lambda address: appends_round(address, args.appends, args.events),
+        )
         print(
             "| system | appends/s | append p50 / p99 ms |\n|---|--:|--:|\n"
             + "\n".join(

@@ -22,7 +22,6 @@ alike; the median round is reported, with the load average.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import uuid
 from pathlib import Path
@@ -35,9 +34,9 @@ from benchlib import (
     cluster_and_single,
     default_root,
     git_revision,
-    loadavg,
     log,
     pct,
+    rounds_side_by_side,
 )
 
 
@@ -94,20 +93,13 @@ def main() -> None:
             "single": f"127.0.0.1:{single.ports['kafka']}",
             "cluster": ",".join(f"127.0.0.1:{n.ports['kafka']}" for n in nodes),
         }
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in systems}
-        loads = [loadavg()[0]]
-        for round_no in range(args.rounds):
-            for name, bootstrap in systems.items():
-                topic = f"txn_{uuid.uuid4().hex[:8]}"
-                ready_topic(bootstrap, topic)
-                result = transactions_round(bootstrap, topic, args.transactions, args.records)
-                results[name].append(result)
-                log(f"round {round_no + 1} {name}: {result}")
-            loads.append(loadavg()[0])
-        medians = {
-            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            for name, runs in results.items()
-        }
+
+        def run_round(bootstrap: str) -> dict[str, float]:
+            topic = f"txn_{uuid.uuid4().hex[:8]}"
+            ready_topic(bootstrap, topic)
+            return transactions_round(bootstrap, topic, args.transactions, args.records)
+
+        medians, loads = rounds_side_by_side(systems, args.rounds, run_round)
         print(
             "| system | transactions/s | commit p50 / p99 ms |\n|---|--:|--:|\n"
             + "\n".join(
