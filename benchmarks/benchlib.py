@@ -8,9 +8,11 @@ import this module as ``benchlib``.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -491,9 +493,14 @@ class RespClient:
 
 def default_root(prefix: str = "headwater-bench-") -> Path:
     """Scratch space on the disk under test: under /work when it exists (not /tmp, which
-    may be tmpfs), else the system temp dir."""
+    may be tmpfs), else the system temp dir. Removed when the benchmark exits (each run
+    leaves hundreds of MiB otherwise: seventeen runs filled the disk), unless
+    HEADWATER_BENCH_KEEP=1 asks to keep it for a look afterwards."""
     base = Path("/work") if Path("/work").is_dir() else Path(tempfile.gettempdir())
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    if os.environ.get("HEADWATER_BENCH_KEEP") != "1":
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
