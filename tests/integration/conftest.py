@@ -7,9 +7,11 @@ does not stop or restart it; ``make_server`` starts servers of a test's own.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import Server, free_port, server_factory, serving
@@ -48,3 +50,45 @@ def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
 @pytest.fixture
 def unused_port() -> int:
     return free_port()
+
+
+@pytest.fixture(scope="session")
+def jvm_stdout(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared session's JVM writes its standard output (the console sink)."""
+    return tmp_path_factory.mktemp("spark_jvm") / "stdout.log"
+
+
+@pytest.fixture(scope="session")
+def spark(jvm_stdout: Path) -> Iterator[Any]:
+    """The one SparkSession of the run (tests/integration/spark and the cluster tests'
+    Spark sink): pyspark keeps one JVM per process, and its standard output is fixed when
+    it starts, so a second session made elsewhere first would send the console sink's
+    output to pytest's capture instead of ``jvm_stdout``."""
+    from pyspark.sql import SparkSession
+
+    # Executors run this interpreter too, so they import the installed headwater.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # The JVM inherits file descriptor 1 when it starts: a file of its own, which tests
+    # read, instead of whatever pytest's capture held at that moment.
+    saved = os.dup(1)
+    log = os.open(jvm_stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    try:
+        session = (
+            SparkSession.builder.master("local[2,2]")  # 2 cores, a failed task is tried twice
+            .appName("headwater-tests")
+            .config("spark.ui.enabled", "false")
+            .config("spark.sql.shuffle.partitions", "2")
+            .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+            .config("spark.sql.session.timeZone", "UTC")
+            .getOrCreate()
+        )
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(log)
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -209,26 +208,6 @@ def test_leader_killed_with_an_append_in_flight(cluster: Cluster) -> None:
     cluster.wait_replicas_agree(survivors, len(expected))
     for node_id in survivors:
         wait_until(lambda n=cluster.nodes[node_id]: stored(n) == expected, timeout=WAIT_S)
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.master("local[2,2]")
-        .appName("headwater-cluster-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    try:
-        yield session
-    finally:
-        session.stop()
 
 
 @pytest.mark.spark

@@ -4,15 +4,11 @@ Kimberlite fallback is held to the same results in tests/integration/test_range_
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pyspark import cloudpickle
-from pyspark.sql import SparkSession
 from servers import LOCAL, Server, server_factory, serving
 
 import waiting
@@ -34,39 +30,3 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def make_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     """Servers of this test's own, the HTTP API on unless ``listen`` says otherwise."""
     yield from server_factory(tmp_path, HTTP_ON)
-
-
-@pytest.fixture(scope="session")
-def jvm_stdout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the shared session's JVM writes its standard output (the console sink)."""
-    return tmp_path_factory.mktemp("spark_jvm") / "stdout.log"
-
-
-@pytest.fixture(scope="session")
-def spark(jvm_stdout: Path) -> Iterator[Any]:
-    # Executors run this interpreter too, so they import the installed headwater.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    # The JVM inherits file descriptor 1 when it starts: a file of its own, which tests
-    # read, instead of whatever pytest's capture held at that moment.
-    saved = os.dup(1)
-    log = os.open(jvm_stdout, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log, 1)
-    try:
-        session = (
-            SparkSession.builder.master("local[2,2]")  # 2 cores, a failed task is tried twice
-            .appName("headwater-tests")
-            .config("spark.ui.enabled", "false")
-            .config("spark.sql.shuffle.partitions", "2")
-            .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
-            .config("spark.sql.session.timeZone", "UTC")
-            .getOrCreate()
-        )
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(log)
-    session.sparkContext.setLogLevel("ERROR")
-    try:
-        yield session
-    finally:
-        session.stop()
