@@ -707,14 +707,7 @@ class GroupCoordinator:
             group.withheld = set()
             for member in group.members.values():
                 member.assignment, member.assignment_data = (), b""
-                member.awaiting_join = member.synced = False
-                member.reported_owned = None
-                member.deadline_ms = now + member.session_timeout_ms
-            group.state = GroupState.COMPLETING_REBALANCE
-            group.rebalance_deadline_ms = now + max(
-                m.rebalance_timeout_ms for m in group.members.values()
-            )
-            return [group.join_result(m) for m in group.members]
+            return self._await_syncs(group, now)
         assignor = ASSIGNORS[group.protocol]
         subscriptions = [
             MemberSubscription(
@@ -735,8 +728,16 @@ class GroupCoordinator:
             # only (an eager member, or one that reported letting go, holds less).
             member.holding = tuple(sorted(subscription.owned))
             member.assignment = tuple(sorted(assignment[member.member_id]))
-            member.awaiting_join = False
-            member.synced = False
+        return self._await_syncs(group, now)
+
+    @staticmethod
+    def _await_syncs(group: Group, now: int) -> list[Reply]:
+        """Every member has rejoined and been given what it syncs to (an assignment, or
+        none when the leader assigns): the group completes its rebalance, each member
+        owing a SyncGroup within its session timeout, the group within the longest
+        rebalance timeout; the answers to every member's JoinGroup."""
+        for member in group.members.values():
+            member.awaiting_join = member.synced = False
             member.reported_owned = None
             member.deadline_ms = now + member.session_timeout_ms
         group.state = GroupState.COMPLETING_REBALANCE
