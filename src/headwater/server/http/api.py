@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
 
-import pyarrow.compute as pc
+import pyarrow as pa
 from aiohttp import web
 
 import headwater
@@ -28,10 +29,16 @@ from headwater.server.http.app import (
     json_response,
     principal_of,
     read_body,
+    record_append,
     server_of,
     tenant_of,
 )
-from headwater.server.http.arrow import append_arrow, read_records
+from headwater.server.http.arrow import (
+    append_arrow,
+    partition_param,
+    read_records,
+    stream_arrow,
+)
 from headwater.server.http.events import (
     NDJSON_TYPES,
     decode_json,
@@ -260,14 +267,7 @@ async def append_events(request: web.Request) -> web.Response:
     started = time.perf_counter()
     appended = await api.append(tenant_id, stream.stream_id, values, partition=partition)
     value_bytes = sum(map(len, values))
-    request.app[METRICS_KEY].record_append(
-        PROTOCOL,
-        tenant_id,
-        stream.name,
-        appended.count,
-        value_bytes,
-        time.perf_counter() - started,
-    )
+    record_append(request, tenant_id, stream.name, appended.count, value_bytes, started)
     return json_response(
         {
             "base_offset": appended.base_offset,
@@ -299,14 +299,8 @@ async def _append_records(
         partitions=records.partitions,
         timestamps=records.timestamps,
     )
-    request.app[METRICS_KEY].record_append(
-        PROTOCOL,
-        tenant_id,
-        stream.name,
-        len(records.values),
-        sum(map(len, records.values)),
-        time.perf_counter() - started,
-    )
+    value_bytes = sum(map(len, records.values))
+    record_append(request, tenant_id, stream.name, len(records.values), value_bytes, started)
     return json_response(
         {
             "count": len(records.values),
@@ -322,12 +316,7 @@ async def _append_records(
 
 async def read_events(request: web.Request) -> web.Response:
     api, tenant_id, stream = _named_stream(request)
-    partition = int_param(request, "partition", 0, at_least=0)
-    if partition >= stream.partitions:
-        raise InvalidRequest(
-            f"partition {partition} does not exist: stream {stream.name!r} has "
-            f"{stream.partitions} (0..{stream.partitions - 1})"
-        )
+    partition = partition_param(request, stream.partitions, stream.name)
     start_offset = stream.partition_info[partition].start_offset
     start = int_param(request, "from", 0)
     limit = int_param(request, "limit", DEFAULT_READ_LIMIT, at_least=1, at_most=MAX_READ_LIMIT)
@@ -367,12 +356,10 @@ async def read_events(request: web.Request) -> web.Response:
     )
 
 
-ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
 ARROW_MESSAGE_ROWS = 65_536  # rows per IPC message at most, one write each
 # ... and about this many bytes: each message is a copy made to be sent (and may wait in
 # the transport), so its size, not the events', bounds what a range read holds.
 ARROW_MESSAGE_BYTES = 4 << 20
-_ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
 
 
 async def read_arrow(request: web.Request) -> web.StreamResponse:
@@ -396,22 +383,16 @@ async def read_arrow(request: web.Request) -> web.StreamResponse:
     elif end < start:
         raise InvalidRequest(f"to ({end}) must not be below from ({start})")
     batches = await api.stream_range(tenant_id, stream.name, start, end, partition)
-    response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
-    await response.prepare(request)
-    await response.write(memoryview(RANGE_SCHEMA.serialize()))
-    rows = value_bytes = 0
-    for batch in batches:
-        step = ARROW_MESSAGE_ROWS
-        if batch.num_rows and batch.nbytes > ARROW_MESSAGE_BYTES:
-            step = max(1, min(step, batch.num_rows * ARROW_MESSAGE_BYTES // batch.nbytes))
-        for first in range(0, batch.num_rows, step):
-            await response.write(memoryview(batch.slice(first, step).serialize()))
-        rows += batch.num_rows
-        value_bytes += pc.sum(pc.binary_length(batch.column("data"))).as_py() or 0
-    await response.write(_ARROW_END)
-    await response.write_eof()
-    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream.name, rows, value_bytes)
-    return response
+
+    async def messages() -> AsyncIterator[pa.RecordBatch]:
+        for batch in batches:
+            step = ARROW_MESSAGE_ROWS
+            if batch.num_rows and batch.nbytes > ARROW_MESSAGE_BYTES:
+                step = max(1, min(step, batch.num_rows * ARROW_MESSAGE_BYTES // batch.nbytes))
+            for first in range(0, batch.num_rows, step):
+                yield batch.slice(first, step)
+
+    return await stream_arrow(request, RANGE_SCHEMA, messages(), tenant_id, stream.name)
 
 
 # ---- SQL ----------------------------------------------------------------------------

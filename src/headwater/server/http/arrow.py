@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +28,7 @@ from headwater.server.http.app import (
     int_param,
     json_response,
     read_body,
+    record_append,
     tenant_of,
 )
 from headwater.sql.records import RECORDS_SCHEMA
@@ -36,7 +38,8 @@ _ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
 MAX_U64 = (1 << 64) - 1
 
 
-def _partition(request: web.Request, partitions: int, name: str) -> int:
+def partition_param(request: web.Request, partitions: int, name: str) -> int:
+    """The ``partition`` query parameter (0 when absent), one the stream has."""
     partition = int_param(request, "partition", 0, at_least=0)
     if partition >= partitions:
         raise InvalidRequest(
@@ -55,7 +58,7 @@ async def read_records(request: web.Request) -> web.StreamResponse:
     tenant_id = tenant_of(request)
     api = api_of(request)
     stream = api.stream_named(tenant_id, request.match_info["name"])
-    partition = _partition(request, stream.partitions, stream.name)
+    partition = partition_param(request, stream.partitions, stream.name)
     isolation = request.query.get("isolation", "read_committed")
     start = int_param(request, "from", 0)
     end = int_param(request, "to", None)
@@ -69,17 +72,35 @@ async def read_records(request: web.Request) -> web.StreamResponse:
         partition=partition,
         isolation=isolation,
     )
+
+    async def batches() -> AsyncIterator[pa.RecordBatch]:
+        while (batch := await asyncio.to_thread(cursor.next_batch)) is not None:
+            yield batch
+
+    return await stream_arrow(request, RECORDS_SCHEMA, batches(), tenant_id, stream.name)
+
+
+async def stream_arrow(
+    request: web.Request,
+    schema: pa.Schema,
+    messages: AsyncIterator[pa.RecordBatch],
+    tenant_id: int,
+    stream_name: str,
+) -> web.StreamResponse:
+    """An Arrow IPC stream response: ``schema``, then each record batch of ``messages``
+    as one IPC message, written as it comes, then the end-of-stream marker; the rows
+    and their ``data`` bytes counted as a read of the stream."""
     response = web.StreamResponse(headers={"Content-Type": ARROW_STREAM_TYPE})
     await response.prepare(request)
-    await response.write(memoryview(RECORDS_SCHEMA.serialize()))
+    await response.write(memoryview(schema.serialize()))
     rows = value_bytes = 0
-    while (batch := await asyncio.to_thread(cursor.next_batch)) is not None:
+    async for batch in messages:
         await response.write(memoryview(batch.serialize()))
         rows += batch.num_rows
         value_bytes += pc.sum(pc.binary_length(batch.column("data"))).as_py() or 0
     await response.write(_ARROW_END)
     await response.write_eof()
-    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream.name, rows, value_bytes)
+    request.app[METRICS_KEY].record_read(PROTOCOL, tenant_id, stream_name, rows, value_bytes)
     return response
 
 
@@ -162,7 +183,7 @@ async def append_arrow(request: web.Request) -> web.Response:
     tenant_id = tenant_of(request)
     api = api_of(request)
     stream = api.stream_named(tenant_id, request.match_info["name"])
-    partition = _partition(request, stream.partitions, stream.name)
+    partition = partition_param(request, stream.partitions, stream.name)
     producer_id = int_param(request, "producer_id", None, at_least=0, at_most=MAX_U64)
     sequence = int_param(request, "sequence", None, at_least=0, at_most=MAX_U64)
     if (producer_id is None) != (sequence is None):
@@ -203,14 +224,7 @@ async def append_arrow(request: web.Request) -> web.Response:
         headers=_headers(batch),
         producer=None if producer_id is None or sequence is None else (producer_id, sequence),
     )
-    request.app[METRICS_KEY].record_append(
-        PROTOCOL,
-        tenant_id,
-        stream.name,
-        appended.count,
-        value_bytes,
-        time.perf_counter() - started,
-    )
+    record_append(request, tenant_id, stream.name, appended.count, value_bytes, started)
     return json_response(
         {
             "partition": partition,
