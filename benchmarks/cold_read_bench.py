@@ -7,10 +7,12 @@ One data directory of ``--mib`` MiB of 1,000-byte events (``memory_bench``'s eve
 a batch) is written once by this checkout's server. Then, for each of ``--rounds``: the
 raw read (``os.read`` of the partition's segment files, 4 MiB at a time), then each
 server in turn (``--before SRC``, another checkout's ``src``, first when given, then this
-one), a fresh process on the same files, read by one client (``wire_bench.hw_consume``:
-one 8 MiB ReadEvents at a time), cold (page cache dropped before, needs root) and then
-warm. Server and client CPU seconds are recorded per run: with two cores shared with
-other work, the ratio falls with the load, the CPU per GB much less.
+one), a fresh process on the same files, read by one client (``--clients``:
+``memory_bench.read_all``, received into one reused buffer, or ``wire_bench.hw_consume``,
+the protocol's incremental decoder; one 8 MiB ReadEvents at a time), cold (page cache
+dropped before, needs root) and then warm. Server and client CPU seconds are recorded
+per run: with two cores shared with other work, the ratio falls with the load, the CPU
+per GB much less.
 
     .venv/bin/python benchmarks/cold_read_bench.py --mib 2048 --before /tmp/wt-old/src
 """
@@ -23,13 +25,19 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchlib import HeadwaterServer, default_root, git_revision, loadavg, log, proc_cpu
-from memory_bench import BATCH, BIG_STREAM, DEPTH, EVENT_BYTES, MIB, READ_PAGE, BigEvents
+from memory_bench import BATCH, BIG_STREAM, DEPTH, EVENT_BYTES, MIB, READ_PAGE, BigEvents, read_all
 from storage_bench import can_drop_caches, drop_caches, read_raw_files
 from wire_bench import KimberliteClient, hw_consume, hw_produce
+
+CLIENTS: dict[str, Callable[[KimberliteClient, int, int, int], int]] = {
+    "into": read_all,
+    "decoder": hw_consume,
+}
 
 
 def build(root: Path, mib: int) -> tuple[int, int]:
@@ -47,7 +55,7 @@ def build(root: Path, mib: int) -> tuple[int, int]:
 
 
 def run_server(
-    server: HeadwaterServer, root: Path, stream_id: int, events: int, cold: bool
+    server: HeadwaterServer, root: Path, stream_id: int, events: int, cold: bool, client_name: str
 ) -> dict[str, Any]:
     (root / "headwater-ports.json").unlink(missing_ok=True)
     server.start(root)
@@ -57,7 +65,7 @@ def run_server(
             drop_caches()
         cpu = (proc_cpu(server.pid), proc_cpu(os.getpid()))
         began = time.perf_counter()
-        hw_consume(client, stream_id, events, READ_PAGE)
+        CLIENTS[client_name](client, stream_id, events, READ_PAGE)
         seconds = time.perf_counter() - began
         result = {
             "s": seconds,
@@ -75,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=2048, help="data written (MiB)")
     p.add_argument("--before", type=Path, default=None, help="another checkout's src/")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--clients",
+        default="into",
+        help=f"reading clients, comma-separated, each against every server: {', '.join(CLIENTS)}",
+    )
     p.add_argument("--root", type=Path, default=None, help="scratch directory (removed)")
     p.add_argument("--quick", action="store_true", help="64 MiB, one round")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
@@ -86,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     servers = {"this": HeadwaterServer(name="this")}
     if args.before is not None:
         servers = {"before": HeadwaterServer(src=args.before, name="before"), **servers}
+    clients = args.clients.split(",")
+    if unknown := set(clients) - set(CLIENTS):
+        p.error(f"unknown clients {sorted(unknown)}: pick from {', '.join(CLIENTS)}")
     results: dict[str, Any] = {
         "revision": git_revision(),
         "before": str(args.before) if args.before else None,
+        "clients": clients,
         "drop_caches": can_drop_caches(),
         "loadavg_before": loadavg(),
         "runs": [],
@@ -105,11 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             read_raw_files(files)
             results["runs"].append({"side": "raw", "cold": True, "s": time.perf_counter() - began})
             for name, server in servers.items():
-                for cold in (True, False):
-                    run = run_server(server, root, stream_id, events, cold and can_drop_caches())
-                    results["runs"].append({"side": name, "cold": cold, **run})
-                    rate = file_bytes / run["s"] / 1e6
-                    log(f"{name} {'cold' if cold else 'warm'}: {rate:.0f} MB/s")
+                for client_name in clients:
+                    side = name if len(clients) == 1 else f"{name}, {client_name} client"
+                    for cold in (True, False):
+                        run = run_server(
+                            server, root, stream_id, events, cold and can_drop_caches(), client_name
+                        )
+                        results["runs"].append({"side": side, "cold": cold, **run})
+                        rate = file_bytes / run["s"] / 1e6
+                        log(f"{side} {'cold' if cold else 'warm'}: {rate:.0f} MB/s")
             results["runs"][-1]["loadavg"] = loadavg()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -127,7 +148,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Cold read of {size / 1e9:.2f} GB ({results['segment_files']} segment files,"
         f" {results['events']:,} events), revision {results['revision']}"
-        f" (before: {results['before']}); load average {results['loadavg_before']} before,"
+        f" (before: {results['before']}; clients: {', '.join(results['clients'])});"
+        f" load average {results['loadavg_before']} before,"
         f" {results['loadavg_after']} after; page cache dropped: {results['drop_caches']}.",
         "",
         "| side | cache | MB/s (each round) | / raw cold (mean times) | server CPU s"

@@ -41,6 +41,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+from zlib_ng.zlib_ng import crc32
 
 from benchlib import (
     HeadwaterServer,
@@ -59,10 +60,14 @@ from headwater.protocols.kimberlite import (
     EventBatch,
     QueryRequest,
     QueryResponse,
+    ReadEventsRequest,
+    ReadEventsResponse,
+    decode_response,
 )
+from headwater.protocols.kimberlite.frames import HEADER, HEADER_SIZE, MAGIC, MAX_FRAME, VERSION
 from headwater.server.memory import process_memory
 from storage_bench import can_drop_caches, drop_caches, read_raw_files
-from wire_bench import KimberliteClient, Workload, hw_consume, hw_produce
+from wire_bench import KimberliteClient, Workload, hw_produce
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -84,6 +89,54 @@ SQL_GROUP_BY = (
     "SELECT json->>'kind' AS kind, count(*) AS n, sum((json->>'amount')::BIGINT) AS total "
     f"FROM {SQL_STREAM} GROUP BY 1 ORDER BY 1"
 )
+
+
+# ---- reading a stream from offset 0 -------------------------------------------------------
+
+
+def _recv_exactly(sock: Any, view: memoryview) -> None:
+    """Fill ``view`` from the socket (recv_into: the kernel's copy is the only one)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("headwater closed the connection")
+        got += n
+
+
+def read_all(client: KimberliteClient, stream_id: int, total: int, page_bytes: int) -> int:
+    """Read ``total`` events from offset 0 with ReadEvents, one request at a time, as a
+    client that does not copy: each frame is received straight into one reused buffer,
+    its CRC checked there and its payload decoded in place (the events are views into
+    it, good until the next page is received). ``wire_bench.hw_consume`` (the
+    protocol's incremental decoder: each received chunk appended to its buffer, each
+    payload copied out of it) was the client before (cold_read_bench ``--clients``)."""
+    conn, sock = client.conn, client.sock
+    head = memoryview(bytearray(HEADER_SIZE))
+    payload = memoryview(bytearray(MAX_FRAME))
+    offset = 0
+    request_id, data = conn.send_request(ReadEventsRequest(stream_id, offset, page_bytes))
+    sock.sendall(data)
+    while offset < total:
+        _recv_exactly(sock, head)
+        magic, version, length, crc = HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or length > MAX_FRAME:
+            raise RuntimeError(f"bad frame header {bytes(head).hex()}")
+        body = payload[:length]
+        _recv_exactly(sock, body)
+        if crc32(body) != crc:
+            raise RuntimeError(f"frame CRC mismatch ({length}-byte payload)")
+        response = decode_response(body)
+        events = response.payload
+        if not isinstance(events, ReadEventsResponse) or response.request_id != request_id:
+            raise RuntimeError(f"read failed: {events!r}")
+        if events.events.count == 0:
+            raise RuntimeError(f"stream ended at {offset}, expected {total} events")
+        offset += events.events.count
+        if offset < total:
+            request_id, data = conn.send_request(ReadEventsRequest(stream_id, offset, page_bytes))
+            sock.sendall(data)
+    return offset
 
 
 # ---- the server's memory, sampled -------------------------------------------------------
@@ -353,7 +406,7 @@ def bench_cold_read(
         if side == "raw":
             read_raw_files(files)
         else:
-            hw_consume(client, stream_id, events, READ_PAGE)
+            read_all(client, stream_id, events, READ_PAGE)
         elapsed = time.perf_counter() - began
         runs.append(
             {
