@@ -115,21 +115,34 @@ def encode_values(values: Sequence[bytes]) -> bytes:
     return b"".join(parts)
 
 
+def fixed_stride(section: bytes | memoryview, count: int, start: int = 0) -> int | None:
+    """The record size (8 + value length) when the ``count`` records from ``start`` to the
+    end of a values section all hold values of one size and fill it exactly; else None.
+
+    Events of one size (fixed-width records are common) are checked with eight strided
+    slices, one per byte of the length field, instead of a loop per event."""
+    end = len(section)
+    if count < 2 or end - start < 8:
+        return None
+    stride = 8 + _U64_AT(section, start)[0]
+    if end - start != count * stride:
+        return None
+    view = memoryview(section).cast("B") if isinstance(section, memoryview) else section
+    head = bytes(view[start : start + 8])
+    if all(view[start + k : end : stride] == head[k : k + 1] * count for k in range(8)):
+        return int(stride)
+    return None
+
+
 def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list[int]:
     """Boundaries of ``count`` values in a values section: ``count + 1`` byte positions.
 
     Raises ValueError when the section does not hold exactly ``count`` well-formed values.
     """
     end = len(section)
-    if count > 1 and end - start >= 8:
-        # Events of one size (fixed-width records are common) are checked with eight
-        # strided slices, one per byte of the length field, instead of a loop per event.
-        stride = 8 + _U64_AT(section, start)[0]
-        if end - start == count * stride:
-            view = memoryview(section).cast("B") if isinstance(section, memoryview) else section
-            head = bytes(view[start : start + 8])
-            if all(view[start + k : end : stride] == head[k : k + 1] * count for k in range(8)):
-                return list(range(start, end + 1, stride))
+    stride = fixed_stride(section, count, start)
+    if stride is not None:
+        return list(range(start, end + 1, stride))
     # Values of different sizes: one walk over the length fields, as a comprehension
     # (the per-event cost of reading pages of JSON). A length running past the end makes
     # the next read of a length fail, or the last bound miss the end: checked once.
@@ -484,6 +497,16 @@ class Batch:
         lo = pos
         taken = size = 0
         limit = min(self.count - start, max_events)
+        stride = fixed_stride(section, self.count - start, pos) if limit > 1 else None
+        if stride is not None:
+            # Values of one size (checked across the rest of the section, lengths only):
+            # the cut is arithmetic, not a walk of the records before it.
+            width = stride - 8
+            fits = max(max_bytes, 0) // width if width else (limit if max_bytes >= 0 else 0)
+            taken = min(limit, fits)
+            if taken == 0 and at_least_one:
+                taken = 1
+            return start + taken, lo, lo + taken * stride, taken * width
         while taken < limit:
             if pos + 8 > end:
                 raise CorruptBatchError("values section truncated")

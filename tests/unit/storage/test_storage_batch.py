@@ -499,3 +499,46 @@ def test_values_and_keys_of_one_size_encode_like_any_others(
     assert [e.value for e in events] == values
     assert [e.key for e in events] == keys
     assert [e.tombstone for e in events] == (tombstones or [False] * len(values))
+
+
+def walk_take(
+    values: list[bytes], start: int, max_bytes: int, max_events: int, least: bool
+) -> tuple[int, int, int, int]:
+    """What take_values answers, by a walk of the values one at a time."""
+    taken = size = 0
+    for value in values[start : start + max_events]:
+        if size + len(value) > max_bytes and (taken or not least):
+            break
+        size += len(value)
+        taken += 1
+    lo = sum(8 + len(v) for v in values[:start])
+    hi = lo + sum(8 + len(v) for v in values[start : start + taken])
+    return start + taken, lo, hi, size
+
+
+@given(
+    width=st.integers(0, 40),
+    count=st.integers(1, 60),
+    odd=st.one_of(st.none(), st.integers(0, 59)),
+    data=st.data(),
+)
+def test_take_values_of_one_size_cut_as_a_walk_would(
+    width: int, count: int, odd: int | None, data: st.DataObject
+) -> None:
+    # Values of one size are cut arithmetically; one value of another size anywhere
+    # (odd) sends the cut back to the walk. Either way the answer is the walk's.
+    values = [bytes([65 + i % 26]) * width for i in range(count)]
+    if odd is not None and odd < count:
+        values[odd] = b"z" * (width + 1 + odd % 3)
+    section = encode_values(values)
+    batch = Batch(
+        memoryview(build_batch(section, count, base_offset=0, first_position=0, timestamp_ms=0))
+    )
+    start = data.draw(st.integers(0, count - 1))
+    max_bytes = data.draw(st.integers(-1, (width + 3) * count))
+    max_events = data.draw(st.integers(1, count + 1))
+    least = data.draw(st.booleans())
+    want = walk_take(values, start, max_bytes, max_events, least)
+    assert batch.take_values(start, max_bytes, max_events, at_least_one=least) == want
+    lo = want[1]
+    assert batch.take_values(start, max_bytes, max_events, at_least_one=least, start_pos=lo) == want
