@@ -310,10 +310,12 @@ class EngineAPI:
         # consumer groups (engine/groups): membership, committed offsets per partition
         self.groups = ConsumerGroups(engine)
         # replication (docs/cluster.md): stored batches out and in, divergent tails cut
-        self.replicas = Replicas(engine)
+        self.replicas = Replicas(engine, self._kinds.changelogs)
         # a cluster node's rules for every front end: appends on leaders, reads below
         # the high watermark (docs/cluster.md, "Front ends")
-        self.cluster_gate = ClusterGate(engine)
+        self.cluster_gate = ClusterGate(engine, self._kinds.changelogs)
+        # kind changelogs as replicated partitions (engine/kinds/replicated.py)
+        self.kind_changelogs = self._kinds.changelogs
         # exactly-once producers (engine/transactions): ids, epochs, transactions; a
         # transaction's offsets reach the groups' view as it commits
         self._transactions = TransactionCoordinator(engine, self.groups.commit_staged)

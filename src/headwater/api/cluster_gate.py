@@ -12,12 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from headwater.engine.engine import Engine, ReplicaAcks
+from headwater.engine.kinds.model import kind_of_changelog
+from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.errors import NotLeader, StreamNotFound
 
 
 class ClusterGate:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, kinds: KindChangelogs) -> None:
         self._engine = engine
+        self._kinds = kinds  # kind changelogs: their followers apply below the HW
 
     def check_appends(self, check: Callable[[int, str, int], None]) -> None:
         """Every append to a (non-internal) stream partition first calls
@@ -48,6 +51,11 @@ class ClusterGate:
         """Readers of the partition (reads, subscriptions, the SQL projection, long
         polls) stop below ``limit()``, its high watermark, from now on. False when the
         stream is not here (yet), or is internal (its owners read it as they need)."""
+        if kind_of_changelog(stream) is not None:
+            if not self._kinds.holds(tenant_id, stream):
+                return False
+            self._kinds.limit(tenant_id, stream, limit)
+            return True
         try:
             where = self._engine.stream_by_name(tenant_id, stream)
         except StreamNotFound:
@@ -58,7 +66,11 @@ class ClusterGate:
         return True
 
     def readable_moved(self, tenant_id: int, stream: str, partition: int) -> None:
-        """The partition's high watermark moved: waiting readers look again."""
+        """The partition's high watermark moved: waiting readers look again (a kind's
+        follower applies its changelog up to it)."""
+        if kind_of_changelog(stream) is not None:
+            self._kinds.moved(tenant_id, stream)
+            return
         try:
             where = self._engine.stream_by_name(tenant_id, stream)
         except StreamNotFound:

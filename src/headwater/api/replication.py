@@ -22,8 +22,11 @@ from pathlib import Path
 
 from headwater.engine.engine import Engine, Stream, StreamInfo
 from headwater.engine.groups.offsets import OFFSETS_STREAM, LogOffsetStore
+from headwater.engine.kinds.model import kind_of_changelog
+from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.engine.transactions import TXN_STATE_STREAM, create_state_stream
 from headwater.errors import StreamNotFound
+from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.leader_epochs import LeaderEpochs
 from headwater.storage.log import PartitionLog
 
@@ -31,15 +34,20 @@ REPLICATED_INTERNAL = (OFFSETS_STREAM, TXN_STATE_STREAM)
 
 
 class Replicas:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, kinds: KindChangelogs) -> None:
         self._engine = engine
         self._epochs: dict[PartitionLog, LeaderEpochs] = {}
+        # Kind changelogs are partition 0 of a stream named for the kind (hw_kind_<name>)
+        # as etcd knows them; replication reaches them here like any partition.
+        self._kinds = kinds
 
     @property
     def data_dir(self) -> Path:
         return self._engine.data_dir
 
     def _log(self, tenant_id: int, stream: str, partition: int) -> PartitionLog:
+        if kind_of_changelog(stream) is not None:
+            return self._kinds.state(tenant_id, stream).log
         return self._engine.stream_by_name(tenant_id, stream, internal=True).partition_log(
             partition
         )
@@ -70,6 +78,14 @@ class Replicas:
     ) -> bool:
         """A follower's long poll: the partition's committed end passes ``offset``
         within ``timeout_s`` (internal streams too)."""
+        if kind_of_changelog(stream) is not None:
+            state = self._kinds.state(tenant_id, stream)
+            return await wait_for_log_of(
+                state.log,
+                state.committer,
+                lambda plog: plog.committed_offset > offset,
+                timeout_s,
+            )
         where = self._engine.stream_by_name(tenant_id, stream, internal=True)
         return await wait_for_end(where, partition, offset, timeout_s)
 
@@ -107,6 +123,8 @@ class Replicas:
 
     async def append_stored(self, tenant_id: int, stream: str, partition: int, data: bytes) -> int:
         """Append the leader's batches as they are; the new end once it is durable."""
+        if kind_of_changelog(stream) is not None:
+            return await self._kinds.append_stored(tenant_id, stream, data)
         where = self._engine.stream_by_name(tenant_id, stream, internal=True)
         plog = where.partition_log(partition)
         end = plog.append_stored(data)
@@ -120,6 +138,10 @@ class Replicas:
 
     async def truncate(self, tenant_id: int, stream: str, partition: int, offset: int) -> int:
         """Cut the replica's log (and its epochs) at ``offset``; the new end."""
+        if kind_of_changelog(stream) is not None:
+            end = await self._kinds.truncate(tenant_id, stream, offset)
+            self.epochs(tenant_id, stream, partition).truncate_from(end)
+            return end
         plog = self._log(tenant_id, stream, partition)
         end = await asyncio.get_running_loop().run_in_executor(
             self._engine.executor, plog.truncate_to, offset
@@ -142,10 +164,20 @@ async def wait_for_log(
     """Wait until ``reached(log)`` holds for the partition's log, checked now and at each
     commit (or high watermark move) its committer announces, at most ``timeout_s``. False
     when the time ran out first. The one long poll under follower and client fetches."""
-    plog = stream.partition_log(partition)
+    return await wait_for_log_of(
+        stream.partition_log(partition), stream.committers[partition], reached, timeout_s
+    )
+
+
+async def wait_for_log_of(
+    plog: PartitionLog,
+    committer: GroupCommitter,
+    reached: Callable[[PartitionLog], bool],
+    timeout_s: float,
+) -> bool:
+    """:func:`wait_for_log` for a log and its committer (a kind's changelog too)."""
     if reached(plog):
         return True
-    committer = stream.committers[partition]
     arrived = asyncio.Event()
 
     def on_move(_committed: int) -> None:

@@ -40,6 +40,7 @@ from headwater.cluster.etcd import (
     unchanged,
 )
 from headwater.cluster.frontends import FrontEndRules
+from headwater.cluster.kinds import KindRegistrySync
 from headwater.cluster.layout import (
     Keys,
     NodeInfo,
@@ -91,6 +92,7 @@ class ClusterNode:
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
         self.coordinators = GroupCoordinators(self)
+        self.kinds = KindRegistrySync(self)  # kinds' schemas; changelogs are partitions
         self.transactions = TransactionCoordinators(self)
         self.view = ClusterView(self)  # what the front ends ask
         self.front_ends = FrontEndRules(self)  # appends on leaders, reads below the HW
@@ -218,6 +220,7 @@ class ClusterNode:
     async def tick(self) -> None:
         known_streams = await self.etcd.get_prefix(self.keys.streams)
         await self._sync_streams(known_streams)
+        await self.kinds.sync()
         await self._publish_offsets()
         if await self._hold_controller():
             await self._control()

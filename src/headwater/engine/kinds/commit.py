@@ -26,7 +26,14 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from headwater.engine.kinds.fields import FieldSpec, default_value, encode_present_fields
-from headwater.engine.kinds.model import OP_ASSERT, OP_PATCH, ChangeType, EventNote, StateColumns
+from headwater.engine.kinds.model import (
+    OP_ASSERT,
+    OP_PATCH,
+    ChangeType,
+    EventNote,
+    StateColumns,
+    changelog_stream,
+)
 from headwater.engine.kinds.notify import changed_fields, publish
 from headwater.engine.kinds.state import (
     SEQUENCE_KEY,
@@ -36,9 +43,10 @@ from headwater.engine.kinds.state import (
     count_moves,
 )
 from headwater.engine.kinds.windows import Entry, EventDraft, Window, Work
+from headwater.errors import HeadwaterError
 
 if TYPE_CHECKING:
-    from headwater.engine.engine import Tenant
+    from headwater.engine.engine import Engine, Tenant
 
 
 @dataclass(slots=True)
@@ -71,9 +79,10 @@ class FlushPlan:
 class WindowWriter:
     """Writes a tenant's windows to its kinds' changelogs and commits them."""
 
-    def __init__(self, tenant: Tenant, kinds: dict[int, KindState]) -> None:
+    def __init__(self, tenant: Tenant, kinds: dict[int, KindState], engine: Engine) -> None:
         self.tenant = tenant
         self.kinds = kinds
+        self.engine = engine
 
     async def write(self, window: Window) -> int:
         """Make ``window`` durable (every kind's changes appended, then synced), then
@@ -122,54 +131,87 @@ class WindowWriter:
         finally:
             for first in claimed:
                 tenant.release_positions(first)
+        unconfirmed = await self._replicated(plans)
         for plan in plans:
-            self._commit(plan)
+            commit_plan(plan)
+        if unconfirmed is not None:
+            # Stored here, so the state moves on with the log (the next window is
+            # planned against it); the writers are told it is not confirmed.
+            raise unconfirmed
         return sum(len(plan.entity_ids) for plan in plans)
 
-    def _commit(self, plan: FlushPlan) -> None:
-        """The window is durable: readers see its state, subscribers get its changes."""
-        state = plan.state
-        ids, records, previous = plan.entity_ids, plan.records, plan.previous
-        if state.info.fields != plan.fields:
-            # The kind migrated while this window was being written: pad what it wrote.
-            records[:] = [state.whole_record(r) if r else r for r in records]
-            previous[:] = [None if p is None else state.whole_record(p) for p in previous]
-        first = plan.first
-        versions = range(first, first + len(ids))
-        entries = zip(versions, plan.source_sets, records, strict=True)
-        hot, dirty, deleted = state.hot, state.dirty, state.deleted
-        if deleted:  # created again since a deletion the store does not know yet
-            deleted.difference_update(ids)
-        hot.update(zip(ids, entries, strict=True))
-        dirty.update(ids)  # the store learns them at the next checkpoint
-        for i in plan.deleted:
-            eid = ids[i]
-            hot.pop(eid, None)  # may have been evicted (it was read from the store)
-            dirty.discard(eid)
-            deleted.add(eid)
-        state.count += plan.added
-        if plan.moves:
-            count_moves(state.held_counts, plan.moves)
-        if len(hot) > state.capacity:
-            state.evict()
-        state.applied_position = plan.applied
-        state.applied_offset = plan.applied_offset
-        state.next_sequence = plan.next_sequence
-        if state.subscribers:
-            changes_of = functools.partial(changed_fields, state.codec)
-            state_notes = StateColumns(
-                state.info.kind_id,
-                first,
-                ids,
-                plan.changes,
-                plan.source_sets,
-                records,
-                previous,
-                plan.metadata,
-                changes_of,
-                plan.changed_fields if state.info.fields == plan.fields else None,
+    async def _replicated(self, plans: list[FlushPlan]) -> HeadwaterError | None:
+        """In a cluster (acks=all): wait until the in-sync replicas hold every kind's
+        changelog records of the window; the error when they did not confirm (stored
+        here, unconfirmed), None once they did (and on a single node)."""
+        engine = self.engine
+        acks = engine.replica_acks
+        if acks is None:
+            return None
+        waits = [
+            acks.replicated(
+                self.tenant.tenant_id,
+                changelog_stream(plan.state.info.name),
+                0,
+                plan.applied_offset,
+                engine.replica_acks_timeout_s,
             )
-            publish(state, state_notes, plan.notes)
+            for plan in plans
+            if not plan.state.info.internal
+        ]
+        for outcome in await asyncio.gather(*waits, return_exceptions=True):
+            if isinstance(outcome, HeadwaterError):
+                return outcome
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return None
+
+
+def commit_plan(plan: FlushPlan) -> None:
+    """The window is durable: readers see its state, subscribers get its changes (a
+    leader's window, or a follower's run of copied changelog records)."""
+    state = plan.state
+    ids, records, previous = plan.entity_ids, plan.records, plan.previous
+    if state.info.fields != plan.fields:
+        # The kind migrated while this window was being written: pad what it wrote.
+        records[:] = [state.whole_record(r) if r else r for r in records]
+        previous[:] = [None if p is None else state.whole_record(p) for p in previous]
+    first = plan.first
+    versions = range(first, first + len(ids))
+    entries = zip(versions, plan.source_sets, records, strict=True)
+    hot, dirty, deleted = state.hot, state.dirty, state.deleted
+    if deleted:  # created again since a deletion the store does not know yet
+        deleted.difference_update(ids)
+    hot.update(zip(ids, entries, strict=True))
+    dirty.update(ids)  # the store learns them at the next checkpoint
+    for i in plan.deleted:
+        eid = ids[i]
+        hot.pop(eid, None)  # may have been evicted (it was read from the store)
+        dirty.discard(eid)
+        deleted.add(eid)
+    state.count += plan.added
+    if plan.moves:
+        count_moves(state.held_counts, plan.moves)
+    if len(hot) > state.capacity:
+        state.evict()
+    state.applied_position = plan.applied
+    state.applied_offset = plan.applied_offset
+    state.next_sequence = plan.next_sequence
+    if state.subscribers:
+        changes_of = functools.partial(changed_fields, state.codec)
+        state_notes = StateColumns(
+            state.info.kind_id,
+            first,
+            ids,
+            plan.changes,
+            plan.source_sets,
+            records,
+            previous,
+            plan.metadata,
+            changes_of,
+            plan.changed_fields if state.info.fields == plan.fields else None,
+        )
+        publish(state, state_notes, plan.notes)
 
 
 def _columnar_changes(

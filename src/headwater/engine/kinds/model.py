@@ -23,6 +23,20 @@ Key: TypeAlias = tuple[int, bytes]
 
 ALL_SOURCES = (1 << (MAX_SOURCE_ID + 1)) - 1
 
+# In a cluster a kind's changelog is partition 0 of this internal stream (its name
+# after the prefix; hw_ is reserved, so no user stream or kind takes it): see .replicated.
+CHANGELOG_PREFIX = "hw_kind_"
+
+
+def changelog_stream(kind_name: str) -> str:
+    """The replicated stream whose partition 0 is the kind's changelog."""
+    return CHANGELOG_PREFIX + kind_name
+
+
+def kind_of_changelog(stream: str) -> str | None:
+    """The kind whose changelog ``stream`` names, None for any other stream."""
+    return stream[len(CHANGELOG_PREFIX) :] if stream.startswith(CHANGELOG_PREFIX) else None
+
 
 @dataclass(frozen=True, slots=True)
 class KindInfo:

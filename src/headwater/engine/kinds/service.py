@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,9 +38,16 @@ from typing import TYPE_CHECKING
 from headwater.engine.engine import run_every
 from headwater.engine.kinds.commit import WindowWriter
 from headwater.engine.kinds.errors import KindNotFound, ReadOnlySource
-from headwater.engine.kinds.model import EntityState, KindInfo, KindsConfig, WriteOp
+from headwater.engine.kinds.model import (
+    EntityState,
+    KindInfo,
+    KindsConfig,
+    WriteOp,
+    changelog_stream,
+)
 from headwater.engine.kinds.notify import subscribe
 from headwater.engine.kinds.registry import KindRegistry
+from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.engine.kinds.sources import PRESENCE_FIELDS, PRESENCE_KIND, Source, Sources
 from headwater.engine.kinds.state import KindState
 from headwater.engine.kinds.store import STORE_DIR, KindStore
@@ -70,7 +77,7 @@ class TenantKinds:
         self.writers = Sources(self, registry, owner.config)
         self.sources = self.writers.by_slot  # slot -> holder (connected or in grace)
         self.epochs = self.writers.epochs  # source -> kind -> ids not re-written yet
-        self.window_writer = WindowWriter(tenant, self.kinds)
+        self.window_writer = WindowWriter(tenant, self.kinds, owner.engine)
         self.windows = Windows(self.tenant_id, self.kinds, self._write, owner.config.coalesce_ms)
         self._checkpoints: set[asyncio.Task[None]] = set()
         self.windows_flushed = 0
@@ -145,6 +152,9 @@ class TenantKinds:
             state.committer.start()
             self.engine_tenant.reserved_names.add(kind.name)
             self.owner.fire_kind_created(self, state)
+            if self.owner.placement is not None and not kind.internal:
+                # In a cluster: answered once the changelog is placed and has a leader.
+                await self.owner.placement(self.tenant_id, kind)
         log.info(
             "kind %s (tenant %d, id %d) v%d",
             name,
@@ -211,6 +221,10 @@ class TenantKinds:
                 raise KindNotFound(f"kind {op.kind_id} does not exist")
             if state.info.internal:
                 raise ReadOnlySource(f"kind {state.info.name!r} is written by headwater only")
+        if self.owner.clustered:
+            # Only the leader of each kind's changelog takes its writes (before any applies).
+            for kind_id in {op.kind_id for op in ops}:
+                self.owner.changelogs.check_writable(self.tenant_id, self.kinds[kind_id])
         if len({op.kind_id for op in ops}) > 1:
             ops = sorted(ops, key=lambda op: op.kind_id)  # stable: order kept per kind
         self.windows.apply(sid, ops, self.epochs.get(sid))
@@ -329,6 +343,10 @@ class KindsEngine:
         self.executor = engine.executor
         self.tenants: dict[int, TenantKinds] = {}
         self.hooks = _Hooks()
+        # In a cluster (replicated.py): replication reaches kind changelogs through
+        # ``changelogs``; ``placement`` waits for a new kind's changelog to get a leader.
+        self.changelogs = KindChangelogs(self)
+        self.placement: Callable[[int, KindInfo], Awaitable[None]] | None = None
         self._liveness: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self.closed = False
@@ -388,6 +406,20 @@ class KindsEngine:
         state.load()
         return state
 
+    @property
+    def clustered(self) -> bool:
+        """A cluster node has set its rules on the engine (appends on leaders only)."""
+        return self.engine.leader_check is not None
+
+    def writable_here(self, state: KindState) -> bool:
+        """Whether writes of headwater's own (retractions of a dead source, an epoch's
+        end) may go to ``state``: always on a single node and for internal kinds; in a
+        cluster only where this node leads the kind's changelog (a follower's state is
+        its leader's copy, moved only by replication)."""
+        if not self.clustered or state.info.internal:
+            return True
+        return self.changelogs.leads(state.info.tenant_id, changelog_stream(state.info.name))
+
     def fire_kind_created(self, tenant: TenantKinds, state: KindState) -> None:
         for hook in list(self.hooks.kind_created):
             try:
@@ -421,6 +453,10 @@ class KindsEngine:
         for tk in list(self.tenants.values()):
             for state in list(tk.kinds.values()):
                 if state.log.closed:
+                    continue
+                if self.clustered and not state.info.internal:
+                    # Replicas copy batches at their offsets; compaction on each node
+                    # on its own would part them (docs/cluster.md: not compacted yet).
                     continue
                 result = await loop.run_in_executor(self.executor, state.log.compact)
                 removed += result.events_removed

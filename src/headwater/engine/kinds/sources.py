@@ -109,6 +109,13 @@ class Sources:
         self._saving: asyncio.Task[None] | None = None
 
     def _apply(self, sid: int, ops: Sequence[WriteOp]) -> None:
+        if self.tenant.owner.clustered:
+            # A kind another node leads is moved by replication alone: its leader
+            # retracts for its own sources.
+            kinds, writable = self.tenant.kinds, self.tenant.owner.writable_here
+            blocked = {k for k in {op.kind_id for op in ops} if not writable(kinds[k])}
+            if blocked:
+                ops = [op for op in ops if op.kind_id not in blocked]
         self.tenant.windows.apply(sid, ops)
 
     def held_by(self, source_id: int, skip_kind: int | None = None) -> dict[int, list[bytes]]:

@@ -106,6 +106,11 @@ class KindState:
         self.subscribers: list[KindSubscription] = []
         self.applied_position = 0  # every change of this kind below it is committed
         self.applied_offset = 0  # the changelog offset after the last committed window
+        # In a cluster (engine/kinds/replicated.py): a follower applies its copied
+        # changelog below replica_limit() (the high watermark); ``following`` until a
+        # new leader has applied all of its copy.
+        self.replica_limit: Callable[[], int] | None = None
+        self.following = False
 
     # ---- reads --------------------------------------------------------------------------
 
@@ -364,6 +369,20 @@ class KindState:
                 after = chunk[-1][0]
                 for eid, (version, source_set, record) in chunk:
                     self.hot[eid] = (version, source_set, self.whole_record(record))
+
+    def rebuild(self) -> None:
+        """Open the committed state again from the store and the changelog (worker
+        thread): a follower's changelog was cut below what it had applied. What memory
+        held newer than the store is dropped; the store's checkpoint past the cut is
+        rebuilt from the changelog by :meth:`load`."""
+        self.hot = {}
+        self.dirty = set()
+        self.deleted = set()
+        self.writing = {}
+        meta = self.store.meta()
+        if meta is not None and meta.offset > self.log.end_offset:
+            self.store.clear()
+        self.load()
 
     def _replay(self, meta: StoreMeta) -> StoreMeta:
         """Apply the changelog from ``meta.offset`` to the store, a transaction per

@@ -30,6 +30,7 @@ from headwater.engine.kinds.model import (
     WriteOp,
 )
 from headwater.engine.kinds.state import KindState
+from headwater.errors import HeadwaterError
 
 log = logging.getLogger(__name__)
 
@@ -345,12 +346,17 @@ class Windows:
         try:
             await self._write(window)
         except BaseException as exc:
-            log.exception("flushing a window of tenant %d failed", self.tenant_id)
+            if isinstance(exc, HeadwaterError):  # e.g. a cluster's replicas did not confirm
+                log.warning("a window of tenant %d failed: %s", self.tenant_id, exc)
+            else:
+                log.exception("flushing a window of tenant %d failed", self.tenant_id)
             if not window.done.done():
                 window.done.set_exception(
                     exc if isinstance(exc, Exception) else RuntimeError("flush cancelled")
                 )
                 window.done.exception()  # retrieved: waiters may be gone
+            if isinstance(exc, HeadwaterError):
+                return  # its writers are told; the next window goes on
             raise
         finally:
             self.flushing = None

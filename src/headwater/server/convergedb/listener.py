@@ -266,7 +266,11 @@ class ConvergeConnection(asyncio.Protocol):
 
     def _ack_when(self, window: Window, stream: int, ack: m.Message, opcode: Opcode) -> None:
         def done(fut: asyncio.Future[None]) -> None:
-            if fut.cancelled() or fut.exception() is not None:
+            failed = None if fut.cancelled() else fut.exception()
+            if isinstance(failed, HeadwaterError):
+                # In a cluster: e.g. stored on the leader, unconfirmed by its replicas.
+                self.error(stream, error_code_for(failed), opcode, failed.message)
+            elif fut.cancelled() or failed is not None:
                 self.error(
                     stream, ErrorCode.INTERNAL, opcode, "the write could not be made durable"
                 )

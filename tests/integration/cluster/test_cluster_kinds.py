@@ -1,0 +1,132 @@
+"""Entity kinds in a cluster (docs/cluster.md, "Entity kinds"): a kind's changelog is a
+replicated partition (``hw_kind_<name>``) placed by the controller. Writes through the
+entities SDK are taken by its leader and acknowledged once the in-sync replicas hold
+them; a follower refuses them naming the leader's ConvergeDB address; a follower's
+kind state (read, scan) is the leader's; and when the leader is SIGKILLed right after
+an acknowledged write, the new leader serves every acknowledged entity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from cluster_nodes import WAIT_S, Cluster
+from servers import LOCAL, Server
+
+from headwater import entities
+from headwater.entities import EntityError
+from waiting import wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+COUNT = 50  # entities written on the first leader
+
+
+@dataclass
+class Sensor:
+    site: str
+    temp: float
+
+
+def add_node(cluster: Cluster, node_id: int) -> Server:
+    server = Server(
+        cluster.root / f"node{node_id}",
+        config=cluster.config(node_id),
+        listen={"kafka": LOCAL, "convergedb": LOCAL},
+    )
+    cluster.nodes[node_id] = server
+    return server.start()
+
+
+def leader_of(cluster: Cluster, changelog: str, not_node: int = -1) -> int:
+    """The node etcd names as the changelog partition's leader (not ``not_node``)."""
+
+    def found() -> int | None:
+        part = cluster.partitions().get(f"0/{changelog}/0")
+        leader = None if part is None else int(part["leader"])
+        return leader if leader not in (None, -1, not_node) else None
+
+    return wait_until(found, message=lambda: f"no leader: {cluster.status()}", timeout=WAIT_S)
+
+
+def state_of(server: Server, cls: type[Sensor]) -> dict[bytes, tuple[Sensor, int]]:
+    """The kind's entities as ``server`` reads them: value and version by key."""
+    with entities.connect(server.address_of("convergedb"), read_only=True) as reader:
+        kind = reader.get_kind(cls)
+        return {e.key: (e.value, e.version) for e in reader.scan(kind)}
+
+
+def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
+    cluster: Cluster,
+) -> None:
+    for node_id in (1, 2, 3):
+        add_node(cluster, node_id)
+    # CREATE_KIND on node 1 is answered once the changelog has a leader (any node).
+    with entities.connect(cluster.nodes[1].address_of("convergedb"), name="setup") as setup:
+        kind = setup.create_kind(Sensor)
+    changelog = f"hw_kind_{kind.name}"
+    leader = leader_of(cluster, changelog)
+    followers = [n for n in cluster.nodes if n != leader]
+
+    # Writes on the leader, acknowledged (flush) once the in-sync replicas hold them.
+    with entities.connect(cluster.nodes[leader].address_of("convergedb"), name="w") as writer:
+        kind = writer.get_kind(Sensor)
+        for i in range(COUNT):
+            writer.assert_(kind, f"s{i}", Sensor(f"site{i}", float(i)))
+        writer.flush()
+        writer.retract(kind, "s0")  # a deletion is replicated too
+        writer.flush()
+
+    # A follower refuses a write, naming the leader's ConvergeDB address.
+    follower = cluster.nodes[followers[0]]
+    leader_address = cluster.nodes[leader].address_of("convergedb")
+    with entities.connect(follower.address_of("convergedb"), name="stray") as stray:
+        stray_kind = stray.get_kind(Sensor)
+        with pytest.raises(EntityError) as refused:
+            stray.assert_(stray_kind, "stray", Sensor("nowhere", -1.0))
+            stray.flush()
+    assert f"node {leader} leads kind {kind.name}" in str(refused.value)
+    assert f"convergedb {leader_address}" in str(refused.value)
+
+    # Every follower's state is the leader's (entities, values and versions).
+    expected = state_of(cluster.nodes[leader], Sensor)
+    assert len(expected) == COUNT - 1
+    for node_id in followers:
+        wait_until(
+            lambda n=node_id: state_of(cluster.nodes[n], Sensor) == expected,
+            message=lambda n=node_id: f"node {n}: {len(state_of(cluster.nodes[n], Sensor))}",
+            timeout=WAIT_S,
+        )
+
+    # An acknowledged write, then the leader SIGKILLed at once: the new leader has it.
+    with entities.connect(leader_address, name="w") as writer:
+        kind = writer.get_kind(Sensor)
+        writer.assert_(kind, "last", Sensor("acked", 99.0))
+        writer.flush()
+        cluster.nodes[leader].kill()  # SIGKILL
+    new_leader = leader_of(cluster, changelog, not_node=leader)
+    new_address = cluster.nodes[new_leader].address_of("convergedb")
+
+    def served() -> dict[bytes, tuple[Sensor, int]] | None:
+        state = state_of(cluster.nodes[new_leader], Sensor)
+        return state if len(state) == len(expected) + 1 else None
+
+    after = wait_until(served, message=lambda: "the acknowledged write is lost", timeout=WAIT_S)
+    assert {k: v for k, v in after.items() if k in expected} == expected
+    (last,) = [value for k, (value, _version) in after.items() if k not in expected]
+    assert last == Sensor("acked", 99.0)
+    # And it takes writes (once it has applied all of its copy).
+    with entities.connect(new_address, name="w2") as writer2:
+        kind = writer2.get_kind(Sensor)
+
+        def written() -> bool:
+            try:
+                writer2.assert_(kind, "after", Sensor("new leader", 1.0))
+                writer2.flush()
+            except EntityError:
+                return False
+            return True
+
+        wait_until(written, timeout=WAIT_S)
+        found = writer2.get(kind, "after")
+        assert found is not None and found.value == Sensor("new leader", 1.0)
