@@ -53,14 +53,15 @@ class Replicas:
         )
 
     def internal_streams(self, tenant_id: int) -> list[StreamInfo]:
-        """The tenant's replicated internal streams that exist here."""
+        """The tenant's replicated internal streams that exist here (its kinds'
+        changelogs among them: :meth:`KindChangelogs.streams`)."""
         found = []
         for name in REPLICATED_INTERNAL:
             try:
                 found.append(self._engine.stream_by_name(tenant_id, name, internal=True).info())
             except StreamNotFound:
                 continue
-        return found
+        return found + self._kinds.streams(tenant_id)
 
     async def create_internal(self, tenant_id: int, name: str) -> bool:
         """Create a replicated internal stream another node registered (with the
@@ -71,7 +72,9 @@ class Replicas:
         if name == TXN_STATE_STREAM:
             await create_state_stream(self._engine, tenant_id)
             return True
-        return False
+        # A kind's changelog comes with the kind, which the cluster creates from the
+        # schema it registered (cluster/kinds.py): here once that is done.
+        return kind_of_changelog(name) is not None and self._kinds.holds(tenant_id, name)
 
     async def wait_for_end(
         self, tenant_id: int, stream: str, partition: int, offset: int, timeout_s: float

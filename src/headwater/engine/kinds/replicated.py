@@ -28,6 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
+from headwater.engine.engine import PartitionInfo, StreamInfo, StreamSettings
 from headwater.engine.kinds.commit import FlushPlan, commit_plan
 from headwater.engine.kinds.errors import KindNotFound
 from headwater.engine.kinds.model import (
@@ -90,6 +91,39 @@ class KindChangelogs:
         if tk is None:
             return []
         return [state.info for state in tk.kinds.values() if replicated(state)]
+
+    def streams(self, tenant_id: int) -> list[StreamInfo]:
+        """The tenant's replicated kind changelogs, each as a stream of one partition
+        (what the cluster registers, reports and places). Its ``stream_id`` is the
+        kind id negated: never a stream's, and never reused (kinds are not deleted)."""
+        tk = self._kinds.tenants.get(tenant_id)
+        if tk is None:
+            return []
+        found = []
+        for state in tk.kinds.values():
+            if not replicated(state):
+                continue
+            plog = state.log
+            start, end = plog.start_offset, plog.committed_offset
+            size, segments = plog.size_bytes, len(plog.segments)
+            part = PartitionInfo(0, start, end, size, segments, end, plog.readable_offset)
+            found.append(
+                StreamInfo(
+                    tenant_id,
+                    -state.info.kind_id,
+                    changelog_stream(state.info.name),
+                    0,
+                    start,
+                    end,
+                    size,
+                    segments,
+                    StreamSettings(),
+                    plog.config.sync.kind,
+                    1,
+                    (part,),
+                )
+            )
+        return found
 
     def set_placement(self, placement: Callable[[int, KindInfo], Awaitable[None]]) -> None:
         """CREATE_KIND of a new kind awaits ``placement(tenant, kind)`` before it is
