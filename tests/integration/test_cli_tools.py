@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer as KafkaProducer
 from servers import LOCAL, Server, serving
 
 import headwater
@@ -32,7 +33,8 @@ from waiting import wait_until
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serving(
-        tmp_path_factory.mktemp("cli_tools"), listen={"http": LOCAL, "rivven": LOCAL}
+        tmp_path_factory.mktemp("cli_tools"),
+        listen={"http": LOCAL, "rivven": LOCAL, "kafka": LOCAL},
     )
 
 
@@ -84,6 +86,7 @@ def test_info_and_ping(server: Server, env: dict[str, str]) -> None:
         "kimberlite": server.port,
         "http": server.ports["http"],
         "rivven": server.ports["rivven"],
+        "kafka": server.ports["kafka"],
     }
     assert info["uptime_seconds"] > 0
 
@@ -305,6 +308,56 @@ def test_profiles(
     path.write_text("[profiles.bad]\nservr = 'x'\n")
     broken = failed(cli("ping", env=env), 2)
     assert "profile 'bad' has unknown key(s) servr" in broken
+
+
+def test_keyed_append_lands_on_kafkas_partition_for_the_key(
+    server: Server, env: dict[str, str]
+) -> None:
+    """A keyed CLI append to a stream of 6 partitions puts each event where a Kafka
+    client (Java's partitioner: librdkafka's murmur2_random) puts the same key; keyless
+    lines stay on partition 0, as before."""
+    at = ("--server", server.address)
+    api = f"http://127.0.0.1:{server.ports['http']}/api/streams"
+    for name in ("placed", "placed_by_kafka"):
+        body = json.dumps({"name": name, "settings": {"partitions": 6}}).encode()
+        created = urllib.request.Request(api, body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(created, timeout=30).close()
+    keys = [f"user-{i}" for i in range(40)]
+    lines = "".join(f"{key}:v-{key}\n" for key in keys) + "no key\n"
+    appended = ok(cli("append", "placed", "-K", ":", "-H", "src=cli", *at, env=env, stdin=lines))
+    ok(cli("append", "placed", "--key", "user-7", *at, env=env, stdin="again\n"))
+
+    kafka = KafkaProducer(
+        {"bootstrap.servers": server.address_of("kafka"), "partitioner": "murmur2_random"}
+    )
+    by_kafka: dict[str, int] = {}
+
+    def delivered(error: Any, message: Any) -> None:
+        assert error is None, error
+        by_kafka[message.key().decode()] = message.partition()
+
+    for key in keys:
+        kafka.produce("placed_by_kafka", b"v", key=key.encode(), on_delivery=delivered)
+    assert kafka.flush(30) == 0
+
+    stored: dict[int, list[tuple[str | None, str]]] = {}
+    for partition in range(6):
+        url = f"{api}/placed/events?partition={partition}"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            events = json.load(response)["events"]
+        stored[partition] = [(e.get("key"), e["value"]) for e in events]
+        assert all(e["headers"][0]["value"] == "cli" for e in events if e["value"] != "again")
+    expected: dict[int, list[tuple[str | None, str]]] = {p: [] for p in range(6)}
+    for key in keys:
+        expected[by_kafka[key]].append((key, f"v-{key}"))
+    expected[0].insert(sum(by_kafka[key] == 0 for key in keys), (None, "no key"))
+    expected[by_kafka["user-7"]].append(("user-7", "again"))
+    assert stored == expected
+    assert len(set(by_kafka.values())) == 6  # the keys spread over every partition
+    counts = {p: sum(by_kafka[key] == p for key in keys) + (p == 0) for p in range(6)}
+    assert appended.strip() == "appended 41 events to placed: " + ", ".join(
+        f"partition {p} offsets 0..{counts[p] - 1}" for p in range(6)
+    )
 
 
 def test_append_with_keys_and_headers(

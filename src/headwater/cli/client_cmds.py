@@ -47,6 +47,7 @@ from headwater.cli.connection import (
 
 if TYPE_CHECKING:
     from headwater.client import AppendResult, AsyncClient, Client, QueryResult
+    from headwater.client.arrow import HttpApi as ArrowApi
 
 # Off a terminal (a pipe, a file), rich would cut tables at 80 columns; as wide as a
 # row needs there instead ($COLUMNS still sets a width when given).
@@ -394,23 +395,64 @@ def _chunks(source: IO[bytes], *, live: bool) -> Iterator[tuple[list[bytes], int
         yield chunk, consumed
 
 
-def _append_chunk(hw: Client, args: argparse.Namespace, lines: list[bytes]) -> AppendResult:
-    """Append ``lines`` as events, with the command's key and headers (AppendRecords)."""
-    keys: list[bytes | None] | None = None
+def _keyed(
+    args: argparse.Namespace, lines: list[bytes]
+) -> tuple[list[bytes], list[bytes | None] | None]:
+    """The events' values and keys (None: no keys) from the command's key options."""
     if args.key_delimiter is not None:
         # As kcat -K: the key is what comes before the first delimiter; a line without
         # one is a value with no key.
         delimiter = args.key_delimiter.encode()
-        keys, values = [], []
+        keys: list[bytes | None] = []
+        values = []
         for line in lines:
             key, found, value = line.partition(delimiter)
             keys.append(key if found else None)
             values.append(value if found else line)
-        lines = values
-    elif args.event_key is not None:
-        keys = [args.event_key.encode()] * len(lines)
+        return values, keys
+    if args.event_key is not None:
+        return lines, [args.event_key.encode()] * len(lines)
+    return lines, None
+
+
+def _append_chunk(hw: Client, args: argparse.Namespace, lines: list[bytes]) -> AppendResult:
+    """Append ``lines`` as events, with the command's key and headers (AppendRecords), to
+    partition 0 (all Kimberlite knows)."""
+    values, keys = _keyed(args, lines)
     headers = [args.header] * len(lines) if args.header else None
-    return hw.append(args.stream, lines, keys=keys, headers=headers)
+    return hw.append(args.stream, values, keys=keys, headers=headers)
+
+
+def _append_placed(
+    api: ArrowApi, args: argparse.Namespace, lines: list[bytes], partitions: int
+) -> dict[int, tuple[int, int]]:
+    """Append ``lines`` to a stream of several partitions, each keyed event on its key's
+    partition as the engine's partitioner (Kafka's murmur2) places it, each keyless one
+    on partition 0 as before; each partition's events in their order, as Arrow appends
+    (``POST /api/streams/{name}/arrow``). Returns each partition's (first offset, last
+    offset) written."""
+    import numpy as np
+    import pyarrow as pa
+
+    from headwater.client.arrow import append_pieces, by_partition
+    from headwater.engine.partitioner import Partitioner
+
+    values, keys = _keyed(args, lines)
+    assert keys is not None  # only keyed appends come here
+    keyless_to_0 = [0 if key is None else None for key in keys]
+    target = Partitioner().partition(keys, partitions, keyless_to_0)
+    columns = {"value": pa.array(values, pa.binary()), "key": pa.array(keys, pa.binary())}
+    if args.header:
+        entry = [{"key": name, "value": value.encode()} for name, value in args.header]
+        header = pa.struct([("key", pa.string()), ("value", pa.binary())])
+        columns["headers"] = pa.array([entry] * len(values), pa.list_(header))
+    written: dict[int, tuple[int, int]] = {}
+    for partition, rows in by_partition(pa.RecordBatch.from_pydict(columns), np.asarray(target)):
+        for piece in append_pieces(rows):
+            answer = api.append_arrow(args.stream, piece, partition=partition)
+            first = written.get(partition, (int(answer["base_offset"]), 0))[0]
+            written[partition] = (first, int(answer["next_offset"]) - 1)
+    return written
 
 
 def parse_header(text: str) -> tuple[str, str]:
@@ -435,29 +477,39 @@ def cmd_append(args: argparse.Namespace) -> int:
         total = path.stat().st_size
     else:
         source = sys.stdin.buffer
-    count = 0
-    first = last = None
-    results: list[AppendResult] = []
-    with connect(args) as hw, source:
+    written: dict[int, tuple[int, int]] = {}  # partition: (first, last offset)
+
+    def wrote(partition: int, first: int, last: int) -> None:
+        written[partition] = (written.get(partition, (first, 0))[0], last)
+
+    with connect(args) as hw, source, contextlib.ExitStack() as closing:
         hw.stream_id(args.stream)  # StreamNotFound before reading any input
+        # Keyed events go to their key's partition; Kimberlite knows partition 0 only,
+        # so on a stream of several partitions they go as Arrow appends over HTTP.
+        api = None
+        if args.event_key is not None or args.key_delimiter is not None:
+            api = _placing_api(hw, args.stream)
+            if api is not None:
+                closing.callback(api[0].close)
         progress = _progress("bytes") if total is not None else None
         task = progress.add_task("appending", total=total) if progress else None
         try:
             if progress is not None:
                 progress.start()
             for chunk, consumed in _chunks(source, live=total is None):
-                if chunk:
+                if chunk and api is not None:
+                    placed = _append_placed(api[0], args, chunk, api[1])
+                    for partition, (first, last) in placed.items():
+                        wrote(partition, first, last)
+                elif chunk:
                     result = _append_chunk(hw, args, chunk)
-                    results.append(result)
-                    count += result.count
-                    if first is None:
-                        first = result.first_offset
-                    last = result.last_offset
+                    wrote(0, result.first_offset, result.last_offset)
                 if progress is not None and task is not None:
                     progress.update(task, advance=consumed)
         finally:
             if progress is not None:
                 progress.stop()
+    count = sum(last - first + 1 for first, last in written.values())
     if count == 0:
         out.print(
             f"no events appended to {args.stream} (the input had no lines)",
@@ -465,13 +517,45 @@ def cmd_append(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
         return 0
+    if list(written) == [0]:
+        where = "offsets {}..{}".format(*written[0])
+    else:
+        where = ", ".join(
+            f"partition {p} offsets {first}..{last}" for p, (first, last) in sorted(written.items())
+        )
     out.print(
-        f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: "
-        f"offsets {first}..{last}",
+        f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: {where}",
         markup=False,
         soft_wrap=True,
     )
     return 0
+
+
+def _placing_api(hw: Client, stream: str) -> tuple[ArrowApi, int] | None:
+    """The HTTP API and the stream's partition count when keyed events must be placed
+    by key (a stream of several partitions); None when Kimberlite's partition 0 is the
+    key's partition anyway (one partition), or when the server has no HTTP API (a
+    warning says keys then go to partition 0)."""
+    from headwater.client.errors import ServerUnavailable
+
+    try:
+        api = hw.http_api()
+    except ServerUnavailable as exc:
+        err.print(
+            f"headwater: warning: {exc}; keyed events go to partition 0 over Kimberlite",
+            markup=False,
+            soft_wrap=True,
+        )
+        return None
+    try:
+        partitions = int(api.stream(stream)["partitions"])
+    except BaseException:
+        api.close()
+        raise
+    if partitions == 1:
+        api.close()
+        return None
+    return api, partitions
 
 
 class _EventRateColumn(ProgressColumn):

@@ -17,9 +17,13 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from headwater.errors import NotLeader
+from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, MAX_EVENTS
 
 from ._core.session import backoff_delay, parse_server
 from .errors import ServerUnavailable, http_api_error
@@ -272,6 +276,41 @@ class HttpApi:
             repeatable=producer is not None,  # the producer table answers a resend
         )
         return answer
+
+
+def by_partition(
+    batch: pa.RecordBatch, target: npt.NDArray[np.integer[Any]]
+) -> list[tuple[int, pa.RecordBatch]]:
+    """``batch``'s rows grouped by their partition (``target``, one per row), each
+    group in the rows' order: one Arrow take, no step per row."""
+    if (target == target[0]).all():
+        return [(int(target[0]), batch)]
+    order = np.argsort(target, kind="stable")  # keeps each partition's order
+    ordered = batch.take(pa.array(order))
+    cuts = np.flatnonzero(np.diff(target[order])) + 1
+    starts = [0, *cuts.tolist()]
+    ends = [*cuts.tolist(), len(order)]
+    return [
+        (int(target[order[a]]), ordered.slice(a, b - a)) for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """``batch`` cut where an append would pass the server's limits (10,000 events, 4 MiB
+    of values and keys); a single larger event stays alone and the server refuses it
+    clearly."""
+    lengths = pc.binary_length(batch.column("value")).to_numpy(zero_copy_only=False)
+    if "key" in batch.schema.names:
+        keys = pc.fill_null(pc.binary_length(batch.column("key")), 0)
+        lengths = lengths + keys.to_numpy(zero_copy_only=False)
+    total = np.cumsum(lengths, dtype=np.int64)
+    start = 0
+    while start < batch.num_rows:
+        base = total[start - 1] if start else 0
+        fits = int(np.searchsorted(total, base + MAX_APPEND_BYTES, side="right")) - start
+        count = max(1, min(fits, MAX_EVENTS, batch.num_rows - start))
+        yield batch.slice(start, count)
+        start += count
 
 
 class _Unreachable(Exception):

@@ -22,12 +22,12 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
-from headwater.client.arrow import HttpApi
+from headwater.client.arrow import HttpApi, append_pieces, by_partition
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
 from headwater.engine.partitioner import murmur2_spans
 from headwater.errors import InvalidOffset, StreamNotFound, UsageError
-from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, EventBatch, http_port
+from headwater.protocols.kimberlite.messages import EventBatch, http_port
 
 from .options import READ_COMMITTED, ConnectionOptions, DataLossError, producer_id
 
@@ -37,7 +37,6 @@ READ_BYTES = 8 << 20
 TIMESTAMP_TYPE_CREATE = 0  # Kafka's CreateTime: the producer's timestamp
 TIMESTAMP_TYPE_LOG_APPEND = 1  # Kafka's LogAppendTime: the server stamps each batch
 SEQUENCES_PER_PRODUCER = 32  # the server remembers the last 64 sequences of a producer
-APPEND_ROWS = 10_000  # the server's limit of events per append
 
 
 def open_client(conn: ConnectionOptions) -> Client:
@@ -572,21 +571,8 @@ class PartitionedAppender:
                 continue
             target = place(batch, partitions, sticky)
             sticky = (sticky + 1) % partitions
-            rows = _write_batch(batch)
-            if (target == target[0]).all():
-                groups = [(int(target[0]), rows)]
-            else:
-                order = np.argsort(target, kind="stable")  # keeps each partition's order
-                ordered = rows.take(pa.array(order))
-                cuts = np.flatnonzero(np.diff(target[order])) + 1
-                starts = [0, *cuts.tolist()]
-                ends = [*cuts.tolist(), len(order)]
-                groups = [
-                    (int(target[order[a]]), ordered.slice(a, b - a))
-                    for a, b in zip(starts, ends, strict=True)
-                ]
-            for p, part in groups:
-                for piece in _append_pieces(part):
+            for p, part in by_partition(_write_batch(batch), target):
+                for piece in append_pieces(part):
                     group, sequence = divmod(appended[p], SEQUENCES_PER_PRODUCER)
                     producer = (producer_id(self.job, self.partition, p, group), sequence)
                     senders[p].send(self.stream, piece, p, producer)
@@ -633,20 +619,3 @@ class _Sender:
             future.cancel()
         self.pool.shutdown(wait=True)
         self.api.close()
-
-
-def _append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
-    """``batch`` cut where an append would pass 10,000 rows or 4 MiB of values and keys
-    (a single larger event stays alone and the server refuses it clearly)."""
-    lengths = pc.binary_length(batch.column("value")).to_numpy(zero_copy_only=False)
-    if "key" in batch.schema.names:
-        keys = pc.fill_null(pc.binary_length(batch.column("key")), 0)
-        lengths = lengths + keys.to_numpy(zero_copy_only=False)
-    total = np.cumsum(lengths, dtype=np.int64)
-    start = 0
-    while start < batch.num_rows:
-        base = total[start - 1] if start else 0
-        fits = int(np.searchsorted(total, base + MAX_APPEND_BYTES, side="right")) - start
-        count = max(1, min(fits, APPEND_ROWS, batch.num_rows - start))
-        yield batch.slice(start, count)
-        start += count
