@@ -99,13 +99,28 @@ def test_info_and_ping(server: Server, env: dict[str, str]) -> None:
 
 
 def test_unreachable_and_no_http_api(
-    server: Server, shared_server: Server, env: dict[str, str], unused_port: int
+    server: Server,
+    shared_server: Server,
+    env: dict[str, str],
+    unused_port: int,
+    sdk_stream_name: str,
 ) -> None:
     down = failed(cli("ping", "--server", f"127.0.0.1:{unused_port}", env=env), 2)
     assert down.startswith("headwater: error: ") and f"127.0.0.1:{unused_port}" in down
     # The shared server has no HTTP listener: a command that needs it says so.
     no_http = failed(cli("info", "--server", shared_server.address, env=env), 2)
     assert "does not advertise an HTTP API" in no_http and "[listen] http" in no_http
+    # A keyed append cannot learn the partition count there: partition 0 (Kimberlite),
+    # with a warning.
+    with headwater.connect(shared_server.address) as hw:
+        hw.create_stream(sdk_stream_name)
+    at = ("--server", shared_server.address)
+    keyed = cli("append", sdk_stream_name, "--key", "k", *at, env=env, stdin="v\n")
+    assert ok(keyed).strip() == f"appended 1 event to {sdk_stream_name}: offsets 0..0"
+    assert keyed.stderr.strip() == (
+        f"headwater: warning: the server at {shared_server.address} does not advertise an "
+        "HTTP API (http:<port>); keyed events go to partition 0 over Kimberlite"
+    )
     ok(cli("ping", "-c", "1", "--server", server.address, env=env))  # still serving
 
 
