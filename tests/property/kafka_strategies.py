@@ -105,3 +105,25 @@ def records(draw: st.DrawFn, max_records: int = 12) -> list[Record]:
         )
         for index in range(count)
     ]
+
+
+@st.composite
+def uniform_records(draw: st.DrawFn, max_records: int = 150) -> list[Record]:
+    """Records as a producer of fixed-size values sends them: one key and value size
+    (a tombstone now and then), timestamp deltas mostly one byte, no headers; enough of
+    them that the offset deltas take two bytes."""
+    count = draw(st.integers(1, max_records))
+    size = draw(st.integers(0, 200))
+    key = draw(st.none() | st.binary(max_size=12))
+    deltas = draw(st.sampled_from([st.integers(0, 30), st.integers(-3, 300)]))
+    tombstones = draw(st.booleans())
+    return [
+        Record(
+            offset_delta=index,
+            timestamp_delta=draw(deltas),
+            key=key,
+            value=None if tombstones and index % 7 == 3 else bytes([index % 256]) * size,
+            headers=(),
+        )
+        for index in range(count)
+    ]

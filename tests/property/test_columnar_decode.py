@@ -1,9 +1,10 @@
 """The columnar decoders read what decoding events one by one reads: on any mix of
 stored batch pieces of both forms (headwater's, with or without keys, tombstones,
 headers and offset gaps; Kafka's, of every codec, with null keys and values, headers
-and either timestamp type), cut anywhere, the records path's columns and the
-projection's data column equal the events :meth:`Batch.events` (aiokafka's decoder for
-Kafka form) gives; the Arrow append's sections are what encoding event by event stores."""
+and either timestamp type; of varying sizes, and of one size as numpy reads them), cut
+anywhere, the records path's columns and the projection's data column equal the events
+:meth:`Batch.events` (aiokafka's decoder for Kafka form) gives; the Arrow append's
+sections are what encoding event by event stores."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from itertools import islice
 import pyarrow as pa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka_strategies import records
+from kafka_strategies import records, uniform_records
 
 from headwater.protocols.kafka.records import (
     CRC_OFFSET,
@@ -63,7 +64,7 @@ def headwater_batch(draw: st.DrawFn, offset: int, position: int) -> Batch:
 
 @st.composite
 def kafka_batch(draw: st.DrawFn, offset: int, position: int) -> Batch:
-    batch_records = draw(records(max_records=8))
+    batch_records = draw(records(max_records=8) | uniform_records())
     log_append = draw(st.booleans())
     base = draw(st.integers(2**40, 2**41))
     section = build_kafka_batch(

@@ -1,13 +1,17 @@
 """Record batch v2 round trips: any records, every codec, any producer fields, built,
 split, CRC-checked and parsed back to the same records; stamping keeps a batch valid;
-a damaged byte under the CRC is always caught; decompression stops at its bound."""
+a damaged byte under the CRC is always caught; decompression stops at its bound; the
+projection's batch-at-a-time read of stored sections reads what the reference decoder
+reads."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka_strategies import records
+from kafka_strategies import records, uniform_records
 from kio.schema.errors import ErrorCode
 
 from headwater.protocols.kafka.records import (
@@ -255,3 +259,60 @@ def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
         r.timestamp_delta != -1 and base_timestamp + r.timestamp_delta != -1 for r in batch_records
     ):
         raise AssertionError("a sound produced batch was not read in place")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batches=st.lists(
+        st.tuples(
+            records() | uniform_records(),
+            CODECS,
+            st.booleans(),  # LogAppendTime
+            st.integers(0, 2**41),  # base timestamp
+            st.integers(0, 2),  # damaged bytes
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+)
+def test_sections_read_together_read_as_the_reference_decoder_reads_them(
+    batches: list[tuple[list[Record], Compression, bool, int, int]], data: st.DataObject
+) -> None:
+    # The SQL projection reads a round's stored sections together with numpy
+    # (sections_values): on every section the produce walk passes, damaged ones too, its
+    # values and timestamps must be parse_records', whether numpy read the section or,
+    # not as predicted, the decoder did.
+    sections: list[bytes] = []
+    counts: list[int] = []
+    values: list[bytes] = []
+    stamps: list[int] = []
+    for batch_records, codec, log_append, base, damaged in batches:
+        built = build_batch(batch_records, base_timestamp=base)
+        body = bytearray(built[HEADER_SIZE:])
+        for _ in range(damaged):
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+        count = len(batch_records)
+        try:
+            kafka_batch.walk_records(bytes(body), count)
+        except kafka_batch.KafkaRecordsError:
+            continue  # never stored
+        header = bytearray(built[CRC_OFFSET:HEADER_SIZE])
+        header[4:6] = (int(codec) | (kafka_batch.ATTR_LOG_APPEND_TIME * log_append)).to_bytes(
+            2, "big"
+        )
+        max_timestamp = data.draw(st.integers(0, 2**41))
+        header[18:26] = max_timestamp.to_bytes(8, "big")
+        sections.append(bytes(header) + compress(codec, bytes(body)))
+        counts.append(count)
+        _, ts_deltas, _, parsed, _ = kafka_batch.parse_records(bytes(body), count)
+        values += [value or b"" for value in parsed]
+        stamps += [max_timestamp] * count if log_append else [base + d for d in ts_deltas]
+    if not sections:
+        return
+    read = kafka_batch.sections_values(sections)
+    spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
+    assert [read.body[start:end] for start, end in spans] == values
+    assert read.timestamps.tolist() == stamps
+    assert read.firsts == [0, *itertools.accumulate(counts)]
+    assert (read.starts[1:] >= read.ends[:-1]).all()  # ascending, never overlapping

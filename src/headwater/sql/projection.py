@@ -78,6 +78,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from headwater.errors import CorruptBatchError
 from headwater.sql.duck import Database
 from headwater.sql.sealed import (
     SCHEMA,
@@ -91,6 +92,7 @@ from headwater.sql.sealed import (
     remove_temporaries,
     write_sealed,
 )
+from headwater.storage import kafka_batch
 
 if TYPE_CHECKING:
     import duckdb
@@ -117,6 +119,14 @@ TAIL_BUDGET_BYTES = 256 << 20
 RETRY_SECONDS = 1.0
 CATCH_UP_DELAY = 0.5  # seconds from a commit to the catch-up round nobody asked for
 _JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
+# The first bytes of text DuckDB's json_valid can accept (whitespace, an object, array,
+# string, number, true, false, null, NaN, Infinity, inf, nan; tests/unit/sql pins it to
+# DuckDB's verdict): a chunk whose every event starts otherwise (binary, Avro or
+# protobuf payloads, Confluent's schema-registry framing) holds no JSON, and DuckDB is
+# not asked.
+JSON_FIRST_BYTES = b' \t\n\r"-0123456789INfint[{'
+_MAY_START_JSON = np.zeros(256, np.bool_)
+_MAY_START_JSON[list(JSON_FIRST_BYTES)] = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,16 +231,24 @@ def piece_columns(
     """The offset, position and timestamp (µs) columns (numpy int64) and the data column
     (Arrow binary) of stored batch pieces, column by column in bulk: Python work per
     piece is a few integers (numpy builds the columns), so a round of many single-event
-    commits costs little more than one of a single large batch."""
+    commits costs little more than one of a single large batch. Kafka-form pieces have
+    their values and timestamps read for all of them at once
+    (:func:`kafka_batch.sections_values`: numpy over the records, no Python object per
+    record)."""
     counts: list[int] = []
     firsts: list[int] = []
     position_deltas: list[int] = []
     stamps_us: list[int] = []
     sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
-    stamped: list[tuple[int, list[int]]] = []  # (row, ms) of pieces stamped per event
-    sections: list[memoryview] = []
-    record_starts: list[np.ndarray] = []
-    singles: list[int] = []  # record starts of one-event pieces, not yet in an array
+    stamped: list[tuple[int, np.ndarray]] = []  # (row, ms) of pieces stamped per event
+    kafka = _kafka_spans(pieces)
+    kafka_index = 0
+    direct = kafka is not None and len(kafka.firsts) == len(pieces) + 1
+    sections: list[bytes | memoryview] = []
+    value_starts: list[np.ndarray] = []
+    value_ends: list[np.ndarray] = []
+    singles: list[int] = []  # value starts of one-event pieces, not yet in an array
+    single_ends: list[int] = []
     shift = 0
     rows = 0
     for piece in pieces:
@@ -245,25 +263,42 @@ def piece_columns(
         counts.append(n)
         position_deltas.append(batch.first_position - batch.base_offset)
         stamps_us.append(batch.first_timestamp_ms * 1000)
-        per_event = batch.timestamps()  # a Kafka-form batch: a timestamp per record
-        if per_event is not None:
-            stamped.append((rows, per_event[piece.start : piece.stop]))
-        record = batch.value_bounds()
-        lo, hi = record[piece.start], record[piece.stop]
-        sections.append(batch.values_section()[lo:hi])
-        if n == 1:
-            singles.append(shift)
+        if batch.kafka_section is not None and kafka is not None:
+            first = kafka.firsts[kafka_index] + piece.start
+            kafka_index += 1
+            stamped.append((rows, kafka.timestamps[first : first + n]))
+            starts = kafka.starts[first : first + n]
+            ends = kafka.ends[first : first + n]
+            if direct:  # every piece is of Kafka form: the spans index the records read
+                value_starts.append(starts)
+                value_ends.append(ends)
+                rows += n
+                continue
+            lo, hi = int(starts[0]), int(ends[-1])
+            sections.append(memoryview(kafka.body)[lo:hi])
         else:
-            if singles:
-                record_starts.append(np.array(singles, np.int64))
-                singles = []
-            starts = np.array(record[piece.start : piece.stop], np.int64)
-            record_starts.append(starts + (shift - lo))
+            record = batch.value_bounds()
+            lo, hi = record[piece.start], record[piece.stop]
+            sections.append(batch.values_section()[lo:hi])
+            if n == 1:  # the value after its u64 length
+                singles.append(shift + 8)
+                single_ends.append(shift + hi - lo)
+                shift += hi - lo
+                rows += n
+                continue
+            bounds = np.array(record[piece.start : piece.stop + 1], np.int64)
+            starts, ends = bounds[:-1] + 8, bounds[1:]
+        if singles:
+            value_starts.append(np.array(singles, np.int64))
+            value_ends.append(np.array(single_ends, np.int64))
+            singles, single_ends = [], []
+        value_starts.append(starts + (shift - lo))
+        value_ends.append(ends + (shift - lo))
         shift += hi - lo
         rows += n
-    if singles or not record_starts:
-        record_starts.append(np.array(singles, np.int64))
-    record_bounds = np.concatenate([*record_starts, np.array([shift], np.int64)])
+    if singles or not value_starts:
+        value_starts.append(np.array(singles, np.int64))
+        value_ends.append(np.array(single_ends, np.int64))
     # Row i of piece k: offset firsts[k] + (i - first row of k), unless the piece is
     # sparse (its offsets are written over).
     piece_rows = np.array(counts, np.int64)
@@ -274,22 +309,54 @@ def piece_columns(
         offsets[row : row + len(listed)] = listed
     positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
     stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
-    for row, listed in stamped:
-        stamps[row : row + len(listed)] = np.array(listed, np.int64) * 1000
-    longest = int(np.diff(record_bounds).max())
-    records = pa.Array.from_buffers(
-        pa.binary(),
-        rows,
-        [
-            None,
-            pa.py_buffer(record_bounds.astype(np.int32)),
-            pa.py_buffer(b"".join(sections)),
-        ],
-    )
-    # Drop each record's u64 length prefix (an explicit stop: the kernel sizes its
-    # output from it, and the default overflows).
-    data = pc.binary_slice(records, 8, longest)
+    for row, per_event in stamped:
+        stamps[row : row + len(per_event)] = per_event * 1000
+    if direct and kafka is not None:
+        body: bytes | memoryview = kafka.body
+    else:
+        body = sections[0] if len(sections) == 1 else b"".join(sections)
+    data = spans_array(body, np.concatenate(value_starts), np.concatenate(value_ends))
     return offsets, positions, stamps, data
+
+
+def _kafka_spans(pieces: Sequence[_Piece]) -> kafka_batch.ValueSpans | None:
+    """The values and timestamps of the Kafka-form pieces' batches, read together."""
+    sections = [s for p in pieces if (s := p.batch.kafka_section) is not None]
+    if not sections:
+        return None
+    try:
+        return kafka_batch.sections_values(sections)
+    except kafka_batch.KafkaRecordsError as exc:
+        raise CorruptBatchError(f"a Kafka-form batch does not read: {exc}") from None
+
+
+def spans_array(body: bytes | memoryview, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
+    """An Arrow binary array of ``body[starts[i]:ends[i]]`` (spans ascending, not
+    overlapping), copied out in one kernel: the spans and the gaps between them are
+    one array's items, of which every other one is taken."""
+    rows = len(starts)
+    bounds = np.empty(2 * rows + 1, np.int32)
+    bounds[0] = 0
+    bounds[1::2] = starts
+    bounds[2::2] = ends
+    items = pa.Array.from_buffers(
+        pa.binary(), 2 * rows, [None, pa.py_buffer(bounds), pa.py_buffer(body)]
+    )
+    return items.take(pa.array(np.arange(1, 2 * rows, 2, dtype=np.int64)))
+
+
+def may_be_json(data: pa.Array) -> bool:
+    """Whether an event of ``data`` (Arrow binary) may be JSON text: one that starts
+    with a byte JSON text can start with (:data:`JSON_FIRST_BYTES`; an empty event is
+    not JSON)."""
+    rows = len(data)
+    _, offsets_buffer, values_buffer = data.buffers()
+    if not rows or values_buffer is None or not values_buffer.size:
+        return False
+    bounds = np.frombuffer(offsets_buffer, np.int32, rows + 1, data.offset * 4)
+    starts = bounds[:-1]
+    first = np.frombuffer(values_buffer, np.uint8)[np.minimum(starts, values_buffer.size - 1)]
+    return bool((_MAY_START_JSON[first] & (bounds[1:] > starts)).any())
 
 
 class ChunkBuilder:
@@ -318,6 +385,8 @@ class ChunkBuilder:
 
     def json_validity(self, data: pa.Array) -> pa.Buffer | None:
         """Validity bitmap of the events that are JSON text (None when all are)."""
+        if not may_be_json(data):
+            return pa.py_buffer(bytes((len(data) + 7) // 8))  # none is
         cur = self._cursor()
         cur.register("hw_chunk", pa.table({"data": data}))
         try:

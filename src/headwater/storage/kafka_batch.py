@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter, length_hint
@@ -353,6 +354,197 @@ def decode_section(section: bytes | memoryview) -> Columns:
         list(map(_VALUE, rows)),
         stored_headers,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ValueSpans:
+    """Where the values of a run of sections' records lie, as columns over all their
+    records in order: value ``i`` is ``body[starts[i]:ends[i]]`` (a tombstone's span is
+    empty; spans ascend and never overlap), stamped ``timestamps[i]`` (ms); section
+    ``k``'s records are ``firsts[k]`` to ``firsts[k + 1]``."""
+
+    body: bytes
+    starts: Int64s
+    ends: Int64s
+    timestamps: Int64s
+    firsts: list[int]
+
+
+def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
+    """Stored (checked) sections' values and timestamps, for the SQL projection, as
+    columns, batch-at-a-time over them all: no Python object per record.
+
+    Their records bytes (decompressed) are laid end to end and every record's start
+    is predicted: within a batch a producer's records usually differ only in the bytes
+    their offset delta takes (fixed-size values, small timestamp deltas, no headers),
+    so each is predicted the size of its batch's first record, give or take that.
+    numpy then reads every record's fields at those starts at once and checks each
+    record as :func:`parse_records` does (its length varint where predicted, so the
+    next record starts where predicted too; attributes one byte; offset deltas 0..n-1;
+    key and value within the record; nothing after the last). A batch where anything
+    differs (values of varying sizes, headers, long timestamp deltas) is decoded by
+    :func:`decode_section` instead. Either way the values and timestamps are
+    :func:`parse_records`' (tests/property/test_kafka_records.py)."""
+    headers = [section_header(section) for section in sections]
+    bodies: list[bytes | memoryview] = []
+    for section, header in zip(sections, headers, strict=True):
+        body = memoryview(section)[SECTION_HEADER_SIZE:]
+        codec = header.attributes & ATTR_CODEC
+        bodies.append(decompress(codec, body) if codec else body)
+    joined = b"".join(bodies)
+    counts = np.array([h.records_count for h in headers], np.int64)
+    firsts = np.concatenate(([0], np.cumsum(counts)))
+    predicted = _predicted_spans(joined, bodies, headers, counts, firsts)
+    if predicted is not None and predicted[3].all():
+        starts, ends, timestamps, _ = predicted
+        return ValueSpans(joined, starts, ends, timestamps, firsts.tolist())
+    # Some batches were not as predicted: those are decoded, and the values laid end to
+    # end in their place.
+    parts: list[bytes | memoryview] = []
+    starts_parts: list[Int64s] = []
+    ends_parts: list[Int64s] = []
+    stamps_parts: list[Int64s] = []
+    shift = 0
+    body_at = 0
+    for k, records in enumerate(bodies):
+        lo, hi = int(firsts[k]), int(firsts[k + 1])
+        if predicted is not None and predicted[3][k]:
+            starts, ends, timestamps, _ = predicted
+            parts.append(records)
+            starts_parts.append(starts[lo:hi] + (shift - body_at))
+            ends_parts.append(ends[lo:hi] + (shift - body_at))
+            stamps_parts.append(timestamps[lo:hi])
+            size = len(records)
+        else:
+            stamps, _, values, _ = decode_section(sections[k])
+            lengths = np.fromiter(map(length_hint, values, repeat(0)), np.int64, hi - lo)
+            value_ends = np.cumsum(lengths) + shift
+            parts.append(b"".join(filter(None, values)))
+            starts_parts.append(value_ends - lengths)
+            ends_parts.append(value_ends)
+            try:
+                stamps_parts.append(np.array(stamps, np.int64))
+            except TypeError:  # aiokafka reads a timestamp of -1 as None ("no timestamp")
+                stamps_parts.append(np.array([-1 if t is None else t for t in stamps], np.int64))
+            size = int(lengths.sum())
+        shift += size
+        body_at += len(records)
+    return ValueSpans(
+        b"".join(parts),
+        np.concatenate(starts_parts),
+        np.concatenate(ends_parts),
+        np.concatenate(stamps_parts),
+        firsts.tolist(),
+    )
+
+
+def _predicted_spans(
+    joined: bytes,
+    bodies: Sequence[bytes | memoryview],
+    headers: Sequence[SectionHeader],
+    counts: Int64s,
+    firsts: Int64s,
+) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None:
+    """Every record's value span in ``joined`` and its timestamp as predicted (see
+    :func:`sections_values`), and which batches read exactly so."""
+    buf = np.frombuffer(joined, np.uint8)
+    lengths = np.array([len(body) for body in bodies], np.int64)
+    first_lengths = []
+    for body in bodies:  # each batch's first record's length (a few bytes each)
+        try:
+            first_lengths.append(_varint(body, 0)[0])  # type: ignore[arg-type]
+        except (IndexError, KafkaRecordsError):
+            first_lengths.append(6)
+    if not len(buf) or (counts < 1).any() or (counts > lengths).any():
+        return None
+    total = int(firsts[-1])
+    batch_first = firsts[:-1]
+    local = np.arange(total, dtype=np.int64) - np.repeat(batch_first, counts)
+    local_sizes = _varint_sizes(local)
+    record_lengths = np.repeat(np.array(first_lengths, np.int64) - 1, counts) + local_sizes
+    record_sizes = _varint_sizes(record_lengths) + record_lengths
+    before = np.cumsum(record_sizes) - record_sizes
+    body_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    starts = np.repeat(body_starts - before[batch_first], counts) + before
+    record_ends = starts + record_sizes
+    ok = (record_lengths >= 6) & (record_ends <= len(buf))
+    read, sizes = _varints(buf, np.minimum(starts, len(buf) - 1))
+    ok &= (read == record_lengths) & (sizes + read == record_sizes)
+    at = starts + sizes
+    ok &= buf[np.minimum(at, len(buf) - 1)] < 0x80  # attributes: one byte (parse_records')
+    at += 1
+    deltas, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    ok &= sizes > 0
+    at += sizes
+    offsets, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    ok &= (sizes > 0) & (offsets == local)
+    at += sizes
+    key_lengths, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    ok &= sizes > 0
+    at += sizes + np.maximum(key_lengths, 0)
+    ok &= at < record_ends
+    value_lengths, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    ok &= sizes > 0
+    value_starts = at + sizes
+    value_ends = value_starts + np.maximum(value_lengths, 0)
+    ok &= value_ends < record_ends
+    header_counts, sizes = _varints(buf, np.minimum(value_ends, len(buf) - 1))
+    # No headers (the decoder reads those), and the record ends where its length says.
+    ok &= (sizes > 0) & (header_counts == 0) & (value_ends + sizes == record_ends)
+    batch_ok = np.logical_and.reduceat(ok, batch_first)
+    batch_ok &= np.add.reduceat(record_sizes, batch_first) == lengths
+    log_append = np.array([h.log_append_time for h in headers])
+    stamp = np.array(
+        [h.max_timestamp if h.log_append_time else h.base_timestamp for h in headers], np.int64
+    )
+    timestamps = np.repeat(stamp, counts)
+    if not log_append.all():
+        timestamps += np.where(np.repeat(log_append, counts), 0, deltas)
+    return value_starts, value_ends, timestamps, batch_ok
+
+
+def _varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64s]:
+    """The zigzag varints starting at positions ``at`` of ``buf``: values and sizes in
+    bytes, a size of -1 where one starts or runs past the end or takes over 9 bytes
+    (left to the decoder: a tenth may overflow 64 bits). One numpy pass per byte of the
+    longest (one, for nearly every field)."""
+    last = len(buf) - 1
+    if len(at) and int(at.max()) > last - 1:
+        return _long_varints(buf, at)
+    first = buf[at]
+    if int(first.max()) < 0x80:  # one byte each
+        small = first.astype(np.int64)
+        return (small >> 1) ^ -(small & 1), np.ones(len(at), np.int64)
+    second = buf[at + 1]
+    more = first >= 0x80
+    if (second[more] >= 0x80).any():
+        return _long_varints(buf, at)
+    raw = first.astype(np.int64)
+    raw[more] = (raw[more] & 0x7F) | (second[more].astype(np.int64) << 7)
+    return (raw >> 1) ^ -(raw & 1), 1 + more
+
+
+def _long_varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64s]:
+    """:func:`_varints` of any length, near the end of ``buf`` too."""
+    last = len(buf) - 1
+    past = at > last
+    byte = buf[np.minimum(at, last)]
+    more = byte >= 0x80
+    raw = (byte & 0x7F).astype(np.uint64)
+    sizes = np.ones(len(at), np.int64)
+    for k in range(1, 9):
+        going = np.flatnonzero(more & ~past)
+        if not len(going):
+            break
+        where = at[going] + k
+        past[going] |= where > last
+        byte = buf[np.minimum(where, last)]
+        raw[going] |= (byte & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+        sizes[going] += 1
+        more[going] = byte >= 0x80
+    sizes[more | past] = -1
+    values = ((raw >> np.uint64(1)) ^ (np.uint64(0) - (raw & np.uint64(1)))).view(np.int64)
+    return values, sizes
 
 
 # ---- records ---------------------------------------------------------------------------

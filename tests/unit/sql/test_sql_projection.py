@@ -12,9 +12,12 @@ import pytest
 
 from headwater.sql.duck import Database
 from headwater.sql.projection import (
+    _JSON_VALID_SQL,
+    JSON_FIRST_BYTES,
     SCHEMA,
     ChunkBuilder,
     _Piece,
+    may_be_json,
     read_round,
     table_at,
 )
@@ -110,3 +113,51 @@ def test_out_of_order_positions_are_filtered_not_sliced(builder: ChunkBuilder) -
     assert not chunk.monotonic
     assert table_at([chunk], 15).column("position").to_pylist() == [10, 11]
     assert table_at([chunk], 21).column("position").to_pylist() == [20, 10, 11]
+
+
+# Text after a first byte that some JSON needs: the rest of true, false, null, NaN, nan,
+# inf, Infinity (DuckDB's json_valid takes those), numbers, strings, containers.
+_TAILS = [b"", b"1", b"rue", b"alse", b"ull", b"an", b"AN", b"nf", b"NF", b"nfinity"]
+_TAILS += [b"}", b"]", b'"', b" 1", b"0", b".5", b"e5", b"{}", b"[]", b' "a"', b"\n[1]"]
+
+
+def test_no_event_starting_with_another_byte_is_json_to_duckdb(builder: ChunkBuilder) -> None:
+    # The projection asks DuckDB's json_valid only of chunks with an event starting with
+    # one of JSON_FIRST_BYTES: with any other first byte, no event is JSON to DuckDB.
+    others = [bytes([b]) + tail for b in range(256) if b not in JSON_FIRST_BYTES for tail in _TAILS]
+    others.append(b"")
+    cur = builder._cursor()
+    cur.register("hw_chunk", pa.table({"data": pa.array(others, pa.binary())}))
+    try:
+        verdicts = cur.sql(_JSON_VALID_SQL).fetchall()
+    finally:
+        cur.unregister("hw_chunk")
+    assert [v for (v,), event in zip(verdicts, others, strict=True) if v] == []
+    # ... and each of those bytes starts some JSON text, so none is there for nothing.
+    starting = [bytes([b]) + tail for b in JSON_FIRST_BYTES for tail in _TAILS]
+    cur.register("hw_chunk", pa.table({"data": pa.array(starting, pa.binary())}))
+    try:
+        accepted = {
+            event[0]
+            for (v,), event in zip(cur.sql(_JSON_VALID_SQL).fetchall(), starting, strict=True)
+            if v
+        }
+    finally:
+        cur.unregister("hw_chunk")
+    assert accepted == set(JSON_FIRST_BYTES)
+
+
+def test_a_chunk_without_json_skips_duckdb_and_reads_the_same(builder: ChunkBuilder) -> None:
+    binary = [b"\x00\x00\x00\x00\x07avro", b"v" * 100, b"", b"\xef\xbb\xbf{}"]
+    assert not may_be_json(pa.array(binary, pa.binary()))
+    assert not may_be_json(pa.array([b"x", b"{}", b"y"], pa.binary()).slice(2))
+    assert may_be_json(pa.array([b"x", b"{}", b"y"], pa.binary()).slice(1))
+    for values in (binary, [*binary, b'{"a": 1}', b" 7"]):
+        stored = build_batch(
+            encode_values(values), len(values), base_offset=0, first_position=0, timestamp_ms=1
+        )
+        batch = Batch(memoryview(stored))
+        chunk = builder.build([_Piece(batch, 0, len(values))])
+        assert chunk.batch.column("json").storage.to_pylist() == [
+            None if i < len(binary) else v.decode() for i, v in enumerate(values)
+        ]
