@@ -3,10 +3,12 @@ replicated partition (``hw_kind_<name>``) placed by the controller. Writes throu
 entities SDK are taken by its leader and acknowledged once the in-sync replicas hold
 them; a follower refuses them naming the leader's ConvergeDB address; a follower's
 kind state (read, scan) is the leader's; and when the leader is SIGKILLed right after
-an acknowledged write, the new leader serves every acknowledged entity."""
+an acknowledged write, the new leader serves every acknowledged entity. Below
+min_insync_replicas a write is refused, nothing stored."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +16,7 @@ from cluster_nodes import WAIT_S, Cluster
 from servers import LOCAL, Server
 
 from headwater import entities
-from headwater.entities import EntityError
+from headwater.entities import EntityError, KindNotFound
 from waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -31,7 +33,7 @@ class Sensor:
 def add_node(cluster: Cluster, node_id: int) -> Server:
     server = Server(
         cluster.root / f"node{node_id}",
-        config=cluster.config(node_id),
+        config=cluster.config(node_id, "replica_lag_s = 2\n"),  # a paused one leaves soon
         listen={"kafka": LOCAL, "convergedb": LOCAL},
     )
     cluster.nodes[node_id] = server
@@ -49,7 +51,16 @@ def leader_of(cluster: Cluster, changelog: str, not_node: int = -1) -> int:
     return wait_until(found, message=lambda: f"no leader: {cluster.status()}", timeout=WAIT_S)
 
 
-def state_of(server: Server, cls: type[Sensor]) -> dict[bytes, tuple[Sensor, int]]:
+def has_kind(server: Server, cls: type[Sensor]) -> bool:
+    with entities.connect(server.address_of("convergedb"), read_only=True) as reader:
+        try:
+            reader.get_kind(cls)
+        except KindNotFound:
+            return False
+        return True
+
+
+def state_of(server: Server, cls: type[Sensor]) -> dict[str, tuple[Sensor, int]]:
     """The kind's entities as ``server`` reads them: value and version by key."""
     with entities.connect(server.address_of("convergedb"), read_only=True) as reader:
         kind = reader.get_kind(cls)
@@ -67,6 +78,12 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
     changelog = f"hw_kind_{kind.name}"
     leader = leader_of(cluster, changelog)
     followers = [n for n in cluster.nodes if n != leader]
+    for node in cluster.nodes.values():  # the others make the kind at their next tick
+        wait_until(lambda n=node: has_kind(n, Sensor), timeout=WAIT_S)
+    # A follower's subscriber gets the replicated changes as they are applied there.
+    watcher = entities.connect(cluster.nodes[followers[1]].address_of("convergedb"), read_only=True)
+    subscription = watcher.subscribe(watcher.get_kind(Sensor)).start()
+    subscription.wait_bootstrapped(WAIT_S)
 
     # Writes on the leader, acknowledged (flush) once the in-sync replicas hold them.
     with entities.connect(cluster.nodes[leader].address_of("convergedb"), name="w") as writer:
@@ -98,6 +115,47 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
             timeout=WAIT_S,
         )
 
+    def seen_everything() -> bool:
+        subscription.next_batch(timeout=0.2)
+        view = {entity.key: entity.value for entity in subscription.view.values()}
+        return view == {key: value for key, (value, _version) in expected.items()}
+
+    wait_until(seen_everything, message=lambda: f"{len(subscription.view)} seen", timeout=WAIT_S)
+    subscription.close()
+    watcher.close()
+
+    # Below min_insync_replicas (both followers paused, out of the ISR): a write taken
+    # before the ISR shrank is answered as stored but unconfirmed, the next refused.
+    paused = [cluster.nodes[n] for n in followers]
+    part = f"0/{changelog}/0"
+    with entities.connect(leader_address, name="w") as writer:
+        kind = writer.get_kind(Sensor)
+        for node in paused:
+            node.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            with pytest.raises(EntityError, match="stored on the leader, unconfirmed"):
+                writer.assert_(kind, "unconfirmed", Sensor("leader only", 0.5))
+                writer.flush()
+            wait_until(
+                lambda: cluster.partitions()[part]["isr"] == [leader],
+                message=lambda: str(cluster.partitions()[part]),
+                timeout=WAIT_S,
+            )
+            with pytest.raises(EntityError, match="below min_insync_replicas"):
+                writer.assert_(kind, "refused", Sensor("nowhere", 0.25))
+                writer.flush()
+        finally:
+            for node in paused:
+                node.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        wait_until(
+            lambda: len(cluster.partitions()[part]["isr"]) == 3,
+            message=lambda: str(cluster.partitions()[part]),
+            timeout=WAIT_S,
+        )
+        assert writer.get(kind, "refused") is None
+        assert writer.get(kind, "unconfirmed") is not None  # stored: kept with the log
+    expected = state_of(cluster.nodes[leader], Sensor)
+
     # An acknowledged write, then the leader SIGKILLed at once: the new leader has it.
     with entities.connect(leader_address, name="w") as writer:
         kind = writer.get_kind(Sensor)
@@ -107,7 +165,7 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
     new_leader = leader_of(cluster, changelog, not_node=leader)
     new_address = cluster.nodes[new_leader].address_of("convergedb")
 
-    def served() -> dict[bytes, tuple[Sensor, int]] | None:
+    def served() -> dict[str, tuple[Sensor, int]] | None:
         state = state_of(cluster.nodes[new_leader], Sensor)
         return state if len(state) == len(expected) + 1 else None
 
