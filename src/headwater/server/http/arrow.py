@@ -104,40 +104,44 @@ async def stream_arrow(
     return response
 
 
-def _joined(prefixes: np.ndarray, items: pa.Array) -> bytes:
-    """Each fixed-size prefix (a row of ``prefixes``, a numpy structured array) followed
-    by its item, all laid end to end: one Arrow kernel, no Python per item."""
+def _joined(heads: np.ndarray, items: pa.Array) -> memoryview:
+    """Each fixed-size head (an element of ``heads``, a numpy array) followed by its
+    item, all laid end to end: one Arrow kernel, no Python per item. The heads become a
+    binary array as they lie (bounds 0, w, 2w, ...), with no cast or copy."""
     count = len(items)
-    heads = pa.Array.from_buffers(
-        pa.binary(prefixes.dtype.itemsize), count, [None, pa.py_buffer(prefixes.tobytes())]
-    ).cast(pa.binary())
-    records = pc.binary_join_element_wise(heads, items, b"")
-    bounds = np.frombuffer(records.buffers()[1], np.int32, 2, records.offset * 4)
-    end = int(np.frombuffer(records.buffers()[1], np.int32, 1, (records.offset + count) * 4)[0])
-    section: bytes = records.buffers()[2].slice(int(bounds[0]), end - int(bounds[0])).to_pybytes()
-    return section
+    width = heads.dtype.itemsize
+    bounds = np.arange(0, width * (count + 1), width, dtype=np.int32)
+    head_items = pa.Array.from_buffers(
+        pa.binary(), count, [None, pa.py_buffer(bounds), pa.py_buffer(heads)]
+    )
+    records = pc.binary_join_element_wise(head_items, items, b"")
+    ends = np.frombuffer(records.buffers()[1], np.int32, count + 1, records.offset * 4)
+    data = memoryview(records.buffers()[2]).cast("B")  # Arrow exports signed bytes
+    return data[int(ends[0]) : int(ends[-1])]
 
 
-_VALUE_HEAD = np.dtype([("length", "<u8")])
+_VALUE_HEAD = np.dtype("<u8")
 _KEY_HEAD = np.dtype([("flags", "u1"), ("length", "<u4")])  # packed: 5 bytes
 
 
-def values_section(values: pa.Array) -> tuple[bytes, int]:
+def values_section(values: pa.Array) -> tuple[memoryview, int]:
     """The stored values section (``u64 len | bytes`` per event) of a binary array, and
     its values' bytes."""
     lengths = pc.binary_length(values).to_numpy(zero_copy_only=False)
-    heads = np.empty(len(values), _VALUE_HEAD)
-    heads["length"] = lengths
-    return _joined(heads, values), int(lengths.sum())
+    return _joined(lengths.astype(_VALUE_HEAD), values), int(lengths.sum())
 
 
 def keys_section(keys: pa.Array) -> bytes:
     """The stored keys section (``u8 flags | u32 len | bytes`` per event, flags 1 for a
     key, 0 and no bytes for NULL) of a binary array."""
     heads = np.empty(len(keys), _KEY_HEAD)
-    heads["flags"] = pc.is_valid(keys).to_numpy(zero_copy_only=False)  # KEY_PRESENT is 1
-    heads["length"] = pc.fill_null(pc.binary_length(keys), 0).to_numpy(zero_copy_only=False)
-    return _joined(heads, pc.fill_null(keys, pa.scalar(b"", pa.binary())))
+    if keys.null_count:
+        heads["flags"] = pc.is_valid(keys).to_numpy(zero_copy_only=False)  # KEY_PRESENT is 1
+        keys = pc.fill_null(keys, pa.scalar(b"", pa.binary()))
+    else:  # every event keyed, the common case: no mask to build
+        heads["flags"] = 1
+    heads["length"] = pc.binary_length(keys).to_numpy(zero_copy_only=False)
+    return bytes(_joined(heads, keys))
 
 
 def _binary_column(batch: pa.RecordBatch, name: str) -> pa.Array | None:
