@@ -3,8 +3,9 @@ replicated partition (``hw_kind_<name>``) placed by the controller. Writes throu
 entities SDK are taken by its leader and acknowledged once the in-sync replicas hold
 them; a follower refuses them naming the leader's ConvergeDB address; a follower's
 kind state (read, scan) is the leader's; and when the leader is SIGKILLed right after
-an acknowledged write, the new leader serves every acknowledged entity. Below
-min_insync_replicas a write is refused, nothing stored."""
+an acknowledged write, the new leader serves every acknowledged entity, and retracts
+those of the old leader's writer once it has not come back within the liveness
+deadline. Below min_insync_replicas a write is refused, nothing stored."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from servers import LOCAL, Server
 
 from headwater import entities
 from headwater.entities import EntityError, KindNotFound
+from headwater.entities.sync import EntityClient
 from waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 COUNT = 50  # entities written on the first leader
+ORPHAN_LIVENESS_MS = 6000  # the servers' default liveness deadline
 
 
 @dataclass
@@ -33,7 +36,12 @@ class Sensor:
 def add_node(cluster: Cluster, node_id: int) -> Server:
     server = Server(
         cluster.root / f"node{node_id}",
-        config=cluster.config(node_id, "replica_lag_s = 2\n"),  # a paused one leaves soon
+        # A paused follower leaves the ISR soon; a writer of the old leader's that does
+        # not come back to the new one loses its entities soon.
+        config=cluster.config(
+            node_id,
+            f"replica_lag_s = 2\n\n[convergedb]\ndefault_liveness_ms = {ORPHAN_LIVENESS_MS}\n",
+        ),
         listen={"kafka": LOCAL, "convergedb": LOCAL},
     )
     cluster.nodes[node_id] = server
@@ -49,6 +57,12 @@ def leader_of(cluster: Cluster, changelog: str, not_node: int = -1) -> int:
         return leader if leader not in (None, -1, not_node) else None
 
     return wait_until(found, message=lambda: f"no leader: {cluster.status()}", timeout=WAIT_S)
+
+
+def writer_at(address: str) -> EntityClient:
+    """The test's writer: always source 1, with a long liveness deadline (its entities
+    stay while it reconnects; the new leader knows neither, and gives it the default)."""
+    return entities.connect(address, name="w", source_id=1, liveness_ms=600_000)
 
 
 def has_kind(server: Server, cls: type[Sensor]) -> bool:
@@ -86,7 +100,7 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
     subscription.wait_bootstrapped(WAIT_S)
 
     # Writes on the leader, acknowledged (flush) once the in-sync replicas hold them.
-    with entities.connect(cluster.nodes[leader].address_of("convergedb"), name="w") as writer:
+    with writer_at(cluster.nodes[leader].address_of("convergedb")) as writer:
         kind = writer.get_kind(Sensor)
         for i in range(COUNT):
             writer.assert_(kind, f"s{i}", Sensor(f"site{i}", float(i)))
@@ -128,7 +142,7 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
     # before the ISR shrank is answered as stored but unconfirmed, the next refused.
     paused = [cluster.nodes[n] for n in followers]
     part = f"0/{changelog}/0"
-    with entities.connect(leader_address, name="w") as writer:
+    with writer_at(leader_address) as writer:
         kind = writer.get_kind(Sensor)
         for node in paused:
             node.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
@@ -157,7 +171,7 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
     expected = state_of(cluster.nodes[leader], Sensor)
 
     # An acknowledged write, then the leader SIGKILLed at once: the new leader has it.
-    with entities.connect(leader_address, name="w") as writer:
+    with writer_at(leader_address) as writer:
         kind = writer.get_kind(Sensor)
         writer.assert_(kind, "last", Sensor("acked", 99.0))
         writer.flush()
@@ -188,3 +202,10 @@ def test_kind_replicated_refused_on_followers_and_kept_through_leader_kill(
         wait_until(written, timeout=WAIT_S)
         found = writer2.get(kind, "after")
         assert found is not None and found.value == Sensor("new leader", 1.0)
+        # The old leader's writer (source 1) did not come back: after the default
+        # liveness deadline the new leader retracts what it alone held.
+        wait_until(
+            lambda: set(state_of(cluster.nodes[new_leader], Sensor)) == {"after"},
+            message=lambda: f"{len(state_of(cluster.nodes[new_leader], Sensor))} entities",
+            timeout=WAIT_S,
+        )

@@ -246,6 +246,9 @@ class KindChangelogs:
                     continue
                 if leading:
                     state.following = False  # every record applied: it takes writes now
+                    # The old leader's writers hold entities: each gets its liveness
+                    # deadline here to reconnect, or its entities are retracted.
+                    self._kinds.tenant(tenant_id).writers.hold_orphans()
                     log.info("kind %s (tenant %d): leading", state.info.name, tenant_id)
                 if state not in self._again:
                     return

@@ -305,15 +305,25 @@ class Sources:
         for slot, kept in self._read_kept().items():
             names[slot] = kept[0]
             deadlines[slot] = kept[1]
-        others = set(self.tenant.kinds) - {presence.info.kind_id}
-        for sid in range(MAX_SOURCE_ID + 1):
-            if sid not in self.by_slot and self.held_count(sid, others):
-                deadline = deadlines.get(sid) or self.config.default_liveness_ms
-                ghost = Source(self.tenant, sid, names.get(sid, ""), deadline, None)
-                ghost.connected = False
-                self.by_slot[sid] = ghost
+        self.hold_orphans(deadlines, names)
         self._written = self._read_file()
         self._remember()  # slots that hold nothing any more are forgotten
+
+    def hold_orphans(
+        self, deadlines: dict[int, int] | None = None, names: dict[int, str] | None = None
+    ) -> None:
+        """Every slot whose bit committed entities carry and that no source here holds
+        gets one liveness deadline (``deadlines``' or the default) to come back, under
+        its name, before its entities are retracted: after a restart, and in a cluster
+        after taking over a kind's leadership (its writers were the old leader's)."""
+        presence = self.registry.by_name.get(PRESENCE_KIND)
+        others = set(self.tenant.kinds) - {presence}
+        for sid in range(MAX_SOURCE_ID + 1):
+            if sid not in self.by_slot and self.held_count(sid, others):
+                deadline = (deadlines or {}).get(sid) or self.config.default_liveness_ms
+                ghost = Source(self.tenant, sid, (names or {}).get(sid, ""), deadline, None)
+                ghost.connected = False
+                self.by_slot[sid] = ghost
 
     # ---- names and deadlines on disk ----------------------------------------------------
 
