@@ -9,7 +9,7 @@ the committed end, at no cost (one ``is None`` test).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from headwater.engine.engine import Engine, ReplicaAcks
 from headwater.engine.kinds.model import kind_of_changelog
@@ -34,6 +34,12 @@ class ClusterGate:
         written when the ISR is below min_insync_replicas, and answered only once the
         in-sync replicas hold it: no acknowledged write is lost when the leader dies."""
         self._engine.replica_acks = acks
+
+    def deregister_before_delete(self, deregister: Callable[[int, str], Awaitable[None]]) -> None:
+        """Every delete of a (non-internal) stream first awaits ``deregister(tenant,
+        stream name)``, which takes it out of the cluster's registry (or raises, and
+        nothing is deleted): so a delete through any front end reaches every node."""
+        self._engine.before_delete = deregister
 
     def refuse_appends(self, why: str) -> None:
         """Every append to a (non-internal) stream is NotLeader (``why``) until

@@ -67,6 +67,12 @@ def unchanged(kv: KeyValue) -> Compare:
     return Compare(kv.key, "MOD", kv.mod_revision)
 
 
+def same_key(kv: KeyValue) -> Compare:
+    """The txn guard "``kv``'s key was not deleted (and created again) since it was
+    read": written since, it still holds."""
+    return Compare(kv.key, "CREATE", kv.create_revision)
+
+
 @dataclass(frozen=True)
 class Put:
     key: str
@@ -83,9 +89,13 @@ class Put:
 @dataclass(frozen=True)
 class Delete:
     key: str
+    prefix: bool = False  # every key starting with ``key``
 
     def request(self) -> dict[str, Any]:
-        return {"request_delete_range": {"key": _b64(self.key)}}
+        delete = {"key": _b64(self.key)}
+        if self.prefix:
+            delete["range_end"] = _prefix_end(self.key)
+        return {"request_delete_range": delete}
 
 
 def put_json(key: str, value: Any, lease: int = 0) -> Put:

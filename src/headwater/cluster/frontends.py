@@ -47,6 +47,11 @@ class FrontEndRules:
         for key in self._published.keys() - capped:
             del self._published[key]
 
+    def forget(self, tenant_id: int, stream: str) -> None:
+        """A stream deleted in the cluster: the name created again is woken afresh."""
+        for key in [k for k in self._published if (k.tenant_id, k.stream) == (tenant_id, stream)]:
+            del self._published[key]
+
     def moved(self, key: PartitionKey) -> None:
         """Replication learned something that may move ``key``'s high watermark: wake
         its waiting readers (subscriptions, the SQL projection) if it did."""

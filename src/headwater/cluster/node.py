@@ -5,9 +5,10 @@ Every node holds an etcd lease (``lease_s``), renewed a few times per lease, and
 etcd drops its key when the lease runs out, and the controller sees it gone.
 
 Each tick (``TICK_S``) a node
-* registers the streams it has that etcd does not know yet, and creates locally the
+* registers the streams it has that etcd does not know yet, creates locally the
   streams etcd knows that it lacks (so a stream created through any node's front end
-  exists on every node, with the same partition count),
+  exists on every node, with the same partition count) and deletes its copies of
+  streams deleted in the cluster (cluster/streams.py),
 * publishes its end offset per partition (``offsets/<id>``: what ``headwater cluster
   status`` reports lag from),
 * tries to become the controller (a txn creating ``controller`` under its lease: etcd
@@ -26,17 +27,17 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 
-from headwater.api import EngineAPI, StreamSettings
+from headwater.api import EngineAPI
 from headwater.cluster.config import ClusterConfig
 from headwater.cluster.coordinators import GroupCoordinators
 from headwater.cluster.etcd import (
     Delete,
     Etcd,
     EtcdError,
-    KeyValue,
     Put,
     absent,
     put_json,
+    same_key,
     unchanged,
 )
 from headwater.cluster.frontends import FrontEndRules
@@ -52,9 +53,9 @@ from headwater.cluster.layout import (
 )
 from headwater.cluster.peers import PeerSecurity
 from headwater.cluster.replication import Replication
+from headwater.cluster.streams import StreamRegistry
 from headwater.cluster.transactions import TransactionCoordinators
 from headwater.cluster.view import ClusterView
-from headwater.errors import HeadwaterError
 
 log = logging.getLogger("headwater.cluster")
 
@@ -93,6 +94,7 @@ class ClusterNode:
         self.controller_id = -1  # as of the last tick
         self.coordinators = GroupCoordinators(self)
         self.kinds = KindRegistrySync(self)  # kinds' schemas; changelogs are partitions
+        self.streams = StreamRegistry(self)  # streams made and deleted on every node
         self.transactions = TransactionCoordinators(self)
         self.view = ClusterView(self)  # what the front ends ask
         self.front_ends = FrontEndRules(self)  # appends on leaders, reads below the HW
@@ -105,6 +107,7 @@ class ClusterNode:
         to two leases; a key held longer than that is another live process. Either that
         or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
         self.front_ends.start()
+        self.api.cluster_gate.deregister_before_delete(self.streams.deregister)
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
         # Offset commits are acknowledged once the offsets partition's ISR holds them.
         self.api.groups.replicated = self.coordinators.replicated
@@ -218,8 +221,7 @@ class ClusterNode:
     # ---- one round ----------------------------------------------------------------------
 
     async def tick(self) -> None:
-        known_streams = await self.etcd.get_prefix(self.keys.streams)
-        await self._sync_streams(known_streams)
+        await self.streams.sync()
         await self.kinds.sync()
         await self._publish_offsets()
         if await self._hold_controller():
@@ -229,48 +231,6 @@ class ClusterNode:
         self.front_ends.reconcile()
         await self.coordinators.reconcile()
         self.transactions.reconcile()
-
-    async def _sync_streams(self, known: list[KeyValue]) -> None:
-        counts: dict[tuple[int, str], int] = {}
-        internal: set[tuple[int, str]] = set()
-        for kv in known:
-            tenant, name = kv.key[len(self.keys.streams) :].split("/")
-            counts[int(tenant), name] = int(kv.json()["partitions"])
-            if kv.json().get("internal"):
-                internal.add((int(tenant), name))
-        for tenant_id in self.api.tenant_ids():
-            replicated_internal = self.api.replicas.internal_streams(tenant_id)
-            for stream in [*self.api.list_streams(tenant_id), *replicated_internal]:
-                theirs = counts.get((tenant_id, stream.name))
-                if theirs is None or theirs < stream.partitions:
-                    key = self.keys.stream(tenant_id, stream.name)
-                    value = {"partitions": stream.partitions}
-                    if stream in replicated_internal:
-                        value["internal"] = True  # the others create it as internal too
-                    await self.etcd.put(key, json.dumps(value).encode())
-                    log.info(
-                        "stream registered", extra={"tenant": tenant_id, "stream": stream.name}
-                    )
-                counts.pop((tenant_id, stream.name), None)
-                if theirs is not None and theirs > stream.partitions:
-                    await self.api.alter_partitions(tenant_id, stream.stream_id, theirs)
-        # What is left: streams other nodes have and this one lacks.
-        for (tenant_id, name), partitions in counts.items():
-            if tenant_id not in self.api.tenant_ids():
-                continue
-            try:
-                if (tenant_id, name) in internal:
-                    if not await self.api.replicas.create_internal(tenant_id, name):
-                        continue  # an internal stream this version does not replicate
-                else:
-                    settings = StreamSettings(partitions=partitions)
-                    await self.api.create_stream(tenant_id, name, settings)
-            except HeadwaterError as exc:
-                log.warning("cannot create stream %s of tenant %d: %s", name, tenant_id, exc)
-            else:
-                log.info(
-                    "stream created from the cluster", extra={"tenant": tenant_id, "stream": name}
-                )
 
     def local_ends(self) -> dict[str, int]:
         """This node's end offset of every partition it holds, by partition path."""
@@ -335,7 +295,10 @@ class ClusterNode:
                     continue
                 state = PartitionState(replicas, replicas[0], 1, replicas)
                 path = self.keys.partition(key)
-                if await self.etcd.txn([absent(path)], [put_json(path, state.to_json())]):
+                # Not for a stream deleted since it was read (the delete removed its
+                # partitions' states in the same txn).
+                guards = [absent(path), same_key(kv)]
+                if await self.etcd.txn(guards, [put_json(path, state.to_json())]):
                     log.info("partition placed", extra={"partition": key.path(), **state.to_json()})
         for key, kv in stored.items():
             state = PartitionState.from_json(kv.json())
@@ -390,9 +353,16 @@ class ClusterNode:
                 NodeInfo.from_json(kv.json()) for kv in await self.etcd.get_prefix(self.keys.nodes)
             )
         }
-        self.partitions = {
-            PartitionKey.parse(kv.key[len(self.keys.partitions) :]): PartitionState.from_json(
-                kv.json()
-            )
-            for kv in await self.etcd.get_prefix(self.keys.partitions)
+        placed = await self.etcd.get_prefix(self.keys.partitions)
+        # Read after the partitions: a partition state of a stream deleted meanwhile
+        # (and maybe created again) is then not of the incarnation this node copies.
+        registered = {
+            kv.key[len(self.keys.streams) :]: kv
+            for kv in await self.etcd.get_prefix(self.keys.streams)
         }
+        self.partitions = {}
+        for kv in placed:
+            key = PartitionKey.parse(kv.key[len(self.keys.partitions) :])
+            stream = registered.get(f"{key.tenant_id}/{key.stream}")
+            if self.streams.copies_current(key.tenant_id, key.stream, stream):
+                self.partitions[key] = PartitionState.from_json(kv.json())

@@ -331,6 +331,36 @@ class Replication:
         self._leading_since.pop(key, None)
         log.info("replica dropped", extra={"partition": key.path(), "end": end})
 
+    async def forget(self, tenant_id: int, stream: str) -> None:
+        """A stream deleted in the cluster: its partitions' follower tasks stop (a cut
+        under way finished) and what this node knew of them as leader or follower goes
+        (epoch taken, followers' ends, high watermarks, the checkpoint's lines), so the
+        name created again starts from nothing: its partitions start at epoch 1 again."""
+
+        def of_stream(key: PartitionKey) -> bool:
+            return key.tenant_id == tenant_id and key.stream == stream
+
+        stopping = []
+        for key in [key for key in self._followers if of_stream(key)]:
+            _, task = self._followers.pop(key)
+            task.cancel()
+            stopping.append(task)
+        await asyncio.gather(*stopping, return_exceptions=True)
+        known = (self._ends, self._caught_up, self._last_fetch, self._leading_since,
+                 self._hw_floor, self.follower_hw)  # fmt: skip
+        for per_key in known:
+            for key in [key for key in per_key if of_stream(key)]:
+                del per_key[key]
+        self._held = {key for key in self._held if not of_stream(key)}
+        if any(of_stream(key) for key in self._checkpointed):
+            kept = {key: hw for key, hw in self._checkpointed.items() if not of_stream(key)}
+            await asyncio.to_thread(
+                write_high_watermarks,
+                self.replicas.data_dir,
+                {(k.tenant_id, k.stream, k.partition): hw for k, hw in kept.items()},
+            )
+            self._checkpointed = kept
+
     def _take_leadership(self, key: PartitionKey, state: PartitionState) -> None:
         since = self._leading_since.get(key)
         if since is not None and since[0] == state.epoch:
@@ -446,6 +476,15 @@ class Replication:
             writer.close()
 
     async def _answer(self, fetch: wire.Fetch) -> bytes:
+        try:
+            return await self._answer_fetch(fetch)
+        except HeadwaterError:
+            # Deleted here while the fetch was answered (a stream deleted in the
+            # cluster, maybe created again with fewer partitions): the follower asks
+            # again, and its copy goes at its next tick.
+            return wire.encode({"error": wire.UNKNOWN_PARTITION})
+
+    async def _answer_fetch(self, fetch: wire.Fetch) -> bytes:
         key = PartitionKey(fetch.tenant, fetch.stream, fetch.partition)
         replica, offset, last_epoch = fetch.replica, fetch.offset, fetch.epoch
         max_bytes = min(fetch.max_bytes, FETCH_MAX_BYTES)

@@ -420,6 +420,9 @@ class Engine:
         # to replica_acks_timeout_s); None on a single node.
         self.replica_acks: ReplicaAcks | None = None
         self.replica_acks_timeout_s = 30.0
+        # In a cluster: awaited before a (non-internal) stream is deleted, with (tenant,
+        # name): the stream leaves the cluster's registry first; None on a single node.
+        self.before_delete: Callable[[int, str], Awaitable[None]] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -720,6 +723,10 @@ class Engine:
 
     async def delete_stream(self, tenant_id: int, stream_id: int) -> None:
         stream = self.stream(tenant_id, stream_id)
+        if self.before_delete is not None and not stream.internal:
+            await self.before_delete(tenant_id, stream.name)
+            if stream.deleted:  # deleted by another call meanwhile
+                raise StreamNotFound(f"stream {stream_id} does not exist")
         tenant = stream.tenant
         stream.deleted = True
         tenant.by_name.pop(stream.name, None)

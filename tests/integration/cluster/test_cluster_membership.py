@@ -5,6 +5,7 @@ refusals (etcd unreachable, a node id a live node holds)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 from cluster_nodes import LEASE_S, WAIT_S, Cluster
+from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from servers import free_port
 
@@ -129,3 +131,125 @@ def test_etcd_unreachable_at_start_is_one_line(tmp_path: Path) -> None:
     assert refused.returncode == 2, refused.stderr
     assert "cannot join the cluster: no etcd endpoint answered" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def stream_copies(cluster: Cluster, node_id: int, name: str) -> list[Path]:
+    """The directories of node ``node_id``'s streams named ``name`` (tenant 0)."""
+    streams = cluster.nodes[node_id].data_dir / "tenants/0/streams"
+    return [
+        meta.parent
+        for meta in streams.glob("*/stream.json")
+        if json.loads(meta.read_text()).get("name") == name
+    ]
+
+
+def created(cluster: Cluster, name: str, partitions: int) -> None:
+    """Wait until every running node has the stream with its partitions placed (a
+    producer's Metadata to a node still without it would create it there, as Kafka's
+    auto-creation does, with one partition)."""
+    wait_until(
+        lambda: (
+            all(
+                len(copies := stream_copies(cluster, n, name)) == 1
+                and len(list(copies[0].glob("partition-*"))) == partitions
+                for n, node in cluster.nodes.items()
+                if node.running
+            )
+            and len([p for p in cluster.partitions() if p.startswith(f"0/{name}/")]) == partitions
+        ),
+        timeout=WAIT_S,
+        message=lambda: str(cluster.status()),
+    )
+
+
+def produce(bootstrap: str, topic: str, values: list[bytes], partitions: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+    failed: list[object] = []
+    for n, value in enumerate(values):
+        producer.produce(
+            topic, value, partition=n % partitions, on_delivery=lambda e, _m: e and failed.append(e)
+        )
+    assert producer.flush(30) == 0 and failed == []
+
+
+def read_all(bootstrap: str, topic: str, partitions: int, count: int) -> list[bytes]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "deleted"})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    found: list[bytes] = []
+    try:
+        while len(found) < count:
+            for message in wait_until(lambda: consumer.consume(1000, 0.2), timeout=WAIT_S):
+                assert message.error() is None, message.error()
+                found.append(bytes(message.value()))  # type: ignore[arg-type]
+    finally:
+        consumer.close()
+    return found
+
+
+def test_a_deleted_stream_goes_from_every_node_and_comes_back_empty(cluster: Cluster) -> None:
+    """Kafka DeleteTopics through one node deletes the stream on every node and its
+    partitions leave etcd; the name created again (through another node) is a fresh,
+    empty stream everywhere; a node stopped during a delete deletes its copy when it
+    returns, and its copy of a name deleted and created again meanwhile is replaced by
+    the new, empty one."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    admin = AdminClient({"bootstrap.servers": cluster.nodes[2].address_of("kafka")})
+    for name in ("first", "gone", "again"):
+        create_topic(cluster.nodes[1].address_of("kafka"), name, 2)
+        created(cluster, name, 2)
+    for name in ("first", "gone", "again"):
+        produce(cluster.bootstrap(), name, [b"old-%d" % n for n in range(20)], 2)
+
+    # Every node up: deleted through node 2, created again through node 3 at once.
+    admin.delete_topics(["first"])["first"].result(15)
+    wait_until(lambda: all(not stream_copies(cluster, n, "first") for n in (1, 2, 3)),
+               timeout=WAIT_S, message=lambda: str(cluster.status()))  # fmt: skip
+    assert not [p for p in cluster.partitions() if p.startswith("0/first/")]
+    create_topic(cluster.nodes[3].address_of("kafka"), "first", 3)
+    created(cluster, "first", 3)
+    new_values = [b"new-%d" % n for n in range(9)]
+    produce(cluster.bootstrap(), "first", new_values, 3)
+    assert sorted(read_all(cluster.bootstrap(), "first", 3, 9)) == sorted(new_values)
+    for p in range(3):
+        wait_until(
+            lambda p=p: all(
+                cluster.log_files(n, p, "first") == cluster.log_files(1, p, "first") for n in (2, 3)
+            ),
+            timeout=WAIT_S,
+            message=lambda: str(cluster.status()),
+        )
+
+    # Node 3 stopped: "gone" deleted, "again" deleted and created again meanwhile.
+    old_again = stream_copies(cluster, 3, "again")
+    assert cluster.nodes[3].stop() == 0
+    for name in ("gone", "again"):
+        admin.delete_topics([name])[name].result(15)
+    create_topic(cluster.nodes[1].address_of("kafka"), "again", 1)
+    created(cluster, "again", 1)
+    produce(cluster.bootstrap(), "again", [b"fresh"], 1)
+    wait_until(
+        lambda: not stream_copies(cluster, 1, "gone") and not stream_copies(cluster, 2, "gone")
+    )
+    cluster.nodes[3].start()
+    wait_until(
+        lambda: (
+            not stream_copies(cluster, 3, "gone")
+            and (copies := stream_copies(cluster, 3, "again")) != old_again
+            and len(copies) == 1
+        ),
+        timeout=WAIT_S,
+        message=lambda: str(cluster.status()),
+    )
+    # Node 3's copy is the new incarnation's: one partition, holding no old batch (it
+    # was placed while node 3 was away, so node 3 holds no replica of it).
+    (again,) = stream_copies(cluster, 3, "again")
+    assert sorted(p.name for p in again.glob("partition-*")) == ["partition-0"]
+    assert not any(f.stat().st_size for f in again.glob("partition-0/*.log"))
+    topics = AdminClient({"bootstrap.servers": cluster.nodes[3].address_of("kafka")})
+    listed = topics.list_topics(timeout=15).topics
+    assert "gone" not in listed and len(listed["again"].partitions) == 1
+    assert read_all(cluster.nodes[3].address_of("kafka"), "again", 1, 1) == [b"fresh"]
+    assert sorted(p for p in cluster.partitions() if "/gone/" in p or "/again/" in p) == [
+        "0/again/0"
+    ]
