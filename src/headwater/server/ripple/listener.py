@@ -48,7 +48,7 @@ from headwater.engine.kinds import (
     retract_op,
 )
 from headwater.engine.kinds.fields import FieldType, default_value
-from headwater.errors import AuthenticationFailed, TenantNotFound
+from headwater.errors import AuthenticationFailed, NotEnoughReplicas, NotLeader, TenantNotFound
 from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
 from headwater.server.app import Listener
@@ -281,7 +281,9 @@ class RippleConnection(asyncio.Protocol):
                     log.warning("closing a worker connection from %s: %s", self.peer, event.reason)
                     self.close()
                     return
-        except (RippleError, KindsError) as exc:
+        except (RippleError, KindsError, NotLeader, NotEnoughReplicas) as exc:
+            # NotLeader, NotEnoughReplicas: an output kind led by another node, or below
+            # min ISR, in a cluster (docs/cluster.md, "Entity kinds across the cluster").
             log.info("refusing worker %s: %s", self.protocol.worker_id, exc)
             if not self.protocol.closed:
                 with contextlib.suppress(Exception):
