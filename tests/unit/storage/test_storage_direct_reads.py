@@ -1,0 +1,123 @@
+"""Sequential reads of data not in the page cache go around it (O_DIRECT): the same
+bytes as a read through the cache, every batch's CRC still checked, and the pages not
+brought into the cache."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from headwater.errors import CorruptBatchError
+from headwater.storage import segment
+from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from headwater.storage.segment import DIRECT_READS, _read_chunk, cached_share
+
+MIB = 1 << 20
+PAGE = 2 * MIB  # ReadEvents-sized reads: chunks over the pooled (and direct) size
+
+
+def written_log(path: Path) -> tuple[PartitionLog, list[bytes]]:
+    """Eight batches of 500 values of 1,000 bytes (4 MB, batch starts not aligned to
+    pages), synced and evicted from the page cache."""
+    plog = PartitionLog.open(path, LogConfig(sync=SyncPolicy("fsync")))
+    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(4000)]
+    for i in range(0, len(values), 500):
+        plog.append(values[i : i + 500], first_position=0, timestamp_ms=0)
+    plog.sync()
+    evict(plog)
+    return plog, values
+
+
+def log_cached_share(plog: PartitionLog) -> float:
+    """The share of the log file's pages in the page cache."""
+    with plog.active.pinned() as fd:
+        return cached_share(fd, 0, plog.active.log_path.stat().st_size)
+
+
+def evict(plog: PartitionLog) -> None:
+    with plog.active.pinned() as fd:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    assert log_cached_share(plog) == 0  # the kernel dropped the clean pages
+
+
+def read_all(plog: PartitionLog, start: int) -> tuple[list[bytes], bytes]:
+    """Every value from ``start``, paging as ReadEvents does, and the stored records."""
+    values: list[bytes] = []
+    records = b""
+    offset: int | None = start
+    while offset is not None:
+        result = plog.read(offset, PAGE)
+        values += [e.value for e in result.events()]
+        records += b"".join(bytes(c) for c in result.values_chunks())
+        offset = result.next_offset
+    return values, records
+
+
+@pytest.mark.parametrize("start", [0, 1, 777, 2501])
+def test_uncached_data_is_read_directly_and_byte_for_byte(tmp_path: Path, start: int) -> None:
+    plog, values = written_log(tmp_path)
+    before = DIRECT_READS.count
+    got, records = read_all(plog, start)
+    assert DIRECT_READS.count > before
+    assert got == values[start:]
+    # Read around the cache, not into it.
+    assert log_cached_share(plog) < 0.05
+    # The same read through the page cache answers the same records.
+    with mock.patch.object(DIRECT_READS, "enabled", False):
+        assert read_all(plog, start) == (got, records)
+    plog.close()
+
+
+def test_a_damaged_byte_is_refused_on_the_direct_path(tmp_path: Path) -> None:
+    plog, _ = written_log(tmp_path)
+    log_file = plog.active.log_path
+    damaged = log_file.stat().st_size // 2  # inside the values of a middle batch
+    with open(log_file, "r+b") as f:
+        f.seek(damaged)
+        original = f.read(1)
+        f.seek(damaged)
+        f.write(bytes([original[0] ^ 0x01]))
+    evict(plog)
+    before = DIRECT_READS.count
+    with pytest.raises(CorruptBatchError, match="CRC mismatch"):
+        read_all(plog, 0)
+    assert DIRECT_READS.count > before
+    # The read changed nothing: the damaged byte is still the only difference.
+    assert log_file.read_bytes()[damaged] == original[0] ^ 0x01
+    plog.close()
+
+
+def test_a_file_system_refusing_o_direct_is_read_through_the_cache(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    data = os.urandom(3 * MIB)
+    path.write_bytes(data)
+    real_open = os.open
+
+    def refuse_direct(file: str, flags: int, *args: int) -> int:
+        if flags & segment._O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT refused")
+        return real_open(file, flags, *args)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which the eviction below drops
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert cached_share(fd, 0, len(data)) == 0
+        with mock.patch.object(os, "open", refuse_direct):
+            chunk, direct = _read_chunk(fd, 2 * MIB + 5, 1001)
+        assert not direct
+        assert bytes(chunk) == data[1001 : 1001 + 2 * MIB + 5]
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunk, direct = _read_chunk(fd, 2 * MIB + 5, 1001)
+        assert direct
+        assert bytes(chunk) == data[1001 : 1001 + 2 * MIB + 5]
+        # Past the end of the file: short, as any read.
+        chunk, direct = _read_chunk(fd, 2 * MIB, 2 * MIB)
+        assert bytes(chunk) == data[2 * MIB :]
+    finally:
+        os.close(fd)
