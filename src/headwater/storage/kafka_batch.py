@@ -446,53 +446,105 @@ def _predicted_spans(
     firsts: Int64s,
 ) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None:
     """Every record's value span in ``joined`` and its timestamp as predicted (see
-    :func:`sections_values`), and which batches read exactly so."""
+    :func:`sections_values`), and which batches read exactly so. A batch not as
+    predicted has its records' starts found run by run (:func:`_run_starts`: a long
+    batch's timestamp deltas take a second byte part way through) and is read again."""
     buf = np.frombuffer(joined, np.uint8)
     lengths = np.array([len(body) for body in bodies], np.int64)
+    if not len(buf) or (counts < 1).any() or (counts > lengths).any():
+        return None
     first_lengths = []
     for body in bodies:  # each batch's first record's length (a few bytes each)
         try:
             first_lengths.append(_varint(body, 0)[0])  # type: ignore[arg-type]
         except (IndexError, KafkaRecordsError):
             first_lengths.append(6)
-    if not len(buf) or (counts < 1).any() or (counts > lengths).any():
-        return None
     total = int(firsts[-1])
     batch_first = firsts[:-1]
     local = np.arange(total, dtype=np.int64) - np.repeat(batch_first, counts)
-    local_sizes = _varint_sizes(local)
-    record_lengths = np.repeat(np.array(first_lengths, np.int64) - 1, counts) + local_sizes
+    record_lengths = np.repeat(np.array(first_lengths, np.int64) - 1, counts)
+    record_lengths += _varint_sizes(local)
     record_sizes = _varint_sizes(record_lengths) + record_lengths
     before = np.cumsum(record_sizes) - record_sizes
-    body_starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    body_ends = np.cumsum(lengths)
+    body_starts = body_ends - lengths
     starts = np.repeat(body_starts - before[batch_first], counts) + before
-    record_ends = starts + record_sizes
-    ok = (record_lengths >= 6) & (record_ends <= len(buf))
-    read, sizes = _varints(buf, np.minimum(starts, len(buf) - 1))
-    ok &= (read == record_lengths) & (sizes + read == record_sizes)
-    at = starts + sizes
-    ok &= buf[np.minimum(at, len(buf) - 1)] < 0x80  # attributes: one byte (parse_records')
+    value_starts, value_ends, timestamps, batch_ok = _read_records(
+        buf, starts, local, counts, body_ends, headers
+    )
+    if batch_ok.all():
+        return value_starts, value_ends, timestamps, batch_ok
+    again = [
+        (k, found)
+        for k in np.flatnonzero(~batch_ok).tolist()
+        if (found := _run_starts(buf, int(body_starts[k]), int(body_ends[k]), int(counts[k])))
+        is not None
+    ]
+    if again:
+        rows = np.concatenate([local[firsts[k] : firsts[k + 1]] for k, _ in again])
+        read = _read_records(
+            buf,
+            np.concatenate([found for _, found in again]),
+            rows,
+            counts[[k for k, _ in again]],
+            body_ends[[k for k, _ in again]],
+            [headers[k] for k, _ in again],
+        )
+        at = 0
+        for index, (k, found) in enumerate(again):  # per batch: its rows written over
+            lo, hi = int(firsts[k]), int(firsts[k + 1])
+            value_starts[lo:hi] = read[0][at : at + len(found)]
+            value_ends[lo:hi] = read[1][at : at + len(found)]
+            timestamps[lo:hi] = read[2][at : at + len(found)]
+            batch_ok[k] = read[3][index]
+            at += len(found)
+    return value_starts, value_ends, timestamps, batch_ok
+
+
+def _read_records(
+    buf: npt.NDArray[np.uint8],
+    starts: Int64s,
+    local: Int64s,
+    counts: Int64s,
+    body_ends: Int64s,
+    headers: Sequence[SectionHeader],
+) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
+    """The value spans and timestamps of batches' records starting at ``starts`` (each
+    batch's records in order, the ``local``-th of their batch, the batch's records
+    bytes ending at ``body_ends``), and which batches read exactly as parse_records
+    reads them: every record ends where the next starts (the last where its batch
+    ends), its attributes one byte, offset delta its index, key and value within it,
+    no headers, nothing left over."""
+    last = len(buf) - 1
+    batch_first = np.cumsum(counts) - counts
+    lengths, sizes = _varints(buf, starts)
+    record_ends = starts + sizes + lengths
+    next_starts = np.empty_like(starts)
+    next_starts[:-1] = starts[1:]
+    next_starts[batch_first + counts - 1] = body_ends
+    ok = (sizes > 0) & (lengths >= 6) & (record_ends == next_starts)
+    at = np.minimum(starts + np.maximum(sizes, 1), last)
+    ok &= buf[at] < 0x80  # attributes: one byte (parse_records')
     at += 1
-    deltas, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    deltas, sizes = _varints(buf, at)
     ok &= sizes > 0
     at += sizes
-    offsets, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    offsets, sizes = _varints(buf, at)
     ok &= (sizes > 0) & (offsets == local)
     at += sizes
-    key_lengths, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    key_lengths, sizes = _varints(buf, at)
     ok &= sizes > 0
     at += sizes + np.maximum(key_lengths, 0)
     ok &= at < record_ends
-    value_lengths, sizes = _varints(buf, np.minimum(at, len(buf) - 1))
+    value_lengths, sizes = _varints(buf, at)
     ok &= sizes > 0
     value_starts = at + sizes
     value_ends = value_starts + np.maximum(value_lengths, 0)
     ok &= value_ends < record_ends
-    header_counts, sizes = _varints(buf, np.minimum(value_ends, len(buf) - 1))
+    header_counts, sizes = _varints(buf, value_ends)
     # No headers (the decoder reads those), and the record ends where its length says.
     ok &= (sizes > 0) & (header_counts == 0) & (value_ends + sizes == record_ends)
     batch_ok = np.logical_and.reduceat(ok, batch_first)
-    batch_ok &= np.add.reduceat(record_sizes, batch_first) == lengths
     log_append = np.array([h.log_append_time for h in headers])
     stamp = np.array(
         [h.max_timestamp if h.log_append_time else h.base_timestamp for h in headers], np.int64
@@ -501,6 +553,40 @@ def _predicted_spans(
     if not log_append.all():
         timestamps += np.where(np.repeat(log_append, counts), 0, deltas)
     return value_starts, value_ends, timestamps, batch_ok
+
+
+_MAX_RUNS = 8  # runs of one record size tried in a batch before it is decoded
+_MIN_RUN = 4  # a shorter run (but the last) means sizes vary: decoded
+
+
+def _run_starts(buf: npt.NDArray[np.uint8], pos: int, end: int, count: int) -> Int64s | None:
+    """The starts of a batch's ``count`` records laid from ``pos`` to ``end``, found a
+    run at a time: from a record known to start at ``pos`` with size ``step``, the next
+    ones are guessed at ``pos + k * step`` and their length varints read at once; the
+    first whose size is not ``step`` ends the run (every record before it was that
+    size, so it does start there) and starts the next. None when the sizes vary more
+    than a few runs (:func:`_read_records` checks the rest)."""
+    starts = np.empty(count, np.int64)
+    done = 0
+    for _ in range(_MAX_RUNS):
+        if pos >= end:
+            return None
+        lengths, sizes = _varints(buf, np.array([pos], np.int64))
+        step = int(sizes[0]) + int(lengths[0])
+        if sizes[0] < 0 or lengths[0] < 6:
+            return None
+        guess = pos + step * _ascending(count - done)
+        lengths, sizes = _varints(buf, np.minimum(guess, end))
+        fits = (sizes + lengths == step) & (sizes > 0) & (guess < end)
+        run = len(fits) if fits.all() else int(np.argmin(fits))
+        starts[done : done + run] = guess[:run]
+        done += run
+        if done == count:
+            return starts
+        if run < _MIN_RUN:
+            return None
+        pos = int(guess[run])
+    return None
 
 
 def _varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64s]:
