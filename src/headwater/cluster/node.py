@@ -72,14 +72,14 @@ class ClusterNode:
         self,
         config: ClusterConfig,
         api: EngineAPI,
-        ports: Mapping[str, int],
         security: PeerSecurity,
     ):
         self.config = config
         self.api = api
         self.security = security  # the replication listener's TLS, secret and limits
         self.keys = Keys(config.prefix)
-        self.info = NodeInfo(config.node_id, config.advertise_host, config.rack, dict(ports))
+        # Its listeners' ports come with start(): until then it advertises none.
+        self.info = NodeInfo(config.node_id, config.advertise_host, config.rack, {})
         self.etcd = Etcd(config.etcd)
         self.lease = 0
         self.is_controller = False
@@ -101,11 +101,12 @@ class ClusterNode:
 
     # ---- life ---------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Join: take a lease and the node's key under it. A key still held by an
-        earlier run of this node (killed, its lease not yet expired) is waited out, up
-        to two leases; a key held longer than that is another live process. Either that
-        or etcd unreachable: ClusterJoinError (the server's stop then closes the client)."""
+    async def start(self, ports: Mapping[str, int]) -> None:
+        """Join, advertising the listeners' ``ports``: take a lease and the node's key
+        under it. A key still held by an earlier run of this node (killed, its lease not
+        yet expired) is waited out, up to two leases; a key held longer than that is
+        another live process. Either that or etcd unreachable: ClusterJoinError (the
+        server's stop then closes the client)."""
         self.front_ends.start()
         self.api.cluster_gate.deregister_before_delete(self.streams.deregister)
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
@@ -119,7 +120,7 @@ class ClusterNode:
             self.info.host,
             self.info.rack,
             {
-                **self.info.ports,
+                **ports,
                 "replication": self.replication.port,
                 **dict(self.config.advertise_ports),
             },

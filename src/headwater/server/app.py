@@ -120,6 +120,16 @@ class Server:
         if self.config.cluster is not None:
             # Nor is anything stored before the node knows what it leads (docs/cluster.md).
             self._api.cluster_gate.refuse_appends("this node is joining its cluster")
+            # Made before the listeners bind: a front end that takes it at connect (the
+            # Kafka session) would otherwise, connected while the node joins, answer as
+            # a single node for the connection's life (broker 0, leader of everything).
+            self.cluster = ClusterNode(
+                self.config.cluster,
+                self._api,
+                PeerSecurity.of(
+                    self.config.cluster, self.limits, context_for(self), self.config.tls
+                ),
+            )
         # Kimberlite starts last: its Handshake advertises the other listeners' ports.
         for name, factory in sorted(
             self.front_ends.items(), key=lambda item: item[0] == "kimberlite"
@@ -135,17 +145,9 @@ class Server:
             log.info(
                 "listening", extra={"listener": name, "host": address[0], "port": listener.port}
             )
-        if self.config.cluster is not None:
+        if self.cluster is not None:
             # Joined once the listeners are bound: the node's key advertises their ports.
-            self.cluster = ClusterNode(
-                self.config.cluster,
-                self._api,
-                {lst.name: lst.port for lst in self.listeners},
-                PeerSecurity.of(
-                    self.config.cluster, self.limits, context_for(self), self.config.tls
-                ),
-            )
-            await self.cluster.start()
+            await self.cluster.start({lst.name: lst.port for lst in self.listeners})
         if self.ports_file is not None:
             ports = {lst.name: lst.port for lst in self.listeners}
             tmp = self.ports_file.with_name(self.ports_file.name + ".tmp")

@@ -9,13 +9,14 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cluster_nodes import LEASE_S, WAIT_S, Cluster
-from confluent_kafka import Consumer, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
 from servers import free_port
 
 from headwater.cluster.local import EtcdProcess, node_config
@@ -113,14 +114,32 @@ def test_a_node_id_held_by_a_live_node_is_refused(
     cluster: Cluster, etcd: EtcdProcess, tmp_path: Path
 ) -> None:
     cluster.add(1)
-    listen = {"kimberlite": "127.0.0.1:0", "kafka": "", "http": "", "convergedb": ""}
+    kafka = f"127.0.0.1:{free_port()}"
+    listen = {"kimberlite": "127.0.0.1:0", "kafka": kafka, "http": "", "convergedb": ""}
     listen |= {"ripple": "", "rivven": "", "postgres": ""}
     config = node_config(1, etcd.endpoint, listen, extra=f"lease_s = {LEASE_S}\n")
-    refused = serve(tmp_path / "second", config)
+    with ThreadPoolExecutor(1) as pool:
+        second = pool.submit(serve, tmp_path / "second", config)
+        # While it waits for the id (two leases), its Kafka listener is bound: a client
+        # connected then is answered as by a node that has not joined (no broker, no
+        # leader), never as a single node (broker 0 leading every partition it has).
+        admin = AdminClient(
+            {"bootstrap.servers": kafka, "socket.connection.setup.timeout.ms": 1000}
+        )
+        metadata = wait_until(lambda: _metadata(admin), timeout=WAIT_S)
+        refused = second.result()
+    assert metadata.brokers == {}, metadata.brokers
     assert refused.returncode == 2, refused.stderr
     assert "node_id 1 is held by another live node" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert cluster.nodes[1].running
+
+
+def _metadata(admin: AdminClient) -> ClusterMetadata | None:
+    try:
+        return admin.list_topics(timeout=2)
+    except KafkaException:
+        return None  # not bound yet
 
 
 def test_etcd_unreachable_at_start_is_one_line(tmp_path: Path) -> None:
