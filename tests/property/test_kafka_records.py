@@ -316,3 +316,38 @@ def test_sections_read_together_read_as_the_reference_decoder_reads_them(
     assert read.timestamps.tolist() == stamps
     assert read.firsts == [0, *itertools.accumulate(counts)]
     assert (read.starts[1:] >= read.ends[:-1]).all()  # ascending, never overlapping
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch_records=records() | uniform_records(), data=st.data())
+def test_the_numpy_produce_check_passes_only_what_the_walk_passes(
+    batch_records: list[Record], data: st.DataObject
+) -> None:
+    # A long produced batch is checked by numpy reading every record's fields at once:
+    # it must never pass a batch the walk refuses, and it must read a sound batch of
+    # fixed-size values with short timestamp deltas (the usual long batch) itself.
+    built = build_batch(batch_records, base_timestamp=0)[HEADER_SIZE:]
+    body = bytearray(built)
+    for _ in range(data.draw(st.integers(0, 3))):
+        if body:
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        body = body[: data.draw(st.integers(0, len(body)))]
+    count = len(batch_records)
+    header = kafka_batch.SectionHeader(0, 0, count - 1, 0, 0, -1, -1, -1, count)
+    try:
+        kafka_batch.walk_records(bytes(body), count)
+        walked = True
+    except kafka_batch.KafkaRecordsError:
+        walked = False
+    if kafka_batch._reads_by_numpy(bytes(body), header):
+        assert walked
+    elif (
+        body == built
+        and len({(r.key, len(r.value or b"")) for r in batch_records}) == 1
+        and all(
+            0 <= r.timestamp_delta < 64 and r.value is not None and not r.headers
+            for r in batch_records
+        )
+    ):
+        raise AssertionError("a sound batch of fixed-size records was not read by numpy")
