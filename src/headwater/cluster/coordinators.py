@@ -73,7 +73,10 @@ class TenantPartitionCoordinators:
         noun = self.NOUN
         if other is None or other.node_id == self._node.config.node_id:
             raise CoordinatorNotAvailable(f"the {noun} coordinator is moving; find it again")
-        raise NotCoordinator(f"node {other.node_id} coordinates this tenant's {noun}s")
+        # Its listeners named as NotLeader names a leader's: the Rivven SDK follows.
+        raise NotCoordinator(
+            f"node {other.node_id} coordinates this tenant's {noun}s: {other.listed()}"
+        )
 
 
 class GroupCoordinators(TenantPartitionCoordinators):

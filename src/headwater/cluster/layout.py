@@ -41,6 +41,20 @@ class NodeInfo:
         return cls(int(data["node_id"]), str(data["host"]), data.get("rack"),
                    {str(k): int(v) for k, v in data.get("ports", {}).items()})  # fmt: skip
 
+    def addresses(self) -> dict[str, str]:
+        """``host:port`` of each client-facing listener, by name (a NotLeader's or a
+        NotCoordinator's hint: clients follow the one they speak)."""
+        return {
+            name: f"{self.host}:{port}"
+            for name, port in sorted(self.ports.items())
+            if name != "replication"
+        }
+
+    def listed(self) -> str:
+        """:meth:`addresses` for a message: ``kafka 10.0.0.2:9092, rivven ...``, the
+        form the clients read a hint from (the only place most wires have for it)."""
+        return ", ".join(f"{name} {address}" for name, address in self.addresses().items())
+
 
 @dataclass(frozen=True)
 class PartitionState:

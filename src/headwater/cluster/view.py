@@ -95,15 +95,9 @@ class ClusterView:
             raise NotLeader(f"partition {partition} of {stream} has no leader right now")
         # Every client-facing listener's address, in the message (the only place most
         # wires have for it) and beside it for HTTP's JSON body.
-        addresses = {
-            name: f"{leader.host}:{port}"
-            for name, port in sorted(leader.ports.items())
-            if name != "replication"
-        }
-        listed = ", ".join(f"{name} {address}" for name, address in addresses.items())
         raise NotLeader(
-            f"node {leader.node_id} leads partition {partition} of {stream}: {listed}",
-            {"node_id": leader.node_id, **addresses},
+            f"node {leader.node_id} leads partition {partition} of {stream}: {leader.listed()}",
+            {"node_id": leader.node_id, **leader.addresses()},
         )
 
     def high_watermark(self, tenant_id: int, stream: str, partition: int, end: int) -> int:

@@ -8,6 +8,7 @@ partition after the failover, once."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -23,6 +24,7 @@ from test_cluster_groups import wait_topic_everywhere
 from test_cluster_membership import create_topic
 from test_kafka_stored_batches import RawKafka
 
+from headwater.client import AsyncConsumer, AsyncProducer
 from headwater.protocols.kafka import ApiKey, ErrorCode
 from waiting import wait_until
 
@@ -328,3 +330,61 @@ def test_an_open_transaction_left_by_a_dead_coordinator_times_out_at_the_next(
         "aborting transaction 'left' after its timeout" in cluster.nodes[n].log_text()
         for n in survivors
     )
+
+
+def test_a_rivven_sdk_transaction_through_a_node_that_does_not_coordinate(
+    cluster: Cluster,
+) -> None:
+    """The SDK's transactional producer (Rivven) pointed at a node that does not
+    coordinate the tenant's transactions: its BeginTransaction there is NOT_COORDINATOR
+    naming the coordinator's listeners, and the session moves there as it follows a
+    NotLeader; the transaction's records (to a partition the coordinator leads) are read
+    whole once committed, and an aborted transaction's never."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id, rivven=True)
+    coordinator_asked(cluster.nodes[1])  # the state stream is made on first sight
+    coordinator = state_leader(cluster, all_in_sync=True)
+    create_topic(cluster.nodes[1].address_of("kafka"), "events", 6)
+    placed = cluster.wait_partitions(7)  # and the state partition
+    led = [
+        int(path.rsplit("/", 1)[1])
+        for path, part in placed.items()
+        if path.startswith("0/events/") and part["leader"] == coordinator
+    ]
+    assert led, placed  # placement spreads the leaderships: the coordinator has some
+    other = next(n for n in (1, 2, 3) if n != coordinator)
+
+    async def transactions() -> int:
+        address = cluster.nodes[other].address_of("rivven")
+        async with AsyncProducer(address, transactional_id="r1") as producer:
+            await producer.init_transactions()
+            for prefix, commit in ((b"c", True), (b"a", False), (b"d", True)):
+                await producer.begin_transaction()
+                for i in range(10):
+                    producer.send("events", prefix + b"%d" % i, partition=led[0])
+                if commit:
+                    await producer.commit_transaction()
+                else:
+                    await producer.abort_transaction()
+            return producer._session.redirects
+
+    moves = asyncio.run(transactions())
+    assert moves == 1  # to the coordinator, which also leads the partition
+
+    async def read_committed(address: str) -> list[bytes]:
+        # The last transaction's records come after the aborted one's: read up to
+        # them, an aborted record would have been read before. Through Rivven (the
+        # SDK's consumer, read_committed), from a node that follows the partition.
+        seen: list[bytes] = []
+        async with AsyncConsumer(address, group_id="reader") as consumer:
+            consumer.assign([("events", led[0])])
+            consumer.seek(("events", led[0]), 0)
+            async with asyncio.timeout(WAIT_S):
+                while b"d9" not in seen:
+                    record = await consumer.poll(1.0)
+                    if record is not None and record.value is not None:
+                        seen.append(record.value)
+        return seen
+
+    seen = asyncio.run(read_committed(cluster.nodes[other].address_of("rivven")))
+    assert seen == [b"c%d" % i for i in range(10)] + [b"d%d" % i for i in range(10)]

@@ -104,6 +104,16 @@ class Throttled(RateLimited):
         self.throttle_time_ms = answer.throttle_time_ms
 
 
+class _CoordinatorElsewhere(NotLeader):
+    """A NOT_COORDINATOR that names the coordinator's Rivven listener (a cluster:
+    docs/cluster.md): refused before anything was done, so the session follows it as
+    it follows a NotLeader's leader; ``refused`` is raised if the moves run out."""
+
+    def __init__(self, refused: group_errors.NotCoordinator, listener: str, address: str):
+        super().__init__(refused.message, {listener: address})
+        self.refused = refused
+
+
 class RivvenLink(Link[ResponseFrame, Message]):
     """One Rivven connection: answers matched by correlation id (no pushes)."""
 
@@ -200,7 +210,16 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
     def _error_of(self, reply: Any) -> HeadwaterError | None:
         if isinstance(reply, pb.ThrottledResponse):
             return Throttled(reply)
-        return error_of(reply) if isinstance(reply, pb.ErrorResponse) else None
+        if not isinstance(reply, pb.ErrorResponse):
+            return None
+        error = error_of(reply)
+        if isinstance(error, group_errors.NotCoordinator):
+            # Groups' offsets and transactions are answered by their coordinator only;
+            # its message names its listeners as a NotLeader's does.
+            address = NotLeader(error.message).address_of(self.listener)
+            if address is not None:
+                return _CoordinatorElsewhere(error, self.listener, address)
+        return error
 
     async def request(
         self, message: Message, expect: type[M], *, safe: bool, wait: float | None = None
@@ -225,6 +244,8 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
             except Throttled as throttled:
                 self.throttled += 1
                 await asyncio.sleep(throttled.throttle_time_ms / 1000)
+            except _CoordinatorElsewhere as moved:
+                raise moved.refused from None  # followed `retries` times, still refused
 
 
 class ConnectionOptions(TypedDict, total=False):
