@@ -299,7 +299,7 @@ def append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
     """``batch`` cut where an append would pass the server's limits (10,000 events, 4 MiB
     of values and keys); a single larger event stays alone and the server refuses it
     clearly."""
-    if batch.num_rows <= MAX_EVENTS and _data_bytes(batch) <= MAX_APPEND_BYTES:
+    if batch.num_rows <= MAX_EVENTS and data_bytes(batch) <= MAX_APPEND_BYTES:
         yield batch  # the common case, known from the arrays' bounds alone
         return
     lengths = pc.binary_length(batch.column("value")).to_numpy(zero_copy_only=False)
@@ -316,7 +316,7 @@ def append_pieces(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
         start += count
 
 
-def _data_bytes(batch: pa.RecordBatch) -> int:
+def data_bytes(batch: pa.RecordBatch) -> int:
     """The bytes of ``batch``'s values and keys, from their first and last bounds."""
     total = 0
     for name in ("value", "key"):

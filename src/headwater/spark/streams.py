@@ -22,7 +22,7 @@ import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
 
 from headwater.client import Client, connect
-from headwater.client.arrow import HttpApi, append_pieces, by_partition
+from headwater.client.arrow import HttpApi, append_pieces, by_partition, data_bytes
 from headwater.client.errors import ServerUnavailable
 from headwater.client.results import QueryResult, RawReadResult
 from headwater.engine.partitioner import murmur2_spans
@@ -522,18 +522,23 @@ class PartitionedAppender:
     """Appends a task's rows to the stream's partitions so that running the task again
     appends nothing new.
 
-    Each row goes to its partition (:func:`place`); each input batch's rows of a
-    partition are one append (more when they pass 10,000 rows or 4 MiB of values and
-    keys), an Arrow batch (``POST /api/streams/{name}/arrow``). Appends never gather rows
-    of several input batches: when a task fails, Spark ends the writer's input early as
-    if it were complete, at a batch boundary, and a rerun must send exactly the appends
-    the failed attempt sent, which holds only if every append ends where a batch ends.
-    (A larger ``spark.sql.execution.arrow.maxRecordsPerBatch`` makes larger appends.)
+    Each row goes to its partition (:func:`place`). A partition's rows are gathered
+    across input batches until they reach an append's limits (10,000 rows or 4 MiB of
+    values and keys, :data:`GATHER_ROWS` / :data:`GATHER_BYTES`), then sent as Arrow
+    appends (``POST /api/streams/{name}/arrow``); what is left goes when the input ends.
     The n-th append to stream partition p is sent by producer ``(job, task partition,
     p, n // SEQUENCES_PER_PRODUCER)`` with sequence ``n % SEQUENCES_PER_PRODUCER``, so a
-    rerun sends the same (producer, sequence) pairs with the same rows, and the server
-    answers them from the partition's
-    producer table instead of appending.
+    rerun sends the same (producer, sequence) pairs with the same rows first, and the
+    server answers them from the partition's producer table instead of appending.
+
+    When a task fails, Spark ends the writer's input early, at a batch boundary, as
+    though it were complete, so the failed attempt's last append to a partition may
+    hold only the first rows of the rerun's append of the same sequence (the rows are
+    gathered by the same rule from the same input, in the same order). The server
+    answers that append as stored, with the failed attempt's smaller count: the rest of
+    its rows then go as the partition's next append (:meth:`_Sender.append`). Every
+    attempt numbers its appends the same way from the same answers, so a rerun of a
+    rerun holds too.
     """
 
     def __init__(self, conn: ConnectionOptions, stream: str, job: str, partition: int) -> None:
@@ -548,7 +553,10 @@ class PartitionedAppender:
                 partitions = int(api.stream(self.stream)["partitions"])
             except StreamNotFound:
                 raise UsageError(f"stream {self.stream} does not exist on {api.address}") from None
-            senders = [_Sender(client.http_api()) for _ in range(partitions)]
+            senders = [
+                _Sender(client.http_api(), self.stream, p, self.job, self.partition)
+                for p in range(partitions)
+            ]
             try:
                 self._place_and_send(batches, senders)
                 for sender in senders:
@@ -564,7 +572,6 @@ class PartitionedAppender:
 
     def _place_and_send(self, batches: Iterator[pa.RecordBatch], senders: list[_Sender]) -> None:
         partitions = len(senders)
-        appended = [0] * partitions  # appends sent to each stream partition
         sticky = self.partition % partitions
         for batch in batches:
             if batch.num_rows == 0:
@@ -572,47 +579,78 @@ class PartitionedAppender:
             target = place(batch, partitions, sticky)
             sticky = (sticky + 1) % partitions
             for p, part in by_partition(_write_batch(batch), target):
-                for piece in append_pieces(part):
-                    group, sequence = divmod(appended[p], SEQUENCES_PER_PRODUCER)
-                    producer = (producer_id(self.job, self.partition, p, group), sequence)
-                    senders[p].send(self.stream, piece, p, producer)
-                    appended[p] += 1
+                senders[p].gather(part)
+        for sender in senders:
+            sender.flush()
+
+
+GATHER_ROWS = 10_000  # a partition's rows are sent once this many are gathered ...
+GATHER_BYTES = 4 << 20  # ... or this many bytes of values and keys (an append's limits)
 
 
 class _Sender:
-    """One stream partition's appends, sent in order by a thread of their own over a
-    connection of their own: the task goes on placing rows while appends are in flight,
-    and the partitions' appends (and the server's fsyncs of them) overlap. At most
-    ``IN_FLIGHT`` appends wait per partition; an error is raised by the next send."""
+    """One stream partition's rows: gathered, then sent in order by a thread of their
+    own over a connection of their own, so the task goes on placing rows while appends
+    are in flight and the partitions' appends (and the server's fsyncs of them) overlap.
+    At most ``IN_FLIGHT`` appends wait per partition; an error is raised by the next
+    send. Sequences are given in the thread, in order, as appends are sent."""
 
     IN_FLIGHT = 2
 
-    def __init__(self, api: HttpApi) -> None:
+    def __init__(self, api: HttpApi, stream: str, partition: int, job: str, task: int) -> None:
         self.api = api
+        self.stream = stream
+        self.partition = partition
+        self.job = job
+        self.task = task
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self.in_flight: deque[Future[dict[str, Any]]] = deque()
+        self.in_flight: deque[Future[None]] = deque()
+        self.gathered: list[pa.RecordBatch] = []
+        self.gathered_rows = self.gathered_bytes = 0
+        self.sent = 0  # appends sent (the next one's number), in the thread
         self.events = 0
         self.appends = 0
 
-    def send(
-        self, stream: str, batch: pa.RecordBatch, partition: int, producer: tuple[int, int]
-    ) -> None:
-        while len(self.in_flight) >= self.IN_FLIGHT:
-            self._settle(self.in_flight.popleft())
-        self.in_flight.append(
-            self.pool.submit(
-                self.api.append_arrow, stream, batch, partition=partition, producer=producer
-            )
-        )
+    def gather(self, rows: pa.RecordBatch) -> None:
+        self.gathered.append(rows)
+        self.gathered_rows += rows.num_rows
+        self.gathered_bytes += data_bytes(rows)
+        if self.gathered_rows >= GATHER_ROWS or self.gathered_bytes >= GATHER_BYTES:
+            self.flush()
 
-    def _settle(self, future: Future[dict[str, Any]]) -> None:
-        answer = future.result()
-        self.events += int(answer["count"])
-        self.appends += 1
+    def flush(self) -> None:
+        """Send what is gathered (as appends within the limits)."""
+        if not self.gathered:
+            return
+        rows = pa.Table.from_batches(self.gathered).combine_chunks().to_batches()[0]
+        self.gathered, self.gathered_rows, self.gathered_bytes = [], 0, 0
+        for piece in append_pieces(rows):
+            while len(self.in_flight) >= self.IN_FLIGHT:
+                self.in_flight.popleft().result()
+            self.in_flight.append(self.pool.submit(self.append, piece))
+
+    def append(self, rows: pa.RecordBatch) -> None:
+        """Send ``rows`` as the partition's next append; when the server answers with
+        fewer rows stored (a failed attempt sent only their first rows under this
+        sequence), the rest as the append after it. (The server never answers 0.)"""
+        while rows.num_rows:
+            group, sequence = divmod(self.sent, SEQUENCES_PER_PRODUCER)
+            producer = (producer_id(self.job, self.task, self.partition, group), sequence)
+            answer = self.api.append_arrow(
+                self.stream, rows, partition=self.partition, producer=producer
+            )
+            self.sent += 1
+            # More stored than sent: an earlier attempt got further before its input
+            # ended; these rows are the first of what it stored (this attempt's input
+            # ended earlier still, so nothing follows them here).
+            stored = min(int(answer["count"]), rows.num_rows)
+            self.events += stored
+            self.appends += 1
+            rows = rows.slice(stored)
 
     def drain(self) -> None:
         while self.in_flight:
-            self._settle(self.in_flight.popleft())
+            self.in_flight.popleft().result()
 
     def close(self) -> None:
         for future in self.in_flight:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from confluent_kafka import Producer
 from servers import LOCAL, Server, serving
@@ -22,6 +23,8 @@ from servers import LOCAL, Server, serving
 import headwater
 from headwater.client.arrow import HttpApi
 from headwater.engine.partitioner import keyed_partition
+from headwater.spark.options import ConnectionOptions
+from headwater.spark.streams import PartitionedAppender
 from waiting import wait_until
 
 pytestmark = pytest.mark.spark
@@ -174,7 +177,10 @@ def _failing_once(marker: Path, server: str, stream: str, fail_at: int) -> Any:
 def test_retried_keyed_write_task_leaves_no_duplicate(
     spark: Any, server: Server, tmp_path: Path
 ) -> None:
-    total = 40_000  # several Arrow batches of 10,000 rows in one task
+    # Arrow batches of 10,000 rows in one task; the sink gathers each partition's rows
+    # up to 10,000 before sending, so the first attempt sends some before it fails (70,000
+    # rows, about 11,700 a partition) and ends with partial appends the retry completes.
+    total = 80_000
     with headwater.connect(server.address) as hw, hw.http_api() as api:
         stream = _new_stream(api)
         marker = tmp_path / "appended_before_failure"
@@ -189,6 +195,36 @@ def test_retried_keyed_write_task_leaves_no_duplicate(
     assert all(
         keyed_partition(k, PARTITIONS) == p for p, part in rows.items() for _, k, _, _ in part
     )
+
+
+def test_sink_attempts_ending_early_leave_each_row_once_in_order(server: Server) -> None:
+    """The sink's exactly-once rule without Spark: attempts of one task whose input ends
+    early at different batch boundaries (later, earlier, later again), then a complete
+    one, leave every row stored once, on its key's partition, in input order. Partial
+    appends of an attempt are completed by the next (a shorter stored append's rest goes
+    as the next sequence), and an attempt that ends before an earlier one sends nothing
+    new."""
+    keys = [b"k%d" % (i % 997) for i in range(120_000)]
+    batches = [
+        pa.record_batch(
+            {
+                "value": pa.array([b"%d" % i for i in range(lo, lo + 10_000)], pa.binary()),
+                "key": pa.array(keys[lo : lo + 10_000], pa.binary()),
+            }
+        )
+        for lo in range(0, 120_000, 10_000)
+    ]
+    with headwater.connect(server.address) as hw, hw.http_api() as api:
+        stream = _new_stream(api)
+        connection = ConnectionOptions(server=server.address)
+        for ended_at in (7, 4, 10, 12):  # batches each attempt's input held
+            appender = PartitionedAppender(connection, stream, "job", 0)
+            appender.append(iter(batches[:ended_at]))
+        rows = {p: _partition_rows(api, stream, p) for p in range(PARTITIONS)}
+    expected: dict[int, list[tuple[bytes, bytes]]] = {p: [] for p in range(PARTITIONS)}
+    for i, key in enumerate(keys):
+        expected[keyed_partition(key, PARTITIONS)].append((key, b"%d" % i))
+    assert {p: [(k, v) for _, k, v, _ in part] for p, part in rows.items()} == expected
 
 
 def _copy_query(spark: Any, server: Server, source: str, out: Path) -> Any:
