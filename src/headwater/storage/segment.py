@@ -113,7 +113,6 @@ BUFFER_ROUND = 1 << 20
 # and must not pin a big buffer (a batch kept by a reader keeps its buffer alive).
 POOLED_READ = 1 << 20
 READ_BUFFERS = ReadBuffers(32 << 20)
-PROBE_BYTES = 4096
 # O_DIRECT wants the file position, the length and the memory aligned to the device's
 # logical block; a page covers every block size in use.
 DIRECT_ALIGN = 4096
@@ -135,6 +134,11 @@ DIRECT_READS = DirectReads()
 
 def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
     nowait = getattr(_nowait, "on", False) and _RWF_NOWAIT != 0
+    if nowait and length >= POOLED_READ and cached_share(fd, pos, length) < 1.0:
+        # A large chunk not wholly cached: the read below would copy the part that is
+        # and give up, and a no-wait read of a missing page still starts the kernel's
+        # read-ahead there, filling the cache a direct read would have gone around.
+        raise WouldBlock
     if length < POOLED_READ:
         if not nowait:
             return os.pread(fd, length, pos)
@@ -142,11 +146,6 @@ def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
     else:
         buf = memoryview(READ_BUFFERS.take(length))[:length]
     try:
-        if nowait and isinstance(buf, memoryview) and length > PROBE_BYTES:
-            # The kernel fills a chunk front to back: while its last page is not in yet,
-            # the read below would copy the part that is and then give up. Ask that
-            # page first, so a cold chunk costs a 4 KiB copy on the loop, not megabytes.
-            os.preadv(fd, [buf[length - PROBE_BYTES :]], pos + length - PROBE_BYTES, _RWF_NOWAIT)
         got = os.preadv(fd, [buf], pos, _RWF_NOWAIT if nowait else 0)
     except BlockingIOError:
         raise WouldBlock from None
