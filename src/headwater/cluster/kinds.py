@@ -110,8 +110,9 @@ class KindRegistrySync:
 
     async def placed(self, tenant_id: int, info: KindInfo) -> None:
         """A kind was created here: registered now, and answered once its changelog
-        has a leader that knows it leads (so a write right after CREATE_KIND is taken
-        by the leader, or refused naming it), at most PLACEMENT_WAIT_S."""
+        has a leader that knows it leads, or (another node) that has made the kind (so a
+        write right after CREATE_KIND is taken by the leader, or refused naming a node
+        that has it), at most PLACEMENT_WAIT_S."""
         if (tenant_id, info.name) in self._from_cluster:
             return
         try:
@@ -125,6 +126,23 @@ class KindRegistrySync:
         while time.monotonic() < deadline:
             state = self._node.partitions.get(key)
             leader = NO_LEADER if state is None else state.leader
-            if leader != NO_LEADER and (leader != me or self._node.replication.leads(key)):
+            if leader == me and self._node.replication.leads(key):
+                return
+            if leader not in (me, NO_LEADER) and await self._leads_kind(leader, key):
                 return
             await asyncio.sleep(0.05)  # the node's tick (0.5 s) reads etcd's answer
+
+    async def _leads_kind(self, node_id: int, key: PartitionKey) -> bool:
+        """Whether ``node_id`` has made the kind and leads it, so a client sent there by
+        a refusal finds it and is not refused: known here when this node, a replica, has
+        had a fetch answered by it (a node answers only what it leads); else from the
+        offsets it publishes once it has made the kind (it leads by the end of that
+        tick)."""
+        state = self._node.partitions.get(key)
+        if state is not None and self._node.config.node_id in state.replicas:
+            return key in self._node.replication.follower_hw
+        try:
+            published = await self._node.etcd.get(self._node.keys.node_offsets(node_id))
+        except EtcdError:
+            return False
+        return published is not None and key.path() in published.json()

@@ -222,8 +222,8 @@ class ClusterNode:
     # ---- one round ----------------------------------------------------------------------
 
     async def tick(self) -> None:
+        await self.kinds.sync()  # before the streams: a kind made now is recorded now
         await self.streams.sync()
-        await self.kinds.sync()
         await self._publish_offsets()
         if await self._hold_controller():
             await self._control()
