@@ -523,9 +523,10 @@ class PartitionedAppender:
     appends nothing new.
 
     Each row goes to its partition (:func:`place`). A partition's rows are gathered
-    across input batches until they reach an append's limits (10,000 rows or 4 MiB of
-    values and keys, :data:`GATHER_ROWS` / :data:`GATHER_BYTES`), then sent as Arrow
-    appends (``POST /api/streams/{name}/arrow``); what is left goes when the input ends.
+    across input batches and sent as full Arrow appends (``POST
+    /api/streams/{name}/arrow``) of an append's limits (10,000 rows or 4 MiB of values
+    and keys, :data:`GATHER_ROWS` / :data:`GATHER_BYTES`), cut from the partition's rows
+    in order; what is left goes when the input ends.
     The n-th append to stream partition p is sent by producer ``(job, task partition,
     p, n // SEQUENCES_PER_PRODUCER)`` with sequence ``n % SEQUENCES_PER_PRODUCER``, so a
     rerun sends the same (producer, sequence) pairs with the same rows first, and the
@@ -612,19 +613,26 @@ class _Sender:
         self.appends = 0
 
     def gather(self, rows: pa.RecordBatch) -> None:
+        self.gather_rows(rows)
+        if self.gathered_rows >= GATHER_ROWS or self.gathered_bytes >= GATHER_BYTES:
+            self.flush(last=False)  # full appends; the rest keeps gathering
+
+    def gather_rows(self, rows: pa.RecordBatch) -> None:
         self.gathered.append(rows)
         self.gathered_rows += rows.num_rows
         self.gathered_bytes += data_bytes(rows)
-        if self.gathered_rows >= GATHER_ROWS or self.gathered_bytes >= GATHER_BYTES:
-            self.flush()
 
-    def flush(self) -> None:
-        """Send what is gathered (as appends within the limits)."""
+    def flush(self, *, last: bool = True) -> None:
+        """Send what is gathered as appends within the limits; unless it is the
+        ``last`` flush, the final piece (not full) stays gathered for the next."""
         if not self.gathered:
             return
         rows = pa.Table.from_batches(self.gathered).combine_chunks().to_batches()[0]
         self.gathered, self.gathered_rows, self.gathered_bytes = [], 0, 0
-        for piece in append_pieces(rows):
+        pieces = list(append_pieces(rows))
+        if not last:
+            self.gather_rows(pieces.pop())
+        for piece in pieces:
             while len(self.in_flight) >= self.IN_FLIGHT:
                 self.in_flight.popleft().result()
             self.in_flight.append(self.pool.submit(self.append, piece))
