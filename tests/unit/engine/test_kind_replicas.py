@@ -47,7 +47,11 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
         leader_engine = await Engine.open(tmp_path / "leader", ENGINE)
         follower_engine = await Engine.open(tmp_path / "follower", ENGINE)
         leader = await KindsEngine.open(leader_engine, KindsConfig(coalesce_ms=5))
-        follower = await KindsEngine.open(follower_engine, KindsConfig(coalesce_ms=5))
+        # A hot set smaller than the kind: the follower checkpoints what it applied to
+        # its store and evicts, as a leader does after its windows.
+        follower = await KindsEngine.open(
+            follower_engine, KindsConfig(coalesce_ms=5, hot_entities=4)
+        )
         try:
             lt, ft = leader.tenant(0), follower.tenant(0)
             kind = await lt.create_kind("sensor", FIELDS)
@@ -94,6 +98,10 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             follower.changelogs.moved(0, STREAM)
             await wait_until_async(lambda: applied.applied_offset == end)
             assert state(ft, mine.kind_id) == final
+            stored = applied.store.meta
+            await wait_until_async(lambda: (m := stored()) is not None and m.offset == end)
+            assert len(applied.hot) <= 4 and not applied.complete
+            assert state(ft, mine.kind_id) == final  # read through the store now
             assert applied.count == len(final) == ft.entity_count(mine.kind_id)
             leader_held = leader.changelogs.state(0, STREAM).held_counts
             assert applied.held_counts == leader_held

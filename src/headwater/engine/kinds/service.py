@@ -445,6 +445,12 @@ class KindsEngine:
                     tk.check_liveness(now)
                 except Exception:
                     log.exception("liveness check failed")
+                # A checkpoint comes due after a flush too, and a kind no window writes
+                # to (a cluster's follower, an idle kind whose last checkpoint was still
+                # running at its last flush) would otherwise wait for the next one.
+                for state in list(tk.kinds.values()):
+                    if state.checkpoint_due(now) and not state.log.closed:
+                        tk.start_checkpoint(state)
 
     async def run_maintenance(self) -> int:
         """Compact every kind changelog once; returns the records removed."""
