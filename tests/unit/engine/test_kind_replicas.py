@@ -102,6 +102,17 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             await wait_until_async(lambda: (m := stored()) is not None and m.offset == end)
             assert len(applied.hot) <= 4 and not applied.complete
             assert state(ft, mine.kind_id) == final  # read through the store now
+
+            # A divergent tail cut below what it applied (an old leader returning): the
+            # state is rebuilt from the changelog as cut, then follows again.
+            assert await copy.truncate(0, STREAM, 0, middle_end) == middle_end
+            assert state(ft, mine.kind_id) == middle
+            assert applied.applied_offset == middle_end
+            tail = await source.read_stored(0, STREAM, 0, middle_end, 1 << 20)
+            assert await copy.append_stored(0, STREAM, 0, tail) == end
+            follower.changelogs.moved(0, STREAM)
+            await wait_until_async(lambda: applied.applied_offset == end)
+            assert state(ft, mine.kind_id) == final
             assert applied.count == len(final) == ft.entity_count(mine.kind_id)
             leader_held = leader.changelogs.state(0, STREAM).held_counts
             assert applied.held_counts == leader_held
