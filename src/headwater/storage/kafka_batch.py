@@ -483,7 +483,9 @@ def _predicted_spans(
     first_lengths = []
     for body in bodies:  # each batch's first record's length (a few bytes each)
         try:
-            first_lengths.append(_varint(body, 0)[0])  # type: ignore[arg-type]
+            # A length below a record's least (damage) is read as that: no record is
+            # predicted to end before it starts.
+            first_lengths.append(max(6, _varint(body, 0)[0]))  # type: ignore[arg-type]
         except (IndexError, KafkaRecordsError):
             first_lengths.append(6)
     total = int(firsts[-1])
@@ -550,7 +552,7 @@ def _read_records(
     next_starts[:-1] = starts[1:]
     next_starts[batch_first + counts - 1] = body_ends
     ok = (sizes > 0) & (lengths >= 6) & (record_ends == next_starts)
-    at = np.minimum(starts + np.maximum(sizes, 1), last)
+    at = np.clip(starts + np.maximum(sizes, 1), 0, last)
     ok &= buf[at] < 0x80  # attributes: one byte (parse_records')
     at += 1
     deltas, sizes = _varints(buf, at)
@@ -619,29 +621,31 @@ def _run_starts(buf: npt.NDArray[np.uint8], pos: int, end: int, count: int) -> I
 def _varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64s]:
     """The zigzag varints starting at positions ``at`` of ``buf``: values and sizes in
     bytes, a size of -1 where one starts or runs past the end or takes over 9 bytes
-    (left to the decoder: a tenth may overflow 64 bits). One numpy pass per byte of the
-    longest (one, for nearly every field)."""
+    (left to the decoder: a tenth may overflow 64 bits). Up to three bytes each (record
+    lengths, offset deltas below 2**20) in a few whole-array passes; longer ones by
+    :func:`_long_varints`."""
     last = len(buf) - 1
-    if len(at) and int(at.max()) > last - 1:
+    if not len(at) or int(at.max()) > last or int(at.min()) < 0:
         return _long_varints(buf, at)
-    first = buf[at]
-    if int(first.max()) < 0x80:  # one byte each
-        small = first.astype(np.int64)
-        return (small >> 1) ^ -(small & 1), np.ones(len(at), np.int64)
-    second = buf[at + 1]
-    more = first >= 0x80
-    if (second[more] >= 0x80).any():
+    first = buf[at].astype(np.int64)
+    if int(first.max()) < 0x80:  # one byte each (nearly every field)
+        return (first >> 1) ^ -(first & 1), np.ones(len(at), np.int64)
+    second = buf[np.minimum(at + 1, last)].astype(np.int64)
+    third = buf[np.minimum(at + 2, last)].astype(np.int64)
+    two = first >= 0x80
+    three = two & (second >= 0x80)
+    sizes = 1 + two + three
+    if (three & (third >= 0x80)).any() or int((at + sizes).max()) > last + 1:
         return _long_varints(buf, at)
-    raw = first.astype(np.int64)
-    raw[more] = (raw[more] & 0x7F) | (second[more].astype(np.int64) << 7)
-    return (raw >> 1) ^ -(raw & 1), 1 + more
+    raw = (first & 0x7F) | (((second & 0x7F) << 7) * two) | ((third << 14) * three)
+    return (raw >> 1) ^ -(raw & 1), sizes
 
 
 def _long_varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64s]:
     """:func:`_varints` of any length, near the end of ``buf`` too."""
     last = len(buf) - 1
-    past = at > last
-    byte = buf[np.minimum(at, last)]
+    past = (at > last) | (at < 0)  # a position a bad size before it moved off the bytes
+    byte = buf[np.clip(at, 0, last)]
     more = byte >= 0x80
     raw = (byte & 0x7F).astype(np.uint64)
     sizes = np.ones(len(at), np.int64)
