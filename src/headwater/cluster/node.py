@@ -90,6 +90,7 @@ class ClusterNode:
         self._tasks: list[asyncio.Task[None]] = []
         self._etcd_down = False  # the last tick could not reach etcd
         self._renewed_at = 0.0  # when etcd last renewed the lease (monotonic)
+        self.joined = False  # registered and etcd read once: a member clients may be sent to
         self.replication = Replication(self)
         self.controller_id = -1  # as of the last tick
         self.coordinators = GroupCoordinators(self)
@@ -150,8 +151,11 @@ class ClusterNode:
                     extra={"node_id": self.config.node_id},
                 )
                 waited = True
+            # Meanwhile its Metadata names the members, so a client asking it keeps them.
+            await self._read_nodes()
             await asyncio.sleep(TICK_S)
         await self.tick()
+        self.joined = True
 
     async def stop(self) -> None:
         """Leave: the lease is revoked, so the node's key (and the controller key, if it
@@ -345,15 +349,18 @@ class ClusterNode:
                     extra={"partition": key.path(), **moved.to_json()},
                 )
 
-    async def _read_state(self) -> None:
-        controller = await self.etcd.get(self.keys.controller)
-        self.controller_id = int(controller.json()["node_id"]) if controller else -1
+    async def _read_nodes(self) -> None:
         self.nodes = {
             info.node_id: info
             for info in (
                 NodeInfo.from_json(kv.json()) for kv in await self.etcd.get_prefix(self.keys.nodes)
             )
         }
+
+    async def _read_state(self) -> None:
+        controller = await self.etcd.get(self.keys.controller)
+        self.controller_id = int(controller.json()["node_id"]) if controller else -1
+        await self._read_nodes()
         placed = await self.etcd.get_prefix(self.keys.partitions)
         # Read after the partitions: a partition state of a stream deleted meanwhile
         # (and maybe created again) is then not of the incarnation this node copies.

@@ -46,9 +46,13 @@ class ClusterView:
         self._replication = node.replication
 
     def nodes(self) -> list[NodeInfo]:
-        """The live nodes, by id (this one among them unless it is fenced off:
-        Replication.fenced)."""
+        """The live nodes, by id (this one among them once it has joined, unless it is
+        fenced off: Replication.fenced)."""
         live = dict(self._node.nodes)
+        if not self._node.joined:
+            # Not a member yet (waiting for its id): clients are sent to the members
+            # only (under its id: the process that holds it), never to it.
+            return [live[n] for n in sorted(live)]
         live.setdefault(self.node_id, self._node.info)
         if self._replication.fenced():
             del live[self.node_id]
