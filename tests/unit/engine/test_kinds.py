@@ -483,3 +483,23 @@ def test_event_stream_kind_sends_an_event_for_a_retract_that_changes_nothing(
         assert isinstance(note, EventNote) and (note.op, note.sequence) == (0x03, 0)
 
     run(tmp_path, body)
+
+
+def test_a_kind_found_by_name_while_being_created_is_usable(tmp_path: Path) -> None:
+    """GET_KIND answered while CREATE_KIND awaits the registry's save (another client;
+    in a cluster, the tick making a kind another node created) finds a kind its reads
+    and writes find too."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        creating = asyncio.ensure_future(sensor(tk))
+        seen = 0
+        while not creating.done():
+            if "sensor" in tk.registry.by_name:
+                kind = tk.get_kind("sensor")
+                assert tk.entity_count(kind.kind_id) == 0  # KindNotFound before
+                seen += 1
+            await asyncio.sleep(0)
+        await creating
+        assert seen > 0  # the window was there to look into
+
+    run(tmp_path, body)

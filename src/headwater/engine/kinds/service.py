@@ -138,19 +138,24 @@ class TenantKinds:
         state = self.kinds.get(kind.kind_id)
         if state is None:
             state = await loop.run_in_executor(self.owner.executor, self.owner.open_kind, kind)
+        # The registry and the kind's state change together, before the save is awaited:
+        # a GET_KIND answered meanwhile (another client; in a cluster, a kind the tick
+        # is making) must find a kind its reads and writes then find too.
         self.registry.install(kind)
+        created = kind.kind_id not in self.kinds
+        if created:
+            self.kinds[kind.kind_id] = state
+            state.committer.start()
+            self.engine_tenant.reserved_names.add(kind.name)
+        else:
+            state.migrate(kind)
+            self.windows.migrated(state)
         try:
             await loop.run_in_executor(self.owner.executor, self.registry.save)
         except BaseException:
             log.exception("saving the kind registry failed")
             raise
-        if kind.kind_id in self.kinds:
-            state.migrate(kind)
-            self.windows.migrated(state)
-        else:
-            self.kinds[kind.kind_id] = state
-            state.committer.start()
-            self.engine_tenant.reserved_names.add(kind.name)
+        if created:
             self.owner.fire_kind_created(self, state)
             if self.owner.placement is not None and not kind.internal:
                 # In a cluster: answered once the changelog is placed and has a leader.
