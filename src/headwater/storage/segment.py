@@ -570,7 +570,8 @@ class Segment:
             length = peek_length(head)
             if length < HEADER_SIZE:
                 raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
-            data = _read(fd, length, pos)
+            # A unit larger than a reader's chunk is read whole: directly too when cold.
+            data, _ = _read_chunk(fd, length, pos)
         if len(data) < length:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return _unit(memoryview(data), verify=verify), length

@@ -26,13 +26,13 @@ MIB = 1 << 20
 PAGE = 2 * MIB  # ReadEvents-sized reads: chunks over the pooled (and direct) size
 
 
-def written_log(path: Path) -> tuple[PartitionLog, list[bytes]]:
-    """Eight batches of 500 values of 1,000 bytes (4 MB, batch starts not aligned to
-    pages), synced and evicted from the page cache."""
+def written_log(path: Path, batch: int = 500) -> tuple[PartitionLog, list[bytes]]:
+    """Batches of ``batch`` values of 1,000 bytes (4 MB in all, batch starts not aligned
+    to pages), synced and evicted from the page cache."""
     plog = PartitionLog.open(path, LogConfig(sync=SyncPolicy("fsync")))
     values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(4000)]
-    for i in range(0, len(values), 500):
-        plog.append(values[i : i + 500], first_position=0, timestamp_ms=0)
+    for i in range(0, len(values), batch):
+        plog.append(values[i : i + batch], first_position=0, timestamp_ms=0)
     plog.sync()
     evict(plog)
     return plog, values
@@ -95,6 +95,27 @@ def test_reading_uncached_data_again_still_goes_around_the_cache(tmp_path: Path)
         assert read_all(plog, 0)[0] == values
         assert DIRECT_READS.count > before
         assert log_cached_share(plog) == 0
+    plog.close()
+
+
+def test_batches_larger_than_the_read_chunk_are_read_directly_too(tmp_path: Path) -> None:
+    # 2 MB batches read in 1 MiB pages: each batch is read whole, past the chunk.
+    plog, values = written_log(tmp_path, batch=2000)
+    before = DIRECT_READS.count
+    got: list[bytes] = []
+    offset: int | None = 0
+    while offset is not None:
+        try:
+            with no_wait():
+                result = plog.read(offset, MIB)
+        except WouldBlock:
+            result = plog.read(offset, MIB)
+        got += [e.value for e in result.events()]
+        offset = result.next_offset
+    assert got == values
+    assert DIRECT_READS.count > before
+    # Only the few pages around each batch header (read through the cache) are cached.
+    assert log_cached_share(plog) < 0.05
     plog.close()
 
 
