@@ -20,12 +20,14 @@ events one by one in Python:
   first position repeated, plus a ``0..n`` range; offset deltas are honoured for sparse
   batches), so the Python work is per stored batch, not per column and batch;
 * ``ts``: each batch's timestamp repeated (microseconds, DuckDB ``TIMESTAMP``);
-* ``data``: the values section viewed as an Arrow binary array of ``u64 len | bytes``
-  records (offsets from the batch's value bounds), then ``binary_slice(8)`` drops the
-  length prefixes in one kernel;
+* ``data``: each value's span in the values sections (past its ``u64`` length), or in a
+  Kafka-form batch's records, read for all of a round's Kafka batches at once by numpy
+  (:func:`headwater.storage.kafka_batch.sections_values`: no Python object per record),
+  cut out in one Arrow ``take`` (:func:`spans_array`);
 * ``json``: the very same offsets and bytes as an Arrow ``arrow.json`` string array whose
   validity is DuckDB's ``json_valid`` over the chunk, so events that are not JSON (or not
-  UTF-8) are NULL and no bytes are copied twice.
+  UTF-8) are NULL and no bytes are copied twice; DuckDB is not asked when no event
+  starts with a byte JSON text can start with (:func:`may_be_json`).
 
 Chunks are immutable; a query captures the tuple of chunks and the position it reads at,
 so later catch-ups never disturb it. Small trailing chunks are merged binary-counter
