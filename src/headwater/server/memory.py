@@ -26,10 +26,11 @@ MIB = 1 << 20
 # (measured: about 65 MiB of RssAnon), with room for the engine's own tables.
 BASE_MIB = 128
 # Reads run in the engine's I/O threads (8), each holding at most one read chunk of a
-# segment (9 MiB, storage/log.py) plus one decompressed frame (256 KiB) at a time; up
-# to 32 MiB of those chunks are kept for reuse (storage/segment.py).
+# segment (9 MiB, storage/log.py; a direct read of a cold one takes a 10 MiB buffer, the
+# chunk widened to whole pages) plus one decompressed frame (256 KiB) at a time; up to
+# 32 MiB of those chunks are kept for reuse (storage/segment.py).
 IO_THREADS = 8
-READ_CHUNK_MIB = 9
+READ_CHUNK_MIB = 10
 # An open connection's share: transport buffers, protocol state and a write queue
 # that backpressure keeps to about this (an estimate for a connection in normal use).
 CONNECTION_KIB = 16
