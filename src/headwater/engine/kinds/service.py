@@ -450,11 +450,11 @@ class KindsEngine:
                     tk.check_liveness(now)
                 except Exception:
                     log.exception("liveness check failed")
-                # A checkpoint comes due after a flush too, and a kind no window writes
-                # to (a cluster's follower, an idle kind whose last checkpoint was still
-                # running at its last flush) would otherwise wait for the next one.
+                # A checkpoint comes due after a window's flush; a cluster's follower
+                # applies copied records and flushes no window of the kind, so its store
+                # would never learn them and its hot set would grow with the kind.
                 for state in list(tk.kinds.values()):
-                    if state.checkpoint_due(now) and not state.log.closed:
+                    if state.following and state.checkpoint_due(now) and not state.log.closed:
                         tk.start_checkpoint(state)
 
     async def run_maintenance(self) -> int:
