@@ -9,7 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from confluent_kafka import Consumer as KafkaConsumer
+from confluent_kafka import KafkaError
 from confluent_kafka import Producer as KafkaProducer
+from confluent_kafka import TopicPartition as KafkaPartition
 from servers import LOCAL, Server, serving
 
 import headwater
@@ -215,6 +218,69 @@ def test_transactions_commit_whole_and_abort_whole(server: Server) -> None:
             assert await consumer.committed([("txn", 0)]) == {TopicPartition("txn", 0): 7}
 
     asyncio.run(main())
+
+
+def kafka_read_to_end(server: Server, stream: str, partitions: int, isolation: str) -> list[bytes]:
+    """Every value a librdkafka consumer with ``isolation`` reads from offset 0 of each
+    partition up to its end (the last stable offset under read_committed)."""
+    consumer = KafkaConsumer(
+        {
+            "bootstrap.servers": server.address_of("kafka"),
+            "group.id": "unused",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+            "enable.partition.eof": True,
+        }
+    )
+    try:
+        consumer.assign([KafkaPartition(stream, p, 0) for p in range(partitions)])
+        values: list[bytes] = []
+        at_end: set[int] = set()
+        while len(at_end) < partitions:
+            message = consumer.poll(30)
+            assert message is not None, f"no record nor end of partition within 30 s: {values}"
+            error = message.error()
+            if error is not None:
+                assert error.code() == KafkaError._PARTITION_EOF, error
+                at_end.add(message.partition())
+                continue
+            value = message.value()
+            assert value is not None
+            values.append(value)
+        return values
+    finally:
+        consumer.close()
+
+
+def test_a_kafka_consumer_sees_rivven_transactions_as_kafka_would(server: Server) -> None:
+    """A transaction written over Rivven (batches stored in headwater's form) fetched by a
+    Kafka client: read_committed leaves the aborted records out, read_uncommitted shows
+    them, and the markers are control batches the client skips."""
+
+    async def main() -> None:
+        async with AsyncProducer(rivven(server), transactional_id="tx-to-kafka") as producer:
+            await producer.create_stream("txn_kafka", partitions=2)
+            await producer.init_transactions()
+            for word, count, commit in (
+                ("kept", 4, True),
+                ("dropped", 6, False),
+                ("late", 2, True),
+            ):
+                await producer.begin_transaction()
+                for i in range(count):
+                    producer.send("txn_kafka", f"{word}-{i}".encode(), partition=i % 2)
+                if commit:
+                    await producer.commit_transaction()
+                else:
+                    await producer.abort_transaction()
+
+    asyncio.run(main())
+    kept = [f"kept-{i}".encode() for i in range(4)] + [f"late-{i}".encode() for i in range(2)]
+    dropped = [f"dropped-{i}".encode() for i in range(6)]
+    assert sorted(kafka_read_to_end(server, "txn_kafka", 2, "read_committed")) == sorted(kept)
+    assert sorted(kafka_read_to_end(server, "txn_kafka", 2, "read_uncommitted")) == sorted(
+        kept + dropped
+    )
 
 
 def test_batches_past_the_limits_are_refused_whole(server: Server) -> None:

@@ -653,7 +653,7 @@ def records_of(result: ReadResult) -> bytes:
     """Kafka record batches of what was read, one per stored batch: a batch stored in
     Kafka form as it was produced (its 17-byte prefix put back), a transaction marker
     as a control batch, and a batch of headwater's form (another front end's) encoded
-    uncompressed."""
+    uncompressed with its producer id, epoch and transactional flag."""
     out: list[bytes | memoryview] = []
     for span in result.spans:
         batch = span.batch
@@ -679,6 +679,18 @@ def records_of(result: ReadResult) -> bytes:
         if not rows:
             continue
         base, base_ts = rows[0].offset, rows[0].timestamp_ms
+        # A producer's batch (another front end's idempotent or transactional one) keeps
+        # its producer id, epoch and transactional flag, as Kafka would show it: a
+        # read_committed client drops an aborted transaction's batches by producer id.
+        producer = batch.producer
+        identity: dict[str, Any] = {}
+        if producer is not None:
+            identity = {
+                "producer_id": producer[0],
+                "producer_epoch": batch.producer_epoch or 0,
+                "base_sequence": (producer[1] + span.start) % (1 << 31),  # wraps as Kafka's
+                "transactional": batch.transactional,
+            }
         records = [
             Record(
                 offset_delta=event.offset - base,
@@ -696,6 +708,7 @@ def records_of(result: ReadResult) -> bytes:
                 base_timestamp=base_ts,
                 compression=Compression.NONE,
                 partition_leader_epoch=0,
+                **identity,
             )
         )
     return b"".join(out)
