@@ -273,7 +273,9 @@ def test_streaming_write_retried_task_leaves_no_duplicate(
     spark: Any, shared_server: Any, sdk_stream_name: str, tmp_path: Path
 ):
     source, sink = sdk_stream_name + "_in", sdk_stream_name + "_out"
-    total = 25_000
+    # The sink sends full appends of 10,000 rows and keeps the rest gathered, and Spark
+    # computes a batch ahead of the writer: rows enough that some went before the failure.
+    total = 45_000
     marker = tmp_path / "appended_before_failure"
     with headwater.connect(shared_server.address) as hw:
         hw.create_stream(source)
