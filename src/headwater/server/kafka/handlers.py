@@ -688,7 +688,9 @@ def records_of(result: ReadResult) -> bytes:
             identity = {
                 "producer_id": producer[0],
                 "producer_epoch": batch.producer_epoch or 0,
-                "base_sequence": (producer[1] + span.start) % (1 << 31),  # wraps as Kafka's
+                # The stored sequence as it is (Rivven's counts batches, not records);
+                # a consumer does not check it.
+                "base_sequence": producer[1] % (1 << 31),
                 "transactional": batch.transactional,
             }
         records = [
