@@ -320,6 +320,21 @@ def rounds_side_by_side(
     return medians, loads
 
 
+def cluster_vs_single(
+    medians: dict[str, dict[str, float]], loads: list[float], rate_key: str, rate_name: str
+) -> str:
+    """The line comparing a cluster's medians with one node's: the rate (``rate_key``),
+    p50 (as a ratio and the milliseconds added) and p99, and the load over the run."""
+    cluster, one = medians["cluster"], medians["single"]
+    return (
+        f"cluster / single: {rate_name} {cluster[rate_key] / one[rate_key]:.2f}x,"
+        f" p50 {cluster['p50_ms'] / one['p50_ms']:.2f}x"
+        f" (+{cluster['p50_ms'] - one['p50_ms']:.2f} ms),"
+        f" p99 {cluster['p99_ms'] / one['p99_ms']:.2f}x;"
+        f" load average {min(loads):.1f}-{max(loads):.1f}"
+    )
+
+
 class RedisServer(ServerProcess):
     name = "redis"
 

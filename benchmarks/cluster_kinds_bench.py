@@ -32,6 +32,7 @@ from pathlib import Path
 from benchlib import (
     HelpFormatter,
     cluster_and_single,
+    cluster_vs_single,
     default_root,
     git_revision,
     log,
@@ -127,14 +128,7 @@ def main() -> None:
                 for name, m in medians.items()
             )
         )
-        cluster, one = medians["cluster"], medians["single"]
-        print(
-            f"cluster / single: flushes/s {cluster['flushes_per_s'] / one['flushes_per_s']:.2f}x,"
-            f" p50 {cluster['p50_ms'] / one['p50_ms']:.2f}x"
-            f" (+{cluster['p50_ms'] - one['p50_ms']:.2f} ms),"
-            f" p99 {cluster['p99_ms'] / one['p99_ms']:.2f}x;"
-            f" load average {min(loads):.1f}-{max(loads):.1f}"
-        )
+        print(cluster_vs_single(medians, loads, "flushes_per_s", "flushes/s"))
 
 
 if __name__ == "__main__":
