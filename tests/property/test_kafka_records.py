@@ -212,15 +212,11 @@ def test_a_stored_batch_reads_as_the_reference_decoder_reads_it(
     )
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch_records=records(), data=st.data())
-def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
+def damaged_body(
     batch_records: list[Record], data: st.DataObject
-) -> None:
-    # The produce check reads a batch with aiokafka's compiled reader and sizes its
-    # records with numpy, falling back to the walk only when that does not prove the
-    # batch sound: it must never pass a damaged batch the walk refuses, and what it
-    # passes must be every record, untouched.
+) -> tuple[bytes, bytes, kafka_batch.SectionHeader, bool]:
+    """A batch's records section as built, the same with up to three bytes changed and
+    perhaps cut short, its header, and whether the exact record walk passes it."""
     built = build_batch(batch_records, base_timestamp=0)[HEADER_SIZE:]
     body = bytearray(built)
     for _ in range(data.draw(st.integers(0, 3))):
@@ -235,6 +231,20 @@ def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
         walked = True
     except kafka_batch.KafkaRecordsError:
         walked = False
+    return bytes(built), bytes(body), header, walked
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch_records=records(), data=st.data())
+def test_the_compiled_produce_check_passes_only_what_the_walk_passes(
+    batch_records: list[Record], data: st.DataObject
+) -> None:
+    # The produce check reads a batch with aiokafka's compiled reader and sizes its
+    # records with numpy, falling back to the walk only when that does not prove the
+    # batch sound: it must never pass a damaged batch the walk refuses, and what it
+    # passes must be every record, untouched.
+    built, body, header, walked = damaged_body(batch_records, data)
+    count = len(batch_records)
     reader_batch = kafka_batch._reader_batch(bytes(body), header)
     if kafka_batch._reads_canonically(len(body), header, reader_batch):
         assert walked
@@ -326,20 +336,7 @@ def test_the_numpy_produce_check_passes_only_what_the_walk_passes(
     # A long produced batch is checked by numpy reading every record's fields at once:
     # it must never pass a batch the walk refuses, and it must read a sound batch of
     # fixed-size values with short timestamp deltas (the usual long batch) itself.
-    built = build_batch(batch_records, base_timestamp=0)[HEADER_SIZE:]
-    body = bytearray(built)
-    for _ in range(data.draw(st.integers(0, 3))):
-        if body:
-            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
-    if data.draw(st.booleans()):
-        body = body[: data.draw(st.integers(0, len(body)))]
-    count = len(batch_records)
-    header = kafka_batch.SectionHeader(0, 0, count - 1, 0, 0, -1, -1, -1, count)
-    try:
-        kafka_batch.walk_records(bytes(body), count)
-        walked = True
-    except kafka_batch.KafkaRecordsError:
-        walked = False
+    built, body, header, walked = damaged_body(batch_records, data)
     if kafka_batch._reads_by_numpy(bytes(body), header):
         assert walked
     elif (
