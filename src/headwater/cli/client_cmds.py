@@ -424,13 +424,17 @@ def _append_chunk(hw: Client, args: argparse.Namespace, lines: list[bytes]) -> A
 
 
 def _append_placed(
-    api: ArrowApi, args: argparse.Namespace, lines: list[bytes], partitions: int
-) -> dict[int, tuple[int, int]]:
+    api: ArrowApi,
+    args: argparse.Namespace,
+    lines: list[bytes],
+    partitions: int,
+    wrote: Callable[[int, int, int], None],
+) -> None:
     """Append ``lines`` to a stream of several partitions, each keyed event on its key's
     partition as the engine's partitioner (Kafka's murmur2) places it, each keyless one
     on partition 0 as before; each partition's events in their order, as Arrow appends
-    (``POST /api/streams/{name}/arrow``). Returns each partition's (first offset, last
-    offset) written."""
+    (``POST /api/streams/{name}/arrow``). Each append's partition, first and last offset
+    go to ``wrote``."""
     import numpy as np
     import pyarrow as pa
 
@@ -446,13 +450,10 @@ def _append_placed(
         entry = [{"key": name, "value": value.encode()} for name, value in args.header]
         header = pa.struct([("key", pa.string()), ("value", pa.binary())])
         columns["headers"] = pa.array([entry] * len(values), pa.list_(header))
-    written: dict[int, tuple[int, int]] = {}
     for partition, rows in by_partition(pa.RecordBatch.from_pydict(columns), np.asarray(target)):
         for piece in append_pieces(rows):
             answer = api.append_arrow(args.stream, piece, partition=partition)
-            first = written.get(partition, (int(answer["base_offset"]), 0))[0]
-            written[partition] = (first, int(answer["next_offset"]) - 1)
-    return written
+            wrote(partition, int(answer["base_offset"]), int(answer["next_offset"]) - 1)
 
 
 def parse_header(text: str) -> tuple[str, str]:
@@ -498,9 +499,7 @@ def cmd_append(args: argparse.Namespace) -> int:
                 progress.start()
             for chunk, consumed in _chunks(source, live=total is None):
                 if chunk and api is not None:
-                    placed = _append_placed(api[0], args, chunk, api[1])
-                    for partition, (first, last) in placed.items():
-                        wrote(partition, first, last)
+                    _append_placed(api[0], args, chunk, api[1], wrote)
                 elif chunk:
                     result = _append_chunk(hw, args, chunk)
                     wrote(0, result.first_offset, result.last_offset)
