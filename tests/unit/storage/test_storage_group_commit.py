@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from headwater.errors import StorageError
+from headwater.storage import group_commit
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from waiting import wait_until_async
@@ -65,6 +67,8 @@ def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
         assert plog.committed_offset == plog.durable_offset == total
         assert 1 <= committer.fsyncs < total
         assert len(calls) == committer.fsyncs
+        # Writers that share an fsync never wait for one on the loop thread.
+        assert committer.inline_fsyncs == 0
         assert committer.fsync_seconds_total >= committer.last_fsync_seconds >= 0
         # Listeners heard about the commits, ending at the final committed offset.
         assert seen and seen == sorted(seen) and seen[-1] == total
@@ -91,6 +95,102 @@ def test_one_appender_after_another_each_gets_an_fsync(tmp_path: Path) -> None:
         assert committer.fsyncs == 3
 
     asyncio.run(main())
+    plog.close()
+
+
+def on_threads(plog: PartitionLog) -> list[bool]:
+    """Wrap ``plog.sync`` to record, per call, whether it ran on the main thread."""
+    main_thread: list[bool] = []
+    real: Callable[[], int] = plog.sync
+
+    def recording() -> int:
+        main_thread.append(threading.current_thread() is threading.main_thread())
+        return real()
+
+    plog.sync = recording  # type: ignore[method-assign]
+    return main_thread
+
+
+def test_a_lone_writer_fsyncs_on_the_loop_thread(tmp_path: Path) -> None:
+    """One writer at a time (a client with one append in flight): no hand-off to a
+    worker thread, and still acknowledged only once durable; a second log written
+    meanwhile on the same loop makes the writer not alone."""
+    plog = open_log(tmp_path / "a", "fsync")
+    other = open_log(tmp_path / "b", "fsync")
+    where = on_threads(plog)
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        other_committer = GroupCommitter(other)
+        for i in range(3):
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await committer.committed(info.next_offset)
+            assert plog.durable_offset == plog.committed_offset == i + 1
+        assert committer.fsyncs == committer.inline_fsyncs == 3
+        assert where == [True, True, True]
+        # Two logs written in the same loop turn: each writer has company, so both
+        # fsyncs go to worker threads (the loop is free while they run).
+        info = plog.append([b"3"], first_position=0, timestamp_ms=0)
+        info_other = other.append([b"x"], first_position=0, timestamp_ms=0)
+        await asyncio.gather(
+            committer.committed(info.next_offset),
+            other_committer.committed(info_other.next_offset),
+        )
+        assert plog.durable_offset == 4 and other.durable_offset == 1
+        assert where == [True, True, True, False]
+        assert other_committer.fsyncs == 1 and other_committer.inline_fsyncs == 0
+
+    asyncio.run(main())
+    plog.close()
+    other.close()
+
+
+def test_a_slow_fsync_sends_the_next_lone_writer_to_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop waits on the disk only while fsyncs are fast: with the bound at 0 s
+    every fsync is "slow", so after the first (no fsync measured yet) the lone writer's
+    fsyncs run in a worker thread, each measured again there."""
+    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 0.0)
+    plog = open_log(tmp_path, "fsync")
+    where = on_threads(plog)
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        for i in range(3):
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await committer.committed(info.next_offset)
+            assert plog.durable_offset == i + 1
+        assert where == [True, False, False]
+        assert committer.fsyncs == 3 and committer.inline_fsyncs == 1
+
+    asyncio.run(main())
+    plog.close()
+
+
+def test_a_lone_writers_failed_fsync_fails_its_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plog = open_log(tmp_path, "fsync")
+
+    def broken(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        info = plog.append([b"ok"], first_position=0, timestamp_ms=0)
+        await committer.committed(info.next_offset)
+        assert committer.inline_fsyncs == 1
+        monkeypatch.setattr(os, "fdatasync", broken)
+        info = plog.append([b"lost"], first_position=0, timestamp_ms=0)
+        with pytest.raises(StorageError, match="fsync failed"):
+            await committer.committed(info.next_offset)
+        assert plog.committed_offset == 1  # not acknowledged, not readable
+        with pytest.raises(StorageError):
+            plog.append([b"later"], first_position=0, timestamp_ms=0)
+
+    asyncio.run(main())
+    monkeypatch.undo()
     plog.close()
 
 
