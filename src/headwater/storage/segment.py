@@ -27,7 +27,7 @@ import sys
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -589,13 +589,18 @@ class Segment:
         return self.position_for(int(self.time_offsets[i]))
 
     def batches_from(
-        self, pos: int, end: int, chunk: int = 1 << 20, stop_offset: int = 1 << 64
+        self,
+        pos: int,
+        end: int,
+        chunk: int | Callable[[], int] = 1 << 20,
+        stop_offset: int = 1 << 64,
     ) -> Iterator[Batch]:
         """Checked batches from file position ``pos`` up to ``end`` (exclusive) and below
         ``stop_offset``, read in chunks so a scan of many small batches costs few system
-        calls."""
+        calls. ``chunk``: the size of each read, or a function asked before each read
+        (a reader that needs only a little more reads only a little more)."""
         while pos < end:
-            want = min(max(chunk, HEADER_SIZE), end - pos)
+            want = min(max(chunk() if callable(chunk) else chunk, HEADER_SIZE), end - pos)
             fd = self.files.pin(self.file)
             try:
                 data, direct = _read_chunk(fd, want, pos)
