@@ -12,7 +12,6 @@ transaction reach the same in-memory view through :meth:`ConsumerGroups.commit_s
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from headwater.engine.groups import (
     TopicPartition,
 )
 from headwater.engine.groups.offsets import OFFSETS_STREAM, Replicated
+from headwater.engine.per_tenant import PerTenant
 from headwater.errors import StreamNotFound
 
 
@@ -55,8 +55,7 @@ class ConsumerGroups:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._tenants: dict[int, OffsetManager] = {}
-        self._opening: dict[int, asyncio.Lock] = {}
+        self._tenants: PerTenant[OffsetManager] = PerTenant(engine)
         # With [cluster]: commits wait for the offsets partition's in-sync replicas.
         self.replicated: Replicated | None = None
         # With [cluster]: raises unless this node coordinates the tenant's groups, so a
@@ -65,18 +64,12 @@ class ConsumerGroups:
         self.check_coordinator: Callable[[int], None] | None = None
 
     async def _manager(self, tenant_id: int) -> OffsetManager:
-        found = self._tenants.get(tenant_id)
-        if found is not None:
-            return found
-        self._engine.tenant(tenant_id)  # TenantNotFound
-        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
-            found = self._tenants.get(tenant_id)
-            if found is None:
-                coordinator = GroupCoordinator(self._partitions_of(tenant_id), clock=_wall_ms)
-                store = await LogOffsetStore.open(self._engine, tenant_id, self._wait_replicated)
-                found = await OffsetManager.open(coordinator, store)
-                self._tenants[tenant_id] = found
-            return found
+        async def open_manager() -> OffsetManager:
+            coordinator = GroupCoordinator(self._partitions_of(tenant_id), clock=_wall_ms)
+            store = await LogOffsetStore.open(self._engine, tenant_id, self._wait_replicated)
+            return await OffsetManager.open(coordinator, store)
+
+        return await self._tenants.open(tenant_id, open_manager)
 
     async def load_stored(self) -> None:
         """Load the offsets of every tenant that has stored some, so lag is known (at

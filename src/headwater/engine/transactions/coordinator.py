@@ -59,6 +59,7 @@ from headwater.engine.groups.offsets import (
     LogOffsetStore,
     OffsetKey,
 )
+from headwater.engine.per_tenant import PerTenant
 from headwater.errors import (
     HeadwaterError,
     InvalidRequest,
@@ -607,8 +608,7 @@ class TransactionCoordinator:
         self.engine = engine
         self.offsets_sink = offsets_sink
         self.clock_ms = clock_ms
-        self._tenants: dict[int, TenantTransactions] = {}
-        self._opening: dict[int, asyncio.Lock] = {}
+        self._tenants: PerTenant[TenantTransactions] = PerTenant(engine)
         self._expiry: asyncio.Task[None] | None = None
         self.cluster: ClusterHooks | None = None
 
@@ -621,7 +621,7 @@ class TransactionCoordinator:
     async def reload(self, tenant_id: int, coordinates: bool) -> None:
         """A cluster node started (replay the state stream, finish what was prepared)
         or stopped coordinating the tenant's transactions."""
-        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
+        async with self._tenants.lock(tenant_id):
             self._tenants.pop(tenant_id, None)
             if coordinates:
                 self._tenants[tenant_id] = await TenantTransactions.open(
@@ -666,18 +666,12 @@ class TransactionCoordinator:
             if found is None:  # the leader, not reloaded yet
                 raise CoordinatorNotAvailable("the transaction coordinator is moving")
             return found
-        found = self._tenants.get(tenant_id)
-        if found is not None:
-            return found
-        self.engine.tenant(tenant_id)  # TenantNotFound
-        async with self._opening.setdefault(tenant_id, asyncio.Lock()):
-            found = self._tenants.get(tenant_id)
-            if found is None:
-                found = await TenantTransactions.open(
-                    self.engine, tenant_id, self.offsets_sink, self.clock_ms
-                )
-                self._tenants[tenant_id] = found
-            return found
+        return await self._tenants.open(
+            tenant_id,
+            lambda: TenantTransactions.open(
+                self.engine, tenant_id, self.offsets_sink, self.clock_ms
+            ),
+        )
 
     async def abort_expired(self) -> list[tuple[int, str]]:
         aborted = []
