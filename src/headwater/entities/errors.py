@@ -18,9 +18,10 @@ anything (a write on a read-only connection, a value of the wrong type) raises
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from headwater.errors import (
+    CONVERGEDB_ALIASES,
     AuthenticationFailed,
     ErrorName,
     HeadwaterError,
@@ -30,6 +31,9 @@ from headwater.errors import EntityNotFound as _EntityNotFound
 from headwater.errors import KindNotFound as _KindNotFound
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 
+ERRORS_BY_CODE: dict[int, type[EntityError]] = {}
+"""The class of each ERROR code, filled as the classes below are defined."""
+
 
 class EntityError(HeadwaterError):
     """An ERROR the ConvergeDB server answered (or, for :class:`ReadOnly`, would)."""
@@ -37,6 +41,14 @@ class EntityError(HeadwaterError):
     # The base class itself answers an ERROR code this SDK does not know.
     cdb_code: ClassVar[int] = 0
     name: ClassVar[ErrorName] = ErrorName.UNKNOWN
+
+    def __init_subclass__(cls, code: ErrorCode | None = None, **kwargs: Any) -> None:
+        """``class X(EntityError, code=ErrorCode.X)``: the class of that ERROR code,
+        named as :data:`~headwater.errors.CONVERGEDB_ALIASES` maps the code's name."""
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.cdb_code, cls.name = code, CONVERGEDB_ALIASES[code.name]
+            ERRORS_BY_CODE[code] = cls
 
     def __init__(self, message: str = "", ref_opcode: int = 0) -> None:
         super().__init__(message)
@@ -61,116 +73,72 @@ class EntityError(HeadwaterError):
             return f"opcode {self.ref_opcode:#06x}"
 
 
-class BadFrame(EntityError):
+class BadFrame(EntityError, code=ErrorCode.BAD_FRAME):
     """The server could not read a request (a client bug, or a bad kind name)."""
 
-    cdb_code, name = ErrorCode.BAD_FRAME, ErrorName.BAD_FRAME
+
+class UnsupportedVersion(EntityError, code=ErrorCode.UNSUPPORTED_VERSION):
+    """The server does not speak the protocol version the client asked for."""
 
 
-class UnsupportedVersion(EntityError):
-    cdb_code, name = ErrorCode.UNSUPPORTED_VERSION, ErrorName.UNSUPPORTED_VERSION
+class NotConnected(EntityError, code=ErrorCode.NOT_CONNECTED):
+    """A request before CONNECT was answered."""
 
 
-class NotConnected(EntityError):
-    cdb_code, name = ErrorCode.NOT_CONNECTED, ErrorName.NOT_CONNECTED
-
-
-class AuthFailed(EntityError, AuthenticationFailed):
+class AuthFailed(EntityError, AuthenticationFailed, code=ErrorCode.AUTH_FAILED):
     """The token is unknown and the server requires one."""
 
-    cdb_code, name = ErrorCode.AUTH_FAILED, ErrorName.AUTHENTICATION_FAILED
 
-
-class SourceConflict(EntityError):
+class SourceConflict(EntityError, code=ErrorCode.SOURCE_CONFLICT):
     """The source id asked for is held by another live connection."""
 
-    cdb_code, name = ErrorCode.SOURCE_CONFLICT, ErrorName.SOURCE_CONFLICT
 
-
-class NoFreeSource(EntityError):
+class NoFreeSource(EntityError, code=ErrorCode.NO_FREE_SOURCE):
     """All 64 source slots of the tenant are taken."""
 
-    cdb_code, name = ErrorCode.NO_FREE_SOURCE, ErrorName.NO_FREE_SOURCE
 
-
-class ReadOnly(EntityError):
+class ReadOnly(EntityError, code=ErrorCode.READ_ONLY):
     """A write (or CREATE_KIND, or an epoch) on a read-only connection."""
 
-    cdb_code, name = ErrorCode.READ_ONLY, ErrorName.READ_ONLY
+
+class KindNotFound(EntityError, _KindNotFound, code=ErrorCode.KIND_NOT_FOUND):
+    """No kind of that id or name in the tenant."""
 
 
-class KindNotFound(EntityError, _KindNotFound):
-    cdb_code, name = ErrorCode.KIND_NOT_FOUND, ErrorName.KIND_NOT_FOUND
-
-
-class SchemaConflict(EntityError):
+class SchemaConflict(EntityError, code=ErrorCode.SCHEMA_CONFLICT):
     """CREATE_KIND that changes an existing kind other than by appending fields."""
 
-    cdb_code, name = ErrorCode.SCHEMA_CONFLICT, ErrorName.SCHEMA_CONFLICT
 
-
-class SchemaIncompatible(EntityError):
+class SchemaIncompatible(EntityError, code=ErrorCode.SCHEMA_INCOMPATIBLE):
     """The declared fields are not a prefix of the kind's schema."""
 
-    cdb_code, name = ErrorCode.SCHEMA_INCOMPATIBLE, ErrorName.SCHEMA_INCOMPATIBLE
+
+class EntityNotFound(EntityError, _EntityNotFound, code=ErrorCode.ENTITY_NOT_FOUND):
+    """The kind has no live entity of that id."""
 
 
-class EntityNotFound(EntityError, _EntityNotFound):
-    cdb_code, name = ErrorCode.ENTITY_NOT_FOUND, ErrorName.ENTITY_NOT_FOUND
+class BadFieldData(EntityError, code=ErrorCode.BAD_FIELD_DATA):
+    """A field's bytes do not decode as the kind's schema declares it."""
 
 
-class BadFieldData(EntityError):
-    cdb_code, name = ErrorCode.BAD_FIELD_DATA, ErrorName.BAD_FIELD_DATA
+class LimitExceeded(EntityError, code=ErrorCode.LIMIT_EXCEEDED):
+    """A request over one of the server's limits (a batch's size, a name's length)."""
 
 
-class LimitExceeded(EntityError):
-    cdb_code, name = ErrorCode.LIMIT_EXCEEDED, ErrorName.LIMIT_EXCEEDED
-
-
-class SubscriptionOverflow(EntityError):
+class SubscriptionOverflow(EntityError, code=ErrorCode.SUBSCRIPTION_OVERFLOW):
     """The subscriber fell 4,096 notifications behind; the server closed the connection."""
 
-    cdb_code, name = ErrorCode.SUBSCRIPTION_OVERFLOW, ErrorName.SUBSCRIPTION_OVERFLOW
+
+class Internal(EntityError, InternalError, code=ErrorCode.INTERNAL):
+    """The server failed while answering (retryable)."""
 
 
-class Internal(EntityError, InternalError):
-    cdb_code, name = ErrorCode.INTERNAL, ErrorName.INTERNAL_ERROR
-
-
-class ReservedName(EntityError):
+class ReservedName(EntityError, code=ErrorCode.RESERVED_NAME):
     """Kind names starting with ``convergedb_`` or ``hw_`` are the server's."""
 
-    cdb_code, name = ErrorCode.RESERVED_NAME, ErrorName.RESERVED_NAME
 
-
-class NoEpoch(EntityError):
+class NoEpoch(EntityError, code=ErrorCode.NO_EPOCH):
     """SOURCE_EPOCH_END without an open epoch (e.g. the connection was lost inside it)."""
-
-    cdb_code, name = ErrorCode.NO_EPOCH, ErrorName.NO_EPOCH
-
-
-ERRORS_BY_CODE: dict[int, type[EntityError]] = {
-    cls.cdb_code: cls
-    for cls in (
-        BadFrame,
-        UnsupportedVersion,
-        NotConnected,
-        AuthFailed,
-        SourceConflict,
-        NoFreeSource,
-        ReadOnly,
-        KindNotFound,
-        SchemaConflict,
-        SchemaIncompatible,
-        EntityNotFound,
-        BadFieldData,
-        LimitExceeded,
-        SubscriptionOverflow,
-        Internal,
-        ReservedName,
-        NoEpoch,
-    )
-}
 
 
 def error_for(code: int, ref_opcode: int, message: str) -> EntityError:
