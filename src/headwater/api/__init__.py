@@ -14,6 +14,7 @@ The SDKs, the CLI and the Spark source reach the same operations over the wire.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import time
@@ -619,28 +620,13 @@ class EngineAPI:
                 len(values.section) if isinstance(values, KafkaSection) else sum(map(len, values))
             )
             await self.quotas.admit(tenant_id, produce=produced, requests=1)
-        if not self._transactions.coordinates(tenant_id):
-            return await append_transactional(
-                self._engine,
-                tenant_id,
-                producer,
-                stream_id,
-                sequence,
-                values,
-                partition=partition,
-                keys=keys,
-                headers=headers,
-            )
-        txns = await self._transactions.tenant(tenant_id)
-        return await txns.append(
-            transactional_id,
-            producer,
-            stream_id,
-            sequence,
-            values,
-            partition=partition,
-            keys=keys,
-            headers=headers,
+        if self._transactions.coordinates(tenant_id):
+            txns = await self._transactions.tenant(tenant_id)
+            append = functools.partial(txns.append, transactional_id)
+        else:
+            append = functools.partial(append_transactional, self._engine, tenant_id)
+        return await append(
+            producer, stream_id, sequence, values, partition=partition, keys=keys, headers=headers
         )
 
     async def add_offsets_to_txn(
