@@ -20,7 +20,6 @@ Each tick (``TICK_S``) a node
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -56,6 +55,7 @@ from headwater.cluster.replication import Replication
 from headwater.cluster.streams import StreamRegistry
 from headwater.cluster.transactions import TransactionCoordinators
 from headwater.cluster.view import ClusterView
+from headwater.tasks import cancel_and_wait
 
 log = logging.getLogger("headwater.cluster")
 
@@ -160,11 +160,7 @@ class ClusterNode:
     async def stop(self) -> None:
         """Leave: the lease is revoked, so the node's key (and the controller key, if it
         held it) go at once and its partitions move without waiting for the lease."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         await self.transactions.stop()
         await self.replication.stop()
         if self.lease:

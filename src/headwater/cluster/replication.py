@@ -45,6 +45,7 @@ from headwater.protocols import replication as wire
 from headwater.server.tls import Listening, listen_with
 from headwater.storage.high_watermarks import read_high_watermarks, write_high_watermarks
 from headwater.storage.leader_epochs import UNKNOWN
+from headwater.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from headwater.cluster.node import ClusterNode
@@ -126,11 +127,7 @@ class Replication:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        for _, task in self._followers.values():
-            task.cancel()
-        for _, task in self._followers.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*(task for _, task in self._followers.values()))
         self._followers.clear()
         if self._server is not None:
             self._server.close()

@@ -30,7 +30,6 @@ transactions; the others refuse transactional calls NOT_COORDINATOR.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -42,6 +41,7 @@ from headwater.engine.groups import CoordinatorNotAvailable
 from headwater.engine.transactions import TXN_STATE_STREAM, ClusterHooks
 from headwater.errors import HeadwaterError, NotLeader, ProtocolError
 from headwater.protocols import replication as wire
+from headwater.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from headwater.cluster.node import ClusterNode
@@ -218,8 +218,4 @@ class TransactionCoordinators(TenantPartitionCoordinators):
             del self._reloads[tenant_id]
 
     async def stop(self) -> None:
-        for task in list(self._reloads.values()):
-            task.cancel()
-        for task in list(self._reloads.values()):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._reloads.values())

@@ -10,7 +10,6 @@ compaction, large reads) runs in worker threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -53,6 +52,7 @@ from headwater.storage.metadata import (
     write_json_atomic,
 )
 from headwater.storage.segment import WouldBlock, no_wait
+from headwater.tasks import cancel_and_wait
 
 # An append's acknowledgement in a cluster (Kafka's acks): ACKS_ALL (the default for
 # every front end) waits until the partition's in-sync replicas hold the batch;
@@ -566,10 +566,7 @@ class Engine:
         if self.closed:
             return
         self.closing = True
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
+        await cancel_and_wait(self._maintenance)
         await self._idle.wait()
         for tenant in self.tenants.values():
             for stream in tenant.streams.values():

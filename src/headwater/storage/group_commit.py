@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from headwater.errors import StorageError
 from headwater.storage.log import PartitionLog
+from headwater.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +244,8 @@ class GroupCommitter:
 
     async def aclose(self) -> None:
         """Stop background syncing and make everything written durable."""
-        if self._interval_task is not None:
-            self._interval_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._interval_task
-            self._interval_task = None
+        await cancel_and_wait(self._interval_task)
+        self._interval_task = None
         while self._syncs:
             await asyncio.wait(list(self._syncs))
             await asyncio.sleep(0)  # let the done-callbacks run

@@ -43,7 +43,6 @@ an open transaction is left to its producer (or its timeout).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -71,6 +70,7 @@ from headwater.errors import (
 from headwater.storage.batch import MAX_EPOCH, Headers, marker_value
 from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo
+from headwater.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -686,11 +686,8 @@ class TransactionCoordinator:
         )
 
     async def close(self) -> None:
-        if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
-            self._expiry = None
+        await cancel_and_wait(self._expiry)
+        self._expiry = None
 
 
 async def create_state_stream(engine: Engine, tenant_id: int) -> int:
