@@ -27,7 +27,6 @@ Everything here runs on the asyncio loop thread; file work runs in the engine's 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -56,6 +55,7 @@ from headwater.engine.kinds.windows import Window, Windows
 from headwater.errors import StorageError
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog
+from headwater.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from headwater.engine.engine import Engine, Tenant
@@ -481,10 +481,6 @@ class KindsEngine:
         if self.closed:
             return
         self.closed = True
-        for task in (self._liveness, self._maintenance):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._liveness, self._maintenance)
         for tk in self.tenants.values():
             await tk.close()
