@@ -68,9 +68,12 @@ class GroupCommitter:
         self.policy = plog.config.sync
         self._executor = executor
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        # Running fsyncs and the end offset each was started for. Plain executor futures
-        # with done-callbacks, not tasks: one loop turn fewer per acknowledgement.
-        self._syncs: dict[asyncio.Future[tuple[int, float]], int] = {}
+        # Running fsyncs (by number) and the end offset each was started for; their
+        # executor futures, which only closing waits for (the worker thread reports
+        # the outcome to the loop itself).
+        self._syncs: dict[int, int] = {}
+        self._sync_futures: set[asyncio.Future[None]] = set()
+        self._sync_number = 0
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
         self.fsyncs = 0
@@ -155,11 +158,14 @@ class GroupCommitter:
         if max(target for target, _ in self._waiters) <= covered:
             return
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._executor, self._timed_sync)
+        self._sync_number += 1
+        number = self._sync_number
         # Everything written by now is below end_offset; the sync snapshots at least that.
-        self._syncs[fut] = self.log.end_offset
+        self._syncs[number] = self.log.end_offset
         _loop_syncs(loop).in_threads += 1
-        fut.add_done_callback(self._sync_done)
+        fut = loop.run_in_executor(self._executor, self._sync_in_thread, loop, number)
+        self._sync_futures.add(fut)
+        fut.add_done_callback(self._sync_futures.discard)
 
     def _timed_sync(self) -> tuple[int, float]:
         """Runs in a worker thread: the fsync and how long it took."""
@@ -167,11 +173,23 @@ class GroupCommitter:
         durable = self.log.sync()
         return durable, time.perf_counter() - started
 
-    def _sync_done(self, fut: asyncio.Future[tuple[int, float]]) -> None:
-        """On the loop thread: acknowledge every waiter the fsync covered."""
-        self._syncs.pop(fut, None)
-        _loop_syncs(fut.get_loop()).in_threads -= 1
-        exc = fut.exception()
+    def _sync_in_thread(self, loop: asyncio.AbstractEventLoop, number: int) -> None:
+        """Runs in a worker thread: the fsync, whose outcome goes straight to the loop
+        (one wake-up; through the executor future it took two more loop turns)."""
+        try:
+            durable, elapsed = self._timed_sync()
+        except Exception as exc:
+            loop.call_soon_threadsafe(self._thread_synced, number, exc, 0, 0.0)
+        else:
+            loop.call_soon_threadsafe(self._thread_synced, number, None, durable, elapsed)
+
+    def _thread_synced(
+        self, number: int, exc: Exception | None, durable: int, elapsed: float
+    ) -> None:
+        """On the loop thread: acknowledge every waiter the fsync covered (every waiter
+        fails if it failed)."""
+        self._syncs.pop(number, None)
+        _loop_syncs(asyncio.get_running_loop()).in_threads -= 1
         if exc is not None:
             error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
             waiters, self._waiters = self._waiters, []
@@ -179,7 +197,7 @@ class GroupCommitter:
                 if not waiter.done():
                     waiter.set_exception(error)
             return
-        self._synced(*fut.result())
+        self._synced(durable, elapsed)
 
     def _synced(self, durable: int, elapsed: float) -> None:
         """An fsync made everything below ``durable`` durable: acknowledge its waiters,
@@ -246,8 +264,8 @@ class GroupCommitter:
         """Stop background syncing and make everything written durable."""
         await cancel_and_wait(self._interval_task)
         self._interval_task = None
-        while self._syncs:
-            await asyncio.wait(list(self._syncs))
+        while self._sync_futures:
+            await asyncio.wait(list(self._sync_futures))
             await asyncio.sleep(0)  # let the done-callbacks run
         if self._interval_sync is not None:
             await asyncio.wait([self._interval_sync])

@@ -111,10 +111,14 @@ def on_threads(plog: PartitionLog) -> list[bool]:
     return main_thread
 
 
-def test_a_lone_writer_fsyncs_on_the_loop_thread(tmp_path: Path) -> None:
+def test_a_lone_writer_fsyncs_on_the_loop_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One writer at a time (a client with one append in flight): no hand-off to a
     worker thread, and still acknowledged only once durable; a second log written
     meanwhile on the same loop makes the writer not alone."""
+    # However slow the shared test disk is: the bound has its own test below.
+    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)
     plog = open_log(tmp_path / "a", "fsync")
     other = open_log(tmp_path / "b", "fsync")
     where = on_threads(plog)
@@ -171,6 +175,7 @@ def test_a_slow_fsync_sends_the_next_lone_writer_to_a_thread(
 def test_a_lone_writers_failed_fsync_fails_its_append(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)  # whatever the disk
     plog = open_log(tmp_path, "fsync")
 
     def broken(fd: int) -> None:
