@@ -22,6 +22,7 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from headwater.engine.engine import MAX_APPEND_EVENTS, Engine, StreamSettings
@@ -113,16 +114,14 @@ class OffsetStore(Protocol):
     async def delete(self, keys: Iterable[OffsetKey]) -> None: ...
 
 
+@dataclass(eq=False, repr=False)
 class LogOffsetStore:
     """One tenant's offsets in its internal compacted stream."""
 
-    def __init__(
-        self, engine: Engine, tenant_id: int, stream_id: int, replicated: Replicated | None = None
-    ) -> None:
-        self.engine = engine
-        self.tenant_id = tenant_id
-        self.stream_id = stream_id
-        self.replicated = replicated
+    engine: Engine
+    tenant_id: int
+    stream_id: int
+    replicated: Replicated | None = None
 
     @classmethod
     async def open(
@@ -234,22 +233,19 @@ class CommittedOffsets:
         }
 
 
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False, repr=False)
 class OffsetManager:
     """Commit and fetch for one tenant: the coordinator's generation checks, then the
     store, then the in-memory view (a refused commit stores nothing)."""
 
-    def __init__(
-        self,
-        coordinator: GroupCoordinator,
-        store: OffsetStore,
-        committed: CommittedOffsets,
-        *,
-        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
-    ) -> None:
-        self.coordinator = coordinator
-        self.store = store
-        self.committed = committed
-        self.clock_ms = clock_ms
+    coordinator: GroupCoordinator
+    store: OffsetStore
+    committed: CommittedOffsets
+    clock_ms: Callable[[], int] = field(default=_wall_ms, kw_only=True)
 
     @classmethod
     async def open(cls, coordinator: GroupCoordinator, store: OffsetStore) -> OffsetManager:

@@ -172,28 +172,20 @@ class TxnMetadata:
         )
 
 
+@dataclass(eq=False, repr=False)
 class TenantTransactions:
     """One tenant's transaction coordinator (use :meth:`open`)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        tenant_id: int,
-        stream_id: int,
-        offsets_sink: OffsetsSink,
-        clock_ms: Clock,
-        cluster: ClusterHooks | None = None,
-    ) -> None:
-        self.engine = engine
-        self.cluster = cluster
-        self.tenant_id = tenant_id
-        self.stream_id = stream_id
-        self.offsets_sink = offsets_sink
-        self.clock_ms = clock_ms
-        self.transactions: dict[str, TxnMetadata] = {}
-        self.next_producer_id = FIRST_PRODUCER_ID
-        self._locks: dict[str, asyncio.Lock] = {}
-        self.recovered = 0  # transactions finished or aborted by recovery
+    engine: Engine
+    tenant_id: int
+    stream_id: int
+    offsets_sink: OffsetsSink
+    clock_ms: Clock
+    cluster: ClusterHooks | None = None
+    transactions: dict[str, TxnMetadata] = field(default_factory=dict, init=False)
+    next_producer_id: int = field(default=FIRST_PRODUCER_ID, init=False)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, init=False)
+    recovered: int = field(default=0, init=False)  # finished or aborted by recovery
 
     @classmethod
     async def open(
