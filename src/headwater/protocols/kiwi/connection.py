@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from headwater.errors import UsageError
 from headwater.protocols.kiwi import messages as m
@@ -83,6 +84,7 @@ class KiwiConnection:
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be at least 1")
         self._outbox: deque[bytes | _LagNotice] = deque()
+        self._notices_queued = 0  # LAG notices in the outbox (frames to build on taking)
 
     # ---- commands ---------------------------------------------------------------------
 
@@ -205,6 +207,13 @@ class KiwiConnection:
         return max(0, self.send_capacity - len(self._outbox))
 
     def _take(self) -> list[bytes]:
+        if not self._notices_queued:
+            # Only frames: taken in one copy, not a step per message (a fan-out takes
+            # every commit's messages from each subscriber's outbox).
+            frames = cast(list[bytes], list(self._outbox))
+            self._outbox.clear()
+            return frames
+        self._notices_queued = 0
         out: list[bytes] = []
         frame = self.frame
         for item in self._outbox:
@@ -245,3 +254,4 @@ class KiwiConnection:
             return
         sub.notice = _LagNotice(sub.source_id, sub.lag)
         self._outbox.append(sub.notice)
+        self._notices_queued += 1
