@@ -286,34 +286,6 @@ class GroupCoordinator:
         the replies now ready (this member's among them unless it must wait). With
         ``client_assigns`` the group's leader assigns (any protocol names; see
         :meth:`sync_client`); otherwise the coordinator, with the assignors it knows."""
-        member_id, replies = self._join(
-            group_id,
-            member_id,
-            protocols=protocols,
-            streams=streams,
-            client_id=client_id,
-            instance_id=instance_id,
-            session_timeout_ms=session_timeout_ms,
-            rebalance_timeout_ms=rebalance_timeout_ms,
-            owned=owned,
-            client_assigns=client_assigns,
-        )
-        return member_id, self._drain(replies)
-
-    def _join(
-        self,
-        group_id: str,
-        member_id: str,
-        *,
-        protocols: Sequence[str],
-        streams: Iterable[str],
-        client_id: str,
-        instance_id: str | None,
-        session_timeout_ms: int,
-        rebalance_timeout_ms: int,
-        owned: Iterable[TopicPartition] | None,
-        client_assigns: bool,
-    ) -> tuple[str, list[Reply]]:
         if not group_id:
             raise InvalidGroupId("a consumer group id must not be empty")
         low, high = self.config.min_session_timeout_ms, self.config.max_session_timeout_ms
@@ -374,7 +346,7 @@ class GroupCoordinator:
             if instance_id is not None:
                 group.static[instance_id] = member_id
             self._prepare_rebalance(group, now)
-            return member_id, replies + self._try_complete_join(group, now)
+            return member_id, self._drain(replies + self._try_complete_join(group, now))
         member = self._member(group, member_id, instance_id)
         self._check_protocols(group, known, member_id)
         changed = (member.protocols, member.streams) != metadata
@@ -386,7 +358,7 @@ class GroupCoordinator:
             member.reported_owned = reported
         if group.state is GroupState.PREPARING_REBALANCE:
             member.awaiting_join = True
-            return member_id, replies + self._try_complete_join(group, now)
+            return member_id, self._drain(replies + self._try_complete_join(group, now))
         # Stable or CompletingRebalance: an unchanged follower (or a restarted static
         # member) gets the current generation again, as in Kafka; a leader's or a changed
         # member's join rebalances.
@@ -394,10 +366,10 @@ class GroupCoordinator:
             replaced or group.state is GroupState.COMPLETING_REBALANCE or member_id != group.leader
         )
         if not changed and quiet:
-            return member_id, [*replies, group.join_result(member_id)]
+            return member_id, self._drain([*replies, group.join_result(member_id)])
         member.awaiting_join = True
         self._prepare_rebalance(group, now)
-        return member_id, replies + self._try_complete_join(group, now)
+        return member_id, self._drain(replies + self._try_complete_join(group, now))
 
     def sync(
         self, group_id: str, member_id: str, generation: int, instance_id: str | None = None
