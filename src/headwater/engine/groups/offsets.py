@@ -157,39 +157,33 @@ class LogOffsetStore:
             at = result.end_offset
 
     async def commit(self, offsets: Mapping[OffsetKey, CommittedOffset]) -> None:
-        items = list(offsets.items())
-        end = 0
-        for start in range(0, len(items), MAX_APPEND_EVENTS):
-            chunk = items[start : start + MAX_APPEND_EVENTS]
-            stored = await self.engine.append(
-                self.tenant_id,
-                self.stream_id,
-                [encode_value(v) for _, v in chunk],
-                keys=[encode_key(k) for k, _ in chunk],
-                internal=True,
-            )
-            end = stored.next_offset
-        await self._replicated(end)
-
-    async def _replicated(self, end: int) -> None:
-        if self.replicated is not None and end:
-            await self.replicated(self.tenant_id, OFFSETS_STREAM, end)
+        await self._write(
+            [encode_key(k) for k in offsets], [encode_value(v) for v in offsets.values()]
+        )
 
     async def delete(self, keys: Iterable[OffsetKey]) -> None:
         encoded = [encode_key(k) for k in keys]
+        await self._write(encoded, [b""] * len(encoded), tombstones=True)
+
+    async def _write(
+        self, keys: list[bytes], values: list[bytes], *, tombstones: bool = False
+    ) -> None:
+        """Keyed records (tombstones: deletes), MAX_APPEND_EVENTS an append; with
+        ``replicated`` (a cluster), returns once the in-sync replicas hold the last."""
         end = 0
-        for start in range(0, len(encoded), MAX_APPEND_EVENTS):
-            chunk = encoded[start : start + MAX_APPEND_EVENTS]
+        for start in range(0, len(keys), MAX_APPEND_EVENTS):
+            chunk = slice(start, start + MAX_APPEND_EVENTS)
             stored = await self.engine.append(
                 self.tenant_id,
                 self.stream_id,
-                [b""] * len(chunk),
-                keys=chunk,
-                tombstones=[True] * len(chunk),
+                values[chunk],
+                keys=keys[chunk],
+                tombstones=[True] * len(values[chunk]) if tombstones else None,
                 internal=True,
             )
             end = stored.next_offset
-        await self._replicated(end)
+        if self.replicated is not None and end:
+            await self.replicated(self.tenant_id, OFFSETS_STREAM, end)
 
 
 class CommittedOffsets:
