@@ -8,8 +8,9 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from headwater.api.readahead import ReadAhead
+from headwater.api.readahead import Pages, ReadAhead
 from headwater.storage.log import ReadResult
+from waiting import wait_until_async
 
 
 def page(next_offset: int | None) -> ReadResult:
@@ -91,5 +92,83 @@ def test_past_the_limit_the_oldest_page_is_dropped_and_its_read_cancelled() -> N
         assert await ahead.take(("c",)) is not None
         ahead.close()
         assert len(ahead) == 0
+
+    asyncio.run(main())
+
+
+def test_a_chain_reads_the_pages_after_a_page_up_to_its_depth_and_the_limit() -> None:
+    # follow(offset) reads the page at offset and the page after it (as the engine's
+    # worker does); pages are ten offsets long and end at 100.
+    async def main() -> None:
+        ahead = ReadAhead(limit=3, depth=2)
+        reads: list[int] = []
+
+        def follow(offset: int) -> Pages:
+            reads.append(offset)
+
+            async def at(start: int) -> ReadResult:
+                return page(start + 10 if start + 10 < 100 else None)
+
+            return at(offset), at(offset + 10)
+
+        ahead.start(("r", 10), follow=follow)
+        # Without the reader asking, the chain holds its depth of pages (10 and 20),
+        # read by one call, and goes no further.
+        await wait_until_async(lambda: len(ahead) == 2)
+        assert reads == [10] and ahead.chained == 1
+        for offset in range(10, 90, 10):
+            result = await ahead.take(("r", offset))
+            assert result is not None and result.next_offset == offset + 10
+            assert len(ahead) <= 2  # this reader's depth, under the server's limit
+            # Taking a page lets the chain read on from the page after it.
+            await wait_until_async(lambda stop=offset + 20: len(ahead) == 2 or stop >= 100)
+        assert ahead.served == 8
+        assert reads == [10, 30, 50, 70, 90]  # each call read two pages
+        ahead.close()
+
+    asyncio.run(main())
+
+
+def test_a_reader_asking_for_room_drops_a_chained_page_first() -> None:
+    async def main() -> None:
+        ahead = ReadAhead(limit=2, depth=2)
+
+        def follow(offset: int) -> Pages:
+            async def at(start: int) -> ReadResult:
+                return page(start + 10)
+
+            return at(offset), at(offset + 10)
+
+        ahead.start(("a", 10), follow=follow)
+        await wait_until_async(lambda: len(ahead) == 2)  # a's 10 and 20 (chained)
+
+        async def b_page() -> ReadResult:
+            return page(60)
+
+        ahead.start(("b", 50), b_page)  # the server's limit: a's chained page goes
+        assert len(ahead) == 2
+        assert await ahead.take(("a", 20)) is None
+        assert await ahead.take(("b", 50)) is not None
+        assert await ahead.take(("a", 10)) is not None
+        ahead.close()
+
+    asyncio.run(main())
+
+
+def test_a_page_the_thread_did_not_read_sends_the_reader_to_read_afresh() -> None:
+    # The worker reads the page after only while there is room; when it does not, it
+    # cancels that page's future, and a reader taking it reads afresh (no error).
+    async def main() -> None:
+        ahead = ReadAhead(limit=4, depth=2)
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[ReadResult] = loop.create_future()
+        second: asyncio.Future[ReadResult] = loop.create_future()
+        ahead.start(("r", 10), follow=lambda offset: (first, second))
+        first.set_result(page(20))
+        await wait_until_async(lambda: len(ahead) == 2)  # 20 held, not yet read
+        second.cancel()
+        assert await ahead.take(("r", 10)) is not None
+        assert await ahead.take(("r", 20)) is None
+        ahead.close()
 
     asyncio.run(main())

@@ -27,7 +27,7 @@ from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.cluster_gate import ClusterGate
 from headwater.api.groups import ConsumerGroups
 from headwater.api.quotas import Quotas, TenantQuota
-from headwater.api.readahead import ReadAhead
+from headwater.api.readahead import Pages, ReadAhead
 from headwater.api.replication import Replicas, wait_for_end, wait_for_log
 from headwater.engine.engine import (
     MAX_APPEND_BYTES,
@@ -509,6 +509,18 @@ class EngineAPI:
                 kafka=kafka,
             )
 
+        def ahead(offset: int) -> Pages:
+            return self._engine.read_soon(
+                tenant_id,
+                stream_id,
+                offset,
+                max_bytes,
+                max_events=max_events,
+                partition=partition,
+                isolation=isolation,
+                then=self._read_ahead.room,
+            )
+
         # A throttled reader waits its turn anyway: reading ahead would only hold memory.
         read_ahead = read_ahead and not throttled and not kafka
         key = (tenant_id, stream_id, partition, max_bytes, max_events, isolation)
@@ -517,7 +529,7 @@ class EngineAPI:
             result = await read(from_offset)
         next_offset = result.next_offset
         if read_ahead and next_offset is not None:
-            self._read_ahead.start((*key, next_offset), lambda: read(next_offset))
+            self._read_ahead.start((*key, next_offset), follow=ahead)
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result

@@ -1143,6 +1143,50 @@ class Engine:
             pass
         return await asyncio.get_running_loop().run_in_executor(self.executor, read)
 
+    def read_soon(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        from_offset: int,
+        max_bytes: int = 1 << 20,
+        *,
+        max_events: int | None = None,
+        partition: int = 0,
+        isolation: str = READ_COMMITTED,
+        then: Callable[[], bool] | None = None,
+    ) -> tuple[asyncio.Future[ReadResult], asyncio.Future[ReadResult]]:
+        """:meth:`read` of a sequential reader's next page (api/readahead.py), started
+        in a worker thread now rather than at the loop's next turn, and the page after
+        it, read by the same thread right after when the first stopped at its budget
+        and ``then()`` (asked in the thread) still wants it; that future is cancelled
+        when the page is not read. The disk reads on while the loop sends a page: a
+        thread started from the loop waited for it (for the GIL) to finish sending."""
+        loop = asyncio.get_running_loop()
+        pages: tuple[asyncio.Future[ReadResult], asyncio.Future[ReadResult]] = (
+            loop.create_future(),
+            loop.create_future(),
+        )
+        committed = committed_only(isolation)
+
+        def read_pages() -> None:
+            offset = from_offset
+            try:
+                plog = self.stream(tenant_id, stream_id).partition_log(partition)
+                for page in pages:
+                    result = plog.read(
+                        offset, max_bytes, max_events=max_events, committed_only=committed
+                    )
+                    loop.call_soon_threadsafe(_settle, page, result, None)
+                    if result.next_offset is None or then is None or not then():
+                        break
+                    offset = result.next_offset
+            except Exception as exc:  # the reader's own read raises it again
+                loop.call_soon_threadsafe(_settle, pages[0], None, exc)
+            loop.call_soon_threadsafe(pages[1].cancel)
+
+        self.executor.submit(read_pages)
+        return pages
+
     async def read_events(
         self,
         tenant_id: int,
@@ -1252,3 +1296,16 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def _by_stream_id(path: Path) -> tuple[bool, int, str]:
     """Stream directories in id order, anything else after them."""
     return (not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)
+
+
+def _settle(
+    future: asyncio.Future[ReadResult], result: ReadResult | None, error: Exception | None
+) -> None:
+    """Resolve a page read in a worker (on the loop), unless it was cancelled meanwhile."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        assert result is not None
+        future.set_result(result)
