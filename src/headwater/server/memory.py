@@ -44,6 +44,7 @@ _M_ARENA_MAX = -8
 # for themselves and unmapped when freed.
 MMAP_THRESHOLD = 256 << 10
 ARENA_MAX = 2
+ARROW_DECAY_MS = 1000  # how long Arrow's pool keeps freed pages for reuse
 
 
 def tune_malloc() -> bool:
@@ -70,9 +71,18 @@ def tune_malloc() -> bool:
     done = mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     done &= mallopt(_M_ARENA_MAX, ARENA_MAX)
     done &= mallopt(_M_TRIM_THRESHOLD, 1 << 20)
-    # Arrow's own pool (mimalloc) keeps freed pages for reuse, resident and anonymous;
-    # the system allocator, tuned as above, gives them back.
-    pa.set_memory_pool(pa.system_memory_pool())
+    # Arrow's default pool (mimalloc) keeps freed pages for reuse, resident and
+    # anonymous. The system allocator, tuned as above, gives every large block back at
+    # once, so each Arrow kernel's megabytes of output were freshly mapped, faulted in
+    # and zeroed: a third of the server's CPU reading keyed records for Spark. jemalloc
+    # with a decay keeps freed pages about ARROW_DECAY_MS, then gives them back (counted
+    # on later allocations): a read's rounds reuse the last round's pages. The budget
+    # tests' peaks are as before (tests/integration/test_memory_budget.py).
+    try:
+        pa.set_memory_pool(pa.jemalloc_memory_pool())
+        pa.jemalloc_set_decay_ms(ARROW_DECAY_MS)
+    except NotImplementedError:  # a pyarrow built without jemalloc
+        pa.set_memory_pool(pa.system_memory_pool())
     return bool(done)
 
 
