@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,9 @@ import pyarrow as pa
 import headwater
 from benchlib import HeadwaterServer, spark_rates, spark_session, spark_table, timed
 from headwater.engine.partitioner import murmur2_batch
+from spark_read_profile import cpu_by_process
+
+ROLES = ("server", "python workers", "jvm")
 
 KEYS = 10_000
 
@@ -124,13 +128,31 @@ def main(argv: list[str]) -> int:
         assert spark.read.parquet(str(parquet)).count() == args.events
 
         read_hw, read_pq, write_hw, write_pq = [], [], [], []
+        cpu: dict[str, list[dict[str, float]]] = {
+            "read hw": [],
+            "read pq": [],
+            "write hw": [],
+            "write pq": [],
+        }
+
+        def measured(side: str, action: Any) -> float:
+            """Wall seconds of ``action``; each role's CPU seconds kept under ``side``."""
+            before = cpu_by_process({hw_server.pid: "server"})
+            took = timed(action)
+            after = cpu_by_process({hw_server.pid: "server"})
+            cpu[side].append({r: after.get(r, 0.0) - before.get(r, 0.0) for r in ROLES})
+            return took
+
         with headwater.connect(server) as hw, hw.http_api() as api:
             for run in range(args.repeat):
                 sides = [("hw", read_hw), ("pq", read_pq)]
                 for side, out in sides if run % 2 == 0 else sides[::-1]:
                     df = stream_df() if side == "hw" else spark.read.parquet(str(parquet))
                     out.append(
-                        timed(lambda df=df: df.write.format("noop").mode("overwrite").save())
+                        measured(
+                            f"read {side}",
+                            lambda df=df: df.write.format("noop").mode("overwrite").save(),
+                        )
                     )
                 for side in ("hw", "pq") if run % 2 == 0 else ("pq", "hw"):
                     rows = spark.read.parquet(str(parquet)).select("key", "value")
@@ -142,10 +164,12 @@ def main(argv: list[str]) -> int:
                             .option("stream", f"copy{run}")
                             .mode("append")
                         )
-                        write_hw.append(timed(writer.save))
+                        write_hw.append(measured("write hw", writer.save))
                     else:
                         target = str(root / f"copy{run}")
-                        write_pq.append(timed(lambda t=target, r=rows: r.write.parquet(t)))
+                        write_pq.append(
+                            measured("write pq", lambda t=target, r=rows: r.write.parquet(t))
+                        )
                         shutil.rmtree(target)
             for run in range(args.repeat):
                 copied = api.stream(f"copy{run}")["partition_offsets"]
@@ -171,6 +195,7 @@ def main(argv: list[str]) -> int:
                 "write": {"headwater": write_hw, "parquet": write_pq},
             },
         ),
+        "cpu_s": cpu,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
@@ -188,7 +213,20 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['load_after']:.1f} after)",
         "",
         *spark_table(results, with_runs=True),
+        "",
+        "CPU seconds per million rows, median over the runs (each run's in brackets):",
+        "",
+        "| side | " + " | ".join(ROLES) + " |",
+        "|---|" + "--:|" * len(ROLES),
     ]
+    per_million = 1e6 / results["events"]
+    for side, runs in results["cpu_s"].items():
+        cells = []
+        for role in ROLES:
+            spent = [run[role] * per_million for run in runs]
+            each = ", ".join(f"{s:.2f}" for s in spent)
+            cells.append(f"{statistics.median(spent):.2f} ({each})")
+        lines.append(f"| {side} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ def cpu_by_process(servers: dict[int, str]) -> dict[str, float]:
     """CPU seconds so far, summed per role: each server by name, ``jvm``, ``python
     workers`` (PySpark's daemon and workers)."""
     out: dict[str, float] = {}
+    seen: dict[int, tuple[int, str, list[str]]] = {}  # pid: (parent, command, stat fields)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -47,7 +48,19 @@ def cpu_by_process(servers: dict[int, str]) -> dict[str, float]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        pid = int(entry)
+        seen[int(entry)] = (int(stat[1]), cmd, stat)
+
+    def ours(pid: int) -> bool:
+        # Only this process's descendants: other users' JVMs and Python workers are not.
+        while pid in seen and pid != 1:
+            if pid == os.getpid():
+                return True
+            pid = seen[pid][0]
+        return False
+
+    for pid, (_, cmd, stat) in seen.items():
+        if not ours(pid):
+            continue
         if pid in servers:
             role = servers[pid]
         elif "java" in cmd:
