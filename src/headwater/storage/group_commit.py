@@ -5,14 +5,20 @@ starts one (at most ``MAX_SYNCS_IN_FLIGHT`` run at once); appends that arrive me
 wait and share the next one, so N concurrent writers share fsyncs instead of queueing N.
 One in flight measured best here (4 writers on one stream: 3.9M events/s with 500 fsyncs
 for 2,000 appends, against 3.7M with up to 4 in flight and 1,826 fsyncs). Each fsync runs
-in a worker thread, except for a writer alone: an append that, one loop turn after it
-was written, is the only one waiting for an fsync on its event loop (no other writer to
-share it with, no fsync running) fdatasyncs on the loop thread, as Redis's
-``appendfsync always`` does, sparing the hand-off to the worker thread and the wake-up
-back (two thread switches, the largest part of a lone append's latency beside the disk),
-unless the last fsync took more than ``INLINE_SYNC_MAX_S`` (a slow disk then stalls the
-worker thread, not the loop). ``interval:<ms>`` acknowledges on write and syncs in the
-background; ``none`` never syncs until the log is closed.
+in a worker thread, which hands the outcome straight back to the loop.
+
+A writer alone (one loop turn after it wrote, the only append of its event loop waiting
+for an fsync, none running) may instead fdatasync on the loop thread, as Redis's
+``appendfsync always`` does, sparing the hand-off to the worker and the wake-up back.
+Which way is faster depends on the machine: on a quiet one the two thread switches are
+most of a lone append's latency beside the disk; on cores shared with busy processes the
+loop thread, woken from the disk wait, can queue behind them for milliseconds (measured:
+p90 4-6 ms inline against 0.8-1.5 ms through the worker, at load 4-5). So each lone
+writer takes the way whose recent acknowledgements were faster (moving averages of
+both, each way tried again every ``PROBE_EVERY`` lone writers), and never the loop while
+the last fsync took over ``INLINE_SYNC_MAX_S`` (a slow disk would stall every connection
+of the loop). ``interval:<ms>`` acknowledges on write and syncs in the background;
+``none`` never syncs until the log is closed.
 """
 
 from __future__ import annotations
@@ -37,15 +43,36 @@ MAX_SYNCS_IN_FLIGHT = 1
 # A lone writer fsyncs on the loop thread only while the disk answers within this: a
 # slower fsync would hold every other connection of the loop for as long.
 INLINE_SYNC_MAX_S = 0.002
+PROBE_EVERY = 16  # every 16th lone writer goes the way not in favour, to keep its figure
+SMOOTHING = 0.125  # weight of the newest acknowledgement in the moving averages
 
 
 @dataclass
 class _LoopSyncs:
-    """What every committer on one event loop shares: whether a writer is alone."""
+    """What every committer on one event loop shares: whether a writer is alone, and
+    how long a lone writer's fsync took each way lately (seconds, from the fsync's start
+    until the loop could acknowledge)."""
 
     waiting: int = 0  # appends waiting for an fsync, across every log of the loop
     in_threads: int = 0  # fsyncs running in worker threads
-    last_seconds: float = 0.0  # how long the last fsync took, on any log of the loop
+    last_seconds: float = 0.0  # how long the last fsync itself took, on any log
+    on_loop_s: float = 0.0
+    in_thread_s: float = 0.0
+    lone_writers: int = 0
+
+    def lone_writer_on_loop(self) -> bool:
+        """Whether this lone writer's fsync runs on the loop thread."""
+        self.lone_writers += 1
+        if self.last_seconds > INLINE_SYNC_MAX_S:
+            return False
+        on_loop = self.on_loop_s <= self.in_thread_s
+        return not on_loop if self.lone_writers % PROBE_EVERY == 0 else on_loop
+
+    def lone_writer_took(self, on_loop: bool, seconds: float) -> None:
+        if on_loop:
+            self.on_loop_s += (seconds - self.on_loop_s) * SMOOTHING
+        else:
+            self.in_thread_s += (seconds - self.in_thread_s) * SMOOTHING
 
 
 _LOOP_SYNCS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSyncs] = (
@@ -74,6 +101,8 @@ class GroupCommitter:
         self._syncs: dict[int, int] = {}
         self._sync_futures: set[asyncio.Future[None]] = set()
         self._sync_number = 0
+        # A lone writer's fsync running in a worker thread: its number and start time.
+        self._lone_sync: tuple[int, float] | None = None
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
         self.fsyncs = 0
@@ -127,18 +156,17 @@ class GroupCommitter:
                 await asyncio.sleep(0)
                 if self.log.durable_offset >= next_offset:
                     return
-                if (
-                    shared.waiting == 1
-                    and shared.in_threads == 0
-                    and not self._syncs
-                    and shared.last_seconds <= INLINE_SYNC_MAX_S
-                ):
+                lone = shared.waiting == 1 and shared.in_threads == 0 and not self._syncs
+                if lone and shared.lone_writer_on_loop():
                     self._sync_inline()
                     if self.log.durable_offset >= next_offset:
                         return
+                    lone = False
+            else:
+                lone = False
             fut: asyncio.Future[None] = loop.create_future()
             self._waiters.append((next_offset, fut))
-            self._maybe_start_sync()
+            self._maybe_start_sync(lone=lone)
             await fut
         finally:
             shared.waiting -= 1
@@ -147,11 +175,14 @@ class GroupCommitter:
         """The fsync of a writer alone, on the loop thread (StorageError if it fails)."""
         started = time.perf_counter()
         durable = self.log.sync()  # a failed fdatasync raises StorageError (log.py)
+        elapsed = time.perf_counter() - started
         self.inline_fsyncs += 1
-        self._synced(durable, time.perf_counter() - started)
+        _loop_syncs(asyncio.get_running_loop()).lone_writer_took(True, elapsed)
+        self._synced(durable, elapsed)
 
-    def _maybe_start_sync(self) -> None:
-        """Start an fsync when some waiter is not covered by one already running."""
+    def _maybe_start_sync(self, *, lone: bool = False) -> None:
+        """Start an fsync when some waiter is not covered by one already running
+        (``lone``: for a writer alone, whose acknowledgement time is recorded)."""
         if len(self._syncs) >= MAX_SYNCS_IN_FLIGHT or not self._waiters:
             return
         covered = max(self._syncs.values(), default=-1)
@@ -162,6 +193,8 @@ class GroupCommitter:
         number = self._sync_number
         # Everything written by now is below end_offset; the sync snapshots at least that.
         self._syncs[number] = self.log.end_offset
+        if lone:
+            self._lone_sync = (number, time.perf_counter())
         _loop_syncs(loop).in_threads += 1
         fut = loop.run_in_executor(self._executor, self._sync_in_thread, loop, number)
         self._sync_futures.add(fut)
@@ -189,7 +222,11 @@ class GroupCommitter:
         """On the loop thread: acknowledge every waiter the fsync covered (every waiter
         fails if it failed)."""
         self._syncs.pop(number, None)
-        _loop_syncs(asyncio.get_running_loop()).in_threads -= 1
+        shared = _loop_syncs(asyncio.get_running_loop())
+        shared.in_threads -= 1
+        if self._lone_sync is not None and self._lone_sync[0] == number:
+            shared.lone_writer_took(False, time.perf_counter() - self._lone_sync[1])
+            self._lone_sync = None
         if exc is not None:
             error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
             waiters, self._waiters = self._waiters, []
