@@ -117,15 +117,14 @@ def test_a_lone_writer_fsyncs_on_the_loop_thread(
     """One writer at a time (a client with one append in flight): no hand-off to a
     worker thread, and still acknowledged only once durable; a second log written
     meanwhile on the same loop makes the writer not alone."""
-    # However slow the shared test disk is: the bound has its own test below.
+    # However slow the shared test disk and busy its CPUs: both have their own tests.
     monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)
+    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)
     plog = open_log(tmp_path / "a", "fsync")
     other = open_log(tmp_path / "b", "fsync")
     where = on_threads(plog)
 
     async def main() -> None:
-        # As on a quiet machine: acknowledgements through a worker thread were slower.
-        group_commit._loop_syncs(asyncio.get_running_loop()).in_thread_s = 1.0
         committer = GroupCommitter(plog)
         other_committer = GroupCommitter(other)
         for i in range(3):
@@ -151,34 +150,60 @@ def test_a_lone_writer_fsyncs_on_the_loop_thread(
     other.close()
 
 
-def test_a_lone_writer_takes_the_way_that_acknowledged_faster(
+def test_contended_cpus_send_a_lone_writer_to_a_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """As on cores shared with busy processes: fsyncs on the loop thread were slower to
-    acknowledge, so lone writers go through a worker thread, except every PROBE_EVERY-th,
-    which tries the loop again (one fast try does not outweigh the average)."""
+    """Tasks waiting for a CPU: the loop thread, woken straight from the disk wait, would
+    queue behind them, so even a lone writer's fsync goes to a worker thread; the
+    pressure is read again a second later, not per append."""
     monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)  # whatever the disk
+    readings: list[bool] = []
+
+    def contended() -> bool:
+        readings.append(True)
+        return True
+
+    monkeypatch.setattr(group_commit, "cpu_contended", contended)
     plog = open_log(tmp_path, "fsync")
     where = on_threads(plog)
-    appends = group_commit.PROBE_EVERY + 4
 
     async def main() -> None:
-        shared = group_commit._loop_syncs(asyncio.get_running_loop())
-        shared.on_loop_s = 1.0
         committer = GroupCommitter(plog)
-        for i in range(appends):
+        for i in range(3):
             info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
             await committer.committed(info.next_offset)
             assert plog.durable_offset == i + 1
-        assert committer.fsyncs == appends and committer.inline_fsyncs == 1
-        # Measured: each worker-thread acknowledgement went into the thread average.
-        assert 0 < shared.in_thread_s < 1.0
-        assert shared.on_loop_s < 1.0
+        assert committer.fsyncs == 3 and committer.inline_fsyncs == 0
+        # A second later (loop time) the pressure is read again.
+        shared = group_commit._loop_syncs(asyncio.get_running_loop())
+        shared.pressure_read_at -= group_commit.PRESSURE_EVERY_S
+        info = plog.append([b"3"], first_position=0, timestamp_ms=0)
+        await committer.committed(info.next_offset)
 
     asyncio.run(main())
-    probe = group_commit.PROBE_EVERY - 1
-    assert where == [False] * probe + [True] + [False] * (appends - probe - 1)
+    assert where == [False] * 4
+    assert readings == [True, True]
     plog.close()
+
+
+def test_cpu_pressure_is_read_from_psi_or_the_load_average(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    psi = tmp_path / "cpu"
+    monkeypatch.setattr(group_commit, "CPU_PRESSURE", psi)
+    psi.write_text(
+        "some avg10=91.54 avg60=88.17 avg300=71.12 total=18601923635\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    )
+    assert group_commit.cpu_contended()
+    psi.write_text("some avg10=0.40 avg60=1.00 avg300=0.50 total=1\nfull avg10=0.00\n")
+    assert not group_commit.cpu_contended()
+    psi.unlink()  # no PSI (an older kernel): the load average against the CPU count
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 0.5, 0.0, 0.0))
+    assert group_commit.cpu_contended()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus / 4, 0.0, 0.0))
+    assert not group_commit.cpu_contended()
 
 
 def test_a_slow_fsync_sends_the_next_lone_writer_to_a_thread(
@@ -188,6 +213,7 @@ def test_a_slow_fsync_sends_the_next_lone_writer_to_a_thread(
     every fsync is "slow", so after the first (no fsync measured yet) the lone writer's
     fsyncs run in a worker thread, each measured again there."""
     monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 0.0)
+    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)
     plog = open_log(tmp_path, "fsync")
     where = on_threads(plog)
 
@@ -208,6 +234,7 @@ def test_a_lone_writers_failed_fsync_fails_its_append(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)  # whatever the disk
+    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)  # and the CPUs
     plog = open_log(tmp_path, "fsync")
     where = on_threads(plog)
 
@@ -215,7 +242,6 @@ def test_a_lone_writers_failed_fsync_fails_its_append(
         raise OSError(5, "Input/output error")
 
     async def main() -> None:
-        group_commit._loop_syncs(asyncio.get_running_loop()).in_thread_s = 1.0
         committer = GroupCommitter(plog)
         info = plog.append([b"ok"], first_position=0, timestamp_ms=0)
         await committer.committed(info.next_offset)
