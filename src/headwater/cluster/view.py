@@ -16,6 +16,7 @@ from headwater.cluster.replication import (
     NotEnoughReplicasAfterAppend,
     ReplicationTimedOut,
 )
+from headwater.engine.kinds.model import kind_of_changelog
 from headwater.errors import NotLeader
 
 if TYPE_CHECKING:
@@ -28,7 +29,24 @@ __all__ = [
     "NotLeader",
     "PartitionView",
     "ReplicationTimedOut",
+    "not_leader",
 ]
+
+
+def not_leader(key: PartitionKey, leader: NodeInfo | None) -> NotLeader:
+    """The refusal of a write to ``key`` on a node that does not lead it: what was
+    written to (a kind by its name, for its changelog; else the partition), the
+    leader's id and every client-facing listener's address, in the message (the only
+    place most wires have for them) and beside it (HTTP's JSON body); or that it has
+    no leader now (``leader`` None: an election)."""
+    kind = kind_of_changelog(key.stream)
+    target = f"partition {key.partition} of {key.stream}" if kind is None else f"kind {kind}"
+    if leader is None:
+        return NotLeader(f"{target} has no leader right now")
+    return NotLeader(
+        f"node {leader.node_id} leads {target}: {leader.listed()}",
+        {"node_id": leader.node_id, **leader.addresses()},
+    )
 
 
 @dataclass(frozen=True)
@@ -88,21 +106,13 @@ class ClusterView:
         return PartitionView(leader, state.epoch, state.replicas, state.isr)
 
     def check_leader(self, tenant_id: int, stream: str, partition: int) -> None:
-        """NotLeader (its message naming the leader's Kafka and Kimberlite addresses when
-        one is known) unless this node leads the partition now."""
+        """NotLeader (its message naming the leader's listeners when one is known)
+        unless this node leads the partition now."""
         key = PartitionKey(tenant_id, stream, partition)
         if self._replication.leads(key):
             return
         state = self._node.partitions.get(key)
-        leader = None if state is None else self._node.nodes.get(state.leader)
-        if leader is None:
-            raise NotLeader(f"partition {partition} of {stream} has no leader right now")
-        # Every client-facing listener's address, in the message (the only place most
-        # wires have for it) and beside it for HTTP's JSON body.
-        raise NotLeader(
-            f"node {leader.node_id} leads partition {partition} of {stream}: {leader.listed()}",
-            {"node_id": leader.node_id, **leader.addresses()},
-        )
+        raise not_leader(key, None if state is None else self._node.nodes.get(state.leader))
 
     def high_watermark(self, tenant_id: int, stream: str, partition: int, end: int) -> int:
         """Where consumers of the partition stop (never past the local ``end``); a

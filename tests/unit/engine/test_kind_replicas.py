@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from headwater.api.replication import Replicas
+from headwater.cluster.layout import NodeInfo, PartitionKey
+from headwater.cluster.view import not_leader
 from headwater.engine.engine import Engine, EngineConfig
 from headwater.engine.kinds import (
     ChangeType,
@@ -30,6 +32,7 @@ from waiting import wait_until_async
 ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default"})
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
 STREAM = changelog_stream("sensor")
+LEADER = NodeInfo(1, "10.0.0.1", ports={"convergedb": 7402, "http": 8080, "replication": 7409})
 
 
 def eid(n: int) -> bytes:
@@ -58,9 +61,10 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             mine = await ft.create_kind("sensor", FIELDS)
             leads = False
 
-            def leader_check(_tenant: int, stream: str, _partition: int) -> None:
+            def leader_check(tenant_id: int, stream: str, partition: int) -> None:
+                # The cluster's refusal (cluster/view.py), with node 1 leading.
                 if not leads:
-                    raise NotLeader(f"node 1 leads partition 0 of {stream}: convergedb h:1")
+                    raise not_leader(PartitionKey(tenant_id, stream, partition), LEADER)
 
             follower_engine.leader_check = leader_check
             high_watermark = 0
@@ -127,10 +131,21 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             alive = {e: n.version for e, n in last.items() if n.change != ChangeType.DELETED}
             assert alive == {e: version for e, (version, _, _) in final.items()}
 
-            # A follower refuses writes, naming the leader; leading, it takes them.
+            # A follower refuses writes, naming the kind, its leader and the leader's
+            # client listeners (not its replication port); leading, it takes them.
             writer = ft.connect("w")
-            with pytest.raises(NotLeader, match="node 1 leads kind sensor: convergedb h:1"):
+            with pytest.raises(NotLeader) as refused:
                 ft.apply(writer, [assert_op(mine, eid(99), [9.0, "no"])])
+            assert refused.value.message == (
+                "node 1 leads kind sensor: convergedb 10.0.0.1:7402, http 10.0.0.1:8080"
+            )
+            assert refused.value.address_of("convergedb") == "10.0.0.1:7402"
+            assert refused.value.leader == {
+                "node_id": 1,
+                "convergedb": "10.0.0.1:7402",
+                "http": "10.0.0.1:8080",
+            }
+            assert state(ft, mine.kind_id) == final  # nothing applied
             with pytest.raises(NotLeader, match="taking over the leadership of kind sensor"):
                 leads = True  # the first write has it apply the rest of its copy
                 ft.apply(writer, [assert_op(mine, eid(99), [9.0, "not yet"])])
@@ -144,3 +159,13 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             await follower_engine.close()
 
     asyncio.run(main())
+
+
+def test_a_kind_without_a_leader_is_refused_by_name() -> None:
+    """During an election the refusal names the kind (retry shortly), and a stream's
+    partition is named as the partition."""
+    refused = not_leader(PartitionKey(0, STREAM, 0), None)
+    assert refused.message == "kind sensor has no leader right now"
+    assert refused.leader is None
+    refused = not_leader(PartitionKey(0, "events", 2), LEADER)
+    assert refused.message.startswith("node 1 leads partition 2 of events: convergedb")

@@ -282,7 +282,7 @@ def _columnar_changes(
         changes = [int(ChangeType.UPDATED)] * len(eids)
         previous = list(old_records)
         changed = masks.tolist()
-    rows = np.empty(len(eids), dtype=_log_layout(size))
+    rows = np.empty(len(eids), dtype=changelog_rows(size))
     rows["length"] = SOURCE_SET.size + size
     rows["source_set"] = sets
     rows["record"] = np.frombuffer(new, dtype=f"V{size}")
@@ -314,8 +314,10 @@ _SOURCE_SET_OF: Callable[[Committed], int] = operator.itemgetter(1)
 
 
 @functools.lru_cache(maxsize=64)
-def _log_layout(record_size: int) -> np.dtype[np.void]:
-    """A changelog value in its values section: ``u64 len | u64 source_set | record``."""
+def changelog_rows(record_size: int) -> np.dtype[np.void]:
+    """A changelog value of a fixed-width kind in its values section: ``u64 len | u64
+    source_set | record`` (how a columnar window is written, and how a follower reads
+    the copied window back: engine/kinds/replicated.py)."""
     return np.dtype([("length", "<u8"), ("source_set", "<u8"), ("record", f"V{record_size}")])
 
 

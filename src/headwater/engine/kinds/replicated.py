@@ -14,8 +14,10 @@ kind's changelog by, as it reaches a stream partition by name).
   the same checks here.
 * **Follower.** Copied records are applied to the follower's own committed state up to
   the high watermark it last learned (:meth:`KindChangelogs.moved`, called when it
-  moves), each run of them as the leader's window was: readers, subscriptions and SQL
-  on a follower see the kind up to the high watermark.
+  moves), a chunk at a time, each run of them as the leader's window was, in columns
+  (:mod:`.copied`: decoded in a worker thread, compared with the committed state in
+  numpy on the loop): readers, subscriptions and SQL on a follower see the kind up to
+  the high watermark.
 * **Taking over.** A node that becomes the leader first applies the rest of its copy
   (up to its end: the records above the old high watermark are the new leader's to
   keep), then takes writes; until then a write is NotLeader ("taking over").
@@ -25,22 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from headwater.engine.engine import PartitionInfo, StreamInfo, StreamSettings
-from headwater.engine.kinds.commit import FlushPlan, commit_plan
+from headwater.engine.kinds.commit import commit_plan
+from headwater.engine.kinds.copied import CopiedRun, copied_plan, copied_runs
 from headwater.engine.kinds.errors import KindNotFound
 from headwater.engine.kinds.model import (
     CHANGELOG_PREFIX,
-    ChangeType,
     KindInfo,
     changelog_stream,
     kind_of_changelog,
 )
-from headwater.engine.kinds.state import SEQUENCE_KEY, SOURCE_SET, KindState
+from headwater.engine.kinds.state import KindState
 from headwater.errors import NotLeader
-from headwater.storage.batch import Event
 
 if TYPE_CHECKING:
     from headwater.engine.kinds.service import KindsEngine, TenantKinds
@@ -208,10 +209,9 @@ class KindChangelogs:
         engine = self._kinds.engine
         stream = changelog_stream(state.info.name)
         if engine.leader_check is not None:
-            try:
-                engine.leader_check(tenant_id, stream, 0)
-            except NotLeader as exc:
-                raise NotLeader(_kind_message(state, exc.message), exc.leader) from None
+            # NotLeader names the kind, its leader and the leader's listeners: the
+            # cluster's check knows a changelog stream for its kind (cluster/view.py).
+            engine.leader_check(tenant_id, stream, 0)
             if state.following:
                 self._start_follow(tenant_id, state)
                 raise NotLeader(
@@ -256,88 +256,26 @@ class KindChangelogs:
             log.exception("applying the changelog of kind %s failed", state.info.name)
 
     async def _apply_upto(self, state: KindState, target: int) -> None:
-        """Apply changelog records from the state's applied offset below ``target``,
-        read in a worker thread a chunk at a time."""
+        """Apply changelog records from the state's applied offset below ``target``, a
+        chunk at a time: decoded into runs of windows in a worker thread, each run then
+        compared with the committed state and committed on the loop (:mod:`.copied`)."""
         start = state.applied_offset
         upto = min(target, start + FOLLOW_CHUNK)
+        fields = state.info.fields
 
-        def read() -> list[Event]:
-            return list(state.log.events(start, upto))
+        def read() -> list[CopiedRun]:
+            return copied_runs(state.log.batches(start, upto), start, upto, fields)
 
-        events = await asyncio.get_running_loop().run_in_executor(self._kinds.executor, read)
+        runs = await asyncio.get_running_loop().run_in_executor(self._kinds.executor, read)
         if state.applied_offset != start:
             return  # rebuilt meanwhile: the next step starts from where it is now
-        for plan in _plans(state, events):
-            commit_plan(plan)  # before the next is planned: it reads the state this leaves
+        for run in runs:
+            if run.entity_ids:
+                commit_plan(copied_plan(state, run))  # before the next run is planned
+            elif run.next_sequence is not None:  # an event kind's window of events only
+                state.next_sequence = run.next_sequence
+                state.applied_position = run.applied
         state.applied_offset = upto  # every record below it applied (or none was there)
-
-
-def _kind_message(state: KindState, message: str) -> str:
-    """NotLeader's message for a kind: the changelog partition named as the kind."""
-    stream = changelog_stream(state.info.name)
-    return message.replace(f"partition 0 of {stream}", f"kind {state.info.name}")
-
-
-def _plans(state: KindState, events: list[Event]) -> Iterator[FlushPlan]:
-    """The leader's windows again: runs of records with consecutive versions (tenant
-    log positions) and distinct entities, each committed as one window (versions
-    ``first + i``, net changes against the committed state as the leader had it)."""
-    plan: FlushPlan | None = None
-    seen: set[bytes] = set()
-    unpack_set = SOURCE_SET.unpack_from
-    created, updated, deleted = (
-        int(ChangeType.CREATED),
-        int(ChangeType.UPDATED),
-        int(ChangeType.DELETED),
-    )
-    for event in events:
-        eid = event.key
-        if eid is None:
-            continue
-        if eid == SEQUENCE_KEY:
-            if plan is not None:
-                plan.next_sequence = unpack_set(event.value)[0]
-                plan.applied = event.position + 1
-                plan.applied_offset = event.offset + 1
-            else:
-                state.next_sequence = unpack_set(event.value)[0]
-            continue
-        if plan is None or eid in seen or plan.first + len(plan.entity_ids) != event.position:
-            if plan is not None:
-                yield plan  # committed by the caller before the next one is planned
-            plan = FlushPlan(
-                state, state.info.fields, event.position, [], [], [], [], [], None, [], [],
-                state.next_sequence if plan is None else plan.next_sequence,
-            )  # fmt: skip
-            seen = set()
-        seen.add(eid)
-        committed = state.lookup(eid)
-        before = None if committed is None else (committed[1], committed[2])
-        plan.entity_ids.append(eid)
-        if event.tombstone:
-            plan.deleted.append(len(plan.changes))
-            plan.changes.append(deleted)
-            plan.source_sets.append(0)
-            plan.records.append(b"")
-            plan.previous.append(None)
-            if before is not None:
-                plan.added -= 1
-                plan.moves[before[0], 0] = plan.moves.get((before[0], 0), 0) + 1
-        else:
-            source_set = unpack_set(event.value)[0]
-            record = state.whole_record(bytes(event.value[SOURCE_SET.size :]))
-            plan.changes.append(created if before is None else updated)
-            plan.source_sets.append(source_set)
-            plan.records.append(record)
-            plan.previous.append(None if before is None else before[1])
-            if before is None:
-                plan.added += 1
-            move = (0 if before is None else before[0], source_set)
-            plan.moves[move] = plan.moves.get(move, 0) + 1
-        plan.applied = event.position + 1
-        plan.applied_offset = event.offset + 1
-    if plan is not None:
-        yield plan
 
 
 __all__ = ["CHANGELOG_PREFIX", "KindChangelogs", "changelog_stream", "kind_of_changelog"]

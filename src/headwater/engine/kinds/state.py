@@ -46,7 +46,12 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from headwater.engine.kinds.codec import codec_for
-from headwater.engine.kinds.fields import decode_fields, default_value, encode_fields
+from headwater.engine.kinds.fields import (
+    FieldSpec,
+    decode_fields,
+    default_value,
+    encode_fields,
+)
 from headwater.engine.kinds.model import EntityState, KindInfo
 from headwater.engine.kinds.store import SOURCES, KindStore, StoreMeta
 from headwater.engine.kinds.subscriptions import KindSubscription
@@ -241,11 +246,7 @@ class KindState:
     def whole_record(self, record: bytes) -> bytes:
         """A record written under an older (shorter) schema, with the newer fields'
         defaults appended; a record of the current schema as it is."""
-        fixed = self.codec.fixed
-        if fixed is not None and len(record) == fixed.size:
-            return record
-        fields = self.info.fields
-        return encode_fields(fields, decode_fields(fields, record, complete=True))
+        return whole_record(self.info.fields, record)
 
     # ---- the hot set ----------------------------------------------------------------------
 
@@ -444,6 +445,15 @@ class KindState:
     def close(self) -> None:
         self.log.close()
         self.store.close()
+
+
+def whole_record(fields: tuple[FieldSpec, ...], record: bytes) -> bytes:
+    """``record`` with every field of ``fields``: one written under an older (shorter)
+    schema gets the newer fields' defaults appended (pure: a worker thread may call it)."""
+    fixed = codec_for(fields).fixed
+    if fixed is not None and len(record) == fixed.size:
+        return record
+    return encode_fields(fields, decode_fields(fields, record, complete=True))
 
 
 def _count_bits(counts: list[int], source_set: int, delta: int) -> None:
