@@ -11,7 +11,8 @@ one), a fresh process on the same files, read by one client (``--clients``:
 ``memory_bench.read_all``, received into one reused buffer, or ``wire_bench.hw_consume``,
 the protocol's incremental decoder; one 8 MiB ReadEvents at a time), cold (page cache
 dropped before, needs root) and then warm (the files read once untimed before), each once
-the fresh server is idle. Server and client CPU seconds are recorded per run: with two
+the fresh server is idle. Server and client CPU seconds, and the bytes the server had
+read from the disk (against the files' size), are recorded per run: with two
 cores shared with other work, the ratio falls with the load, the CPU per GB much less.
 A second reference, the same files read cold with O_DIRECT (8 MiB reads into one aligned
 buffer: the disk without the page cache, as the server reads cold data), is shown beside
@@ -60,6 +61,13 @@ def read_raw_direct(paths: list[Path]) -> int:
     return total
 
 
+def disk_read_bytes(pid: int) -> int:
+    """Bytes the process has had fetched from storage (/proc/<pid>/io: page cache fills
+    and direct reads, not reads served from the cache)."""
+    fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(fields["read_bytes"])
+
+
 def build(root: Path, mib: int) -> tuple[int, int]:
     server = HeadwaterServer()
     server.start(root)
@@ -91,6 +99,7 @@ def run_server(
             # warm means the files are cached, so cache them first (untimed).
             read_raw_files(sorted((root / "headwater-data").rglob("*.log")))
         cpu = (proc_cpu(server.pid), proc_cpu(os.getpid()))
+        disk = disk_read_bytes(server.pid)
         began = time.perf_counter()
         CLIENTS[client_name](client, stream_id, events, READ_PAGE)
         seconds = time.perf_counter() - began
@@ -98,6 +107,7 @@ def run_server(
             "s": seconds,
             "server_cpu_s": proc_cpu(server.pid) - cpu[0],
             "client_cpu_s": proc_cpu(os.getpid()) - cpu[1],
+            "server_disk_read_bytes": disk_read_bytes(server.pid) - disk,
             "settled_s": settled_s,
         }
         client.close()
@@ -187,8 +197,8 @@ def markdown(results: dict[str, Any]) -> str:
         f" {results['loadavg_after']} after; page cache dropped: {results['drop_caches']}.",
         "",
         "| side | cache | MB/s (each round) | / raw cold (mean times) | server CPU s"
-        " | client CPU s |",
-        "|---|---|---:|---:|---:|---:|",
+        " | client CPU s | server disk reads / file bytes |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     sides = dict.fromkeys(r["side"] for r in runs)
     for side in sides:
@@ -202,9 +212,16 @@ def markdown(results: dict[str, Any]) -> str:
                 ", ".join(f"{r[k]:.1f}" for r in rs) if k in rs[0] else "-"
                 for k in ("server_cpu_s", "client_cpu_s")
             ]
+            disk = (
+                ", ".join(f"{r['server_disk_read_bytes'] / size:.2f}" for r in rs)
+                if "server_disk_read_bytes" in rs[0]
+                else "-"
+            )
             ratio = (sum(raw) / len(raw)) / mean
             cache = "dropped" if cold and results["drop_caches"] else "warm"
-            lines.append(f"| {side} | {cache} | {rates} | {ratio:.2f} | {cpu[0]} | {cpu[1]} |")
+            lines.append(
+                f"| {side} | {cache} | {rates} | {ratio:.2f} | {cpu[0]} | {cpu[1]} | {disk} |"
+            )
     return "\n".join(lines)
 
 
