@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import attrgetter, itemgetter, length_hint
+from typing import NamedTuple
 
 import cramjam
 import lz4.frame
@@ -171,7 +172,7 @@ def check_section(
     return header
 
 
-NUMPY_CHECK_RECORDS = 512
+NUMPY_CHECK_RECORDS = 256
 """From this many records a produced batch is checked by numpy
 (:func:`_reads_by_numpy`), whose cost per batch (tens of numpy calls) is then below
 aiokafka's record objects' (about 0.3 µs per record with their garbage collection)."""
@@ -483,6 +484,8 @@ def _predicted_spans(
     lengths = np.array([len(body) for body in bodies], np.int64)
     if not len(buf) or (counts < 1).any() or (counts > lengths).any():
         return None
+    if int(counts.min()) >= RUNS_FROM:
+        return _spans_by_runs(joined, buf, lengths, headers, counts, firsts)
     first_lengths = []
     for body in bodies:  # each batch's first record's length (a few bytes each)
         try:
@@ -531,6 +534,189 @@ def _predicted_spans(
             batch_ok[k] = read[3][index]
             at += len(found)
     return value_starts, value_ends, timestamps, batch_ok
+
+
+RUNS_FROM = 512
+"""Batches of at least this many records (librdkafka's, under load) are read run by run
+(:func:`_batch_runs`): a few numpy calls per run of equal-sized records instead of a
+dozen passes per field over every record."""
+
+
+def _spans_by_runs(
+    joined: bytes | memoryview,
+    buf: npt.NDArray[np.uint8],
+    lengths: Int64s,
+    headers: Sequence[SectionHeader],
+    counts: Int64s,
+    firsts: Int64s,
+) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
+    """:func:`_predicted_spans` of long batches, each read by :func:`_batch_runs`."""
+    total = int(firsts[-1])
+    value_starts = np.zeros(total, np.int64)
+    value_ends = np.zeros(total, np.int64)
+    timestamps = np.zeros(total, np.int64)
+    batch_ok = np.zeros(len(headers), np.bool_)
+    data = memoryview(joined).cast("B") if isinstance(joined, memoryview) else joined
+    body_end = 0
+    for k, header in enumerate(headers):
+        body_start, body_end = body_end, body_end + int(lengths[k])
+        read = _batch_runs(data, buf, body_start, body_end, int(counts[k]))
+        if read is None:
+            continue
+        lo, hi = int(firsts[k]), int(firsts[k + 1])
+        value_starts[lo:hi], value_ends[lo:hi], deltas = read
+        if header.log_append_time:
+            timestamps[lo:hi] = header.max_timestamp
+        else:
+            timestamps[lo:hi] = deltas + header.base_timestamp
+        batch_ok[k] = True
+    return value_starts, value_ends, timestamps, batch_ok
+
+
+_MAX_VARINT = 9  # bytes; longer ones (a tenth may overflow 64 bits) are the walk's
+
+
+def _batch_runs(
+    data: bytes | memoryview, buf: npt.NDArray[np.uint8], pos: int, end: int, count: int
+) -> tuple[Int64s, Int64s, Int64s] | None:
+    """The value spans and timestamp deltas of a batch's ``count`` records laid from
+    ``pos`` to ``end`` of ``buf`` (``data``'s bytes), or None when they do not read
+    exactly as :func:`parse_records` reads them (the caller's other checks judge those).
+
+    Run by run: the first record of a run is read field by field, which gives its
+    layout (where each varint and the key and value are, each varint's size); the
+    records after it are taken as rows of that size, one 2-D view, and a row belongs to
+    the run when its length, key length, value length and header count are the first
+    row's bytes, its attributes one byte, and its timestamp and offset delta varints
+    end where the first row's do (then every field of the row is where the first row
+    has it, and the row parses as that record does); its offset delta must be its index.
+    The first row that differs starts the next run (a librdkafka batch has two or
+    three: its offset and timestamp deltas take a byte more part way through)."""
+    starts_parts: list[Int64s] = []
+    ends_parts: list[Int64s] = []
+    deltas_parts: list[Int64s] = []
+    done = 0
+    for _ in range(_MAX_RUNS):
+        layout = _record_layout(data, pos, end, done)
+        if layout is None:
+            return None
+        size = layout.size
+        rows = min(count - done, (end - pos) // size)
+        grid = buf[pos : pos + rows * size].reshape(rows, size)
+        good = grid[:, layout.timestamp_at - 1] < 0x80  # attributes: one byte
+        first = grid[0]
+        for column in layout.fixed_columns():
+            good &= grid[:, column] == first[column]
+        stamps = _column_varints(grid, layout.timestamp_at, layout.timestamp_size, good)
+        offsets = _column_varints(grid, layout.offset_at, layout.offset_size, good)
+        good &= offsets == np.arange(done, done + rows, dtype=np.int64)
+        run = rows if good.all() else int(np.argmin(good))
+        if run == 0:
+            return None
+        first_value = pos + layout.value_at + size * np.arange(run, dtype=np.int64)
+        starts_parts.append(first_value)
+        ends_parts.append(first_value + max(layout.value_length, 0))
+        deltas_parts.append(stamps[:run])
+        done += run
+        pos += run * size
+        if done == count:
+            if pos != end:
+                return None  # bytes after the last record
+            if len(starts_parts) == 1:
+                return starts_parts[0], ends_parts[0], deltas_parts[0]
+            return (
+                np.concatenate(starts_parts),
+                np.concatenate(ends_parts),
+                np.concatenate(deltas_parts),
+            )
+    return None  # sizes vary more than a few runs: decoded instead
+
+
+class _Layout(NamedTuple):
+    """Where a record's fields are, from its start (see :func:`_record_layout`)."""
+
+    size: int
+    timestamp_at: int  # the attributes byte is just before it
+    timestamp_size: int
+    offset_at: int
+    offset_size: int
+    key_length_size: int  # the key length varint starts after the offset delta
+    value_length_at: int
+    value_at: int
+    value_length: int  # -1: null
+
+    def fixed_columns(self) -> list[int]:
+        """The columns every record of a run has the same bytes in: its length varint,
+        its key length, its value length and its header count."""
+        key_length_at = self.offset_at + self.offset_size
+        return [
+            *range(self.timestamp_at - 1),
+            *range(key_length_at, key_length_at + self.key_length_size),
+            *range(self.value_length_at, self.value_at),
+            self.size - 1,
+        ]
+
+
+def _record_layout(data: bytes | memoryview, pos: int, end: int, index: int) -> _Layout | None:
+    """The layout of the record at ``pos`` (before ``end``), the ``index``-th of its
+    batch, when it reads as :func:`parse_records` reads it, with no headers and every
+    varint within :data:`_MAX_VARINT` bytes; None otherwise."""
+    try:
+        length, at = _varint(data, pos)  # type: ignore[arg-type]
+        record_end = at + length
+        if length < 6 or record_end > end or at - pos > _MAX_VARINT or data[at] >= 0x80:
+            return None
+        timestamp_at = at + 1  # after the attributes
+        _, offset_at = _varint(data, timestamp_at)  # type: ignore[arg-type]
+        offset, key_length_at = _varint(data, offset_at)  # type: ignore[arg-type]
+        key_length, at = _varint(data, key_length_at)  # type: ignore[arg-type]
+        key_length_size = at - key_length_at
+        value_length_at = at + max(key_length, 0)
+        value_length, value_at = _varint(data, value_length_at)  # type: ignore[arg-type]
+        headers, after = _varint(data, value_at + max(value_length, 0))  # type: ignore[arg-type]
+    except (IndexError, KafkaRecordsError):
+        return None
+    timestamp_size, offset_size = offset_at - timestamp_at, key_length_at - offset_at
+    if (
+        offset != index
+        or key_length < -1
+        or value_length < -1
+        or headers != 0
+        or after != record_end
+        or max(timestamp_size, offset_size, key_length_size, value_at - value_length_at)
+        > _MAX_VARINT
+    ):
+        return None
+    return _Layout(
+        record_end - pos,
+        timestamp_at - pos,
+        timestamp_size,
+        offset_at - pos,
+        offset_size,
+        key_length_size,
+        value_length_at - pos,
+        value_at - pos,
+        value_length,
+    )
+
+
+def _column_varints(
+    grid: npt.NDArray[np.uint8], at: int, size: int, good: npt.NDArray[np.bool_]
+) -> Int64s:
+    """The zigzag varints of ``size`` bytes in columns ``at..at+size`` of every row of
+    ``grid``; ``good`` loses the rows whose varint does not end exactly there."""
+    last = grid[:, at + size - 1]
+    good &= last < 0x80
+    if size == 1:  # nearly every timestamp and offset delta
+        one = last.astype(np.int64)
+        return (one >> 1) ^ -(one & 1)
+    # Up to 9 bytes of 7 bits: 63 bits, as uint64 (the zigzag undoes the sign).
+    raw = last.astype(np.uint64) << np.uint64(7 * (size - 1))
+    for k in range(size - 1):
+        column = grid[:, at + k]
+        good &= column >= 0x80
+        raw |= (column & 0x7F).astype(np.uint64) << np.uint64(7 * k)
+    return ((raw >> np.uint64(1)) ^ (np.uint64(0) - (raw & np.uint64(1)))).view(np.int64)
 
 
 def _read_records(
@@ -665,6 +851,94 @@ def _long_varints(buf: npt.NDArray[np.uint8], at: Int64s) -> tuple[Int64s, Int64
     sizes[more | past] = -1
     values = ((raw >> np.uint64(1)) ^ (np.uint64(0) - (raw & np.uint64(1)))).view(np.int64)
     return values, sizes
+
+
+def encode_columns(
+    values: bytes | memoryview,
+    value_starts: Int64s,
+    value_lengths: Int64s,
+    keys: bytes,
+    key_lengths: Int64s,
+    offset_deltas: Int64s,
+    timestamp_deltas: Int64s,
+) -> bytes:
+    """The records part of a Kafka batch (uncompressed, no headers), batch-at-a-time:
+    record ``i`` has the value ``values[value_starts[i]:][:value_lengths[i]]`` (length
+    -1: null, a tombstone; the values ascending in ``values`` with bytes between them),
+    the key that is next in ``keys`` (the keys laid end to end; length -1: null) and the
+    given deltas. What ``protocols.kafka.records.encode_records`` writes for the same
+    records, byte for byte (tests/property/test_kafka_fetch_batches.py), with no Python
+    object per record: every record's varints are written as columns, then laid out
+    around the keys and values with byte masks (no index per byte)."""
+    key_bytes = np.maximum(key_lengths, 0)
+    value_bytes = np.maximum(value_lengths, 0)
+    value_length_sizes = _varint_sizes(value_lengths)
+    # attributes, deltas, key length, key, value length, value, header count
+    body_lengths = (
+        2
+        + _varint_sizes(timestamp_deltas)
+        + _varint_sizes(offset_deltas)
+        + _varint_sizes(key_lengths)
+        + key_bytes
+        + value_length_sizes
+        + value_bytes
+    )
+    # Each record's bytes but its key and value, in order: length, attributes (0),
+    # timestamp and offset deltas, key length | value length | header count (0).
+    frame, frame_sizes = _varint_rows(
+        (body_lengths, None, timestamp_deltas, offset_deltas, key_lengths, value_lengths, None)
+    )
+    sizes = frame_sizes + key_bytes + value_bytes
+    key_at = np.cumsum(sizes) - sizes + frame_sizes - value_length_sizes - 1
+    value_at = key_at + key_bytes + value_length_sizes
+    out = np.empty(int(sizes.sum()), np.uint8)
+    key_mask = _range_mask(len(out), key_at, key_bytes)
+    value_mask = _range_mask(len(out), value_at, value_bytes)
+    source = np.frombuffer(values, np.uint8)
+    out[~(key_mask | value_mask)] = np.frombuffer(frame, np.uint8)
+    out[key_mask] = np.frombuffer(keys, np.uint8)
+    out[value_mask] = source[_range_mask(len(source), value_starts, value_bytes)]
+    return out.tobytes()
+
+
+def _range_mask(size: int, starts: Int64s, lengths: Int64s) -> npt.NDArray[np.bool_]:
+    """A mask of ``size`` bytes, True over ``starts[i] .. starts[i] + lengths[i]``
+    (ascending, not overlapping): the runs between and over the ranges repeated."""
+    ends = starts + lengths
+    runs = np.empty(2 * len(starts) + 1, np.int64)
+    runs[0:-1:2] = starts - np.concatenate(([0], ends[:-1]))  # the gap before each
+    runs[1::2] = lengths
+    runs[-1] = size - (int(ends[-1]) if len(ends) else 0)
+    pattern = np.zeros(len(runs), np.bool_)
+    pattern[1::2] = True
+    return np.repeat(pattern, runs)
+
+
+def _varint_rows(columns: tuple[Int64s | None, ...]) -> tuple[bytes, Int64s]:
+    """Each row's zigzag varints of ``columns`` laid end to end (None: a 0 byte, the
+    record attributes), all rows together, and each row's size."""
+    pieces: list[npt.NDArray[np.uint8]] = []
+    masks: list[npt.NDArray[np.bool_]] = []
+    rows = next(len(c) for c in columns if c is not None)
+    row_sizes = np.zeros(rows, np.int64)
+    for column in columns:
+        if column is None:
+            pieces.append(np.zeros((rows, 1), np.uint8))
+            masks.append(np.ones((rows, 1), np.bool_))
+            row_sizes += 1
+            continue
+        zigzag = ((column << 1) ^ (column >> 63)).view(np.uint64)
+        sizes = _varint_sizes(column)
+        width = int(sizes.max())
+        shifts = np.uint64(7) * np.arange(width, dtype=np.uint64)
+        groups = ((zigzag[:, None] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
+        index = np.arange(width)
+        groups[index < sizes[:, None] - 1] |= 0x80  # every byte but a varint's last
+        pieces.append(groups)
+        masks.append(index < sizes[:, None])
+        row_sizes += sizes
+    table = np.concatenate(pieces, axis=1)
+    return table[np.concatenate(masks, axis=1)].tobytes(), row_sizes
 
 
 # ---- records ---------------------------------------------------------------------------
