@@ -572,6 +572,11 @@ class Batch:
         """Each event's headers; None for a batch stored without headers."""
         return self._headers() if self.attributes & ATTR_HEADERS else None
 
+    def keys(self) -> list[tuple[bytes | None, bool]] | None:
+        """Each event's key and whether it is a tombstone; None for a batch stored
+        without keys."""
+        return self._keys() if self.attributes & ATTR_KEYS else None
+
     def _keys(self) -> list[tuple[bytes | None, bool]]:
         v_end, k_end, _ = self._section_bounds
         buf = self.buffer

@@ -377,14 +377,51 @@ def build_batch(
     """A whole batch (header, CRC and records compressed with ``compression``)."""
     if not records:
         raise ValueError("a record batch holds at least one record")
-    body = compress(compression, encode_records(records))
+    if max_timestamp is None:
+        max_timestamp = base_timestamp + max(record.timestamp_delta for record in records)
+    return batch_around(
+        encode_records(records),
+        len(records),
+        max(record.offset_delta for record in records),
+        base_offset=base_offset,
+        base_timestamp=base_timestamp,
+        max_timestamp=max_timestamp,
+        compression=compression,
+        timestamp_type=timestamp_type,
+        producer_id=producer_id,
+        producer_epoch=producer_epoch,
+        base_sequence=base_sequence,
+        transactional=transactional,
+        control=control,
+        partition_leader_epoch=partition_leader_epoch,
+    )
+
+
+def batch_around(
+    records: bytes,
+    count: int,
+    last_offset_delta: int,
+    *,
+    base_offset: int,
+    base_timestamp: int,
+    max_timestamp: int,
+    compression: Compression = Compression.NONE,
+    timestamp_type: TimestampType = TimestampType.CREATE_TIME,
+    producer_id: int = NO_PRODUCER_ID,
+    producer_epoch: int = NO_PRODUCER_EPOCH,
+    base_sequence: int = NO_SEQUENCE,
+    transactional: bool = False,
+    control: bool = False,
+    partition_leader_epoch: int = -1,
+) -> bytes:
+    """A whole batch of ``count`` encoded ``records`` (uncompressed: compressed here
+    with ``compression``), its header and CRC."""
+    body = compress(compression, records)
     attributes = int(compression) | (int(timestamp_type) << 3)
     if transactional:
         attributes |= ATTR_TRANSACTIONAL
     if control:
         attributes |= ATTR_CONTROL
-    if max_timestamp is None:
-        max_timestamp = base_timestamp + max(record.timestamp_delta for record in records)
     header = bytearray(
         HEADER.pack(
             base_offset,
@@ -393,13 +430,13 @@ def build_batch(
             MAGIC,
             0,
             attributes,
-            max(record.offset_delta for record in records),
+            last_offset_delta,
             base_timestamp,
             max_timestamp,
             producer_id,
             producer_epoch,
             base_sequence,
-            len(records),
+            count,
         )
     )
     batch = header + body

@@ -15,8 +15,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from itertools import repeat
+from operator import itemgetter, length_hint
 from typing import Any
 
+import numpy as np
 from kio.schema.errors import ErrorCode
 
 from headwater.api import EngineAPI
@@ -55,9 +58,12 @@ from headwater.protocols.kafka.records import (
     Compression,
     ControlType,
     Record,
+    batch_around,
     build_batch,
     control_batch,
 )
+from headwater.storage import kafka_batch
+from headwater.storage.batch import Batch
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
 from headwater.storage.log import ReadResult
 
@@ -674,46 +680,96 @@ def records_of(result: ReadResult) -> bytes:
                 )
             )
             continue
-        events = span.batch.events(span.start)
-        rows = [next(events) for _ in range(span.stop - span.start)]
-        if not rows:
-            continue
-        base, base_ts = rows[0].offset, rows[0].timestamp_ms
-        # A producer's batch (another front end's idempotent or transactional one) keeps
-        # its producer id, epoch and transactional flag, as Kafka would show it: a
-        # read_committed client drops an aborted transaction's batches by producer id.
-        producer = batch.producer
-        identity: dict[str, Any] = {}
-        if producer is not None:
-            identity = {
-                "producer_id": producer[0],
-                "producer_epoch": batch.producer_epoch or 0,
-                # The stored sequence as it is (Rivven's counts batches, not records);
-                # a consumer does not check it.
-                "base_sequence": producer[1] % (1 << 31),
-                "transactional": batch.transactional,
-            }
-        records = [
-            Record(
-                offset_delta=event.offset - base,
-                timestamp_delta=event.timestamp_ms - base_ts,
-                key=event.key,
-                value=None if event.tombstone else event.value,
-                headers=tuple((n.decode("utf-8", "replace"), v) for n, v in event.headers),
-            )
-            for event in rows
-        ]
-        out.append(
-            build_batch(
-                records,
-                base_offset=base,
-                base_timestamp=base_ts,
-                compression=Compression.NONE,
-                partition_leader_epoch=0,
-                **identity,
-            )
-        )
+        if span.stop > span.start:
+            out.append(as_kafka_batch(batch, span.start, span.stop))
     return b"".join(out)
+
+
+COLUMNS_FROM = 64
+"""Below this many events a batch is encoded record by record: numpy's fixed cost per
+batch (tens of calls, about 0.2 ms) is then above the records' (3-9 µs each)."""
+
+
+def as_kafka_batch(batch: Batch, start: int, stop: int) -> bytes:
+    """Events ``start..stop`` of a batch of headwater's form (another front end's) as
+    one uncompressed Kafka batch, with its producer id, epoch and transactional flag,
+    as Kafka would show it: a read_committed client drops an aborted transaction's
+    batches by producer id. Batch-at-a-time (kafka_batch.encode_columns), but for
+    events with headers and short batches, which are encoded record by record
+    (:func:`_kafka_records`)."""
+    identity = _producer_fields(batch)
+    if stop - start < COLUMNS_FROM or batch.headers() is not None:
+        return _kafka_records(batch, start, stop, identity)
+    offsets = np.array(batch.offsets()[start:stop], np.int64)
+    bounds = np.array(batch.value_bounds()[start : stop + 1], np.int64)
+    value_lengths = np.diff(bounds) - 8
+    keyed = batch.keys()
+    keys = b""
+    key_lengths = np.full(stop - start, -1, np.int64)
+    if keyed is not None:
+        present = [key for key, _ in keyed[start:stop]]
+        key_lengths = np.fromiter(map(length_hint, present, repeat(-1)), np.int64, stop - start)
+        keys = b"".join(filter(None, present))
+        tombstones = np.fromiter(map(itemgetter(1), keyed[start:stop]), np.bool_, stop - start)
+        value_lengths[tombstones] = -1
+    records = kafka_batch.encode_columns(
+        batch.values_section(),
+        bounds[:-1] + 8,
+        value_lengths,
+        keys,
+        key_lengths,
+        offsets - offsets[0],
+        np.zeros(stop - start, np.int64),  # one timestamp per batch of headwater's form
+    )
+    return batch_around(
+        records,
+        stop - start,
+        int(offsets[-1] - offsets[0]),
+        base_offset=int(offsets[0]),
+        base_timestamp=batch.first_timestamp_ms,
+        max_timestamp=batch.first_timestamp_ms,
+        partition_leader_epoch=0,
+        **identity,
+    )
+
+
+def _producer_fields(batch: Batch) -> dict[str, Any]:
+    producer = batch.producer
+    if producer is None:
+        return {}
+    return {
+        "producer_id": producer[0],
+        "producer_epoch": batch.producer_epoch or 0,
+        # The stored sequence as it is (Rivven's counts batches, not records); a
+        # consumer does not check it.
+        "base_sequence": producer[1] % (1 << 31),
+        "transactional": batch.transactional,
+    }
+
+
+def _kafka_records(batch: Batch, start: int, stop: int, identity: dict[str, Any]) -> bytes:
+    """:func:`as_kafka_batch` record by record (events with headers)."""
+    events = batch.events(start)
+    rows = [next(events) for _ in range(stop - start)]
+    base, base_ts = rows[0].offset, rows[0].timestamp_ms
+    records = [
+        Record(
+            offset_delta=event.offset - base,
+            timestamp_delta=event.timestamp_ms - base_ts,
+            key=event.key,
+            value=None if event.tombstone else event.value,
+            headers=tuple((n.decode("utf-8", "replace"), v) for n, v in event.headers),
+        )
+        for event in rows
+    ]
+    return build_batch(
+        records,
+        base_offset=base,
+        base_timestamp=base_ts,
+        compression=Compression.NONE,
+        partition_leader_epoch=0,
+        **identity,
+    )
 
 
 async def fetch(session: Session, request: Any, version: int) -> Mapping[str, Any]:
