@@ -30,7 +30,9 @@ by timestamp and max timestamp (-3), a message over the broker's max.message.byt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -321,6 +323,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tansu = TansuServer()
     headwater.start(root, listeners=("kafka", "kimberlite"))
     tansu.start(root)
+    if args.pin:
+        # Client and servers on different cores: the client's CPU per message (librdkafka
+        # against the raw Kimberlite client) no longer takes the servers' core.
+        for pid in (headwater.pid, tansu.pid):
+            pin(pid, {1})
+        pin(os.getpid(), {0})
     hw_bootstrap = f"{HOST}:{headwater.ports['kafka']}"
     value = b"v" * args.size
     work = Workload(args.size, args.kimberlite_batch, 8)
@@ -364,6 +372,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` to ``cpus`` (threads started later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+            os.sched_setaffinity(int(task), cpus)
+
+
 def markdown(results: dict[str, Any]) -> str:
     med = results["median"]
     hw, tansu, kim = med["headwater"], med["tansu"], med["kimberlite"]
@@ -381,8 +396,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {hw[key] / tansu[key]:.2f}x | {hw[key] / kim[key]:.2f}x |"
         )
         for who, cpu in (("server", f"{op}_cpu_us"), ("client", f"{op}_client_cpu_us")):
+            # The server's ratios are of CPU per message: each front end's own cost.
+            ratios = (
+                f"{hw[cpu] / tansu[cpu]:.2f}x | {hw[cpu] / kim[cpu]:.2f}x"
+                if who == "server" and tansu[cpu] and kim[cpu]
+                else " | "
+            )
             lines.append(
-                f"| {op} {who} CPU µs/msg | {hw[cpu]:.2f} | {tansu[cpu]:.2f} | {kim[cpu]:.2f} | | |"
+                f"| {op} {who} CPU µs/msg | {hw[cpu]:.2f} | {tansu[cpu]:.2f} | {kim[cpu]:.2f} "
+                f"| {ratios} |"
             )
     lines += ["", "| answer | Kafka | headwater | Tansu |", "|---|---|---|---|"]
     for name, entry in results["answers"]["headwater"].items():
@@ -400,6 +422,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "kafka_bench.json")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="this client on CPU 0, both servers (every thread) on CPU 1",
+    )
     args = parser.parse_args()
     results = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
