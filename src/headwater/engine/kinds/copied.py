@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import operator
 import struct
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import compress, islice, repeat
@@ -281,8 +280,13 @@ def copied_plan(state: KindState, run: CopiedRun) -> FlushPlan:
     if replaced.any():
         previous_column[replaced] = list(compress(map(_RECORD_OF, committed), replaced[present]))
     # A deletion leaves its entity's sources (to no set); a write moves it to its set.
-    moving = present | ~tombstones
-    pairs = zip(old_sets[moving].tolist(), sets[moving].tolist(), strict=True)
+    # Counted by distinct (before, after) pair; an entity that keeps its set moves none.
+    moved = (present | ~tombstones) & (old_sets != sets)
+    moves: dict[tuple[int, int], int] = {}
+    if moved.any():
+        pairs = np.stack([old_sets[moved], sets[moved]], axis=1)
+        distinct, counts = np.unique(pairs, axis=0, return_counts=True)
+        moves = dict(zip(map(tuple, distinct.tolist()), counts.tolist(), strict=True))
     added = int(np.count_nonzero(~present & ~tombstones)) - int(
         np.count_nonzero(present & tombstones)
     )
@@ -302,5 +306,5 @@ def copied_plan(state: KindState, run: CopiedRun) -> FlushPlan:
         applied=run.applied,
         applied_offset=run.applied_offset,
         added=added,
-        moves=dict(Counter(pairs)),
+        moves=moves,
     )
