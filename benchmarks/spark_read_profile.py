@@ -69,7 +69,12 @@ def cpu_by_process(servers: dict[int, str]) -> dict[str, float]:
             role = "python workers"
         else:
             continue
-        out[role] = out.get(role, 0.0) + (int(stat[11]) + int(stat[12])) / _TICK
+        ticks = int(stat[11]) + int(stat[12])
+        if role == "python workers":
+            # Workers that ended and were reaped by PySpark's daemon (cutime, cstime):
+            # their CPU would otherwise vanish from the sum between two readings.
+            ticks += int(stat[13]) + int(stat[14])
+        out[role] = out.get(role, 0.0) + ticks / _TICK
     return out
 
 
