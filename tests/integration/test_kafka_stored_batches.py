@@ -7,6 +7,7 @@ control batches and the aborted-transactions list, up to the last stable offset.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import struct
@@ -19,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import TIMESTAMP_CREATE_TIME, TIMESTAMP_LOG_APPEND_TIME, Consumer, Producer
+from confluent_kafka import (
+    TIMESTAMP_CREATE_TIME,
+    TIMESTAMP_LOG_APPEND_TIME,
+    Consumer,
+    KafkaError,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 from kio.schema.fetch.v11.request import FetchPartition, FetchRequest, FetchTopic
 from kio.schema.fetch.v11.response import FetchResponse, PartitionData
@@ -358,3 +366,42 @@ def test_produce_answers_the_log_append_time_of_a_log_append_time_topic(
     else:
         assert (kind, stamp_ms) == (TIMESTAMP_CREATE_TIME, created_ms)
         assert message.timestamp() == (TIMESTAMP_CREATE_TIME, created_ms)
+
+
+def test_a_consumer_reads_a_long_http_batch_converted_batch_at_a_time(server: Server) -> None:
+    # A batch of headwater's form of 64 events or more (here 300 from the HTTP API:
+    # keys and none, tombstone-free values of three sizes, an empty one) is converted
+    # batch-at-a-time for a Fetch; librdkafka reads every record as appended, at its
+    # offset, with the batch's timestamp.
+    topic = create_topic(server)
+    stamp_ms = 1_650_000_000_000
+    records: list[tuple[bytes | None, bytes]] = [
+        (None if i % 3 == 0 else b"k%d" % i, b"" if i == 7 else b"v%d-" % i * (i % 5))
+        for i in range(300)
+    ]
+    body = {
+        "records": [
+            {"value_b64": base64.b64encode(value).decode(), "timestamp_ms": stamp_ms}
+            | ({} if key is None else {"key_b64": base64.b64encode(key).decode()})
+            for key, value in records
+        ]
+    }
+    assert http(server, f"/api/streams/{topic}/events", body)["count"] == len(records)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": server.address_of("kafka"),
+            "group.id": topic,
+            "enable.partition.eof": True,
+        }
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    seen: list[tuple[int, bytes | None, bytes, int]] = []
+    while True:
+        message = consumer.poll(DEADLINE_S)
+        assert message is not None, f"no answer after {len(seen)} records"
+        if message.error() is not None:
+            assert message.error().code() == KafkaError._PARTITION_EOF
+            break
+        seen.append((message.offset(), message.key(), message.value(), message.timestamp()[1]))
+    consumer.close()
+    assert seen == [(i, key, value, stamp_ms) for i, (key, value) in enumerate(records)]
