@@ -1,14 +1,22 @@
 """The read-ahead of sequential readers' next pages: served only to the read it was
 started for, only when it stopped at its budget, never when too old, and never more
-than ``limit`` pages held."""
+than ``limit`` pages held; chained up to a reader's depth; and the engine's read of a
+page with the page after it in one worker."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from headwater.api import AuthConfig, EngineAPI
 from headwater.api.readahead import Pages, ReadAhead
+from headwater.engine.engine import EngineConfig
+from headwater.engine.kinds import KindsConfig
+from headwater.errors import HeadwaterError
 from headwater.storage.log import ReadResult
 from waiting import wait_until_async
 
@@ -170,5 +178,49 @@ def test_a_page_the_thread_did_not_read_sends_the_reader_to_read_afresh() -> Non
         assert await ahead.take(("r", 10)) is not None
         assert await ahead.take(("r", 20)) is None
         ahead.close()
+
+    asyncio.run(main())
+
+
+def test_the_engine_reads_a_page_and_the_page_after_it_in_one_worker(tmp_path: Path) -> None:
+    async def main() -> None:
+        api = await EngineAPI.open(
+            tmp_path, EngineConfig(maintenance_interval_ms=0), KindsConfig(), AuthConfig()
+        )
+        engine = api._engine
+        try:
+            stream = (await api.create_stream(0, "paged")).stream_id
+            await api.append(0, stream, [b"%04d" % i for i in range(30)])
+            page_bytes = 40  # ten 4-byte events a page
+
+            def values(result: ReadResult) -> list[bytes]:
+                return [event.value for event in result.events()]
+
+            first, second = engine.read_soon(0, stream, 5, page_bytes, then=lambda: True)
+            fresh = await engine.read(0, stream, 5, page_bytes)
+            assert values(await first) == values(fresh) == [b"%04d" % i for i in range(5, 15)]
+            after = await engine.read(0, stream, 15, page_bytes)
+            assert values(await second) == values(after)
+            # Not wanted (no room), or the first page reached the end: not read.
+            first, second = engine.read_soon(0, stream, 5, page_bytes, then=lambda: False)
+            await first
+            await wait_until_async(second.done)
+            assert second.cancelled()
+            first, second = engine.read_soon(0, stream, 25, page_bytes, then=lambda: True)
+            assert (await first).next_offset is None
+            await wait_until_async(second.done)
+            assert second.cancelled()
+            # A stream that is gone fails the page as a read would.
+            first, second = engine.read_soon(0, 999, 0, page_bytes)
+            with pytest.raises(HeadwaterError):
+                await first
+            await wait_until_async(second.done)
+        finally:
+            await api.close()
+        # Closed: the page fails at once instead of the caller.
+        first, second = engine.read_soon(0, stream, 5, page_bytes)
+        with pytest.raises(RuntimeError):
+            await first
+        assert second.cancelled()
 
     asyncio.run(main())

@@ -1184,7 +1184,11 @@ class Engine:
                 loop.call_soon_threadsafe(_settle, pages[0], None, exc)
             loop.call_soon_threadsafe(pages[1].cancel)
 
-        self.executor.submit(read_pages)
+        try:
+            self.executor.submit(read_pages)
+        except RuntimeError as exc:  # shut down (the engine is closing): no page
+            pages[0].set_exception(exc)
+            pages[1].cancel()
         return pages
 
     async def read_events(
