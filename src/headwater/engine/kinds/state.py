@@ -453,7 +453,11 @@ def whole_record(fields: tuple[FieldSpec, ...], record: bytes) -> bytes:
     fixed = codec_for(fields).fixed
     if fixed is not None and len(record) == fixed.size:
         return record
-    return encode_fields(fields, decode_fields(fields, record, complete=True))
+    values = decode_fields(fields, record)  # checked, field by field
+    if len(values) == len(fields):
+        return record  # whole already: its bytes as they are, not encoded again
+    values += [default_value(f.type) for f in fields[len(values) :]]
+    return encode_fields(fields, values)
 
 
 def _count_bits(counts: list[int], source_set: int, delta: int) -> None:
