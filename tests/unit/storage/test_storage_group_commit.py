@@ -79,6 +79,29 @@ def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
     plog.close()
 
 
+def test_appends_of_one_loop_turn_share_one_fsync(tmp_path: Path) -> None:
+    """Requests read in the same loop turn (a pipelining client's) all write before the
+    fsync starts, so one fsync acknowledges them all (the first used to start an fsync
+    for itself alone, and the rest waited for a second)."""
+    plog = open_log(tmp_path, "fsync")
+    calls = count_syncs(plog)
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+
+        async def writer(i: int) -> None:
+            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
+            await committer.committed(info.next_offset)
+            assert plog.durable_offset >= info.next_offset
+
+        await asyncio.gather(*(writer(i) for i in range(5)))
+        assert committer.fsyncs == 1 and committer.inline_fsyncs == 0
+
+    asyncio.run(main())
+    assert len(calls) == 1 and plog.durable_offset == 5
+    plog.close()
+
+
 def test_one_appender_after_another_each_gets_an_fsync(tmp_path: Path) -> None:
     plog = open_log(tmp_path, "fsync")
 
