@@ -186,6 +186,9 @@ class PartitionLog:
         self.files = files if files is not None else FileCache(None)
         self.segments: list[Segment] = []
         self._lock = threading.RLock()
+        # Damage already logged: a reader and its read-ahead meet the same batch, and
+        # one ERROR line per damaged place is what an operator needs.
+        self._corruption_logged: set[str] = set()
         # In a cluster (docs/cluster.md): the partition's high watermark, where every
         # reader stops (the SQL projection, subscriptions and reads alike) and nothing
         # else; None on a single node, whose readers read to the committed end.
@@ -663,7 +666,10 @@ class PartitionLog:
                         continue
                     yield batch
             except CorruptBatchError as exc:
-                log.error("%s: %s", seg.log_path, exc)
+                where = f"{seg.log_path}: {exc}"
+                if where not in self._corruption_logged:
+                    self._corruption_logged.add(where)
+                    log.error("%s", where)
                 raise CorruptBatchError(f"{seg.log_path.name}: {exc}") from None
 
     def read(

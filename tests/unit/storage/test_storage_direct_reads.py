@@ -5,6 +5,7 @@ brought into the cache."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from pathlib import Path
 from unittest import mock
@@ -163,6 +164,29 @@ def test_a_damaged_byte_is_refused_on_the_direct_path(tmp_path: Path) -> None:
     assert DIRECT_READS.count > before
     # The read changed nothing: the damaged byte is still the only difference.
     assert log_file.read_bytes()[damaged] == original[0] ^ 0x01
+    plog.close()
+
+
+def test_a_damaged_batch_met_by_several_reads_is_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A reader and its read-ahead meet the same damaged batch: every read is refused,
+    # the operator gets one ERROR line naming the file.
+    plog, _ = written_log(tmp_path)
+    log_file = plog.active.log_path
+    with open(log_file, "r+b") as f:
+        f.seek(log_file.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    evict(plog)
+    with caplog.at_level(logging.ERROR, logger="headwater.storage.log"):
+        for _ in range(3):
+            with pytest.raises(CorruptBatchError, match="CRC mismatch"):
+                read_all(plog, 0)
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert log_file.name in errors[0].getMessage()
     plog.close()
 
 
