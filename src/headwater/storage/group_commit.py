@@ -223,9 +223,13 @@ class GroupCommitter:
         try:
             durable, elapsed = self._timed_sync()
         except Exception as exc:
-            loop.call_soon_threadsafe(self._thread_synced, number, exc, 0, 0.0)
+            outcome: tuple[Exception | None, int, float] = (exc, 0, 0.0)
         else:
-            loop.call_soon_threadsafe(self._thread_synced, number, None, durable, elapsed)
+            outcome = (None, durable, elapsed)
+        # A loop closed meanwhile has no one left to acknowledge (as asyncio's own
+        # executor futures do then).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._thread_synced, number, *outcome)
 
     def _thread_synced(
         self, number: int, exc: Exception | None, durable: int, elapsed: float
