@@ -132,8 +132,11 @@ def test_a_follower_applies_its_leaders_changelog_below_the_high_watermark(
             assert alive == {e: version for e, (version, _, _) in final.items()}
 
             # A follower refuses writes, naming the kind, its leader and the leader's
-            # client listeners (not its replication port); leading, it takes them.
+            # client listeners (not its replication port); leading, it takes them. Its
+            # writer gets a slot no copied entity carries: slots 0 and 1 are the
+            # leader's writers' (a and b), which it holds for them once it leads.
             writer = ft.connect("w")
+            assert writer.source_id == 2
             with pytest.raises(NotLeader) as refused:
                 ft.apply(writer, [assert_op(mine, eid(99), [9.0, "no"])])
             assert refused.value.message == (

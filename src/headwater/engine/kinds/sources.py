@@ -174,7 +174,12 @@ class Sources:
             free = [s for s in range(MAX_SOURCE_ID + 1) if s not in self.by_slot]
             if not free:
                 raise NoFreeSource("all 64 source slots of the tenant are taken")
-            source_id = free[0]
+            # A free slot whose bit entities still carry is another writer's, not yet
+            # held for it: in a cluster, an old leader's writer until the node taking
+            # over has applied its copy (hold_orphans). Taking it would hand that
+            # writer's entities to this one (and retract them with it): taken last.
+            kinds = set(self.tenant.kinds)
+            source_id = next((s for s in free if not self.held_count(s, kinds)), free[0])
         elif not 0 <= source_id <= MAX_SOURCE_ID:
             raise SourceConflict(f"source_id {source_id} is outside 0..{MAX_SOURCE_ID}")
         else:
