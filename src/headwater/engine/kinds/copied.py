@@ -192,10 +192,12 @@ def _window_values(
         # The columnar window as written (commit.py): every value 8 + size bytes.
         layout = changelog_rows(fixed.size)
         if len(section) >= stop * layout.itemsize:
-            rows = np.frombuffer(section, layout, n, lo * layout.itemsize)
+            # Read from the batch's first value: each row is where it is only if every
+            # value before it is of that size too (a deletion before ``lo`` is not).
+            rows = np.frombuffer(section, layout, stop)
             if (rows["length"] == SOURCE_SET.size + fixed.size).all():
-                sets = rows["source_set"].astype(np.uint64)
-                records: list[bytes] = rows["record"].tolist()
+                sets = rows["source_set"][lo:].astype(np.uint64)
+                records: list[bytes] = rows["record"][lo:].tolist()
                 return sets, records
     # Deletions among them, or records of other sizes: each value's bounds first.
     bounds = np.asarray(value_spans(section, count)[lo : stop + 1], np.int64)
