@@ -15,7 +15,13 @@ from kio.schema.errors import ErrorCode
 
 from headwater.protocols.kafka.apis import SUPPORTED, ApiKey, request_type, response_type
 from headwater.protocols.kafka.connection import Reply, Request, ServerConnection
-from headwater.protocols.kafka.frames import decode_response, encode_request, encode_response
+from headwater.protocols.kafka.frames import (
+    LONG_FRAME,
+    FrameDecoder,
+    decode_response,
+    encode_request,
+    encode_response,
+)
 from headwater.protocols.kafka.schema import decode_exact, encode_entity
 
 VERSIONS = [
@@ -114,3 +120,40 @@ def test_answers_go_out_in_request_order_whatever_order_they_come(order: list[in
         correlation_ids.append(decode_response(ApiKey.HEARTBEAT, 4, sent[4 : 4 + size])[0])
         sent = sent[4 + size :]
     assert correlation_ids == [0, 1, 2, 3, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_long_frames_split_anyhow_give_the_same_bodies(data: st.DataObject) -> None:
+    # A frame from LONG_FRAME bytes on is kept as its chunks and joined once whole
+    # (FrameDecoder): any split of long and short frames, the pieces as bytes, bytearray
+    # or memoryview (the caller may reuse the last two), gives every body as sent, and
+    # what the decoder holds is what was fed and not yet given back.
+    sizes = data.draw(
+        st.lists(
+            st.sampled_from([8, 100, LONG_FRAME - 1, LONG_FRAME, 3 * LONG_FRAME + 5]), max_size=4
+        )
+    )
+    bodies = [
+        bytes([index]) * 8 + bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+        for index, size in enumerate(sizes)
+    ]
+    bodies = [body[:size] for body, size in zip(bodies, sizes, strict=True)]
+    stream = b"".join(len(body).to_bytes(4, "big") + body for body in bodies)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12)))
+    decoder = FrameDecoder()
+    got: list[bytes] = []
+    fed = 0
+    for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+        piece = stream[start:end]
+        kind = data.draw(st.sampled_from([bytes, bytearray, memoryview]))
+        chunk = bytearray(piece) if kind is bytearray else kind(piece)
+        decoder.feed(chunk)
+        if isinstance(chunk, bytearray):
+            chunk[:] = b"\xff" * len(chunk)  # the caller reuses its buffer
+        fed += len(piece)
+        got += [bytes(body) for body in decoder]
+        taken = sum(4 + len(body) for body in got)
+        assert decoder.buffered_bytes == fed - taken
+    assert got == bodies
+    assert decoder.at_boundary

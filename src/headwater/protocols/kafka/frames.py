@@ -37,6 +37,7 @@ FIXED_HEADER = struct.Struct(">hhi")  # api key, api version, correlation id
 FIXED_HEADER_BYTES = FIXED_HEADER.size
 MAX_REQUEST = 100 * 1024 * 1024
 """Largest request body (Kafka's default ``socket.request.max.bytes``: 104,857,600)."""
+LONG_FRAME = 64 * 1024  # from this size a frame's chunks are kept apart, joined once
 
 
 class FrameError(ProtocolError):
@@ -125,12 +126,77 @@ class FrameDecoder(LengthPrefixedDecoder[FrameError]):
     bodies in order (``for body in decoder``). A bad size is raised once its four bytes
     are in, and again on every later call."""
 
-    __slots__ = ()
+    __slots__ = ("_held", "_parts")
     length_field = SIZE
     min_length = FIXED_HEADER_BYTES
 
     def __init__(self, max_request: int = MAX_REQUEST) -> None:
         super().__init__(max_request)
+        # A long frame's bytes as they come (the first part holds its size), joined once
+        # when whole: appended to one buffer and then copied out, a 1 MB Produce was
+        # copied twice, into memory freshly mapped each time (server/memory.py).
+        self._parts: list[Buffer] = []
+        self._held = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buffer) + self._held
+
+    @property
+    def at_boundary(self) -> bool:
+        return not self._buffer and not self._parts
+
+    def discard(self) -> None:
+        super().discard()
+        self._parts, self._held = [], 0
+
+    def feed(self, data: Buffer) -> None:
+        if self._error is not None:
+            return
+        if self._parts:
+            # Kept as it came when the caller cannot change it (bytes, as asyncio gives).
+            self._parts.append(data if isinstance(data, bytes) else bytes(data))
+            self._held += len(data)
+            return
+        super().feed(data)
+        if self._length >= LONG_FRAME and len(self._buffer) < self.head_size + self._length:
+            self._parts, self._held = [self._buffer], len(self._buffer)
+            self._buffer = bytearray()
+
+    def next_item(self) -> bytes | None:
+        if self._parts and self._error is None:
+            return self._joined()
+        return super().next_item()
+
+    def _joined(self) -> bytes | None:
+        """The long frame's body once all of it is in, copied out of its parts once;
+        what came after it is kept as the buffer's start."""
+        length = self._length
+        if self._held < self.head_size + length:
+            return None
+        views: list[memoryview] = []
+        need = length
+        rest: memoryview | None = None
+        for index, part in enumerate(self._parts):
+            view = memoryview(part)[self.head_size :] if index == 0 else memoryview(part)
+            if view.nbytes >= need:
+                views.append(view[:need])
+                rest = view[need:]
+                break
+            views.append(view)
+            need -= view.nbytes
+        body = b"".join(views)
+        later = self._parts[index + 1 :]
+        self._parts, self._held = [], 0
+        self._buffer = bytearray(rest if rest is not None else b"")
+        for part in later:
+            self._buffer += part
+        self._length = -1
+        return body
+
+    def _fail(self, error: FrameError) -> FrameError:
+        self._parts, self._held = [], 0
+        return super()._fail(error)
 
     def _length_error(self, length: int) -> FrameError:
         return FrameSizeError(length, self.max_payload)
