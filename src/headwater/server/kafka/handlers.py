@@ -698,9 +698,12 @@ def as_kafka_batch(batch: Batch, start: int, stop: int) -> bytes:
     events with headers and short batches, which are encoded record by record
     (:func:`_kafka_records`)."""
     identity = _producer_fields(batch)
-    if stop - start < COLUMNS_FROM or batch.headers() is not None:
+    if stop - start < COLUMNS_FROM or batch.headers_section() is not None:
         return _kafka_records(batch, start, stop, identity)
-    offsets = np.array(batch.offsets()[start:stop], np.int64)
+    if batch.dense:
+        offsets = np.arange(batch.base_offset + start, batch.base_offset + stop, dtype=np.int64)
+    else:
+        offsets = np.array(batch.offsets()[start:stop], np.int64)
     bounds = np.array(batch.value_bounds()[start : stop + 1], np.int64)
     value_lengths = np.diff(bounds) - 8
     keyed = batch.keys()
