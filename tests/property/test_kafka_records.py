@@ -321,11 +321,20 @@ def test_sections_read_together_read_as_the_reference_decoder_reads_them(
         stamps += [max_timestamp] * count if log_append else [base + d for d in ts_deltas]
     if not sections:
         return
+    given: list[bytes] | list[memoryview] = sections
+    if data.draw(st.booleans()):
+        # As the projection has them: views of one read buffer, a stored header between.
+        laid = b"".join(b"h" * 64 + section for section in sections)
+        at = list(itertools.accumulate(64 + len(section) for section in sections))
+        given = [
+            memoryview(laid)[end - len(section) : end]
+            for end, section in zip(at, sections, strict=True)
+        ]
     # Long batches are read run by run (_batch_runs): drawn here for batches of any size.
     with patch.object(kafka_batch, "RUNS_FROM", data.draw(st.sampled_from([1, 10**9]))):
-        read = kafka_batch.sections_values(sections)
+        read = kafka_batch.sections_values(given)
     spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
-    assert [read.body[start:end] for start, end in spans] == values
+    assert [bytes(read.body[start:end]) for start, end in spans] == values
     assert read.timestamps.tolist() == stamps
     assert read.firsts == [0, *itertools.accumulate(counts)]
     assert (read.starts[1:] >= read.ends[:-1]).all()  # ascending, never overlapping
@@ -354,3 +363,25 @@ def test_the_numpy_produce_check_passes_only_what_the_walk_passes(
         )
     ):
         raise AssertionError("a sound batch of fixed-size records was not read by numpy")
+
+
+def test_long_batches_of_one_read_buffer_are_read_where_they_lie() -> None:
+    # The projection's sections come from one read of the log: long uncompressed ones
+    # are read in that buffer (no copy of them laid end to end), their values the same.
+    sections, values = [], []
+    for batch in range(3):
+        records = [
+            Record(
+                offset_delta=i, timestamp_delta=i // 100, key=None, value=b"%d-%04d" % (batch, i)
+            )
+            for i in range(kafka_batch.RUNS_FROM + 300)
+        ]
+        sections.append(build_batch(records, base_timestamp=1_000)[CRC_OFFSET:])
+        values += [record.value for record in records]
+    laid = b"".join(b"h" * 64 + section for section in sections)
+    ends = itertools.accumulate(64 + len(section) for section in sections)
+    views = [memoryview(laid)[end - len(s) : end] for end, s in zip(ends, sections, strict=True)]
+    read = kafka_batch.sections_values(views)
+    assert isinstance(read.body, memoryview) and read.body.obj is laid
+    spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
+    assert [bytes(read.body[start:end]) for start, end in spans] == values

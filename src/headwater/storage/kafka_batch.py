@@ -394,7 +394,7 @@ class ValueSpans:
     empty; spans ascend and never overlap), stamped ``timestamps[i]`` (ms); section
     ``k``'s records are ``firsts[k]`` to ``firsts[k + 1]``."""
 
-    body: bytes
+    body: bytes | memoryview
     starts: Int64s
     ends: Int64s
     timestamps: Int64s
@@ -422,9 +422,20 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
         body = memoryview(section)[SECTION_HEADER_SIZE:]
         codec = header.attributes & ATTR_CODEC
         bodies.append(decompress(codec, body) if codec else body)
-    joined = b"".join(bodies)
     counts = np.array([h.records_count for h in headers], np.int64)
     firsts = np.concatenate(([0], np.cumsum(counts)))
+    if int(counts.min()) >= RUNS_FROM and (shared := _shared_buffer(bodies)) is not None:
+        # Long uncompressed batches read from one buffer (the log's read chunk) are
+        # read where they lie: no copy of them laid end to end.
+        whole, body_starts = shared
+        lengths = np.array([len(body) for body in bodies], np.int64)
+        buf = np.frombuffer(whole, np.uint8)
+        starts, ends, timestamps, batch_ok = _spans_by_runs(
+            whole, buf, body_starts, lengths, headers, counts, firsts
+        )
+        if batch_ok.all():
+            return ValueSpans(whole, starts, ends, timestamps, firsts.tolist())
+    joined = b"".join(bodies)
     predicted = _predicted_spans(joined, bodies, headers, counts, firsts)
     if predicted is not None and predicted[3].all():
         starts, ends, timestamps, _ = predicted
@@ -469,6 +480,36 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
     )
 
 
+def _shared_buffer(bodies: Sequence[bytes | memoryview]) -> tuple[memoryview, Int64s] | None:
+    """The one buffer every body is a view of and where each starts in it, or None
+    (bodies of their own: decompressed, or from different reads)."""
+    if not all(isinstance(body, memoryview) for body in bodies):
+        return None
+    views: list[memoryview] = bodies  # type: ignore[assignment]
+    owner = views[0].obj
+    if any(view.obj is not owner or not view.c_contiguous for view in views):
+        return None
+    try:
+        whole = memoryview(owner).cast("B")
+        base = np.frombuffer(whole, np.uint8)
+        starts = np.array(
+            [np.frombuffer(view, np.uint8).ctypes.data for view in views], np.int64
+        ) - np.int64(base.ctypes.data)
+    except (TypeError, ValueError):  # not a plain byte buffer
+        return None
+    ends = starts + np.array([view.nbytes for view in views], np.int64)
+    # In order within it (the spans ascend), and where an Arrow binary array's int32
+    # offsets reach.
+    if (
+        (starts < 0).any()
+        or (ends > len(base)).any()
+        or (starts[1:] < ends[:-1]).any()
+        or len(base) >= 1 << 31
+    ):
+        return None
+    return whole, starts
+
+
 def _predicted_spans(
     joined: bytes | memoryview,
     bodies: Sequence[bytes | memoryview],
@@ -485,7 +526,8 @@ def _predicted_spans(
     if not len(buf) or (counts < 1).any() or (counts > lengths).any():
         return None
     if int(counts.min()) >= RUNS_FROM:
-        return _spans_by_runs(joined, buf, lengths, headers, counts, firsts)
+        body_starts = np.cumsum(lengths) - lengths
+        return _spans_by_runs(joined, buf, body_starts, lengths, headers, counts, firsts)
     first_lengths = []
     for body in bodies:  # each batch's first record's length (a few bytes each)
         try:
@@ -545,21 +587,24 @@ dozen passes per field over every record."""
 def _spans_by_runs(
     joined: bytes | memoryview,
     buf: npt.NDArray[np.uint8],
+    body_starts: Int64s,
     lengths: Int64s,
     headers: Sequence[SectionHeader],
     counts: Int64s,
     firsts: Int64s,
 ) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
-    """:func:`_predicted_spans` of long batches, each read by :func:`_batch_runs`."""
+    """:func:`_predicted_spans` of long batches (batch ``k``'s records at
+    ``body_starts[k]`` of ``joined``, ``lengths[k]`` bytes), each read by
+    :func:`_batch_runs`."""
     total = int(firsts[-1])
     value_starts = np.zeros(total, np.int64)
     value_ends = np.zeros(total, np.int64)
     timestamps = np.zeros(total, np.int64)
     batch_ok = np.zeros(len(headers), np.bool_)
     data = memoryview(joined).cast("B") if isinstance(joined, memoryview) else joined
-    body_end = 0
     for k, header in enumerate(headers):
-        body_start, body_end = body_end, body_end + int(lengths[k])
+        body_start = int(body_starts[k])
+        body_end = body_start + int(lengths[k])
         read = _batch_runs(data, buf, body_start, body_end, int(counts[k]))
         if read is None:
             continue
