@@ -206,13 +206,20 @@ def _window_values(
     ends = bounds[1:][live]
     sets = np.zeros(n, np.uint64)
     if len(starts):
+        sets[live] = np.frombuffer(section, _U8)[starts[:, None] + _SET_BYTES].view("<u8").ravel()
+    firsts = starts + SOURCE_SET.size  # each live record's first byte
+    live_records: list[bytes]
+    if fixed is not None and (ends - firsts == fixed.size).all():
+        # Whole records of a fixed-width kind (deletions between them): gathered at once.
         data = np.frombuffer(section, _U8)
-        sets[live] = data[starts[:, None] + _SET_BYTES].view("<u8").ravel()
-    view = memoryview(section)
-    live_records = [
-        whole_record(fields, bytes(view[a:b]))
-        for a, b in zip((starts + SOURCE_SET.size).tolist(), ends.tolist(), strict=True)
-    ]
+        gathered = data[firsts[:, None] + np.arange(fixed.size)]
+        live_records = gathered.view(f"V{fixed.size}").ravel().tolist()
+    else:
+        view = memoryview(section)
+        live_records = [
+            whole_record(fields, bytes(view[a:b]))
+            for a, b in zip(firsts.tolist(), ends.tolist(), strict=True)
+        ]
     if len(live_records) == n:
         return sets, live_records
     column = np.full(n, b"", dtype=object)
