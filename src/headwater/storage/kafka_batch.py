@@ -424,22 +424,29 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
         bodies.append(decompress(codec, body) if codec else body)
     counts = np.array([h.records_count for h in headers], np.int64)
     firsts = np.concatenate(([0], np.cumsum(counts)))
-    if int(counts.min()) >= RUNS_FROM and (shared := _shared_buffer(bodies)) is not None:
+    lengths = np.array([len(body) for body in bodies], np.int64)
+    shared = _shared_buffer(bodies) if int(counts.min()) >= RUNS_FROM else None
+    whole: bytes | memoryview
+    if shared is not None:
         # Long uncompressed batches read from one buffer (the log's read chunk) are
         # read where they lie: no copy of them laid end to end.
         whole, body_starts = shared
-        lengths = np.array([len(body) for body in bodies], np.int64)
-        buf = np.frombuffer(whole, np.uint8)
-        starts, ends, timestamps, batch_ok = _spans_by_runs(
-            whole, buf, body_starts, lengths, headers, counts, firsts
+        predicted: tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None = _spans_by_runs(
+            whole,
+            np.frombuffer(whole, np.uint8),
+            body_starts,
+            lengths,
+            headers,
+            counts,
+            firsts,
         )
-        if batch_ok.all():
-            return ValueSpans(whole, starts, ends, timestamps, firsts.tolist())
-    joined = b"".join(bodies)
-    predicted = _predicted_spans(joined, bodies, headers, counts, firsts)
+    else:
+        whole = b"".join(bodies)
+        body_starts = np.cumsum(lengths) - lengths
+        predicted = _predicted_spans(whole, bodies, headers, counts, firsts)
     if predicted is not None and predicted[3].all():
         starts, ends, timestamps, _ = predicted
-        return ValueSpans(joined, starts, ends, timestamps, firsts.tolist())
+        return ValueSpans(whole, starts, ends, timestamps, firsts.tolist())
     # Some batches were not as predicted: those are decoded, and the values laid end to
     # end in their place.
     parts: list[bytes | memoryview] = []
@@ -447,30 +454,29 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
     ends_parts: list[Int64s] = []
     stamps_parts: list[Int64s] = []
     shift = 0
-    body_at = 0
     for k, records in enumerate(bodies):
         lo, hi = int(firsts[k]), int(firsts[k + 1])
         if predicted is not None and predicted[3][k]:
             starts, ends, timestamps, _ = predicted
             parts.append(records)
+            body_at = int(body_starts[k])  # where the spans read it
             starts_parts.append(starts[lo:hi] + (shift - body_at))
             ends_parts.append(ends[lo:hi] + (shift - body_at))
             stamps_parts.append(timestamps[lo:hi])
             size = len(records)
         else:
             stamps, _, values, _ = decode_section(sections[k])
-            lengths = np.fromiter(map(length_hint, values, repeat(0)), np.int64, hi - lo)
-            value_ends = np.cumsum(lengths) + shift
+            value_lengths = np.fromiter(map(length_hint, values, repeat(0)), np.int64, hi - lo)
+            value_ends = np.cumsum(value_lengths) + shift
             parts.append(b"".join(filter(None, values)))
-            starts_parts.append(value_ends - lengths)
+            starts_parts.append(value_ends - value_lengths)
             ends_parts.append(value_ends)
             try:
                 stamps_parts.append(np.array(stamps, np.int64))
             except TypeError:  # aiokafka reads a timestamp of -1 as None ("no timestamp")
                 stamps_parts.append(np.array([-1 if t is None else t for t in stamps], np.int64))
-            size = int(lengths.sum())
+            size = int(value_lengths.sum())
         shift += size
-        body_at += len(records)
     return ValueSpans(
         b"".join(parts),
         np.concatenate(starts_parts),
