@@ -36,6 +36,7 @@ from headwater.engine.kinds import (
     StateChange,
     WriteOp,
 )
+from headwater.engine.kinds import copied as copied_module
 from headwater.engine.kinds import replicated as replicated_module
 from headwater.engine.kinds.model import changelog_stream
 from headwater.engine.kinds.ops import assert_op, patch_op, retract_op
@@ -168,19 +169,22 @@ async def take_windows(tk: object, kinds: dict[str, object], drawn: list[list[tu
             await last.durable()
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     drawn=windows,
     seed=st.integers(0, 2**32 - 1),
     chunk=st.sampled_from([1, 3, 7, 4096]),
     hot=st.sampled_from([2, 1000]),
+    small=st.sampled_from([0, 8, 32]),
 )
 def test_a_follower_applies_windows_as_the_records_one_at_a_time(
-    drawn: list[list[tuple]], seed: int, chunk: int, hot: int
+    drawn: list[list[tuple]], seed: int, chunk: int, hot: int, small: int
 ) -> None:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
         patch.setattr(replicated_module, "FOLLOW_CHUNK", chunk)
+        # Windows below ``small`` records decoded record by record, the rest in numpy.
+        patch.setattr(copied_module, "SMALL_WINDOW", small)
         asyncio.run(follow(Path(tmp), drawn, rng, hot))
 
 

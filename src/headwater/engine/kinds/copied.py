@@ -45,6 +45,7 @@ from headwater.engine.kinds.state import (
 )
 from headwater.storage.batch import KEY_PRESENT, KEY_TOMBSTONE, Batch, value_spans
 
+SMALL_WINDOW = 32  # records: a batch of fewer is decoded record by record
 _U8 = np.dtype(np.uint8)
 # The last key of an event kind's window: its next sequence.
 _SEQUENCE_ENTRY = struct.pack("<BI", KEY_PRESENT, len(SEQUENCE_KEY)) + SEQUENCE_KEY
@@ -126,6 +127,8 @@ def _pieces(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...]) -> li
     a piece per record."""
     keys_section = batch.keys_section()
     count = batch.count
+    if count < SMALL_WINDOW:
+        return _small_window(batch, lo, hi, fields)
     keyed = None if keys_section is None or not batch.dense else _window_keys(keys_section, count)
     if keyed is None:
         return _one_by_one(batch, lo, hi, fields)
@@ -147,6 +150,39 @@ def _pieces(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...]) -> li
         if end < SOURCE_SET.size * 2 or _unpack_set(section, end - 16)[0] != SOURCE_SET.size:
             return _one_by_one(batch, lo, hi, fields)
         piece.next_sequence = _unpack_set(section, end - 8)[0]
+        piece.applied += 1
+        piece.applied_offset += 1
+    return [piece]
+
+
+def _small_window(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...]) -> list[_Piece]:
+    """:func:`_pieces` of a batch of a few records: decoded record by record (numpy's
+    cost per call is more than a Python step per record there), still as one piece."""
+    events = list(islice(batch.events(lo), hi - lo))
+    sequence: int | None = None
+    if events and events[-1].key == SEQUENCE_KEY and events[-1].offset == batch.last_offset:
+        sequence = _unpack_set(events.pop().value)[0]
+    ids = [event.key for event in events]
+    if not batch.dense or None in ids or SEQUENCE_KEY in ids or len(set(ids)) != len(ids):
+        return _one_by_one(batch, lo, hi, fields)
+    tombstones = [event.tombstone for event in events]
+    sets = [0 if event.tombstone else _unpack_set(event.value)[0] for event in events]
+    records = [
+        b"" if event.tombstone else whole_record(fields, event.value[SOURCE_SET.size :])
+        for event in events
+    ]
+    first = batch.first_position + lo
+    piece = _Piece(
+        first,
+        cast(list[bytes], ids),
+        np.array(tombstones, bool),
+        np.array(sets, np.uint64),
+        records,
+        first + len(ids),
+        batch.base_offset + lo + len(ids),
+        sequence,
+    )
+    if sequence is not None:
         piece.applied += 1
         piece.applied_offset += 1
     return [piece]
