@@ -165,10 +165,11 @@ def _small_window(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...])
     ids = [event.key for event in events]
     if not batch.dense or None in ids or SEQUENCE_KEY in ids or len(set(ids)) != len(ids):
         return _one_by_one(batch, lo, hi, fields)
+    codec = codec_for(fields)
     tombstones = [event.tombstone for event in events]
     sets = [0 if event.tombstone else _unpack_set(event.value)[0] for event in events]
     records = [
-        b"" if event.tombstone else whole_record(fields, event.value[SOURCE_SET.size :])
+        b"" if event.tombstone else whole_record(codec, event.value[SOURCE_SET.size :])
         for event in events
     ]
     first = batch.first_position + lo
@@ -251,9 +252,9 @@ def _window_values(
         gathered = data[firsts[:, None] + np.arange(fixed.size)]
         live_records = gathered.view(f"V{fixed.size}").ravel().tolist()
     else:
-        view = memoryview(section)
+        view, codec = memoryview(section), codec_for(fields)
         live_records = [
-            whole_record(fields, bytes(view[a:b]))
+            whole_record(codec, bytes(view[a:b]))
             for a, b in zip(firsts.tolist(), ends.tolist(), strict=True)
         ]
     if len(live_records) == n:
@@ -267,6 +268,7 @@ def _one_by_one(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...]) -
     """A batch of another shape than a leader's window: a piece per record (a record
     without a key is skipped, as the leader never writes one)."""
     pieces: list[_Piece] = []
+    codec = codec_for(fields)
     for event in islice(batch.events(lo), hi - lo):
         eid = event.key
         if eid is None:
@@ -283,7 +285,7 @@ def _one_by_one(batch: Batch, lo: int, hi: int, fields: tuple[FieldSpec, ...]) -
             continue
         tombstone = event.tombstone
         source_set = 0 if tombstone else _unpack_set(event.value)[0]
-        record = b"" if tombstone else whole_record(fields, bytes(event.value[SOURCE_SET.size :]))
+        record = b"" if tombstone else whole_record(codec, event.value[SOURCE_SET.size :])
         pieces.append(
             _Piece(
                 event.position,

@@ -45,9 +45,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from headwater.engine.kinds.codec import codec_for
+from headwater.engine.kinds.codec import RecordCodec, codec_for
 from headwater.engine.kinds.fields import (
-    FieldSpec,
     decode_fields,
     default_value,
     encode_fields,
@@ -246,7 +245,7 @@ class KindState:
     def whole_record(self, record: bytes) -> bytes:
         """A record written under an older (shorter) schema, with the newer fields'
         defaults appended; a record of the current schema as it is."""
-        return whole_record(self.info.fields, record)
+        return whole_record(self.codec, record)
 
     # ---- the hot set ----------------------------------------------------------------------
 
@@ -447,12 +446,14 @@ class KindState:
         self.store.close()
 
 
-def whole_record(fields: tuple[FieldSpec, ...], record: bytes) -> bytes:
-    """``record`` with every field of ``fields``: one written under an older (shorter)
-    schema gets the newer fields' defaults appended (pure: a worker thread may call it)."""
-    fixed = codec_for(fields).fixed
+def whole_record(codec: RecordCodec, record: bytes) -> bytes:
+    """``record`` with every field of ``codec``'s schema: one written under an older
+    (shorter) schema gets the newer fields' defaults appended (pure: a worker thread may
+    call it)."""
+    fixed = codec.fixed
     if fixed is not None and len(record) == fixed.size:
         return record
+    fields = codec.fields
     values = decode_fields(fields, record)  # checked, field by field
     if len(values) == len(fields):
         return record  # whole already: its bytes as they are, not encoded again
