@@ -1,9 +1,3 @@
-# LEAD TO ENGINEER L (read, act, then delete this comment): fsync on the event loop thread
-# breaks ../shared/spec/ARCHITECTURE.md principle 5 ("Never block the event loop: fsync ...
-# run in worker threads"), whatever the heuristic: one stalled fdatasync freezes every
-# connection on the loop. Take the inline path out (keep the worker reporting straight to
-# the loop, b654373); cut the hand-off cost inside the rule instead (e.g. a dedicated
-# fsync thread woken without the executor queue), and record honestly what is left.
 """Acknowledging appends under a sync policy, from asyncio, without blocking the loop.
 
 Group commit: under the ``fsync`` policy an append that finds no fdatasync covering it
@@ -13,18 +7,12 @@ One in flight measured best here (4 writers on one stream: 3.9M events/s with 50
 for 2,000 appends, against 3.7M with up to 4 in flight and 1,826 fsyncs). Each fsync runs
 in a worker thread, which hands the outcome straight back to the loop.
 
-A writer alone (one loop turn after it wrote, the only append of its event loop waiting
-for an fsync, none running) instead fdatasyncs on the loop thread, as Redis's
-``appendfsync always`` does, sparing the hand-off to the worker and the wake-up back
-(two thread switches, most of a lone append's latency beside the disk) - but only while
-the CPUs are not contended and the disk is fast. On cores shared with busy processes the
-loop thread, woken straight from the disk wait, queued behind them for milliseconds
-(measured side by side at load 4-9: p90 4-9 ms on the loop against 0.8-4.5 ms through
-the worker, which wakes the loop itself); so the loop waits on the disk only while the
-kernel's CPU pressure (``/proc/pressure/cpu``, some avg10; without it, the load average
-against the CPU count) stays under ``CONTENDED_PERCENT``, read at most once a second,
-and while the last fsync took at most ``INLINE_SYNC_MAX_S`` (a slow disk would stall
-every connection of the loop).
+An fsync never runs on the loop thread (ARCHITECTURE.md, principle 5), not even a lone
+writer's (Redis's ``appendfsync always`` fsyncs in its event loop): measured, that saved
+a lone append the two thread switches (0.1-0.2 ms at load 2.5), but one slow fdatasync would hold
+every connection of the loop for as long, and on busy cores the loop thread, woken from
+the disk wait, queued behind other processes (p90 5-9 ms against 1.3-3.8 through the
+worker at load 7-9).
 
 ``interval:<ms>`` acknowledges on write and syncs in the background; ``none`` never syncs
 until the log is closed.
@@ -35,13 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from pathlib import Path
 
 from headwater.errors import StorageError
 from headwater.storage.log import PartitionLog
@@ -51,58 +35,6 @@ log = logging.getLogger(__name__)
 
 CommitListener = Callable[[int], None]
 MAX_SYNCS_IN_FLIGHT = 1
-# A lone writer fsyncs on the loop thread only while the disk answers within this: a
-# slower fsync would hold every other connection of the loop for as long.
-INLINE_SYNC_MAX_S = 0.002
-# ... and while tasks waited for a CPU less than this share of the last 10 s: side by
-# side, the loop way was faster at 17-24% (load 2.5) and far slower at 86-95% (load 7-9).
-CONTENDED_PERCENT = 50.0
-CPU_PRESSURE = Path("/proc/pressure/cpu")
-PRESSURE_EVERY_S = 1.0  # how often the pressure is read again
-
-
-def cpu_contended() -> bool:
-    """Whether runnable tasks are waiting for a CPU: the kernel's CPU pressure (PSI,
-    share of the last 10 s in which some task waited) at ``CONTENDED_PERCENT`` or more,
-    or without PSI a 1-minute load average at or above the CPU count."""
-    try:
-        line = CPU_PRESSURE.read_text().split("\n", 1)[0]  # some avg10=.. avg60=.. ...
-        return float(line.split()[1].partition("=")[2]) >= CONTENDED_PERCENT
-    except (OSError, IndexError, ValueError):
-        return os.getloadavg()[0] >= (os.cpu_count() or 1)
-
-
-@dataclass
-class _LoopSyncs:
-    """What every committer on one event loop shares: whether a writer is alone and may
-    fsync on the loop thread."""
-
-    waiting: int = 0  # appends waiting for an fsync, across every log of the loop
-    in_threads: int = 0  # fsyncs running in worker threads
-    last_seconds: float = 0.0  # how long the last fsync took, on any log of the loop
-    contended: bool = False
-    pressure_read_at: float = float("-inf")
-
-    def lone_writer_on_loop(self, now: float) -> bool:
-        """Whether a lone writer's fsync runs on the loop thread (``now``: loop time)."""
-        if self.last_seconds > INLINE_SYNC_MAX_S:
-            return False
-        if now - self.pressure_read_at >= PRESSURE_EVERY_S:
-            self.pressure_read_at = now
-            self.contended = cpu_contended()
-        return not self.contended
-
-
-_LOOP_SYNCS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSyncs] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _loop_syncs(loop: asyncio.AbstractEventLoop) -> _LoopSyncs:
-    shared = _LOOP_SYNCS.get(loop)
-    if shared is None:
-        shared = _LOOP_SYNCS[loop] = _LoopSyncs()
-    return shared
 
 
 class GroupCommitter:
@@ -126,7 +58,6 @@ class GroupCommitter:
         self._last_sync_started = 0.0
         self.fsync_seconds_total = 0.0
         self.last_fsync_seconds = 0.0
-        self.inline_fsyncs = 0  # of ``fsyncs``, those run on the loop thread
 
     def add_listener(self, listener: CommitListener) -> None:
         """Call ``listener(committed_offset)`` whenever more events become readable."""
@@ -162,38 +93,16 @@ class GroupCommitter:
             return
         if self.log.durable_offset >= next_offset:
             return
-        loop = asyncio.get_running_loop()
-        shared = _loop_syncs(loop)
-        shared.waiting += 1
-        try:
-            if not self._syncs:
-                # One loop turn first: requests read in the same turn (a pipelining
-                # client's, other connections') write meanwhile and share the fsync.
-                await asyncio.sleep(0)
-                if self.log.durable_offset >= next_offset:
-                    return
-                if (
-                    shared.waiting == 1
-                    and shared.in_threads == 0
-                    and not self._syncs
-                    and shared.lone_writer_on_loop(loop.time())
-                ):
-                    self._sync_inline()
-                    if self.log.durable_offset >= next_offset:
-                        return
-            fut: asyncio.Future[None] = loop.create_future()
-            self._waiters.append((next_offset, fut))
-            self._maybe_start_sync()
-            await fut
-        finally:
-            shared.waiting -= 1
-
-    def _sync_inline(self) -> None:
-        """The fsync of a writer alone, on the loop thread (StorageError if it fails)."""
-        started = time.perf_counter()
-        durable = self.log.sync()  # a failed fdatasync raises StorageError (log.py)
-        self.inline_fsyncs += 1
-        self._synced(durable, time.perf_counter() - started)
+        if not self._syncs:
+            # One loop turn first: requests read in the same turn (a pipelining
+            # client's, other connections') write meanwhile and share the fsync.
+            await asyncio.sleep(0)
+            if self.log.durable_offset >= next_offset:
+                return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((next_offset, fut))
+        self._maybe_start_sync()
+        await fut
 
     def _maybe_start_sync(self) -> None:
         """Start an fsync when some waiter is not covered by one already running."""
@@ -207,7 +116,6 @@ class GroupCommitter:
         number = self._sync_number
         # Everything written by now is below end_offset; the sync snapshots at least that.
         self._syncs[number] = self.log.end_offset
-        _loop_syncs(loop).in_threads += 1
         fut = loop.run_in_executor(self._executor, self._sync_in_thread, loop, number)
         self._sync_futures.add(fut)
         fut.add_done_callback(self._sync_futures.discard)
@@ -238,7 +146,6 @@ class GroupCommitter:
         """On the loop thread: acknowledge every waiter the fsync covered (every waiter
         fails if it failed)."""
         self._syncs.pop(number, None)
-        _loop_syncs(asyncio.get_running_loop()).in_threads -= 1
         if exc is not None:
             error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
             waiters, self._waiters = self._waiters, []
@@ -254,7 +161,6 @@ class GroupCommitter:
         self.fsyncs += 1
         self.fsync_seconds_total += elapsed
         self.last_fsync_seconds = elapsed
-        _loop_syncs(asyncio.get_running_loop()).last_seconds = elapsed
         still: list[tuple[int, asyncio.Future[None]]] = []
         for target, waiter in self._waiters:
             if target <= durable:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from headwater.errors import StorageError
-from headwater.storage import group_commit
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from waiting import wait_until_async
@@ -67,8 +66,6 @@ def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
         assert plog.committed_offset == plog.durable_offset == total
         assert 1 <= committer.fsyncs < total
         assert len(calls) == committer.fsyncs
-        # Writers that share an fsync never wait for one on the loop thread.
-        assert committer.inline_fsyncs == 0
         assert committer.fsync_seconds_total >= committer.last_fsync_seconds >= 0
         # Listeners heard about the commits, ending at the final committed offset.
         assert seen and seen == sorted(seen) and seen[-1] == total
@@ -95,7 +92,7 @@ def test_appends_of_one_loop_turn_share_one_fsync(tmp_path: Path) -> None:
             assert plog.durable_offset >= info.next_offset
 
         await asyncio.gather(*(writer(i) for i in range(5)))
-        assert committer.fsyncs == 1 and committer.inline_fsyncs == 0
+        assert committer.fsyncs == 1
 
     asyncio.run(main())
     assert len(calls) == 1 and plog.durable_offset == 5
@@ -134,152 +131,37 @@ def on_threads(plog: PartitionLog) -> list[bool]:
     return main_thread
 
 
-def test_a_lone_writer_fsyncs_on_the_loop_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One writer at a time (a client with one append in flight): no hand-off to a
-    worker thread, and still acknowledged only once durable; a second log written
-    meanwhile on the same loop makes the writer not alone."""
-    # However slow the shared test disk and busy its CPUs: both have their own tests.
-    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)
-    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)
-    plog = open_log(tmp_path / "a", "fsync")
-    other = open_log(tmp_path / "b", "fsync")
-    where = on_threads(plog)
-
-    async def main() -> None:
-        committer = GroupCommitter(plog)
-        other_committer = GroupCommitter(other)
-        for i in range(3):
-            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
-            await committer.committed(info.next_offset)
-            assert plog.durable_offset == plog.committed_offset == i + 1
-        assert committer.fsyncs == committer.inline_fsyncs == 3
-        assert where == [True, True, True]
-        # Two logs written in the same loop turn: each writer has company, so both
-        # fsyncs go to worker threads (the loop is free while they run).
-        info = plog.append([b"3"], first_position=0, timestamp_ms=0)
-        info_other = other.append([b"x"], first_position=0, timestamp_ms=0)
-        await asyncio.gather(
-            committer.committed(info.next_offset),
-            other_committer.committed(info_other.next_offset),
-        )
-        assert plog.durable_offset == 4 and other.durable_offset == 1
-        assert where == [True, True, True, False]
-        assert other_committer.fsyncs == 1 and other_committer.inline_fsyncs == 0
-
-    asyncio.run(main())
-    plog.close()
-    other.close()
-
-
-def test_contended_cpus_send_a_lone_writer_to_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tasks waiting for a CPU: the loop thread, woken straight from the disk wait, would
-    queue behind them, so even a lone writer's fsync goes to a worker thread; the
-    pressure is read again a second later, not per append."""
-    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)  # whatever the disk
-    readings: list[bool] = []
-
-    def contended() -> bool:
-        readings.append(True)
-        return True
-
-    monkeypatch.setattr(group_commit, "cpu_contended", contended)
+def test_no_fsync_runs_on_the_loop_thread_not_even_a_lone_writers(tmp_path: Path) -> None:
+    """ARCHITECTURE.md, principle 5: the loop keeps serving while the disk syncs. The
+    last fsync below waits for a callback it hands to the loop: run on the loop thread
+    it could never see it (the wait's deadline fails the test)."""
     plog = open_log(tmp_path, "fsync")
     where = on_threads(plog)
+    recorded = plog.sync
+    loop_ran = threading.Event()
 
     async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def waits_for_the_loop() -> int:
+            loop.call_soon_threadsafe(loop_ran.set)
+            assert loop_ran.wait(timeout=30), "the loop did not run while the fsync ran"
+            return recorded()
+
         committer = GroupCommitter(plog)
-        for i in range(3):
+        for i in range(3):  # one writer at a time: always alone
             info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
             await committer.committed(info.next_offset)
             assert plog.durable_offset == i + 1
-        assert committer.fsyncs == 3 and committer.inline_fsyncs == 0
-        # A second later (loop time) the pressure is read again.
-        shared = group_commit._loop_syncs(asyncio.get_running_loop())
-        shared.pressure_read_at -= group_commit.PRESSURE_EVERY_S
+        plog.sync = waits_for_the_loop  # type: ignore[method-assign]
         info = plog.append([b"3"], first_position=0, timestamp_ms=0)
         await committer.committed(info.next_offset)
+        assert loop_ran.is_set()
+        assert plog.durable_offset == 4 and committer.fsyncs == 4
+        plog.sync = recorded  # type: ignore[method-assign]
 
     asyncio.run(main())
     assert where == [False] * 4
-    assert readings == [True, True]
-    plog.close()
-
-
-def test_cpu_pressure_is_read_from_psi_or_the_load_average(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    psi = tmp_path / "cpu"
-    monkeypatch.setattr(group_commit, "CPU_PRESSURE", psi)
-    psi.write_text(
-        "some avg10=91.54 avg60=88.17 avg300=71.12 total=18601923635\n"
-        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    )
-    assert group_commit.cpu_contended()
-    psi.write_text("some avg10=0.40 avg60=1.00 avg300=0.50 total=1\nfull avg10=0.00\n")
-    assert not group_commit.cpu_contended()
-    psi.unlink()  # no PSI (an older kernel): the load average against the CPU count
-    cpus = os.cpu_count() or 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 0.5, 0.0, 0.0))
-    assert group_commit.cpu_contended()
-    monkeypatch.setattr(os, "getloadavg", lambda: (cpus / 4, 0.0, 0.0))
-    assert not group_commit.cpu_contended()
-
-
-def test_a_slow_fsync_sends_the_next_lone_writer_to_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The loop waits on the disk only while fsyncs are fast: with the bound at 0 s
-    every fsync is "slow", so after the first (no fsync measured yet) the lone writer's
-    fsyncs run in a worker thread, each measured again there."""
-    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 0.0)
-    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)
-    plog = open_log(tmp_path, "fsync")
-    where = on_threads(plog)
-
-    async def main() -> None:
-        committer = GroupCommitter(plog)
-        for i in range(3):
-            info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
-            await committer.committed(info.next_offset)
-            assert plog.durable_offset == i + 1
-        assert where == [True, False, False]
-        assert committer.fsyncs == 3 and committer.inline_fsyncs == 1
-
-    asyncio.run(main())
-    plog.close()
-
-
-def test_a_lone_writers_failed_fsync_fails_its_append(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(group_commit, "INLINE_SYNC_MAX_S", 60.0)  # whatever the disk
-    monkeypatch.setattr(group_commit, "cpu_contended", lambda: False)  # and the CPUs
-    plog = open_log(tmp_path, "fsync")
-    where = on_threads(plog)
-
-    def broken(fd: int) -> None:
-        raise OSError(5, "Input/output error")
-
-    async def main() -> None:
-        committer = GroupCommitter(plog)
-        info = plog.append([b"ok"], first_position=0, timestamp_ms=0)
-        await committer.committed(info.next_offset)
-        assert committer.inline_fsyncs == 1
-        monkeypatch.setattr(os, "fdatasync", broken)
-        info = plog.append([b"lost"], first_position=0, timestamp_ms=0)
-        with pytest.raises(StorageError, match="fsync failed"):
-            await committer.committed(info.next_offset)
-        assert where == [True, True]  # the failed fsync ran on the loop thread too
-        assert plog.committed_offset == 1  # not acknowledged, not readable
-        with pytest.raises(StorageError):
-            plog.append([b"later"], first_position=0, timestamp_ms=0)
-
-    asyncio.run(main())
-    monkeypatch.undo()
     plog.close()
 
 
