@@ -33,8 +33,9 @@ from waiting import wait_until
 
 LISTEN = {"convergedb": LOCAL, "http": LOCAL}
 # Small segments, so the logs have sealed segments (and index files) as well as a tail
-# being written while the copy runs; a long liveness grace, so the restored server,
-# which the kind's source never connects to, still holds its entities when compared.
+# being written while the copy runs; a long liveness grace (the source's own, kept in
+# the copy, and the default), so the restored server, which the kind's source never
+# connects to, still holds its entities when compared.
 CONFIG = """
 [storage]
 segment_bytes = 65536
@@ -167,7 +168,9 @@ def test_backup_of_a_live_server_restores_everything_acknowledged_before_it(
             message="the group's position was never written",
         )
 
-    with entities.connect(source.address_of("convergedb"), name="thermo") as writer:
+    with entities.connect(
+        source.address_of("convergedb"), name="thermo", liveness_ms=600_000
+    ) as writer:
         sensors = writer.create_kind(Sensor, "sensors")
         for site in ("a", "b", "c"):
             writer.assert_(sensors, site, Sensor(site, 20.5, 3))

@@ -303,6 +303,31 @@ def test_killed_writer_loses_sole_owned_entities_after_deadline(port: int) -> No
         assert state_of(query(keeper, kind.kind_id, eid(2))).source_set == 1 << 20
 
 
+def test_a_connect_without_a_deadline_gets_the_contracts_30_s_whatever_the_server_default(
+    make_cdb_server: Callable[..., Server],
+) -> None:
+    """CONNECT's liveness 0 means 30,000 ms (the contract); ``default_liveness_ms`` is
+    for sources a restart finds without their own. A client that sent 0 heartbeats for
+    30 s (the SDK every 10 s): it used to be dead after the server's default instead."""
+    server = make_cdb_server("[convergedb]\ndefault_liveness_ms = 300\nliveness_check_ms = 20\n")
+    port = server.ports["convergedb"]
+    with CdbClient(port, name="keeper", source_id=20) as keeper:
+        kind = keeper.create_kind("contract_deadline", FIELDS)
+        silent = CdbClient(port, name="silent", source_id=21)  # liveness 0
+        silent.call(m.Assert.of(FIELDS, kind.kind_id, eid(1), [1.0]))
+        silent.abort()
+        # A writer gone after it, with 300 ms of its own: once its entity is retracted,
+        # the checker has judged the first writer too, past the server's default.
+        short = CdbClient(port, name="short", source_id=22, deadline_ms=300)
+        short.call(m.Assert.of(FIELDS, kind.kind_id, eid(2), [2.0]))
+        short.abort()
+        wait_until(
+            lambda: not isinstance(query(keeper, kind.kind_id, eid(2)), m.State),
+            message="the 300 ms writer's entity was never retracted",
+        )
+        assert isinstance(query(keeper, kind.kind_id, eid(1)), m.State)
+
+
 WRITER = Path(__file__).parent / "cdb_writer.py"
 WRITER_FIELDS = [("n", FieldType.U32), ("owner", FieldType.STRING)]
 WRITER_DEADLINE_MS = 1500

@@ -78,7 +78,7 @@ def test_a_kind_far_past_its_hot_set_keeps_memory_flat_and_survives_restarts(
     server: Server,
 ) -> None:
     port = server.ports["convergedb"]
-    with CdbClient(port, name="loader", source_id=3) as writer:
+    with CdbClient(port, name="loader", source_id=3, deadline_ms=600_000) as writer:
         kind_id = writer.create_kind("big", FIELDS).kind_id
         write(writer, kind_id, range(10_000))
         before = rss_anon_kib(server.pid)
@@ -112,7 +112,7 @@ def test_a_kind_far_past_its_hot_set_keeps_memory_flat_and_survives_restarts(
     stop = threading.Event()
 
     def rewrite() -> None:
-        with CdbClient(port, name="loader", source_id=3) as again:
+        with CdbClient(port, name="loader", source_id=3, deadline_ms=600_000) as again:
             for start in range(0, 60_000, BATCH):
                 if stop.is_set():
                     return

@@ -238,7 +238,7 @@ class ConvergeConnection(asyncio.Protocol):
                 msg.name,
                 source_id=msg.source_id,
                 read_only=msg.read_only,
-                deadline_ms=msg.liveness_deadline_ms,
+                deadline_ms=msg.deadline_ms,  # 0 means the contract's 30,000 ms
                 on_dead=self._source_dead,
             )
         except HeadwaterError as exc:
