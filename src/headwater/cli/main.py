@@ -32,6 +32,12 @@ out = stdout_console()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if "hypothesis" not in sys.modules:
+        # kio registers hypothesis strategies for each of its Kafka types whenever
+        # hypothesis can be imported (0.35 s of every start where it is installed, as in
+        # a test environment); a server never uses them. Without hypothesis it is what
+        # kio does anyway.
+        sys.modules["hypothesis"] = None  # type: ignore[assignment]
     from headwater.cluster.node import ClusterJoinError
     from headwater.errors import StorageError
     from headwater.server.app import ListenError
