@@ -25,9 +25,12 @@ import os
 import struct
 import sys
 import threading
+import time
 from array import array
 from bisect import bisect_left, bisect_right
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +115,10 @@ BUFFER_ROUND = 1 << 20
 # Reads of at least this much go through the pool; smaller ones are cheap to allocate
 # and must not pin a big buffer (a batch kept by a reader keeps its buffer alive).
 POOLED_READ = 1 << 20
-READ_BUFFERS = ReadBuffers(32 << 20)
+# 32 MiB for readers' chunks and the pages held while they are sent, and room for the
+# direct read-ahead's chunks (READ_AHEAD_CHUNKS below, 11 MiB each): at 32 MiB in all it
+# overflowed during a cold read and every chunk was a fresh buffer, faulted in and zeroed.
+READ_BUFFERS = ReadBuffers(64 << 20)
 # O_DIRECT wants the file position, the length and the memory aligned to the device's
 # logical block; a page covers every block size in use.
 DIRECT_ALIGN = 4096
@@ -127,6 +133,8 @@ class DirectReads:
     enabled: bool = _O_DIRECT != 0
     count: int = 0
     bytes: int = 0
+    read_ahead: int = 0  # chunks read ahead in the background ...
+    read_ahead_hits: int = 0  # ... and reads served from them
 
 
 DIRECT_READS = DirectReads()
@@ -200,22 +208,21 @@ def cached_share(fd: int, pos: int, length: int) -> float:
     return 1.0 - vector.raw.count(0) / pages
 
 
-def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
-    """``length`` bytes at ``pos`` read with O_DIRECT into a pooled buffer, the disk's
-    data copied by the device straight into it; None where the file system refuses
-    O_DIRECT (tmpfs), to be read through the page cache instead.
+def _aligned_view(size: int) -> memoryview:
+    """A pooled buffer's ``size`` bytes starting at a :data:`DIRECT_ALIGN` boundary."""
+    buffer = READ_BUFFERS.take(size + DIRECT_ALIGN)
+    shift = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % DIRECT_ALIGN
+    return memoryview(buffer)[shift : shift + size]
+
+
+def _preadv_direct(fd: int, view: memoryview, start: int) -> int | None:
+    """``view`` (aligned) read from ``start`` (aligned) of ``fd`` with O_DIRECT: the bytes
+    read, or None where the file system refuses O_DIRECT (tmpfs).
 
     The descriptor is reopened through /proc/self/fd, so it is the same file even if it
     was renamed or unlinked since (compaction, retention); O_DIRECT on ``fd`` itself
     would change every reader sharing it. Dirty pages of the range are written back by
     the kernel before a direct read, so recently appended bytes read the same."""
-    start = pos - pos % DIRECT_ALIGN
-    skip = pos - start
-    span = -(-(skip + length) // DIRECT_ALIGN) * DIRECT_ALIGN
-    buffer = READ_BUFFERS.take(span + DIRECT_ALIGN)
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    shift = -address % DIRECT_ALIGN
-    view = memoryview(buffer)[shift : shift + span]
     try:
         direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | _O_DIRECT)
     except OSError:
@@ -230,7 +237,130 @@ def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
         os.close(direct_fd)
     DIRECT_READS.count += 1
     DIRECT_READS.bytes += got
+    return got
+
+
+def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
+    """``length`` bytes at ``pos`` read with O_DIRECT into a pooled buffer, the disk's
+    data copied by the device straight into it; None where the file system refuses
+    O_DIRECT, to be read through the page cache instead."""
+    start = pos - pos % DIRECT_ALIGN
+    skip = pos - start
+    view = _aligned_view(-(-(skip + length) // DIRECT_ALIGN) * DIRECT_ALIGN)
+    got = _preadv_direct(fd, view, start)
+    if got is None:
+        return None
     return view[skip : max(skip, min(got, skip + length))]
+
+
+# Direct read-ahead: a direct read returns only when its request is done, so one after
+# another leaves this disk idle while each chunk is checked and handed over (a buffered
+# read has the kernel's read-ahead for that). After a page's direct chunk, the chunk
+# after it is read in the background; the next page starts a little before where this
+# chunk ended (in the batch the page was cut in), so its buffer keeps room in front for
+# that head, read when the page asks. At most READ_AHEAD_CHUNKS are held server-wide.
+# Chunks are read ahead only for a Segment object, whose bytes below its reader's end
+# never change (a truncated or compacted segment is a new object).
+READ_AHEAD_CHUNKS = 2
+READ_AHEAD_FROM = 4 << 20  # started by a direct read at least this large: a page's first
+READ_AHEAD_CHUNK = 8 << 20
+_READ_AHEAD_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-read-ahead")
+
+
+class _ReadAhead:
+    """``[start, end)`` of ``seg`` being read directly in the background into ``view``,
+    which covers the file from ``base`` (``room`` bytes before ``start``, for the head of
+    a batch cut at ``start``, filled when a reader asks); ``filled_from``: where the
+    bytes in ``view`` begin. ``limit``: the end of what its reader may read."""
+
+    def __init__(self, seg: Segment, start: int, limit: int, room: int) -> None:
+        self.seg = seg
+        self.start = start
+        self.end = min(start + READ_AHEAD_CHUNK, limit)
+        self.limit = limit
+        self.room = room
+        self.base = start - room
+        span = -(-(self.end - start) // DIRECT_ALIGN) * DIRECT_ALIGN
+        self.view = _aligned_view(room + span)
+        self.filled_from = start
+        self.lock = threading.Lock()
+        self.read: Future[int | None] = _READ_AHEAD_THREAD.submit(
+            self._read, self.view[room:], start
+        )
+
+    def _read(self, view: memoryview, start: int) -> int | None:
+        with self.seg.files.pinned(self.seg.file) as fd:
+            return _preadv_direct(fd, view, start)
+
+    def read_end(self) -> int:
+        """Where the bytes read end (waiting for the read); ``start`` if it failed (the
+        reader's own read reports it) or the file system refused O_DIRECT."""
+        try:
+            got = self.read.result()
+        except Exception:  # any failure: the reader reads for itself and meets it there
+            return self.start
+        return self.start if got is None else min(self.start + got, self.end)
+
+    def take(self, pos: int, length: int, before: _ReadAhead | None) -> memoryview | None:
+        """``[pos, pos + length)`` or its start up to :attr:`end`, the head in front of
+        ``start`` copied from ``before`` (the chunk ending at ``start``) or read now."""
+        aligned = pos - pos % DIRECT_ALIGN
+        end = self.read_end()
+        if pos >= end:
+            return None
+        with self.lock:
+            if aligned < self.filled_from:
+                head = self.view[aligned - self.base : self.filled_from - self.base]
+                if (
+                    before is not None
+                    and before.start <= aligned
+                    and before.read_end() >= self.filled_from
+                ):
+                    head[:] = before.view[aligned - before.base : self.filled_from - before.base]
+                else:
+                    with self.seg.files.pinned(self.seg.file) as fd:
+                        if _preadv_direct(fd, head, aligned) != len(head):
+                            return None
+                self.filled_from = aligned
+        DIRECT_READS.read_ahead_hits += 1
+        return self.view[pos - self.base : min(pos + length, end) - self.base]
+
+
+_read_aheads: deque[_ReadAhead] = deque(maxlen=READ_AHEAD_CHUNKS)
+_read_aheads_lock = threading.Lock()
+
+
+def _take_read_ahead(seg: Segment, pos: int, length: int) -> memoryview | None:
+    """``[pos, pos + length)`` of ``seg``, or its start, if it was read ahead: from the
+    last chunk whose room or bytes hold ``pos`` (the longest answer). A read from the
+    newest chunk read ahead of ``seg`` starts the read of the chunk after it."""
+    with _read_aheads_lock:
+        chunks = [ahead for ahead in _read_aheads if ahead.seg is seg]
+    for i in range(len(chunks) - 1, -1, -1):
+        ahead = chunks[i]
+        if not ahead.base <= pos - pos % DIRECT_ALIGN or pos >= ahead.end:
+            continue
+        before = chunks[i - 1] if i and chunks[i - 1].end == ahead.start else None
+        data = ahead.take(pos, length, before)
+        if data is None:
+            return None
+        if i == len(chunks) - 1 and ahead.end < ahead.limit:
+            _start_read_ahead(seg, ahead.end, ahead.limit, ahead.room)
+        return data
+    return None
+
+
+def _start_read_ahead(seg: Segment, start: int, limit: int, room: int) -> None:
+    """Read up to ``READ_AHEAD_CHUNK`` bytes of ``seg`` from ``start`` (not past
+    ``limit``) in the background, dropping the oldest chunk held."""
+    with _read_aheads_lock:
+        if any(a.seg is seg and a.start == start for a in _read_aheads):
+            return
+        _read_aheads.append(_ReadAhead(seg, start, limit, room))
+    DIRECT_READS.read_ahead += 1
+    # Let the read-ahead thread take the GIL and start its read now, not after this
+    # thread's switch interval.
+    time.sleep(0)
 
 
 def _read_chunk(fd: int, length: int, pos: int) -> tuple[bytes | bytearray | memoryview, bool]:
@@ -601,9 +731,22 @@ class Segment:
         (a reader that needs only a little more reads only a little more)."""
         while pos < end:
             want = min(max(chunk() if callable(chunk) else chunk, HEADER_SIZE), end - pos)
+            data: bytes | bytearray | memoryview | None = None
+            if _read_aheads and want >= POOLED_READ and not getattr(_nowait, "on", False):
+                # Not on the event loop: taking it may wait for the disk.
+                data = _take_read_ahead(self, pos, want)
             fd = self.files.pin(self.file)
             try:
-                data, direct = _read_chunk(fd, want, pos)
+                if data is not None:
+                    direct = True
+                else:
+                    data, direct = _read_chunk(fd, want, pos)
+                    if direct and want >= READ_AHEAD_FROM and pos + len(data) < end:
+                        # Read on from here; each chunk keeps room in front for the head
+                        # of a batch cut at its start (a quarter of a page).
+                        ahead = pos + len(data) - (pos + len(data)) % DIRECT_ALIGN
+                        room = -(-(want // 4) // DIRECT_ALIGN) * DIRECT_ALIGN
+                        _start_read_ahead(self, ahead, end, room)
                 if want >= POOLED_READ and pos + want < end and not direct:
                     # Bounded read-ahead: a sequential reader's next chunk is read from
                     # the disk while this one is answered (into the page cache only).

@@ -23,7 +23,7 @@ def test_limits_past_the_budget_are_named_in_one_warning() -> None:
     assert "SQL (sql_memory_mib x sql_concurrency) 1024 MiB" in warnings[0]
     small = dataclasses.replace(
         config,
-        limits=LimitsConfig(memory_mib=300, sql_memory_mib=32, max_connections=1000),
+        limits=LimitsConfig(memory_mib=300, sql_memory_mib=24, max_connections=1000),
     )
     assert check_budget(small) == []
 

@@ -148,6 +148,64 @@ def test_pages_cut_inside_a_batch_read_each_batch_about_once(tmp_path: Path) -> 
     plog.close()
 
 
+def cold_pages(tmp_path: Path) -> tuple[PartitionLog, list[bytes]]:
+    """40 MB of 1 MB batches, not in the page cache."""
+    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("fsync")))
+    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(1000)]
+    for _ in range(40):
+        plog.append(values, first_position=0, timestamp_ms=0)
+    plog.sync()
+    evict(plog)
+    return plog, values * 40
+
+
+def read_pages(plog: PartitionLog, got: list[bytes]) -> None:
+    """Every value in 8 MiB pages, as a worker thread reads ReadEvents' pages."""
+    offset: int | None = 0
+    while offset is not None:
+        result = plog.read(offset, 8 * MIB)
+        got += [e.value for e in result.events()]
+        offset = result.next_offset
+
+
+def test_cold_pages_are_read_ahead_directly_each_byte_about_once(tmp_path: Path) -> None:
+    # After a page's direct chunk, the chunks after it are read in the background; the
+    # next page, starting in the batch this one was cut in, takes that batch's head from
+    # the chunk before (in memory), not from the disk again.
+    plog, values = cold_pages(tmp_path)
+    before = DIRECT_READS.bytes, DIRECT_READS.read_ahead, DIRECT_READS.read_ahead_hits
+    got: list[bytes] = []
+    read_pages(plog, got)
+    assert got == values
+    read_ahead = DIRECT_READS.read_ahead - before[1]
+    assert read_ahead >= 4  # 8 MiB chunks, one after another, through 40 MB
+    assert DIRECT_READS.read_ahead_hits - before[2] >= read_ahead
+    assert DIRECT_READS.bytes - before[0] < 1.06 * plog.active.size
+    assert len(segment._read_aheads) <= segment.READ_AHEAD_CHUNKS
+    assert log_cached_share(plog) < 0.05
+    plog.close()
+
+
+def test_a_damaged_byte_in_a_chunk_read_ahead_is_refused(tmp_path: Path) -> None:
+    plog, values = cold_pages(tmp_path)
+    log_file = plog.active.log_path
+    damaged = log_file.stat().st_size * 3 // 4  # well past the first page's chunk
+    with open(log_file, "r+b") as f:
+        f.seek(damaged)
+        original = f.read(1)
+        f.seek(damaged)
+        f.write(bytes([original[0] ^ 0x01]))
+    evict(plog)
+    hits = DIRECT_READS.read_ahead_hits
+    got: list[bytes] = []
+    with pytest.raises(CorruptBatchError, match="CRC mismatch"):
+        read_pages(plog, got)
+    assert DIRECT_READS.read_ahead_hits > hits
+    assert got == values[: len(got)] and 0 < len(got) < len(values)
+    assert log_file.read_bytes()[damaged] == original[0] ^ 0x01
+    plog.close()
+
+
 def test_a_damaged_byte_is_refused_on_the_direct_path(tmp_path: Path) -> None:
     plog, _ = written_log(tmp_path)
     log_file = plog.active.log_path
