@@ -157,3 +157,17 @@ def test_append_arrow_idempotent_to_a_partition(server: Server) -> None:
         assert api.stream(stream)["partition_offsets"][3]["next_offset"] == 6
         assert sum(p["next_offset"] for p in api.stream(stream)["partition_offsets"]) == 6
         api.close()
+
+
+def test_the_server_process_never_loads_pandas(server: Server) -> None:
+    """pandas is installed here (the tests use it) but a server never needs it: pyarrow
+    would import it at a projection's first numpy conversion, in a worker thread whose
+    import stalled the loop's appends, and keep it in memory (cli/main.py)."""
+    with headwater.connect(server.address) as hw:
+        stream, _ = _stream(hw, 1)
+        hw.append(stream, [b'{"n": %d}' % i for i in range(1_000)])
+        (count,) = hw.query(f"SELECT count(*) FROM {stream}").rows
+    assert count == (1_000,)  # the stream's projection was built: pyarrow's numpy path ran
+    with open(f"/proc/{server.pid}/maps") as maps:
+        loaded = [line.split()[-1] for line in maps if "/pandas/" in line]
+    assert loaded == []

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.abc
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from rich.console import Console
@@ -31,13 +33,31 @@ err = Console(stderr=True)
 out = stdout_console()
 
 
+# Optional packages that libraries the server uses import on their own whenever they are
+# installed, and that the server never needs: hidden from a server process, so that it
+# runs the same wherever it is installed. kio registers hypothesis strategies for every
+# Kafka type (0.35 s of each start); pyarrow imports pandas at its first conversion of a
+# numpy array, in a projection's worker thread, whose 0.2-0.3 s of import held the GIL
+# and stalled the event loop's appends for milliseconds at a time (and added to RssAnon).
+NOT_IN_A_SERVER = frozenset({"hypothesis", "pandas"})
+
+
+class _NotInAServer(importlib.abc.MetaPathFinder):
+    """Makes an import of a :data:`NOT_IN_A_SERVER` package fail as if it were not
+    installed (a None in sys.modules would not do: Cython modules such as pyarrow's
+    take that None for the module)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> None:
+        if fullname.partition(".")[0] in NOT_IN_A_SERVER:
+            raise ModuleNotFoundError(f"{fullname} is not used by the server", name=fullname)
+        return None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    if "hypothesis" not in sys.modules:
-        # kio registers hypothesis strategies for each of its Kafka types whenever
-        # hypothesis can be imported (0.35 s of every start where it is installed, as in
-        # a test environment); a server never uses them. Without hypothesis it is what
-        # kio does anyway.
-        sys.modules["hypothesis"] = None  # type: ignore[assignment]
+    if not NOT_IN_A_SERVER & sys.modules.keys():
+        sys.meta_path.insert(0, _NotInAServer())
     from headwater.cluster.node import ClusterJoinError
     from headwater.errors import StorageError
     from headwater.server.app import ListenError
