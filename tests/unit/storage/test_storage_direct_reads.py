@@ -71,6 +71,16 @@ def read_all(plog: PartitionLog, start: int) -> tuple[list[bytes], bytes]:
     return values, records
 
 
+def flip_byte(path: Path, at: int) -> int:
+    """Flip the lowest bit of the byte at ``at`` in ``path``; the byte as it was."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        original = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([original ^ 0x01]))
+    return original
+
+
 @pytest.mark.parametrize("start", [0, 1, 777, 2501])
 def test_uncached_data_is_read_directly_and_byte_for_byte(tmp_path: Path, start: int) -> None:
     plog, values = written_log(tmp_path)
@@ -190,11 +200,7 @@ def test_a_damaged_byte_in_a_chunk_read_ahead_is_refused(tmp_path: Path) -> None
     plog, values = cold_pages(tmp_path)
     log_file = plog.active.log_path
     damaged = log_file.stat().st_size * 3 // 4  # well past the first page's chunk
-    with open(log_file, "r+b") as f:
-        f.seek(damaged)
-        original = f.read(1)
-        f.seek(damaged)
-        f.write(bytes([original[0] ^ 0x01]))
+    original = flip_byte(log_file, damaged)
     evict(plog)
     hits = DIRECT_READS.read_ahead_hits
     got: list[bytes] = []
@@ -202,7 +208,7 @@ def test_a_damaged_byte_in_a_chunk_read_ahead_is_refused(tmp_path: Path) -> None
         read_pages(plog, got)
     assert DIRECT_READS.read_ahead_hits > hits
     assert got == values[: len(got)] and 0 < len(got) < len(values)
-    assert log_file.read_bytes()[damaged] == original[0] ^ 0x01
+    assert log_file.read_bytes()[damaged] == original ^ 0x01
     plog.close()
 
 
@@ -210,18 +216,14 @@ def test_a_damaged_byte_is_refused_on_the_direct_path(tmp_path: Path) -> None:
     plog, _ = written_log(tmp_path)
     log_file = plog.active.log_path
     damaged = log_file.stat().st_size // 2  # inside the values of a middle batch
-    with open(log_file, "r+b") as f:
-        f.seek(damaged)
-        original = f.read(1)
-        f.seek(damaged)
-        f.write(bytes([original[0] ^ 0x01]))
+    original = flip_byte(log_file, damaged)
     evict(plog)
     before = DIRECT_READS.count
     with pytest.raises(CorruptBatchError, match="CRC mismatch"):
         read_all(plog, 0)
     assert DIRECT_READS.count > before
     # The read changed nothing: the damaged byte is still the only difference.
-    assert log_file.read_bytes()[damaged] == original[0] ^ 0x01
+    assert log_file.read_bytes()[damaged] == original ^ 0x01
     plog.close()
 
 
@@ -232,11 +234,7 @@ def test_a_damaged_batch_met_by_several_reads_is_logged_once(
     # the operator gets one ERROR line naming the file.
     plog, _ = written_log(tmp_path)
     log_file = plog.active.log_path
-    with open(log_file, "r+b") as f:
-        f.seek(log_file.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(log_file, log_file.stat().st_size // 2)
     evict(plog)
     with caplog.at_level(logging.ERROR, logger="headwater.storage.log"):
         for _ in range(3):
