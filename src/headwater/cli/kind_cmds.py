@@ -16,6 +16,7 @@ from rich.table import Table
 
 from headwater.cli.client_cmds import client_command, details_table, fail, out, print_counted
 from headwater.cli.connection import connection_options, tls_options
+from headwater.json_fields import json_fields
 
 if TYPE_CHECKING:
     from headwater.entities import EntityClient, KindDescription
@@ -101,16 +102,8 @@ def cmd_kind_create(args: argparse.Namespace) -> int:
 def _kind_json(kind: KindDescription) -> dict[str, Any]:
     from headwater.entities.schema import type_name
 
-    return {
-        "kind_id": kind.kind_id,
-        "name": kind.name,
-        "schema_version": kind.schema_version,
-        "event_stream": kind.event_stream,
-        "internal": kind.internal,
-        "fields": [{"name": f.name, "type": type_name(f.type)} for f in kind.fields],
-        "entities": kind.entities,
-        "subscribers": kind.subscribers,
-    }
+    fields = [{"name": f.name, "type": type_name(f.type)} for f in kind.fields]
+    return {**json_fields(kind), "fields": fields}  # "fields" keeps its place
 
 
 @client_command

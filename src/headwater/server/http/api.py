@@ -20,6 +20,7 @@ from headwater.api import (
     StreamSettings,
 )
 from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.json_fields import json_fields
 from headwater.server.http.app import (
     METRICS_KEY,
     PROTOCOL,
@@ -81,14 +82,7 @@ def stream_json(info: StreamInfo) -> dict[str, Any]:
         },
         "partitions": info.partitions,
         "partition_offsets": [
-            {
-                "partition": p.partition,
-                "start_offset": p.start_offset,
-                "next_offset": p.next_offset,
-                "last_stable_offset": p.last_stable_offset,
-                "high_watermark": p.high_watermark,
-            }
-            for p in info.partition_info
+            json_fields(p, omit=("size_bytes", "segments")) for p in info.partition_info
         ],
     }
 

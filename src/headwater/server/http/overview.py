@@ -15,6 +15,7 @@ from headwater.engine.kinds import EntityState, KindInfo
 from headwater.engine.kinds.errors import KindNotFound as EngineKindNotFound
 from headwater.entity_keys import key_text, parse_entity_ref
 from headwater.errors import EntityNotFound, InvalidRequest, KindNotFound
+from headwater.json_fields import json_fields
 from headwater.protocols.kiwi.results import field_json
 from headwater.server.http.app import api_of, int_param, json_body, json_response, tenant_of
 
@@ -115,14 +116,7 @@ async def consumer_groups(request: web.Request) -> web.Response:
 
 
 def partition_lag_json(part: PartitionLag) -> dict[str, Any]:
-    return {
-        "group": part.group,
-        "stream": part.stream,
-        "partition": part.partition,
-        "committed_offset": part.committed_offset,
-        "end_offset": part.end_offset,
-        "lag": part.lag,
-    }
+    return json_fields(part, omit=("tenant_id",))  # the request named the tenant
 
 
 RESET_TARGETS = ("offset", "to", "timestamp_ms")
