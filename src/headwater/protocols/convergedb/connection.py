@@ -50,24 +50,27 @@ from .messages import (
 _MAX_STREAM_ID = 0xFFFF
 
 
-class Reply(_connection.Reply[Frame]):
+class _Framed:
+    """Reply's and Reject's ``answer`` under ConvergeDB's name for it, ``frame``."""
+
+    __slots__ = ()
+    answer: Frame
+
+    @property
+    def frame(self) -> Frame:
+        return self.answer
+
+
+class Reply(_Framed, _connection.Reply[Frame]):
     """An ERROR the connection produced itself: send ``data`` and carry on."""
 
     __slots__ = ()
 
-    @property
-    def frame(self) -> Frame:
-        return self.answer
 
-
-class Reject(_connection.Reject[Frame]):
+class Reject(_Framed, _connection.Reject[Frame]):
     """The framing broke: send ``data`` (an ERROR), then close the connection."""
 
     __slots__ = ()
-
-    @property
-    def frame(self) -> Frame:
-        return self.answer
 
 
 ServerEvent = Frame | Reply | Reject | Close
