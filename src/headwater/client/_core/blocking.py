@@ -23,28 +23,27 @@ from ..errors import ClientClosed
 T = TypeVar("T")
 
 
-class _AsyncClient(Protocol):
-    @property
-    def reconnects(self) -> int: ...
+class _AsyncClosable(Protocol):
+    """What a blocking client and a blocking subscription both close and ask."""
 
     @property
     def closed(self) -> bool: ...
-
-    async def _ensure(self) -> Any: ...
 
     async def close(self) -> None: ...
 
 
-class _AsyncSubscription(Protocol):
+class _AsyncClient(_AsyncClosable, Protocol):
     @property
-    def closed(self) -> bool: ...
+    def reconnects(self) -> int: ...
 
+    async def _ensure(self) -> Any: ...
+
+
+class _AsyncSubscription(_AsyncClosable, Protocol):
     @property
     def resubscribes(self) -> int: ...
 
     async def start(self) -> Any: ...
-
-    async def close(self) -> None: ...
 
 
 A = TypeVar("A", bound=_AsyncClient)
