@@ -82,24 +82,27 @@ class ResponseFrame:
         return kind
 
 
-class Reply(_connection.Reply[pb.Response]):
+class _Answered:
+    """Reply's and Reject's ``answer`` under the name a ResponseFrame gives it, ``response``."""
+
+    __slots__ = ()
+    answer: pb.Response
+
+    @property
+    def response(self) -> pb.Response:
+        return self.answer
+
+
+class Reply(_Answered, _connection.Reply[pb.Response]):
     """An answer the connection produced itself; send ``data`` and carry on."""
 
     __slots__ = ()
 
-    @property
-    def response(self) -> pb.Response:
-        return self.answer
 
-
-class Reject(_connection.Reject[pb.Response]):
+class Reject(_Answered, _connection.Reject[pb.Response]):
     """Send ``data`` (the connection's last answer), then close."""
 
     __slots__ = ()
-
-    @property
-    def response(self) -> pb.Response:
-        return self.answer
 
 
 ServerEvent = RequestFrame | Reply | Reject | Close
