@@ -27,17 +27,15 @@ __all__ = ["Connection", "Lost", "NotSent"]
 
 
 class Connection(Link[Response, ResponsePayload]):
+    codec: ClientConnection
+
     def __init__(
         self,
         codec: ClientConnection,
         on_lost: Callable[[Connection, BaseException | None], None],
     ) -> None:
-        super().__init__(on_lost)
-        self.codec = codec
+        super().__init__(codec, on_lost)
         self.last_id = 0
-
-    def _decode(self, data: bytes) -> list[Response]:
-        return self.codec.receive_data(data)
 
     def _dispatch(self, response: Response) -> None:
         payload = response.payload

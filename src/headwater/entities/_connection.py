@@ -29,18 +29,16 @@ def is_reply(message: m.Message) -> bool:
 
 
 class CdbConnection(Link[m.Frame, m.Message]):
+    codec: ClientConnection
+
     def __init__(
         self,
         on_lost: Callable[[CdbConnection, BaseException | None], None],
         on_error: Callable[[m.ErrorMessage], None],
     ) -> None:
-        super().__init__(on_lost)
-        self.codec = ClientConnection()
+        super().__init__(ClientConnection(), on_lost)
         self.on_error = on_error
         self.source_id: int | None = None
-
-    def _decode(self, data: bytes) -> list[m.Frame]:
-        return self.codec.receive_data(data)
 
     def _dispatch(self, frame: m.Frame) -> None:
         message, stream_id = frame.message, frame.stream_id

@@ -91,20 +91,18 @@ class _Link(Link[Received, rm.Message]):
     ``outbox`` (under the worker's guard), so envelopes leave in the order they were
     numbered whichever thread framed them."""
 
+    codec: ClientConnection
+
     def __init__(
         self,
         worker_id: str,
         on_lost: Callable[[_Link, BaseException | None], None],
         on_checkpoint_request: Callable[[_Link, rm.CheckpointRequest], None],
     ) -> None:
-        super().__init__(on_lost)
-        self.codec = ClientConnection(worker_id)
+        super().__init__(ClientConnection(worker_id), on_lost)
         self.on_checkpoint_request = on_checkpoint_request
         self.outbox: list[bytes] = []
         self.flush_scheduled = False
-
-    def _decode(self, data: bytes) -> list[Received]:
-        return self.codec.receive_data(data)
 
     def _dispatch(self, received: Received) -> None:
         message = received.message

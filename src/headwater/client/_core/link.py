@@ -23,6 +23,13 @@ In = TypeVar("In")
 """What the codec decodes from the server's bytes."""
 Out = TypeVar("Out")
 """What answers a request (and what a route is given)."""
+In_co = TypeVar("In_co", covariant=True)
+
+
+class Decoder(Protocol[In_co]):
+    """The receiving half of a sans-I/O client codec, as every protocol's has it."""
+
+    def receive_data(self, data: bytes) -> Iterable[In_co]: ...
 
 
 class NotSent(Exception):
@@ -54,9 +61,13 @@ def reason(exc: BaseException, hint: str = "is `headwater serve` running there?"
 
 
 class Link(asyncio.Protocol, Generic[In, Out]):
-    """The asyncio side of one connection; subclasses decode and dispatch."""
+    """The asyncio side of one connection over ``codec``; subclasses dispatch (and
+    name their codec's own type, for what they send with it)."""
 
-    def __init__(self, on_lost: Callable[[Any, BaseException | None], None]) -> None:
+    def __init__(
+        self, codec: Decoder[In], on_lost: Callable[[Any, BaseException | None], None]
+    ) -> None:
+        self.codec = codec
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.pending: dict[Hashable, asyncio.Future[Out]] = {}
@@ -72,7 +83,7 @@ class Link(asyncio.Protocol, Generic[In, Out]):
 
     def _decode(self, data: bytes) -> Iterable[In]:
         """The messages ``data`` completes (raises ProtocolError on bad bytes)."""
-        raise NotImplementedError
+        return self.codec.receive_data(data)
 
     def _dispatch(self, message: In) -> None:
         """Hand one decoded message on (see :meth:`_deliver`)."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Callable
 from typing import Any, ClassVar, Self, TypedDict, TypeVar
 
 from google.protobuf.message import Message
@@ -117,16 +116,7 @@ class _CoordinatorElsewhere(NotLeader):
 class RivvenLink(Link[ResponseFrame, Message]):
     """One Rivven connection: answers matched by correlation id (no pushes)."""
 
-    def __init__(
-        self,
-        codec: ClientConnection,
-        on_lost: Callable[[RivvenLink, BaseException | None], None],
-    ) -> None:
-        super().__init__(on_lost)
-        self.codec = codec
-
-    def _decode(self, data: bytes) -> list[ResponseFrame]:
-        return self.codec.receive_data(data)
+    codec: ClientConnection
 
     def _dispatch(self, frame: ResponseFrame) -> None:
         answer: Message = getattr(frame.response, frame.kind)
