@@ -258,13 +258,24 @@ class Connect(_Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Assert(_Message):
+class _WriteOp(_Message):
+    """What every write op (ASSERT, RETRACT, PATCH) starts with: u16 kind_id, entity_id."""
+
+    kind_id: U16
+    entity_id: Entity
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        """``(kind_id, entity_id)``: what the engine partitions writes by."""
+        return self.kind_id, self.entity_id
+
+
+@dataclass(frozen=True, slots=True)
+class Assert(_WriteOp):
     """ASSERT: u16 kind_id, entity_id, u32 fd_len + field_data (fields 0..k-1),
     u16 meta_len + metadata. Sets the writer's source bit and replaces the fields."""
 
     opcode: ClassVar[Opcode] = Opcode.ASSERT
-    kind_id: U16
-    entity_id: Entity
     field_data: Blob32 = b""
     metadata: Blob16 = b""
 
@@ -282,40 +293,27 @@ class Assert(_Message):
         """Encode ``values`` (fields 0..len(values)-1 of ``schema``) into an ASSERT."""
         return cls(kind_id, entity_id, encode_fields(schema, values), metadata)
 
-    @property
-    def key(self) -> tuple[int, bytes]:
-        """``(kind_id, entity_id)``: what the engine partitions writes by."""
-        return self.kind_id, self.entity_id
-
     def fields(self, schema: SchemaLike) -> list[FieldValue]:
         """Every field's new value: the sent prefix, defaults after it."""
         return decode_fields(schema, self.field_data, complete=True)
 
 
 @dataclass(frozen=True, slots=True)
-class Retract(_Message):
+class Retract(_WriteOp):
     """RETRACT: u16 kind_id, entity_id, u16 meta_len + metadata. Clears the writer's bit."""
 
     opcode: ClassVar[Opcode] = Opcode.RETRACT
-    kind_id: U16
-    entity_id: Entity
     metadata: Blob16 = b""
 
     MIN_SIZE: ClassVar[int] = 2 + ENTITY_ID_SIZE + 2
 
-    @property
-    def key(self) -> tuple[int, bytes]:
-        return self.kind_id, self.entity_id
-
 
 @dataclass(frozen=True, slots=True)
-class Patch(_Message):
+class Patch(_WriteOp):
     """PATCH: u16 kind_id, entity_id, u64 presence_mask, u32 fd_len + field_data (exactly
     the fields whose bit is set), u16 meta_len + metadata."""
 
     opcode: ClassVar[Opcode] = Opcode.PATCH
-    kind_id: U16
-    entity_id: Entity
     presence_mask: U64
     field_data: Blob32 = b""
     metadata: Blob16 = b""
@@ -334,10 +332,6 @@ class Patch(_Message):
         """Encode ``{field ordinal: value}`` into a PATCH."""
         mask, data = encode_present_fields(schema, values)
         return cls(kind_id, entity_id, mask, data, metadata)
-
-    @property
-    def key(self) -> tuple[int, bytes]:
-        return self.kind_id, self.entity_id
 
     def fields(self, schema: SchemaLike) -> dict[int, FieldValue]:
         """``{field ordinal: new value}`` for the fields present."""
