@@ -15,18 +15,16 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from headwater.api import EngineAPI, StreamTarget
-from headwater.api.auth import Principal
-from headwater.engine.engine import (
-    ACKS_ALL,
-    ACKS_LEADER,
+from headwater.api import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
-    READ_COMMITTED,
-    READ_UNCOMMITTED,
+    EngineAPI,
     StreamInfo,
     StreamSettings,
+    StreamTarget,
 )
+from headwater.api.auth import Principal
+from headwater.engine.engine import ACKS_ALL, ACKS_LEADER, READ_COMMITTED, READ_UNCOMMITTED
 from headwater.engine.groups import JoinFailed, JoinResult, TopicPartition
 from headwater.engine.groups.coordinator import NO_GENERATION
 from headwater.engine.partitioner import keyed_partition
