@@ -144,31 +144,24 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
     service = "headwater (Rivven)"
     listener = "rivven"
 
-    def __init__(
-        self,
-        server: str,
-        *,
-        token: str | None,
-        client_id: str,
-        timeout: float | None,
-        reconnect: bool,
-        retries: int,
-        reconnect_attempts: int,
-        backoff_base: float,
-        backoff_max: float,
-        tls: ssl.SSLContext | None,
-    ) -> None:
+    def __init__(self, server: str, client_id: str, connection: ConnectionOptions) -> None:
+        """The :class:`ConnectionOptions` given, their defaults for the rest."""
         super().__init__(
             server,
-            timeout,
-            reconnect,
-            reconnect_attempts,
-            backoff_base,
-            backoff_max,
-            retries,
-            tls=tls,
+            connection.get("timeout", 30.0),
+            connection.get("reconnect", True),
+            connection.get("reconnect_attempts", 10),
+            connection.get("backoff_base", 0.05),
+            connection.get("backoff_max", 2.0),
+            connection.get("retries", 5),
+            tls=client_context(
+                connection.get("tls", False),
+                connection.get("ca"),
+                connection.get("cert"),
+                connection.get("key"),
+            ),
         )
-        self.token = token
+        self.token = connection.get("token")
         self.client_id = client_id
         self.requests = 0  # requests written, handy in tests and for monitoring
         self.throttled = 0  # ThrottledResponses answered (each request sent again)
@@ -268,23 +261,7 @@ class RivvenClient:
                 f"{type(self).__name__}.__init__() got an unexpected keyword argument "
                 f"{sorted(unknown)[0]!r}"
             )
-        self._session = RivvenSession(
-            server,
-            token=connection.get("token"),
-            client_id=client_id,
-            timeout=connection.get("timeout", 30.0),
-            reconnect=connection.get("reconnect", True),
-            retries=connection.get("retries", 5),
-            reconnect_attempts=connection.get("reconnect_attempts", 10),
-            backoff_base=connection.get("backoff_base", 0.05),
-            backoff_max=connection.get("backoff_max", 2.0),
-            tls=client_context(
-                connection.get("tls", False),
-                connection.get("ca"),
-                connection.get("cert"),
-                connection.get("key"),
-            ),
-        )
+        self._session = RivvenSession(server, client_id, connection)
         self._closed = False
 
     @property
