@@ -330,8 +330,10 @@ def test_sections_read_together_read_as_the_reference_decoder_reads_them(
             memoryview(laid)[end - len(section) : end]
             for end, section in zip(at, sections, strict=True)
         ]
-    # Long batches are read run by run (_batch_runs): drawn here for batches of any size.
-    with patch.object(kafka_batch, "RUNS_FROM", data.draw(st.sampled_from([1, 10**9]))):
+    # Long batches are read run by run (_batch_runs), the others record by record:
+    # drawn here for batches of any size, all one way or a round of both.
+    runs_from = data.draw(st.sampled_from([1, 10**9]) | st.integers(2, 12))
+    with patch.object(kafka_batch, "RUNS_FROM", runs_from):
         read = kafka_batch.sections_values(given)
     spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
     assert [bytes(read.body[start:end]) for start, end in spans] == values
@@ -366,15 +368,16 @@ def test_the_numpy_produce_check_passes_only_what_the_walk_passes(
 
 
 def test_long_batches_of_one_read_buffer_are_read_where_they_lie() -> None:
-    # The projection's sections come from one read of the log: long uncompressed ones
-    # are read in that buffer (no copy of them laid end to end), their values the same.
+    # The projection's sections come from one read of the log: uncompressed ones are
+    # read in that buffer (no copy of them laid end to end), their values the same; a
+    # short batch among long ones (read record by record, they run by run) too.
     sections, values = [], []
-    for batch in range(3):
+    for batch, count in enumerate((kafka_batch.RUNS_FROM + 300, 7, kafka_batch.RUNS_FROM)):
         records = [
             Record(
                 offset_delta=i, timestamp_delta=i // 100, key=None, value=b"%d-%04d" % (batch, i)
             )
-            for i in range(kafka_batch.RUNS_FROM + 300)
+            for i in range(count)
         ]
         sections.append(build_batch(records, base_timestamp=1_000)[CRC_OFFSET:])
         values += [record.value for record in records]

@@ -425,25 +425,16 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
     counts = np.array([h.records_count for h in headers], np.int64)
     firsts = np.concatenate(([0], np.cumsum(counts)))
     lengths = np.array([len(body) for body in bodies], np.int64)
-    shared = _shared_buffer(bodies) if int(counts.min()) >= RUNS_FROM else None
+    shared = _shared_buffer(bodies)
     whole: bytes | memoryview
     if shared is not None:
-        # Long uncompressed batches read from one buffer (the log's read chunk) are
-        # read where they lie: no copy of them laid end to end.
+        # Uncompressed batches read from one buffer (the log's read chunk) are read
+        # where they lie: no copy of them laid end to end.
         whole, body_starts = shared
-        predicted: tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None = _spans_by_runs(
-            whole,
-            np.frombuffer(whole, np.uint8),
-            body_starts,
-            lengths,
-            headers,
-            counts,
-            firsts,
-        )
     else:
         whole = b"".join(bodies)
         body_starts = np.cumsum(lengths) - lengths
-        predicted = _predicted_spans(whole, bodies, headers, counts, firsts)
+    predicted = _spans_at(whole, body_starts, lengths, headers, counts, firsts)
     if predicted is not None and predicted[3].all():
         starts, ends, timestamps, _ = predicted
         return ValueSpans(whole, starts, ends, timestamps, firsts.tolist())
@@ -523,25 +514,69 @@ def _predicted_spans(
     counts: Int64s,
     firsts: Int64s,
 ) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None:
-    """Every record's value span in ``joined`` and its timestamp as predicted (see
-    :func:`sections_values`), and which batches read exactly so. A batch not as
-    predicted has its records' starts found run by run (:func:`_run_starts`: a long
-    batch's timestamp deltas take a second byte part way through) and is read again."""
-    buf = np.frombuffer(joined, np.uint8)
+    """:func:`_spans_at` of ``bodies`` laid end to end in ``joined``."""
     lengths = np.array([len(body) for body in bodies], np.int64)
+    return _spans_at(joined, np.cumsum(lengths) - lengths, lengths, headers, counts, firsts)
+
+
+def _spans_at(
+    joined: bytes | memoryview,
+    body_starts: Int64s,
+    lengths: Int64s,
+    headers: Sequence[SectionHeader],
+    counts: Int64s,
+    firsts: Int64s,
+) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] | None:
+    """Every record's value span in ``joined`` (batch ``k``'s records at
+    ``body_starts[k]``, ``lengths[k]`` bytes, in ascending order) and its timestamp as
+    predicted (see :func:`sections_values`), and which batches read exactly so. Each
+    batch of :data:`RUNS_FROM` records or more is read run by run
+    (:func:`_spans_by_runs`), the shorter ones record by record
+    (:func:`_spans_by_records`): a round of long batches with one short one among
+    them (a producer's last) is not read record by record for its sake."""
+    buf = np.frombuffer(joined, np.uint8)
     if not len(buf) or (counts < 1).any() or (counts > lengths).any():
         return None
-    if int(counts.min()) >= RUNS_FROM:
-        body_starts = np.cumsum(lengths) - lengths
+    long = counts >= RUNS_FROM
+    if long.all():
         return _spans_by_runs(joined, buf, body_starts, lengths, headers, counts, firsts)
+    short = np.flatnonzero(~long)
+    by_records = _spans_by_records(
+        buf, body_starts[short], lengths[short], [headers[k] for k in short.tolist()], counts[short]
+    )
+    if not long.any():
+        return by_records
+    value_starts, value_ends, timestamps, batch_ok = _spans_by_runs(
+        joined, buf, body_starts, lengths, headers, counts, firsts, np.flatnonzero(long)
+    )
+    rows = np.repeat(~long, counts)
+    value_starts[rows], value_ends[rows], timestamps[rows] = by_records[:3]
+    batch_ok[short] = by_records[3]
+    return value_starts, value_ends, timestamps, batch_ok
+
+
+def _spans_by_records(
+    buf: npt.NDArray[np.uint8],
+    body_starts: Int64s,
+    lengths: Int64s,
+    headers: Sequence[SectionHeader],
+    counts: Int64s,
+) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
+    """:func:`_spans_at` record by record: every record's start is predicted from its
+    batch's first record's size (give or take the bytes its offset delta takes) and
+    all records' fields are read at once (:func:`_read_records`). A batch not as
+    predicted has its records' starts found run by run (:func:`_run_starts`: a long
+    batch's timestamp deltas take a second byte part way through) and is read again."""
+    data = buf.data  # its items Python ints, for _varint
     first_lengths = []
-    for body in bodies:  # each batch's first record's length (a few bytes each)
+    for start in body_starts.tolist():  # each batch's first record's length (a few bytes)
         try:
             # A length below a record's least (damage) is read as that: no record is
             # predicted to end before it starts.
-            first_lengths.append(max(6, _varint(body, 0)[0]))  # type: ignore[arg-type]
+            first_lengths.append(max(6, _varint(data, start)[0]))  # type: ignore[arg-type]
         except (IndexError, KafkaRecordsError):
             first_lengths.append(6)
+    firsts = np.concatenate(([0], np.cumsum(counts)))
     total = int(firsts[-1])
     batch_first = firsts[:-1]
     local = np.arange(total, dtype=np.int64) - np.repeat(batch_first, counts)
@@ -549,8 +584,7 @@ def _predicted_spans(
     record_lengths += _varint_sizes(local)
     record_sizes = _varint_sizes(record_lengths) + record_lengths
     before = np.cumsum(record_sizes) - record_sizes
-    body_ends = np.cumsum(lengths)
-    body_starts = body_ends - lengths
+    body_ends = body_starts + lengths
     starts = np.repeat(body_starts - before[batch_first], counts) + before
     value_starts, value_ends, timestamps, batch_ok = _read_records(
         buf, starts, local, counts, body_ends, headers
@@ -598,17 +632,18 @@ def _spans_by_runs(
     headers: Sequence[SectionHeader],
     counts: Int64s,
     firsts: Int64s,
+    only: Int64s | None = None,
 ) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
-    """:func:`_predicted_spans` of long batches (batch ``k``'s records at
-    ``body_starts[k]`` of ``joined``, ``lengths[k]`` bytes), each read by
-    :func:`_batch_runs`."""
+    """:func:`_spans_at` of long batches, each read by :func:`_batch_runs`: every
+    batch, or those ``only`` (the others' rows left 0 and not ok)."""
     total = int(firsts[-1])
     value_starts = np.zeros(total, np.int64)
     value_ends = np.zeros(total, np.int64)
     timestamps = np.zeros(total, np.int64)
     batch_ok = np.zeros(len(headers), np.bool_)
     data = memoryview(joined).cast("B") if isinstance(joined, memoryview) else joined
-    for k, header in enumerate(headers):
+    for k in range(len(headers)) if only is None else only.tolist():
+        header = headers[k]
         body_start = int(body_starts[k])
         body_end = body_start + int(lengths[k])
         read = _batch_runs(data, buf, body_start, body_end, int(counts[k]))
