@@ -95,6 +95,7 @@ from headwater.sql.sealed import (
     write_sealed,
 )
 from headwater.storage import kafka_batch
+from headwater.storage.batch import BOUNDS_FROM
 
 if TYPE_CHECKING:
     import duckdb
@@ -279,8 +280,10 @@ def piece_columns(
             lo, hi = int(starts[0]), int(ends[-1])
             sections.append(memoryview(kafka.body)[lo:hi])
         else:
-            record = batch.value_bounds()
-            lo, hi = record[piece.start], record[piece.stop]
+            # A large batch's bounds come from numpy (no step per value); small ones walked.
+            large = batch.count >= BOUNDS_FROM
+            record = batch.value_bounds_array() if large else batch.value_bounds()
+            lo, hi = int(record[piece.start]), int(record[piece.stop])
             sections.append(batch.values_section()[lo:hi])
             if n == 1:  # the value after its u64 length
                 singles.append(shift + 8)
@@ -288,7 +291,7 @@ def piece_columns(
                 shift += hi - lo
                 rows += n
                 continue
-            bounds = np.array(record[piece.start : piece.stop + 1], np.int64)
+            bounds = np.asarray(record[piece.start : piece.stop + 1], np.int64)
             starts, ends = bounds[:-1] + 8, bounds[1:]
         if singles:
             value_starts.append(np.array(singles, np.int64))

@@ -11,17 +11,15 @@ value is NULL, as Kafka readers see it.
 
 from __future__ import annotations
 
-import struct
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from headwater.errors import CorruptBatchError
 from headwater.sql.projection import RANGE_SCHEMA, _Piece, piece_columns, read_round
 from headwater.sql.sealed import TS_TYPE
-from headwater.storage.batch import KEY_PRESENT, KEY_TOMBSTONE
+from headwater.storage.batch import KEY_PRESENT, KEY_TOMBSTONE, key_spans
 
 if TYPE_CHECKING:
     from headwater.storage.log import PartitionLog
@@ -38,7 +36,6 @@ RECORDS_SCHEMA = pa.schema(
     ]
 )
 assert RECORDS_SCHEMA.names[:4] == RANGE_SCHEMA.names
-_U32_AT = struct.Struct("<I").unpack_from
 
 
 class RecordsCursor:
@@ -121,17 +118,12 @@ def key_column(
 ) -> tuple[pa.Array, np.ndarray]:
     """Keys ``start..stop-1`` of a batch's keys section (``u8 flags | u32 len | bytes``
     per event) as an Arrow binary array (NULL where an event has no key) and the events'
-    tombstone flags. The record boundaries are walked once (a few integer operations per
-    event, as :func:`headwater.storage.batch.value_spans` walks values); the array is
-    the section's own bytes with each 5-byte head sliced off in C."""
-    pos = 0
-    try:
-        bounds = [0] + [pos := pos + 5 + _U32_AT(section, pos + 1)[0] for _ in range(count)]
-    except struct.error:
-        raise CorruptBatchError("keys section truncated: a key overruns it") from None
-    if pos != len(section):
-        raise CorruptBatchError("keys section does not match its keys")
-    edges = np.array(bounds[start : stop + 1], np.int64)
+    tombstone flags. The record boundaries come from :func:`key_spans` (numpy over the
+    whole section for many short keys, else a walk of the lengths); the array is the
+    section's own bytes with each 5-byte head sliced off in C."""
+    bounds = key_spans(section, count)
+    pos = int(bounds[-1])
+    edges = bounds[start : stop + 1]
     flags = np.frombuffer(section, np.uint8)[edges[:-1]]
     first = int(edges[0])
     records = pa.Array.from_buffers(

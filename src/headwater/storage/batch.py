@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from typing import TypedDict, Unpack
 
 import crc32c
+import numpy as np
+import numpy.typing as npt
 
 from headwater.errors import CorruptBatchError, UsageError
 from headwater.storage import kafka_batch
@@ -134,15 +136,146 @@ def fixed_stride(section: bytes | memoryview, count: int, start: int = 0) -> int
     return None
 
 
+BOUNDS_FROM = 256
+"""Sections of at least this many records are tried with :func:`record_bounds` (a few
+whole-array numpy passes); fewer are walked in Python, cheaper than numpy's per-call
+overhead for them."""
+SHORT_RECORD = 128
+""":func:`record_bounds` is tried only where records average under this many bytes after
+their heads: it reads every byte, a walk reads one length per record, so longer records
+are walked."""
+
+
+def record_bounds(
+    section: bytes | memoryview,
+    count: int,
+    start: int,
+    *,
+    head: int,
+    length_at: int,
+    length_size: int,
+) -> npt.NDArray[np.int64] | None:
+    """Bounds (``count + 1`` positions) of the ``count`` length-prefixed records laid
+    from ``start`` to the end of ``section`` (each a ``head``-byte head holding a
+    little-endian length of ``length_size`` bytes at ``length_at``, then that many
+    bytes), found by numpy without a Python step per record when every record is
+    shorter than 256 bytes; None when that cannot be shown (the caller walks, and
+    refuses what the walk refuses).
+
+    A record under 256 bytes has every length byte but the first zero, so every record
+    starts at a position whose bytes there are zero. Those positions are found at once;
+    when there are exactly ``count`` of them, the first is ``start``, each one's first
+    length byte leads to the next and the last one's to the end, they are exactly what
+    a walk from ``start`` finds (each length read in full is that byte), so nothing is
+    taken on trust: any other outcome (a longer record, zero bytes in the data where a
+    length could be) returns None."""
+    data = np.frombuffer(section, np.uint8)
+    span = len(data) - start - head + 1  # positions a record can start at
+    if count < 1 or span < 1 or length_size < 2:
+        return None
+    zero = data == 0
+    at = start + length_at
+    candidate = zero[at + 1 : at + 1 + span].copy()
+    for k in range(2, length_size):
+        candidate &= zero[at + k : at + k + span]
+    starts = np.flatnonzero(candidate)
+    if not count <= len(starts) <= 2 * count:
+        return None
+    ends = starts + data[starts + at] + head  # int64: flatnonzero's dtype
+    stop = len(data) - start
+    if len(starts) > count:  # zeros in the data (binary values): sift out what no walk reaches
+        starts, ends = _sift(starts, ends, stop)
+    if (
+        len(starts) != count
+        or starts[0] != 0
+        or ends[-1] != stop
+        or not np.array_equal(ends[:-1], starts[1:])
+    ):
+        return None
+    bounds = np.empty(count + 1, np.int64)
+    bounds[:-1] = starts
+    bounds[-1] = stop
+    bounds += start
+    return bounds
+
+
+def _sift(
+    starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64], stop: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Candidate record starts (and where each one's record would end) less those that
+    cannot be on the walk from 0: a record that ends neither at a candidate nor at
+    ``stop``, or a candidate (but 0) where no candidate's record ends. True starts are
+    never dropped (each ends at the next, or at ``stop``, and is where the one before
+    ends); a few rounds drop the chains of false ones."""
+    for _ in range(4):
+        ends = np.minimum(ends, stop + 1)
+        member = np.zeros(stop + 2, np.bool_)
+        member[starts] = True
+        member[stop] = True
+        onward = member[ends]
+        led = np.zeros(stop + 2, np.bool_)
+        led[ends[onward]] = True
+        led[0] = True
+        keep = onward & led[starts]
+        if keep.all():
+            break
+        starts, ends = starts[keep], ends[keep]
+    return starts, ends
+
+
+def _short_records(section: bytes | memoryview, count: int, start: int, head: int) -> bool:
+    return count >= BOUNDS_FROM and len(section) - start < count * (head + SHORT_RECORD)
+
+
 def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list[int]:
     """Boundaries of ``count`` values in a values section: ``count + 1`` byte positions.
 
     Raises ValueError when the section does not hold exactly ``count`` well-formed values.
     """
-    end = len(section)
     stride = fixed_stride(section, count, start)
     if stride is not None:
-        return list(range(start, end + 1, stride))
+        return list(range(start, len(section) + 1, stride))
+    if _short_records(section, count, start, 8):
+        found = record_bounds(section, count, start, head=8, length_at=0, length_size=8)
+        if found is not None:
+            return found.tolist()  # type: ignore[no-any-return]
+    return _walk_values(section, count, start)
+
+
+def value_spans_array(
+    section: bytes | memoryview, count: int, start: int = 0
+) -> npt.NDArray[np.int64]:
+    """:func:`value_spans` as a numpy array, for callers that build columns from it."""
+    stride = fixed_stride(section, count, start)
+    if stride is not None:
+        return np.arange(start, len(section) + 1, stride, dtype=np.int64)
+    if _short_records(section, count, start, 8):
+        found = record_bounds(section, count, start, head=8, length_at=0, length_size=8)
+        if found is not None:
+            return found
+    return np.array(_walk_values(section, count, start), np.int64)
+
+
+def key_spans(section: bytes | memoryview, count: int) -> npt.NDArray[np.int64]:
+    """Boundaries (``count + 1`` byte positions) of the ``count`` records of a keys
+    section (``u8 flags | u32 len | bytes`` each). CorruptBatchError when the section
+    does not hold exactly ``count`` of them."""
+    if _short_records(section, count, 0, 5):
+        found = record_bounds(section, count, 0, head=5, length_at=1, length_size=4)
+        if found is not None:
+            return found
+    pos = 0
+    try:
+        bounds = [0] + [pos := pos + 5 + _U32_AT(section, pos + 1)[0] for _ in range(count)]
+    except struct.error:
+        raise CorruptBatchError("keys section truncated: a key overruns it") from None
+    if pos != len(section):
+        raise CorruptBatchError("keys section does not match its keys")
+    return np.array(bounds, np.int64)
+
+
+def _walk_values(section: bytes | memoryview, count: int, start: int) -> list[int]:
+    end = len(section)
     # Values of different sizes: one walk over the length fields, as a comprehension
     # (the per-event cost of reading pages of JSON). A length running past the end makes
     # the next read of a length fail, or the last bound miss the end: checked once.
@@ -466,6 +599,13 @@ class Batch:
         """Byte positions (within the values section) bounding each value's record."""
         try:
             return value_spans(self.values_section(), self.count)
+        except ValueError as exc:
+            raise CorruptBatchError(str(exc)) from None
+
+    def value_bounds_array(self) -> npt.NDArray[np.int64]:
+        """:meth:`value_bounds` as a numpy array (built in bulk for a large batch)."""
+        try:
+            return value_spans_array(self.values_section(), self.count)
         except ValueError as exc:
             raise CorruptBatchError(str(exc)) from None
 
