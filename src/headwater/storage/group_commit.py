@@ -7,6 +7,13 @@ One in flight measured best here (4 writers on one stream: 3.9M events/s with 50
 for 2,000 appends, against 3.7M with up to 4 in flight and 1,826 fsyncs). Each fsync runs
 in a worker thread, which hands the outcome straight back to the loop.
 
+The worker threads are :class:`FsyncThreads`, long-lived and kept for fsyncs: a sync is
+handed over as a plain callable on a queue (one futex wake) and reported with one
+``call_soon_threadsafe``. Through ``run_in_executor`` it cost an executor future, an
+asyncio future chained to it and a second wake-up of the loop to settle that chain,
+about 30 µs of the loop's CPU per single-event append, and the worker ran Python
+(future and semaphore bookkeeping) after reporting, holding the GIL the loop needed.
+
 An fsync never runs on the loop thread (ARCHITECTURE.md, principle 5), not even a lone
 writer's (Redis's ``appendfsync always`` fsyncs in its event loop): measured, that saved
 a lone append the two thread switches (0.1-0.2 ms at load 2.5), but one slow fdatasync would hold
@@ -23,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -35,21 +44,74 @@ log = logging.getLogger(__name__)
 
 CommitListener = Callable[[int], None]
 MAX_SYNCS_IN_FLIGHT = 1
+FSYNC_THREADS = 8  # at most this many fsyncs (of different logs) run at once
+
+
+class FsyncThreads:
+    """Long-lived threads that run the fsyncs of every committer in the process, one
+    job (a callable, which reports its own outcome) at a time each. A thread is started
+    only when none is idle, up to ``max_threads``; beyond that jobs queue. Daemon
+    threads: a committer's ``aclose`` waits for its own fsyncs."""
+
+    def __init__(self, max_threads: int = FSYNC_THREADS) -> None:
+        self._max_threads = max_threads
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0  # threads waiting for a job and not yet promised one
+
+    def submit(self, job: Callable[[], None]) -> None:
+        name = None
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            elif self._threads < self._max_threads:
+                name = f"hw-fsync_{self._threads}"
+                self._threads += 1
+            # else every thread is busy: the job waits for the first one free
+        self._jobs.put(job)
+        if name is not None:
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        jobs = self._jobs
+        while True:
+            try:
+                jobs.get()()  # a job reports its own outcome
+            except Exception:
+                log.exception("an fsync job failed")
+            with self._lock:
+                self._idle += 1
+
+
+_fsync_threads: FsyncThreads | None = None
+_fsync_threads_lock = threading.Lock()
+
+
+def fsync_threads() -> FsyncThreads:
+    """The process's fsync threads (made at the first fsync)."""
+    global _fsync_threads
+    with _fsync_threads_lock:
+        if _fsync_threads is None:
+            _fsync_threads = FsyncThreads()
+        return _fsync_threads
 
 
 class GroupCommitter:
-    """Durability for one partition log."""
+    """Durability for one partition log. Its ``fsync`` policy's syncs run on
+    :func:`fsync_threads`; ``executor`` runs the rest (``interval`` syncs, the last sync
+    at closing)."""
 
     def __init__(self, plog: PartitionLog, executor: Executor | None = None) -> None:
         self.log = plog
         self.policy = plog.config.sync
         self._executor = executor
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        # Running fsyncs (by number) and the end offset each was started for; their
-        # executor futures, which only closing waits for (the worker thread reports
-        # the outcome to the loop itself).
+        # Running fsyncs (by number) and the end offset each was started for; closing
+        # waits on ``_syncs_ended`` until none runs.
         self._syncs: dict[int, int] = {}
-        self._sync_futures: set[asyncio.Future[None]] = set()
+        self._syncs_ended: asyncio.Future[None] | None = None
+        self._start_pending = False  # a start of an fsync is due after this loop turn
         self._sync_number = 0
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
@@ -93,16 +155,22 @@ class GroupCommitter:
             return
         if self.log.durable_offset >= next_offset:
             return
-        if not self._syncs:
-            # One loop turn first: requests read in the same turn (a pipelining
-            # client's, other connections') write meanwhile and share the fsync.
-            await asyncio.sleep(0)
-            if self.log.durable_offset >= next_offset:
-                return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((next_offset, fut))
-        self._maybe_start_sync()
+        if self._syncs:
+            self._maybe_start_sync()
+        elif not self._start_pending:
+            # The fsync starts after this loop turn: requests read in the same turn (a
+            # pipelining client's, other connections') write meanwhile and share it.
+            # One callback for them all, rather than each task taking a turn itself.
+            self._start_pending = True
+            loop.call_soon(self._start_after_turn)
         await fut
+
+    def _start_after_turn(self) -> None:
+        self._start_pending = False
+        self._maybe_start_sync()
 
     def _maybe_start_sync(self) -> None:
         """Start an fsync when some waiter is not covered by one already running."""
@@ -116,9 +184,7 @@ class GroupCommitter:
         number = self._sync_number
         # Everything written by now is below end_offset; the sync snapshots at least that.
         self._syncs[number] = self.log.end_offset
-        fut = loop.run_in_executor(self._executor, self._sync_in_thread, loop, number)
-        self._sync_futures.add(fut)
-        fut.add_done_callback(self._sync_futures.discard)
+        fsync_threads().submit(lambda: self._sync_in_thread(loop, number))
 
     def _timed_sync(self) -> tuple[int, float]:
         """Runs in a worker thread: the fsync and how long it took."""
@@ -146,6 +212,10 @@ class GroupCommitter:
         """On the loop thread: acknowledge every waiter the fsync covered (every waiter
         fails if it failed)."""
         self._syncs.pop(number, None)
+        if not self._syncs and self._syncs_ended is not None:
+            if not self._syncs_ended.done():
+                self._syncs_ended.set_result(None)
+            self._syncs_ended = None
         if exc is not None:
             error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
             waiters, self._waiters = self._waiters, []
@@ -219,9 +289,10 @@ class GroupCommitter:
         """Stop background syncing and make everything written durable."""
         await cancel_and_wait(self._interval_task)
         self._interval_task = None
-        while self._sync_futures:
-            await asyncio.wait(list(self._sync_futures))
-            await asyncio.sleep(0)  # let the done-callbacks run
+        while self._syncs:
+            if self._syncs_ended is None or self._syncs_ended.done():
+                self._syncs_ended = asyncio.get_running_loop().create_future()
+            await self._syncs_ended
         if self._interval_sync is not None:
             await asyncio.wait([self._interval_sync])
         if not self.log.closed and self.log.failed is None:
