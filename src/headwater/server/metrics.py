@@ -120,6 +120,9 @@ class Metrics:
             " queue and pull events overwritten in a full ring buffer",
             ["protocol"],
         )
+        # Each append's three series, looked up once per (protocol, tenant, stream):
+        # three labels() calls cost about 5% of a single-event append's loop time.
+        self._append_series: dict[tuple[str, int, str], tuple[Counter, Counter, Histogram]] = {}
         self.server = server
         if server is not None:
             self.registry.register(_ServerCollector(self, server))
@@ -138,9 +141,18 @@ class Metrics:
         """An acknowledged append of ``events`` events (``events`` is counted by the
         engine-state collector; it is part of the call for front ends' convenience)."""
         del events
-        self.bytes_appended.labels(str(tenant), stream).inc(value_bytes)
-        self.appends.labels(protocol).inc()
-        self.append_seconds.labels(protocol).observe(seconds)
+        key = (protocol, tenant, stream)
+        series = self._append_series.get(key)
+        if series is None:
+            series = self._append_series[key] = (
+                self.bytes_appended.labels(str(tenant), stream),
+                self.appends.labels(protocol),
+                self.append_seconds.labels(protocol),
+            )
+        stream_bytes, appends, append_seconds = series
+        stream_bytes.inc(value_bytes)
+        appends.inc()
+        append_seconds.observe(seconds)
 
     def record_read(
         self, protocol: str, tenant: int, stream: str, events: int, value_bytes: int
