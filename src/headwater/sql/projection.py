@@ -114,6 +114,11 @@ ROUND_ROWS = 65_536  # events per catch-up round
 # 496 MiB against a 300 MiB memory_mib; with these, 239 MiB
 # (tests/integration/test_memory_budget.py). Rows cap a chunk too (SEAL_ROWS).
 ROUND_BYTES = 8 << 20
+# A round's log reads: one read (a pooled buffer, storage/segment.py) holds a whole
+# round of ROUND_BYTES and the stored headers around its values, so its Kafka batches
+# are read where they lie. At the log's default 1 MiB a round came from eight reads and
+# its batches were first joined into a fresh 8 MiB bytes (2,000 page faults a round).
+ROUND_READ = ROUND_BYTES + (1 << 20)
 SEAL_ROWS = 65_536  # a chunk this large (in rows or in data bytes) is never merged again
 SEAL_BYTES = 16 << 20
 # All streams' unsealed tails together: past this the largest tails are sealed early
@@ -208,7 +213,7 @@ def read_round(
     pieces: list[_Piece] = []
     rows = size = 0
     upto = min(upto, plog.last_stable_offset if committed_only else plog.readable_offset)
-    for batch in plog.batches(from_offset, upto, committed_only=committed_only):
+    for batch in plog.batches(from_offset, upto, ROUND_READ, committed_only=committed_only):
         if batch.control:
             continue
         start = batch.index_of(from_offset) if batch.base_offset < from_offset else 0

@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from headwater.protocols.kafka.records import Record
+from headwater.protocols.kafka.records import build_batch as build_kafka_batch
 from headwater.sql.duck import Database
 from headwater.sql.projection import (
     _JSON_VALID_SQL,
@@ -21,7 +23,9 @@ from headwater.sql.projection import (
     read_round,
     table_at,
 )
+from headwater.storage import kafka_batch
 from headwater.storage.batch import Batch, build_batch, encode_values
+from headwater.storage.kafka_batch import PREFIX_SIZE, check_section
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 
 
@@ -161,3 +165,36 @@ def test_a_chunk_without_json_skips_duckdb_and_reads_the_same(builder: ChunkBuil
         assert chunk.batch.column("json").storage.to_pylist() == [
             None if i < len(binary) else v.decode() for i, v in enumerate(values)
         ]
+
+
+def test_a_round_of_kafka_batches_is_read_where_the_log_read_them(
+    tmp_path: Path, builder: ChunkBuilder
+) -> None:
+    # More than the log's default 1 MiB read: the round's batches still come from one
+    # read, and their values are read in that buffer, not first joined into a copy.
+    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("none")))
+    values: list[bytes] = []
+    for n in range(12):
+        count = 1_000 if n != 5 else 40  # a short batch among long ones
+        batch = [b"%02d-%05d" % (n, i) + b"v" * 92 for i in range(count)]
+        records = [Record(i, i // 300, None, value) for i, value in enumerate(batch)]
+        section = build_kafka_batch(records, base_timestamp=1_000)[PREFIX_SIZE:]
+        header = check_section(section, 1 << 20)
+        plog.append_encoded(
+            section,
+            header.records_count,
+            first_position=plog.end_offset,
+            timestamp_ms=header.max_timestamp,
+            kafka=True,
+        )
+        values += batch
+    assert plog.end_offset == len(values)
+    pieces, next_offset = read_round(plog, 0, plog.end_offset)
+    assert next_offset == len(values)
+    sections = [piece.batch.kafka_section for piece in pieces]
+    assert sum(map(len, filter(None, sections))) > 1 << 20
+    spans = kafka_batch.sections_values([s for s in sections if s is not None])
+    assert isinstance(spans.body, memoryview)  # in the read's buffer: no joined copy
+    chunk = builder.build(pieces)
+    assert chunk.batch.column(3).to_pylist() == values
+    plog.close()
