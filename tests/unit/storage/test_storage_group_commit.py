@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from headwater.errors import StorageError
-from headwater.storage.group_commit import GroupCommitter
+from headwater.storage.group_commit import FsyncThreads, GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from waiting import wait_until_async
+from waiting import wait_until, wait_until_async
 
 
 def open_log(path: Path, policy: str) -> PartitionLog:
@@ -273,4 +273,84 @@ def test_listener_errors_do_not_fail_appends(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert good == [1]
+    plog.close()
+
+
+def test_fsync_threads_run_at_most_their_cap_at_once_and_queue_the_rest() -> None:
+    """Past ``max_threads`` jobs wait for a thread to free up; every job runs once."""
+    threads = FsyncThreads(max_threads=2)
+    release = threading.Event()
+    lock = threading.Lock()
+    running: list[int] = []
+    peak: list[int] = [0]
+    finished: list[int] = []
+    all_done = threading.Event()
+    jobs = 7
+
+    def job(n: int) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                running.append(n)
+                peak[0] = max(peak[0], len(running))
+            assert release.wait(timeout=30)
+            with lock:
+                running.remove(n)
+                finished.append(n)
+                if len(finished) == jobs:
+                    all_done.set()
+
+        return run
+
+    for n in range(jobs):
+        threads.submit(job(n))
+    # Both threads hold a job and the other five wait in the queue.
+    wait_until(lambda: len(running) == 2)
+    assert not finished
+    release.set()
+    assert all_done.wait(timeout=30)
+    assert sorted(finished) == list(range(jobs))
+    assert peak[0] == 2
+    # The two threads are reused: a later job starts no third one.
+    after = threading.Event()
+    threads.submit(after.set)
+    assert after.wait(timeout=30)
+    assert threads._threads == 2
+
+
+def test_closing_waits_for_the_fsync_in_flight(tmp_path: Path) -> None:
+    """aclose returns only after the fsync running for a waiter has reported back."""
+    plog = open_log(tmp_path, "fsync")
+    real: Callable[[], int] = plog.sync
+    started = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def held() -> int:
+        # Only the append's fsync is held; closing's own last sync runs at once, so a
+        # close that did not wait would be heard before the held fsync.
+        if not started.is_set():
+            started.set()
+            assert release.wait(timeout=30)
+        durable = real()
+        order.append("fsync")
+        return durable
+
+    plog.sync = held  # type: ignore[method-assign]
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        info = plog.append([b"x"], first_position=0, timestamp_ms=0)
+        append = asyncio.ensure_future(committer.committed(info.next_offset))
+        await wait_until_async(started.is_set)
+        closing = asyncio.ensure_future(committer.aclose())
+        # Released once closing waits for it (a close that did not wait never would).
+        await wait_until_async(lambda: committer._syncs_ended is not None)
+        release.set()
+        await asyncio.wait_for(closing, timeout=30)
+        order.append("closed")
+        await asyncio.wait_for(append, timeout=30)
+        assert plog.durable_offset == 1
+
+    asyncio.run(main())
+    assert order == ["fsync", "fsync", "closed"]  # the held one, closing's, then closed
     plog.close()
