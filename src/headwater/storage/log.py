@@ -569,7 +569,13 @@ class PartitionLog:
                 return self.durable_offset
             target = self.end_offset
             active = self.active
-            sealed = [s for s in self.segments if s.base_offset in self._dirty and s is not active]
+            # Segments sealed since the last sync (after a roll): most syncs have none,
+            # and skip the walk over every segment.
+            sealed = (
+                [s for s in self.segments if s.base_offset in self._dirty and s is not active]
+                if self._dirty
+                else []
+            )
             dir_changes = self._dir_changes
             if (
                 self._synced_once
@@ -586,8 +592,11 @@ class PartitionLog:
                 with seg.pinned() as fd:
                     os.fdatasync(fd)
                 seg.sync_index_files()  # sealed: its index must survive as written
-            with active.pinned() as fd:
+            fd = active.files.pin(active.file)  # no generator-based with: once per sync
+            try:
                 os.fdatasync(fd)
+            finally:
+                active.files.unpin(active.file)
             if dir_changes > self._dir_synced:
                 fsync_directory(self.directory)
         except OSError as exc:
