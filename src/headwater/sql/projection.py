@@ -224,9 +224,19 @@ def read_round(
         # A Kafka-form batch counts its stored records (decoding it here to size the
         # round decoded it twice, per record in Python: 20% of a Kafka produce's CPU).
         section = batch.payload_bytes + 8 * batch.count
-        if pieces and (rows + n > ROUND_ROWS or size + section > ROUND_BYTES):
+        if pieces and (rows >= ROUND_ROWS or size + section > ROUND_BYTES):
             first = batch.base_offset + start if batch.dense else batch.offsets()[start]
             return pieces, int(first)
+        if pieces and rows + n > ROUND_ROWS:
+            # Cut inside the batch: a full round is ROUND_ROWS (= SEAL_ROWS) rows and
+            # its chunk is sealed as built. Ending before the batch, every round came
+            # out a little short, and its chunk was merged (every column copied) with
+            # the next before it was sealed. (A first batch over a round is taken
+            # whole, as a single commit is projected in one round.)
+            stop = start + ROUND_ROWS - rows
+            pieces.append(_Piece(batch, start, stop))
+            after = batch.base_offset + stop if batch.dense else batch.offsets()[stop]
+            return pieces, int(after)
         pieces.append(_Piece(batch, start, stop))
         rows += n
         size += section

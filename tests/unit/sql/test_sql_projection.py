@@ -12,6 +12,7 @@ import pytest
 
 from headwater.protocols.kafka.records import Record
 from headwater.protocols.kafka.records import build_batch as build_kafka_batch
+from headwater.sql import projection as projection_module
 from headwater.sql.duck import Database
 from headwater.sql.projection import (
     _JSON_VALID_SQL,
@@ -197,4 +198,26 @@ def test_a_round_of_kafka_batches_is_read_where_the_log_read_them(
     assert isinstance(spans.body, memoryview)  # in the read's buffer: no joined copy
     chunk = builder.build(pieces)
     assert chunk.batch.column(3).to_pylist() == values
+    plog.close()
+
+
+def test_a_full_round_is_cut_inside_a_batch_and_seals_as_built(
+    tmp_path: Path, builder: ChunkBuilder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rounds of several batches end at exactly ROUND_ROWS (= SEAL_ROWS) rows: a chunk
+    # that is sealed as it is built, never first merged (copied) with the next one's.
+    monkeypatch.setattr(projection_module, "ROUND_ROWS", 100)
+    monkeypatch.setattr(projection_module, "SEAL_ROWS", 100)
+    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("none")))
+    values = [b"%03d" % i for i in range(210)]
+    for first in range(0, 210, 30):
+        plog.append(values[first : first + 30], first_position=first, timestamp_ms=5)
+    pieces, next_offset = read_round(plog, 0, 210)
+    assert (next_offset, sum(p.stop - p.start for p in pieces)) == (100, 100)
+    assert (pieces[-1].start, pieces[-1].stop) == (0, 10)  # 10 of the fourth batch's 30
+    chunk = builder.build(pieces)
+    assert not chunk.small
+    pieces, next_offset = read_round(plog, next_offset, 210)
+    assert next_offset == 200 and (pieces[0].start, pieces[0].stop) == (10, 30)
+    assert builder.build(pieces).batch.column(3).to_pylist() == values[100:200]
     plog.close()
