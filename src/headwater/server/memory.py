@@ -26,15 +26,11 @@ MIB = 1 << 20
 # (measured: about 65 MiB of RssAnon), with room for the engine's own tables.
 BASE_MIB = 128
 # Reads run in the engine's I/O threads (8), each holding at most one read chunk of a
-# segment (9 MiB, storage/log.py; a direct read of a cold one takes a 10 MiB buffer, the
-# chunk widened to whole pages) plus one decompressed frame (256 KiB) at a time; up to
-# 64 MiB of those chunks, and of the direct read-ahead's, are kept for reuse
-# (storage/segment.py).
+# segment (9 MiB, storage/log.py; a direct read of a cold unit larger than a chunk takes
+# a buffer widened to whole pages) plus one decompressed frame (256 KiB) at a time; up
+# to 32 MiB of those chunks are kept for reuse (storage/segment.py).
 IO_THREADS = 8
 READ_CHUNK_MIB = 10
-# A cold sequential read's next chunks read directly in the background (2 of 8 MiB, each
-# with 2.25 MiB of room in front, rounded to 11 MiB: storage/segment.py READ_AHEAD_CHUNKS).
-READ_AHEAD_MIB = 22
 # An open connection's share: transport buffers, protocol state and a write queue
 # that backpressure keeps to about this (an estimate for a connection in normal use).
 CONNECTION_KIB = 16
@@ -125,7 +121,6 @@ def budget_shares(config: ServerConfig) -> dict[str, int]:
         "base (interpreter, libraries, engine tables)": BASE_MIB,
         "SQL (sql_memory_mib x sql_concurrency)": limits.sql_memory_mib * limits.sql_concurrency,
         "segment reads (I/O threads x read chunk)": IO_THREADS * READ_CHUNK_MIB,
-        "direct read-ahead of cold segment reads": READ_AHEAD_MIB,
         "connections (max_connections x 16 KiB)": connections_mib,
     }
 

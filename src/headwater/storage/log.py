@@ -725,7 +725,7 @@ class PartitionLog:
             # After the first chunk, about what the rest of the answer needs: a page that
             # wants a little of one more batch reads that batch, not a whole chunk the
             # next page reads again (with 8 MiB pages over 1 MB batches every other page
-            # read 18 MiB). At least a pooled read, which a cold one goes around the cache.
+            # read 18 MiB). At least a pooled read: a cold one is dropped behind the reader.
             rest = max_bytes - value_bytes
             return min(full_chunk, max(rest + rest // 8, POOLED_READ))
 

@@ -25,18 +25,16 @@ import os
 import struct
 import sys
 import threading
-import time
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c
 
-from headwater.errors import CorruptBatchError
+from headwater.errors import CorruptBatchError, StorageError
 from headwater.storage.batch import HEADER, HEADER_SIZE, Batch, peek_length
 from headwater.storage.compression import decode_frame, is_frame
 from headwater.storage.files import FileCache, SegmentFile
@@ -115,10 +113,8 @@ BUFFER_ROUND = 1 << 20
 # Reads of at least this much go through the pool; smaller ones are cheap to allocate
 # and must not pin a big buffer (a batch kept by a reader keeps its buffer alive).
 POOLED_READ = 1 << 20
-# 32 MiB for readers' chunks and the pages held while they are sent, and room for the
-# direct read-ahead's chunks (READ_AHEAD_CHUNKS below, 11 MiB each): at 32 MiB in all it
-# overflowed during a cold read and every chunk was a fresh buffer, faulted in and zeroed.
-READ_BUFFERS = ReadBuffers(64 << 20)
+# 32 MiB for readers' chunks and the pages held while they are sent.
+READ_BUFFERS = ReadBuffers(32 << 20)
 # O_DIRECT wants the file position, the length and the memory aligned to the device's
 # logical block; a page covers every block size in use.
 DIRECT_ALIGN = 4096
@@ -127,14 +123,14 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 @dataclass
 class DirectReads:
-    """Whether a sequential reader's chunk that is not in the page cache is read around
-    it (O_DIRECT), and how many were (for tests and the benchmarks)."""
+    """Whether a unit larger than a reader's chunk and not in the page cache is read
+    around it (O_DIRECT), how many were, and how many cold chunks a sequential reader
+    read through the cache, dropped behind it (for tests and the benchmarks)."""
 
     enabled: bool = _O_DIRECT != 0
     count: int = 0
     bytes: int = 0
-    read_ahead: int = 0  # chunks read ahead in the background ...
-    read_ahead_hits: int = 0  # ... and reads served from them
+    sequential: int = 0  # a sequential reader's cold chunks, read through the page cache
 
 
 DIRECT_READS = DirectReads()
@@ -145,7 +141,7 @@ def _read(fd: int, length: int, pos: int) -> bytes | bytearray | memoryview:
     if nowait and length >= POOLED_READ and cached_share(fd, pos, length) < 1.0:
         # A large chunk not wholly cached: the read below would copy the part that is
         # and give up, and a no-wait read of a missing page still starts the kernel's
-        # read-ahead there, filling the cache a direct read would have gone around.
+        # read-ahead there, filling the cache outside a reader's run (which drops it).
         raise WouldBlock
     if length < POOLED_READ:
         if not nowait:
@@ -253,125 +249,89 @@ def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
     return view[skip : max(skip, min(got, skip + length))]
 
 
-# Direct read-ahead: a direct read returns only when its request is done, so one after
-# another leaves this disk idle while each chunk is checked and handed over (a buffered
-# read has the kernel's read-ahead for that). After a page's direct chunk, the chunk
-# after it is read in the background; the next page starts a little before where this
-# chunk ended (in the batch the page was cut in), so its buffer keeps room in front for
-# that head, read when the page asks. At most READ_AHEAD_CHUNKS are held server-wide.
-# Chunks are read ahead only for a Segment object, whose bytes below its reader's end
-# never change (a truncated or compacted segment is a new object).
-READ_AHEAD_CHUNKS = 2
-READ_AHEAD_FROM = 4 << 20  # started by a direct read at least this large: a page's first
-READ_AHEAD_CHUNK = 8 << 20
-_READ_AHEAD_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="direct-read-ahead")
+# A sequential reader's cold chunks are read through the page cache, and what it was
+# handed is dropped behind it. On this machine's disk a direct read returns only when
+# its request is done, so direct reads one after another (even with the next read
+# ahead in a thread) left the disk idle while each chunk was checked and sent: about
+# 0.6 of a buffered sequential read. A buffered read has the kernel's read-ahead, which
+# keeps reading meanwhile (the file is marked sequential: twice the device's window).
+# So that a stream read once neither fills the page cache nor evicts what other readers
+# keep hot, the pages a reader went past are dropped (POSIX_FADV_DONTNEED) at its next
+# read. A *run* is one reader going on through one segment: its next read starts within
+# the range of its last. At most COLD_RUNS are followed; a run that reached its
+# segment's end is dropped whole when another begins (its reader went on to the next).
+COLD_RUNS = 8
 
 
-class _ReadAhead:
-    """``[start, end)`` of ``seg`` being read directly in the background into ``view``,
-    which covers the file from ``base`` (``room`` bytes before ``start``, for the head of
-    a batch cut at ``start``, filled when a reader asks); ``filled_from``: where the
-    bytes in ``view`` begin. ``limit``: the end of what its reader may read."""
+@dataclass
+class _ColdRun:
+    seg: Segment
+    first: int  # where the run began (a page boundary)
+    dropped: int  # the pages from ``first`` below this were dropped
+    last: int  # where the latest read began: one read is kept behind the reader
+    end: int  # where the furthest read asked ends: the next read starts below it
 
-    def __init__(self, seg: Segment, start: int, limit: int, room: int) -> None:
-        self.seg = seg
-        self.start = start
-        self.end = min(start + READ_AHEAD_CHUNK, limit)
-        self.limit = limit
-        self.room = room
-        self.base = start - room
-        span = -(-(self.end - start) // DIRECT_ALIGN) * DIRECT_ALIGN
-        self.view = _aligned_view(room + span)
-        self.filled_from = start
-        self.lock = threading.Lock()
-        self.read: Future[int | None] = _READ_AHEAD_THREAD.submit(
-            self._read, self.view[room:], start
-        )
 
-    def _read(self, view: memoryview, start: int) -> int | None:
-        with self.seg.files.pinned(self.seg.file) as fd:
-            return _preadv_direct(fd, view, start)
+_cold_runs: deque[_ColdRun] = deque()
+_cold_runs_lock = threading.Lock()
 
-    def read_end(self) -> int:
-        """Where the bytes read end (waiting for the read); ``start`` if it failed (the
-        reader's own read reports it) or the file system refused O_DIRECT."""
-        try:
-            got = self.read.result()
-        except Exception:  # any failure: the reader reads for itself and meets it there
-            return self.start
-        return self.start if got is None else min(self.start + got, self.end)
 
-    def take(self, pos: int, length: int, before: _ReadAhead | None) -> memoryview | None:
-        """``[pos, pos + length)`` or its start up to :attr:`end`, the head in front of
-        ``start`` copied from ``before`` (the chunk ending at ``start``) or read now."""
-        aligned = pos - pos % DIRECT_ALIGN
-        end = self.read_end()
-        if pos >= end:
+def _drop_pages(seg: Segment, start: int, end: int) -> None:
+    """Drop ``seg``'s page cache over ``[start, end)``."""
+    if end > start:
+        with contextlib.suppress(OSError, StorageError), seg.files.pinned(seg.file) as fd:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+
+def _read_sequential(
+    seg: Segment, fd: int, length: int, pos: int
+) -> bytes | bytearray | memoryview | None:
+    """``[pos, pos + length)`` if it goes on with a cold run of ``seg`` or starts one
+    (mostly not cached), read through the page cache, with the pages the reader was
+    handed before its previous read dropped; None for any other read."""
+    done: list[_ColdRun] = []
+    with _cold_runs_lock:
+        run = next((r for r in _cold_runs if r.seg is seg and r.dropped <= pos <= r.end), None)
+        if run is not None:
+            # Read-ahead threads may read a reader's pages out of turn, and pages being
+            # read are not dropped: drop up to where the read before this one began.
+            if pos > run.last:
+                run.dropped, run.last = max(run.dropped, run.last - run.last % mmap.PAGESIZE), pos
+            run.end = max(run.end, pos + length)
+            drop = (run.seg, run.first, run.dropped)
+    if run is None:
+        if getattr(_nowait, "on", False) or cached_share(fd, pos, length) >= 0.5:
             return None
-        with self.lock:
-            if aligned < self.filled_from:
-                head = self.view[aligned - self.base : self.filled_from - self.base]
-                if (
-                    before is not None
-                    and before.start <= aligned
-                    and before.read_end() >= self.filled_from
-                ):
-                    head[:] = before.view[aligned - before.base : self.filled_from - before.base]
-                else:
-                    with self.seg.files.pinned(self.seg.file) as fd:
-                        if _preadv_direct(fd, head, aligned) != len(head):
-                            return None
-                self.filled_from = aligned
-        DIRECT_READS.read_ahead_hits += 1
-        return self.view[pos - self.base : min(pos + length, end) - self.base]
-
-
-_read_aheads: deque[_ReadAhead] = deque(maxlen=READ_AHEAD_CHUNKS)
-_read_aheads_lock = threading.Lock()
-
-
-def _take_read_ahead(seg: Segment, pos: int, length: int) -> memoryview | None:
-    """``[pos, pos + length)`` of ``seg``, or its start, if it was read ahead: from the
-    last chunk whose room or bytes hold ``pos`` (the longest answer). A read from the
-    newest chunk read ahead of ``seg`` starts the read of the chunk after it."""
-    with _read_aheads_lock:
-        chunks = [ahead for ahead in _read_aheads if ahead.seg is seg]
-    for i in range(len(chunks) - 1, -1, -1):
-        ahead = chunks[i]
-        if not ahead.base <= pos - pos % DIRECT_ALIGN or pos >= ahead.end:
-            continue
-        before = chunks[i - 1] if i and chunks[i - 1].end == ahead.start else None
-        data = ahead.take(pos, length, before)
-        if data is None:
-            return None
-        if i == len(chunks) - 1 and ahead.end < ahead.limit:
-            _start_read_ahead(seg, ahead.end, ahead.limit, ahead.room)
-        return data
-    return None
-
-
-def _start_read_ahead(seg: Segment, start: int, limit: int, room: int) -> None:
-    """Read up to ``READ_AHEAD_CHUNK`` bytes of ``seg`` from ``start`` (not past
-    ``limit``) in the background, dropping the oldest chunk held."""
-    with _read_aheads_lock:
-        if any(a.seg is seg and a.start == start for a in _read_aheads):
-            return
-        _read_aheads.append(_ReadAhead(seg, start, limit, room))
-    DIRECT_READS.read_ahead += 1
-    # Let the read-ahead thread take the GIL and start its read now, not after this
-    # thread's switch interval.
-    time.sleep(0)
+        # Marked sequential: the kernel's read-ahead window for this file is doubled.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        start = pos - pos % mmap.PAGESIZE
+        drop = (seg, start, start)
+        with _cold_runs_lock:
+            done = [r for r in _cold_runs if r.end >= r.seg.size]
+            for r in done:
+                _cold_runs.remove(r)
+            _cold_runs.append(_ColdRun(seg, start, start, pos, pos + length))
+            if len(_cold_runs) > COLD_RUNS:
+                done.append(_cold_runs.popleft())
+    data = _read(fd, length, pos)
+    # From the run's start each time: the page cache holds large folios (up to a few MiB),
+    # and one that straddles the end of a range is not dropped with it.
+    _drop_pages(*drop)
+    for r in done:
+        _drop_pages(r.seg, r.first, r.end)
+    DIRECT_READS.sequential += 1
+    return data
 
 
 def _read_chunk(fd: int, length: int, pos: int) -> tuple[bytes | bytearray | memoryview, bool]:
-    """A sequential reader's next chunk, and whether it was read around the page cache.
+    """A unit larger than a reader's chunk, read whole, and whether it was read around the
+    page cache.
 
-    A large chunk mostly not in the page cache is read with O_DIRECT: old data read
-    once (ReadEvents or a subscription from offset 0, a bootstrap) costs the server no
-    page cache fill and no copy out of it, about two thirds of its CPU for such a read,
-    and does not evict what other readers keep hot. Cached data, and any read on the
-    event loop (no-wait), go through the page cache as before. The bytes are the same
-    either way, and every batch's CRC is checked on them as on any read."""
+    Mostly not in the page cache, it is read with O_DIRECT: one read, no page cache fill,
+    no copy out of it, and nothing evicted that other readers keep hot (a sequential
+    reader's chunks go through the cache instead, dropped behind it: _read_sequential).
+    Cached data, and any read on the event loop (no-wait), go through the page cache.
+    The bytes are the same either way, and every batch's CRC is checked on them."""
     if (
         DIRECT_READS.enabled
         and length >= POOLED_READ
@@ -691,8 +651,11 @@ class Segment:
 
     # ---- reading -------------------------------------------------------------------
 
-    def _read_unit_at(self, pos: int, *, verify: bool = True) -> tuple[list[Batch], int]:
-        """The batch, or the frame's batches, at ``pos``, and the unit's length in the file."""
+    def _read_unit_at(
+        self, pos: int, *, verify: bool = True, sequential: bool = False
+    ) -> tuple[list[Batch], int]:
+        """The batch, or the frame's batches, at ``pos``, and the unit's length in the file
+        (``sequential``: met by a sequential reader, whose cold run it goes on with)."""
         with self.pinned() as fd:
             head = _read(fd, HEADER_SIZE, pos)
             if len(head) < HEADER_SIZE:
@@ -700,8 +663,11 @@ class Segment:
             length = peek_length(head)
             if length < HEADER_SIZE:
                 raise CorruptBatchError(f"bad batch length at byte {pos} of {self.log_path}")
-            # A unit larger than a reader's chunk is read whole: directly too when cold.
-            data, _ = _read_chunk(fd, length, pos)
+            # A unit larger than a reader's chunk is read whole: in the reader's cold run,
+            # or directly when cold.
+            data = _read_sequential(self, fd, length, pos) if sequential else None
+            if data is None:
+                data, _ = _read_chunk(fd, length, pos)
         if len(data) < length:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return _unit(memoryview(data), verify=verify), length
@@ -731,28 +697,16 @@ class Segment:
         (a reader that needs only a little more reads only a little more)."""
         while pos < end:
             want = min(max(chunk() if callable(chunk) else chunk, HEADER_SIZE), end - pos)
-            data: bytes | bytearray | memoryview | None = None
-            if _read_aheads and want >= POOLED_READ and not getattr(_nowait, "on", False):
-                # Not on the event loop: taking it may wait for the disk.
-                data = _take_read_ahead(self, pos, want)
             fd = self.files.pin(self.file)
             try:
-                if data is not None:
-                    direct = True
-                else:
-                    data, direct = _read_chunk(fd, want, pos)
-                    if direct and want >= READ_AHEAD_FROM and pos + len(data) < end:
-                        # Read on from here; each chunk keeps room in front for the head
-                        # of a batch cut at its start (a quarter of a page).
-                        ahead = pos + len(data) - (pos + len(data)) % DIRECT_ALIGN
-                        room = -(-(want // 4) // DIRECT_ALIGN) * DIRECT_ALIGN
-                        _start_read_ahead(self, ahead, end, room)
-                if want >= POOLED_READ and pos + want < end and not direct:
-                    # Bounded read-ahead: a sequential reader's next chunk is read from
-                    # the disk while this one is answered (into the page cache only).
-                    # Not after a direct read: its next chunk is read directly too.
-                    ahead = min(want, end - pos - want)
-                    os.posix_fadvise(fd, pos + want, ahead, os.POSIX_FADV_WILLNEED)
+                data = _read_sequential(self, fd, want, pos) if want >= POOLED_READ else None
+                if data is None:
+                    data = _read(fd, want, pos)
+                    if want >= POOLED_READ and pos + want < end:
+                        # Bounded read-ahead: a sequential reader's next chunk is read
+                        # from the disk while this one is answered (into the page cache).
+                        ahead = min(want, end - pos - want)
+                        os.posix_fadvise(fd, pos + want, ahead, os.POSIX_FADV_WILLNEED)
             finally:
                 self.files.unpin(self.file)
             view = memoryview(data)
@@ -770,7 +724,7 @@ class Segment:
                     return  # the caller wants nothing past this: do not even read it
             if consumed == 0:
                 # The next unit is larger than the chunk: read exactly that unit.
-                unit, length = self._read_unit_at(pos)
+                unit, length = self._read_unit_at(pos, sequential=True)
                 if pos + length > end:
                     raise CorruptBatchError(f"batch at byte {pos} runs past the segment end")
                 yield from unit
@@ -780,6 +734,9 @@ class Segment:
             pos += consumed
 
     def close(self) -> None:
+        with _cold_runs_lock:
+            for run in [r for r in _cold_runs if r.seg is self]:
+                _cold_runs.remove(run)
         self.files.close(self.file)
 
     def delete_files(self) -> None:

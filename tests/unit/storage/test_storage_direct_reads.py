@@ -1,6 +1,8 @@
-"""Sequential reads of data not in the page cache go around it (O_DIRECT): the same
-bytes as a read through the cache, every batch's CRC still checked, and the pages not
-brought into the cache."""
+"""Sequential reads of data not in the page cache: a reader's chunks are read through the
+cache with the kernel's read-ahead, and the pages it went past are dropped behind it; a
+unit larger than a chunk is read around the cache (O_DIRECT). The same bytes as a warm
+read, every batch's CRC still checked, each byte fetched from the disk about once, and
+the stream not left in the page cache."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from headwater.storage import segment
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from headwater.storage.segment import (
     DIRECT_READS,
+    Segment,
     WouldBlock,
     _read_chunk,
     cached_share,
@@ -27,11 +30,13 @@ MIB = 1 << 20
 PAGE = 2 * MIB  # ReadEvents-sized reads: chunks over the pooled (and direct) size
 
 
-def written_log(path: Path, batch: int = 500) -> tuple[PartitionLog, list[bytes]]:
-    """Batches of ``batch`` values of 1,000 bytes (4 MB in all, batch starts not aligned
-    to pages), synced and evicted from the page cache."""
+def written_log(
+    path: Path, batch: int = 500, count: int = 4000
+) -> tuple[PartitionLog, list[bytes]]:
+    """Batches of ``batch`` values of 1,000 bytes (``count`` of them: 4 MB by default,
+    batch starts not aligned to pages), synced and evicted from the page cache."""
     plog = PartitionLog.open(path, LogConfig(sync=SyncPolicy("fsync")))
-    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(4000)]
+    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(count)]
     for i in range(0, len(values), batch):
         plog.append(values[i : i + batch], first_position=0, timestamp_ms=0)
     plog.sync()
@@ -39,10 +44,19 @@ def written_log(path: Path, batch: int = 500) -> tuple[PartitionLog, list[bytes]
     return plog, values
 
 
-def log_cached_share(plog: PartitionLog) -> float:
-    """The share of the log file's pages in the page cache."""
+def log_cached_share(plog: PartitionLog, upto: float = 1.0) -> float:
+    """The share of the pages of the log file's first ``upto`` in the page cache."""
     with plog.active.pinned() as fd:
-        return cached_share(fd, 0, plog.active.log_path.stat().st_size)
+        return cached_share(fd, 0, int(plog.active.log_path.stat().st_size * upto))
+
+
+def disk_read_bytes() -> int:
+    """Bytes this process has had fetched from storage (page cache fills and direct
+    reads, not reads served from the cache)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
 
 
 def evict(plog: PartitionLog) -> None:
@@ -82,37 +96,44 @@ def flip_byte(path: Path, at: int) -> int:
 
 
 @pytest.mark.parametrize("start", [0, 1, 777, 2501])
-def test_uncached_data_is_read_directly_and_byte_for_byte(tmp_path: Path, start: int) -> None:
-    plog, values = written_log(tmp_path)
-    before = DIRECT_READS.count
+def test_uncached_data_is_read_byte_for_byte_and_dropped_behind_the_reader(
+    tmp_path: Path, start: int
+) -> None:
+    plog, values = written_log(tmp_path, count=16000)  # 16 MB: 2 MiB pages leave many behind
+    before = DIRECT_READS.sequential
     got, records = read_all(plog, start)
-    assert DIRECT_READS.count > before
+    assert DIRECT_READS.sequential > before
     assert got == values[start:]
-    # Read around the cache, not into it.
-    assert log_cached_share(plog) == 0
-    # The same read through the page cache answers the same records.
-    with mock.patch.object(DIRECT_READS, "enabled", False):
-        assert read_all(plog, start) == (got, records)
+    # The pages the reader went past are not left in the cache; at most its last reads'.
+    assert log_cached_share(plog, upto=0.5) == 0
+    assert log_cached_share(plog) < 0.5
+    # The same read with the file in the page cache answers the same records, from it.
+    plog.active.log_path.read_bytes()
+    assert log_cached_share(plog) == 1
+    disk = disk_read_bytes()
+    assert read_all(plog, start) == (got, records)
+    assert disk_read_bytes() == disk
     plog.close()
 
 
-def test_reading_uncached_data_again_still_goes_around_the_cache(tmp_path: Path) -> None:
+def test_reading_uncached_data_again_is_again_read_and_dropped(tmp_path: Path) -> None:
     # A no-wait read that finds a chunk not wholly cached gives up without reading: a
-    # no-wait read of a missing page would start the kernel's read-ahead there, and the
-    # next pass would find those pages cached and read through the cache after all.
-    plog, values = written_log(tmp_path)
+    # no-wait read of a missing page would start the kernel's read-ahead there outside a
+    # run, and those pages would not be dropped.
+    plog, values = written_log(tmp_path, count=16000)
     for _ in range(2):
-        before = DIRECT_READS.count
+        before = DIRECT_READS.sequential
         assert read_all(plog, 0)[0] == values
-        assert DIRECT_READS.count > before
-        assert log_cached_share(plog) == 0
+        assert DIRECT_READS.sequential > before
+        assert log_cached_share(plog, upto=0.5) == 0
     plog.close()
 
 
-def test_batches_larger_than_the_read_chunk_are_read_directly_too(tmp_path: Path) -> None:
-    # 2 MB batches read in 1 MiB pages: each batch is read whole, past the chunk.
-    plog, values = written_log(tmp_path, batch=2000)
-    before = DIRECT_READS.count
+def test_batches_larger_than_the_read_chunk_are_read_in_the_run_too(tmp_path: Path) -> None:
+    # 2 MB batches read in 1 MiB pages: each batch is read whole, past the chunk, and
+    # dropped behind the reader like its chunks.
+    plog, values = written_log(tmp_path, batch=2000, count=16000)
+    before = DIRECT_READS.sequential
     got: list[bytes] = []
     offset: int | None = 0
     while offset is not None:
@@ -124,9 +145,8 @@ def test_batches_larger_than_the_read_chunk_are_read_directly_too(tmp_path: Path
         got += [e.value for e in result.events()]
         offset = result.next_offset
     assert got == values
-    assert DIRECT_READS.count > before
-    # Only the few pages around each batch header (read through the cache) are cached.
-    assert log_cached_share(plog) < 0.05
+    assert DIRECT_READS.sequential > before
+    assert log_cached_share(plog, upto=0.5) == 0
     plog.close()
 
 
@@ -141,7 +161,7 @@ def test_pages_cut_inside_a_batch_read_each_batch_about_once(tmp_path: Path) -> 
         plog.append(values, first_position=0, timestamp_ms=0)
     plog.sync()
     evict(plog)
-    before = DIRECT_READS.bytes
+    before = disk_read_bytes()
     got: list[bytes] = []
     offset: int | None = 0
     while offset is not None:
@@ -153,20 +173,29 @@ def test_pages_cut_inside_a_batch_read_each_batch_about_once(tmp_path: Path) -> 
         got += [e.value for e in result.events()]
         offset = result.next_offset
     assert got == values * 40
-    # Each page's first batch is read again (it was cut), about an eighth more.
-    assert DIRECT_READS.bytes - before < 1.2 * plog.active.size
+    assert disk_read_bytes() - before < 1.06 * plog.active.size
     plog.close()
 
 
 def cold_pages(tmp_path: Path) -> tuple[PartitionLog, list[bytes]]:
-    """40 MB of 1 MB batches, not in the page cache."""
-    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("fsync")))
+    """40 MB of 1 MB batches in three segments, not in the page cache."""
+    config = LogConfig(sync=SyncPolicy("fsync"), segment_bytes=16 * MIB)
+    plog = PartitionLog.open(tmp_path, config)
     values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(1000)]
     for _ in range(40):
         plog.append(values, first_position=0, timestamp_ms=0)
     plog.sync()
-    evict(plog)
+    assert len(plog.segments) == 3
+    for seg in plog.segments:
+        with seg.pinned() as fd:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     return plog, values * 40
+
+
+def segment_cached_share(seg: Segment, upto: float = 1.0) -> float:
+    with seg.pinned() as fd:
+        return cached_share(fd, 0, int(seg.size * upto))
 
 
 def read_pages(plog: PartitionLog, got: list[bytes]) -> None:
@@ -178,50 +207,51 @@ def read_pages(plog: PartitionLog, got: list[bytes]) -> None:
         offset = result.next_offset
 
 
-def test_cold_pages_are_read_ahead_directly_each_byte_about_once(tmp_path: Path) -> None:
-    # After a page's direct chunk, the chunks after it are read in the background; the
-    # next page, starting in the batch this one was cut in, takes that batch's head from
-    # the chunk before (in memory), not from the disk again.
+def test_cold_pages_are_read_from_the_disk_about_once_and_not_kept(tmp_path: Path) -> None:
+    # The kernel's read-ahead reads the pages after a chunk while it is checked; the
+    # pages a reader went past are dropped at its next read, a segment read to its end
+    # when the reader's run in the next one begins.
     plog, values = cold_pages(tmp_path)
-    before = DIRECT_READS.bytes, DIRECT_READS.read_ahead, DIRECT_READS.read_ahead_hits
+    before = disk_read_bytes(), DIRECT_READS.sequential
     got: list[bytes] = []
     read_pages(plog, got)
     assert got == values
-    read_ahead = DIRECT_READS.read_ahead - before[1]
-    assert read_ahead >= 4  # 8 MiB chunks, one after another, through 40 MB
-    assert DIRECT_READS.read_ahead_hits - before[2] >= read_ahead
-    assert DIRECT_READS.bytes - before[0] < 1.06 * plog.active.size
-    assert len(segment._read_aheads) <= segment.READ_AHEAD_CHUNKS
-    assert log_cached_share(plog) < 0.05
+    assert DIRECT_READS.sequential - before[1] >= 5  # 8 MiB chunks through 40 MB
+    file_bytes = sum(seg.size for seg in plog.segments)
+    assert disk_read_bytes() - before[0] < 1.06 * file_bytes
+    assert segment_cached_share(plog.segments[0]) == 0
+    assert segment_cached_share(plog.segments[1]) == 0
+    assert len(segment._cold_runs) <= segment.COLD_RUNS
     plog.close()
 
 
-def test_a_damaged_byte_in_a_chunk_read_ahead_is_refused(tmp_path: Path) -> None:
+def test_a_damaged_byte_in_a_cold_run_is_refused(tmp_path: Path) -> None:
     plog, values = cold_pages(tmp_path)
-    log_file = plog.active.log_path
+    log_file = plog.segments[0].log_path
     damaged = log_file.stat().st_size * 3 // 4  # well past the first page's chunk
     original = flip_byte(log_file, damaged)
-    evict(plog)
-    hits = DIRECT_READS.read_ahead_hits
+    with plog.segments[0].pinned() as fd:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    sequential = DIRECT_READS.sequential
     got: list[bytes] = []
     with pytest.raises(CorruptBatchError, match="CRC mismatch"):
         read_pages(plog, got)
-    assert DIRECT_READS.read_ahead_hits > hits
+    assert DIRECT_READS.sequential - sequential >= 2
     assert got == values[: len(got)] and 0 < len(got) < len(values)
     assert log_file.read_bytes()[damaged] == original ^ 0x01
     plog.close()
 
 
-def test_a_damaged_byte_is_refused_on_the_direct_path(tmp_path: Path) -> None:
+def test_a_damaged_byte_is_refused_on_the_cold_path(tmp_path: Path) -> None:
     plog, _ = written_log(tmp_path)
     log_file = plog.active.log_path
     damaged = log_file.stat().st_size // 2  # inside the values of a middle batch
     original = flip_byte(log_file, damaged)
     evict(plog)
-    before = DIRECT_READS.count
+    before = DIRECT_READS.sequential
     with pytest.raises(CorruptBatchError, match="CRC mismatch"):
         read_all(plog, 0)
-    assert DIRECT_READS.count > before
+    assert DIRECT_READS.sequential > before
     # The read changed nothing: the damaged byte is still the only difference.
     assert log_file.read_bytes()[damaged] == original ^ 0x01
     plog.close()
