@@ -112,6 +112,7 @@ class GroupCommitter:
         self._syncs: dict[int, int] = {}
         self._syncs_ended: asyncio.Future[None] | None = None
         self._start_pending = False  # a start of an fsync is due after this loop turn
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sync_number = 0
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
@@ -155,7 +156,7 @@ class GroupCommitter:
             return
         if self.log.durable_offset >= next_offset:
             return
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()  # the waiters' loop
         fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append((next_offset, fut))
         if self._syncs:
@@ -179,7 +180,8 @@ class GroupCommitter:
         covered = max(self._syncs.values(), default=-1)
         if max(target for target, _ in self._waiters) <= covered:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop  # set by the waiters' committed(); a lookup is a getpid()
+        assert loop is not None
         self._sync_number += 1
         number = self._sync_number
         # Everything written by now is below end_offset; the sync snapshots at least that.
@@ -201,10 +203,12 @@ class GroupCommitter:
             outcome: tuple[Exception | None, int, float] = (exc, 0, 0.0)
         else:
             outcome = (None, durable, elapsed)
-        # A loop closed meanwhile has no one left to acknowledge (as asyncio's own
-        # executor futures do then).
-        with contextlib.suppress(RuntimeError):
+        # The report is the thread's last step before it waits again (releasing the
+        # GIL the woken loop needs: no context manager's exit after it).
+        try:
             loop.call_soon_threadsafe(self._thread_synced, number, *outcome)
+        except RuntimeError:  # the loop closed: no one is left to acknowledge
+            return
 
     def _thread_synced(
         self, number: int, exc: Exception | None, durable: int, elapsed: float
