@@ -696,10 +696,13 @@ class Segment:
         calls. ``chunk``: the size of each read, or a function asked before each read
         (a reader that needs only a little more reads only a little more)."""
         while pos < end:
-            want = min(max(chunk() if callable(chunk) else chunk, HEADER_SIZE), end - pos)
+            asked = chunk() if callable(chunk) else chunk
+            want = min(max(asked, HEADER_SIZE), end - pos)
             fd = self.files.pin(self.file)
             try:
-                data = _read_sequential(self, fd, want, pos) if want >= POOLED_READ else None
+                # A large reader's read, also the short one at the segment's end (which
+                # ends its run there).
+                data = _read_sequential(self, fd, want, pos) if asked >= POOLED_READ else None
                 if data is None:
                     data = _read(fd, want, pos)
                     if want >= POOLED_READ and pos + want < end:
