@@ -423,17 +423,22 @@ async def _coordinator(session: Session, key_type: int) -> dict[str, Any]:
             "error_code": ErrorCode.none}  # fmt: skip
 
 
+def _stream_or_none(session: Session, name: str) -> StreamInfo | None:
+    """The session tenant's stream ``name``; None when there is none (each partition
+    asked of it is then answered UNKNOWN_TOPIC_OR_PARTITION)."""
+    try:
+        return session.api.stream_named(session.tenant_id, name)
+    except StreamNotFound:
+        return None
+
+
 # ---- produce ----------------------------------------------------------------------------
 
 
 async def produce(session: Session, request: Any, version: int) -> Mapping[str, Any]:
-    api, tenant = session.api, session.tenant_id
     topics = []
     for topic in request.topic_data:
-        try:
-            info: StreamInfo | None = api.stream_named(tenant, topic.name)
-        except StreamNotFound:
-            info = None
+        info = _stream_or_none(session, topic.name)
         answers = await asyncio.gather(
             *(
                 _produce_partition(
@@ -814,10 +819,7 @@ async def _fetch_once(
     topics = []
     for topic in request.topics:
         partitions = []
-        try:
-            info: StreamInfo | None = api.stream_named(tenant, topic.topic)
-        except StreamNotFound:
-            info = None
+        info = _stream_or_none(session, topic.topic)
         for wanted in topic.partitions:
             entry: dict[str, Any] = {
                 "partition_index": wanted.partition,
@@ -907,10 +909,7 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
     topics = []
     for topic in request.topics:
         partitions = []
-        try:
-            info: StreamInfo | None = api.stream_named(tenant, topic.name)
-        except StreamNotFound:
-            info = None
+        info = _stream_or_none(session, topic.name)
         for wanted in topic.partitions:
             entry: dict[str, Any] = {
                 "partition_index": wanted.partition_index,
