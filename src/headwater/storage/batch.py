@@ -223,8 +223,15 @@ def _sift(
     return starts, ends
 
 
+BOUNDS_MAX_BYTES = 8 << 20
+"""Larger sections are walked: :func:`record_bounds` holds two byte-sized masks of the
+section at once (appends are at most 4 MiB, so this only bounds what a rewrite made)."""
+
+
 def _short_records(section: bytes | memoryview, count: int, start: int, head: int) -> bool:
-    return count >= BOUNDS_FROM and len(section) - start < count * (head + SHORT_RECORD)
+    size = len(section) - start
+    short = size < count * (head + SHORT_RECORD)
+    return count >= BOUNDS_FROM and short and size <= BOUNDS_MAX_BYTES
 
 
 def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list[int]:
