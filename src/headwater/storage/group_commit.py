@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -86,6 +87,16 @@ class FsyncThreads:
 
 _fsync_threads: FsyncThreads | None = None
 _fsync_threads_lock = threading.Lock()
+
+
+def _forget_fsync_threads() -> None:
+    """In a forked child: the parent's threads are not there, so it makes its own."""
+    global _fsync_threads, _fsync_threads_lock
+    _fsync_threads = None
+    _fsync_threads_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_fsync_threads)
 
 
 def fsync_threads() -> FsyncThreads:

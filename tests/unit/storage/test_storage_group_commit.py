@@ -354,3 +354,30 @@ def test_closing_waits_for_the_fsync_in_flight(tmp_path: Path) -> None:
     asyncio.run(main())
     assert order == ["fsync", "fsync", "closed"]  # the held one, closing's, then closed
     plog.close()
+
+
+def test_a_forked_child_gets_fsync_threads_of_its_own(tmp_path: Path) -> None:
+    """The parent's fsync threads do not exist in a forked child: its fsyncs still run
+    (they would wait forever on a queue no thread reads)."""
+    plog = open_log(tmp_path / "parent", "fsync")
+
+    async def one_append(log: PartitionLog) -> None:
+        committer = GroupCommitter(log)
+        info = log.append([b"x"], first_position=0, timestamp_ms=0)
+        await asyncio.wait_for(committer.committed(info.next_offset), timeout=30)
+        await committer.aclose()
+
+    asyncio.run(one_append(plog))  # the parent's threads exist now
+    plog.close()
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its append was acknowledged
+        code = 1
+        try:
+            child_log = open_log(tmp_path / "child", "fsync")
+            asyncio.run(one_append(child_log))
+            code = 0 if child_log.durable_offset == 1 else 2
+            child_log.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
