@@ -250,7 +250,7 @@ def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
 
 
 # A sequential reader's cold chunks are read through the page cache, and what it was
-# handed is dropped behind it. On this machine's disk a direct read returns only when
+# handed is dropped behind it. On the test machine's disk a direct read returns only when
 # its request is done, so direct reads one after another (even with the next read
 # ahead in a thread) left the disk idle while each chunk was checked and sent: about
 # 0.6 of a buffered sequential read. A buffered read has the kernel's read-ahead, which
@@ -261,13 +261,16 @@ def _read_direct(fd: int, length: int, pos: int) -> memoryview | None:
 # the range of its last. At most COLD_RUNS are followed; a run that reached its
 # segment's end is dropped whole when another begins (its reader went on to the next).
 COLD_RUNS = 8
+# A range's DONTNEED leaves a large folio straddling its end (the page cache holds
+# folios of up to a few MiB): each drop starts this much before where the last ended.
+FOLIO_MARGIN = 8 << 20
 
 
 @dataclass
 class _ColdRun:
     seg: Segment
     first: int  # where the run began (a page boundary)
-    dropped: int  # the pages from ``first`` below this were dropped
+    dropped: int  # the pages from ``first`` below this were dropped (see FOLIO_MARGIN)
     last: int  # where the latest read began: one read is kept behind the reader
     end: int  # where the furthest read asked ends: the next read starts below it
 
@@ -295,17 +298,17 @@ def _read_sequential(
         if run is not None:
             # Read-ahead threads may read a reader's pages out of turn, and pages being
             # read are not dropped: drop up to where the read before this one began.
+            drop_from = max(run.first, run.dropped - FOLIO_MARGIN)
             if pos > run.last:
                 run.dropped, run.last = max(run.dropped, run.last - run.last % mmap.PAGESIZE), pos
             run.end = max(run.end, pos + length)
-            drop = (run.seg, run.first, run.dropped)
+            drop_to = run.dropped
     if run is None:
         if getattr(_nowait, "on", False) or cached_share(fd, pos, length) >= 0.5:
             return None
         # Marked sequential: the kernel's read-ahead window for this file is doubled.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        start = pos - pos % mmap.PAGESIZE
-        drop = (seg, start, start)
+        drop_from = drop_to = start = pos - pos % mmap.PAGESIZE
         with _cold_runs_lock:
             done = [r for r in _cold_runs if r.end >= r.seg.size]
             for r in done:
@@ -314,9 +317,8 @@ def _read_sequential(
             if len(_cold_runs) > COLD_RUNS:
                 done.append(_cold_runs.popleft())
     data = _read(fd, length, pos)
-    # From the run's start each time: the page cache holds large folios (up to a few MiB),
-    # and one that straddles the end of a range is not dropped with it.
-    _drop_pages(*drop)
+    if drop_to > drop_from:
+        os.posix_fadvise(fd, drop_from, drop_to - drop_from, os.POSIX_FADV_DONTNEED)
     for r in done:
         _drop_pages(r.seg, r.first, r.end)
     DIRECT_READS.sequential += 1
