@@ -10,9 +10,10 @@ in a worker thread, which hands the outcome straight back to the loop.
 The worker threads are :class:`FsyncThreads`, long-lived and kept for fsyncs: a sync is
 handed over as a plain callable on a queue (one futex wake) and reported with one
 ``call_soon_threadsafe``. Through ``run_in_executor`` it cost an executor future, an
-asyncio future chained to it and a second wake-up of the loop to settle that chain,
-about 30 µs of the loop's CPU per single-event append, and the worker ran Python
-(future and semaphore bookkeeping) after reporting, holding the GIL the loop needed.
+asyncio future chained to it and a second wake-up of the loop to settle that chain, and
+the worker ran Python (future and semaphore bookkeeping) after reporting, holding the
+GIL the loop needed (docs/benchmarks.md: with the turn below, 0.80x the server's CPU
+per single-event append).
 
 An fsync never runs on the loop thread (ARCHITECTURE.md, principle 5), not even a lone
 writer's (Redis's ``appendfsync always`` fsyncs in its event loop): measured, that saved
