@@ -31,7 +31,7 @@ from headwater.engine.groups import (
 )
 from headwater.errors import HeadwaterError, InvalidRequest, StreamNotFound
 from headwater.server.groups import GroupShells, TenantGroups
-from headwater.server.kafka.handlers import Session, error_code
+from headwater.server.kafka.handlers import Session, error_code, partitions_answered
 
 log = logging.getLogger("headwater.kafka")
 
@@ -328,19 +328,7 @@ class KafkaGroups:
             log.warning(
                 "kafka %s: OffsetCommit of %r refused: %s", session.peer, request.group_id, code
             )
-        return {
-            "throttle_time": 0,
-            "topics": [
-                {
-                    "name": topic.name,
-                    "partitions": [
-                        {"partition_index": p.partition_index, "error_code": code}
-                        for p in topic.partitions
-                    ],
-                }
-                for topic in request.topics
-            ],
-        }
+        return {"throttle_time": 0, "topics": partitions_answered(request.topics, code)}
 
     async def _fetch_group(
         self, session: Session, group_id: str, topics: Any

@@ -980,6 +980,30 @@ _PRODUCER_FENCED_FROM = {
 }
 
 
+def partitions_answered(topics: Sequence[Any], code: ErrorCode) -> list[dict[str, Any]]:
+    """The answer's topics for an OffsetCommit or TxnOffsetCommit: every partition
+    asked of each topic answered ``code`` (the whole commit stands or falls together)."""
+    return [
+        {
+            "name": topic.name,
+            "partitions": [
+                {"partition_index": p.partition_index, "error_code": code} for p in topic.partitions
+            ],
+        }
+        for topic in topics
+    ]
+
+
+async def _txn_code(call: Awaitable[Any], api_key: ApiKey, version: int) -> ErrorCode:
+    """What a transaction step answers: NONE once ``call`` is done, else its error as
+    :func:`_txn_error` maps it."""
+    try:
+        await call
+    except HeadwaterError as exc:
+        return _txn_error(exc, api_key, version)
+    return ErrorCode.none
+
+
 def _txn_error(exc: HeadwaterError, api_key: ApiKey, version: int) -> ErrorCode:
     if isinstance(exc, ProducerFenced) and version < _PRODUCER_FENCED_FROM[api_key]:
         return ErrorCode.invalid_producer_epoch
@@ -1054,13 +1078,13 @@ async def add_partitions_to_txn(session: Session, request: Any, version: int) ->
 
 async def add_offsets_to_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
     # The group's offsets join with TxnOffsetCommit; this only checks the producer.
-    code = ErrorCode.none
-    try:
-        await session.api.add_offsets_to_txn(
+    code = await _txn_code(
+        session.api.add_offsets_to_txn(
             session.tenant_id, request.transactional_id, _producer(request), request.group_id, {}
-        )
-    except HeadwaterError as exc:
-        code = _txn_error(exc, ApiKey.ADD_OFFSETS_TO_TXN, version)
+        ),
+        ApiKey.ADD_OFFSETS_TO_TXN,
+        version,
+    )
     return {"throttle_time": 0, "error_code": code}
 
 
@@ -1073,40 +1097,28 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
         for topic in request.topics
         for partition in topic.partitions
     }
-    code = ErrorCode.none
-    try:
-        await session.api.add_offsets_to_txn(
+    code = await _txn_code(
+        session.api.add_offsets_to_txn(
             session.tenant_id,
             request.transactional_id,
             _producer(request),
             request.group_id,
             offsets,
-        )
-    except HeadwaterError as exc:
-        code = _txn_error(exc, ApiKey.TXN_OFFSET_COMMIT, version)
-    return {
-        "throttle_time": 0,
-        "topics": [
-            {
-                "name": topic.name,
-                "partitions": [
-                    {"partition_index": p.partition_index, "error_code": code}
-                    for p in topic.partitions
-                ],
-            }
-            for topic in request.topics
-        ],
-    }
+        ),
+        ApiKey.TXN_OFFSET_COMMIT,
+        version,
+    )
+    return {"throttle_time": 0, "topics": partitions_answered(request.topics, code)}
 
 
 async def end_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
-    code = ErrorCode.none
-    try:
-        await session.api.end_transaction(
+    code = await _txn_code(
+        session.api.end_transaction(
             session.tenant_id, request.transactional_id, _producer(request), request.committed
-        )
-    except HeadwaterError as exc:
-        code = _txn_error(exc, ApiKey.END_TXN, version)
+        ),
+        ApiKey.END_TXN,
+        version,
+    )
     return {"throttle_time": 0, "error_code": code}
 
 
