@@ -304,6 +304,9 @@ class EngineAPI:
         self.alter_partitions = engine.alter_partitions
         self.append = engine.append
         self.append_encoded = engine.append_encoded
+        # A lone append answered from its acknowledgement, without a task (Kimberlite's
+        # AppendEvents outside a cluster); None under quotas, whose wait is a coroutine.
+        self.append_encoded_then = None if self.quotas.enabled else engine.append_encoded_then
         self.append_partitioned = engine.append_partitioned
         self.offset_for_timestamp = engine.offset_for_timestamp
         self.offset_of_max_timestamp = engine.offset_of_max_timestamp

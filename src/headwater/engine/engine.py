@@ -25,6 +25,7 @@ import numpy as np
 from headwater.engine.names import RESERVED_PREFIXES, check_stream_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
+    InternalError,
     InvalidRequest,
     StorageError,
     StreamAlreadyExists,
@@ -1011,9 +1012,75 @@ class Engine:
         if replicated is not None:
             replicated.check_min_isr(tenant_id, stream.name, partition)
         committer = stream.committers[partition]
-        self._check_open()
+        payload = self._check_encoded(stream, plog, values_section, count, value_bytes)
         if stream.settings.timestamp_type == "LogAppendTime":
             timestamp_ms = None
+        if producer is not None and not columns.get("control"):
+            stored = plog.check_producer(*producer, columns.get("producer_epoch"))
+            if stored is not None:  # a retry: answer as the first time, append nothing
+                await committer.committed(stored.base_offset + stored.count)
+                if replicated is not None:  # its first answer may have been lost unconfirmed
+                    end = {partition: stored.base_offset + stored.count}
+                    await self._replicas_hold(replicated, tenant_id, stream, end)
+                return AppendInfo(stored.base_offset, stored.count, -1, 0)
+        first_position, info = self._write_encoded(
+            stream, plog, values_section, count, timestamp_ms, columns
+        )
+        try:
+            await committer.committed(info.next_offset)
+        finally:
+            self._appended(stream, first_position)
+        self.events_appended += count
+        self.bytes_appended += payload
+        if replicated is not None:
+            await self._replicas_hold(replicated, tenant_id, stream, {partition: info.next_offset})
+        return info
+
+    def append_encoded_then(
+        self,
+        tenant_id: int,
+        stream_id: int,
+        values_section: bytes | memoryview,
+        count: int,
+        done: Callable[[AppendInfo | None, StorageError | None], None],
+        *,
+        value_bytes: int | None = None,
+    ) -> None:
+        """:meth:`append_encoded` of partition 0 for a caller that is not a coroutine (a
+        front end answering a lone append without a task of its own): the same checks,
+        raised before anything is written, and the same write; then ``done(info, None)``
+        on the loop once the sync policy acknowledges it, ``done(None, error)`` if its
+        fsync failed. Not in a cluster (acks=all waits for the replicas: use
+        :meth:`append_encoded`)."""
+        stream = self.stream(tenant_id, stream_id)
+        if self.leader_check is not None or self._replicated_acks(stream, ACKS_ALL) is not None:
+            raise InternalError("append_encoded_then is for a node outside a cluster")
+        plog = stream.partition_log(0)
+        payload = self._check_encoded(stream, plog, values_section, count, value_bytes)
+        first_position, info = self._write_encoded(stream, plog, values_section, count, None, {})
+
+        def acknowledged(error: StorageError | None) -> None:
+            self._appended(stream, first_position)
+            if error is not None:
+                done(None, error)
+                return
+            self.events_appended += count
+            self.bytes_appended += payload
+            done(info, None)
+
+        stream.committers[0].commit_then(info.next_offset, acknowledged)
+
+    def _check_encoded(
+        self,
+        stream: Stream,
+        plog: PartitionLog,
+        values_section: bytes | memoryview,
+        count: int,
+        value_bytes: int | None,
+    ) -> int:
+        """An encoded append's checks before anything is written; returns its payload
+        bytes (the events' values without their length prefixes)."""
+        self._check_open()
         if not 1 <= count <= MAX_APPEND_EVENTS:
             raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
@@ -1026,16 +1093,21 @@ class Engine:
                 f"an append of {len(values_section)} stored bytes does not fit the stream's "
                 f"{segment_bytes}-byte segments (segment_bytes)"
             )
-        if producer is not None and not columns.get("control"):
-            stored = plog.check_producer(*producer, columns.get("producer_epoch"))
-            if stored is not None:  # a retry: answer as the first time, append nothing
-                await committer.committed(stored.base_offset + stored.count)
-                if replicated is not None:  # its first answer may have been lost unconfirmed
-                    end = {partition: stored.base_offset + stored.count}
-                    await self._replicas_hold(replicated, tenant_id, stream, end)
-                return AppendInfo(stored.base_offset, stored.count, -1, 0)
-        tenant = stream.tenant
-        first_position = tenant.claim_positions(count)
+        return payload
+
+    def _write_encoded(
+        self,
+        stream: Stream,
+        plog: PartitionLog,
+        values_section: bytes | memoryview,
+        count: int,
+        timestamp_ms: int | None,
+        columns: EventColumns,
+    ) -> tuple[int, AppendInfo]:
+        """Claim the events' positions and write them; the append is in flight until
+        :meth:`_appended` (the engine's close waits for it). Returns the first position
+        and what was written."""
+        first_position = stream.tenant.claim_positions(count)
         self._inflight_appends += 1
         self._idle.clear()
         try:
@@ -1046,17 +1118,17 @@ class Engine:
                 timestamp_ms=timestamp_ms,
                 **columns,
             )
-            await committer.committed(info.next_offset)
-        finally:
-            tenant.release_positions(first_position)
-            self._inflight_appends -= 1
-            if self._inflight_appends == 0:
-                self._idle.set()
-        self.events_appended += count
-        self.bytes_appended += payload
-        if replicated is not None:
-            await self._replicas_hold(replicated, tenant_id, stream, {partition: info.next_offset})
-        return info
+        except BaseException:
+            self._appended(stream, first_position)
+            raise
+        return first_position, info
+
+    def _appended(self, stream: Stream, first_position: int) -> None:
+        """An append written by :meth:`_write_encoded` is acknowledged or failed."""
+        stream.tenant.release_positions(first_position)
+        self._inflight_appends -= 1
+        if self._inflight_appends == 0:
+            self._idle.set()
 
     def _replicated_acks(self, stream: Stream, acks: int) -> ReplicaAcks | None:
         """The cluster's acks=all hook when this append waits for the in-sync replicas:

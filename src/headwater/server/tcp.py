@@ -250,8 +250,11 @@ class TaskPerRequestConnection(asyncio.Protocol):
     A front end calls :meth:`_start` with each decoded request's handler coroutine,
     :meth:`_close_when_answered` from ``eof_received``, :meth:`_end` with the protocol's
     Reject or Close, and writes with :meth:`_write`; ``tasks`` is what its listener's
-    drain waits for (:func:`finish_in_flight`). :class:`ServerConnectionShell` adds the
-    transport callbacks for a protocol built on ``protocols._connection``."""
+    drain waits for (:func:`finish_in_flight`), with :meth:`inline_answered` when
+    ``inline`` requests are in flight: a request answered from a callback instead of a
+    task of its own (:meth:`_began_inline`, :meth:`_answered_inline`) counts as one.
+    :class:`ServerConnectionShell` adds the transport callbacks for a protocol built on
+    ``protocols._connection``."""
 
     max_inflight: ClassVar[int] = 1024  # requests per connection before reading pauses
     guard: ConnectionGuard  # the front end makes it in its __init__
@@ -259,6 +262,8 @@ class TaskPerRequestConnection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.inline = 0  # requests in flight without a task: a callback answers them
+        self._inline_answered: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._eof = False
         self.closed = False
@@ -269,22 +274,54 @@ class TaskPerRequestConnection(asyncio.Protocol):
 
     def busy(self) -> bool:
         """Requests in flight keep the idle timeout waiting (see :class:`ConnectionGuard`)."""
-        return bool(self.tasks)
+        return bool(self.tasks or self.inline)
 
     def _start(self, handling: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(handling)
         self.tasks.add(task)
         task.add_done_callback(self._task_done)
-        if len(self.tasks) >= self.max_inflight and not self._reading_paused and self.transport:
+        self._pause_if_full()
+
+    def _began_inline(self) -> None:
+        """A request is in flight without a task: :meth:`_answered_inline` follows its
+        answer."""
+        self.inline += 1
+        self._pause_if_full()
+
+    def _answered_inline(self) -> None:
+        self.inline -= 1
+        if not self.inline and self._inline_answered is not None:
+            if not self._inline_answered.done():
+                self._inline_answered.set_result(None)
+            self._inline_answered = None
+        self._request_done()
+
+    def inline_answered(self) -> asyncio.Future[None]:
+        """Done once no request is in flight without a task (a listener's drain)."""
+        if not self.inline:
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        if self._inline_answered is None:
+            self._inline_answered = asyncio.get_running_loop().create_future()
+        return self._inline_answered
+
+    def _pause_if_full(self) -> None:
+        in_flight = len(self.tasks) + self.inline
+        if in_flight >= self.max_inflight and not self._reading_paused and self.transport:
             self._reading_paused = True
             self.transport.pause_reading()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
-        if self._eof and not self.tasks:
+        self._request_done()
+
+    def _request_done(self) -> None:
+        in_flight = len(self.tasks) + self.inline
+        if self._eof and not in_flight:
             self.close()
             return
-        if self._reading_paused and len(self.tasks) <= self.max_inflight // 2 and self.transport:
+        if self._reading_paused and in_flight <= self.max_inflight // 2 and self.transport:
             self._reading_paused = False
             if not self.closed:
                 self.transport.resume_reading()
@@ -292,7 +329,7 @@ class TaskPerRequestConnection(asyncio.Protocol):
     def _close_when_answered(self) -> None:
         """The peer sends no more but may still read: answer what it sent, then close."""
         self._eof = True
-        if not self.tasks:
+        if not self.tasks and not self.inline:
             self.close()
 
     def _end(self, event: Reject[Any] | Close) -> None:
@@ -362,7 +399,7 @@ class ServerConnectionShell(TaskPerRequestConnection, Generic[ProtocolT]):
             elif isinstance(event, Reject | Close):
                 self._end(event)
                 return
-            else:
+            elif not self._answer_inline(event):
                 self._start(self._handle(event))
         self.guard.received()
 
@@ -377,6 +414,11 @@ class ServerConnectionShell(TaskPerRequestConnection, Generic[ProtocolT]):
     async def _handle(self, request: Any) -> None:
         """Answer one request the protocol decoded (a task of its own)."""
         raise NotImplementedError
+
+    def _answer_inline(self, request: Any) -> bool:
+        """Answer ``request`` without a task of its own if the front end can (it calls
+        :meth:`_began_inline`); False: :meth:`_handle` runs as a task."""
+        return False
 
     def _connected(self) -> None:
         """The connection was admitted (before it joins the open ones)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -45,6 +46,9 @@ from headwater.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 CommitListener = Callable[[int], None]
+# What an acknowledgement calls: with None once acknowledged, with the error if the fsync
+# failed.
+CommitDone = Callable[[StorageError | None], None]
 MAX_SYNCS_IN_FLIGHT = 1
 FSYNC_THREADS = 8  # at most this many fsyncs (of different logs) run at once
 
@@ -109,6 +113,26 @@ def fsync_threads() -> FsyncThreads:
         return _fsync_threads
 
 
+def _no_wait(error: StorageError | None) -> None:
+    """The acknowledgement of an append that needs no fsync: nothing waits for it."""
+
+
+def _settle(fut: asyncio.Future[None], error: StorageError | None) -> None:
+    if fut.done():  # its waiter was cancelled
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _call(done: CommitDone, error: StorageError | None) -> None:
+    try:
+        done(error)
+    except Exception:  # one waiter's bug must not keep the others unanswered
+        log.exception("an acknowledgement failed")
+
+
 class GroupCommitter:
     """Durability for one partition log. Its ``fsync`` policy's syncs run on
     :func:`fsync_threads`; ``executor`` runs the rest (``interval`` syncs, the last sync
@@ -118,7 +142,7 @@ class GroupCommitter:
         self.log = plog
         self.policy = plog.config.sync
         self._executor = executor
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._waiters: list[tuple[int, CommitDone]] = []
         # Running fsyncs (by number) and the end offset each was started for; closing
         # waits on ``_syncs_ended`` until none runs.
         self._syncs: dict[int, int] = {}
@@ -161,16 +185,28 @@ class GroupCommitter:
 
     async def committed(self, next_offset: int) -> None:
         """Return once events below ``next_offset`` are acknowledged under the policy."""
+        if self.policy.kind != "fsync" or self.log.durable_offset >= next_offset:
+            self.commit_then(next_offset, _no_wait)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.commit_then(next_offset, functools.partial(_settle, fut))
+        await fut
+
+    def commit_then(self, next_offset: int, done: CommitDone) -> None:
+        """Call ``done(None)`` once events below ``next_offset`` are acknowledged under
+        the policy (before returning when they already are), ``done(error)`` if the
+        fsync failed; on the loop thread. For a caller that is not a coroutine: a front
+        end answering an append from here needs no task of its own."""
         if self.policy.kind != "fsync":
             if self.policy.kind == "interval":
                 self._sync_if_overdue()
             self._notify()
+            done(None)
             return
         if self.log.durable_offset >= next_offset:
+            done(None)
             return
-        self._loop = loop = asyncio.get_running_loop()  # the waiters' loop
-        fut: asyncio.Future[None] = loop.create_future()
-        self._waiters.append((next_offset, fut))
+        self._waiters.append((next_offset, done))
         if self._syncs:
             self._maybe_start_sync()
         elif not self._start_pending:
@@ -178,8 +214,8 @@ class GroupCommitter:
             # pipelining client's, other connections') write meanwhile and share it.
             # One callback for them all, rather than each task taking a turn itself.
             self._start_pending = True
+            self._loop = loop = asyncio.get_running_loop()  # the waiters' loop
             loop.call_soon(self._start_after_turn)
-        await fut
 
     def _start_after_turn(self) -> None:
         self._start_pending = False
@@ -192,7 +228,7 @@ class GroupCommitter:
         covered = max(self._syncs.values(), default=-1)
         if max(target for target, _ in self._waiters) <= covered:
             return
-        loop = self._loop  # set by the waiters' committed(); a lookup is a getpid()
+        loop = self._loop  # set by commit_then(); a lookup is a getpid()
         assert loop is not None
         self._sync_number += 1
         number = self._sync_number
@@ -235,9 +271,8 @@ class GroupCommitter:
         if exc is not None:
             error = exc if isinstance(exc, StorageError) else StorageError(str(exc))
             waiters, self._waiters = self._waiters, []
-            for _, waiter in waiters:
-                if not waiter.done():
-                    waiter.set_exception(error)
+            for _, done in waiters:
+                _call(done, error)
             return
         self._synced(durable, elapsed)
 
@@ -247,13 +282,12 @@ class GroupCommitter:
         self.fsyncs += 1
         self.fsync_seconds_total += elapsed
         self.last_fsync_seconds = elapsed
-        still: list[tuple[int, asyncio.Future[None]]] = []
-        for target, waiter in self._waiters:
+        still: list[tuple[int, CommitDone]] = []
+        for target, done in self._waiters:
             if target <= durable:
-                if not waiter.done():
-                    waiter.set_result(None)
+                _call(done, None)
             else:
-                still.append((target, waiter))
+                still.append((target, done))
         self._waiters = still
         self._notify()
         self._maybe_start_sync()  # waiters that arrived while the cap was reached

@@ -196,6 +196,44 @@ def test_failed_fsync_fails_every_waiter(tmp_path: Path, monkeypatch: pytest.Mon
     plog.close()
 
 
+def test_commit_then_calls_back_once_the_fsync_covers_the_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callback form a front end answers a lone append from: called on the loop
+    after the fdatasync that covers the append (not before: it is not durable yet), at
+    once when it already is, with the error when the fsync failed."""
+    plog = open_log(tmp_path, "fsync")
+    loop_thread = threading.get_ident()
+    calls: list[tuple[StorageError | None, int, bool]] = []
+
+    def done(error: StorageError | None) -> None:
+        calls.append((error, plog.durable_offset, threading.get_ident() == loop_thread))
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        info = plog.append([b"a"], first_position=0, timestamp_ms=0)
+        committer.commit_then(info.next_offset, done)
+        assert calls == []  # written, not yet durable: no answer
+        await wait_until_async(lambda: calls, 30, "the callback never came")
+        assert calls == [(None, 1, True)] and committer.fsyncs == 1
+        committer.commit_then(info.next_offset, done)  # durable already: at once
+        assert calls[1:] == [(None, 1, True)] and committer.fsyncs == 1
+
+        def broken(fd: int) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(os, "fdatasync", broken)
+        info = plog.append([b"b"], first_position=0, timestamp_ms=0)
+        committer.commit_then(info.next_offset, done)
+        await wait_until_async(lambda: len(calls) == 3, 30, "the failure was never reported")
+        error, durable, on_loop = calls[2]
+        assert isinstance(error, StorageError) and durable == 1 and on_loop
+        monkeypatch.undo()
+
+    asyncio.run(main())
+    plog.close()
+
+
 def test_interval_policy_syncs_in_the_background(tmp_path: Path) -> None:
     plog = open_log(tmp_path, "interval:20")
     calls = count_syncs(plog)

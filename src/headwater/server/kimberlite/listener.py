@@ -1,7 +1,8 @@
 """The asyncio shell of the Kimberlite front end: it only moves bytes.
 
 Each decoded request runs as its own task, so answers go out in completion order and a
-slow query never holds up an append on the same connection. Reading pauses while too
+slow query never holds up an append on the same connection; a plain AppendEvents outside
+a cluster and without quotas needs none: its acknowledgement writes the answer. Reading pauses while too
 many requests are in flight; pushes wait for the transport to drain, so a slow reader
 holds back only its own subscriptions.
 """
@@ -28,6 +29,7 @@ from headwater.protocols.kimberlite.connection import (
 from headwater.protocols.kimberlite.frames import MAX_FRAME, FrameTooLarge
 from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
+from headwater.server.kimberlite.commands.append import append_events_inline
 from headwater.server.kimberlite.session import Session
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import (
@@ -89,7 +91,7 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
         return self.protocol.send_error(0, code, message)
 
     def busy(self) -> bool:
-        return bool(self.tasks or self.session.subscriptions)
+        return bool(self.tasks or self.inline or self.session.subscriptions)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -103,14 +105,8 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
             if handler is None:
                 raise InvalidRequest(f"{type(payload).__name__} is not a request")
             response = await handler(self, request, payload)
-        except HeadwaterError as exc:
-            self.metrics.record_error("kimberlite", exc)
-            response = m.ErrorResponse.from_exception(exc)
-        except Exception as exc:  # a bug of ours: answer, log, keep serving
-            log.exception("request %d (%s) failed", request.id, type(payload).__name__)
-            internal = InternalError(f"internal error: {exc}")
-            self.metrics.record_error("kimberlite", internal)
-            response = m.ErrorResponse.from_exception(internal)
+        except Exception as exc:
+            response = self.error_response(request, exc)
         if response is None:
             return
         try:
@@ -129,6 +125,36 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
             error = m.ErrorResponse.from_exception(too_large)
             chunks = self.protocol.send_chunks(m.Response(request.id, error))
         self.write_chunks(chunks)
+
+    def _answer_inline(self, request: m.Request) -> bool:
+        """A lone AppendEvents outside a cluster and without quotas is answered from its
+        acknowledgement, without a task (commands/append.py)."""
+        payload = request.payload
+        append_then = self.api.append_encoded_then
+        if (
+            type(payload) is not m.AppendEventsRequest
+            or append_then is None
+            or self.server.cluster is not None
+        ):
+            return False
+        try:
+            self.session.check_tenant(request.tenant_id)
+            self.api.check_tenant(request.tenant_id)
+            append_events_inline(self, request, payload, append_then)
+        except Exception as exc:  # refused before anything was written
+            self.send(request.id, self.error_response(request, exc))
+        return True
+
+    def error_response(self, request: m.Request, exc: Exception) -> m.ErrorResponse:
+        """A failed request's answer: the client's error as it is, a bug of ours logged
+        and answered as an internal error (the connection keeps serving)."""
+        if not isinstance(exc, HeadwaterError):
+            log.exception(
+                "request %d (%s) failed", request.id, type(request.payload).__name__, exc_info=exc
+            )
+            exc = InternalError(f"internal error: {exc}")
+        self.metrics.record_error("kimberlite", exc)
+        return m.ErrorResponse.from_exception(exc)
 
     # ---- output ---------------------------------------------------------------------
 
@@ -152,7 +178,10 @@ async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
     connections: set[KimberliteConnection] = set()
 
     async def drain() -> None:
-        await finish_in_flight([t for c in connections for t in c.tasks])
+        # Appends answered without a task (``inline``) are in flight too.
+        in_flight: list[asyncio.Future[None]] = [t for c in connections for t in c.tasks]
+        in_flight += [c.inline_answered() for c in connections if c.inline]
+        await finish_in_flight(in_flight)
 
     return await start_tcp_listener(
         server,

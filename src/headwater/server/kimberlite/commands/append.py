@@ -4,13 +4,18 @@ arrived (AppendRecords' keys and headers beside it)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from headwater.protocols.kimberlite import messages as m
 
 if TYPE_CHECKING:
+    from headwater.errors import StorageError
     from headwater.server.kimberlite.listener import KimberliteConnection
     from headwater.storage.batch import EventColumns
+    from headwater.storage.log import AppendInfo
+
+    AppendThen = Callable[..., None]
 
 
 async def append_events(
@@ -66,6 +71,54 @@ async def _append(
         value_bytes=events.event_bytes,
         **columns,
     )
+    return _answer(conn, request, stream_id, events, info, started)
+
+
+def append_events_inline(
+    conn: KimberliteConnection,
+    request: m.Request,
+    payload: m.AppendEventsRequest,
+    append_then: AppendThen,
+) -> None:
+    """AppendEvents outside a cluster and without quotas, answered from its
+    acknowledgement (``append_then``: the API's ``append_encoded_then``) rather than by a
+    task of its own: a lone writer's append takes no task, no future and two loop turns
+    fewer. Raises as :func:`append_events` does before anything is written."""
+    started = time.perf_counter()
+    events = payload.events
+
+    def acknowledged(info: AppendInfo | None, error: StorageError | None) -> None:
+        try:
+            if info is None:
+                assert error is not None
+                conn.send(request.id, conn.error_response(request, error))
+            else:
+                conn.send(
+                    request.id, _answer(conn, request, payload.stream_id, events, info, started)
+                )
+        finally:
+            conn._answered_inline()
+
+    append_then(
+        request.tenant_id,
+        payload.stream_id,
+        events.section,
+        events.count,
+        acknowledged,
+        value_bytes=events.event_bytes,
+    )
+    conn._began_inline()
+
+
+def _answer(
+    conn: KimberliteConnection,
+    request: m.Request,
+    stream_id: int,
+    events: m.EventBatch,
+    info: AppendInfo,
+    started: float,
+) -> m.AppendEventsResponse:
+    """An acknowledged append's answer, recorded in the metrics."""
     name = conn.api.stream_name(request.tenant_id, stream_id)
     conn.metrics.record_append(
         "kimberlite",
