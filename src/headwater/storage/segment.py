@@ -721,13 +721,14 @@ class Segment:
         a large reader's chunk): the part of a unit after it would be read, copied and
         left, and read again by the next chunk (with 8 MiB pages over 1 MB batches a
         tenth of what a sequential reader read). At least half of ``want`` is kept, so a
-        sparse index never turns one read into many small ones."""
-        if want < POOLED_READ:
+        sparse index never turns one read into many small ones, and at least a pooled
+        read (one just under it would allocate and page in a buffer of its own)."""
+        if want <= POOLED_READ:
             return want
         positions = self.index_positions
         i = bisect_right(positions, pos + want) - 1
-        if i < 0 or positions[i] < pos + want // 2:
-            return want  # no unit start in [pos + want / 2, pos + want]
+        if i < 0 or positions[i] < pos + max(want // 2, POOLED_READ):
+            return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
         return int(positions[i]) - pos
 
     def batches_from(
