@@ -209,7 +209,7 @@ def markdown(results: dict[str, Any]) -> str:
             mean = sum(r["s"] for r in rs) / len(rs)
             rates = ", ".join(f"{size / r['s'] / 1e6:.0f}" for r in rs)
             cpu = [
-                ", ".join(f"{r[k]:.1f}" for r in rs) if k in rs[0] else "-"
+                ", ".join(f"{r[k]:.2f}" for r in rs) if k in rs[0] else "-"
                 for k in ("server_cpu_s", "client_cpu_s")
             ]
             disk = (
