@@ -9,12 +9,16 @@ everything committed meanwhile (a round costs one to two milliseconds of CPU wha
 its size, part of it holding the GIL against the event loop, so a round per single-event
 commit was most of a busy server's CPU and the tail of its append latency; at 0.1 s
 rounds still showed in the p99 of single-event appends, at 0.5 s much less:
-docs/benchmarks.md). A backlog of a full round starts one at once, and so does anyone
-who needs the projection now: a Query (read your writes), a range read, a QueryAt that
-finds it behind (:meth:`StreamProjection.request_catch_up`), so no query ever sees less
-than it did. A catch-up reads stored batches from the projection's next offset and
-builds the columns in bulk from the batch headers and values sections, never decoding
-events one by one in Python:
+docs/benchmarks.md). While the stream is being written hard (a commit within the last
+``CATCH_UP_QUIET``) that round waits for the writes to pause, up to ``CATCH_UP_MAX_DELAY``
+or a backlog of ``BACKLOG_ROWS``: a round run beside a Kafka produce held the GIL
+against the loop answering it (librdkafka's produce round trip 76-213 ms against 10-12
+without it, docs/benchmarks.md). Anyone who needs the projection now starts it at once:
+a Query (read your writes), a range read, a QueryAt that finds it behind
+(:meth:`StreamProjection.request_catch_up`), so no query ever sees less than it did.
+A catch-up reads stored batches from the projection's next offset and builds the
+columns in bulk from the batch headers and values sections, never decoding events one
+by one in Python:
 
 * ``offset`` / ``position``: numpy over the whole round (each piece's base offset and
   first position repeated, plus a ``0..n`` range; offset deltas are honoured for sparse
@@ -126,6 +130,13 @@ SEAL_BYTES = 16 << 20
 TAIL_BUDGET_BYTES = 256 << 20
 RETRY_SECONDS = 1.0
 CATCH_UP_DELAY = 0.5  # seconds from a commit to the catch-up round nobody asked for
+# ...which waits while commits come closer together than this (the stream is being
+# written hard: the round would take the GIL from the loop acknowledging them)...
+CATCH_UP_QUIET = 0.05
+# ...but never longer than this from that first commit, nor past a backlog of this many
+# rows (it stays in the log: waiting costs no memory; a query then has more to catch up).
+CATCH_UP_MAX_DELAY = 2.0
+BACKLOG_ROWS = 16 * ROUND_ROWS
 _JSON_VALID_SQL = "SELECT coalesce(json_valid(try(decode(data))), false) AS v FROM hw_chunk"
 # The first bytes of text DuckDB's json_valid can accept (whitespace, an object, array,
 # string, number, true, false, null, NaN, Infinity, inf, nan; tests/unit/sql pins it to
@@ -627,6 +638,8 @@ class StreamProjection:
         self._task: asyncio.Task[None] | None = None
         self._urgent = False  # someone waits for the projection: no delay
         self._timer: asyncio.TimerHandle | None = None
+        self._first_commit_at = 0.0  # loop time of the first commit the timer waits for
+        self._last_commit_at = 0.0
         self._loop = asyncio.get_running_loop()
         self.committer.add_listener(self._on_commit)
         self.request_catch_up()
@@ -708,13 +721,25 @@ class StreamProjection:
         stable = min(committed_offset, self.plog.last_stable_offset)
         if stable > self._target:
             self._target = stable
-        if self._target - self.next_offset >= ROUND_ROWS:
-            self._kick()  # a full round's worth: no reason to wait
+        self._last_commit_at = self._loop.time()
+        self._arm()
+
+    def _arm(self) -> None:
+        """Start a round for the backlog now if it is large, else arm the timer."""
+        if self._target - self.next_offset >= BACKLOG_ROWS:
+            self._kick()  # waiting longer only makes a query's catch-up longer
         elif self._timer is None and self._task is None:
+            self._first_commit_at = self._loop.time()
             self._timer = self._loop.call_later(CATCH_UP_DELAY, self._timer_fired)
 
     def _timer_fired(self) -> None:
         self._timer = None
+        now = self._loop.time()
+        left = self._first_commit_at + CATCH_UP_MAX_DELAY - now
+        if now - self._last_commit_at < CATCH_UP_QUIET and left > 0:
+            # Written hard: look again once the writes may have paused.
+            self._timer = self._loop.call_later(min(CATCH_UP_QUIET, left), self._timer_fired)
+            return
         self._kick()
 
     def request_catch_up(self) -> None:
@@ -748,7 +773,8 @@ class StreamProjection:
 
     def _more(self, first: bool) -> bool:
         """Another round now? The first always; then only while someone waits or a full
-        round's worth is committed (later commits have armed, or will arm, the timer)."""
+        round's worth is committed (later commits have armed, or will arm, the timer): a
+        catch-up, once started, takes the backlog in rounds back to back."""
         if self.closed or self.paused:
             return False
         if self._seal_tail:
@@ -797,7 +823,7 @@ class StreamProjection:
         finally:
             self._task = None
             if not self.closed and self.error is None and self.next_offset < self._target:
-                self._on_commit(self._target)  # committed during the round: arm the timer
+                self._arm()  # committed during the round
 
     def _round(
         self,

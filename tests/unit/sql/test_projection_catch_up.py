@@ -1,8 +1,9 @@
 """When stream projections catch up: commits no longer start a round each (they arm a
 short timer and the round takes everything committed meanwhile), while everyone who
 needs the projection now still gets it at once: a Query sees every acknowledged write, a
-QueryAt that finds the projection behind starts it, and a backlog of a full round does
-not wait."""
+QueryAt that finds the projection behind starts it, and a backlog of BACKLOG_ROWS does
+not wait. While the stream is written hard the round waits for the writes to pause, up
+to CATCH_UP_MAX_DELAY."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from sqlkit import js, running
 
 from headwater.errors import ProjectionLag
 from headwater.sql import projection as projection_module
-from headwater.sql.projection import ChunkBuilder
+from headwater.sql.projection import ChunkBuilder, StreamProjection
 from headwater.sql.values import QueryResult
 from waiting import wait_until_async
 
@@ -61,11 +62,12 @@ def test_single_event_commits_share_rounds_and_queries_see_every_write(
     asyncio.run(main())
 
 
-def test_query_at_behind_starts_the_round_and_a_full_round_does_not_wait(
+def test_query_at_behind_starts_the_round_and_a_large_backlog_does_not_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(projection_module, "CATCH_UP_DELAY", 3600.0)  # never on its own
     monkeypatch.setattr(projection_module, "ROUND_ROWS", 100)
+    monkeypatch.setattr(projection_module, "BACKLOG_ROWS", 100)
 
     async def main() -> None:
         async with running(tmp_path) as (engine, sql):
@@ -85,9 +87,83 @@ def test_query_at_behind_starts_the_round_and_a_full_round_does_not_wait(
             assert result.rows == [[1]]
             projection = sql.streams.projection(0, "s")
             assert projection is not None
-            # A full round's worth committed at once is projected without anyone asking.
-            await engine.append(0, s.stream_id, [b"x"] * 150)
-            await wait_until_async(lambda: projection.next_offset >= 151, 10, "no full round")
-            assert (await sql.query(0, "SELECT count(*) FROM s")).rows == [[151]]
+            # A backlog of BACKLOG_ROWS committed at once is projected without anyone
+            # asking, in rounds back to back.
+            await engine.append(0, s.stream_id, [b"x"] * 250)
+            await wait_until_async(lambda: projection.next_offset >= 251, 10, "no catch-up")
+            assert (await sql.query(0, "SELECT count(*) FROM s")).rows == [[251]]
+
+    asyncio.run(main())
+
+
+def count_timer_firings(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The loop time of each firing of a projection's catch-up timer."""
+    fired: list[float] = []
+    timer_fired = StreamProjection._timer_fired
+
+    def counting(self: StreamProjection) -> None:
+        fired.append(asyncio.get_running_loop().time())
+        timer_fired(self)
+
+    monkeypatch.setattr(StreamProjection, "_timer_fired", counting)
+    return fired
+
+
+def test_rounds_wait_while_the_stream_is_written_hard_and_run_once_it_pauses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(projection_module, "CATCH_UP_DELAY", 0.05)
+    monkeypatch.setattr(projection_module, "CATCH_UP_QUIET", 0.2)  # every append is "hard"
+    monkeypatch.setattr(projection_module, "CATCH_UP_MAX_DELAY", 3600.0)
+    rounds = count_rounds(monkeypatch)
+    fired = count_timer_firings(monkeypatch)
+
+    async def main() -> None:
+        async with running(tmp_path) as (engine, sql):
+            s = await engine.create_stream(0, "s")
+            appended = 0
+            # Appends, the loop free between them, until the timer has fired twice:
+            # under CATCH_UP_DELAY alone the first firing ran a round.
+            while len(fired) < 2:
+                await engine.append(0, s.stream_id, [js(i=appended)])
+                appended += 1
+                await asyncio.sleep(0)  # a loop turn: the timer runs when due
+            assert rounds == []
+            projection = sql.streams.projection(0, "s")
+            assert projection is not None
+            # The writes pause: the round runs without anyone asking, with everything.
+            await wait_until_async(
+                lambda: projection.next_offset >= appended, 10, "no catch-up after the writes"
+            )
+            assert sum(rounds) == appended and len(rounds) == 1
+            result = await sql.query(0, "SELECT count(*) FROM s")
+            assert result.rows == [[appended]]
+
+    asyncio.run(main())
+
+
+def test_a_stream_written_without_pause_is_projected_after_the_max_delay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(projection_module, "CATCH_UP_DELAY", 0.05)
+    monkeypatch.setattr(projection_module, "CATCH_UP_QUIET", 3600.0)  # never pauses
+    monkeypatch.setattr(projection_module, "CATCH_UP_MAX_DELAY", 0.3)
+    rounds = count_rounds(monkeypatch)
+
+    async def main() -> None:
+        async with running(tmp_path) as (engine, sql):
+            s = await engine.create_stream(0, "s")
+            projection = sql.streams.projection(0, "s")
+            assert projection is not None
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            appended = 0
+            while not rounds:  # the writer never pauses, yet a round comes
+                await engine.append(0, s.stream_id, [js(i=appended)])
+                appended += 1
+                await asyncio.sleep(0)  # a loop turn: the timer runs when due
+            # Not at CATCH_UP_DELAY: at the max delay from the first commit.
+            assert loop.time() - started >= 0.3
+            await wait_until_async(lambda: projection.next_offset > 0, 10, "round not installed")
 
     asyncio.run(main())
