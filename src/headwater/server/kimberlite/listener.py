@@ -2,9 +2,9 @@
 
 Each decoded request runs as its own task, so answers go out in completion order and a
 slow query never holds up an append on the same connection; a plain AppendEvents outside
-a cluster and without quotas needs none: its acknowledgement writes the answer. Reading pauses while too
-many requests are in flight; pushes wait for the transport to drain, so a slow reader
-holds back only its own subscriptions.
+a cluster and without quotas needs none: its acknowledgement writes the answer. Reading
+pauses while too many requests are in flight; pushes wait for the transport to drain, so
+a slow reader holds back only its own subscriptions.
 """
 
 from __future__ import annotations
