@@ -10,10 +10,11 @@ its size, part of it holding the GIL against the event loop, so a round per sing
 commit was most of a busy server's CPU and the tail of its append latency; at 0.1 s
 rounds still showed in the p99 of single-event appends, at 0.5 s much less:
 docs/benchmarks.md). While the stream is being written hard (a commit within the last
-``CATCH_UP_QUIET``) that round waits for the writes to pause, up to ``CATCH_UP_MAX_DELAY``
-or a backlog of ``BACKLOG_ROWS``: a round run beside a Kafka produce held the GIL
-against the loop answering it (librdkafka's produce round trip 76-213 ms against 10-12
-without it, docs/benchmarks.md). Anyone who needs the projection now starts it at once:
+``CATCH_UP_QUIET``, or appends waiting for their fsync) that round waits for the writes
+to pause, up to ``CATCH_UP_MAX_DELAY`` or a backlog of ``BACKLOG_ROWS``: a round run
+beside a Kafka produce held the GIL against the loop answering it (librdkafka's
+produce round trip 124-302 ms with them against 20-79 ms with the rounds after the
+produce, docs/benchmarks.md). Anyone who needs the projection now starts it at once:
 a Query (read your writes), a range read, a QueryAt that finds it behind
 (:meth:`StreamProjection.request_catch_up`), so no query ever sees less than it did.
 A catch-up reads stored batches from the projection's next offset and builds the
@@ -130,9 +131,10 @@ SEAL_BYTES = 16 << 20
 TAIL_BUDGET_BYTES = 256 << 20
 RETRY_SECONDS = 1.0
 CATCH_UP_DELAY = 0.5  # seconds from a commit to the catch-up round nobody asked for
-# ...which waits while commits come closer together than this (the stream is being
-# written hard: the round would take the GIL from the loop acknowledging them)...
-CATCH_UP_QUIET = 0.05
+# ...which waits while commits come closer together than this or appends wait for
+# their fsync (the stream is being written hard: the round would take the GIL from the
+# loop acknowledging them)...
+CATCH_UP_QUIET = 0.1
 # ...but never longer than this from that first commit, nor past a backlog of this many
 # rows (it stays in the log: waiting costs no memory; a query then has more to catch up).
 CATCH_UP_MAX_DELAY = 2.0
@@ -736,11 +738,20 @@ class StreamProjection:
         self._timer = None
         now = self._loop.time()
         left = self._first_commit_at + CATCH_UP_MAX_DELAY - now
-        if now - self._last_commit_at < CATCH_UP_QUIET and left > 0:
+        if left > 0 and (now - self._last_commit_at < CATCH_UP_QUIET or self._fsync_due()):
             # Written hard: look again once the writes may have paused.
             self._timer = self._loop.call_later(min(CATCH_UP_QUIET, left), self._timer_fired)
             return
         self._kick()
+
+    def _fsync_due(self) -> bool:
+        """Appends written and waiting for their fsync: the stream is being written even
+        when its commits are far apart (a loaded machine leaves the server off its core
+        for tens of milliseconds: with the commits' spacing alone, at 50 ms, the rounds
+        still ran inside a Kafka produce at load 4.8)."""
+        return self.committer.policy.kind == "fsync" and (
+            self.plog.end_offset > self.plog.durable_offset
+        )
 
     def request_catch_up(self) -> None:
         """Project everything committed, starting now (queries and reads call this)."""
