@@ -13,10 +13,11 @@ docs/benchmarks.md). While the stream is being written hard (a commit within the
 ``CATCH_UP_QUIET``, or appends waiting for their fsync) that round waits for the writes
 to pause, up to ``CATCH_UP_MAX_DELAY`` or a backlog of ``BACKLOG_ROWS``: a round run
 beside a Kafka produce held the GIL against the loop answering it (librdkafka's
-produce round trip 124-302 ms with them against 20-79 ms with the rounds after the
-produce, docs/benchmarks.md). Anyone who needs the projection now starts it at once:
-a Query (read your writes), a range read, a QueryAt that finds it behind
-(:meth:`StreamProjection.request_catch_up`), so no query ever sees less than it did.
+produce round trip, worst 100 ms window, 146-302 ms with them against 51-79 ms with the
+rounds after the produce, docs/benchmarks.md). Anyone who needs the projection now
+starts it at once: a Query (read your writes), a range read, a QueryAt that finds it
+behind (:meth:`StreamProjection.request_catch_up`), so no query ever sees less than it
+did.
 A catch-up reads stored batches from the projection's next offset and builds the
 columns in bulk from the batch headers and values sections, never decoding events one
 by one in Python:
