@@ -13,6 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from megabyte_batches import megabyte_batches_log
 
 from headwater.errors import CorruptBatchError
 from headwater.storage import segment
@@ -155,11 +156,7 @@ def test_pages_cut_inside_a_batch_read_each_batch_about_once(tmp_path: Path) -> 
     # a little of one batch past its first chunk reads that batch, not a whole second
     # chunk that the next page (starting in that batch) reads again (1.35x the file
     # was read before, every other page reading 18 MiB).
-    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("fsync")))
-    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(1000)]
-    for _ in range(40):
-        plog.append(values, first_position=0, timestamp_ms=0)
-    plog.sync()
+    plog, values = megabyte_batches_log(tmp_path)
     evict(plog)
     before = disk_read_bytes()
     got: list[bytes] = []
@@ -172,25 +169,20 @@ def test_pages_cut_inside_a_batch_read_each_batch_about_once(tmp_path: Path) -> 
             result = plog.read(offset, 8 * MIB)
         got += [e.value for e in result.events()]
         offset = result.next_offset
-    assert got == values * 40
+    assert got == values
     assert disk_read_bytes() - before < 1.06 * plog.active.size
     plog.close()
 
 
 def cold_pages(tmp_path: Path) -> tuple[PartitionLog, list[bytes]]:
     """40 MB of 1 MB batches in three segments, not in the page cache."""
-    config = LogConfig(sync=SyncPolicy("fsync"), segment_bytes=16 * MIB)
-    plog = PartitionLog.open(tmp_path, config)
-    values = [b"%07d" % i + bytes([65 + i % 26]) * 993 for i in range(1000)]
-    for _ in range(40):
-        plog.append(values, first_position=0, timestamp_ms=0)
-    plog.sync()
+    plog, values = megabyte_batches_log(tmp_path, segment_bytes=16 * MIB)
     assert len(plog.segments) == 3
     for seg in plog.segments:
         with seg.pinned() as fd:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    return plog, values * 40
+    return plog, values
 
 
 def segment_cached_share(seg: Segment, upto: float = 1.0) -> float:
