@@ -8,15 +8,17 @@ to CATCH_UP_MAX_DELAY."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
-from sqlkit import js, running
+from sqlkit import CONFIG, js, running
 
 from headwater.errors import ProjectionLag
 from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder, StreamProjection
 from headwater.sql.values import QueryResult
+from headwater.storage.log import PartitionLog
 from waiting import wait_until_async
 
 
@@ -165,5 +167,43 @@ def test_a_stream_written_without_pause_is_projected_after_the_max_delay(
             # Not at CATCH_UP_DELAY: at the max delay from the first commit.
             assert loop.time() - started >= 0.3
             await wait_until_async(lambda: projection.next_offset > 0, 10, "round not installed")
+
+    asyncio.run(main())
+
+
+def test_rounds_wait_while_appends_wait_for_their_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Commits far apart do not make a stream quiet while an append waits for its fsync
+    # (a loaded machine spaces a hard writer's commits out).
+    monkeypatch.setattr(projection_module, "CATCH_UP_DELAY", 0.05)
+    monkeypatch.setattr(projection_module, "CATCH_UP_QUIET", 0.05)
+    monkeypatch.setattr(projection_module, "CATCH_UP_MAX_DELAY", 3600.0)
+    rounds = count_rounds(monkeypatch)
+    fired = count_timer_firings(monkeypatch)
+    gate = threading.Event()
+    sync = PartitionLog.sync
+
+    def gated_sync(self: PartitionLog) -> int:
+        gate.wait(30)  # the fsync thread holds the append until the test lets it go
+        return sync(self)
+
+    async def main() -> None:
+        async with running(tmp_path, CONFIG) as (engine, sql):
+            s = await engine.create_stream(0, "s")
+            projection = sql.streams.projection(0, "s")
+            assert projection is not None
+            await engine.append(0, s.stream_id, [js(i=0)])  # committed: arms the timer
+            monkeypatch.setattr(PartitionLog, "sync", gated_sync)
+            pending = asyncio.create_task(engine.append(0, s.stream_id, [js(i=1)]))
+            try:
+                # Three firings, the last ones long after the only commit, or a round.
+                await wait_until_async(lambda: len(fired) >= 3 or rounds, 10, "no timer")
+                assert rounds == [] and not pending.done()
+            finally:
+                gate.set()
+            await pending
+            await wait_until_async(lambda: projection.next_offset >= 2, 10, "no catch-up")
+            assert sum(rounds) == 2
 
     asyncio.run(main())
