@@ -744,7 +744,9 @@ class Segment:
         (a reader that needs only a little more reads only a little more)."""
         while pos < end:
             asked = chunk() if callable(chunk) else chunk
-            want = self._unit_end_below(pos, min(max(asked, HEADER_SIZE), end - pos))
+            want = min(max(asked, HEADER_SIZE), end - pos)
+            if want < end - pos:  # a read to ``end`` ends at a batch's end already
+                want = self._unit_end_below(pos, want)
             fd = self.files.pin(self.file)
             try:
                 # A large reader's read, also the short one at the segment's end (which
