@@ -137,16 +137,12 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
             or self.server.cluster is not None
         ):
             return False
-        # In flight before the append: its acknowledgement may come before the call
-        # returns (a stream not synced per append), and that answer ends it.
-        self._began_inline()
         try:
             self.session.check_tenant(request.tenant_id)
             self.api.check_tenant(request.tenant_id)
             append_events_inline(self, request, payload, append_then)
         except Exception as exc:  # refused before anything was written
             self.send(request.id, self.error_response(request, exc))
-            self._answered_inline()
         return True
 
     def error_response(self, request: m.Request, exc: Exception) -> m.ErrorResponse:

@@ -83,8 +83,7 @@ def append_events_inline(
     """AppendEvents outside a cluster and without quotas, answered from its
     acknowledgement (``append_then``: the API's ``append_encoded_then``) rather than by a
     task of its own: a lone writer's append takes no task, no future and two loop turns
-    fewer. The caller counts the request in flight first; its answer ends it. Raises as
-    :func:`append_events` does before anything is written (the caller answers then)."""
+    fewer. Raises as :func:`append_events` does before anything is written."""
     started = time.perf_counter()
     events = payload.events
 
@@ -108,6 +107,7 @@ def append_events_inline(
         acknowledged,
         value_bytes=events.event_bytes,
     )
+    conn._began_inline()
 
 
 def _answer(
