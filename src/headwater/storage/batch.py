@@ -242,9 +242,10 @@ def value_spans(section: bytes | memoryview, count: int, start: int = 0) -> list
     stride = fixed_stride(section, count, start)
     if stride is not None:
         return list(range(start, len(section) + 1, stride))
-    found = _value_bounds_in_bulk(section, count, start)
-    if found is not None:
-        return found.tolist()  # type: ignore[no-any-return]
+    if _short_records(section, count, start, 8):
+        found = record_bounds(section, count, start, head=8, length_at=0, length_size=8)
+        if found is not None:
+            return found.tolist()  # type: ignore[no-any-return]
     return _walk_values(section, count, start)
 
 
@@ -255,20 +256,11 @@ def value_spans_array(
     stride = fixed_stride(section, count, start)
     if stride is not None:
         return np.arange(start, len(section) + 1, stride, dtype=np.int64)
-    found = _value_bounds_in_bulk(section, count, start)
-    if found is not None:
-        return found
+    if _short_records(section, count, start, 8):
+        found = record_bounds(section, count, start, head=8, length_at=0, length_size=8)
+        if found is not None:
+            return found
     return np.array(_walk_values(section, count, start), np.int64)
-
-
-def _value_bounds_in_bulk(
-    section: bytes | memoryview, count: int, start: int
-) -> npt.NDArray[np.int64] | None:
-    """A values section's bounds by :func:`record_bounds` (``u64 len | bytes`` records)
-    where it is worth trying; None: walk them."""
-    if not _short_records(section, count, start, 8):
-        return None
-    return record_bounds(section, count, start, head=8, length_at=0, length_size=8)
 
 
 def key_spans(section: bytes | memoryview, count: int) -> npt.NDArray[np.int64]:
