@@ -7,8 +7,9 @@ stream deleted between the walk and the copy.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from headwater.cli.backup import BackupReport, copy_metadata_and_plan, copy_partition
+from headwater.cli.backup import BackupReport, copy_bytes, copy_metadata_and_plan, copy_partition
 from headwater.storage.check import check_data_dir, check_metadata
 from headwater.storage.log import LogConfig, PartitionLog
 from headwater.storage.metadata import write_json_atomic
@@ -95,3 +96,81 @@ def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> 
         ]
     finally:
         copied.close()
+
+
+def test_retention_during_the_copy_leaves_no_hole(tmp_path: Path, monkeypatch: Any) -> None:
+    """Retention deletes segments while the copy is past the oldest of them: the ones
+    already copied go too (the server no longer holds them either), or the copy would
+    be a log with a hole in its offsets."""
+    data, staging = tmp_path / "data", tmp_path / "staging"
+    plog = make_stream(data, 1, 40)
+    bases = [seg.base_offset for seg in plog.segments]
+    assert len(bases) > 4
+    end_at_start = plog.end_offset
+    report = BackupReport(tmp_path / "dest")
+    plans = copy_metadata_and_plan(data, staging, report)
+    copies: list[Path] = []
+
+    def copy_then_retention(fd: int, path: Path, limit: int | None) -> int:
+        copied = copy_bytes(fd, path, limit)
+        copies.append(path)
+        if len(copies) == 2:  # two segments copied: retention drops the oldest three
+            for seg in plog.segments[:3]:
+                seg.log_path.unlink()
+                seg.index_path.unlink()
+                seg.time_index_path.unlink()
+        return copied
+
+    monkeypatch.setattr("headwater.cli.backup.copy_bytes", copy_then_retention)
+    for plan in plans:
+        copy_partition(data, staging, plan, report)
+    plog.close()
+
+    name = [f"{base:020d}.log" for base in bases]
+    where = "tenants/0/streams/1/partition-0"
+    assert report.vanished == [
+        f"{where}/{name[2]}: removed by retention meanwhile",
+        f"{where}/{name[0]}: left out, removed by retention after it",
+        f"{where}/{name[1]}: left out, removed by retention after it",
+    ]
+    partition = staging / where
+    assert sorted(p.name for p in partition.glob("*.log")) == name[3:]
+    assert [r.path for r in check_data_dir(staging) if r.damaged] == []
+    copied = PartitionLog.open(partition)
+    try:
+        assert copied.start_offset == bases[3]
+        assert [(e.offset, e.value) for e in copied.events(copied.start_offset)] == [
+            (i, value(1, i)) for i in range(bases[3], end_at_start)
+        ]
+    finally:
+        copied.close()
+
+
+def test_every_noted_segment_removed_the_partition_is_listed_again(tmp_path: Path) -> None:
+    """The log rolled and retention deleted every segment the walk noted, the newest
+    too, before the copy reached them: the copy is the log as it is at that point."""
+    data, staging = tmp_path / "data", tmp_path / "staging"
+    plog = make_stream(data, 1, 10)
+    report = BackupReport(tmp_path / "dest")
+    plans = copy_metadata_and_plan(data, staging, report)
+    noted = list(plog.segments)
+    for i in range(10, 40):
+        plog.append([value(1, i)], first_position=1000 + i)
+    plog.sync()
+    for seg in noted:
+        seg.log_path.unlink()
+    start, end = plog.segments[len(noted)].base_offset, plog.end_offset
+    for plan in plans:
+        copy_partition(data, staging, plan, report)
+    plog.close()
+
+    partition = staging / "tenants" / "0" / "streams" / "1" / "partition-0"
+    copied = PartitionLog.open(partition)
+    try:
+        assert (copied.start_offset, copied.end_offset) == (start, end)
+        assert [(e.offset, e.value) for e in copied.events(start)] == [
+            (i, value(1, i)) for i in range(start, end)
+        ]
+    finally:
+        copied.close()
+    assert len(report.vanished) == len(noted)

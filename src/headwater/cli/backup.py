@@ -19,7 +19,10 @@ What makes a live copy consistent is the storage format (docs/storage-format.md)
   rebuilt from it otherwise (indexes are derived data).
 * A sealed segment that compaction replaces during the copy is read whole from one
   descriptor, old or new version (compaction renames; it keeps every surviving event's
-  offset). One that retention deletes meanwhile is left out, as the server dropped it.
+  offset). One that retention deletes meanwhile is left out, as the server dropped it,
+  and so are those copied before it (retention deletes the oldest first: they are gone
+  too), so the copy is one run of offsets; when every noted segment went, the newest
+  too, the partition is listed again and the copy made of what it holds then.
 * Derived data is left out and rebuilt by the server that starts on the copy: the SQL
   projection files (``projection-0/``), the kinds' LMDB entity stores (``store/``, a
   checkpoint of the changelog, which is copied), DuckDB's spill files, and the lock.
@@ -57,6 +60,7 @@ UNFINISHED_PREFIXES = (".creating-", ".deleted-")  # stream directories the serv
 SEGMENT_SUFFIX = ".log"
 INDEX_SUFFIXES = (".index", ".timeindex")
 COPY_CHUNK = 8 << 20
+PLAN_ATTEMPTS = 3  # plans of a partition tried when retention removes all its planned segments
 OPEN_FILES = 64  # segment files open at once while the copied logs are recovered
 
 
@@ -173,28 +177,70 @@ def copy_metadata_and_plan(
 
 
 def copy_partition(source: Path, staging: Path, plan: PartitionPlan, report: BackupReport) -> None:
-    copied = 0
-    for name in plan.segments:
-        limit = plan.tail_bytes if name == plan.segments[-1] else None
-        try:
-            fd = os.open(source / plan.relative / name, os.O_RDONLY)
-        except FileNotFoundError:
-            if not (source / plan.relative).is_dir():
-                report.vanished.append(f"{plan.relative}: deleted during the backup, left out")
-                shutil.rmtree(staging / stream_directory(plan.relative), ignore_errors=True)
-                return
-            report.vanished.append(f"{plan.relative / name}: removed by retention meanwhile")
-            continue
-        try:
-            report.bytes += copy_bytes(fd, staging / plan.relative / name, limit)
-        finally:
-            os.close(fd)
-        if limit is None:
-            copy_index_files(source / plan.relative, staging / plan.relative, name)
-        copied += 1
+    """Copy one partition's planned segments. Retention deletes a log's oldest segments
+    first, so a segment gone when its turn comes means every one before it is gone from
+    the server too: those already copied are dropped with it, and the copy stays one run
+    of offsets (a hole in the middle would be read as if it were not there)."""
+    copied: list[str] = []
+    for _attempt in range(PLAN_ATTEMPTS):
+        for name in plan.segments:
+            limit = plan.tail_bytes if name == plan.segments[-1] else None
+            try:
+                fd = os.open(source / plan.relative / name, os.O_RDONLY)
+            except FileNotFoundError:
+                if not (source / plan.relative).is_dir():
+                    report.vanished.append(f"{plan.relative}: deleted during the backup, left out")
+                    shutil.rmtree(staging / stream_directory(plan.relative), ignore_errors=True)
+                    return
+                report.vanished.append(f"{plan.relative / name}: removed by retention meanwhile")
+                for earlier in copied:
+                    remove_segment_files(staging / plan.relative, earlier)
+                    report.vanished.append(
+                        f"{plan.relative / earlier}: left out, removed by retention after it"
+                    )
+                copied.clear()
+                continue
+            try:
+                report.bytes += copy_bytes(fd, staging / plan.relative / name, limit)
+            finally:
+                os.close(fd)
+            if limit is None:
+                copy_index_files(source / plan.relative, staging / plan.relative, name)
+            copied.append(name)
+        if copied:
+            break
+        # Every planned segment went, the newest too (sealed and deleted while the copy
+        # ran): the log lives on in segments the walk did not see. Plan it again.
+        replanned = plan_partition(source, plan.relative)
+        if replanned is None:
+            report.vanished.append(f"{plan.relative}: deleted during the backup, left out")
+            shutil.rmtree(staging / stream_directory(plan.relative), ignore_errors=True)
+            return
+        plan = replanned
+    else:
+        raise BackupError(
+            f"{plan.relative}: retention removed every segment {PLAN_ATTEMPTS} times while "
+            "they were copied; run the backup again or slow retention down"
+        )
     report.partitions += 1
-    report.segments += copied
+    report.segments += len(copied)
     report.cut_bytes += recover(staging / plan.relative, plan.segments[-1])
+
+
+def plan_partition(source: Path, relative: Path) -> PartitionPlan | None:
+    """A partition's segments and newest size as they are now; None when it is gone."""
+    try:
+        names = sorted(f for f in os.listdir(source / relative) if is_segment(f))
+        tail_bytes = os.stat(source / relative / names[-1]).st_size if names else 0
+    except FileNotFoundError:
+        return None
+    return PartitionPlan(relative, names, tail_bytes) if names else None
+
+
+def remove_segment_files(partition: Path, segment: str) -> None:
+    base = segment[: -len(SEGMENT_SUFFIX)]
+    for suffix in (SEGMENT_SUFFIX, *INDEX_SUFFIXES):
+        (partition / f"{base}{suffix}").unlink(missing_ok=True)
 
 
 def copy_index_files(source: Path, staging: Path, segment: str) -> None:
