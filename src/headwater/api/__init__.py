@@ -479,6 +479,7 @@ class EngineAPI:
         isolation: str = READ_COMMITTED,
         kafka: bool = False,
         read_ahead: bool = False,
+        contiguous: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset`` as
         stored batches. InvalidOffset when retention removed ``from_offset``.
@@ -487,7 +488,11 @@ class EngineAPI:
         Kafka fetch reads (whole batches, markers and aborted batches included, the
         client filtering by :meth:`aborted_transactions`). ``read_ahead``: a reader
         that pages sequentially (:mod:`headwater.api.readahead`): when this read stops
-        at its budget, the next page is read while the reader handles this one."""
+        at its budget, the next page is read while the reader handles this one.
+        ``contiguous``: the answer's events are the offsets from ``from_offset`` on with
+        no hole (compaction's, aborted batches'), for an answer that carries no offsets;
+        from inside a hole, no events and ``next_offset`` past it
+        (:meth:`PartitionLog.read <headwater.storage.log.PartitionLog.read>`)."""
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
             where = f"partition {partition}" if partition else "the stream"
@@ -510,6 +515,7 @@ class EngineAPI:
                 partition=partition,
                 isolation=isolation,
                 kafka=kafka,
+                contiguous=contiguous,
             )
 
         def ahead(offset: int) -> Pages:
@@ -521,12 +527,13 @@ class EngineAPI:
                 max_events=max_events,
                 partition=partition,
                 isolation=isolation,
+                contiguous=contiguous,
                 then=self._read_ahead.room,
             )
 
         # A throttled reader waits its turn anyway: reading ahead would only hold memory.
         read_ahead = read_ahead and not throttled and not kafka
-        key = (tenant_id, stream_id, partition, max_bytes, max_events, isolation)
+        key = (tenant_id, stream_id, partition, max_bytes, max_events, isolation, contiguous)
         result = await self._read_ahead.take((*key, from_offset)) if read_ahead else None
         if result is None:
             result = await read(from_offset)

@@ -198,11 +198,16 @@ class _Scan:
         self.offset: int | None = from_offset if limit is None or limit > 0 else None
 
     def take(self, page: ReadResult) -> list[Event]:
-        """The events of ``page`` to yield; moves on to the next page (or the end)."""
+        """The events of ``page`` to yield; moves on to the next page (or the end). A
+        page may be empty yet not the last: its offset was in a hole of the stream
+        (compaction, an aborted transaction) and the scan goes on where the server
+        says the next event is."""
         events = page.events if self.left is None else page.events[: self.left]
         if self.left is not None:
             self.left -= len(events)
-        done = page.at_end or not page.events or (self.left is not None and self.left <= 0)
+        # An empty page that does not move on would be asked again for ever.
+        stuck = not events and (self.offset is None or page.next_offset <= self.offset)
+        done = page.at_end or stuck or (self.left is not None and self.left <= 0)
         self.offset = None if done else page.next_offset
         return events
 
@@ -587,7 +592,11 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
     ) -> ReadResult:
         """Events from ``from_offset`` until ``max_bytes`` of values (at least one event
-        when there is one). ``events, next_offset = await client.read(...)``."""
+        when there is one). ``events, next_offset = await client.read(...)``. The server
+        answers consecutive offsets from ``from_offset``, ending before a hole in the
+        stream's offsets (compaction, an aborted transaction); from inside a hole the
+        answer is no events, ``next_offset`` the first offset after it and ``at_end``
+        False (docs/protocols/kimberlite.md)."""
 
         async def op(stream_id: int) -> ReadResult:
             reply = await self._request(

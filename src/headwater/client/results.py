@@ -29,9 +29,10 @@ class Event(NamedTuple):
 class ReadResult:
     """What one ``read`` returned.
 
-    ``events`` are in offset order; ``next_offset`` is where the next read continues (the
-    offset after the last event returned, or ``from_offset`` when none was); ``at_end`` is
-    True when the read reached the end of the stream. Unpacks as
+    ``events`` are consecutive offsets from the read's ``from_offset``; ``next_offset`` is
+    where the next read continues (the offset after the last event returned; with none,
+    the first offset after a hole ``from_offset`` was in, or ``from_offset`` at the end);
+    ``at_end`` is True when the read reached the end of the stream. Unpacks as
     ``events, next_offset = client.read(...)``.
     """
 

@@ -1187,6 +1187,7 @@ class Engine:
         isolation: str = READ_COMMITTED,
         internal: bool = False,
         kafka: bool = False,
+        contiguous: bool = False,
     ) -> ReadResult:
         """Committed events of one partition (0 unless named) from ``from_offset``. Data
         in the page cache is read right here on the loop (no-wait reads); anything that
@@ -1195,7 +1196,8 @@ class Engine:
         and leaves out aborted transactions; ``read_uncommitted`` shows every stored
         event (transaction markers are never shown). ``internal``: see :meth:`stream`.
         ``kafka``: whole stored batches, markers and aborted batches included, as a
-        Kafka fetch answers (:meth:`PartitionLog.read`)."""
+        Kafka fetch answers; ``contiguous``: the events' offsets have no hole, for an
+        answer that carries none (both :meth:`PartitionLog.read`)."""
         plog = self.stream(tenant_id, stream_id, internal=internal).partition_log(partition)
         committed = committed_only(isolation)
 
@@ -1206,6 +1208,7 @@ class Engine:
                 max_events=max_events,
                 committed_only=committed,
                 kafka=kafka,
+                contiguous=contiguous,
             )
 
         try:
@@ -1225,6 +1228,7 @@ class Engine:
         max_events: int | None = None,
         partition: int = 0,
         isolation: str = READ_COMMITTED,
+        contiguous: bool = False,
         then: Callable[[], bool] | None = None,
     ) -> tuple[asyncio.Future[ReadResult], asyncio.Future[ReadResult]]:
         """:meth:`read` of a sequential reader's next page (api/readahead.py), started
@@ -1246,7 +1250,11 @@ class Engine:
                 plog = self.stream(tenant_id, stream_id).partition_log(partition)
                 for page in pages:
                     result = plog.read(
-                        offset, max_bytes, max_events=max_events, committed_only=committed
+                        offset,
+                        max_bytes,
+                        max_events=max_events,
+                        committed_only=committed,
+                        contiguous=contiguous,
                     )
                     loop.call_soon_threadsafe(_settle, page, result, None)
                     if result.next_offset is None or then is None or not then():

@@ -47,6 +47,7 @@ above.
 from __future__ import annotations
 
 import struct
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypedDict, Unpack
@@ -676,11 +677,26 @@ class Batch:
         """Index of the first event at or after ``offset`` (``count`` if none)."""
         if self._deltas is None:
             return int(min(max(offset - self.base_offset, 0), self.count))
-        rel = offset - self.base_offset
-        for i, d in enumerate(self._deltas):
-            if d >= rel:
-                return i
-        return int(self.count)
+        return bisect_left(self._deltas, offset - self.base_offset)
+
+    def offset_at(self, index: int) -> int:
+        """Offset of event ``index``."""
+        if self._deltas is None:
+            return int(self.base_offset + index)
+        return int(self.base_offset + self._deltas[index])
+
+    def run_end(self, start: int) -> int:
+        """Index after the run of consecutive offsets that event ``start`` begins:
+        ``count`` when the rest of the batch has no hole (always, for a dense batch)."""
+        deltas = self._deltas
+        if deltas is None:
+            return int(self.count)
+        # Deltas rise by at least one per event, so delta - index never falls: the run
+        # is where it keeps event start's value, found by bisection, not by a walk.
+        first = deltas[start] - start
+        if deltas[-1] - (self.count - 1) == first:
+            return int(self.count)
+        return bisect_right(range(self.count), first, lo=start, key=lambda i: deltas[i] - i)
 
     def events(self, start: int = 0) -> Iterator[Event]:
         """Decode events from index ``start`` on."""

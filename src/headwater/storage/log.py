@@ -690,6 +690,7 @@ class PartitionLog:
         upto: int | None = None,
         committed_only: bool = True,
         kafka: bool = False,
+        contiguous: bool = False,
     ) -> ReadResult:
         """Committed events from ``from_offset``, stopping before the sum of value lengths
         would pass ``max_bytes`` (always at least one event when one exists). Whole
@@ -703,7 +704,14 @@ class PartitionLog:
         never decoded; the first may start before ``from_offset``, the client skips
         what it did not ask for), markers included, and read_committed stops at the
         last stable offset but returns aborted batches (the fetch lists the aborted
-        transactions: :meth:`aborted_transactions`; the client drops them)."""
+        transactions: :meth:`aborted_transactions`; the client drops them).
+
+        ``contiguous``: the answer's events are exactly the offsets ``from_offset,
+        from_offset + 1, ...`` (for a reader whose answer carries no offsets, Kimberlite's
+        ReadEvents): it ends before the first hole (events removed by compaction, a
+        hidden batch) and ``next_offset`` is the offset after its last event; when
+        ``from_offset`` itself is in a hole, no events and ``next_offset`` the first
+        offset present after it."""
         if from_offset < 0:
             raise UsageError("offsets are non-negative")
         limit = self.last_stable_offset if committed_only else self.readable_offset
@@ -729,13 +737,28 @@ class PartitionLog:
             rest = max_bytes - value_bytes
             return min(full_chunk, max(rest + rest // 8, POOLED_READ))
 
+        contiguous = contiguous and not kafka
+        expected = from_offset  # with ``contiguous``: the offset the next event must have
         for batch in self._stored_batches(from_offset, limit, chunk):
             if not kafka and self.hidden(batch, committed_only=committed_only):
+                if contiguous:
+                    if count:
+                        break  # a hole: the answer ends before it
+                    continue  # from_offset is in it: the next event shown says where to go on
                 skipped_to = batch.next_offset
                 continue
             skipped_to = None
             start = batch.index_of(from_offset)
             n_avail = batch.count - start
+            run_stop = batch.count
+            if contiguous:
+                first = batch.offset_at(start)
+                if first != expected:  # a hole before this batch's first event wanted
+                    if not count:
+                        next_offset = first
+                    break
+                run_stop = batch.run_end(start)
+                expected = first + (run_stop - start)
             if kafka:
                 whole_bytes = batch.payload_bytes
                 if count and value_bytes + whole_bytes > max_bytes:
@@ -748,7 +771,12 @@ class PartitionLog:
                     break
                 continue
             whole_bytes = len(batch.values_section()) - 8 * batch.count
-            if start == 0 and value_bytes + whole_bytes <= max_bytes and n_avail <= budget_events:
+            if (
+                start == 0
+                and value_bytes + whole_bytes <= max_bytes
+                and n_avail <= budget_events
+                and run_stop == batch.count
+            ):
                 spans.append(ReadSpan(batch, 0, batch.count))
                 count += batch.count
                 value_bytes += whole_bytes
@@ -759,7 +787,7 @@ class PartitionLog:
                 stop, lo, hi, size = batch.take_values(
                     start,
                     max_bytes - value_bytes,
-                    budget_events,
+                    min(budget_events, run_stop - start),
                     at_least_one=count == 0,
                     start_pos=hint[2] if hint[:2] == (batch.identity, start) else None,
                 )
@@ -771,8 +799,12 @@ class PartitionLog:
                 budget_events -= stop - start
                 if stop > start:
                     spans.append(ReadSpan(batch, start, stop, (lo, hi)))
-                    offsets = batch.offsets()
-                    next_offset = offsets[stop] if stop < batch.count else batch.next_offset
+                    if contiguous:  # the offset after the last event taken
+                        next_offset = batch.offset_at(stop - 1) + 1
+                    else:
+                        next_offset = (
+                            batch.offset_at(stop) if stop < batch.count else batch.next_offset
+                        )
                 if stop < batch.count:
                     break
             if value_bytes >= max_bytes or budget_events <= 0:

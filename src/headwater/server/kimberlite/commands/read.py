@@ -25,6 +25,9 @@ async def read_events(
         max_bytes,
         max_events=max_events,
         read_ahead=True,  # readers page from an offset on: the next page is read meanwhile
+        # The answer carries no offsets: the client counts them from from_offset, so a
+        # hole (compaction's, an aborted transaction's) ends it (docs/protocols/kimberlite.md).
+        contiguous=True,
     )
     conn.metrics.record_read(
         "kimberlite",
