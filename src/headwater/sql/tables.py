@@ -73,29 +73,20 @@ class StreamTable:
     Positions are the tenant log's, assigned per append across partitions, so a
     snapshot at a position cuts every partition at the same point of the tenant log."""
 
-    def __init__(
-        self,
-        stream: Stream,
-        builder: ChunkBuilder,
-        executor: Executor,
-        on_progress: Callable[[], None],
-    ) -> None:
+    def __init__(self, stream: Stream, project: Callable[[Stream, int], StreamProjection]) -> None:
+        """``project(stream, partition)`` makes a partition's projection (the builder,
+        executor and progress callback of :class:`StreamTables` bound in)."""
         self.stream = stream
         self.name = stream.name
-        self._builder = builder
-        self._executor = executor
-        self._on_progress = on_progress
-        self.parts: list[StreamProjection] = [self._make(n) for n in range(stream.partitions)]
+        self._project = project
+        self.parts = [project(stream, n) for n in range(stream.partitions)]
         stream.partition_listeners.append(self._grown)
-
-    def _make(self, partition: int) -> StreamProjection:
-        return StreamProjection(
-            self.stream, self._builder, self._executor, self._on_progress, partition
-        )
 
     def _grown(self, partitions: int) -> None:
         if self.parts and not self.parts[0].closed:
-            self.parts += [self._make(n) for n in range(len(self.parts), partitions)]
+            self.parts += [
+                self._project(self.stream, n) for n in range(len(self.parts), partitions)
+            ]
 
     def covered_position(self, head: int) -> int:
         return min(part.covered_position(head) for part in self.parts)
@@ -156,9 +147,10 @@ class StreamTables:
             return
         tenant = self.projections.setdefault(stream.tenant.tenant_id, {})
         if stream.stream_id not in tenant:
-            tenant[stream.stream_id] = StreamTable(
-                stream, self._builder, self._executor, self._progressed
-            )
+            tenant[stream.stream_id] = StreamTable(stream, self._project)
+
+    def _project(self, stream: Stream, partition: int) -> StreamProjection:
+        return StreamProjection(stream, self._builder, self._executor, self._progressed, partition)
 
     def _progressed(self) -> None:
         self._on_progress()
