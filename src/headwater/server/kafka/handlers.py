@@ -55,6 +55,7 @@ from headwater.errors import (
 )
 from headwater.protocols.kafka import ApiKey, RecordBatch, RecordBatchError, split_batches
 from headwater.protocols.kafka.records import (
+    BatchHeader,
     Compression,
     ControlType,
     Record,
@@ -63,7 +64,7 @@ from headwater.protocols.kafka.records import (
     control_batch,
 )
 from headwater.storage import kafka_batch
-from headwater.storage.batch import Batch
+from headwater.storage.batch import Batch, Headers
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
 from headwater.storage.log import ReadResult
 
@@ -533,18 +534,8 @@ async def _append_batch(
         return await _append_decoded(session, info, index, batch, transactional_id)
     batch.check_for_append()
     if header.is_transactional:
-        if transactional_id is None or header.producer_id < 0:
-            raise InvalidTxnState("a transactional batch in a Produce without transactional_id")
-        stored = await api.append_transactional(
-            tenant,
-            transactional_id,
-            ProducerIdentity(header.producer_id, header.producer_epoch),
-            info.stream_id,
-            header.base_sequence,
-            KafkaSection(batch.section, header.records_count, header.max_timestamp),
-            partition=index,
-        )
-        return stored.base_offset, stored.timestamp_ms
+        section = KafkaSection(batch.section, header.records_count, header.max_timestamp)
+        return await _append_transactional(session, info, index, header, transactional_id, section)
     idempotent = header.producer_id >= 0
     stored = await api.append_encoded(
         tenant,
@@ -558,6 +549,35 @@ async def _append_batch(
         producer_epoch=header.producer_epoch if idempotent else None,
         kafka=True,
         acks=ACKS_LEADER,  # acks=all is waited for by _produce_partition, its timeout
+    )
+    return stored.base_offset, stored.timestamp_ms
+
+
+async def _append_transactional(
+    session: Session,
+    info: StreamInfo,
+    index: int,
+    header: BatchHeader,
+    transactional_id: str | None,
+    values: Sequence[bytes] | KafkaSection,
+    *,
+    keys: Sequence[bytes | None] | None = None,
+    headers: Sequence[Headers] | None = None,
+) -> tuple[int, int]:
+    """Store a batch of a transactional producer (as it came, or decoded) inside its
+    transaction; its first offset and stored first timestamp."""
+    if transactional_id is None or header.producer_id < 0:
+        raise InvalidTxnState("a transactional batch in a Produce without transactional_id")
+    stored = await session.api.append_transactional(
+        session.tenant_id,
+        transactional_id,
+        ProducerIdentity(header.producer_id, header.producer_epoch),
+        info.stream_id,
+        header.base_sequence,
+        values,
+        partition=index,
+        keys=keys,
+        headers=headers,
     )
     return stored.base_offset, stored.timestamp_ms
 
@@ -591,20 +611,10 @@ async def _append_decoded(
         # Idempotent (and transactional) batches keep their producer fields: the
         # partition's producer table stores a retry once and fences an old epoch.
         if header.is_transactional:
-            if transactional_id is None:
-                raise InvalidTxnState("a transactional batch in a Produce without transactional_id")
-            stored = await api.append_transactional(
-                tenant,
-                transactional_id,
-                ProducerIdentity(header.producer_id, header.producer_epoch),
-                info.stream_id,
-                header.base_sequence,
-                values,
-                partition=index,
-                keys=keys,
-                headers=headers,
+            base_offset, _ = await _append_transactional(
+                session, info, index, header, transactional_id, values, keys=keys, headers=headers
             )
-            return stored.base_offset, now_ms
+            return base_offset, now_ms
         stored = await api.append(
             tenant,
             info.stream_id,
@@ -654,6 +664,17 @@ def _chunks(values: Sequence[bytes]) -> list[tuple[int, int]]:
 
 
 # ---- fetch and offsets -----------------------------------------------------------------
+
+
+def _partition_ends(session: Session, info: StreamInfo, partition: int) -> tuple[int, int, int]:
+    """A partition's end, the end consumers read to (in a cluster the high watermark,
+    on the leader or a follower) and its last stable offset (read_committed's end)."""
+    api, tenant = session.api, session.tenant_id
+    end = api.stream_end(tenant, info.stream_id, partition)
+    stable = api.last_stable_offset(tenant, info.stream_id, partition)
+    cluster = session.cluster
+    readable = end if cluster is None else cluster.high_watermark(tenant, info.name, partition, end)
+    return end, readable, min(stable, readable)
 
 
 def _isolation(request: Any) -> str:
@@ -835,12 +856,7 @@ async def _fetch_once(
                 entry["error_code"] = ErrorCode.unknown_topic_or_partition
                 continue
             p = wanted.partition
-            end = api.stream_end(tenant, info.stream_id, p)
-            stable = api.last_stable_offset(tenant, info.stream_id, p)
-            # In a cluster consumers read up to the high watermark (leader or follower).
-            cluster = session.cluster
-            readable = end if cluster is None else cluster.high_watermark(tenant, info.name, p, end)
-            stable = min(stable, readable)
+            end, readable, stable = _partition_ends(session, info, p)
             entry["high_watermark"] = readable
             entry["last_stable_offset"] = stable
             entry["log_start_offset"] = info.partition_info[p].start_offset
@@ -927,14 +943,8 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
             if wanted.timestamp == EARLIEST:
                 entry["offset"] = info.partition_info[p].start_offset
             elif wanted.timestamp == LATEST:
-                end = api.stream_end(tenant, info.stream_id, p)
-                if session.cluster is not None:
-                    end = session.cluster.high_watermark(tenant, info.name, p, end)
-                entry["offset"] = (
-                    min(api.last_stable_offset(tenant, info.stream_id, p), end)
-                    if committed
-                    else end
-                )
+                _, readable, stable = _partition_ends(session, info, p)
+                entry["offset"] = stable if committed else readable
             elif wanted.timestamp >= 0:
                 found = await api.offset_for_timestamp(
                     tenant, info.stream_id, wanted.timestamp, partition=p
