@@ -34,20 +34,7 @@ from headwater.errors import (
     TenantForbidden,
     TenantNotFound,
 )
-from headwater.protocols.postgres import (
-    Authenticate,
-    CancelRequested,
-    Close,
-    DescribeStatement,
-    Event,
-    QueryOutcome,
-    Reject,
-    Reply,
-    RunQuery,
-    ServerConnection,
-    TlsRequested,
-    TokenKeys,
-)
+from headwater.protocols import postgres as pg
 from headwater.protocols.postgres.connection import TENANT
 from headwater.protocols.postgres.messages import ErrorFields, encode_error
 from headwater.server.app import Listener
@@ -141,7 +128,7 @@ class ListenerState:
         self.backends: dict[int, PostgresConnection] = {}
         auth = server.config.auth
         self.auth_method = "scram-sha-256" if auth.required else "trust"
-        self.keys = TokenKeys(auth.tokens) if auth.required else None
+        self.keys = pg.TokenKeys(auth.tokens) if auth.required else None
         self.tls = context_for(server)  # None: no [tls]; else every client must use it
 
     def new_process_id(self) -> int:
@@ -157,7 +144,7 @@ class PostgresConnection(asyncio.Protocol):
         server = state.server
         self.api: EngineAPI = server.api
         self.metrics = metrics_for(server)
-        self.protocol = ServerConnection(
+        self.protocol = pg.ServerConnection(
             auth=state.auth_method, keys=state.keys, require_tls=state.tls is not None
         )
         self.transport: asyncio.Transport | None = None
@@ -165,7 +152,7 @@ class PostgresConnection(asyncio.Protocol):
         self.tenant = 0
         self.process_id = 0
         self.secret_key = 0
-        self.running: asyncio.Task[QueryOutcome] | None = None
+        self.running: asyncio.Task[pg.QueryOutcome] | None = None
         self._cancel_requested = False
         self._wake = asyncio.Event()
         self._writable = asyncio.Event()  # cleared while the transport's buffer is full
@@ -254,24 +241,24 @@ class PostgresConnection(asyncio.Protocol):
             log.exception("postgres %s: connection failed", self.peer)
             self.close()
 
-    async def _handle(self, event: Event) -> None:
-        if isinstance(event, Reply):
+    async def _handle(self, event: pg.Event) -> None:
+        if isinstance(event, pg.Reply):
             self._write(event.data)
-        elif isinstance(event, RunQuery):
+        elif isinstance(event, pg.RunQuery):
             self._write(await self._run(event))
-        elif isinstance(event, DescribeStatement):
+        elif isinstance(event, pg.DescribeStatement):
             self._write(await self._describe(event))
-        elif isinstance(event, Reject):
+        elif isinstance(event, pg.Reject):
             log.warning("postgres %s: refused: %s", self.peer, event.reason)
             self._write(event.data)
             self.close()
-        elif isinstance(event, Close):
+        elif isinstance(event, pg.Close):
             self.close()
-        elif isinstance(event, TlsRequested):
+        elif isinstance(event, pg.TlsRequested):
             await self._start_tls()
-        elif isinstance(event, Authenticate):
+        elif isinstance(event, pg.Authenticate):
             self._authenticate(event)
-        elif isinstance(event, CancelRequested):
+        elif isinstance(event, pg.CancelRequested):
             self._cancel(event)
             self.close()
 
@@ -283,7 +270,7 @@ class PostgresConnection(asyncio.Protocol):
             self._write(self.protocol.decline_tls())
             return
         answer = self.protocol.accept_tls()
-        if isinstance(answer, Reject):
+        if isinstance(answer, pg.Reject):
             await self._handle(answer)
             return
         self._write(answer)
@@ -312,7 +299,7 @@ class PostgresConnection(asyncio.Protocol):
         self.guard.upgraded(transport)
         self.protocol.tls_active = True
 
-    def _authenticate(self, event: Authenticate) -> None:
+    def _authenticate(self, event: pg.Authenticate) -> None:
         try:
             principal = self.api.authenticate(event.token)
             self.tenant = choose_tenant(
@@ -335,7 +322,7 @@ class PostgresConnection(asyncio.Protocol):
         self._write(self.protocol.accept(self.process_id, self.secret_key))
         self.guard.authenticated()
 
-    def _cancel(self, event: CancelRequested) -> None:
+    def _cancel(self, event: pg.CancelRequested) -> None:
         backend = self.state.backends.get(event.process_id)
         if backend is None or not secrets.compare_digest(
             backend.secret_key.to_bytes(4, "big"), event.secret_key.to_bytes(4, "big", signed=True)
@@ -348,7 +335,9 @@ class PostgresConnection(asyncio.Protocol):
 
     # ---- queries ------------------------------------------------------------------------
 
-    async def _query(self, sql: str, parameters: list[object], as_of: int | None) -> QueryOutcome:
+    async def _query(
+        self, sql: str, parameters: list[object], as_of: int | None
+    ) -> pg.QueryOutcome:
         # PostgreSQL's catalog and functions, as browsing tools use them (catalog.py).
         sql = catalog.rewrite(sql, self.protocol.settings)
         if as_of is None:
@@ -359,9 +348,11 @@ class PostgresConnection(asyncio.Protocol):
             [value.ns if isinstance(value, Timestamp) else value for value in row]
             for row in result.rows
         ]
-        return QueryOutcome(result.columns, result.types, rows)
+        return pg.QueryOutcome(result.columns, result.types, rows)
 
-    async def _outcome(self, sql: str, parameters: list[object], as_of: int | None) -> QueryOutcome:
+    async def _outcome(
+        self, sql: str, parameters: list[object], as_of: int | None
+    ) -> pg.QueryOutcome:
         """Run a query as a task a CancelRequest can cancel."""
         self._cancel_requested = False
         self.running = asyncio.get_running_loop().create_task(self._query(sql, parameters, as_of))
@@ -375,7 +366,7 @@ class PostgresConnection(asyncio.Protocol):
         finally:
             self.running = None
 
-    async def _run(self, event: RunQuery) -> bytes:
+    async def _run(self, event: pg.RunQuery) -> bytes:
         try:
             outcome = await self._outcome(event.sql, event.parameters, event.as_of)
         except HeadwaterError as exc:
@@ -384,7 +375,7 @@ class PostgresConnection(asyncio.Protocol):
             return self.protocol.fail("57014", "canceling statement due to user request")
         return self.protocol.complete(event, outcome)
 
-    async def _describe(self, event: DescribeStatement) -> bytes:
+    async def _describe(self, event: pg.DescribeStatement) -> bytes:
         """Columns of a statement before any Bind: a read runs as ``LIMIT 0`` with NULL
         parameters; an INSERT returns no rows."""
         sql = event.sql.strip().rstrip(";")
