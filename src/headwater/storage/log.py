@@ -22,6 +22,8 @@ from typing import BinaryIO, Unpack
 
 from headwater.errors import CorruptBatchError, StorageError, UsageError
 from headwater.storage.batch import (
+    ATTR_CONTROL,
+    ATTR_TRANSACTIONAL,
     HEADER_SIZE,
     Batch,
     Event,
@@ -51,6 +53,8 @@ GRAVEYARD_SECONDS = 30.0
 # The most one read takes from a segment at a time: an 8 MiB answer with its batches'
 # headers and lengths fits one chunk (a larger one reads a second).
 MAX_READ_CHUNK = 9 << 20
+# The attributes of a batch a reader may not be shown (PartitionLog.hidden).
+_MAYBE_HIDDEN = ATTR_CONTROL | ATTR_TRANSACTIONAL
 
 
 @dataclass(frozen=True)
@@ -740,7 +744,13 @@ class PartitionLog:
         contiguous = contiguous and not kafka
         expected = from_offset  # with ``contiguous``: the offset the next event must have
         for batch in self._stored_batches(from_offset, limit, chunk):
-            if not kafka and self.hidden(batch, committed_only=committed_only):
+            # Only a marker or a transaction's batch may be hidden: most batches are
+            # neither, told by one test of their attributes.
+            if (
+                not kafka
+                and batch.attributes & _MAYBE_HIDDEN
+                and self.hidden(batch, committed_only=committed_only)
+            ):
                 if contiguous:
                     if count:
                         break  # a hole: the answer ends before it
@@ -748,17 +758,17 @@ class PartitionLog:
                 skipped_to = batch.next_offset
                 continue
             skipped_to = None
-            start = batch.index_of(from_offset)
-            n_avail = batch.count - start
-            run_stop = batch.count
             if contiguous:
-                first = batch.offset_at(start)
+                start, first, run_stop = batch.run_at(from_offset)
                 if first != expected:  # a hole before this batch's first event wanted
                     if not count:
                         next_offset = first
                     break
-                run_stop = batch.run_end(start)
                 expected = first + (run_stop - start)
+            else:
+                start = batch.index_of(from_offset)
+                run_stop = batch.count
+            n_avail = batch.count - start
             if kafka:
                 whole_bytes = batch.payload_bytes
                 if count and value_bytes + whole_bytes > max_bytes:
