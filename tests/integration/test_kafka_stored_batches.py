@@ -39,11 +39,14 @@ from limits_clients import raw_socket
 from servers import LOCAL, Server, serving
 
 import headwater
+from headwater.engine.engine import MAX_APPEND_EVENTS
 from headwater.protocols.kafka import ApiKey, ErrorCode
 from headwater.protocols.kafka.connection import Request, ServerConnection
 from headwater.protocols.kafka.frames import decode_response, encode_request
 from headwater.protocols.kafka.records import (
     ControlType,
+    Record,
+    build_batch,
     control_batch,
     control_type,
     split_batches,
@@ -317,6 +320,43 @@ def test_a_produced_control_batch_is_refused_and_nothing_is_stored(server: Serve
         [answer] = response.responses[0].partition_responses
         assert answer.error_code == ErrorCode.invalid_record
         # The connection serves on, and the topic holds only what comes next.
+        response = kafka.call(request, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
+    finally:
+        kafka.close()
+
+
+@pytest.mark.parametrize("count", [2, MAX_APPEND_EVENTS + 1])
+def test_a_transactional_batch_without_a_producer_id_is_refused_and_nothing_is_stored(
+    server: Server, count: int
+) -> None:
+    """Whether it is stored as it came or (more records than one stored batch holds)
+    decoded into several appends: a transactional batch outside a transaction is refused
+    (the larger one was once stored as plain events)."""
+    topic = create_topic(server)
+    request, _ = captured_produce("none", topic)
+    assert request.transactional_id is None
+    batch = build_batch(
+        [Record(i, 0, None, b"") for i in range(count)],
+        base_timestamp=1_700_000_000_000,
+        transactional=True,
+    )
+    [data] = request.topic_data
+    forged = dataclasses.replace(
+        request,
+        topic_data=(
+            dataclasses.replace(
+                data, partition_data=(dataclasses.replace(data.partition_data[0], records=batch),)
+            ),
+        ),
+    )
+    kafka = RawKafka(server)
+    try:
+        response = kafka.call(forged, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert answer.error_code == ErrorCode.invalid_txn_state
+        # The topic holds only what comes next.
         response = kafka.call(request, ApiKey.PRODUCE, 10)
         [answer] = response.responses[0].partition_responses
         assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)

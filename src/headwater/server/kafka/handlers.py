@@ -607,14 +607,14 @@ async def _append_decoded(
         if any(columns.headers)
         else None
     )
+    # Transactional and idempotent batches keep their producer fields: the partition's
+    # producer table stores a retry once and fences an old epoch.
+    if header.is_transactional:
+        base_offset, _ = await _append_transactional(
+            session, info, index, header, transactional_id, values, keys=keys, headers=headers
+        )
+        return base_offset, now_ms
     if header.producer_id >= 0:
-        # Idempotent (and transactional) batches keep their producer fields: the
-        # partition's producer table stores a retry once and fences an old epoch.
-        if header.is_transactional:
-            base_offset, _ = await _append_transactional(
-                session, info, index, header, transactional_id, values, keys=keys, headers=headers
-            )
-            return base_offset, now_ms
         stored = await api.append(
             tenant,
             info.stream_id,
