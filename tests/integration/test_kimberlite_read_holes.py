@@ -4,7 +4,8 @@ The answer carries no offsets: the SDK labels its events ``from_offset + i``. Co
 offsets) and transactions (markers, aborted batches: never shown to a read_committed
 reader) leave holes; the server cuts an answer before a hole and answers a read from
 inside one with no events and the offset after it, so ``scan``'s (offset, value) pairs
-are the HTTP API's, which carries each event's offset (docs/protocols/kimberlite.md)."""
+are the HTTP API's, which carries each event's offset (docs/protocols/kimberlite.md), and
+the Spark reader's ReadEvents path gives the rows of its HTTP path."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from servers import LOCAL, Server, serving
 
 import headwater
 from headwater.client.producer import AsyncProducer
+from headwater.spark.options import ConnectionOptions
+from headwater.spark.streams import ROW_SCHEMA, RangeReader
 from waiting import wait_until
 
 CONFIG = """
@@ -27,6 +31,8 @@ CONFIG = """
 sync = "none"
 maintenance_interval_ms = 50
 """
+
+Events = list[tuple[int, bytes]]  # (offset, value) in offset order
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +72,9 @@ def scanned(client: headwater.Client, stream: str, max_bytes: int) -> list[tuple
     return [(e.offset, e.value) for e in client.scan(stream, max_bytes=max_bytes)]
 
 
-def test_scan_of_a_compacted_stream_labels_each_event_with_its_offset(server: Server) -> None:
+@pytest.fixture(scope="module")
+def compacted(server: Server) -> tuple[str, Events]:
+    """A compacted stream, compaction done: holes inside batches and between them."""
     stream = "compacted-holes"
     settings = {"cleanup_policy": "compact", "segment_bytes": 4096}
     http(server, "POST", "/api/streams", {"name": stream, "settings": settings})
@@ -83,12 +91,50 @@ def test_scan_of_a_compacted_stream_labels_each_event_with_its_offset(server: Se
         for n in range(2):
             first, _ = client.append(stream, [b"%d" % n * 3000])
             stored[b"filler %d" % n] = (first, b"%d" % n * 3000)
-        expected = sorted(stored.values())  # what compaction keeps
+    expected = sorted(stored.values())  # what compaction keeps
+    # The server's maintenance compacts sealed segments on its own.
+    wait_until(lambda: http_events(server, stream) == expected, timeout=30)
+    return stream, expected
+
+
+@pytest.fixture(scope="module")
+def transactions(server: Server) -> tuple[str, Events]:
+    """Committed and aborted transactions (over Rivven), then one plain append."""
+    stream = "transaction-holes"
+
+    async def write() -> None:
+        async with AsyncProducer(server.address_of("rivven"), transactional_id="holes") as producer:
+            await producer.create_stream(stream, partitions=1)
+            await producer.init_transactions()
+            for n, commit in enumerate([True, False, True, False, False, True]):
+                await producer.begin_transaction()
+                for i in range(3):
+                    producer.send(stream, b"txn %d event %d" % (n, i), partition=0)
+                if commit:
+                    await producer.commit_transaction()
+                else:
+                    await producer.abort_transaction()
+
+    asyncio.run(write())
+    with headwater.connect(server.address) as client:
+        client.append(stream, [b"after the transactions"])
         end = client.stream_info(stream).next_offset
-        # The server's maintenance compacts sealed segments on its own.
-        wait_until(lambda: http_events(server, stream) == expected, timeout=30)
-        offsets = [offset for offset, _ in expected]
-        present = set(offsets)
+    expected = http_events(server, stream)
+    # 3 committed transactions of 3 events and the last append: the aborted
+    # transactions' batches and every marker are holes.
+    assert len(expected) == 10 and expected[-1][0] == end - 1
+    assert not any(b"txn 1 " in value for _, value in expected)
+    return stream, expected
+
+
+def test_scan_of_a_compacted_stream_labels_each_event_with_its_offset(
+    server: Server, compacted: tuple[str, Events]
+) -> None:
+    stream, expected = compacted
+    offsets = [offset for offset, _ in expected]
+    present = set(offsets)
+    with headwater.connect(server.address) as client:
+        end = client.stream_info(stream).next_offset
         holes = [o for o in range(end) if o not in present]
         assert holes and offsets[-1] == end - 1
         # Whole pages, pages cut inside batches, a page per event.
@@ -108,29 +154,32 @@ def test_scan_of_a_compacted_stream_labels_each_event_with_its_offset(server: Se
         assert page.next_offset == hole
 
 
-def test_scan_passes_transaction_markers_and_aborted_batches(server: Server) -> None:
-    stream = "transaction-holes"
-
-    async def write() -> None:
-        async with AsyncProducer(server.address_of("rivven"), transactional_id="holes") as producer:
-            await producer.create_stream(stream, partitions=1)
-            await producer.init_transactions()
-            for n, commit in enumerate([True, False, True, False, False, True]):
-                await producer.begin_transaction()
-                for i in range(3):
-                    producer.send(stream, b"txn %d event %d" % (n, i), partition=0)
-                if commit:
-                    await producer.commit_transaction()
-                else:
-                    await producer.abort_transaction()
-
-    asyncio.run(write())
+def test_scan_passes_transaction_markers_and_aborted_batches(
+    server: Server, transactions: tuple[str, Events]
+) -> None:
+    stream, expected = transactions
     with headwater.connect(server.address) as client:
-        client.append(stream, [b"after the transactions"])
-        expected = http_events(server, stream)
-        # 3 committed transactions of 3 events and the last append: the aborted
-        # transactions' batches and every marker are holes.
-        assert len(expected) == 10 and expected[-1][0] == client.stream_info(stream).next_offset - 1
-        assert not any(b"txn 1 " in value for _, value in expected)
         for max_bytes in (1 << 20, 20):
             assert scanned(client, stream, max_bytes) == expected
+
+
+@pytest.mark.parametrize("which", ["compacted", "transactions"])
+def test_the_spark_readers_readevents_path_gives_the_http_paths_rows(
+    server: Server, which: str, request: pytest.FixtureRequest
+) -> None:
+    stream, expected = request.getfixturevalue(which)
+    with headwater.connect(server.address) as client:
+        end = client.stream_info(stream).next_offset
+    reader = RangeReader(
+        ConnectionOptions(server=server.address), stream, 0, end, True, "raw", ROW_SCHEMA
+    )
+    rows = {
+        # ReadEvents carries no keys: every other column is the same on both paths.
+        via_http: pa.Table.from_batches(list(reader.batches(via_http=via_http)), ROW_SCHEMA)
+        .drop_columns(["key"])
+        .to_pydict()
+        for via_http in (True, False)
+    }
+    assert rows[False] == rows[True]
+    got = rows[False]
+    assert list(zip(got["offset"], got["value"], strict=True)) == expected

@@ -324,6 +324,16 @@ class RangeReader:
             except StreamNotFound:
                 raise DataLossError(f"stream {self.stream} was deleted while read") from None
             count = min(result.events.count, self.end - offset)
+            if count <= 0 and not result.at_end and result.next_offset > offset:
+                # From inside a hole in the offsets (compaction, a transaction's marker or
+                # aborted batch): the server names the next offset present
+                # (docs/protocols/kimberlite.md, ReadEvents over compacted streams).
+                offset = result.next_offset
+                if offset < self.end:
+                    pending = self._fetch(client, offset)
+                continue
+            if count <= 0 and client.stream_info(self.stream).next_offset >= self.end:
+                return  # the range ends in a hole (a marker, say): it is all read
             if count <= 0:
                 raise DataLossError(
                     f"stream {self.stream} ends at {result.next_offset}, "
