@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from headwater.cli.backup import BackupReport, copy_bytes, copy_metadata_and_plan, copy_partition
+from headwater.cli.backup import (
+    BackupReport,
+    PartitionPlan,
+    copy_bytes,
+    copy_metadata_and_plan,
+    copy_partition,
+    plan_partition,
+)
 from headwater.storage.check import check_data_dir, check_metadata
 from headwater.storage.log import LogConfig, PartitionLog
 from headwater.storage.metadata import write_json_atomic
@@ -39,22 +46,19 @@ def make_stream(data: Path, stream_id: int, batches: int) -> PartitionLog:
     return plog
 
 
-def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> None:
+def test_the_copy_is_the_log_as_it_was_when_its_newest_segment_was_sized(tmp_path: Path) -> None:
     data, staging = tmp_path / "data", tmp_path / "staging"
     kept = make_stream(data, 1, 40)
     gone = make_stream(data, 2, 5)
     assert len(kept.segments) > 3
-    end_at_start = kept.end_offset
-    tail = kept.active.log_path
-    with tail.open("ab") as f:  # a write under way when the backup begins
-        f.write(TORN_WRITE)
 
     report = BackupReport(tmp_path / "dest")
     plans = copy_metadata_and_plan(data, staging, report)
     for meta in ("tenant.json", "streams/1/stream.json", "streams/2/stream.json"):
         assert (staging / "tenants" / "0" / meta).is_file()
-    # Meanwhile the server: retention deletes the oldest segment, the torn write is
-    # overwritten by whole batches and more are appended, a stream is deleted.
+    # Meanwhile the server: retention deletes the oldest segment, more is appended (the
+    # copy holds it: it was written before the newest segment was sized), a write is
+    # under way when the copy sizes the newest, a stream is deleted.
     oldest = kept.segments[0]
     oldest.log_path.unlink()
     # An index that no longer describes its .log (as if compaction had replaced the
@@ -63,16 +67,22 @@ def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> 
     good_index = stale_index.read_bytes()
     stale_index.write_bytes(good_index[:-1] + bytes([good_index[-1] ^ 1]))
     untouched = kept.segments[1].time_index_path
-    with tail.open("r+b") as f:
-        f.truncate(tail.stat().st_size - len(TORN_WRITE))
     for i in range(40, 60):
         kept.append([value(1, i)], first_position=1000 + i)
+    kept.sync()
+    end_when_sized = kept.end_offset
+    tail = kept.active.log_path
+    with tail.open("ab") as f:
+        f.write(TORN_WRITE)
     gone.close()
     stream_2 = data / "tenants" / "0" / "streams" / "2"
     stream_2.rename(stream_2.with_name(".deleted-2"))
 
     for plan in plans:
         copy_partition(data, staging, plan, report)
+    with tail.open("r+b") as f:  # the write under way ends (here: taken back)
+        f.truncate(tail.stat().st_size - len(TORN_WRITE))
+    kept.append([value(1, 60)], first_position=1060)  # after the copy: not in it
     kept.close()
 
     assert report.vanished == [
@@ -90,9 +100,9 @@ def test_the_copy_is_the_log_as_it_was_when_the_backup_began(tmp_path: Path) -> 
     copied = PartitionLog.open(partition)
     try:
         assert copied.start_offset == kept.segments[1].base_offset > 0  # after the deleted
-        assert copied.end_offset == end_at_start  # nothing appended after the start
+        assert copied.end_offset == end_when_sized
         assert [(e.offset, e.value) for e in copied.events(copied.start_offset)] == [
-            (i, value(1, i)) for i in range(copied.start_offset, end_at_start)
+            (i, value(1, i)) for i in range(copied.start_offset, end_when_sized)
         ]
     finally:
         copied.close()
@@ -173,4 +183,92 @@ def test_every_noted_segment_removed_the_partition_is_listed_again(tmp_path: Pat
         ]
     finally:
         copied.close()
-    assert len(report.vanished) == len(noted)
+    where = "tenants/0/streams/1/partition-0"
+    assert report.vanished == [
+        f"{where}/{seg.log_path.name}: removed by retention meanwhile" for seg in noted[:-1]
+    ]
+
+
+def keyed_stream(data: Path, config: LogConfig) -> PartitionLog:
+    tenant = data / "tenants" / "0"
+    tenant.mkdir(parents=True)
+    write_json_atomic(tenant / "tenant.json", {"id": 0, "name": "default", "next_stream_id": 9})
+    stream = tenant / "streams" / "1"
+    stream.mkdir(parents=True)
+    meta = {"id": 1, "name": "s1", "created_ns": 1, "partitions": 1, "settings": {}}
+    write_json_atomic(stream / "stream.json", meta)
+    return PartitionLog.open(stream / "partition-0", config)
+
+
+def copied_log(staging: Path) -> list[tuple[int, bytes | None, bytes]]:
+    copied = PartitionLog.open(staging / "tenants" / "0" / "streams" / "1" / "partition-0")
+    try:
+        return [(e.offset, e.key, e.value) for e in copied.events(copied.start_offset)]
+    finally:
+        copied.close()
+
+
+def test_compaction_during_the_copy_keeps_a_value_of_every_key(tmp_path: Path) -> None:
+    """A key written again after the backup began, and compaction dropping its old
+    value from a sealed segment before the copy reaches it: the copy reaches the new
+    value (the newest segment is sized after the sealed ones are copied)."""
+    data, staging = tmp_path / "data", tmp_path / "staging"
+    plog = keyed_stream(data, LogConfig(segment_bytes=1024, cleanup_policy="compact"))
+    plog.append([b"k = old " + b"." * 300], first_position=0, keys=[b"k"])
+    for i in range(6):
+        plog.append([b"filler %d " % i + b"." * 300], first_position=1 + i, keys=[b"f%d" % i])
+    plog.sync()
+    assert len(plog.segments) > 2
+    report = BackupReport(tmp_path / "dest")
+    plans = copy_metadata_and_plan(data, staging, report)
+    plog.append([b"k = new " + b"." * 300], first_position=100, keys=[b"k"])
+    plog.roll()
+    plog.sync()
+    assert plog.compact().events_removed == 1
+    for plan in plans:
+        copy_partition(data, staging, plan, report)
+    plog.close()
+
+    assert [value for _, key, value in copied_log(staging) if key == b"k"] == [
+        b"k = new " + b"." * 300
+    ]
+
+
+def test_a_newest_segment_compressed_after_it_was_sized_is_copied_whole(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The newest segment is sized, then sealed and compressed (a new file in its
+    place) before its copy: its noted size says nothing of the new file, which is
+    copied whole instead of cut to a torn prefix."""
+    data, staging = tmp_path / "data", tmp_path / "staging"
+    plog = keyed_stream(data, LogConfig(segment_bytes=1 << 20, compression="zstd"))
+    values = [b"%d:" % i + bytes(range(200)) for i in range(203)]
+    for i in range(3):
+        plog.append([values[i]], first_position=i)
+    plog.sync()
+    report = BackupReport(tmp_path / "dest")
+    plans = copy_metadata_and_plan(data, staging, report)
+    sized = plan_partition
+    noted: list[PartitionPlan] = []
+
+    def size_then_compress(
+        source: Path, relative: Path, names: list[str] | None = None
+    ) -> PartitionPlan:
+        listing = sized(source, relative, names)
+        if not noted:  # the server: more appends, a roll, compression of the sealed one
+            noted.append(listing)
+            for i in range(3, 203):
+                plog.append([values[i]], first_position=i)
+            plog.roll()
+            plog.sync()
+            assert plog.compress().segments_compressed == 1
+        return listing
+
+    monkeypatch.setattr("headwater.cli.backup.plan_partition", size_then_compress)
+    for plan in plans:
+        copy_partition(data, staging, plan, report)
+    plog.close()
+
+    assert noted[0].segments == [f"{0:020d}.log"]
+    assert [(offset, value) for offset, _, value in copied_log(staging)] == list(enumerate(values))
+    assert report.cut_bytes == 0

@@ -7,22 +7,26 @@ What makes a live copy consistent is the storage format (docs/storage-format.md)
 * Every metadata file (``tenant.json``, ``stream.json``, ``kinds.json``, ``groups.json``,
   producer snapshots, Ripple's tables) is replaced atomically by rename, so a read of it
   sees one whole version. They are all copied first, in one walk of the tree.
-* Segment ``.log`` files are append-only: the walk also notes, per partition, its
-  segments and the size of the newest one (the only one written to). An event is
-  acknowledged only after the write that holds it completed, so every event
-  acknowledged before the backup began lies inside those sizes; a group's committed
-  position, read before its log's size, is inside them too. The segments are then
-  copied, the newest up to its noted size, and each copied log is opened once with
-  storage's recovery (:meth:`PartitionLog.open`): a batch that was being written at that
-  moment is cut off at the last whole, CRC-checked batch, and a sealed segment's index
-  files, copied beside it, are kept only if they vouch for the copied ``.log`` and
-  rebuilt from it otherwise (indexes are derived data).
-* A sealed segment that compaction replaces during the copy is read whole from one
-  descriptor, old or new version (compaction renames; it keeps every surviving event's
-  offset). One that retention deletes meanwhile is left out, as the server dropped it,
-  and so are those copied before it (retention deletes the oldest first: they are gone
-  too), so the copy is one run of offsets; when every noted segment went, the newest
-  too, the partition is listed again and the copy made of what it holds then.
+* Segment ``.log`` files are append-only, and only a log's newest segment is written
+  to. Each log's sealed segments are copied whole, oldest first; then the log is listed
+  again, the segments sealed meanwhile are copied too, and the newest is copied up to
+  the size it has at that last listing. An event is acknowledged only after the write
+  that holds it completed, so the copy holds every event acknowledged before the backup
+  began (and a group's committed position, copied before, is inside it). The newest is
+  sized last because compaction may rewrite a sealed segment before its turn, dropping
+  an event whose key was written again after the backup began: that later write came
+  before the compaction, so before the last listing, and is in the copy. Each copied
+  log is then opened once with storage's recovery (:meth:`PartitionLog.open`): a batch
+  being written when the newest was sized is cut off at the last whole, CRC-checked
+  batch, and a sealed segment's index files, copied beside it, are kept only if they
+  vouch for the copied ``.log`` and rebuilt from it otherwise (indexes are derived).
+* A sealed segment that compaction or compression replaces during the copy is read
+  whole from one descriptor, old or new version (they rename; compaction keeps every
+  surviving event's offset); a newest segment sealed and replaced after it was sized is
+  copied whole too (its noted size no longer describes the file). One that retention
+  deletes meanwhile is left out, as the server dropped it, and so are those copied
+  before it (retention deletes the oldest first: they are gone too), so the copy is one
+  run of offsets.
 * Derived data is left out and rebuilt by the server that starts on the copy: the SQL
   projection files (``projection-0/``), the kinds' LMDB entity stores (``store/``, a
   checkpoint of the changelog, which is copied), DuckDB's spill files, and the lock.
@@ -60,7 +64,9 @@ UNFINISHED_PREFIXES = (".creating-", ".deleted-")  # stream directories the serv
 SEGMENT_SUFFIX = ".log"
 INDEX_SUFFIXES = (".index", ".timeindex")
 COPY_CHUNK = 8 << 20
-PLAN_ATTEMPTS = 3  # plans of a partition tried when retention removes all its planned segments
+# Listings of a log while its sealed segments are copied: each round copies the segments
+# sealed during the one before, so only a log rolling faster than it is copied runs out.
+MAX_LISTINGS = 1000
 OPEN_FILES = 64  # segment files open at once while the copied logs are recovered
 
 
@@ -70,12 +76,13 @@ class BackupError(Exception):
 
 @dataclass
 class PartitionPlan:
-    """One partition log to copy: its segments' names, oldest first, and the size the
-    newest had when the backup began (the older ones are sealed and copied whole)."""
+    """One partition log as listed: its segments' names, oldest first, and the size and
+    inode the newest had then (the older ones are sealed)."""
 
     relative: Path
     segments: list[str]
     tail_bytes: int
+    tail_inode: int
 
 
 @dataclass
@@ -85,7 +92,7 @@ class BackupReport:
     partitions: int = 0
     segments: int = 0
     bytes: int = 0
-    # Bytes of a write under way at the start left out of a log's newest segment.
+    # Bytes of a write under way when a log's newest segment was sized, left out.
     cut_bytes: int = 0
     # What the server removed while the copy ran (retention, deleted streams).
     vanished: list[str] = field(default_factory=list)
@@ -149,8 +156,8 @@ def copy_metadata_and_plan(
     source: Path, staging: Path, report: BackupReport
 ) -> list[PartitionPlan]:
     """The walk that fixes what the backup holds: every small file copied as it is now,
-    and every partition's segments and newest size noted, a directory's files before
-    the directories under it (a stream's groups.json before its log's size)."""
+    and every partition's segments listed, a directory's files before the directories
+    under it (a stream's groups.json before its log, which is sized later)."""
     plans: list[PartitionPlan] = []
     for root, dirs, files in os.walk(source):
         here = Path(root)
@@ -168,73 +175,92 @@ def copy_metadata_and_plan(
                 continue  # replaced by rename between the listing and the copy: the new one
             report.metadata_files += 1
         if segments:
-            try:
-                tail_bytes = os.stat(here / segments[-1]).st_size
-            except FileNotFoundError:
-                tail_bytes = 0  # the stream went away; copy_partition reports it
-            plans.append(PartitionPlan(relative, segments, tail_bytes))
+            plans.append(plan_partition(source, relative, segments))
     return plans
 
 
 def copy_partition(source: Path, staging: Path, plan: PartitionPlan, report: BackupReport) -> None:
-    """Copy one partition's planned segments. Retention deletes a log's oldest segments
-    first, so a segment gone when its turn comes means every one before it is gone from
-    the server too: those already copied are dropped with it, and the copy stays one run
-    of offsets (a hole in the middle would be read as if it were not there)."""
-    copied: list[str] = []
-    for _attempt in range(PLAN_ATTEMPTS):
-        for name in plan.segments:
-            limit = plan.tail_bytes if name == plan.segments[-1] else None
-            try:
-                fd = os.open(source / plan.relative / name, os.O_RDONLY)
-            except FileNotFoundError:
-                if not (source / plan.relative).is_dir():
-                    report.vanished.append(f"{plan.relative}: deleted during the backup, left out")
-                    shutil.rmtree(staging / stream_directory(plan.relative), ignore_errors=True)
-                    return
+    """Copy one partition log: sealed segments whole, then the newest up to its size at
+    the last listing (see the module's docstring for why in that order)."""
+    here, there = source / plan.relative, staging / plan.relative
+    copied: dict[str, int] = {}  # segment name -> bytes copied, oldest first
+    listing = plan
+    for _listing in range(MAX_LISTINGS):
+        for name in listing.segments[:-1]:
+            if name in copied:
+                continue
+            size = copy_segment(here, there, name, None)
+            if size is not None:
+                copied[name] = size
+            elif not here.is_dir():
+                return stream_gone(staging, plan.relative, report)
+            else:
                 report.vanished.append(f"{plan.relative / name}: removed by retention meanwhile")
                 for earlier in copied:
-                    remove_segment_files(staging / plan.relative, earlier)
+                    remove_segment_files(there, earlier)
                     report.vanished.append(
                         f"{plan.relative / earlier}: left out, removed by retention after it"
                     )
                 copied.clear()
-                continue
-            try:
-                report.bytes += copy_bytes(fd, staging / plan.relative / name, limit)
-            finally:
-                os.close(fd)
-            if limit is None:
-                copy_index_files(source / plan.relative, staging / plan.relative, name)
-            copied.append(name)
-        if copied:
-            break
-        # Every planned segment went, the newest too (sealed and deleted while the copy
-        # ran): the log lives on in segments the walk did not see. Plan it again.
-        replanned = plan_partition(source, plan.relative)
-        if replanned is None:
-            report.vanished.append(f"{plan.relative}: deleted during the backup, left out")
-            shutil.rmtree(staging / stream_directory(plan.relative), ignore_errors=True)
-            return
-        plan = replanned
+        listing = plan_partition(source, plan.relative)
+        if not listing.segments:
+            return stream_gone(staging, plan.relative, report)
+        *sealed, newest = listing.segments
+        if all(name in copied for name in sealed):
+            size = copy_segment(here, there, newest, listing)
+            if size is not None:
+                copied[newest] = size
+                break
+        # Sealed meanwhile (or the newest sealed and removed): copy those, list again.
     else:
         raise BackupError(
-            f"{plan.relative}: retention removed every segment {PLAN_ATTEMPTS} times while "
-            "they were copied; run the backup again or slow retention down"
+            f"{plan.relative}: the log rolled to new segments faster than they were copied "
+            f"({MAX_LISTINGS} listings); run the backup again when it is written less"
         )
     report.partitions += 1
     report.segments += len(copied)
-    report.cut_bytes += recover(staging / plan.relative, plan.segments[-1])
+    report.bytes += sum(copied.values())
+    report.cut_bytes += recover(there, newest)
 
 
-def plan_partition(source: Path, relative: Path) -> PartitionPlan | None:
-    """A partition's segments and newest size as they are now; None when it is gone."""
+def copy_segment(here: Path, there: Path, name: str, tail: PartitionPlan | None) -> int | None:
+    """Copy segment ``name``: whole, or as the newest of listing ``tail``, up to the
+    size it had then (whole when it was replaced since: sealed, and compacted or
+    compressed). The bytes copied; None when it is gone."""
     try:
-        names = sorted(f for f in os.listdir(source / relative) if is_segment(f))
-        tail_bytes = os.stat(source / relative / names[-1]).st_size if names else 0
+        fd = os.open(here / name, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    return PartitionPlan(relative, names, tail_bytes) if names else None
+    try:
+        replaced = tail is None or os.fstat(fd).st_ino != tail.tail_inode
+        limit = None if replaced or tail is None else tail.tail_bytes
+        size = copy_bytes(fd, there / name, limit)
+    finally:
+        os.close(fd)
+    if limit is None:
+        copy_index_files(here, there, name)
+    return size
+
+
+def stream_gone(staging: Path, partition: Path, report: BackupReport) -> None:
+    report.vanished.append(f"{partition}: deleted during the backup, left out")
+    shutil.rmtree(staging / stream_directory(partition), ignore_errors=True)
+
+
+def plan_partition(source: Path, relative: Path, names: list[str] | None = None) -> PartitionPlan:
+    """A partition's segments (``names``, else listed now) and its newest's size and
+    inode now; no segments when the partition is gone."""
+    try:
+        if names is None:
+            names = sorted(f for f in os.listdir(source / relative) if is_segment(f))
+        if not names:
+            return PartitionPlan(relative, [], 0, -1)
+        stat = os.stat(source / relative / names[-1])
+    except FileNotFoundError:
+        # Gone (the stream deleted) or the newest sealed and removed by retention since
+        # listed: copy_partition lists again, and tells the two apart.
+        return PartitionPlan(relative, names or [], 0, -1)
+    return PartitionPlan(relative, names, stat.st_size, stat.st_ino)
 
 
 def remove_segment_files(partition: Path, segment: str) -> None:
