@@ -183,28 +183,38 @@ def copy_partition(source: Path, staging: Path, plan: PartitionPlan, report: Bac
     """Copy one partition log: sealed segments whole, then the newest up to its size at
     the last listing (see the module's docstring for why in that order)."""
     here, there = source / plan.relative, staging / plan.relative
-    copied: dict[str, int] = {}  # segment name -> bytes copied, oldest first
+    copied: dict[str, int] = {}  # segment name -> bytes copied
+    seen: set[str] = set()  # every segment any listing named
+    gone: set[str] = set()  # ... of which the server removed before it was copied
     listing = plan
     for _listing in range(MAX_LISTINGS):
+        seen.update(listing.segments)
         for name in listing.segments[:-1]:
-            if name in copied:
+            if name in copied or name in gone:
                 continue
             size = copy_segment(here, there, name, None)
             if size is not None:
                 copied[name] = size
             elif not here.is_dir():
                 return stream_gone(staging, plan.relative, report)
-            else:
-                report.vanished.append(f"{plan.relative / name}: removed by retention meanwhile")
-                for earlier in copied:
-                    remove_segment_files(there, earlier)
-                    report.vanished.append(
-                        f"{plan.relative / earlier}: left out, removed by retention after it"
-                    )
-                copied.clear()
         listing = plan_partition(source, plan.relative)
         if not listing.segments:
             return stream_gone(staging, plan.relative, report)
+        present = set(listing.segments)
+        removed = sorted(n for n in seen if n not in copied and n not in gone and n not in present)
+        if removed:
+            # Retention deletes the oldest first: what was copied before a removed
+            # segment is gone from the server too, and would leave a hole behind it.
+            gone.update(removed)
+            report.vanished += [
+                f"{plan.relative / n}: removed by retention meanwhile" for n in removed
+            ]
+            for name in sorted(n for n in copied if n < removed[-1]):
+                remove_segment_files(there, name)
+                del copied[name]
+                report.vanished.append(
+                    f"{plan.relative / name}: left out, removed by retention after it"
+                )
         *sealed, newest = listing.segments
         if all(name in copied for name in sealed):
             size = copy_segment(here, there, newest, listing)
