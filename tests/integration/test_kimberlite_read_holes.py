@@ -65,6 +65,7 @@ def http_events(server: Server, stream: str) -> list[tuple[int, bytes]]:
         events += [(e["offset"], base64.b64decode(e["value_b64"])) for e in page["events"]]
         if page["next_offset"] >= page["end_offset"]:
             return events
+        assert page["next_offset"] > offset, f"a page from {offset} does not move on: {page}"
         offset = page["next_offset"]
 
 
@@ -163,7 +164,48 @@ def test_scan_passes_transaction_markers_and_aborted_batches(
             assert scanned(client, stream, max_bytes) == expected
 
 
-@pytest.mark.parametrize("which", ["compacted", "transactions"])
+@pytest.fixture(scope="module")
+def ends_in_markers(server: Server) -> tuple[str, Events]:
+    """A committed transaction, then an aborted one: the log ends in what a
+    read_committed reader never sees (an aborted batch and two markers)."""
+    stream = "ends-in-markers"
+
+    async def write() -> None:
+        async with AsyncProducer(server.address_of("rivven"), transactional_id="end") as producer:
+            await producer.create_stream(stream, partitions=1)
+            await producer.init_transactions()
+            for n, commit in enumerate([True, False]):
+                await producer.begin_transaction()
+                producer.send(stream, b"txn %d" % n, partition=0)
+                if commit:
+                    await producer.commit_transaction()
+                else:
+                    await producer.abort_transaction()
+
+    asyncio.run(write())
+    expected = http_events(server, stream)
+    assert expected == [(0, b"txn 0")]
+    return stream, expected
+
+
+def test_a_page_of_only_markers_moves_a_reader_to_the_end(
+    server: Server, ends_in_markers: tuple[str, Events]
+) -> None:
+    stream, expected = ends_in_markers
+    with headwater.connect(server.address) as client:
+        end = client.stream_info(stream).next_offset
+        assert end == 4  # event, commit marker, aborted event, abort marker
+        assert scanned(client, stream, 1 << 20) == expected
+        for start in range(1, end):
+            page = client.read(stream, start)
+            assert page.events == [] and page.at_end
+    for start in range(1, end):
+        page = http(server, "GET", f"/api/streams/{stream}/events?from={start}")
+        assert page["events"] == []
+        assert page["next_offset"] == page["end_offset"] == end
+
+
+@pytest.mark.parametrize("which", ["compacted", "transactions", "ends_in_markers"])
 def test_the_spark_readers_readevents_path_gives_the_http_paths_rows(
     server: Server, which: str, request: pytest.FixtureRequest
 ) -> None:

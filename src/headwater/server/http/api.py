@@ -325,6 +325,7 @@ async def read_events(request: web.Request) -> web.Response:
             f"offset {start} was removed by retention; {where} starts at {start_offset}"
         )
     events = []
+    next_offset = max(start, start_offset)
     if limit > 0:
         result = await api.read(
             tenant_id,
@@ -335,7 +336,9 @@ async def read_events(request: web.Request) -> web.Response:
             partition=partition,
         )
         events = list(result.events())
-    next_offset = events[-1].offset + 1 if events else max(start, start_offset)
+        # Past what it shows, the read may have passed what a reader never sees (markers,
+        # aborted transactions' batches): a page of only those still moves the reader on.
+        next_offset = events[-1].offset + 1 if events else max(next_offset, result.end_offset)
     request.app[METRICS_KEY].record_read(
         PROTOCOL, tenant_id, stream.name, len(events), sum(len(e.value) for e in events)
     )
