@@ -546,6 +546,7 @@ class PartitionLog:
             if seg.size == 0:
                 return
             seg.write_index_files(sync=False)
+            seg.map_index_files()  # sealed: its index costs no heap from here on
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
             new = Segment.create(
                 self.directory, seg.next_offset, self.config.index_interval_bytes, self.files
@@ -1079,6 +1080,7 @@ class PartitionLog:
                 os.replace(rewritten, seg.log_path)
                 fsync_directory(self.directory)
                 new.write_index_files(sync=True)
+                new.map_index_files()
                 self.segments[i] = new
                 self._graveyard.append((time.monotonic(), seg))
             result.segments_compressed += 1

@@ -179,6 +179,7 @@ _libc.mmap.argtypes = [
 ]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -391,10 +392,165 @@ class ScanReport:
     errors: list[str] = field(default_factory=list)
 
 
+_I64 = struct.Struct("<q")
+# Entries are read in place as native u32 words: the files are little-endian.
+_MAP_INDEXES = sys.byteorder == "little" and struct.calcsize("I") == 4
+_map_failures = 0  # mappings refused (vm.max_map_count reached, say): arrays instead
+
+
+def _map_file(path: Path) -> tuple[memoryview, int, int]:
+    """``path`` mapped read-only: a view of its bytes, the mapping's address and size.
+    The descriptor is closed at once (a mapping does not need it; Python's ``mmap``
+    would keep a duplicate open per mapping, two per sealed segment). FileNotFoundError
+    when it is missing, ValueError when empty, OSError when the mapping is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise ValueError(f"{path.name} is empty")
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of {path.name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    view = memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+    return view, address, size
+
+
+class SealedIndex:
+    """A sealed segment's two index files, searched where they lie.
+
+    Each file is mapped read-only (or, where a mapping is refused, read into one
+    ``bytes``) and its entries are read in place: the offset index as u32 words
+    (relative offset, position), the time index as 12-byte entries whose u32 relative
+    offsets are every third word. Lookups are binary searches over those views, so they
+    answer exactly what the arrays of the same entries answer. :meth:`close` releases
+    every view before it unmaps: a lookup after it raises ValueError, never touches
+    unmapped memory."""
+
+    __slots__ = (
+        "_maps",
+        "_views",
+        "closed",
+        "mapped",
+        "positions",
+        "rel_offsets",
+        "time_count",
+        "time_raw",
+        "time_rel",
+    )
+
+    def __init__(self, index_path: Path, time_path: Path, log_size: int, *, check: bool) -> None:
+        """Open both files; ValueError unless they have whole entries and (``check``)
+        their trailers vouch for them: CRC-32C of the entries, the .log's size."""
+        self._maps: list[tuple[int, int]] = []
+        self._views: list[memoryview] = []
+        self.closed = False
+        self.mapped = True
+        try:
+            raw = self._open(index_path, INDEX_ENTRY.size, log_size, check=check)
+            words = raw.cast("I")
+            count = len(words) // 2
+            self.rel_offsets = self._keep(words[0 : 2 * count : 2])
+            self.positions = self._keep(words[1 : 2 * count : 2])
+            self._keep(words)
+            times = self._open(time_path, TIME_ENTRY.size, log_size, check=check)
+            self.time_raw = times
+            self.time_count = len(times) // TIME_ENTRY.size
+            self.time_rel = self._keep(times.cast("I")[2 : 3 * self.time_count : 3])
+        except BaseException:
+            self.close()
+            raise
+
+    def _keep(self, view: memoryview) -> memoryview:
+        self._views.append(view)
+        return view
+
+    def _open(self, path: Path, entry_size: int, log_size: int, *, check: bool) -> memoryview:
+        """The entries of one file (its trailer cut off) as a view."""
+        global _map_failures
+        view: memoryview | None = None
+        mapping: tuple[int, int] | None = None
+        if _MAP_INDEXES:
+            try:
+                view, address, size = _map_file(path)
+            except FileNotFoundError:
+                raise ValueError(f"{path.name} is missing") from None
+            except OSError as exc:
+                _map_failures += 1
+                if _map_failures == 1:
+                    log.warning("index files are read into memory, not mapped: %s", exc)
+            else:
+                mapping = (address, size)
+                self._maps.append(mapping)
+                self._keep(view)
+        if view is None:
+            self.mapped = False
+            try:
+                view = self._keep(memoryview(path.read_bytes()))
+            except FileNotFoundError:
+                raise ValueError(f"{path.name} is missing") from None
+        if len(view) < INDEX_TRAILER.size or (len(view) - INDEX_TRAILER.size) % entry_size:
+            raise ValueError(f"{path.name} has a bad size")
+        entries = self._keep(view[: len(view) - INDEX_TRAILER.size])
+        if check:
+            magic, crc, size = INDEX_TRAILER.unpack_from(view, len(entries))
+            if magic != INDEX_MAGIC or crc != crc32c.crc32c(entries) or size != log_size:
+                raise ValueError(f"{path.name} does not match its log")
+            if mapping is not None:
+                # The check read every page: let them go from this process's resident
+                # set (they stay in the page cache) until a lookup touches them again.
+                _libc.madvise(mapping[0], mapping[1], mmap.MADV_DONTNEED)
+        return entries
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def timestamp(self, i: int) -> int:
+        """The ``i``-th time entry's timestamp."""
+        stamp: int = _I64.unpack_from(self.time_raw, i * TIME_ENTRY.size)[0]
+        return stamp
+
+    def time_index_of(self, timestamp_ms: int) -> int:
+        """The first time entry whose timestamp is at least ``timestamp_ms`` (bisect_left)."""
+        return bisect_left(range(self.time_count), timestamp_ms, key=self.timestamp)
+
+    def entries(self) -> list[tuple[int, int]]:
+        """(relative offset, position) of every offset index entry."""
+        return list(zip(self.rel_offsets.tolist(), self.positions.tolist(), strict=True))
+
+    def time_entries(self) -> list[tuple[int, int]]:
+        """(timestamp, relative offset) of every time index entry."""
+        return [(self.timestamp(i), int(self.time_rel[i])) for i in range(self.time_count)]
+
+    def close(self) -> None:
+        """Release every view, then unmap (idempotent). A view still exported elsewhere
+        (none is handed out) keeps its mapping: leaked, never unmapped under a reader."""
+        if self.closed:
+            return
+        self.closed = True
+        views, self._views = self._views, []
+        try:
+            for view in reversed(views):
+                view.release()
+        except BufferError:
+            log.error("an index view is still in use: its mapping is left in place")
+            return
+        maps, self._maps = self._maps, []
+        for address, size in maps:
+            _libc.munmap(address, size)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class Segment:
-    """A segment file with in-memory copies of its indexes. Its ``.log`` is opened
-    through ``files`` (a bounded set of open files shared by many segments): use the
-    descriptor only inside ``with segment.pinned() as fd``."""
+    """A segment file and its indexes: arrays in memory while it is written (the active
+    segment, or one being built or checked), its mapped index files once it is sealed
+    (``sealed_index``; the arrays are then empty). Its ``.log`` is opened through
+    ``files`` (a bounded set of open files shared by many segments): use the descriptor
+    only inside ``with segment.pinned() as fd``."""
 
     def __init__(
         self,
@@ -419,6 +575,9 @@ class Segment:
         self.index_positions = array("Q")
         self.time_timestamps = array("q")
         self.time_offsets = array("Q")
+        # A sealed segment's index files, searched in place; None while the arrays hold
+        # the index. Set before the arrays are emptied: a lookup reads the arrays first.
+        self.sealed_index: SealedIndex | None = None
         self._bytes_since_index = 0
         self.compressed = False  # holds compressed frames (set by the scan or index load)
         self.file: SegmentFile = self.files.handle(self.log_path)
@@ -495,6 +654,7 @@ class Segment:
                     log.error("sealed segment %s: %s", seg.log_path, error)
                 seg.size = os.fstat(fd).st_size
                 seg.write_index_files(sync=True)
+                seg.map_index_files()
         return seg
 
     def _reset_index(self) -> None:
@@ -507,37 +667,51 @@ class Segment:
             del arr[:]
         del self.time_timestamps[:]
         del self.time_offsets[:]
+        if self.sealed_index is not None:
+            self.sealed_index.close()
+            self.sealed_index = None
         self._bytes_since_index = 0
 
-    def _load_index(self) -> bool:
-        """Load both index files; False unless their trailers vouch for them (CRC of the
-        entries and the size of the .log they describe) and the batches after the last
-        entry run exactly to the end of the file."""
+    def map_index_files(self) -> None:
+        """Search the index files just written (sealing) where they lie and let the
+        arrays go: a sealed segment's index then costs file pages the kernel can
+        reclaim, not heap. Left on the arrays if the files cannot be opened."""
         try:
-            raw = _read_index_file(self.index_path, INDEX_ENTRY.size, self.size)
-            raw_time = _read_index_file(self.time_index_path, TIME_ENTRY.size, self.size)
+            index = SealedIndex(self.index_path, self.time_index_path, self.size, check=False)
+        except (ValueError, OSError) as exc:
+            log.warning("index of %s kept in memory: %s", self.log_path, exc)
+            return
+        self.sealed_index = index  # first: a lookup that read the arrays before uses them
+        self.index_offsets, self.index_positions = array("Q"), array("Q")
+        self.time_timestamps, self.time_offsets = array("q"), array("Q")
+
+    def _load_index(self) -> bool:
+        """Open both index files (:class:`SealedIndex`); False unless their trailers
+        vouch for them (CRC of the entries and the size of the .log they describe) and
+        the batches after the last entry run exactly to the end of the file."""
+        try:
+            index = SealedIndex(self.index_path, self.time_index_path, self.size, check=True)
         except ValueError:
             return False
-        if self.size == 0:
-            return not raw
-        if not raw:
+        if not self._check_index(index):
+            index.close()
             return False
-        for rel, pos in INDEX_ENTRY.iter_unpack(raw):
-            self.index_offsets.append(self.base_offset + rel)
-            self.index_positions.append(pos)
-        for ts, rel in TIME_ENTRY.iter_unpack(raw_time):
-            self.time_timestamps.append(ts)
-            self.time_offsets.append(self.base_offset + rel)
-        if self.index_positions[0] != 0:
+        self.sealed_index = index
+        return True
+
+    def _check_index(self, index: SealedIndex) -> bool:
+        if self.size == 0:
+            return len(index) == 0
+        if len(index) == 0 or index.positions[0] != 0:
             return False
         try:
             first, first_length = self._read_unit_at(0)
-            if first[0].base_offset != self.index_offsets[0]:
+            if first[0].base_offset != self.base_offset + index.rel_offsets[0]:
                 return False
             self.compressed = first[0].length != first_length
             self.first_timestamp_ms = first[0].first_timestamp_ms
-            pos = int(self.index_positions[-1])
-            expected = int(self.index_offsets[-1])
+            pos = int(index.positions[-1])
+            expected = self.base_offset + int(index.rel_offsets[-1])
             while pos < self.size:
                 unit, length = self._read_unit_at(pos)
                 if expected >= 0 and unit[0].base_offset != expected:
@@ -549,8 +723,9 @@ class Segment:
                 pos += length
         except CorruptBatchError:
             return False
-        if self.time_timestamps:
-            self.max_timestamp_ms = max(self.max_timestamp_ms, self.time_timestamps[-1])
+        if index.time_count:
+            last = index.timestamp(index.time_count - 1)
+            self.max_timestamp_ms = max(self.max_timestamp_ms, last)
         self.event_count = -1  # unknown without a full scan; only used for reports
         return pos == self.size
 
@@ -609,15 +784,26 @@ class Segment:
 
     def index_bytes(self) -> tuple[bytes, bytes]:
         """Both index files' contents (entries plus trailer) for the current .log size."""
-        index = b"".join(
-            INDEX_ENTRY.pack(o - self.base_offset, p)
-            for o, p in zip(self.index_offsets, self.index_positions, strict=True)
-        )
-        times = b"".join(
-            TIME_ENTRY.pack(t, o - self.base_offset)
-            for t, o in zip(self.time_timestamps, self.time_offsets, strict=True)
-        )
+        base = self.base_offset
+        index = b"".join(INDEX_ENTRY.pack(o - base, p) for o, p in self.index_entries())
+        times = b"".join(TIME_ENTRY.pack(t, o - base) for t, o in self.time_entries())
         return _with_trailer(index, self.size), _with_trailer(times, self.size)
+
+    def index_entries(self) -> list[tuple[int, int]]:
+        """(offset, file position) of every offset index entry, wherever they are held."""
+        offsets, positions = self.index_offsets, self.index_positions
+        index = self.sealed_index
+        if index is not None:
+            return [(self.base_offset + rel, pos) for rel, pos in index.entries()]
+        return list(zip(offsets, positions, strict=True))
+
+    def time_entries(self) -> list[tuple[int, int]]:
+        """(max timestamp, offset) of every time index entry, wherever they are held."""
+        stamps, offsets = self.time_timestamps, self.time_offsets
+        index = self.sealed_index
+        if index is not None:
+            return [(ts, self.base_offset + rel) for ts, rel in index.time_entries()]
+        return list(zip(stamps, offsets, strict=True))
 
     def write_index_files(self, *, sync: bool) -> None:
         """Write both index files whole (temp file + rename). Done when a segment is
@@ -703,17 +889,37 @@ class Segment:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return _unit(memoryview(data), verify=verify), length
 
+    # The arrays are read before ``sealed_index``: sealing sets it before it empties them.
+
     def position_for(self, offset: int) -> int:
         """File position of the indexed batch at or before ``offset`` (binary search)."""
-        i = bisect_right(self.index_offsets, offset) - 1
-        return int(self.index_positions[i]) if i >= 0 else 0
+        offsets, positions = self.index_offsets, self.index_positions
+        index = self.sealed_index
+        if index is not None:
+            try:
+                i = bisect_right(index.rel_offsets, offset - self.base_offset) - 1
+                return int(index.positions[i]) if i >= 0 else 0
+            except ValueError:  # closed: from the start (its .log is closed too)
+                return 0
+        i = bisect_right(offsets, offset) - 1
+        return int(positions[i]) if i >= 0 else 0
 
     def position_for_timestamp(self, timestamp_ms: int) -> int | None:
         """File position from which to scan for the first batch with max ts >= timestamp."""
-        i = bisect_left(self.time_timestamps, timestamp_ms)
-        if i >= len(self.time_timestamps):
+        stamps, offsets = self.time_timestamps, self.time_offsets
+        index = self.sealed_index
+        if index is not None:
+            try:
+                i = index.time_index_of(timestamp_ms)
+                if i >= index.time_count:
+                    return None
+                return self.position_for(self.base_offset + int(index.time_rel[i]))
+            except ValueError:  # closed: from the start (its .log is closed too)
+                return 0
+        i = bisect_left(stamps, timestamp_ms)
+        if i >= len(stamps):
             return None
-        return self.position_for(int(self.time_offsets[i]))
+        return self.position_for(int(offsets[i]))
 
     def _unit_end_below(self, pos: int, want: int) -> int:
         """``want`` cut back to the end of the last whole unit it covers from ``pos`` when
@@ -725,11 +931,17 @@ class Segment:
         read (one just under it would allocate and page in a buffer of its own)."""
         if want <= POOLED_READ:
             return want
-        positions = self.index_positions
-        i = bisect_right(positions, pos + want) - 1
-        if i < 0 or positions[i] < pos + max(want // 2, POOLED_READ):
-            return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
-        return int(positions[i]) - pos
+        positions: array[int] | memoryview = self.index_positions
+        index = self.sealed_index
+        try:
+            if index is not None:
+                positions = index.positions
+            i = bisect_right(positions, pos + want) - 1
+            if i < 0 or positions[i] < pos + max(want // 2, POOLED_READ):
+                return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
+            return int(positions[i]) - pos
+        except ValueError:  # closed: not cut (its .log is closed too)
+            return want
 
     def batches_from(
         self,
@@ -796,6 +1008,8 @@ class Segment:
             for run in [r for r in _cold_runs if r.seg is self]:
                 _cold_runs.remove(run)
         self.files.close(self.file)
+        if self.sealed_index is not None:
+            self.sealed_index.close()  # readers of a closed segment fail at its .log
 
     def delete_files(self) -> None:
         for path in (self.log_path, self.index_path, self.time_index_path):
@@ -818,21 +1032,6 @@ def _unit(view: memoryview, *, verify: bool = True) -> list[Batch]:
 
 def _with_trailer(entries: bytes, log_size: int) -> bytes:
     return entries + INDEX_TRAILER.pack(INDEX_MAGIC, crc32c.crc32c(entries), log_size)
-
-
-def _read_index_file(path: Path, entry_size: int, log_size: int) -> bytes:
-    """The entries of an index file whose trailer checks out; ValueError otherwise."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"{path.name} is missing") from None
-    if len(data) < INDEX_TRAILER.size or (len(data) - INDEX_TRAILER.size) % entry_size:
-        raise ValueError(f"{path.name} has a bad size")
-    entries = data[: -INDEX_TRAILER.size]
-    magic, crc, size = INDEX_TRAILER.unpack_from(data, len(entries))
-    if magic != INDEX_MAGIC or crc != crc32c.crc32c(entries) or size != log_size:
-        raise ValueError(f"{path.name} does not match its log")
-    return entries
 
 
 def read_header_fields(data: bytes) -> tuple[int, ...]:
