@@ -41,6 +41,7 @@ def array_twin(seg: Segment) -> Segment:
     segment_bytes=st.sampled_from([1500, 3000, 1 << 20]),
     compression=st.sampled_from(["none", "none", "zstd"]),
     reopen=st.booleans(),
+    refused=st.booleans(),
     probes=st.lists(st.integers(min_value=-5, max_value=400), min_size=1, max_size=40),
     stamps=st.lists(st.integers(min_value=-100, max_value=10_100), min_size=1, max_size=40),
     chunks=st.lists(
@@ -53,6 +54,7 @@ def test_mapped_lookups_answer_as_the_arrays_do(
     segment_bytes: int,
     compression: str,
     reopen: bool,
+    refused: bool,
     probes: list[int],
     stamps: list[int],
     chunks: list[tuple[int, int]],
@@ -60,6 +62,8 @@ def test_mapped_lookups_answer_as_the_arrays_do(
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
         # Chunks of a few KiB are "large" here, so _unit_end_below cuts them too.
         mp.setattr(segment_module, "POOLED_READ", 256)
+        if refused:  # every mapping refused: the files are read into memory instead
+            mp.setattr(segment_module, "_MAP_INDEXES", False)
         path = Path(tmp)
         config = LogConfig(
             sync=SyncPolicy("none"),
@@ -80,6 +84,7 @@ def test_mapped_lookups_answer_as_the_arrays_do(
         try:
             for seg in plog.segments[:-1]:
                 assert seg.sealed_index is not None
+                assert seg.sealed_index.mapped is not refused
                 twin = array_twin(seg)
                 try:
                     assert seg.index_entries() == twin.index_entries()

@@ -393,16 +393,31 @@ class ScanReport:
 
 
 _I64 = struct.Struct("<q")
-# Entries are read in place as native u32 words: the files are little-endian.
-_MAP_INDEXES = sys.byteorder == "little" and struct.calcsize("I") == 4
-_map_failures = 0  # mappings refused (vm.max_map_count reached, say): arrays instead
+# Entries are read in place as native u32 words where those are the files' (little-endian)
+# u32s; elsewhere the files are read and their words swapped into arrays.
+_MAP_INDEXES = sys.byteorder == "little" and array("I").itemsize == 4
+_map_failures = 0  # mappings refused (vm.max_map_count reached, say): files read instead
+
+
+class _MapRefused(OSError):
+    """mmap(2) refused a mapping (ENOMEM past vm.max_map_count, say)."""
+
+
+def _words(entries: memoryview) -> memoryview:
+    """The u32 words of little-endian ``entries``, in place where they are native."""
+    if _MAP_INDEXES:
+        return entries.cast("I")
+    words = array("I", entries.tobytes())
+    if sys.byteorder != "little":
+        words.byteswap()
+    return memoryview(words)
 
 
 def _map_file(path: Path) -> tuple[memoryview, int, int]:
     """``path`` mapped read-only: a view of its bytes, the mapping's address and size.
     The descriptor is closed at once (a mapping does not need it; Python's ``mmap``
     would keep a duplicate open per mapping, two per sealed segment). FileNotFoundError
-    when it is missing, ValueError when empty, OSError when the mapping is refused."""
+    when it is missing, ValueError when empty, _MapRefused when the mapping is refused."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -411,7 +426,7 @@ def _map_file(path: Path) -> tuple[memoryview, int, int]:
         address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address is None or address == _MAP_FAILED:
             err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {path.name}: {os.strerror(err)}")
+            raise _MapRefused(err, f"mmap of {path.name}: {os.strerror(err)}")
     finally:
         os.close(fd)
     view = memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
@@ -450,7 +465,7 @@ class SealedIndex:
         self.mapped = True
         try:
             raw = self._open(index_path, INDEX_ENTRY.size, log_size, check=check)
-            words = raw.cast("I")
+            words = _words(raw)
             count = len(words) // 2
             self.rel_offsets = self._keep(words[0 : 2 * count : 2])
             self.positions = self._keep(words[1 : 2 * count : 2])
@@ -458,7 +473,7 @@ class SealedIndex:
             times = self._open(time_path, TIME_ENTRY.size, log_size, check=check)
             self.time_raw = times
             self.time_count = len(times) // TIME_ENTRY.size
-            self.time_rel = self._keep(times.cast("I")[2 : 3 * self.time_count : 3])
+            self.time_rel = self._keep(_words(times)[2 : 3 * self.time_count : 3])
         except BaseException:
             self.close()
             raise
@@ -477,7 +492,7 @@ class SealedIndex:
                 view, address, size = _map_file(path)
             except FileNotFoundError:
                 raise ValueError(f"{path.name} is missing") from None
-            except OSError as exc:
+            except _MapRefused as exc:
                 _map_failures += 1
                 if _map_failures == 1:
                     log.warning("index files are read into memory, not mapped: %s", exc)
@@ -542,7 +557,8 @@ class SealedIndex:
             _libc.munmap(address, size)
 
     def __del__(self) -> None:
-        self.close()
+        with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
+            self.close()
 
 
 class Segment:

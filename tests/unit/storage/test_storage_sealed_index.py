@@ -9,6 +9,9 @@ import os
 import tracemalloc
 from pathlib import Path
 
+import pytest
+
+from headwater.storage import segment as segment_module
 from headwater.storage.files import FileCache
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from headwater.storage.segment import Segment
@@ -196,4 +199,30 @@ def test_index_files_open_no_descriptor_of_the_file_cache(tmp_path: Path) -> Non
     assert files.open_count <= 2
     assert not any(p.endswith((".index", ".timeindex")) for p in open_descriptors())
     assert [e.value for e in plog.events(0)][:1] == [b"v0"]
+    plog.close()
+
+
+def test_a_refused_mapping_reads_the_index_files_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    fill(tmp_path, 3, 40)
+    plog = open_log(tmp_path, index_interval_bytes=1)
+    expected = [(s.index_entries(), s.time_entries()) for s in plog.segments[:-1]]
+    answers = [
+        (plog.offset_for_timestamp(t), list(plog.events(t - 1000))[:1]) for t in (1000, 1077, 1119)
+    ]
+    plog.close()
+
+    def refuse(path: Path) -> None:
+        raise segment_module._MapRefused(12, f"mmap of {path.name}: Cannot allocate memory")
+
+    monkeypatch.setattr(segment_module, "_map_file", refuse)
+    monkeypatch.setattr(segment_module, "_map_failures", 0)
+    plog = open_log(tmp_path, index_interval_bytes=1)
+    assert all(s.sealed_index is not None and not s.sealed_index.mapped for s in plog.segments[:-1])
+    assert [(s.index_entries(), s.time_entries()) for s in plog.segments[:-1]] == expected
+    assert [
+        (plog.offset_for_timestamp(t), list(plog.events(t - 1000))[:1]) for t in (1000, 1077, 1119)
+    ] == answers
+    assert "not mapped" in caplog.text
     plog.close()
