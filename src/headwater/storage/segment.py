@@ -688,6 +688,12 @@ class Segment:
             self.sealed_index = None
         self._bytes_since_index = 0
 
+    def drop_index(self) -> None:
+        """Let the in-memory index go, for a segment only walked from its start from here
+        on (a reader that looks nothing up: its reads are then cut at no entry)."""
+        self.index_offsets, self.index_positions = array("Q"), array("Q")
+        self.time_timestamps, self.time_offsets = array("q"), array("Q")
+
     def map_index_files(self) -> None:
         """Search the index files just written (sealing) where they lie and let the
         arrays go: a sealed segment's index then costs file pages the kernel can
@@ -698,8 +704,7 @@ class Segment:
             log.warning("index of %s kept in memory: %s", self.log_path, exc)
             return
         self.sealed_index = index  # first: a lookup that read the arrays before uses them
-        self.index_offsets, self.index_positions = array("Q"), array("Q")
-        self.time_timestamps, self.time_offsets = array("q"), array("Q")
+        self.drop_index()
 
     def _load_index(self) -> bool:
         """Open both index files (:class:`SealedIndex`); False unless their trailers
