@@ -1110,6 +1110,9 @@ class PartitionLog:
         with self._lock:
             for seg in self.segments:
                 seg.close()
+            for _, seg in self._graveyard:  # their retired .log and mapped index files
+                seg.close()
+            self._graveyard.clear()
             self.closed = True
         shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -226,3 +226,17 @@ def test_a_refused_mapping_reads_the_index_files_instead(
     ] == answers
     assert "not mapped" in caplog.text
     plog.close()
+
+
+def test_deleting_a_log_unmaps_its_graveyard_too(tmp_path: Path) -> None:
+    plog = open_log(tmp_path / "p", index_interval_bytes=1)
+    for n in range(40):
+        plog.append([b"v"], first_position=n, timestamp_ms=1000 + n, keys=[b"k%d" % (n % 2)])
+        if n % 10 == 9:
+            plog.roll()
+    plog.sync()
+    assert plog.compact(now_ms=10**12).segments_rewritten >= 1
+    assert any(p.startswith(str(tmp_path)) for p in mapped_files())
+    plog.delete()
+    assert not any(p.startswith(str(tmp_path)) for p in mapped_files())
+    assert not any(p.startswith(str(tmp_path)) for p in open_descriptors())
