@@ -2,7 +2,8 @@
 """RssAnon of a partition log's sealed indexes: a log of small batches (one time index
 entry per batch, an offset index entry per 4 KiB) written once, then opened in a fresh
 process with ``PartitionLog.open``, which reads every sealed segment's index files, and
-looked up at random offsets and timestamps.
+looked up at random offsets and timestamps (a lookup and the read after it, as
+``offset_for_timestamp`` does; then the index lookups alone).
 
     python benchmarks/index_memory_bench.py build DIR --gib 4
     python benchmarks/index_memory_bench.py open DIR      # prints RssAnon/RssFile as JSON
@@ -61,6 +62,25 @@ def open_and_look_up(directory: Path, lookups: int) -> None:
         plog.offset_for_timestamp(1_000_000 + rng.randrange(end))
     looked_up = time.perf_counter() - started
     after_lookups = status()
+    # The index lookups alone (no read after them), best of three rounds.
+    sealed = plog.segments[:-1] or plog.segments
+    probes = []
+    for _ in range(50_000):
+        seg = rng.choice(sealed)
+        probes.append(
+            (seg, rng.randrange(seg.base_offset, max(seg.next_offset, 1 + seg.base_offset)))
+        )
+    best = {"position_for": 1e9, "position_for_timestamp": 1e9}
+    for _ in range(3):
+        started = time.perf_counter()
+        for seg, offset in probes:
+            seg.position_for(offset)
+        best["position_for"] = min(best["position_for"], time.perf_counter() - started)
+        started = time.perf_counter()
+        for seg, offset in probes:
+            seg.position_for_timestamp(1_000_000 + offset)
+        took = time.perf_counter() - started
+        best["position_for_timestamp"] = min(best["position_for_timestamp"], took)
     plog.close()
     print(
         json.dumps(
@@ -68,7 +88,8 @@ def open_and_look_up(directory: Path, lookups: int) -> None:
                 "segments": len(plog.segments),
                 "events": end,
                 "open_s": round(opened, 2),
-                "lookup_us": round(looked_up / lookups * 1e6, 1),
+                "lookup_and_read_us": round(looked_up / lookups * 1e6, 1),
+                **{f"{k}_us": round(v / len(probes) * 1e6, 2) for k, v in best.items()},
                 "before_open_mib": before,
                 "after_open_mib": after_open,
                 "after_lookups_mib": after_lookups,
