@@ -42,6 +42,7 @@ def array_twin(seg: Segment) -> Segment:
     compression=st.sampled_from(["none", "none", "zstd"]),
     reopen=st.booleans(),
     refused=st.booleans(),
+    mapped_limit=st.sampled_from([None, 1, 2]),
     probes=st.lists(st.integers(min_value=-5, max_value=400), min_size=1, max_size=40),
     stamps=st.lists(st.integers(min_value=-100, max_value=10_100), min_size=1, max_size=40),
     chunks=st.lists(
@@ -55,6 +56,7 @@ def test_mapped_lookups_answer_as_the_arrays_do(
     compression: str,
     reopen: bool,
     refused: bool,
+    mapped_limit: int | None,
     probes: list[int],
     stamps: list[int],
     chunks: list[tuple[int, int]],
@@ -64,6 +66,8 @@ def test_mapped_lookups_answer_as_the_arrays_do(
         mp.setattr(segment_module, "POOLED_READ", 256)
         if refused:  # every mapping refused: the files are read into memory instead
             mp.setattr(segment_module, "_MAP_INDEXES", False)
+        if mapped_limit is not None:  # segments' lookups unmap each other's indexes
+            mp.setattr(segment_module, "mapped_index_limit", mapped_limit)
         path = Path(tmp)
         config = LogConfig(
             sync=SyncPolicy("none"),

@@ -1018,11 +1018,13 @@ class PartitionLog:
 
     def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:
         """Put the fsynced file ``rewritten`` in place of ``seg``'s ``.log`` and open it."""
+        # Readers holding it keep the old bytes and index (retired before the files go:
+        # its paths are the new segment's next).
+        seg.retire()
         # Drop the old indexes first: a crash between here and the rename leaves the
         # new .log with no index (rebuilt on open), never a mismatched one.
         seg.index_path.unlink(missing_ok=True)
         seg.time_index_path.unlink(missing_ok=True)
-        seg.retire()  # readers holding it keep the old bytes: its path is the new file's
         os.replace(rewritten, seg.log_path)
         fsync_directory(self.directory)
         return Segment.open_sealed(
@@ -1074,9 +1076,9 @@ class PartitionLog:
                 if i is None:  # removed by retention meanwhile
                     os.unlink(rewritten)
                     continue
+                seg.retire()  # readers holding it keep the plain bytes and their index
                 seg.index_path.unlink(missing_ok=True)
                 seg.time_index_path.unlink(missing_ok=True)
-                seg.retire()  # readers holding it keep the plain bytes
                 os.replace(rewritten, seg.log_path)
                 fsync_directory(self.directory)
                 new.write_index_files(sync=True)

@@ -27,7 +27,7 @@ import sys
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +179,6 @@ _libc.mmap.argtypes = [
 ]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -393,10 +392,63 @@ class ScanReport:
 
 
 _I64 = struct.Struct("<q")
+_U32_MAX = 0xFFFFFFFF
 # Entries are read in place as native u32 words where those are the files' (little-endian)
 # u32s; elsewhere the files are read and their words swapped into arrays.
 _MAP_INDEXES = sys.byteorder == "little" and array("I").itemsize == 4
 _map_failures = 0  # mappings refused (vm.max_map_count reached, say): files read instead
+
+
+def _default_mapped_index_limit() -> int:
+    """Sealed indexes kept open at once: an eighth of ``vm.max_map_count`` (two
+    mappings each: a quarter of the process's mappings), leaving the rest to the heap,
+    threads, libraries and DuckDB."""
+    try:
+        max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        max_map_count = 65530  # Linux's default
+    return max(16, max_map_count // 8)
+
+
+# The process's open sealed indexes (not retired), oldest first: at most
+# ``mapped_index_limit``. Opening another closes the oldest not looked up since the
+# last pass over it (a second chance, CLOCK: a lookup sets ``touched`` and takes no
+# lock). Retired ones are held outside the bound until closed. ``_maps_lock`` guards
+# every index's opening and closing and this table.
+mapped_index_limit = _default_mapped_index_limit()
+_open_indexes: OrderedDict[SealedIndex, None] = OrderedDict()
+_maps_lock = threading.Lock()
+
+
+def set_mapped_index_limit(limit: int) -> None:
+    """Keep at most ``limit`` sealed indexes mapped (two mappings each)."""
+    global mapped_index_limit
+    if limit < 1:
+        raise ValueError("the mapped index limit must be at least 1")
+    with _maps_lock:
+        mapped_index_limit = limit
+        _evict_indexes()
+
+
+def mapped_index_count() -> int:
+    """Sealed indexes open now within the bound (retired ones are not counted)."""
+    with _maps_lock:
+        return len(_open_indexes)
+
+
+def _evict_indexes(keep: int | None = None) -> None:
+    """Close indexes, oldest first, until at most ``keep`` (default: the limit) are open
+    (lock held); one looked up since the last pass goes to the back once instead."""
+    keep = mapped_index_limit if keep is None else keep
+    spared = 0
+    while len(_open_indexes) > keep:
+        index, _ = _open_indexes.popitem(last=False)
+        if index.touched and spared < len(_open_indexes):
+            index.touched = False
+            _open_indexes[index] = None
+            spared += 1
+        else:
+            index._close_entries()
 
 
 class _MapRefused(OSError):
@@ -433,47 +485,50 @@ def _map_file(path: Path) -> tuple[memoryview, int, int]:
     return view, address, size
 
 
-class SealedIndex:
-    """A sealed segment's two index files, searched where they lie.
-
-    Each file is mapped read-only (or, where a mapping is refused, read into one
-    ``bytes``) and its entries are read in place: the offset index as u32 words
-    (relative offset, position), the time index as 12-byte entries whose u32 relative
-    offsets are every third word. Lookups are binary searches over those views, so they
-    answer exactly what the arrays of the same entries answer. :meth:`close` releases
-    every view before it unmaps: a lookup after it raises ValueError, never touches
-    unmapped memory."""
+class _IndexEntries:
+    """One opening of a sealed segment's two index files: views of their entries (in
+    the files' mappings, or in ``bytes`` read from them where mapping was refused) and
+    the mappings under them. The offset index is read as u32 words (relative offset,
+    position); the time index's 12-byte entries as u32 words too: every third word is a
+    relative offset, and the two words before it a timestamp's low and high halves."""
 
     __slots__ = (
         "_maps",
         "_views",
-        "closed",
+        "first_ms",
+        "index_raw",
+        "last_ms",
         "mapped",
         "positions",
         "rel_offsets",
         "time_count",
+        "time_high",
+        "time_low",
         "time_raw",
         "time_rel",
+        "trailers",
     )
 
-    def __init__(self, index_path: Path, time_path: Path, log_size: int, *, check: bool) -> None:
-        """Open both files; ValueError unless they have whole entries and (``check``)
-        their trailers vouch for them: CRC-32C of the entries, the .log's size."""
+    def __init__(self, index_path: Path, time_path: Path) -> None:
         self._maps: list[tuple[int, int]] = []
         self._views: list[memoryview] = []
-        self.closed = False
         self.mapped = True
+        self.trailers: list[bytes] = []  # each file's trailer: magic, CRC, .log size
         try:
-            raw = self._open(index_path, INDEX_ENTRY.size, log_size, check=check)
-            words = _words(raw)
+            self.index_raw = self._open(index_path, INDEX_ENTRY.size)
+            words = self._keep(_words(self.index_raw))
             count = len(words) // 2
             self.rel_offsets = self._keep(words[0 : 2 * count : 2])
             self.positions = self._keep(words[1 : 2 * count : 2])
-            self._keep(words)
-            times = self._open(time_path, TIME_ENTRY.size, log_size, check=check)
-            self.time_raw = times
-            self.time_count = len(times) // TIME_ENTRY.size
-            self.time_rel = self._keep(_words(times)[2 : 3 * self.time_count : 3])
+            self.time_raw = self._open(time_path, TIME_ENTRY.size)
+            times = self._keep(_words(self.time_raw))
+            count = len(self.time_raw) // TIME_ENTRY.size
+            self.time_low = self._keep(times[0 : 3 * count : 3])
+            self.time_high = self._keep(times[1 : 3 * count : 3])
+            self.time_rel = self._keep(times[2 : 3 * count : 3])
+            self.time_count = count
+            self.first_ms = self.timestamp(0) if count else -1
+            self.last_ms = self.timestamp(count - 1) if count else -1
         except BaseException:
             self.close()
             raise
@@ -482,11 +537,10 @@ class SealedIndex:
         self._views.append(view)
         return view
 
-    def _open(self, path: Path, entry_size: int, log_size: int, *, check: bool) -> memoryview:
-        """The entries of one file (its trailer cut off) as a view."""
+    def _open(self, path: Path, entry_size: int) -> memoryview:
+        """The entries of one file (its trailer cut off, kept in ``trailers``)."""
         global _map_failures
         view: memoryview | None = None
-        mapping: tuple[int, int] | None = None
         if _MAP_INDEXES:
             try:
                 view, address, size = _map_file(path)
@@ -497,8 +551,7 @@ class SealedIndex:
                 if _map_failures == 1:
                     log.warning("index files are read into memory, not mapped: %s", exc)
             else:
-                mapping = (address, size)
-                self._maps.append(mapping)
+                self._maps.append((address, size))
                 self._keep(view)
         if view is None:
             self.mapped = False
@@ -508,43 +561,13 @@ class SealedIndex:
                 raise ValueError(f"{path.name} is missing") from None
         if len(view) < INDEX_TRAILER.size or (len(view) - INDEX_TRAILER.size) % entry_size:
             raise ValueError(f"{path.name} has a bad size")
-        entries = self._keep(view[: len(view) - INDEX_TRAILER.size])
-        if check:
-            magic, crc, size = INDEX_TRAILER.unpack_from(view, len(entries))
-            if magic != INDEX_MAGIC or crc != crc32c.crc32c(entries) or size != log_size:
-                raise ValueError(f"{path.name} does not match its log")
-            if mapping is not None:
-                # The check read every page: let them go from this process's resident
-                # set (they stay in the page cache) until a lookup touches them again.
-                _libc.madvise(mapping[0], mapping[1], mmap.MADV_DONTNEED)
-        return entries
-
-    def __len__(self) -> int:
-        return len(self.positions)
-
-    def timestamp(self, i: int) -> int:
-        """The ``i``-th time entry's timestamp."""
-        stamp: int = _I64.unpack_from(self.time_raw, i * TIME_ENTRY.size)[0]
-        return stamp
-
-    def time_index_of(self, timestamp_ms: int) -> int:
-        """The first time entry whose timestamp is at least ``timestamp_ms`` (bisect_left)."""
-        return bisect_left(range(self.time_count), timestamp_ms, key=self.timestamp)
-
-    def entries(self) -> list[tuple[int, int]]:
-        """(relative offset, position) of every offset index entry."""
-        return list(zip(self.rel_offsets.tolist(), self.positions.tolist(), strict=True))
-
-    def time_entries(self) -> list[tuple[int, int]]:
-        """(timestamp, relative offset) of every time index entry."""
-        return [(self.timestamp(i), int(self.time_rel[i])) for i in range(self.time_count)]
+        end = len(view) - INDEX_TRAILER.size
+        self.trailers.append(view[end:].tobytes())
+        return self._keep(view[:end])
 
     def close(self) -> None:
-        """Release every view, then unmap (idempotent). A view still exported elsewhere
-        (none is handed out) keeps its mapping: leaked, never unmapped under a reader."""
-        if self.closed:
-            return
-        self.closed = True
+        """Release every view, then unmap. A view still exported elsewhere (none is
+        handed out) keeps its mapping: leaked, never unmapped under a reader."""
         views, self._views = self._views, []
         try:
             for view in reversed(views):
@@ -556,9 +579,237 @@ class SealedIndex:
         for address, size in maps:
             _libc.munmap(address, size)
 
+    def sizes(self) -> tuple[int, int]:
+        return len(self.index_raw), len(self.time_raw)
+
+    def entry(self, i: int) -> tuple[int, int]:
+        """The ``i``-th offset index entry: (relative offset, position)."""
+        return int(self.rel_offsets[i]), int(self.positions[i])
+
+    def position_for(self, rel_offset: int) -> int:
+        """Position of the indexed unit at or before ``rel_offset`` (0 before all)."""
+        i = bisect_right(self.rel_offsets, rel_offset) - 1
+        return int(self.positions[i]) if i >= 0 else 0
+
+    def unit_start_at_or_below(self, position: int) -> int:
+        """The last indexed unit start at or before ``position``; -1 when none is."""
+        i = bisect_right(self.positions, position) - 1
+        return int(self.positions[i]) if i >= 0 else -1
+
+    def position_for_timestamp(self, timestamp_ms: int) -> int:
+        """Position to scan from for the first batch with max timestamp at least
+        ``timestamp_ms``; -1 when no entry reaches it."""
+        i = self.time_index_of(timestamp_ms)
+        if i >= self.time_count:
+            return -1
+        return self.position_for(int(self.time_rel[i]))
+
+    def time_index_of(self, timestamp_ms: int) -> int:
+        """The first time entry whose timestamp is at least ``timestamp_ms``
+        (bisect_left). Timestamps rise entry by entry and are never negative (an entry is
+        made only when a batch raises the segment's maximum, which starts at -1), so
+        they order as (high word, low word) pairs of u32s: searched in C over the words
+        in place, no key function called per probe (three times slower)."""
+        first_ms, last_ms = self.first_ms, self.last_ms
+        if timestamp_ms <= first_ms:
+            return 0
+        if timestamp_ms > last_ms:
+            return self.time_count
+        if first_ms < 0:  # not written by this code: search the timestamps themselves
+            stamps = range(self.time_count)
+            return bisect_left(stamps, timestamp_ms, key=self.timestamp)
+        high, low = timestamp_ms >> 32, timestamp_ms & _U32_MAX
+        lo, hi = 0, self.time_count
+        if first_ms >> 32 != last_ms >> 32:  # else every entry has this high word
+            lo = bisect_left(self.time_high, high)
+            hi = bisect_right(self.time_high, high, lo)
+        return bisect_left(self.time_low, low, lo, hi)
+
+    def timestamp(self, i: int) -> int:
+        """The ``i``-th time entry's timestamp."""
+        stamp: int = _I64.unpack_from(self.time_raw, i * TIME_ENTRY.size)[0]
+        return stamp
+
+
+class SealedIndex:
+    """A sealed segment's two index files, searched where they lie.
+
+    The files are mapped read-only on a segment's first lookup (or, where a mapping is
+    refused, read into ``bytes``) and searched in place (:class:`_IndexEntries`), so
+    lookups answer exactly what the arrays of the same entries answer. At most
+    ``mapped_index_limit`` indexes are open at once (each is two of the process's
+    ``vm.max_map_count`` mappings, 65530 by default): opening another closes an old one,
+    opened again on its next lookup. What a segment's checks need (entry counts, first
+    and last entries) is kept apart, without the files.
+
+    Lifetime: entries are closed (evicted, or the segment closed) under ``_maps_lock``
+    by releasing every view of them first, then unmapping. A lookup reads the mapping
+    only through those views, and CPython checks a view's release, under the GIL, on
+    every access: a lookup racing a close gets ValueError, never unmapped memory (the
+    munmap comes after the releases), and :meth:`search` then looks up again under the
+    lock, reopening the files (or, closed for good, answering None: the segment answers
+    "from the start"). A view exported elsewhere cannot be released: its mapping is
+    leaked rather than unmapped (none is handed out). This leans on the GIL: a
+    free-threaded build would need a use count here.
+
+    SIGBUS: a page of a mapping faults SIGBUS if its file is cut short underneath. Index
+    files are never changed in place: they are written whole to a temporary file and
+    renamed over (``Segment.write_index_files``: sealing, recovery's rebuild, compression)
+    or unlinked (an active segment's at open, retention, compaction, compression,
+    truncation); a mapping keeps the inode it was made of, so neither reaches it.
+    ``headwater check`` and backups only read them. A retired segment (deleted or
+    replaced: its paths may name another segment's files next) keeps the entries it holds
+    when retired and never reopens its paths; a segment reopens only files with the
+    sizes and trailers (CRC of the entries) it first read. An I/O error on a page (a
+    failing disk) faults as any mapped read would: that is not guarded."""
+
+    __slots__ = (
+        "_entries",
+        "broken",
+        "closed",
+        "count",
+        "first_ms",
+        "first_position",
+        "first_rel",
+        "index_path",
+        "last_ms",
+        "last_position",
+        "last_rel",
+        "log_size",
+        "mapped",
+        "retired",
+        "sizes",
+        "time_count",
+        "time_path",
+        "touched",
+        "trailers",
+    )
+
+    def __init__(self, index_path: Path, time_path: Path, log_size: int, *, check: bool) -> None:
+        """Read both files once; ValueError unless they have whole entries and
+        (``check``) their trailers vouch for them: CRC-32C of the entries, the .log's
+        size. They are opened again on the first lookup."""
+        self.index_path, self.time_path, self.log_size = index_path, time_path, log_size
+        self._entries: _IndexEntries | None = None
+        self.closed = self.retired = self.touched = False
+        self.broken = False  # the files could not be reopened: no lookup is answered
+        entries = _IndexEntries(index_path, time_path)
+        try:
+            self.mapped = entries.mapped
+            paths = (index_path, time_path)
+            raws = (entries.index_raw, entries.time_raw)
+            for raw, trailer, path in zip(raws, entries.trailers, paths, strict=True):
+                magic, crc, size = INDEX_TRAILER.unpack(trailer)
+                if magic != INDEX_MAGIC or size != log_size:
+                    raise ValueError(f"{path.name} does not match its log")
+                if check and crc != crc32c.crc32c(raw):
+                    raise ValueError(f"{path.name} does not match its log")
+            # What the files are known by when they are opened again: sizes, and trailers
+            # (the entries' CRC and the .log's size).
+            self.sizes, self.trailers = entries.sizes(), entries.trailers
+            self.count = len(entries.positions)
+            self.time_count = entries.time_count
+            self.first_ms, self.last_ms = entries.first_ms, entries.last_ms
+            self.first_rel = self.last_rel = self.first_position = self.last_position = 0
+            if self.count:
+                self.first_rel, self.first_position = entries.entry(0)
+                self.last_rel, self.last_position = entries.entry(self.count - 1)
+        finally:
+            entries.close()  # opened again, lazily, by the first lookup
+
+    def __len__(self) -> int:
+        return self.count
+
+    def search(self, method: Callable[[_IndexEntries, int], int], arg: int) -> int | None:
+        """``method(entries, arg)``; None when the index is closed or its files cannot
+        be reopened. Lock-free while the entries are open (see the class's Lifetime)."""
+        entries = self._entries
+        if entries is not None:
+            self.touched = True
+            try:
+                return method(entries, arg)
+            except ValueError:  # closed under us: again, under the lock
+                pass
+        with _maps_lock:
+            entries = self._open_entries()
+            return None if entries is None else method(entries, arg)
+
+    def _open_entries(self) -> _IndexEntries | None:
+        """The entries, opened again if they were closed (lock held)."""
+        entries = self._entries
+        if entries is not None or self.closed or self.broken or self.retired:
+            return entries
+        entries = self._reopen()
+        if entries is not None:
+            _evict_indexes(mapped_index_limit - 1)  # room first: this one is not evicted
+            self._entries = entries
+            self.touched = True
+            _open_indexes[self] = None
+        return entries
+
+    def _reopen(self) -> _IndexEntries | None:
+        """The files opened again (lock held), if they are still the ones first read."""
+        try:
+            entries = _IndexEntries(self.index_path, self.time_path)
+        except (OSError, ValueError) as exc:
+            self.broken = True
+            log.warning("index of %s cannot be reopened: %s", self.index_path.name, exc)
+            return None
+        if entries.sizes() != self.sizes or entries.trailers != self.trailers:
+            entries.close()
+            self.broken = True
+            log.warning("index of %s changed underneath: not used", self.index_path.name)
+            return None
+        return entries
+
+    def retire(self) -> None:
+        """Keep the entries open (opened now if they are not), outside the bound, until
+        :meth:`close`: the files are about to be deleted or replaced, and readers still
+        holding the segment look up in them."""
+        with _maps_lock:
+            if self.retired or self.closed:
+                return
+            if _open_indexes.pop(self, False) is not None and not self.broken:
+                self._entries = self._reopen()  # not open: opened now, while it still can
+            self.retired = True
+
+    def close(self) -> None:
+        """Close for good (idempotent): the views released, then the files unmapped."""
+        with _maps_lock:
+            if self.closed:
+                return
+            self.closed = True
+            _open_indexes.pop(self, None)
+            self._close_entries()
+
+    def _close_entries(self) -> None:
+        entries, self._entries = self._entries, None
+        if entries is not None:
+            entries.close()
+
+    def entries(self) -> list[tuple[int, int]]:
+        """(relative offset, position) of every offset index entry."""
+        with _maps_lock:  # held: nothing closes the entries while they are listed
+            entries = self._open_or_fail()
+            offsets, positions = entries.rel_offsets.tolist(), entries.positions.tolist()
+        return list(zip(offsets, positions, strict=True))
+
+    def time_entries(self) -> list[tuple[int, int]]:
+        """(timestamp, relative offset) of every time index entry."""
+        with _maps_lock:
+            return list(TIME_ENTRY.iter_unpack(self._open_or_fail().time_raw))
+
+    def _open_or_fail(self) -> _IndexEntries:
+        entries = self._open_entries()
+        if entries is None:
+            raise ValueError(f"index of {self.index_path.name} is closed or unreadable")
+        return entries
+
     def __del__(self) -> None:
+        # Unreferenced: in no table and searched by no one, so no lock is needed (and
+        # taking one here could deadlock a collection run while it is held).
         with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
-            self.close()
+            self._close_entries()
 
 
 class Segment:
@@ -603,9 +854,11 @@ class Segment:
         return self.files.pinned(self.file)
 
     def retire(self) -> None:
-        """Keep the current ``.log`` open until :meth:`close`: it is about to be deleted
-        or replaced, and readers holding this segment still read it."""
+        """Keep the current ``.log`` and index open until :meth:`close`: they are about
+        to be deleted or replaced, and readers holding this segment still read them."""
         self.files.retire(self.file)
+        if self.sealed_index is not None:
+            self.sealed_index.retire()
 
     # ---- opening -------------------------------------------------------------------
 
@@ -723,16 +976,16 @@ class Segment:
     def _check_index(self, index: SealedIndex) -> bool:
         if self.size == 0:
             return len(index) == 0
-        if len(index) == 0 or index.positions[0] != 0:
+        if len(index) == 0 or index.first_position != 0:
             return False
         try:
             first, first_length = self._read_unit_at(0)
-            if first[0].base_offset != self.base_offset + index.rel_offsets[0]:
+            if first[0].base_offset != self.base_offset + index.first_rel:
                 return False
             self.compressed = first[0].length != first_length
             self.first_timestamp_ms = first[0].first_timestamp_ms
-            pos = int(index.positions[-1])
-            expected = self.base_offset + int(index.rel_offsets[-1])
+            pos = index.last_position
+            expected = self.base_offset + index.last_rel
             while pos < self.size:
                 unit, length = self._read_unit_at(pos)
                 if expected >= 0 and unit[0].base_offset != expected:
@@ -745,8 +998,7 @@ class Segment:
         except CorruptBatchError:
             return False
         if index.time_count:
-            last = index.timestamp(index.time_count - 1)
-            self.max_timestamp_ms = max(self.max_timestamp_ms, last)
+            self.max_timestamp_ms = max(self.max_timestamp_ms, index.last_ms)
         self.event_count = -1  # unknown without a full scan; only used for reports
         return pos == self.size
 
@@ -917,11 +1169,10 @@ class Segment:
         offsets, positions = self.index_offsets, self.index_positions
         index = self.sealed_index
         if index is not None:
-            try:
-                i = bisect_right(index.rel_offsets, offset - self.base_offset) - 1
-                return int(index.positions[i]) if i >= 0 else 0
-            except ValueError:  # closed: from the start (its .log is closed too)
-                return 0
+            found = index.search(_IndexEntries.position_for, offset - self.base_offset)
+            # None: closed (its .log is closed too) or unreadable: from the start, always
+            # a batch's start.
+            return 0 if found is None else found
         i = bisect_right(offsets, offset) - 1
         return int(positions[i]) if i >= 0 else 0
 
@@ -930,13 +1181,10 @@ class Segment:
         stamps, offsets = self.time_timestamps, self.time_offsets
         index = self.sealed_index
         if index is not None:
-            try:
-                i = index.time_index_of(timestamp_ms)
-                if i >= index.time_count:
-                    return None
-                return self.position_for(self.base_offset + int(index.time_rel[i]))
-            except ValueError:  # closed: from the start (its .log is closed too)
+            found = index.search(_IndexEntries.position_for_timestamp, timestamp_ms)
+            if found is None:  # closed or unreadable: from the start
                 return 0
+            return None if found < 0 else found
         i = bisect_left(stamps, timestamp_ms)
         if i >= len(stamps):
             return None
@@ -952,17 +1200,17 @@ class Segment:
         read (one just under it would allocate and page in a buffer of its own)."""
         if want <= POOLED_READ:
             return want
-        positions: array[int] | memoryview = self.index_positions
         index = self.sealed_index
-        try:
-            if index is not None:
-                positions = index.positions
+        if index is not None:
+            found = index.search(_IndexEntries.unit_start_at_or_below, pos + want)
+            start = -1 if found is None else found  # None: closed or unreadable
+        else:
+            positions = self.index_positions
             i = bisect_right(positions, pos + want) - 1
-            if i < 0 or positions[i] < pos + max(want // 2, POOLED_READ):
-                return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
-            return int(positions[i]) - pos
-        except ValueError:  # closed: not cut (its .log is closed too)
-            return want
+            start = int(positions[i]) if i >= 0 else -1
+        if start < pos + max(want // 2, POOLED_READ):
+            return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
+        return start - pos
 
     def batches_from(
         self,
