@@ -7,8 +7,12 @@ looked up at random offsets and timestamps (a lookup and the read after it, as
 
     python benchmarks/index_memory_bench.py build DIR --gib 4
     python benchmarks/index_memory_bench.py open DIR      # prints RssAnon/RssFile as JSON
+    python benchmarks/index_memory_bench.py open DIR --mapped-limit 4   # past the bound
 
 Run ``open`` with PYTHONPATH pointing at two revisions' ``src`` to compare them.
+``--mapped-limit`` maps at most that many sealed indexes at once (the default is an
+eighth of vm.max_map_count), so lookups over more segments unmap and map them in turn:
+the cost of a data dir past the bound (a revision without the bound ignores it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from headwater.storage import segment as segment_module
 from headwater.storage.batch import encode_values
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 
@@ -46,7 +51,10 @@ def build(directory: Path, gib: float, batch_bytes: int) -> None:
     print(json.dumps({"batches": i, "segments": len(list(directory.glob("*.log")))}))
 
 
-def open_and_look_up(directory: Path, lookups: int) -> None:
+def open_and_look_up(directory: Path, lookups: int, mapped_limit: int | None) -> None:
+    set_limit = getattr(segment_module, "set_mapped_index_limit", None)
+    if mapped_limit is not None and set_limit is not None:
+        set_limit(mapped_limit)
     before = status()
     started = time.perf_counter()
     plog = PartitionLog.open(directory, LogConfig(sync=SyncPolicy("none")))
@@ -105,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gib", type=float, default=4.0, help="data to write (build)")
     p.add_argument("--batch-bytes", type=int, default=1024, help="bytes per batch (build)")
     p.add_argument("--lookups", type=int, default=20_000, help="random lookups (open)")
+    p.add_argument(
+        "--mapped-limit", type=int, default=None, help="sealed indexes mapped at once (open)"
+    )
     args = p.parse_args(argv)
     if args.mode == "build":
         build(args.directory, args.gib, args.batch_bytes)
     else:
-        open_and_look_up(args.directory, args.lookups)
+        open_and_look_up(args.directory, args.lookups, args.mapped_limit)
     return 0
 
 
