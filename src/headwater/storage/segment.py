@@ -659,7 +659,7 @@ class SealedIndex:
     truncation); a mapping keeps the inode it was made of, so neither reaches it.
     ``headwater check`` and backups only read them. A retired segment (deleted or
     replaced: its paths may name another segment's files next) keeps the entries it holds
-    when retired and never reopens its paths; a segment reopens only files with the
+    open when retired and never reopens its paths; a segment reopens only files with the
     sizes and trailers (CRC of the entries) it first read. An I/O error on a page (a
     failing disk) faults as any mapped read would: that is not guarded."""
 
@@ -763,14 +763,15 @@ class SealedIndex:
         return entries
 
     def retire(self) -> None:
-        """Keep the entries open (opened now if they are not), outside the bound, until
-        :meth:`close`: the files are about to be deleted or replaced, and readers still
-        holding the segment look up in them."""
+        """The files are about to be deleted or replaced: entries open now (the segment
+        was looked up lately: a reader may still be on it) stay open, outside the bound,
+        until :meth:`close`; closed ones are never opened again (their paths may name
+        another segment's files), and the segment answers lookups "from the start". None
+        is opened here: retention may retire thousands of segments at once."""
         with _maps_lock:
             if self.retired or self.closed:
                 return
-            if _open_indexes.pop(self, False) is not None and not self.broken:
-                self._entries = self._reopen()  # not open: opened now, while it still can
+            _open_indexes.pop(self, None)
             self.retired = True
 
     def close(self) -> None:

@@ -344,8 +344,8 @@ def test_lookups_in_threads_survive_eviction_retention_and_close(
     """Worker threads look up in every sealed segment while the bound (one index) makes
     each lookup of another segment unmap the last, retention retires and buries
     segments, and the log is closed: every answer is the true one, or "from the start"
-    once its segment is closed; nothing reads unmapped memory (that would kill the test
-    process)."""
+    once its segment is retired (its index not open then) or closed; nothing reads
+    unmapped memory (that would kill the test process)."""
     fill(tmp_path, 8, 30)
     plog = open_log(tmp_path, index_interval_bytes=1)
     expected = expected_answers(plog)
@@ -385,8 +385,9 @@ def test_lookups_in_threads_survive_eviction_retention_and_close(
             i, kind, arg = key = rng.choice(hot if rng.random() < 0.9 else keys)
             seg = segments[i]
             got = ask(seg, kind, arg)
-            closed = seg.sealed_index is not None and seg.sealed_index.closed
-            if got != expected[key] and not (closed and got == 0):
+            index = seg.sealed_index
+            gone = index is not None and (index.retired or index.closed)
+            if got != expected[key] and not (gone and got == 0):
                 wrong.append((i, kind, arg, got, expected[key]))
             asked[0] += 1
 
@@ -423,37 +424,39 @@ def test_lookups_in_threads_survive_eviction_retention_and_close(
 def test_a_retired_segment_keeps_its_own_index_until_buried(
     tmp_path: Path, mapped_limit: Callable[[int], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Compaction renames a new segment's files over the old one's paths: the old
-    segment, retired, keeps answering from the entries it held (mapped before its files
-    went, outside the bound, never reopened from its paths) until it is buried, which
-    unmaps them."""
+    """Compaction renames new segments' files over the old ones' paths. An old segment
+    whose index was open (looked up lately: a reader may be on it) keeps answering from
+    it, outside the bound, until it is buried, which unmaps it; one whose index was not
+    open answers "from the start" and never maps its paths again (they name the new
+    segment's files now)."""
     plog = open_log(tmp_path, index_interval_bytes=1)
     for n in range(60):
         plog.append([b"v%d" % n], first_position=n, timestamp_ms=1000 + n, keys=[b"k%d" % (n % 3)])
         if n % 20 == 19:
             plog.roll()
     plog.sync()
-    old = plog.segments[0]
-    assert old.sealed_index is not None and old.sealed_index._entries is None  # not looked up
-    before = [(old.position_for(o), old.position_for_timestamp(1000 + o)) for o in range(20)]
-    with segment_module._maps_lock:
-        old.sealed_index._close_entries()  # evicted: closed when compaction retires it
-        del segment_module._open_indexes[old.sealed_index]
-    assert plog.compact(now_ms=10**12).segments_rewritten >= 1
-    assert plog.segments[0] is not old and old.sealed_index.retired
-    new_index = plog.segments[0].sealed_index
-    assert new_index is not None and new_index.sizes != old.sealed_index.sizes
-    mapped_limit(1)  # other lookups do not evict a retired index
+    hot, cold = plog.segments[0], plog.segments[1]
+    assert hot.sealed_index is not None and cold.sealed_index is not None
+    before = [(hot.position_for(o), hot.position_for_timestamp(1000 + o)) for o in range(20)]
+    assert before[-1][0] > 0
+    assert cold.sealed_index._entries is None  # never looked up
+    assert plog.compact(now_ms=10**12).segments_rewritten == 3
+    assert hot not in plog.segments and cold not in plog.segments
+    assert hot.sealed_index.retired and cold.sealed_index.retired
+    mapped_limit(1)  # lookups of the new segments do not evict a retired index
     for seg in plog.segments[:-1]:
         seg.position_for(seg.base_offset)
-    assert [(old.position_for(o), old.position_for_timestamp(1000 + o)) for o in range(20)] == (
-        before
-    )
-    assert index_paths(old) <= mapped_files()  # its own (deleted) files, plus the new ones
+    after = [(hot.position_for(o), hot.position_for_timestamp(1000 + o)) for o in range(20)]
+    assert after == before
+    assert index_paths(hot) <= mapped_files()  # its own (deleted) files, still mapped
+    assert [cold.position_for(o) for o in (20, 30, 39)] == [0, 0, 0]
+    assert cold.position_for_timestamp(1030) == 0
+    assert cold.sealed_index._entries is None and not cold.sealed_index.broken
+    assert sum(b.count for b in cold.batches_from(0, cold.size)) == 20  # its .log reads
     monkeypatch.setattr(log_module, "GRAVEYARD_SECONDS", -1.0)
     plog._bury()
-    assert old.sealed_index.closed
-    assert old.position_for(15) == 0  # closed: from the start
+    assert hot.sealed_index.closed
+    assert hot.position_for(15) == 0  # closed: from the start
     plog.close()
     assert not our_mapped_indexes(tmp_path)
 
