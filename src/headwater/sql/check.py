@@ -76,6 +76,7 @@ class _LogCursor:
         self.segments = [Segment(directory, base, 4096, self.files) for base in bases]
         for seg in self.segments:
             seg._scan(verify=True, stop_at_error=True)  # the valid prefix, as recovery keeps
+            seg.drop_index()  # walked from the start only: no index held for the whole log
         self.start = self.segments[0].base_offset if self.segments else 0
         self.end = max((s.next_offset for s in self.segments), default=0)
         self._batches = self._walk()

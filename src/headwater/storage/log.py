@@ -546,6 +546,7 @@ class PartitionLog:
             if seg.size == 0:
                 return
             seg.write_index_files(sync=False)
+            seg.map_index_files()  # sealed: its index costs no heap from here on
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
             new = Segment.create(
                 self.directory, seg.next_offset, self.config.index_interval_bytes, self.files
@@ -1017,11 +1018,13 @@ class PartitionLog:
 
     def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:
         """Put the fsynced file ``rewritten`` in place of ``seg``'s ``.log`` and open it."""
+        # Readers holding it keep the old bytes and index (retired before the files go:
+        # its paths are the new segment's next).
+        seg.retire()
         # Drop the old indexes first: a crash between here and the rename leaves the
         # new .log with no index (rebuilt on open), never a mismatched one.
         seg.index_path.unlink(missing_ok=True)
         seg.time_index_path.unlink(missing_ok=True)
-        seg.retire()  # readers holding it keep the old bytes: its path is the new file's
         os.replace(rewritten, seg.log_path)
         fsync_directory(self.directory)
         return Segment.open_sealed(
@@ -1073,12 +1076,13 @@ class PartitionLog:
                 if i is None:  # removed by retention meanwhile
                     os.unlink(rewritten)
                     continue
+                seg.retire()  # readers holding it keep the plain bytes and their index
                 seg.index_path.unlink(missing_ok=True)
                 seg.time_index_path.unlink(missing_ok=True)
-                seg.retire()  # readers holding it keep the plain bytes
                 os.replace(rewritten, seg.log_path)
                 fsync_directory(self.directory)
                 new.write_index_files(sync=True)
+                new.map_index_files()
                 self.segments[i] = new
                 self._graveyard.append((time.monotonic(), seg))
             result.segments_compressed += 1
@@ -1108,6 +1112,9 @@ class PartitionLog:
         with self._lock:
             for seg in self.segments:
                 seg.close()
+            for _, seg in self._graveyard:  # their retired .log and mapped index files
+                seg.close()
+            self._graveyard.clear()
             self.closed = True
         shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -27,7 +27,7 @@ import sys
 import threading
 from array import array
 from bisect import bisect_left, bisect_right
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,10 +391,434 @@ class ScanReport:
     errors: list[str] = field(default_factory=list)
 
 
+_I64 = struct.Struct("<q")
+_U32_MAX = 0xFFFFFFFF
+# Entries are read in place as native u32 words where those are the files' (little-endian)
+# u32s; elsewhere the files are read and their words swapped into arrays.
+_MAP_INDEXES = sys.byteorder == "little" and array("I").itemsize == 4
+_map_failures = 0  # mappings refused (vm.max_map_count reached, say): files read instead
+
+
+def _default_mapped_index_limit() -> int:
+    """Sealed indexes kept open at once: an eighth of ``vm.max_map_count`` (two
+    mappings each: a quarter of the process's mappings), leaving the rest to the heap,
+    threads, libraries and DuckDB."""
+    try:
+        max_map_count = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        max_map_count = 65530  # Linux's default
+    return max(16, max_map_count // 8)
+
+
+# The process's open sealed indexes (not retired), oldest first: at most
+# ``mapped_index_limit``. Opening another closes the oldest not looked up since the
+# last pass over it (a second chance, CLOCK: a lookup sets ``touched`` and takes no
+# lock). Retired ones are held outside the bound until closed. ``_maps_lock`` guards
+# every index's opening and closing and this table.
+mapped_index_limit = _default_mapped_index_limit()
+_open_indexes: OrderedDict[SealedIndex, None] = OrderedDict()
+_maps_lock = threading.Lock()
+
+
+def set_mapped_index_limit(limit: int) -> None:
+    """Keep at most ``limit`` sealed indexes mapped (two mappings each)."""
+    global mapped_index_limit
+    if limit < 1:
+        raise ValueError("the mapped index limit must be at least 1")
+    with _maps_lock:
+        mapped_index_limit = limit
+        _evict_indexes()
+
+
+def mapped_index_count() -> int:
+    """Sealed indexes open now within the bound (retired ones are not counted)."""
+    with _maps_lock:
+        return len(_open_indexes)
+
+
+def _evict_indexes(keep: int | None = None) -> None:
+    """Close indexes, oldest first, until at most ``keep`` (default: the limit) are open
+    (lock held); one looked up since the last pass goes to the back once instead."""
+    keep = mapped_index_limit if keep is None else keep
+    spared = 0
+    while len(_open_indexes) > keep:
+        index, _ = _open_indexes.popitem(last=False)
+        if index.touched and spared < len(_open_indexes):
+            index.touched = False
+            _open_indexes[index] = None
+            spared += 1
+        else:
+            index._close_entries()
+
+
+class _MapRefused(OSError):
+    """mmap(2) refused a mapping (ENOMEM past vm.max_map_count, say)."""
+
+
+def _words(entries: memoryview) -> memoryview:
+    """The u32 words of little-endian ``entries``, in place where they are native."""
+    if _MAP_INDEXES:
+        return entries.cast("I")
+    words = array("I", entries.tobytes())
+    if sys.byteorder != "little":
+        words.byteswap()
+    return memoryview(words)
+
+
+def _map_file(path: Path) -> tuple[memoryview, int, int]:
+    """``path`` mapped read-only: a view of its bytes, the mapping's address and size.
+    The descriptor is closed at once (a mapping does not need it; Python's ``mmap``
+    would keep a duplicate open per mapping, two per sealed segment). FileNotFoundError
+    when it is missing, ValueError when empty, _MapRefused when the mapping is refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise ValueError(f"{path.name} is empty")
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise _MapRefused(err, f"mmap of {path.name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+    view = memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+    return view, address, size
+
+
+class _IndexEntries:
+    """One opening of a sealed segment's two index files: views of their entries (in
+    the files' mappings, or in ``bytes`` read from them where mapping was refused) and
+    the mappings under them. The offset index is read as u32 words (relative offset,
+    position); the time index's 12-byte entries as u32 words too: every third word is a
+    relative offset, and the two words before it a timestamp's low and high halves."""
+
+    __slots__ = (
+        "_maps",
+        "_views",
+        "first_ms",
+        "index_raw",
+        "last_ms",
+        "mapped",
+        "positions",
+        "rel_offsets",
+        "time_count",
+        "time_high",
+        "time_low",
+        "time_raw",
+        "time_rel",
+        "trailers",
+    )
+
+    def __init__(self, index_path: Path, time_path: Path) -> None:
+        self._maps: list[tuple[int, int]] = []
+        self._views: list[memoryview] = []
+        self.mapped = True
+        self.trailers: list[bytes] = []  # each file's trailer: magic, CRC, .log size
+        try:
+            self.index_raw = self._open(index_path, INDEX_ENTRY.size)
+            words = self._keep(_words(self.index_raw))
+            count = len(words) // 2
+            self.rel_offsets = self._keep(words[0 : 2 * count : 2])
+            self.positions = self._keep(words[1 : 2 * count : 2])
+            self.time_raw = self._open(time_path, TIME_ENTRY.size)
+            times = self._keep(_words(self.time_raw))
+            count = len(self.time_raw) // TIME_ENTRY.size
+            self.time_low = self._keep(times[0 : 3 * count : 3])
+            self.time_high = self._keep(times[1 : 3 * count : 3])
+            self.time_rel = self._keep(times[2 : 3 * count : 3])
+            self.time_count = count
+            self.first_ms = self.timestamp(0) if count else -1
+            self.last_ms = self.timestamp(count - 1) if count else -1
+        except BaseException:
+            self.close()
+            raise
+
+    def _keep(self, view: memoryview) -> memoryview:
+        self._views.append(view)
+        return view
+
+    def _open(self, path: Path, entry_size: int) -> memoryview:
+        """The entries of one file (its trailer cut off, kept in ``trailers``)."""
+        global _map_failures
+        view: memoryview | None = None
+        if _MAP_INDEXES:
+            try:
+                view, address, size = _map_file(path)
+            except FileNotFoundError:
+                raise ValueError(f"{path.name} is missing") from None
+            except _MapRefused as exc:
+                _map_failures += 1
+                if _map_failures == 1:
+                    log.warning("index files are read into memory, not mapped: %s", exc)
+            else:
+                self._maps.append((address, size))
+                self._keep(view)
+        if view is None:
+            self.mapped = False
+            try:
+                view = self._keep(memoryview(path.read_bytes()))
+            except FileNotFoundError:
+                raise ValueError(f"{path.name} is missing") from None
+        if len(view) < INDEX_TRAILER.size or (len(view) - INDEX_TRAILER.size) % entry_size:
+            raise ValueError(f"{path.name} has a bad size")
+        end = len(view) - INDEX_TRAILER.size
+        self.trailers.append(view[end:].tobytes())
+        return self._keep(view[:end])
+
+    def close(self) -> None:
+        """Release every view, then unmap. A view still exported elsewhere (none is
+        handed out) keeps its mapping: leaked, never unmapped under a reader."""
+        views, self._views = self._views, []
+        try:
+            for view in reversed(views):
+                view.release()
+        except BufferError:
+            log.error("an index view is still in use: its mapping is left in place")
+            return
+        maps, self._maps = self._maps, []
+        for address, size in maps:
+            _libc.munmap(address, size)
+
+    def sizes(self) -> tuple[int, int]:
+        return len(self.index_raw), len(self.time_raw)
+
+    def entry(self, i: int) -> tuple[int, int]:
+        """The ``i``-th offset index entry: (relative offset, position)."""
+        return int(self.rel_offsets[i]), int(self.positions[i])
+
+    def position_for(self, rel_offset: int) -> int:
+        """Position of the indexed unit at or before ``rel_offset`` (0 before all)."""
+        i = bisect_right(self.rel_offsets, rel_offset) - 1
+        return int(self.positions[i]) if i >= 0 else 0
+
+    def unit_start_at_or_below(self, position: int) -> int:
+        """The last indexed unit start at or before ``position``; -1 when none is."""
+        i = bisect_right(self.positions, position) - 1
+        return int(self.positions[i]) if i >= 0 else -1
+
+    def position_for_timestamp(self, timestamp_ms: int) -> int:
+        """Position to scan from for the first batch with max timestamp at least
+        ``timestamp_ms``; -1 when no entry reaches it."""
+        i = self.time_index_of(timestamp_ms)
+        if i >= self.time_count:
+            return -1
+        return self.position_for(int(self.time_rel[i]))
+
+    def time_index_of(self, timestamp_ms: int) -> int:
+        """The first time entry whose timestamp is at least ``timestamp_ms``
+        (bisect_left). Timestamps rise entry by entry and are never negative (an entry is
+        made only when a batch raises the segment's maximum, which starts at -1), so
+        they order as (high word, low word) pairs of u32s: searched in C over the words
+        in place, no key function called per probe (three times slower)."""
+        first_ms, last_ms = self.first_ms, self.last_ms
+        if timestamp_ms <= first_ms:
+            return 0
+        if timestamp_ms > last_ms:
+            return self.time_count
+        if first_ms < 0:  # not written by this code: search the timestamps themselves
+            stamps = range(self.time_count)
+            return bisect_left(stamps, timestamp_ms, key=self.timestamp)
+        high, low = timestamp_ms >> 32, timestamp_ms & _U32_MAX
+        lo, hi = 0, self.time_count
+        if first_ms >> 32 != last_ms >> 32:  # else every entry has this high word
+            lo = bisect_left(self.time_high, high)
+            hi = bisect_right(self.time_high, high, lo)
+        return bisect_left(self.time_low, low, lo, hi)
+
+    def timestamp(self, i: int) -> int:
+        """The ``i``-th time entry's timestamp."""
+        stamp: int = _I64.unpack_from(self.time_raw, i * TIME_ENTRY.size)[0]
+        return stamp
+
+
+class SealedIndex:
+    """A sealed segment's two index files, searched where they lie.
+
+    The files are mapped read-only on a segment's first lookup (or, where a mapping is
+    refused, read into ``bytes``) and searched in place (:class:`_IndexEntries`), so
+    lookups answer exactly what the arrays of the same entries answer. At most
+    ``mapped_index_limit`` indexes are open at once (each is two of the process's
+    ``vm.max_map_count`` mappings, 65530 by default): opening another closes an old one,
+    opened again on its next lookup. What a segment's checks need (entry counts, first
+    and last entries) is kept apart, without the files.
+
+    Lifetime: entries are closed (evicted, or the segment closed) under ``_maps_lock``
+    by releasing every view of them first, then unmapping. A lookup reads the mapping
+    only through those views, and CPython checks a view's release, under the GIL, on
+    every access: a lookup racing a close gets ValueError, never unmapped memory (the
+    munmap comes after the releases), and :meth:`search` then looks up again under the
+    lock, reopening the files (or, closed for good, answering None: the segment answers
+    "from the start"). A view exported elsewhere cannot be released: its mapping is
+    leaked rather than unmapped (none is handed out). This leans on the GIL: a
+    free-threaded build would need a use count here.
+
+    SIGBUS: a page of a mapping faults SIGBUS if its file is cut short underneath. Index
+    files are never changed in place: they are written whole to a temporary file and
+    renamed over (``Segment.write_index_files``: sealing, recovery's rebuild, compression)
+    or unlinked (an active segment's at open, retention, compaction, compression,
+    truncation); a mapping keeps the inode it was made of, so neither reaches it.
+    ``headwater check`` and backups only read them. A retired segment (deleted or
+    replaced: its paths may name another segment's files next) keeps the entries it holds
+    open when retired and never reopens its paths; a segment reopens only files with the
+    sizes and trailers (CRC of the entries) it first read. An I/O error on a page (a
+    failing disk) faults as any mapped read would: that is not guarded."""
+
+    __slots__ = (
+        "_entries",
+        "broken",
+        "closed",
+        "count",
+        "first_ms",
+        "first_position",
+        "first_rel",
+        "index_path",
+        "last_ms",
+        "last_position",
+        "last_rel",
+        "log_size",
+        "mapped",
+        "retired",
+        "sizes",
+        "time_count",
+        "time_path",
+        "touched",
+        "trailers",
+    )
+
+    def __init__(self, index_path: Path, time_path: Path, log_size: int, *, check: bool) -> None:
+        """Read both files once; ValueError unless they have whole entries and
+        (``check``) their trailers vouch for them: CRC-32C of the entries, the .log's
+        size. They are opened again on the first lookup."""
+        self.index_path, self.time_path, self.log_size = index_path, time_path, log_size
+        self._entries: _IndexEntries | None = None
+        self.closed = self.retired = self.touched = False
+        self.broken = False  # the files could not be reopened: no lookup is answered
+        entries = _IndexEntries(index_path, time_path)
+        try:
+            self.mapped = entries.mapped
+            paths = (index_path, time_path)
+            raws = (entries.index_raw, entries.time_raw)
+            for raw, trailer, path in zip(raws, entries.trailers, paths, strict=True):
+                magic, crc, size = INDEX_TRAILER.unpack(trailer)
+                if magic != INDEX_MAGIC or size != log_size:
+                    raise ValueError(f"{path.name} does not match its log")
+                if check and crc != crc32c.crc32c(raw):
+                    raise ValueError(f"{path.name} does not match its log")
+            # What the files are known by when they are opened again: sizes, and trailers
+            # (the entries' CRC and the .log's size).
+            self.sizes, self.trailers = entries.sizes(), entries.trailers
+            self.count = len(entries.positions)
+            self.time_count = entries.time_count
+            self.first_ms, self.last_ms = entries.first_ms, entries.last_ms
+            self.first_rel = self.last_rel = self.first_position = self.last_position = 0
+            if self.count:
+                self.first_rel, self.first_position = entries.entry(0)
+                self.last_rel, self.last_position = entries.entry(self.count - 1)
+        finally:
+            entries.close()  # opened again, lazily, by the first lookup
+
+    def __len__(self) -> int:
+        return self.count
+
+    def search(self, method: Callable[[_IndexEntries, int], int], arg: int) -> int | None:
+        """``method(entries, arg)``; None when the index is closed or its files cannot
+        be reopened. Lock-free while the entries are open (see the class's Lifetime)."""
+        entries = self._entries
+        if entries is not None:
+            self.touched = True
+            try:
+                return method(entries, arg)
+            except ValueError:  # closed under us: again, under the lock
+                pass
+        with _maps_lock:
+            entries = self._open_entries()
+            return None if entries is None else method(entries, arg)
+
+    def _open_entries(self) -> _IndexEntries | None:
+        """The entries, opened again if they were closed (lock held)."""
+        entries = self._entries
+        if entries is not None or self.closed or self.broken or self.retired:
+            return entries
+        entries = self._reopen()
+        if entries is not None:
+            _evict_indexes(mapped_index_limit - 1)  # room first: this one is not evicted
+            self._entries = entries
+            self.touched = True
+            _open_indexes[self] = None
+        return entries
+
+    def _reopen(self) -> _IndexEntries | None:
+        """The files opened again (lock held), if they are still the ones first read."""
+        try:
+            entries = _IndexEntries(self.index_path, self.time_path)
+        except (OSError, ValueError) as exc:
+            self.broken = True
+            log.warning("index of %s cannot be reopened: %s", self.index_path.name, exc)
+            return None
+        if entries.sizes() != self.sizes or entries.trailers != self.trailers:
+            entries.close()
+            self.broken = True
+            log.warning("index of %s changed underneath: not used", self.index_path.name)
+            return None
+        return entries
+
+    def retire(self) -> None:
+        """The files are about to be deleted or replaced: entries open now (the segment
+        was looked up lately: a reader may still be on it) stay open, outside the bound,
+        until :meth:`close`; closed ones are never opened again (their paths may name
+        another segment's files), and the segment answers lookups "from the start". None
+        is opened here: retention may retire thousands of segments at once."""
+        with _maps_lock:
+            if self.retired or self.closed:
+                return
+            _open_indexes.pop(self, None)
+            self.retired = True
+
+    def close(self) -> None:
+        """Close for good (idempotent): the views released, then the files unmapped."""
+        with _maps_lock:
+            if self.closed:
+                return
+            self.closed = True
+            _open_indexes.pop(self, None)
+            self._close_entries()
+
+    def _close_entries(self) -> None:
+        entries, self._entries = self._entries, None
+        if entries is not None:
+            entries.close()
+
+    def entries(self) -> list[tuple[int, int]]:
+        """(relative offset, position) of every offset index entry."""
+        with _maps_lock:  # held: nothing closes the entries while they are listed
+            entries = self._open_or_fail()
+            offsets, positions = entries.rel_offsets.tolist(), entries.positions.tolist()
+        return list(zip(offsets, positions, strict=True))
+
+    def time_entries(self) -> list[tuple[int, int]]:
+        """(timestamp, relative offset) of every time index entry."""
+        with _maps_lock:
+            return list(TIME_ENTRY.iter_unpack(self._open_or_fail().time_raw))
+
+    def _open_or_fail(self) -> _IndexEntries:
+        entries = self._open_entries()
+        if entries is None:
+            raise ValueError(f"index of {self.index_path.name} is closed or unreadable")
+        return entries
+
+    def __del__(self) -> None:
+        # Unreferenced: in no table and searched by no one, so no lock is needed (and
+        # taking one here could deadlock a collection run while it is held).
+        with contextlib.suppress(Exception):  # at interpreter exit the module may be gone
+            self._close_entries()
+
+
 class Segment:
-    """A segment file with in-memory copies of its indexes. Its ``.log`` is opened
-    through ``files`` (a bounded set of open files shared by many segments): use the
-    descriptor only inside ``with segment.pinned() as fd``."""
+    """A segment file and its indexes: arrays in memory while it is written (the active
+    segment, or one being built or checked), its mapped index files once it is sealed
+    (``sealed_index``; the arrays are then empty). Its ``.log`` is opened through
+    ``files`` (a bounded set of open files shared by many segments): use the descriptor
+    only inside ``with segment.pinned() as fd``."""
 
     def __init__(
         self,
@@ -419,6 +843,9 @@ class Segment:
         self.index_positions = array("Q")
         self.time_timestamps = array("q")
         self.time_offsets = array("Q")
+        # A sealed segment's index files, searched in place; None while the arrays hold
+        # the index. Set before the arrays are emptied: a lookup reads the arrays first.
+        self.sealed_index: SealedIndex | None = None
         self._bytes_since_index = 0
         self.compressed = False  # holds compressed frames (set by the scan or index load)
         self.file: SegmentFile = self.files.handle(self.log_path)
@@ -428,9 +855,11 @@ class Segment:
         return self.files.pinned(self.file)
 
     def retire(self) -> None:
-        """Keep the current ``.log`` open until :meth:`close`: it is about to be deleted
-        or replaced, and readers holding this segment still read it."""
+        """Keep the current ``.log`` and index open until :meth:`close`: they are about
+        to be deleted or replaced, and readers holding this segment still read them."""
         self.files.retire(self.file)
+        if self.sealed_index is not None:
+            self.sealed_index.retire()
 
     # ---- opening -------------------------------------------------------------------
 
@@ -495,6 +924,7 @@ class Segment:
                     log.error("sealed segment %s: %s", seg.log_path, error)
                 seg.size = os.fstat(fd).st_size
                 seg.write_index_files(sync=True)
+                seg.map_index_files()
         return seg
 
     def _reset_index(self) -> None:
@@ -507,37 +937,56 @@ class Segment:
             del arr[:]
         del self.time_timestamps[:]
         del self.time_offsets[:]
+        if self.sealed_index is not None:
+            self.sealed_index.close()
+            self.sealed_index = None
         self._bytes_since_index = 0
 
-    def _load_index(self) -> bool:
-        """Load both index files; False unless their trailers vouch for them (CRC of the
-        entries and the size of the .log they describe) and the batches after the last
-        entry run exactly to the end of the file."""
+    def drop_index(self) -> None:
+        """Let the in-memory index go, for a segment only walked from its start from here
+        on (a reader that looks nothing up: its reads are then cut at no entry)."""
+        self.index_offsets, self.index_positions = array("Q"), array("Q")
+        self.time_timestamps, self.time_offsets = array("q"), array("Q")
+
+    def map_index_files(self) -> None:
+        """Search the index files just written (sealing) where they lie and let the
+        arrays go: a sealed segment's index then costs file pages the kernel can
+        reclaim, not heap. Left on the arrays if the files cannot be opened."""
         try:
-            raw = _read_index_file(self.index_path, INDEX_ENTRY.size, self.size)
-            raw_time = _read_index_file(self.time_index_path, TIME_ENTRY.size, self.size)
+            index = SealedIndex(self.index_path, self.time_index_path, self.size, check=False)
+        except (ValueError, OSError) as exc:
+            log.warning("index of %s kept in memory: %s", self.log_path, exc)
+            return
+        self.sealed_index = index  # first: a lookup that read the arrays before uses them
+        self.drop_index()
+
+    def _load_index(self) -> bool:
+        """Open both index files (:class:`SealedIndex`); False unless their trailers
+        vouch for them (CRC of the entries and the size of the .log they describe) and
+        the batches after the last entry run exactly to the end of the file."""
+        try:
+            index = SealedIndex(self.index_path, self.time_index_path, self.size, check=True)
         except ValueError:
             return False
-        if self.size == 0:
-            return not raw
-        if not raw:
+        if not self._check_index(index):
+            index.close()
             return False
-        for rel, pos in INDEX_ENTRY.iter_unpack(raw):
-            self.index_offsets.append(self.base_offset + rel)
-            self.index_positions.append(pos)
-        for ts, rel in TIME_ENTRY.iter_unpack(raw_time):
-            self.time_timestamps.append(ts)
-            self.time_offsets.append(self.base_offset + rel)
-        if self.index_positions[0] != 0:
+        self.sealed_index = index
+        return True
+
+    def _check_index(self, index: SealedIndex) -> bool:
+        if self.size == 0:
+            return len(index) == 0
+        if len(index) == 0 or index.first_position != 0:
             return False
         try:
             first, first_length = self._read_unit_at(0)
-            if first[0].base_offset != self.index_offsets[0]:
+            if first[0].base_offset != self.base_offset + index.first_rel:
                 return False
             self.compressed = first[0].length != first_length
             self.first_timestamp_ms = first[0].first_timestamp_ms
-            pos = int(self.index_positions[-1])
-            expected = int(self.index_offsets[-1])
+            pos = index.last_position
+            expected = self.base_offset + index.last_rel
             while pos < self.size:
                 unit, length = self._read_unit_at(pos)
                 if expected >= 0 and unit[0].base_offset != expected:
@@ -549,8 +998,8 @@ class Segment:
                 pos += length
         except CorruptBatchError:
             return False
-        if self.time_timestamps:
-            self.max_timestamp_ms = max(self.max_timestamp_ms, self.time_timestamps[-1])
+        if index.time_count:
+            self.max_timestamp_ms = max(self.max_timestamp_ms, index.last_ms)
         self.event_count = -1  # unknown without a full scan; only used for reports
         return pos == self.size
 
@@ -609,15 +1058,26 @@ class Segment:
 
     def index_bytes(self) -> tuple[bytes, bytes]:
         """Both index files' contents (entries plus trailer) for the current .log size."""
-        index = b"".join(
-            INDEX_ENTRY.pack(o - self.base_offset, p)
-            for o, p in zip(self.index_offsets, self.index_positions, strict=True)
-        )
-        times = b"".join(
-            TIME_ENTRY.pack(t, o - self.base_offset)
-            for t, o in zip(self.time_timestamps, self.time_offsets, strict=True)
-        )
+        base = self.base_offset
+        index = b"".join(INDEX_ENTRY.pack(o - base, p) for o, p in self.index_entries())
+        times = b"".join(TIME_ENTRY.pack(t, o - base) for t, o in self.time_entries())
         return _with_trailer(index, self.size), _with_trailer(times, self.size)
+
+    def index_entries(self) -> list[tuple[int, int]]:
+        """(offset, file position) of every offset index entry, wherever they are held."""
+        offsets, positions = self.index_offsets, self.index_positions
+        index = self.sealed_index
+        if index is not None:
+            return [(self.base_offset + rel, pos) for rel, pos in index.entries()]
+        return list(zip(offsets, positions, strict=True))
+
+    def time_entries(self) -> list[tuple[int, int]]:
+        """(max timestamp, offset) of every time index entry, wherever they are held."""
+        stamps, offsets = self.time_timestamps, self.time_offsets
+        index = self.sealed_index
+        if index is not None:
+            return [(ts, self.base_offset + rel) for ts, rel in index.time_entries()]
+        return list(zip(stamps, offsets, strict=True))
 
     def write_index_files(self, *, sync: bool) -> None:
         """Write both index files whole (temp file + rename). Done when a segment is
@@ -703,17 +1163,33 @@ class Segment:
             raise CorruptBatchError(f"truncated batch at byte {pos} of {self.log_path}")
         return _unit(memoryview(data), verify=verify), length
 
+    # The arrays are read before ``sealed_index``: sealing sets it before it empties them.
+
     def position_for(self, offset: int) -> int:
         """File position of the indexed batch at or before ``offset`` (binary search)."""
-        i = bisect_right(self.index_offsets, offset) - 1
-        return int(self.index_positions[i]) if i >= 0 else 0
+        offsets, positions = self.index_offsets, self.index_positions
+        index = self.sealed_index
+        if index is not None:
+            found = index.search(_IndexEntries.position_for, offset - self.base_offset)
+            # None: closed (its .log is closed too) or unreadable: from the start, always
+            # a batch's start.
+            return 0 if found is None else found
+        i = bisect_right(offsets, offset) - 1
+        return int(positions[i]) if i >= 0 else 0
 
     def position_for_timestamp(self, timestamp_ms: int) -> int | None:
         """File position from which to scan for the first batch with max ts >= timestamp."""
-        i = bisect_left(self.time_timestamps, timestamp_ms)
-        if i >= len(self.time_timestamps):
+        stamps, offsets = self.time_timestamps, self.time_offsets
+        index = self.sealed_index
+        if index is not None:
+            found = index.search(_IndexEntries.position_for_timestamp, timestamp_ms)
+            if found is None:  # closed or unreadable: from the start
+                return 0
+            return None if found < 0 else found
+        i = bisect_left(stamps, timestamp_ms)
+        if i >= len(stamps):
             return None
-        return self.position_for(int(self.time_offsets[i]))
+        return self.position_for(int(offsets[i]))
 
     def _unit_end_below(self, pos: int, want: int) -> int:
         """``want`` cut back to the end of the last whole unit it covers from ``pos`` when
@@ -725,11 +1201,17 @@ class Segment:
         read (one just under it would allocate and page in a buffer of its own)."""
         if want <= POOLED_READ:
             return want
-        positions = self.index_positions
-        i = bisect_right(positions, pos + want) - 1
-        if i < 0 or positions[i] < pos + max(want // 2, POOLED_READ):
+        index = self.sealed_index
+        if index is not None:
+            found = index.search(_IndexEntries.unit_start_at_or_below, pos + want)
+            start = -1 if found is None else found  # None: closed or unreadable
+        else:
+            positions = self.index_positions
+            i = bisect_right(positions, pos + want) - 1
+            start = int(positions[i]) if i >= 0 else -1
+        if start < pos + max(want // 2, POOLED_READ):
             return want  # no unit start in [pos + max(want / 2, 1 MiB), pos + want]
-        return int(positions[i]) - pos
+        return start - pos
 
     def batches_from(
         self,
@@ -796,6 +1278,8 @@ class Segment:
             for run in [r for r in _cold_runs if r.seg is self]:
                 _cold_runs.remove(run)
         self.files.close(self.file)
+        if self.sealed_index is not None:
+            self.sealed_index.close()  # readers of a closed segment fail at its .log
 
     def delete_files(self) -> None:
         for path in (self.log_path, self.index_path, self.time_index_path):
@@ -818,21 +1302,6 @@ def _unit(view: memoryview, *, verify: bool = True) -> list[Batch]:
 
 def _with_trailer(entries: bytes, log_size: int) -> bytes:
     return entries + INDEX_TRAILER.pack(INDEX_MAGIC, crc32c.crc32c(entries), log_size)
-
-
-def _read_index_file(path: Path, entry_size: int, log_size: int) -> bytes:
-    """The entries of an index file whose trailer checks out; ValueError otherwise."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ValueError(f"{path.name} is missing") from None
-    if len(data) < INDEX_TRAILER.size or (len(data) - INDEX_TRAILER.size) % entry_size:
-        raise ValueError(f"{path.name} has a bad size")
-    entries = data[: -INDEX_TRAILER.size]
-    magic, crc, size = INDEX_TRAILER.unpack_from(data, len(entries))
-    if magic != INDEX_MAGIC or crc != crc32c.crc32c(entries) or size != log_size:
-        raise ValueError(f"{path.name} does not match its log")
-    return entries
 
 
 def read_header_fields(data: bytes) -> tuple[int, ...]:

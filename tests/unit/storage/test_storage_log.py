@@ -180,7 +180,9 @@ def test_read_from_every_offset(tmp_path: Path, interval: int) -> None:
         assert (first.offset, first.value) == expected[start]
     # Index lookups reflect where batches were written.
     for seg in plog.segments:
-        for off, pos in zip(seg.index_offsets, seg.index_positions, strict=True):
+        entries = seg.index_entries()
+        assert entries
+        for off, pos in entries:
             assert seg.position_for(off) == pos
     plog.close()
 
