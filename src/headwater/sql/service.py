@@ -223,7 +223,8 @@ class SqlService:
 
     async def wait_for_position(self, tenant_id: int, position: int, timeout: float) -> int:
         """Wait until every table of the tenant covers ``position``; returns the covered
-        position (>= ``position``). ProjectionLag after ``timeout`` seconds."""
+        position (>= ``position``). ProjectionLag once they have not moved towards it
+        for ``timeout`` seconds."""
 
         def kick() -> None:
             head = self.engine.tenant(tenant_id).committed_position
@@ -232,7 +233,8 @@ class SqlService:
                     table.request_catch_up()
 
         await self._wait(
-            lambda: self.covered_position(tenant_id) >= position,
+            lambda: self.covered_position(tenant_id),
+            position,
             kick,
             lambda: self._lag_message(tenant_id, self.covered_position(tenant_id), position),
             timeout,
@@ -241,20 +243,27 @@ class SqlService:
 
     async def _wait(
         self,
-        done: Callable[[], bool],
+        reached: Callable[[], int],
+        target: int,
         kick: Callable[[], None],
         lag_message: Callable[[], str],
         timeout: float,
     ) -> None:
-        """Wait until ``done()``, kicking lagging projections; ProjectionLag after
-        ``timeout`` seconds."""
+        """Wait until ``reached() >= target``, kicking lagging projections. ProjectionLag
+        once ``reached()`` has not moved for ``timeout`` seconds: a query waits as long
+        as the projections are catching up (read your writes, however far behind a burst
+        of appends left them), and a stalled one (failing, paused) is reported."""
         deadline = time.monotonic() + timeout
+        last = reached()
         while True:
             progress = self._progress
-            if done():
+            now = reached()
+            if now >= target:
                 return
             if self._closed:
                 raise ProjectionLag("the SQL service is shutting down")
+            if now > last:
+                last, deadline = now, time.monotonic() + timeout
             kick()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -289,7 +298,8 @@ class SqlService:
             return f"stream {name} is projected up to offset {reached}, not {end}{error}"
 
         await self._wait(
-            lambda: projection.next_offset >= end,
+            lambda: projection.next_offset,
+            end,
             projection.request_catch_up,
             lag,
             self.read_timeout,

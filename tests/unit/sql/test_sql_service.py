@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from sqlkit import CONFIG, js, running
@@ -18,6 +20,8 @@ from headwater.errors import (
     TableNotFound,
 )
 from headwater.sql import SqlService, Timestamp
+from headwater.sql import service as service_module
+from waiting import wait_until_async
 
 
 def test_select_and_group_by_over_json_events(tmp_path: Path) -> None:
@@ -132,6 +136,60 @@ def test_query_at_sees_exactly_the_first_p_positions(tmp_path: Path) -> None:
                 assert counts.rows == [[in_a, p - in_a]]
             with pytest.raises(PositionAhead):
                 await sql.query_at(0, "SELECT 1", [], head + 1)
+
+    asyncio.run(main())
+
+
+def test_a_query_waits_while_the_projections_move_and_not_once_they_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read your writes however far behind a burst left the projections: the wait's
+    timeout counts from their last move, not from the query (a 16 GiB burst took 33 s
+    to catch up and a Query answered ProjectionLag at 30 s). The clock is the test's."""
+    clock = [0.0]
+    fake_time = SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(service_module, "time", fake_time)
+
+    async def main() -> None:
+        async with running(tmp_path) as (_engine, sql):
+            reached = [0]
+            looked: list[int] = []  # what the wait saw, each time it looked
+
+            def wait_for(target: int) -> asyncio.Future[None]:
+                return asyncio.ensure_future(
+                    sql._wait(
+                        lambda: reached[0],
+                        target,
+                        lambda: looked.append(reached[0]),
+                        lambda: f"stalled at {reached[0]}",
+                        1.0,
+                    )
+                )
+
+            async def move(to: int, seconds: float) -> None:
+                clock[0] += seconds
+                reached[0] = to
+                seen = len(looked)
+                sql._signal()
+                await wait_until_async(lambda: len(looked) > seen or waiting.done())
+
+            waiting = wait_for(3)
+            await wait_until_async(lambda: looked)  # it began, at clock 0
+            for step in (1, 2):
+                await move(step, 5.0)  # 5x the timeout since the last move, but moved
+                assert not waiting.done()
+            await move(3, 5.0)
+            await waiting  # reached: answered
+
+            looked.clear()
+            waiting = wait_for(10)
+            await wait_until_async(lambda: looked)
+            await move(4, 0.6)  # moved: a second more from here
+            await move(4, 0.6)  # 0.6 s without a move: still waiting (it looked again)
+            assert not waiting.done()
+            await move(4, 0.6)  # 1.2 s without a move: stalled
+            with pytest.raises(ProjectionLag, match="stalled at 4"):
+                await waiting
 
     asyncio.run(main())
 
