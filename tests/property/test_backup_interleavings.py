@@ -15,9 +15,9 @@ from unittest import mock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from data_dirs import stream_log
 from headwater.cli import backup
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from headwater.storage.metadata import write_json_atomic
 
 MOVE = st.one_of(
     st.tuples(st.just("append"), st.integers(1, 12)),
@@ -51,14 +51,7 @@ def test_any_interleaving_copies_one_run_of_offsets(
     tmp = Path(tempfile.mkdtemp(prefix="hw-backup-"))
     try:
         data, staging = tmp / "data", tmp / "staging"
-        tenant = data / "tenants" / "0"
-        tenant.mkdir(parents=True)
-        write_json_atomic(tenant / "tenant.json", {"id": 0, "name": "d", "next_stream_id": 9})
-        stream = tenant / "streams" / "1"
-        stream.mkdir(parents=True)
-        meta = {"id": 1, "name": "s", "created_ns": 1, "partitions": 1, "settings": {}}
-        write_json_atomic(stream / "stream.json", meta)
-        plog = PartitionLog.open(stream / "partition-0", SMALL_SEGMENTS)
+        plog = stream_log(data, 1, SMALL_SEGMENTS)
         for i in range(initial):
             plog.append([value(i)], first_position=i)
         end_at_start = plog.end_offset

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from data_dirs import stream_log
 from headwater.cli.backup import (
     BackupReport,
     PartitionPlan,
@@ -19,7 +20,6 @@ from headwater.cli.backup import (
 )
 from headwater.storage.check import check_data_dir, check_metadata
 from headwater.storage.log import LogConfig, PartitionLog
-from headwater.storage.metadata import write_json_atomic
 
 SMALL_SEGMENTS = LogConfig(segment_bytes=1024)
 TORN_WRITE = b"\x00\x01\x00\x00half a batch header"
@@ -30,16 +30,8 @@ def value(stream_id: int, i: int) -> bytes:
 
 
 def make_stream(data: Path, stream_id: int, batches: int) -> PartitionLog:
-    """A stream of ``batches`` one-event batches in 1 KiB segments, as the engine lays
-    it out (tenant.json, stream.json, partition-0/)."""
-    tenant = data / "tenants" / "0"
-    tenant.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(tenant / "tenant.json", {"id": 0, "name": "default", "next_stream_id": 9})
-    stream = tenant / "streams" / str(stream_id)
-    stream.mkdir(parents=True)
-    meta = {"id": stream_id, "name": f"s{stream_id}", "created_ns": 1, "partitions": 1}
-    write_json_atomic(stream / "stream.json", {**meta, "settings": {}})
-    plog = PartitionLog.open(stream / "partition-0", SMALL_SEGMENTS)
+    """A stream of ``batches`` one-event batches in 1 KiB segments."""
+    plog = stream_log(data, stream_id, SMALL_SEGMENTS)
     for i in range(batches):
         plog.append([value(stream_id, i)], first_position=stream_id * 1000 + i)
     plog.sync()
@@ -189,17 +181,6 @@ def test_every_noted_segment_removed_the_partition_is_listed_again(tmp_path: Pat
     ]
 
 
-def keyed_stream(data: Path, config: LogConfig) -> PartitionLog:
-    tenant = data / "tenants" / "0"
-    tenant.mkdir(parents=True)
-    write_json_atomic(tenant / "tenant.json", {"id": 0, "name": "default", "next_stream_id": 9})
-    stream = tenant / "streams" / "1"
-    stream.mkdir(parents=True)
-    meta = {"id": 1, "name": "s1", "created_ns": 1, "partitions": 1, "settings": {}}
-    write_json_atomic(stream / "stream.json", meta)
-    return PartitionLog.open(stream / "partition-0", config)
-
-
 def copied_log(staging: Path) -> list[tuple[int, bytes | None, bytes]]:
     copied = PartitionLog.open(staging / "tenants" / "0" / "streams" / "1" / "partition-0")
     try:
@@ -213,7 +194,7 @@ def test_compaction_during_the_copy_keeps_a_value_of_every_key(tmp_path: Path) -
     value from a sealed segment before the copy reaches it: the copy reaches the new
     value (the newest segment is sized after the sealed ones are copied)."""
     data, staging = tmp_path / "data", tmp_path / "staging"
-    plog = keyed_stream(data, LogConfig(segment_bytes=1024, cleanup_policy="compact"))
+    plog = stream_log(data, 1, LogConfig(segment_bytes=1024, cleanup_policy="compact"))
     plog.append([b"k = old " + b"." * 300], first_position=0, keys=[b"k"])
     for i in range(6):
         plog.append([b"filler %d " % i + b"." * 300], first_position=1 + i, keys=[b"f%d" % i])
@@ -241,7 +222,7 @@ def test_a_newest_segment_compressed_after_it_was_sized_is_copied_whole(
     place) before its copy: its noted size says nothing of the new file, which is
     copied whole instead of cut to a torn prefix."""
     data, staging = tmp_path / "data", tmp_path / "staging"
-    plog = keyed_stream(data, LogConfig(segment_bytes=1 << 20, compression="zstd"))
+    plog = stream_log(data, 1, LogConfig(segment_bytes=1 << 20, compression="zstd"))
     values = [b"%d:" % i + bytes(range(200)) for i in range(203)]
     for i in range(3):
         plog.append([values[i]], first_position=i)
