@@ -294,6 +294,29 @@ def test_read_committed_fetch_lists_aborted_transactions_and_markers(server: Ser
     ]
 
 
+def refused_then_stored_alone(
+    server: Server, request: ProduceRequest, records: bytes, error: ErrorCode
+) -> None:
+    """``request`` carrying ``records`` instead of its own is answered ``error``; the
+    connection serves on, and ``request`` itself is then stored at offset 0: nothing of
+    the refused one was kept."""
+    [data] = request.topic_data
+    partition = dataclasses.replace(data.partition_data[0], records=records)
+    forged = dataclasses.replace(
+        request, topic_data=(dataclasses.replace(data, partition_data=(partition,)),)
+    )
+    kafka = RawKafka(server)
+    try:
+        response = kafka.call(forged, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert answer.error_code == error
+        response = kafka.call(request, ApiKey.PRODUCE, 10)
+        [answer] = response.responses[0].partition_responses
+        assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
+    finally:
+        kafka.close()
+
+
 def test_a_produced_control_batch_is_refused_and_nothing_is_stored(server: Server) -> None:
     topic = create_topic(server)
     request, _ = captured_produce("none", topic)
@@ -305,26 +328,7 @@ def test_a_produced_control_batch_is_refused_and_nothing_is_stored(server: Serve
         base_offset=0,
         timestamp=1_700_000_000_000,
     )
-    [data] = request.topic_data
-    forged = dataclasses.replace(
-        request,
-        topic_data=(
-            dataclasses.replace(
-                data, partition_data=(dataclasses.replace(data.partition_data[0], records=marker),)
-            ),
-        ),
-    )
-    kafka = RawKafka(server)
-    try:
-        response = kafka.call(forged, ApiKey.PRODUCE, 10)
-        [answer] = response.responses[0].partition_responses
-        assert answer.error_code == ErrorCode.invalid_record
-        # The connection serves on, and the topic holds only what comes next.
-        response = kafka.call(request, ApiKey.PRODUCE, 10)
-        [answer] = response.responses[0].partition_responses
-        assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
-    finally:
-        kafka.close()
+    refused_then_stored_alone(server, request, marker, ErrorCode.invalid_record)
 
 
 @pytest.mark.parametrize("count", [2, MAX_APPEND_EVENTS + 1])
@@ -342,26 +346,7 @@ def test_a_transactional_batch_without_a_producer_id_is_refused_and_nothing_is_s
         base_timestamp=1_700_000_000_000,
         transactional=True,
     )
-    [data] = request.topic_data
-    forged = dataclasses.replace(
-        request,
-        topic_data=(
-            dataclasses.replace(
-                data, partition_data=(dataclasses.replace(data.partition_data[0], records=batch),)
-            ),
-        ),
-    )
-    kafka = RawKafka(server)
-    try:
-        response = kafka.call(forged, ApiKey.PRODUCE, 10)
-        [answer] = response.responses[0].partition_responses
-        assert answer.error_code == ErrorCode.invalid_txn_state
-        # The topic holds only what comes next.
-        response = kafka.call(request, ApiKey.PRODUCE, 10)
-        [answer] = response.responses[0].partition_responses
-        assert (answer.error_code, answer.base_offset) == (ErrorCode.none, 0)
-    finally:
-        kafka.close()
+    refused_then_stored_alone(server, request, batch, ErrorCode.invalid_txn_state)
 
 
 @pytest.mark.parametrize("timestamp_type", ["LogAppendTime", "CreateTime"])
