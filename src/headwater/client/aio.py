@@ -595,8 +595,8 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         when there is one). ``events, next_offset = await client.read(...)``. The server
         answers consecutive offsets from ``from_offset``, ending before a hole in the
         stream's offsets (compaction, an aborted transaction); from inside a hole the
-        answer is no events, ``next_offset`` the first offset after it and ``at_end``
-        False (docs/protocols/kimberlite.md)."""
+        answer is no events and ``next_offset`` the first offset after it, ``at_end``
+        only when no event follows (docs/protocols/kimberlite.md)."""
 
         async def op(stream_id: int) -> ReadResult:
             reply = await self._request(
