@@ -11,8 +11,9 @@ atomically on every change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from headwater.engine.kinds.errors import (
     BadName,
@@ -30,6 +31,17 @@ from headwater.storage.metadata import read_json, write_json_atomic
 
 REGISTRY_FILE = "kinds.json"
 MAX_KIND_ID = 0xFFFF
+
+_Kind = TypeVar("_Kind")
+
+
+def known_kind(kinds: Mapping[int, _Kind], kind_id: int) -> _Kind:
+    """``kinds[kind_id]`` (a kind's definition, or its state); KindNotFound when the
+    tenant has no kind ``kind_id``."""
+    try:
+        return kinds[kind_id]
+    except KeyError:
+        raise KindNotFound(f"kind {kind_id} does not exist") from None
 
 
 def normal_fields(fields: Sequence[tuple[str, int]]) -> tuple[FieldSpec, ...]:
@@ -87,10 +99,7 @@ class KindRegistry:
         write_json_atomic(self.directory / REGISTRY_FILE, data)
 
     def kind(self, kind_id: int) -> KindInfo:
-        kind = self.by_id.get(kind_id)
-        if kind is None:
-            raise KindNotFound(f"kind {kind_id} does not exist")
-        return kind
+        return known_kind(self.by_id, kind_id)
 
     def kinds(self) -> list[KindInfo]:
         return [k for _, k in sorted(self.by_id.items())]

@@ -45,7 +45,7 @@ from headwater.engine.kinds.model import (
     changelog_stream,
 )
 from headwater.engine.kinds.notify import subscribe
-from headwater.engine.kinds.registry import KindRegistry
+from headwater.engine.kinds.registry import KindRegistry, known_kind
 from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.engine.kinds.sources import PRESENCE_FIELDS, PRESENCE_KIND, Source, Sources
 from headwater.engine.kinds.state import KindState
@@ -98,10 +98,7 @@ class TenantKinds:
         return self.registry.kind(kind_id)
 
     def kind_state(self, kind_id: int) -> KindState:
-        state = self.kinds.get(kind_id)
-        if state is None:
-            raise KindNotFound(f"kind {kind_id} does not exist")
-        return state
+        return known_kind(self.kinds, kind_id)
 
     def list_kinds(self) -> list[KindInfo]:
         return self.registry.kinds()
