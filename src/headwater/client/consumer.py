@@ -46,7 +46,7 @@ from headwater.engine.groups.errors import (
 from headwater.errors import HeadwaterError, InvalidOffset, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
-from ._core.blocking import Blocking, LoopThread
+from ._core.blocking import Blocking, Inner, LoopThread
 from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .errors import ClientClosed
 
@@ -677,13 +677,11 @@ class Consumer(Blocking[AsyncConsumer]):
     ``consumer.poll(timeout)``, as confluent-kafka's."""
 
     def __init__(self, server: str = DEFAULT_SERVER, **options: Any) -> None:
-        runner = LoopThread(name="headwater-consumer", closed_message="the consumer is closed")
-        try:
-            inner = runner.run(_make_consumer(server, options))
-            runner.run(inner.start())
-        except BaseException:
-            runner.stop()
-            raise
+        runner, inner = LoopThread.started(
+            lambda: _start_consumer(server, options),
+            name="headwater-consumer",
+            closed_message="the consumer is closed",
+        )
         super().__init__(inner, runner)
 
     def subscribe(
@@ -771,22 +769,15 @@ class Consumer(Blocking[AsyncConsumer]):
     def wait_for_assignment(self, timeout: float | None = None) -> list[TopicPartition]:
         return self._run(self._inner.wait_for_assignment(timeout))
 
-    @property
-    def member_id(self) -> str:
-        return self._inner.member_id
-
-    @property
-    def generation(self) -> int:
-        return self._inner.generation
-
-    @property
-    def rebalances(self) -> int:
-        return self._inner.rebalances
+    member_id = Inner[str]()
+    generation = Inner[int]()
+    rebalances = Inner[int]()
 
 
-async def _make_consumer(server: str, options: dict[str, Any]) -> AsyncConsumer:
-    """The consumer, made on its loop (its queue and events belong to that loop)."""
-    return AsyncConsumer(server, **options)
+async def _start_consumer(server: str, options: dict[str, Any]) -> AsyncConsumer:
+    """The consumer, made on its loop (its queue and events belong to that loop), and
+    connected."""
+    return await AsyncConsumer(server, **options).start()
 
 
 async def _call(function: Callable[[], None]) -> None:

@@ -35,7 +35,7 @@ from headwater.engine.partitioner import Partitioner
 from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
-from ._core.blocking import Blocking, LoopThread
+from ._core.blocking import Blocking, Inner, LoopThread
 from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .aio import EventLike, HeadersLike, to_event_bytes, to_headers
 from .errors import ClientClosed, EventTooLarge
@@ -556,22 +556,18 @@ class Producer(Blocking[AsyncProducer]):
     ``(error, metadata)``, as confluent-kafka's ``produce`` does."""
 
     def __init__(self, server: str = DEFAULT_SERVER, **options: Any) -> None:
-        inner = AsyncProducer(server, **options)
-        runner = LoopThread(name="headwater-producer", closed_message="the producer is closed")
-        try:
-            runner.run(inner.start())
-        except BaseException:
-            runner.stop()
-            raise
+        runner, inner = LoopThread.started(
+            AsyncProducer(server, **options).start,
+            name="headwater-producer",
+            closed_message="the producer is closed",
+        )
         super().__init__(inner, runner)
         # records sent from the caller's thread, taken in by the loop in one go
         self._handoff: list[tuple[Any, ...]] = []
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False
 
-    @property
-    def requests(self) -> int:
-        return self._inner.requests
+    requests = Inner[int]("Requests written so far (a batch is one).")
 
     def send(
         self,

@@ -125,7 +125,11 @@ def stamp_log_append_time(section: bytes | bytearray | memoryview, now_ms: int) 
 
 
 def check_section(
-    section: bytes | memoryview, max_decompressed: int, whole: bytes | None = None
+    section: bytes | memoryview,
+    max_decompressed: int,
+    whole: bytes | None = None,
+    *,
+    header: SectionHeader | None = None,
 ) -> SectionHeader:
     """What Kafka's log validator checks of a produced batch, from the CRC on: the
     CRC-32C, at least one record, a known codec, the records decompressing within
@@ -135,8 +139,11 @@ def check_section(
     rest); a stored section always decodes
     (:func:`decode_section`). ``whole``: the produced batch ``section`` was cut from
     (its 17-byte prefix first), which the reader then reads in place when the records
-    are uncompressed and stamped CreateTime (the usual batch): no copy of the records."""
-    header = section_header(section)
+    are uncompressed and stamped CreateTime (the usual batch): no copy of the records.
+    ``header``: the section's header when the caller has read it already (a produced
+    batch's :class:`~headwater.protocols.kafka.records.BatchHeader` is one)."""
+    if header is None:
+        header = section_header(section)
     actual = crc32c(memoryview(section)[4:])
     if actual != header.crc:
         raise _corrupt(

@@ -130,16 +130,23 @@ class LoopThread:
             self.loop.close()
 
     @classmethod
-    def connected(cls, inner: _AsyncClient, **kwargs: str) -> LoopThread:
-        """A loop thread on which ``inner`` has connected (its error raises, the thread
-        stopped)."""
+    def started(
+        cls, start: Callable[[], Coroutine[Any, Any, T]], **kwargs: str
+    ) -> tuple[LoopThread, T]:
+        """A loop thread, and what ``start()`` answered there (its error raises, the
+        thread stopped): a client connected, or made and started, on its own loop."""
         runner = cls(**kwargs)
         try:
-            runner.run(inner._ensure())
+            return runner, runner.run(start())
         except BaseException:
             runner.stop()
             raise
-        return runner
+
+    @classmethod
+    def connected(cls, inner: _AsyncClient, **kwargs: str) -> LoopThread:
+        """A loop thread on which ``inner`` has connected (its error raises, the thread
+        stopped)."""
+        return cls.started(inner._ensure, **kwargs)[0]
 
 
 async def _cancel_tasks() -> None:

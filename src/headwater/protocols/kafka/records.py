@@ -135,20 +135,15 @@ _REASON_CODES = {
 
 
 @dataclass(frozen=True, slots=True)
-class BatchHeader:
+class BatchHeader(kafka_batch.SectionHeader):
+    """A whole batch's header: the fields of the section headwater stores (from the CRC
+    on: :class:`~headwater.storage.kafka_batch.SectionHeader`) and those of the 17-byte
+    prefix before it, which the broker rewrites."""
+
     base_offset: int
     batch_length: int
     partition_leader_epoch: int
     magic: int
-    crc: int
-    attributes: int
-    last_offset_delta: int
-    base_timestamp: int
-    max_timestamp: int
-    producer_id: int
-    producer_epoch: int
-    base_sequence: int
-    records_count: int
 
     @property
     def compression(self) -> int:
@@ -237,7 +232,7 @@ class RecordBatch:
         deltas 0..n-1, and ``last_offset_delta`` n-1; one walk over the records, with
         nothing decoded (:func:`headwater.storage.kafka_batch.check_section`)."""
         try:
-            kafka_batch.check_section(self.section, max_decompressed, self.data)
+            kafka_batch.check_section(self.section, max_decompressed, self.data, header=self.header)
         except KafkaRecordsError as exc:
             raise _records_error(exc) from None
 
@@ -272,7 +267,10 @@ class RecordBatch:
 
 def parse_header(data: Buffer, offset: int = 0) -> BatchHeader:
     """The header of the batch at ``offset`` (at least 61 bytes must be there)."""
-    return BatchHeader(*HEADER.unpack_from(data, offset))
+    return BatchHeader(
+        *kafka_batch.SECTION_HEADER.unpack_from(data, offset + CRC_OFFSET),
+        *kafka_batch.PREFIX.unpack_from(data, offset),
+    )
 
 
 def split_batches(data: Buffer) -> list[RecordBatch]:
