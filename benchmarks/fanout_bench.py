@@ -41,7 +41,9 @@ import json
 import multiprocessing as mp
 import shutil
 import socket
+import struct
 import subprocess
+import sys
 import time
 import urllib.request
 from array import array
@@ -66,7 +68,7 @@ from benchlib import (
 
 SUBJECT = "fanout"
 HEADWATER_SIDES = ("headwater", "headwater_packed")
-SIDES = ("headwater", "headwater_packed", "nats")
+SIDES = ("headwater", "headwater_packed", "ceiling", "nats")
 READY_SECONDS = 60.0
 IDLE_SECONDS = 3.0  # a subscriber stops waiting after this long without a new event
 
@@ -170,6 +172,63 @@ class NatsPublisher:
         self.sock.close()
 
 
+# ---- the ceiling: the least a Kiwi fan-out can do ---------------------------------------------
+
+
+class CeilingServer(ServerProcess):
+    """``kiwi_ceiling_server.py``: Kiwi RESULTs framed once per batch and written to every
+    subscriber, nothing else (see its docstring)."""
+
+    name = "kiwi ceiling"
+
+    def start(self, root: Path) -> None:
+        self.port = free_port()
+        self.control_port = free_port()
+        self.log_path = root / "ceiling.log"
+        script = Path(__file__).with_name("kiwi_ceiling_server.py")
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, str(script)),
+                    *("--port", str(self.port), "--control-port", str(self.control_port)),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            self.check_alive()
+            try:
+                socket.create_connection((HOST, self.control_port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the ceiling did not start:\n{self.log_tail()}") from None
+                time.sleep(0.05)
+
+
+class CeilingProducer:
+    """Batches to the ceiling server's control connection; ``finish`` is its barrier."""
+
+    def __init__(self, server: CeilingServer) -> None:
+        self.sock = socket.create_connection((HOST, server.control_port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _send(self, payload: bytes) -> None:
+        self.sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+    def send(self, values: list[bytes]) -> None:
+        self._send(b"B" + b"".join(struct.pack(">I", len(v)) + v for v in values))
+
+    def finish(self) -> None:
+        self._send(b"S")
+        if self.sock.recv(1) != b"K":
+            raise ConnectionError("the ceiling server closed the control connection")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # ---- subscriber processes -------------------------------------------------------------------
 
 
@@ -259,7 +318,81 @@ async def nats_subscriber(url: str, subject: str, tally: Tally, ready: asyncio.E
             buffer = buffer[pos:]
 
 
-def subscriber_main(side: str, url: str, source: str, count: int, conn: Connection) -> None:
+async def picows_subscriber(
+    side: str, url: str, source: str, tally: Tally, ready: asyncio.Event
+) -> None:
+    """``--client picows``: the same subscriber on picows (a WebSocket client in Cython)
+    with orjson for Kiwi's JSON, so a frame costs the subscriber less and the server's
+    side shows more. NATS frames are parsed by position as above; a frame is whole
+    (FIN) on both servers, so no reassembly."""
+    import orjson
+    from picows import WSListener, WSMsgType, ws_connect
+
+    failed: list[BaseException] = []
+
+    class Listener(WSListener):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.buffer = b""
+
+        def on_ws_connected(self, transport: Any) -> None:
+            if side == "nats":
+                hello = b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB '
+                transport.send(WSMsgType.BINARY, hello + source.encode() + b" 1\r\nPING\r\n")
+            else:
+                subscribe = {"type": "SUBSCRIBE", "sourceId": source, "mode": "push"}
+                transport.send(WSMsgType.TEXT, orjson.dumps(subscribe))
+
+        def on_ws_frame(self, transport: Any, frame: Any) -> None:
+            if frame.msg_type == WSMsgType.CLOSE:
+                transport.disconnect()
+                return
+            if frame.msg_type not in (WSMsgType.TEXT, WSMsgType.BINARY):
+                return
+            try:
+                if side == "nats":
+                    self.nats(transport, frame.get_payload_as_bytes())
+                    return
+                message = orjson.loads(frame.get_payload_as_memoryview())
+                for each in message if isinstance(message, list) else (message,):
+                    kiwi_message(each, tally, ready)
+            except BaseException as exc:  # raised in the subscriber's task below
+                failed.append(exc)
+                transport.disconnect()
+
+        def nats(self, transport: Any, data: bytes) -> None:
+            buffer = self.buffer + data
+            pos = 0
+            while True:
+                end = buffer.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                line = buffer[pos:end]
+                if line.startswith(b"MSG "):
+                    size = int(line.rsplit(b" ", 1)[1])
+                    stop = end + 2 + size + 2
+                    if len(buffer) < stop:
+                        break
+                    tally.got(sent_ns(buffer[end + 2 : end + 2 + size]))
+                    pos = stop
+                    continue
+                pos = end + 2
+                if line == b"PONG":
+                    ready.set()
+                elif line == b"PING":
+                    transport.send(WSMsgType.BINARY, b"PONG\r\n")
+                elif line.startswith(b"-ERR"):
+                    raise RuntimeError(line.decode())
+            self.buffer = buffer[pos:]
+
+    transport, _ = await ws_connect(Listener, url, max_frame_size=1 << 30)
+    await transport.wait_disconnected()
+    if failed:
+        raise failed[0]
+
+
+def subscriber_main(
+    side: str, url: str, source: str, count: int, conn: Connection, client: str = "websockets"
+) -> None:
     """One subscriber process: ``count`` WebSocket subscribers; reports "ready", waits
     for ("expect", n), then returns what each got once they have it or go idle."""
     try:
@@ -268,17 +401,24 @@ def subscriber_main(side: str, url: str, source: str, count: int, conn: Connecti
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(_subscribers(side, url, source, count, conn))
+    asyncio.run(_subscribers(side, url, source, count, conn, client))
 
 
-async def _subscribers(side: str, url: str, source: str, count: int, conn: Connection) -> None:
+async def _subscribers(
+    side: str, url: str, source: str, count: int, conn: Connection, client: str
+) -> None:
     loop = asyncio.get_running_loop()
-    run = nats_subscriber if side == "nats" else kiwi_subscriber
+
+    def run(tally: Tally, ready: asyncio.Event) -> Any:
+        if client == "picows":
+            return picows_subscriber(side, url, source, tally, ready)
+        if side == "nats":
+            return nats_subscriber(url, source, tally, ready)
+        return kiwi_subscriber(url, source, tally, ready)
+
     tallies = [Tally() for _ in range(count)]
     readies = [asyncio.Event() for _ in range(count)]
-    tasks = [
-        asyncio.create_task(run(url, source, t, r)) for t, r in zip(tallies, readies, strict=True)
-    ]
+    tasks = [asyncio.create_task(run(t, r)) for t, r in zip(tallies, readies, strict=True)]
     waiting = asyncio.gather(*(r.wait() for r in readies))
     done, _ = await asyncio.wait(
         [waiting, *tasks], timeout=READY_SECONDS, return_when="FIRST_COMPLETED"
@@ -323,7 +463,9 @@ async def _subscribers(side: str, url: str, source: str, count: int, conn: Conne
 class Subscribers:
     """``total`` subscribers spread over ``procs`` processes."""
 
-    def __init__(self, side: str, url: str, source: str, total: int, procs: int) -> None:
+    def __init__(
+        self, side: str, url: str, source: str, total: int, procs: int, client: str
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.pipes: list[Connection] = []
         self.procs: list[Any] = []
@@ -331,7 +473,9 @@ class Subscribers:
             count = total // procs + (1 if i < total % procs else 0)
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=subscriber_main, args=(side, url, source, count, theirs), daemon=True
+                target=subscriber_main,
+                args=(side, url, source, count, theirs, client),
+                daemon=True,
             )
             proc.start()
             self.pipes.append(ours)
@@ -452,7 +596,12 @@ def produce_burst(producer: Any, total: int, batch: int, size: int) -> tuple[int
 
 
 def measure(
-    side: str, phase: str, args: argparse.Namespace, hw: HeadwaterServer, nats: NatsServer
+    side: str,
+    phase: str,
+    args: argparse.Namespace,
+    hw: HeadwaterServer,
+    nats: NatsServer,
+    ceiling: CeilingServer,
 ) -> dict[str, Any]:
     if side in HEADWATER_SIDES:
         stream = f"fanout_{phase}_{time.monotonic_ns()}"
@@ -467,10 +616,13 @@ def measure(
         if side == "headwater_packed":
             url += "?pack=1"
         producer: Any = HeadwaterProducer(hw, stream, phase == "burst" and args.pipeline)
+    elif side == "ceiling":
+        url, source, server_pid = f"ws://{HOST}:{ceiling.port}", SUBJECT, ceiling.pid
+        producer = CeilingProducer(ceiling)
     else:
         url, source, server_pid = f"ws://{HOST}:{nats.ws_port}", SUBJECT, nats.pid
         producer = NatsProducer(nats)
-    subscribers = Subscribers(side, url, source, args.subscribers, args.procs)
+    subscribers = Subscribers(side, url, source, args.subscribers, args.procs, args.client)
     try:
         cpu_before = proc_cpu(server_pid)
         if phase == "paced":
@@ -512,7 +664,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Machine: {env['cpu']}; load average before/after {env['loadavg_before']} / "
         f"{env['loadavg_after']}; headwater {env['git']}; nats-server {env['nats_version']}; "
-        f"{cfg['subscribers']} WebSocket subscribers in {cfg['procs']} processes, "
+        f"{cfg['subscribers']} WebSocket subscribers ({cfg.get('client', 'websockets')}) "
+        f"in {cfg['procs']} processes, "
         f"{cfg['size']}-byte events; headwater stream sync = {cfg['sync']}; burst appends "
         f"{'pipelined' if cfg.get('pipeline') else 'one acknowledged batch at a time'}.",
         "",
@@ -545,6 +698,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"**{ratios['burst_deliveries_packed']:.2f}**, paced p99 latency "
             f"**{ratios['paced_p99_packed']:.2f}**."
         )
+    if "burst_deliveries_ceiling" in ratios:
+        lines.append(
+            f"ceiling (kiwi_ceiling_server.py: Kiwi RESULTs framed and written, nothing else) "
+            f"/ NATS: burst deliveries/s **{ratios['burst_deliveries_ceiling']:.2f}**, paced "
+            f"p99 latency **{ratios['paced_p99_ceiling']:.2f}**; headwater / ceiling burst "
+            f"**{ratios['burst_deliveries'] / ratios['burst_deliveries_ceiling']:.2f}**."
+        )
     lines.append("")
     return "\n".join(lines)
 
@@ -567,10 +727,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--sides",
-        default=",".join(SIDES),
-        help="comma-separated sides to measure (headwater and nats are required)",
+        default=",".join(side for side in SIDES if side != "ceiling"),
+        help="comma-separated sides to measure (headwater and nats are required; ceiling: "
+        "kiwi_ceiling_server.py, the least a one-message-per-frame fan-out can do)",
     )
     p.add_argument("--nats-server", default=shutil.which("nats-server") or "/usr/sbin/nats-server")
+    p.add_argument(
+        "--client",
+        choices=("websockets", "picows"),
+        default="websockets",
+        help="the subscribers' WebSocket client (picows: in Cython, with orjson for JSON)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -578,12 +745,13 @@ def main(argv: list[str] | None = None) -> int:
         args.subscribers, args.procs, args.rate, args.seconds, args.burst = 10, 2, 100, 1.0, 500
     args.sides = [side for side in args.sides.split(",") if side]
     if not {"headwater", "nats"} <= set(args.sides) or not set(args.sides) <= set(SIDES):
-        p.error(f"--sides takes headwater and nats, and optionally headwater_packed: {SIDES}")
+        p.error(f"--sides takes headwater and nats, and optionally the others: {SIDES}")
     if not Path(args.nats_server).exists():
         p.error(f"nats-server not found at {args.nats_server} (apt-get install nats-server)")
     root = default_root("headwater-fanout-bench-")
     hw = HeadwaterServer()
     nats = NatsServer(args.nats_server)
+    ceiling = CeilingServer()
     results: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out) if args.out else None},
         "environment": {"cpu": cpu_model(), "git": git_revision(), "loadavg_before": loadavg()},
@@ -592,13 +760,19 @@ def main(argv: list[str] | None = None) -> int:
         hw.start(root, listeners=("kimberlite", "http"))
         nats.start(root)
         results["environment"]["nats_version"] = nats.version
+        if "ceiling" in args.sides:
+            ceiling.start(root)
         sides = [side for side in SIDES if side in args.sides]
         for n, phase in enumerate(("paced", "burst")):
             results[phase] = {}
             for side in sides if n % 2 == 0 else sides[::-1]:
-                results[phase][side] = measure(side, phase, args, hw, nats)
+                results[phase][side] = measure(side, phase, args, hw, nats, ceiling)
         ratios: dict[str, float] = {}
-        for side, suffix in (("headwater", ""), ("headwater_packed", "_packed")):
+        for side, suffix in (
+            ("headwater", ""),
+            ("headwater_packed", "_packed"),
+            ("ceiling", "_ceiling"),
+        ):
             if side in sides:
                 ratios["burst_deliveries" + suffix] = (
                     results["burst"][side]["deliveries_per_s"]
@@ -611,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         hw.stop()
         nats.stop()
+        ceiling.stop()
         results["environment"]["loadavg_after"] = loadavg()
         shutil.rmtree(root, ignore_errors=True)
     if args.out:
