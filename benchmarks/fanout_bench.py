@@ -279,43 +279,49 @@ async def kiwi_subscriber(url: str, stream: str, tally: Tally, ready: asyncio.Ev
                 kiwi_message(message, tally, ready)
 
 
+NATS_HELLO = b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB %s 1\r\nPING\r\n'
+
+
+def nats_lines(buffer: bytes, tally: Tally, ready: asyncio.Event) -> tuple[bytes, int]:
+    """Every whole line and MSG of ``buffer`` taken (MSGs tallied, PONG sets ``ready``):
+    the unparsed rest, and how many PINGs to answer. NATS packs many messages into a
+    frame: they are parsed by position and only the rest kept (re-slicing after each
+    message copied the rest of the frame per message, quadratic in the frame's size)."""
+    pos = pings = 0
+    while True:
+        end = buffer.find(b"\r\n", pos)
+        if end < 0:
+            break
+        line = buffer[pos:end]
+        if line.startswith(b"MSG "):
+            size = int(line.rsplit(b" ", 1)[1])
+            stop = end + 2 + size + 2
+            if len(buffer) < stop:
+                break
+            tally.got(sent_ns(buffer[end + 2 : end + 2 + size]))
+            pos = stop
+            continue
+        pos = end + 2
+        if line == b"PONG":
+            ready.set()  # the SUB was processed before the PING
+        elif line == b"PING":
+            pings += 1
+        elif line.startswith(b"-ERR"):
+            raise RuntimeError(line.decode())
+    return buffer[pos:], pings
+
+
 async def nats_subscriber(url: str, subject: str, tally: Tally, ready: asyncio.Event) -> None:
     import websockets
 
     async with websockets.connect(url, max_size=None, compression=None) as ws:
-        await ws.send(
-            b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB '
-            + subject.encode()
-            + b" 1\r\nPING\r\n"
-        )
+        await ws.send(NATS_HELLO % subject.encode())
         buffer = b""
         async for frame in ws:
-            # NATS packs many messages into a frame: parse them by position, and keep
-            # only the unparsed rest (re-slicing after each message copied the rest of
-            # the frame per message, quadratic in the frame's size).
-            buffer += frame if isinstance(frame, bytes) else frame.encode()
-            pos = 0
-            while True:
-                end = buffer.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                line = buffer[pos:end]
-                if line.startswith(b"MSG "):
-                    size = int(line.rsplit(b" ", 1)[1])
-                    stop = end + 2 + size + 2
-                    if len(buffer) < stop:
-                        break
-                    tally.got(sent_ns(buffer[end + 2 : end + 2 + size]))
-                    pos = stop
-                    continue
-                pos = end + 2
-                if line == b"PONG":
-                    ready.set()  # the SUB was processed before the PING
-                elif line == b"PING":
-                    await ws.send(b"PONG\r\n")
-                elif line.startswith(b"-ERR"):
-                    raise RuntimeError(line.decode())
-            buffer = buffer[pos:]
+            data = frame if isinstance(frame, bytes) else frame.encode()
+            buffer, pings = nats_lines(buffer + data, tally, ready)
+            for _ in range(pings):
+                await ws.send(b"PONG\r\n")
 
 
 async def picows_subscriber(
@@ -336,8 +342,7 @@ async def picows_subscriber(
 
         def on_ws_connected(self, transport: Any) -> None:
             if side == "nats":
-                hello = b'CONNECT {"verbose":false,"pedantic":false}\r\nSUB '
-                transport.send(WSMsgType.BINARY, hello + source.encode() + b" 1\r\nPING\r\n")
+                transport.send(WSMsgType.BINARY, NATS_HELLO % source.encode())
             else:
                 subscribe = {"type": "SUBSCRIBE", "sourceId": source, "mode": "push"}
                 transport.send(WSMsgType.TEXT, orjson.dumps(subscribe))
@@ -360,29 +365,9 @@ async def picows_subscriber(
                 transport.disconnect()
 
         def nats(self, transport: Any, data: bytes) -> None:
-            buffer = self.buffer + data
-            pos = 0
-            while True:
-                end = buffer.find(b"\r\n", pos)
-                if end < 0:
-                    break
-                line = buffer[pos:end]
-                if line.startswith(b"MSG "):
-                    size = int(line.rsplit(b" ", 1)[1])
-                    stop = end + 2 + size + 2
-                    if len(buffer) < stop:
-                        break
-                    tally.got(sent_ns(buffer[end + 2 : end + 2 + size]))
-                    pos = stop
-                    continue
-                pos = end + 2
-                if line == b"PONG":
-                    ready.set()
-                elif line == b"PING":
-                    transport.send(WSMsgType.BINARY, b"PONG\r\n")
-                elif line.startswith(b"-ERR"):
-                    raise RuntimeError(line.decode())
-            self.buffer = buffer[pos:]
+            self.buffer, pings = nats_lines(self.buffer + data, tally, ready)
+            for _ in range(pings):
+                transport.send(WSMsgType.BINARY, b"PONG\r\n")
 
     transport, _ = await ws_connect(Listener, url, max_frame_size=1 << 30)
     await transport.wait_disconnected()

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 import headwater
 from benchlib import HeadwaterServer, spark_session, timed
-from spark_partitions_bench import ROLES, create, fill
+from spark_partitions_bench import ROLES, cpu_table, create, fill
 from spark_read_profile import cpu_by_process
 
 SIDES = ("ceiling", "headwater", "parquet")
@@ -243,11 +243,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {r['ceiling'] / r['parquet']:.2f} | {r['headwater'] / r['parquet']:.2f} "
             f"| {r['headwater'] / r['ceiling']:.2f} |"
         )
-    lines += ["", "| side | " + " | ".join(f"{r} µs/row" for r in ROLES) + " |"]
-    lines.append("|---|" + "--:|" * len(ROLES))
-    for side, runs in results["cpu_s"].items():
-        per_row = [statistics.median(run[r] for run in runs) / events * 1e6 for r in ROLES]
-        lines.append(f"| {side} | " + " | ".join(f"{v:.2f}" for v in per_row) + " |")
+    lines += ["", *cpu_table(results["cpu_s"], events)]
     return "\n".join(lines)
 
 

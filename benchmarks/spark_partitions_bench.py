@@ -214,20 +214,29 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         *spark_table(results, with_runs=True),
         "",
+        *cpu_table(results["cpu_s"], results["events"]),
+    ]
+    return "\n".join(lines)
+
+
+def cpu_table(cpu_s: dict[str, list[dict[str, float]]], events: int) -> list[str]:
+    """Each side's CPU seconds per million rows by role (``cpu_s[side]``: one dict of
+    role seconds per run), median and every run's."""
+    lines = [
         "CPU seconds per million rows, median over the runs (each run's in brackets):",
         "",
         "| side | " + " | ".join(ROLES) + " |",
         "|---|" + "--:|" * len(ROLES),
     ]
-    per_million = 1e6 / results["events"]
-    for side, runs in results["cpu_s"].items():
+    per_million = 1e6 / events
+    for side, runs in cpu_s.items():
         cells = []
         for role in ROLES:
             spent = [run[role] * per_million for run in runs]
             each = ", ".join(f"{s:.2f}" for s in spent)
             cells.append(f"{statistics.median(spent):.2f} ({each})")
         lines.append(f"| {side} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":
