@@ -211,7 +211,7 @@ class CeilingProducer:
     """Batches to the ceiling server's control connection; ``finish`` is its barrier."""
 
     def __init__(self, server: CeilingServer) -> None:
-        self.sock = socket.create_connection((HOST, server.control_port))
+        self.sock = socket.create_connection((HOST, server.control_port), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _send(self, payload: bytes) -> None:
@@ -602,7 +602,9 @@ def measure(
             url += "?pack=1"
         producer: Any = HeadwaterProducer(hw, stream, phase == "burst" and args.pipeline)
     elif side == "ceiling":
-        url, source, server_pid = f"ws://{HOST}:{ceiling.port}", SUBJECT, ceiling.pid
+        # Named as headwater's streams are: its RESULTs are then the same bytes.
+        url, server_pid = f"ws://{HOST}:{ceiling.port}", ceiling.pid
+        source = f"fanout_{phase}_{time.monotonic_ns()}"
         producer = CeilingProducer(ceiling)
     else:
         url, source, server_pid = f"ws://{HOST}:{nats.ws_port}", SUBJECT, nats.pid

@@ -11,7 +11,7 @@ delivery to the benchmark's subscribers from a Python server on this machine.
 
 Control connection: ``u32 length | payload``; payload ``B`` + values (each
 ``u32 length | bytes``) is a batch, ``S`` a barrier answered with ``K`` once every
-earlier batch was written to every socket.
+earlier batch was handed to every subscriber's transport.
 
     python benchmarks/kiwi_ceiling_server.py --port P --control-port C
 """
@@ -96,7 +96,8 @@ class Fanout:
                 pos += 4 + n
             data = self.frames(values)
             for transport in self.sockets:
-                transport.write(data)
+                if not transport.is_closing():  # a subscriber that left: not yet removed
+                    transport.write(data)
 
 
 async def main() -> None:

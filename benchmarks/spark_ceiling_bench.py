@@ -99,8 +99,9 @@ def ceiling_source(directory: str, schema_ddl: str) -> type:
 
 
 def ipc_files(parquet: Path, out: Path, batch_rows: int) -> None:
-    """One Arrow IPC file per Parquet file (= per stream partition), in batches of
-    ``batch_rows`` (the headwater source's rounds), columns as Spark wrote them."""
+    """One Arrow IPC file per Parquet file (= per stream partition, up to the source's
+    1M-offset splits), in batches of ``batch_rows``: the records path's rounds, 65,536
+    events unless their stored bytes pass 8 MiB first, which these rows' do not."""
     out.mkdir()
     for i, path in enumerate(sorted(parquet.glob("*.parquet"))):
         table = pq.read_table(path)

@@ -140,8 +140,9 @@ def check_section(
     (:func:`decode_section`). ``whole``: the produced batch ``section`` was cut from
     (its 17-byte prefix first), which the reader then reads in place when the records
     are uncompressed and stamped CreateTime (the usual batch): no copy of the records.
-    ``header``: the section's header when the caller has read it already (a produced
-    batch's :class:`~headwater.protocols.kafka.records.BatchHeader` is one)."""
+    ``header``: ``section_header(section)`` when the caller has read it already from
+    these same bytes (a produced batch's
+    :class:`~headwater.protocols.kafka.records.BatchHeader` is one)."""
     if header is None:
         header = section_header(section)
     actual = crc32c(memoryview(section)[4:])

@@ -218,9 +218,7 @@ class TenantKinds:
         if self.closed:
             raise StorageError("the server is shutting down")
         for op in ops:
-            state = self.kinds.get(op.kind_id)
-            if state is None:
-                raise KindNotFound(f"kind {op.kind_id} does not exist")
+            state = known_kind(self.kinds, op.kind_id)
             if state.info.internal:
                 raise ReadOnlySource(f"kind {state.info.name!r} is written by headwater only")
         if self.owner.clustered:
