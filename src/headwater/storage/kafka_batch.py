@@ -141,8 +141,8 @@ def check_section(
     (its 17-byte prefix first), which the reader then reads in place when the records
     are uncompressed and stamped CreateTime (the usual batch): no copy of the records.
     ``header``: ``section_header(section)`` when the caller has read it already from
-    these same bytes (a produced batch's
-    :class:`~headwater.protocols.kafka.records.BatchHeader` is one)."""
+    these same bytes (a front end that parsed the produced batch's whole header holds
+    it: a subclass of :class:`SectionHeader` with the prefix's fields)."""
     if header is None:
         header = section_header(section)
     actual = crc32c(memoryview(section)[4:])
