@@ -96,10 +96,12 @@ def git_revision() -> str:
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system, all threads) used so far by process ``pid``."""
+def proc_cpu(pid: int, thread: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by process ``pid``: all its threads, or
+    only ``thread`` (a thread id; ``pid`` itself is the main thread, the event loop's)."""
+    stat = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICK
