@@ -25,7 +25,7 @@ from headwater.engine.groups.offsets import OFFSETS_STREAM, LogOffsetStore
 from headwater.engine.kinds.model import kind_of_changelog
 from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.engine.transactions import TXN_STATE_STREAM, create_state_stream
-from headwater.errors import StreamNotFound
+from headwater.errors import NotLeader, StreamNotFound
 from headwater.storage.group_commit import GroupCommitter
 from headwater.storage.leader_epochs import LeaderEpochs
 from headwater.storage.log import PartitionLog
@@ -145,12 +145,19 @@ class Replicas:
             end = await self._kinds.truncate(tenant_id, stream, offset)
             self.epochs(tenant_id, stream, partition).truncate_from(end)
             return end
-        plog = self._log(tenant_id, stream, partition)
+        where = self._engine.stream_by_name(tenant_id, stream, internal=True)
         end = await asyncio.get_running_loop().run_in_executor(
-            self._engine.executor, plog.truncate_to, offset
+            self._engine.executor, where.partition_log(partition).truncate_to, offset
         )
+        where.committers[partition].cut(end, _cut_error(stream, partition))
         self.epochs(tenant_id, stream, partition).truncate_from(end)
         return end
+
+
+def _cut_error(stream: str, partition: int) -> NotLeader:
+    """What an append waiting for its fsync gets when the replica's log is cut under
+    it: only a replica that no longer leads is cut, and the client asks the new leader."""
+    return NotLeader(f"no longer the leader of partition {partition} of {stream}")
 
 
 async def wait_for_end(stream: Stream, partition: int, offset: int, timeout_s: float) -> bool:

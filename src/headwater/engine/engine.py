@@ -25,6 +25,7 @@ import numpy as np
 from headwater.engine.names import RESERVED_PREFIXES, check_stream_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
+    HeadwaterError,
     InternalError,
     InvalidRequest,
     StorageError,
@@ -1042,7 +1043,7 @@ class Engine:
         stream_id: int,
         values_section: bytes | memoryview,
         count: int,
-        done: Callable[[AppendInfo | None, StorageError | None], None],
+        done: Callable[[AppendInfo | None, HeadwaterError | None], None],
         *,
         value_bytes: int | None = None,
     ) -> None:
@@ -1059,7 +1060,7 @@ class Engine:
         payload = self._check_encoded(stream, plog, values_section, count, value_bytes)
         first_position, info = self._write_encoded(stream, plog, values_section, count, None, {})
 
-        def acknowledged(error: StorageError | None) -> None:
+        def acknowledged(error: HeadwaterError | None) -> None:
             self._appended(stream, first_position)
             if error is not None:
                 done(None, error)

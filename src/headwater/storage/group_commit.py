@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from headwater.errors import StorageError
+from headwater.errors import HeadwaterError, StorageError
 from headwater.storage.log import PartitionLog
 from headwater.tasks import cancel_and_wait
 
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 CommitListener = Callable[[int], None]
 # What an acknowledgement calls: with None once acknowledged, with the error if the fsync
-# failed.
-CommitDone = Callable[[StorageError | None], None]
+# failed or the append was cut from the log (:meth:`GroupCommitter.cut`).
+CommitDone = Callable[[HeadwaterError | None], None]
 MAX_SYNCS_IN_FLIGHT = 1
 FSYNC_THREADS = 8  # at most this many fsyncs (of different logs) run at once
 
@@ -113,11 +113,11 @@ def fsync_threads() -> FsyncThreads:
         return _fsync_threads
 
 
-def _no_wait(error: StorageError | None) -> None:
+def _no_wait(error: HeadwaterError | None) -> None:
     """The acknowledgement of an append that needs no fsync: nothing waits for it."""
 
 
-def _settle(fut: asyncio.Future[None], error: StorageError | None) -> None:
+def _settle(fut: asyncio.Future[None], error: HeadwaterError | None) -> None:
     if fut.done():  # its waiter was cancelled
         return
     if error is None:
@@ -126,7 +126,7 @@ def _settle(fut: asyncio.Future[None], error: StorageError | None) -> None:
         fut.set_exception(error)
 
 
-def _call(done: CommitDone, error: StorageError | None) -> None:
+def _call(done: CommitDone, error: HeadwaterError | None) -> None:
     try:
         done(error)
     except Exception:  # one waiter's bug must not keep the others unanswered
@@ -291,6 +291,18 @@ class GroupCommitter:
         self._waiters = still
         self._notify()
         self._maybe_start_sync()  # waiters that arrived while the cap was reached
+
+    def cut(self, end: int, error: HeadwaterError) -> None:
+        """The log was cut at ``end`` (a replica's divergent tail, a replica moved off
+        the node): every waiter for an append past it fails with ``error``. No fsync can
+        cover those any more; left waiting, each answer would hang, and every fsync's
+        return would start another for them."""
+        cut = [done for target, done in self._waiters if target > end]
+        if not cut:
+            return
+        self._waiters = [(target, done) for target, done in self._waiters if target <= end]
+        for done in cut:
+            _call(done, error)
 
     def _sync_if_overdue(self) -> None:
         """Start an fsync now when the last one began an interval ago or more. Submitted

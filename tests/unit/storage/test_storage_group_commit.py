@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from headwater.errors import StorageError
+from headwater.errors import HeadwaterError, NotLeader, StorageError
 from headwater.storage.group_commit import FsyncThreads, GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 from waiting import wait_until, wait_until_async
@@ -231,6 +231,39 @@ def test_commit_then_calls_back_once_the_fsync_covers_the_append(
         monkeypatch.undo()
 
     asyncio.run(main())
+    plog.close()
+
+
+def test_appends_cut_from_the_log_fail_their_waiters(tmp_path: Path) -> None:
+    """A replica's log cut under appends still waiting for their fsync (leadership moved
+    away): their waiters get the cut's error at once, a waiter at or below the cut is
+    still acknowledged, and the committer goes on (closes, acknowledges new appends).
+    Left waiting, they hung forever and every fsync's return started another."""
+    plog = open_log(tmp_path, "fsync")
+    plog.append([b"kept"], first_position=0, timestamp_ms=0)
+    calls: list[tuple[int, HeadwaterError | None]] = []
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        committer.commit_then(1, lambda error: calls.append((1, error)))
+        for target in (2, 3):
+            plog.append([b"cut %d" % target], first_position=0, timestamp_ms=0)
+            committer.commit_then(target, lambda error, t=target: calls.append((t, error)))
+        # Cut in the same loop turn: no fsync has started yet.
+        end = plog.truncate_to(1)
+        assert end == 1
+        committer.cut(end, NotLeader("moved"))
+        assert [(t, type(e)) for t, e in calls] == [(2, NotLeader), (3, NotLeader)]
+        await wait_until_async(lambda: len(calls) == 3, 30, "the kept append was never acked")
+        assert calls[2] == (1, None)
+        info = plog.append([b"after"], first_position=0, timestamp_ms=0)
+        await asyncio.wait_for(committer.committed(info.next_offset), timeout=30)
+        fsyncs = committer.fsyncs
+        await asyncio.wait_for(committer.aclose(), timeout=30)
+        assert committer.fsyncs == fsyncs  # no fsync started for the appends cut
+
+    asyncio.run(main())
+    assert [e.value for e in plog.read(0).events()] == [b"kept", b"after"]
     plog.close()
 
 

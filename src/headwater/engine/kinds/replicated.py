@@ -164,6 +164,7 @@ class KindChangelogs:
         loop = asyncio.get_running_loop()
         executor = self._kinds.executor
         end = await loop.run_in_executor(executor, state.log.truncate_to, offset)
+        state.committer.cut(end, NotLeader(f"no longer the leader of kind {state.info.name}"))
         if state.applied_offset > end:
             log.warning(
                 "kind %s (tenant %d): applied changelog past the cut at %d; rebuilding its state",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from headwater.protocols.kimberlite import messages as m
 
 if TYPE_CHECKING:
-    from headwater.errors import StorageError
+    from headwater.errors import HeadwaterError
     from headwater.server.kimberlite.listener import KimberliteConnection
     from headwater.storage.batch import EventColumns
     from headwater.storage.log import AppendInfo
@@ -87,7 +87,7 @@ def append_events_inline(
     started = time.perf_counter()
     events = payload.events
 
-    def acknowledged(info: AppendInfo | None, error: StorageError | None) -> None:
+    def acknowledged(info: AppendInfo | None, error: HeadwaterError | None) -> None:
         try:
             if info is None:
                 assert error is not None
