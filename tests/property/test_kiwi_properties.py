@@ -161,6 +161,7 @@ ops = st.one_of(
     st.tuples(st.just("unsub"), st.sampled_from(SOURCES)),
     st.tuples(st.just("req"), st.sampled_from(SOURCES), st.integers(1, 8)),
     st.tuples(st.just("deliver"), st.sampled_from(SOURCES), st.integers(1, 12)),
+    st.tuples(st.just("push"), st.sampled_from(SOURCES), st.integers(1, 12)),
     st.tuples(st.just("take")),
     st.tuples(st.just("close"), st.sampled_from(SOURCES)),
 )
@@ -210,6 +211,31 @@ def test_connection_matches_model(
             conn.deliver(str(op[1]), events)
             for event in events:
                 model.deliver_one(str(op[1]), event)
+        elif name == "push":
+            # The shell's fast path: events written straight to the socket when the
+            # core says so, delivered as usual otherwise. Either way the bytes on the
+            # wire are the model's: a direct write is what a deliver and a take would
+            # have written at this point.
+            source_id, count = str(op[1]), op[2]
+            assert isinstance(count, int)
+            events = [f"{source_id}:{serial + i}".encode() for i in range(count)]
+            serial += count
+            sub = model.subs.get(source_id)
+            may = (
+                sub is not None
+                and sub.mode is Mode.PUSH
+                and not model.outbox
+                and count <= send_capacity
+                and not any(s.requested and s.ring for s in model.subs.values())
+            )
+            assert conn.push_now(source_id, count) == may
+            if not may:
+                conn.deliver(source_id, events)
+            for event in events:
+                model.deliver_one(source_id, event)
+            if may:
+                assert model.take() == events
+                seen += events
         elif name == "close":
             conn.close_subscription(str(op[1]), "gone")
             model.close(str(op[1]))
@@ -244,3 +270,26 @@ def test_requests_add_up(capacity: int, requests: list[int]) -> None:
         assert out[1:] == events[released : released + now]
         released += now
     assert conn.subscriptions["s"].requested == max(0, sum(requests) - capacity)
+
+
+def test_push_now_only_with_nothing_waiting_before_the_events() -> None:
+    """The fast path of a fan-out: a push subscriber's events go straight to the socket
+    only when nothing the connection queued or still owes would go out after them."""
+    conn = KiwiConnection(buffer_capacity=4, send_capacity=1)
+    conn.subscribe("live", Mode.PUSH)
+    assert not conn.push_now("live", 1)  # SUBSCRIBE_OK is still queued
+    conn.take_outgoing()
+    assert conn.push_now("live", 1)
+    assert not conn.push_now("live", 2)  # more than the outbox would take
+    assert not conn.push_now("other", 1)  # not subscribed
+    conn.subscribe("pulled", Mode.PULL)
+    conn.deliver("pulled", [b"p1", b"p2", b"p3"])
+    conn.take_outgoing()  # SUBSCRIBE_OK
+    conn.request("pulled", 3)
+    assert conn.take_outgoing() == [m.request_ok("pulled", 3), b"p1"]
+    # p2 and p3 are owed (requested, buffered) and go out at the next take: a direct
+    # write now would overtake them.
+    assert not conn.push_now("live", 1)
+    assert conn.take_outgoing() == [b"p2"]
+    assert conn.take_outgoing() == [b"p3"]
+    assert conn.push_now("live", 1)

@@ -161,6 +161,26 @@ class KiwiConnection:
                 self._lose(sub, overflow)
             self._release(sub)
 
+    def push_now(self, source_id: str, count: int) -> bool:
+        """Whether ``count`` new events of ``source_id`` may skip the outbox and go
+        straight to the socket: a push subscription, nothing queued before them (so they
+        are written in order) and no more than the outbox would take. True counts them
+        as delivered, and the caller writes them; False: :meth:`deliver` them. A fan-out
+        hands every commit to each subscriber, and a subscriber keeping up is this case."""
+        sub = self.subscriptions.get(source_id)
+        if (
+            sub is None
+            or sub.mode is not Mode.PUSH
+            or self._outbox
+            or not 0 < count <= self.send_capacity
+            # A pull subscription with requests and buffered events is released into
+            # the outbox at the next take: after these, in deliver()'s order too.
+            or any(other.requested and other.ring for other in self.subscriptions.values())
+        ):
+            return False
+        self._delivered(sub, count)
+        return True
+
     def close_subscription(self, source_id: str, message: str) -> bool:
         """The source ended (or went away): queue SUBSCRIPTION_CLOSED; False when there
         was no such subscription."""

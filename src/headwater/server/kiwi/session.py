@@ -58,6 +58,10 @@ class KiwiSession:
         self.detach: dict[str, Detach] = {}
         self.closed = False
         self._drain_task: asyncio.Task[None] | None = None
+        # Kept: aiohttp's request looks them up through its protocol on every access,
+        # and a fan-out writes to each session on every commit.
+        self._transport = request.transport
+        self._protocol = request.protocol
         self._room = asyncio.Event()
         self._room.set()
 
@@ -142,6 +146,20 @@ class KiwiSession:
         """A source's new events: RESULT messages as text frames, or bare when
         :attr:`packed`."""
         core = self.core
+        transport = self._transport
+        if (
+            not self.packed
+            and self._drain_task is None
+            and not self.closed
+            and transport is not None
+            and not transport.is_closing()
+            and core.push_now(source_id, len(results))
+        ):
+            # A push subscriber keeping up: written as they are, nothing queued.
+            transport.writelines(results)
+            if self._protocol.writing_paused:
+                self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+            return
         lost = core.lost_events
         # A read can hold more events than the outbox: hand them over an outbox at a time
         # while the transport takes them, so only a peer that is not reading sheds.
@@ -170,19 +188,19 @@ class KiwiSession:
     def _writable(self) -> bool:
         if self.closed or self._drain_task is not None:
             return False
-        transport = self.request.transport
+        transport = self._transport
         return transport is not None and not transport.is_closing()
 
     def flush(self) -> None:
         """Write what the core has queued, unless the transport is paused."""
         if not self._writable():
             return
-        transport = self.request.transport
+        transport = self._transport
         assert transport is not None
         frames = self.core.take_outgoing()
         if frames:
             transport.writelines(packed_frames(frames, PACK_MAX_BYTES) if self.packed else frames)
-        if self.request.protocol.writing_paused:
+        if self._protocol.writing_paused:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         self._update_room()
 
