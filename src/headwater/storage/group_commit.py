@@ -289,6 +289,10 @@ class GroupCommitter:
             else:
                 still.append((target, done))
         self._waiters = still
+        # An append is written before it waits, so a target past the end means the log
+        # was cut under it. Its truncater fails it with the reason (cut()); should one
+        # not, no fsync can ever cover it, and each would start another for it.
+        self.cut(self.log.end_offset, StorageError("the log was cut below this append"))
         self._notify()
         self._maybe_start_sync()  # waiters that arrived while the cap was reached
 

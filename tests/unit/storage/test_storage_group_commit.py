@@ -267,6 +267,29 @@ def test_appends_cut_from_the_log_fail_their_waiters(tmp_path: Path) -> None:
     plog.close()
 
 
+def test_an_append_cut_without_cut_fails_at_the_next_fsync(tmp_path: Path) -> None:
+    """Should a truncater not call cut(), the next fsync's return fails the appends past
+    the log's end (no fsync can cover them) instead of starting fsync after fsync."""
+    plog = open_log(tmp_path, "fsync")
+    calls: list[tuple[int, HeadwaterError | None]] = []
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        for target in (1, 2):
+            plog.append([b"e%d" % target], first_position=0, timestamp_ms=0)
+            committer.commit_then(target, lambda error, t=target: calls.append((t, error)))
+        plog.truncate_to(1)
+        await wait_until_async(lambda: len(calls) == 2, 30, "the waiters were never answered")
+        assert calls[0] == (1, None)
+        assert calls[1][0] == 2 and isinstance(calls[1][1], StorageError)
+        fsyncs = committer.fsyncs
+        await asyncio.wait_for(committer.aclose(), timeout=30)
+        assert committer.fsyncs == fsyncs
+
+    asyncio.run(main())
+    plog.close()
+
+
 def test_interval_policy_syncs_in_the_background(tmp_path: Path) -> None:
     plog = open_log(tmp_path, "interval:20")
     calls = count_syncs(plog)
