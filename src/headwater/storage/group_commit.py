@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from headwater.errors import HeadwaterError, StorageError
+from headwater.errors import HeadwaterError, NotLeader, StorageError
 from headwater.storage.log import PartitionLog
 from headwater.tasks import cancel_and_wait
 
@@ -290,9 +290,10 @@ class GroupCommitter:
                 still.append((target, done))
         self._waiters = still
         # An append is written before it waits, so a target past the end means the log
-        # was cut under it. Its truncater fails it with the reason (cut()); should one
-        # not, no fsync can ever cover it, and each would start another for it.
-        self.cut(self.log.end_offset, StorageError("the log was cut below this append"))
+        # was cut under it: no fsync can ever cover it, and each would start another for
+        # it. Its truncater fails it too (cut()), but an fsync may return first. Only a
+        # replica that no longer leads is cut, so the client is told to ask the leader.
+        self.cut(self.log.end_offset, NotLeader("the log was cut below this append"))
         self._notify()
         self._maybe_start_sync()  # waiters that arrived while the cap was reached
 

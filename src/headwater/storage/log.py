@@ -204,6 +204,9 @@ class PartitionLog:
         self._dir_changes = 0  # directory entries created or removed
         self._dir_synced = 0  # ... of which an fsync of the directory has covered
         self._synced_once = False
+        # Truncations so far: a sync that started before one must not raise the durable
+        # offset to the end it saw, which the cut may have removed.
+        self._cuts = 0
         self._graveyard: list[tuple[float, Segment]] = []
         self.durable_offset = 0
         self.failed: str | None = None
@@ -439,6 +442,7 @@ class PartitionLog:
             self._check_writable()
             if offset >= self.end_offset:
                 return self.end_offset
+            self._cuts += 1
             while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
                 gone = self.segments.pop()
                 gone.retire()
@@ -573,6 +577,7 @@ class PartitionLog:
             if self.closed:
                 return self.durable_offset
             target = self.end_offset
+            cuts = self._cuts
             active = self.active
             # Segments sealed since the last sync (after a roll): most syncs have none,
             # and skip the walk over every segment.
@@ -615,7 +620,8 @@ class PartitionLog:
             for seg in sealed:
                 self._dirty.discard(seg.base_offset)
             self._dir_synced = max(self._dir_synced, dir_changes)
-            self.durable_offset = max(self.durable_offset, target)
+            if cuts == self._cuts:  # else the log was cut meanwhile: the next sync covers it
+                self.durable_offset = max(self.durable_offset, target)
             return self.durable_offset
 
     # ---- reads ----------------------------------------------------------------------

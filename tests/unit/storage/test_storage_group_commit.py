@@ -269,7 +269,8 @@ def test_appends_cut_from_the_log_fail_their_waiters(tmp_path: Path) -> None:
 
 def test_an_append_cut_without_cut_fails_at_the_next_fsync(tmp_path: Path) -> None:
     """Should a truncater not call cut(), the next fsync's return fails the appends past
-    the log's end (no fsync can cover them) instead of starting fsync after fsync."""
+    the log's end (no fsync can cover them: NotLeader, since only a replica that no
+    longer leads is cut) instead of starting fsync after fsync."""
     plog = open_log(tmp_path, "fsync")
     calls: list[tuple[int, HeadwaterError | None]] = []
 
@@ -281,12 +282,58 @@ def test_an_append_cut_without_cut_fails_at_the_next_fsync(tmp_path: Path) -> No
         plog.truncate_to(1)
         await wait_until_async(lambda: len(calls) == 2, 30, "the waiters were never answered")
         assert calls[0] == (1, None)
-        assert calls[1][0] == 2 and isinstance(calls[1][1], StorageError)
+        assert calls[1][0] == 2 and isinstance(calls[1][1], NotLeader)
         fsyncs = committer.fsyncs
         await asyncio.wait_for(committer.aclose(), timeout=30)
         assert committer.fsyncs == fsyncs
 
     asyncio.run(main())
+    plog.close()
+
+
+def test_an_fsync_in_flight_across_a_cut_does_not_make_the_cut_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fsync that started before the log was cut returns after it: the offsets it
+    saw are gone, so it neither acknowledges them nor raises the durable offset past the
+    end (an append written there afterwards would be acknowledged without an fsync, and
+    a follower would fetch from past its own end)."""
+    plog = open_log(tmp_path, "fsync")
+    entered, release = threading.Event(), threading.Event()
+    real = os.fdatasync
+
+    def held(fd: int) -> None:
+        if threading.current_thread().name.startswith("hw-fsync"):
+            entered.set()
+            release.wait(30)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", held)
+    calls: list[tuple[int, HeadwaterError | None]] = []
+
+    async def main() -> None:
+        committer = GroupCommitter(plog)
+        loop = asyncio.get_running_loop()
+        for target in (1, 2, 3):
+            plog.append([b"e%d" % target], first_position=0, timestamp_ms=0)
+            committer.commit_then(target, lambda error, t=target: calls.append((t, error)))
+        assert await loop.run_in_executor(None, entered.wait, 30)
+        end = await loop.run_in_executor(None, plog.truncate_to, 0)
+        release.set()  # the fsync returns before the truncater's cut(): the fallback
+        await wait_until_async(lambda: len(calls) == 3, 30, "the waiters were never answered")
+        assert [(t, type(e)) for t, e in calls] == [(t, NotLeader) for t in (1, 2, 3)]
+        committer.cut(end, NotLeader("moved"))  # late: nothing left to fail
+        assert plog.durable_offset <= plog.end_offset == 0
+        fsyncs = committer.fsyncs
+        info = plog.append([b"new"], first_position=0, timestamp_ms=0)
+        await asyncio.wait_for(committer.committed(info.next_offset), timeout=30)
+        assert committer.fsyncs > fsyncs  # acknowledged by an fsync of its own
+        assert plog.durable_offset == plog.end_offset == 1
+        await asyncio.wait_for(committer.aclose(), timeout=30)
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    assert [e.value for e in plog.read(0).events()] == [b"new"]
     plog.close()
 
 
