@@ -34,7 +34,7 @@ from headwater.engine.kinds import (
     presence_entity_id,
     retract_op,
 )
-from headwater.errors import StreamAlreadyExists
+from headwater.errors import NotLeader, StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType, decode_record
 from headwater.protocols.convergedb.ops import from_wire
@@ -501,5 +501,39 @@ def test_a_kind_found_by_name_while_being_created_is_usable(tmp_path: Path) -> N
             await asyncio.sleep(0)
         await creating
         assert seen > 0  # the window was there to look into
+
+    run(tmp_path, body)
+
+
+def test_a_window_over_two_kinds_whose_one_changelog_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One window writes two kinds; one kind's changelog append is failed while waiting
+    for its fsync (a cut replica, NotLeader). The writers are told; the other kind's
+    records are durable, so its state moves on with its log (the next window is planned
+    against it); the failed kind's state does not show what its log lost."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        meter = await tk.create_kind("meter", [("kwh", FieldType.F64)])
+        src = tk.connect("a", source_id=1)
+        real = tk.kinds[kind.kind_id].committer.committed
+
+        async def cut(next_offset: int) -> None:
+            await real(next_offset)
+            raise NotLeader("no longer the leader of kind sensor")
+
+        monkeypatch.setattr(tk.kinds[kind.kind_id].committer, "committed", cut)
+        with pytest.raises(NotLeader):
+            await src.apply(
+                [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
+            ).durable()
+        assert tk.get(kind.kind_id, eid(1)) is None
+        kept = tk.get(meter.kind_id, eid(2))
+        assert kept is not None and kept.values == (5.0,)
+        monkeypatch.undo()
+        await src.apply([patch_op(meter, eid(2), {0: 6.0})]).durable()
+        later = tk.get(meter.kind_id, eid(2))
+        assert later is not None and later.values == (6.0,) and later.version > kept.version
 
     run(tmp_path, body)

@@ -90,6 +90,7 @@ class WindowWriter:
         tenant = self.tenant
         plans: list[FlushPlan] = []
         commits = []
+        outcomes: list[BaseException | None] = []
         claimed: list[int] = []
         try:
             for kind_id in set(window.entities) | set(window.events):
@@ -127,10 +128,22 @@ class WindowWriter:
                 commits.append(state.committer.committed(info.next_offset))
                 plans.append(plan)
             if commits:
-                await asyncio.gather(*commits)
+                outcomes = await asyncio.gather(*commits, return_exceptions=True)
         finally:
             for first in claimed:
                 tenant.release_positions(first)
+        failed = [outcome for outcome in outcomes if outcome is not None]
+        if failed:
+            if not all(isinstance(error, HeadwaterError) for error in failed):
+                raise next(e for e in failed if not isinstance(e, HeadwaterError))
+            # One kind's changelog was cut (or its fsync failed) while the others' are
+            # durable: those move on with their logs (the next window is planned
+            # against their state, and followers apply their records); the writers are
+            # told the window failed.
+            for plan, outcome in zip(plans, outcomes, strict=True):
+                if outcome is None:
+                    commit_plan(plan)
+            raise failed[0]
         unconfirmed = await self._replicated(plans)
         for plan in plans:
             commit_plan(plan)
