@@ -194,6 +194,10 @@ class KiwiSession:
     def flush(self) -> None:
         """Write what the core has queued, unless the transport is paused."""
         if not self._writable():
+            if self._drain_task is not None:
+                # Replies to commands read meanwhile wait in the outbox: a full one
+                # stops the reading of commands (run()) until the drain empties it.
+                self._update_room()
             return
         transport = self._transport
         assert transport is not None
@@ -208,6 +212,7 @@ class KiwiSession:
         try:
             await self.request.writer.drain()
         except (ConnectionError, asyncio.CancelledError):
+            self._room.set()  # the command reader goes on, and finds the connection gone
             return
         finally:
             self._drain_task = None
