@@ -264,10 +264,6 @@ class Replication:
         """Take new leaderships (epoch into the checkpoint), keep the ISR of those led,
         start and stop follower tasks to match etcd's leaders."""
         held = {key for key, state in self.node.partitions.items() if self.me in state.replicas}
-        for key in self._held - held:
-            if key in self.node.partitions:  # still placed, on other nodes now
-                await self._drop(key)
-        self._held = held
         wanted = {
             key: (state.leader, state.epoch)
             for key, state in self.node.partitions.items()
@@ -284,6 +280,12 @@ class Replication:
                 stopping.append(task)
                 del self._followers[key]
         await asyncio.gather(*stopping, return_exceptions=True)
+        # Replicas moved off this node go once their follower tasks have stopped: a
+        # fetch answer taken after the cut would fill the dropped copy again.
+        for key in self._held - held:
+            if key in self.node.partitions:  # still placed, on other nodes now
+                await self._drop(key)
+        self._held = held
         for key, state in self.node.partitions.items():
             if self.me in state.replicas and state.leader == self.me:
                 try:
