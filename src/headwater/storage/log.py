@@ -597,13 +597,15 @@ class PartitionLog:
                 # (closing thousands of idle streams would reopen each to fsync nothing).
                 # Not before the first sync: what recovery found may still be unsynced.
                 return self.durable_offset
-        try:
-            for seg in sealed:
-                with seg.pinned() as fd:
-                    os.fdatasync(fd)
-                seg.sync_index_files()  # sealed: its index must survive as written
+            # Pinned under the lock: a truncation that replaces the active segment
+            # meanwhile closes its file only once this sync lets go of it.
             fd = active.files.pin(active.file)  # no generator-based with: once per sync
+        try:
             try:
+                for seg in sealed:
+                    with seg.pinned() as sealed_fd:
+                        os.fdatasync(sealed_fd)
+                    seg.sync_index_files()  # sealed: its index must survive as written
                 os.fdatasync(fd)
             finally:
                 active.files.unpin(active.file)

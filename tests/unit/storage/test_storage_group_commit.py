@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -334,6 +335,31 @@ def test_an_fsync_in_flight_across_a_cut_does_not_make_the_cut_durable(
     asyncio.run(main())
     monkeypatch.undo()
     assert [e.value for e in plog.read(0).events()] == [b"new"]
+    plog.close()
+
+
+def test_a_sync_pins_the_active_file_before_a_truncation_can_close_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A truncation replaces (and closes) the active segment. A sync that took the
+    segment under the log's lock and pinned its file after letting go of it failed
+    with "was removed" when a cut came in between, and every waiter, those below the
+    cut too, got that error. The pin is taken under the lock now, so a truncation waits
+    for it and the file closes only when the sync lets go."""
+    plog = open_log(tmp_path, "fsync")
+    for i in range(3):
+        plog.append([b"e%d" % i], first_position=0, timestamp_ms=0)
+    pinned_under_lock: list[bool] = []
+    real_pin = plog.files.pin
+
+    def pin(handle: Any) -> int:
+        pinned_under_lock.append(plog._lock._is_owned())  # type: ignore[attr-defined]
+        return real_pin(handle)
+
+    monkeypatch.setattr(plog.files, "pin", pin)
+    assert plog.sync() == 3
+    assert pinned_under_lock == [True]
+    monkeypatch.undo()
     plog.close()
 
 
