@@ -524,11 +524,27 @@ def test_a_window_over_two_kinds_whose_one_changelog_fails(
             raise NotLeader("no longer the leader of kind sensor")
 
         monkeypatch.setattr(tk.kinds[kind.kind_id].committer, "committed", cut)
+        replicated: list[str] = []
+
+        class Acks:
+            """acks=all: the meter's records are shown only once the replicas hold them."""
+
+            def check_min_isr(self, tenant_id: int, stream: str, partition: int) -> None:
+                pass
+
+            async def replicated(
+                self, tenant_id: int, stream: str, partition: int, end: int, timeout_s: float
+            ) -> None:
+                assert tk.get(meter.kind_id, eid(2)) is None
+                replicated.append(stream)
+
+        monkeypatch.setattr(engine, "replica_acks", Acks())
         with pytest.raises(NotLeader):
             await src.apply(
                 [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
             ).durable()
         assert tk.get(kind.kind_id, eid(1)) is None
+        assert replicated == ["hw_kind_meter"]
         kept = tk.get(meter.kind_id, eid(2))
         assert kept is not None and kept.values == (5.0,)
         monkeypatch.undo()

@@ -138,11 +138,14 @@ class WindowWriter:
                 raise next(e for e in failed if not isinstance(e, HeadwaterError))
             # One kind's changelog was cut (or its fsync failed) while the others' are
             # durable: those move on with their logs (the next window is planned
-            # against their state, and followers apply their records); the writers are
-            # told the window failed.
-            for plan, outcome in zip(plans, outcomes, strict=True):
-                if outcome is None:
-                    commit_plan(plan)
+            # against their state, and followers apply their records), once the in-sync
+            # replicas hold them as any window's; the writers are told it failed.
+            durable = [
+                plan for plan, outcome in zip(plans, outcomes, strict=True) if outcome is None
+            ]
+            await self._replicated(durable)
+            for plan in durable:
+                commit_plan(plan)
             raise failed[0]
         unconfirmed = await self._replicated(plans)
         for plan in plans:
