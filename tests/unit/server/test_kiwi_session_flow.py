@@ -117,3 +117,24 @@ def test_a_connection_lost_while_draining_lets_the_reader_end() -> None:
         assert peer.read == COMMANDS + 1
 
     asyncio.run(main())
+
+
+def test_a_connection_closed_cleanly_while_draining_lets_the_reader_end() -> None:
+    """aiohttp ends a drain without an error when the connection closes cleanly: the
+    transport is closing, nothing will ever drain, and the reader must not wait."""
+
+    async def main() -> None:
+        closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def drain() -> None:
+            await closed
+
+        session, transport, _, peer = session_with(drain)
+        reader = asyncio.create_task(session.run())
+        await wait_until_async(lambda: session.core.full, 10, "the outbox never filled")
+        transport.is_closing = lambda: True  # type: ignore[method-assign]
+        closed.set_result(None)
+        await asyncio.wait_for(reader, 10)
+        assert peer.read == COMMANDS + 1
+
+    asyncio.run(main())

@@ -194,7 +194,10 @@ class KiwiSession:
     def flush(self) -> None:
         """Write what the core has queued, unless the transport is paused."""
         if not self._writable():
-            if self._drain_task is not None:
+            transport = self._transport
+            if self.closed or transport is None or transport.is_closing():
+                self._room.set()  # nothing will drain: the reader goes on to the close
+            elif self._drain_task is not None:
                 # Replies to commands read meanwhile wait in the outbox: a full one
                 # stops the reading of commands (run()) until the drain empties it.
                 self._update_room()
