@@ -214,6 +214,10 @@ class ClusterNode:
                 if not self._etcd_down:
                     log.warning("cannot reach etcd; serving with the last state read: %s", exc)
                     self._etcd_down = True
+            except Exception:
+                # Anything else (a disk error cutting a replica, a bug) must not end the
+                # ticks: the node would serve on, never again following etcd's changes.
+                log.exception("a cluster tick failed; the next one tries again")
             else:
                 if self._etcd_down:
                     log.info("etcd reachable again")

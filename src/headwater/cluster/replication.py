@@ -282,10 +282,11 @@ class Replication:
         await asyncio.gather(*stopping, return_exceptions=True)
         # Replicas moved off this node go once their follower tasks have stopped: a
         # fetch answer taken after the cut would fill the dropped copy again.
+        undropped = set()
         for key in self._held - held:
-            if key in self.node.partitions:  # still placed, on other nodes now
-                await self._drop(key)
-        self._held = held
+            if key in self.node.partitions and not await self._drop(key):  # placed elsewhere
+                undropped.add(key)  # tried again next tick
+        self._held = held | undropped
         for key, state in self.node.partitions.items():
             if self.me in state.replicas and state.leader == self.me:
                 try:
@@ -318,17 +319,19 @@ class Replication:
         )
         self._checkpointed = current
 
-    async def _drop(self, key: PartitionKey) -> None:
+    async def _drop(self, key: PartitionKey) -> bool:
         """A replica moved off this node by a reassignment: its copy goes (truncated to
-        nothing, as Kafka deletes it), so it is neither served nor counted here."""
+        nothing, as Kafka deletes it), so it is neither served nor counted here. False
+        when it could not be cut."""
         try:
             end = await self.replicas.truncate(key.tenant_id, key.stream, key.partition, 0)
-        except HeadwaterError as exc:
+        except (HeadwaterError, OSError) as exc:
             log.warning("cannot drop the replica of %s: %s", key.path(), exc)
-            return
+            return False
         self.follower_hw.pop(key, None)
         self._leading_since.pop(key, None)
         log.info("replica dropped", extra={"partition": key.path(), "end": end})
+        return True
 
     async def forget(self, tenant_id: int, stream: str) -> None:
         """A stream deleted in the cluster: its partitions' follower tasks stop (a cut
