@@ -51,20 +51,38 @@ def replies(frames: list[bytes]) -> list[str]:
     return [json.loads(frame[2:])["type"] for frame in frames]
 
 
-def session_with(drain: Any) -> tuple[KiwiSession, Transport, Any, Peer]:
-    transport = Transport()
-    protocol = SimpleNamespace(writing_paused=True)  # the peer is not reading
-    request = SimpleNamespace(
-        transport=transport, protocol=protocol, query={}, writer=SimpleNamespace(drain=drain)
-    )
-    config = SimpleNamespace(buffer_capacity=8, lag_notice_threshold=1, send_queue=SEND_QUEUE)
-    limits = SimpleNamespace(idle_timeout_s=60.0)
-    gateway = SimpleNamespace(
-        config=config, server=SimpleNamespace(config=SimpleNamespace(limits=limits))
-    )
-    peer = Peer()
-    session = KiwiSession(gateway, request, peer, 0)  # type: ignore[arg-type]
-    return session, transport, protocol, peer
+class Paused:
+    """A session reading the peer's commands while its socket is paused: ``drained``
+    is what the socket's drain waits for (a result: it drained; an error: it broke)."""
+
+    def __init__(self) -> None:
+        self.drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.transport = Transport()
+        self.protocol = SimpleNamespace(writing_paused=True)  # the peer is not reading
+        request = SimpleNamespace(
+            transport=self.transport,
+            protocol=self.protocol,
+            query={},
+            writer=SimpleNamespace(drain=self._drain),
+        )
+        config = SimpleNamespace(buffer_capacity=8, lag_notice_threshold=1, send_queue=SEND_QUEUE)
+        limits = SimpleNamespace(idle_timeout_s=60.0)
+        server = SimpleNamespace(config=SimpleNamespace(limits=limits))
+        self.peer = Peer()
+        self.session = KiwiSession(
+            SimpleNamespace(config=config, server=server),  # type: ignore[arg-type]
+            request,  # type: ignore[arg-type]
+            self.peer,  # type: ignore[arg-type]
+            0,
+        )
+        self.reader = asyncio.create_task(self.session.run())
+
+    async def _drain(self) -> None:
+        await self.drained
+
+    async def full(self) -> None:
+        """The first reply was written and paused the socket; SEND_QUEUE more wait."""
+        await wait_until_async(lambda: self.session.core.full, 10, "the outbox never filled")
 
 
 async def turns(n: int) -> None:
@@ -75,46 +93,32 @@ async def turns(n: int) -> None:
 
 def test_commands_wait_while_the_outbox_is_full_and_the_socket_paused() -> None:
     async def main() -> None:
-        drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def drain() -> None:
-            await drained
-
-        session, transport, protocol, peer = session_with(drain)
-        reader = asyncio.create_task(session.run())
-        # The first reply is written and pauses the socket; the next ones wait, and
-        # once SEND_QUEUE of them do, the session stops reading commands.
-        await wait_until_async(lambda: session.core.full, 10, "the outbox never filled")
-        stopped_at = peer.read
+        paused = Paused()
+        await paused.full()
+        stopped_at = paused.peer.read
         await turns(20)
-        assert peer.read == stopped_at == 1 + SEND_QUEUE
-        assert session.core.backlog == SEND_QUEUE
-        assert replies(transport.written) == ["REQUEST_ERROR"]
+        assert paused.peer.read == stopped_at == 1 + SEND_QUEUE
+        assert paused.session.core.backlog == SEND_QUEUE
+        assert replies(paused.transport.written) == ["REQUEST_ERROR"]
         # The socket drains: the queued replies go out and reading resumes, to the end.
-        protocol.writing_paused = False
-        drained.set_result(None)
-        await asyncio.wait_for(reader, 10)
-        assert peer.read == COMMANDS + 1
-        assert replies(transport.written) == ["REQUEST_ERROR"] * COMMANDS
+        paused.protocol.writing_paused = False
+        paused.drained.set_result(None)
+        await asyncio.wait_for(paused.reader, 10)
+        assert paused.peer.read == COMMANDS + 1
+        assert replies(paused.transport.written) == ["REQUEST_ERROR"] * COMMANDS
 
     asyncio.run(main())
 
 
 def test_a_connection_lost_while_draining_lets_the_reader_end() -> None:
     async def main() -> None:
-        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def drain() -> None:
-            await lost
-
-        session, _, _, peer = session_with(drain)
-        reader = asyncio.create_task(session.run())
-        await wait_until_async(lambda: session.core.full, 10, "the outbox never filled")
-        lost.set_exception(ConnectionResetError("Connection lost"))
+        paused = Paused()
+        await paused.full()
+        paused.drained.set_exception(ConnectionResetError("Connection lost"))
         # The reader is not left waiting for room that will never come: it reads on
         # (replies now go nowhere) and ends with the peer's close.
-        await asyncio.wait_for(reader, 10)
-        assert peer.read == COMMANDS + 1
+        await asyncio.wait_for(paused.reader, 10)
+        assert paused.peer.read == COMMANDS + 1
 
     asyncio.run(main())
 
@@ -124,17 +128,11 @@ def test_a_connection_closed_cleanly_while_draining_lets_the_reader_end() -> Non
     transport is closing, nothing will ever drain, and the reader must not wait."""
 
     async def main() -> None:
-        closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def drain() -> None:
-            await closed
-
-        session, transport, _, peer = session_with(drain)
-        reader = asyncio.create_task(session.run())
-        await wait_until_async(lambda: session.core.full, 10, "the outbox never filled")
-        transport.is_closing = lambda: True  # type: ignore[method-assign]
-        closed.set_result(None)
-        await asyncio.wait_for(reader, 10)
-        assert peer.read == COMMANDS + 1
+        paused = Paused()
+        await paused.full()
+        paused.transport.is_closing = lambda: True  # type: ignore[method-assign]
+        paused.drained.set_result(None)
+        await asyncio.wait_for(paused.reader, 10)
+        assert paused.peer.read == COMMANDS + 1
 
     asyncio.run(main())
