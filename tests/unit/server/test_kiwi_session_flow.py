@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 from aiohttp import WSMsgType
 
@@ -51,6 +51,20 @@ def replies(frames: list[bytes]) -> list[str]:
     return [json.loads(frame[2:])["type"] for frame in frames]
 
 
+class Room(asyncio.Event):
+    """The session's room event, telling when the command reader starts waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+        self.parked = asyncio.Event()
+
+    async def wait(self) -> Literal[True]:
+        if not self.is_set():
+            self.parked.set()
+        return await super().wait()
+
+
 class Paused:
     """A session reading the peer's commands while its socket is paused: ``drained``
     is what the socket's drain waits for (a result: it drained; an error: it broke)."""
@@ -75,6 +89,8 @@ class Paused:
             self.peer,  # type: ignore[arg-type]
             0,
         )
+        self.room = Room()  # the event the reader waits on while the outbox is full
+        self.session._room = self.room
         self.reader = asyncio.create_task(self.session.run())
 
     async def _drain(self) -> None:
@@ -85,19 +101,13 @@ class Paused:
         await wait_until_async(lambda: self.session.core.full, 10, "the outbox never filled")
 
 
-async def turns(n: int) -> None:
-    """Let the loop run ``n`` times: a reader that could go on would have read more."""
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
 def test_commands_wait_while_the_outbox_is_full_and_the_socket_paused() -> None:
     async def main() -> None:
         paused = Paused()
         await paused.full()
-        stopped_at = paused.peer.read
-        await turns(20)
-        assert paused.peer.read == stopped_at == 1 + SEND_QUEUE
+        # The reader parks on the room: it reads nothing more until the socket drains.
+        await asyncio.wait_for(paused.room.parked.wait(), 10)
+        assert paused.peer.read == 1 + SEND_QUEUE
         assert paused.session.core.backlog == SEND_QUEUE
         assert replies(paused.transport.written) == ["REQUEST_ERROR"]
         # The socket drains: the queued replies go out and reading resumes, to the end.
