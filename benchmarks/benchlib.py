@@ -539,6 +539,16 @@ def timed(action: Callable[[], object]) -> float:
 # ---- Spark against Parquet (spark_bench, spark_partitions_bench) ------------------------
 
 
+def report(
+    results: dict[str, Any], markdown: Callable[[dict[str, Any]], str], out: Path | None
+) -> None:
+    """A benchmark's ending: its results as JSON to ``out`` (when given), its markdown
+    table to stdout."""
+    if out is not None:
+        out.write_text(json.dumps(results, indent=2))
+    print(markdown(results))
+
+
 def spark_session(**conf: str) -> Any:
     """The Spark benchmarks' session: local[2] (the machine's 2 cores), no UI, 2 GB
     driver, UTC, errors only; ``conf`` adds settings. Imports pyspark only when called."""

@@ -64,6 +64,7 @@ from benchlib import (
     log,
     pct,
     proc_cpu,
+    report,
 )
 
 SUBJECT = "fanout"
@@ -781,9 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         ceiling.stop()
         results["environment"]["loadavg_after"] = loadavg()
         shutil.rmtree(root, ignore_errors=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 

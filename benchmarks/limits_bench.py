@@ -38,6 +38,7 @@ from benchlib import (
     log,
     pct,
     proc_cpu,
+    report,
     settle,
 )
 from headwater.protocols.kimberlite import AppendEventsRequest, EventBatch
@@ -187,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             key: statistics.median(r[key] for r in runs[name]) for key, _l, _b in METRICS
         }
     results["runs"] = runs
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 

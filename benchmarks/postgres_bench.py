@@ -40,7 +40,7 @@ from typing import Any
 import psycopg
 
 import headwater
-from benchlib import HeadwaterServer, cpu_model, git_revision, loadavg
+from benchlib import HeadwaterServer, cpu_model, git_revision, loadavg, report
 
 KINDS = ["click", "view", "purchase", "signup", "logout", "search", "share", "like"]
 QUERIES = {
@@ -230,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.events, args.repeat = 100_000, 3
     results = run(args.events, args.batch, args.repeat)
-    print(markdown(results))
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=2))
+    report(results, markdown, args.out)
     return 0
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from benchlib import cpu_model, git_revision, loadavg
+from benchlib import cpu_model, git_revision, loadavg, report
 from headwater.engine.subscriptions import split_pushes
 from headwater.protocols.kiwi.frames import text_frame
 from headwater.protocols.kiwi.results import batch_results, stream_results
@@ -278,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     results["round"] = round_stage(args.repeat, args.commits)
     results["client"] = client_stage(args.repeat, 1000)
     results["environment"]["loadavg_after"] = loadavg()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 

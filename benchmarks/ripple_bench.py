@@ -16,7 +16,6 @@ per frame. Runs alternate between the two sides.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import socket
 import statistics
@@ -33,6 +32,7 @@ from benchlib import (
     loadavg,
     log,
     proc_cpu,
+    report,
 )
 from headwater.protocols.convergedb import messages as cm
 from headwater.protocols.convergedb.codes import Opcode
@@ -221,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         results["environment"]["loadavg_after"] = loadavg()
         shutil.rmtree(root, ignore_errors=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 

@@ -21,7 +21,6 @@ rows/s and the headwater / Parquet ratio. Markdown on stdout; JSON with ``--out`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import headwater
-from benchlib import HeadwaterServer, spark_rates, spark_session, spark_table, timed
+from benchlib import HeadwaterServer, report, spark_rates, spark_session, spark_table, timed
 
 
 def fill(server: str, stream: str, events: int) -> None:
@@ -121,9 +120,7 @@ def main(argv: list[str]) -> int:
         ),
         "load_after": os.getloadavg()[0],
     }
-    print(markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    report(results, markdown, args.out)
     return 0
 
 

@@ -25,7 +25,6 @@ Each side's CPU per row is given by role (server, Python workers, JVM), from /pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -39,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import headwater
-from benchlib import HeadwaterServer, spark_session, timed
+from benchlib import HeadwaterServer, report, spark_session, timed
 from spark_partitions_bench import ROLES, cpu_table, create, fill
 from spark_read_profile import cpu_by_process
 
@@ -222,9 +221,7 @@ def main(argv: list[str]) -> int:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-    print(markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    report(results, markdown, args.out)
     return 0
 
 

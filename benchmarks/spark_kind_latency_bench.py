@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import headwater
-from benchlib import HeadwaterServer, git_revision, loadavg, pct
+from benchlib import HeadwaterServer, git_revision, loadavg, pct, report
 from headwater import entities
 
 
@@ -169,9 +169,7 @@ def main(argv: list[str]) -> int:
         "spark_floor": summary(floor, total),
     }
     results["ratio_p50"] = results["kind"]["p50_ms"] / results["spark_floor"]["p50_ms"]
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 

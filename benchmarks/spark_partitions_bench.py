@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 import headwater
-from benchlib import HeadwaterServer, spark_rates, spark_session, spark_table, timed
+from benchlib import HeadwaterServer, report, spark_rates, spark_session, spark_table, timed
 from headwater.engine.partitioner import murmur2_batch
 from spark_read_profile import cpu_by_process
 
@@ -199,9 +199,7 @@ def main(argv: list[str]) -> int:
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
     }
-    print(markdown(results))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    report(results, markdown, args.out)
     return 0
 
 

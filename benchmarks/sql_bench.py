@@ -36,6 +36,7 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 
+from benchlib import report
 from headwater.engine.engine import Engine, EngineConfig, StreamSettings
 from headwater.sql import SqlService
 
@@ -181,9 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results = asyncio.run(run(args.events, args.batch, args.repeat))
-    if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=2))
-    print(markdown(results))
+    report(results, markdown, args.out)
     return 0
 
 
