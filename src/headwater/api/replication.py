@@ -145,19 +145,14 @@ class Replicas:
             end = await self._kinds.truncate(tenant_id, stream, offset)
             self.epochs(tenant_id, stream, partition).truncate_from(end)
             return end
-        where = self._engine.stream_by_name(tenant_id, stream, internal=True)
-        end = await asyncio.get_running_loop().run_in_executor(
-            self._engine.executor, where.partition_log(partition).truncate_to, offset
-        )
-        where.committers[partition].cut(end, _cut_error(stream, partition))
+        committer = self._engine.stream_by_name(tenant_id, stream, internal=True).committers[
+            partition
+        ]
+        # Only a replica that no longer leads is cut: its waiting appends ask the leader.
+        moved = NotLeader(f"no longer the leader of partition {partition} of {stream}")
+        end = await committer.truncate_to(offset, moved)
         self.epochs(tenant_id, stream, partition).truncate_from(end)
         return end
-
-
-def _cut_error(stream: str, partition: int) -> NotLeader:
-    """What an append waiting for its fsync gets when the replica's log is cut under
-    it: only a replica that no longer leads is cut, and the client asks the new leader."""
-    return NotLeader(f"no longer the leader of partition {partition} of {stream}")
 
 
 async def wait_for_end(stream: Stream, partition: int, offset: int, timeout_s: float) -> bool:

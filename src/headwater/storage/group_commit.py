@@ -297,6 +297,15 @@ class GroupCommitter:
         self._notify()
         self._maybe_start_sync()  # waiters that arrived while the cap was reached
 
+    async def truncate_to(self, offset: int, error: HeadwaterError) -> int:
+        """:meth:`PartitionLog.truncate_to` in the executor (a replica's divergent tail, a
+        replica moved off the node); the appends waiting past the new end fail with
+        ``error`` at once (:meth:`cut`). The new end."""
+        loop = asyncio.get_running_loop()
+        end = await loop.run_in_executor(self._executor, self.log.truncate_to, offset)
+        self.cut(end, error)
+        return end
+
     def cut(self, end: int, error: HeadwaterError) -> None:
         """The log was cut at ``end`` (a replica's divergent tail, a replica moved off
         the node): every waiter for an append past it fails with ``error``. No fsync can

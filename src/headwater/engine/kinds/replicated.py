@@ -163,8 +163,8 @@ class KindChangelogs:
         state = self.state(tenant_id, stream)
         loop = asyncio.get_running_loop()
         executor = self._kinds.executor
-        end = await loop.run_in_executor(executor, state.log.truncate_to, offset)
-        state.committer.cut(end, NotLeader(f"no longer the leader of kind {state.info.name}"))
+        moved = NotLeader(f"no longer the leader of kind {state.info.name}")
+        end = await state.committer.truncate_to(offset, moved)
         if state.applied_offset > end:
             log.warning(
                 "kind %s (tenant %d): applied changelog past the cut at %d; rebuilding its state",
