@@ -190,6 +190,12 @@ class PartitionLog:
         self.files = files if files is not None else FileCache(None)
         self.segments: list[Segment] = []
         self._lock = threading.RLock()
+        # Held while a compaction rewrites a segment, from its first read to the swap,
+        # and by what removes segments (a cut, retention): the rename of a rewritten
+        # file must not land where a cut removed or shortened that segment meanwhile
+        # (it would undo the cut on disk, and the tail would write to the unlinked file).
+        # Taken before ``_lock``.
+        self._rewrite_lock = threading.Lock()
         # Damage already logged: a reader and its read-ahead meet the same batch, and
         # one ERROR line per damaged place is what an operator needs.
         self._corruption_logged: set[str] = set()
@@ -438,7 +444,7 @@ class PartitionLog:
         not have). The cut falls on a stored unit's start: a batch (or compressed frame)
         holding ``offset`` goes whole, so the log may end below ``offset``. Returns the
         new end offset."""
-        with self._lock:
+        with self._rewrite_lock, self._lock:
             self._check_writable()
             if offset >= self.end_offset:
                 return self.end_offset
@@ -890,7 +896,7 @@ class PartitionLog:
         now = int(time.time() * 1000) if now_ms is None else now_ms
         cfg = self.config
         removed = 0
-        with self._lock:
+        with self._rewrite_lock, self._lock:
             total = self.size_bytes
             while len(self.segments) > 1:
                 oldest = self.segments[0]
@@ -948,15 +954,16 @@ class PartitionLog:
                     latest[event.key] = event.offset
         horizon = now - self.config.delete_retention_ms
         for seg in sealed:
-            rewritten = self._compact_segment(seg, latest, horizon, result)
-            if rewritten is not None:
+            with self._rewrite_lock:
                 with self._lock:
-                    i = next((k for k, s in enumerate(self.segments) if s is seg), None)
-                    if i is None:  # removed by retention meanwhile
-                        rewritten.close()
-                        continue
-                    self.segments[i] = rewritten
-                    self._graveyard.append((time.monotonic(), seg))
+                    if not any(s is seg for s in self.segments):
+                        continue  # cut meanwhile: its offsets are gone or rewritten
+                rewritten = self._compact_segment(seg, latest, horizon, result)
+                if rewritten is not None:
+                    with self._lock:
+                        i = next(k for k, s in enumerate(self.segments) if s is seg)
+                        self.segments[i] = rewritten
+                        self._graveyard.append((time.monotonic(), seg))
         return result
 
     def _compact_segment(

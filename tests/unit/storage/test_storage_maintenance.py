@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from types import TracebackType
 
 import pytest
+from tests.waiting import wait_until
 
 from headwater.storage.batch import encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from headwater.storage.segment import segment_name
+from headwater.storage.segment import Segment, segment_name
 
 NONE = SyncPolicy("none")
 FSYNC = SyncPolicy("fsync")
@@ -302,6 +305,68 @@ def test_compaction_under_fsync_keeps_the_newest_value_of_unsynced_events(
     values = {e.key: e.value for e in plog.events()}
     assert values == {b"a": b"a2", b"x": b"x1"}
     plog.close()
+
+
+class _SeenLock:
+    """The log's rewrite lock, noting which threads came to take it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.takers: list[threading.Thread] = []
+
+    def __enter__(self) -> None:
+        self.takers.append(threading.current_thread())
+        self.lock.acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock.release()
+
+
+def test_a_cut_during_a_compaction_is_not_undone_by_its_rename(tmp_path: Path) -> None:
+    # A replica moved off this node is cut to 0 while the maintenance thread compacts
+    # its first segment. The compaction's rename used to land after the cut: the cut
+    # segment's file came back on disk and the new tail went on writing to the
+    # unlinked old one, so what was appended after the cut was gone on restart.
+    plog = compact_log(tmp_path)
+    put(plog, b"a", b"a1")  # 0
+    put(plog, b"b", b"b1")  # 1
+    put(plog, None, b"n")  # 2
+    plog.roll()
+    put(plog, b"a", b"a2")  # 3
+    put(plog, b"b", b"b2")  # 4
+    plog.roll()
+    put(plog, b"c", b"c1")  # 5, active
+    rewrite_lock = _SeenLock(plog._rewrite_lock)
+    plog._rewrite_lock = rewrite_lock  # type: ignore[assignment]
+    at_rename, go_on = threading.Event(), threading.Event()
+    replace = plog._replace_segment
+
+    def paused_replace(seg: Segment, rewritten: Path) -> Segment:
+        at_rename.set()
+        assert go_on.wait(30), "the test never let the compaction go on"
+        return replace(seg, rewritten)
+
+    plog._replace_segment = paused_replace  # type: ignore[method-assign]
+    compaction = threading.Thread(target=plog.compact, kwargs={"now_ms": 0})
+    compaction.start()
+    assert at_rename.wait(30), "the compaction never rewrote the first segment"
+    cut = threading.Thread(target=plog.truncate_to, args=(0,))
+    cut.start()
+    # The cut either waits for the compaction's rewrite or (the bug) is done first.
+    wait_until(lambda: cut in rewrite_lock.takers or not cut.is_alive())
+    go_on.set()
+    compaction.join(30)
+    cut.join(30)
+    assert not compaction.is_alive() and not cut.is_alive()
+    assert (plog.start_offset, plog.end_offset) == (0, 0)
+    assert put(plog, b"z", b"z1") == 0
+    plog.close()
+    plog = compact_log(tmp_path)
+    assert snapshot(plog) == [(0, b"z", b"z1", False)]
+    plog.close()
+    assert not check_partition(tmp_path).damaged
 
 
 def test_compaction_survives_a_leftover_cleaned_file(tmp_path: Path) -> None:
