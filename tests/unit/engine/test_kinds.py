@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ from headwater.engine.kinds import (
     presence_entity_id,
     retract_op,
 )
-from headwater.errors import NotLeader, StreamAlreadyExists
+from headwater.errors import NotLeader, StorageError, StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType, decode_record
 from headwater.protocols.convergedb.ops import from_wire
@@ -551,5 +552,57 @@ def test_a_window_over_two_kinds_whose_one_changelog_fails(
         await src.apply([patch_op(meter, eid(2), {0: 6.0})]).durable()
         later = tk.get(meter.kind_id, eid(2))
         assert later is not None and later.values == (6.0,) and later.version > kept.version
+
+    run(tmp_path, body)
+
+
+def test_a_window_over_two_kinds_whose_second_changelog_refuses_the_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One window writes two kinds; the second kind's changelog refuses the append (a
+    failed write) after the first kind's took its records. The writers are told; the
+    first kind's records are in its log and become durable, so its state moves on with
+    it (the next window is planned against it); the refusing kind shows nothing of the
+    window."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        meter = await tk.create_kind("meter", [("kwh", FieldType.F64)])
+        src = tk.connect("a", source_id=1)
+        appended: list[int] = []
+        for state in (tk.kinds[kind.kind_id], tk.kinds[meter.kind_id]):
+            for name in ("append", "append_encoded"):
+                real = getattr(state.log, name)
+
+                def refuse_second(
+                    *args: Any, _real: Any = real, _kind: int = state.info.kind_id, **kw: Any
+                ) -> Any:
+                    # (append_encoded may call append: the same kind's calls go on)
+                    if appended and appended[0] != _kind:
+                        raise StorageError("write failed: no space left on device")
+                    appended.append(_kind)
+                    return _real(*args, **kw)
+
+                monkeypatch.setattr(state.log, name, refuse_second)
+        with pytest.raises(StorageError, match="no space left"):
+            await src.apply(
+                [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
+            ).durable()
+        assert len(set(appended)) == 1
+        took, refused = (kind, meter) if appended[0] == kind.kind_id else (meter, kind)
+        took_eid, refused_eid = (eid(1), eid(2)) if took is kind else (eid(2), eid(1))
+        kept = tk.get(took.kind_id, took_eid)
+        assert kept is not None
+        assert tk.get(refused.kind_id, refused_eid) is None
+        monkeypatch.undo()
+        await src.apply(
+            [assert_op(kind, eid(1), [2.0, "b"]), assert_op(meter, eid(2), [7.0])]
+        ).durable()
+        for k, e in ((kind, eid(1)), (meter, eid(2))):
+            later = tk.get(k.kind_id, e)
+            assert later is not None
+        again = tk.get(took.kind_id, took_eid)
+        assert again is not None and again.version > kept.version
+        assert tk.kinds[took.kind_id].applied_offset == tk.kinds[took.kind_id].log.end_offset
 
     run(tmp_path, body)

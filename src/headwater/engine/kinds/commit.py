@@ -18,7 +18,7 @@ import asyncio
 import functools
 import operator
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import TYPE_CHECKING, cast
@@ -89,50 +89,28 @@ class WindowWriter:
         visible: committed state and subscribers. Returns how many changes it held."""
         tenant = self.tenant
         plans: list[FlushPlan] = []
-        commits = []
+        commits: list[Awaitable[None]] = []
         outcomes: list[BaseException | None] = []
         claimed: list[int] = []
+        refused: HeadwaterError | None = None
         try:
-            for kind_id in set(window.entities) | set(window.events):
-                state = self.kinds[kind_id]
-                entities = window.entities.get(kind_id, {})
-                drafts = window.events.get(kind_id, [])
-                # Positions are claimed below, once the count is known; nothing can claim
-                # in between (no await), so the versions handed out here are the claim's.
-                first = tenant.next_position
-                plan = None if drafts else _columnar_changes(state, entities, first)
-                if plan is None:
-                    plan = _net_changes(state, entities, first)
-                count = len(plan.entity_ids) + (1 if drafts else 0)
-                if count == 0:
-                    continue
-                claimed.append(tenant.claim_positions(count))
-                assert claimed[-1] == first
-                keys: list[bytes | None] = list(plan.entity_ids)
-                values_out = plan.log_values
-                if drafts:
-                    plan.notes, plan.next_sequence = _event_notes(state, drafts)
-                    keys.append(SEQUENCE_KEY)
-                    values_out.append(SOURCE_SET.pack(plan.next_sequence))
-                if plan.values_section is not None:
-                    info = state.log.append_encoded(
-                        plan.values_section, count, first_position=first, keys=keys
-                    )
-                else:
-                    tombstones = [not v for v in values_out] if plan.deleted else None
-                    info = state.log.append(
-                        values_out, first_position=first, keys=keys, tombstones=tombstones
-                    )
-                plan.applied = first + count
-                plan.applied_offset = info.next_offset
-                commits.append(state.committer.committed(info.next_offset))
-                plans.append(plan)
+            try:
+                self._append_all(window, plans, commits, claimed)
+            except HeadwaterError as exc:
+                # A changelog refused its kind's records (closed, cut, a failed write)
+                # after others took theirs: handled like any partly failed window's
+                # below, those others' state moving on with their logs.
+                if not commits:
+                    raise
+                refused = exc
             if commits:
                 outcomes = await asyncio.gather(*commits, return_exceptions=True)
         finally:
             for first in claimed:
                 tenant.release_positions(first)
         failed = [outcome for outcome in outcomes if outcome is not None]
+        if refused is not None:
+            failed.append(refused)
         if failed:
             if not all(isinstance(error, HeadwaterError) for error in failed):
                 raise next(e for e in failed if not isinstance(e, HeadwaterError))
@@ -155,6 +133,53 @@ class WindowWriter:
             # planned against it); the writers are told it is not confirmed.
             raise unconfirmed
         return sum(len(plan.entity_ids) for plan in plans)
+
+    def _append_all(
+        self,
+        window: Window,
+        plans: list[FlushPlan],
+        commits: list[Awaitable[None]],
+        claimed: list[int],
+    ) -> None:
+        """Append each kind's changes in ``window`` to its changelog, adding its plan to
+        ``plans``, the wait for its fsync to ``commits`` and its first claimed position
+        to ``claimed`` as each is done: should a later kind fail, they tell what was
+        appended."""
+        tenant = self.tenant
+        for kind_id in set(window.entities) | set(window.events):
+            state = self.kinds[kind_id]
+            entities = window.entities.get(kind_id, {})
+            drafts = window.events.get(kind_id, [])
+            # Positions are claimed below, once the count is known; nothing can claim
+            # in between (no await), so the versions handed out here are the claim's.
+            first = tenant.next_position
+            plan = None if drafts else _columnar_changes(state, entities, first)
+            if plan is None:
+                plan = _net_changes(state, entities, first)
+            count = len(plan.entity_ids) + (1 if drafts else 0)
+            if count == 0:
+                continue
+            claimed.append(tenant.claim_positions(count))
+            assert claimed[-1] == first
+            keys: list[bytes | None] = list(plan.entity_ids)
+            values_out = plan.log_values
+            if drafts:
+                plan.notes, plan.next_sequence = _event_notes(state, drafts)
+                keys.append(SEQUENCE_KEY)
+                values_out.append(SOURCE_SET.pack(plan.next_sequence))
+            if plan.values_section is not None:
+                info = state.log.append_encoded(
+                    plan.values_section, count, first_position=first, keys=keys
+                )
+            else:
+                tombstones = [not v for v in values_out] if plan.deleted else None
+                info = state.log.append(
+                    values_out, first_position=first, keys=keys, tombstones=tombstones
+                )
+            plan.applied = first + count
+            plan.applied_offset = info.next_offset
+            commits.append(state.committer.committed(info.next_offset))
+            plans.append(plan)
 
     async def _replicated(self, plans: list[FlushPlan]) -> HeadwaterError | None:
         """In a cluster (acks=all): wait until the in-sync replicas hold every kind's
