@@ -52,6 +52,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TypedDict, Unpack
 
 import cramjam
 import lz4.frame
@@ -357,20 +358,27 @@ def encode_records(records: Sequence[Record]) -> bytes:
     return bytes(out)
 
 
+class BatchOptions(TypedDict, total=False):
+    """What a batch's header says beyond its offsets and timestamps; what is not given
+    takes :func:`batch_around`'s default (the one place they are written)."""
+
+    compression: Compression
+    timestamp_type: TimestampType
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    transactional: bool
+    control: bool
+    partition_leader_epoch: int
+
+
 def build_batch(
     records: Sequence[Record],
     *,
     base_offset: int = 0,
     base_timestamp: int,
-    compression: Compression = Compression.NONE,
-    timestamp_type: TimestampType = TimestampType.CREATE_TIME,
-    producer_id: int = NO_PRODUCER_ID,
-    producer_epoch: int = NO_PRODUCER_EPOCH,
-    base_sequence: int = NO_SEQUENCE,
-    transactional: bool = False,
-    control: bool = False,
-    partition_leader_epoch: int = -1,
     max_timestamp: int | None = None,
+    **options: Unpack[BatchOptions],
 ) -> bytes:
     """A whole batch (header, CRC and records compressed with ``compression``)."""
     if not records:
@@ -384,14 +392,7 @@ def build_batch(
         base_offset=base_offset,
         base_timestamp=base_timestamp,
         max_timestamp=max_timestamp,
-        compression=compression,
-        timestamp_type=timestamp_type,
-        producer_id=producer_id,
-        producer_epoch=producer_epoch,
-        base_sequence=base_sequence,
-        transactional=transactional,
-        control=control,
-        partition_leader_epoch=partition_leader_epoch,
+        **options,
     )
 
 
