@@ -20,6 +20,7 @@ from headwater.errors import ProtocolError, UsageError
 from headwater.protocols import _connection
 from headwater.protocols._connection import Close as Close
 
+from . import messages as m
 from . import rivven_pb2 as pb
 from .frames import (
     MAX_CORRELATION_ID,
@@ -30,19 +31,6 @@ from .frames import (
     WireFormat,
     encode_frame,
     parse_frame,
-)
-from .messages import (
-    PROTOCOL_VERSION,
-    DecodeError,
-    ErrorCode,
-    decode_postcard_error,
-    decode_request,
-    decode_response,
-    encode_postcard_error,
-    error_response,
-    handshake_result,
-    request_of,
-    response_of,
 )
 
 POSTCARD_REFUSAL = (
@@ -109,7 +97,7 @@ ServerEvent = RequestFrame | Reply | Reject | Close
 
 
 def _with_header(response: pb.Response, correlation_id: int) -> pb.Response:
-    response.header.version = PROTOCOL_VERSION
+    response.header.version = m.PROTOCOL_VERSION
     response.header.correlation_id = correlation_id
     return response
 
@@ -135,7 +123,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
 
     def _on_broken(self, exc: ProtocolError) -> ServerEvent:
         if isinstance(exc, FrameTooLargeError):
-            response = _with_header(error_response(ErrorCode.MESSAGE_TOO_LARGE, str(exc)), 0)
+            response = _with_header(m.error_response(m.ErrorCode.MESSAGE_TOO_LARGE, str(exc)), 0)
             return Reject(response, self._frame(0, response), str(exc))
         return Close(str(exc))  # the decoder raises nothing else; a Close is the safe end
 
@@ -143,23 +131,23 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         try:
             frame = parse_frame(body)
         except ShortFrameError as exc:
-            return self._error(0, ErrorCode.INVALID_REQUEST, str(exc))
+            return self._error(0, m.ErrorCode.INVALID_REQUEST, str(exc))
         correlation_id = frame.correlation_id
         if frame.format == WireFormat.POSTCARD:
             # Answered in postcard, the one format such a client reads.
-            response = error_response(ErrorCode.INVALID_REQUEST, POSTCARD_REFUSAL)
+            response = m.error_response(m.ErrorCode.INVALID_REQUEST, POSTCARD_REFUSAL)
             text = response.error.message
-            data = encode_frame(WireFormat.POSTCARD, correlation_id, encode_postcard_error(text))
+            data = encode_frame(WireFormat.POSTCARD, correlation_id, m.encode_postcard_error(text))
             return Reply(_with_header(response, correlation_id), data)
         if frame.format != WireFormat.PROTOBUF:
             return self._error(
                 correlation_id,
-                ErrorCode.INVALID_REQUEST,
+                m.ErrorCode.INVALID_REQUEST,
                 f"unknown wire format 0x{frame.format:02x} (0x01 is protobuf)",
             )
         try:
-            request = decode_request(frame.payload)
-        except DecodeError as exc:
+            request = m.decode_request(frame.payload)
+        except m.DecodeError as exc:
             return self._error(correlation_id, exc.code, exc.message)
         if request.WhichOneof("request_type") == "handshake":
             return self._handshake(correlation_id, request.handshake)
@@ -168,7 +156,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
     def _handshake(self, correlation_id: int, handshake: pb.HandshakeRequest) -> ServerEvent:
         self.handshake_received = True
         self.client_id = handshake.client_id
-        response = _with_header(handshake_result(handshake.protocol_version), correlation_id)
+        response = _with_header(m.handshake_result(handshake.protocol_version), correlation_id)
         data = self._frame(correlation_id, response)
         if response.handshake_result.compatible:
             return Reply(response, data)
@@ -176,7 +164,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         return Reject(response, data, response.handshake_result.message)
 
     def _error(self, correlation_id: int, code: int, message: str) -> Reply:
-        response = _with_header(error_response(code, message), correlation_id)
+        response = _with_header(m.error_response(code, message), correlation_id)
         return Reply(response, self._frame(correlation_id, response))
 
     def _frame(self, correlation_id: int, response: pb.Response, *, own: bool = True) -> bytes:
@@ -201,10 +189,10 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         canonical order), so a large Consume answer built in place is serialised once.
         """
         if not isinstance(response, pb.Response):
-            response = response_of(response)
+            response = m.response_of(response)
         elif response.WhichOneof("response_type") is None:
             raise UsageError("the response carries no answer")
-        header = pb.Header(version=PROTOCOL_VERSION, correlation_id=correlation_id)
+        header = pb.Header(version=m.PROTOCOL_VERSION, correlation_id=correlation_id)
         if response.HasField("header"):
             copy = pb.Response()
             copy.CopyFrom(response)
@@ -225,7 +213,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
     ) -> bytes:
         """A framed ErrorResponse (``message`` prefixed with the code's name, ``details``
         in its details map)."""
-        response = error_response(code, message)
+        response = m.error_response(code, message)
         if details:
             response.error.details.update(details)
         return self._frame(correlation_id, _with_header(response, correlation_id))
@@ -280,9 +268,9 @@ class ClientConnection:
             message = pb.Request()
             message.CopyFrom(request)
         else:
-            message = request_of(request)
+            message = m.request_of(request)
         correlation_id = self._allocate()
-        message.header.version = PROTOCOL_VERSION
+        message.header.version = m.PROTOCOL_VERSION
         message.header.correlation_id = correlation_id
         message.header.client_id = self.client_id
         data = encode_frame(
@@ -298,7 +286,7 @@ class ClientConnection:
         """The version Handshake (optional for the server; sent first by Rivven's own
         client)."""
         return self.send_request(
-            pb.HandshakeRequest(protocol_version=PROTOCOL_VERSION, client_id=self.client_id)
+            pb.HandshakeRequest(protocol_version=m.PROTOCOL_VERSION, client_id=self.client_id)
         )
 
     def receive_data(self, data: Buffer) -> list[ResponseFrame]:
@@ -310,12 +298,13 @@ class ClientConnection:
         frame = parse_frame(body)
         correlation_id = frame.correlation_id
         if frame.format == WireFormat.PROTOBUF:
-            response = decode_response(frame.payload)
+            response = m.decode_response(frame.payload)
             wire_format = WireFormat.PROTOBUF
         elif frame.format == WireFormat.POSTCARD:
             # A Rivven server's connection-level errors can come as postcard.
-            message = decode_postcard_error(frame.payload)
-            response = pb.Response(error=pb.ErrorResponse(code=ErrorCode.UNKNOWN, message=message))
+            message = m.decode_postcard_error(frame.payload)
+            error = pb.ErrorResponse(code=m.ErrorCode.UNKNOWN, message=message)
+            response = pb.Response(error=error)
             wire_format = WireFormat.POSTCARD
         else:
             raise ProtocolError(f"answer in unknown wire format 0x{frame.format:02x}")
