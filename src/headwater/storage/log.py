@@ -943,6 +943,7 @@ class PartitionLog:
             # away), nor may an event of a transaction still open.
             upto = self.last_stable_offset
             sealed = [s for s in self.segments[:-1] if s.next_offset <= upto]
+            cuts = self._cuts
         if not sealed:
             return result
         # The latest value per key among what read_committed readers see: an aborted
@@ -956,8 +957,13 @@ class PartitionLog:
         for seg in sealed:
             with self._rewrite_lock:
                 with self._lock:
+                    if self._cuts != cuts:
+                        # Cut meanwhile: ``latest`` may name events the cut removed, whose
+                        # keys' older values are latest again. The next compaction looks
+                        # afresh.
+                        break
                     if not any(s is seg for s in self.segments):
-                        continue  # cut meanwhile: its offsets are gone or rewritten
+                        continue  # removed by retention meanwhile
                 rewritten = self._compact_segment(seg, latest, horizon, result)
                 if rewritten is not None:
                     with self._lock:

@@ -369,6 +369,63 @@ def test_a_cut_during_a_compaction_is_not_undone_by_its_rename(tmp_path: Path) -
     assert not check_partition(tmp_path).damaged
 
 
+class _PausingLock:
+    """The log's rewrite lock; ``thread`` stops before it first comes to take it."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self.thread: threading.Thread | None = None
+        self.arrived, self.go_on = threading.Event(), threading.Event()
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is self.thread and not self.arrived.is_set():
+            self.arrived.set()
+            assert self.go_on.wait(30), "the test never let the compaction go on"
+        self.lock.acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock.release()
+
+
+def test_a_cut_after_a_compaction_found_the_latest_values_keeps_what_it_left(
+    tmp_path: Path,
+) -> None:
+    # A follower's diverged tail is cut while the maintenance thread compacts: the
+    # compaction had found each key's latest value, some of them in the cut tail. An
+    # older segment compacted after the cut must keep the values the cut made latest
+    # again, not drop them for events that are gone.
+    plog = compact_log(tmp_path)
+    put(plog, b"a", b"a1")  # 0
+    put(plog, b"b", b"b1")  # 1
+    plog.roll()
+    put(plog, b"b", b"b2")  # 2
+    put(plog, b"a", b"a2")  # 3: cut below
+    plog.roll()
+    put(plog, b"c", b"c1")  # 4, active
+    paused = _PausingLock(plog._rewrite_lock)
+    plog._rewrite_lock = paused  # type: ignore[assignment]
+    compaction = threading.Thread(target=plog.compact, kwargs={"now_ms": 0})
+    paused.thread = compaction
+    compaction.start()
+    assert paused.arrived.wait(30), "the compaction never came to its first segment"
+    assert plog.truncate_to(3) == 3
+    paused.go_on.set()
+    compaction.join(30)
+    assert not compaction.is_alive()
+
+    def values(plog: PartitionLog) -> dict[bytes | None, bytes]:
+        return {key: val for _, key, val, _ in snapshot(plog)}
+
+    assert values(plog) == {b"a": b"a1", b"b": b"b2"}
+    plog.close()
+    plog = compact_log(tmp_path)
+    assert values(plog) == {b"a": b"a1", b"b": b"b2"}
+    plog.close()
+    assert not check_partition(tmp_path).damaged
+
+
 def test_compaction_survives_a_leftover_cleaned_file(tmp_path: Path) -> None:
     plog = compact_log(tmp_path)
     put(plog, b"a", b"1")
