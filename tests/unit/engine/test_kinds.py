@@ -606,3 +606,50 @@ def test_a_window_over_two_kinds_whose_second_changelog_refuses_the_append(
         assert tk.kinds[took.kind_id].applied_offset == tk.kinds[took.kind_id].log.end_offset
 
     run(tmp_path, body)
+
+
+def test_a_window_over_two_kinds_whose_second_changelog_cannot_roll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the second kind's changelog refuses the append by failing to start
+    its next segment (no space for the new file): an OSError, not a HeadwaterError. The
+    first kind's records are in its log all the same, so its state moves on with it."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        meter = await tk.create_kind("meter", [("kwh", FieldType.F64)])
+        src = tk.connect("a", source_id=1)
+        rolled: list[int] = []
+        for state in (tk.kinds[kind.kind_id], tk.kinds[meter.kind_id]):
+            real = state.log._maybe_roll
+
+            def no_space(
+                incoming: int, now_ms: int, _real: Any = real, _kind: int = state.info.kind_id
+            ) -> None:
+                if rolled and rolled[0] != _kind:
+                    raise OSError(28, "No space left on device")
+                rolled.append(_kind)
+                _real(incoming, now_ms)
+
+            monkeypatch.setattr(state.log, "_maybe_roll", no_space)
+        with pytest.raises(OSError, match="No space left"):
+            await src.apply(
+                [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
+            ).durable()
+        assert len(set(rolled)) == 1
+        took, refused = (kind, meter) if rolled[0] == kind.kind_id else (meter, kind)
+        took_eid, refused_eid = (eid(1), eid(2)) if took is kind else (eid(2), eid(1))
+        kept = tk.get(took.kind_id, took_eid)
+        assert kept is not None
+        assert tk.get(refused.kind_id, refused_eid) is None
+        took_state = tk.kinds[took.kind_id]
+        assert took_state.applied_offset == took_state.log.end_offset > 0
+        monkeypatch.undo()
+        await src.apply(
+            [assert_op(kind, eid(1), [2.0, "b"]), assert_op(meter, eid(2), [7.0])]
+        ).durable()
+        again = tk.get(took.kind_id, took_eid)
+        assert again is not None and again.version > kept.version
+        assert took_state.applied_offset == took_state.log.end_offset
+
+    run(tmp_path, body)

@@ -92,14 +92,15 @@ class WindowWriter:
         commits: list[Awaitable[None]] = []
         outcomes: list[BaseException | None] = []
         claimed: list[int] = []
-        refused: HeadwaterError | None = None
+        refused: Exception | None = None
         try:
             try:
                 self._append_all(window, plans, commits, claimed)
-            except HeadwaterError as exc:
-                # A changelog refused its kind's records (closed, cut, a failed write)
-                # after others took theirs: handled like any partly failed window's
-                # below, those others' state moving on with their logs.
+            except Exception as exc:
+                # A changelog refused its kind's records (closed, cut, a failed write or
+                # roll: an OSError too) after others took theirs: handled like any partly
+                # failed window's below, those others' state moving on with their logs
+                # (their records are there whatever the later kind's error was).
                 if not commits:
                     raise
                 refused = exc
@@ -108,16 +109,17 @@ class WindowWriter:
         finally:
             for first in claimed:
                 tenant.release_positions(first)
-        failed = [outcome for outcome in outcomes if outcome is not None]
+        failed: list[BaseException] = [outcome for outcome in outcomes if outcome is not None]
+        if not all(isinstance(error, HeadwaterError) for error in failed):
+            raise next(e for e in failed if not isinstance(e, HeadwaterError))
         if refused is not None:
             failed.append(refused)
         if failed:
-            if not all(isinstance(error, HeadwaterError) for error in failed):
-                raise next(e for e in failed if not isinstance(e, HeadwaterError))
-            # One kind's changelog was cut (or its fsync failed) while the others' are
-            # durable: those move on with their logs (the next window is planned
-            # against their state, and followers apply their records), once the in-sync
-            # replicas hold them as any window's; the writers are told it failed.
+            # One kind's changelog was cut (or its fsync failed, or it refused the
+            # append) while the others' are durable: those move on with their logs
+            # (the next window is planned against their state, and followers apply
+            # their records), once the in-sync replicas hold them as any window's; the
+            # writers are told it failed.
             durable = [
                 plan for plan, outcome in zip(plans, outcomes, strict=True) if outcome is None
             ]
