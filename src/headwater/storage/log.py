@@ -547,7 +547,10 @@ class PartitionLog:
             and now_ms - first_ts >= self.config.segment_ms
         )
         if too_big or too_old:
-            self.roll()
+            try:
+                self.roll()
+            except OSError as exc:  # e.g. no space for the next segment's file
+                raise StorageError(f"starting a new segment failed: {exc}") from exc
 
     def roll(self) -> None:
         """Seal the active segment and start a new one at the log end."""
@@ -1092,7 +1095,7 @@ class PartitionLog:
                 os.fsync(f.fileno())
             new.compressed = True
             new.next_offset = max(new.next_offset, seg.next_offset)
-            with self._lock:
+            with self._rewrite_lock, self._lock:
                 i = next((k for k, s in enumerate(self.segments) if s is seg), None)
                 if i is None:  # removed by retention meanwhile
                     os.unlink(rewritten)

@@ -665,3 +665,29 @@ def test_paging_through_the_log_returns_every_event_once(tmp_path: Path) -> None
             offset = result.next_offset
         assert got == w.events
     plog.close()
+
+
+def test_an_append_that_cannot_start_a_new_segment_fails_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk has no room for the next segment's file: the append that needed it is
+    # refused as a storage error (what every front end answers), and what was stored
+    # stays readable and appendable once there is room again.
+    plog = open_log(tmp_path, segment_bytes=300)
+    plog.append([b"a" * 100], first_position=0, timestamp_ms=0)
+    plog.append([b"b" * 100], first_position=1, timestamp_ms=0)
+
+    def no_space(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("headwater.storage.log.Segment.create", no_space)
+    with pytest.raises(StorageError, match=r"new segment failed.*No space left"):
+        plog.append([b"c" * 100], first_position=2, timestamp_ms=0)
+    assert plog.end_offset == 2
+    assert [e.value[:1] for e in plog.events()] == [b"a", b"b"]
+    monkeypatch.undo()
+    assert plog.append([b"c" * 100], first_position=2, timestamp_ms=0).base_offset == 2
+    plog.close()
+    plog = open_log(tmp_path, segment_bytes=300)
+    assert [e.value[:1] for e in plog.events()] == [b"a", b"b", b"c"]
+    plog.close()
