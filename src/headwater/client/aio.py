@@ -49,48 +49,8 @@ from headwater.errors import (
     StreamNotFound,
     UsageError,
 )
+from headwater.protocols.kimberlite import messages as m
 from headwater.protocols.kimberlite.connection import ClientConnection
-from headwater.protocols.kimberlite.messages import (
-    MAX_APPEND_BYTES,
-    MAX_EVENTS,
-    RESUME_GROUP_OFFSET,
-    AppendEventsRequest,
-    AppendEventsResponse,
-    AppendIdempotentRequest,
-    AppendRecordsRequest,
-    CloseReason,
-    CreateStreamRequest,
-    CreateStreamResponse,
-    DataClass,
-    DeleteStreamRequest,
-    ErrorResponse,
-    EventBatch,
-    HandshakeRequest,
-    HandshakeResponse,
-    ListStreamsRequest,
-    Placement,
-    QueryAtRequest,
-    QueryAtResponse,
-    QueryParam,
-    QueryRequest,
-    QueryResponse,
-    ReadEventsRequest,
-    ReadEventsResponse,
-    RequestPayload,
-    ResponsePayload,
-    StreamDeletedResponse,
-    StreamInfo,
-    StreamsResponse,
-    SubscribeCreditRequest,
-    SubscribeRequest,
-    SubscribeResponse,
-    SubscriptionClosedResponse,
-    SubscriptionEventsResponse,
-    SyncRequest,
-    SyncResponse,
-    Timestamp,
-    UnsubscribeRequest,
-)
 
 from ._connection import Connection, NotSent
 from ._core import batching
@@ -123,7 +83,7 @@ StartOffset = int | Literal["latest", "resume", "earliest"]
 "resume" (the consumer group's acknowledged position; needs ``group``)."""
 
 _T = TypeVar("_T")
-_R = TypeVar("_R", bound=ResponsePayload)
+_R = TypeVar("_R", bound=m.ResponsePayload)
 
 
 def to_event_bytes(event: EventLike) -> bytes:
@@ -147,8 +107,8 @@ def to_headers(headers: HeadersLike) -> tuple[tuple[str, bytes], ...]:
     return tuple((str(name), to_event_bytes(value)) for name, value in pairs)
 
 
-def _append_events(events: list[bytes], stream_id: int) -> RequestPayload:
-    return AppendEventsRequest(stream_id, EventBatch.of(events))
+def _append_events(events: list[bytes], stream_id: int) -> m.RequestPayload:
+    return m.AppendEventsRequest(stream_id, m.EventBatch.of(events))
 
 
 def _append_records(
@@ -156,27 +116,27 @@ def _append_records(
     keys: Sequence[bytes | None],
     headers: Sequence[tuple[tuple[str, bytes], ...]],
     stream_id: int,
-) -> RequestPayload:
-    return AppendRecordsRequest(stream_id, keys, headers, EventBatch.of(events))
+) -> m.RequestPayload:
+    return m.AppendRecordsRequest(stream_id, keys, headers, m.EventBatch.of(events))
 
 
 def split_events(values: Sequence[bytes]) -> list[list[bytes]]:
     """Split events into appends within the protocol's limits (10,000 events and 4 MiB
     of event bytes each), keeping their order. Raises :class:`EventTooLarge` for an
     event that no append can carry, before anything is sent."""
-    return batching.batches(values, len, MAX_EVENTS, MAX_APPEND_BYTES, too_large=_too_large)
+    return batching.batches(values, len, m.MAX_EVENTS, m.MAX_APPEND_BYTES, too_large=_too_large)
 
 
 def _too_large(index: int, size: int) -> EventTooLarge:
     return EventTooLarge(
         f"event {index} is {size:,} bytes; one event may be at most "
-        f"{MAX_APPEND_BYTES:,} bytes (4 MiB). Nothing was appended."
+        f"{m.MAX_APPEND_BYTES:,} bytes (4 MiB). Nothing was appended."
     )
 
 
-def to_query_param(value: object) -> QueryParam:
+def to_query_param(value: object) -> m.QueryParam:
     """A Python value as a Kimberlite query parameter (datetime becomes Timestamp)."""
-    if value is None or isinstance(value, bool | int | str | Timestamp):
+    if value is None or isinstance(value, bool | int | str | m.Timestamp):
         return value
     if isinstance(value, _dt.datetime):
         return datetime_to_timestamp(value)
@@ -212,7 +172,7 @@ class _Scan:
         return events
 
 
-def _retrieve(future: asyncio.Future[ResponsePayload]) -> None:
+def _retrieve(future: asyncio.Future[m.ResponsePayload]) -> None:
     """Done-callback for answers nobody awaits: mark their exception as seen."""
     if not future.cancelled():
         future.exception()
@@ -271,9 +231,9 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         conn = await self._dial(lambda: Connection(codec, self._on_lost))
         reply = await self._greet(
             conn,
-            lambda c: c.send(HandshakeRequest(auth_token=self.token)),
+            lambda c: c.send(m.HandshakeRequest(auth_token=self.token)),
             "Handshake",
-            HandshakeResponse,
+            m.HandshakeResponse,
         )
         self.server_version = reply.server_version
         self.capabilities = tuple(reply.capabilities)
@@ -281,7 +241,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         return conn
 
     def _error_of(self, reply: object) -> HeadwaterError | None:
-        return reply.to_exception() if isinstance(reply, ErrorResponse) else None
+        return reply.to_exception() if isinstance(reply, m.ErrorResponse) else None
 
     def _on_lost(self, conn: Connection, exc: BaseException | None) -> None:
         self._next_id = max(self._next_id, conn.last_id + 1)
@@ -291,7 +251,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
 
     async def _request(
         self,
-        payload: RequestPayload,
+        payload: m.RequestPayload,
         expect: type[_R],
         *,
         safe: bool,
@@ -305,10 +265,10 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         )
 
     async def _request_on(
-        self, conn: Connection, payload: RequestPayload, timeout: float = 5.0
-    ) -> ResponsePayload | None:
+        self, conn: Connection, payload: m.RequestPayload, timeout: float = 5.0
+    ) -> m.ResponsePayload | None:
         """Best effort on one given connection: the answer, or None when it failed."""
-        reply: ResponsePayload | None = await self._best_effort(
+        reply: m.ResponsePayload | None = await self._best_effort(
             conn, lambda c: c.send(payload), timeout
         )
         return reply
@@ -316,7 +276,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
     def _grant(self, conn: Connection, subscription_id: int, credits: int) -> bool:
         """Fire-and-forget SubscribeCredit (its answer only confirms the balance)."""
         try:
-            _, future = conn.send(SubscribeCreditRequest(subscription_id, credits))
+            _, future = conn.send(m.SubscribeCreditRequest(subscription_id, credits))
         except NotSent:
             return False
         future.add_done_callback(_retrieve)
@@ -328,8 +288,8 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         self,
         name: str,
         *,
-        data_class: DataClass = DataClass.NON_PHI,
-        placement: Placement = Placement.GLOBAL,
+        data_class: m.DataClass = m.DataClass.NON_PHI,
+        placement: m.Placement = m.Placement.GLOBAL,
         exist_ok: bool = False,
     ) -> int:
         """Create a stream; returns its id. StreamAlreadyExists when the name is taken,
@@ -340,8 +300,8 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
             # With exist_ok a create is safe to repeat: a retry that finds the stream
             # made by the attempt the connection lost lands in the except below.
             reply = await self._request(
-                CreateStreamRequest(name, data_class, placement),
-                CreateStreamResponse,
+                m.CreateStreamRequest(name, data_class, placement),
+                m.CreateStreamResponse,
                 safe=exist_ok,
             )
         except StreamAlreadyExists:
@@ -351,14 +311,14 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         self._names[name] = reply.stream_id
         return reply.stream_id
 
-    async def list_streams(self) -> list[StreamInfo]:
+    async def list_streams(self) -> list[m.StreamInfo]:
         """Every stream of the tenant (and refresh the name -> id cache)."""
-        reply = await self._request(ListStreamsRequest(), StreamsResponse, safe=True)
+        reply = await self._request(m.ListStreamsRequest(), m.StreamsResponse, safe=True)
         streams = list(reply.streams)
         self._names = {info.name: info.stream_id for info in streams}
         return streams
 
-    async def stream_info(self, stream: StreamRef) -> StreamInfo:
+    async def stream_info(self, stream: StreamRef) -> m.StreamInfo:
         """One stream's StreamInfo (by name or id); StreamNotFound when there is none."""
         for info in await self.list_streams():
             if info.name == stream or (
@@ -409,7 +369,9 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         """Delete a stream (by name or id) and everything in it."""
 
         async def op(stream_id: int) -> None:
-            await self._request(DeleteStreamRequest(stream_id), StreamDeletedResponse, safe=False)
+            await self._request(
+                m.DeleteStreamRequest(stream_id), m.StreamDeletedResponse, safe=False
+            )
             self._names = {n: i for n, i in self._names.items() if i != stream_id}
 
         await self._with_stream(stream, op)
@@ -450,7 +412,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
                 raise UsageError(f"{len(column)} {name} for {len(values)} events: one per event")
         batches = split_events(values)
         if key_column is None and header_column is None:
-            parts: list[Callable[[int], RequestPayload]] = [
+            parts: list[Callable[[int], m.RequestPayload]] = [
                 functools.partial(_append_events, batch) for batch in batches
             ]
         else:
@@ -502,7 +464,7 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         return self.capabilities
 
     async def _append_batches(
-        self, stream_id: int, batches: list[Callable[[int], RequestPayload]], max_in_flight: int
+        self, stream_id: int, batches: list[Callable[[int], m.RequestPayload]], max_in_flight: int
     ) -> AppendResult:
         results: list[tuple[int, int] | None] = [None] * len(batches)
         errors: list[tuple[int, BaseException]] = []
@@ -514,13 +476,13 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
             index: int,
             conn: Connection,
             request_id: Hashable,
-            future: asyncio.Future[ResponsePayload],
+            future: asyncio.Future[m.ResponsePayload],
         ) -> None:
             try:
                 reply = await self._answer(conn, request_id, future, "AppendEvents", safe=False)
-                if isinstance(reply, ErrorResponse):
+                if isinstance(reply, m.ErrorResponse):
                     raise reply.to_exception()
-                if not isinstance(reply, AppendEventsResponse):
+                if not isinstance(reply, m.AppendEventsResponse):
                     raise ProtocolError(f"headwater answered AppendEvents with {reply!r}")
                 results[index] = (reply.first_offset, reply.count)
             except BaseException as exc:
@@ -571,15 +533,15 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
             raise ValueError("append_idempotent needs at least one event")
         if len(split_events(values)) > 1:
             raise ValueError(
-                f"an idempotent append is one request: at most {MAX_EVENTS:,} events and "
-                f"{MAX_APPEND_BYTES:,} bytes; use one sequence number per part"
+                f"an idempotent append is one request: at most {m.MAX_EVENTS:,} events and "
+                f"{m.MAX_APPEND_BYTES:,} bytes; use one sequence number per part"
             )
-        batch = EventBatch.of(values)
+        batch = m.EventBatch.of(values)
 
         async def op(stream_id: int) -> AppendResult:
             reply = await self._request(
-                AppendIdempotentRequest(stream_id, producer_id, sequence, batch),
-                AppendEventsResponse,
+                m.AppendIdempotentRequest(stream_id, producer_id, sequence, batch),
+                m.AppendEventsResponse,
                 safe=True,
             )
             return AppendResult(
@@ -600,7 +562,9 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
 
         async def op(stream_id: int) -> ReadResult:
             reply = await self._request(
-                ReadEventsRequest(stream_id, from_offset, max_bytes), ReadEventsResponse, safe=True
+                m.ReadEventsRequest(stream_id, from_offset, max_bytes),
+                m.ReadEventsResponse,
+                safe=True,
             )
             values = reply.events.values()
             events = [Event(from_offset + i, value) for i, value in enumerate(values)]
@@ -620,7 +584,9 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
 
         async def op(stream_id: int) -> RawReadResult:
             reply = await self._request(
-                ReadEventsRequest(stream_id, from_offset, max_bytes), ReadEventsResponse, safe=True
+                m.ReadEventsRequest(stream_id, from_offset, max_bytes),
+                m.ReadEventsResponse,
+                safe=True,
             )
             at_end = reply.next_offset is None
             next_offset = from_offset + reply.events.count if at_end else reply.next_offset
@@ -648,22 +614,22 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
     async def query(self, sql: str, *params: object) -> QueryResult:
         """Run SQL (DuckDB dialect) seeing every event acknowledged before it."""
         reply = await self._request(
-            QueryRequest(sql, [to_query_param(p) for p in params]), QueryResponse, safe=True
+            m.QueryRequest(sql, [to_query_param(p) for p in params]), m.QueryResponse, safe=True
         )
         return QueryResult(reply.columns, reply.rows)
 
     async def query_at(self, sql: str, position: int, *params: object) -> QueryResult:
         """Run SQL over exactly the first ``position`` positions of the tenant log."""
         reply = await self._request(
-            QueryAtRequest(sql, [to_query_param(p) for p in params], position),
-            QueryAtResponse,
+            m.QueryAtRequest(sql, [to_query_param(p) for p in params], position),
+            m.QueryAtResponse,
             safe=True,
         )
         return QueryResult(reply.columns, reply.rows)
 
     async def sync(self) -> bool:
         """Make everything the tenant wrote durable (fsync), whatever the sync policy."""
-        reply = await self._request(SyncRequest(), SyncResponse, safe=True)
+        reply = await self._request(m.SyncRequest(), m.SyncResponse, safe=True)
         return reply.success
 
     # ---- subscriptions --------------------------------------------------------------------
@@ -765,7 +731,7 @@ class AsyncSubscription(Resumable[Connection]):
                 elif isinstance(self._from, str):
                     # "latest" without a group: the server starts at the end;
                     # "resume" with a group: at the group's acknowledged position.
-                    from_offset = RESUME_GROUP_OFFSET
+                    from_offset = m.RESUME_GROUP_OFFSET
                 else:
                     from_offset = self._from
             await self._subscribe(from_offset, self.credits)
@@ -785,8 +751,8 @@ class AsyncSubscription(Resumable[Connection]):
             self._unconsumed = initial + len(self._buffer)
 
         reply = await self._client._request(
-            SubscribeRequest(self.stream_id, from_offset, initial, self.group),
-            SubscribeResponse,
+            m.SubscribeRequest(self.stream_id, from_offset, initial, self.group),
+            m.SubscribeResponse,
             safe=True,
             route=self,
             on_sent=sent,
@@ -795,7 +761,7 @@ class AsyncSubscription(Resumable[Connection]):
             if self._conn is not None:
                 self._conn.routes.pop(self._request_id or 0, None)
                 await self._client._request_on(
-                    self._conn, UnsubscribeRequest(reply.subscription_id)
+                    self._conn, m.UnsubscribeRequest(reply.subscription_id)
                 )
             return
         self.subscription_id = reply.subscription_id
@@ -825,13 +791,13 @@ class AsyncSubscription(Resumable[Connection]):
         if self._ready is not None:
             self._ready.set()
 
-    def _on_notification(self, payload: ResponsePayload) -> None:
-        if isinstance(payload, SubscriptionEventsResponse):
+    def _on_notification(self, payload: m.ResponsePayload) -> None:
+        if isinstance(payload, m.SubscriptionEventsResponse):
             self._on_events(payload)
-        elif isinstance(payload, SubscriptionClosedResponse):
+        elif isinstance(payload, m.SubscriptionClosedResponse):
             self._on_closed(payload)
 
-    def _on_events(self, payload: SubscriptionEventsResponse) -> None:
+    def _on_events(self, payload: m.SubscriptionEventsResponse) -> None:
         if self._state in ("closed", "failed"):
             return
         values = payload.events.values()
@@ -845,22 +811,22 @@ class AsyncSubscription(Resumable[Connection]):
             self.next_offset = end
         self._wake()
 
-    def _on_closed(self, payload: SubscriptionClosedResponse) -> None:
+    def _on_closed(self, payload: m.SubscriptionClosedResponse) -> None:
         if self._state in ("closed", "failed"):
             return
         reason = payload.reason
         name = self.stream if isinstance(self.stream, str) else f"id {self.stream}"
-        if reason == CloseReason.SERVER_SHUTDOWN:
+        if reason == m.CloseReason.SERVER_SHUTDOWN:
             if self._client.reconnect:
                 self._detach()
             else:
                 self._fail(ConnectionLost("the server shut down and reconnect is off"))
-        elif reason == CloseReason.BACKPRESSURE_TIMEOUT:
+        elif reason == m.CloseReason.BACKPRESSURE_TIMEOUT:
             self._detach()
             self._client._spawn(self._client._recover([self]))
-        elif reason == CloseReason.STREAM_DELETED:
+        elif reason == m.CloseReason.STREAM_DELETED:
             self._fail(StreamNotFound(f"stream {name} was deleted"))
-        elif reason == CloseReason.CLIENT_CANCELLED:
+        elif reason == m.CloseReason.CLIENT_CANCELLED:
             self._state = "closed"
             self._wake()
         else:
@@ -957,7 +923,7 @@ class AsyncSubscription(Resumable[Connection]):
         if subscription_id is not None:
             conn.routes.pop(self._request_id or 0, None)
             if conn.usable:
-                await self._client._request_on(conn, UnsubscribeRequest(subscription_id))
+                await self._client._request_on(conn, m.UnsubscribeRequest(subscription_id))
 
 
 @same_parameters_as(AsyncClient)
