@@ -202,19 +202,48 @@ def positive(text: str) -> int:
 # ---- stream -------------------------------------------------------------------------------
 
 
-# `stream create` flags -> the HTTP API's stream settings (docs/http-api.md).
-STREAM_SETTINGS = (
-    "sync",
-    "segment_bytes",
-    "segment_ms",
-    "retention_ms",
-    "retention_bytes",
-    "cleanup_policy",
-    "delete_retention_ms",
-    "compression",
-    "partitions",
-    "timestamp_type",
-)
+def sync_policy(text: str) -> str:
+    if text in ("fsync", "none") or (
+        text.startswith("interval:") and text.removeprefix("interval:").isdigit()
+    ):
+        return text
+    raise argparse.ArgumentTypeError(f"expected fsync, none or interval:<ms>, not {text!r}")
+
+
+# `stream create`'s settings: each the HTTP API's stream setting of that name
+# (docs/http-api.md), given as the flag --<name with dashes>, with these add_argument
+# options; one table, so a flag and the setting it sends cannot drift apart.
+STREAM_SETTINGS: dict[str, dict[str, Any]] = {
+    "sync": {
+        "type": sync_policy,
+        "help": "when an append is acknowledged: fsync (each append), interval:<ms> or none",
+    },
+    "retention_ms": {"type": positive, "help": "delete segments older than this"},
+    "retention_bytes": {"type": positive, "help": "delete the oldest segments past this size"},
+    "cleanup_policy": {
+        "choices": ("delete", "compact"),
+        "help": "delete (retention only) or compact (keep each key's latest event)",
+    },
+    "delete_retention_ms": {
+        "type": non_negative,
+        "help": "with compact: how long a tombstone is kept",
+    },
+    "compression": {
+        "choices": ("none", "zstd", "lz4"),
+        "help": "how sealed segments are compressed",
+    },
+    "segment_bytes": {"type": positive, "help": "roll a segment at this size"},
+    "segment_ms": {"type": positive, "help": "roll a segment at this age"},
+    "partitions": {
+        "type": positive,
+        "help": "partitions of the stream (default 1; more later with stream alter)",
+    },
+    "timestamp_type": {
+        "choices": ("CreateTime", "LogAppendTime"),
+        "help": "CreateTime: events keep their producer's timestamp (default); "
+        "LogAppendTime: the server's clock",
+    },
+}
 
 
 @client_command
@@ -239,14 +268,6 @@ def cmd_stream_create(args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     return 0
-
-
-def sync_policy(text: str) -> str:
-    if text in ("fsync", "none") or (
-        text.startswith("interval:") and text.removeprefix("interval:").isdigit()
-    ):
-        return text
-    raise argparse.ArgumentTypeError(f"expected fsync, none or interval:<ms>, not {text!r}")
 
 
 @client_command
@@ -858,58 +879,8 @@ def add_client_commands(sub: Any) -> None:
     )
     p.add_argument("name")
     settings = p.add_argument_group("settings (the server's defaults when not given)")
-    settings.add_argument(
-        "--sync",
-        type=sync_policy,
-        default=None,
-        help="when an append is acknowledged: fsync (each append), interval:<ms> or none",
-    )
-    settings.add_argument(
-        "--retention-ms", type=positive, default=None, help="delete segments older than this"
-    )
-    settings.add_argument(
-        "--retention-bytes",
-        type=positive,
-        default=None,
-        help="delete the oldest segments past this size",
-    )
-    settings.add_argument(
-        "--cleanup-policy",
-        choices=("delete", "compact"),
-        default=None,
-        help="delete (retention only) or compact (keep each key's latest event)",
-    )
-    settings.add_argument(
-        "--delete-retention-ms",
-        type=non_negative,
-        default=None,
-        help="with compact: how long a tombstone is kept",
-    )
-    settings.add_argument(
-        "--compression",
-        choices=("none", "zstd", "lz4"),
-        default=None,
-        help="how sealed segments are compressed",
-    )
-    settings.add_argument(
-        "--segment-bytes", type=positive, default=None, help="roll a segment at this size"
-    )
-    settings.add_argument(
-        "--segment-ms", type=positive, default=None, help="roll a segment at this age"
-    )
-    settings.add_argument(
-        "--partitions",
-        type=positive,
-        default=None,
-        help="partitions of the stream (default 1; more later with stream alter)",
-    )
-    settings.add_argument(
-        "--timestamp-type",
-        choices=("CreateTime", "LogAppendTime"),
-        default=None,
-        help="CreateTime: events keep their producer's timestamp (default); "
-        "LogAppendTime: the server's clock",
-    )
+    for name, options in STREAM_SETTINGS.items():
+        settings.add_argument(f"--{name.replace('_', '-')}", default=None, **options)
     p.set_defaults(func=cmd_stream_create)
     p = stream_sub.add_parser(
         "alter", parents=[conn], help="add partitions to a stream (never fewer)"
