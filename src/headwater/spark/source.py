@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import pyarrow as pa
 from pyspark import TaskContext
@@ -34,6 +34,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from headwater.client import Client
 from headwater.errors import StreamAlreadyExists, UsageError
 
 from .kind_writer import ROWS_PER_BATCH, KindWriteOptions, batch_job_sequence, write_rows
@@ -70,6 +71,8 @@ from .streams import (
     open_client,
     stream_partitions,
 )
+
+P = ParamSpec("P")
 
 FORMAT = "headwater"
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
@@ -253,24 +256,17 @@ class HeadwaterBatchReader(DataSourceReader):
         with open_client(options.connection) as client:
             for stream in options.streams:
                 found = stream_partitions(client, stream, options.isolation)
-                count = len(found.bounds)
-                options.starting[stream].check(stream, count, "startingOffsets")
-                options.ending[stream].check(stream, count, "endingOffsets")
+                ends = (  # the two ends of the range read, each with its option
+                    (options.starting[stream], "startingOffsets"),
+                    (options.ending[stream], "endingOffsets"),
+                )
+                for offsets, option in ends:
+                    offsets.check(stream, len(found.bounds), option)
                 for partition, bounds in enumerate(found.bounds):
                     where = _where(stream, partition)
-                    start = _resolve(
-                        options.starting[stream].at(partition),
-                        bounds.start,
-                        bounds.end,
-                        where,
-                        "startingOffsets",
-                    )
-                    end = _resolve(
-                        options.ending[stream].at(partition),
-                        bounds.start,
-                        bounds.end,
-                        where,
-                        "endingOffsets",
+                    start, end = (
+                        _resolve(offsets.at(partition), bounds.start, bounds.end, where, option)
+                        for offsets, option in ends
                     )
                     if start < bounds.start:
                         if options.fail_on_data_loss:
@@ -289,6 +285,19 @@ class HeadwaterBatchReader(DataSourceReader):
             # with a placeholder InputPartition(None) instead of none.
             return iter(())
         return _read(self.options, self.schema, partition)
+
+
+def _read_kind(
+    options: KindReadOptions,
+    schema: StructType,
+    read: Callable[Concatenate[Client, KindReadOptions, pa.Schema, P], Iterator[pa.RecordBatch]],
+    *args: P.args,
+    **kwargs: P.kwargs,
+) -> Iterator[pa.RecordBatch]:
+    """A task's share of a kind (``read``: its state or its changes), on a client of its
+    own."""
+    with open_client(options.connection) as client:
+        yield from read(client, options, _arrow_schema(schema), *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -311,14 +320,7 @@ class HeadwaterKindReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, KindShare)
-        with open_client(self.options.connection) as client:
-            yield from read_share(
-                client,
-                self.options,
-                _arrow_schema(self.schema),
-                partition.index,
-                partition.parts,
-            )
+        return _read_kind(self.options, self.schema, read_share, partition.index, partition.parts)
 
 
 @dataclass(frozen=True)
@@ -386,15 +388,10 @@ class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailabl
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, ChangesShare)
-        with open_client(self.options.connection) as client:
-            yield from read_changes(
-                client,
-                self.options,
-                _arrow_schema(self.schema),
-                (partition.start, partition.end),
-                partition.index,
-                partition.parts,
-            )
+        span = (partition.start, partition.end)
+        return _read_kind(
+            self.options, self.schema, read_changes, span, partition.index, partition.parts
+        )
 
     def commit(self, end: dict[str, Any]) -> None:
         pass  # nothing is held server-side: Spark's checkpoint has the position
