@@ -9,9 +9,10 @@ halves are :mod:`headwater.client._core.blocking`'s, as for the entities client.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, http_port
 
@@ -37,6 +38,17 @@ if TYPE_CHECKING:
     from .arrow import HttpApi
 
 _T = TypeVar("_T")
+
+
+class _HttpTarget(TypedDict):
+    """The server's HTTP API (at the port its Handshake advertised) and who asks there:
+    what :func:`~.arrow.read_arrow` and :class:`~.arrow.HttpApi` both take."""
+
+    host: str
+    port: int
+    token: str | None
+    tenant: int
+    tls: ssl.SSLContext | None
 
 
 class Client(Blocking[AsyncClient]):
@@ -65,19 +77,14 @@ class Client(Blocking[AsyncClient]):
         bulk read with no work per event (see :mod:`headwater.client.arrow`)."""
         from .arrow import read_arrow  # pyarrow loads only for those who use it
 
-        inner = self._inner
         return read_arrow(
-            inner.host,
-            self._http_port(),
-            stream,
-            start,
-            end,
-            token=inner.token,
-            tenant=inner.tenant,
-            tls=inner.tls,
+            stream=stream,
+            start=start,
+            end=end,
             partition=partition,
             records=records,
             isolation=isolation,
+            **self._http_target(),
         )
 
     def http_api(self) -> HttpApi:
@@ -85,18 +92,18 @@ class Client(Blocking[AsyncClient]):
         Handshake, as for :meth:`read_arrow`): stream partitions, Arrow appends."""
         from .arrow import HttpApi
 
-        inner = self._inner
-        return HttpApi(
-            inner.host, self._http_port(), token=inner.token, tenant=inner.tenant, tls=inner.tls
-        )
+        return HttpApi(**self._http_target())
 
-    def _http_port(self) -> int:
+    def _http_target(self) -> _HttpTarget:
         port = http_port(self.capabilities)
         if port is None:
             raise ServerUnavailable(
                 f"the server at {self.address} does not advertise an HTTP API (http:<port>)"
             )
-        return port
+        inner = self._inner
+        return _HttpTarget(
+            host=inner.host, port=port, token=inner.token, tenant=inner.tenant, tls=inner.tls
+        )
 
     def submit(self, coro: Coroutine[Any, Any, _T]) -> Future[_T]:
         """Run a coroutine of :attr:`aio` on the client's loop without waiting, e.g.
