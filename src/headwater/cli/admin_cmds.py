@@ -26,6 +26,7 @@ from headwater.cli.client_cmds import (
     out,
     positive,
     print_counted,
+    say,
 )
 from headwater.cli.connection import (
     HttpApi,
@@ -83,11 +84,9 @@ def cmd_ping(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with connect(args) as hw:
         connect_ms = (time.perf_counter() - started) * 1000
-        out.print(
+        say(
             f"connected to {hw.address} in {connect_ms:.1f} ms: Kimberlite v"
-            f"{hw.aio.server_version}, {'authenticated' if hw.authenticated else 'no token'}",
-            markup=False,
-            soft_wrap=True,
+            f"{hw.aio.server_version}, {'authenticated' if hw.authenticated else 'no token'}"
         )
         times = []
         for seq in range(args.count):
@@ -194,11 +193,9 @@ def cmd_group_reset_offsets(args: argparse.Namespace) -> int:
             f"/api/consumer-groups/{quote(args.stream, safe='')}/{quote(args.group, safe='')}/reset"
         )
         group = api.request("POST", path, target)
-    out.print(
+    say(
         f"consumer group {group['group']} of {group['stream']} now at offset "
-        f"{group['committed_offset']:,} (end {group['end_offset']:,}, lag {group['lag']:,})",
-        markup=False,
-        soft_wrap=True,
+        f"{group['committed_offset']:,} (end {group['end_offset']:,}, lag {group['lag']:,})"
     )
     return 0
 

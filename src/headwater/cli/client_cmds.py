@@ -63,6 +63,13 @@ def stdout_console() -> Console:
 out = stdout_console()
 err = Console(stderr=True, highlight=False)
 
+
+def say(text: str, console: Console = out) -> None:
+    """Print a line of plain text: not read as markup (a name may hold brackets) and not
+    wrapped (a line stays one line for whatever reads the output)."""
+    console.print(text, markup=False, soft_wrap=True)
+
+
 EXIT_SERVER_ERROR = 1
 EXIT_UNREACHABLE = 2
 
@@ -252,7 +259,7 @@ def cmd_stream_create(args: argparse.Namespace) -> int:
     if not settings:
         with connect(args) as hw:
             stream_id = hw.create_stream(args.name)
-        out.print(f"created stream {args.name} (id {stream_id})", markup=False, soft_wrap=True)
+        say(f"created stream {args.name} (id {stream_id})")
         return 0
     # Kimberlite's CreateStream carries no settings; the HTTP API's create does.
     hw, api = http_api(args)
@@ -262,11 +269,7 @@ def cmd_stream_create(args: argparse.Namespace) -> int:
     if stream.get("partitions", 1) > 1:
         shown_settings["partitions"] = stream["partitions"]
     shown = ", ".join(f"{k}={v}" for k, v in sorted(shown_settings.items()))
-    out.print(
-        f"created stream {args.name} (id {stream['stream_id']}): {shown}",
-        markup=False,
-        soft_wrap=True,
-    )
+    say(f"created stream {args.name} (id {stream['stream_id']}): {shown}")
     return 0
 
 
@@ -364,11 +367,7 @@ def cmd_stream_alter(args: argparse.Namespace) -> int:
     with hw:
         path = f"/api/streams/{quote(args.name, safe='')}"
         stream = api.request("PATCH", path, {"partitions": args.partitions})
-    out.print(
-        f"stream {args.name} has {stream['partitions']} partitions",
-        markup=False,
-        soft_wrap=True,
-    )
+    say(f"stream {args.name} has {stream['partitions']} partitions")
     return 0
 
 
@@ -376,7 +375,7 @@ def cmd_stream_alter(args: argparse.Namespace) -> int:
 def cmd_stream_delete(args: argparse.Namespace) -> int:
     with connect(args) as hw:
         hw.delete_stream(args.name)
-    out.print(f"deleted stream {args.name}", markup=False, soft_wrap=True)
+    say(f"deleted stream {args.name}")
     return 0
 
 
@@ -531,11 +530,7 @@ def cmd_append(args: argparse.Namespace) -> int:
                 progress.stop()
     count = sum(last - first + 1 for first, last in written.values())
     if count == 0:
-        out.print(
-            f"no events appended to {args.stream} (the input had no lines)",
-            markup=False,
-            soft_wrap=True,
-        )
+        say(f"no events appended to {args.stream} (the input had no lines)")
         return 0
     if list(written) == [0]:
         where = "offsets {}..{}".format(*written[0])
@@ -543,11 +538,7 @@ def cmd_append(args: argparse.Namespace) -> int:
         where = ", ".join(
             f"partition {p} offsets {first}..{last}" for p, (first, last) in sorted(written.items())
         )
-    out.print(
-        f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: {where}",
-        markup=False,
-        soft_wrap=True,
-    )
+    say(f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: {where}")
     return 0
 
 
@@ -561,11 +552,7 @@ def _placing_api(hw: Client, stream: str) -> tuple[ArrowApi, int] | None:
     try:
         api = hw.http_api()
     except ServerUnavailable as exc:
-        err.print(
-            f"headwater: warning: {exc}; keyed events go to partition 0 over Kimberlite",
-            markup=False,
-            soft_wrap=True,
-        )
+        say(f"headwater: warning: {exc}; keyed events go to partition 0 over Kimberlite", err)
         return None
     try:
         partitions = int(api.stream(stream)["partitions"])
@@ -673,11 +660,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
         sub = hw.subscribe(
             args.stream, args.from_offset, credits=args.credits, group=args.group
         ).start()
-        err.print(
-            f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)",
-            markup=False,
-            soft_wrap=True,
-        )
+        say(f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)", err)
         # Short waits keep the main thread where Ctrl-C lands at once.
         while not sub.closed:
             for event in sub.next_batch(timeout=0.5):

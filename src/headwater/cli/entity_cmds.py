@@ -26,6 +26,7 @@ from headwater.cli.client_cmds import (
     fail,
     out,
     positive,
+    say,
 )
 from headwater.cli.kind_cmds import connect_entities, describe, entity_options
 
@@ -97,11 +98,9 @@ def cmd_entity_get(args: argparse.Namespace) -> int:
     assert entity.value is not None
     rows = [(name, format_field(value)) for name, value in entity.value.items()]
     out.print(details_table(f"{args.kind} {entity.key}", rows))
-    out.print(
+    say(
         f"version {entity.version}, asserted by source(s) "
-        f"{', '.join(map(str, entity.sources)) or '-'}",
-        markup=False,
-        soft_wrap=True,
+        f"{', '.join(map(str, entity.sources)) or '-'}"
     )
     return 0
 
@@ -205,7 +204,7 @@ def cmd_entity_watch(args: argparse.Namespace) -> int:
             # "watching" promises the current state is in: a Ctrl-C right after it must
             # still print the entities that were there (the table is drawn from the view).
             sub.wait_bootstrapped()
-        err.print(f"watching {kind.name} (Ctrl-C to stop)", markup=False, soft_wrap=True)
+        say(f"watching {kind.name} (Ctrl-C to stop)", err)
         if as_table:
             console = Console(force_terminal=args.format == "table" or None)
             with Live(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from headwater.cli.client_cmds import client_command, details_table, fail, out, print_counted
+from headwater.cli.client_cmds import client_command, details_table, fail, out, print_counted, say
 from headwater.cli.connection import connection_options, tls_options
 from headwater.json_fields import json_fields
 
@@ -90,11 +90,9 @@ def cmd_kind_create(args: argparse.Namespace) -> int:
             args.name, args.fields, create=True, event_stream=args.event_stream
         )
     what = "event-stream kind" if args.event_stream else "kind"
-    out.print(
+    say(
         f"{what} {kind.name}: id {kind.kind_id}, schema version {kind.schema_version}, "
-        f"{kind.field_count} field{'s' if kind.field_count != 1 else ''}",
-        markup=False,
-        soft_wrap=True,
+        f"{kind.field_count} field{'s' if kind.field_count != 1 else ''}"
     )
     return 0
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.table import Table
 
-from headwater.cli.client_cmds import fail, out
+from headwater.cli.client_cmds import fail, out, say
 from headwater.cli.connection import (
     PROFILE_KEYS,
     ProfileError,
@@ -37,7 +37,7 @@ def cmd_profile_add(args: argparse.Namespace) -> int:
         return fail("a profile needs at least one of --server, --http, --token, ...", 2)
     profiles[args.name] = {k: v for k, v in profile.items() if v is not None}
     path = save_profiles(profiles)
-    out.print(f"saved profile {args.name} in {path}", markup=False, soft_wrap=True)
+    say(f"saved profile {args.name} in {path}")
     return 0
 
 
@@ -75,7 +75,7 @@ def cmd_profile_remove(args: argparse.Namespace) -> int:
         return fail(f"no profile {args.name!r} in {profiles_path()}", 1)
     del profiles[args.name]
     save_profiles(profiles)
-    out.print(f"removed profile {args.name}", markup=False, soft_wrap=True)
+    say(f"removed profile {args.name}")
     return 0
 
 
