@@ -46,7 +46,7 @@ from headwater.engine.groups.errors import (
 from headwater.errors import HeadwaterError, InvalidOffset, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
-from ._core.blocking import Blocking, Inner, LoopThread
+from ._core.blocking import Blocking, Inner, LoopThread, blocking
 from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .errors import ClientClosed
 
@@ -716,8 +716,7 @@ class Consumer(Blocking[AsyncConsumer]):
     def assignment(self) -> list[TopicPartition]:
         return self._inner.assignment()
 
-    def poll(self, timeout: float | None = 1.0) -> ConsumerRecord | None:
-        return self._run(self._inner.poll(timeout))
+    poll = blocking(AsyncConsumer.poll)
 
     def consume(self, num_messages: int = 1, timeout: float | None = 1.0) -> list[ConsumerRecord]:
         """Up to ``num_messages`` records, waiting at most ``timeout`` for the first."""
@@ -742,10 +741,7 @@ class Consumer(Blocking[AsyncConsumer]):
             return
         self._run(self._inner.commit(offsets))
 
-    def committed(
-        self, partitions: Iterable[TopicPartition | tuple[str, int]]
-    ) -> dict[TopicPartition, int | None]:
-        return self._run(self._inner.committed(partitions))
+    committed = blocking(AsyncConsumer.committed)
 
     def position(self, partition: TopicPartition | tuple[str, int]) -> int | None:
         return self._inner.position(partition)
@@ -754,20 +750,11 @@ class Consumer(Blocking[AsyncConsumer]):
         """Read ``partition`` from ``offset`` on (also from within ``on_assign``)."""
         self._on_loop(lambda: self._inner.seek(partition, offset))
 
-    def offsets_for_times(
-        self, times: Mapping[TopicPartition | tuple[str, int], int | float | _dt.datetime]
-    ) -> dict[TopicPartition, int | None]:
-        return self._run(self._inner.offsets_for_times(times))
+    offsets_for_times = blocking(AsyncConsumer.offsets_for_times)
 
-    def seek_to_time(
-        self,
-        when: int | float | _dt.datetime,
-        partitions: Iterable[TopicPartition | tuple[str, int]] | None = None,
-    ) -> None:
-        self._run(self._inner.seek_to_time(when, partitions))
+    seek_to_time = blocking(AsyncConsumer.seek_to_time)
 
-    def wait_for_assignment(self, timeout: float | None = None) -> list[TopicPartition]:
-        return self._run(self._inner.wait_for_assignment(timeout))
+    wait_for_assignment = blocking(AsyncConsumer.wait_for_assignment)
 
     member_id = Inner[str]()
     generation = Inner[int]()

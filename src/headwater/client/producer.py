@@ -35,7 +35,7 @@ from headwater.engine.partitioner import Partitioner
 from headwater.errors import InvalidTxnState, StreamAlreadyExists, UsageError
 from headwater.protocols.rivven import rivven_pb2 as pb
 
-from ._core.blocking import Blocking, Inner, LoopThread
+from ._core.blocking import Blocking, Inner, LoopThread, blocking
 from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .aio import EventLike, HeadersLike, to_event_bytes, to_headers
 from .errors import ClientClosed, EventTooLarge
@@ -568,6 +568,8 @@ class Producer(Blocking[AsyncProducer]):
         self._handoff_scheduled = False
 
     requests = Inner[int]("Requests written so far (a batch is one).")
+    partitions_for = blocking(AsyncProducer.partitions_for)
+    create_stream = blocking(AsyncProducer.create_stream)
 
     def send(
         self,
@@ -621,23 +623,10 @@ class Producer(Blocking[AsyncProducer]):
         self._take_handoff()  # what was sent before the flush is in it
         await self._inner.flush()
 
-    def partitions_for(self, stream: str) -> int:
-        return self._run(self._inner.partitions_for(stream))
-
-    def create_stream(self, name: str, *, partitions: int = 1, exist_ok: bool = False) -> int:
-        return self._run(self._inner.create_stream(name, partitions=partitions, exist_ok=exist_ok))
-
-    def init_transactions(self) -> None:
-        self._run(self._inner.init_transactions())
-
-    def begin_transaction(self) -> None:
-        self._run(self._inner.begin_transaction())
-
-    def send_offsets_to_transaction(self, offsets: OffsetsLike, group_id: str) -> None:
-        self._run(self._inner.send_offsets_to_transaction(offsets, group_id))
-
-    def commit_transaction(self) -> None:
-        self._run(self._inner.commit_transaction())
-
-    def abort_transaction(self) -> None:
-        self._run(self._inner.abort_transaction())
+    # Transactions, as AsyncProducer's (what was sent before is in the loop's queue ahead
+    # of them).
+    init_transactions = blocking(AsyncProducer.init_transactions)
+    begin_transaction = blocking(AsyncProducer.begin_transaction)
+    send_offsets_to_transaction = blocking(AsyncProducer.send_offsets_to_transaction)
+    commit_transaction = blocking(AsyncProducer.commit_transaction)
+    abort_transaction = blocking(AsyncProducer.abort_transaction)

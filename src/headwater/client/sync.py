@@ -14,9 +14,9 @@ from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
-from headwater.protocols.kimberlite.messages import DataClass, Placement, StreamInfo, http_port
+from headwater.protocols.kimberlite.messages import http_port
 
-from ._core.blocking import Blocking, BlockingSubscription, Inner, LoopThread
+from ._core.blocking import Blocking, BlockingSubscription, Inner, LoopThread, blocking
 from ._core.session import same_parameters_as
 from .aio import (
     DEFAULT_CREDITS,
@@ -30,7 +30,7 @@ from .aio import (
     _Scan,
 )
 from .errors import ServerUnavailable
-from .results import AppendResult, Event, QueryResult, RawReadResult, ReadResult
+from .results import AppendResult, Event
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -60,6 +60,19 @@ class Client(Blocking[AsyncClient]):
     capabilities = Inner[tuple[str, ...]]()
     authenticated = Inner[bool]()
     retried = Inner[int]("How many requests were retried (retryable errors, lost connections).")
+
+    # The asyncio client's calls that block as they are: its streams (create, list,
+    # describe, delete), reads and SQL.
+    create_stream = blocking(AsyncClient.create_stream)
+    list_streams = blocking(AsyncClient.list_streams)
+    stream_info = blocking(AsyncClient.stream_info)
+    stream_id = blocking(AsyncClient.stream_id)
+    delete_stream = blocking(AsyncClient.delete_stream)
+    read = blocking(AsyncClient.read)
+    read_batch = blocking(AsyncClient.read_batch)
+    query = blocking(AsyncClient.query)
+    query_at = blocking(AsyncClient.query_at)
+    sync = blocking(AsyncClient.sync)
 
     def read_arrow(
         self,
@@ -111,36 +124,6 @@ class Client(Blocking[AsyncClient]):
         pipelined on the one connection."""
         return self._runner.submit(coro)
 
-    # ---- streams ----------------------------------------------------------------------------
-
-    def create_stream(
-        self,
-        name: str,
-        *,
-        data_class: DataClass = DataClass.NON_PHI,
-        placement: Placement = Placement.GLOBAL,
-        exist_ok: bool = False,
-    ) -> int:
-        """Create a stream; returns its id. StreamAlreadyExists when the name is taken,
-        unless ``exist_ok``: then the existing stream's id."""
-        return self._run(
-            self._inner.create_stream(
-                name, data_class=data_class, placement=placement, exist_ok=exist_ok
-            )
-        )
-
-    def list_streams(self) -> list[StreamInfo]:
-        return self._run(self._inner.list_streams())
-
-    def stream_info(self, stream: StreamRef) -> StreamInfo:
-        return self._run(self._inner.stream_info(stream))
-
-    def stream_id(self, stream: StreamRef, *, refresh: bool = False) -> int:
-        return self._run(self._inner.stream_id(stream, refresh=refresh))
-
-    def delete_stream(self, stream: StreamRef) -> None:
-        self._run(self._inner.delete_stream(stream))
-
     # ---- appends and reads ------------------------------------------------------------------
 
     def append(
@@ -168,17 +151,6 @@ class Client(Blocking[AsyncClient]):
         values = list(events)
         return self._run(self._inner.append_idempotent(stream, producer_id, sequence, values))
 
-    def read(
-        self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
-    ) -> ReadResult:
-        return self._run(self._inner.read(stream, from_offset, max_bytes))
-
-    def read_batch(
-        self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
-    ) -> RawReadResult:
-        """Like :meth:`read`, events left in wire form (see ``AsyncClient.read_batch``)."""
-        return self._run(self._inner.read_batch(stream, from_offset, max_bytes))
-
     def scan(
         self,
         stream: StreamRef,
@@ -191,17 +163,6 @@ class Client(Blocking[AsyncClient]):
         scan = _Scan(from_offset, limit)
         while scan.offset is not None:
             yield from scan.take(self.read(stream, scan.offset, max_bytes))
-
-    # ---- SQL --------------------------------------------------------------------------------
-
-    def query(self, sql: str, *params: object) -> QueryResult:
-        return self._run(self._inner.query(sql, *params))
-
-    def query_at(self, sql: str, position: int, *params: object) -> QueryResult:
-        return self._run(self._inner.query_at(sql, position, *params))
-
-    def sync(self) -> bool:
-        return self._run(self._inner.sync())
 
     # ---- subscriptions ----------------------------------------------------------------------
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
-from headwater.client._core.blocking import Blocking, BlockingSubscription, Inner, LoopThread
+from headwater.client._core.blocking import (
+    Blocking,
+    BlockingSubscription,
+    Inner,
+    LoopThread,
+    blocking,
+)
 from headwater.client._core.session import same_parameters_as
 
 from .aio import (
@@ -53,26 +59,11 @@ class EntityClient(Blocking[AsyncEntityClient]):
 
     # ---- kinds --------------------------------------------------------------------------
 
-    def create_kind(
-        self, cls: type[T], name: str | None = None, *, event_stream: bool = False
-    ) -> Kind[T]:
-        return self._run(self._inner.create_kind(cls, name, event_stream=event_stream))
+    create_kind = blocking(AsyncEntityClient.create_kind)
 
-    def get_kind(self, cls: type[T], name: str | None = None) -> Kind[T]:
-        return self._run(self._inner.get_kind(cls, name))
+    get_kind = blocking(AsyncEntityClient.get_kind)
 
-    def kind_from_schema(
-        self,
-        name: str,
-        specs: Sequence[tuple[str, int]],
-        *,
-        create: bool = False,
-        event_stream: bool = False,
-    ) -> Kind[dict[str, Any]]:
-        """A kind read and written as dicts (see ``AsyncEntityClient.kind_from_schema``)."""
-        return self._run(
-            self._inner.kind_from_schema(name, specs, create=create, event_stream=event_stream)
-        )
+    kind_from_schema = blocking(AsyncEntityClient.kind_from_schema)
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -99,10 +90,7 @@ class EntityClient(Blocking[AsyncEntityClient]):
         if self._inner.buffer_retract(kind, key, metadata):
             self._run(self._inner.drain())
 
-    def flush(self) -> None:
-        """Return once every earlier write is durable and visible; raise the first write
-        the server refused since the last flush."""
-        self._run(self._inner.flush())
+    flush = blocking(AsyncEntityClient.flush)
 
     def epoch(self) -> Epoch:
         """``with client.epoch() as epoch:``: see :meth:`AsyncEntityClient.epoch`."""
@@ -110,11 +98,9 @@ class EntityClient(Blocking[AsyncEntityClient]):
 
     # ---- reads --------------------------------------------------------------------------
 
-    def get(self, kind: Kind[T], key: KeyLike) -> Entity[T] | None:
-        return self._run(self._inner.get(kind, key))
+    get = blocking(AsyncEntityClient.get)
 
-    def scan(self, kind: Kind[T]) -> list[Entity[T]]:
-        return self._run(self._inner.scan(kind))
+    scan = blocking(AsyncEntityClient.scan)
 
     def subscribe(
         self,

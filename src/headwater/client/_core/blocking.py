@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
-from typing import Any, Generic, Protocol, Self, TypeVar, cast, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, cast, overload
 
 from ..errors import ClientClosed
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 class _AsyncClosable(Protocol):
@@ -74,6 +76,22 @@ class Inner(Generic[T]):
 
     def __set__(self, obj: object, value: T) -> None:
         raise AttributeError(f"{self.name} is read-only")
+
+
+def blocking(
+    method: Callable[Concatenate[A, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[Blocking[A], P], T]:
+    """The blocking form of an asyncio client's method: ``read = blocking(AsyncClient.read)``
+    in a class body runs ``self._inner.read(...)`` on the client's loop and waits for its
+    answer. It takes the method's parameters (for type checkers and ``help()`` too) and
+    has its documentation, so the two cannot drift apart."""
+
+    def call(self: Blocking[A], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(method(self._inner, *args, **kwargs))
+
+    functools.update_wrapper(call, method)
+    call.__qualname__ = method.__name__  # not the asyncio class's
+    return call
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
