@@ -554,8 +554,8 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES
     ) -> ReadResult:
         """Events from ``from_offset`` until ``max_bytes`` of values (at least one event
-        when there is one). ``events, next_offset = await client.read(...)``. The server
-        answers consecutive offsets from ``from_offset``, ending before a hole in the
+        when there is one); it unpacks as ``events, next_offset``. The server answers
+        consecutive offsets from ``from_offset``, ending before a hole in the
         stream's offsets (compaction, an aborted transaction); from inside a hole the
         answer is no events and ``next_offset`` the first offset after it, ``at_end``
         only when no event follows (docs/protocols/kimberlite.md)."""
