@@ -653,3 +653,48 @@ def test_a_window_over_two_kinds_whose_second_changelog_cannot_roll(
         assert took_state.applied_offset == took_state.log.end_offset
 
     run(tmp_path, body)
+
+
+def test_a_write_made_against_a_failed_window_fails_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window fails (its changelog's fsync) while the next window holds a patch of the
+    same entity, made against the failed window's values. That patch's writers are told
+    it failed too, so nothing of the failed write becomes durable through it; a write to
+    another entity in a later window, and later writes, go on."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        src = tk.connect("a", source_id=1)
+        await src.apply([assert_op(kind, eid(1), [1.0, "a"])]).durable()
+        committer = tk.kinds[kind.kind_id].committer
+        flushing, fail_now = asyncio.Event(), asyncio.Event()
+
+        async def failing_fsync(next_offset: int) -> None:
+            flushing.set()
+            await fail_now.wait()
+            raise StorageError("fsync failed: Input/output error")
+
+        monkeypatch.setattr(committer, "committed", failing_fsync)
+        failed = src.apply([patch_op(kind, eid(1), {0: 2.0})])
+        await flushing.wait()  # the window is being written: the next one opens
+        monkeypatch.undo()
+        built_on_it = src.apply([patch_op(kind, eid(1), {1: "b"})])
+        assert built_on_it is not failed
+        fail_now.set()
+        with pytest.raises(StorageError):
+            await failed.durable()
+        with pytest.raises(StorageError):
+            await built_on_it.durable()
+        state = tk.get(kind.kind_id, eid(1))
+        assert state is not None and state.values == (1.0, "a")
+        # Not built on the failed window: written as usual.
+        await src.apply(
+            [patch_op(kind, eid(1), {1: "c"}), assert_op(kind, eid(2), [3.0, "x"])]
+        ).durable()
+        state = tk.get(kind.kind_id, eid(1))
+        assert state is not None and state.values == (1.0, "c")
+        other = tk.get(kind.kind_id, eid(2))
+        assert other is not None and other.values == (3.0, "x")
+
+    run(tmp_path, body)
