@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, Unpack
 
 from headwater.api.auth import Auth, AuthConfig, Principal
 from headwater.api.cluster_gate import ClusterGate
@@ -65,6 +65,7 @@ from headwater.engine.transactions import (
     ClusterHooks,
     ProducerIdentity,
     TransactionCoordinator,
+    TxnBatchOptions,
     append_transactional,
     create_state_stream,
     write_marker,
@@ -75,7 +76,6 @@ from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
-from headwater.storage.batch import Headers
 from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo, ReadResult
 from headwater.storage.producers import AbortedTxn
@@ -628,10 +628,7 @@ class EngineAPI:
         stream_id: int,
         sequence: int,
         values: Sequence[bytes] | KafkaSection,
-        *,
-        partition: int = 0,
-        keys: Sequence[bytes | None] | None = None,
-        headers: Sequence[Headers] | None = None,
+        **batch: Unpack[TxnBatchOptions],
     ) -> AppendInfo:
         """A batch inside the producer's transaction (its partition joins it); a
         produced Kafka batch is stored in Kafka form. In a cluster, a partition's leader
@@ -647,9 +644,7 @@ class EngineAPI:
             append = functools.partial(txns.append, transactional_id)
         else:
             append = functools.partial(append_transactional, self._engine, tenant_id)
-        return await append(
-            producer, stream_id, sequence, values, partition=partition, keys=keys, headers=headers
-        )
+        return await append(producer, stream_id, sequence, values, **batch)
 
     async def add_offsets_to_txn(
         self,

@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypedDict, Unpack
 
 from headwater.engine.engine import Engine, StreamSettings, run_every
 from headwater.engine.groups.errors import CoordinatorNotAvailable
@@ -121,6 +121,17 @@ class TxnState(StrEnum):
 class ProducerIdentity(NamedTuple):
     producer_id: int
     epoch: int
+
+
+class TxnBatchOptions(TypedDict, total=False):
+    """What a transactional append may name beside its values, passed down unchanged to
+    :func:`append_transactional` (the defaults are its own): the partition (0), the
+    events' keys and headers, and the batch's timestamp."""
+
+    partition: int
+    keys: Sequence[bytes | None] | None
+    headers: Sequence[Headers] | None
+    timestamp_ms: int | None
 
 
 @dataclass
@@ -432,16 +443,13 @@ class TenantTransactions:
         stream_id: int,
         sequence: int,
         values: Sequence[bytes] | KafkaSection,
-        *,
-        partition: int = 0,
-        keys: Sequence[bytes | None] | None = None,
-        headers: Sequence[Headers] | None = None,
-        timestamp_ms: int | None = None,
+        **batch: Unpack[TxnBatchOptions],
     ) -> AppendInfo:
         """A transactional batch to one partition (added to the transaction first if
         it is not in it yet); a retried (producer, epoch, sequence) is answered with its
         first offsets and stored once. ``values`` may be a produced Kafka batch, stored
         in Kafka form (its keys and headers are in it)."""
+        partition = batch.get("partition", 0)
         async with self._lock(transactional_id):
             txn = self._current(transactional_id, producer)
             if (stream_id, partition) not in txn.partitions or txn.state != TxnState.ONGOING:
@@ -460,10 +468,7 @@ class TenantTransactions:
                 stream_id,
                 sequence,
                 values,
-                partition=partition,
-                keys=keys,
-                headers=headers,
-                timestamp_ms=timestamp_ms,
+                **batch,
             )
         finally:
             txn.appending -= 1
