@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TypedDict, Unpack
 
 BURST_S = 1.0
 """A bucket holds this many seconds of its rate: the burst that passes undelayed."""
@@ -59,6 +60,16 @@ class Quota(StrEnum):
     PRODUCE = "produce"  # bytes of appended events
     CONSUME = "consume"  # bytes of events read or pushed
     REQUESTS = "requests"
+
+
+class Spent(TypedDict, total=False):
+    """What a served request spent, as :meth:`Quotas.charge` takes it (each 0
+    unless given), and the longest its answer may wait (``max_wait_s``)."""
+
+    produce: int
+    consume: int
+    requests: int
+    max_wait_s: float | None
 
 
 class TokenBucket:
@@ -289,21 +300,11 @@ class Quotas:
                 delay = max(delay, wait)
         return delay
 
-    async def throttle(
-        self,
-        tenant_id: int,
-        *,
-        produce: int = 0,
-        consume: int = 0,
-        requests: int = 0,
-        max_wait_s: float | None = None,
-    ) -> float:
+    async def throttle(self, tenant_id: int, **spent: Unpack[Spent]) -> float:
         """After serving a request whose cost was known only then (a read's bytes):
         :meth:`charge`, then wait that long (this task only), reported to the enclosing
         :func:`report_throttle`; the seconds waited."""
-        delay = self.charge(
-            tenant_id, produce=produce, consume=consume, requests=requests, max_wait_s=max_wait_s
-        )
+        delay = self.charge(tenant_id, **spent)
         report = _REPORT.get()
         if report is not None:
             report.seconds += delay
