@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from itertools import repeat
 from operator import itemgetter, length_hint
@@ -273,13 +274,36 @@ def _settings_from_configs(configs: Sequence[Any]) -> dict[str, Any]:
     return settings
 
 
+@dataclass
+class _Outcome:
+    """A topic's answer to CreateTopics, DeleteTopics or CreatePartitions."""
+
+    error_code: ErrorCode = ErrorCode.none
+    error_message: str | None = None
+
+
+@contextmanager
+def _topic_outcome(session: Session, invalid: ErrorCode) -> Iterator[_Outcome]:
+    """The outcome of the block: NONE, or the HeadwaterError it raised, InvalidRequest
+    answered as ``invalid`` (the operation's own code for a bad argument) and a refusal
+    by a limit counted."""
+    outcome = _Outcome()
+    try:
+        yield outcome
+    except HeadwaterError as exc:
+        if isinstance(exc, StreamQuotaExceeded):
+            session.refused(exc.limit)
+        code = error_code(exc)
+        outcome.error_code = invalid if code is ErrorCode.invalid_request else code
+        outcome.error_message = str(exc)
+
+
 async def create_topics(session: Session, request: Any, version: int) -> Mapping[str, Any]:
     api, tenant = session.api, session.tenant_id
     results = []
     for topic in request.topics:
         partitions = topic.num_partitions if topic.num_partitions > 0 else 1
-        code, message = ErrorCode.none, None
-        try:
+        with _topic_outcome(session, ErrorCode.invalid_config) as outcome:
             check_topic_name(topic.name, (s.name for s in api.list_streams(tenant)))
             if topic.replication_factor not in (-1, 1):
                 raise InvalidRequest("one node: replication_factor must be 1 (or -1)")
@@ -288,21 +312,14 @@ async def create_topics(session: Session, request: Any, version: int) -> Mapping
             )
             if not request.validate_only:
                 await api.create_stream(tenant, topic.name, settings)
-        except HeadwaterError as exc:
-            if isinstance(exc, StreamQuotaExceeded):
-                session.refused(exc.limit)
-            code = error_code(exc)
-            if code is ErrorCode.invalid_request:
-                code = ErrorCode.invalid_config
-            message = str(exc)
+        created = outcome.error_code is ErrorCode.none
         results.append(
             {
                 "name": topic.name,
                 "topic_id": None,
-                "error_code": code,
-                "error_message": message,
-                "num_partitions": partitions if code is ErrorCode.none else -1,
-                "replication_factor": 1 if code is ErrorCode.none else -1,
+                **asdict(outcome),
+                "num_partitions": partitions if created else -1,
+                "replication_factor": 1 if created else -1,
                 "configs": [],
             }
         )
@@ -313,14 +330,9 @@ async def delete_topics(session: Session, request: Any, version: int) -> Mapping
     api, tenant = session.api, session.tenant_id
     results = []
     for name in request.topic_names:
-        code, message = ErrorCode.none, None
-        try:
+        with _topic_outcome(session, ErrorCode.invalid_request) as outcome:
             await api.delete_stream(tenant, api.stream_named(tenant, name).stream_id)
-        except HeadwaterError as exc:
-            code, message = error_code(exc), str(exc)
-        results.append(
-            {"name": name, "topic_id": None, "error_code": code, "error_message": message}
-        )
+        results.append({"name": name, "topic_id": None, **asdict(outcome)})
     return {"throttle_time": 0, "responses": results}
 
 
@@ -328,19 +340,15 @@ async def create_partitions(session: Session, request: Any, version: int) -> Map
     api, tenant = session.api, session.tenant_id
     results = []
     for topic in request.topics:
-        code, message = ErrorCode.none, None
-        try:
+        with _topic_outcome(session, ErrorCode.invalid_partitions) as outcome:
             info = api.stream_named(tenant, topic.name)
             if topic.count <= info.partitions:
-                code = ErrorCode.invalid_partitions
-                message = f"{topic.name} has {info.partitions} partitions: it can only grow"
-            elif not request.validate_only:
+                raise InvalidRequest(
+                    f"{topic.name} has {info.partitions} partitions: it can only grow"
+                )
+            if not request.validate_only:
                 await api.alter_partitions(tenant, info.stream_id, topic.count)
-        except HeadwaterError as exc:
-            code, message = error_code(exc), str(exc)
-            if code is ErrorCode.invalid_request:
-                code = ErrorCode.invalid_partitions
-        results.append({"name": topic.name, "error_code": code, "error_message": message})
+        results.append({"name": topic.name, **asdict(outcome)})
     return {"throttle_time": 0, "results": results}
 
 
@@ -431,6 +439,33 @@ def _stream_or_none(session: Session, name: str) -> StreamInfo | None:
         return session.api.stream_named(session.tenant_id, name)
     except StreamNotFound:
         return None
+
+
+def _partitions_asked(
+    session: Session,
+    topics: Sequence[Any],
+    answer: list[dict[str, Any]],
+    name: str,
+    index: str,
+    blank: Mapping[str, Any],
+) -> Iterator[tuple[dict[str, Any], StreamInfo, int, Any]]:
+    """Each partition a Fetch or ListOffsets asks for (``name`` and ``index``: its
+    request's field names of a topic's name and a partition's index) with its answer's
+    entry: ``blank``'s fields, under its topic in ``answer``. A partition of no stream
+    is answered UNKNOWN_TOPIC_OR_PARTITION here and not yielded."""
+    for topic in topics:
+        topic_name = getattr(topic, name)
+        info = _stream_or_none(session, topic_name)
+        partitions: list[dict[str, Any]] = []
+        answer.append({name: topic_name, "partitions": partitions})
+        for wanted in topic.partitions:
+            p = getattr(wanted, index)
+            entry = {"partition_index": p, "error_code": ErrorCode.none, **blank}
+            partitions.append(entry)
+            if info is None or not 0 <= p < info.partitions:
+                entry["error_code"] = ErrorCode.unknown_topic_or_partition
+            else:
+                yield entry, info, p, wanted
 
 
 # ---- produce ----------------------------------------------------------------------------
@@ -837,76 +872,67 @@ async def _fetch_once(
     budget = max(getattr(request, "max_bytes", 1 << 31), 1)
     size = 0
     waits: list[tuple[int, int, int]] = []
-    topics = []
-    for topic in request.topics:
-        partitions = []
-        info = _stream_or_none(session, topic.topic)
-        for wanted in topic.partitions:
-            entry: dict[str, Any] = {
-                "partition_index": wanted.partition,
-                "error_code": ErrorCode.none,
-                "high_watermark": -1,
-                "last_stable_offset": -1,
-                "log_start_offset": -1,
-                "aborted_transactions": [],
-                "records": b"",
-            }
-            partitions.append(entry)
-            if info is None or not 0 <= wanted.partition < info.partitions:
-                entry["error_code"] = ErrorCode.unknown_topic_or_partition
-                continue
-            p = wanted.partition
-            end, readable, stable = _partition_ends(session, info, p)
-            entry["high_watermark"] = readable
-            entry["last_stable_offset"] = stable
-            entry["log_start_offset"] = info.partition_info[p].start_offset
-            offset = wanted.fetch_offset
-            if offset > end or offset < 0:
-                entry["error_code"] = ErrorCode.offset_out_of_range
-                continue
-            limit = stable if isolation == READ_COMMITTED else readable
-            if offset >= limit or size >= budget:
-                # Woken by anything readable past the current end: a new batch, a
-                # marker that moves the last stable offset, a high watermark move.
-                waits.append((info.stream_id, p, readable))
-                continue
-            try:
-                # Up to the last stable offset for read_committed, aborted batches and
-                # markers included: the client drops what the aborted list names.
-                result = await api.read(
+    topics: list[dict[str, Any]] = []
+    blank = {
+        "high_watermark": -1,
+        "last_stable_offset": -1,
+        "log_start_offset": -1,
+        "aborted_transactions": [],
+        "records": b"",
+    }
+    for entry, info, p, wanted in _partitions_asked(
+        session, request.topics, topics, "topic", "partition", blank
+    ):
+        end, readable, stable = _partition_ends(session, info, p)
+        entry["high_watermark"] = readable
+        entry["last_stable_offset"] = stable
+        entry["log_start_offset"] = info.partition_info[p].start_offset
+        offset = wanted.fetch_offset
+        if offset > end or offset < 0:
+            entry["error_code"] = ErrorCode.offset_out_of_range
+            continue
+        limit = stable if isolation == READ_COMMITTED else readable
+        if offset >= limit or size >= budget:
+            # Woken by anything readable past the current end: a new batch, a
+            # marker that moves the last stable offset, a high watermark move.
+            waits.append((info.stream_id, p, readable))
+            continue
+        try:
+            # Up to the last stable offset for read_committed, aborted batches and
+            # markers included: the client drops what the aborted list names.
+            result = await api.read(
+                tenant,
+                info.stream_id,
+                offset,
+                min(wanted.partition_max_bytes, budget - size),
+                partition=p,
+                isolation=isolation,
+                kafka=True,
+            )
+        except InvalidOffset:
+            entry["error_code"] = ErrorCode.offset_out_of_range
+            continue
+        except HeadwaterError as exc:
+            entry["error_code"] = error_code(exc)
+            continue
+        if readable < end:  # whole batches: those from the high watermark on wait
+            result.spans = [s for s in result.spans if s.batch.base_offset < limit]
+        data = records_of(result)
+        entry["records"] = data
+        size += len(data)
+        if isolation == READ_COMMITTED and result.spans:
+            entry["aborted_transactions"] = [
+                {"producer_id": aborted.producer_id, "first_offset": aborted.first_offset}
+                for aborted in api.aborted_transactions(
                     tenant,
                     info.stream_id,
-                    offset,
-                    min(wanted.partition_max_bytes, budget - size),
-                    partition=p,
-                    isolation=isolation,
-                    kafka=True,
+                    p,
+                    result.spans[0].batch.base_offset,
+                    result.end_offset,
                 )
-            except InvalidOffset:
-                entry["error_code"] = ErrorCode.offset_out_of_range
-                continue
-            except HeadwaterError as exc:
-                entry["error_code"] = error_code(exc)
-                continue
-            if readable < end:  # whole batches: those from the high watermark on wait
-                result.spans = [s for s in result.spans if s.batch.base_offset < limit]
-            data = records_of(result)
-            entry["records"] = data
-            size += len(data)
-            if isolation == READ_COMMITTED and result.spans:
-                entry["aborted_transactions"] = [
-                    {"producer_id": aborted.producer_id, "first_offset": aborted.first_offset}
-                    for aborted in api.aborted_transactions(
-                        tenant,
-                        info.stream_id,
-                        p,
-                        result.spans[0].batch.base_offset,
-                        result.end_offset,
-                    )
-                ]
-            if not data:
-                waits.append((info.stream_id, p, readable))
-        topics.append({"topic": topic.topic, "partitions": partitions})
+            ]
+        if not data:
+            waits.append((info.stream_id, p, readable))
     answer = {
         "throttle_time": 0,
         "error_code": ErrorCode.none,
@@ -922,43 +948,29 @@ EARLIEST, LATEST, MAX_TIMESTAMP = -2, -1, -3
 async def list_offsets(session: Session, request: Any, version: int) -> Mapping[str, Any]:
     api, tenant = session.api, session.tenant_id
     committed = _isolation(request) == READ_COMMITTED
-    topics = []
-    for topic in request.topics:
-        partitions = []
-        info = _stream_or_none(session, topic.name)
-        for wanted in topic.partitions:
-            entry: dict[str, Any] = {
-                "partition_index": wanted.partition_index,
-                "error_code": ErrorCode.none,
-                "timestamp": -1,
-                "offset": -1,
-                "leader_epoch": 0,
-                "old_style_offsets": [],
-            }
-            partitions.append(entry)
-            p = wanted.partition_index
-            if info is None or not 0 <= p < info.partitions:
-                entry["error_code"] = ErrorCode.unknown_topic_or_partition
-                continue
-            if wanted.timestamp == EARLIEST:
-                entry["offset"] = info.partition_info[p].start_offset
-            elif wanted.timestamp == LATEST:
-                _, readable, stable = _partition_ends(session, info, p)
-                entry["offset"] = stable if committed else readable
-            elif wanted.timestamp >= 0:
-                found = await api.offset_for_timestamp(
-                    tenant, info.stream_id, wanted.timestamp, partition=p
-                )
-                if found is not None:
-                    entry["offset"] = found
-                    entry["timestamp"] = await _timestamp_at(session, info, p, found)
-            elif wanted.timestamp == MAX_TIMESTAMP and version >= 7:
-                latest = await api.offset_of_max_timestamp(tenant, info.stream_id, partition=p)
-                if latest is not None:
-                    entry["offset"], entry["timestamp"] = latest
-            else:
-                entry["error_code"] = ErrorCode.unsupported_version
-        topics.append({"name": topic.name, "partitions": partitions})
+    topics: list[dict[str, Any]] = []
+    blank = {"timestamp": -1, "offset": -1, "leader_epoch": 0, "old_style_offsets": []}
+    for entry, info, p, wanted in _partitions_asked(
+        session, request.topics, topics, "name", "partition_index", blank
+    ):
+        if wanted.timestamp == EARLIEST:
+            entry["offset"] = info.partition_info[p].start_offset
+        elif wanted.timestamp == LATEST:
+            _, readable, stable = _partition_ends(session, info, p)
+            entry["offset"] = stable if committed else readable
+        elif wanted.timestamp >= 0:
+            found = await api.offset_for_timestamp(
+                tenant, info.stream_id, wanted.timestamp, partition=p
+            )
+            if found is not None:
+                entry["offset"] = found
+                entry["timestamp"] = await _timestamp_at(session, info, p, found)
+        elif wanted.timestamp == MAX_TIMESTAMP and version >= 7:
+            latest = await api.offset_of_max_timestamp(tenant, info.stream_id, partition=p)
+            if latest is not None:
+                entry["offset"], entry["timestamp"] = latest
+        else:
+            entry["error_code"] = ErrorCode.unsupported_version
     return {"throttle_time": 0, "topics": topics}
 
 
