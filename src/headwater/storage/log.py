@@ -239,15 +239,12 @@ class PartitionLog:
         bases = sorted(int(p.name[:-4]) for p in directory.glob("*.log") if p.name[:-4].isdigit())
         interval = plog.config.index_interval_bytes
         for i, base in enumerate(bases):
-            if i == len(bases) - 1:
-                seg = Segment.open_tail(directory, base, interval, plog.files)
-            else:
-                seg = Segment.open_sealed(directory, base, interval, plog.files)
-            plog.segments.append(seg)
+            seg = Segment(directory, base, interval, plog.files)
+            plog.segments.append(seg.open_tail() if i == len(bases) - 1 else seg.open_sealed())
         # An empty tail left by a crash right after a roll is harmless; an empty log
         # gets its first segment now.
         if not plog.segments:
-            plog.segments.append(Segment.create(directory, 0, interval, plog.files))
+            plog.segments.append(Segment(directory, 0, interval, plog.files).create())
             fsync_directory(directory)
         plog.durable_offset = plog.end_offset
         plog._load_producers()
@@ -469,9 +466,9 @@ class PartitionLog:
                 os.fsync(fd)
             seg.close()
             self._dirty.discard(seg.base_offset)
-            tail = Segment.open_tail(
+            tail = Segment(
                 self.directory, seg.base_offset, self.config.index_interval_bytes, self.files
-            )
+            ).open_tail()
             self.segments[-1] = tail
             self.durable_offset = min(self.durable_offset, tail.next_offset)
             remove_snapshots_from(self.directory, tail.next_offset)
@@ -561,9 +558,9 @@ class PartitionLog:
             seg.write_index_files(sync=False)
             seg.map_index_files()  # sealed: its index costs no heap from here on
             self._dirty.add(seg.base_offset)  # its indexes get fsynced on the next sync
-            new = Segment.create(
+            new = Segment(
                 self.directory, seg.next_offset, self.config.index_interval_bytes, self.files
-            )
+            ).create()
             self.segments.append(new)
             self._dir_changes += 1
             # Even an empty table is worth a file: recovery then scans only from here.
@@ -1051,9 +1048,9 @@ class PartitionLog:
         seg.time_index_path.unlink(missing_ok=True)
         os.replace(rewritten, seg.log_path)
         fsync_directory(self.directory)
-        return Segment.open_sealed(
+        return Segment(
             self.directory, seg.base_offset, seg.index_interval_bytes, self.files
-        )
+        ).open_sealed()
 
     # ---- compression ------------------------------------------------------------------
 

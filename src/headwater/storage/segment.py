@@ -862,37 +862,24 @@ class Segment:
             self.sealed_index.retire()
 
     # ---- opening -------------------------------------------------------------------
+    # A segment is constructed, then given a new file (create) or opened from the one on
+    # disk (open_tail, open_sealed); each answers the segment itself.
 
-    @classmethod
-    def create(
-        cls,
-        directory: Path,
-        base_offset: int,
-        index_interval_bytes: int,
-        files: FileCache | None = None,
-    ) -> Segment:
-        seg = cls(directory, base_offset, index_interval_bytes, files)
-        seg.file = seg.files.create(seg.log_path)
-        return seg
+    def create(self) -> Segment:
+        """A new, empty segment file."""
+        self.file = self.files.create(self.log_path)
+        return self
 
-    @classmethod
-    def open_tail(
-        cls,
-        directory: Path,
-        base_offset: int,
-        index_interval_bytes: int,
-        files: FileCache | None = None,
-    ) -> Segment:
+    def open_tail(self) -> Segment:
         """Open the active segment after a possible crash: check every batch's CRC,
         truncate a torn or corrupt tail, and rebuild both indexes from what remains."""
-        seg = cls(directory, base_offset, index_interval_bytes, files)
-        with seg.pinned() as fd:
-            report = seg._scan_file(fd, verify=True, stop_at_error=True)
+        with self.pinned() as fd:
+            report = self._scan_file(fd, verify=True, stop_at_error=True)
             file_size = os.fstat(fd).st_size
             if report.valid_bytes < file_size:
                 log.warning(
                     "truncating %s from %d to %d bytes: %s",
-                    seg.log_path,
+                    self.log_path,
                     file_size,
                     report.valid_bytes,
                     "; ".join(report.errors) or "torn tail",
@@ -900,32 +887,24 @@ class Segment:
                 os.ftruncate(fd, report.valid_bytes)
                 os.fsync(fd)
         # The active segment's indexes live in memory; files appear when it is sealed.
-        seg.index_path.unlink(missing_ok=True)
-        seg.time_index_path.unlink(missing_ok=True)
-        return seg
+        self.index_path.unlink(missing_ok=True)
+        self.time_index_path.unlink(missing_ok=True)
+        return self
 
-    @classmethod
-    def open_sealed(
-        cls,
-        directory: Path,
-        base_offset: int,
-        index_interval_bytes: int,
-        files: FileCache | None = None,
-    ) -> Segment:
+    def open_sealed(self) -> Segment:
         """Open a sealed segment from its index, rebuilding the index if it is damaged."""
-        seg = cls(directory, base_offset, index_interval_bytes, files)
-        with seg.pinned() as fd:
-            seg.size = os.fstat(fd).st_size
-            if not seg._load_index():
-                log.warning("rebuilding index of %s", seg.log_path)
-                seg._reset_index()
-                report = seg._scan_file(fd, verify=True, stop_at_error=False)
+        with self.pinned() as fd:
+            self.size = os.fstat(fd).st_size
+            if not self._load_index():
+                log.warning("rebuilding index of %s", self.log_path)
+                self._reset_index()
+                report = self._scan_file(fd, verify=True, stop_at_error=False)
                 for error in report.errors:
-                    log.error("sealed segment %s: %s", seg.log_path, error)
-                seg.size = os.fstat(fd).st_size
-                seg.write_index_files(sync=True)
-                seg.map_index_files()
-        return seg
+                    log.error("sealed segment %s: %s", self.log_path, error)
+                self.size = os.fstat(fd).st_size
+                self.write_index_files(sync=True)
+                self.map_index_files()
+        return self
 
     def _reset_index(self) -> None:
         self.size = 0
