@@ -14,7 +14,7 @@ import pytest
 
 from headwater.api import AuthConfig, EngineAPI
 from headwater.api.readahead import Pages, ReadAhead
-from headwater.engine.engine import EngineConfig
+from headwater.engine.engine import EngineConfig, PageRead
 from headwater.engine.kinds import KindsConfig
 from headwater.errors import HeadwaterError
 from headwater.storage.log import ReadResult
@@ -196,29 +196,29 @@ def test_the_engine_reads_a_page_and_the_page_after_it_in_one_worker(tmp_path: P
             def values(result: ReadResult) -> list[bytes]:
                 return [event.value for event in result.events()]
 
-            first, second = engine.read_soon(0, stream, 5, page_bytes, then=lambda: True)
+            first, second = engine.read_soon(PageRead(0, stream, page_bytes), 5, then=lambda: True)
             fresh = await engine.read(0, stream, 5, page_bytes)
             assert values(await first) == values(fresh) == [b"%04d" % i for i in range(5, 15)]
             after = await engine.read(0, stream, 15, page_bytes)
             assert values(await second) == values(after)
             # Not wanted (no room), or the first page reached the end: not read.
-            first, second = engine.read_soon(0, stream, 5, page_bytes, then=lambda: False)
+            first, second = engine.read_soon(PageRead(0, stream, page_bytes), 5, then=lambda: False)
             await first
             await wait_until_async(second.done)
             assert second.cancelled()
-            first, second = engine.read_soon(0, stream, 25, page_bytes, then=lambda: True)
+            first, second = engine.read_soon(PageRead(0, stream, page_bytes), 25, then=lambda: True)
             assert (await first).next_offset is None
             await wait_until_async(second.done)
             assert second.cancelled()
             # A stream that is gone fails the page as a read would.
-            first, second = engine.read_soon(0, 999, 0, page_bytes)
+            first, second = engine.read_soon(PageRead(0, 999, page_bytes), 0)
             with pytest.raises(HeadwaterError):
                 await first
             await wait_until_async(second.done)
         finally:
             await api.close()
         # Closed: the page fails at once instead of the caller.
-        first, second = engine.read_soon(0, stream, 5, page_bytes)
+        first, second = engine.read_soon(PageRead(0, stream, page_bytes), 5)
         with pytest.raises(RuntimeError):
             await first
         assert second.cancelled()

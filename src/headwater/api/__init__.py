@@ -36,6 +36,7 @@ from headwater.engine.engine import (
     READ_UNCOMMITTED,
     Engine,
     EngineConfig,
+    PageRead,
     PartitionedAppend,
     PartitionInfo,
     Stream,
@@ -505,41 +506,21 @@ class EngineAPI:
             # read hold its answer back (capped; the rest is waited by the next turn).
             await self.quotas.admit(tenant_id, requests=1, consume=True)
 
-        def read(offset: int) -> Coroutine[Any, Any, ReadResult]:
-            return self._engine.read(
-                tenant_id,
-                stream_id,
-                offset,
-                max_bytes,
-                max_events=max_events,
-                partition=partition,
-                isolation=isolation,
-                kafka=kafka,
-                contiguous=contiguous,
-            )
+        page = PageRead(
+            tenant_id, stream_id, max_bytes, max_events, partition, isolation, contiguous
+        )
 
         def ahead(offset: int) -> Pages:
-            return self._engine.read_soon(
-                tenant_id,
-                stream_id,
-                offset,
-                max_bytes,
-                max_events=max_events,
-                partition=partition,
-                isolation=isolation,
-                contiguous=contiguous,
-                then=self._read_ahead.room,
-            )
+            return self._engine.read_soon(page, offset, then=self._read_ahead.room)
 
         # A throttled reader waits its turn anyway: reading ahead would only hold memory.
         read_ahead = read_ahead and not throttled and not kafka
-        key = (tenant_id, stream_id, partition, max_bytes, max_events, isolation, contiguous)
-        result = await self._read_ahead.take((*key, from_offset)) if read_ahead else None
+        result = await self._read_ahead.take((page, from_offset)) if read_ahead else None
         if result is None:
-            result = await read(from_offset)
+            result = await self._engine.read_page(page, from_offset, kafka=kafka)
         next_offset = result.next_offset
         if read_ahead and next_offset is not None:
-            self._read_ahead.start((*key, next_offset), follow=ahead)
+            self._read_ahead.start((page, next_offset), follow=ahead)
         if throttled:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result

@@ -98,6 +98,37 @@ def committed_only(isolation: str) -> bool:
     raise InvalidRequest(f"isolation is read_committed or read_uncommitted, not {isolation!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class PageRead:
+    """A read of one partition but for where it starts: every page of a sequential
+    reader asks the same (its read-ahead key, api/readahead.py). ``isolation``:
+    ``read_committed`` (the default) stops at the partition's last stable offset and
+    leaves out aborted transactions; ``read_uncommitted`` shows every stored event
+    (transaction markers are never shown). ``contiguous``: the events' offsets have no
+    hole, for an answer that carries none (:meth:`PartitionLog.read`)."""
+
+    tenant_id: int
+    stream_id: int
+    max_bytes: int = 1 << 20
+    max_events: int | None = None
+    partition: int = 0
+    isolation: str = READ_COMMITTED
+    contiguous: bool = False
+
+    def __post_init__(self) -> None:
+        committed_only(self.isolation)  # refused here, not in the thread that reads
+
+    def read(self, plog: PartitionLog, from_offset: int, *, kafka: bool = False) -> ReadResult:
+        return plog.read(
+            from_offset,
+            self.max_bytes,
+            max_events=self.max_events,
+            committed_only=committed_only(self.isolation),
+            kafka=kafka,
+            contiguous=self.contiguous,
+        )
+
+
 async def run_every(
     interval: float, job: Callable[[], Awaitable[object]], what: str, logger: logging.Logger = log
 ) -> None:
@@ -1190,27 +1221,26 @@ class Engine:
         kafka: bool = False,
         contiguous: bool = False,
     ) -> ReadResult:
-        """Committed events of one partition (0 unless named) from ``from_offset``. Data
-        in the page cache is read right here on the loop (no-wait reads); anything that
-        would wait for the disk is read in a worker thread. ``isolation``:
-        ``read_committed`` (the default) stops at the partition's last stable offset
-        and leaves out aborted transactions; ``read_uncommitted`` shows every stored
-        event (transaction markers are never shown). ``internal``: see :meth:`stream`.
-        ``kafka``: whole stored batches, markers and aborted batches included, as a
-        Kafka fetch answers; ``contiguous``: the events' offsets have no hole, for an
-        answer that carries none (both :meth:`PartitionLog.read`)."""
-        plog = self.stream(tenant_id, stream_id, internal=internal).partition_log(partition)
-        committed = committed_only(isolation)
+        """Committed events of one partition (0 unless named) from ``from_offset``: the
+        :class:`PageRead` of these arguments, read by :meth:`read_page`."""
+        page = PageRead(
+            tenant_id, stream_id, max_bytes, max_events, partition, isolation, contiguous
+        )
+        return await self.read_page(page, from_offset, internal=internal, kafka=kafka)
+
+    async def read_page(
+        self, page: PageRead, from_offset: int, *, internal: bool = False, kafka: bool = False
+    ) -> ReadResult:
+        """``page`` from ``from_offset``. Data in the page cache is read right here on the
+        loop (no-wait reads); anything that would wait for the disk is read in a worker
+        thread. ``internal``: see :meth:`stream`. ``kafka``: whole stored batches, markers
+        and aborted batches included, as a Kafka fetch answers (:meth:`PartitionLog.read`)."""
+        plog = self.stream(page.tenant_id, page.stream_id, internal=internal).partition_log(
+            page.partition
+        )
 
         def read() -> ReadResult:
-            return plog.read(
-                from_offset,
-                max_bytes,
-                max_events=max_events,
-                committed_only=committed,
-                kafka=kafka,
-                contiguous=contiguous,
-            )
+            return page.read(plog, from_offset, kafka=kafka)
 
         try:
             with no_wait():
@@ -1220,44 +1250,28 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(self.executor, read)
 
     def read_soon(
-        self,
-        tenant_id: int,
-        stream_id: int,
-        from_offset: int,
-        max_bytes: int = 1 << 20,
-        *,
-        max_events: int | None = None,
-        partition: int = 0,
-        isolation: str = READ_COMMITTED,
-        contiguous: bool = False,
-        then: Callable[[], bool] | None = None,
+        self, page: PageRead, from_offset: int, then: Callable[[], bool] | None = None
     ) -> tuple[asyncio.Future[ReadResult], asyncio.Future[ReadResult]]:
-        """:meth:`read` of a sequential reader's next page (api/readahead.py), started
-        in a worker thread now rather than at the loop's next turn, and the page after
-        it, read by the same thread right after when the first stopped at its budget
-        and ``then()`` (asked in the thread) still wants it; that future is cancelled
-        when the page is not read. The disk reads on while the loop sends a page: a
-        thread started from the loop waited for it (for the GIL) to finish sending."""
+        """:meth:`read_page` of a sequential reader's next page (api/readahead.py),
+        started in a worker thread now rather than at the loop's next turn, and the page
+        after it, read by the same thread right after when the first stopped at its
+        budget and ``then()`` (asked in the thread) still wants it; that future is
+        cancelled when the page is not read. The disk reads on while the loop sends a
+        page: a thread started from the loop waited for it (for the GIL) to finish
+        sending."""
         loop = asyncio.get_running_loop()
         pages: tuple[asyncio.Future[ReadResult], asyncio.Future[ReadResult]] = (
             loop.create_future(),
             loop.create_future(),
         )
-        committed = committed_only(isolation)
 
         def read_pages() -> None:
             offset = from_offset
             try:
-                plog = self.stream(tenant_id, stream_id).partition_log(partition)
-                for page in pages:
-                    result = plog.read(
-                        offset,
-                        max_bytes,
-                        max_events=max_events,
-                        committed_only=committed,
-                        contiguous=contiguous,
-                    )
-                    loop.call_soon_threadsafe(_settle, page, result, None)
+                plog = self.stream(page.tenant_id, page.stream_id).partition_log(page.partition)
+                for future in pages:
+                    result = page.read(plog, offset)
+                    loop.call_soon_threadsafe(_settle, future, result, None)
                     if result.next_offset is None or then is None or not then():
                         break
                     offset = result.next_offset
