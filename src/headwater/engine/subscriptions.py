@@ -23,6 +23,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -246,35 +247,26 @@ class GroupOffsets:
             await asyncio.wait([self._flush])
 
 
+@dataclass(eq=False, repr=False)  # compared and hashed by identity: held in sets
 class Subscription:
-    def __init__(
-        self,
-        manager: Subscriptions,
-        subscription_id: int,
-        stream: Stream,
-        next_offset: int,
-        credits: int,
-        group: str | None,
-        deliver: Deliver | None,
-        on_close: OnClose,
-        deliver_read: DeliverRead | None = None,
-        partition: int = 0,
-    ) -> None:
-        self.manager = manager
-        self.subscription_id = subscription_id
-        self.stream = stream
-        self.partition = partition
-        self.next_offset = next_offset
-        self.credits = credits
-        self.group = group
-        self.deliver = deliver
-        self.deliver_read = deliver_read
-        self.on_close = on_close
-        self.closed = False
-        self.active = group is None
-        self.delivered_events = 0
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+    manager: Subscriptions
+    subscription_id: int
+    stream: Stream
+    next_offset: int
+    credits: int
+    group: str | None
+    deliver: Deliver | None
+    on_close: OnClose
+    deliver_read: DeliverRead | None = None
+    partition: int = 0
+    closed: bool = field(default=False, init=False)
+    active: bool = field(init=False)  # False while another member of its group reads
+    delivered_events: int = field(default=0, init=False)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.active = self.group is None
 
     def wake(self) -> None:
         self._wake.set()
