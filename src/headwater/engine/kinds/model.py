@@ -227,6 +227,7 @@ class StateChange:
     metadata: bytes = b""
 
 
+@dataclass(slots=True, eq=False, repr=False)  # a sequence, compared by identity
 class StateColumns(Sequence[StateChange]):
     """One window's net changes of one kind, as columns: the window flush builds them
     without an object per change, and a front end encodes them without one. As a sequence
@@ -239,50 +240,23 @@ class StateColumns(Sequence[StateChange]):
     subscriber of the kind gets this same object.
     """
 
-    __slots__ = (
-        "_changed",
-        "_changed_of",
-        "changes",
-        "derived",
-        "entity_ids",
-        "first_version",
-        "kind_id",
-        "metadata",
-        "previous",
-        "records",
-        "source_sets",
-    )
-
-    def __init__(
-        self,
-        kind_id: int,
-        first_version: int,
-        entity_ids: list[bytes],
-        changes: list[int],
-        source_sets: list[int],
-        records: list[bytes],
-        previous: list[bytes | None],
-        metadata: list[bytes] | None,
-        changed_of: Callable[[StateColumns], list[int]],
-        changed_fields: list[int] | None = None,
-    ) -> None:
-        self.kind_id = kind_id
-        self.first_version = first_version
-        self.entity_ids = entity_ids
-        self.changes = changes
-        self.source_sets = source_sets
-        self.records = records
-        self.previous = previous
-        self.metadata = metadata
-        self._changed: list[int] | None = changed_fields  # None: computed when first read
-        self._changed_of = changed_of
-        self.derived: dict[object, object] = {}
+    kind_id: int
+    first_version: int
+    entity_ids: list[bytes]
+    changes: list[int]
+    source_sets: list[int]
+    records: list[bytes]
+    previous: list[bytes | None]
+    metadata: list[bytes] | None
+    changed_of: Callable[[StateColumns], list[int]]
+    known_changed: list[int] | None = None  # changed_fields if known; else computed once read
+    derived: dict[object, object] = field(default_factory=dict, init=False)
 
     @property
     def changed_fields(self) -> list[int]:
-        if self._changed is None:
-            self._changed = self._changed_of(self)
-        return self._changed
+        if self.known_changed is None:
+            self.known_changed = self.changed_of(self)
+        return self.known_changed
 
     def __len__(self) -> int:
         return len(self.entity_ids)
