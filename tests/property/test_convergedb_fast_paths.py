@@ -162,15 +162,15 @@ def column_windows(draw: st.DrawFn) -> StateColumns:
         source_sets.append(draw(st.integers(1, 2**64 - 1)))
     metadata = draw(st.none() | st.lists(blobs, min_size=count, max_size=count))
     return StateColumns(
-        draw(u16),
-        draw(st.integers(0, 2**63)),
         ids,
         changes,
         source_sets,
         records,
         previous,
         metadata,
-        functools.partial(_changed_fields, FIXED_CODEC),
+        kind_id=draw(u16),
+        first_version=draw(st.integers(0, 2**63)),
+        changed_of=functools.partial(_changed_fields, FIXED_CODEC),
     )
 
 
@@ -192,15 +192,15 @@ def test_one_layout_window_takes_the_record_array_path() -> None:
     records = [FIXED_CODEC.encode((i, 1.0, 0)) for i in range(3)]
     ids = [bytes([i]) * 32 for i in range(3)]
     window = StateColumns(
-        5,
-        100,
         ids,
         [0, 1, 1],
         [1, 1, 3],
         records,
         [None, records[0], records[0]],
         None,
-        functools.partial(_changed_fields, FIXED_CODEC),
+        kind_id=5,
+        first_version=100,
+        changed_of=functools.partial(_changed_fields, FIXED_CODEC),
     )
     assert window.changed_fields == [0b111, 0b001, 0b001]
     frames = state_frames(

@@ -29,6 +29,7 @@ from headwater.engine.kinds.fields import FieldSpec, default_value, encode_prese
 from headwater.engine.kinds.model import (
     OP_ASSERT,
     OP_PATCH,
+    ChangeColumns,
     ChangeType,
     EventNote,
     StateColumns,
@@ -50,19 +51,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class FlushPlan:
+class FlushPlan(ChangeColumns):
     """What a window writes for one kind, and what readers and subscribers get once it
     is durable (the net changes as columns: see :class:`StateColumns`)."""
 
     state: KindState
     fields: tuple[FieldSpec, ...]  # the schema the records were made for
     first: int  # the version (tenant log position) of the first change
-    entity_ids: list[bytes]
-    changes: list[int]
-    source_sets: list[int]
-    records: list[bytes]
-    previous: list[bytes | None]
-    metadata: list[bytes] | None
     log_values: list[bytes]
     deleted: list[int]  # indexes of DELETED changes
     next_sequence: int
@@ -245,16 +240,16 @@ def commit_plan(plan: FlushPlan) -> None:
     if state.subscribers:
         changes_of = functools.partial(changed_fields, state.codec)
         state_notes = StateColumns(
-            state.info.kind_id,
-            first,
             ids,
             plan.changes,
             plan.source_sets,
             records,
             previous,
             plan.metadata,
-            changes_of,
-            plan.changed_fields if state.info.fields == plan.fields else None,
+            kind_id=state.info.kind_id,
+            first_version=first,
+            changed_of=changes_of,
+            known_changed=plan.changed_fields if state.info.fields == plan.fields else None,
         )
         publish(state, state_notes, plan.notes)
 
@@ -332,18 +327,18 @@ def _columnar_changes(
     rows["source_set"] = sets
     rows["record"] = np.frombuffer(new, dtype=f"V{size}")
     return FlushPlan(
-        state,
-        state.info.fields,
-        first,
         eids,
         changes,
         source_sets,
         records,
         previous,
         None,
-        [],
-        [],
-        state.next_sequence,
+        state=state,
+        fields=state.info.fields,
+        first=first,
+        log_values=[],
+        deleted=[],
+        next_sequence=state.next_sequence,
         values_section=rows.tobytes(),
         changed_fields=changed,
         added=added,
@@ -443,18 +438,18 @@ def _net_changes(state: KindState, entities: dict[bytes, Entry], first: int) -> 
         if metadata is not None:
             metadata.append(meta)
     return FlushPlan(
-        state,
-        fields,
-        first,
         ids,
         changes,
         source_sets,
         records,
         previous,
         metadata,
-        log_values,
-        deleted,
-        state.next_sequence,
+        state=state,
+        fields=fields,
+        first=first,
+        log_values=log_values,
+        deleted=deleted,
+        next_sequence=state.next_sequence,
         added=added,
         moves=moves,
     )

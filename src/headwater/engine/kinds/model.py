@@ -227,8 +227,22 @@ class StateChange:
     metadata: bytes = b""
 
 
+@dataclass(slots=True)
+class ChangeColumns:
+    """A window's net changes of one kind, one entry per change: what the window's plan
+    writes (:class:`~headwater.engine.kinds.commit.FlushPlan`) and, once durable, what
+    subscribers get (:class:`StateColumns`)."""
+
+    entity_ids: list[bytes]
+    changes: list[int]
+    source_sets: list[int]
+    records: list[bytes]
+    previous: list[bytes | None]
+    metadata: list[bytes] | None
+
+
 @dataclass(slots=True, eq=False, repr=False)  # a sequence, compared by identity
-class StateColumns(Sequence[StateChange]):
+class StateColumns(ChangeColumns, Sequence[StateChange]):
     """One window's net changes of one kind, as columns: the window flush builds them
     without an object per change, and a front end encodes them without one. As a sequence
     it gives :class:`StateChange` objects, made when asked for.
@@ -242,12 +256,6 @@ class StateColumns(Sequence[StateChange]):
 
     kind_id: int
     first_version: int
-    entity_ids: list[bytes]
-    changes: list[int]
-    source_sets: list[int]
-    records: list[bytes]
-    previous: list[bytes | None]
-    metadata: list[bytes] | None
     changed_of: Callable[[StateColumns], list[int]]
     known_changed: list[int] | None = None  # changed_fields if known; else computed once read
     derived: dict[object, object] = field(default_factory=dict, init=False)
