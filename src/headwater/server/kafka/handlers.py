@@ -450,9 +450,10 @@ def _partitions_asked(
     blank: Mapping[str, Any],
 ) -> Iterator[tuple[dict[str, Any], StreamInfo, int, Any]]:
     """Each partition a Fetch or ListOffsets asks for (``name`` and ``index``: its
-    request's field names of a topic's name and a partition's index) with its answer's
-    entry: ``blank``'s fields, under its topic in ``answer``. A partition of no stream
-    is answered UNKNOWN_TOPIC_OR_PARTITION here and not yielded."""
+    request's field names of a topic's name, the answer's too, and a partition's index)
+    with its answer's entry: ``blank``'s fields (shared, so replaced, never mutated), under
+    its topic in ``answer``. A partition of no stream is answered UNKNOWN_TOPIC_OR_PARTITION
+    here and not yielded."""
     for topic in topics:
         topic_name = getattr(topic, name)
         info = _stream_or_none(session, topic_name)
