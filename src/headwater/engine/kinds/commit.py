@@ -121,12 +121,10 @@ class WindowWriter:
             await self._replicated(durable)
             for plan in durable:
                 commit_plan(plan)
-                window.committed_kinds.add(plan.state.info.kind_id)
             raise failed[0]
         unconfirmed = await self._replicated(plans)
         for plan in plans:
             commit_plan(plan)
-            window.committed_kinds.add(plan.state.info.kind_id)
         if unconfirmed is not None:
             # Stored here, so the state moves on with the log (the next window is
             # planned against it); the writers are told it is not confirmed.

@@ -73,9 +73,6 @@ class Window:
         self.done: asyncio.Future[None] = loop.create_future()
         self.scheduled = False
         self.ops = 0
-        # The kinds whose changes the writer committed (state moved on with the log),
-        # even when the window as a whole failed.
-        self.committed_kinds: set[int] = set()
 
     @property
     def empty(self) -> bool:
@@ -359,35 +356,11 @@ class Windows:
                 )
                 window.done.exception()  # retrieved: waiters may be gone
             if isinstance(exc, HeadwaterError):
-                self._fail_dependents(window, exc)
                 return  # its writers are told; the next window goes on
             raise
         finally:
             self.flushing = None
         window.done.set_result(None)
-
-    def _fail_dependents(self, failed: Window, exc: HeadwaterError) -> None:
-        """The open window's entries for entities that ``failed`` also wrote (in a kind
-        it did not commit) were made against its values: they must not become durable,
-        as its writers were told the write failed. The open window then fails with it,
-        whole, since its writers share one acknowledgement."""
-        pending = self.pending
-        for kind_id, entries in failed.entities.items():
-            later = pending.entities.get(kind_id)
-            if (
-                kind_id not in failed.committed_kinds
-                and later
-                and not later.keys().isdisjoint(entries)
-            ):
-                break
-        else:
-            return
-        log.warning(
-            "a window of tenant %d failed with the one it built on: %s", self.tenant_id, exc
-        )
-        self.pending = Window(self._loop)
-        pending.done.set_exception(exc)
-        pending.done.exception()  # retrieved: waiters may be gone
 
     async def close(self) -> None:
         """Flush what is open and schedule nothing more."""
