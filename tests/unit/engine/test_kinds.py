@@ -556,88 +556,50 @@ def test_a_window_over_two_kinds_whose_one_changelog_fails(
     run(tmp_path, body)
 
 
-def test_a_window_over_two_kinds_whose_second_changelog_refuses_the_append(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+# How the second kind's changelog refuses a window's records: the methods failing, the
+# error they raise. A refused write (a StorageError), or a new segment's file that cannot
+# be made (an OSError from the roll, not a HeadwaterError).
+REFUSALS = {
+    "write": (("append", "append_encoded"), StorageError("write failed: no space left")),
+    "roll": (("_maybe_roll",), OSError(28, "No space left on device")),
+}
+
+
+@pytest.mark.parametrize("refusal", sorted(REFUSALS))
+def test_a_window_over_two_kinds_whose_second_changelog_refuses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refusal: str
 ) -> None:
-    """One window writes two kinds; the second kind's changelog refuses the append (a
-    failed write) after the first kind's took its records. The writers are told; the
-    first kind's records are in its log and become durable, so its state moves on with
-    it (the next window is planned against it); the refusing kind shows nothing of the
-    window."""
+    """One window writes two kinds; the second kind's changelog refuses the append after
+    the first kind's took its records. The writers are told; the first kind's records
+    are in its log and become durable, so its state moves on with it (the next window is
+    planned against it); the refusing kind shows nothing of the window."""
+    methods, error = REFUSALS[refusal]
 
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk)
         meter = await tk.create_kind("meter", [("kwh", FieldType.F64)])
         src = tk.connect("a", source_id=1)
-        appended: list[int] = []
+        called: list[int] = []
         for state in (tk.kinds[kind.kind_id], tk.kinds[meter.kind_id]):
-            for name in ("append", "append_encoded"):
+            for name in methods:
                 real = getattr(state.log, name)
 
                 def refuse_second(
                     *args: Any, _real: Any = real, _kind: int = state.info.kind_id, **kw: Any
                 ) -> Any:
                     # (append_encoded may call append: the same kind's calls go on)
-                    if appended and appended[0] != _kind:
-                        raise StorageError("write failed: no space left on device")
-                    appended.append(_kind)
+                    if called and called[0] != _kind:
+                        raise error
+                    called.append(_kind)
                     return _real(*args, **kw)
 
                 monkeypatch.setattr(state.log, name, refuse_second)
-        with pytest.raises(StorageError, match="no space left"):
+        with pytest.raises(type(error), match=r"(?i)no space left"):
             await src.apply(
                 [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
             ).durable()
-        assert len(set(appended)) == 1
-        took, refused = (kind, meter) if appended[0] == kind.kind_id else (meter, kind)
-        took_eid, refused_eid = (eid(1), eid(2)) if took is kind else (eid(2), eid(1))
-        kept = tk.get(took.kind_id, took_eid)
-        assert kept is not None
-        assert tk.get(refused.kind_id, refused_eid) is None
-        monkeypatch.undo()
-        await src.apply(
-            [assert_op(kind, eid(1), [2.0, "b"]), assert_op(meter, eid(2), [7.0])]
-        ).durable()
-        for k, e in ((kind, eid(1)), (meter, eid(2))):
-            later = tk.get(k.kind_id, e)
-            assert later is not None
-        again = tk.get(took.kind_id, took_eid)
-        assert again is not None and again.version > kept.version
-        assert tk.kinds[took.kind_id].applied_offset == tk.kinds[took.kind_id].log.end_offset
-
-    run(tmp_path, body)
-
-
-def test_a_window_over_two_kinds_whose_second_changelog_cannot_roll(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As above, but the second kind's changelog refuses the append by failing to start
-    its next segment (no space for the new file): an OSError, not a HeadwaterError. The
-    first kind's records are in its log all the same, so its state moves on with it."""
-
-    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
-        kind = await sensor(tk)
-        meter = await tk.create_kind("meter", [("kwh", FieldType.F64)])
-        src = tk.connect("a", source_id=1)
-        rolled: list[int] = []
-        for state in (tk.kinds[kind.kind_id], tk.kinds[meter.kind_id]):
-            real = state.log._maybe_roll
-
-            def no_space(
-                incoming: int, now_ms: int, _real: Any = real, _kind: int = state.info.kind_id
-            ) -> None:
-                if rolled and rolled[0] != _kind:
-                    raise OSError(28, "No space left on device")
-                rolled.append(_kind)
-                _real(incoming, now_ms)
-
-            monkeypatch.setattr(state.log, "_maybe_roll", no_space)
-        with pytest.raises(OSError, match="No space left"):
-            await src.apply(
-                [assert_op(kind, eid(1), [1.0, "a"]), assert_op(meter, eid(2), [5.0])]
-            ).durable()
-        assert len(set(rolled)) == 1
-        took, refused = (kind, meter) if rolled[0] == kind.kind_id else (meter, kind)
+        assert len(set(called)) == 1
+        took, refused = (kind, meter) if called[0] == kind.kind_id else (meter, kind)
         took_eid, refused_eid = (eid(1), eid(2)) if took is kind else (eid(2), eid(1))
         kept = tk.get(took.kind_id, took_eid)
         assert kept is not None
@@ -648,6 +610,7 @@ def test_a_window_over_two_kinds_whose_second_changelog_cannot_roll(
         await src.apply(
             [assert_op(kind, eid(1), [2.0, "b"]), assert_op(meter, eid(2), [7.0])]
         ).durable()
+        assert tk.get(refused.kind_id, refused_eid) is not None
         again = tk.get(took.kind_id, took_eid)
         assert again is not None and again.version > kept.version
         assert took_state.applied_offset == took_state.log.end_offset
