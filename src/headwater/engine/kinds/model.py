@@ -227,11 +227,13 @@ class StateChange:
     metadata: bytes = b""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False, repr=False)  # each subclass says how it compares
 class ChangeColumns:
     """A window's net changes of one kind, one entry per change: what the window's plan
     writes (:class:`~headwater.engine.kinds.commit.FlushPlan`) and, once durable, what
-    subscribers get (:class:`StateColumns`)."""
+    subscribers get (:class:`StateColumns`). It makes no ``__eq__`` (nor unsets
+    ``__hash__``) and no ``__repr__`` of its own: :class:`StateColumns` inherits them, and
+    is compared, hashed and shown as the one object it is."""
 
     entity_ids: list[bytes]
     changes: list[int]
