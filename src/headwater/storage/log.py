@@ -258,7 +258,8 @@ class PartitionLog:
         self.producers = table
 
     def close(self) -> None:
-        with self._lock:
+        # After a segment's rewrite under way (not into a closed log's files).
+        with self._rewrite_lock, self._lock:
             if self.closed:
                 return
             if self.failed is None:
@@ -957,10 +958,10 @@ class PartitionLog:
         for seg in sealed:
             with self._rewrite_lock:
                 with self._lock:
-                    if self._cuts != cuts:
+                    if self._cuts != cuts or self.closed:
                         # Cut meanwhile: ``latest`` may name events the cut removed, whose
                         # keys' older values are latest again. The next compaction looks
-                        # afresh.
+                        # afresh. (Closed: nothing more to rewrite.)
                         break
                     if not any(s is seg for s in self.segments):
                         continue  # removed by retention meanwhile
@@ -1094,8 +1095,9 @@ class PartitionLog:
             new.next_offset = max(new.next_offset, seg.next_offset)
             with self._rewrite_lock, self._lock:
                 i = next((k for k, s in enumerate(self.segments) if s is seg), None)
-                if i is None:  # removed by retention meanwhile
+                if i is None or self.closed:  # removed by retention meanwhile, or closed
                     os.unlink(rewritten)
+                    new.close()
                     continue
                 seg.retire()  # readers holding it keep the plain bytes and their index
                 seg.index_path.unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -11,7 +12,7 @@ from tests.waiting import wait_until
 
 from headwater.storage.batch import encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
-from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from headwater.storage.log import CompactionResult, LogConfig, PartitionLog, SyncPolicy
 from headwater.storage.segment import Segment, segment_name
 
 NONE = SyncPolicy("none")
@@ -422,6 +423,55 @@ def test_a_cut_after_a_compaction_found_the_latest_values_keeps_what_it_left(
     plog.close()
     plog = compact_log(tmp_path)
     assert values(plog) == {b"a": b"a1", b"b": b"b2"}
+    plog.close()
+    assert not check_partition(tmp_path).damaged
+
+
+def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) -> None:
+    # Closing a log (shutdown, the stream deleted) while the maintenance thread
+    # rewrites one of its segments: the close waits for that rewrite, and the
+    # compaction stops there instead of opening its rewritten segments into a closed
+    # log (a file left open, a segment swapped into a log nobody closes again).
+    fds_before = len(os.listdir("/proc/self/fd"))
+    plog = compact_log(tmp_path)
+    put(plog, b"a", b"a1")  # 0
+    put(plog, None, b"n")  # 1
+    plog.roll()
+    put(plog, b"c", b"c1")  # 2
+    put(plog, b"a", b"a2")  # 3
+    plog.roll()
+    put(plog, b"d", b"d1")  # 4, active
+    rewrite_lock = _SeenLock(plog._rewrite_lock)
+    plog._rewrite_lock = rewrite_lock  # type: ignore[assignment]
+    at_rename, go_on = threading.Event(), threading.Event()
+    replace = plog._replace_segment
+
+    def paused_replace(seg: Segment, rewritten: Path) -> Segment:
+        at_rename.set()
+        assert go_on.wait(30), "the test never let the compaction go on"
+        return replace(seg, rewritten)
+
+    plog._replace_segment = paused_replace  # type: ignore[method-assign]
+    result: list[CompactionResult] = []
+    compaction = threading.Thread(target=lambda: result.append(plog.compact(now_ms=0)))
+    compaction.start()
+    assert at_rename.wait(30), "the compaction never rewrote the first segment"
+    closing = threading.Thread(target=plog.close)
+    closing.start()
+    wait_until(lambda: closing in rewrite_lock.takers or not closing.is_alive())
+    go_on.set()
+    compaction.join(30)
+    closing.join(30)
+    assert not compaction.is_alive() and not closing.is_alive()
+    assert result and result[0].segments_rewritten == 1
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    plog = compact_log(tmp_path)
+    assert snapshot(plog) == [
+        (1, None, b"n", False),
+        (2, b"c", b"c1", False),
+        (3, b"a", b"a2", False),
+        (4, b"d", b"d1", False),
+    ]
     plog.close()
     assert not check_partition(tmp_path).damaged
 
