@@ -766,9 +766,11 @@ class Engine:
             except Exception:
                 log.exception("stream delete listener failed")
         self._fire(self.stream_deleted_listeners, stream)
+        loop = asyncio.get_running_loop()
         for committer, plog in zip(stream.committers, stream.partition_logs, strict=True):
             await committer.aclose()
-            plog.close()
+            # In a worker: the close waits for a compaction's segment rewrite under way.
+            await loop.run_in_executor(self.executor, plog.close)
         tenant.position_floor = max(tenant.position_floor, tenant.next_position)
         tomb = stream.directory.with_name(f".deleted-{stream_id}")
 
