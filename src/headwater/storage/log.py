@@ -1073,6 +1073,8 @@ class PartitionLog:
                 if s.next_offset <= upto and not s.compressed and s.size
             ]
         for seg in plain:
+            if self.closed:
+                break  # closed meanwhile (its segments' files too): nothing more to rewrite
             rewritten = seg.log_path.with_name(seg.log_path.name + ".compressing.tmp")
             # The new segment's indexes are built as its frames are written, so putting
             # it in place takes a rename and two small files, not a rescan.
@@ -1096,7 +1098,8 @@ class PartitionLog:
             with self._rewrite_lock, self._lock:
                 i = next((k for k, s in enumerate(self.segments) if s is seg), None)
                 if i is None or self.closed:  # removed by retention meanwhile, or closed
-                    os.unlink(rewritten)
+                    # Closed: a deleted stream's directory may be gone with the file.
+                    rewritten.unlink(missing_ok=True)
                     new.close()
                     continue
                 seg.retire()  # readers holding it keep the plain bytes and their index

@@ -4,7 +4,11 @@ retention and compaction all see the same events as before."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import threading
 from pathlib import Path
+from types import TracebackType
 
 import pytest
 
@@ -175,3 +179,53 @@ def test_no_wait_reads_leave_decompression_to_a_worker_thread(tmp_path: Path) ->
             plog.read(0, 1 << 20)
     assert plog.read(0, 1 << 20).first_offset == 0
     plog.close()
+
+
+class _ClosedBeforeTheSwap:
+    """A log's rewrite lock whose first taker (the compression's swap) finds the log
+    closed, and with ``gone`` its directory renamed and removed, as a stream's delete
+    leaves them (engine.delete_stream closes each log, then removes the directory)."""
+
+    def __init__(self, plog: PartitionLog, *, gone: bool) -> None:
+        self.plog, self.gone, self.first = plog, gone, True
+        self.lock: threading.Lock = plog._rewrite_lock
+
+    def __enter__(self) -> None:
+        plog = self.plog
+        if self.first:
+            self.first = False
+            plog._rewrite_lock = self.lock  # the close takes the real one
+            plog.close()
+            if self.gone:
+                tomb = plog.directory.with_name(".deleted-1")
+                os.replace(plog.directory, tomb)
+                shutil.rmtree(tomb)
+        self.lock.acquire()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.lock.release()
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["shutdown", "stream-deleted"])
+def test_a_compression_stops_at_a_log_closed_before_its_swap(tmp_path: Path, gone: bool) -> None:
+    # The maintenance thread compresses the first of several sealed segments while the
+    # log is closed (shutdown, or the stream deleted: its directory then goes at once).
+    # The compression stops there, leaving nothing behind, instead of failing on the
+    # next segment's closed file or on the deleted directory.
+    directory = tmp_path / "partition-0"
+    plog = open_log(directory, "zstd", segment_bytes=8 << 10)
+    values = fill(plog, 300, 3)
+    assert len(plog.segments) > 2
+    plog._rewrite_lock = _ClosedBeforeTheSwap(plog, gone=gone)  # type: ignore[assignment]
+    assert plog.compress().segments_compressed == 0
+    assert plog.closed
+    if gone:
+        assert not directory.exists() and not directory.with_name(".deleted-1").exists()
+        return
+    assert not list(directory.glob("*.tmp"))
+    reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
+    assert not any(s.compressed for s in reopened.segments)
+    assert [e.value for e in reopened.events(0)] == values
+    reopened.close()
