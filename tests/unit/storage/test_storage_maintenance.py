@@ -427,12 +427,39 @@ def test_a_cut_after_a_compaction_found_the_latest_values_keeps_what_it_left(
     assert not check_partition(tmp_path).damaged
 
 
+def files_open_under(directory: Path) -> list[str]:
+    """The files under ``directory`` this process holds a descriptor of (only those:
+    another thread or a collected object may open or close others meanwhile)."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed
+            continue
+        if name.startswith(f"{directory}/"):
+            names.append(name)
+    return names
+
+
+class _CloseFirst(_SeenLock):
+    """:class:`_SeenLock` whose second take by a thread (a compaction's next segment)
+    waits until ``closed`` is set: the close waiting meanwhile goes first."""
+
+    def __init__(self, lock: threading.Lock, closed: threading.Event) -> None:
+        super().__init__(lock)
+        self.closed = closed
+
+    def __enter__(self) -> None:
+        if threading.current_thread() in self.takers:
+            assert self.closed.wait(30), "the log was never closed"
+        super().__enter__()
+
+
 def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) -> None:
     # Closing a log (shutdown, the stream deleted) while the maintenance thread
     # rewrites one of its segments: the close waits for that rewrite, and the
     # compaction stops there instead of opening its rewritten segments into a closed
     # log (a file left open, a segment swapped into a log nobody closes again).
-    fds_before = len(os.listdir("/proc/self/fd"))
     plog = compact_log(tmp_path)
     put(plog, b"a", b"a1")  # 0
     put(plog, None, b"n")  # 1
@@ -441,7 +468,9 @@ def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) 
     put(plog, b"a", b"a2")  # 3
     plog.roll()
     put(plog, b"d", b"d1")  # 4, active
-    rewrite_lock = _SeenLock(plog._rewrite_lock)
+    closed = threading.Event()
+    # The compaction comes back for the lock (the next segment) after the close took it.
+    rewrite_lock = _CloseFirst(plog._rewrite_lock, closed)
     plog._rewrite_lock = rewrite_lock  # type: ignore[assignment]
     at_rename, go_on = threading.Event(), threading.Event()
     replace = plog._replace_segment
@@ -456,7 +485,12 @@ def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) 
     compaction = threading.Thread(target=lambda: result.append(plog.compact(now_ms=0)))
     compaction.start()
     assert at_rename.wait(30), "the compaction never rewrote the first segment"
-    closing = threading.Thread(target=plog.close)
+
+    def close() -> None:
+        plog.close()
+        closed.set()
+
+    closing = threading.Thread(target=close)
     closing.start()
     wait_until(lambda: closing in rewrite_lock.takers or not closing.is_alive())
     go_on.set()
@@ -464,7 +498,7 @@ def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) 
     closing.join(30)
     assert not compaction.is_alive() and not closing.is_alive()
     assert result and result[0].segments_rewritten == 1
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert not files_open_under(tmp_path)
     plog = compact_log(tmp_path)
     assert snapshot(plog) == [
         (1, None, b"n", False),
