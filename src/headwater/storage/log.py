@@ -950,10 +950,15 @@ class PartitionLog:
         # The latest value per key among what read_committed readers see: an aborted
         # transaction's event never supersedes a key's value (and is itself removed).
         latest: dict[bytes, int] = {}
-        for batch in self.batches(self.start_offset, upto, committed_only=True):
-            for event in batch.events():
-                if event.key is not None:
-                    latest[event.key] = event.offset
+        try:
+            for batch in self.batches(self.start_offset, upto, committed_only=True):
+                for event in batch.events():
+                    if event.key is not None:
+                        latest[event.key] = event.offset
+        except StorageError:
+            if not self.closed:
+                raise
+            return result  # closed meanwhile (its segments' files too): nothing to rewrite
         horizon = now - self.config.delete_retention_ms
         for seg in sealed:
             with self._rewrite_lock:
@@ -1080,19 +1085,27 @@ class PartitionLog:
             # it in place takes a rename and two small files, not a rescan.
             new = Segment(self.directory, seg.base_offset, seg.index_interval_bytes, self.files)
             # Frame by frame as the segment is read: one frame and one read chunk in memory.
-            with open(rewritten, "wb") as f:
-                group: list[Batch] = []
-                group_bytes = 0
-                for batch in seg.batches_from(0, seg.size):
-                    group.append(batch)
-                    group_bytes += batch.length
-                    if group_bytes >= FRAME_BYTES:
+            try:
+                with open(rewritten, "wb") as f:
+                    group: list[Batch] = []
+                    group_bytes = 0
+                    for batch in seg.batches_from(0, seg.size):
+                        group.append(batch)
+                        group_bytes += batch.length
+                        if group_bytes >= FRAME_BYTES:
+                            new.size += self._write_frame(f, new, codec, group)
+                            group, group_bytes = [], 0
+                    if group:
                         new.size += self._write_frame(f, new, codec, group)
-                        group, group_bytes = [], 0
-                if group:
-                    new.size += self._write_frame(f, new, codec, group)
-                f.flush()
-                os.fsync(f.fileno())
+                    f.flush()
+                    os.fsync(f.fileno())
+            except (StorageError, OSError):
+                if not self.closed:
+                    raise
+                # Closed meanwhile: the segment's file is closed, a deleted stream's
+                # directory may be gone.
+                rewritten.unlink(missing_ok=True)
+                break
             new.compressed = True
             new.next_offset = max(new.next_offset, seg.next_offset)
             with self._rewrite_lock, self._lock:

@@ -7,12 +7,15 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 
 from headwater.errors import CorruptBatchError
+from headwater.storage.batch import Batch
 from headwater.storage.check import check_partition
 from headwater.storage.compression import FRAME_MAGIC, decode_frame, encode_frame
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
@@ -227,5 +230,35 @@ def test_a_compression_stops_at_a_log_closed_before_its_swap(tmp_path: Path, gon
     assert not list(directory.glob("*.tmp"))
     reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
     assert not any(s.compressed for s in reopened.segments)
+    assert [e.value for e in reopened.events(0)] == values
+    reopened.close()
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["shutdown", "stream-deleted"])
+def test_a_compression_stops_at_a_log_closed_while_it_reads(tmp_path: Path, gone: bool) -> None:
+    # The close comes while the first segment is read for its frames (no lock held):
+    # the compression stops there instead of failing on the closed file.
+    directory = tmp_path / "partition-0"
+    plog = open_log(directory, "zstd", segment_bytes=8 << 10)
+    values = fill(plog, 300, 3)
+    first = plog.segments[0]
+    batches_from = first.batches_from
+
+    def closed_first(*args: Any, **kwargs: Any) -> Iterator[Batch]:
+        plog.close()
+        if gone:
+            tomb = directory.with_name(".deleted-1")
+            os.replace(directory, tomb)
+            shutil.rmtree(tomb)
+        return batches_from(*args, **kwargs)
+
+    first.batches_from = closed_first  # type: ignore[method-assign]
+    assert plog.compress().segments_compressed == 0
+    assert plog.closed
+    if gone:
+        assert not directory.exists() and not directory.with_name(".deleted-1").exists()
+        return
+    assert not list(directory.glob("*.tmp"))
+    reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
     assert [e.value for e in reopened.events(0)] == values
     reopened.close()

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import pytest
 from tests.waiting import wait_until
 
-from headwater.storage.batch import encode_values
+from headwater.storage.batch import Batch, encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
 from headwater.storage.log import CompactionResult, LogConfig, PartitionLog, SyncPolicy
 from headwater.storage.segment import Segment, segment_name
@@ -678,4 +680,30 @@ def test_a_read_resuming_in_a_batch_that_compaction_rewrote(tmp_path: Path) -> N
     rest = plog.read(4, max_bytes=len(values[4]))
     assert [(e.offset, e.value) for e in rest.events()] == [(4, values[4])]
     assert b"".join(bytes(c) for c in rest.values_chunks()) == encode_values(values[4:5])
+    plog.close()
+
+
+def test_a_compaction_stops_at_a_log_closed_while_it_reads_the_keys(tmp_path: Path) -> None:
+    # The close (shutdown, the stream deleted) comes while the compaction reads the
+    # whole log for each key's latest value, holding no lock: the compaction stops
+    # without a rewrite instead of failing on the next segment's closed file.
+    plog = compact_log(tmp_path)
+    put(plog, b"a", b"a1")  # 0
+    plog.roll()
+    put(plog, b"a", b"a2")  # 1
+    plog.roll()
+    put(plog, b"a", b"a3")  # 2, active
+    batches = plog.batches
+
+    def closed_after_the_first(*args: Any, **kwargs: Any) -> Iterator[Batch]:
+        read = batches(*args, **kwargs)
+        yield next(read)
+        plog.close()
+        yield from read
+
+    plog.batches = closed_after_the_first  # type: ignore[method-assign]
+    assert plog.compact(now_ms=0).segments_rewritten == 0
+    assert plog.closed and not files_open_under(tmp_path)
+    plog = compact_log(tmp_path)
+    assert [e.value for e in plog.events()] == [b"a1", b"a2", b"a3"]
     plog.close()
