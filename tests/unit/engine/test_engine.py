@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from headwater.errors import (
     TenantNotFound,
 )
 from headwater.storage.log import SyncPolicy
+from headwater.storage.segment import Segment
+from waiting import wait_until_async
 
 CONFIG = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 42: "acme"})
 
@@ -253,6 +256,58 @@ def test_an_append_larger_than_a_segment_is_invalid_and_claims_no_position(
         events = await engine.read_events(0, sid, 0, limit=10)
         assert [(e.offset, e.value[:1]) for e in events] == [(0, b"a"), (1, b"b")]
         assert engine.tenant(0).next_position == 2
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_deleted_during_a_compaction_waits_for_its_rewrite_off_the_loop(
+    tmp_path: Path,
+) -> None:
+    # The delete closes the stream's log, which waits for the maintenance thread's
+    # segment rewrite under way: in a worker, so the loop goes on serving meanwhile.
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        table = await engine.create_stream(
+            0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
+        )
+        for i in range(100):
+            await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
+        plog = engine.stream(0, table.stream_id).partition_logs[0]
+        takers: list[threading.Thread] = []
+        lock = plog._rewrite_lock
+
+        class Seen:
+            def __enter__(self) -> None:
+                takers.append(threading.current_thread())
+                lock.acquire()
+
+            def __exit__(self, *exc: object) -> None:
+                lock.release()
+
+        plog._rewrite_lock = Seen()  # type: ignore[assignment]
+        at_rename, go_on = threading.Event(), threading.Event()
+        replace = plog._replace_segment
+
+        def paused_replace(seg: Segment, rewritten: Path) -> Segment:
+            at_rename.set()
+            assert go_on.wait(10), "the test never let the compaction go on"
+            return replace(seg, rewritten)
+
+        plog._replace_segment = paused_replace  # type: ignore[method-assign]
+        maintenance = asyncio.create_task(engine.run_maintenance())
+        await wait_until_async(at_rename.is_set)
+        deleting = asyncio.create_task(engine.delete_stream(0, table.stream_id))
+        # The close waits for the lock in a worker; the loop runs this meanwhile.
+        await wait_until_async(lambda: len(takers) > 1)
+        assert threading.current_thread() not in takers and not deleting.done()
+        other = await engine.create_stream(0, "other")
+        go_on.set()
+        await deleting
+        assert (await maintenance)["events_compacted"] > 0
+        assert plog.closed
+        assert [s.stream_id for s in engine.all_streams()] == [other.stream_id]
+        assert not (tmp_path / f"tenants/0/streams/{table.stream_id}").exists()
         await engine.close()
 
     asyncio.run(main())
