@@ -1056,7 +1056,7 @@ class PartitionLog:
         fsync_directory(self.directory)
         return Segment(
             self.directory, seg.base_offset, seg.index_interval_bytes, self.files
-        ).open_sealed()
+        ).open_sealed(indexed=False)
 
     # ---- compression ------------------------------------------------------------------
 

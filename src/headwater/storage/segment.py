@@ -891,12 +891,15 @@ class Segment:
         self.time_index_path.unlink(missing_ok=True)
         return self
 
-    def open_sealed(self) -> Segment:
-        """Open a sealed segment from its index, rebuilding the index if it is damaged."""
+    def open_sealed(self, *, indexed: bool = True) -> Segment:
+        """Open a sealed segment from its index, rebuilding the index if it is damaged
+        or missing; ``indexed=False``: it has none yet (a compaction's rewrite), built
+        without a warning."""
         with self.pinned() as fd:
             self.size = os.fstat(fd).st_size
             if not self._load_index():
-                log.warning("rebuilding index of %s", self.log_path)
+                if indexed:
+                    log.warning("rebuilding index of %s", self.log_path)
                 self._reset_index()
                 report = self._scan_file(fd, verify=True, stop_at_error=False)
                 for error in report.errors:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -510,6 +511,30 @@ def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) 
     ]
     plog.close()
     assert not check_partition(tmp_path).damaged
+
+
+def test_only_a_lost_index_is_warned_of_not_a_compactions_new_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A compaction's rewritten segment has no index until it is opened: built without
+    # a WARNING (one per rewritten segment told operators of damage there was none of),
+    # while a sealed segment found without its index on open is still warned of.
+    plog = compact_log(tmp_path)
+    put(plog, b"a", b"a1")
+    put(plog, None, b"n")
+    plog.roll()
+    put(plog, b"a", b"a2")
+    with caplog.at_level(logging.WARNING, logger="headwater.storage"):
+        assert plog.compact(now_ms=0).segments_rewritten == 1
+    assert "rebuilding index" not in caplog.text
+    assert [e.offset for e in plog.events()] == [1, 2]
+    plog.close()
+    (tmp_path / segment_name(0, ".index")).unlink()
+    with caplog.at_level(logging.WARNING, logger="headwater.storage"):
+        plog = compact_log(tmp_path)
+    assert f"rebuilding index of {tmp_path / segment_name(0, '.log')}" in caplog.text
+    assert [e.offset for e in plog.events()] == [1, 2]
+    plog.close()
 
 
 def test_compaction_survives_a_leftover_cleaned_file(tmp_path: Path) -> None:
