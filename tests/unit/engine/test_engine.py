@@ -17,7 +17,7 @@ from headwater.errors import (
     TenantNotFound,
 )
 from headwater.storage.log import SyncPolicy
-from headwater.storage.segment import Segment
+from rewrites import HeldRewrite
 from waiting import wait_until_async
 
 CONFIG = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 42: "acme"})
@@ -274,35 +274,16 @@ def test_a_stream_deleted_during_a_compaction_waits_for_its_rewrite_off_the_loop
         for i in range(100):
             await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
         plog = engine.stream(0, table.stream_id).partition_logs[0]
-        takers: list[threading.Thread] = []
-        lock = plog._rewrite_lock
-
-        class Seen:
-            def __enter__(self) -> None:
-                takers.append(threading.current_thread())
-                lock.acquire()
-
-            def __exit__(self, *exc: object) -> None:
-                lock.release()
-
-        plog._rewrite_lock = Seen()  # type: ignore[assignment]
-        at_rename, go_on = threading.Event(), threading.Event()
-        replace = plog._replace_segment
-
-        def paused_replace(seg: Segment, rewritten: Path) -> Segment:
-            at_rename.set()
-            assert go_on.wait(10), "the test never let the compaction go on"
-            return replace(seg, rewritten)
-
-        plog._replace_segment = paused_replace  # type: ignore[method-assign]
+        held = HeldRewrite(plog)
+        takers = held.lock.takers
         maintenance = asyncio.create_task(engine.run_maintenance())
-        await wait_until_async(at_rename.is_set)
+        await wait_until_async(held.at_rename.is_set)
         deleting = asyncio.create_task(engine.delete_stream(0, table.stream_id))
         # The close waits for the lock in a worker; the loop runs this meanwhile.
         await wait_until_async(lambda: len(takers) > 1)
         assert threading.current_thread() not in takers and not deleting.done()
         other = await engine.create_stream(0, "other")
-        go_on.set()
+        held.go_on.set()
         await deleting
         assert (await maintenance)["events_compacted"] > 0
         assert plog.closed

@@ -184,6 +184,29 @@ def test_no_wait_reads_leave_decompression_to_a_worker_thread(tmp_path: Path) ->
     plog.close()
 
 
+def close_as(plog: PartitionLog, *, gone: bool) -> None:
+    """Close ``plog`` as a shutdown does, or with ``gone`` as a stream's delete does
+    (engine.delete_stream closes each log, then renames the directory and removes it)."""
+    plog.close()
+    if gone:
+        tomb = plog.directory.with_name(".deleted-1")
+        os.replace(plog.directory, tomb)
+        shutil.rmtree(tomb)
+
+
+def assert_left_uncompressed(directory: Path, values: list[bytes], *, gone: bool) -> None:
+    """What a compression stopped by a close leaves: nothing of a deleted stream; else
+    no temporary file, and the log's events as they were, none compressed."""
+    if gone:
+        assert not directory.exists() and not directory.with_name(".deleted-1").exists()
+        return
+    assert not list(directory.glob("*.tmp"))
+    reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
+    assert not any(s.compressed for s in reopened.segments)
+    assert [e.value for e in reopened.events(0)] == values
+    reopened.close()
+
+
 class _ClosedBeforeTheSwap:
     """A log's rewrite lock whose first taker (the compression's swap) finds the log
     closed, and with ``gone`` its directory renamed and removed, as a stream's delete
@@ -198,11 +221,7 @@ class _ClosedBeforeTheSwap:
         if self.first:
             self.first = False
             plog._rewrite_lock = self.lock  # the close takes the real one
-            plog.close()
-            if self.gone:
-                tomb = plog.directory.with_name(".deleted-1")
-                os.replace(plog.directory, tomb)
-                shutil.rmtree(tomb)
+            close_as(plog, gone=self.gone)
         self.lock.acquire()
 
     def __exit__(
@@ -224,14 +243,7 @@ def test_a_compression_stops_at_a_log_closed_before_its_swap(tmp_path: Path, gon
     plog._rewrite_lock = _ClosedBeforeTheSwap(plog, gone=gone)  # type: ignore[assignment]
     assert plog.compress().segments_compressed == 0
     assert plog.closed
-    if gone:
-        assert not directory.exists() and not directory.with_name(".deleted-1").exists()
-        return
-    assert not list(directory.glob("*.tmp"))
-    reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
-    assert not any(s.compressed for s in reopened.segments)
-    assert [e.value for e in reopened.events(0)] == values
-    reopened.close()
+    assert_left_uncompressed(directory, values, gone=gone)
 
 
 @pytest.mark.parametrize("gone", [False, True], ids=["shutdown", "stream-deleted"])
@@ -245,20 +257,10 @@ def test_a_compression_stops_at_a_log_closed_while_it_reads(tmp_path: Path, gone
     batches_from = first.batches_from
 
     def closed_first(*args: Any, **kwargs: Any) -> Iterator[Batch]:
-        plog.close()
-        if gone:
-            tomb = directory.with_name(".deleted-1")
-            os.replace(directory, tomb)
-            shutil.rmtree(tomb)
+        close_as(plog, gone=gone)
         return batches_from(*args, **kwargs)
 
     first.batches_from = closed_first  # type: ignore[method-assign]
     assert plog.compress().segments_compressed == 0
     assert plog.closed
-    if gone:
-        assert not directory.exists() and not directory.with_name(".deleted-1").exists()
-        return
-    assert not list(directory.glob("*.tmp"))
-    reopened = open_log(directory, "zstd", segment_bytes=8 << 10)
-    assert [e.value for e in reopened.events(0)] == values
-    reopened.close()
+    assert_left_uncompressed(directory, values, gone=gone)

@@ -11,12 +11,12 @@ from types import TracebackType
 from typing import Any
 
 import pytest
-from tests.waiting import wait_until
 
 from headwater.storage.batch import Batch, encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
 from headwater.storage.log import CompactionResult, LogConfig, PartitionLog, SyncPolicy
-from headwater.storage.segment import Segment, segment_name
+from headwater.storage.segment import segment_name
+from rewrites import HeldRewrite, SeenLock
 
 NONE = SyncPolicy("none")
 FSYNC = SyncPolicy("fsync")
@@ -162,6 +162,16 @@ def put(
 
 def snapshot(plog: PartitionLog) -> list[tuple[int, bytes | None, bytes, bool]]:
     return [(e.offset, e.key, e.value, e.tombstone) for e in plog.events()]
+
+
+def lay_out(plog: PartitionLog, *segments: list[tuple[bytes | None, bytes]]) -> None:
+    """Each of ``segments`` (its events' keys and values) put in a segment of its own;
+    the last one stays active."""
+    for i, events in enumerate(segments):
+        if i:
+            plog.roll()
+        for key, val in events:
+            put(plog, key, val)
 
 
 def test_compaction_keeps_latest_value_per_key_and_keyless_events(tmp_path: Path) -> None:
@@ -311,59 +321,23 @@ def test_compaction_under_fsync_keeps_the_newest_value_of_unsynced_events(
     plog.close()
 
 
-class _SeenLock:
-    """The log's rewrite lock, noting which threads came to take it."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock
-        self.takers: list[threading.Thread] = []
-
-    def __enter__(self) -> None:
-        self.takers.append(threading.current_thread())
-        self.lock.acquire()
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.lock.release()
-
-
 def test_a_cut_during_a_compaction_is_not_undone_by_its_rename(tmp_path: Path) -> None:
     # A replica moved off this node is cut to 0 while the maintenance thread compacts
     # its first segment. The compaction's rename used to land after the cut: the cut
     # segment's file came back on disk and the new tail went on writing to the
     # unlinked old one, so what was appended after the cut was gone on restart.
     plog = compact_log(tmp_path)
-    put(plog, b"a", b"a1")  # 0
-    put(plog, b"b", b"b1")  # 1
-    put(plog, None, b"n")  # 2
-    plog.roll()
-    put(plog, b"a", b"a2")  # 3
-    put(plog, b"b", b"b2")  # 4
-    plog.roll()
-    put(plog, b"c", b"c1")  # 5, active
-    rewrite_lock = _SeenLock(plog._rewrite_lock)
-    plog._rewrite_lock = rewrite_lock  # type: ignore[assignment]
-    at_rename, go_on = threading.Event(), threading.Event()
-    replace = plog._replace_segment
-
-    def paused_replace(seg: Segment, rewritten: Path) -> Segment:
-        at_rename.set()
-        assert go_on.wait(30), "the test never let the compaction go on"
-        return replace(seg, rewritten)
-
-    plog._replace_segment = paused_replace  # type: ignore[method-assign]
+    lay_out(
+        plog,
+        [(b"a", b"a1"), (b"b", b"b1"), (None, b"n")],  # 0-2
+        [(b"a", b"a2"), (b"b", b"b2")],  # 3-4
+        [(b"c", b"c1")],  # 5, active
+    )
+    held = HeldRewrite(plog)
     compaction = threading.Thread(target=plog.compact, kwargs={"now_ms": 0})
     compaction.start()
-    assert at_rename.wait(30), "the compaction never rewrote the first segment"
-    cut = threading.Thread(target=plog.truncate_to, args=(0,))
-    cut.start()
     # The cut either waits for the compaction's rewrite or (the bug) is done first.
-    wait_until(lambda: cut in rewrite_lock.takers or not cut.is_alive())
-    go_on.set()
-    compaction.join(30)
-    cut.join(30)
-    assert not compaction.is_alive() and not cut.is_alive()
+    held.beside(compaction, lambda: plog.truncate_to(0))
     assert (plog.start_offset, plog.end_offset) == (0, 0)
     assert put(plog, b"z", b"z1") == 0
     plog.close()
@@ -401,13 +375,12 @@ def test_a_cut_after_a_compaction_found_the_latest_values_keeps_what_it_left(
     # older segment compacted after the cut must keep the values the cut made latest
     # again, not drop them for events that are gone.
     plog = compact_log(tmp_path)
-    put(plog, b"a", b"a1")  # 0
-    put(plog, b"b", b"b1")  # 1
-    plog.roll()
-    put(plog, b"b", b"b2")  # 2
-    put(plog, b"a", b"a2")  # 3: cut below
-    plog.roll()
-    put(plog, b"c", b"c1")  # 4, active
+    lay_out(
+        plog,
+        [(b"a", b"a1"), (b"b", b"b1")],  # 0-1
+        [(b"b", b"b2"), (b"a", b"a2")],  # 2-3: cut below 3
+        [(b"c", b"c1")],  # 4, active
+    )
     paused = _PausingLock(plog._rewrite_lock)
     plog._rewrite_lock = paused  # type: ignore[assignment]
     compaction = threading.Thread(target=plog.compact, kwargs={"now_ms": 0})
@@ -444,8 +417,8 @@ def files_open_under(directory: Path) -> list[str]:
     return names
 
 
-class _CloseFirst(_SeenLock):
-    """:class:`_SeenLock` whose second take by a thread (a compaction's next segment)
+class _CloseFirst(SeenLock):
+    """:class:`SeenLock` whose second take by a thread (a compaction's next segment)
     waits until ``closed`` is set: the close waiting meanwhile goes first."""
 
     def __init__(self, lock: threading.Lock, closed: threading.Event) -> None:
@@ -464,42 +437,24 @@ def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) 
     # compaction stops there instead of opening its rewritten segments into a closed
     # log (a file left open, a segment swapped into a log nobody closes again).
     plog = compact_log(tmp_path)
-    put(plog, b"a", b"a1")  # 0
-    put(plog, None, b"n")  # 1
-    plog.roll()
-    put(plog, b"c", b"c1")  # 2
-    put(plog, b"a", b"a2")  # 3
-    plog.roll()
-    put(plog, b"d", b"d1")  # 4, active
+    lay_out(
+        plog,
+        [(b"a", b"a1"), (None, b"n")],  # 0-1
+        [(b"c", b"c1"), (b"a", b"a2")],  # 2-3
+        [(b"d", b"d1")],  # 4, active
+    )
     closed = threading.Event()
     # The compaction comes back for the lock (the next segment) after the close took it.
-    rewrite_lock = _CloseFirst(plog._rewrite_lock, closed)
-    plog._rewrite_lock = rewrite_lock  # type: ignore[assignment]
-    at_rename, go_on = threading.Event(), threading.Event()
-    replace = plog._replace_segment
-
-    def paused_replace(seg: Segment, rewritten: Path) -> Segment:
-        at_rename.set()
-        assert go_on.wait(30), "the test never let the compaction go on"
-        return replace(seg, rewritten)
-
-    plog._replace_segment = paused_replace  # type: ignore[method-assign]
+    held = HeldRewrite(plog, _CloseFirst(plog._rewrite_lock, closed))
     result: list[CompactionResult] = []
     compaction = threading.Thread(target=lambda: result.append(plog.compact(now_ms=0)))
     compaction.start()
-    assert at_rename.wait(30), "the compaction never rewrote the first segment"
 
     def close() -> None:
         plog.close()
         closed.set()
 
-    closing = threading.Thread(target=close)
-    closing.start()
-    wait_until(lambda: closing in rewrite_lock.takers or not closing.is_alive())
-    go_on.set()
-    compaction.join(30)
-    closing.join(30)
-    assert not compaction.is_alive() and not closing.is_alive()
+    held.beside(compaction, close)
     assert result and result[0].segments_rewritten == 1
     assert not files_open_under(tmp_path)
     plog = compact_log(tmp_path)
@@ -520,10 +475,7 @@ def test_only_a_lost_index_is_warned_of_not_a_compactions_new_one(
     # a WARNING (one per rewritten segment told operators of damage there was none of),
     # while a sealed segment found without its index on open is still warned of.
     plog = compact_log(tmp_path)
-    put(plog, b"a", b"a1")
-    put(plog, None, b"n")
-    plog.roll()
-    put(plog, b"a", b"a2")
+    lay_out(plog, [(b"a", b"a1"), (None, b"n")], [(b"a", b"a2")])
     with caplog.at_level(logging.WARNING, logger="headwater.storage"):
         assert plog.compact(now_ms=0).segments_rewritten == 1
     assert "rebuilding index" not in caplog.text
