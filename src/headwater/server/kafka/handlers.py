@@ -451,7 +451,7 @@ def _partitions_asked(
 ) -> Iterator[tuple[dict[str, Any], StreamInfo, int, Any]]:
     """Each partition a Fetch or ListOffsets asks for (``name`` and ``index``: its
     request's field names of a topic's name, the answer's too, and a partition's index)
-    with its answer's entry: ``blank``'s fields (shared, so replaced, never mutated), under
+    with its answer's entry: ``blank``'s fields (shared by every entry: immutable), under
     its topic in ``answer``. A partition of no stream is answered UNKNOWN_TOPIC_OR_PARTITION
     here and not yielded."""
     for topic in topics:
@@ -878,7 +878,7 @@ async def _fetch_once(
         "high_watermark": -1,
         "last_stable_offset": -1,
         "log_start_offset": -1,
-        "aborted_transactions": [],
+        "aborted_transactions": (),
         "records": b"",
     }
     for entry, info, p, wanted in _partitions_asked(
@@ -950,7 +950,7 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
     api, tenant = session.api, session.tenant_id
     committed = _isolation(request) == READ_COMMITTED
     topics: list[dict[str, Any]] = []
-    blank = {"timestamp": -1, "offset": -1, "leader_epoch": 0, "old_style_offsets": []}
+    blank = {"timestamp": -1, "offset": -1, "leader_epoch": 0, "old_style_offsets": ()}
     for entry, info, p, wanted in _partitions_asked(
         session, request.topics, topics, "name", "partition_index", blank
     ):
