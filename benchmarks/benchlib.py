@@ -536,9 +536,6 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - started
 
 
-# ---- Spark against Parquet (spark_bench, spark_partitions_bench) ------------------------
-
-
 def report(
     results: dict[str, Any], markdown: Callable[[dict[str, Any]], str], out: Path | None
 ) -> None:
@@ -547,6 +544,9 @@ def report(
     if out is not None:
         out.write_text(json.dumps(results, indent=2))
     print(markdown(results))
+
+
+# ---- Spark against Parquet (spark_bench, spark_partitions_bench) ------------------------
 
 
 def spark_session(**conf: str) -> Any:
