@@ -968,15 +968,20 @@ class PartitionLog:
                         # keys' older values are latest again. The next compaction looks
                         # afresh. (Closed: nothing more to rewrite.)
                         break
-                    if not any(s is seg for s in self.segments):
+                    if self._index_of(seg) is None:
                         continue  # removed by retention meanwhile
                 rewritten = self._compact_segment(seg, latest, horizon, result)
                 if rewritten is not None:
                     with self._lock:
-                        i = next(k for k, s in enumerate(self.segments) if s is seg)
+                        i = self._index_of(seg)
+                        assert i is not None  # what removes segments waits for this lock
                         self.segments[i] = rewritten
                         self._graveyard.append((time.monotonic(), seg))
         return result
+
+    def _index_of(self, seg: Segment) -> int | None:
+        """Where ``seg`` is in :attr:`segments`, None when it is gone (retention, a cut)."""
+        return next((k for k, s in enumerate(self.segments) if s is seg), None)
 
     def _compact_segment(
         self,
@@ -1109,7 +1114,7 @@ class PartitionLog:
             new.compressed = True
             new.next_offset = max(new.next_offset, seg.next_offset)
             with self._rewrite_lock, self._lock:
-                i = next((k for k, s in enumerate(self.segments) if s is seg), None)
+                i = self._index_of(seg)
                 if i is None or self.closed:  # removed by retention meanwhile, or closed
                     # Closed: a deleted stream's directory may be gone with the file.
                     rewritten.unlink(missing_ok=True)
