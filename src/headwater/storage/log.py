@@ -1152,8 +1152,9 @@ class PartitionLog:
     # ---- deletion -------------------------------------------------------------------
 
     def delete(self) -> None:
-        """Close and remove the whole log directory."""
-        with self._lock:
+        """Close and remove the whole log directory, after a segment's rewrite under way
+        (as :meth:`close`: its rename must not land in a directory being removed)."""
+        with self._rewrite_lock, self._lock:
             for seg in self.segments:
                 seg.close()
             for _, seg in self._graveyard:  # their retired .log and mapped index files

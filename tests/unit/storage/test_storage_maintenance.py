@@ -684,3 +684,31 @@ def test_a_compaction_stops_at_a_log_closed_while_it_reads_the_keys(tmp_path: Pa
     plog = compact_log(tmp_path)
     assert [e.value for e in plog.events()] == [b"a1", b"a2", b"a3"]
     plog.close()
+
+
+def test_a_log_deleted_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) -> None:
+    # Deleting a log while the maintenance thread rewrites one of its segments: the
+    # delete waits for that rewrite. It used to remove the directory under it, and the
+    # compaction failed renaming its rewritten file into a directory that was gone.
+    plog = compact_log(tmp_path)
+    lay_out(
+        plog,
+        [(b"a", b"a1"), (None, b"n")],  # 0-1
+        [(b"c", b"c1"), (b"a", b"a2")],  # 2-3
+        [(b"d", b"d1")],  # 4, active
+    )
+    held = HeldRewrite(plog)
+    failures: list[BaseException] = []
+
+    def compact() -> None:
+        try:
+            plog.compact(now_ms=0)
+        except BaseException as exc:
+            failures.append(exc)
+
+    compaction = threading.Thread(target=compact)
+    compaction.start()
+    held.beside(compaction, plog.delete)
+    assert failures == []
+    assert not tmp_path.exists()
+    assert not files_open_under(tmp_path)
