@@ -972,16 +972,22 @@ class PartitionLog:
                         continue  # removed by retention meanwhile
                 rewritten = self._compact_segment(seg, latest, horizon, result)
                 if rewritten is not None:
-                    with self._lock:
-                        i = self._index_of(seg)
-                        assert i is not None  # what removes segments waits for this lock
-                        self.segments[i] = rewritten
-                        self._graveyard.append((time.monotonic(), seg))
+                    self._swap(seg, rewritten)
         return result
 
     def _index_of(self, seg: Segment) -> int | None:
         """Where ``seg`` is in :attr:`segments`, None when it is gone (retention, a cut)."""
         return next((k for k, s in enumerate(self.segments) if s is seg), None)
+
+    def _swap(self, seg: Segment, new: Segment) -> None:
+        """Put the rewritten ``new`` in ``seg``'s place, its files already renamed and
+        fsynced: under the rewrite lock, so ``seg`` is still there. Only this takes the
+        log lock, which appends wait on, so they never wait on a rewrite's fsyncs."""
+        with self._lock:
+            i = self._index_of(seg)
+            assert i is not None  # what removes segments waits for the rewrite lock
+            self.segments[i] = new
+            self._graveyard.append((time.monotonic(), seg))
 
     def _compact_segment(
         self,
@@ -1113,9 +1119,10 @@ class PartitionLog:
                 break
             new.compressed = True
             new.next_offset = max(new.next_offset, seg.next_offset)
-            with self._rewrite_lock, self._lock:
-                i = self._index_of(seg)
-                if i is None or self.closed:  # removed by retention meanwhile, or closed
+            with self._rewrite_lock:
+                with self._lock:
+                    gone = self._index_of(seg) is None or self.closed
+                if gone:  # removed by retention meanwhile, or closed
                     # Closed: a deleted stream's directory may be gone with the file.
                     rewritten.unlink(missing_ok=True)
                     new.close()
@@ -1127,8 +1134,7 @@ class PartitionLog:
                 fsync_directory(self.directory)
                 new.write_index_files(sync=True)
                 new.map_index_files()
-                self.segments[i] = new
-                self._graveyard.append((time.monotonic(), seg))
+                self._swap(seg, new)
             result.segments_compressed += 1
             result.bytes_before += seg.size
             result.bytes_after += new.size

@@ -264,3 +264,42 @@ def test_a_compression_stops_at_a_log_closed_while_it_reads(tmp_path: Path, gone
     assert plog.compress().segments_compressed == 0
     assert plog.closed
     assert_left_uncompressed(directory, values, gone=gone)
+
+
+def test_a_compression_fsyncs_without_the_log_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Appends take the log lock on the event loop: a compression that fsynced its
+    # rename and its new indexes under that lock held every connection of the server
+    # for as long as the disk took.
+    plog = open_log(tmp_path / "partition-0", "zstd", segment_bytes=8 << 10)
+    values = fill(plog, 300, 3)
+    fsync = os.fsync
+    held_at_fsync: list[bool] = []
+
+    def lock_free() -> bool:
+        free: list[bool] = []
+
+        def attempt() -> None:
+            free.append(plog._lock.acquire(blocking=False))
+            if free[0]:
+                plog._lock.release()
+
+        other = threading.Thread(target=attempt)
+        other.start()
+        other.join()
+        return free[0]
+
+    def watched_fsync(fd: int) -> None:
+        held_at_fsync.append(not lock_free())
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    sealed = len(plog.segments) - 1
+    assert sealed > 1 and plog.compress().segments_compressed == sealed
+    monkeypatch.undo()
+    # Each segment's frames, the directory, and its two index files.
+    assert len(held_at_fsync) == 4 * sealed
+    assert not any(held_at_fsync)
+    assert [e.value for e in plog.events()] == values
+    plog.close()
