@@ -601,12 +601,14 @@ class Engine:
         self.closing = True
         await cancel_and_wait(self._maintenance)
         await self._idle.wait()
+        loop = asyncio.get_running_loop()
         for tenant in self.tenants.values():
             for stream in tenant.streams.values():
                 for committer, plog in zip(stream.committers, stream.partition_logs, strict=True):
                     await committer.aclose()
-                    plog.close()
-        loop = asyncio.get_running_loop()
+                    # In a worker: the close fsyncs, and waits for a segment's rewrite
+                    # under way in the maintenance thread.
+                    await loop.run_in_executor(self.executor, plog.close)
         for tenant in self.tenants.values():
             await loop.run_in_executor(
                 self.executor, self.metadata.write, tenant.directory / TENANT_META, tenant.meta
