@@ -602,14 +602,16 @@ class Engine:
         await cancel_and_wait(self._maintenance)
         await self._idle.wait()
         loop = asyncio.get_running_loop()
-        for tenant in self.tenants.values():
-            for stream in tenant.streams.values():
+        # Copies: the loop runs between the closes, and a delete in flight may end then
+        # and take its stream out of the tenant's streams (its log is closed once).
+        for tenant in list(self.tenants.values()):
+            for stream in list(tenant.streams.values()):
                 for committer, plog in zip(stream.committers, stream.partition_logs, strict=True):
                     await committer.aclose()
                     # In a worker: the close fsyncs, and waits for a segment's rewrite
                     # under way in the maintenance thread.
                     await loop.run_in_executor(self.executor, plog.close)
-        for tenant in self.tenants.values():
+        for tenant in list(self.tenants.values()):
             await loop.run_in_executor(
                 self.executor, self.metadata.write, tenant.directory / TENANT_META, tenant.meta
             )

@@ -328,3 +328,41 @@ def test_a_shutdown_during_a_compaction_waits_for_its_rewrite_off_the_loop(
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_a_stream_deleted_while_the_shutdown_waits_on_a_log_does_not_break_the_shutdown(
+    tmp_path: Path,
+) -> None:
+    # The shutdown closes the logs one by one in a worker, the loop running meanwhile: a
+    # delete that ends then takes its stream out of the tenant's streams, which the
+    # shutdown was walking ("dictionary changed size during iteration"), and the engine
+    # was left unclosed (logs unsynced, executor and directory lock held).
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        table = await engine.create_stream(
+            0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
+        )
+        other = await engine.create_stream(0, "other")
+        for i in range(100):
+            await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
+        await engine.append(0, other.stream_id, [b"o"])
+        plog = engine.stream(0, table.stream_id).partition_logs[0]
+        held = HeldRewrite(plog)
+        takers = held.lock.takers
+        maintenance = asyncio.create_task(engine.run_maintenance())
+        await wait_until_async(held.at_rename.is_set)
+        came = len(takers)  # retention's and the compaction's own takes
+        closing = asyncio.create_task(engine.close())
+        # The shutdown waits on the table's log (its rewrite) in a worker ...
+        await wait_until_async(lambda: len(takers) > came)
+        # ... while a delete (in flight as it began) ends.
+        await engine.delete_stream(0, other.stream_id)
+        held.go_on.set()
+        await closing
+        assert (await maintenance)["events_compacted"] > 0
+        assert plog.closed and engine.closed
+        engine = await Engine.open(tmp_path, CONFIG)
+        assert [s.name for s in engine.all_streams()] == ["table"]
+        await engine.close()
+
+    asyncio.run(main())
