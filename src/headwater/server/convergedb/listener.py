@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -66,6 +67,13 @@ class ConvergeConnection(asyncio.Protocol):
         self.source: Source | None = None
         self.subscriptions: dict[int, _Subscription] = {}  # kind_id ->
         self.tasks: set[asyncio.Task[None]] = set()
+        # The windows this connection wrote into since a HEARTBEAT barrier last looked,
+        # oldest first. A tenant's windows commit in order, so only the last two can be
+        # unfinished: a finished one is noted (``_lost``) and dropped as the next comes.
+        self._windows: deque[Window] = deque()
+        # The first write of this connection lost since a barrier last said so: a
+        # fire-and-forget write (stream 0) is told of no other way.
+        self._lost: HeadwaterError | None = None
         self.peer = "?"
         self._connections = connections
         self._writable = asyncio.Event()
@@ -188,7 +196,7 @@ class ConvergeConnection(asyncio.Protocol):
                 self._write_ops(tenant, stream, msg.opcode, msg.ops)
             elif isinstance(msg, m.Heartbeat):
                 if stream:
-                    self._spawn(self._ack_after(tenant.barrier(), stream, m.Ack(Opcode.HEARTBEAT)))
+                    self._spawn(self._barrier(tenant, stream))
             elif isinstance(msg, m.Query):
                 self._query(tenant, stream, msg)
             elif isinstance(msg, m.Subscribe):
@@ -261,6 +269,9 @@ class ConvergeConnection(asyncio.Protocol):
     ) -> None:
         engine_ops = from_wire(ops, tenant.kind)
         window = tenant.apply(self._source(), engine_ops)
+        if not self._windows or self._windows[-1] is not window:
+            self._note_finished()
+            self._windows.append(window)
         if stream:
             self._ack_when(window, stream, m.Ack(opcode), opcode)
 
@@ -282,13 +293,41 @@ class ConvergeConnection(asyncio.Protocol):
         else:
             window.done.add_done_callback(done)
 
-    async def _ack_after(self, waiting: Awaitable[None], stream: int, ack: m.Message) -> None:
+    def _note_finished(self) -> None:
+        """Drop the finished windows of :attr:`_windows`, noting the first that failed."""
+        windows = self._windows
+        while windows and windows[0].done.done():
+            done = windows.popleft().done
+            exc = BaseException() if done.cancelled() else done.exception()
+            if exc is not None and self._lost is None:
+                self._lost = (
+                    exc
+                    if isinstance(exc, HeadwaterError)
+                    else InternalError("the write could not be made durable")
+                )
+
+    async def _barrier(self, tenant: TenantKinds, stream: int) -> None:
+        """HEARTBEAT on a non-zero stream: ACK once everything written before it is
+        durable; an ERROR instead when a write of this connection was lost since the
+        last barrier (the tenant's newest window can be durable after one that failed)."""
         try:
-            await waiting
-        except Exception as exc:
-            self.error(stream, ErrorCode.INTERNAL, ack.opcode, f"barrier failed: {exc}")
+            await tenant.barrier()
+        except HeadwaterError as exc:
+            self.error(
+                stream, error_code_for(exc), Opcode.HEARTBEAT, f"barrier failed: {exc.message}"
+            )
             return
-        self.send(stream, ack)
+        except Exception as exc:
+            self.error(stream, ErrorCode.INTERNAL, Opcode.HEARTBEAT, f"barrier failed: {exc}")
+            return
+        self._note_finished()  # every window written into before the barrier is finished
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            self.error(
+                stream, error_code_for(lost), Opcode.HEARTBEAT, f"barrier failed: {lost.message}"
+            )
+        else:
+            self.send(stream, m.Ack(Opcode.HEARTBEAT))
 
     async def _create_kind(self, tenant: TenantKinds, stream: int, msg: m.CreateKind) -> None:
         try:

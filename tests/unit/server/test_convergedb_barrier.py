@@ -1,0 +1,121 @@
+"""The HEARTBEAT write barrier of a ConvergeDB connection, in process (a real listener on
+a loopback port, a raw client), when the kinds cannot keep a window: the barrier never
+ACKs past a write of its connection that was lost, though the tenant's newest window
+is durable."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from headwater.engine.kinds import TenantKinds, Window
+from headwater.errors import StorageError
+from headwater.protocols.convergedb import messages as m
+from headwater.protocols.convergedb.codes import ErrorCode, Opcode
+from headwater.protocols.convergedb.connection import ClientConnection
+from headwater.protocols.convergedb.fields import FieldType
+from headwater.server.app import Server
+from headwater.server.config import ServerConfig
+from headwater.server.convergedb.listener import start_convergedb
+
+LISTEN = {"http": "", "kimberlite": "", "convergedb": "127.0.0.1:0", "ripple": ""}
+
+
+class Client:
+    """A ConvergeDB writer over the sans-I/O ClientConnection and asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = ClientConnection()
+        self.frames: list[m.Frame] = []
+
+    @classmethod
+    async def connect(cls, server: Server) -> Client:
+        client = cls(*await asyncio.open_connection("127.0.0.1", server.listeners[0].port))
+        await client.call(m.Connect("writer", ""))
+        return client
+
+    def send(self, message: m.ClientMessage, *, ack: bool = False) -> int:
+        stream, data = self.conn.send(message, ack=ack)
+        self.writer.write(data)
+        return stream
+
+    async def reply(self, stream: int) -> m.Message:
+        """The server's answer on ``stream``."""
+        while not any(f.stream_id == stream for f in self.frames):
+            chunk = await asyncio.wait_for(self.reader.read(1 << 16), 10)
+            assert chunk, "the server closed the connection"
+            self.frames += self.conn.receive_data(chunk)
+        frame = next(f for f in self.frames if f.stream_id == stream)
+        self.frames.remove(frame)
+        return frame.message
+
+    async def call(self, message: m.ClientMessage) -> m.Message:
+        return await self.reply(self.send(message, ack=True))
+
+
+def eid(n: int) -> bytes:
+    return (b"e%d" % n).ljust(32, b"\0")
+
+
+class FailingWrites:
+    """The tenant's window writes, refused with a StorageError while ``failing``."""
+
+    def __init__(self, tk: TenantKinds, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.real: Callable[[Window], Awaitable[int]] = tk.window_writer.write
+        self.failing = False
+        self.refused = asyncio.Event()
+        monkeypatch.setattr(tk.window_writer, "write", self.write)
+
+    async def write(self, window: Window) -> int:
+        if not self.failing:
+            return await self.real(window)
+        self.refused.set()
+        raise StorageError("write failed: no space left")
+
+
+def test_a_barrier_after_a_lost_fire_and_forget_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ASSERT on stream 0 (no ACK asked) whose window fails, then one that is
+    durable, then a HEARTBEAT barrier: the barrier answers ERROR with the reason, since
+    not everything written before it is durable; the next barrier, with nothing lost
+    since, is ACKed."""
+
+    async def main() -> None:
+        server = Server(
+            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
+        )
+        await server.start()
+        try:
+            client = await Client.connect(server)
+            schema = [m.FieldSpec("c", FieldType.I64)]
+            kind = await client.call(m.CreateKind("temps", schema))
+            assert isinstance(kind, m.KindAck)
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+
+            def assert_(n: int, *, ack: bool = False) -> int:
+                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
+
+            writes.failing = True
+            assert_(1)
+            await writes.refused.wait()
+            writes.failing = False
+            # A later window of the same connection, durable: the tenant's newest.
+            assert await client.reply(assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
+            refused = await client.call(m.Heartbeat())
+            assert isinstance(refused, m.ErrorMessage), refused
+            assert refused.code == ErrorCode.INTERNAL and refused.ref_opcode == Opcode.HEARTBEAT
+            assert "no space left" in refused.message
+            assert_(3)
+            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
+            tk = server.api.kinds(0)
+            present = [n for n in (1, 2, 3) if tk.get(kind.kind_id, eid(n))]
+            assert present == [2, 3]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
