@@ -247,3 +247,55 @@ def test_another_workers_checkpoint_saves_only_durable_sequence_numbers(
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_a_checkpoint_on_a_new_connection_covers_the_old_connections_window_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reconnects (the server fences its old connection) while the window
+    holding what it sent on the old one is still being written. Its checkpoint on the
+    new connection answers once that window is durable, with its numbers: a restarted
+    worker resuming numbers after the ack's last (Worker(resume=True)), and an ack that
+    missed them would have it reuse 1-3 for new deltas, which the old window's numbers,
+    durable a moment later and saved, would then drop as redeliveries after a restart."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            old = await Worker.connect(server, "a")
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            held = asyncio.Event()
+            real = writes.real
+
+            async def held_write(window: Window) -> int:
+                held.set()
+                await writes.release.wait()
+                return await real(window)
+
+            writes.real = held_write
+            awaited = asyncio.Event()  # someone waits for a window to be durable
+            durable = Window.durable
+
+            async def watched(window: Window) -> None:
+                awaited.set()
+                await durable(window)
+
+            monkeypatch.setattr(Window, "durable", watched)
+            old.send(range(1, 4))
+            await held.wait()  # the window holding 1-3 is being written, and held there
+
+            new = await Worker.connect(server, "a")  # fences the old connection
+            asked = asyncio.ensure_future(new.checkpoint("c1"))
+            waiting = asyncio.ensure_future(awaited.wait())
+            await asyncio.wait({asked, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            writes.release.set()
+            assert await asked == 3
+            assert saved(tmp_path) == {"a/quotes": 3}
+            assert keys_present(server, "a") == ["a1", "a2", "a3"]
+            waiting.cancel()
+            old.close()
+            new.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

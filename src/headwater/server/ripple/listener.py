@@ -510,10 +510,21 @@ class RippleConnection(asyncio.Protocol):
         elif isinstance(message, rm.CheckpointRequest):
             # Everything received before the request: durable and visible (the windows
             # it went into, committed in order), then saved. Never after a failure.
-            while self.unsettled and self.failed is None:
-                with contextlib.suppress(Exception):
-                    await self.unsettled[0][0].durable()
-                self.settle()
+            # The worker's earlier connections (fenced, or ended) first: their windows
+            # still in flight hold what it sent on them, and a resuming worker numbers
+            # after the ack's last, so the ack must not miss them (their failure rewound
+            # the received numbers already: this connection applies the resend).
+            worker = self.protocol.worker_id
+            earlier = [
+                c
+                for c in list(self.state.writing)
+                if c is not self and c.protocol.worker_id == worker
+            ]
+            for connection in [*earlier, self]:
+                while connection.unsettled and self.failed is None:
+                    with contextlib.suppress(Exception):
+                        await connection.unsettled[0][0].durable()
+                    connection.settle()
             if self.failed is not None:
                 return
             await self.state.save()
