@@ -418,6 +418,14 @@ class SequenceTracker:
         """``(source, last applied sequence_no)`` of every source seen (to save them)."""
         return list(self._last.items())
 
+    def rewind(self, source: object, last: int | None) -> None:
+        """Go back to ``last`` (None: nothing known): deltas after it are applied again
+        when they come back, e.g. those whose write the application could not keep."""
+        if last is None:
+            self._last.pop(source, None)
+        else:
+            self._last[source] = last
+
     def observe(self, source: object, sequence_no: int) -> SequenceVerdict:
         last = self._last.get(source)
         if last is not None and sequence_no <= last:

@@ -13,11 +13,18 @@ migrated when the schema appends fields; anything else is refused with the reaso
 A Delta becomes an assert (Set), patch (Patch) or retract (Remove) of the entity whose
 id is the key (UTF-8 bytes zero-padded to 32, or their SHA-256 when longer).
 
-Per (worker, output) the last applied ``sequence_no`` is kept: a redelivered delta is
-dropped, a jump counts as a gap. The table is saved (write-temp, fsync, rename) once the
-kind writes before it are durable: at every checkpoint and when the listener stops. A
-delta re-applied after a crash between checkpoints changes nothing: Set, Patch and
-Remove give the same state applied twice.
+Per (worker, output) two sequence numbers are kept: the last *received*, which drops
+redelivered deltas (a jump counts as a gap), and the last *durable*: a connection
+advances it when the coalescing window holding its deltas is committed, in the order
+it wrote into them. Only durable numbers are saved (write-temp, fsync, rename: at
+every checkpoint and when the listener stops) and acknowledged, so no checkpoint
+covers a write the kinds lost. When a window of a connection fails, the worker's
+received numbers go back to its durable ones and the connection is closed (its
+Checkpoint_requests unanswered): the worker reconnects and resends what it has not had
+acknowledged, and the resend is applied. A connection's end rewinds the same way, as
+its last windows may still fail. A delta applied twice (a resend of a write already
+durable, or after a crash between checkpoints) changes nothing: Set, Patch and Remove
+give the same state applied twice.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import hashlib
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +50,7 @@ from headwater.engine.kinds import (
     KindsError,
     Source,
     TenantKinds,
+    Window,
     WriteOp,
     assert_op,
     patch_op,
@@ -91,17 +100,22 @@ class RippleState:
     def __init__(self, tenant_id: int, path: Path, live: set[RippleConnection]) -> None:
         self.tenant_id = tenant_id
         self.path = path
+        # Received: drops redeliveries. Durable: what the table saves and checkpoints ack.
         self.tracker = rc.SequenceTracker()
+        self.durable: dict[tuple[str, str], int] = {}
         self.slots: dict[str, int] = {}  # worker id -> its source slot in the tenant's kinds
         if path.exists():
             for entry in read_json(path).get("sequences", []):
-                self.tracker.observe((entry["worker"], entry["output"]), int(entry["last"]))
+                key = (str(entry["worker"]), str(entry["output"]))
+                self.durable[key] = int(entry["last"])
+                self.tracker.observe(key, int(entry["last"]))
             self.slots = {str(w): int(slot) for w, slot in read_json(path).get("slots", {}).items()}
         self.tracker.duplicates = self.tracker.gaps = 0
         self.watermarks: dict[tuple[str, str], int] = {}
         self.heartbeats: dict[str, tuple[float, float]] = {}  # worker -> (when, load)
         self.applied = 0
         self.live = live  # every tenant's connections (the listener's)
+        self.writing: set[RippleConnection] = set()  # those with windows not yet settled
         self._saving = asyncio.Lock()
 
     def workers(self) -> list[dict[str, Any]]:
@@ -142,10 +156,12 @@ class RippleState:
         event loop would stall every connection. Saves run one at a time, each writing
         the table as it was when it started, so the file never goes back in time."""
         async with self._saving:
-            entries = []
-            for source, last in self.tracker.items():
-                worker, output = cast(tuple[str, str], source)
-                entries.append({"worker": worker, "output": output, "last": last})
+            for connection in list(self.writing):
+                connection.settle()  # windows done whose callbacks have not run yet
+            entries = [
+                {"worker": worker, "output": output, "last": last}
+                for (worker, output), last in self.durable.items()
+            ]
             table = {"sequences": entries, "slots": dict(self.slots)}
             await asyncio.get_running_loop().run_in_executor(None, self._write, table)
 
@@ -197,6 +213,11 @@ class RippleConnection(asyncio.Protocol):
         self.kinds: TenantKinds | None = None
         self.source: Source | None = None
         self.outputs: dict[str, KindInfo] = {}
+        self.keys: list[tuple[str, str]] = []  # (worker, output) of each output
+        # The windows holding this connection's deltas, oldest first, each with the last
+        # received sequence number of every output when deltas last went into it.
+        self.unsettled: deque[tuple[Window, dict[tuple[str, str], int]]] = deque()
+        self.failed: str | None = None  # why a window of this connection failed
         self.queue: asyncio.Queue[rc.ServerEvent | None] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.guard = ConnectionGuard(server.limits, "ripple", self)
@@ -229,9 +250,7 @@ class RippleConnection(asyncio.Protocol):
         self.guard.release()
         self.live.discard(self)
         self.queue.put_nowait(None)
-        if self.source is not None:
-            self.source.disconnect()
-            self.source = None
+        self._release()
 
     def close(self) -> None:
         if self.transport is not None:
@@ -239,11 +258,25 @@ class RippleConnection(asyncio.Protocol):
 
     def fence(self) -> None:
         """Give up the worker's slot to a newer connection of the same worker."""
-        if self.source is not None:
-            self.source.disconnect()
-            self.source = None
+        self._release()
         if self.transport is not None:
             self.transport.abort()
+
+    def _release(self) -> None:
+        """The connection no longer speaks for its worker: its received numbers go back
+        to the durable ones (its windows still in flight may fail, and the worker resends
+        all it has not had acknowledged), and its source slot is left."""
+        if self.source is None:
+            return
+        self.settle()
+        self._rewind()
+        self.source.disconnect()
+        self.source = None
+
+    def _rewind(self) -> None:
+        if self.state is not None:
+            for key in self.keys:
+                self.state.tracker.rewind(key, self.state.durable.get(key))
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -369,6 +402,7 @@ class RippleConnection(asyncio.Protocol):
             self.close()
             return
         self.outputs = outputs
+        self.keys = [(worker, output) for output in outputs]
         self._write(self.protocol.accept_handshake())
         self.guard.authenticated()
 
@@ -394,8 +428,8 @@ class RippleConnection(asyncio.Protocol):
 
     def _delta(self, event: rc.DeltaReceived) -> WriteOp | None:
         """The kind write of a delta; None for a redelivery (or after fencing)."""
-        if self.source is None or self.state is None:
-            return None  # fenced by a newer connection of this worker: it resends
+        if self.source is None or self.state is None or self.failed is not None:
+            return None  # fenced, or a window failed: the worker resends
         message = event.message
         worker = self.protocol.worker_id or ""
         key = (worker, message.source_output)
@@ -410,7 +444,7 @@ class RippleConnection(asyncio.Protocol):
         if not ops or self.source is None or self.kinds is None or self.state is None:
             return
         try:
-            self.kinds.apply(self.source, ops)
+            window = self.kinds.apply(self.source, ops)
         except KindsError:
             # The engine takes a list all or nothing: apply one by one up to the culprit.
             for op in ops:
@@ -418,6 +452,53 @@ class RippleConnection(asyncio.Protocol):
                 self.state.applied += 1
             raise
         self.state.applied += len(ops)
+        # Once per batch: the numbers received so far are durable with this window.
+        tracker = self.state.tracker
+        marks = {key: last for key in self.keys if (last := tracker.last(key))}
+        if self.unsettled and self.unsettled[-1][0] is window:
+            self.unsettled[-1] = (window, marks)
+        else:
+            self.unsettled.append((window, marks))
+            self.state.writing.add(self)
+            window.done.add_done_callback(self._window_done)
+
+    def _window_done(self, _: asyncio.Future[None]) -> None:
+        self.settle()
+
+    def settle(self) -> None:
+        """Advance the durable numbers over this connection's windows that are done, in
+        the order it wrote into them; at the first one that failed, stop for good: a
+        later window being durable does not make the lost deltas before it durable."""
+        state = self.state
+        assert state is not None or not self.unsettled
+        while self.unsettled and self.unsettled[0][0].done.done():
+            window, marks = self.unsettled.popleft()
+            done = window.done
+            if done.cancelled() or done.exception() is not None:
+                exc = None if done.cancelled() else done.exception()
+                self._fail(f"a write of the worker's deltas failed: {exc or 'cancelled'}")
+                break
+            assert state is not None
+            for key, last in marks.items():
+                if last > state.durable.get(key, -1):
+                    state.durable[key] = last
+        if not self.unsettled and state is not None:
+            state.writing.discard(self)
+
+    def _fail(self, reason: str) -> None:
+        """A window holding this connection's deltas failed: nothing after it counts, no
+        checkpoint is acknowledged, and the worker is told and disconnected (if this
+        connection still speaks for it) so that it resends from its last checkpoint."""
+        self.failed = reason
+        self.unsettled.clear()
+        if self.source is None:
+            return  # gone already: its end rewound the worker's numbers
+        log.info("disconnecting worker %s: %s", self.protocol.worker_id, reason)
+        self._rewind()
+        if not self.protocol.closed:
+            with contextlib.suppress(Exception):
+                self._write(self.protocol.send(rm.SchemaNegotiation(False, (reason,))))
+        self.close()
 
     async def _message(self, message: rm.Message) -> None:
         if self.state is None or self.kinds is None:
@@ -427,11 +508,29 @@ class RippleConnection(asyncio.Protocol):
             if self.source is not None:
                 self.source.touch()
         elif isinstance(message, rm.CheckpointRequest):
-            # Everything received before the request: durable and visible, then saved.
-            await self.kinds.barrier()
+            # Everything received before the request: durable and visible (the windows
+            # it went into, committed in order), then saved. Never after a failure.
+            # The worker's earlier connections (fenced, or ended) first: their windows
+            # still in flight hold what it sent on them, and a resuming worker numbers
+            # after the ack's last, so the ack must not miss them (their failure rewound
+            # the received numbers already: this connection applies the resend).
+            worker = self.protocol.worker_id
+            earlier = [
+                c
+                for c in list(self.state.writing)
+                if c is not self and c.protocol.worker_id == worker
+            ]
+            for connection in [*earlier, self]:
+                while connection.unsettled and self.failed is None:
+                    with contextlib.suppress(Exception):
+                        await connection.unsettled[0][0].durable()
+                    connection.settle()
+            if self.failed is not None:
+                return
             await self.state.save()
+            durable = self.state.durable
+            last = max((durable.get(key, 0) for key in self.keys), default=0)
             worker = self.protocol.worker_id or ""
-            last = max((self.state.tracker.last((worker, out)) for out in self.outputs), default=0)
             ack = rm.CheckpointAck(message.checkpoint_id, worker, message.epoch, last)
             self._write(self.protocol.send(ack))
         # A Checkpoint_ack answers a request of ours (none are sent); Schema_negotiation

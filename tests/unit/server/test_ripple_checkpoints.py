@@ -1,0 +1,301 @@
+"""Ripple checkpoints in process (a real listener on a loopback port, a raw worker) when
+the kinds cannot keep a window: a checkpoint never acknowledges, and the saved sequence
+table never holds, a delta whose write was lost; the worker is told and disconnected,
+and its resend is applied rather than dropped as a redelivery."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from headwater.engine.kinds import TenantKinds, Window
+from headwater.errors import StorageError
+from headwater.protocols.ripple import messages as rm
+from headwater.protocols.ripple.connection import ClientConnection
+from headwater.server.app import Server
+from headwater.server.config import ServerConfig
+from headwater.server.ripple.listener import entity_id_for, start_ripple
+
+LISTEN = {"http": "", "kimberlite": "", "convergedb": "", "ripple": "127.0.0.1:0"}
+QUOTES = rm.Schema("quotes", 1, (rm.Field("px", rm.FieldType.FLOAT),))
+
+
+class Worker:
+    """A Ripple worker over the sans-I/O ClientConnection and asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, name: str):
+        self.reader, self.writer = reader, writer
+        self.conn = ClientConnection(name)
+        self.pending: list[rm.Message] = []
+
+    @classmethod
+    async def connect(cls, server: Server, name: str) -> Worker:
+        worker = cls(*await asyncio.open_connection("127.0.0.1", server.listeners[0].port), name)
+        worker.writer.write(worker.conn.handshake({"quotes": QUOTES}))
+        answer = await worker.next()
+        assert isinstance(answer, rm.SchemaNegotiation) and answer.ok, answer
+        return worker
+
+    async def next(self) -> rm.Message | None:
+        """The next message from the server; None once it closed the connection."""
+        while not self.pending:
+            try:
+                chunk = await asyncio.wait_for(self.reader.read(1 << 16), 10)
+            except ConnectionError:
+                return None
+            if not chunk:
+                return None
+            self.pending += [r.message for r in self.conn.receive_data(chunk)]
+        return self.pending.pop(0)
+
+    def send(self, sequence_nos: range) -> None:
+        """A Set of key ``<worker><n>`` per sequence number n, with those numbers."""
+        for n in sequence_nos:
+            key, delta = f"{self.conn.worker_id}{n}", rm.Set({"px": float(n)})
+            self.writer.write(self.conn.send_delta("quotes", key, delta, sequence_no=n))
+
+    def ask_checkpoint(self, checkpoint_id: str) -> None:
+        with contextlib.suppress(ConnectionError):  # the server may have closed already
+            self.writer.write(self.conn.checkpoint_request(checkpoint_id, 1))
+
+    async def checkpoint(self, checkpoint_id: str) -> int:
+        self.ask_checkpoint(checkpoint_id)
+        ack = await self.next()
+        assert isinstance(ack, rm.CheckpointAck), ack
+        assert ack.checkpoint_id == checkpoint_id
+        return ack.last_sequence_no
+
+    async def until_closed(self) -> list[rm.Message]:
+        """What the server sends until it closes the connection (or acks a checkpoint)."""
+        messages = []
+        while (message := await self.next()) is not None:
+            messages.append(message)
+            if isinstance(message, rm.CheckpointAck):
+                break
+        return messages
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class FailingWrites:
+    """The tenant's window writes: refused with a StorageError while ``failing``, each
+    refusal held until ``release`` is set when ``hold`` is; ``refused`` is set once one
+    is under way."""
+
+    def __init__(self, tk: TenantKinds, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.real: Callable[[Window], Awaitable[int]] = tk.window_writer.write
+        self.failing = False
+        self.hold = False
+        self.refused = asyncio.Event()
+        self.release = asyncio.Event()
+        monkeypatch.setattr(tk.window_writer, "write", self.write)
+
+    async def write(self, window: Window) -> int:
+        if not self.failing:
+            return await self.real(window)
+        self.refused.set()
+        if self.hold:
+            await self.release.wait()
+        raise StorageError("write failed: no space left")
+
+
+async def started(data_dir: Path) -> Server:
+    server = Server(data_dir, ServerConfig(listen=LISTEN), None, {"ripple": start_ripple})
+    await server.start()
+    return server
+
+
+def keys_present(server: Server, worker: str) -> list[str]:
+    """The keys of ``worker`` (``<worker>1`` to ``<worker>9``) that the quotes kind holds."""
+    tk = server.api.kinds(0)
+    kind = tk.get_kind("quotes")
+    keys = [f"{worker}{n}" for n in range(1, 10)]
+    return [key for key in keys if tk.get(kind.kind_id, entity_id_for(key.encode()))]
+
+
+def saved(data_dir: Path) -> dict[str, int]:
+    table = json.loads((data_dir / "ripple" / "tenant-0.json").read_text())
+    return {f"{e['worker']}/{e['output']}": e["last"] for e in table["sequences"]}
+
+
+def refused_with_reason(messages: list[rm.Message]) -> bool:
+    """No checkpoint acknowledged; a Schema_negotiation ok=false saying why."""
+    assert not any(isinstance(m, rm.CheckpointAck) for m in messages), messages
+    return any(
+        isinstance(m, rm.SchemaNegotiation) and not m.ok and "no space left" in " ".join(m.errors)
+        for m in messages
+    )
+
+
+def test_a_checkpoint_after_a_failed_window_is_refused_and_the_resend_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The window holding a worker's deltas fails before its Checkpoint_request comes:
+    the request is not acknowledged (the worker is told why and disconnected), and the
+    same deltas resent on a new connection are applied, not dropped as redeliveries."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            a = await Worker.connect(server, "a")
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            writes.failing = True
+            a.send(range(1, 4))
+            await writes.refused.wait()
+            a.ask_checkpoint("c1")
+            assert refused_with_reason(await a.until_closed())
+            writes.failing = False
+            a.close()
+
+            again = await Worker.connect(server, "a")
+            again.send(range(1, 4))  # everything since its last acknowledged checkpoint
+            assert await again.checkpoint("c2") == 3
+            assert keys_present(server, "a") == ["a1", "a2", "a3"]
+            again.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_waiting_on_a_window_that_fails_is_refused_and_the_resend_applied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Checkpoint_request arrives while the window holding the deltas is being
+    written, and that write fails: no acknowledgement, the reason, then the resend on a
+    new connection is applied."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            a = await Worker.connect(server, "a")
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            writes.failing = writes.hold = True
+            awaited = asyncio.Event()  # someone waits for a window to be durable
+            durable = Window.durable
+
+            async def watched(window: Window) -> None:
+                awaited.set()
+                await durable(window)
+
+            monkeypatch.setattr(Window, "durable", watched)
+            a.send(range(1, 4))
+            await writes.refused.wait()  # the window is being written, and held there
+            a.ask_checkpoint("c1")
+            a.send(range(4, 6))  # after the request: into the next window, not covered
+            await awaited.wait()  # the request waits for the window
+            writes.release.set()
+            assert refused_with_reason(await a.until_closed())
+            writes.failing = False
+            a.close()
+
+            again = await Worker.connect(server, "a")
+            again.send(range(1, 6))
+            assert await again.checkpoint("c2") == 5
+            assert keys_present(server, "a") == ["a1", "a2", "a3", "a4", "a5"]
+            again.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_another_workers_checkpoint_saves_only_durable_sequence_numbers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker a's window fails; worker b's checkpoint afterwards saves the tenant's table,
+    which holds b's numbers and none of a's lost ones, so after a restart a's resent
+    deltas are applied."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            b = await Worker.connect(server, "b")
+            b.send(range(1, 3))
+            assert await b.checkpoint("b1") == 2
+            a = await Worker.connect(server, "a")
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            writes.failing = True
+            a.send(range(1, 4))
+            await writes.refused.wait()
+            writes.failing = False
+            b.send(range(3, 4))
+            assert await b.checkpoint("b2") == 3
+            assert saved(tmp_path) == {"b/quotes": 3}
+            assert refused_with_reason(await a.until_closed())
+            a.close()
+            b.close()
+        finally:
+            await server.stop()
+        assert saved(tmp_path) == {"b/quotes": 3}
+
+        server = await started(tmp_path)
+        try:
+            a = await Worker.connect(server, "a")
+            a.send(range(1, 4))
+            assert await a.checkpoint("a1") == 3
+            assert keys_present(server, "a") == ["a1", "a2", "a3"]
+            assert saved(tmp_path) == {"a/quotes": 3, "b/quotes": 3}
+            a.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_checkpoint_on_a_new_connection_covers_the_old_connections_window_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reconnects (the server fences its old connection) while the window
+    holding what it sent on the old one is still being written. Its checkpoint on the
+    new connection answers once that window is durable, with its numbers: a restarted
+    worker resuming numbers after the ack's last (Worker(resume=True)), and an ack that
+    missed them would have it reuse 1-3 for new deltas, which the old window's numbers,
+    durable a moment later and saved, would then drop as redeliveries after a restart."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            old = await Worker.connect(server, "a")
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            held = asyncio.Event()
+            real = writes.real
+
+            async def held_write(window: Window) -> int:
+                held.set()
+                await writes.release.wait()
+                return await real(window)
+
+            writes.real = held_write
+            awaited = asyncio.Event()  # someone waits for a window to be durable
+            durable = Window.durable
+
+            async def watched(window: Window) -> None:
+                awaited.set()
+                await durable(window)
+
+            monkeypatch.setattr(Window, "durable", watched)
+            old.send(range(1, 4))
+            await held.wait()  # the window holding 1-3 is being written, and held there
+
+            new = await Worker.connect(server, "a")  # fences the old connection
+            asked = asyncio.ensure_future(new.checkpoint("c1"))
+            waiting = asyncio.ensure_future(awaited.wait())
+            await asyncio.wait({asked, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            writes.release.set()
+            assert await asked == 3
+            assert saved(tmp_path) == {"a/quotes": 3}
+            assert keys_present(server, "a") == ["a1", "a2", "a3"]
+            waiting.cancel()
+            old.close()
+            new.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
