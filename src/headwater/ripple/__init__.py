@@ -407,7 +407,9 @@ class Worker(Blocking[_AsyncWorker]):
 
     def checkpoint(self, checkpoint_id: str | None = None, epoch: int = 0) -> int:
         """Wait until the server made everything sent so far durable and visible;
-        returns the server's last applied sequence number."""
+        returns the server's last applied sequence number. Raises WorkerError when the
+        server could not make some of it durable (a full disk: it says why and closes
+        the connection); what was sent is kept, and the next checkpoint() resends it."""
         return self._run(self._inner.checkpoint(checkpoint_id or uuid.uuid4().hex, epoch))
 
     # ---- internals ------------------------------------------------------------------
