@@ -41,6 +41,7 @@ class HeldRewrite:
     set there, and it goes on once ``go_on`` is."""
 
     def __init__(self, plog: PartitionLog, lock: SeenLock | None = None) -> None:
+        self.plog = plog
         self.lock = lock if lock is not None else SeenLock(plog._rewrite_lock)
         plog._rewrite_lock = self.lock  # type: ignore[assignment]
         self.at_rename, self.go_on = threading.Event(), threading.Event()

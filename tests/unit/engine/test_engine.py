@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from headwater.engine.engine import Engine, EngineConfig, StreamSettings
+from headwater.engine.engine import Engine, EngineConfig, StreamInfo, StreamSettings
 from headwater.errors import (
     InvalidRequest,
     StorageError,
@@ -261,6 +261,22 @@ def test_an_append_larger_than_a_segment_is_invalid_and_claims_no_position(
     asyncio.run(main())
 
 
+async def compaction_held(
+    engine: Engine,
+) -> tuple[StreamInfo, HeldRewrite, asyncio.Task[dict[str, int]]]:
+    """A compacted stream "table" of 100 events over 5 keys, and the engine's maintenance
+    under way, its compaction held at the rename of the stream's first segment."""
+    table = await engine.create_stream(
+        0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
+    )
+    for i in range(100):
+        await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
+    held = HeldRewrite(engine.stream(0, table.stream_id).partition_logs[0])
+    maintenance = asyncio.create_task(engine.run_maintenance())
+    await wait_until_async(held.at_rename.is_set)
+    return table, held, maintenance
+
+
 def test_a_stream_deleted_during_a_compaction_waits_for_its_rewrite_off_the_loop(
     tmp_path: Path,
 ) -> None:
@@ -268,16 +284,8 @@ def test_a_stream_deleted_during_a_compaction_waits_for_its_rewrite_off_the_loop
     # segment rewrite under way: in a worker, so the loop goes on serving meanwhile.
     async def main() -> None:
         engine = await Engine.open(tmp_path, CONFIG)
-        table = await engine.create_stream(
-            0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
-        )
-        for i in range(100):
-            await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
-        plog = engine.stream(0, table.stream_id).partition_logs[0]
-        held = HeldRewrite(plog)
-        takers = held.lock.takers
-        maintenance = asyncio.create_task(engine.run_maintenance())
-        await wait_until_async(held.at_rename.is_set)
+        table, held, maintenance = await compaction_held(engine)
+        plog, takers = held.plog, held.lock.takers
         came = len(takers)  # retention's and the compaction's own takes
         deleting = asyncio.create_task(engine.delete_stream(0, table.stream_id))
         # The close waits for the lock in a worker; the loop runs this meanwhile.
@@ -300,61 +308,21 @@ def test_a_shutdown_during_a_compaction_waits_for_its_rewrite_off_the_loop(
 ) -> None:
     # The engine's close closes every log, which fsyncs and waits for the maintenance
     # thread's segment rewrite under way: in a worker, so the loop goes on meanwhile
-    # (answering what is in flight, closing connections).
+    # (answering what is in flight, closing connections). A delete that ends then
+    # takes its stream out of the tenant's streams, which the shutdown walks: that
+    # raised "dictionary changed size during iteration", and left the engine unclosed
+    # (logs unsynced, executor and directory lock held).
     async def main() -> None:
         engine = await Engine.open(tmp_path, CONFIG)
-        table = await engine.create_stream(
-            0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
-        )
-        for i in range(100):
-            await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
-        plog = engine.stream(0, table.stream_id).partition_logs[0]
-        held = HeldRewrite(plog)
-        takers = held.lock.takers
-        maintenance = asyncio.create_task(engine.run_maintenance())
-        await wait_until_async(held.at_rename.is_set)
-        came = len(takers)  # retention's and the compaction's own takes
-        closing = asyncio.create_task(engine.close())
-        # The close waits for the lock in a worker; the loop runs this meanwhile.
-        await wait_until_async(lambda: len(takers) > came)
-        assert threading.current_thread() not in takers and not closing.done()
-        held.go_on.set()
-        await closing
-        assert (await maintenance)["events_compacted"] > 0
-        assert plog.closed and engine.closed
-        engine = await Engine.open(tmp_path, CONFIG)
-        events = await engine.read_events(0, table.stream_id, 0, limit=200)
-        assert {e.key: e.value for e in events} == {b"k%d" % k: b"v%d" % (95 + k) for k in range(5)}
-        await engine.close()
-
-    asyncio.run(main())
-
-
-def test_a_stream_deleted_while_the_shutdown_waits_on_a_log_does_not_break_the_shutdown(
-    tmp_path: Path,
-) -> None:
-    # The shutdown closes the logs one by one in a worker, the loop running meanwhile: a
-    # delete that ends then takes its stream out of the tenant's streams, which the
-    # shutdown was walking ("dictionary changed size during iteration"), and the engine
-    # was left unclosed (logs unsynced, executor and directory lock held).
-    async def main() -> None:
-        engine = await Engine.open(tmp_path, CONFIG)
-        table = await engine.create_stream(
-            0, "table", StreamSettings(segment_bytes=4096, cleanup_policy="compact")
-        )
         other = await engine.create_stream(0, "other")
-        for i in range(100):
-            await engine.append(0, table.stream_id, [f"v{i}".encode()], keys=[b"k%d" % (i % 5)])
         await engine.append(0, other.stream_id, [b"o"])
-        plog = engine.stream(0, table.stream_id).partition_logs[0]
-        held = HeldRewrite(plog)
-        takers = held.lock.takers
-        maintenance = asyncio.create_task(engine.run_maintenance())
-        await wait_until_async(held.at_rename.is_set)
+        table, held, maintenance = await compaction_held(engine)
+        plog, takers = held.plog, held.lock.takers
         came = len(takers)  # retention's and the compaction's own takes
         closing = asyncio.create_task(engine.close())
         # The shutdown waits on the table's log (its rewrite) in a worker ...
         await wait_until_async(lambda: len(takers) > came)
+        assert threading.current_thread() not in takers and not closing.done()
         # ... while a delete (in flight as it began) ends.
         await engine.delete_stream(0, other.stream_id)
         held.go_on.set()
@@ -363,6 +331,8 @@ def test_a_stream_deleted_while_the_shutdown_waits_on_a_log_does_not_break_the_s
         assert plog.closed and engine.closed
         engine = await Engine.open(tmp_path, CONFIG)
         assert [s.name for s in engine.all_streams()] == ["table"]
+        events = await engine.read_events(0, table.stream_id, 0, limit=200)
+        assert {e.key: e.value for e in events} == {b"k%d" % k: b"v%d" % (95 + k) for k in range(5)}
         await engine.close()
 
     asyncio.run(main())

@@ -6,13 +6,11 @@ is durable."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from headwater.engine.kinds import TenantKinds, Window
-from headwater.errors import StorageError
+from failing_windows import FailingWrites
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.connection import ClientConnection
@@ -59,22 +57,6 @@ class Client:
 
 def eid(n: int) -> bytes:
     return (b"e%d" % n).ljust(32, b"\0")
-
-
-class FailingWrites:
-    """The tenant's window writes, refused with a StorageError while ``failing``."""
-
-    def __init__(self, tk: TenantKinds, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real: Callable[[Window], Awaitable[int]] = tk.window_writer.write
-        self.failing = False
-        self.refused = asyncio.Event()
-        monkeypatch.setattr(tk.window_writer, "write", self.write)
-
-    async def write(self, window: Window) -> int:
-        if not self.failing:
-            return await self.real(window)
-        self.refused.set()
-        raise StorageError("write failed: no space left")
 
 
 def test_a_barrier_after_a_lost_fire_and_forget_write_is_refused(

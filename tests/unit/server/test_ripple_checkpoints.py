@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
-from headwater.engine.kinds import TenantKinds, Window
-from headwater.errors import StorageError
+from failing_windows import FailingWrites, durable_awaited
+from headwater.engine.kinds import Window
 from headwater.protocols.ripple import messages as rm
 from headwater.protocols.ripple.connection import ClientConnection
 from headwater.server.app import Server
@@ -83,28 +82,6 @@ class Worker:
         self.writer.close()
 
 
-class FailingWrites:
-    """The tenant's window writes: refused with a StorageError while ``failing``, each
-    refusal held until ``release`` is set when ``hold`` is; ``refused`` is set once one
-    is under way."""
-
-    def __init__(self, tk: TenantKinds, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.real: Callable[[Window], Awaitable[int]] = tk.window_writer.write
-        self.failing = False
-        self.hold = False
-        self.refused = asyncio.Event()
-        self.release = asyncio.Event()
-        monkeypatch.setattr(tk.window_writer, "write", self.write)
-
-    async def write(self, window: Window) -> int:
-        if not self.failing:
-            return await self.real(window)
-        self.refused.set()
-        if self.hold:
-            await self.release.wait()
-        raise StorageError("write failed: no space left")
-
-
 async def started(data_dir: Path) -> Server:
     server = Server(data_dir, ServerConfig(listen=LISTEN), None, {"ripple": start_ripple})
     await server.start()
@@ -122,6 +99,17 @@ def keys_present(server: Server, worker: str) -> list[str]:
 def saved(data_dir: Path) -> dict[str, int]:
     table = json.loads((data_dir / "ripple" / "tenant-0.json").read_text())
     return {f"{e['worker']}/{e['output']}": e["last"] for e in table["sequences"]}
+
+
+async def resend_applied(server: Server, count: int) -> None:
+    """Worker a reconnects and resends its deltas 1..count (all since its last
+    acknowledged checkpoint): the checkpoint after them acks ``count``, and each is in
+    the kind."""
+    again = await Worker.connect(server, "a")
+    again.send(range(1, count + 1))
+    assert await again.checkpoint("again") == count
+    assert keys_present(server, "a") == [f"a{n}" for n in range(1, count + 1)]
+    again.close()
 
 
 def refused_with_reason(messages: list[rm.Message]) -> bool:
@@ -153,11 +141,7 @@ def test_a_checkpoint_after_a_failed_window_is_refused_and_the_resend_applied(
             writes.failing = False
             a.close()
 
-            again = await Worker.connect(server, "a")
-            again.send(range(1, 4))  # everything since its last acknowledged checkpoint
-            assert await again.checkpoint("c2") == 3
-            assert keys_present(server, "a") == ["a1", "a2", "a3"]
-            again.close()
+            await resend_applied(server, 3)
         finally:
             await server.stop()
 
@@ -177,14 +161,7 @@ def test_a_checkpoint_waiting_on_a_window_that_fails_is_refused_and_the_resend_a
             a = await Worker.connect(server, "a")
             writes = FailingWrites(server.api.kinds(0), monkeypatch)
             writes.failing = writes.hold = True
-            awaited = asyncio.Event()  # someone waits for a window to be durable
-            durable = Window.durable
-
-            async def watched(window: Window) -> None:
-                awaited.set()
-                await durable(window)
-
-            monkeypatch.setattr(Window, "durable", watched)
+            awaited = durable_awaited(monkeypatch)  # someone waits for a window
             a.send(range(1, 4))
             await writes.refused.wait()  # the window is being written, and held there
             a.ask_checkpoint("c1")
@@ -195,11 +172,7 @@ def test_a_checkpoint_waiting_on_a_window_that_fails_is_refused_and_the_resend_a
             writes.failing = False
             a.close()
 
-            again = await Worker.connect(server, "a")
-            again.send(range(1, 6))
-            assert await again.checkpoint("c2") == 5
-            assert keys_present(server, "a") == ["a1", "a2", "a3", "a4", "a5"]
-            again.close()
+            await resend_applied(server, 5)
         finally:
             await server.stop()
 
@@ -237,12 +210,8 @@ def test_another_workers_checkpoint_saves_only_durable_sequence_numbers(
 
         server = await started(tmp_path)
         try:
-            a = await Worker.connect(server, "a")
-            a.send(range(1, 4))
-            assert await a.checkpoint("a1") == 3
-            assert keys_present(server, "a") == ["a1", "a2", "a3"]
+            await resend_applied(server, 3)
             assert saved(tmp_path) == {"a/quotes": 3, "b/quotes": 3}
-            a.close()
         finally:
             await server.stop()
 
@@ -273,14 +242,7 @@ def test_a_checkpoint_on_a_new_connection_covers_the_old_connections_window_in_f
                 return await real(window)
 
             writes.real = held_write
-            awaited = asyncio.Event()  # someone waits for a window to be durable
-            durable = Window.durable
-
-            async def watched(window: Window) -> None:
-                awaited.set()
-                await durable(window)
-
-            monkeypatch.setattr(Window, "durable", watched)
+            awaited = durable_awaited(monkeypatch)  # someone waits for a window
             old.send(range(1, 4))
             await held.wait()  # the window holding 1-3 is being written, and held there
 

@@ -431,18 +431,21 @@ class _CloseFirst(SeenLock):
         super().__enter__()
 
 
+A_SUPERSEDED = (
+    [(b"a", b"a1"), (None, b"n")],  # 0-1
+    [(b"c", b"c1"), (b"a", b"a2")],  # 2-3
+    [(b"d", b"d1")],  # 4, active
+)
+"""Two sealed segments, the second superseding a key of the first, and the active one."""
+
+
 def test_a_log_closed_during_a_compaction_waits_for_its_rewrite(tmp_path: Path) -> None:
     # Closing a log (shutdown, the stream deleted) while the maintenance thread
     # rewrites one of its segments: the close waits for that rewrite, and the
     # compaction stops there instead of opening its rewritten segments into a closed
     # log (a file left open, a segment swapped into a log nobody closes again).
     plog = compact_log(tmp_path)
-    lay_out(
-        plog,
-        [(b"a", b"a1"), (None, b"n")],  # 0-1
-        [(b"c", b"c1"), (b"a", b"a2")],  # 2-3
-        [(b"d", b"d1")],  # 4, active
-    )
+    lay_out(plog, *A_SUPERSEDED)
     closed = threading.Event()
     # The compaction comes back for the lock (the next segment) after the close took it.
     held = HeldRewrite(plog, _CloseFirst(plog._rewrite_lock, closed))
@@ -691,12 +694,7 @@ def test_a_log_deleted_during_a_compaction_waits_for_its_rewrite(tmp_path: Path)
     # delete waits for that rewrite. It used to remove the directory under it, and the
     # compaction failed renaming its rewritten file into a directory that was gone.
     plog = compact_log(tmp_path)
-    lay_out(
-        plog,
-        [(b"a", b"a1"), (None, b"n")],  # 0-1
-        [(b"c", b"c1"), (b"a", b"a2")],  # 2-3
-        [(b"d", b"d1")],  # 4, active
-    )
+    lay_out(plog, *A_SUPERSEDED)
     held = HeldRewrite(plog)
     failures: list[BaseException] = []
 
