@@ -4,12 +4,14 @@ subscriptions, event-stream kinds, persistence across restarts."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from failing_windows import FailingWrites
 from headwater.engine.engine import Engine, EngineConfig
 from headwater.engine.kinds import (
     PRESENCE_KIND,
@@ -293,6 +295,34 @@ def test_liveness_retracts_sole_owned(tmp_path: Path) -> None:
         assert dead_calls == [3] and tk.get(kind.kind_id, eid(3)) is None
 
     run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=10))
+
+
+def test_a_dead_sources_retraction_lost_with_its_window_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The window holding a dead source's retractions fails (a full disk): its entities
+    # keep its bit. The slot used to be gone with it, so nothing retracted them again
+    # until a restart; it is held again as away, and its next deadline retracts them.
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        a = tk.connect("a", source_id=1, deadline_ms=60_000)
+        a.apply([assert_op(kind, eid(1), [1.0])])
+        await tk.barrier()
+        a.disconnect()
+        writes = FailingWrites(tk, monkeypatch)
+        writes.failing = True
+        assert [s.source_id for s in tk.check_liveness(time.monotonic() + 3600)] == [1]
+        with pytest.raises(StorageError):
+            await tk.barrier()
+        assert tk.get(kind.kind_id, eid(1)).source_set == 0b10  # type: ignore[union-attr]
+        await wait_until_async(lambda: 1 in tk.sources, 5, "the dead slot was not held again")
+        assert tk.sources[1].name == "a" and not tk.sources[1].connected
+        writes.failing = False
+        assert [s.source_id for s in tk.check_liveness(time.monotonic() + 3600)] == [1]
+        await tk.barrier()
+        assert tk.get(kind.kind_id, eid(1)) is None and 1 not in tk.sources
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=3_600_000))
 
 
 def test_event_stream_kind(tmp_path: Path) -> None:

@@ -255,6 +255,20 @@ class Sources:
                     log.exception("on_dead callback failed")
         if dead:
             self._remember()
+            # A retraction lost with its window (a full disk) leaves the dead sources'
+            # bits on their entities and no slot to retract them again: each is then
+            # held again as away, for one more deadline, as after a restart.
+            deadlines = {s.source_id: s.deadline_ms for s in dead if s.source_id is not None}
+            names = {s.source_id: s.name for s in dead if s.source_id is not None}
+
+            def retracted(done: asyncio.Future[None]) -> None:
+                if self.tenant.closed:
+                    return  # shutting down: the restart holds them
+                if done.cancelled() or done.exception() is not None:
+                    self.hold_orphans(deadlines, names)
+                    self._remember()
+
+            self.tenant.windows.window_for_ack().done.add_done_callback(retracted)
         return dead
 
     def retract_source(self, source_id: int) -> int:
