@@ -127,7 +127,7 @@ def stamp_log_append_time(section: bytes | bytearray | memoryview, now_ms: int) 
 def check_section(
     section: bytes | memoryview,
     max_decompressed: int,
-    whole: bytes | None = None,
+    whole: bytes | memoryview | None = None,
     *,
     header: SectionHeader | None = None,
 ) -> SectionHeader:
@@ -171,7 +171,7 @@ def check_section(
         whole is not None
         and not header.attributes & (ATTR_CODEC | ATTR_LOG_APPEND_TIME)
         and len(whole) == PREFIX_SIZE + len(section)
-        and _reads_canonically(records.nbytes, header, whole)
+        and _reads_canonically(records.nbytes, header, bytes(whole))
     ):
         return header
     body = decompress(codec, records, max_decompressed)
