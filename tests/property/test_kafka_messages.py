@@ -157,3 +157,32 @@ def test_long_frames_split_anyhow_give_the_same_bodies(data: st.DataObject) -> N
         assert decoder.buffered_bytes == fed - taken
     assert got == bodies
     assert decoder.at_boundary
+
+
+@pytest.mark.parametrize("version", [3, 8, 9, 10, 11])
+def test_a_produces_records_are_a_view_of_its_frame_not_a_copy(version: int) -> None:
+    # The record batches are checked and stored from the frame's own bytes (immutable:
+    # kio's readers refuse a writable buffer), not from a copy of them.
+    produce = request_type(ApiKey.PRODUCE, version)
+    module = __import__(produce.__module__, fromlist=["TopicProduceData"])
+    request = produce(
+        transactional_id=None,
+        acks=-1,
+        timeout=timedelta(seconds=30),
+        topic_data=(
+            module.TopicProduceData(
+                name="t",
+                partition_data=(
+                    module.PartitionProduceData(index=0, records=b"batch-bytes"),
+                    module.PartitionProduceData(index=1, records=None),
+                ),
+            ),
+        ),
+    )
+    body = encode_entity(request)
+    decoded = decode_exact(produce, body)
+    first, second = decoded.topic_data[0].partition_data
+    assert isinstance(first.records, memoryview) and first.records.obj is body
+    assert bytes(first.records) == b"batch-bytes" and second.records is None
+    with pytest.raises(Exception, match="records"):
+        decode_exact(produce, body[: body.index(b"batch-bytes") + 3])

@@ -7,6 +7,7 @@ Kafka form existed still read."""
 from __future__ import annotations
 
 import struct
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ from crc32c import crc32c
 
 from headwater.errors import CorruptBatchError, UsageError
 from headwater.protocols.kafka.records import Compression, Record, build_batch
+from headwater.storage import kafka_batch as kafka_batch_module
 from headwater.storage.batch import ATTR_KAFKA, Batch, KafkaBatch
 from headwater.storage.batch import build_batch as build_stored
 from headwater.storage.check import check_partition
 from headwater.storage.kafka_batch import (
     PREFIX_SIZE,
+    SECTION_HEADER_SIZE,
     KafkaRecordsError,
     check_section,
     fetch_prefix,
@@ -331,3 +334,28 @@ def test_offset_for_timestamp_finds_the_record_in_a_kafka_batch(tmp_path: Path) 
     assert plog.offset_for_timestamp(BASE_TS) == 0
     assert plog.offset_for_timestamp(BASE_TS + 21) is None
     plog.close()
+
+
+@pytest.mark.parametrize("key", [None, b"k" * 12])
+def test_long_produced_batches_are_checked_by_numpy_run_by_run(key: bytes | None) -> None:
+    # librdkafka's long batches: offset deltas of one, two and three bytes (runs from
+    # records 64 and 8192), timestamp deltas of one and two; read by numpy (no walk), and
+    # a record whose offset delta is not its index in any of those runs is refused.
+    count = 9_000
+    records = [Record(i, i * 100 // count, key, b"v" * 100) for i in range(count)]
+    data = bytearray(kafka_batch(records=records))
+    section = bytes(data[PREFIX_SIZE:])
+    header = section_header(section)
+    body = section[SECTION_HEADER_SIZE:]
+    assert kafka_batch_module._reads_by_numpy(body, header)
+    check_section(section, 1 << 30)
+    for index in (5, 100, 8_500):
+        wrong = records.copy()
+        wrong[index] = Record(index + 1, *astuple(records[index])[1:])
+        section = kafka_batch(records=wrong)[PREFIX_SIZE:]
+        assert not kafka_batch_module._reads_by_numpy(
+            section[SECTION_HEADER_SIZE:], section_header(section)
+        )
+        with pytest.raises(KafkaRecordsError) as raised:
+            check_section(section, 1 << 30)
+        assert raised.value.reason == "invalid"

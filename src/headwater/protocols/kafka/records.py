@@ -211,7 +211,7 @@ class RecordBatch:
     """One batch: its parsed header and all its bytes (header included)."""
 
     header: BatchHeader
-    data: bytes
+    data: bytes | memoryview  # a view of a Produce's (immutable) bytes
 
     def check_crc(self) -> None:
         """Raise CORRUPT_MESSAGE when the CRC-32C does not match the bytes."""
@@ -297,8 +297,11 @@ def split_batches(data: Buffer) -> list[RecordBatch]:
                 f"record batch length {header.batch_length} does not fit "
                 f"{total - offset - LOG_OVERHEAD} bytes"
             )
+        whole: bytes | memoryview
         if size == total and isinstance(data, bytes):
-            whole = data  # the usual Produce: one batch, kept without a copy
+            whole = data  # one batch, kept without a copy
+        elif view.readonly:  # a view of a request's bytes (schema._records): no copy
+            whole = view[offset : offset + size]
         else:
             whole = bytes(view[offset : offset + size])
         batches.append(RecordBatch(header, whole))

@@ -74,6 +74,32 @@ def _native(reader: _NativeReader) -> FieldReader:
     return read
 
 
+def _records(flexible: bool) -> FieldReader:
+    """A nullable records field (a Produce's record batches): a view of the request's
+    bytes, not a copy of them (kio's readers take only read-only buffers, so those
+    bytes cannot change: a frame is ``bytes``). The batches are checked and written
+    from the view: the copy cost a page-faulted buffer the size of the batches, about
+    a tenth of the event loop's time under a Kafka produce."""
+
+    def read(view: memoryview, offset: int, end: int) -> tuple[Any, int]:
+        if flexible:  # compact: length + 1 as an unsigned varint, 0 for null
+            stored, size = read_unsigned_varint(view[:end], offset)
+            offset += size
+            length = stored - 1
+        else:  # an int32 length, -1 for null
+            if end - offset < 4:
+                raise SchemaDecodeError("records: length runs past the end")
+            length = int.from_bytes(view[offset : offset + 4], "big", signed=True)
+            offset += 4
+        if length == -1:
+            return None, offset
+        if length < 0 or length > end - offset:
+            raise SchemaDecodeError(f"records: {length} bytes in {end - offset} remaining")
+        return view[offset : offset + length], offset + length
+
+    return read
+
+
 def _array(item: FieldReader, flexible: bool, nullable: bool, what: str) -> FieldReader:
     length_reader = read_compact_array_length if flexible else read_legacy_array_length
 
@@ -121,6 +147,8 @@ def _field_reader(entity_type: type[Entity], field: Field[Any], is_tag: bool) ->
     item: FieldReader
     match field_class:
         case PrimitiveField():
+            if optional and get_schema_field_type(field) == "records":
+                return _records(flexible)
             item = _native(get_reader(get_schema_field_type(field), flexible, optional))
             return item
         case PrimitiveTupleField():
