@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from failing_windows import FailingWrites
+from failing_windows import FailingWrites, durable_awaited
+from headwater.engine.kinds import Window
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.connection import ClientConnection
@@ -97,6 +98,142 @@ def test_a_barrier_after_a_lost_fire_and_forget_write_is_refused(
             tk = server.api.kinds(0)
             present = [n for n in (1, 2, 3) if tk.get(kind.kind_id, eid(n))]
             assert present == [2, 3]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_write_lost_after_a_barrier_is_told_to_the_next_barrier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Barrier A waits on the window holding write 1; write 2 (stream 0, after A) goes
+    into the next window, which fails as soon as the first is durable, before A goes on.
+    A is ACKed (everything before it is durable); barrier B, sent after write 2, answers
+    ERROR. A used to take write 2's loss for itself and B was ACKed past it."""
+
+    async def main() -> None:
+        server = Server(
+            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
+        )
+        await server.start()
+        try:
+            client = await Client.connect(server)
+            schema = [m.FieldSpec("c", FieldType.I64)]
+            kind = await client.call(m.CreateKind("temps", schema))
+            assert isinstance(kind, m.KindAck)
+            tk = server.api.kinds(0)
+            writes = FailingWrites(tk, monkeypatch)
+            real = writes.real
+            first_started, go_on = asyncio.Event(), asyncio.Event()
+
+            async def first_held(window: Window) -> int:
+                writes.real, writes.failing = real, True  # the next window fails at once
+                first_started.set()
+                await go_on.wait()
+                return await real(window)
+
+            writes.real = first_held
+
+            def assert_(n: int, *, ack: bool = False) -> int:
+                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
+
+            assert_(1)
+            a = client.send(m.Heartbeat(), ack=True)
+            await asyncio.wait_for(first_started.wait(), 10)  # window 1 is being written
+            assert_(2)
+
+            async def applied() -> None:
+                while tk.windows.pending.empty:
+                    await asyncio.sleep(0)
+
+            await asyncio.wait_for(applied(), 10)  # the server has applied write 2
+            tk.windows._window_due()  # window 2 is flushed right after window 1
+            go_on.set()
+            assert await client.reply(a) == m.Ack(Opcode.HEARTBEAT)
+            assert writes.refused.is_set()
+            writes.failing = False
+            refused = await client.call(m.Heartbeat())
+            assert isinstance(refused, m.ErrorMessage), refused
+            assert refused.ref_opcode == Opcode.HEARTBEAT and "no space left" in refused.message
+            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
+            present = [n for n in (1, 2) if tk.get(kind.kind_id, eid(n))]
+            assert present == [1]
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_loss_told_by_a_barrier_is_not_told_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A barrier waiting on the very window that fails answers ERROR; the next barrier,
+    nothing more lost, is ACKed (it used to find the failed window again and answer
+    ERROR too)."""
+
+    async def main() -> None:
+        server = Server(
+            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
+        )
+        await server.start()
+        try:
+            client = await Client.connect(server)
+            schema = [m.FieldSpec("c", FieldType.I64)]
+            kind = await client.call(m.CreateKind("temps", schema))
+            assert isinstance(kind, m.KindAck)
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            writes.failing = writes.hold = True
+            client.send(m.Assert.of(schema, kind.kind_id, eid(1), [1]))
+            await asyncio.wait_for(writes.refused.wait(), 10)  # its window is being written
+            awaited = durable_awaited(monkeypatch)
+            a = client.send(m.Heartbeat(), ack=True)
+            await asyncio.wait_for(awaited.wait(), 10)  # barrier A waits on that window
+            writes.failing = False
+            writes.release.set()
+            refused = await client.reply(a)
+            assert isinstance(refused, m.ErrorMessage), refused
+            assert "no space left" in refused.message
+            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_a_barrier_after_a_lost_epoch_end_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SOURCE_EPOCH_END on stream 0 whose retractions' window fails, then a durable
+    write and a barrier: the barrier answers ERROR, the retractions being this
+    connection's writes (they were not noted, and the barrier was ACKed)."""
+
+    async def main() -> None:
+        server = Server(
+            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
+        )
+        await server.start()
+        try:
+            client = await Client.connect(server)
+            schema = [m.FieldSpec("c", FieldType.I64)]
+            kind = await client.call(m.CreateKind("temps", schema))
+            assert isinstance(kind, m.KindAck)
+
+            def assert_(n: int, *, ack: bool = False) -> int:
+                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
+
+            assert await client.reply(assert_(1, ack=True)) == m.Ack(Opcode.ASSERT)
+            assert await client.call(m.SourceEpochBegin()) == m.Ack(Opcode.SOURCE_EPOCH_BEGIN)
+            writes = FailingWrites(server.api.kinds(0), monkeypatch)
+            writes.failing = True
+            client.send(m.SourceEpochEnd())  # retracts entity 1
+            await asyncio.wait_for(writes.refused.wait(), 10)
+            writes.failing = False
+            assert await client.reply(assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
+            refused = await client.call(m.Heartbeat())
+            assert isinstance(refused, m.ErrorMessage), refused
+            assert "no space left" in refused.message
+            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
         finally:
             await server.stop()
 

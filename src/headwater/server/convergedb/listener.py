@@ -57,6 +57,16 @@ class _Subscription:
         self.tasks: list[asyncio.Task[None]] = []
 
 
+def _failure(done: asyncio.Future[None]) -> HeadwaterError | None:
+    """Why the finished window future ``done`` failed; None when it is durable."""
+    exc = BaseException() if done.cancelled() else done.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, HeadwaterError):
+        return exc
+    return InternalError("the write could not be made durable")
+
+
 class ConvergeConnection(asyncio.Protocol):
     def __init__(self, server: Server, connections: set[ConvergeConnection]) -> None:
         self.server = server
@@ -67,7 +77,7 @@ class ConvergeConnection(asyncio.Protocol):
         self.source: Source | None = None
         self.subscriptions: dict[int, _Subscription] = {}  # kind_id ->
         self.tasks: set[asyncio.Task[None]] = set()
-        # The windows this connection wrote into since a HEARTBEAT barrier last looked,
+        # The windows this connection wrote into since the last HEARTBEAT barrier,
         # oldest first. A tenant's windows commit in order, so only the last two can be
         # unfinished: a finished one is noted (``_lost``) and dropped as the next comes.
         self._windows: deque[Window] = deque()
@@ -196,7 +206,9 @@ class ConvergeConnection(asyncio.Protocol):
                 self._write_ops(tenant, stream, msg.opcode, msg.ops)
             elif isinstance(msg, m.Heartbeat):
                 if stream:
-                    self._spawn(self._barrier(tenant, stream))
+                    # What this connection wrote before it is the barrier's now, taken
+                    # as the frame is read (a later write is the next barrier's).
+                    self._spawn(self._barrier(tenant, stream, *self._take_written()))
             elif isinstance(msg, m.Query):
                 self._query(tenant, stream, msg)
             elif isinstance(msg, m.Subscribe):
@@ -212,6 +224,7 @@ class ConvergeConnection(asyncio.Protocol):
                     self.send(stream, m.Ack(Opcode.SOURCE_EPOCH_BEGIN))
             elif isinstance(msg, m.SourceEpochEnd):
                 count, window = tenant.end_epoch(self._source())
+                self._wrote(window)  # its retractions are this connection's writes
                 if stream:
                     self._ack_when(window, stream, m.EpochEndAck(count), Opcode.SOURCE_EPOCH_END)
             elif isinstance(msg, m.CreateKind):
@@ -269,9 +282,7 @@ class ConvergeConnection(asyncio.Protocol):
     ) -> None:
         engine_ops = from_wire(ops, tenant.kind)
         window = tenant.apply(self._source(), engine_ops)
-        if not self._windows or self._windows[-1] is not window:
-            self._note_finished()
-            self._windows.append(window)
+        self._wrote(window)
         if stream:
             self._ack_when(window, stream, m.Ack(opcode), opcode)
 
@@ -293,23 +304,41 @@ class ConvergeConnection(asyncio.Protocol):
         else:
             window.done.add_done_callback(done)
 
+    def _wrote(self, window: Window) -> None:
+        """Note that this connection wrote into ``window``."""
+        if not self._windows or self._windows[-1] is not window:
+            self._note_finished()
+            self._windows.append(window)
+
     def _note_finished(self) -> None:
         """Drop the finished windows of :attr:`_windows`, noting the first that failed."""
         windows = self._windows
         while windows and windows[0].done.done():
-            done = windows.popleft().done
-            exc = BaseException() if done.cancelled() else done.exception()
-            if exc is not None and self._lost is None:
-                self._lost = (
-                    exc
-                    if isinstance(exc, HeadwaterError)
-                    else InternalError("the write could not be made durable")
-                )
+            lost = _failure(windows.popleft().done)
+            if lost is not None and self._lost is None:
+                self._lost = lost
 
-    async def _barrier(self, tenant: TenantKinds, stream: int) -> None:
+    def _take_written(self) -> tuple[list[Window], HeadwaterError | None]:
+        """The windows this connection wrote into since the last barrier, and the first
+        of its writes noted lost since: a new barrier's to answer for, each barrier for
+        its own (a loss is not told to a barrier sent before the write, nor twice)."""
+        self._note_finished()
+        windows, lost = list(self._windows), self._lost
+        self._windows.clear()
+        self._lost = None
+        return windows, lost
+
+    async def _barrier(
+        self,
+        tenant: TenantKinds,
+        stream: int,
+        windows: list[Window],
+        lost: HeadwaterError | None,
+    ) -> None:
         """HEARTBEAT on a non-zero stream: ACK once everything written before it is
-        durable; an ERROR instead when a write of this connection was lost since the
-        last barrier (the tenant's newest window can be durable after one that failed)."""
+        durable; an ERROR instead when a write of this connection before it (and after
+        the last barrier) was lost: the tenant's newest window can be durable after one
+        that failed. ``windows`` and ``lost`` are from :meth:`_take_written`."""
         try:
             await tenant.barrier()
         except HeadwaterError as exc:
@@ -320,8 +349,14 @@ class ConvergeConnection(asyncio.Protocol):
         except Exception as exc:
             self.error(stream, ErrorCode.INTERNAL, Opcode.HEARTBEAT, f"barrier failed: {exc}")
             return
-        self._note_finished()  # every window written into before the barrier is finished
-        lost, self._lost = self._lost, None
+        # A tenant's windows finish in order, so these are finished; waited for anyway.
+        unfinished = [w.done for w in windows if not w.done.done()]
+        if unfinished:
+            await asyncio.wait(unfinished)
+        for window in windows:
+            if lost is not None:
+                break
+            lost = _failure(window.done)
         if lost is not None:
             self.error(
                 stream, error_code_for(lost), Opcode.HEARTBEAT, f"barrier failed: {lost.message}"
