@@ -325,6 +325,40 @@ def test_a_dead_sources_retraction_lost_with_its_window_is_made_again(
     run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=3_600_000))
 
 
+def test_a_lost_retraction_holds_again_only_the_slots_it_retracted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Source a dies and the window with its retractions fails while source b, dead in a
+    # later sweep, has its retractions in the next window (durable): a's slot is held
+    # again, b's is not. Every slot whose bit committed entities still carried was held
+    # again, b's too (its retraction not yet durable): an "away" source, unnamed, kept
+    # in sources.json and its slot taken, for a deadline after its entities were gone.
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        kind = await sensor(tk)
+        a = tk.connect("a", source_id=1, deadline_ms=60_000)
+        b = tk.connect("b", source_id=2, deadline_ms=120_000)
+        a.apply([assert_op(kind, eid(1), [1.0])])
+        b.apply([assert_op(kind, eid(2), [2.0])])
+        await tk.barrier()
+        a.disconnect()
+        b.disconnect()
+        writes = FailingWrites(tk, monkeypatch)
+        writes.failing = writes.hold = True
+        now = time.monotonic()
+        assert [s.source_id for s in tk.check_liveness(now + 90)] == [1]
+        await asyncio.wait_for(writes.refused.wait(), 5)  # a's retraction, held
+        writes.failing = False
+        assert [s.source_id for s in tk.check_liveness(now + 3600)] == [2]
+        writes.release.set()  # a's window fails
+        await tk.barrier()  # b's is durable
+        assert tk.get(kind.kind_id, eid(2)) is None
+        await wait_until_async(lambda: 1 in tk.sources, 5, "the dead slot was not held again")
+        assert tk.sources[1].name == "a" and tk.sources[1].deadline_ms == 60_000
+        assert 2 not in tk.sources
+
+    run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=3_600_000))
+
+
 def test_event_stream_kind(tmp_path: Path) -> None:
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk, event_stream=True)

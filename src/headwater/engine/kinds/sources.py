@@ -265,7 +265,9 @@ class Sources:
                 if self.tenant.closed:
                     return  # shutting down: the restart holds them
                 if done.cancelled() or done.exception() is not None:
-                    self.hold_orphans(deadlines, names)
+                    # These slots only: another freed one whose retraction is in a
+                    # later window still has its bit on committed entities too.
+                    self.hold_orphans(deadlines, names, only=set(deadlines))
                     self._remember()
 
             self.tenant.windows.window_for_ack().done.add_done_callback(retracted)
@@ -329,15 +331,19 @@ class Sources:
         self._remember()  # slots that hold nothing any more are forgotten
 
     def hold_orphans(
-        self, deadlines: dict[int, int] | None = None, names: dict[int, str] | None = None
+        self,
+        deadlines: dict[int, int] | None = None,
+        names: dict[int, str] | None = None,
+        only: set[int] | None = None,
     ) -> None:
-        """Every slot whose bit committed entities carry and that no source here holds
-        gets one liveness deadline (``deadlines``' or the default) to come back, under
-        its name, before its entities are retracted: after a restart, and in a cluster
-        after taking over a kind's leadership (its writers were the old leader's)."""
+        """Every slot (of ``only`` when given) whose bit committed entities carry and
+        that no source here holds gets one liveness deadline (``deadlines``' or the
+        default) to come back, under its name, before its entities are retracted: after
+        a restart, in a cluster after taking over a kind's leadership (its writers were
+        the old leader's), and after a dead source's retraction was lost."""
         presence = self.registry.by_name.get(PRESENCE_KIND)
         others = set(self.tenant.kinds) - {presence}
-        for sid in range(MAX_SOURCE_ID + 1):
+        for sid in range(MAX_SOURCE_ID + 1) if only is None else sorted(only):
             if sid not in self.by_slot and self.held_count(sid, others):
                 deadline = (deadlines or {}).get(sid) or self.config.default_liveness_ms
                 ghost = Source(self.tenant, sid, (names or {}).get(sid, ""), deadline, None)
