@@ -172,9 +172,9 @@ def test_a_produces_records_are_a_view_of_its_frame_not_a_copy(version: int) -> 
         topic_data=(
             module.TopicProduceData(
                 name="t",
-                partition_data=(
-                    module.PartitionProduceData(index=0, records=b"batch-bytes"),
-                    module.PartitionProduceData(index=1, records=None),
+                partition_data=tuple(
+                    module.PartitionProduceData(index=index, records=records)
+                    for index, records in enumerate((b"batch-bytes", None))
                 ),
             ),
         ),

@@ -297,6 +297,20 @@ def test_liveness_retracts_sole_owned(tmp_path: Path) -> None:
     run(tmp_path, body, KindsConfig(coalesce_ms=5, liveness_check_ms=10))
 
 
+async def away_holding(tk: TenantKinds, kind: KindInfo, deadlines: dict[str, int]) -> None:
+    """Sources named as ``deadlines``' keys, in slots 1, 2, ... with those deadlines, each
+    asserting the entity of its slot's number (durable), then gone away."""
+    sources = [
+        tk.connect(name, source_id=n, deadline_ms=deadline)
+        for n, (name, deadline) in enumerate(deadlines.items(), 1)
+    ]
+    for n, source in enumerate(sources, 1):
+        source.apply([assert_op(kind, eid(n), [float(n)])])
+    await tk.barrier()
+    for source in sources:
+        source.disconnect()
+
+
 def test_a_dead_sources_retraction_lost_with_its_window_is_made_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -305,10 +319,7 @@ def test_a_dead_sources_retraction_lost_with_its_window_is_made_again(
     # until a restart; it is held again as away, and its next deadline retracts them.
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk)
-        a = tk.connect("a", source_id=1, deadline_ms=60_000)
-        a.apply([assert_op(kind, eid(1), [1.0])])
-        await tk.barrier()
-        a.disconnect()
+        await away_holding(tk, kind, {"a": 60_000})
         writes = FailingWrites(tk, monkeypatch)
         writes.failing = True
         assert [s.source_id for s in tk.check_liveness(time.monotonic() + 3600)] == [1]
@@ -335,13 +346,7 @@ def test_a_lost_retraction_holds_again_only_the_slots_it_retracted(
     # in sources.json and its slot taken, for a deadline after its entities were gone.
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk)
-        a = tk.connect("a", source_id=1, deadline_ms=60_000)
-        b = tk.connect("b", source_id=2, deadline_ms=120_000)
-        a.apply([assert_op(kind, eid(1), [1.0])])
-        b.apply([assert_op(kind, eid(2), [2.0])])
-        await tk.barrier()
-        a.disconnect()
-        b.disconnect()
+        await away_holding(tk, kind, {"a": 60_000, "b": 120_000})
         writes = FailingWrites(tk, monkeypatch)
         writes.failing = writes.hold = True
         now = time.monotonic()

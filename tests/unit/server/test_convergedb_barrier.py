@@ -6,6 +6,8 @@ is durable."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from headwater.protocols.convergedb.fields import FieldType
 from headwater.server.app import Server
 from headwater.server.config import ServerConfig
 from headwater.server.convergedb.listener import start_convergedb
+from waiting import wait_until_async
 
 LISTEN = {"http": "", "kimberlite": "", "convergedb": "127.0.0.1:0", "ripple": ""}
 
@@ -30,6 +33,7 @@ class Client:
         self.reader, self.writer = reader, writer
         self.conn = ClientConnection()
         self.frames: list[m.Frame] = []
+        self.kind_id = 0
 
     @classmethod
     async def connect(cls, server: Server) -> Client:
@@ -55,9 +59,48 @@ class Client:
     async def call(self, message: m.ClientMessage) -> m.Message:
         return await self.reply(self.send(message, ack=True))
 
+    def assert_(self, n: int, *, ack: bool = False) -> int:
+        """ASSERT entity ``n`` of the temps kind (its field: n); its stream id."""
+        return self.send(m.Assert.of(SCHEMA, self.kind_id, eid(n), [n]), ack=ack)
+
+    async def barrier_refused(self, stream: int | None = None) -> None:
+        """A HEARTBEAT barrier (sent now, or the one on ``stream``) answers ERROR with
+        the lost write's reason."""
+        refused = await (self.call(m.Heartbeat()) if stream is None else self.reply(stream))
+        assert isinstance(refused, m.ErrorMessage), refused
+        assert refused.code == ErrorCode.INTERNAL and refused.ref_opcode == Opcode.HEARTBEAT
+        assert "no space left" in refused.message
+
+    async def barrier_acked(self, stream: int | None = None) -> None:
+        acked = await (self.call(m.Heartbeat()) if stream is None else self.reply(stream))
+        assert acked == m.Ack(Opcode.HEARTBEAT)
+
+
+SCHEMA = [m.FieldSpec("c", FieldType.I64)]
+
+
+@asynccontextmanager
+async def temps_writer(data_dir: Path) -> AsyncIterator[tuple[Server, Client]]:
+    """A server with the ConvergeDB listener only, and a writer of its kind "temps"."""
+    server = Server(data_dir, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb})
+    await server.start()
+    try:
+        client = await Client.connect(server)
+        kind = await client.call(m.CreateKind("temps", SCHEMA))
+        assert isinstance(kind, m.KindAck)
+        client.kind_id = kind.kind_id
+        yield server, client
+    finally:
+        await server.stop()
+
 
 def eid(n: int) -> bytes:
     return (b"e%d" % n).ljust(32, b"\0")
+
+
+def present(server: Server, client: Client, entities: range) -> list[int]:
+    tk = server.api.kinds(0)
+    return [n for n in entities if tk.get(client.kind_id, eid(n))]
 
 
 def test_a_barrier_after_a_lost_fire_and_forget_write_is_refused(
@@ -69,37 +112,18 @@ def test_a_barrier_after_a_lost_fire_and_forget_write_is_refused(
     since, is ACKed."""
 
     async def main() -> None:
-        server = Server(
-            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
-        )
-        await server.start()
-        try:
-            client = await Client.connect(server)
-            schema = [m.FieldSpec("c", FieldType.I64)]
-            kind = await client.call(m.CreateKind("temps", schema))
-            assert isinstance(kind, m.KindAck)
+        async with temps_writer(tmp_path) as (server, client):
             writes = FailingWrites(server.api.kinds(0), monkeypatch)
-
-            def assert_(n: int, *, ack: bool = False) -> int:
-                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
-
             writes.failing = True
-            assert_(1)
+            client.assert_(1)
             await writes.refused.wait()
             writes.failing = False
             # A later window of the same connection, durable: the tenant's newest.
-            assert await client.reply(assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
-            refused = await client.call(m.Heartbeat())
-            assert isinstance(refused, m.ErrorMessage), refused
-            assert refused.code == ErrorCode.INTERNAL and refused.ref_opcode == Opcode.HEARTBEAT
-            assert "no space left" in refused.message
-            assert_(3)
-            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
-            tk = server.api.kinds(0)
-            present = [n for n in (1, 2, 3) if tk.get(kind.kind_id, eid(n))]
-            assert present == [2, 3]
-        finally:
-            await server.stop()
+            assert await client.reply(client.assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
+            await client.barrier_refused()
+            client.assert_(3)
+            await client.barrier_acked()
+            assert present(server, client, range(1, 4)) == [2, 3]
 
     asyncio.run(main())
 
@@ -113,15 +137,7 @@ def test_a_write_lost_after_a_barrier_is_told_to_the_next_barrier(
     ERROR. A used to take write 2's loss for itself and B was ACKed past it."""
 
     async def main() -> None:
-        server = Server(
-            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
-        )
-        await server.start()
-        try:
-            client = await Client.connect(server)
-            schema = [m.FieldSpec("c", FieldType.I64)]
-            kind = await client.call(m.CreateKind("temps", schema))
-            assert isinstance(kind, m.KindAck)
+        async with temps_writer(tmp_path) as (server, client):
             tk = server.api.kinds(0)
             writes = FailingWrites(tk, monkeypatch)
             real = writes.real
@@ -134,33 +150,20 @@ def test_a_write_lost_after_a_barrier_is_told_to_the_next_barrier(
                 return await real(window)
 
             writes.real = first_held
-
-            def assert_(n: int, *, ack: bool = False) -> int:
-                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
-
-            assert_(1)
+            client.assert_(1)
             a = client.send(m.Heartbeat(), ack=True)
             await asyncio.wait_for(first_started.wait(), 10)  # window 1 is being written
-            assert_(2)
-
-            async def applied() -> None:
-                while tk.windows.pending.empty:
-                    await asyncio.sleep(0)
-
-            await asyncio.wait_for(applied(), 10)  # the server has applied write 2
+            client.assert_(2)
+            # The server has applied write 2 (into the next window).
+            await wait_until_async(lambda: not tk.windows.pending.empty)
             tk.windows._window_due()  # window 2 is flushed right after window 1
             go_on.set()
-            assert await client.reply(a) == m.Ack(Opcode.HEARTBEAT)
+            await client.barrier_acked(a)
             assert writes.refused.is_set()
             writes.failing = False
-            refused = await client.call(m.Heartbeat())
-            assert isinstance(refused, m.ErrorMessage), refused
-            assert refused.ref_opcode == Opcode.HEARTBEAT and "no space left" in refused.message
-            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
-            present = [n for n in (1, 2) if tk.get(kind.kind_id, eid(n))]
-            assert present == [1]
-        finally:
-            await server.stop()
+            await client.barrier_refused()
+            await client.barrier_acked()
+            assert present(server, client, range(1, 3)) == [1]
 
     asyncio.run(main())
 
@@ -173,30 +176,18 @@ def test_a_loss_told_by_a_barrier_is_not_told_again(
     ERROR too)."""
 
     async def main() -> None:
-        server = Server(
-            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
-        )
-        await server.start()
-        try:
-            client = await Client.connect(server)
-            schema = [m.FieldSpec("c", FieldType.I64)]
-            kind = await client.call(m.CreateKind("temps", schema))
-            assert isinstance(kind, m.KindAck)
+        async with temps_writer(tmp_path) as (server, client):
             writes = FailingWrites(server.api.kinds(0), monkeypatch)
             writes.failing = writes.hold = True
-            client.send(m.Assert.of(schema, kind.kind_id, eid(1), [1]))
+            client.assert_(1)
             await asyncio.wait_for(writes.refused.wait(), 10)  # its window is being written
             awaited = durable_awaited(monkeypatch)
             a = client.send(m.Heartbeat(), ack=True)
             await asyncio.wait_for(awaited.wait(), 10)  # barrier A waits on that window
             writes.failing = False
             writes.release.set()
-            refused = await client.reply(a)
-            assert isinstance(refused, m.ErrorMessage), refused
-            assert "no space left" in refused.message
-            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
-        finally:
-            await server.stop()
+            await client.barrier_refused(a)
+            await client.barrier_acked()
 
     asyncio.run(main())
 
@@ -209,32 +200,16 @@ def test_a_barrier_after_a_lost_epoch_end_is_refused(
     connection's writes (they were not noted, and the barrier was ACKed)."""
 
     async def main() -> None:
-        server = Server(
-            tmp_path, ServerConfig(listen=LISTEN), None, {"convergedb": start_convergedb}
-        )
-        await server.start()
-        try:
-            client = await Client.connect(server)
-            schema = [m.FieldSpec("c", FieldType.I64)]
-            kind = await client.call(m.CreateKind("temps", schema))
-            assert isinstance(kind, m.KindAck)
-
-            def assert_(n: int, *, ack: bool = False) -> int:
-                return client.send(m.Assert.of(schema, kind.kind_id, eid(n), [n]), ack=ack)
-
-            assert await client.reply(assert_(1, ack=True)) == m.Ack(Opcode.ASSERT)
+        async with temps_writer(tmp_path) as (server, client):
+            assert await client.reply(client.assert_(1, ack=True)) == m.Ack(Opcode.ASSERT)
             assert await client.call(m.SourceEpochBegin()) == m.Ack(Opcode.SOURCE_EPOCH_BEGIN)
             writes = FailingWrites(server.api.kinds(0), monkeypatch)
             writes.failing = True
             client.send(m.SourceEpochEnd())  # retracts entity 1
             await asyncio.wait_for(writes.refused.wait(), 10)
             writes.failing = False
-            assert await client.reply(assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
-            refused = await client.call(m.Heartbeat())
-            assert isinstance(refused, m.ErrorMessage), refused
-            assert "no space left" in refused.message
-            assert await client.call(m.Heartbeat()) == m.Ack(Opcode.HEARTBEAT)
-        finally:
-            await server.stop()
+            assert await client.reply(client.assert_(2, ack=True)) == m.Ack(Opcode.ASSERT)
+            await client.barrier_refused()
+            await client.barrier_acked()
 
     asyncio.run(main())
