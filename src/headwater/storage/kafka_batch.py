@@ -769,19 +769,24 @@ class _Layout(NamedTuple):
     value_length: int  # -1: null
 
     def head_fixed(self) -> list[int]:
-        """:meth:`fixed_columns` but the last (the header count, after the value)."""
-        return self.fixed_columns()[:-1]
-
-    def fixed_columns(self) -> list[int]:
-        """The columns every record of a run has the same bytes in: its length varint,
-        its key length, its value length and its header count."""
+        """:meth:`fixed_columns` but the header count's (after the value)."""
         key_length_at = self.offset_at + self.offset_size
         return [
             *range(self.timestamp_at - 1),
             *range(key_length_at, key_length_at + self.key_length_size),
             *range(self.value_length_at, self.value_at),
-            self.size - 1,
         ]
+
+    def header_count_columns(self) -> range:
+        """The header count varint's columns: every byte of it, as the first record
+        may spell its 0 in more than one (``80 00``); a row whose count's earlier byte
+        differs reads another count (``01 00``: -1, refused by the walk)."""
+        return range(self.value_at + max(self.value_length, 0), self.size)
+
+    def fixed_columns(self) -> list[int]:
+        """The columns every record of a run has the same bytes in: its length varint,
+        its key length, its value length and its header count."""
+        return [*self.head_fixed(), *self.header_count_columns()]
 
 
 def _record_layout(data: bytes | memoryview, pos: int, end: int, index: int) -> _Layout | None:
@@ -866,8 +871,8 @@ def _head_words(
             if column < at + size - 1:
                 pattern |= 0x80 << (8 * column)
     good = (words & np.uint64(mask)) == np.uint64(pattern)
-    counts = grid[:, layout.size - 1]  # the header count: after the value
-    good &= counts == first[layout.size - 1]
+    for column in layout.header_count_columns():  # after the value: each byte of it
+        good &= grid[:, column] == first[column]
     for column in beyond:
         good &= grid[:, column] == first[column]
     return (

@@ -359,3 +359,51 @@ def test_long_produced_batches_are_checked_by_numpy_run_by_run(key: bytes | None
         with pytest.raises(KafkaRecordsError) as raised:
             check_section(section, 1 << 30)
         assert raised.value.reason == "invalid"
+
+
+def _zigzag(value: int) -> bytes:
+    raw = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while raw >> 7:
+        out.append(raw & 0x7F | 0x80)
+        raw >>= 7
+    return bytes(out) + bytes([raw])
+
+
+@pytest.mark.parametrize(
+    ("timestamp_delta", "value"),
+    [(0, b"v"), (0, b"v" * 20), (1 << 60, b"v" * 20)],  # the last: past the 8-byte word
+)
+def test_a_long_batch_whose_header_count_spells_another_count_is_refused(
+    timestamp_delta: int, value: bytes
+) -> None:
+    # The first record spells its header count 0 in two bytes (80 00, as a reader takes
+    # it); a later record's 01 00 is a count of -1 there, which the walk refuses: a run
+    # compared only the count's last byte, so numpy took that batch as sound.
+    count = 600
+
+    def record(index: int, header_count: bytes) -> bytes:
+        body = b"\x00" + _zigzag(timestamp_delta) + _zigzag(index) + _zigzag(-1)
+        body += _zigzag(len(value)) + value + header_count
+        return _zigzag(len(body)) + body
+
+    def section_of(records: list[bytes]) -> bytes:
+        after = struct.pack(">hiqqqhii", 0, count - 1, BASE_TS, BASE_TS, -1, -1, -1, count)
+        after += b"".join(records)
+        return struct.pack(">I", crc32c(after)) + after
+
+    records = [record(i, b"\x80\x00") for i in range(count)]
+    section = section_of(records)
+    assert kafka_batch_module._reads_by_numpy(
+        section[SECTION_HEADER_SIZE:], section_header(section)
+    )
+    check_section(section, 1 << 30)
+    for index in (1, 5, 300, count - 1):
+        wrong = records.copy()
+        wrong[index] = record(index, b"\x01\x00")
+        section = section_of(wrong)
+        assert not kafka_batch_module._reads_by_numpy(
+            section[SECTION_HEADER_SIZE:], section_header(section)
+        )
+        with pytest.raises(KafkaRecordsError, match="record headers claimed"):
+            check_section(section, 1 << 30)
