@@ -388,3 +388,71 @@ def test_long_batches_of_one_read_buffer_are_read_where_they_lie() -> None:
     assert isinstance(read.body, memoryview) and read.body.obj is laid
     spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
     assert [bytes(read.body[start:end]) for start, end in spans] == values
+
+
+def _varint(value: int, pad: int = 0) -> bytes:
+    """A zigzag varint, with ``pad`` needless bytes (Kafka's readers take them: a
+    producer may spell 0 as ``80 00``)."""
+    out = bytearray()
+    raw = (value << 1) ^ (value >> 63)
+    while raw >= 0x80:
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+    out.append(raw)
+    if pad:
+        out[-1] |= 0x80
+        out += b"\x80" * (pad - 1) + b"\x00"
+    return bytes(out)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    count=st.integers(2, 40),
+    key=st.none() | st.binary(max_size=12),
+    value_size=st.integers(-1, 30),
+    timestamp_delta=st.integers(-5, 2**40),
+    pads=st.tuples(*[st.integers(0, 2)] * 3),
+    data=st.data(),
+)
+def test_the_numpy_produce_check_passes_only_what_the_walk_passes_over_long_varints(
+    count: int,
+    key: bytes | None,
+    value_size: int,
+    timestamp_delta: int,
+    pads: tuple[int, int, int],
+    data: st.DataObject,
+) -> None:
+    # Records whose key length, value length and header count are spelt with needless
+    # varint bytes (as the walk and Kafka's readers accept), then a few bytes changed
+    # near a record's start: numpy's check, reading a run of records by their first
+    # bytes, must never pass what the walk refuses (a first record's header count 0
+    # spelt 80 00 once let a later 01 00, a count of -1, through).
+    key_pad, value_pad, headers_pad = pads
+    records = []
+    for index in range(count):
+        body = b"\x00" + _varint(timestamp_delta) + _varint(index)
+        body += _varint(-1 if key is None else len(key), key_pad) + (key or b"")
+        body += _varint(value_size, value_pad) + b"v" * max(value_size, 0)
+        body += _varint(0, headers_pad)
+        records.append(_varint(len(body)) + body)
+    ends = list(itertools.accumulate(len(r) for r in records))
+    body = bytearray(b"".join(records))
+    for _ in range(data.draw(st.integers(1, 3))):
+        # A byte among a record's first ten or last three (its leading varints, or
+        # its value's end and header count).
+        k = data.draw(st.integers(1, count - 1))
+        start, end = ends[k - 1], ends[k]
+        at = data.draw(st.integers(start, min(start + 9, end - 1)) | st.integers(end - 3, end - 1))
+        body[max(at, start)] = data.draw(
+            st.sampled_from([0, 1, 2, 0x7F, 0x80, 0x81, 0xFF]) | st.integers(0, 255)
+        )
+    claimed = count + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    header = kafka_batch.SectionHeader(0, 0, claimed - 1, 0, 0, -1, -1, -1, claimed)
+    try:
+        kafka_batch.walk_records(bytes(body), claimed)
+        walked = True
+    except kafka_batch.KafkaRecordsError:
+        walked = False
+    with patch.object(kafka_batch, "RUNS_FROM", data.draw(st.sampled_from([1, 10**9]))):
+        read = kafka_batch._reads_by_numpy(bytes(body), header)
+    assert walked or not read
