@@ -170,7 +170,9 @@ def test_deltas_become_kind_state_and_redelivery_changes_nothing(server: Server)
     [w1] = shown["workers"]
     assert (w1["worker_id"], w1["connected"], w1["load"]) == ("w1", True, 0.75)
     assert w1["last_heartbeat"] > time.time() - 60
-    assert w1["outputs"] == [{"output": "vwap", "last_sequence_no": 4, "watermark_ns": 1000}]
+    assert w1["outputs"] == [
+        {"output": "vwap", "last_sequence_no": 4, "durable_sequence_no": 4, "watermark_ns": 1000}
+    ]
     worker.close()
 
     def disconnected() -> bool:

@@ -131,6 +131,7 @@ class RippleState:
                 {
                     "output": output,
                     "last_sequence_no": last,
+                    "durable_sequence_no": self.durable.get((worker, output), 0),
                     "watermark_ns": self.watermarks.get((worker, output)),
                 }
             )
