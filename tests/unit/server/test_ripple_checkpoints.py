@@ -261,3 +261,37 @@ def test_a_checkpoint_on_a_new_connection_covers_the_old_connections_window_in_f
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_a_refused_delta_leaves_the_deltas_before_it_applied(tmp_path: Path) -> None:
+    """Sets 1-2, a Patch of a field the kind lacks (3) and a Set (4) arrive together: the
+    worker is refused with the reason, 1-2 are applied (they were dropped with the
+    refused one), and 3 is not counted: the worker sends a corrected 3 and 4 on a new
+    connection, and they are applied."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            a = await Worker.connect(server, "a")
+            a.send(range(1, 3))
+            patch = rm.Patch((rm.FieldSet("nosuch", rm.Atom("x")),))
+            a.writer.write(a.conn.send_delta("quotes", "a3", patch, sequence_no=3))
+            a.send(range(4, 5))
+            refused = await a.until_closed()
+            assert any(
+                isinstance(m, rm.SchemaNegotiation) and "nosuch" in " ".join(m.errors)
+                for m in refused
+            ), refused
+            a.close()
+
+            again = await Worker.connect(server, "a")
+            assert await again.checkpoint("c1") == 2  # 1-2 durable, 3 not counted
+            assert keys_present(server, "a") == ["a1", "a2"]
+            again.send(range(3, 5))
+            assert await again.checkpoint("c2") == 4
+            assert keys_present(server, "a") == ["a1", "a2", "a3", "a4"]
+            again.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

@@ -418,6 +418,10 @@ class SequenceTracker:
         """``(source, last applied sequence_no)`` of every source seen (to save them)."""
         return list(self._last.items())
 
+    def seen(self, source: object) -> int | None:
+        """The last applied ``sequence_no`` of ``source``; None when nothing is known."""
+        return self._last.get(source)
+
     def rewind(self, source: object, last: int | None) -> None:
         """Go back to ``last`` (None: nothing known): deltas after it are applied again
         when they come back, e.g. those whose write the application could not keep."""

@@ -294,15 +294,21 @@ class RippleConnection(asyncio.Protocol):
                         self.transport.resume_reading()  # a no-op once closing
                 elif isinstance(event, rc.DeltaReceived):
                     # Deltas already queued behind this one go to the kinds in one call.
-                    ops = [op] if (op := self._delta(event)) is not None else []
-                    while not self.queue.empty() and isinstance(
-                        self.queue._queue[0],  # type: ignore[attr-defined]
-                        rc.DeltaReceived,
-                    ):
-                        queued = self.queue.get_nowait()
-                        assert isinstance(queued, rc.DeltaReceived)
-                        if (op := self._delta(queued)) is not None:
+                    ops: list[WriteOp] = []
+                    try:
+                        if (op := self._delta(event)) is not None:
                             ops.append(op)
+                        while not self.queue.empty() and isinstance(
+                            self.queue._queue[0],  # type: ignore[attr-defined]
+                            rc.DeltaReceived,
+                        ):
+                            queued = self.queue.get_nowait()
+                            assert isinstance(queued, rc.DeltaReceived)
+                            if (op := self._delta(queued)) is not None:
+                                ops.append(op)
+                    except RippleError:
+                        self._apply(ops)  # the deltas before the refused one stand
+                        raise
                     self._apply(ops)
                 elif isinstance(event, rc.MessageReceived):
                     await self._message(event.message)
@@ -436,10 +442,17 @@ class RippleConnection(asyncio.Protocol):
         key = (worker, message.source_output)
         if message.watermark_ns is not None:
             self.state.watermarks[key] = message.watermark_ns
-        if not self.state.tracker.observe(key, message.sequence_no).apply:
+        tracker = self.state.tracker
+        before = tracker.seen(key)
+        if not tracker.observe(key, message.sequence_no).apply:
             return None
         kind = self.outputs[message.source_output]
-        return _op(kind, event.schema, entity_id_for(message.key), event.delta)
+        try:
+            return _op(kind, event.schema, entity_id_for(message.key), event.delta)
+        except RippleError:
+            # Refused: not applied, so not counted (the deltas before it were).
+            tracker.rewind(key, before)
+            raise
 
     def _apply(self, ops: list[WriteOp]) -> None:
         if not ops or self.source is None or self.kinds is None or self.state is None:
