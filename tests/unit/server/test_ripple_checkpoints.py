@@ -295,3 +295,51 @@ def test_a_refused_delta_leaves_the_deltas_before_it_applied(tmp_path: Path) -> 
             await server.stop()
 
     asyncio.run(main())
+
+
+COUNTS = rm.Schema("counts", 1, (rm.Field("n", rm.FieldType.INT64),))
+
+
+def test_a_delta_whose_value_the_kind_refuses_leaves_the_deltas_before_it_applied(
+    tmp_path: Path,
+) -> None:
+    """As above, but 3 is refused by the kind's own check of its values (BadFieldData, a
+    KindsError: a Patch of an i64 field with a number past its range) rather than by the
+    listener: 1-2 are still applied and durable, and 3 is not counted."""
+
+    async def main() -> None:
+        server = await started(tmp_path)
+        try:
+            a = Worker(*await asyncio.open_connection("127.0.0.1", server.listeners[0].port), "a")
+            a.writer.write(a.conn.handshake({"counts": COUNTS}))
+            answer = await a.next()
+            assert isinstance(answer, rm.SchemaNegotiation) and answer.ok, answer
+            for n in (1, 2):
+                a.writer.write(
+                    a.conn.send_delta("counts", f"a{n}", rm.Set({"n": n}), sequence_no=n)
+                )
+            huge = rm.Patch((rm.FieldSet("n", rm.Atom(str(1 << 70))),))
+            a.writer.write(a.conn.send_delta("counts", "a3", huge, sequence_no=3))
+            a.writer.write(a.conn.send_delta("counts", "a4", rm.Set({"n": 4}), sequence_no=4))
+            refused = await a.until_closed()
+            assert any(isinstance(m, rm.SchemaNegotiation) and not m.ok for m in refused), refused
+            a.close()
+
+            again = Worker(
+                *await asyncio.open_connection("127.0.0.1", server.listeners[0].port), "a"
+            )
+            again.writer.write(again.conn.handshake({"counts": COUNTS}))
+            answer = await again.next()
+            assert isinstance(answer, rm.SchemaNegotiation) and answer.ok, answer
+            assert await again.checkpoint("c1") == 2  # 1-2 durable, 3 not counted
+            tk = server.api.kinds(0)
+            kind = tk.get_kind("counts")
+            present = [
+                n for n in range(1, 5) if tk.get(kind.kind_id, entity_id_for(f"a{n}".encode()))
+            ]
+            assert present == [1, 2]
+            again.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())

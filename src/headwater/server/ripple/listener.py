@@ -306,7 +306,7 @@ class RippleConnection(asyncio.Protocol):
                             assert isinstance(queued, rc.DeltaReceived)
                             if (op := self._delta(queued)) is not None:
                                 ops.append(op)
-                    except RippleError:
+                    except (RippleError, KindsError):
                         self._apply(ops)  # the deltas before the refused one stand
                         raise
                     self._apply(ops)
@@ -449,8 +449,9 @@ class RippleConnection(asyncio.Protocol):
         kind = self.outputs[message.source_output]
         try:
             return _op(kind, event.schema, entity_id_for(message.key), event.delta)
-        except RippleError:
-            # Refused: not applied, so not counted (the deltas before it were).
+        except (RippleError, KindsError):
+            # Refused (by the listener, or by the kind's check of its values:
+            # BadFieldData): not applied, so not counted (the deltas before it were).
             tracker.rewind(key, before)
             raise
 
