@@ -343,3 +343,32 @@ def test_a_delta_whose_value_the_kind_refuses_leaves_the_deltas_before_it_applie
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_a_refused_delta_counts_no_gap_and_moves_no_watermark(tmp_path: Path) -> None:
+    """A refused delta is not counted: not the gap its number jumps over (counted again
+    when the corrected delta is sent), nor its watermark."""
+
+    async def main() -> None:
+        from headwater.server.ripple.listener import STATES
+
+        server = await started(tmp_path)
+        try:
+            a = await Worker.connect(server, "a")
+            a.writer.write(
+                a.conn.send_delta(
+                    "quotes", "a1", rm.Set({"px": 1.0}), watermark_ns=10, sequence_no=1
+                )
+            )
+            assert await a.checkpoint("c1") == 1
+            patch = rm.Patch((rm.FieldSet("nosuch", rm.Atom("x")),))
+            a.writer.write(a.conn.send_delta("quotes", "a5", patch, watermark_ns=99, sequence_no=5))
+            await a.until_closed()
+            a.close()
+            state = STATES[server].by_tenant[0]
+            assert state.tracker.gaps == 0
+            assert state.watermarks[("a", "quotes")] == 10
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
