@@ -372,3 +372,30 @@ def test_a_refused_delta_counts_no_gap_and_moves_no_watermark(tmp_path: Path) ->
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_an_output_durable_after_its_connection_ended_is_shown(tmp_path: Path) -> None:
+    """A connection's end rewinds an output with nothing durable yet to nothing known;
+    its window then commits, making a number durable: /api/ripple/workers still shows
+    the output, with that durable number (it used to vanish until the worker sent
+    again, though the saved table held it)."""
+
+    async def main() -> None:
+        from headwater.server.ripple.listener import RippleState
+
+        state = RippleState(0, tmp_path / "tenant-0.json", set())
+        key = ("a", "quotes")
+        state.tracker.observe(key, 3)
+        state.tracker.rewind(key, state.durable.get(key))  # the end: nothing durable yet
+        state.durable[key] = 3  # then its window commits
+        [worker] = state.workers()
+        assert worker["outputs"] == [
+            {
+                "output": "quotes",
+                "last_sequence_no": 3,
+                "durable_sequence_no": 3,
+                "watermark_ns": None,
+            }
+        ]
+
+    asyncio.run(main())

@@ -125,8 +125,13 @@ class RippleState:
             c.protocol.worker_id for c in self.live if c.source is not None and c.state is self
         }
         outputs: dict[str, list[dict[str, Any]]] = {}
-        for source, last in self.tracker.items():
-            worker, output = cast(tuple[str, str], source)
+        # Those durable but no longer received too: a connection's end rewinds the
+        # received numbers to the durable ones (none yet: forgotten) before its last
+        # windows commit and make theirs durable.
+        received = dict(cast(list[tuple[tuple[str, str], int]], self.tracker.items()))
+        for (worker, output), durable in self.durable.items():
+            received.setdefault((worker, output), durable)
+        for (worker, output), last in received.items():
             outputs.setdefault(worker, []).append(
                 {
                     "output": output,
