@@ -261,16 +261,18 @@ class Sources:
             deadlines = {s.source_id: s.deadline_ms for s in dead if s.source_id is not None}
             names = {s.source_id: s.name for s in dead if s.source_id is not None}
 
-            def retracted(done: asyncio.Future[None]) -> None:
+            window = self.tenant.windows.window_for_ack()
+
+            def retracted(_: asyncio.Future[None]) -> None:
                 if self.tenant.closed:
                     return  # shutting down: the restart holds them
-                if done.cancelled() or done.exception() is not None:
+                if window.failure() is not None:
                     # These slots only: another freed one whose retraction is in a
                     # later window still has its bit on committed entities too.
                     self.hold_orphans(deadlines, names, only=set(deadlines))
                     self._remember()
 
-            self.tenant.windows.window_for_ack().done.add_done_callback(retracted)
+            window.done.add_done_callback(retracted)
         return dead
 
     def retract_source(self, source_id: int) -> int:

@@ -82,6 +82,13 @@ class Window:
         """Return once everything in this window is durable and visible to readers."""
         await asyncio.shield(self.done)
 
+    def failure(self) -> BaseException | None:
+        """Once :attr:`done`: why the window could not be made durable (a
+        CancelledError when its flush was cancelled); None when it is durable."""
+        if self.done.cancelled():
+            return asyncio.CancelledError()
+        return self.done.exception()
+
 
 class Windows:
     """The open window and the one being flushed, and the ops applied to them.

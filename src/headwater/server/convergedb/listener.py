@@ -57,12 +57,11 @@ class _Subscription:
         self.tasks: list[asyncio.Task[None]] = []
 
 
-def _failure(done: asyncio.Future[None]) -> HeadwaterError | None:
-    """Why the finished window future ``done`` failed; None when it is durable."""
-    exc = BaseException() if done.cancelled() else done.exception()
-    if exc is None:
-        return None
-    if isinstance(exc, HeadwaterError):
+def _failure(window: Window) -> HeadwaterError | None:
+    """Why the finished ``window`` failed, as the error its writers are answered with
+    (e.g. in a cluster, replicas that did not confirm); None when it is durable."""
+    exc = window.failure()
+    if exc is None or isinstance(exc, HeadwaterError):
         return exc
     return InternalError("the write could not be made durable")
 
@@ -287,17 +286,12 @@ class ConvergeConnection(asyncio.Protocol):
             self._ack_when(window, stream, m.Ack(opcode), opcode)
 
     def _ack_when(self, window: Window, stream: int, ack: m.Message, opcode: Opcode) -> None:
-        def done(fut: asyncio.Future[None]) -> None:
-            failed = None if fut.cancelled() else fut.exception()
-            if isinstance(failed, HeadwaterError):
-                # In a cluster: e.g. stored on the leader, unconfirmed by its replicas.
-                self.error(stream, error_code_for(failed), opcode, failed.message)
-            elif fut.cancelled() or failed is not None:
-                self.error(
-                    stream, ErrorCode.INTERNAL, opcode, "the write could not be made durable"
-                )
-            else:
+        def done(_: asyncio.Future[None]) -> None:
+            failed = _failure(window)
+            if failed is None:
                 self.send(stream, ack)
+            else:
+                self.error(stream, error_code_for(failed), opcode, failed.message)
 
         if window.done.done():
             done(window.done)
@@ -314,7 +308,7 @@ class ConvergeConnection(asyncio.Protocol):
         """Drop the finished windows of :attr:`_windows`, noting the first that failed."""
         windows = self._windows
         while windows and windows[0].done.done():
-            lost = _failure(windows.popleft().done)
+            lost = _failure(windows.popleft())
             if lost is not None and self._lost is None:
                 self._lost = lost
 
@@ -356,7 +350,7 @@ class ConvergeConnection(asyncio.Protocol):
         for window in windows:
             if lost is not None:
                 break
-            lost = _failure(window.done)
+            lost = _failure(window)
         if lost is not None:
             self.error(
                 stream, error_code_for(lost), Opcode.HEARTBEAT, f"barrier failed: {lost.message}"

@@ -501,10 +501,8 @@ class RippleConnection(asyncio.Protocol):
         assert state is not None or not self.unsettled
         while self.unsettled and self.unsettled[0][0].done.done():
             window, marks = self.unsettled.popleft()
-            done = window.done
-            if done.cancelled() or done.exception() is not None:
-                exc = None if done.cancelled() else done.exception()
-                self._fail(f"a write of the worker's deltas failed: {exc or 'cancelled'}")
+            if (exc := window.failure()) is not None:
+                self._fail(f"a write of the worker's deltas failed: {str(exc) or 'cancelled'}")
                 break
             assert state is not None
             for key, last in marks.items():
