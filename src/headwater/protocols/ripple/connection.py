@@ -418,9 +418,10 @@ class SequenceTracker:
         """``(source, last applied sequence_no)`` of every source seen (to save them)."""
         return list(self._last.items())
 
-    def seen(self, source: object) -> int | None:
-        """The last applied ``sequence_no`` of ``source``; None when nothing is known."""
-        return self._last.get(source)
+    def redelivery(self, source: object, sequence_no: int) -> bool:
+        """Whether :meth:`observe` would discard ``sequence_no`` (nothing is recorded)."""
+        last = self._last.get(source)
+        return last is not None and sequence_no <= last
 
     def rewind(self, source: object, last: int | None) -> None:
         """Go back to ``last`` (None: nothing known): deltas after it are applied again
@@ -431,10 +432,10 @@ class SequenceTracker:
             self._last[source] = last
 
     def observe(self, source: object, sequence_no: int) -> SequenceVerdict:
-        last = self._last.get(source)
-        if last is not None and sequence_no <= last:
+        if self.redelivery(source, sequence_no):
             self.duplicates += 1
             return SequenceVerdict(False)
+        last = self._last.get(source)
         self._last[source] = sequence_no
         missed = 0 if last is None else sequence_no - last - 1
         if missed:

@@ -445,28 +445,18 @@ class RippleConnection(asyncio.Protocol):
         message = event.message
         worker = self.protocol.worker_id or ""
         key = (worker, message.source_output)
-        watermarks = self.state.watermarks
-        watermark = watermarks.get(key)
-        if message.watermark_ns is not None:
-            watermarks[key] = message.watermark_ns
         tracker = self.state.tracker
-        before, gaps = tracker.seen(key), tracker.gaps
-        if not tracker.observe(key, message.sequence_no).apply:
-            return None
-        kind = self.outputs[message.source_output]
-        try:
-            return _op(kind, event.schema, entity_id_for(message.key), event.delta)
-        except (RippleError, KindsError):
-            # Refused (by the listener, or by the kind's check of its values:
-            # BadFieldData): not applied, so not counted (the deltas before it were):
-            # neither its number, nor the gap it jumped, nor its watermark.
-            tracker.rewind(key, before)
-            tracker.gaps = gaps
-            if watermark is None:
-                watermarks.pop(key, None)
-            else:
-                watermarks[key] = watermark
-            raise
+        op = None
+        if not tracker.redelivery(key, message.sequence_no):
+            # Built first: a delta refused here (by the listener, or by the kind's
+            # check of its values: BadFieldData) is not applied, so nothing of it is
+            # counted: neither its number, nor the gap it jumped, nor its watermark.
+            kind = self.outputs[message.source_output]
+            op = _op(kind, event.schema, entity_id_for(message.key), event.delta)
+        if message.watermark_ns is not None:
+            self.state.watermarks[key] = message.watermark_ns
+        tracker.observe(key, message.sequence_no)
+        return op
 
     def _apply(self, ops: list[WriteOp]) -> None:
         if not ops or self.source is None or self.kinds is None or self.state is None:
