@@ -171,7 +171,7 @@ def check_section(
         whole is not None
         and not header.attributes & (ATTR_CODEC | ATTR_LOG_APPEND_TIME)
         and len(whole) == PREFIX_SIZE + len(section)
-        and _reads_canonically(records.nbytes, header, bytes(whole))
+        and _reads_canonically(records.nbytes, header, whole)
     ):
         return header
     body = decompress(codec, records, max_decompressed)
@@ -255,7 +255,7 @@ def _reader_batch(body: bytes, header: SectionHeader) -> bytes:
     return b"".join((fetch_prefix(0, SECTION_HEADER_SIZE + len(body)), reader_header, body))
 
 
-def _reads_canonically(body_size: int, header: SectionHeader, batch: bytes) -> bool:
+def _reads_canonically(body_size: int, header: SectionHeader, batch: bytes | memoryview) -> bool:
     """Whether ``batch`` (a whole Kafka batch whose records, uncompressed and stamped
     CreateTime, take ``body_size`` bytes) holds ``records_count`` records that
     aiokafka's compiled reader reads, with offset deltas 0..n-1 and every varint in its
