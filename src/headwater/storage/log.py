@@ -1054,8 +1054,8 @@ class PartitionLog:
                     control=batch.control,
                 )
 
-    def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:
-        """Put the fsynced file ``rewritten`` in place of ``seg``'s ``.log`` and open it."""
+    def _rename_over(self, seg: Segment, rewritten: Path) -> None:
+        """Rename the fsynced file ``rewritten`` over ``seg``'s ``.log``, durably."""
         # Readers holding it keep the old bytes and index (retired before the files go:
         # its paths are the new segment's next).
         seg.retire()
@@ -1065,6 +1065,10 @@ class PartitionLog:
         seg.time_index_path.unlink(missing_ok=True)
         os.replace(rewritten, seg.log_path)
         fsync_directory(self.directory)
+
+    def _replace_segment(self, seg: Segment, rewritten: Path) -> Segment:
+        """Put the fsynced file ``rewritten`` in place of ``seg``'s ``.log`` and open it."""
+        self._rename_over(seg, rewritten)
         return Segment(
             self.directory, seg.base_offset, seg.index_interval_bytes, self.files
         ).open_sealed(indexed=False)
@@ -1127,11 +1131,7 @@ class PartitionLog:
                     rewritten.unlink(missing_ok=True)
                     new.close()
                     continue
-                seg.retire()  # readers holding it keep the plain bytes and their index
-                seg.index_path.unlink(missing_ok=True)
-                seg.time_index_path.unlink(missing_ok=True)
-                os.replace(rewritten, seg.log_path)
-                fsync_directory(self.directory)
+                self._rename_over(seg, rewritten)
                 new.write_index_files(sync=True)
                 new.map_index_files()
                 self._swap(seg, new)
