@@ -301,8 +301,14 @@ def test_producer_and_group_go_on_across_a_server_restart(tmp_path: Path) -> Non
             wait_until(lambda: seen.extend(consumer.consume(100, 0.1)) or len(seen) >= 100)
             consumer.commit()
             server.restart()  # same data and port; the group's members are forgotten
-            # The producer reconnects (its idempotent batches are safe to send again),
-            # the consumer rejoins as a new member and resumes from its commits.
+            # The consumer finds its member forgotten and rejoins as a new one, which
+            # resumes from the commits (a record returned before the rejoin could come
+            # again, its commit refused: docs/sdk.md, so nothing is sent until then).
+            wait_until(
+                lambda: seen.extend(consumer.consume(100, 0.1)) or consumer.rebalances >= 2,
+                message=lambda: f"{consumer.rebalances} assignments, {len(seen)} records",
+            )
+            # The producer reconnects (its idempotent batches are safe to send again).
             sent = [
                 producer.send("lasting", f"after-{i}".encode(), key=f"k{i}".encode())
                 for i in range(100)
