@@ -18,6 +18,34 @@ from offset 0, from its creation to the last message. Rounds alternate between t
 systems so the machine's load falls on each alike; the median round is reported, with the
 server's and this client process's CPU per message (librdkafka's threads included).
 
+**Equally raw clients** (``headwater_raw``, ``tansu_raw``): confluent-kafka's client
+CPU (about 1.5 µs a message) bounds either broker on a 2-core machine, while the
+Kimberlite case's client is raw, so the same run also drives both Kafka brokers with a
+client as raw as wire_bench's: a plain blocking socket and headwater's own codec (kio's
+message classes through ``encode_request``/``decode_response``, ``build_batch`` for the
+record batches, ``FrameDecoder`` for the answers). It asks ApiVersions and takes the
+highest Produce and Fetch versions both brokers announce and headwater's codec
+implements (Produce v10 and Fetch v12 with Tansu 0.6.0), then:
+
+* produce: ``--messages / --kimberlite-batch`` Produce requests (acks=-1), each the
+  Kimberlite case's ``--kimberlite-batch`` values (the same Workload) cut into one record
+  batch per partition (v2, uncompressed, no producer id: no idempotence), ``--depth`` in
+  flight on one connection. The requests are encoded before timing; only the correlation
+  id is written per request. Timed from the first send to the last answer; every
+  partition's error code must be 0, and the records acknowledged are counted;
+* consume: Fetch of every partition from offset 0 (1 MiB a partition, as the Kimberlite
+  read's 1 MiB pages; read_uncommitted), one in flight, until every acknowledged record
+  is read; records are counted from each batch header's record count, none decoded,
+  and the batches must follow on without a gap. Fewer records read than acknowledged
+  raises.
+
+The raw client stays inside what headwater's Kafka listener enforces: 128 requests in
+flight a connection before it stops reading (``max_inflight``; ``--depth`` 4 here), a
+request of at most 100 MiB (``MAX_REQUEST``; 2,000 records of 100 bytes make about 220
+KB), and an append of at most 10,000 records and 4 MiB (``MAX_APPEND_EVENTS``,
+``MAX_APPEND_BYTES``; one partition's batch is 500 records, about 55 KB). Its first
+request, ApiVersions, is far below ``max_pending_bytes`` (1 MiB before a whole request).
+
 Then the answers where Tansu is known to differ from Kafka, asked of both brokers with
 confluent-kafka: a read_committed consumer after an aborted transaction (Kafka hides the
 aborted messages: the fetch answer lists the aborted transaction), ListOffsets latest and
@@ -31,12 +59,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import statistics
+import struct
 import subprocess
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +88,11 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from benchlib import (
     HOST,
+    RECV,
     HeadwaterServer,
     HelpFormatter,
     ServerProcess,
+    connect,
     default_root,
     free_port,
     git_revision,
@@ -67,6 +101,17 @@ from benchlib import (
     log,
     proc_cpu,
     settle,
+)
+from headwater.protocols.kafka import SUPPORTED, ApiKey, ErrorCode
+from headwater.protocols.kafka.apis import request_type
+from headwater.protocols.kafka.frames import FrameDecoder, decode_response, encode_request
+from headwater.protocols.kafka.records import (
+    ATTR_CONTROL,
+    HEADER,
+    HEADER_SIZE,
+    LOG_OVERHEAD,
+    Record,
+    build_batch,
 )
 from wire_bench import KimberliteClient, Workload, hw_consume, hw_produce
 
@@ -155,6 +200,246 @@ def kafka_produce(bootstrap: str, topic: str, partitions: int, count: int, value
         raise RuntimeError(f"{left} undelivered, errors {errors[:3]}")
 
 
+# ---- an equally raw Kafka client ---------------------------------------------------------
+
+CORRELATION = struct.Struct(">i")
+CORRELATION_AT = 8  # in a framed request: size, api key and api version come before it
+RAW_PAGE_BYTES = 1 << 20  # a Fetch's bytes per partition, as the Kimberlite read's pages
+RAW_FETCH_WAIT = timedelta(milliseconds=500)  # only waited out when records are missing
+RAW_TIMEOUT = timedelta(seconds=30)  # a Produce's replication timeout (acks=-1)
+CLIENT_ID = "kafka_bench"
+
+
+def build(cls: Any, **fields: Any) -> Any:
+    """One of kio's classes from those of ``fields`` it has: the raw client takes the
+    highest version both brokers serve, and a field a version lacks is left out."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    return cls(**{name: value for name, value in fields.items() if name in names})
+
+
+def kio_classes(api_key: ApiKey, version: int) -> tuple[Any, Any]:
+    """kio's request class of ``api_key`` at ``version`` and its module (the nested
+    structs: TopicProduceData, FetchPartition ...)."""
+    cls = request_type(api_key, version)
+    return cls, importlib.import_module(cls.__module__)
+
+
+class RawKafka:
+    """A blocking Kafka client over one plain socket, as raw as wire_bench's
+    KimberliteClient: requests are kio's classes written by headwater's codec
+    (:func:`encode_request`), answers are cut by its :class:`FrameDecoder` and read by
+    :func:`decode_response`. It asks ApiVersions first, as every Kafka client does."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = connect(port)
+        self.frames = FrameDecoder(1 << 30)
+        self.correlation = 0
+        answer = self.call(ApiKey.API_VERSIONS, 0, request_type(ApiKey.API_VERSIONS, 0)())
+        if answer.error_code != ErrorCode.none:
+            raise RuntimeError(f"ApiVersions: {answer.error_code!r}")
+        self.versions = {
+            int(entry.api_key): (int(entry.min_version), int(entry.max_version))
+            for entry in answer.api_keys
+        }
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def answer(self, api_key: ApiKey, version: int, correlation: int) -> Any:
+        """The next answer on the connection, which must be ``correlation``'s."""
+        body = self.frames.next_item()
+        while body is None:
+            data = self.sock.recv(RECV)
+            if not data:
+                raise ConnectionError("the broker closed the connection")
+            self.frames.feed(data)
+            body = self.frames.next_item()
+        got, response = decode_response(api_key, version, body)
+        if got != correlation:
+            raise RuntimeError(f"answer to request {got}, expected {correlation}")
+        return response
+
+    def call(self, api_key: ApiKey, version: int, request: Any) -> Any:
+        self.correlation += 1
+        self.sock.sendall(encode_request(self.correlation, request, client_id=CLIENT_ID))
+        return self.answer(api_key, version, self.correlation)
+
+
+def raw_versions(ports: list[int]) -> dict[ApiKey, int]:
+    """The highest Produce and Fetch versions every broker on ``ports`` announces and
+    headwater's codec implements (:data:`SUPPORTED`: topics by name, not by id)."""
+    clients = [RawKafka(port) for port in ports]
+    try:
+        chosen = {}
+        for key in (ApiKey.PRODUCE, ApiKey.FETCH):
+            ranges = [c.versions.get(int(key), (0, -1)) for c in clients]
+            low = max(SUPPORTED[key].min_version, *(r[0] for r in ranges))
+            high = min(SUPPORTED[key].max_version, *(r[1] for r in ranges))
+            if low > high:
+                raise RuntimeError(f"no {key.name} version common to {ranges}")
+            chosen[key] = high
+        return chosen
+    finally:
+        for client in clients:
+            client.close()
+
+
+def produce_frames(
+    topic: str, partitions: int, work: Workload, version: int
+) -> tuple[list[bytearray], list[int]]:
+    """One framed Produce (acks=-1) per distinct batch of ``work``: its values cut into
+    ``partitions`` consecutive runs, each one record batch (v2, uncompressed, no
+    producer id: no idempotence, so base offset and sequence stay as they are), and the
+    records each partition gets. Correlation id 0: the one field written per request."""
+    cls, module = kio_classes(ApiKey.PRODUCE, version)
+    now = int(time.time() * 1000)
+    bounds = [work.batch * p // partitions for p in range(partitions + 1)]
+    counts = [bounds[p + 1] - bounds[p] for p in range(partitions)]
+    frames = []
+    for values in work.values:
+        data = tuple(
+            build(
+                module.PartitionProduceData,
+                index=p,
+                records=build_batch(
+                    [
+                        Record(offset_delta=i, timestamp_delta=0, key=None, value=value)
+                        for i, value in enumerate(values[bounds[p] : bounds[p + 1]])
+                    ],
+                    base_timestamp=now,
+                ),
+            )
+            for p in range(partitions)
+            if counts[p]
+        )
+        request = build(
+            cls,
+            transactional_id=None,
+            acks=-1,
+            timeout=RAW_TIMEOUT,
+            topic_data=(build(module.TopicProduceData, name=topic, partition_data=data),),
+        )
+        frames.append(bytearray(encode_request(0, request, client_id=CLIENT_ID)))
+    return frames, counts
+
+
+def raw_produce(
+    client: RawKafka,
+    frames: list[bytearray],
+    counts: list[int],
+    requests: int,
+    depth: int,
+    version: int,
+) -> int:
+    """``requests`` pre-encoded Produce requests with up to ``depth`` in flight on the
+    one connection, each given its correlation id; every partition's answer must be
+    error 0. Returns the records acknowledged."""
+    sock = client.sock
+    first = client.correlation + 1
+    client.correlation += requests
+    sent = done = acknowledged = 0
+    while done < requests:
+        while sent < requests and sent - done < depth:
+            frame = frames[sent % len(frames)]
+            CORRELATION.pack_into(frame, CORRELATION_AT, first + sent)
+            sock.sendall(frame)
+            sent += 1
+        response = client.answer(ApiKey.PRODUCE, version, first + done)
+        answered = 0
+        for topic in response.responses:
+            for partition in topic.partition_responses:
+                if partition.error_code != ErrorCode.none:
+                    raise RuntimeError(
+                        f"Produce to partition {partition.index}: {partition.error_code!r}"
+                    )
+                answered += counts[partition.index]
+        if answered != sum(counts):
+            raise RuntimeError(f"Produce answered for {answered} of {sum(counts)} records")
+        acknowledged += answered
+        done += 1
+    return acknowledged
+
+
+def count_records(records: Any, offset: int) -> tuple[int, int]:
+    """The records in a fetched partition's batches, from each batch header's record
+    count (no record is decoded), and the offset after the last whole batch. Batches
+    must follow on from ``offset`` without a gap; a batch cut short at the end (a broker
+    may send part of one past the limit) is left for the next Fetch."""
+    if not records:
+        return 0, offset
+    view = memoryview(records)
+    end = len(view)
+    pos = count = 0
+    while pos + HEADER_SIZE <= end:
+        base, length, _, magic, _, attributes, last_delta, *_, records_count = HEADER.unpack_from(
+            view, pos
+        )
+        after = pos + LOG_OVERHEAD + length
+        if after > end:
+            break
+        if magic != 2 or base != offset or last_delta != records_count - 1:
+            raise RuntimeError(
+                f"batch at {base} (expected {offset}): magic {magic}, "
+                f"{records_count} records, last offset delta {last_delta}"
+            )
+        if not attributes & ATTR_CONTROL:
+            count += records_count
+        offset = base + last_delta + 1
+        pos = after
+    return count, offset
+
+
+def raw_consume(client: RawKafka, topic: str, partitions: int, total: int, version: int) -> int:
+    """Fetch every partition of ``topic`` from offset 0, ``RAW_PAGE_BYTES`` a partition,
+    one request in flight, until ``total`` records are read; every error code must be 0,
+    and a Fetch that brings nothing new (waited out: records are missing) raises."""
+    cls, module = kio_classes(ApiKey.FETCH, version)
+    offsets = [0] * partitions
+    got = 0
+    while got < total:
+        wanted = tuple(
+            build(
+                module.FetchPartition,
+                partition=p,
+                current_leader_epoch=-1,
+                fetch_offset=offsets[p],
+                last_fetched_epoch=-1,
+                log_start_offset=-1,
+                partition_max_bytes=RAW_PAGE_BYTES,
+            )
+            for p in range(partitions)
+        )
+        request = build(
+            cls,
+            cluster_id=None,
+            replica_id=-1,
+            max_wait=RAW_FETCH_WAIT,
+            min_bytes=1,
+            max_bytes=RAW_PAGE_BYTES * partitions,
+            isolation_level=0,
+            session_id=0,
+            session_epoch=-1,
+            topics=(build(module.FetchTopic, topic=topic, partitions=wanted),),
+            forgotten_topics_data=(),
+            rack_id="",
+        )
+        response = client.call(ApiKey.FETCH, version, request)
+        if getattr(response, "error_code", ErrorCode.none) != ErrorCode.none:
+            raise RuntimeError(f"Fetch: {response.error_code!r}")
+        new = 0
+        for answer in response.responses:
+            for partition in answer.partitions:
+                p = partition.partition_index
+                if partition.error_code != ErrorCode.none:
+                    raise RuntimeError(f"Fetch of partition {p}: {partition.error_code!r}")
+                count, offsets[p] = count_records(partition.records, offsets[p])
+                new += count
+        if not new:
+            raise RuntimeError(f"read {got} of {total} records: nothing after {offsets}")
+        got += new
+    return got
+
+
 # ---- one round per system ------------------------------------------------------------
 
 
@@ -213,6 +498,50 @@ def kimberlite_round(
             "consume_msgs_s": events / seconds,
             "consume_cpu_us": cpu / events * 1e6,
             "consume_client_cpu_us": used / events * 1e6,
+        }
+        return row
+    finally:
+        client.close()
+
+
+def raw_kafka_round(
+    bootstrap: str,
+    port: int,
+    pid: int,
+    partitions: int,
+    count: int,
+    work: Workload,
+    depth: int,
+    versions: dict[ApiKey, int],
+) -> dict[str, float]:
+    """The raw client's round: ``count // work.batch`` Produce requests of ``work.batch``
+    records over every partition, then every record fetched back (the counts must
+    match: what was acknowledged is what is read)."""
+    topic = create_topic(bootstrap, partitions)
+    client = RawKafka(port)
+    try:
+        frames, counts = produce_frames(topic, partitions, work, versions[ApiKey.PRODUCE])
+        requests = count // work.batch
+        seconds, cpu, used, records = measure(
+            pid, raw_produce, client, frames, counts, requests, depth, versions[ApiKey.PRODUCE]
+        )
+        if records != requests * work.batch:
+            raise RuntimeError(f"{records} records acknowledged of {requests * work.batch}")
+        row = {
+            "produce_msgs_s": records / seconds,
+            "produce_cpu_us": cpu / records * 1e6,
+            "produce_client_cpu_us": used / records * 1e6,
+        }
+        settle([pid], 60)
+        seconds, cpu, used, read = measure(
+            pid, raw_consume, client, topic, partitions, records, versions[ApiKey.FETCH]
+        )
+        if read != records:
+            raise RuntimeError(f"read {read} records, {records} were acknowledged")
+        row |= {
+            "consume_msgs_s": read / seconds,
+            "consume_cpu_us": cpu / read * 1e6,
+            "consume_client_cpu_us": used / read * 1e6,
         }
         return row
     finally:
@@ -332,9 +661,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hw_bootstrap = f"{HOST}:{headwater.ports['kafka']}"
     value = b"v" * args.size
     work = Workload(args.size, args.kimberlite_batch, 8)
-    rounds: dict[str, list[dict[str, float]]] = {"headwater": [], "tansu": [], "kimberlite": []}
+    rounds: dict[str, list[dict[str, float]]] = {
+        "headwater": [],
+        "tansu": [],
+        "kimberlite": [],
+        "headwater_raw": [],
+        "tansu_raw": [],
+    }
     load = [loadavg()]
     try:
+        versions = raw_versions([headwater.ports["kafka"], tansu.port])
+        log(f"raw client: Produce v{versions[ApiKey.PRODUCE]}, Fetch v{versions[ApiKey.FETCH]}")
         for n in range(args.rounds):
             for system in rounds:
                 settle([headwater.pid, tansu.pid], 60)
@@ -346,8 +683,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = kafka_round(
                         tansu.bootstrap, tansu.pid, args.partitions, args.messages, value
                     )
-                else:
+                elif system == "kimberlite":
                     row = kimberlite_round(headwater, args.messages, work, args.depth)
+                else:
+                    raw = headwater if system == "headwater_raw" else tansu
+                    row = raw_kafka_round(
+                        hw_bootstrap if raw is headwater else tansu.bootstrap,
+                        headwater.ports["kafka"] if raw is headwater else tansu.port,
+                        raw.pid,
+                        args.partitions,
+                        args.messages,
+                        work,
+                        args.depth,
+                        versions,
+                    )
                 log(f"round {n} {system}: " + ", ".join(f"{k} {v:,.1f}" for k, v in row.items()))
                 rounds[system].append(row)
             load.append(loadavg())
@@ -362,6 +711,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "revision": git_revision(),
         "tansu": tansu.version,
         "settings": vars(args),
+        "raw_versions": {key.name: version for key, version in versions.items()},
         "loadavg": load,
         "rounds": rounds,
         "median": {
@@ -379,16 +729,13 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(task), cpus)
 
 
-def markdown(results: dict[str, Any]) -> str:
-    med = results["median"]
-    hw, tansu, kim = med["headwater"], med["tansu"], med["kimberlite"]
-    lines = [
-        f"revision {results['revision']}, {results['tansu']}, load {results['loadavg']}",
-        "",
-        "| | headwater Kafka (fsync) | Tansu (memory) | headwater Kimberlite (fsync) "
-        "| Kafka / Tansu | Kafka / Kimberlite |",
-        "|---|---|---|---|---|---|",
-    ]
+def comparison(
+    hw: dict[str, float], tansu: dict[str, float], kim: dict[str, float], heads: str
+) -> list[str]:
+    """The table of a Kafka client's medians on headwater and Tansu beside the
+    Kimberlite front end's, and the ratios of headwater's to each; ``heads`` names the
+    columns."""
+    lines = [heads, "|---|---|---|---|---|---|"]
     for op in ("produce", "consume"):
         key = f"{op}_msgs_s"
         lines.append(
@@ -405,6 +752,44 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {op} {who} CPU µs/msg | {hw[cpu]:.2f} | {tansu[cpu]:.2f} | {kim[cpu]:.2f} "
                 f"| {ratios} |"
+            )
+    return lines
+
+
+def markdown(results: dict[str, Any]) -> str:
+    med = results["median"]
+    versions = results["raw_versions"]
+    lines = [
+        f"revision {results['revision']}, {results['tansu']}, load {results['loadavg']}",
+        "",
+        *comparison(
+            med["headwater"],
+            med["tansu"],
+            med["kimberlite"],
+            "| | headwater Kafka (fsync) | Tansu (memory) | headwater Kimberlite (fsync) "
+            "| Kafka / Tansu | Kafka / Kimberlite |",
+        ),
+        "",
+        f"Equally raw clients: Kafka's a plain socket (Produce v{versions['PRODUCE']}, "
+        f"Fetch v{versions['FETCH']}), Kimberlite's wire_bench's",
+        "",
+        *comparison(
+            med["headwater_raw"],
+            med["tansu_raw"],
+            med["kimberlite"],
+            "| | headwater Kafka, raw client (fsync) | Tansu, raw client (memory) "
+            "| headwater Kimberlite (fsync) | raw Kafka / raw Tansu | raw Kafka / Kimberlite |",
+        ),
+        "",
+        "| round | system | produce msgs/s | consume msgs/s "
+        "| produce server µs/msg | consume server µs/msg |",
+        "|---|---|---|---|---|---|",
+    ]
+    for system, rows in results["rounds"].items():
+        for n, row in enumerate(rows):
+            lines.append(
+                f"| {n} | {system} | {row['produce_msgs_s']:,.0f} | {row['consume_msgs_s']:,.0f} "
+                f"| {row['produce_cpu_us']:.2f} | {row['consume_cpu_us']:.2f} |"
             )
     lines += ["", "| answer | Kafka | headwater | Tansu |", "|---|---|---|---|"]
     for name, entry in results["answers"]["headwater"].items():
