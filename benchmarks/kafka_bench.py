@@ -18,14 +18,15 @@ from offset 0, from its creation to the last message. Rounds alternate between t
 systems so the machine's load falls on each alike; the median round is reported, with the
 server's and this client process's CPU per message (librdkafka's threads included).
 
-**Equally raw clients** (``headwater_raw``, ``tansu_raw``): confluent-kafka's client
-CPU (about 1.5 µs a message) bounds either broker on a 2-core machine, while the
-Kimberlite case's client is raw, so the same run also drives both Kafka brokers with a
-client as raw as wire_bench's: a plain blocking socket and headwater's own codec (kio's
-message classes through ``encode_request``/``decode_response``, ``build_batch`` for the
-record batches, ``FrameDecoder`` for the answers). It asks ApiVersions and takes the
-highest Produce and Fetch versions both brokers announce and headwater's codec
-implements (Produce v10 and Fetch v12 with Tansu 0.6.0), then:
+**Equally raw clients** (the kafka_raw case: rounds ``headwater_raw`` and ``tansu_raw``,
+alternating with the others): confluent-kafka's client CPU (about 1.5 µs a message)
+bounds either broker on a 2-core machine, while the Kimberlite case's client is raw, so
+the same run also drives both Kafka brokers with a client as raw as wire_bench's: a
+plain blocking socket and headwater's own codec (kio's message classes through
+``encode_request``/``decode_response``, ``build_batch`` for the record batches,
+``FrameDecoder`` for the answers). It asks ApiVersions and takes the highest Produce and
+Fetch versions both brokers announce and headwater's codec implements (Produce v10 and
+Fetch v12 with Tansu 0.6.0), then:
 
 * produce: ``--messages / --kimberlite-batch`` Produce requests (acks=-1), each the
   Kimberlite case's ``--kimberlite-batch`` values (the same Workload) cut into one record
@@ -45,6 +46,9 @@ request of at most 100 MiB (``MAX_REQUEST``; 2,000 records of 100 bytes make abo
 KB), and an append of at most 10,000 records and 4 MiB (``MAX_APPEND_EVENTS``,
 ``MAX_APPEND_BYTES``; one partition's batch is 500 records, about 55 KB). Its first
 request, ApiVersions, is far below ``max_pending_bytes`` (1 MiB before a whole request).
+headwater reads a batch of fewer than 512 records (``kafka_batch.RUNS_FROM``) record by
+record and a longer one run by run: the default 2,000 over 4 partitions makes batches of
+500, just under it; ``--kimberlite-batch 2048`` makes them 512 (docs/benchmarks.md).
 
 Then the answers where Tansu is known to differ from Kafka, asked of both brokers with
 confluent-kafka: a read_committed consumer after an aborted transaction (Kafka hides the
@@ -504,7 +508,7 @@ def kimberlite_round(
         client.close()
 
 
-def raw_kafka_round(
+def kafka_raw_round(
     bootstrap: str,
     port: int,
     pid: int,
@@ -687,7 +691,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = kimberlite_round(headwater, args.messages, work, args.depth)
                 else:
                     raw = headwater if system == "headwater_raw" else tansu
-                    row = raw_kafka_round(
+                    row = kafka_raw_round(
                         hw_bootstrap if raw is headwater else tansu.bootstrap,
                         headwater.ports["kafka"] if raw is headwater else tansu.port,
                         raw.pid,
