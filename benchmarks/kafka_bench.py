@@ -63,8 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import importlib
 import json
 import os
 import statistics
@@ -117,6 +115,7 @@ from headwater.protocols.kafka.records import (
     Record,
     build_batch,
 )
+from headwater.server.kafka.build import build
 from wire_bench import KimberliteClient, Workload, hw_consume, hw_produce
 
 RESULTS = Path(__file__).parent / "results"
@@ -214,20 +213,6 @@ RAW_TIMEOUT = timedelta(seconds=30)  # a Produce's replication timeout (acks=-1)
 CLIENT_ID = "kafka_bench"
 
 
-def build(cls: Any, **fields: Any) -> Any:
-    """One of kio's classes from those of ``fields`` it has: the raw client takes the
-    highest version both brokers serve, and a field a version lacks is left out."""
-    names = {field.name for field in dataclasses.fields(cls)}
-    return cls(**{name: value for name, value in fields.items() if name in names})
-
-
-def kio_classes(api_key: ApiKey, version: int) -> tuple[Any, Any]:
-    """kio's request class of ``api_key`` at ``version`` and its module (the nested
-    structs: TopicProduceData, FetchPartition ...)."""
-    cls = request_type(api_key, version)
-    return cls, importlib.import_module(cls.__module__)
-
-
 class RawKafka:
     """A blocking Kafka client over one plain socket, as raw as wire_bench's
     KimberliteClient: requests are kio's classes written by headwater's codec
@@ -295,33 +280,34 @@ def produce_frames(
     ``partitions`` consecutive runs, each one record batch (v2, uncompressed, no
     producer id: no idempotence, so base offset and sequence stay as they are), and the
     records each partition gets. Correlation id 0: the one field written per request."""
-    cls, module = kio_classes(ApiKey.PRODUCE, version)
+    cls = request_type(ApiKey.PRODUCE, version)
     now = int(time.time() * 1000)
     bounds = [work.batch * p // partitions for p in range(partitions + 1)]
     counts = [bounds[p + 1] - bounds[p] for p in range(partitions)]
     frames = []
     for values in work.values:
-        data = tuple(
-            build(
-                module.PartitionProduceData,
-                index=p,
-                records=build_batch(
+        data = [
+            {
+                "index": p,
+                "records": build_batch(
                     [
                         Record(offset_delta=i, timestamp_delta=0, key=None, value=value)
                         for i, value in enumerate(values[bounds[p] : bounds[p + 1]])
                     ],
                     base_timestamp=now,
                 ),
-            )
+            }
             for p in range(partitions)
             if counts[p]
-        )
+        ]
         request = build(
             cls,
-            transactional_id=None,
-            acks=-1,
-            timeout=RAW_TIMEOUT,
-            topic_data=(build(module.TopicProduceData, name=topic, partition_data=data),),
+            {
+                "transactional_id": None,
+                "acks": -1,
+                "timeout": RAW_TIMEOUT,
+                "topic_data": [{"name": topic, "partition_data": data}],
+            },
         )
         frames.append(bytearray(encode_request(0, request, client_id=CLIENT_ID)))
     return frames, counts
@@ -397,35 +383,33 @@ def raw_consume(client: RawKafka, topic: str, partitions: int, total: int, versi
     """Fetch every partition of ``topic`` from offset 0, ``RAW_PAGE_BYTES`` a partition,
     one request in flight, until ``total`` records are read; every error code must be 0,
     and a Fetch that brings nothing new (waited out: records are missing) raises."""
-    cls, module = kio_classes(ApiKey.FETCH, version)
+    cls = request_type(ApiKey.FETCH, version)
     offsets = [0] * partitions
     got = 0
     while got < total:
-        wanted = tuple(
-            build(
-                module.FetchPartition,
-                partition=p,
-                current_leader_epoch=-1,
-                fetch_offset=offsets[p],
-                last_fetched_epoch=-1,
-                log_start_offset=-1,
-                partition_max_bytes=RAW_PAGE_BYTES,
-            )
+        wanted = [
+            {
+                "partition": p,
+                "current_leader_epoch": -1,
+                "fetch_offset": offsets[p],
+                "last_fetched_epoch": -1,
+                "log_start_offset": -1,
+                "partition_max_bytes": RAW_PAGE_BYTES,
+            }
             for p in range(partitions)
-        )
+        ]
         request = build(
             cls,
-            cluster_id=None,
-            replica_id=-1,
-            max_wait=RAW_FETCH_WAIT,
-            min_bytes=1,
-            max_bytes=RAW_PAGE_BYTES * partitions,
-            isolation_level=0,
-            session_id=0,
-            session_epoch=-1,
-            topics=(build(module.FetchTopic, topic=topic, partitions=wanted),),
-            forgotten_topics_data=(),
-            rack_id="",
+            {
+                "replica_id": -1,
+                "max_wait": RAW_FETCH_WAIT,
+                "min_bytes": 1,
+                "max_bytes": RAW_PAGE_BYTES * partitions,
+                "isolation_level": 0,
+                "session_id": 0,
+                "session_epoch": -1,
+                "topics": [{"topic": topic, "partitions": wanted}],
+            },
         )
         response = client.call(ApiKey.FETCH, version, request)
         if getattr(response, "error_code", ErrorCode.none) != ErrorCode.none:
