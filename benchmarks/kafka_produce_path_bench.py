@@ -8,8 +8,10 @@ encoding of its answer (``server.kafka.build.build``, ``encode_response``).
 The batch: ``--records`` records of ``--size``-byte values without keys or headers,
 offset deltas 0..n-1 and timestamp deltas 0-5 ms spread over it, as librdkafka's
 ``linger.ms`` 5 makes them (its batches under ``kafka_bench``'s produce hold 750-1,300
-records). Each side runs in its own process, sides alternating round by round; the
-median microseconds per call, and per record for the check. Markdown on stdout.
+records). With ``--vary N`` the values take ``--size`` to ``--size + N`` bytes in a
+fixed scattered order instead (a producer of JSON: no two neighbours alike). Each side
+runs in its own process, sides alternating round by round; the median microseconds per
+call, and per record for the check. Markdown on stdout.
 
     .venv/bin/python benchmarks/kafka_produce_path_bench.py --before-src /tmp/wt/src
 """
@@ -33,7 +35,7 @@ RESULTS = Path(__file__).parent / "results"
 CASES = ("check_for_append", "decode_request", "build_answer", "encode_answer")
 
 
-def measure(records: int, size: int, number: int) -> dict[str, float]:
+def measure(records: int, size: int, number: int, vary: int = 0) -> dict[str, float]:
     """Microseconds per call of each case, best of 3 repeats, in this process (whichever
     ``headwater`` it imports)."""
     from kio.schema.errors import ErrorCode
@@ -48,9 +50,10 @@ def measure(records: int, size: int, number: int) -> dict[str, float]:
     from headwater.protocols.kafka.records import Record, build_batch, split_batches
     from headwater.server.kafka.build import build
 
-    value = b"v" * size
+    # 37 is prime to vary + 1 for any vary below 36: sizes scattered, each one used.
+    sizes = [size + (i * 37) % (vary + 1) for i in range(records)]
     batch = build_batch(
-        [Record(i, i * 6 // records, None, value, ()) for i in range(records)],
+        [Record(i, i * 6 // records, None, b"v" * sizes[i], ()) for i in range(records)],
         base_timestamp=1_700_000_000_000,
     )
     [produced] = split_batches(batch)
@@ -117,6 +120,8 @@ def run_side(src: Path | None, args: argparse.Namespace) -> dict[str, float]:
         str(args.size),
         "--number",
         str(args.number),
+        "--vary",
+        str(args.vary),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(done.stdout)
@@ -127,7 +132,8 @@ def markdown(results: dict[str, Any]) -> str:
     med, n = results["median_us"], results["config"]["records"]
     lines = [
         f"revision {results['config']['revision']}, {n} records of "
-        f"{results['config']['size']} B, load {results['config']['loadavg']}",
+        f"{results['config']['size']}-{results['config']['size'] + results['config']['vary']}"
+        f" B, load {results['config']['loadavg']}",
         "",
         "| per Produce of one batch | before µs | after µs | after / before |",
         "|---|--:|--:|--:|",
@@ -145,13 +151,14 @@ def main() -> None:
     parser.add_argument("--before-src", type=Path, help="older revision's src/")
     parser.add_argument("--records", type=int, default=1_000)
     parser.add_argument("--size", type=int, default=100)
+    parser.add_argument("--vary", type=int, default=0, help="values of --size..--size+N B")
     parser.add_argument("--number", type=int, default=2_000, help="calls per repeat")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS / "kafka_produce_path.json")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.records, args.size, args.number)))
+        print(json.dumps(measure(args.records, args.size, args.number, args.vary)))
         return
     if args.before_src is None:
         parser.error("--before-src is required")
@@ -172,6 +179,7 @@ def main() -> None:
         "config": {
             "records": args.records,
             "size": args.size,
+            "vary": args.vary,
             "number": args.number,
             "rounds": args.rounds,
             "revision": git_revision(),
