@@ -16,7 +16,10 @@ Kafka side, the same client for both brokers: confluent-kafka, ``acks=all``, ``l
 produce() to flush() returning; consumed back by one consumer assigned every partition
 from offset 0, from its creation to the last message. Rounds alternate between the
 systems so the machine's load falls on each alike; the median round is reported, with the
-server's and this client process's CPU per message (librdkafka's threads included).
+server's and this client process's CPU per message (librdkafka's threads included). The
+server's produce CPU is given twice: from the first request to the last answer, and on
+until it is idle again, which counts what a front end leaves for after its answers
+(headwater's SQL projection catching up on the new records).
 
 **Equally raw clients** (the kafka_raw case: rounds ``headwater_raw`` and ``tansu_raw``,
 alternating with the others): confluent-kafka's client CPU (about 1.5 µs a message)
@@ -46,9 +49,10 @@ request of at most 100 MiB (``MAX_REQUEST``; 2,000 records of 100 bytes make abo
 KB), and an append of at most 10,000 records and 4 MiB (``MAX_APPEND_EVENTS``,
 ``MAX_APPEND_BYTES``; one partition's batch is 500 records, about 55 KB). Its first
 request, ApiVersions, is far below ``max_pending_bytes`` (1 MiB before a whole request).
-headwater reads a batch of fewer than 512 records (``kafka_batch.RUNS_FROM``) record by
-record and a longer one run by run: the default 2,000 over 4 partitions makes batches of
-500, just under it; ``--kimberlite-batch 2048`` makes them 512 (docs/benchmarks.md).
+Before 27f7bb4 headwater's produce check read a batch of fewer than 512 records (then
+``kafka_batch.RUNS_FROM``) record by record, and the default 2,000 values over 4
+partitions make batches of 500, just under it (``--kimberlite-batch 2048`` makes them
+512); from 27f7bb4 it reads one run by run from 256 (docs/benchmarks.md, "Equally raw clients").
 
 Then the answers where Tansu is known to differ from Kafka, asked of both brokers with
 confluent-kafka: a read_committed consumer after an aborted transaction (Kafka hides the
@@ -441,19 +445,29 @@ def measure(pid: int, work: Any, *args: Any) -> tuple[float, float, float, Any]:
     return wall, proc_cpu(pid) - cpu, time.process_time() - client, result
 
 
+def measure_produce(pid: int, work: Any, *args: Any) -> tuple[float, float, float, float, Any]:
+    """:func:`measure`, then the server let go idle (:func:`settle`): also its CPU from
+    the first request until idle again, which counts the work a front end leaves for
+    after its answers (headwater's SQL projection catching up; Tansu has none)."""
+    start = proc_cpu(pid)
+    seconds, cpu, client, result = measure(pid, work, *args)
+    settle([pid], 60)
+    return seconds, cpu, client, proc_cpu(pid) - start, result
+
+
 def kafka_round(
     bootstrap: str, pid: int, partitions: int, count: int, value: bytes
 ) -> dict[str, float]:
     topic = create_topic(bootstrap, partitions)
-    seconds, cpu, client, _ = measure(
+    seconds, cpu, client, settled, _ = measure_produce(
         pid, kafka_produce, bootstrap, topic, partitions, count, value
     )
     row = {
         "produce_msgs_s": count / seconds,
         "produce_cpu_us": cpu / count * 1e6,
+        "produce_settled_cpu_us": settled / count * 1e6,
         "produce_client_cpu_us": client / count * 1e6,
     }
-    settle([pid], 60)
     seconds, cpu, client, _ = measure(
         pid, kafka_consume_all, bootstrap, topic, partitions, count, DEADLINE_S
     )
@@ -472,15 +486,15 @@ def kimberlite_round(
     try:
         stream = client.create_stream("bench_" + uuid.uuid4().hex[:10])
         batches = count // work.batch
-        seconds, cpu, used, events = measure(
+        seconds, cpu, used, settled, events = measure_produce(
             server.pid, hw_produce, client, stream, work, batches, depth, False
         )
         row = {
             "produce_msgs_s": events / seconds,
             "produce_cpu_us": cpu / events * 1e6,
+            "produce_settled_cpu_us": settled / events * 1e6,
             "produce_client_cpu_us": used / events * 1e6,
         }
-        settle([server.pid], 60)
         seconds, cpu, used, _ = measure(server.pid, hw_consume, client, stream, events, 1 << 20)
         row |= {
             "consume_msgs_s": events / seconds,
@@ -510,7 +524,7 @@ def kafka_raw_round(
     try:
         frames, counts = produce_frames(topic, partitions, work, versions[ApiKey.PRODUCE])
         requests = count // work.batch
-        seconds, cpu, used, records = measure(
+        seconds, cpu, used, settled, records = measure_produce(
             pid, raw_produce, client, frames, counts, requests, depth, versions[ApiKey.PRODUCE]
         )
         if records != requests * work.batch:
@@ -518,9 +532,9 @@ def kafka_raw_round(
         row = {
             "produce_msgs_s": records / seconds,
             "produce_cpu_us": cpu / records * 1e6,
+            "produce_settled_cpu_us": settled / records * 1e6,
             "produce_client_cpu_us": used / records * 1e6,
         }
-        settle([pid], 60)
         seconds, cpu, used, read = measure(
             pid, raw_consume, client, topic, partitions, records, versions[ApiKey.FETCH]
         )
@@ -730,11 +744,14 @@ def comparison(
             f"| {op} msgs/s | {hw[key]:,.0f} | {tansu[key]:,.0f} | {kim[key]:,.0f} "
             f"| {hw[key] / tansu[key]:.2f}x | {hw[key] / kim[key]:.2f}x |"
         )
-        for who, cpu in (("server", f"{op}_cpu_us"), ("client", f"{op}_client_cpu_us")):
+        rows = [("server", f"{op}_cpu_us"), ("client", f"{op}_client_cpu_us")]
+        if op == "produce":
+            rows.insert(1, ("server, with the work after,", "produce_settled_cpu_us"))
+        for who, cpu in rows:
             # The server's ratios are of CPU per message: each front end's own cost.
             ratios = (
                 f"{hw[cpu] / tansu[cpu]:.2f}x | {hw[cpu] / kim[cpu]:.2f}x"
-                if who == "server" and tansu[cpu] and kim[cpu]
+                if who != "client" and tansu[cpu] and kim[cpu]
                 else " | "
             )
             lines.append(
