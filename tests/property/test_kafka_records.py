@@ -339,7 +339,12 @@ def test_sections_read_together_read_as_the_reference_decoder_reads_them(
     # Long batches are read run by run (_batch_runs), the others record by record:
     # drawn here for batches of any size, all one way or a round of both.
     runs_from = data.draw(st.sampled_from([1, 10**9]) | st.integers(2, 12))
-    with patch.object(kafka_batch, "RUNS_FROM", runs_from):
+    # The short ones a few records at a time, or all at once (BLOCK_RECORDS).
+    block = data.draw(st.sampled_from([10**9]) | st.integers(1, 40))
+    with (
+        patch.object(kafka_batch, "RUNS_FROM", runs_from),
+        patch.object(kafka_batch, "BLOCK_RECORDS", block),
+    ):
         read = kafka_batch.sections_values(given)
     spans = zip(read.starts.tolist(), read.ends.tolist(), strict=True)
     assert [bytes(read.body[start:end]) for start, end in spans] == values
