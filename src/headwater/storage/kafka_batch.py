@@ -34,7 +34,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, pairwise, repeat
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter, length_hint
 from typing import NamedTuple
 
@@ -554,8 +554,17 @@ def _spans_at(
     if long.all():
         return _spans_by_runs(joined, buf, body_starts, lengths, headers, counts, firsts)
     short = np.flatnonzero(~long)
-    by_records = _spans_by_records_in_blocks(
-        buf, body_starts[short], lengths[short], [headers[k] for k in short.tolist()], counts[short]
+    parts = [
+        _spans_by_records(
+            buf, body_starts[k], lengths[k], [headers[i] for i in k.tolist()], counts[k]
+        )
+        for k in _blocks(short, counts)
+    ]
+    by_records: tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]] = (
+        np.concatenate([part[0] for part in parts]),
+        np.concatenate([part[1] for part in parts]),
+        np.concatenate([part[2] for part in parts]),
+        np.concatenate([part[3] for part in parts]),
     )
     if not long.any():
         return by_records
@@ -576,32 +585,13 @@ server/memory.py), so they come from the heap and are reused; a projection round
 again, 3x the CPU."""
 
 
-def _spans_by_records_in_blocks(
-    buf: npt.NDArray[np.uint8],
-    body_starts: Int64s,
-    lengths: Int64s,
-    headers: Sequence[SectionHeader],
-    counts: Int64s,
-) -> tuple[Int64s, Int64s, Int64s, npt.NDArray[np.bool_]]:
-    """:func:`_spans_by_records` of consecutive batches holding about
-    :data:`BLOCK_RECORDS` records at a time (a longer batch alone), joined."""
-    total = int(counts.sum())
-    if total <= BLOCK_RECORDS:
-        return _spans_by_records(buf, body_starts, lengths, headers, counts)
-    # Batch k goes to block (records before it) // BLOCK_RECORDS: blocks of whole batches.
-    before = np.cumsum(counts) - counts
+def _blocks(batches: Int64s, counts: Int64s) -> list[Int64s]:
+    """``batches`` (indexes into ``counts``, ascending) in consecutive groups of about
+    :data:`BLOCK_RECORDS` records."""
+    held = counts[batches]
+    before = np.cumsum(held) - held
     cuts = np.flatnonzero(np.diff(before // BLOCK_RECORDS)) + 1
-    edges = [0, *cuts.tolist(), len(counts)]
-    parts = [
-        _spans_by_records(buf, body_starts[a:b], lengths[a:b], headers[a:b], counts[a:b])
-        for a, b in pairwise(edges)
-    ]
-    return (
-        np.concatenate([part[0] for part in parts]),
-        np.concatenate([part[1] for part in parts]),
-        np.concatenate([part[2] for part in parts]),
-        np.concatenate([part[3] for part in parts]),
-    )
+    return np.split(batches, cuts)
 
 
 def _spans_by_records(
