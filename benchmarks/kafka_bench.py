@@ -455,6 +455,27 @@ def measure_produce(pid: int, work: Any, *args: Any) -> tuple[float, float, floa
     return seconds, cpu, client, proc_cpu(pid) - start, result
 
 
+def produce_row(
+    count: int, seconds: float, cpu: float, settled: float, client: float
+) -> dict[str, float]:
+    """A round's produce figures (``count`` messages): rate, then CPU per message."""
+    return {
+        "produce_msgs_s": count / seconds,
+        "produce_cpu_us": cpu / count * 1e6,
+        "produce_settled_cpu_us": settled / count * 1e6,
+        "produce_client_cpu_us": client / count * 1e6,
+    }
+
+
+def consume_row(count: int, seconds: float, cpu: float, client: float) -> dict[str, float]:
+    """A round's consume figures (``count`` messages): rate, then CPU per message."""
+    return {
+        "consume_msgs_s": count / seconds,
+        "consume_cpu_us": cpu / count * 1e6,
+        "consume_client_cpu_us": client / count * 1e6,
+    }
+
+
 def kafka_round(
     bootstrap: str, pid: int, partitions: int, count: int, value: bytes
 ) -> dict[str, float]:
@@ -462,20 +483,11 @@ def kafka_round(
     seconds, cpu, client, settled, _ = measure_produce(
         pid, kafka_produce, bootstrap, topic, partitions, count, value
     )
-    row = {
-        "produce_msgs_s": count / seconds,
-        "produce_cpu_us": cpu / count * 1e6,
-        "produce_settled_cpu_us": settled / count * 1e6,
-        "produce_client_cpu_us": client / count * 1e6,
-    }
+    row = produce_row(count, seconds, cpu, settled, client)
     seconds, cpu, client, _ = measure(
         pid, kafka_consume_all, bootstrap, topic, partitions, count, DEADLINE_S
     )
-    row |= {
-        "consume_msgs_s": count / seconds,
-        "consume_cpu_us": cpu / count * 1e6,
-        "consume_client_cpu_us": client / count * 1e6,
-    }
+    row |= consume_row(count, seconds, cpu, client)
     return row
 
 
@@ -489,18 +501,9 @@ def kimberlite_round(
         seconds, cpu, used, settled, events = measure_produce(
             server.pid, hw_produce, client, stream, work, batches, depth, False
         )
-        row = {
-            "produce_msgs_s": events / seconds,
-            "produce_cpu_us": cpu / events * 1e6,
-            "produce_settled_cpu_us": settled / events * 1e6,
-            "produce_client_cpu_us": used / events * 1e6,
-        }
+        row = produce_row(events, seconds, cpu, settled, used)
         seconds, cpu, used, _ = measure(server.pid, hw_consume, client, stream, events, 1 << 20)
-        row |= {
-            "consume_msgs_s": events / seconds,
-            "consume_cpu_us": cpu / events * 1e6,
-            "consume_client_cpu_us": used / events * 1e6,
-        }
+        row |= consume_row(events, seconds, cpu, used)
         return row
     finally:
         client.close()
@@ -529,22 +532,13 @@ def kafka_raw_round(
         )
         if records != requests * work.batch:
             raise RuntimeError(f"{records} records acknowledged of {requests * work.batch}")
-        row = {
-            "produce_msgs_s": records / seconds,
-            "produce_cpu_us": cpu / records * 1e6,
-            "produce_settled_cpu_us": settled / records * 1e6,
-            "produce_client_cpu_us": used / records * 1e6,
-        }
+        row = produce_row(records, seconds, cpu, settled, used)
         seconds, cpu, used, read = measure(
             pid, raw_consume, client, topic, partitions, records, versions[ApiKey.FETCH]
         )
         if read != records:
             raise RuntimeError(f"read {read} records, {records} were acknowledged")
-        row |= {
-            "consume_msgs_s": read / seconds,
-            "consume_cpu_us": cpu / read * 1e6,
-            "consume_client_cpu_us": used / read * 1e6,
-        }
+        row |= consume_row(read, seconds, cpu, used)
         return row
     finally:
         client.close()
