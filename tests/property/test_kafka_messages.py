@@ -4,6 +4,8 @@ with the header its version takes; and any split of the bytes gives the same req
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -13,14 +15,18 @@ from hypothesis import strategies as st
 from kafka_strategies import message
 from kio.schema.errors import ErrorCode
 
+from headwater.engine.kinds.reader import Buffer
+from headwater.errors import UsageError
 from headwater.protocols.kafka.apis import SUPPORTED, ApiKey, request_type, response_type
 from headwater.protocols.kafka.connection import Reply, Request, ServerConnection
 from headwater.protocols.kafka.frames import (
     LONG_FRAME,
+    PLACEHOLDER_BYTES,
     FrameDecoder,
     decode_response,
     encode_request,
     encode_response,
+    encode_response_chunks,
 )
 from headwater.protocols.kafka.schema import decode_exact, encode_entity
 
@@ -186,3 +192,85 @@ def test_a_produces_records_are_a_view_of_its_frame_not_a_copy(version: int) -> 
     assert bytes(first.records) == b"batch-bytes" and second.records is None
     with pytest.raises(Exception, match="records"):
         decode_exact(produce, body[: body.index(b"batch-bytes") + 3])
+
+
+FETCH_VERSIONS = range(SUPPORTED[ApiKey.FETCH].min_version, SUPPORTED[ApiKey.FETCH].max_version + 1)
+
+
+@pytest.mark.parametrize("version", FETCH_VERSIONS)
+def test_a_fetch_answer_with_spliced_records_is_the_frame_it_stands_for(version: int) -> None:
+    # The Fetch handler puts a placeholder where each partition's records go and hands
+    # the read batches to encode_response_chunks: the bytes sent must be those of the
+    # answer with the records in place, and the batches must be sent, not copied.
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        response=message(response_type(ApiKey.FETCH, version)),
+        correlation_id=CORRELATION_IDS,
+        data=st.data(),
+    )
+    def check(response: Any, correlation_id: int, data: st.DataObject) -> None:
+        spliced: dict[bytes, list[Buffer]] = {}
+        topics = []
+        for topic in response.responses:
+            partitions = []
+            for partition in topic.partitions:
+                if partition.records:
+                    records = bytes(partition.records)
+                    cuts = sorted(data.draw(st.lists(st.integers(0, len(records)), max_size=3)))
+                    chunks: list[Buffer] = [
+                        memoryview(records)[start:end]
+                        for start, end in zip([0, *cuts], [*cuts, len(records)], strict=True)
+                    ]
+                    placeholder = os.urandom(PLACEHOLDER_BYTES)
+                    spliced[placeholder] = chunks
+                    partition = dataclasses.replace(partition, records=placeholder)
+                partitions.append(partition)
+            topics.append(dataclasses.replace(topic, partitions=tuple(partitions)))
+        with_placeholders = dataclasses.replace(response, responses=tuple(topics))
+        frame = encode_response_chunks(correlation_id, with_placeholders, spliced)
+        assert b"".join(frame) == encode_response(correlation_id, response)
+        sent = {id(chunk) for chunk in frame}
+        assert all(id(chunk) in sent for chunks in spliced.values() for chunk in chunks)
+
+    check()
+
+
+def test_a_placeholder_must_stand_once_as_a_bytes_value() -> None:
+    fetch = response_type(ApiKey.FETCH, 12)
+    module = __import__(fetch.__module__, fromlist=["FetchableTopicResponse"])
+    placeholder = os.urandom(PLACEHOLDER_BYTES)
+
+    def answer(*records: bytes | None, topic: str = "t") -> Any:
+        partitions = tuple(
+            module.PartitionData(
+                partition_index=index,
+                error_code=ErrorCode.none,
+                high_watermark=0,
+                last_stable_offset=0,
+                log_start_offset=0,
+                aborted_transactions=(),
+                preferred_read_replica=-1,
+                records=value,
+            )
+            for index, value in enumerate(records)
+        )
+        return fetch(
+            throttle_time=timedelta(0),
+            error_code=ErrorCode.none,
+            session_id=0,
+            responses=(module.FetchableTopicResponse(topic=topic, partitions=partitions),),
+        )
+
+    batches: dict[bytes, list[Buffer]] = {placeholder: [b"batch"]}
+    assert b"".join(encode_response_chunks(1, answer(placeholder), batches)) == encode_response(
+        1, answer(b"batch")
+    )
+    for misused in (
+        answer(None),  # not in the answer
+        answer(placeholder, placeholder),  # twice
+        answer(None, topic=placeholder.hex()[:16]),  # not a bytes value (a name)
+    ):
+        with pytest.raises(UsageError, match="placeholder"):
+            encode_response_chunks(1, misused, batches)
+    with pytest.raises(UsageError, match="placeholder"):
+        encode_response_chunks(1, answer(b"short"), {b"short": [b"batch"]})

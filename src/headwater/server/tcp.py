@@ -16,9 +16,10 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
+from headwater.engine.kinds.reader import Buffer
 from headwater.protocols._connection import Close, Reject, Reply, ServerConnection
 from headwater.server.app import Listener
 from headwater.server.limits import ConnectionLimits
@@ -349,6 +350,11 @@ class TaskPerRequestConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if data and self.transport is not None and not self.closed:
             self.transport.write(data)
+
+    def write_chunks(self, chunks: Iterable[Buffer]) -> None:
+        """Write buffers in order, none copied into one (uvloop sends them together)."""
+        if self.transport is not None and not self.closed:
+            self.transport.writelines(chunks)
 
     def close(self, *, abort: bool = False) -> None:
         if self.transport is not None and not self.closed:

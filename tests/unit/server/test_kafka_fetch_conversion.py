@@ -28,7 +28,9 @@ def test_a_headwater_form_batch_keeps_its_producer_in_kafka_form(tmp_path: Path)
             producer_epoch=EPOCH,
             transactional=True,
         )
-    plain, _first, whole = split_batches(records_of(plog.read(0, committed_only=False, kafka=True)))
+    plain, _first, whole = split_batches(
+        b"".join(records_of(plog.read(0, committed_only=False, kafka=True)))
+    )
     assert (plain.header.producer_id, plain.header.producer_epoch) == (
         NO_PRODUCER_ID,
         NO_PRODUCER_EPOCH,
@@ -43,6 +45,6 @@ def test_a_headwater_form_batch_keeps_its_producer_in_kafka_form(tmp_path: Path)
     assert header.is_transactional and not header.is_control
     assert whole.records().values == [b"t0", b"t1", b"t2"]
     # A batch read from its middle keeps its producer.
-    [tail] = split_batches(records_of(plog.read(4, committed_only=False, kafka=True)))
+    [tail] = split_batches(b"".join(records_of(plog.read(4, committed_only=False, kafka=True))))
     assert (tail.header.base_offset, tail.header.producer_id) == (4, PRODUCER_ID)
     assert tail.header.is_transactional and tail.records().values == [b"t1", b"t2"]

@@ -19,10 +19,12 @@ What the connection decides itself, as a Kafka broker does:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kio.static.protocol import RequestPayload, ResponsePayload
 
+from headwater.engine.kinds.reader import Buffer
 from headwater.errors import ProtocolError, UsageError
 from headwater.protocols import _connection
 from headwater.protocols._connection import Close as Close
@@ -32,7 +34,7 @@ from .frames import (
     MAX_REQUEST,
     FrameDecoder,
     decode_request_body,
-    encode_response,
+    encode_response_chunks,
     read_fixed_header,
 )
 from .schema import SchemaDecodeError
@@ -67,7 +69,7 @@ class _Slot:
     __slots__ = ("data",)
 
     def __init__(self) -> None:
-        self.data: bytes | None = None
+        self.data: list[Buffer] | None = None
 
 
 class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
@@ -92,6 +94,17 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
     def send(self, request: Request, response: ResponsePayload) -> bytes:
         """Answer ``request``; the bytes to write now (maybe none, maybe several
         answers that were waiting for this one)."""
+        return b"".join(self.send_chunks(request, response))
+
+    def send_chunks(
+        self,
+        request: Request,
+        response: ResponsePayload,
+        spliced: Mapping[bytes, Sequence[Buffer]] | None = None,
+    ) -> list[Buffer]:
+        """:meth:`send`, as buffers to write in order (``transport.writelines``), with
+        the placeholders of ``spliced`` put in as :func:`.frames.encode_response_chunks`
+        puts them: a Fetch answer's stored batches go out as they were read."""
         if not request.expects_response:
             raise UsageError(f"{request.api_key.name} with acks=0 takes no answer")
         if int(response.__api_key__) != request.api_key or (
@@ -104,19 +117,19 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         slot = self._slots.get(request.sequence)
         if slot is None or slot.data is not None:
             raise UsageError(f"{request.api_key.name} {request.correlation_id} already answered")
-        slot.data = encode_response(request.correlation_id, response)
+        slot.data = encode_response_chunks(request.correlation_id, response, spliced)
         return self._ready()
 
-    def _ready(self) -> bytes:
-        out: list[bytes] = []
+    def _ready(self) -> list[Buffer]:
+        out: list[Buffer] = []
         line, slots = self._line, self._slots
         while line:
             data = slots[line[0]].data
             if data is None:
                 break
-            out.append(data)
+            out += data
             del slots[line.popleft()]
-        return b"".join(out)
+        return out
 
     def _take_place(self) -> tuple[int, _Slot]:
         sequence = self._next_sequence
@@ -161,8 +174,8 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
 
     def _reply(self, correlation_id: int, response: ResponsePayload) -> Reply:
         _, slot = self._take_place()
-        slot.data = encode_response(correlation_id, response)
-        return Reply(response, self._ready())
+        slot.data = encode_response_chunks(correlation_id, response)
+        return Reply(response, b"".join(self._ready()))
 
     def _close(self, reason: str) -> Close:
         self._closed = True

@@ -16,12 +16,15 @@ headwater.
 
 from __future__ import annotations
 
+import io
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kio.schema.request_header.v1.header import RequestHeader as RequestHeaderV1
 from kio.schema.request_header.v2.header import RequestHeader as RequestHeaderV2
-from kio.static.primitive import i16, i32
+from kio.serial.writers import write_unsigned_varint
+from kio.static.primitive import i16, i32, uvarint
 from kio.static.protocol import RequestPayload, ResponsePayload
 
 from headwater.engine.kinds.reader import Buffer
@@ -103,8 +106,62 @@ def encode_request(
 
 def encode_response(correlation_id: int, response: ResponsePayload) -> bytes:
     """One framed response with the header its API and version take."""
+    return b"".join(encode_response_chunks(correlation_id, response))
+
+
+PLACEHOLDER_BYTES = 16
+"""The size of a placeholder for :func:`encode_response_chunks`."""
+
+
+def encode_response_chunks(
+    correlation_id: int,
+    response: ResponsePayload,
+    spliced: Mapping[bytes, Sequence[Buffer]] | None = None,
+) -> list[Buffer]:
+    """:func:`encode_response`'s frame as buffers to write in order. A bytes field of
+    ``response`` (a Fetch answer's records) may hold a placeholder: a key of
+    ``spliced``, :data:`PLACEHOLDER_BYTES` bytes found nowhere else in the message
+    (random ones). The frame then has the buffers the key maps to in that field's
+    place, with their length, and they are not copied: a Fetch answer's megabytes of
+    stored batches were copied four times to make one frame. UsageError when a
+    placeholder is not in the message once, as the value of a bytes field."""
     header = response.__header_schema__(correlation_id=i32(correlation_id))
-    return _framed(encode_entity(header) + encode_entity(response))
+    message = encode_entity(header) + encode_entity(response)
+    if not spliced:
+        return [_framed(message)]
+    flexible = response.__flexible__
+    held = _bytes_length(PLACEHOLDER_BYTES, flexible)  # a placeholder's own length field
+    chunks: list[Buffer] = [b""]  # the frame's size goes first, once it is known
+    size = len(message)
+    at = 0
+    for pos, token in sorted((message.find(token), token) for token in spliced):
+        start = pos - len(held)
+        if (
+            len(token) != PLACEHOLDER_BYTES
+            or start < at
+            or message[start:pos] != held
+            or message.find(token, pos + 1) >= 0
+        ):
+            raise UsageError("a placeholder must stand once in the answer, as a bytes value")
+        buffers = spliced[token]
+        length = sum(memoryview(b).nbytes for b in buffers)
+        prefix = _bytes_length(length, flexible)
+        chunks += (message[at:start], prefix, *buffers)
+        size += len(prefix) + length - len(held) - PLACEHOLDER_BYTES
+        at = pos + PLACEHOLDER_BYTES
+    chunks.append(message[at:])
+    chunks[0] = _size(size)
+    return chunks
+
+
+def _bytes_length(length: int, flexible: bool) -> bytes:
+    """The length field of a bytes value: compact (an unsigned varint of length + 1) in
+    a flexible version, int32 before."""
+    if not flexible:
+        return _size(length)
+    out = io.BytesIO()
+    write_unsigned_varint(out, uvarint(length + 1))
+    return out.getvalue()
 
 
 def decode_response(api_key: int, api_version: int, body: Buffer) -> tuple[int, ResponsePayload]:
@@ -116,9 +173,13 @@ def decode_response(api_key: int, api_version: int, body: Buffer) -> tuple[int, 
 
 
 def _framed(message: bytes) -> bytes:
-    if len(message) > 0x7FFF_FFFF:
-        raise UsageError(f"a {len(message)}-byte message does not fit Kafka's int32 size")
-    return SIZE.pack(len(message)) + message
+    return _size(len(message)) + message
+
+
+def _size(size: int) -> bytes:
+    if size > 0x7FFF_FFFF:
+        raise UsageError(f"a {size}-byte message does not fit Kafka's int32 size")
+    return SIZE.pack(size)
 
 
 class FrameDecoder(LengthPrefixedDecoder[FrameError]):

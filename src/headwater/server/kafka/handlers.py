@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from headwater.engine.engine import (
     StreamSettings,
 )
 from headwater.engine.groups import GroupError
+from headwater.engine.kinds.reader import Buffer
 from headwater.engine.names import InvalidName, check_topic_name
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
@@ -55,6 +57,7 @@ from headwater.errors import (
     StreamQuotaExceeded,
 )
 from headwater.protocols.kafka import ApiKey, RecordBatch, RecordBatchError, split_batches
+from headwater.protocols.kafka.frames import PLACEHOLDER_BYTES
 from headwater.protocols.kafka.records import (
     BatchHeader,
     Compression,
@@ -76,6 +79,10 @@ CLUSTER_ID = "headwater"
 MAX_MESSAGE_BYTES = 1_048_588
 """Kafka's default ``max.message.bytes``: a produced batch larger than this is refused
 with MESSAGE_TOO_LARGE, as Kafka refuses it."""
+SPLICED = "spliced"
+"""The key under which an answer's mapping may hold the placeholders its bytes fields
+hold and the buffers each stands for (:func:`.frames.encode_response_chunks`); kio's
+classes have no such field, so :func:`.build.build` leaves it out."""
 MAX_FETCH_WAIT_S = 30.0  # a client asking to be held longer is held this long
 
 # Kafka's topic configs and the stream settings they are (DescribeConfigs, CreateTopics).
@@ -718,12 +725,13 @@ def _isolation(request: Any) -> str:
     return READ_COMMITTED if getattr(request, "isolation_level", 0) == 1 else READ_UNCOMMITTED
 
 
-def records_of(result: ReadResult) -> bytes:
-    """Kafka record batches of what was read, one per stored batch: a batch stored in
-    Kafka form as it was produced (its 17-byte prefix put back), a transaction marker
-    as a control batch, and a batch of headwater's form (another front end's) encoded
-    uncompressed with its producer id, epoch and transactional flag."""
-    out: list[bytes | memoryview] = []
+def records_of(result: ReadResult) -> list[Buffer]:
+    """Kafka record batches of what was read, one per stored batch, as buffers to send
+    in order: a batch stored in Kafka form as it was produced (its 17-byte prefix put
+    back, the section itself a view of the read), a transaction marker as a control
+    batch, and a batch of headwater's form (another front end's) encoded uncompressed
+    with its producer id, epoch and transactional flag."""
+    out: list[Buffer] = []
     for span in result.spans:
         batch = span.batch
         section = batch.kafka_section
@@ -745,7 +753,7 @@ def records_of(result: ReadResult) -> bytes:
             continue
         if span.stop > span.start:
             out.append(as_kafka_batch(batch, span.start, span.stop))
-    return b"".join(out)
+    return out
 
 
 COLUMNS_FROM = 64
@@ -875,6 +883,7 @@ async def _fetch_once(
     size = 0
     waits: list[tuple[int, int, int]] = []
     topics: list[dict[str, Any]] = []
+    spliced: dict[bytes, list[Buffer]] = {}
     blank = {
         "high_watermark": -1,
         "last_stable_offset": -1,
@@ -919,9 +928,15 @@ async def _fetch_once(
             continue
         if readable < end:  # whole batches: those from the high watermark on wait
             result.spans = [s for s in result.spans if s.batch.base_offset < limit]
-        data = records_of(result)
-        entry["records"] = data
-        size += len(data)
+        records = records_of(result)
+        length = sum(memoryview(r).nbytes for r in records)
+        if length:
+            # The batches are put into the answer's frame as they were read, not
+            # copied into it (frames.encode_response_chunks).
+            placeholder = os.urandom(PLACEHOLDER_BYTES)
+            spliced[placeholder] = records
+            entry["records"] = placeholder
+        size += length
         if isolation == READ_COMMITTED and result.spans:
             entry["aborted_transactions"] = [
                 {"producer_id": aborted.producer_id, "first_offset": aborted.first_offset}
@@ -933,13 +948,14 @@ async def _fetch_once(
                     result.end_offset,
                 )
             ]
-        if not data:
+        if not length:
             waits.append((info.stream_id, p, readable))
     answer = {
         "throttle_time": 0,
         "error_code": ErrorCode.none,
         "session_id": 0,
         "responses": topics,
+        SPLICED: spliced,
     }
     return answer, size, waits
 

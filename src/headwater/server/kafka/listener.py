@@ -22,7 +22,7 @@ from headwater.protocols.kafka.apis import response_type
 from headwater.server.app import Listener
 from headwater.server.kafka.build import build
 from headwater.server.kafka.groups import KafkaGroups
-from headwater.server.kafka.handlers import HANDLERS, Handler, Session
+from headwater.server.kafka.handlers import HANDLERS, SPLICED, Handler, Session
 from headwater.server.kafka.scram import MECHANISM as SCRAM
 from headwater.server.kafka.scram import ScramServer
 from headwater.server.tcp import (
@@ -179,7 +179,7 @@ class KafkaConnection(TaskPerRequestConnection):
             return
         try:
             response = build(response_type(api_key, request.api_version), fields)
-            self._write(self.protocol.send(request, response))
+            self.write_chunks(self.protocol.send_chunks(request, response, fields.get(SPLICED)))
         except Exception:  # a bug of ours: the client must not wait for an answer forever
             log.exception(
                 "kafka %s: %s v%d answer not encoded",

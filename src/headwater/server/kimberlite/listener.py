@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from headwater.api import CloseReason, EngineAPI
@@ -160,10 +159,6 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
 
     def send(self, request_id: int, payload: m.ResponsePayload) -> None:
         self.write_chunks(self.protocol.send_chunks(m.Response(request_id, payload)))
-
-    def write_chunks(self, chunks: Iterable[m.Buffer]) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.writelines(chunks)
 
     async def drained(self) -> None:
         """Return once the transport accepts more (a push waits here, nothing else)."""
