@@ -429,6 +429,8 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
     differs (values of varying sizes, headers, long timestamp deltas) is decoded by
     :func:`decode_section` instead. Either way the values and timestamps are
     :func:`parse_records`' (tests/property/test_kafka_records.py)."""
+    if not sections:
+        return ValueSpans(b"", _NO_SPANS, _NO_SPANS, _NO_SPANS, [0])
     headers = [section_header(section) for section in sections]
     bodies: list[bytes | memoryview] = []
     for section, header in zip(sections, headers, strict=True):
@@ -493,7 +495,7 @@ def sections_values(sections: Sequence[bytes | memoryview]) -> ValueSpans:
 def _shared_buffer(bodies: Sequence[bytes | memoryview]) -> tuple[memoryview, Int64s] | None:
     """The one buffer every body is a view of and where each starts in it, or None
     (bodies of their own: decompressed, or from different reads)."""
-    if not all(isinstance(body, memoryview) for body in bodies):
+    if not bodies or not all(isinstance(body, memoryview) for body in bodies):
         return None
     views: list[memoryview] = bodies  # type: ignore[assignment]
     owner = views[0].obj
@@ -545,8 +547,9 @@ def _spans_at(
     predicted (see :func:`sections_values`), and which batches read exactly so. Each
     batch of :data:`RUNS_FROM` records or more is read run by run
     (:func:`_spans_by_runs`), the shorter ones record by record
-    (:func:`_spans_by_records`): a round of long batches with one short one among
-    them (a producer's last) is not read record by record for its sake."""
+    (:func:`_spans_by_records`, in blocks of about :data:`BLOCK_RECORDS` records): a
+    round of long batches with one short one among them (a producer's last) is not read
+    record by record for its sake."""
     buf = np.frombuffer(joined, np.uint8)
     if not len(buf) or (counts < 1).any() or (counts > lengths).any():
         return None
@@ -660,8 +663,9 @@ def _spans_by_records(
 RUNS_FROM = 512
 """Batches of at least this many records (librdkafka's, under load) are read run by run
 (:func:`_batch_runs`): a few numpy calls per run of equal-sized records instead of a
-dozen passes per field over every record. Shorter ones are predicted together, all the
-round's at once, which costs less than a run-by-run read of each in a Python loop."""
+dozen passes per field over every record. Shorter ones are predicted together, up to
+:data:`BLOCK_RECORDS` records at a time, which costs less than a run-by-run read of each
+in a Python loop."""
 
 
 def _spans_by_runs(
@@ -725,7 +729,8 @@ def _batch_runs(
     three: its offset and timestamp deltas take a byte more part way through); a run
     is looked for only among the rows whose index its offset delta's size can hold. A
     run that a differing row ends within :data:`_MIN_RUN` rows gives up (None): values
-    of varying sizes, whose every run would cost passes over the rest of the batch.
+    of varying sizes, whose every run would cost passes over the rest of the batch;
+    but not when that row differs only in its timestamp or offset delta's size.
 
     Without ``spans`` (a produced batch's check) the same verdict, three empty arrays
     for the spans: the values' spans and timestamps are not made."""
@@ -733,8 +738,9 @@ def _batch_runs(
     ends_parts: list[Int64s] = []
     deltas_parts: list[Int64s] = []
     done = 0
+    after: _Layout | None = None  # the next run's layout, when read already
     for _ in range(_MAX_RUNS):
-        layout = _record_layout(data, pos, end, done)
+        layout = after or _record_layout(data, pos, end, done)
         if layout is None:
             return None
         size = layout.size
@@ -754,8 +760,14 @@ def _batch_runs(
             offsets = _column_varints(grid, layout.offset_at, layout.offset_size, good)
         good &= offsets == np.arange(done, done + rows, dtype=np.int64)
         run = rows if good.all() else int(np.argmin(good))
-        if run < min(_MIN_RUN, rows):  # a row within the first few differs
-            return None
+        after = None
+        if run < min(_MIN_RUN, rows):
+            # A row within the first few differs: values of varying sizes, unless only
+            # its timestamp or offset delta takes another byte (a timestamp delta passing
+            # 63 ms just after the offset delta's 64th record, a sound batch of 3 runs).
+            after = _record_layout(data, pos + run * size, end, done + run)
+            if after is None or not after.wider_deltas_of(layout):
+                return None
         if spans:
             first_value = pos + layout.value_at + size * np.arange(run, dtype=np.int64)
             starts_parts.append(first_value)
@@ -793,6 +805,16 @@ class _Layout(NamedTuple):
     value_length_at: int
     value_at: int
     value_length: int  # -1: null
+
+    def wider_deltas_of(self, other: _Layout) -> bool:
+        """Whether this layout is ``other``'s but for the size of its timestamp or
+        offset delta: the same bytes after the offset delta, the same value length."""
+        return (
+            (self.timestamp_size, self.offset_size) != (other.timestamp_size, other.offset_size)
+            and self.size - self.offset_at - self.offset_size
+            == other.size - other.offset_at - other.offset_size
+            and self.value_length == other.value_length
+        )
 
     def head_fixed(self) -> list[int]:
         """:meth:`fixed_columns` but the header count's (after the value)."""

@@ -373,12 +373,27 @@ def test_a_produced_batch_of_a_few_hundred_records_is_read_run_by_run() -> None:
 
 def test_a_batch_of_varying_sizes_is_given_up_after_its_first_run() -> None:
     # Values of 80-120 bytes in no order: each run would be a record or two, each a
-    # pass over the rest of the batch; numpy gives up at once and the record reader
-    # decides (the batch is sound, so it is stored).
+    # pass over the rest of the batch; numpy gives up once it has read the layout of
+    # the record that ended the first run, and the record reader decides (the batch is
+    # sound, so it is stored).
     sizes = [80 + (i * 37) % 41 for i in range(1_000)]
     records = [Record(i, 0, None, b"v" * size) for i, size in enumerate(sizes)]
     section = kafka_batch(records=records)[PREFIX_SIZE:]
-    assert _layouts_read(section) == 1
+    assert _layouts_read(section) == 2
+    check_section(section, 1 << 30)
+
+
+def test_a_short_run_ended_by_a_wider_timestamp_delta_is_read_on() -> None:
+    # Fixed-size values whose timestamp delta passes 63 ms two records after the offset
+    # delta takes its second byte (at 64): a run of two records between two long ones,
+    # which is not values of varying sizes. Numpy reads all three runs (before, it gave
+    # up at the short one and every such batch went to the record reader).
+    records = [Record(i, 0 if i < 66 else 70, None, b"v" * 100) for i in range(600)]
+    section = kafka_batch(records=records)[PREFIX_SIZE:]
+    assert kafka_batch_module._reads_by_numpy(
+        section[SECTION_HEADER_SIZE:], section_header(section)
+    )
+    assert _layouts_read(section) == 3
     check_section(section, 1 << 30)
 
 
@@ -444,3 +459,8 @@ def test_a_long_batch_whose_header_count_spells_another_count_is_refused(
         )
         with pytest.raises(KafkaRecordsError, match="record headers claimed"):
             check_section(section, 1 << 30)
+
+
+def test_no_sections_have_no_values() -> None:
+    read = kafka_batch_module.sections_values([])
+    assert (len(read.starts), len(read.ends), len(read.timestamps), read.firsts) == (0, 0, 0, [0])
