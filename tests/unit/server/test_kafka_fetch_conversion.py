@@ -1,14 +1,32 @@
 """The Kafka Fetch conversion of batches stored in headwater's form (another front
 end's): a producer's batch keeps its producer id, epoch, sequence and transactional
 flag, so a read_committed Kafka client can match it to the aborted-transactions list;
-a batch without a producer carries Kafka's "no producer" values."""
+a batch without a producer carries Kafka's "no producer" values. And batches stored in
+Kafka form are sent as read, not copied into the answer."""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-from headwater.protocols.kafka import split_batches
-from headwater.protocols.kafka.records import NO_PRODUCER_EPOCH, NO_PRODUCER_ID, NO_SEQUENCE
+from kio.schema.errors import ErrorCode
+
+from headwater.protocols.kafka import ApiKey, split_batches
+from headwater.protocols.kafka.apis import response_type
+from headwater.protocols.kafka.frames import (
+    PLACEHOLDER_BYTES,
+    encode_response,
+    encode_response_chunks,
+)
+from headwater.protocols.kafka.records import (
+    NO_PRODUCER_EPOCH,
+    NO_PRODUCER_ID,
+    NO_SEQUENCE,
+    Record,
+    build_batch,
+)
 from headwater.server.kafka.handlers import records_of
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
 
@@ -48,3 +66,53 @@ def test_a_headwater_form_batch_keeps_its_producer_in_kafka_form(tmp_path: Path)
     [tail] = split_batches(b"".join(records_of(plog.read(4, committed_only=False, kafka=True))))
     assert (tail.header.base_offset, tail.header.producer_id) == (4, PRODUCER_ID)
     assert tail.header.is_transactional and tail.records().values == [b"t1", b"t2"]
+
+
+def test_a_fetch_answer_sends_the_kafka_form_batches_as_read(tmp_path: Path) -> None:
+    # Batches stored as produced go out as views of the read, not copied: records_of
+    # gives them as the read's own memoryviews and the answer's frame holds those same
+    # objects (the bytes are the answer kio encodes with the records in place).
+    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("none")))
+    for base in (0, 3):
+        produced = build_batch(
+            [Record(i, 0, None, b"v%d" % (base + i)) for i in range(3)], base_timestamp=1_000
+        )
+        [batch] = split_batches(produced)
+        plog.append_encoded(
+            batch.section,
+            3,
+            first_position=base,
+            timestamp_ms=batch.header.max_timestamp,
+            kafka=True,
+        )
+    records = records_of(plog.read(0, kafka=True))
+    sections = [part for part in records if isinstance(part, memoryview)]
+    assert len(sections) == 2
+    fetch = response_type(ApiKey.FETCH, 12)
+    module = __import__(fetch.__module__, fromlist=["FetchableTopicResponse"])
+
+    def answer(records: bytes) -> Any:
+        partition = module.PartitionData(
+            partition_index=0,
+            error_code=ErrorCode.none,
+            high_watermark=6,
+            last_stable_offset=6,
+            log_start_offset=0,
+            aborted_transactions=(),
+            preferred_read_replica=-1,
+            records=records,
+        )
+        return fetch(
+            throttle_time=timedelta(0),
+            error_code=ErrorCode.none,
+            session_id=0,
+            responses=(module.FetchableTopicResponse(topic="t", partitions=(partition,)),),
+        )
+
+    placeholder = os.urandom(PLACEHOLDER_BYTES)
+    frame = encode_response_chunks(7, answer(placeholder), {placeholder: records})
+    assert all(any(chunk is section for chunk in frame) for section in sections)
+    assert b"".join(frame) == encode_response(7, answer(b"".join(records)))
+    fetched = split_batches(b"".join(records))
+    assert [b.header.base_offset for b in fetched] == [0, 3]
+    assert [v for b in fetched for v in b.records().values] == [b"v%d" % i for i in range(6)]
