@@ -290,7 +290,11 @@ def test_kafka_produce_answers_carry_the_throttle_time(wire_server: Server) -> N
     producer.poll(0)  # serves the throttle callbacks of the last answer
     elapsed = time.monotonic() - started
     told = [s for s in throttled if s > 0]  # librdkafka reports 0 when it ends
-    assert told and all(0.1 <= s <= 1.5 for s in told), throttled
+    # The tenant's bucket is the module's server's: the first answers may find it
+    # partly spent by an earlier test (a first throttle of 0.06 s was seen), but every
+    # answer past the burst carries the debt of its 100 kB, about 0.5 s.
+    assert len(told) >= 3 and all(s <= 1.5 for s in told), throttled
+    assert all(s >= 0.1 for s in told[-3:]), throttled
     # 600 kB at 200 kB/s with a second's burst: at least 1 s, whoever waited it.
     assert elapsed >= 1.0, elapsed
 
