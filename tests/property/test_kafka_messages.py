@@ -29,6 +29,7 @@ from headwater.protocols.kafka.frames import (
     encode_response_chunks,
 )
 from headwater.protocols.kafka.schema import decode_exact, encode_entity
+from kafka_answers import fetch_answer
 
 VERSIONS = [
     (key, version)
@@ -236,31 +237,8 @@ def test_a_fetch_answer_with_spliced_records_is_the_frame_it_stands_for(version:
 
 
 def test_a_placeholder_must_stand_once_as_a_bytes_value() -> None:
-    fetch = response_type(ApiKey.FETCH, 12)
-    module = __import__(fetch.__module__, fromlist=["FetchableTopicResponse"])
     placeholder = os.urandom(PLACEHOLDER_BYTES)
-
-    def answer(*records: bytes | None, topic: str = "t") -> Any:
-        partitions = tuple(
-            module.PartitionData(
-                partition_index=index,
-                error_code=ErrorCode.none,
-                high_watermark=0,
-                last_stable_offset=0,
-                log_start_offset=0,
-                aborted_transactions=(),
-                preferred_read_replica=-1,
-                records=value,
-            )
-            for index, value in enumerate(records)
-        )
-        return fetch(
-            throttle_time=timedelta(0),
-            error_code=ErrorCode.none,
-            session_id=0,
-            responses=(module.FetchableTopicResponse(topic=topic, partitions=partitions),),
-        )
-
+    answer = fetch_answer
     batches: dict[bytes, list[Buffer]] = {placeholder: [b"batch"]}
     assert b"".join(encode_response_chunks(1, answer(placeholder), batches)) == encode_response(
         1, answer(b"batch")

@@ -7,14 +7,9 @@ Kafka form are sent as read, not copied into the answer."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
-from kio.schema.errors import ErrorCode
-
-from headwater.protocols.kafka import ApiKey, split_batches
-from headwater.protocols.kafka.apis import response_type
+from headwater.protocols.kafka import split_batches
 from headwater.protocols.kafka.frames import (
     PLACEHOLDER_BYTES,
     encode_response,
@@ -29,6 +24,7 @@ from headwater.protocols.kafka.records import (
 )
 from headwater.server.kafka.handlers import records_of
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from kafka_answers import fetch_answer
 
 PRODUCER_ID, EPOCH = (1 << 56) + 7, 3
 SEQUENCE = 1  # the producer's second batch (Rivven's sequences count batches)
@@ -88,31 +84,10 @@ def test_a_fetch_answer_sends_the_kafka_form_batches_as_read(tmp_path: Path) -> 
     records = records_of(plog.read(0, kafka=True))
     sections = [part for part in records if isinstance(part, memoryview)]
     assert len(sections) == 2
-    fetch = response_type(ApiKey.FETCH, 12)
-    module = __import__(fetch.__module__, fromlist=["FetchableTopicResponse"])
-
-    def answer(records: bytes) -> Any:
-        partition = module.PartitionData(
-            partition_index=0,
-            error_code=ErrorCode.none,
-            high_watermark=6,
-            last_stable_offset=6,
-            log_start_offset=0,
-            aborted_transactions=(),
-            preferred_read_replica=-1,
-            records=records,
-        )
-        return fetch(
-            throttle_time=timedelta(0),
-            error_code=ErrorCode.none,
-            session_id=0,
-            responses=(module.FetchableTopicResponse(topic="t", partitions=(partition,)),),
-        )
-
     placeholder = os.urandom(PLACEHOLDER_BYTES)
-    frame = encode_response_chunks(7, answer(placeholder), {placeholder: records})
+    frame = encode_response_chunks(7, fetch_answer(placeholder), {placeholder: records})
     assert all(any(chunk is section for chunk in frame) for section in sections)
-    assert b"".join(frame) == encode_response(7, answer(b"".join(records)))
+    assert b"".join(frame) == encode_response(7, fetch_answer(b"".join(records)))
     fetched = split_batches(b"".join(records))
     assert [b.header.base_offset for b in fetched] == [0, 3]
     assert [v for b in fetched for v in b.records().values] == [b"v%d" % i for i in range(6)]
