@@ -56,8 +56,13 @@ system-deps:
 			libpostgresql-jdbc-java >/dev/null; \
 	fi
 
+# Two workers, a test file each at a time (its module fixtures' servers stay one): most
+# tests wait on server processes, so 2 cores run the suite in about 0.6 of the time.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 pytest: $(STAMP) system-deps
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test: lint typecheck pytest
 
