@@ -110,7 +110,7 @@ def test_send_writes_the_canonical_bytes(
     expected.CopyFrom(answer)
     expected.header.CopyFrom(pb.Header(version=PROTOCOL_VERSION, correlation_id=correlation_id))
     data = ServerConnection().send(correlation_id, answer)
-    assert data[9:] == expected.SerializeToString()
+    assert data[9:] == expected.SerializeToString(deterministic=True)
     assert answer.header.client_id == ("replaced" if with_header else "")  # not mutated
 
 

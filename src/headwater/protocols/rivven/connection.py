@@ -174,7 +174,7 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         return encode_frame(
             WireFormat.PROTOBUF,
             correlation_id,
-            response.SerializeToString(),
+            response.SerializeToString(deterministic=True),
             max_frame=max(self.max_frame, MAX_FRAME) if own else self.max_frame,
         )
 
@@ -187,6 +187,9 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         A Response without a Header is not copied: the Header's bytes go in front of
         its own (protobuf merges concatenated messages, and field 1 first is the
         canonical order), so a large Consume answer built in place is serialised once.
+        Serialised deterministically (map entries in key order), as every frame of the
+        connection is: protobuf leaves map order to the implementation, and the same
+        answer should give the same bytes.
         """
         if not isinstance(response, pb.Response):
             response = m.response_of(response)
@@ -197,10 +200,10 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
             copy = pb.Response()
             copy.CopyFrom(response)
             copy.header.CopyFrom(header)
-            payload = copy.SerializeToString()
+            payload = copy.SerializeToString(deterministic=True)
         else:
             payload = pb.Response(header=header).SerializeToString()
-            payload += response.SerializeToString()
+            payload += response.SerializeToString(deterministic=True)
         return encode_frame(WireFormat.PROTOBUF, correlation_id, payload, max_frame=self.max_frame)
 
     def send_error(
@@ -276,7 +279,7 @@ class ClientConnection:
         data = encode_frame(
             WireFormat.PROTOBUF,
             correlation_id,
-            message.SerializeToString(),
+            message.SerializeToString(deterministic=True),
             max_frame=self.max_frame,
         )
         self._pending.add(correlation_id)
