@@ -445,23 +445,28 @@ def measure(pid: int, work: Any, *args: Any) -> tuple[float, float, float, Any]:
     return wall, proc_cpu(pid) - cpu, time.process_time() - client, result
 
 
-def measure_produce(pid: int, work: Any, *args: Any) -> tuple[float, float, float, float, Any]:
+def measure_produce(
+    pid: int, work: Any, *args: Any
+) -> tuple[float, float, float, float, float, Any]:
     """:func:`measure`, then the server let go idle (:func:`settle`): also its CPU from
     the first request until idle again, which counts the work a front end leaves for
-    after its answers (headwater's SQL projection catching up; Tansu has none)."""
-    start = proc_cpu(pid)
+    after its answers (headwater's SQL projection catching up; Tansu has none), and the
+    CPU of its main thread (headwater's event loop) until the last answer."""
+    start, main_start = proc_cpu(pid), proc_cpu(pid, pid)
     seconds, cpu, client, result = measure(pid, work, *args)
+    main = proc_cpu(pid, pid) - main_start
     settle([pid], 60)
-    return seconds, cpu, client, proc_cpu(pid) - start, result
+    return seconds, cpu, client, proc_cpu(pid) - start, main, result
 
 
 def produce_row(
-    count: int, seconds: float, cpu: float, settled: float, client: float
+    count: int, seconds: float, cpu: float, settled: float, client: float, main: float
 ) -> dict[str, float]:
     """A round's produce figures (``count`` messages): rate, then CPU per message."""
     return {
         "produce_msgs_s": count / seconds,
         "produce_cpu_us": cpu / count * 1e6,
+        "produce_loop_cpu_us": main / count * 1e6,
         "produce_settled_cpu_us": settled / count * 1e6,
         "produce_client_cpu_us": client / count * 1e6,
     }
@@ -480,10 +485,10 @@ def kafka_round(
     bootstrap: str, pid: int, partitions: int, count: int, value: bytes
 ) -> dict[str, float]:
     topic = create_topic(bootstrap, partitions)
-    seconds, cpu, client, settled, _ = measure_produce(
+    seconds, cpu, client, settled, main, _ = measure_produce(
         pid, kafka_produce, bootstrap, topic, partitions, count, value
     )
-    row = produce_row(count, seconds, cpu, settled, client)
+    row = produce_row(count, seconds, cpu, settled, client, main)
     seconds, cpu, client, _ = measure(
         pid, kafka_consume_all, bootstrap, topic, partitions, count, DEADLINE_S
     )
@@ -498,10 +503,10 @@ def kimberlite_round(
     try:
         stream = client.create_stream("bench_" + uuid.uuid4().hex[:10])
         batches = count // work.batch
-        seconds, cpu, used, settled, events = measure_produce(
+        seconds, cpu, used, settled, main, events = measure_produce(
             server.pid, hw_produce, client, stream, work, batches, depth, False
         )
-        row = produce_row(events, seconds, cpu, settled, used)
+        row = produce_row(events, seconds, cpu, settled, used, main)
         seconds, cpu, used, _ = measure(server.pid, hw_consume, client, stream, events, 1 << 20)
         row |= consume_row(events, seconds, cpu, used)
         return row
@@ -527,12 +532,12 @@ def kafka_raw_round(
     try:
         frames, counts = produce_frames(topic, partitions, work, versions[ApiKey.PRODUCE])
         requests = count // work.batch
-        seconds, cpu, used, settled, records = measure_produce(
+        seconds, cpu, used, settled, main, records = measure_produce(
             pid, raw_produce, client, frames, counts, requests, depth, versions[ApiKey.PRODUCE]
         )
         if records != requests * work.batch:
             raise RuntimeError(f"{records} records acknowledged of {requests * work.batch}")
-        row = produce_row(records, seconds, cpu, settled, used)
+        row = produce_row(records, seconds, cpu, settled, used, main)
         seconds, cpu, used, read = measure(
             pid, raw_consume, client, topic, partitions, records, versions[ApiKey.FETCH]
         )
@@ -725,6 +730,11 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(task), cpus)
 
 
+def _ratio(ours: float, theirs: float) -> str:
+    """``ours / theirs`` as a ratio, blank when ``theirs`` measured no CPU at all."""
+    return f"{ours / theirs:.2f}x" if theirs else ""
+
+
 def comparison(
     hw: dict[str, float], tansu: dict[str, float], kim: dict[str, float], heads: str
 ) -> list[str]:
@@ -740,17 +750,20 @@ def comparison(
         )
         rows = [("server", f"{op}_cpu_us"), ("client", f"{op}_client_cpu_us")]
         if op == "produce":
-            rows.insert(1, ("server, with the work after,", "produce_settled_cpu_us"))
+            rows[1:1] = [
+                ("server, with the work after,", "produce_settled_cpu_us"),
+                ("headwater's event loop thread", "produce_loop_cpu_us"),
+            ]
         for who, cpu in rows:
             # The server's ratios are of CPU per message: each front end's own cost.
-            ratios = (
-                f"{hw[cpu] / tansu[cpu]:.2f}x | {hw[cpu] / kim[cpu]:.2f}x"
-                if who != "client" and tansu[cpu] and kim[cpu]
-                else " | "
-            )
+            # Tansu's main thread is not where it works (tokio's workers are).
+            loop_only = who.startswith("headwater")
+            theirs = "-" if loop_only else f"{tansu[cpu]:.2f}"
+            to_tansu = "" if loop_only or who == "client" else _ratio(hw[cpu], tansu[cpu])
+            to_kim = "" if who == "client" else _ratio(hw[cpu], kim[cpu])
             lines.append(
-                f"| {op} {who} CPU µs/msg | {hw[cpu]:.2f} | {tansu[cpu]:.2f} | {kim[cpu]:.2f} "
-                f"| {ratios} |"
+                f"| {op} {who} CPU µs/msg | {hw[cpu]:.2f} | {theirs} | {kim[cpu]:.2f} "
+                f"| {to_tansu} | {to_kim} |"
             )
     return lines
 
