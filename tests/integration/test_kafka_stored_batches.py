@@ -31,10 +31,14 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic
 from kio.schema.fetch.v11.request import FetchPartition, FetchRequest, FetchTopic
 from kio.schema.fetch.v11.response import FetchResponse, PartitionData
-from kio.schema.produce.v10.request import ProduceRequest
+from kio.schema.produce.v10.request import (
+    PartitionProduceData,
+    ProduceRequest,
+    TopicProduceData,
+)
 from kio.schema.produce.v10.response import ProduceResponse
 from kio.schema.types import BrokerId, TopicName
-from kio.static.primitive import i8, i32, i64
+from kio.static.primitive import i8, i16, i32, i64
 from limits_clients import raw_socket
 from servers import LOCAL, Server, serving
 
@@ -116,6 +120,7 @@ class RawKafka:
         read_committed: bool,
         max_wait: timedelta = timedelta(0),
         min_bytes: int = 0,
+        partition: int = 0,
     ) -> PartitionData:
         request = FetchRequest(
             replica_id=BrokerId(-1),
@@ -130,7 +135,7 @@ class RawKafka:
                     topic=TopicName(topic),
                     partitions=(
                         FetchPartition(
-                            partition=i32(0),
+                            partition=i32(partition),
                             current_leader_epoch=i32(-1),
                             fetch_offset=i64(offset),
                             log_start_offset=i64(-1),
@@ -430,3 +435,60 @@ def test_a_consumer_reads_a_long_http_batch_converted_batch_at_a_time(server: Se
         seen.append((message.offset(), message.key(), message.value(), message.timestamp()[1]))
     consumer.close()
     assert seen == [(i, key, value, stamp_ms) for i, (key, value) in enumerate(records)]
+
+
+def test_one_produce_over_partitions_answers_each_partition_for_itself(server: Server) -> None:
+    """One Produce over three partitions: a damaged batch is refused on its own
+    partition while the others are stored; sent again with the damage mended, the
+    idempotent producer's batch is a retry, answered with its first offset and not
+    stored twice, and the plain batch is stored again after the first."""
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic(name, num_partitions=3)])[name].result(timeout=DEADLINE_S)
+
+    def batch(count: int, **options: Any) -> bytes:
+        records = [Record(i, i, None, f"value-{i}".encode()) for i in range(count)]
+        return build_batch(records, base_timestamp=1_700_000_000_000, **options)
+
+    idempotent = batch(3, producer_id=4242, producer_epoch=0, base_sequence=0)
+    plain = batch(2)
+    sound = batch(4)
+    damaged = sound[:-1] + bytes([sound[-1] ^ 0xFF])  # a value byte: the CRC no longer fits
+
+    def produce(kafka: RawKafka, third: bytes) -> list[tuple[int, int]]:
+        request = ProduceRequest(
+            transactional_id=None,
+            acks=i16(-1),
+            timeout=timedelta(seconds=DEADLINE_S),
+            topic_data=(
+                TopicProduceData(
+                    name=TopicName(name),
+                    partition_data=(
+                        PartitionProduceData(index=i32(0), records=idempotent),
+                        PartitionProduceData(index=i32(1), records=plain),
+                        PartitionProduceData(index=i32(2), records=third),
+                    ),
+                ),
+            ),
+        )
+        response = kafka.call(request, ApiKey.PRODUCE, 10)
+        assert isinstance(response, ProduceResponse)
+        [answers] = response.responses
+        return [(a.error_code, a.base_offset) for a in answers.partition_responses]
+
+    kafka = RawKafka(server)
+    try:
+        assert produce(kafka, damaged) == [
+            (ErrorCode.none, 0),
+            (ErrorCode.none, 0),
+            (ErrorCode.corrupt_message, -1),
+        ]
+        assert produce(kafka, sound) == [
+            (ErrorCode.none, 0),  # the retry: its first offset again
+            (ErrorCode.none, 2),
+            (ErrorCode.none, 0),  # nothing of the damaged batch was kept
+        ]
+        ends = [kafka.fetch(name, 0, read_committed=False, partition=p) for p in range(3)]
+        assert [end.high_watermark for end in ends] == [3, 4, 4]
+    finally:
+        kafka.close()
