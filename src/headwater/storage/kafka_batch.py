@@ -30,6 +30,7 @@ same decompression and record parsing.
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from collections.abc import Sequence
@@ -901,14 +902,31 @@ def _head_words(
     # One strided read, then contiguous words for the passes after it.
     words = np.ndarray((rows,), np.dtype("<u8"), buf, pos, (layout.size,)).copy()
     first = grid[0]
+    mask, pattern, others = _head_mask(layout, bytes(first[:8]))
+    good = (words & mask) == pattern
+    for column in others:
+        good &= grid[:, column] == first[column]
+    return (
+        good,
+        _word_varint(words, layout.timestamp_at, layout.timestamp_size) if stamps else _NO_SPANS,
+        _word_varint(words, layout.offset_at, layout.offset_size),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _head_mask(layout: _Layout, head: bytes) -> tuple[np.uint64, np.uint64, list[int]]:
+    """:func:`_head_words`' mask and pattern of a run's first 8 bytes (``head``, the first
+    row's), and the fixed columns past them (a key's length, the value's length, the
+    header count after the value): a producer's batches repeat a few layouts, so each
+    is worked out once."""
     mask = pattern = 0
-    beyond = []  # fixed columns past the word (a key's length, the value's length)
+    others = []
     for column in layout.head_fixed():
         if column >= 8:
-            beyond.append(column)
+            others.append(column)
             continue
         mask |= 0xFF << (8 * column)
-        pattern |= int(first[column]) << (8 * column)
+        pattern |= head[column] << (8 * column)
     mask |= 0x80 << (8 * (layout.timestamp_at - 1))  # attributes: one byte
     for at, size in (
         (layout.timestamp_at, layout.timestamp_size),
@@ -918,16 +936,8 @@ def _head_words(
             mask |= 0x80 << (8 * column)  # set but in the varint's last byte
             if column < at + size - 1:
                 pattern |= 0x80 << (8 * column)
-    good = (words & np.uint64(mask)) == np.uint64(pattern)
-    for column in layout.header_count_columns():  # after the value: each byte of it
-        good &= grid[:, column] == first[column]
-    for column in beyond:
-        good &= grid[:, column] == first[column]
-    return (
-        good,
-        _word_varint(words, layout.timestamp_at, layout.timestamp_size) if stamps else _NO_SPANS,
-        _word_varint(words, layout.offset_at, layout.offset_size),
-    )
+    others += layout.header_count_columns()  # after the value: each byte of it
+    return np.uint64(mask), np.uint64(pattern), others
 
 
 def _word_varint(words: npt.NDArray[np.uint64], at: int, size: int) -> Int64s:
