@@ -914,7 +914,7 @@ def _head_words(
 
 
 @functools.lru_cache(maxsize=64)
-def _head_mask(layout: _Layout, head: bytes) -> tuple[np.uint64, np.uint64, list[int]]:
+def _head_mask(layout: _Layout, head: bytes) -> tuple[np.uint64, np.uint64, tuple[int, ...]]:
     """:func:`_head_words`' mask and pattern of a run's first 8 bytes (``head``, the first
     row's), and the fixed columns past them (a key's length, the value's length, the
     header count after the value): a producer's batches repeat a few layouts, so each
@@ -937,7 +937,8 @@ def _head_mask(layout: _Layout, head: bytes) -> tuple[np.uint64, np.uint64, list
             if column < at + size - 1:
                 pattern |= 0x80 << (8 * column)
     others += layout.header_count_columns()  # after the value: each byte of it
-    return np.uint64(mask), np.uint64(pattern), others
+    # A tuple: the cached answer is shared by every caller.
+    return np.uint64(mask), np.uint64(pattern), tuple(others)
 
 
 def _word_varint(words: npt.NDArray[np.uint64], at: int, size: int) -> Int64s:
