@@ -145,6 +145,17 @@ def test_six_partitions_over_http_and_cli_survive_restart_and_sigkill(make_serve
     ]
     text = cli(server, "read", "orders", "--partition", str(busiest), "--limit", "1")
     assert text.stdout.split("\t")[:2] == [str(busiest), "0"], text.stdout
+    # Without --partition the read is Kimberlite's, of partition 0: stderr says that the
+    # other partitions' events exist; a stream of one partition reads with no such note.
+    zero = cli(server, "read", "orders")
+    assert zero.returncode == 0, zero.stderr
+    in_zero = [r["value"] for r, p in zip(sent, placed, strict=True) if p == 0]
+    assert zero.stdout.splitlines() == [f"{i}\t{value}" for i, value in enumerate(in_zero)]
+    assert f"orders has {PARTITIONS} partitions" in zero.stderr, zero.stderr
+    assert "--partition N" in zero.stderr
+    assert cli(server, "stream", "create", "one_part").returncode == 0
+    single = cli(server, "read", "one_part")
+    assert single.returncode == 0 and single.stderr == "", single.stderr
 
     # SQL: one table, partition column last, counts per partition as placed.
     status, result = http(

@@ -542,27 +542,58 @@ def cmd_append(args: argparse.Namespace) -> int:
     return 0
 
 
-def _placing_api(hw: Client, stream: str) -> tuple[ArrowApi, int] | None:
-    """The HTTP API and the stream's partition count when keyed events must be placed
-    by key (a stream of several partitions); None when Kimberlite's partition 0 is the
-    key's partition anyway (one partition), or when the server has no HTTP API (a
-    warning says keys then go to partition 0)."""
+def _http_partitions(hw: Client, stream: str) -> tuple[ArrowApi, int] | str:
+    """The HTTP API and the stream's partition count (Kimberlite knows partition 0
+    only); why not, when the server advertises no HTTP API."""
     from headwater.client.errors import ServerUnavailable
 
     try:
         api = hw.http_api()
     except ServerUnavailable as exc:
-        say(f"headwater: warning: {exc}; keyed events go to partition 0 over Kimberlite", err)
-        return None
+        return str(exc)
     try:
-        partitions = int(api.stream(stream)["partitions"])
+        return api, int(api.stream(stream)["partitions"])
     except BaseException:
         api.close()
         raise
+
+
+def _placing_api(hw: Client, stream: str) -> tuple[ArrowApi, int] | None:
+    """The HTTP API and the stream's partition count when keyed events must be placed
+    by key (a stream of several partitions); None when Kimberlite's partition 0 is the
+    key's partition anyway (one partition), or when the server has no HTTP API (a
+    warning says keys then go to partition 0)."""
+    found = _http_partitions(hw, stream)
+    if isinstance(found, str):
+        say(f"headwater: warning: {found}; keyed events go to partition 0 over Kimberlite", err)
+        return None
+    api, partitions = found
     if partitions == 1:
         api.close()
         return None
-    return api, partitions
+    return found
+
+
+def _note_partition_zero(hw: Client, stream: str, doing: str) -> None:
+    """On a stream of several partitions, say on stderr that a Kimberlite read or tail
+    (``doing``) covers partition 0 only: its other events are not missing. Said where
+    the HTTP API tells the count; a failure to ask is no failure of the command."""
+    from headwater.errors import HeadwaterError
+
+    try:
+        found = _http_partitions(hw, stream)
+    except HeadwaterError:
+        return
+    if isinstance(found, str):
+        return
+    api, partitions = found
+    api.close()
+    if partitions > 1:
+        say(
+            f"headwater: note: {stream} has {partitions} partitions; {doing} partition 0"
+            " only (read --partition N for the others)",
+            err,
+        )
 
 
 class _EventRateColumn(ProgressColumn):
@@ -649,6 +680,7 @@ def cmd_read(args: argparse.Namespace) -> int:
         for event in hw.scan(args.stream, args.from_offset, limit=args.limit):
             _write_event(event.offset, event.value, stdout, args.format)
         stdout.flush()
+        _note_partition_zero(hw, args.stream, "this read shows")
     return 0
 
 
@@ -661,6 +693,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
             args.stream, args.from_offset, credits=args.credits, group=args.group
         ).start()
         say(f"tailing {args.stream} from offset {sub.start_offset} (Ctrl-C to stop)", err)
+        _note_partition_zero(hw, args.stream, "tail follows")
         # Short waits keep the main thread where Ctrl-C lands at once.
         while not sub.closed:
             for event in sub.next_batch(timeout=0.5):
