@@ -459,3 +459,120 @@ def test_the_numpy_produce_check_passes_only_what_the_walk_passes_over_long_vari
     header, walked = walked_header(bytes(body), claimed)
     read = kafka_batch._reads_by_numpy(bytes(body), header)
     assert walked or not read
+
+
+@st.composite
+def producer_records(draw: st.DrawFn) -> list[Record]:
+    """A long batch as librdkafka sends it: one key, values of one size, timestamp
+    deltas of one byte, no headers; often past 64 records (offset deltas of 2 bytes)."""
+    count = draw(st.integers(1, 200))
+    size = draw(st.integers(1, 120))
+    key = draw(st.none() | st.binary(max_size=8))
+    return [
+        Record(index, draw(st.integers(0, 63)), key, bytes([index % 256]) * size)
+        for index in range(count)
+    ]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    batches=st.lists(
+        st.tuples(
+            producer_records() | producer_records() | uniform_records() | records(),
+            st.sampled_from([Compression.NONE] * 4 + list(Compression)),
+            st.sampled_from([0, 0, 1, 1, 2]),  # bytes of the records changed
+            st.sampled_from([0] * 8 + [-1, 1]),  # records claimed past the true count
+            st.sampled_from([""] * 8 + ["crc", "last offset delta"]),  # header damage
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+)
+def test_batches_checked_together_pass_only_what_each_check_passes(
+    batches: list[tuple[list[Record], Compression, int, int, str]], data: st.DataObject
+) -> None:
+    # A Produce's batches are checked together, runs of one record layout across them
+    # at once (sections_pass): a batch it passes must pass the check of it alone and
+    # the exact walk, damaged, miscounted and compressed ones among them; and a sound
+    # batch of fixed-size records (the usual one) passes, whatever its neighbours.
+    sections: list[tuple[memoryview, kafka_batch.SectionHeader]] = []
+    alone: list[bool] = []
+    usual: list[bool] = []
+    for batch_records, codec, damaged, miscount, bad_header in batches:
+        built = build_batch(batch_records, base_timestamp=1_700_000_000_000)
+        section = bytearray(built[CRC_OFFSET:])
+        if codec:
+            header = bytearray(section[: kafka_batch.SECTION_HEADER_SIZE])
+            header[4:6] = int(codec).to_bytes(2, "big")
+            body = compress(codec, bytes(section[kafka_batch.SECTION_HEADER_SIZE :]))
+            section = header + body
+        bounds = _record_bounds(section) if not codec else []
+        for _ in range(damaged if bounds else 0):
+            # A byte among a later record's first ten or last three (its varints, where
+            # a run's rows are compared with its first, or its value's end and header
+            # count), often by one or by its top bit: a varint that still reads.
+            index = data.draw(st.integers(min(1, len(bounds) - 1), len(bounds) - 1))
+            start, end = bounds[index]
+            near = st.integers(start, min(start + 9, end - 1)) | st.integers(end - 3, end - 1)
+            layout = kafka_batch._record_layout(bytes(section), start, end, index)
+            if layout is not None:  # often one of its fields' bytes, aimed at
+                fields = [0, layout.timestamp_at - 1, layout.timestamp_at, layout.offset_at]
+                fields += [layout.offset_at + layout.offset_size, layout.value_length_at]
+                fields += [layout.value_at - 1, layout.size - 1]
+                near = st.sampled_from([start + f for f in fields]) | near
+            at = max(start, data.draw(near))
+            was = section[at]
+            section[at] = data.draw(
+                st.sampled_from([(was + 1) % 256, (was - 1) % 256, was ^ 0x80, 0, 0x7F, 0xFF])
+                | st.integers(0, 255)
+            )
+        count = max(len(batch_records) + miscount, 1)
+        section[40:44] = count.to_bytes(4, "big")
+        section[6:10] = (count - 1 + (bad_header == "last offset delta")).to_bytes(4, "big")
+        crc = kafka_batch.crc32c(bytes(section[4:])) ^ (bad_header == "crc")
+        section[0:4] = crc.to_bytes(4, "big")
+        view = memoryview(bytes(section))
+        sections.append((view, kafka_batch.section_header(view)))
+        try:
+            kafka_batch.check_section(view, kafka_batch.MAX_DECOMPRESSED)
+        except kafka_batch.KafkaRecordsError:
+            alone.append(False)
+        else:
+            alone.append(True)
+        usual.append(
+            not codec
+            and not (damaged and bounds)
+            and not miscount
+            and not bad_header
+            and len({(r.key, len(r.value or b"")) for r in batch_records}) == 1
+            and all(
+                0 <= r.timestamp_delta < 64 and r.value is not None and not r.headers
+                for r in batch_records
+            )
+            # Records of 8 bytes or more: their first 8 bytes are read as one word.
+            and len(batch_records[0].key or b"") + len(batch_records[0].value or b"") > 0
+        )
+    # Every batch long enough for numpy (the property's batches are short).
+    with patch.object(kafka_batch, "NUMPY_CHECK_RECORDS", 1):
+        together = kafka_batch.sections_pass(sections, kafka_batch.MAX_DECOMPRESSED)
+    for (view, header), passed, passes_alone, sound in zip(
+        sections, together, alone, usual, strict=True
+    ):
+        if passed:
+            assert passes_alone
+            body = bytes(view[kafka_batch.SECTION_HEADER_SIZE :])
+            kafka_batch.walk_records(body, header.records_count)
+        elif sound:
+            raise AssertionError("a sound batch of fixed-size records did not pass together")
+
+
+def _record_bounds(section: bytes | bytearray) -> list[tuple[int, int]]:
+    """Where each record of an uncompressed, undamaged section lies: (start, end)."""
+    bounds = []
+    pos = kafka_batch.SECTION_HEADER_SIZE
+    while pos < len(section):
+        length, at = kafka_batch._varint(bytes(section), pos)
+        bounds.append((pos, at + length))
+        pos = at + length
+    return bounds

@@ -206,6 +206,135 @@ def _reads_by_numpy(body: bytes | memoryview, header: SectionHeader) -> bool:
         return False  # ... is the other checks' to judge: never stored unchecked
 
 
+def sections_pass(
+    sections: Sequence[tuple[memoryview, SectionHeader]], max_decompressed: int
+) -> list[bool]:
+    """Which of a request's produced sections (each with its header, read from it)
+    pass :func:`check_section`, found together: True for one that does; False for one
+    that :func:`check_section` must judge (it may pass, or fail with its error).
+
+    A Produce to several partitions carries one batch per partition, and the check of
+    a long batch costs mostly numpy's fixed cost per call, once per run of equal-sized
+    records (:func:`_batch_runs`). Here the runs of all the sections are laid out first
+    (in Python, as :func:`_batch_runs` would find them when every row of a run reads
+    like its first), then the runs of one layout, across sections, are checked by one
+    set of numpy calls (:func:`_runs_pass`). A section is True only when it is
+    uncompressed and long (what :func:`check_section` reads by numpy), its CRC and
+    counts hold, and each of its rows passes the checks :func:`_batch_runs` makes of
+    it: exactly what :func:`check_section` accepts that way."""
+    verdicts = [False] * len(sections)
+    groups: dict[tuple[_Layout, bytes], list[_Run]] = {}
+    for index, (section, header) in enumerate(sections):
+        count = header.records_count
+        body = section[SECTION_HEADER_SIZE:]
+        if (
+            count < NUMPY_CHECK_RECORDS
+            or header.attributes & ATTR_CODEC
+            or header.last_offset_delta != count - 1
+            or body.nbytes > max_decompressed
+            or crc32c(section[4:]) != header.crc
+        ):
+            continue
+        runs = _planned_runs(index, body, count)
+        if runs is None:
+            continue
+        verdicts[index] = True
+        for run in runs:
+            groups.setdefault(run.key, []).append(run)
+    for runs in groups.values():
+        for run, passed in zip(runs, _runs_pass(runs), strict=True):
+            if not passed:
+                verdicts[run.section] = False
+    return verdicts
+
+
+class _Run(NamedTuple):
+    """A planned run of a section's records: ``rows`` records of ``layout`` from byte
+    ``pos`` of ``buf``, the first the ``done``-th of its section (:func:`sections_pass`).
+    ``key``: the layout and the first row's bytes every row must repeat."""
+
+    section: int
+    buf: npt.NDArray[np.uint8]
+    pos: int
+    rows: int
+    done: int
+    layout: _Layout
+    key: tuple[_Layout, bytes]
+
+
+def _planned_runs(index: int, body: memoryview, count: int) -> list[_Run] | None:
+    """The runs of the ``count`` records of ``body`` as :func:`_batch_runs` finds them
+    when every row of a run reads like its first: each run as long as its layout's
+    offset delta size allows; None when the layouts do not tile the body (or a run's
+    varints do not end within its first 8 bytes: :func:`_batch_runs` reads those
+    column by column)."""
+    data = body.cast("B")
+    buf = np.frombuffer(body, np.uint8)
+    end = len(buf)
+    runs: list[_Run] = []
+    pos = done = 0
+    try:
+        while done < count:
+            layout = _record_layout(data, pos, end, done)
+            if (
+                layout is None
+                or len(runs) == _MAX_RUNS
+                or not layout.offset_at + layout.offset_size <= 8 <= layout.size
+            ):
+                return None
+            held = (1 << (7 * layout.offset_size - 1)) - done
+            rows = min(count - done, (end - pos) // layout.size, held)
+            row = bytes(data[pos : pos + layout.size])
+            fixed = bytes(row[c] for c in _head_mask(layout, row[:8])[2])
+            runs.append(_Run(index, buf, pos, rows, done, layout, (layout, row[:8] + fixed)))
+            done += rows
+            pos += rows * layout.size
+    except IndexError:  # damage the layout reader missed: check_section's to judge
+        return None
+    return runs if pos == end else None
+
+
+def _runs_pass(runs: list[_Run]) -> list[bool]:
+    """Whether every row of each of ``runs`` (one layout, one first row's bytes) passes
+    :func:`_batch_runs`' checks (see :func:`_head_words`): one mask and compare of all
+    their first 8 bytes, one compare per fixed column past them, and their offset
+    deltas their indexes in their sections."""
+    layout = runs[0].layout
+    size = layout.size
+    words = np.concatenate(
+        [np.ndarray((r.rows,), np.dtype("<u8"), r.buf, r.pos, (size,)) for r in runs]
+    )
+    head = runs[0].key[1]
+    mask, pattern, others = _head_mask(layout, head[:8])
+    good = (words & mask) == pattern
+    for k, column in enumerate(others):
+        values = np.concatenate(
+            [np.ndarray((r.rows,), np.uint8, r.buf, r.pos + column, (size,)) for r in runs]
+        )
+        good &= values == head[8 + k]
+    shape = tuple((r.done, r.rows) for r in runs)
+    expected = (_run_indexes if len(words) <= _CACHED_ROWS else _run_indexes.__wrapped__)(shape)
+    good &= _word_varint(words, layout.offset_at, layout.offset_size) == expected
+    if good.all():
+        return [True] * len(runs)
+    rows = np.array([r.rows for r in runs], np.int64)
+    return np.logical_and.reduceat(good, np.cumsum(rows) - rows).tolist()  # type: ignore[no-any-return]
+
+
+_CACHED_ROWS = 16_384  # 128 KiB of indexes
+
+
+@functools.lru_cache(maxsize=16)
+def _run_indexes(runs: tuple[tuple[int, int], ...]) -> Int64s:
+    """The records' indexes in their sections of runs laid end to end, each run
+    ``(done, rows)``: ``done .. done + rows - 1``. A producer's batches repeat a few
+    shapes (librdkafka's: records 0-63, then 64 on), so each is worked out once; at
+    most 16 of at most :data:`_CACHED_ROWS` rows are kept (2 MiB)."""
+    indexes = np.concatenate([np.arange(done, done + rows, dtype=np.int64) for done, rows in runs])
+    indexes.flags.writeable = False  # shared by every caller
+    return indexes
+
+
 _VARINT_LIMITS = np.array([1 << (7 * i) for i in range(1, 10)], dtype=np.uint64)
 _OFFSET = attrgetter("offset")
 _TIMESTAMP = attrgetter("timestamp")

@@ -16,7 +16,14 @@ from kio.schema.errors import ErrorCode
 from .apis import SUPPORTED, ApiKey, VersionRange, api_versions_response
 from .connection import Close, Reply, Request, ServerConnection, ServerEvent
 from .frames import MAX_REQUEST, FrameError, decode_response, encode_request, encode_response
-from .records import Compression, RecordBatch, RecordBatchError, RecordColumns, split_batches
+from .records import (
+    Compression,
+    RecordBatch,
+    RecordBatchError,
+    RecordColumns,
+    checked_together,
+    split_batches,
+)
 from .schema import SchemaDecodeError
 
 __all__ = [
@@ -37,6 +44,7 @@ __all__ = [
     "ServerEvent",
     "VersionRange",
     "api_versions_response",
+    "checked_together",
     "decode_response",
     "encode_request",
     "encode_response",

@@ -309,6 +309,18 @@ def split_batches(data: Buffer) -> list[RecordBatch]:
     return batches
 
 
+def checked_together(
+    batches: Sequence[RecordBatch], max_decompressed: int = MAX_DECOMPRESSED
+) -> list[bool]:
+    """Which of a Produce's batches pass :meth:`RecordBatch.check_for_append`, checked
+    together (:func:`headwater.storage.kafka_batch.sections_pass`: the long uncompressed
+    ones, one numpy pass per record layout over all of them): True for one that passes;
+    False for one ``check_for_append`` must judge, which raises its error if any."""
+    return kafka_batch.sections_pass(
+        [(memoryview(b.data)[CRC_OFFSET:], b.header) for b in batches], max_decompressed
+    )
+
+
 # ---- records ---------------------------------------------------------------------------
 
 

@@ -56,7 +56,13 @@ from headwater.errors import (
     StreamNotFound,
     StreamQuotaExceeded,
 )
-from headwater.protocols.kafka import ApiKey, RecordBatch, RecordBatchError, split_batches
+from headwater.protocols.kafka import (
+    ApiKey,
+    RecordBatch,
+    RecordBatchError,
+    checked_together,
+    split_batches,
+)
 from headwater.protocols.kafka.frames import PLACEHOLDER_BYTES
 from headwater.protocols.kafka.records import (
     BatchHeader,
@@ -480,14 +486,37 @@ def _partitions_asked(
 
 
 async def produce(session: Session, request: Any, version: int) -> Mapping[str, Any]:
-    topics = []
+    # Each partition's batches, split first: a Produce to several partitions has its
+    # batches checked together (one numpy pass per record layout, not one per batch).
+    split: list[tuple[Any, StreamInfo | None, list[RecordBatch] | RecordBatchError]] = []
+    every: list[RecordBatch] = []
     for topic in request.topic_data:
         info = _stream_or_none(session, topic.name)
+        for data in topic.partition_data:
+            batches: list[RecordBatch] | RecordBatchError = []
+            if info is not None and 0 <= data.index < info.partitions:
+                try:
+                    batches = split_batches(data.records or b"")
+                except RecordBatchError as exc:
+                    batches = exc  # answered for the partition, in its turn
+                else:
+                    every += batches
+            split.append((data, info, batches))
+    checked = (
+        {id(b) for b, ok in zip(every, checked_together(every), strict=True) if ok}
+        if len(every) > 1
+        else set()
+    )
+    topics = []
+    at = 0
+    for topic in request.topic_data:
+        parts = split[at : at + len(topic.partition_data)]
+        at += len(parts)
         appends = [
             _produce_partition(
-                session, info, data.index, data.records, request.transactional_id, request
+                session, info, data.index, batches, checked, request.transactional_id, request
             )
-            for data in topic.partition_data
+            for data, info, batches in parts
         ]
         # One partition (librdkafka's usual Produce under load): awaited here, without
         # a task and a future of gather's for it.
@@ -500,10 +529,13 @@ async def _produce_partition(
     session: Session,
     info: StreamInfo | None,
     index: int,
-    records: bytes | None,
+    batches: list[RecordBatch] | RecordBatchError,
+    checked: set[int],
     transactional_id: str | None,
     request: Any,
 ) -> dict[str, Any]:
+    """One partition's answer: its ``batches`` appended (those whose ``id`` is in
+    ``checked`` passed the append check already), or the error of its records."""
     answer: dict[str, Any] = {
         "index": index,
         "error_code": ErrorCode.none,
@@ -525,14 +557,18 @@ async def _produce_partition(
             if all_isr:
                 cluster.check_min_isr(session.tenant_id, info.name, index)
         base_offset, appended_ms, stored_end = -1, -1, 0
-        for batch in split_batches(records or b""):
+        if isinstance(batches, RecordBatchError):
+            raise batches
+        for batch in batches:
             if len(batch.data) > MAX_MESSAGE_BYTES:
                 raise RecordBatchError(
                     ErrorCode.message_too_large,
                     f"a record batch of {len(batch.data)} bytes is over the"
                     f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
                 )
-            offset, stamped_ms = await _append_batch(session, info, index, batch, transactional_id)
+            offset, stamped_ms = await _append_batch(
+                session, info, index, batch, transactional_id, checked=id(batch) in checked
+            )
             if base_offset < 0:
                 base_offset, appended_ms = offset, stamped_ms
             stored_end = max(stored_end, offset + batch.header.records_count)
@@ -563,11 +599,14 @@ async def _append_batch(
     index: int,
     batch: RecordBatch,
     transactional_id: str | None,
+    *,
+    checked: bool = False,
 ) -> tuple[int, int]:
     """Store one produced batch; the offset of its first record and its stored first
     timestamp (a LogAppendTime topic's: the log's clock). It is checked once (CRC,
-    header, its records read batch-at-a-time) and stored as it came, in Kafka form; the
-    idempotence and transaction checks read its header."""
+    header, its records read batch-at-a-time; not again when ``checked``: with the
+    request's other batches) and stored as it came, in Kafka form; the idempotence and
+    transaction checks read its header."""
     api, tenant = session.api, session.tenant_id
     header = batch.header
     if header.is_control:
@@ -576,7 +615,8 @@ async def _append_batch(
     if header.records_count > MAX_APPEND_EVENTS:
         # More records than one stored batch holds: decoded and stored as several.
         return await _append_decoded(session, info, index, batch, transactional_id)
-    batch.check_for_append()
+    if not checked:
+        batch.check_for_append()
     if header.is_transactional:
         section = KafkaSection(batch.section, header.records_count, header.max_timestamp)
         return await _append_transactional(session, info, index, header, transactional_id, section)
