@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -257,6 +258,21 @@ def read_round(
     return pieces, upto
 
 
+_I64_MAX = (1 << 63) - 1
+_MAX_MS = _I64_MAX // 1000  # the largest time in ms whose us fit in 64 bits
+
+
+def micros(ms: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Timestamps in ms as the ``ts`` column's us. A producer may store any 64-bit
+    time (nanoseconds taken for ms, 2**62): one past what us hold is DuckDB's
+    ``infinity`` (or ``-infinity``), never an overflow that stops the projection."""
+    us = ms * 1000
+    beyond = (ms > _MAX_MS) | (ms < -_MAX_MS)
+    if beyond.any():
+        us[beyond] = np.where(ms[beyond] > 0, _I64_MAX, -_I64_MAX)
+    return us
+
+
 def piece_columns(
     pieces: Sequence[_Piece],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, pa.Array]:
@@ -270,7 +286,7 @@ def piece_columns(
     counts: list[int] = []
     firsts: list[int] = []
     position_deltas: list[int] = []
-    stamps_us: list[int] = []
+    stamps_ms: list[int] = []
     sparse: list[tuple[int, list[int]]] = []  # (row, offsets) of pieces with gaps
     stamped: list[tuple[int, np.ndarray]] = []  # (row, ms) of pieces stamped per event
     kafka = _kafka_spans(pieces)
@@ -294,7 +310,7 @@ def piece_columns(
             firsts.append(listed[0])
         counts.append(n)
         position_deltas.append(batch.first_position - batch.base_offset)
-        stamps_us.append(batch.first_timestamp_ms * 1000)
+        stamps_ms.append(batch.first_timestamp_ms)
         if batch.kafka_section is not None and kafka is not None:
             first = kafka.firsts[kafka_index] + piece.start
             kafka_index += 1
@@ -342,9 +358,10 @@ def piece_columns(
     for row, listed in sparse:
         offsets[row : row + len(listed)] = listed
     positions = offsets + np.repeat(np.array(position_deltas, np.int64), piece_rows)
-    stamps = np.repeat(np.array(stamps_us, np.int64), piece_rows)
+    stamps = np.repeat(np.array(stamps_ms, np.int64), piece_rows)
     for row, per_event in stamped:
-        stamps[row : row + len(per_event)] = per_event * 1000
+        stamps[row : row + len(per_event)] = per_event
+    stamps = micros(stamps)
     if direct and kafka is not None:
         body: bytes | memoryview = kafka.body
     else:
