@@ -492,3 +492,68 @@ def test_one_produce_over_partitions_answers_each_partition_for_itself(server: S
         assert [end.high_watermark for end in ends] == [3, 4, 4]
     finally:
         kafka.close()
+
+
+@pytest.mark.parametrize("batches", [2, 0])
+def test_a_partition_of_a_produce_takes_exactly_one_batch(server: Server, batches: int) -> None:
+    # Kafka's rule for Produce v3 on: two batches for one partition (the first sound) or
+    # none are INVALID_RECORD, and nothing of them is stored (once, the first of two was
+    # stored while the answer said the request failed: a retry stored it again).
+    topic = create_topic(server)
+    request, produced = captured_produce("none", topic)
+    refused_then_stored_alone(server, request, produced * batches, ErrorCode.invalid_record)
+
+
+def test_pipelined_produces_are_stored_in_the_order_they_were_sent(server: Server) -> None:
+    # A Java-style producer pipelines requests on one connection: request A to
+    # partitions 0 and 1, then B to partition 0 alone, twenty times over, before reading
+    # an answer. Partition 0 holds them in the order sent (A's appends of several
+    # partitions once went through tasks, and B's lone append overtook them).
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    admin.create_topics([NewTopic(name, num_partitions=2)])[name].result(timeout=DEADLINE_S)
+
+    def produce(*parts: tuple[int, bytes]) -> ProduceRequest:
+        return ProduceRequest(
+            transactional_id=None,
+            acks=i16(1),
+            timeout=timedelta(seconds=DEADLINE_S),
+            topic_data=(
+                TopicProduceData(
+                    name=TopicName(name),
+                    partition_data=tuple(
+                        PartitionProduceData(
+                            index=i32(p),
+                            records=build_batch([Record(0, 0, None, value)], base_timestamp=1),
+                        )
+                        for p, value in parts
+                    ),
+                ),
+            ),
+        )
+
+    sent: list[bytes] = []
+    wire = bytearray()
+    kafka = RawKafka(server)
+    try:
+        for n in range(20):
+            for request, value in (
+                (produce((0, b"A%d" % n), (1, b"a%d" % n)), b"A%d" % n),
+                (produce((0, b"B%d" % n)), b"B%d" % n),
+            ):
+                kafka.correlation += 1
+                wire += encode_request(kafka.correlation, request)
+                sent.append(value)
+        kafka.sock.sendall(wire)
+        for correlation in range(1, kafka.correlation + 1):
+            (size,) = struct.unpack(">i", kafka._exact(4))
+            answered, response = decode_response(ApiKey.PRODUCE, 10, kafka._exact(size))
+            assert answered == correlation
+            assert all(a.error_code == 0 for a in response.responses[0].partition_responses)
+        fetched = kafka.fetch(name, 0, read_committed=False)
+    finally:
+        kafka.close()
+    stored = [
+        value for batch in split_batches(fetched.records or b"") for value in batch.records().values
+    ]
+    assert stored == sent

@@ -159,6 +159,8 @@ class Session:
     cluster: ClusterView | None = None
     # Counts a request refused by a [limits] key (headwater_limit_refusals_total).
     refused: Callable[[str], None] = field(default=lambda limit: None)
+    # Produce requests of this connection appending through tasks now (see produce).
+    spread_produces: int = 0
 
     @property
     def node_id(self) -> int:
@@ -486,56 +488,78 @@ def _partitions_asked(
 
 
 async def produce(session: Session, request: Any, version: int) -> Mapping[str, Any]:
-    # Each partition's batches, split first: a Produce to several partitions has its
+    # Each partition's batch, split first: a Produce to several partitions has its
     # batches checked together (one numpy pass per record layout, not one per batch).
-    split: list[tuple[Any, StreamInfo | None, list[RecordBatch] | RecordBatchError]] = []
+    parts: list[tuple[Any, StreamInfo | None, RecordBatch | RecordBatchError | None]] = []
     every: list[RecordBatch] = []
     for topic in request.topic_data:
         info = _stream_or_none(session, topic.name)
         for data in topic.partition_data:
-            batches: list[RecordBatch] | RecordBatchError = []
+            batch: RecordBatch | RecordBatchError | None = None
             if info is not None and 0 <= data.index < info.partitions:
                 try:
-                    batches = split_batches(data.records or b"")
+                    batch = _one_batch(data.records)
                 except RecordBatchError as exc:
-                    batches = exc  # answered for the partition, in its turn
+                    batch = exc  # answered for the partition, in its turn
                 else:
-                    every += batches
-            split.append((data, info, batches))
+                    every.append(batch)
+            parts.append((data, info, batch))
     checked = (
         {id(b) for b, ok in zip(every, checked_together(every), strict=True) if ok}
         if len(every) > 1
         else set()
     )
+    txn_id = request.transactional_id
+    appends = [
+        _produce_partition(session, info, data.index, batch, id(batch) in checked, txn_id, request)
+        for data, info, batch in parts
+    ]
+    # Every partition of every topic at once: the appends of one request are written
+    # before those of the next one on the connection (one partition: awaited here, its
+    # write done before this returns to the loop; several: tasks, which run on the next
+    # loop turn, so a lone append of the next request waits a turn for them).
+    if len(appends) == 1:
+        if session.spread_produces:
+            await asyncio.sleep(0)
+        answers = [await appends[0]]
+    else:
+        session.spread_produces += 1
+        try:
+            answers = await asyncio.gather(*appends)
+        finally:
+            session.spread_produces -= 1
     topics = []
     at = 0
     for topic in request.topic_data:
-        parts = split[at : at + len(topic.partition_data)]
-        at += len(parts)
-        appends = [
-            _produce_partition(
-                session, info, data.index, batches, checked, request.transactional_id, request
-            )
-            for data, info, batches in parts
-        ]
-        # One partition (librdkafka's usual Produce under load): awaited here, without
-        # a task and a future of gather's for it.
-        answers = [await appends[0]] if len(appends) == 1 else await asyncio.gather(*appends)
-        topics.append({"name": topic.name, "partition_responses": answers})
+        count = len(topic.partition_data)
+        topics.append({"name": topic.name, "partition_responses": answers[at : at + count]})
+        at += count
     return {"responses": topics, "throttle_time": 0}
+
+
+def _one_batch(records: bytes | None) -> RecordBatch:
+    """A partition's records of a Produce: exactly one v2 batch, as Kafka requires of
+    Produce v3 and later (INVALID_RECORD otherwise: nothing of them is stored)."""
+    batches = split_batches(records or b"")
+    if len(batches) != 1:
+        raise RecordBatchError(
+            ErrorCode.invalid_record,
+            f"a Produce carries exactly one record batch per partition, not {len(batches)}",
+        )
+    return batches[0]
 
 
 async def _produce_partition(
     session: Session,
     info: StreamInfo | None,
     index: int,
-    batches: list[RecordBatch] | RecordBatchError,
-    checked: set[int],
+    batch: RecordBatch | RecordBatchError | None,
+    checked: bool,
     transactional_id: str | None,
     request: Any,
 ) -> dict[str, Any]:
-    """One partition's answer: its ``batches`` appended (those whose ``id`` is in
-    ``checked`` passed the append check already), or the error of its records."""
+    """One partition's answer: its ``batch`` appended (``checked``: it passed the append
+    check already), or the error of its records; None for a partition of no stream."""
     answer: dict[str, Any] = {
         "index": index,
         "error_code": ErrorCode.none,
@@ -556,22 +580,19 @@ async def _produce_partition(
             cluster.check_leader(session.tenant_id, info.name, index)
             if all_isr:
                 cluster.check_min_isr(session.tenant_id, info.name, index)
-        base_offset, appended_ms, stored_end = -1, -1, 0
-        if isinstance(batches, RecordBatchError):
-            raise batches
-        for batch in batches:
-            if len(batch.data) > MAX_MESSAGE_BYTES:
-                raise RecordBatchError(
-                    ErrorCode.message_too_large,
-                    f"a record batch of {len(batch.data)} bytes is over the"
-                    f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
-                )
-            offset, stamped_ms = await _append_batch(
-                session, info, index, batch, transactional_id, checked=id(batch) in checked
+        if isinstance(batch, RecordBatchError):
+            raise batch
+        assert batch is not None  # a partition of a stream
+        if len(batch.data) > MAX_MESSAGE_BYTES:
+            raise RecordBatchError(
+                ErrorCode.message_too_large,
+                f"a record batch of {len(batch.data)} bytes is over the"
+                f" {MAX_MESSAGE_BYTES}-byte limit (max.message.bytes)",
             )
-            if base_offset < 0:
-                base_offset, appended_ms = offset, stamped_ms
-            stored_end = max(stored_end, offset + batch.header.records_count)
+        base_offset, appended_ms = await _append_batch(
+            session, info, index, batch, transactional_id, checked=checked
+        )
+        stored_end = base_offset + batch.header.records_count
         if cluster is not None and all_isr:
             # acks=all: answered once every in-sync replica holds this request's batches.
             # Their own end, not the log's read afterwards: a leader dropped by a
