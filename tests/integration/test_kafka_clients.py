@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import trustme
 from confluent_kafka import (
+    OFFSET_INVALID,
     Consumer,
     KafkaError,
     KafkaException,
@@ -306,6 +307,42 @@ def test_committed_offsets_resume_after_a_restart(make_server: Callable[..., Ser
     finally:
         second.close()
     assert [m.value() for m in rest] == [b"m%d" % i for i in range(4, 10)]
+
+
+def test_a_deleted_topics_offsets_go_with_it(make_server: Callable[..., Server]) -> None:
+    # As Kafka: a group's committed offsets of a deleted topic are deleted with it, so a
+    # topic made again under its name is consumed from its start (they once survived,
+    # and the group skipped the new topic's first records); another topic's stay, and
+    # after a restart too.
+    server = make_server(listen={"kafka": LOCAL})
+    topic, other = create_topic(server, partitions=1), create_topic(server, partitions=1)
+    for name in (topic, other):
+        produce(server, name, [{"value": b"old-%d" % i} for i in range(10)])
+    group = "deleted_" + uuid.uuid4().hex[:8]
+    committer = group_consumer(server, group)
+    committer.commit(
+        offsets=[TopicPartition(topic, 0, 7), TopicPartition(other, 0, 5)], asynchronous=False
+    )
+    committer.close()
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+    admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
+    admin.create_topics([NewTopic(topic, num_partitions=1)])[topic].result(timeout=DEADLINE_S)
+    produce(server, topic, [{"value": b"new-%d" % i} for i in range(10)])
+
+    server.stop()
+    server.start()
+    reader = group_consumer(server, group)
+    try:
+        committed = reader.committed(
+            [TopicPartition(topic, 0), TopicPartition(other, 0)], timeout=DEADLINE_S
+        )
+        assert [tp.offset for tp in committed] == [OFFSET_INVALID, 5]
+        reader.subscribe([topic])
+        got: list[Message] = []
+        poll_until_messages(reader, got, 10)
+    finally:
+        reader.close()
+    assert [m.value() for m in got] == [b"new-%d" % i for i in range(10)]
 
 
 def poll_until_messages(consumer: Consumer, into: list[Message], count: int) -> None:

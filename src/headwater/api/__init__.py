@@ -301,7 +301,7 @@ class EngineAPI:
         # streams
         self.list_streams = engine.list_streams
         self.create_stream = engine.create_stream
-        self.delete_stream = engine.delete_stream
+        self.delete_stream = self._delete_stream
         self.alter_partitions = engine.alter_partitions
         self.append = engine.append
         self.append_encoded = engine.append_encoded
@@ -333,7 +333,7 @@ class EngineAPI:
         self.stream_range = queries.stream_range
         if self.quotas.enabled:
             self.create_stream = _admitted(self.quotas, engine.create_stream, _request_cost)
-            self.delete_stream = _admitted(self.quotas, engine.delete_stream, _request_cost)
+            self.delete_stream = _admitted(self.quotas, self._delete_stream, _request_cost)
             self.append = _admitted(self.quotas, engine.append, _values_cost)
             self.append_encoded = _admitted(self.quotas, engine.append_encoded, _section_cost)
             self.append_partitioned = _admitted(
@@ -657,6 +657,13 @@ class EngineAPI:
         """This node started (replay the state, finish what was prepared) or stopped
         coordinating the tenant's transactions."""
         await self._transactions.reload(tenant_id, coordinates)
+
+    async def _delete_stream(self, tenant_id: int, stream_id: int) -> None:
+        """The stream and its events, and every group's committed offsets of it (as Kafka
+        deletes a deleted topic's): a stream made again under its name starts afresh."""
+        name = self._engine.stream(tenant_id, stream_id).name
+        await self._engine.delete_stream(tenant_id, stream_id)
+        await self.groups.forget_stream(tenant_id, name)
 
     async def open_transaction_state(self, tenant_id: int) -> None:
         """The tenant's transaction state stream, created if missing (as Kafka creates

@@ -21,8 +21,10 @@ from headwater.engine.groups import (
     NO_GENERATION,
     CommittedOffset,
     CommittedOffsets,
+    CoordinatorNotAvailable,
     GroupCoordinator,
     LogOffsetStore,
+    NotCoordinator,
     OffsetKey,
     OffsetManager,
     TopicPartition,
@@ -187,6 +189,18 @@ class ConsumerGroups:
         """Groups with committed offsets or members, sorted."""
         manager = await self._manager(tenant_id)
         return sorted(set(manager.committed.groups()) | set(manager.coordinator.groups))
+
+    async def forget_stream(self, tenant_id: int, stream: str) -> None:
+        """Every group's committed offsets of a deleted stream, removed (stored too).
+        In a cluster only the tenant's group coordinator holds them: another node
+        leaves them (docs/cluster.md)."""
+        try:
+            self._engine.stream_by_name(tenant_id, OFFSETS_STREAM, internal=True)
+            self._check_coordinator(tenant_id)
+        except (StreamNotFound, NotCoordinator, CoordinatorNotAvailable):
+            return  # no group of the tenant ever committed, or not here
+        manager = await self._manager(tenant_id)
+        await manager.forget_stream(stream)
 
     async def delete(self, tenant_id: int, group: str) -> None:
         """DeleteGroups: an empty group and its offsets (InvalidRequest while it has

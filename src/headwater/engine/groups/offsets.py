@@ -203,6 +203,18 @@ class CommittedOffsets:
         gone = self._by_group.pop(group, {})
         return [OffsetKey(group, tp.stream, tp.partition) for tp in sorted(gone)]
 
+    def remove_stream(self, stream: str) -> list[OffsetKey]:
+        """Forget every group's offsets of ``stream``; returns the keys they were stored
+        under (a group left with none is forgotten too)."""
+        gone: list[OffsetKey] = []
+        for group, committed in list(self._by_group.items()):
+            for tp in sorted(tp for tp in committed if tp.stream == stream):
+                del committed[tp]
+                gone.append(OffsetKey(group, tp.stream, tp.partition))
+            if not committed:
+                del self._by_group[group]
+        return gone
+
     def groups(self) -> list[str]:
         return sorted(self._by_group)
 
@@ -283,6 +295,13 @@ class OffsetManager:
         self, group: str, partitions: Iterable[TopicPartition] | None = None
     ) -> dict[TopicPartition, CommittedOffset]:
         return self.committed.fetch(group, partitions)
+
+    async def forget_stream(self, stream: str) -> None:
+        """A deleted stream's offsets, of every group, as Kafka deletes a deleted topic's:
+        a stream made again under its name is consumed from its start."""
+        keys = self.committed.remove_stream(stream)
+        if keys:
+            await self.store.delete(keys)
 
     async def delete_group(self, group: str) -> None:
         """DeleteGroups: an empty group and its offsets (refused while it has members)."""
