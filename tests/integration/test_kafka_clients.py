@@ -173,6 +173,33 @@ def test_idempotent_producer_stores_each_message_once(server: Server) -> None:
     assert [m.value() for m in got] == values
 
 
+def test_an_idempotent_producer_lives_on_through_its_topic_made_again(server: Server) -> None:
+    # A topic deleted and made again under a live idempotent producer: the partition has
+    # never heard of it, so (as in Kafka) its next sequence is taken, not refused
+    # OUT_OF_ORDER_SEQUENCE_NUMBER, which librdkafka raises as fatal.
+    topic = create_topic(server, partitions=1)
+    producer = Producer(
+        {"bootstrap.servers": bootstrap(server), "enable.idempotence": True, "linger.ms": 0}
+    )
+    errors: list[KafkaError] = []
+
+    def report(err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            errors.append(err)
+
+    for i in range(5):
+        producer.produce(topic, b"a%d" % i, on_delivery=report)
+    assert producer.flush(DEADLINE_S) == 0
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+    admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
+    admin.create_topics([NewTopic(topic, num_partitions=1)])[topic].result(timeout=DEADLINE_S)
+    for value in (b"b0", b"b1"):
+        producer.produce(topic, value, on_delivery=report)
+    assert producer.flush(DEADLINE_S) == 0
+    assert not errors, errors
+    assert [m.value() for m in consume(server, topic, 2, partitions=1)] == [b"b0", b"b1"]
+
+
 def test_offsets_for_times_and_watermarks(server: Server) -> None:
     topic = create_topic(server, partitions=1)
     produce(server, topic, [{"value": b"early-%d" % i, "timestamp": 1_000 + i} for i in range(5)])

@@ -82,14 +82,18 @@ class ProducerTable:
     ) -> ProducerEntry | None:
         """The stored entry when this is a retry, None when it is the next sequence;
         ProducerFenced for an epoch older than the known one, OutOfOrderSequence for a
-        sequence that is neither."""
+        sequence that is neither. A producer with an epoch that this partition has never
+        heard of (or has forgotten, its batches removed) starts at any sequence, as in
+        Kafka: a topic deleted and made again under a live producer's feet, say."""
         if epoch is not None:
             known = self.epochs.get(producer_id)
             if known is not None and epoch < known:
                 raise ProducerFenced(
                     f"producer {producer_id} epoch {epoch} is fenced: epoch {known} took over"
                 )
-            if known is None or epoch > known:
+            if known is None:
+                return None
+            if epoch > known:
                 if sequence != 0:
                     raise OutOfOrderSequence(
                         f"producer {producer_id} epoch {epoch} is new here: its first "
