@@ -223,26 +223,96 @@ def test_a_restarted_static_member_gets_its_partitions_back_without_a_rebalance(
             m.consumer.close()
 
 
-@pytest.mark.parametrize("version", [5, 7])
-def test_a_refused_join_is_answered_in_every_version(server: Server, version: int) -> None:
-    """A JoinGroup refused before it joins (here a protocol type the group does not
-    speak) is answered with the error, in versions where the answer's protocol name is
-    not nullable (v0-6) too; it once failed to encode there and the client waited for
-    ever on a connection that answered nothing more."""
+def join(
+    kafka: RawKafka, version: int, group: str, kind: str, metadata: bytes, member_id: str = ""
+) -> Any:
+    """A JoinGroup of protocol type ``kind``, again with the member id the coordinator
+    asks it to take (MEMBER_ID_REQUIRED, v4 on)."""
     request_types = importlib.import_module(f"kio.schema.join_group.v{version}.request")
-    request = request_types.JoinGroupRequest(
-        group_id=GroupId("refused-" + uuid.uuid4().hex[:8]),
-        session_timeout=i32Timedelta.parse(timedelta(seconds=10)),
-        rebalance_timeout=i32Timedelta.parse(timedelta(seconds=10)),
-        member_id="",
-        group_instance_id=None,
-        protocol_type="connect",  # not "consumer"
-        protocols=(request_types.JoinGroupRequestProtocol(name="range", metadata=b""),),
-    )
+
+    def request(member: str) -> Any:
+        return request_types.JoinGroupRequest(
+            group_id=GroupId(group),
+            session_timeout=i32Timedelta.parse(timedelta(seconds=10)),
+            rebalance_timeout=i32Timedelta.parse(timedelta(seconds=10)),
+            member_id=member,
+            group_instance_id=None,
+            protocol_type=kind,
+            protocols=(request_types.JoinGroupRequestProtocol(name="default", metadata=metadata),),
+        )
+
+    answer = kafka.call(request(member_id), ApiKey.JOIN_GROUP, version)
+    if answer.error_code == ErrorCode.member_id_required:
+        answer = kafka.call(request(answer.member_id), ApiKey.JOIN_GROUP, version)
+    return answer
+
+
+# Kafka Connect's worker metadata (ConnectProtocol v0: version, url, config offset) and
+# an assignment of its own form: bytes the broker never reads.
+CONNECT_METADATA = b"\x00\x00\x00\x15http://127.0.0.1:8083" + bytes(8)
+CONNECT_ASSIGNMENT = b"\x00\x00\x00\x00" + b"connect's own assignment"
+
+
+def test_a_kafka_connect_group_forms_with_its_own_protocol_type(server: Server) -> None:
+    """Kafka Connect's workers (protocol type "connect"), like Schema Registry's ("sr"),
+    use the classic group protocol with metadata and assignments of their own, which the
+    coordinator passes on unread; they were once refused INCONSISTENT_GROUP_PROTOCOL."""
+    group = "connect-" + uuid.uuid4().hex[:8]
     kafka = RawKafka(server)
     try:
+        joined = join(kafka, 7, group, "connect", CONNECT_METADATA)
+        assert joined.error_code == ErrorCode.none, joined
+        assert joined.protocol_type == "connect" and joined.protocol_name == "default"
+        assert joined.leader == joined.member_id
+        assert [bytes(m.metadata) for m in joined.members] == [CONNECT_METADATA]
+        sync = importlib.import_module("kio.schema.sync_group.v5.request")
+        synced = kafka.call(
+            sync.SyncGroupRequest(
+                group_id=GroupId(group),
+                generation_id=joined.generation_id,
+                member_id=joined.member_id,
+                group_instance_id=None,
+                protocol_type="connect",
+                protocol_name="default",
+                assignments=(
+                    sync.SyncGroupRequestAssignment(
+                        member_id=joined.member_id, assignment=CONNECT_ASSIGNMENT
+                    ),
+                ),
+            ),
+            ApiKey.SYNC_GROUP,
+            5,
+        )
+        assert synced.error_code == ErrorCode.none, synced
+        assert (synced.protocol_type, bytes(synced.assignment)) == ("connect", CONNECT_ASSIGNMENT)
+        describe = importlib.import_module("kio.schema.describe_groups.v5.request")
+        [described] = kafka.call(
+            describe.DescribeGroupsRequest(
+                groups=(GroupId(group),), include_authorized_operations=False
+            ),
+            ApiKey.DESCRIBE_GROUPS,
+            5,
+        ).groups
+        assert (described.group_state, described.protocol_type) == ("Stable", "connect")
+        [member] = described.members
+        assert bytes(member.member_assignment) == CONNECT_ASSIGNMENT
+    finally:
+        kafka.close()
+
+
+@pytest.mark.parametrize("version", [5, 7])
+def test_a_refused_join_is_answered_in_every_version(server: Server, version: int) -> None:
+    """A JoinGroup refused before it joins (here a consumer joining a group of Connect
+    workers: a group speaks one protocol type while it has members) is answered with the
+    error, in versions where the answer's protocol name is not nullable (v0-6) too; it
+    once failed to encode there and the client waited for ever on a connection that
+    answered nothing more."""
+    group = "refused-" + uuid.uuid4().hex[:8]
+    kafka = RawKafka(server)
+    try:
+        assert join(kafka, version, group, "connect", CONNECT_METADATA).error_code == 0
         for _ in range(2):  # answered, and the connection still answers the next one
-            answer = kafka.call(request, ApiKey.JOIN_GROUP, version)
+            answer = join(kafka, version, group, "consumer", b"")
             assert answer.error_code == ErrorCode.inconsistent_group_protocol
             assert answer.generation_id == -1
     finally:

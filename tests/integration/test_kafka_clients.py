@@ -779,6 +779,17 @@ def test_admin_client_topics_configs_and_groups(server: Server) -> None:
     remaining = admin.list_consumer_groups().result(timeout=DEADLINE_S)
     assert group not in {g.group_id for g in remaining.valid}
 
+    # A group that only ever committed offsets (no member: as every group is after a
+    # restart) is Empty both listed and described; it was once described Dead.
+    offsets_only = "offsets_" + uuid.uuid4().hex[:8]
+    committer = group_consumer(server, offsets_only)
+    committer.commit(offsets=[TopicPartition(topic, 0, 3)], asynchronous=False)
+    committer.close()
+    listed = admin.list_consumer_groups().result(timeout=DEADLINE_S)
+    assert {g.group_id: g.state for g in listed.valid}[offsets_only] == ConsumerGroupState.EMPTY
+    described = admin.describe_consumer_groups([offsets_only])[offsets_only].result(DEADLINE_S)
+    assert (described.state, described.members) == (ConsumerGroupState.EMPTY, [])
+
     admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
     assert topic not in admin.list_topics(timeout=DEADLINE_S).topics
 

@@ -33,6 +33,9 @@ class TenantGroups:
         self.syncs: dict[str, asyncio.Future[Reply]] = {}
         # what a front end keeps per (group, member): Kafka's protocol metadata
         self.metadata: dict[tuple[str, str], dict[str, bytes]] = {}
+        # a group's protocol type as its members gave it (Kafka's "consumer", Connect's
+        # "connect", ...), while it has members
+        self.protocol_types: dict[str, str] = {}
         self.wake = asyncio.Event()
         self.ticker = asyncio.get_running_loop().create_task(self._tick_loop())
 

@@ -13,6 +13,7 @@ only the wire messages, not these embedded byte layouts).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import struct
 from collections.abc import Mapping
@@ -169,14 +170,27 @@ class KafkaGroups:
             "member_id": request.member_id,
             "members": [],
         }
-        if request.protocol_type != PROTOCOL_TYPE:
+        # Any protocol type (Kafka Connect's "connect", Schema Registry's "sr", ...), one
+        # per group while it has members; only a consumer's metadata is read (for the
+        # group's lag and ownership), the others' are the clients' own bytes.
+        kind = request.protocol_type
+        group = tenant.coordinator.groups.get(group_id)
+        if group is None or not tenant.coordinator.describe(group_id).members:
+            tenant.protocol_types.pop(group_id, None)
+        if tenant.protocol_types.setdefault(group_id, kind) != kind:
             answer["error_code"] = ErrorCode.inconsistent_group_protocol
             return answer
+        answer["protocol_type"] = kind
         session_timeout = _ms(request.session_timeout)
         rebalance = getattr(request, "rebalance_timeout", None)
         try:
             _check_coordinator(session)
-            topics, owned = parse_subscription(next(iter(protocols.values()), b""))
+            topics: list[str] = []
+            owned: list[TopicPartition] | None = None
+            if kind == PROTOCOL_TYPE:
+                # Kafka's coordinator takes any bytes: a custom assignor's are not read.
+                with contextlib.suppress(InvalidRequest):
+                    topics, owned = parse_subscription(next(iter(protocols.values()), b""))
             member_id, replies = tenant.coordinator.join(
                 group_id,
                 request.member_id,
@@ -225,18 +239,23 @@ class KafkaGroups:
 
     async def sync_group(self, session: Session, request: Any, version: int) -> Mapping[str, Any]:
         tenant = await self._tenant(session.tenant_id)
+        kind = tenant.protocol_types.get(request.group_id, PROTOCOL_TYPE)
         answer: dict[str, Any] = {
             "throttle_time": 0,
             "error_code": ErrorCode.none,
-            "protocol_type": PROTOCOL_TYPE,
+            "protocol_type": kind,
             "protocol_name": getattr(request, "protocol_name", None),
             "assignment": b"",
         }
         try:
             _check_coordinator(session)
-            # Only the leader's assignments count (Kafka ignores a follower's).
+            # Only the leader's assignments count (Kafka ignores a follower's); a
+            # consumer's are read, any other protocol's passed on as they are.
             assignments = {
-                a.member_id: (parse_assignment(bytes(a.assignment)), bytes(a.assignment))
+                a.member_id: (
+                    parse_assignment(bytes(a.assignment)) if kind == PROTOCOL_TYPE else [],
+                    bytes(a.assignment),
+                )
                 for a in request.assignments
             }
             replies = tenant.coordinator.sync_client(
@@ -392,9 +411,8 @@ class KafkaGroups:
             wanted = getattr(request, "states_filter", ())
             if wanted and state not in wanted:
                 continue
-            groups.append(
-                {"group_id": group_id, "protocol_type": PROTOCOL_TYPE, "group_state": state}
-            )
+            kind = tenant.protocol_types.get(group_id, PROTOCOL_TYPE)
+            groups.append({"group_id": group_id, "protocol_type": kind, "group_state": state})
         return {"throttle_time": 0, "error_code": ErrorCode.none, "groups": groups}
 
     async def describe_groups(
@@ -402,9 +420,13 @@ class KafkaGroups:
     ) -> Mapping[str, Any]:
         tenant = await self._tenant(session.tenant_id)
         described = []
+        stored: set[str] = set()
         try:
             _check_coordinator(session)
             refused = ErrorCode.none
+            # Groups with committed offsets and no members (after a restart, or only
+            # ever committed to) are Empty, as ListGroups says, not Dead.
+            stored = set(await self.api.groups.group_ids(session.tenant_id))
         except HeadwaterError as exc:
             refused = error_code(exc)
         for group_id in request.groups:
@@ -423,7 +445,7 @@ class KafkaGroups:
                 description = tenant.coordinator.describe(group_id)
                 entry.update(
                     group_state=str(description.state),
-                    protocol_type=PROTOCOL_TYPE,
+                    protocol_type=tenant.protocol_types.get(group_id, PROTOCOL_TYPE),
                     protocol_data=description.protocol or "",
                     members=[
                         {
@@ -443,6 +465,8 @@ class KafkaGroups:
                         for m in description.members
                     ],
                 )
+            elif group_id in stored:
+                entry.update(group_state="Empty", protocol_type=PROTOCOL_TYPE)
             described.append(entry)
         return {"throttle_time": 0, "groups": described}
 
