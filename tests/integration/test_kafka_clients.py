@@ -794,6 +794,47 @@ def test_admin_client_topics_configs_and_groups(server: Server) -> None:
     assert topic not in admin.list_topics(timeout=DEADLINE_S).topics
 
 
+def test_create_topics_answers_as_kafka_does(server: Server) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+
+    def outcome(*topics: NewTopic) -> dict[str, int]:
+        codes = {}
+        for name, future in admin.create_topics(list(topics)).items():
+            try:
+                future.result(timeout=DEADLINE_S)
+                codes[name] = KafkaError.NO_ERROR
+            except KafkaException as exc:
+                codes[name] = exc.args[0].code()
+        return codes
+
+    # Kafka's "no limit" (-1, Kafka Streams' repartition topics, Debezium's history
+    # topic) and its combined policy (windowed changelogs) are taken; a value past a
+    # Java long is not.
+    taken = [
+        {"retention.ms": "-1"},
+        {"retention.bytes": "-1"},
+        {"cleanup.policy": "compact,delete"},
+        {"cleanup.policy": "delete,compact"},
+    ]
+    for config in taken:
+        name = topic_name()
+        assert outcome(NewTopic(name, 1, config=config)) == {name: KafkaError.NO_ERROR}, config
+    name = topic_name()
+    too_long = NewTopic(name, 1, config={"retention.ms": "9" * 23})
+    assert outcome(too_long) == {name: KafkaError.INVALID_CONFIG}
+    # A name given twice in one request: neither created, the name answered once (two
+    # entries for it once broke librdkafka's parse of the whole answer).
+    twice = topic_name()
+    assert outcome(NewTopic(twice, 1), NewTopic(twice, 2)) == {twice: KafkaError.INVALID_REQUEST}
+    assert twice not in admin.list_topics(timeout=DEADLINE_S).topics
+    # The operation's own codes for a bad partition count or replication factor.
+    zero, three = topic_name(), topic_name()
+    assert outcome(NewTopic(zero, 0), NewTopic(three, 1, replication_factor=3)) == {
+        zero: KafkaError.INVALID_PARTITIONS,
+        three: KafkaError.INVALID_REPLICATION_FACTOR,
+    }
+
+
 # ---- [tls] ------------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from headwater.engine.engine import (
     ACKS_LEADER,
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
+    MAX_PARTITIONS,
     READ_COMMITTED,
     READ_UNCOMMITTED,
     StreamInfo,
@@ -273,6 +275,10 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
     }
 
 
+_UNLIMITED = frozenset(("retention_ms", "retention_bytes"))  # -1: no limit, as in Kafka
+_JAVA_LONG = range(-(2**63), 2**63)
+
+
 def _settings_from_configs(configs: Sequence[Any]) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for config in configs:
@@ -285,6 +291,15 @@ def _settings_from_configs(configs: Sequence[Any]) -> dict[str, Any]:
                 value = int(value)
             except ValueError:
                 raise InvalidRequest(f"{config.name} must be an integer") from None
+            if value not in _JAVA_LONG:
+                raise InvalidRequest(f"{config.name} {value} is not a 64-bit integer")
+            if value == -1 and setting in _UNLIMITED:
+                value = None
+        if value is not None and setting == "cleanup_policy":
+            # Kafka's "compact,delete" (Kafka Streams' windowed changelogs): compaction,
+            # with retention as set; headwater applies retention to every policy.
+            policies = {part.strip() for part in value.split(",")}
+            value = "compact" if policies == {"compact", "delete"} else value
         settings[setting] = value
     return settings
 
@@ -313,20 +328,40 @@ def _topic_outcome(session: Session, invalid: ErrorCode) -> Iterator[_Outcome]:
         outcome.error_message = str(exc)
 
 
+def _creation_refused(
+    name: str, times_named: int, partitions: int, topic: Any
+) -> tuple[ErrorCode, str] | None:
+    """Kafka's refusal of a CreateTopics entry before its configs are read, if any."""
+    if times_named > 1:  # Kafka creates none of them and answers the name once
+        return ErrorCode.invalid_request, f"topic {name!r} is named more than once"
+    if not 1 <= partitions <= MAX_PARTITIONS:
+        return ErrorCode.invalid_partitions, f"num_partitions must be 1 to {MAX_PARTITIONS} or -1"
+    if topic.replication_factor not in (-1, 1):
+        return ErrorCode.invalid_replication_factor, "one node: replication_factor is 1 or -1"
+    return None
+
+
 async def create_topics(session: Session, request: Any, version: int) -> Mapping[str, Any]:
     api, tenant = session.api, session.tenant_id
     results = []
+    named = Counter(topic.name for topic in request.topics)
+    answered: set[str] = set()
     for topic in request.topics:
-        partitions = topic.num_partitions if topic.num_partitions > 0 else 1
+        if topic.name in answered:
+            continue  # a name given twice: answered once (a client reads one entry)
+        answered.add(topic.name)
+        partitions = topic.num_partitions if topic.num_partitions != -1 else 1
         with _topic_outcome(session, ErrorCode.invalid_config) as outcome:
-            check_topic_name(topic.name, (s.name for s in api.list_streams(tenant)))
-            if topic.replication_factor not in (-1, 1):
-                raise InvalidRequest("one node: replication_factor must be 1 (or -1)")
-            settings = StreamSettings.from_dict(
-                {**_settings_from_configs(topic.configs), "partitions": partitions}
-            )
-            if not request.validate_only:
-                await api.create_stream(tenant, topic.name, settings)
+            refused = _creation_refused(topic.name, named[topic.name], partitions, topic)
+            if refused is not None:
+                outcome.error_code, outcome.error_message = refused
+            else:
+                check_topic_name(topic.name, (s.name for s in api.list_streams(tenant)))
+                settings = StreamSettings.from_dict(
+                    {**_settings_from_configs(topic.configs), "partitions": partitions}
+                )
+                if not request.validate_only:
+                    await api.create_stream(tenant, topic.name, settings)
         created = outcome.error_code is ErrorCode.none
         results.append(
             {
