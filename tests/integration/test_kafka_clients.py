@@ -429,6 +429,41 @@ def test_transactions_commit_abort_and_fencing(server: Server) -> None:
 # ---- other clients --------------------------------------------------------------------
 
 
+def test_read_committed_finds_no_offset_by_time_inside_an_open_transaction(
+    server: Server,
+) -> None:
+    # As Kafka: a timestamp lookup stops at what the isolation level may fetch, so
+    # read_committed does not find a record of a transaction still open (it once
+    # answered its offset, past the last stable offset).
+    topic = create_topic(server, partitions=1)
+    produce(server, topic, [{"value": b"committed", "timestamp": 1_000}])
+    txn = Producer({"bootstrap.servers": bootstrap(server), "transactional.id": topic})
+    txn.init_transactions(DEADLINE_S)
+    txn.begin_transaction()
+    txn.produce(topic, b"open", timestamp=5_000)
+    assert txn.flush(DEADLINE_S) == 0
+    found = {}
+    for isolation in ("read_committed", "read_uncommitted"):
+        consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap(server),
+                "group.id": topic,
+                "isolation.level": isolation,
+            }
+        )
+        try:
+            wanted = [TopicPartition(topic, 0, 5_000), TopicPartition(topic, 0, 1_000)]
+            found[isolation] = [
+                tp.offset
+                for tp in consumer.offsets_for_times(wanted[:1], timeout=DEADLINE_S)
+                + consumer.offsets_for_times(wanted[1:], timeout=DEADLINE_S)
+            ]
+        finally:
+            consumer.close()
+    txn.abort_transaction(DEADLINE_S)
+    assert found == {"read_committed": [-1, 0], "read_uncommitted": [1, 0]}
+
+
 def test_aiokafka_produces_and_consumes(server: Server) -> None:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
     from aiokafka import TopicPartition as AioPartition

@@ -1067,21 +1067,24 @@ async def list_offsets(session: Session, request: Any, version: int) -> Mapping[
     for entry, info, p, wanted in _partitions_asked(
         session, request.topics, topics, "name", "partition_index", blank
     ):
+        _, readable, stable = _partition_ends(session, info, p)
+        # What the client may fetch: below the last stable offset for read_committed
+        # (an open transaction's records are not found by time either, as in Kafka).
+        fetchable = stable if committed else readable
         if wanted.timestamp == EARLIEST:
             entry["offset"] = info.partition_info[p].start_offset
         elif wanted.timestamp == LATEST:
-            _, readable, stable = _partition_ends(session, info, p)
-            entry["offset"] = stable if committed else readable
+            entry["offset"] = fetchable
         elif wanted.timestamp >= 0:
             found = await api.offset_for_timestamp(
                 tenant, info.stream_id, wanted.timestamp, partition=p
             )
-            if found is not None:
+            if found is not None and found < fetchable:
                 entry["offset"] = found
                 entry["timestamp"] = await _timestamp_at(session, info, p, found)
         elif wanted.timestamp == MAX_TIMESTAMP and version >= 7:
             latest = await api.offset_of_max_timestamp(tenant, info.stream_id, partition=p)
-            if latest is not None:
+            if latest is not None and latest[0] < fetchable:
                 entry["offset"], entry["timestamp"] = latest
         else:
             entry["error_code"] = ErrorCode.unsupported_version
