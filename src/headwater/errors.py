@@ -157,6 +157,12 @@ class StreamQuotaExceeded(InvalidRequest):
     limit: ClassVar[str] = "max_streams_per_tenant"
 
 
+class BatchTooLarge(InvalidRequest):
+    """An append whose stored batch would not fit one segment of its stream
+    (``segment_bytes``): a batch never spans segments. InvalidRequest on the wire;
+    Kafka's front end answers RECORD_LIST_TOO_LARGE, as Kafka does."""
+
+
 class TableNotFound(HeadwaterError):
     code, name = 6, ErrorName.TABLE_NOT_FOUND
 

@@ -25,6 +25,7 @@ from confluent_kafka import (
     TIMESTAMP_LOG_APPEND_TIME,
     Consumer,
     KafkaError,
+    KafkaException,
     Producer,
     TopicPartition,
 )
@@ -557,3 +558,64 @@ def test_pipelined_produces_are_stored_in_the_order_they_were_sent(server: Serve
         value for batch in split_batches(fetched.records or b"") for value in batch.records().values
     ]
     assert stored == sent
+
+
+def test_refusals_carry_kafkas_codes_and_store_nothing(server: Server) -> None:
+    # Each as Kafka answers it, nothing of it stored: acks other than -1/0/1; a record
+    # without a key on a compacted topic; a batch larger than the topic's segments.
+    # And the groups' two: DeleteGroups of a group never seen; an OffsetCommit naming a
+    # missing topic beside a real one commits the real one.
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    topics = {
+        "acks": {},
+        "compact": {"cleanup.policy": "compact"},
+        "segment": {"segment.bytes": "1024"},
+    }
+    names = {kind: "t_" + uuid.uuid4().hex[:12] for kind in topics}
+    made = admin.create_topics([NewTopic(names[k], 1, config=c) for k, c in topics.items()])
+    for future in made.values():
+        future.result(timeout=DEADLINE_S)
+
+    def produce(kind: str, records: bytes, acks: int = -1) -> tuple[int, int]:
+        request = ProduceRequest(
+            transactional_id=None,
+            acks=i16(acks),
+            timeout=timedelta(seconds=DEADLINE_S),
+            topic_data=(
+                TopicProduceData(
+                    name=TopicName(names[kind]),
+                    partition_data=(PartitionProduceData(index=i32(0), records=records),),
+                ),
+            ),
+        )
+        [answer] = kafka.call(request, ApiKey.PRODUCE, 10).responses[0].partition_responses
+        return answer.error_code, answer.base_offset
+
+    def one(key: bytes | None, value: bytes = b"v") -> bytes:
+        return build_batch([Record(0, 0, key, value)], base_timestamp=1_700_000_000_000)
+
+    kafka = RawKafka(server)
+    try:
+        assert produce("acks", one(None), acks=5) == (ErrorCode.invalid_required_acks, -1)
+        assert produce("compact", one(None)) == (ErrorCode.invalid_record, -1)
+        assert produce("segment", one(None, b"x" * 2000)) == (ErrorCode.record_list_too_large, -1)
+        # Each topic then takes what it should, at offset 0: nothing was kept before.
+        assert produce("acks", one(None)) == (ErrorCode.none, 0)
+        assert produce("compact", one(b"k")) == (ErrorCode.none, 0)
+        assert produce("segment", one(None)) == (ErrorCode.none, 0)
+    finally:
+        kafka.close()
+
+    never = "never_" + uuid.uuid4().hex[:8]
+    with pytest.raises(KafkaException) as refused:
+        admin.delete_consumer_groups([never])[never].result(timeout=DEADLINE_S)
+    assert refused.value.args[0].code() == KafkaError.GROUP_ID_NOT_FOUND
+    consumer = Consumer({"bootstrap.servers": server.address_of("kafka"), "group.id": never})
+    try:
+        real, missing = TopicPartition(names["acks"], 0, 1), TopicPartition("t_missing", 0, 1)
+        with pytest.raises(KafkaException):
+            consumer.commit(offsets=[real, missing], asynchronous=False)
+        [committed] = consumer.committed([TopicPartition(names["acks"], 0)], timeout=DEADLINE_S)
+        assert committed.offset == 1
+    finally:
+        consumer.close()

@@ -25,6 +25,7 @@ import numpy as np
 from headwater.engine.names import RESERVED_PREFIXES, check_stream_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
+    BatchTooLarge,
     HeadwaterError,
     InternalError,
     InvalidRequest,
@@ -958,7 +959,7 @@ class Engine:
             # A batch never spans segments: every run is checked before any is written.
             segment_bytes = stream.partition_logs[int(placed[run[0]])].config.segment_bytes
             if HEADER_SIZE + len(section) > segment_bytes:
-                raise InvalidRequest(
+                raise BatchTooLarge(
                     f"{len(run)} events of {len(section)} stored bytes for partition "
                     f"{int(placed[run[0]])} do not fit the stream's {segment_bytes}-byte "
                     "segments (segment_bytes)"
@@ -1127,7 +1128,7 @@ class Engine:
         # A batch never spans segments: refuse before a position is claimed for it.
         segment_bytes = plog.config.segment_bytes
         if HEADER_SIZE + len(values_section) > segment_bytes:
-            raise InvalidRequest(
+            raise BatchTooLarge(
                 f"an append of {len(values_section)} stored bytes does not fit the stream's "
                 f"{segment_bytes}-byte segments (segment_bytes)"
             )

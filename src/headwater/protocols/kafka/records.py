@@ -237,6 +237,11 @@ class RecordBatch:
         except KafkaRecordsError as exc:
             raise _records_error(exc) from None
 
+    def keyless(self) -> bool:
+        """Whether a record of this (checked) batch has no key: one read of its records
+        by aiokafka's compiled reader (what a compacted topic refuses)."""
+        return None in kafka_batch.decode_section(self.section)[1]
+
     def records(self, max_decompressed: int = MAX_DECOMPRESSED) -> RecordColumns:
         """The records, decompressed once and parsed to columns."""
         body = decompress(

@@ -138,6 +138,13 @@ def _check_coordinator(session: Session) -> None:
         session.cluster.check_group_coordinator(session.tenant_id)
 
 
+def _partition_exists(session: Session, stream: str, partition: int) -> bool:
+    try:
+        return 0 <= partition < session.api.stream_named(session.tenant_id, stream).partitions
+    except StreamNotFound:
+        return False
+
+
 class KafkaGroups:
     """The group APIs of one Kafka listener, for every tenant."""
 
@@ -326,17 +333,23 @@ class KafkaGroups:
             for topic in request.topics
             for p in topic.partitions
         }
+        # As Kafka: a partition of no topic is answered UNKNOWN_TOPIC_OR_PARTITION on its
+        # own, and the others are committed.
+        missing = {key for key in offsets if not _partition_exists(session, *key)}
+        for key in missing:
+            del offsets[key]
         code = ErrorCode.none
         try:
             _check_coordinator(session)
-            await self.api.groups.commit(
-                session.tenant_id,
-                request.group_id,
-                offsets,
-                member_id=request.member_id,
-                generation=request.generation_id_or_member_epoch,
-                instance_id=getattr(request, "group_instance_id", None),
-            )
+            if offsets:
+                await self.api.groups.commit(
+                    session.tenant_id,
+                    request.group_id,
+                    offsets,
+                    member_id=request.member_id,
+                    generation=request.generation_id_or_member_epoch,
+                    instance_id=getattr(request, "group_instance_id", None),
+                )
         except StreamNotFound:
             code = ErrorCode.unknown_topic_or_partition
         except HeadwaterError as exc:
@@ -347,7 +360,10 @@ class KafkaGroups:
             log.warning(
                 "kafka %s: OffsetCommit of %r refused: %s", session.peer, request.group_id, code
             )
-        return {"throttle_time": 0, "topics": partitions_answered(request.topics, code)}
+        return {
+            "throttle_time": 0,
+            "topics": partitions_answered(request.topics, code, missing),
+        }
 
     async def _fetch_group(
         self, session: Session, group_id: str, topics: Any
@@ -478,6 +494,12 @@ class KafkaGroups:
             code = ErrorCode.none
             try:
                 _check_coordinator(session)
+                if group_id not in await self.api.groups.group_ids(session.tenant_id):
+                    # No member and no committed offset: Kafka's GROUP_ID_NOT_FOUND.
+                    results.append(
+                        {"group_id": group_id, "error_code": ErrorCode.group_id_not_found}
+                    )
+                    continue
                 await self.api.groups.delete(session.tenant_id, group_id)
             except GroupError as exc:
                 code = error_code(exc)

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -47,6 +47,7 @@ from headwater.engine.kinds.reader import Buffer
 from headwater.engine.names import InvalidName, check_topic_name
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
+    BatchTooLarge,
     HeadwaterError,
     InvalidOffset,
     InvalidRequest,
@@ -124,6 +125,8 @@ def error_code(exc: HeadwaterError) -> ErrorCode:
         return ErrorCode.topic_already_exists
     if isinstance(exc, StreamQuotaExceeded):
         return ErrorCode.policy_violation
+    if isinstance(exc, BatchTooLarge):
+        return ErrorCode.record_list_too_large
     if isinstance(exc, InvalidOffset):
         return ErrorCode.offset_out_of_range
     if isinstance(exc, InvalidName):
@@ -523,6 +526,22 @@ def _partitions_asked(
 
 
 async def produce(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    if getattr(request, "acks", 1) not in (-1, 0, 1):
+        # Kafka stores nothing of a Produce with other acks, every partition answered so.
+        message = f"acks must be -1, 0 or 1, not {request.acks}"
+        return {
+            "responses": [
+                {
+                    "name": topic.name,
+                    "partition_responses": [
+                        _produce_answer(data.index, ErrorCode.invalid_required_acks, message)
+                        for data in topic.partition_data
+                    ],
+                }
+                for topic in request.topic_data
+            ],
+            "throttle_time": 0,
+        }
     # Each partition's batch, split first: a Produce to several partitions has its
     # batches checked together (one numpy pass per record layout, not one per batch).
     parts: list[tuple[Any, StreamInfo | None, RecordBatch | RecordBatchError | None]] = []
@@ -572,6 +591,21 @@ async def produce(session: Session, request: Any, version: int) -> Mapping[str, 
     return {"responses": topics, "throttle_time": 0}
 
 
+def _produce_answer(
+    index: int, code: ErrorCode = ErrorCode.none, message: str | None = None
+) -> dict[str, Any]:
+    """A partition's answer to a Produce: nothing stored yet (offsets -1)."""
+    return {
+        "index": index,
+        "error_code": code,
+        "base_offset": -1,
+        "log_append_time": None,
+        "log_start_offset": -1,
+        "record_errors": [],
+        "error_message": message,
+    }
+
+
 def _one_batch(records: bytes | None) -> RecordBatch:
     """A partition's records of a Produce: exactly one v2 batch, as Kafka requires of
     Produce v3 and later (INVALID_RECORD otherwise: nothing of them is stored)."""
@@ -595,15 +629,7 @@ async def _produce_partition(
 ) -> dict[str, Any]:
     """One partition's answer: its ``batch`` appended (``checked``: it passed the append
     check already), or the error of its records; None for a partition of no stream."""
-    answer: dict[str, Any] = {
-        "index": index,
-        "error_code": ErrorCode.none,
-        "base_offset": -1,
-        "log_append_time": None,
-        "log_start_offset": -1,
-        "record_errors": [],
-        "error_message": None,
-    }
+    answer = _produce_answer(index)
     if info is None or not 0 <= index < info.partitions:
         answer["error_code"] = ErrorCode.unknown_topic_or_partition
         return answer
@@ -649,6 +675,12 @@ async def _produce_partition(
     return answer
 
 
+def _keyless() -> RecordBatchError:
+    # Kafka's rule: compaction keeps the latest record of each key, so every record of
+    # a compacted topic needs one.
+    return RecordBatchError(ErrorCode.invalid_record, "a compacted topic takes keyed records only")
+
+
 async def _append_batch(
     session: Session,
     info: StreamInfo,
@@ -673,6 +705,8 @@ async def _append_batch(
         return await _append_decoded(session, info, index, batch, transactional_id)
     if not checked:
         batch.check_for_append()
+    if info.settings.cleanup_policy == "compact" and batch.keyless():
+        raise _keyless()
     if header.is_transactional:
         section = KafkaSection(batch.section, header.records_count, header.max_timestamp)
         return await _append_transactional(session, info, index, header, transactional_id, section)
@@ -739,6 +773,8 @@ async def _append_decoded(
     now_ms = int(time.time() * 1000)
     header = batch.header
     columns = batch.validate_for_append()
+    if info.settings.cleanup_policy == "compact" and None in columns.keys:
+        raise _keyless()
     values = [b"" if value is None else value for value in columns.values]
     tombstones = [value is None for value in columns.values]
     keys = columns.keys if any(key is not None for key in columns.keys) else None
@@ -1119,14 +1155,23 @@ _PRODUCER_FENCED_FROM = {
 }
 
 
-def partitions_answered(topics: Sequence[Any], code: ErrorCode) -> list[dict[str, Any]]:
+def partitions_answered(
+    topics: Sequence[Any], code: ErrorCode, missing: Container[tuple[str, int]] = ()
+) -> list[dict[str, Any]]:
     """The answer's topics for an OffsetCommit or TxnOffsetCommit: every partition
-    asked of each topic answered ``code`` (the whole commit stands or falls together)."""
+    asked of each topic answered ``code`` (the commit stands or falls together), but
+    those ``missing`` (no such topic or partition: UNKNOWN_TOPIC_OR_PARTITION)."""
     return [
         {
             "name": topic.name,
             "partitions": [
-                {"partition_index": p.partition_index, "error_code": code} for p in topic.partitions
+                {
+                    "partition_index": p.partition_index,
+                    "error_code": ErrorCode.unknown_topic_or_partition
+                    if (topic.name, p.partition_index) in missing
+                    else code,
+                }
+                for p in topic.partitions
             ],
         }
         for topic in topics
