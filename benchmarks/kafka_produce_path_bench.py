@@ -9,9 +9,12 @@ The batch: ``--records`` records of ``--size``-byte values without keys or heade
 offset deltas 0..n-1 and timestamp deltas 0-5 ms spread over it, as librdkafka's
 ``linger.ms`` 5 makes them (its batches under ``kafka_bench``'s produce hold 750-1,300
 records). With ``--vary N`` the values take ``--size`` to ``--size + N`` bytes in a
-fixed scattered order instead (a producer of JSON: no two neighbours alike). Each side
-runs in its own process, sides alternating round by round; the median microseconds per
-call, and per record for the check. Markdown on stdout.
+fixed scattered order instead (a producer of JSON: no two neighbours alike). Also the
+check of a Produce to ``--partitions`` partitions, the same records cut into one batch
+each, as the front end checks them (``checked_together`` where the revision has it, the
+batches it does not pass one by one; else each one by one). Each side runs in its own
+process, sides alternating round by round; the median microseconds per call, and per
+record for the check. Markdown on stdout.
 
     .venv/bin/python benchmarks/kafka_produce_path_bench.py --before-src /tmp/wt/src
 """
@@ -32,14 +35,17 @@ from typing import Any
 from benchlib import HelpFormatter, git_revision, loadavg, report
 
 RESULTS = Path(__file__).parent / "results"
-CASES = ("check_for_append", "decode_request", "build_answer", "encode_answer")
+CASES = ("check_for_append", "check_partitions", "decode_request", "build_answer", "encode_answer")
 
 
-def measure(records: int, size: int, number: int, vary: int = 0) -> dict[str, float]:
+def measure(
+    records: int, size: int, number: int, vary: int = 0, partitions: int = 4
+) -> dict[str, float]:
     """Microseconds per call of each case, best of 3 repeats, in this process (whichever
     ``headwater`` it imports)."""
     from kio.schema.errors import ErrorCode
 
+    from headwater.protocols.kafka import records as kafka_records
     from headwater.protocols.kafka.apis import ApiKey, request_type, response_type
     from headwater.protocols.kafka.frames import (
         decode_request_body,
@@ -52,11 +58,24 @@ def measure(records: int, size: int, number: int, vary: int = 0) -> dict[str, fl
 
     # 37 is prime to vary + 1 for any vary below 36: sizes scattered, each one used.
     sizes = [size + (i * 37) % (vary + 1) for i in range(records)]
-    batch = build_batch(
-        [Record(i, i * 6 // records, None, b"v" * sizes[i], ()) for i in range(records)],
-        base_timestamp=1_700_000_000_000,
-    )
+
+    def batch_of(count: int) -> bytes:
+        return build_batch(
+            [Record(i, i * 6 // count, None, b"v" * sizes[i], ()) for i in range(count)],
+            base_timestamp=1_700_000_000_000,
+        )
+
+    batch = batch_of(records)
     [produced] = split_batches(batch)
+    parts = [split_batches(batch_of(records // partitions))[0] for _ in range(partitions)]
+    together = getattr(kafka_records, "checked_together", None)
+
+    def check_partitions() -> None:
+        passed = together(parts) if together is not None else [False] * len(parts)
+        for part, ok in zip(parts, passed, strict=True):
+            if not ok:
+                part.check_for_append()
+
     produce = request_type(ApiKey.PRODUCE, 9)
     module = sys.modules[produce.__module__]
     request = produce(
@@ -95,6 +114,7 @@ def measure(records: int, size: int, number: int, vary: int = 0) -> dict[str, fl
     answer = build(answer_type, fields)
     calls = {
         "check_for_append": produced.check_for_append,
+        "check_partitions": check_partitions,
         "decode_request": lambda: decode_request_body(fixed, body),
         "build_answer": lambda: build(answer_type, fields),
         "encode_answer": lambda: encode_response(7, answer),
@@ -122,6 +142,8 @@ def run_side(src: Path | None, args: argparse.Namespace) -> dict[str, float]:
         str(args.number),
         "--vary",
         str(args.vary),
+        "--partitions",
+        str(args.partitions),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     result: dict[str, float] = json.loads(done.stdout)
@@ -135,7 +157,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['config']['size']}-{results['config']['size'] + results['config']['vary']}"
         f" B, load {results['config']['loadavg']}",
         "",
-        "| per Produce of one batch | before µs | after µs | after / before |",
+        f"| per Produce (check_partitions: {results['config']['partitions']} batches)"
+        " | before µs | after µs | after / before |",
         "|---|--:|--:|--:|",
     ]
     for case in CASES:
@@ -152,13 +175,14 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=1_000)
     parser.add_argument("--size", type=int, default=100)
     parser.add_argument("--vary", type=int, default=0, help="values of --size..--size+N B")
+    parser.add_argument("--partitions", type=int, default=4, help="batches of check_partitions")
     parser.add_argument("--number", type=int, default=2_000, help="calls per repeat")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=RESULTS / "kafka_produce_path.json")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.records, args.size, args.number, args.vary)))
+        print(json.dumps(measure(args.records, args.size, args.number, args.vary, args.partitions)))
         return
     if args.before_src is None:
         parser.error("--before-src is required")
@@ -180,6 +204,7 @@ def main() -> None:
             "records": args.records,
             "size": args.size,
             "vary": args.vary,
+            "partitions": args.partitions,
             "number": args.number,
             "rounds": args.rounds,
             "revision": git_revision(),
