@@ -193,7 +193,7 @@ class ConsumerGroups:
     async def forget_stream(self, tenant_id: int, stream: str) -> None:
         """Every group's committed offsets of a deleted stream, removed (stored too).
         In a cluster only the tenant's group coordinator holds them: another node
-        leaves them (docs/cluster.md)."""
+        leaves them (docs/kafka.md, "DeleteTopics")."""
         try:
             self._engine.stream_by_name(tenant_id, OFFSETS_STREAM, internal=True)
             self._check_coordinator(tenant_id)
