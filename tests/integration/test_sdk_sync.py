@@ -349,6 +349,29 @@ def test_consumer_group_resumes_from_acknowledged_position(
         assert batch[0].offset == again.start_offset
 
 
+def test_consumer_group_on_a_quiet_stream_moves_on(client: Client, sdk_stream_name: str) -> None:
+    # Fewer events than credits: the balance never runs out, yet finishing every event
+    # received must still move the group on (it once stayed at 0 for ever).
+    name = sdk_stream_name
+    client.create_stream(name)
+    client.append(name, [f"{i}".encode() for i in range(5)])
+    with client.subscribe(name, 0, credits=100, group="quiet") as sub:
+        got: list[Event] = []
+        while len(got) < 5:
+            got += sub.next_batch(timeout=10)
+        assert sub.next_batch(timeout=0) == []  # back for more: the five are finished
+    client.append(name, [b"5", b"6"])
+    with client.subscribe(name, "resume", credits=100, group="quiet") as again:
+        assert again.start_offset == 5
+        got = []
+        while len(got) < 2:
+            got += again.next_batch(timeout=10)
+        assert [e.offset for e in got] == [5, 6]
+        # Closed before coming back for more: 5 and 6 are not finished, so they come again.
+    with client.subscribe(name, "resume", credits=100, group="quiet") as third:
+        assert third.start_offset == 5
+
+
 def test_pipelined_requests_from_many_threads(client: Client, sdk_stream_name: str) -> None:
     name = sdk_stream_name
     client.create_stream(name)

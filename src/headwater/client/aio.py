@@ -648,7 +648,12 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         ahead of what the caller consumed; more credit is granted automatically when the
         balance falls below half. With ``group`` the consumer group's durable position
         advances only past events the caller has finished with (it asked for the next
-        one), so delivery is at-least-once; ``from_offset="resume"`` continues it.
+        one), so delivery is at-least-once; ``from_offset="resume"`` continues it. The
+        position moves when the caller has finished with every event received: the
+        Kimberlite grant that carries it acknowledges all the server has sent, so an
+        event on its way at that moment is acknowledged before it arrives (and not
+        delivered again if the consumer dies before finishing it). Where that matters,
+        :class:`~headwater.client.consumer.AsyncConsumer` commits exact offsets.
         """
         return AsyncSubscription(self, stream, from_offset, credits, group)
 
@@ -696,6 +701,7 @@ class AsyncSubscription(Resumable[Connection]):
         self._ready: asyncio.Event | None = None
         self._unconsumed = 0  # server-side balance + events buffered here
         self._handed = 0  # group subscriptions: events handed out, not yet finished
+        self._unacknowledged = 0  # group subscriptions: finished, no grant since
         self._request_id: Hashable | None = None
         self._starting: asyncio.Task[None] | None = None
 
@@ -843,19 +849,24 @@ class AsyncSubscription(Resumable[Connection]):
         if self._state != "active":
             return
         if self.group is not None:
-            # A grant acknowledges everything the server delivered before it, so a group
-            # grants only once every event it was sent has been handed out and finished
-            # with: the group's position never passes an event still being processed.
-            if self._unconsumed > 0:
+            # A grant acknowledges everything the server sent before it, so a group
+            # grants only once every event received has been handed out and finished
+            # with, and then even a grant of nothing, which only acknowledges: a group
+            # whose stream is quiet (its credit never runs out) still moves on.
+            self._unacknowledged += count
+            if self._buffer or self._handed or not self._unacknowledged:
                 return
         elif self._unconsumed >= (self.credits + 1) // 2:
             return
         grant = self.credits - self._unconsumed
         conn, subscription_id = self._conn, self.subscription_id
-        if grant <= 0 or conn is None or subscription_id is None:
+        if grant < 0 or (grant == 0 and self.group is None):
+            return
+        if conn is None or subscription_id is None:
             return
         if self._client._grant(conn, subscription_id, grant):
             self._unconsumed += grant
+            self._unacknowledged = 0
 
     async def _next_batch(
         self, max_events: int | None = None, timeout: float | None = None
