@@ -53,6 +53,8 @@ POLICY_VIOLATIONS = [
     '{"type":"SUBSCRIBE","sourceId":42}',
     '{"type":"SUBSCRIBE","sourceId":"a","mode":"poll"}',
     '{"type":"SUBSCRIBE","sourceId":"' + "a" * 257 + '"}',
+    '{"type":"SUBSCRIBE","sourceId":"\\ud800"}',  # a lone surrogate: no reply could carry it
+    '{"type":"REQUEST","sourceId":"a\\udfff","n":1}',
     '{"type":"REQUEST","sourceId":"a"}',
     '{"type":"REQUEST","sourceId":"a","n":0}',
     '{"type":"REQUEST","sourceId":"a","n":-1}',

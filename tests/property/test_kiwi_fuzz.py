@@ -23,6 +23,7 @@ json_values = st.recursive(
     | st.integers()
     | st.floats()
     | st.text(max_size=20)
+    | st.text(st.characters(categories=["Cs"]) | st.just("a"), min_size=1, max_size=3)
     | st.sampled_from(["SUBSCRIBE", "UNSUBSCRIBE", "REQUEST", "push", "pull"]),
     lambda children: (
         st.lists(children, max_size=4)
@@ -59,9 +60,10 @@ def test_random_bytes_are_binary_frames(data: bytes) -> None:
 def test_random_json(value: object) -> None:
     result = parse_or_error(json.dumps(value))
     if not isinstance(result, m.KiwiProtocolError):
-        # Whatever parsed says back what was sent.
+        # Whatever parsed says back what was sent, and every reply can carry it.
         assert isinstance(value, dict)
         assert value["sourceId"] == result.source_id
+        m.subscribe_error(result.source_id, "no such source")
 
 
 @given(st.sampled_from(VALID), st.integers(0, 60), st.text(max_size=3))

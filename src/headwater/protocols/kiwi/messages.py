@@ -69,6 +69,13 @@ def _source_id(data: dict[str, Any]) -> str:
         raise _policy("sourceId must be a non-empty string")
     if len(value) > MAX_SOURCE_ID_CHARS:
         raise _policy(f"sourceId is longer than {MAX_SOURCE_ID_CHARS} characters")
+    if not value.isascii():
+        # JSON's \ud800 escape makes a lone surrogate, which no reply could carry
+        # back as UTF-8: refuse it here rather than fail on the way out.
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise _policy("sourceId is not valid Unicode (a lone surrogate)") from None
     return value
 
 
