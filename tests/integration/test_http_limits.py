@@ -356,6 +356,54 @@ def test_deeply_nested_json_is_a_400_with_a_message(
         assert status == 200 and json.loads(body)["events"] == []
 
 
+@pytest.mark.parametrize(
+    ("path", "content_type", "body"),
+    [
+        ("/api/streams", "application/json", rb'{"name": "a\ud800"}'),
+        ("/api/sql", "application/json", rb"""{"sql": "SELECT '\udc00' AS s"}"""),
+        ("/api/streams/uni/events", "application/json", rb'["ok", "\udfff"]'),
+        ("/api/streams/uni/events", "application/x-ndjson", b'"ok"\n{"a": "\\ud83d"}\n'),
+        (
+            "/api/streams/uni/events",
+            "application/json",
+            rb'{"records": [{"value": "v", "key": "\ud800x"}]}',
+        ),
+        (
+            "/api/streams/uni/events",
+            "application/json",
+            rb'{"records": [{"value": "v", "headers": [{"name": "\udbff", "value": "h"}]}]}',
+        ),
+    ],
+)
+def test_a_lone_surrogate_in_a_json_body_is_a_400(
+    server: Server, path: str, content_type: str, body: bytes
+) -> None:
+    # JSON can escape half of a UTF-16 pair, which no UTF-8 store can hold: it once
+    # reached the engine and came back as a retryable 500.
+    create = json.dumps({"name": "uni"}).encode()
+    with connect(server) as sock:
+        sock.sendall(request_bytes("POST", "/api/streams", create, Content_Type="application/json"))
+        assert read_response(sock)[0] in (201, 409)
+        sock.sendall(request_bytes("GET", "/api/streams/uni"))
+        status, _, answer = read_response(sock)
+        before = json.loads(answer)["next_offset"]
+        sock.sendall(request_bytes("POST", path, body, Content_Type=content_type))
+        status, _, answer = read_response(sock)
+        assert status == 400, answer
+        error = error_of(answer)
+        assert error["name"] == "InvalidRequest"
+        assert "lone surrogate" in str(error["message"])
+        # Nothing of it was stored, and a pair (one character) is taken as any other.
+        pair = b'["\\ud83d\\ude00"]'
+        sock.sendall(
+            request_bytes("POST", "/api/streams/uni/events", pair, Content_Type="application/json")
+        )
+        assert read_response(sock)[0] == 200
+        sock.sendall(request_bytes("GET", f"/api/streams/uni/events?from={before}"))
+        status, _, answer = read_response(sock)
+        assert [e["value"] for e in json.loads(answer)["events"]] == ["\U0001f600"]
+
+
 def test_aborted_uploads_release_their_memory_and_log_one_line_each(server: Server) -> None:
     uploads = 40
     declared = 8 << 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,11 +160,40 @@ def decode_json(data: bytes, what: str) -> Any:
     body") is not valid JSON, or is nested too deeply to parse (``[[[...`` by the
     ten thousand: Python's recursion limit, which must not become a 500)."""
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequest(f"{what} is JSON nested too deeply to parse") from None
+    if _SURROGATE_ESCAPE.search(data) is not None and _has_lone_surrogate(value):
+        raise InvalidRequest(
+            f"{what} has a string with a lone surrogate (a \\ud800-\\udfff escape"
+            " not in a pair): not valid Unicode, which nothing could store or send on"
+        )
+    return value
+
+
+# JSON's \uD800-\uDFFF escapes are the only way a parsed string can hold a surrogate;
+# a body without one (nearly all) is not walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+    return False
 
 
 def _check_limits(values: list[bytes]) -> list[bytes]:
