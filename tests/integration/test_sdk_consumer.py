@@ -17,7 +17,7 @@ from headwater.client.consumer import AsyncConsumer, Consumer, ConsumerRecord, T
 from headwater.client.errors import ServerUnavailable
 from headwater.client.producer import AsyncProducer
 from headwater.engine.groups.errors import IllegalGeneration, InvalidSessionTimeout
-from headwater.errors import AuthenticationFailed, InvalidRequest
+from headwater.errors import AuthenticationFailed, InvalidRequest, UsageError
 from waiting import wait_until, wait_until_async
 
 PARTITIONS = 6
@@ -192,6 +192,15 @@ def test_seek_and_seek_by_time(server: Server) -> None:
             consumer.seek(tp, 1_000)  # past the end: back to auto_offset_reset's earliest
             record = await consumer.poll(5)
             assert record is not None and record.offset == 0
+            # A negative offset is the caller's mistake, said at once (it once surfaced
+            # in the next poll or commit as the protobuf library's ValueError).
+            for bad in (-1, 1 << 63, True):
+                with pytest.raises(UsageError, match="from 0 to 2\\*\\*63-1"):
+                    consumer.seek(tp, bad)  # type: ignore[arg-type]
+                with pytest.raises(UsageError, match="from 0 to 2\\*\\*63-1"):
+                    await consumer.commit({tp: bad})  # type: ignore[dict-item]
+            assert consumer.position(tp) == 1  # the refused seek moved nothing
+            assert await consumer.committed([tp]) == {tp: None}
 
     asyncio.run(main())
 

@@ -89,6 +89,14 @@ def _tp(value: TopicPartition | tuple[str, int]) -> TopicPartition:
     return value if isinstance(value, TopicPartition) else TopicPartition(*value)
 
 
+def _offset(value: int, tp: TopicPartition) -> int:
+    """An offset the caller gave, checked here: the wire's unsigned field would fail
+    later, in a poll or a commit, with the protobuf library's error."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise UsageError(f"an offset of {tp} is an int from 0 to 2**63-1, not {value!r}")
+    return value
+
+
 def _ms(when: int | float | _dt.datetime) -> int:
     """A time as ms since the epoch (an int is taken as ms already)."""
     if isinstance(when, _dt.datetime):
@@ -534,7 +542,8 @@ class AsyncConsumer(RivvenClient):
         if offsets is None:
             await self._commit_positions(raise_errors=True)
             return
-        await self._commit({_tp(tp): offset for tp, offset in offsets.items()}, True)
+        checked = {_tp(tp): offset for tp, offset in offsets.items()}
+        await self._commit({tp: _offset(offset, tp) for tp, offset in checked.items()}, True)
 
     async def _commit_positions(
         self, partitions: Iterable[TopicPartition] | None = None, *, raise_errors: bool = False
@@ -613,6 +622,7 @@ class AsyncConsumer(RivvenClient):
         tp = _tp(partition)
         if tp not in self._assignment:
             raise UsageError(f"{tp} is not assigned to this consumer")
+        _offset(offset, tp)
         self._stop_fetchers([tp])
         self._buffer = deque(r for r in self._buffer if (r.stream, r.partition) != tp)
         self._positions[tp] = offset
