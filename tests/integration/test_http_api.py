@@ -314,6 +314,9 @@ def _next_offset(srv: HttpApi, name: str) -> int:
         (b'{"records": [{}]}', "application/json"),
         (b'{"records": [{"value": "a", "value_b64": "YQ=="}]}', "application/json"),
         (b'{"records": [{"value_b64": "AAAA="}]}', "application/json"),
+        # A time past a signed 64-bit ms count once failed inside as a retryable 500.
+        (b'{"records": [{"value": "a", "timestamp_ms": 9223372036854775808}]}', "application/json"),
+        (b'{"records": [{"value": "a", "timestamp_ms": -1}]}', "application/json"),
     ],
 )
 def test_append_rejects_and_stores_nothing(srv: HttpApi, raw: bytes, content_type: str) -> None:

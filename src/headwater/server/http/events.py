@@ -103,8 +103,8 @@ def _int_field(item: dict[str, Any], name: str, where: str) -> int | None:
     value = item.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidRequest(f"{where}: {name} must be a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise InvalidRequest(f"{where}: {name} must be an integer from 0 to 2**63-1")
     return value
 
 
