@@ -846,6 +846,7 @@ class AsyncSubscription(Resumable[Connection]):
 
     def _consumed(self, count: int) -> None:
         self._unconsumed -= count
+        self._unacknowledged += count
         if self._state != "active":
             return
         if self.group is not None:
@@ -853,7 +854,6 @@ class AsyncSubscription(Resumable[Connection]):
             # grants only once every event received has been handed out and finished
             # with, and then even a grant of nothing, which only acknowledges: a group
             # whose stream is quiet (its credit never runs out) still moves on.
-            self._unacknowledged += count
             if self._buffer or self._handed or not self._unacknowledged:
                 return
         elif self._unconsumed >= (self.credits + 1) // 2:
