@@ -299,6 +299,60 @@ def test_psycopg_types_round_trip(server: Server, binary: bool) -> None:
         )
 
 
+# Values DuckDB has and Python's types do not (the SQL layer hands them on as DuckDB's
+# text), each with the number PostgreSQL's binary format must carry, as a BIGINT:
+# microseconds or days from 2000-01-01, computed by DuckDB itself.
+_US_2000 = "epoch_us({}) - 946684800000000"
+FAR_MOMENTS = [
+    ("TIMESTAMP '2300-01-01 00:00:00.5'", _US_2000),
+    ("'0044-03-15 (BC) 01:02:03.5'::TIMESTAMP", _US_2000),
+    ("TIMESTAMPTZ '9999-12-31 23:00:00-02'", _US_2000),
+    ("'infinity'::TIMESTAMP", "9223372036854775807"),
+    ("DATE '10000-01-01'", "{} - DATE '2000-01-01'"),
+    ("'0044-03-15 (BC)'::DATE", "{} - DATE '2000-01-01'"),
+    ("'-infinity'::DATE", "-2147483648"),
+]
+
+
+def test_far_dates_timestamps_and_wide_numbers_in_binary(server: Server) -> None:
+    # Each once failed: a far timestamp went out as its text in a binary column, a far
+    # date closed the session, DECIMAL(38) and HUGEINT lost digits past the 28th.
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        sql = "SELECT " + ", ".join(
+            f"{value}, ({number.format(value)})::BIGINT" for value, number in FAR_MOMENTS
+        )
+        raw = conn.cursor(binary=True).execute(sql).pgresult
+        assert raw is not None
+        for i, (value, _) in enumerate(FAR_MOMENTS):
+            expected = int.from_bytes(bytes(raw.get_value(0, 2 * i + 1)), signed=True)
+            got = bytes(raw.get_value(0, 2 * i))
+            assert len(got) == (4 if "DATE" in value else 8), value
+            assert int.from_bytes(got, signed=True) == expected, value
+        # PostgreSQL's text for BC puts "BC" last.
+        text = conn.execute(
+            "SELECT '0044-03-15 (BC)'::DATE, '0044-03-15 (BC) 01:02:03'::TIMESTAMP"
+        ).pgresult
+        assert text is not None
+        assert [bytes(text.get_value(0, c)) for c in (0, 1)] == [
+            b"0044-03-15 BC",
+            b"0044-03-15 01:02:03 BC",
+        ]
+        wide = "12345678901234567890.123456789012"
+        cur = conn.cursor(binary=True)
+        cur.execute(
+            f"SELECT {wide}::DECIMAL(38,12), 170141183460469231731687303715884105727::HUGEINT"
+        )
+        assert cur.fetchone() == (
+            decimal.Decimal(wide),
+            170141183460469231731687303715884105727,
+        )
+        # A date past what PostgreSQL's int32 days can say fails the statement, not the
+        # session.
+        with pytest.raises(pgerrors.DatetimeFieldOverflow):
+            conn.cursor(binary=True).execute("SELECT '5877641-06-25 (BC)'::DATE")
+        assert conn.execute("SELECT 'still here'").fetchone() == ("still here",)
+
+
 def test_psycopg_error_leaves_the_connection_usable(server: Server) -> None:
     with psycopg.connect(dsn(server)) as conn:  # not autocommit: psycopg sends BEGIN
         with pytest.raises(pgerrors.UndefinedTable):

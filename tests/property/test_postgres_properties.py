@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import struct
 
+import duckdb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -192,6 +194,37 @@ def test_dates_both_formats(value: datetime.date) -> None:
     text = value.isoformat()
     assert t.decode_parameter(t.DATE, True, t.encode_binary(t.DATE, text)) == value
     assert t.decode_parameter(t.DATE, False, t.encode_text(t.DATE, text)) == value
+
+
+_DUCKDB = duckdb.connect()  # the oracle for its own text of far dates and timestamps
+
+
+# From the first moment PostgreSQL's int64 microseconds from 2000 can say (DuckDB's
+# own start, 290309 BC, is earlier) to DuckDB's last.
+@given(st.integers(-(1 << 63) + 946_684_800_000_000, 9_223_372_036_854_775_806))
+def test_any_duckdb_timestamp_text_is_its_microseconds_in_binary(us: int) -> None:
+    texts = _DUCKDB.execute(
+        "SELECT make_timestamp($1::BIGINT)::VARCHAR,"
+        " make_timestamp($1::BIGINT)::TIMESTAMPTZ::VARCHAR",
+        [us],
+    ).fetchall()[0]
+    for oid, text in zip((t.TIMESTAMP, t.TIMESTAMPTZ), texts, strict=True):
+        assert t.encode_binary(oid, text) == struct.pack(">q", us - 946_684_800_000_000), text
+
+
+@given(st.integers(-2_147_483_648 + 10_957, 2_147_483_646))
+def test_any_duckdb_date_text_is_its_days_in_binary(days: int) -> None:
+    (text,) = _DUCKDB.execute(
+        "SELECT (DATE '1970-01-01' + $1::INTEGER)::VARCHAR", [days]
+    ).fetchall()[0]
+    assert t.encode_binary(t.DATE, text) == struct.pack(">i", days - 10_957), text
+
+
+@given(st.integers(-(10**38) + 1, 10**38 - 1), st.integers(0, 38))
+def test_numeric_keeps_all_38_digits_in_binary(digits: int, scale: int) -> None:
+    value = decimal.Decimal(f"{digits}e-{scale}")  # exact (scaleb would round to 28 digits)
+    text = format(value, "f")
+    assert t.decode_parameter(t.NUMERIC, True, t.encode_binary(t.NUMERIC, text)) == value
 
 
 @given(st.binary(max_size=50))

@@ -116,7 +116,12 @@ def column_values(column: pa.ChunkedArray, type_id: str, text: TextCast) -> list
     t = column.type
     if pa.types.is_null(t):
         return [None] * len(column)
-    if type_id in ("hugeint", "uhugeint", "ubigint"):
+    if type_id == "uhugeint":
+        # Exported as a signed 128-bit decimal: 2**127 and above arrive wrapped negative.
+        return [
+            _wide_int(v if v is None or v >= 0 else int(v) + (1 << 128)) for v in column.to_pylist()
+        ]
+    if type_id in ("hugeint", "ubigint"):
         return [_wide_int(v) for v in column.to_pylist()]
     if pa.types.is_boolean(t) or pa.types.is_integer(t):
         values: list[QueryValue] = column.to_pylist()

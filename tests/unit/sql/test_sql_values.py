@@ -22,6 +22,10 @@ CASES: list[tuple[str, object]] = [
     ("12::UBIGINT", 12),
     ("18446744073709551615::UBIGINT", "18446744073709551615"),
     ("170141183460469231731687303715884105727::HUGEINT", "170141183460469231731687303715884105727"),
+    # UHUGEINT arrives from DuckDB as a signed 128-bit decimal: 2**127 and up wrapped.
+    ("340282366920938463463374607431768211455::UHUGEINT", str((1 << 128) - 1)),
+    ("(1::UHUGEINT << 127)", str(1 << 127)),
+    ("7::UHUGEINT", 7),
     ("sum(x) FROM (VALUES (1::BIGINT), (2::BIGINT)) t(x)", 3),
     ("'héllo'", "héllo"),
     ("true", True),

@@ -814,12 +814,16 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             return m.NO_DATA
         return m.encode_row_description(portal.columns)
 
-    @staticmethod
-    def _portal_rows(portal: Portal, max_rows: int) -> bytes:
+    def _portal_rows(self, portal: Portal, max_rows: int) -> bytes:
         assert portal.columns is not None
         encoders = [t.column_encoder(c.type_oid, bool(c.format)) for c in portal.columns]
         end = len(portal.rows) if max_rows <= 0 else min(len(portal.rows), portal.sent + max_rows)
-        out = [m.encode_data_rows(portal.rows[portal.sent : end], encoders)]
+        try:
+            out = [m.encode_data_rows(portal.rows[portal.sent : end], encoders)]
+        except (ValueError, struct.error) as exc:
+            # A value the format cannot carry (a date past PostgreSQL's int32 days in
+            # binary): the statement fails as PostgreSQL's would, the session goes on.
+            return self._error("22008", f"a result value cannot be sent in this format: {exc}")
         portal.sent = end
         if end < len(portal.rows):
             out.append(m.PORTAL_SUSPENDED)

@@ -14,6 +14,7 @@ import datetime
 import decimal
 import json
 import math
+import re
 import struct
 import uuid
 from collections.abc import Callable
@@ -108,6 +109,74 @@ def _timestamp_text(ns: int, with_zone: bool) -> str:
     return text + ("+00" if with_zone else "")
 
 
+# DuckDB's text for a date or timestamp outside what the SQL layer hands as a value (a
+# year past 9999, BC, or a timestamp past int64 nanoseconds): "10000-01-01",
+# "0044-03-15 (BC)", "2300-01-01 00:00:00.5", "290308-12-22 (BC) 00:00:00", "...+00".
+_DUCKDB_MOMENT = re.compile(
+    r"(\d+)-(\d\d)-(\d\d)( \(BC\))?"
+    r"(?: (\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(?:([+-])(\d\d)(?::(\d\d))?)?)?"
+)
+_INFINITE_DAYS = {"infinity": (1 << 31) - 1, "-infinity": -(1 << 31)}
+_INFINITE_MICROS = {"infinity": (1 << 63) - 1, "-infinity": -(1 << 63)}
+
+
+def _days_since_2000(year: int, month: int, day: int) -> int:
+    """Days from 2000-01-01 to a proleptic Gregorian date of any year (0 is 1 BC),
+    where Python's date stops at 1..9999 (H. Hinnant's days_from_civil)."""
+    y = year - (month <= 2)
+    era = y // 400
+    year_of_era = y - era * 400
+    day_of_year = (153 * (month + (-3 if month > 2 else 9)) + 2) // 5 + day - 1
+    day_of_era = year_of_era * 365 + year_of_era // 4 - year_of_era // 100 + day_of_year
+    return era * 146_097 + day_of_era - 719_468 - _EPOCH_2000_DAYS
+
+
+def _moment_micros(text: str) -> tuple[int, int]:
+    """DuckDB's date or timestamp text as (days since 2000-01-01, microseconds into the
+    day, less any zone offset); ValueError for anything else."""
+    match = _DUCKDB_MOMENT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a date or timestamp: {text!r}")
+    year, month, day, bc, hour, minute, second, fraction, sign, zh, zm = match.groups()
+    days = _days_since_2000(1 - int(year) if bc else int(year), int(month), int(day))
+    micros = 0
+    if hour is not None:
+        micros = ((int(hour) * 60 + int(minute)) * 60 + int(second)) * 1_000_000
+        micros += int((fraction or "")[:6].ljust(6, "0"))
+        if sign is not None:
+            offset = (int(zh) * 60 + int(zm or 0)) * 60_000_000
+            micros -= offset if sign == "+" else -offset
+    return days, micros
+
+
+def _date_binary(value: object) -> bytes:
+    if isinstance(value, datetime.date):
+        return struct.pack(">i", value.toordinal() - _DATE_2000.toordinal())
+    text = str(value)
+    infinite = _INFINITE_DAYS.get(text)
+    return struct.pack(">i", infinite if infinite is not None else _moment_micros(text)[0])
+
+
+def _timestamp_binary(value: object) -> bytes:
+    if isinstance(value, int):  # nanoseconds since 1970 (the SQL layer's Timestamp)
+        return struct.pack(">q", value // 1000 - _EPOCH_2000_US)
+    text = str(value)
+    infinite = _INFINITE_MICROS.get(text)
+    if infinite is not None:
+        return struct.pack(">q", infinite)
+    days, micros = _moment_micros(text)
+    return struct.pack(">q", days * 86_400_000_000 + micros)
+
+
+def _bc_text(value: object) -> bytes:
+    """A date or timestamp's text as PostgreSQL writes it: DuckDB's "(BC)" after the
+    date is PostgreSQL's " BC" at the end."""
+    text = str(value)
+    if "(BC)" in text:
+        text = text.replace(" (BC)", "") + " BC"
+    return text.encode()
+
+
 def _float_text(value: float) -> str:
     if math.isnan(value):
         return "NaN"
@@ -132,8 +201,10 @@ def encode_text(oid: int, value: object) -> bytes:
     """``value`` in PostgreSQL's text format for ``oid``."""
     if isinstance(value, bool):
         return b"t" if value else b"f"
-    if oid in (TIMESTAMP, TIMESTAMPTZ) and isinstance(value, int):
-        return _timestamp_text(value, oid == TIMESTAMPTZ).encode()
+    if oid in (TIMESTAMP, TIMESTAMPTZ):
+        if isinstance(value, int):
+            return _timestamp_text(value, oid == TIMESTAMPTZ).encode()
+        return _bc_text(value)
     if isinstance(value, float):
         return _float_text(value).encode()
     if isinstance(value, bytes):
@@ -149,7 +220,9 @@ def _numeric_binary(text: str) -> bytes:
     if number.is_infinite():
         return struct.pack(">hhHh", 0, 0, 0xD000 if number > 0 else 0xF000, 0)
     sign = number.is_signed() and number != 0
-    integer, _, fraction = format(abs(number), "f").partition(".")
+    # copy_abs, not abs(): abs() rounds to the context's 28 digits (a DECIMAL(38) lost
+    # its last ten).
+    integer, _, fraction = format(number.copy_abs(), "f").partition(".")
     scale = len(fraction)
     integer = integer.lstrip("0")
     integer = integer.rjust((len(integer) + 3) // 4 * 4, "0")
@@ -180,15 +253,12 @@ def encode_binary(oid: int, value: object) -> bytes:
         return struct.pack(">f" if oid == FLOAT4 else ">d", float(str(value)))
     if oid == BYTEA and isinstance(value, bytes):
         return value
-    if oid in (TIMESTAMP, TIMESTAMPTZ) and isinstance(value, int):
-        return struct.pack(">q", value // 1000 - _EPOCH_2000_US)
-    if oid in (TIMESTAMP, TIMESTAMPTZ) and value in ("infinity", "-infinity"):
-        # The SQL layer's text for DuckDB's infinite timestamps; PostgreSQL's binary
-        # form is the extreme int64.
-        return struct.pack(">q", (1 << 63) - 1 if value == "infinity" else -(1 << 63))
+    if oid in (TIMESTAMP, TIMESTAMPTZ):
+        # The SQL layer's nanoseconds, or DuckDB's text past them (infinity, a far
+        # year, BC): PostgreSQL's binary form is int64 microseconds from 2000 either way.
+        return _timestamp_binary(value)
     if oid == DATE:
-        days = datetime.date.fromisoformat(str(value)).toordinal() - _DATE_2000.toordinal()
-        return struct.pack(">i", days)
+        return _date_binary(value)
     if oid == NUMERIC:
         return _numeric_binary(str(value))
     if oid == UUID:
@@ -232,7 +302,7 @@ _TEXT_ENCODERS: dict[int, Encoder] = {
     TEXT: _str_text,
     VARCHAR: _str_text,
     JSON: _str_text,
-    DATE: _str_text,
+    DATE: _bc_text,
     NUMERIC: _str_text,
     UUID: _str_text,
     FLOAT4: _float_value_text,
@@ -302,11 +372,17 @@ def _numeric_from_binary(data: bytes) -> decimal.Decimal:
     if sign in (0xD000, 0xF000):
         return decimal.Decimal("Infinity" if sign == 0xD000 else "-Infinity")
     groups = struct.unpack_from(f">{ndigits}H", data, 8)
-    value = decimal.Decimal(0)
-    for i, g in enumerate(groups):
-        value += decimal.Decimal(g).scaleb(4 * (weight - i))
-    value = value.quantize(decimal.Decimal(1).scaleb(-scale)) if scale else value
-    return -value if sign == 0x4000 else value
+    # Built as an integer and an exponent, then read from text: exact, where Decimal's
+    # arithmetic rounds to the context's 28 digits.
+    coefficient = 0
+    for g in groups:
+        coefficient = coefficient * 10_000 + g
+    exponent = 4 * (weight - ndigits + 1)
+    if exponent > -scale:
+        coefficient *= 10 ** (exponent + scale)
+    elif exponent < -scale:
+        coefficient //= 10 ** (-scale - exponent)
+    return decimal.Decimal(f"{'-' if sign == 0x4000 else ''}{coefficient}e{-scale}")
 
 
 _BINARY_PARAMS: dict[int, Callable[[bytes], object]] = {
