@@ -119,6 +119,38 @@ def test_stream_append_read_sql_delete(
     assert gone.stderr.strip() == f"headwater: error: StreamNotFound: no stream named {name!r}"
 
 
+def test_numbers_past_the_wire_are_one_line_not_a_traceback(
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str]
+) -> None:
+    name, env, big = sdk_stream_name, sdk_cli_env, str(10**20)  # past any u64
+    ok(cli("stream", "create", name, server=shared_server, env=env))
+    for args, message in (
+        (("read", name, "--from", big), "argument --from: must be from 0 to 2**63-1"),
+        (("read", name, "--tenant", big), "argument --tenant: must be from 0 to 2**63-1"),
+        (("sql", "SELECT 1", "--at", big), "argument --at: must be from 0 to 2**63-1"),
+        (("tail", name, "--from", big), "argument --from: offsets are from 0 to 2**63-1"),
+        (("tail", name, "--credits", big), "argument --credits: must be from 1 to 4294967295"),
+    ):
+        proc = cli(*args, server=shared_server, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].endswith(message), proc.stderr
+    # A --param past BIGINT goes as text, for DuckDB to cast.
+    out = ok(
+        cli(
+            "sql",
+            "SELECT ?::HUGEINT + 1 AS n",
+            "--param",
+            big,
+            "--format",
+            "json",
+            server=shared_server,
+            env=env,
+        )
+    )
+    assert str(10**20 + 1) in out
+
+
 def test_append_from_a_file(
     shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str], tmp_path: Path
 ) -> None:

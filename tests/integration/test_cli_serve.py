@@ -156,6 +156,17 @@ def test_bad_listen_flags_are_refused_before_start(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists()
 
 
+def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    command = serve_command(tmp_path)
+    command[command.index("--data-dir") + 1] = str(blocker / "data")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"cannot use {blocker / 'data'} as the data directory" in proc.stderr
+
+
 def test_help_names_every_listener() -> None:
     """--listen's help lists the listener names a user may give (it had left kafka out)."""
     done = subprocess.run(

@@ -37,6 +37,7 @@ from rich.table import Table
 from rich.text import Text
 
 from headwater.cli.connection import (
+    MAX_INT64,
     HttpApi,
     connect,
     connection_options,
@@ -72,6 +73,7 @@ def say(text: str, console: Console = out) -> None:
 
 EXIT_SERVER_ERROR = 1
 EXIT_UNREACHABLE = 2
+EXIT_USAGE = 2  # as argparse's
 
 # Lines read from a file or stdin are sent in chunks this big (the SDK splits each chunk
 # into protocol-sized, pipelined appends).
@@ -110,7 +112,7 @@ def client_command(
     @functools.wraps(func)
     def run(args: argparse.Namespace) -> int:
         from headwater.client import ClientError
-        from headwater.errors import HeadwaterError
+        from headwater.errors import HeadwaterError, UsageError
 
         try:
             return func(args)
@@ -118,6 +120,8 @@ def client_command(
             return fail(str(exc), EXIT_UNREACHABLE)
         except HeadwaterError as exc:  # what the server answered
             return fail(f"{exc.name}: {exc.message}", EXIT_SERVER_ERROR)
+        except UsageError as exc:  # a value the SDK could not send
+            return fail(str(exc), EXIT_USAGE)
         except BrokenPipeError:
             # stdout closed early (`headwater read s | head`): not an error. Point stdout
             # at /dev/null so the interpreter's final flush does not complain again.
@@ -180,9 +184,11 @@ def parse_param(text: str) -> object:
     if lowered in ("true", "false"):
         return lowered == "true"
     try:
-        return int(text)
+        number = int(text)
     except ValueError:
         return text
+    # Past BIGINT a number goes as its text, which DuckDB casts (`?::HUGEINT`).
+    return number if -MAX_INT64 - 1 <= number <= MAX_INT64 else text
 
 
 def parse_offset(text: str) -> int | str:
@@ -194,15 +200,25 @@ def parse_offset(text: str) -> int | str:
         raise argparse.ArgumentTypeError(
             f"expected an offset, 'earliest', 'latest' or 'resume', not {text!r}"
         ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("offsets are >= 0")
+    if not 0 <= value <= MAX_INT64:
+        raise argparse.ArgumentTypeError("offsets are from 0 to 2**63-1")
     return value
 
 
 def positive(text: str) -> int:
     value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be > 0")
+    if not 0 < value <= MAX_INT64:
+        raise argparse.ArgumentTypeError("must be from 1 to 2**63-1")
+    return value
+
+
+def credits(text: str) -> int:
+    """A subscription's window: Kimberlite's credits are a u32."""
+    from headwater.client.aio import MAX_CREDITS
+
+    value = int(text)
+    if not 0 < value <= MAX_CREDITS:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_CREDITS}")
     return value
 
 
@@ -976,7 +992,7 @@ def add_client_commands(sub: Any) -> None:
         help="an offset, 'earliest', 'latest' (default) or 'resume' (with --group)",
     )
     p.add_argument("--group", default=None, help="consumer group (durable position)")
-    p.add_argument("--credits", type=positive, default=1000, help="flow-control window")
+    p.add_argument("--credits", type=credits, default=1000, help="flow-control window")
     p.add_argument("--format", **event_format)
     p.set_defaults(func=cmd_tail)
 
@@ -1021,5 +1037,5 @@ def add_client_commands(sub: Any) -> None:
         help="pull with ReadEvents (default) or take pushed events with credits",
     )
     p.add_argument("--max-bytes", type=positive, default=4 << 20, help="bytes per read")
-    p.add_argument("--credits", type=positive, default=10_000, help="subscribe window")
+    p.add_argument("--credits", type=credits, default=10_000, help="subscribe window")
     p.set_defaults(func=cmd_bench_consume)

@@ -250,10 +250,15 @@ def connect(args: argparse.Namespace) -> Client:
 HTTP_TIMEOUT_S = 30.0
 
 
+MAX_INT64 = (1 << 63) - 1
+
+
 def non_negative(text: str) -> int:
+    """An offset, position, tenant, count: 0 to 2**63-1 (what the wire's fields hold;
+    past it the request could not be encoded)."""
     value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be >= 0")
+    if not 0 <= value <= MAX_INT64:
+        raise argparse.ArgumentTypeError("must be from 0 to 2**63-1")
     return value
 
 

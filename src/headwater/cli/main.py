@@ -75,7 +75,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # take for markup and drop.
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
-    args.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a read-only disk
+        err.print(
+            f"[red]error:[/] cannot use {escape(str(args.data_dir))} as the data directory:"
+            f" {escape(exc.strerror or str(exc))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 2
     try:
         return serve(args.data_dir, config, args.ports_file)
     except StorageError as exc:
