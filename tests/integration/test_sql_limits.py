@@ -183,6 +183,43 @@ def test_a_query_past_sql_memory_mib_spills_or_fails_and_the_server_stays_small(
     assert status == 200 and body["rows"] == [[1]]
 
 
+def test_a_result_past_sql_result_mib_is_refused_and_the_server_stays_small(
+    make_server: Callable[..., Server],
+) -> None:
+    # 400 MiB of result from nothing stored: once all of it became Arrow, then Python
+    # values, then one JSON answer (a 1.5 GB result took the server to 4.1 GB).
+    server = make_server(
+        config=limits(sql_result_mib=8, sql_concurrency=1), listen={**HTTP, "postgres": LOCAL}
+    )
+    huge = "SELECT i, repeat('x', 1000) AS pad FROM range(400000) t(i)"
+    before = rss_mib(server, "VmRSS")
+    status, body = post_sql(server, huge)
+    assert status == 422, body
+    assert body["error"]["name"] == "QueryExecutionError"
+    message = body["error"]["message"]
+    assert message.startswith("the result is over 8 MiB (limits.sql_result_mib;"), message
+    with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
+        with pytest.raises(QueryExecutionError, match="limits.sql_result_mib"):
+            hw.query(huge)
+        # Under the limit, the same rows answer in full.
+        assert hw.query(f"SELECT count(*), sum(length(pad)) FROM ({huge})").rows == [
+            (400000, 400_000_000)
+        ]
+        assert len(hw.query(huge.replace("400000", "5000")).rows) == 5000
+    with (
+        psycopg.connect(
+            f"host=127.0.0.1 port={server.ports['postgres']} user=u dbname=0 sslmode=disable",
+            autocommit=True,
+        ) as conn,
+        pytest.raises(psycopg.errors.ProgramLimitExceeded),
+    ):
+        conn.execute(huge)
+    assert refusals(server, "sql_result_mib") == 3
+    peak = rss_mib(server, "VmHWM")
+    assert peak - before < 150, f"RSS grew from {before:.0f} to a peak of {peak:.0f} MiB"
+    assert post_sql(server, "SELECT 1 AS one") == (200, {"columns": ["one"], "rows": [[1]]})
+
+
 def test_one_tenants_backlog_of_scans_does_not_starve_another_tenant(
     make_server: Callable[..., Server],
 ) -> None:

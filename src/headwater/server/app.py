@@ -112,6 +112,7 @@ class Server:
                 memory_mib=limits.sql_memory_mib,
                 concurrency=limits.sql_concurrency,
                 spill_mib=limits.sql_spill_mib,
+                result_mib=limits.sql_result_mib,
             ),
             on_sql_limit=lambda limit: self.limits.refused(limit, "sql"),
             quotas=self.config.quotas,

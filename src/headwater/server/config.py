@@ -92,6 +92,7 @@ class LimitsConfig:
     sql_memory_mib: int = 256
     sql_concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
     sql_spill_mib: int = 4096  # disk the running queries may spill to beyond their memory
+    sql_result_mib: int = 32  # a result costing the server more (Arrow + values) is refused
     memory_mib: int = 1024  # the server's anonymous resident memory budget (issue 16)
 
 

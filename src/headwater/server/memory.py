@@ -120,6 +120,11 @@ def budget_shares(config: ServerConfig) -> dict[str, int]:
     return {
         "base (interpreter, libraries, engine tables)": BASE_MIB,
         "SQL (sql_memory_mib x sql_concurrency)": limits.sql_memory_mib * limits.sql_concurrency,
+        # A result's cost is counted against sql_result_mib; its answer being encoded
+        # takes about half as much again (measured, docs/operations.md).
+        "SQL results (sql_result_mib x sql_concurrency x 1.5)": (
+            limits.sql_result_mib * limits.sql_concurrency * 3 // 2
+        ),
         "segment reads (I/O threads x read chunk)": IO_THREADS * READ_CHUNK_MIB,
         "connections (max_connections x 16 KiB)": connections_mib,
     }
@@ -135,7 +140,8 @@ def check_budget(config: ServerConfig) -> list[str]:
     parts = ", ".join(f"{name} {mib} MiB" for name, mib in shares.items())
     return [
         f"the configured limits claim {claimed} MiB, more than limits.memory_mib = {budget}"
-        f" ({parts}): lower sql_memory_mib, sql_concurrency or max_connections, or raise"
+        f" ({parts}): lower sql_memory_mib, sql_result_mib, sql_concurrency or"
+        " max_connections, or raise"
         " memory_mib"
     ]
 

@@ -34,7 +34,9 @@ from headwater.errors import TableNotFound, UsageError
 
 from .options import ConnectionOptions, _positive, check_stream_name
 
-DEFAULT_ROWS_PER_PARTITION = 20_000
+# Without rowsPerPartition a share is this many values (rows x columns): its answer must
+# fit the server's [limits] sql_result_mib (32 MiB counts about 300,000 values).
+VALUES_PER_PARTITION = 200_000
 
 # DuckDB column types of a kind table -> Spark SQL types.
 _SPARK_TYPES = {
@@ -85,7 +87,7 @@ class KindReadOptions:
     connection: ConnectionOptions
     kind: str
     as_of: int | None
-    rows_per_partition: int
+    rows_per_partition: int | None  # None: VALUES_PER_PARTITION over the columns
     starting: int | str = EARLIEST  # streaming: a position, EARLIEST or LATEST
 
     @classmethod
@@ -103,7 +105,7 @@ class KindReadOptions:
             connection=ConnectionOptions.parse(lowered),
             kind=check_stream_name(lowered["kind"], "kind"),
             as_of=_position(lowered, "asof", "asOf"),
-            rows_per_partition=_positive(lowered, "rowsperpartition") or DEFAULT_ROWS_PER_PARTITION,
+            rows_per_partition=_positive(lowered, "rowsperpartition"),
             starting=starting,
         )
 
@@ -131,9 +133,15 @@ def schema_ddl(columns: list[tuple[str, str]]) -> str:
     return ", ".join(f"`{name}` {kind}" for name, kind in columns)
 
 
-def partition_count(client: Client, options: KindReadOptions) -> int:
+def _rows_per_share(options: KindReadOptions, columns: int) -> int:
+    if options.rows_per_partition is not None:
+        return options.rows_per_partition
+    return max(1, VALUES_PER_PARTITION // max(1, columns))
+
+
+def partition_count(client: Client, options: KindReadOptions, columns: int) -> int:
     [(count,)] = options.query(client, f'SELECT count(*) FROM "{options.kind}"')
-    return max(1, math.ceil(int(str(count)) / options.rows_per_partition))
+    return max(1, math.ceil(int(str(count)) / _rows_per_share(options, columns)))
 
 
 def read_share(
@@ -154,13 +162,15 @@ def changes_end(client: Client, options: KindReadOptions) -> int:
     return int(str(end))
 
 
-def changes_partition_count(client: Client, options: KindReadOptions, start: int, end: int) -> int:
+def changes_partition_count(
+    client: Client, options: KindReadOptions, columns: int, start: int, end: int
+) -> int:
     [(count,)] = options.query(
         client,
         f'SELECT count(*) FROM "{options.changes_table}" WHERE version >= {start} '
         f"AND version < {end}",
     )
-    return max(1, math.ceil(int(str(count)) / options.rows_per_partition))
+    return max(1, math.ceil(int(str(count)) / _rows_per_share(options, columns)))
 
 
 def read_changes(

@@ -315,7 +315,7 @@ class HeadwaterKindReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         with open_client(self.options.connection) as client:
-            parts = partition_count(client, self.options)
+            parts = partition_count(client, self.options, len(self.schema.fields))
         return [KindShare(i, parts) for i in range(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
@@ -383,7 +383,7 @@ class HeadwaterKindChangesReader(DataSourceStreamReader, SupportsTriggerAvailabl
             return []
         if self._client is None or self._client.closed:
             self._client = open_client(self.options.connection)
-        parts = changes_partition_count(self._client, self.options, lo, hi)
+        parts = changes_partition_count(self._client, self.options, len(self.schema.fields), lo, hi)
         return [ChangesShare(lo, hi, i, parts) for i in range(parts)]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

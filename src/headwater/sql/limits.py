@@ -32,6 +32,7 @@ class SqlLimits:
     memory_mib: int = 256  # DuckDB memory per running query (past it: spill, then fail)
     concurrency: int = 2  # queries running at once; the rest wait, fairly per tenant
     spill_mib: int = 4096  # disk all running queries may spill to, together
+    result_mib: int = 32  # a result costing more (Arrow, Python values, answer) is refused
 
     @property
     def database_memory_mib(self) -> int:

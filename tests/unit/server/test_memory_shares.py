@@ -23,9 +23,17 @@ def test_limits_past_the_budget_are_named_in_one_warning() -> None:
     assert "SQL (sql_memory_mib x sql_concurrency) 1024 MiB" in warnings[0]
     small = dataclasses.replace(
         config,
-        limits=LimitsConfig(memory_mib=300, sql_memory_mib=24, max_connections=1000),
+        limits=LimitsConfig(
+            memory_mib=300, sql_memory_mib=24, sql_result_mib=8, max_connections=1000
+        ),
     )
     assert check_budget(small) == []
+    # A result's answer is held too: a larger sql_result_mib takes its share of the budget.
+    answers = dataclasses.replace(
+        small, limits=dataclasses.replace(small.limits, sql_result_mib=64)
+    )
+    (warning,) = check_budget(answers)
+    assert "SQL results (sql_result_mib x sql_concurrency x 1.5) 192 MiB" in warning
 
 
 def test_process_memory_reads_this_process() -> None:

@@ -80,6 +80,8 @@ def sqlstate_for(exc: HeadwaterError) -> str:
             return "57014"  # query_canceled
         if "sql_memory_mib" in message:
             return "53200"  # out_of_memory
+        if "sql_result_mib" in message:
+            return "54000"  # program_limit_exceeded
         if "shutting down" in message:
             return "57P01"  # admin_shutdown
         if "Binder Error" in message and "column" in message.lower():
