@@ -292,6 +292,31 @@ def test_worker_reconnects_and_resends_after_a_server_restart(server: Server, ad
     ]
 
 
+def test_field_set_numbers_are_decimal_digits_only(server: Server, address: str) -> None:
+    # Python's int() and float() once read these (underscores, spaces, Arabic-Indic
+    # digits), where docs/protocols/ripple.md says an optional sign, then digits.
+    with Worker_("strict", {"strict": Quote}, address) as worker:
+        worker.set("strict", "A", Quote("A", 1.0, 1, True))
+        assert worker.checkpoint() == 1
+    for field, text in (
+        ("volume", "1_000"),
+        ("volume", " 12 "),
+        ("volume", "\u0661\u0662\u0663"),
+        ("vwap", "1_000.5"),
+        ("volume", "9223372036854775808"),
+    ):
+        with (
+            Worker_("strict", {"strict": Quote}, address, resume=True) as worker,
+            pytest.raises(WorkerError, match=f"field {field}: .* is not a"),
+        ):
+            worker.patch("strict", "A", **{field: text})
+            worker.checkpoint()
+    with Worker_("strict", {"strict": Quote}, address, resume=True) as worker:
+        worker.patch("strict", "A", volume="-12", vwap="1e3")
+        worker.checkpoint()
+    assert table(server, "strict") == [[hex_key("A"), "A", "1000.0", -12, True]]
+
+
 def test_worker_refused_for_an_incompatible_schema(
     address: str,
 ) -> None:

@@ -199,7 +199,7 @@ def test_a_result_past_sql_result_mib_is_refused_and_the_server_stays_small(
     message = body["error"]["message"]
     assert message.startswith("the result is over 8 MiB (limits.sql_result_mib;"), message
     with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
-        with pytest.raises(QueryExecutionError, match="limits.sql_result_mib"):
+        with pytest.raises(QueryExecutionError, match=r"limits\.sql_result_mib"):
             hw.query(huge)
         # Under the limit, the same rows answer in full.
         assert hw.query(f"SELECT count(*), sum(length(pad)) FROM ({huge})").rows == [

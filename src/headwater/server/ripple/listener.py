@@ -60,6 +60,7 @@ from headwater.engine.kinds.fields import FieldType, default_value
 from headwater.errors import AuthenticationFailed, NotEnoughReplicas, NotLeader, TenantNotFound
 from headwater.protocols.ripple import connection as rc
 from headwater.protocols.ripple import messages as rm
+from headwater.protocols.ripple.bin_prot import DecodeError
 from headwater.server.app import Listener
 from headwater.server.metrics import metrics_for
 from headwater.server.tcp import ConnectionGuard, start_tcp_listener
@@ -574,7 +575,7 @@ def _op(kind: KindInfo, schema: rm.Schema, entity_id: bytes, delta: rm.Delta) ->
             ordinal, ftype = by_name[patch.field_name]
             if not isinstance(patch.value, rm.Atom):
                 raise RippleError(f"field {patch.field_name}: a list is not a field value")
-            values[ordinal] = _parse(patch.value.text, ftype, patch.field_name)
+            values[ordinal] = _parse(patch.value, ftype, patch.field_name)
         elif isinstance(patch, rm.FieldRemove):
             ordinal, ftype = by_name[patch.field_name]
             values[ordinal] = default_value(ftype)
@@ -583,20 +584,25 @@ def _op(kind: KindInfo, schema: rm.Schema, entity_id: bytes, delta: rm.Delta) ->
     return patch_op(kind, entity_id, values)
 
 
-def _parse(text: str, ftype: FieldType, name: str) -> Any:
+# A Ripple kind's fields as the protocol's Field_set atoms read them (docs/protocols/
+# ripple.md: decimal digits, not Python's int() with its underscores, spaces and other
+# scripts' digits); STRING and every other type take the atom's text.
+_WIRE_TYPES = {
+    FieldType.I64: rm.FieldType.INT64,
+    FieldType.F64: rm.FieldType.FLOAT,
+    FieldType.BOOL: rm.FieldType.BOOL,
+}
+
+
+def _parse(atom: rm.Atom, ftype: FieldType, name: str) -> Any:
     """A Field_set atom in its field's text form ("150.5", "true")."""
+    wire = _WIRE_TYPES.get(ftype)
+    if wire is None:
+        return atom.text
     try:
-        if ftype is FieldType.BOOL:
-            if text not in ("true", "false"):
-                raise ValueError(text)
-            return text == "true"
-        if ftype is FieldType.I64:
-            return int(text)
-        if ftype is FieldType.F64:
-            return float(text)
-        return text
-    except ValueError:
-        raise RippleError(f"field {name}: {text!r} is not a {ftype.name.lower()}") from None
+        return rm.value_of_sexp(wire, atom, f"field {name}")
+    except DecodeError as exc:
+        raise RippleError(str(exc)) from None
 
 
 class _RippleCollector(Collector):
