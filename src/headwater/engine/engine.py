@@ -396,7 +396,8 @@ class Tenant:
         self.next_position = 0
         self.position_floor = 0  # positions of deleted streams are never reused
         self._inflight: dict[int, int] = {}  # first position -> count, not yet committed
-        self.reserved_names: set[str] = set()
+        self.reserved_names: set[str] = set()  # streams being created
+        self.kind_names: set[str] = set()  # a stream may not take them (both are SQL tables)
         self.creates_in_flight = 0  # stream creates under way (the stream quota counts them)
 
     @property
@@ -695,6 +696,11 @@ class Engine:
         settings.validate()
         if name in tenant.by_name or name in tenant.reserved_names:
             raise StreamAlreadyExists(f"stream {name!r} already exists")
+        if name in tenant.kind_names:
+            raise StreamAlreadyExists(
+                f"{name!r} is an entity kind of this tenant: a stream cannot take its name"
+                " (both are tables of the tenant's SQL)"
+            )
         self._check_open()
         # Creates under way count: 16 at once must not pass the limit together. Streams
         # the server makes for itself (internal names) are never refused.

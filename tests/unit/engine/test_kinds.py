@@ -94,8 +94,8 @@ def test_registry_rules(tmp_path: Path) -> None:
             tk.get_kind("sensor", [("label", FieldType.STRING)])
         with pytest.raises(KindNotFound):
             tk.get_kind("nope")
-        # Kinds and streams share one namespace.
-        with pytest.raises(StreamAlreadyExists):
+        # Kinds and streams share one namespace, and the refusal says which took it.
+        with pytest.raises(StreamAlreadyExists, match="'sensor' is an entity kind"):
             await engine.create_stream(0, "sensor")
         await engine.create_stream(0, "orders")
         with pytest.raises(SchemaConflict):
@@ -107,6 +107,8 @@ def test_registry_rules(tmp_path: Path) -> None:
 
     async def reopened(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = tk.get_kind("sensor")
+        with pytest.raises(StreamAlreadyExists, match="'sensor' is an entity kind"):
+            await engine.create_stream(0, "sensor")
         assert (kind.schema_version, kind.field_count) == (2, 3)
         assert tk.get_kind(PRESENCE_KIND).internal
         assert kinds.tenant(7).get_kind("sensor").field_count == 1

@@ -143,7 +143,7 @@ class TenantKinds:
         if created:
             self.kinds[kind.kind_id] = state
             state.committer.start()
-            self.engine_tenant.reserved_names.add(kind.name)
+            self.engine_tenant.kind_names.add(kind.name)
         else:
             state.migrate(kind)
             self.windows.migrated(state)
@@ -377,7 +377,7 @@ class KindsEngine:
         for state in states:
             tk.kinds[state.info.kind_id] = state
             state.committer.start()
-            tenant.reserved_names.add(state.info.name)
+            tenant.kind_names.add(state.info.name)
             last = state.log.last_position
             if last is not None:
                 tenant.next_position = max(tenant.next_position, last)
