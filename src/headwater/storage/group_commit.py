@@ -153,6 +153,7 @@ class GroupCommitter:
         self._interval_task: asyncio.Task[None] | None = None
         self._listeners: list[CommitListener] = []
         self.fsyncs = 0
+        self.interval_wakes = 0  # the interval policy's background loop: times it looked
         self._interval_sync: asyncio.Future[int] | None = None
         self._last_sync_started = 0.0
         self.fsync_seconds_total = 0.0
@@ -353,6 +354,7 @@ class GroupCommitter:
             await asyncio.sleep(interval)
             if self.log.closed:
                 return
+            self.interval_wakes += 1
             if self.log.durable_offset < self.log.end_offset and self._interval_sync is None:
                 self._last_sync_started = asyncio.get_running_loop().time()
                 try:
