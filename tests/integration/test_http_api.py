@@ -203,6 +203,11 @@ def test_stream_lifecycle(srv: HttpApi, spec: dict[str, Any]) -> None:
         {"nam": "x"},
         {"name": "okname", "settings": {"cleanup_policy": "shred"}},
         {"name": "okname", "settings": {"retention_ms": -1}},
+        # Past a signed 64-bit count (Kafka's Java long) once stored as given.
+        {"name": "okname", "settings": {"retention_ms": 1e30}},
+        {"name": "okname", "settings": {"retention_bytes": 2**63}},
+        {"name": "okname", "settings": {"sync": "interval:99999999999999999999"}},
+        {"name": "okname", "settings": []},
         {"name": "okname", "settings": {"colour": "red"}},
         {"name": "okname", "settings": {"segment_bytes": "big"}},
         ["okname"],

@@ -233,9 +233,9 @@ class StreamSettings:
         for name in ("segment_bytes", *_POSITIVE_SETTINGS):
             value = getattr(self, name)
             if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+                not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 63
             ):
-                raise InvalidRequest(f"{name} must be a positive integer")
+                raise InvalidRequest(f"{name} must be a positive integer up to 2**63-1")
         try:
             if self.sync is not None:
                 SyncPolicy.parse(self.sync)

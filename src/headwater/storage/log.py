@@ -76,7 +76,7 @@ class SyncPolicy:
                 ms = int(text.split(":", 1)[1])
             except ValueError:
                 ms = -1
-            if ms > 0:
+            if 0 < ms < 1 << 63:
                 return cls("interval", ms)
         raise ValueError(f"sync policy must be fsync, none or interval:<ms>, not {text!r}")
 

@@ -171,7 +171,9 @@ async def create_stream(request: web.Request) -> web.Response:
     name = body.get("name")
     if not isinstance(name, str):
         raise InvalidRequest("name must be a string")
-    raw_settings = body.get("settings") or {}
+    raw_settings = body.get("settings")
+    if raw_settings is None:
+        raw_settings = {}
     if not isinstance(raw_settings, dict):
         raise InvalidRequest("settings must be an object")
     unknown = set(raw_settings) - set(StreamSettings.__dataclass_fields__)
