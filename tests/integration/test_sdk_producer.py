@@ -324,3 +324,60 @@ def test_batches_past_the_limits_are_refused_whole(server: Server) -> None:
             assert await producer.send("limits", b"after", partition=1) == (1, 0)
 
     asyncio.run(main())
+
+
+def test_a_failed_batch_does_not_wedge_the_producer(tmp_path: Any) -> None:
+    """A batch lost to an unreachable server took its sequence number: every later
+    batch to that partition was refused as out of order, for good (idempotent and
+    transactional alike). A new id (a new epoch once the transaction ends) numbers
+    from 0 again."""
+    server = Server(tmp_path / "down", listen={"rivven": LOCAL, "kimberlite": ""}).start()
+    try:
+        address = rivven(server)
+        options: dict[str, Any] = {"linger_ms": 0, "reconnect_attempts": 1, "backoff_max": 0.05}
+        plain = headwater.Producer(address, **options)
+        txn = headwater.Producer(address, transactional_id="wedge", **options)
+        try:
+            plain.create_stream("wedge", partitions=1)
+            assert plain.send("wedge", b"a").result(15).offset == 0
+            txn.init_transactions()
+            txn.begin_transaction()
+            server.stop()
+            with pytest.raises(Exception):  # noqa: B017 - whichever way the send ended
+                plain.send("wedge", b"lost").result(30)
+            txn.send("wedge", b"lost-in-txn")
+            with pytest.raises(Exception):  # noqa: B017
+                txn.commit_transaction()
+            server.start()
+            later = [plain.send("wedge", v).result(30) for v in (b"c", b"d")]
+            assert [m.partition for m in later] == [0, 0]
+            txn.begin_transaction()
+            txn.send("wedge", b"in-txn")
+            txn.commit_transaction()
+        finally:
+            plain.close()
+            txn.close()
+
+        async def stored() -> list[bytes]:
+            return [r.value for r in await read_all(server, "wedge", 4, partitions=1)]
+
+        assert asyncio.run(stored()) == [b"a", b"c", b"d", b"in-txn"]
+    finally:
+        server.stop()
+
+
+def test_a_raising_on_delivery_changes_no_records_outcome(server: Server) -> None:
+    told: list[tuple[BaseException | None, RecordMetadata | None]] = []
+
+    def on_delivery(error: BaseException | None, metadata: RecordMetadata | None) -> None:
+        told.append((error, metadata))
+        if metadata is not None and metadata.offset == 0:
+            raise RuntimeError("the caller's bug")
+
+    with headwater.Producer(rivven(server), linger_ms=50) as producer:
+        producer.create_stream("told", partitions=1)
+        futures = [producer.send("told", v, on_delivery=on_delivery) for v in (b"x", b"y", b"z")]
+        producer.flush()
+        assert [f.result(15).offset for f in futures] == [0, 1, 2]
+    # Each record told once, as stored.
+    assert [(e, m.offset if m else None) for e, m in told] == [(None, 0), (None, 1), (None, 2)]

@@ -26,6 +26,7 @@ listener (docs/sdk.md, "Producer"):
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from ._core.blocking import Blocking, Inner, LoopThread, blocking
 from ._core.rivven import DEFAULT_SERVER, ConnectionOptions, RivvenClient
 from .aio import EventLike, HeadersLike, to_event_bytes, to_headers
 from .errors import ClientClosed, EventTooLarge
+
+log = logging.getLogger(__name__)
 
 MAX_BATCH_RECORDS = 10_000  # what one append may carry
 MAX_BATCH_BYTES = 4 << 20
@@ -140,6 +143,7 @@ class AsyncProducer(RivvenClient):
         self._partitions: dict[str, int] = {}
         self._partitioners: dict[str, Partitioner] = {}
         self._queues: dict[str, _StreamQueue] = {}
+        self._renumber = False  # a batch failed: sequences restart under a new id
         self._outstanding: set[_Batch] = set()  # batches not yet answered
         self._tasks: set[asyncio.Task[None]] = set()
         self._in_transaction = False
@@ -174,6 +178,7 @@ class AsyncProducer(RivvenClient):
             pb.InitProducerIdRequest(), pb.InitProducerIdResponse, safe=True
         )
         self.producer_id, self.producer_epoch = answer.producer_id, answer.producer_epoch
+        self._renumber = False
         for queue in self._queues.values():
             queue.sequences.clear()  # a new id numbers from 0
 
@@ -349,7 +354,7 @@ class AsyncProducer(RivvenClient):
             request = pb.BatchPublishRequest(topic=stream)
             idempotent = self.enable_idempotence
             if idempotent:
-                if self.producer_id is None:
+                if self.producer_id is None or (self._renumber and self.transactional_id is None):
                     await self._init_producer_id()
                 assert self.producer_id is not None
                 request.producer_id = self.producer_id
@@ -389,6 +394,12 @@ class AsyncProducer(RivvenClient):
                 _settle(target, exc, None)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            if self.enable_idempotence:
+                # The batch may or may not be stored and took its sequence numbers: the
+                # next batch would be out of order for good. A new producer id (or, in a
+                # transaction, epoch, once it ends) numbers from 0 again, as Kafka's
+                # producer bumps its epoch.
+                self._renumber = True
         finally:
             self._outstanding.discard(batch)
             if batch.sent is not None and not batch.sent.done():
@@ -427,6 +438,9 @@ class AsyncProducer(RivvenClient):
         fields = self._txn_request_fields()
         if self._in_transaction:
             raise InvalidTxnState("a transaction is already open")
+        if self._renumber:  # a batch of the last transaction failed: a new epoch
+            await self._init_producer_id()
+            fields = self._txn_request_fields()
         await self._session.request(
             pb.BeginTransactionRequest(**fields, timeout_ms=self.transaction_timeout_ms),
             pb.BeginTransactionResponse,
@@ -590,7 +604,12 @@ class Producer(Blocking[AsyncProducer]):
 
             def settle(error: BaseException | None, metadata: RecordMetadata | None) -> None:
                 result._settle(error, metadata)
-                on_delivery(error, metadata)
+                try:
+                    on_delivery(error, metadata)
+                except Exception:
+                    # The caller's bug: logged, and no other record's outcome changes
+                    # (it once failed its whole batch, stored records reported lost).
+                    log.exception("on_delivery raised for a record of %s", stream)
 
         if self._runner.stopped:
             raise ClientClosed("the producer is closed")
