@@ -97,6 +97,11 @@ def test_naive_datetime_is_utc_and_ints_fill_float_fields() -> None:
     decoded = kind.decode(kind.encode(Reading(dt.datetime(2000, 1, 1), 21)))  # type: ignore[arg-type]
     assert decoded == Reading(dt.datetime(2000, 1, 1, tzinfo=dt.UTC), 21.0)
     assert isinstance(decoded.temp, float)
+    # An int no float can hold: UsageError, as every other value that does not fit.
+    with pytest.raises(UsageError, match=r"field temp: 1000\d* is past what a F64 holds"):
+        kind.encode(Reading(dt.datetime(2000, 1, 1), 10**400))  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="field temp"):
+        kind.encode_patch({"temp": 10**400})
 
 
 def test_wrong_values_are_refused_before_anything_is_sent() -> None:

@@ -203,7 +203,12 @@ def to_wire(info: FieldInfo, value: Any) -> FieldValue:
         ns: int = (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
         return ns
     if info.type in (FieldType.F32, FieldType.F64) and type(value) is int:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise UsageError(
+                f"field {info.name}: {value} is past what a {info.type.name} holds"
+            ) from None
     # Anything else goes to the codec as is: it refuses a value its type cannot carry.
     return typing.cast(FieldValue, value)
 
