@@ -945,3 +945,50 @@ def test_idle_timeout_closes_a_quiet_connection(idle_server: Server) -> None:
     # A client that keeps talking is served.
     produce(server, "after_idle", [{"value": b"still served"}])
     assert consume(server, "after_idle", 1, partitions=1)[0].value() == b"still served"
+
+
+def test_a_zombies_transaction_cannot_move_the_groups_offsets_back(server: Server) -> None:
+    """KIP-447: a consume-transform-produce instance whose consumer lost its partition
+    sends its offsets with the consumer's old group metadata; the broker refuses them
+    (they once committed, taking the group's offset back from the new owner's 7 to 1)."""
+    source, group = create_topic(server, 1), "zombie_" + uuid.uuid4().hex[:8]
+    writer = Producer({"bootstrap.servers": bootstrap(server)})
+    for i in range(10):
+        writer.produce(source, f"m{i}".encode())
+    writer.flush(DEADLINE_S)
+
+    def member() -> Consumer:
+        consumer = group_consumer(server, group, **{"isolation.level": "read_committed"})
+        consumer.subscribe([source])
+        message = None
+        while message is None or message.error():
+            message = consumer.poll(1)
+        return consumer
+
+    first = member()
+    stale = first.consumer_group_metadata()
+    zombie = Producer(
+        {"bootstrap.servers": bootstrap(server), "transactional.id": "zombie-" + group}
+    )
+    zombie.init_transactions(DEADLINE_S)
+    zombie.begin_transaction()
+    first.close()  # its partition goes to the next member
+    second = member()
+    second.commit(offsets=[TopicPartition(source, 0, 7)], asynchronous=False)
+    with pytest.raises(KafkaException) as refused:
+        zombie.send_offsets_to_transaction([TopicPartition(source, 0, 1)], stale, DEADLINE_S)
+    assert refused.value.args[0].code() in (
+        KafkaError.ILLEGAL_GENERATION,
+        KafkaError.UNKNOWN_MEMBER_ID,
+    ), refused.value
+    zombie.abort_transaction(DEADLINE_S)
+    # The live member's own transactional commit, with its current metadata, is taken.
+    live = Producer({"bootstrap.servers": bootstrap(server), "transactional.id": "live-" + group})
+    live.init_transactions(DEADLINE_S)
+    live.begin_transaction()
+    live.send_offsets_to_transaction(
+        [TopicPartition(source, 0, 9)], second.consumer_group_metadata(), DEADLINE_S
+    )
+    live.commit_transaction(DEADLINE_S)
+    assert second.committed([TopicPartition(source, 0)], DEADLINE_S)[0].offset == 9
+    second.close()

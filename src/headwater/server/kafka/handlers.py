@@ -1273,6 +1273,24 @@ async def add_offsets_to_txn(session: Session, request: Any, version: int) -> Ma
 
 
 async def txn_offset_commit(session: Session, request: Any, version: int) -> Mapping[str, Any]:
+    # KIP-447 (v3+): a commit naming its consumer's member and generation is refused
+    # once that consumer has lost the partitions (ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID,
+    # FENCED_INSTANCE_ID), or a zombie's transaction would move the group's offsets back.
+    member_id = getattr(request, "member_id", "") or ""
+    generation = getattr(request, "generation_id", -1)
+    instance_id = getattr(request, "group_instance_id", None)
+    if member_id or generation >= 0 or instance_id is not None:
+        try:
+            coordinator = await session.api.groups.coordinator(session.tenant_id)
+            coordinator.validate_commit(request.group_id, member_id, generation, instance_id)
+        except HeadwaterError as exc:
+            log.warning(
+                "kafka %s: TxnOffsetCommit of %r refused: %s", session.peer, request.group_id, exc
+            )
+            return {
+                "throttle_time": 0,
+                "topics": partitions_answered(request.topics, error_code(exc)),
+            }
     offsets = {
         (topic.name, partition.partition_index): (
             partition.committed_offset,
