@@ -173,9 +173,14 @@ def decode_json(data: bytes, what: str) -> Any:
     return value
 
 
-# JSON's \uD800-\uDFFF escapes are the only way a parsed string can hold a surrogate;
-# a body without one (nearly all) is not walked.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# JSON's \uD800-\uDFFF escapes are the only way a parsed string can hold a surrogate.
+# Only a high escape not followed by a low one, or a low one not after a high one, can
+# be lone: a body of pairs (what json.dumps makes of every emoji) is not walked value
+# by value, nor is one without such escapes (nearly all). An escaped backslash before
+# "ud800" matches too; the walk then finds nothing.
+_HIGH = rb"\\u[dD][89abAB][0-9a-fA-F]{2}"
+_LOW = rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_SURROGATE_ESCAPE = re.compile(_HIGH + rb"(?!" + _LOW + rb")|(?<!" + _HIGH + rb")" + _LOW)
 
 
 def _has_lone_surrogate(value: Any) -> bool:
