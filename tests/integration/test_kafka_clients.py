@@ -992,3 +992,36 @@ def test_a_zombies_transaction_cannot_move_the_groups_offsets_back(server: Serve
     live.commit_transaction(DEADLINE_S)
     assert second.committed([TopicPartition(source, 0)], DEADLINE_S)[0].offset == 9
     second.close()
+
+
+def test_transactional_offsets_for_a_missing_partition_are_unknown(server: Server) -> None:
+    """As Kafka: a TxnOffsetCommit naming a partition that does not exist (of a topic
+    that does, or of no topic) answers UNKNOWN_TOPIC_OR_PARTITION (the first was
+    INVALID_REQUEST); the transaction must abort and commits no offset; the next
+    transaction's offsets are committed."""
+    source, group = create_topic(server, 1), "txn_missing_" + uuid.uuid4().hex[:8]
+    consumer = group_consumer(server, group)
+    producer = Producer(
+        {"bootstrap.servers": bootstrap(server), "transactional.id": "missing-" + group}
+    )
+    producer.init_transactions(DEADLINE_S)
+    for missing in (TopicPartition(source, 7, 3), TopicPartition("no_such_" + group, 0, 3)):
+        producer.begin_transaction()
+        with pytest.raises(KafkaException) as refused:
+            # librdkafka retries the error for a partition of a topic it knows until the
+            # call's timeout (so it does against Kafka), then reports it.
+            producer.send_offsets_to_transaction(
+                [TopicPartition(source, 0, 5), missing], consumer.consumer_group_metadata(), 3
+            )
+        error = refused.value.args[0]
+        assert error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART, error
+        assert error.txn_requires_abort(), error
+        producer.abort_transaction(DEADLINE_S)
+        assert consumer.committed([TopicPartition(source, 0)], DEADLINE_S)[0].offset < 0
+    producer.begin_transaction()
+    producer.send_offsets_to_transaction(
+        [TopicPartition(source, 0, 4)], consumer.consumer_group_metadata(), DEADLINE_S
+    )
+    producer.commit_transaction(DEADLINE_S)
+    assert consumer.committed([TopicPartition(source, 0)], DEADLINE_S)[0].offset == 4
+    consumer.close()

@@ -32,7 +32,12 @@ from headwater.engine.groups import (
 )
 from headwater.errors import HeadwaterError, InvalidRequest, StreamNotFound
 from headwater.server.groups import GroupShells, TenantGroups
-from headwater.server.kafka.handlers import Session, error_code, partitions_answered
+from headwater.server.kafka.handlers import (
+    Session,
+    error_code,
+    partition_exists,
+    partitions_answered,
+)
 
 log = logging.getLogger("headwater.kafka")
 
@@ -136,13 +141,6 @@ def _check_coordinator(session: Session) -> None:
     client finds the coordinator again (docs/cluster.md)."""
     if session.cluster is not None:
         session.cluster.check_group_coordinator(session.tenant_id)
-
-
-def _partition_exists(session: Session, stream: str, partition: int) -> bool:
-    try:
-        return 0 <= partition < session.api.stream_named(session.tenant_id, stream).partitions
-    except StreamNotFound:
-        return False
 
 
 class KafkaGroups:
@@ -335,7 +333,7 @@ class KafkaGroups:
         }
         # As Kafka: a partition of no topic is answered UNKNOWN_TOPIC_OR_PARTITION on its
         # own, and the others are committed.
-        missing = {key for key in offsets if not _partition_exists(session, *key)}
+        missing = {key for key in offsets if not partition_exists(session, *key)}
         for key in missing:
             del offsets[key]
         code = ErrorCode.none

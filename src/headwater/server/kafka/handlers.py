@@ -1155,6 +1155,13 @@ _PRODUCER_FENCED_FROM = {
 }
 
 
+def partition_exists(session: Session, stream: str, partition: int) -> bool:
+    try:
+        return 0 <= partition < session.api.stream_named(session.tenant_id, stream).partitions
+    except StreamNotFound:
+        return False
+
+
 def partitions_answered(
     topics: Sequence[Any], code: ErrorCode, missing: Container[tuple[str, int]] = ()
 ) -> list[dict[str, Any]]:
@@ -1299,6 +1306,16 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
         for topic in request.topics
         for partition in topic.partitions
     }
+    # As Kafka: a partition of no topic is answered UNKNOWN_TOPIC_OR_PARTITION on its
+    # own, and the others join the transaction.
+    missing = {key for key in offsets if not partition_exists(session, *key)}
+    for key in missing:
+        del offsets[key]
+    if not offsets:
+        return {
+            "throttle_time": 0,
+            "topics": partitions_answered(request.topics, ErrorCode.none, missing),
+        }
     code = await _txn_code(
         session.api.add_offsets_to_txn(
             session.tenant_id,
@@ -1310,7 +1327,7 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
         ApiKey.TXN_OFFSET_COMMIT,
         version,
     )
-    return {"throttle_time": 0, "topics": partitions_answered(request.topics, code)}
+    return {"throttle_time": 0, "topics": partitions_answered(request.topics, code, missing)}
 
 
 async def end_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
