@@ -31,6 +31,7 @@ from waiting import wait_until
 
 PRODUCE_RATE = 100_000  # bytes/s of tenant 42
 CONSUME_RATE = 50_000  # bytes/s of tenant 43
+ORDERLY_RATE = 200_000  # bytes/s of tenant 46: a 100-byte append every 0.5 ms
 CONFIG = f"""
 [storage]
 sync = "none"
@@ -50,6 +51,10 @@ consume_bytes_per_s = {CONSUME_RATE}
 id = 45
 name = "pipeliner"
 produce_bytes_per_s = {PRODUCE_RATE}
+[[tenants]]
+id = 46
+name = "orderly"
+produce_bytes_per_s = {ORDERLY_RATE}
 """
 EVENT = "x" * 10_000
 CHUNK = [EVENT] * 10  # 100 kB of event values per append
@@ -211,6 +216,27 @@ def test_pipelined_appends_are_spaced_at_the_produce_rate(server: Server) -> Non
     reported = throttle_seconds(server)
     assert spaced_s <= reported[("45", "produce")] <= turns_s + 0.001
     assert [key for key in reported if key[0] == "0"] == []
+
+
+def test_pipelined_appends_waiting_their_turns_are_stored_in_the_order_sent(
+    server: Server,
+) -> None:
+    """5,000 appends of 100 bytes sent at once on one connection against 200 kB/s: the
+    3,000 past the burst wait turns 0.5 ms apart, and each is stored after the one sent
+    before it (turns that close once fired out of order now and then, the loop's clock
+    being in milliseconds: one or two appends in 3,000 stored before their predecessor)."""
+    call(server, "POST", "/api/streams", 46, {"name": "q_order"})
+    appends = 5_000
+
+    async def pipeline() -> list[int]:
+        async with connect_async(server.address, tenant=46) as client:
+            results = await asyncio.gather(
+                *(client.append("q_order", [f"{i:08d}".ljust(100, ".")]) for i in range(appends))
+            )
+        return [result.first_offset for result in results]
+
+    assert asyncio.run(pipeline()) == list(range(appends))
+    assert throttle_seconds(server)[("46", "produce")] > 0  # they did wait their turns
 
 
 WIRE_RATE = 200_000  # bytes/s of tenant 0 on the Kafka and Rivven server below

@@ -173,6 +173,8 @@ class Quotas:
             if buckets:
                 self._buckets[tenant_id] = buckets
         self.throttle_seconds_total: dict[tuple[int, Quota], float] = {}
+        # The last request of each line (tenant, read or not) still waiting its turn.
+        self._admitting: dict[tuple[int, bool], asyncio.Future[None]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -251,20 +253,35 @@ class Quotas:
         if buckets is None:
             return 0.0
         turn = self.reserve(tenant_id, produce=produce, requests=requests, consume=consume)
-        if turn <= 0:
+        line = (tenant_id, consume)
+        before = self._admitting.get(line)
+        if turn <= 0 and (before is None or before.done()):
             return 0.0
         report = _REPORT.get()
-        if report is not None:
+        if report is not None and turn > 0:
             report.seconds += turn
             if report.deferred:
                 return 0.0
+        # Served in the order admitted: each turn ends after the one before, but two
+        # timers a fraction of a millisecond apart may fire the other way round (the
+        # loop's clock is in whole milliseconds), and a pipelined append would then be
+        # stored before the one sent ahead of it.
+        admitted = asyncio.get_running_loop().create_future()
+        self._admitting[line] = admitted
         try:
-            await asyncio.sleep(turn)
+            if turn > 0:
+                await asyncio.sleep(turn)
+            if before is not None and not before.done():
+                await asyncio.wait((before,))  # not cancelling it when this one is
         except asyncio.CancelledError:
             for kind, amount in ((Quota.PRODUCE, produce), (Quota.REQUESTS, requests)):
                 if amount and (bucket := buckets.get(kind)) is not None:
                     bucket.refund(amount)
             raise
+        finally:
+            admitted.set_result(None)
+            if self._admitting.get(line) is admitted:
+                del self._admitting[line]
         return turn
 
     def charge(
