@@ -455,3 +455,45 @@ def test_a_rivven_request_answered_throttled_is_not_served(wire_server: Server) 
         # Each read of the 400 kB puts the tenant in debt for the next.
         told = until_served(consume, 2)
         assert told and {t.quota_type for t in told} == {"consume_bytes_rate"}, told
+
+
+def test_a_throttled_kafka_producers_records_keep_the_order_it_sent(wire_server: Server) -> None:
+    """A producer without idempotence, five requests in flight, 6,000 records of 100
+    bytes in requests of three, against 200 kB/s: the requests that find the connection
+    muted wait, and are then stored in the order they came, as Kafka (which reads nothing
+    more from a muted channel) stores them. A request arriving just as the mute ended
+    was once stored before the ones still waiting (2-4 records in 6,000 out of order)."""
+    topic, count = "wire_kafka_order", 6_000
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream(topic)
+    producer = confluent_kafka.Producer(
+        {
+            "bootstrap.servers": wire_server.address_of("kafka"),
+            "linger.ms": 0,
+            "batch.num.messages": 3,
+            "max.in.flight": 5,
+            "enable.idempotence": False,
+            "acks": 1,
+        }
+    )
+    for i in range(count):
+        while True:
+            try:
+                producer.produce(topic, f"{i:08d}".encode().ljust(100, b"."), partition=0)
+                break
+            except BufferError:  # the client's queue is full: let it send
+                producer.poll(0.01)
+    assert producer.flush(60) == 0
+    assert ("0", "produce") in throttle_seconds(wire_server)  # the mute did hold requests
+    consumer = confluent_kafka.Consumer(
+        {"bootstrap.servers": wire_server.address_of("kafka"), "group.id": "order"}
+    )
+    consumer.assign([confluent_kafka.TopicPartition(topic, 0, 0)])
+    stored: list[int] = []
+    while len(stored) < count:
+        message = consumer.poll(30)
+        assert message is not None, f"only {len(stored)} of {count} records read"
+        assert message.error() is None, message.error()
+        stored.append(int(message.value()[:8]))
+    consumer.close()
+    assert stored == list(range(count))

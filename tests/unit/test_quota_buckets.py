@@ -11,6 +11,7 @@ import pytest
 
 from headwater.api.quotas import (
     BURST_S,
+    InOrder,
     Quota,
     Quotas,
     TenantQuota,
@@ -214,3 +215,30 @@ def test_a_cancelled_request_gives_back_what_it_reserved() -> None:
     asyncio.run(main())
     # Only the served request's debt is left: 1 s, not 101 s.
     assert quotas.reserve(1, produce=1) == 1.0
+
+
+def test_waits_in_order_are_served_in_the_order_they_came() -> None:
+    """The second request's wait ends first, the third has none; the first is still
+    served first and each other after the one before; a request cancelled while it
+    waits frees the one after it."""
+
+    async def main() -> list[str]:
+        line, served = InOrder(), []
+
+        async def request(name: str, seconds: float) -> None:
+            await line.wait(seconds)
+            served.append(name)
+
+        first = asyncio.ensure_future(request("first", 0.05))
+        await asyncio.sleep(0)  # it waits now
+        cancelled = asyncio.ensure_future(request("cancelled", 0.0))
+        second = asyncio.ensure_future(request("second", 0.001))
+        third = asyncio.ensure_future(request("third", 0.0))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(first, second, third)
+        assert cancelled.cancelled() and not line.waiting()
+        await line.wait(0)  # nobody waiting: at once
+        return served
+
+    assert asyncio.run(main()) == ["first", "second", "third"]

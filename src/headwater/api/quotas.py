@@ -149,6 +149,46 @@ def report_throttle(*, deferred: bool = False) -> Iterator[ThrottleReport]:
         _REPORT.reset(token)
 
 
+class InOrder:
+    """Requests that each wait some time before they are served, served in the order
+    they came all the same: each waits its own time, then for the one before it. Two
+    waits a fraction of a millisecond apart may otherwise end the other way round (the
+    loop's timers are in whole milliseconds), and a request whose wait is over already
+    would be served before the ones still waiting ahead of it: a pipelined append stored
+    before the one sent ahead of it."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None  # the last request still waiting
+
+    def waiting(self) -> bool:
+        return self._last is not None
+
+    async def wait(self, seconds: float) -> None:
+        """Wait ``seconds`` (if above 0), then until the request before is served; at
+        once when neither holds it. Cancelled, this request's place passes to the next
+        one, which is then served once the one before is."""
+        before = self._last
+        if seconds <= 0 and before is None:
+            return
+        mine = asyncio.get_running_loop().create_future()
+        self._last = mine
+        try:
+            if seconds > 0:
+                await asyncio.sleep(seconds)
+            if before is not None and not before.done():
+                await asyncio.wait((before,))  # not cancelling it when this one is
+        finally:
+            if before is not None and not before.done():  # cancelled: the next one waits
+                before.add_done_callback(lambda _: self._served(mine))  # for the one before
+            else:
+                self._served(mine)
+
+    def _served(self, request: asyncio.Future[None]) -> None:
+        request.set_result(None)
+        if self._last is request:
+            self._last = None
+
+
 class Quotas:
     """The buckets of every tenant with a quota, and the throttle time each caused."""
 
@@ -173,8 +213,8 @@ class Quotas:
             if buckets:
                 self._buckets[tenant_id] = buckets
         self.throttle_seconds_total: dict[tuple[int, Quota], float] = {}
-        # The last request of each line (tenant, read or not) still waiting its turn.
-        self._admitting: dict[tuple[int, bool], asyncio.Future[None]] = {}
+        # Each tenant's requests waiting their turns, reads apart from the rest.
+        self._lines: dict[tuple[int, bool], InOrder] = {}
 
     @property
     def enabled(self) -> bool:
@@ -253,35 +293,23 @@ class Quotas:
         if buckets is None:
             return 0.0
         turn = self.reserve(tenant_id, produce=produce, requests=requests, consume=consume)
-        line = (tenant_id, consume)
-        before = self._admitting.get(line)
-        if turn <= 0 and (before is None or before.done()):
+        line = self._lines.get((tenant_id, consume))
+        if turn <= 0 and (line is None or not line.waiting()):
             return 0.0
         report = _REPORT.get()
         if report is not None and turn > 0:
             report.seconds += turn
             if report.deferred:
                 return 0.0
-        # Served in the order admitted: each turn ends after the one before, but two
-        # timers a fraction of a millisecond apart may fire the other way round (the
-        # loop's clock is in whole milliseconds), and a pipelined append would then be
-        # stored before the one sent ahead of it.
-        admitted = asyncio.get_running_loop().create_future()
-        self._admitting[line] = admitted
+        if line is None:
+            line = self._lines[(tenant_id, consume)] = InOrder()
         try:
-            if turn > 0:
-                await asyncio.sleep(turn)
-            if before is not None and not before.done():
-                await asyncio.wait((before,))  # not cancelling it when this one is
+            await line.wait(turn)
         except asyncio.CancelledError:
             for kind, amount in ((Quota.PRODUCE, produce), (Quota.REQUESTS, requests)):
                 if amount and (bucket := buckets.get(kind)) is not None:
                     bucket.refund(amount)
             raise
-        finally:
-            admitted.set_result(None)
-            if self._admitting.get(line) is admitted:
-                del self._admitting[line]
         return turn
 
     def charge(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kio.schema.errors import ErrorCode
 
-from headwater.api.quotas import Quota, report_throttle
+from headwater.api.quotas import InOrder, Quota, report_throttle
 from headwater.errors import AuthenticationFailed, HeadwaterError
 from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConnection
 from headwater.protocols.kafka.apis import response_type
@@ -72,6 +72,7 @@ class KafkaConnection(TaskPerRequestConnection):
         self._scram: ScramServer | None = None
         self._sasl_failed = False
         self._muted_until = 0.0  # loop time: requests wait for it (a throttled tenant)
+        self._unmuted = InOrder()
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -196,9 +197,10 @@ class KafkaConnection(TaskPerRequestConnection):
         """A Produce or Fetch, its answer carrying the throttle time of the tenant's
         quotas (docs/operations.md, "Quotas")."""
         loop = asyncio.get_running_loop()
-        muted = self._muted_until - loop.time()
-        if muted > 0:  # the channel is muted: Kafka reads nothing more until then
-            await asyncio.sleep(muted)
+        # The channel is muted: Kafka reads nothing more until then, so the requests
+        # waiting are then served in the order they came (a producer's batches stored
+        # in the order it sent them).
+        await self._unmuted.wait(self._muted_until - loop.time())
         kip219 = request.api_version >= _THROTTLED[request.api_key]
         session = self.session
         with report_throttle(deferred=kip219) as throttle:
