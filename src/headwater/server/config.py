@@ -94,6 +94,9 @@ class LimitsConfig:
     sql_spill_mib: int = 4096  # disk the running queries may spill to beyond their memory
     sql_result_mib: int = 32  # a result costing the server more (Arrow + values) is refused
     memory_mib: int = 1024  # the server's anonymous resident memory budget (issue 16)
+    # Read answers (Kafka Fetch, Kimberlite ReadEvents) held until their peers read them,
+    # all connections together (server/answers.py)
+    read_answers_mib: int = 48
 
 
 # Keys of [limits] that take seconds and may be fractional; the others are integers.

@@ -8,17 +8,20 @@ answers "how many are open, how many were turned away and why" (``/metrics``:
 
 from __future__ import annotations
 
+from headwater.server.answers import AnswerBudget
 from headwater.server.config import LimitsConfig
 from headwater.server.metrics import Metrics
 
 
 class ConnectionLimits:
-    """The open-connection count across listeners, and refusals by limit."""
+    """The open-connection count across listeners, refusals by limit, and the bytes
+    of read answers held for peers (``read_answers_mib``)."""
 
     def __init__(self, config: LimitsConfig, metrics: Metrics) -> None:
         self.config = config
         self._metrics = metrics
         self.open = 0
+        self.answers = AnswerBudget(config.read_answers_mib << 20)
 
     def admit(self, listener: str) -> bool:
         """Count a new connection on ``listener``; False (counted as a refusal) when

@@ -126,6 +126,7 @@ def budget_shares(config: ServerConfig) -> dict[str, int]:
             limits.sql_result_mib * limits.sql_concurrency * 3 // 2
         ),
         "segment reads (I/O threads x read chunk)": IO_THREADS * READ_CHUNK_MIB,
+        "read answers held for their peers (read_answers_mib)": limits.read_answers_mib,
         "connections (max_connections x 16 KiB)": connections_mib,
     }
 
@@ -140,8 +141,8 @@ def check_budget(config: ServerConfig) -> list[str]:
     parts = ", ".join(f"{name} {mib} MiB" for name, mib in shares.items())
     return [
         f"the configured limits claim {claimed} MiB, more than limits.memory_mib = {budget}"
-        f" ({parts}): lower sql_memory_mib, sql_result_mib, sql_concurrency or"
-        " max_connections, or raise"
+        f" ({parts}): lower sql_memory_mib, sql_result_mib, sql_concurrency,"
+        " read_answers_mib or max_connections, or raise"
         " memory_mib"
     ]
 

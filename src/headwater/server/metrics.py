@@ -333,6 +333,12 @@ class _ServerCollector(Collector):
             per_protocol.add_metric([protocol], _sum_sources(sources))
         yield per_protocol
         yield from _memory_metrics(server.config.limits.memory_mib)
+        yield GaugeMetricFamily(
+            "headwater_read_answers_held_bytes",
+            "Bytes of read answers (Kafka Fetch, Kimberlite ReadEvents) held until their"
+            " peers read them; at most [limits] read_answers_mib",
+            value=server.limits.answers.held,
+        )
 
         if not server.started:
             return

@@ -24,10 +24,18 @@ def test_limits_past_the_budget_are_named_in_one_warning() -> None:
     small = dataclasses.replace(
         config,
         limits=LimitsConfig(
-            memory_mib=300, sql_memory_mib=24, sql_result_mib=8, max_connections=1000
+            memory_mib=300,
+            sql_memory_mib=24,
+            sql_result_mib=8,
+            max_connections=1000,
+            read_answers_mib=4,
         ),
     )
     assert check_budget(small) == []
+    # Read answers held for clients that have not read them take their share too.
+    held = dataclasses.replace(small, limits=dataclasses.replace(small.limits, read_answers_mib=8))
+    (warning,) = check_budget(held)
+    assert "read answers held for their peers (read_answers_mib) 8 MiB" in warning
     # A result's answer is held too: a larger sql_result_mib takes its share of the budget.
     answers = dataclasses.replace(
         small, limits=dataclasses.replace(small.limits, sql_result_mib=64)

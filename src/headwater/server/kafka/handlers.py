@@ -76,6 +76,7 @@ from headwater.protocols.kafka.records import (
     build_batch,
     control_batch,
 )
+from headwater.server.answers import AnswerBudget, AnswerRoom
 from headwater.storage import kafka_batch
 from headwater.storage.batch import Batch, Headers
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
@@ -166,6 +167,8 @@ class Session:
     refused: Callable[[str], None] = field(default=lambda limit: None)
     # Produce requests of this connection appending through tasks now (see produce).
     spread_produces: int = 0
+    # Where this connection's Fetch answers take their bytes (server/answers.py).
+    answers: AnswerRoom = field(default_factory=lambda: AnswerRoom(AnswerBudget(1 << 62)))
 
     @property
     def node_id(self) -> int:
@@ -983,8 +986,13 @@ async def fetch(session: Session, request: Any, version: int) -> Mapping[str, An
     loop = asyncio.get_running_loop()
     max_wait_s = min(request.max_wait.total_seconds(), MAX_FETCH_WAIT_S)
     deadline = loop.time() + max(max_wait_s, 0.0)
+    # What the answer may hold: its bytes are the server's (read_answers_mib) until the
+    # client has read them; when none are free within max_wait, it holds nothing.
+    asked = sum(p.partition_max_bytes for topic in request.topics for p in topic.partitions)
+    wanted = max(min(getattr(request, "max_bytes", 1 << 31), asked), 1)
     while True:
-        answer, size, waits = await _fetch_once(session, request)
+        async with session.answers.turn(wanted, max(deadline - loop.time(), 0.0)) as granted:
+            answer, size, waits = await _fetch_once(session, request, granted)
         remaining = deadline - loop.time()
         if size >= max(request.min_bytes, 1) or remaining <= 0 or not waits or api.closing:
             return answer
@@ -1002,16 +1010,18 @@ async def fetch(session: Session, request: Any, version: int) -> Mapping[str, An
             for task in tasks:
                 task.cancel()
         if loop.time() >= deadline or session.stopping.is_set():
-            answer, size, waits = await _fetch_once(session, request)
+            async with session.answers.turn(wanted, 0.0) as granted:
+                answer, size, waits = await _fetch_once(session, request, granted)
             return answer
 
 
 async def _fetch_once(
-    session: Session, request: Any
+    session: Session, request: Any, budget: int
 ) -> tuple[dict[str, Any], int, list[tuple[int, int, int]]]:
+    """One pass over the partitions asked, reading up to ``budget`` bytes in all (0:
+    nothing, each partition left to wait)."""
     api, tenant = session.api, session.tenant_id
     isolation = _isolation(request)
-    budget = max(getattr(request, "max_bytes", 1 << 31), 1)
     size = 0
     waits: list[tuple[int, int, int]] = []
     topics: list[dict[str, Any]] = []

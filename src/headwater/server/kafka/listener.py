@@ -19,6 +19,7 @@ from headwater.api.quotas import InOrder, Quota, report_throttle
 from headwater.errors import AuthenticationFailed, HeadwaterError
 from headwater.protocols.kafka import ApiKey, Close, Reply, Request, ServerConnection
 from headwater.protocols.kafka.apis import response_type
+from headwater.server.answers import AnswerRoom
 from headwater.server.app import Listener
 from headwater.server.kafka.build import build
 from headwater.server.kafka.groups import KafkaGroups
@@ -92,6 +93,7 @@ class KafkaConnection(TaskPerRequestConnection):
             stopping=self.stopping,
             cluster=cluster,
             refused=lambda limit: limits.refused(limit, "kafka"),
+            answers=AnswerRoom(limits.answers),
         )
         try:
             # Without [auth] required an unauthenticated client acts for tenant 0.
@@ -109,7 +111,14 @@ class KafkaConnection(TaskPerRequestConnection):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.guard.release()
+        self.session.answers.lost()
         self._connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self.session.answers.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.session.answers.resume_writing()
 
     def data_received(self, data: bytes) -> None:
         for event in self.protocol.receive_data(data):

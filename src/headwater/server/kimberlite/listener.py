@@ -26,6 +26,7 @@ from headwater.protocols.kimberlite.connection import (
     ServerConnection,
 )
 from headwater.protocols.kimberlite.frames import MAX_FRAME, FrameTooLarge
+from headwater.server.answers import AnswerRoom
 from headwater.server.app import Listener
 from headwater.server.kimberlite.commands import HANDLERS
 from headwater.server.kimberlite.commands.append import append_events_inline
@@ -56,6 +57,7 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
         self._writable = asyncio.Event()
         self._writable.set()
         self.guard = ConnectionGuard(server.limits, "kimberlite", self)
+        self.answers = AnswerRoom(server.limits.answers)  # where ReadEvents answers wait
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -64,6 +66,7 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
 
     def _disconnected(self) -> None:
         self._writable.set()  # wake pushes so they notice the connection is gone
+        self.answers.lost()
         self._end_subscriptions()
 
     def _ending(self) -> None:
@@ -77,9 +80,11 @@ class KimberliteConnection(ServerConnectionShell[ServerConnection]):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self.answers.pause_writing()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self.answers.resume_writing()
 
     # ---- limits ---------------------------------------------------------------------
 

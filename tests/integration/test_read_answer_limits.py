@@ -1,0 +1,169 @@
+"""Read answers that their peers do not read are held within ``[limits]
+read_answers_mib`` (docs/operations.md): clients that pipeline Kafka Fetches and
+Kimberlite ReadEvents of a whole stream and never read the answers once took the
+server's anonymous memory to 1.4 GiB with four Fetches of a 300 MB topic. Now a
+connection builds one large answer at a time, once the one before is read, and all
+together hold at most the budget (its RssAnon sampled from /proc); a Fetch finding no
+room answers nothing within its max_wait, and once the hogs are gone a consumer reads
+every record."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+from kimberlite_raw import RawClient, append, create_stream, query
+from kio.schema.fetch.v11.request import FetchPartition, FetchRequest, FetchTopic
+from kio.schema.fetch.v11.response import FetchResponse
+from kio.schema.types import BrokerId, TopicName
+from kio.static.primitive import i8, i32, i64
+from limits_clients import raw_socket
+from memory_probe import MIB, RssSampler
+from prometheus_client.parser import text_string_to_metric_families
+from servers import LOCAL, Server, serving
+
+from headwater.protocols.kafka import ApiKey
+from headwater.protocols.kafka.frames import decode_response, encode_request
+from headwater.protocols.kimberlite.messages import ReadEventsRequest
+from headwater.server.memory import process_memory
+from waiting import wait_until
+
+BUDGET_MIB = 8
+CONFIG = f"""
+[storage]
+sync = "none"
+
+[limits]
+read_answers_mib = {BUDGET_MIB}
+"""
+EVENT = b"e" * 1000
+STREAM_MIB = 48
+EVENTS_PER_APPEND = 2000
+MAX_I32 = (1 << 31) - 1
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("read-answers"),
+        config=CONFIG,
+        listen={"kafka": LOCAL, "http": LOCAL},
+    )
+
+
+def held_bytes(server: Server) -> float:
+    with urllib.request.urlopen(f"http://{server.address_of('http')}/metrics", timeout=15) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "headwater_read_answers_held_bytes":
+            return float(family.samples[0].value)
+    raise AssertionError("no headwater_read_answers_held_bytes in /metrics")
+
+
+def fetch_everything(topic: str, max_wait: timedelta) -> FetchRequest:
+    return FetchRequest(
+        replica_id=BrokerId(-1),
+        max_wait=max_wait,
+        min_bytes=i32(1),
+        max_bytes=i32(MAX_I32),
+        isolation_level=i8(0),
+        session_id=i32(0),
+        session_epoch=i32(-1),
+        topics=(
+            FetchTopic(
+                topic=TopicName(topic),
+                partitions=(
+                    FetchPartition(
+                        partition=i32(0),
+                        current_leader_epoch=i32(-1),
+                        fetch_offset=i64(0),
+                        log_start_offset=i64(-1),
+                        partition_max_bytes=i32(MAX_I32),
+                    ),
+                ),
+            ),
+        ),
+        forgotten_topics_data=(),
+        rack_id="",
+    )
+
+
+def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -> None:
+    topic = "hogged"
+    with server.client() as client:
+        stream_id = create_stream(client, topic)
+        for _ in range(STREAM_MIB * MIB // (len(EVENT) * EVENTS_PER_APPEND)):
+            append(client, stream_id, [EVENT] * EVENTS_PER_APPEND)
+        query(client, f"SELECT count(*) FROM {topic}")  # the SQL projection caught up
+    baseline = process_memory(server.pid)
+    assert baseline is not None
+
+    kafka_hogs = [raw_socket(server, "kafka") for _ in range(4)]
+    kimberlite_hogs = [RawClient(server.port) for _ in range(2)]
+    with RssSampler(server.pid) as sampler:
+        # Every hog asks for the whole stream, over and over, and reads nothing back:
+        # 16 Fetches of 48 MiB and 16 ReadEvents of 12 MiB, 960 MiB if all were held.
+        request = encode_request(1, fetch_everything(topic, timedelta(milliseconds=100)))
+        for sock in kafka_hogs:
+            sock.sendall(request * 4)
+        for hog in kimberlite_hogs:
+            for _ in range(8):
+                hog.send(ReadEventsRequest(stream_id, 0, 12 * MIB))
+        wait_until(
+            lambda: held_bytes(server) >= BUDGET_MIB * MIB,
+            message="the hogs' answers did not fill the budget",
+        )
+        # A Fetch sent after all of theirs: once it is answered, the server has taken up
+        # every request before it. Finding the budget taken, it waits its max_wait for
+        # room, then answers nothing, as when no record is there yet.
+        probe = raw_socket(server, "kafka")
+        probe.sendall(encode_request(7, fetch_everything(topic, timedelta(milliseconds=200))))
+        answer = read_answer(probe, 7)
+        probe.close()
+    grown = sampler.peak_anon - baseline.rss_anon
+    # The budget, the read chunks its answer pins and what the socket layer copies.
+    assert grown < (BUDGET_MIB + 40) * MIB, sampler.report()
+    assert [not p.records for t in answer.responses for p in t.partitions] == [True], answer
+
+    for sock in kafka_hogs:
+        sock.close()
+    for hog in kimberlite_hogs:
+        hog.sock.close()
+    wait_until(lambda: held_bytes(server) == 0, message="the hogs' answers were not freed")
+
+    consumer = Consumer(
+        {"bootstrap.servers": server.address_of("kafka"), "group.id": "after-the-hogs"}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    expected = STREAM_MIB * MIB // (len(EVENT) * EVENTS_PER_APPEND) * EVENTS_PER_APPEND
+    read = 0
+    while read < expected:
+        messages = consumer.consume(10_000, 30)
+        assert messages, f"only {read} of {expected} records read"
+        for message in messages:
+            assert message.error() is None, message.error()
+            assert message.value() == EVENT
+        read += len(messages)
+    consumer.close()
+    assert read == expected
+
+
+def read_answer(sock: socket.socket, correlation: int) -> FetchResponse:
+    def exact(n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the server closed the connection"
+            data += chunk
+        return bytes(data)
+
+    (size,) = struct.unpack(">i", exact(4))
+    got, response = decode_response(ApiKey.FETCH, 11, exact(size))
+    assert got == correlation
+    assert isinstance(response, FetchResponse)
+    return response
