@@ -1,6 +1,7 @@
 """Read answers that their peers do not read are held within ``[limits]
 read_answers_mib`` (docs/operations.md): clients that pipeline Kafka Fetches and
-Kimberlite ReadEvents of a whole stream and never read the answers once took the
+Kimberlite ReadEvents of a whole stream, or ask HTTP for pages and Arrow range reads,
+and never read the answers once took the
 server's anonymous memory to 1.4 GiB with four Fetches of a 300 MB topic. Now a
 connection builds one large answer at a time, once the one before is read, and all
 together hold at most the budget (its RssAnon sampled from /proc); a Fetch finding no
@@ -14,6 +15,7 @@ import struct
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -25,7 +27,7 @@ from kio.static.primitive import i8, i32, i64
 from limits_clients import raw_socket
 from memory_probe import MIB, RssSampler
 from prometheus_client.parser import text_string_to_metric_families
-from servers import LOCAL, Server, serving
+from servers import LOCAL, Server, serving, stop_cleanly
 
 from headwater.protocols.kafka import ApiKey
 from headwater.protocols.kafka.frames import decode_response, encode_request
@@ -45,6 +47,7 @@ EVENT = b"e" * 1000
 STREAM_MIB = 48
 EVENTS_PER_APPEND = 2000
 MAX_I32 = (1 << 31) - 1
+HTTP_PAGE = "/api/streams/{}/events?limit=10000"
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +108,23 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
 
     kafka_hogs = [raw_socket(server, "kafka") for _ in range(4)]
     kimberlite_hogs = [RawClient(server.port) for _ in range(2)]
+    http_hogs = [raw_socket(server, "http") for _ in range(8)]
+    arrow_hogs = [raw_socket(server, "http") for _ in range(2)]
     with RssSampler(server.pid) as sampler:
         # Every hog asks for the whole stream, over and over, and reads nothing back:
-        # 16 Fetches of 48 MiB and 16 ReadEvents of 12 MiB, 960 MiB if all were held.
+        # 16 Fetches of 48 MiB, 16 ReadEvents of 12 MiB, 8 HTTP pages of 10 MB (and their
+        # JSON) and 2 Arrow range reads: over 1 GiB if all were held.
         request = encode_request(1, fetch_everything(topic, timedelta(milliseconds=100)))
         for sock in kafka_hogs:
             sock.sendall(request * 4)
         for hog in kimberlite_hogs:
             for _ in range(8):
                 hog.send(ReadEventsRequest(stream_id, 0, 12 * MIB))
+        # Pages of 10,000 events (10 MB, and their JSON) and Arrow range reads over HTTP.
+        for sock in http_hogs:
+            sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
+        for sock in arrow_hogs:
+            sock.sendall(f"GET /api/streams/{topic}/arrow HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
         wait_until(
             lambda: held_bytes(server) >= BUDGET_MIB * MIB,
             message="the hogs' answers did not fill the budget",
@@ -134,6 +145,8 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
         sock.close()
     for hog in kimberlite_hogs:
         hog.sock.close()
+    for sock in http_hogs + arrow_hogs:
+        sock.close()
     wait_until(lambda: held_bytes(server) == 0, message="the hogs' answers were not freed")
 
     consumer = Consumer(
@@ -151,6 +164,40 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
         read += len(messages)
     consumer.close()
     assert read == expected
+
+
+def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: Path) -> None:
+    """SIGTERM with every kind of hog connected and the budget full: the reads waiting
+    for room or for their peer go on and the server exits 0 (it once waited on them)."""
+    server = Server(tmp_path, config=CONFIG, listen={"kafka": LOCAL, "http": LOCAL}).start()
+    try:
+        topic = "hogged"
+        with server.client() as client:
+            stream_id = create_stream(client, topic)
+            for _ in range(8):
+                append(client, stream_id, [EVENT] * EVENTS_PER_APPEND)
+        hogs = [raw_socket(server, "kafka") for _ in range(2)]
+        request = encode_request(1, fetch_everything(topic, timedelta(seconds=30)))
+        for sock in hogs:
+            sock.sendall(request * 4)
+        readers = [RawClient(server.port) for _ in range(2)]
+        for reader in readers:
+            for _ in range(4):
+                reader.send(ReadEventsRequest(stream_id, 0, 12 * MIB))
+        hogs += [raw_socket(server, "http") for _ in range(2)]
+        for sock in hogs[-2:]:
+            sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
+        wait_until(
+            lambda: held_bytes(server) >= BUDGET_MIB * MIB,
+            message="the hogs' answers did not fill the budget",
+        )
+        stop_cleanly(server)
+        for sock in hogs:
+            sock.close()
+        for reader in readers:
+            reader.sock.close()
+    finally:
+        server.kill()
 
 
 def read_answer(sock: socket.socket, correlation: int) -> FetchResponse:

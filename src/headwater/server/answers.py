@@ -34,7 +34,15 @@ class AnswerBudget:
             raise ValueError("an answer budget holds at least one byte")
         self.capacity = capacity
         self.held = 0
+        self.closing = False  # the server is stopping: reads no longer wait for room
         self._room: asyncio.Event | None = None  # made in the loop, when first awaited
+
+    def close(self) -> None:
+        """The server is stopping: a read waiting for room goes on with what there is
+        (its answer will not be read anyway), so the listeners' drain is not held."""
+        self.closing = True
+        if self._room is not None:
+            self._room.set()
 
     def take(self, wanted: int) -> int:
         """Up to ``wanted`` bytes of what is left (0: nothing is)."""
@@ -47,10 +55,31 @@ class AnswerBudget:
         if amount and self._room is not None:
             self._room.set()
 
+    async def take_within(self, wanted: int, wait_s: float | None = None) -> int:
+        """Up to ``wanted`` bytes, waiting up to ``wait_s`` (None: as long as it takes)
+        for some to be given back when none is left; 0 when none was within it."""
+        granted = self.take(wanted)
+        if granted or wanted <= 0 or self.closing:
+            return granted
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
+        while not granted:
+            left = None if deadline is None else deadline - loop.time()
+            if (left is not None and left <= 0) or self.closing:
+                break
+            await self.room(left)
+            granted = self.take(wanted)
+        return granted
+
+    def hold(self, amount: int) -> None:
+        """Count ``amount`` more bytes held, whether or not there is room: an answer
+        that came out larger than what it took (the JSON it is sent as)."""
+        self.held += amount
+
     async def room(self, timeout_s: float | None) -> None:
         """Return once some of the budget has been given back, or ``timeout_s`` has
         passed (the caller takes again: another may have taken it first)."""
-        if self.held < self.capacity:
+        if self.held < self.capacity or self.closing:
             return
         if self._room is None:
             self._room = asyncio.Event()
@@ -93,16 +122,7 @@ class AnswerRoom:
         async with self._turn:
             await self._writable.wait()  # the peer has read the answers before
             self._give_back()
-            granted = self._budget.take(wanted)
-            if not granted and wanted > 0:
-                loop = asyncio.get_running_loop()
-                deadline = None if wait_s is None else loop.time() + wait_s
-                while not granted:
-                    left = None if deadline is None else deadline - loop.time()
-                    if left is not None and left <= 0:
-                        break
-                    await self._budget.room(left)
-                    granted = self._budget.take(wanted)
+            granted = await self._budget.take_within(wanted, wait_s)
             self._held = granted
             self._turns += 1
             try:

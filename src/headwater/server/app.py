@@ -165,6 +165,8 @@ class Server:
             # First: a running query would hold its front end's drain for its whole run.
             self._api.stop_queries()
             await self._api.close_subscriptions()
+        # Reads waiting for room in the answer budget go on: their drain is not held.
+        self.limits.answers.close()
         for listener in reversed(self.listeners):
             try:
                 await listener.stop()

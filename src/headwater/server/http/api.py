@@ -24,9 +24,11 @@ from headwater.json_fields import json_fields
 from headwater.server.http.app import (
     METRICS_KEY,
     PROTOCOL,
+    HeldResponse,
     api_of,
     int_param,
     json_body,
+    json_bytes,
     json_response,
     principal_of,
     read_body,
@@ -35,6 +37,7 @@ from headwater.server.http.app import (
     tenant_of,
 )
 from headwater.server.http.arrow import (
+    ARROW_MESSAGE_BYTES,
     append_arrow,
     partition_param,
     read_records,
@@ -328,15 +331,22 @@ async def read_events(request: web.Request) -> web.Response:
         )
     events = []
     next_offset = max(start, start_offset)
+    # What the page reads is the server's until the client has read it: it takes its
+    # room in limits.read_answers_mib first (server/answers.py), then holds its JSON.
+    budget = server_of(request).limits.answers
     if limit > 0:
-        result = await api.read(
-            tenant_id,
-            stream.stream_id,
-            start,
-            MAX_READ_BYTES,
-            max_events=limit,
-            partition=partition,
-        )
+        room = await budget.take_within(MAX_READ_BYTES)
+        try:
+            result = await api.read(
+                tenant_id,
+                stream.stream_id,
+                start,
+                max(room, 1),  # none only when the server is stopping: the first event
+                max_events=limit,
+                partition=partition,
+            )
+        finally:
+            budget.give_back(room)
         events = list(result.events())
         # Past what it shows, the read may have passed what a reader never sees (markers,
         # aborted transactions' batches): a page of only those still moves the reader on.
@@ -344,7 +354,7 @@ async def read_events(request: web.Request) -> web.Response:
     request.app[METRICS_KEY].record_read(
         PROTOCOL, tenant_id, stream.name, len(events), sum(len(e.value) for e in events)
     )
-    return json_response(
+    body = json_bytes(
         {
             "partition": partition,
             "events": [event_json(e, partition) for e in events],
@@ -353,12 +363,10 @@ async def read_events(request: web.Request) -> web.Response:
             "end_offset": api.readable_end(tenant_id, stream.stream_id, partition),
         }
     )
+    return HeldResponse(body, budget)
 
 
 ARROW_MESSAGE_ROWS = 65_536  # rows per IPC message at most, one write each
-# ... and about this many bytes: each message is a copy made to be sent (and may wait in
-# the transport), so its size, not the events', bounds what a range read holds.
-ARROW_MESSAGE_BYTES = 4 << 20
 
 
 async def read_arrow(request: web.Request) -> web.StreamResponse:

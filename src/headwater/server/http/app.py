@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, overload
 
@@ -21,6 +22,7 @@ from headwater.errors import (
     NotLeader,
     TenantForbidden,
 )
+from headwater.server.answers import AnswerBudget
 from headwater.server.http.events import decode_json
 from headwater.server.metrics import Metrics
 
@@ -62,11 +64,29 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode(),
-        status=status,
-        content_type="application/json",
-    )
+    return web.Response(body=json_bytes(data), status=status, content_type="application/json")
+
+
+def json_bytes(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class HeldResponse(web.Response):
+    """A JSON answer counted in the server's read-answer budget (``[limits]
+    read_answers_mib``, server/answers.py) until it is written: aiohttp's ``write_eof``
+    returns once the transport has taken it (its buffer below the low-water mark), or
+    until it is dropped unsent (the client left)."""
+
+    def __init__(self, body: bytes, budget: AnswerBudget) -> None:
+        super().__init__(body=body, content_type="application/json")
+        budget.hold(len(body))
+        self._release = weakref.finalize(self, budget.give_back, len(body))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        try:
+            await super().write_eof(data)
+        finally:
+            self._release()
 
 
 def record_append(

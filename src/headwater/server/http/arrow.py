@@ -29,11 +29,15 @@ from headwater.server.http.app import (
     json_response,
     read_body,
     record_append,
+    server_of,
     tenant_of,
 )
 from headwater.sql.records import RECORDS_SCHEMA
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
+# About this many bytes an IPC message at most: each is a copy made to be sent (and may
+# wait in the transport), so its size, not the events', bounds what a range read holds.
+ARROW_MESSAGE_BYTES = 4 << 20
 _ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # end-of-stream marker
 MAX_U64 = (1 << 64) - 1
 
@@ -95,8 +99,25 @@ async def stream_arrow(
     await response.prepare(request)
     await response.write(memoryview(schema.serialize()))
     rows = value_bytes = 0
-    async for batch in messages:
-        await response.write(memoryview(batch.serialize()))
+    # Each message is a copy held until the client reads it: it takes its room in
+    # limits.read_answers_mib (server/answers.py) before it is read and made.
+    budget = server_of(request).limits.answers
+    batches = aiter(messages)
+    while True:
+        room = await budget.take_within(ARROW_MESSAGE_BYTES)
+        held = room
+        try:
+            batch = await anext(batches, None)
+            if batch is None:
+                break
+            message = memoryview(batch.serialize())
+            if message.nbytes > room:  # one event larger than a message's room
+                budget.hold(message.nbytes - room)
+                held = message.nbytes
+            await response.write(message)  # returns once the transport can take more
+            del message
+        finally:
+            budget.give_back(held)
         rows += batch.num_rows
         data = batch.column("data")
         if len(data):  # its bytes from its first and last bounds, with no array built

@@ -308,6 +308,8 @@ async def start_kafka(server: Server, host: str, port: int) -> Listener:
         # Long polls answer now and JoinGroups waiting for other members end: either
         # would hold the drain for its whole timeout.
         stopping.set()
+        for connection in connections:  # answers waiting for a peer that does not read
+            connection.session.answers.lost()
         await groups.close()
         await finish_in_flight([t for c in connections for t in c.tasks])
 

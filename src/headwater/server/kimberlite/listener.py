@@ -178,6 +178,8 @@ async def start_kimberlite(server: Server, host: str, port: int) -> Listener:
     connections: set[KimberliteConnection] = set()
 
     async def drain() -> None:
+        for connection in connections:  # answers waiting for a peer that does not read
+            connection.answers.lost()
         # Appends answered without a task (``inline``) are in flight too.
         in_flight: list[asyncio.Future[None]] = [t for c in connections for t in c.tasks]
         in_flight += [c.inline_answered() for c in connections if c.inline]

@@ -19,12 +19,12 @@ async def read_events(
     max_events = max(1, (MAX_READ_BYTES // 8) - 1)
     # The answer's bytes are the server's until the client has read them
     # (limits.read_answers_mib): it reads no more than it was given room for.
-    async with conn.answers.turn(max(min(payload.max_bytes, MAX_READ_BYTES), 1)) as max_bytes:
+    async with conn.answers.turn(max(min(payload.max_bytes, MAX_READ_BYTES), 1)) as room:
         result = await conn.api.read(
             request.tenant_id,
             payload.stream_id,
             payload.from_offset,
-            max_bytes,
+            max(room, 1),  # none only when the server is stopping: the first event
             max_events=max_events,
             read_ahead=True,  # readers page from an offset on: the next page is read meanwhile
             # The answer carries no offsets: the client counts them from from_offset, so a
