@@ -1,6 +1,7 @@
 """Read answers that their peers do not read are held within ``[limits]
 read_answers_mib`` (docs/operations.md): clients that pipeline Kafka Fetches and
-Kimberlite ReadEvents of a whole stream, or ask HTTP for pages and Arrow range reads,
+Kimberlite ReadEvents or Rivven Consumes of a whole stream, or ask HTTP for pages and
+Arrow range reads,
 and never read the answers once took the
 server's anonymous memory to 1.4 GiB with four Fetches of a 300 MB topic. Now a
 connection builds one large answer at a time, once the one before is read, and all
@@ -28,10 +29,12 @@ from limits_clients import raw_socket
 from memory_probe import MIB, RssSampler
 from prometheus_client.parser import text_string_to_metric_families
 from servers import LOCAL, Server, serving, stop_cleanly
+from test_rivven_server import Rivven
 
 from headwater.protocols.kafka import ApiKey
 from headwater.protocols.kafka.frames import decode_response, encode_request
 from headwater.protocols.kimberlite.messages import ReadEventsRequest
+from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.server.memory import process_memory
 from waiting import wait_until
 
@@ -55,7 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serving(
         tmp_path_factory.mktemp("read-answers"),
         config=CONFIG,
-        listen={"kafka": LOCAL, "http": LOCAL},
+        listen={"kafka": LOCAL, "http": LOCAL, "rivven": LOCAL},
     )
 
 
@@ -110,16 +113,25 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
     kimberlite_hogs = [RawClient(server.port) for _ in range(2)]
     http_hogs = [raw_socket(server, "http") for _ in range(8)]
     arrow_hogs = [raw_socket(server, "http") for _ in range(2)]
+    rivven_hogs = [Rivven(server.ports["rivven"]) for _ in range(2)]
+    for hog in rivven_hogs:
+        hog.handshake()
     with RssSampler(server.pid) as sampler:
         # Every hog asks for the whole stream, over and over, and reads nothing back:
-        # 16 Fetches of 48 MiB, 16 ReadEvents of 12 MiB, 8 HTTP pages of 10 MB (and their
-        # JSON) and 2 Arrow range reads: over 1 GiB if all were held.
+        # 16 Fetches of 48 MiB, 16 ReadEvents of 12 MiB, 16 Rivven Consumes of 8 MiB, 8
+        # HTTP pages of 10 MB (and their JSON) and 2 Arrow range reads: over 1 GiB if all
+        # were held.
         request = encode_request(1, fetch_everything(topic, timedelta(milliseconds=100)))
         for sock in kafka_hogs:
             sock.sendall(request * 4)
         for hog in kimberlite_hogs:
             for _ in range(8):
                 hog.send(ReadEventsRequest(stream_id, 0, 12 * MIB))
+        for hog in rivven_hogs:
+            for _ in range(8):
+                hog.send(
+                    pb.ConsumeRequest(topic=topic, partition=0, offset=0, max_messages=100_000)
+                )
         # Pages of 10,000 events (10 MB, and their JSON) and Arrow range reads over HTTP.
         for sock in http_hogs:
             sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
@@ -147,6 +159,8 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
         hog.sock.close()
     for sock in http_hogs + arrow_hogs:
         sock.close()
+    for hog in rivven_hogs:
+        hog.close()
     wait_until(lambda: held_bytes(server) == 0, message="the hogs' answers were not freed")
 
     consumer = Consumer(
@@ -169,7 +183,8 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
 def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: Path) -> None:
     """SIGTERM with every kind of hog connected and the budget full: the reads waiting
     for room or for their peer go on and the server exits 0 (it once waited on them)."""
-    server = Server(tmp_path, config=CONFIG, listen={"kafka": LOCAL, "http": LOCAL}).start()
+    listen = {"kafka": LOCAL, "http": LOCAL, "rivven": LOCAL}
+    server = Server(tmp_path, config=CONFIG, listen=listen).start()
     try:
         topic = "hogged"
         with server.client() as client:
@@ -184,6 +199,13 @@ def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: P
         for reader in readers:
             for _ in range(4):
                 reader.send(ReadEventsRequest(stream_id, 0, 12 * MIB))
+        consumers = [Rivven(server.ports["rivven"]) for _ in range(2)]
+        for consumer in consumers:
+            consumer.handshake()
+            for _ in range(4):
+                consumer.send(
+                    pb.ConsumeRequest(topic=topic, partition=0, offset=0, max_messages=100_000)
+                )
         hogs += [raw_socket(server, "http") for _ in range(2)]
         for sock in hogs[-2:]:
             sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
@@ -196,6 +218,8 @@ def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: P
             sock.close()
         for reader in readers:
             reader.sock.close()
+        for consumer in consumers:
+            consumer.close()
     finally:
         server.kill()
 

@@ -19,6 +19,7 @@ from headwater.api import (
     MAX_APPEND_BYTES,
     MAX_APPEND_EVENTS,
     EngineAPI,
+    ReadResult,
     StreamInfo,
     StreamSettings,
     StreamTarget,
@@ -38,6 +39,7 @@ from headwater.errors import (
 )
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.messages import record_key
+from headwater.server.answers import AnswerBudget, AnswerRoom
 from headwater.server.groups import GroupShells
 
 BROKER_ID = 0  # this server: the one broker of every topic's metadata
@@ -123,6 +125,8 @@ class Session:
     groups: GroupShells  # the listener's group membership (headwater's additions)
     principal: Principal | None = None  # set by Authenticate, or on first use without auth
     client_id: str = ""  # the client's name (its Header's, else its Handshake's)
+    # Where this connection's Consume answers take their bytes (server/answers.py).
+    answers: AnswerRoom = field(default_factory=lambda: AnswerRoom(AnswerBudget(1 << 62)))
 
     @property
     def tenant_id(self) -> int:
@@ -448,22 +452,28 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
     max_bytes = min(request.max_bytes or MAX_CONSUME_BYTES, MAX_CONSUME_BYTES)
     max_events = request.max_messages or DEFAULT_MAX_MESSAGES
     wait_s = min(request.max_wait_ms, MAX_WAIT_MS) / 1000 if request.HasField("max_wait_ms") else 0
-    deadline = asyncio.get_running_loop().time() + wait_s
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
     while True:
-        result = await api.read(
-            tenant_id,
-            info.stream_id,
-            offset,
-            max_bytes,
-            max_events=max_events,
-            partition=partition,
-            isolation=isolation,
-        )
-        if result.count:
-            break
+        # What the answer reads is the server's until the client has read it
+        # (limits.read_answers_mib): built within its room, written as this returns.
+        async with session.answers.turn(max_bytes, max(deadline - loop.time(), 0.0)) as room:
+            if not room:  # none within the wait: nothing now, as an empty long poll
+                return _consumed(api, tenant_id, info.stream_id, partition, None)
+            result = await api.read(
+                tenant_id,
+                info.stream_id,
+                offset,
+                room,
+                max_events=max_events,
+                partition=partition,
+                isolation=isolation,
+            )
+            if result.count:
+                return _consumed(api, tenant_id, info.stream_id, partition, result)
         # Nothing to give (yet): a long poll waits for the partition to pass its end,
         # then reads again (under read_committed the new events may still be open).
-        left = deadline - asyncio.get_running_loop().time()
+        left = deadline - loop.time()
         if left <= 0 or session.stopping.is_set():
             break
         # Past what readers may read: the end here, a cluster's high watermark.
@@ -479,11 +489,16 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
             break
         # A read that skipped only aborted events or markers resumes past them.
         offset = max(offset, result.end_offset)
-    response = pb.ConsumeResponse(
-        high_watermark=api.readable_end(tenant_id, info.stream_id, partition)
-    )
+    return _consumed(api, tenant_id, info.stream_id, partition, result)
+
+
+def _consumed(
+    api: EngineAPI, tenant_id: int, stream_id: int, partition: int, result: ReadResult | None
+) -> pb.ConsumeResponse:
+    """A Consume's answer: ``result``'s events (None: none)."""
+    response = pb.ConsumeResponse(high_watermark=api.readable_end(tenant_id, stream_id, partition))
     records = response.records
-    for event in result.events():
+    for event in () if result is None else result.events():
         records.add(
             offset=event.offset,
             partition=partition,

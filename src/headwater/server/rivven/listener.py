@@ -34,6 +34,7 @@ from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.connection import RequestFrame, ServerConnection
 from headwater.protocols.rivven.frames import FrameTooLarge
 from headwater.protocols.rivven.messages import ErrorCode, error_code_for
+from headwater.server.answers import AnswerRoom
 from headwater.server.app import Listener
 from headwater.server.groups import GroupShells
 from headwater.server.metrics import metrics_for
@@ -93,11 +94,27 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
         self.server = server
         self.protocol = ServerConnection()
         self.metrics = metrics_for(server)
-        self.session = Session(server.api, transactions, *address, stopping, groups)
+        self.session = Session(
+            server.api,
+            transactions,
+            *address,
+            stopping,
+            groups,
+            answers=AnswerRoom(server.limits.answers),
+        )
         self._connections = connections
         self.guard = ConnectionGuard(server.limits, LISTENER, self)
 
     # ---- transport callbacks --------------------------------------------------------
+
+    def _disconnected(self) -> None:
+        self.session.answers.lost()
+
+    def pause_writing(self) -> None:
+        self.session.answers.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.session.answers.resume_writing()
 
     def _replied(self, response: pb.Response) -> None:
         if response.WhichOneof("response_type") == "handshake_result":
@@ -224,6 +241,8 @@ async def start_rivven(server: Server, host: str, port: int) -> Listener:
 
     async def drain() -> None:
         stopping.set()  # long polls answer now with what they have
+        for connection in connections:  # answers waiting for a peer that does not read
+            connection.session.answers.lost()
         await groups.close()  # and JoinGroups waiting for other members end
         await finish_in_flight([t for c in connections for t in c.tasks])
 
