@@ -336,7 +336,8 @@ class _ServerCollector(Collector):
         yield GaugeMetricFamily(
             "headwater_read_answers_held_bytes",
             "Bytes of read answers (Kafka Fetch, Kimberlite ReadEvents, Rivven Consume, HTTP"
-            " pages, Arrow messages) held until their peers read them; at most [limits] read_answers_mib",
+            " pages, Arrow messages) held until their peers read them; at most [limits]"
+            " read_answers_mib",
             value=server.limits.answers.held,
         )
 
