@@ -178,16 +178,22 @@ def test_consume_debt_delays_the_next_read_but_not_an_append() -> None:
 
 
 def test_admitted_requests_are_served_in_turn_and_report_their_wait() -> None:
-    """admit really waits each turn (on the real clock, hence milliseconds): pipelined
-    requests are served in the order of their turns, and an HTTP answer's throttle
-    includes the wait before it was served."""
-    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100_000)})
+    """admit really waits each turn (asyncio's real sleep, hence milliseconds):
+    pipelined requests are served in the order of their turns, and an HTTP answer's
+    throttle includes the wait before it was served. The buckets' clock stands still, so
+    a loaded machine starting the requests a few milliseconds apart does not shorten
+    the turns they are owed."""
+    quotas = Quotas({1: TenantQuota(produce_bytes_per_s=100_000)}, clock=lambda: 0.0)
     served: list[int] = []
+    waited: list[float] = []
 
     async def request(index: int, produce: int) -> int:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         with report_throttle() as report:
             await quotas.admit(1, produce=produce, requests=1)
         served.append(index)
+        waited.append(loop.time() - started)
         return report.ms
 
     async def main() -> list[int]:
@@ -198,6 +204,8 @@ def test_admitted_requests_are_served_in_turn_and_report_their_wait() -> None:
     reported = asyncio.run(main())
     assert served == [0, 1, 2, 3]
     assert reported == [0, 0, 10, 20]
+    # Really waited (the loop's timers may end up to a millisecond early).
+    assert waited[3] >= 0.019
 
 
 def test_a_cancelled_request_gives_back_what_it_reserved() -> None:
