@@ -180,6 +180,48 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
     assert read == expected
 
 
+def test_fetches_queued_behind_a_long_poll_are_not_built_before_it_is_answered(
+    server: Server,
+) -> None:
+    """Kafka answers a connection's requests in order: Fetches sent behind a long poll
+    once each read their records and counted them free at once, their answers queued
+    in memory behind it, outside the budget. They now wait for the answers ahead."""
+    topic, quiet = "queued", "queued-quiet"
+    with server.client() as client:
+        stream_id = create_stream(client, topic)
+        for _ in range(STREAM_MIB * MIB // (len(EVENT) * EVENTS_PER_APPEND)):
+            append(client, stream_id, [EVENT] * EVENTS_PER_APPEND)
+        create_stream(client, quiet)
+        query(client, f"SELECT count(*) FROM {topic}")  # the SQL projection caught up
+    baseline = process_memory(server.pid)
+    assert baseline is not None
+
+    hog = raw_socket(server, "kafka")
+    with RssSampler(server.pid) as sampler:
+        # A long poll on an empty topic, then 24 Fetches of the 48 MiB topic (each
+        # could take the whole 8 MiB budget: 192 MiB if all were held).
+        long_poll = fetch_everything(quiet, timedelta(seconds=3))
+        whole = encode_request(2, fetch_everything(topic, timedelta(milliseconds=100)))
+        hog.sendall(encode_request(1, long_poll) + whole * 24)
+        first = read_answer(hog, 1)  # after its 3 s: the Fetches behind it had time
+        assert [not p.records for t in first.responses for p in t.partitions] == [True], first
+        wait_until(
+            lambda: held_bytes(server) >= BUDGET_MIB * MIB,
+            message="the Fetches behind the long poll did not take the budget",
+        )
+        # A Fetch on another connection, answered once the server has taken up every
+        # request before it: nothing, as the budget is taken.
+        probe = raw_socket(server, "kafka")
+        probe.sendall(encode_request(7, fetch_everything(topic, timedelta(milliseconds=200))))
+        answer = read_answer(probe, 7)
+        probe.close()
+    hog.close()
+    grown = sampler.peak_anon - baseline.rss_anon
+    assert grown < (BUDGET_MIB + 40) * MIB, sampler.report()
+    assert [not p.records for t in answer.responses for p in t.partitions] == [True], answer
+    wait_until(lambda: held_bytes(server) == 0, message="the hog's answers were not freed")
+
+
 def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: Path) -> None:
     """SIGTERM with every kind of hog connected and the budget full: the reads waiting
     for room or for their peer go on and the server exits 0 (it once waited on them)."""
@@ -214,6 +256,9 @@ def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: P
             message="the hogs' answers did not fill the budget",
         )
         stop_cleanly(server)
+        # Not by giving up on them at the drain's timeout (a read waiting for a peer
+        # paused after the drain let it go once held the stop for those 10 s).
+        assert "still running after" not in server.log_text(), server.log_tail()
         for sock in hogs:
             sock.close()
         for reader in readers:

@@ -100,17 +100,21 @@ class AnswerRoom:
         self._writable.set()
         self._held = 0  # taken by the answer last built, until it is out of the buffer
         self._turns = 0  # which answer ``_held`` is for
+        self._lost = False
 
     def pause_writing(self) -> None:
-        self._writable.clear()
+        if not self._lost:
+            self._writable.clear()
 
     def resume_writing(self) -> None:
         self._writable.set()
         self._give_back()
 
     def lost(self) -> None:
-        """The connection is gone: what it held is free, and a read waiting for the
-        peer goes on (to find the connection closed)."""
+        """The connection is gone (or the server stopping): what it held is free, and
+        reads waiting for the peer go on (to find the connection closed), this one and
+        those after it."""
+        self._lost = True
         self._writable.set()
         self._give_back()
 

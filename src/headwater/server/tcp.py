@@ -446,7 +446,14 @@ async def finish_in_flight(tasks: Collection[asyncio.Future[Any]]) -> None:
     """A listener's ``drain``: let requests already received finish (an append in flight
     gets its answer) before the connections close, for at most ``DRAIN_TIMEOUT_S``."""
     if tasks:
-        await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+        _, running = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT_S)
+        if running:
+            log.warning(
+                "stopping: %d requests still running after %.0f s; "
+                "their connections close without an answer",
+                len(running),
+                DRAIN_TIMEOUT_S,
+            )
 
 
 async def start_tcp_listener(

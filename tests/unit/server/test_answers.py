@@ -70,3 +70,22 @@ def test_a_connections_next_answer_waits_for_the_peer_to_read_the_one_before() -
         return built
 
     assert asyncio.run(main()) == ["first", "second"]
+
+
+def test_once_lost_a_connections_answers_no_longer_wait_for_the_peer() -> None:
+    """The server stopping calls ``lost`` once: an answer written after it that fills
+    the buffer (``pause_writing``) must not make the next one wait for a peer that
+    will never read it."""
+
+    async def main() -> None:
+        budget = AnswerBudget(100)
+        room = AnswerRoom(budget)
+        room.lost()
+        async with room.turn(10):
+            pass
+        room.pause_writing()  # the answer after the stop began sits in the buffer
+        async with asyncio.timeout(5):
+            async with room.turn(10) as granted:
+                assert granted == 10
+
+    asyncio.run(main())

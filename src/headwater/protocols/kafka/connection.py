@@ -96,6 +96,11 @@ class ServerConnection(_connection.ServerConnection[bytes, ServerEvent]):
         answers that were waiting for this one)."""
         return b"".join(self.send_chunks(request, response))
 
+    def answers_ahead(self, request: Request) -> bool:
+        """Whether requests taken before ``request`` are still to be answered on the
+        wire: its answer would wait behind theirs."""
+        return bool(self._line) and self._line[0] != request.sequence
+
     def send_chunks(
         self,
         request: Request,

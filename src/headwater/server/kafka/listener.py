@@ -74,6 +74,7 @@ class KafkaConnection(TaskPerRequestConnection):
         self._sasl_failed = False
         self._muted_until = 0.0  # loop time: requests wait for it (a throttled tenant)
         self._unmuted = InOrder()
+        self._line_moved: asyncio.Future[None] | None = None  # an answer went out
 
     # ---- transport callbacks --------------------------------------------------------
 
@@ -112,6 +113,7 @@ class KafkaConnection(TaskPerRequestConnection):
         self.closed = True
         self.guard.release()
         self.session.answers.lost()
+        self._moved_on()
         self._connections.discard(self)
 
     def pause_writing(self) -> None:
@@ -130,6 +132,7 @@ class KafkaConnection(TaskPerRequestConnection):
                 self._start(self._handle(event))
             elif isinstance(event, Reply):
                 self._write(event.data)
+                self._moved_on()
             elif isinstance(event, Close):
                 log.warning("kafka %s: closing: %s", self.guard.peer, event.reason)
                 self.close(abort=True)
@@ -171,6 +174,8 @@ class KafkaConnection(TaskPerRequestConnection):
                 fields = await self._sasl_authenticate(request.request)
             elif handler is None:
                 raise NotImplementedError(f"{api_key.name} has no handler")
+            elif api_key is ApiKey.FETCH and not await self._answered_ahead(request):
+                return  # the connection closed meanwhile
             elif api_key in _THROTTLED:
                 fields = await self._throttled(handler, request)
             else:
@@ -190,6 +195,7 @@ class KafkaConnection(TaskPerRequestConnection):
         try:
             response = build(response_type(api_key, request.api_version), fields)
             self.write_chunks(self.protocol.send_chunks(request, response, fields.get(SPLICED)))
+            self._moved_on()
         except Exception:  # a bug of ours: the client must not wait for an answer forever
             log.exception(
                 "kafka %s: %s v%d answer not encoded",
@@ -201,6 +207,25 @@ class KafkaConnection(TaskPerRequestConnection):
             return
         if api_key is ApiKey.SASL_AUTHENTICATE and self._sasl_failed:
             self.close()  # Kafka closes the connection after a failed authentication
+
+    async def _answered_ahead(self, request: Request) -> bool:
+        """Wait until the requests before ``request`` are answered on the wire (False:
+        the connection closed first). A Fetch's answer holds read buffers until its
+        peer reads it; built behind a slow answer (a long poll, a JoinGroup), it would
+        wait in memory, out of the transport's reach and of ``read_answers_mib``'s
+        count. Kafka itself reads nothing more from a channel until it has answered."""
+        while self.protocol.answers_ahead(request):
+            if self.closed:
+                return False
+            if self._line_moved is None:
+                self._line_moved = asyncio.get_running_loop().create_future()
+            await self._line_moved
+        return not self.closed
+
+    def _moved_on(self) -> None:
+        if self._line_moved is not None:
+            self._line_moved.set_result(None)
+            self._line_moved = None
 
     async def _throttled(self, handler: Handler, request: Request) -> Mapping[str, Any]:
         """A Produce or Fetch, its answer carrying the throttle time of the tenant's
