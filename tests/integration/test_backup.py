@@ -267,6 +267,13 @@ def test_backup_refuses_a_destination_it_cannot_use(tmp_path: Path) -> None:
     assert "is not a headwater data directory" in result.stderr
     assert not (tmp_path / "copy").exists()
 
+    # A destination whose directory takes no new entries (as a read-only mount or a
+    # full disk fails the copy): one line, not a traceback.
+    result = headwater_cli("backup", "--data-dir", str(data), "/proc/headwater-copy")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: no backup taken:"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
 
 RETENTION_CONFIG = """
 [storage]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 err = Console(stderr=True)
 out = Console()
@@ -20,7 +21,11 @@ def cmd_backup(args: argparse.Namespace) -> int:
     try:
         report = backup(args.data_dir, args.destination)
     except BackupError as exc:
-        err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except OSError as exc:  # a full disk, a read-only or vanished destination
+        # What it wrote is removed again (backup's staging directory).
+        err.print(f"[red]error:[/] no backup taken: {escape(str(exc))}", soft_wrap=True)
         return 2
     for note in report.vanished:
         out.print(note, highlight=False, soft_wrap=True, markup=False)
