@@ -39,6 +39,7 @@ verified as ``headwater check`` does.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -47,10 +48,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headwater.engine.groups.offsets import OFFSETS_STREAM
 from headwater.engine.kinds.store import STORE_DIR as KIND_STORE_DIRECTORY
+from headwater.engine.transactions.coordinator import TXN_STATE_STREAM
 from headwater.sql.sealed import DIRECTORY as PROJECTION_DIRECTORY
 from headwater.sql.service import SPILL_DIRECTORY
-from headwater.storage.check import MetadataProblem, PartitionReport, check_data_dir, check_metadata
+from headwater.storage.check import (
+    STREAM_META,
+    MetadataProblem,
+    PartitionReport,
+    check_data_dir,
+    check_metadata,
+)
 from headwater.storage.files import FileCache
 from headwater.storage.log import LogConfig, PartitionLog, fsync_directory
 from headwater.storage.metadata import LOCK_FILE, TMP_SUFFIX
@@ -137,7 +146,7 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
     report = BackupReport(destination)
     try:
         plans = copy_metadata_and_plan(source, staging, report)
-        for plan in plans:
+        for plan in sorted(plans, key=lambda plan: copy_turn(staging, plan)):
             copy_partition(source, staging, plan, report)
         # One sync of everything written (a file's fsync each would cost a disk flush
         # per segment, most of a backup's time), before the copy takes its name.
@@ -177,6 +186,21 @@ def copy_metadata_and_plan(
         if segments:
             plans.append(plan_partition(source, relative, segments))
     return plans
+
+
+def copy_turn(staging: Path, plan: PartitionPlan) -> int:
+    """When a partition log is copied: a tenant's committed group offsets first, so an
+    offset in the copy never points past the copied events it counts (a group resumes
+    from the copy at or before where it was, never after); its transaction coordinator's
+    state last, so every transaction with batches in the copied partitions has its
+    record (one that ended while the copy ran is open in the partitions copied before
+    its marker: the server that starts on the copy aborts it there)."""
+    meta = staging / stream_directory(plan.relative) / STREAM_META
+    try:
+        name = json.loads(meta.read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        name = None  # not a stream's log (a kind's changelog)
+    return {OFFSETS_STREAM: 0, TXN_STATE_STREAM: 2}.get(name, 1)
 
 
 def copy_partition(source: Path, staging: Path, plan: PartitionPlan, report: BackupReport) -> None:

@@ -492,6 +492,12 @@ class PartitionLog:
         with self._lock:
             return producer_id in self.producers.ongoing
 
+    def open_transactions(self) -> dict[int, int]:
+        """The producers with a transaction open here, each with its latest epoch."""
+        with self._lock:
+            table = self.producers
+            return {pid: table.epochs.get(pid, 0) for pid in table.ongoing}
+
     def first_unstable_position(self) -> int | None:
         """Tenant log position of the oldest open transaction's first batch here; None
         when no transaction is open (or its first batch is not committed yet). Every

@@ -298,6 +298,41 @@ class TenantTransactions:
                 async with self._lock(txn.transactional_id):
                     await self._abort_fencing(txn)
                 self.recovered += 1
+        if abort_open:
+            await self._abort_hanging()
+
+    async def _abort_hanging(self) -> None:
+        """Once recovery has finished or aborted every transaction it knows, one still
+        open in a partition has no coordinator record to end it: its partition's last
+        stable offset would stay at its first batch for good (read_committed readers
+        stuck). A backup copies the partitions before the state stream, so a
+        transaction that ended while it ran is open in the partitions copied before its
+        marker, its state already complete. Aborted, as Kafka's tools abort a hanging
+        transaction: the copy never shows a transaction that was not committed."""
+        epochs = {txn.producer_id: txn.epoch for txn in self.transactions.values()}
+        for stream in list(self.engine.tenant(self.tenant_id).streams.values()):
+            if stream.deleted:
+                continue
+            for partition, plog in enumerate(stream.partition_logs):
+                for producer_id, epoch in plog.open_transactions().items():
+                    log.warning(
+                        "tenant %d: stream %r partition %d: aborting a transaction of "
+                        "producer %d that no coordinator record ends",
+                        self.tenant_id,
+                        stream.name,
+                        partition,
+                        producer_id,
+                    )
+                    await write_marker(
+                        self.engine,
+                        self.tenant_id,
+                        stream.stream_id,
+                        partition,
+                        producer_id,
+                        max(epoch, epochs.get(producer_id, 0)),
+                        commit=False,
+                    )
+                    self.recovered += 1
 
     # ---- the state stream ---------------------------------------------------------
 
