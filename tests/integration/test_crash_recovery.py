@@ -725,6 +725,27 @@ def test_check_cli_names_the_damaged_segment_in_80_columns(
     assert path.name in result.stdout, result.stdout
 
 
+def test_check_cli_names_an_unreadable_stream_json_without_a_traceback(tmp_path: Path) -> None:
+    """The server refusing such a file says "run headwater check": check names it, and
+    does not go on to check the SQL projection files by it (it ended in a traceback)."""
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, ENGINE_CONFIG)
+        try:
+            info = await engine.create_stream(0, "orders")
+            await engine.append(0, info.stream_id, [b"one", b"two"])
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+    (stream_json,) = tmp_path.glob("tenants/0/streams/*/stream.json")
+    stream_json.write_text("{not json")
+    result = run_check_cli(tmp_path)
+    assert "stream.json: unparsable" in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr[-1500:]
+    assert result.returncode == 1
+
+
 # ---- an unfinished stream creation ----------------------------------------------------------
 
 

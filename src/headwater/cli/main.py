@@ -180,9 +180,11 @@ def _check(args: argparse.Namespace) -> int:
     for found in metadata_problems:
         rel = found.path.relative_to(args.data_dir)
         out.print(f"{rel}: {found.problem}", soft_wrap=True, highlight=False, markup=False)
-    # SQL projection files against the log (after the log itself: a damaged segment's
-    # events are not held against a file).
-    projections = verify_projections(args.data_dir, repair=args.repair) if not damaged else []
+    # SQL projection files against the log (after the log and the metadata: a damaged
+    # segment's events are not held against a file, and a stream whose stream.json is
+    # unreadable has no columns to check them by).
+    sound = not damaged and not metadata_problems
+    projections = verify_projections(args.data_dir, repair=args.repair) if sound else []
     unrepaired = 0
     for projection in projections:
         rel = projection.stream_dir.relative_to(args.data_dir)
