@@ -339,14 +339,18 @@ def copy_bytes(fd: int, path: Path, limit: int | None) -> int:
 @contextmanager
 def storage_quiet() -> Iterator[None]:
     """Recovery logs each cut tail as a warning about the server's own files; here the
-    report counts it instead (a write under way when the backup began)."""
-    segment_log = logging.getLogger("headwater.storage.segment")
-    previous = segment_log.disabled
-    segment_log.disabled = True
+    report counts it instead (a write under way when the backup began), and the check
+    of the copy names real damage (recovery, opening each copy as a log of the delete
+    policy, would take a compacted log's missing offsets for it)."""
+    loggers = [logging.getLogger(f"headwater.storage.{name}") for name in ("segment", "log")]
+    previous = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
     try:
         yield
     finally:
-        segment_log.disabled = previous
+        for logger, was in zip(loggers, previous, strict=True):
+            logger.disabled = was
 
 
 def recover(partition: Path, tail: str) -> int:

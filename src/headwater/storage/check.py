@@ -46,7 +46,12 @@ def partition_dirs(data_dir: Path) -> Iterator[Path]:
             yield Path(root)
 
 
-def check_partition(directory: Path, index_interval_bytes: int = 4096) -> PartitionReport:
+def check_partition(
+    directory: Path, index_interval_bytes: int = 4096, *, compacted: bool = True
+) -> PartitionReport:
+    """``compacted``: the log may lack offsets between segments (compaction keeps a
+    segment's base offset, not its last events); otherwise such a hole is damage, as
+    retention removes only the oldest segments."""
     report = PartitionReport(directory)
     bases = sorted(int(p.name[:-4]) for p in directory.glob("*.log") if p.name[:-4].isdigit())
     prev_next: int | None = None
@@ -61,6 +66,10 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
         sreport.problems.extend(scan.errors)
         if prev_next is not None and base < prev_next:
             sreport.problems.append(f"base offset {base} overlaps the previous segment")
+        elif prev_next is not None and base > prev_next and not compacted:
+            sreport.problems.append(
+                f"offsets {prev_next}..{base - 1} before it are in no segment (one removed?)"
+            )
         prev_next = seg.next_offset
         report.segments.append(sreport)
         if base == bases[-1]:
@@ -80,7 +89,19 @@ def check_partition(directory: Path, index_interval_bytes: int = 4096) -> Partit
 
 
 def check_data_dir(data_dir: Path) -> list[PartitionReport]:
-    return [check_partition(d) for d in partition_dirs(data_dir)]
+    return [check_partition(d, compacted=may_be_compacted(d)) for d in partition_dirs(data_dir)]
+
+
+def may_be_compacted(partition: Path) -> bool:
+    """Whether a partition's log may have been compacted: a stream's whose settings
+    say so, or any other (a kind's changelog; a stream whose metadata is unreadable,
+    reported on its own)."""
+    try:
+        meta = read_json(partition.parent / STREAM_META)
+        settings = meta.get("settings") or {}
+        return bool(settings.get("cleanup_policy", "delete") != "delete")
+    except (OSError, ValueError, AttributeError):
+        return True
 
 
 # The names the engine gives its metadata files (engine/engine.py reads them).

@@ -241,6 +241,20 @@ class PartitionLog:
         for i, base in enumerate(bases):
             seg = Segment(directory, base, interval, plog.files)
             plog.segments.append(seg.open_tail() if i == len(bases) - 1 else seg.open_sealed())
+            previous = plog.segments[-2] if i else None
+            # Retention removes the oldest segments only: a hole is a file removed.
+            if (
+                previous is not None
+                and plog.config.cleanup_policy == "delete"
+                and base > previous.next_offset
+            ):
+                log.error(
+                    "%s: offsets %d..%d are in no segment (a segment file removed?): "
+                    "reads go on after them; run headwater check",
+                    directory,
+                    previous.next_offset,
+                    base - 1,
+                )
         # An empty tail left by a crash right after a roll is harmless; an empty log
         # gets its first segment now.
         if not plog.segments:
@@ -765,7 +779,9 @@ class PartitionLog:
 
         contiguous = contiguous and not kafka
         expected = from_offset  # with ``contiguous``: the offset the next event must have
-        for batch in self._stored_batches(from_offset, limit, chunk):
+        stored = self._stored_batches(from_offset, limit, chunk)
+        # The count as it is when a damaged batch is met (late binding wanted).
+        for batch in _intact_prefix(stored, lambda: count > 0):  # noqa: B023
             # Only a marker or a transaction's batch may be hidden: most batches are
             # neither, told by one test of their attributes.
             if (
@@ -1193,3 +1209,15 @@ def fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _intact_prefix(batches: Iterator[Batch], served: Callable[[], bool]) -> Iterator[Batch]:
+    """``batches`` up to a damaged one: CorruptBatchError as they raise it, unless
+    ``served()`` (the read has events to answer with), then the end. A page reaching a
+    damaged batch answers the intact events before it, and the next read, from the
+    damaged batch, fails: as a Kafka fetch returns the valid batches before a bad one."""
+    try:
+        yield from batches
+    except CorruptBatchError:
+        if not served():
+            raise
