@@ -779,7 +779,7 @@ def test_sasl_scram_sha_256_with_a_token_and_a_wrong_password(auth_server: Serve
 
 def test_admin_client_topics_configs_and_groups(server: Server) -> None:
     from confluent_kafka import ConsumerGroupState
-    from confluent_kafka.admin import ConfigResource, NewPartitions, ResourceType
+    from confluent_kafka.admin import ConfigResource, ConfigSource, NewPartitions, ResourceType
 
     admin = AdminClient({"bootstrap.servers": bootstrap(server)})
     topic = create_topic(server, partitions=2)
@@ -795,6 +795,11 @@ def test_admin_client_topics_configs_and_groups(server: Server) -> None:
     configs = admin.describe_configs([resource])[resource].result(timeout=DEADLINE_S)
     assert configs["cleanup.policy"].value == "delete"
     assert configs["message.timestamp.type"].value == "CreateTime"
+    # What the topic does not set is the server's [storage] default as it runs (it
+    # was once answered null): 128 MiB segments, kept forever (Kafka's -1).
+    assert configs["segment.bytes"].value == str(128 << 20)
+    assert configs["segment.bytes"].source == ConfigSource.DEFAULT_CONFIG.value
+    assert configs["retention.ms"].value == "-1"
 
     # A group with a member is listed and described; once empty it can be deleted.
     group = "admin_" + uuid.uuid4().hex[:8]

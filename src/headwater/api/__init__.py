@@ -78,7 +78,7 @@ from headwater.sql.records import RecordsCursor
 from headwater.sql.service import SqlService
 from headwater.sql.values import QueryResult
 from headwater.storage.kafka_batch import KafkaSection
-from headwater.storage.log import AppendInfo, ReadResult
+from headwater.storage.log import AppendInfo, LogConfig, ReadResult
 from headwater.storage.producers import AbortedTxn
 
 __all__ = [
@@ -433,6 +433,11 @@ class EngineAPI:
     def stream_named(self, tenant_id: int, name: str) -> StreamInfo:
         """StreamNotFound unless ``name`` exists in the tenant."""
         return self._engine.stream_by_name(tenant_id, name).info()
+
+    def stream_log_config(self, tenant_id: int, name: str) -> LogConfig:
+        """What stream ``name``'s logs run with: its own settings, the rest the
+        server's ``[storage]`` defaults (StreamNotFound unless it exists)."""
+        return self._engine.stream_by_name(tenant_id, name).partition_logs[0].config
 
     def stream_target(self, tenant_id: int, name: str) -> StreamTarget:
         """StreamNotFound unless ``name`` exists in the tenant; cheap enough for a

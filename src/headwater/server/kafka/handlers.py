@@ -433,17 +433,21 @@ async def describe_configs(session: Session, request: Any, version: int) -> Mapp
                 entry["error_message"] = str(exc)
             else:
                 wanted = resource.configuration_keys
+                in_effect = api.stream_log_config(tenant, info.name)
                 for name, setting in TOPIC_CONFIGS.items():
                     if wanted is not None and name not in wanted:
                         continue
-                    value = getattr(info.settings, setting)
+                    own = getattr(info.settings, setting)
+                    # A setting the topic does not set is the server's, as it runs.
+                    value = own if own is not None else getattr(in_effect, setting)
                     entry["configs"].append(
                         {
                             "name": name,
-                            "value": None if value is None else str(value),
+                            # None: no limit (retention), as Kafka's -1
+                            "value": "-1" if value is None else str(value),
                             "read_only": False,
                             # 1: the topic's own; 5: the broker's default
-                            "config_source": 5 if value is None else 1,
+                            "config_source": 5 if own is None else 1,
                             "config_type": 0,
                             "is_sensitive": False,
                             "synonyms": [],
