@@ -878,11 +878,12 @@ class Segment:
             file_size = os.fstat(fd).st_size
             if report.valid_bytes < file_size:
                 log.warning(
-                    "truncating %s from %d to %d bytes: %s",
+                    "truncating %s from %d to %d bytes: %s (its events from offset %d on)",
                     self.log_path,
                     file_size,
                     report.valid_bytes,
                     "; ".join(report.errors) or "torn tail",
+                    self.next_offset,
                 )
                 os.ftruncate(fd, report.valid_bytes)
                 os.fsync(fd)

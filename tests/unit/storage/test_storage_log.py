@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import struct
@@ -494,7 +495,9 @@ def test_torn_tail_with_garbage_appended_is_truncated(tmp_path: Path) -> None:
     plog.close()
 
 
-def test_corrupt_last_batch_of_tail_is_dropped_on_open(tmp_path: Path) -> None:
+def test_corrupt_last_batch_of_tail_is_dropped_on_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     plog = write_for_tear(tmp_path)
     full = all_events(plog)
     plog.close()
@@ -502,10 +505,14 @@ def test_corrupt_last_batch_of_tail_is_dropped_on_open(tmp_path: Path) -> None:
     raw = bytearray(log_path.read_bytes())
     raw[4 * TEAR_BATCH + 70] ^= 0x01
     log_path.write_bytes(bytes(raw))
-    plog = open_log(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="headwater.storage.segment"):
+        plog = open_log(tmp_path)
     assert all_events(plog) == full[:8]
     assert plog.end_offset == 8
     plog.close()
+    # The operator is told which events went, not only how many bytes.
+    (warning,) = [r.getMessage() for r in caplog.records if "truncating" in r.getMessage()]
+    assert "its events from offset 8 on" in warning, warning
 
 
 # ---- corruption in a sealed segment --------------------------------------------------
