@@ -33,6 +33,7 @@ from waiting import wait_until
 
 LISTEN = {"http": LOCAL, "kafka": LOCAL}
 TOPIC = "orders"
+LATER_TOPIC = "payments"
 
 
 def http_get(server: Server, path: str) -> Any:
@@ -64,7 +65,7 @@ def backup_acting_after_the_topic(
     destination: Path,
     monkeypatch: pytest.MonkeyPatch,
     act: Callable[[], None],
-) -> None:
+) -> backup_module.BackupReport:
     """Back ``source`` up to ``destination``, calling ``act`` once the topic's log is
     copied, before the logs copied after it."""
     original = backup_module.copy_partition
@@ -81,6 +82,22 @@ def backup_acting_after_the_topic(
     destination.parent.mkdir()
     report = backup_module.backup(source.data_dir, destination)
     assert acted and report.ok
+    return report
+
+
+def read_up_to(consumer: Consumer, topic: str, last: bytes) -> list[bytes]:
+    """The values of ``topic``'s partition 0 from its start up to ``last``."""
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    values: list[bytes] = []
+
+    def read_to_last() -> bool:
+        for message in consumer.consume(10, 1):
+            assert message.error() is None, message.error()
+            values.append(message.value())
+        return last in values
+
+    wait_until(read_to_last, message=lambda: f"{topic}: read {values}")
+    return values
 
 
 @contextmanager
@@ -122,10 +139,17 @@ def test_a_group_offset_committed_during_the_backup_is_not_past_the_copied_log(
         assert 10 <= billing["committed_offset"] <= end, (end, billing)
 
 
-def test_a_transaction_committed_during_the_backup_does_not_hang_in_the_copy(
-    make_server: Callable[..., Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("commit", [True, False], ids=["committed", "aborted"])
+def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
+    make_server: Callable[..., Server],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    commit: bool,
 ) -> None:
     source = source_with_topic(make_server)
+    admin = AdminClient({"bootstrap.servers": source.address_of("kafka")})
+    for future in admin.create_topics([NewTopic(LATER_TOPIC, 1, 1)]).values():
+        future.result(30)  # copied after TOPIC (a higher stream id)
     producer = Producer(
         {
             "bootstrap.servers": source.address_of("kafka"),
@@ -136,23 +160,22 @@ def test_a_transaction_committed_during_the_backup_does_not_hang_in_the_copy(
     )
     producer.init_transactions(30)
     producer.begin_transaction()
-    producer.produce(TOPIC, value=b"in the transaction", partition=0)
-    assert producer.flush(30) == 0  # stored, the transaction open
-    backup_acting_after_the_topic(
-        source,
-        tmp_path / "copy" / "data",
-        monkeypatch,
-        lambda: producer.commit_transaction(30),  # its marker is not in the copy
-    )
+    for topic in (TOPIC, LATER_TOPIC):
+        producer.produce(topic, value=b"in the transaction", partition=0)
+    assert producer.flush(30) == 0  # stored in both, the transaction open
 
+    def end() -> None:  # TOPIC is copied without its marker, LATER_TOPIC with it
+        if commit:
+            producer.commit_transaction(30)
+        else:
+            producer.abort_transaction(30)
+
+    report = backup_acting_after_the_topic(source, tmp_path / "copy" / "data", monkeypatch, end)
+    # TOPIC's log, copied again up to the marker it lacked; LATER_TOPIC's had it.
+    assert len(report.settled) == 1, report.settled
+
+    expected = [b"in the transaction"] if commit else []
     with restored(tmp_path / "copy") as server:
-        http_post(server, f"/api/streams/{TOPIC}/events", ["after the restore"])
-        # Ended by the server's start (before it listens), not by a timeout: stable at
-        # once. It once stayed at the transaction's batch for good.
-        (partition,) = http_get(server, f"/api/streams/{TOPIC}")["partition_offsets"]
-        assert partition["last_stable_offset"] == partition["next_offset"], partition
-        assert "no coordinator record ends" in server.log_text()
-
         consumer = Consumer(
             {
                 "bootstrap.servers": server.address_of("kafka"),
@@ -160,16 +183,14 @@ def test_a_transaction_committed_during_the_backup_does_not_hang_in_the_copy(
                 "isolation.level": "read_committed",
             }
         )
-        consumer.assign([TopicPartition(TOPIC, 0, 0)])
-        values: list[bytes] = []
-
-        def read_to_the_new_event() -> bool:
-            for message in consumer.consume(10, 1):
-                assert message.error() is None, message.error()
-                values.append(message.value())
-            return b"after the restore" in values
-
-        wait_until(read_to_the_new_event, message=lambda: f"read_committed read {values}")
+        for topic in (TOPIC, LATER_TOPIC):
+            http_post(server, f"/api/streams/{topic}/events", ["after the restore"])
+            # Whole at once: it once stayed open in TOPIC's copy for good, its last
+            # stable offset at the batch (read_committed readers stuck there).
+            (partition,) = http_get(server, f"/api/streams/{topic}")["partition_offsets"]
+            assert partition["last_stable_offset"] == partition["next_offset"], partition
+            values = read_up_to(consumer, topic, b"after the restore")
+            # The same in both topics: committed in each, or in neither.
+            assert values == [*expected, b"after the restore"], topic
         consumer.close()
-        # Not committed when its partition was copied: aborted there, never shown.
-        assert values == [b"after the restore"]
+        assert "no coordinator record ends" not in server.log_text()

@@ -27,6 +27,13 @@ What makes a live copy consistent is the storage format (docs/storage-format.md)
   deletes meanwhile is left out, as the server dropped it, and so are those copied
   before it (retention deletes the oldest first: they are gone too), so the copy is one
   run of offsets.
+* Logs are copied in turn, so a transaction ending while they are is open in the logs
+  copied before its marker: a tenant's group offsets (``hw_consumer_offsets``) are
+  copied first, its transaction coordinator's state (``hw_transaction_state``) last,
+  and then each log holding a transaction open that the copied state says ended is
+  copied again and cut just after the markers it lacked (:func:`settle_transactions`):
+  every transaction in the copy is then whole, or left to recovery, which finishes or
+  aborts it in every log alike.
 * Derived data is left out and rebuilt by the server that starts on the copy: the SQL
   projection files (``projection-0/``), the kinds' LMDB entity stores (``store/``, a
   checkpoint of the changelog, which is copied), DuckDB's spill files, and the lock.
@@ -47,10 +54,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from headwater.engine.groups.offsets import OFFSETS_STREAM
 from headwater.engine.kinds.store import STORE_DIR as KIND_STORE_DIRECTORY
-from headwater.engine.transactions.coordinator import TXN_STATE_STREAM
+from headwater.engine.transactions.coordinator import TXN_STATE_STREAM, TxnState
 from headwater.sql.sealed import DIRECTORY as PROJECTION_DIRECTORY
 from headwater.sql.service import SPILL_DIRECTORY
 from headwater.storage.check import (
@@ -105,6 +113,8 @@ class BackupReport:
     cut_bytes: int = 0
     # What the server removed while the copy ran (retention, deleted streams).
     vanished: list[str] = field(default_factory=list)
+    # Logs copied again to the end of a transaction that ended while the copy ran.
+    settled: list[str] = field(default_factory=list)
     damaged: list[PartitionReport] = field(default_factory=list)
     metadata_problems: list[MetadataProblem] = field(default_factory=list)
 
@@ -148,6 +158,7 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
         plans = copy_metadata_and_plan(source, staging, report)
         for plan in sorted(plans, key=lambda plan: copy_turn(staging, plan)):
             copy_partition(source, staging, plan, report)
+        settle_transactions(source, staging, plans, report)
         # One sync of everything written (a file's fsync each would cost a disk flush
         # per segment, most of a backup's time), before the copy takes its name.
         os.sync()
@@ -195,12 +206,133 @@ def copy_turn(staging: Path, plan: PartitionPlan) -> int:
     state last, so every transaction with batches in the copied partitions has its
     record (one that ended while the copy ran is open in the partitions copied before
     its marker: the server that starts on the copy aborts it there)."""
+    return {OFFSETS_STREAM: 0, TXN_STATE_STREAM: 2}.get(stream_name(staging, plan) or "", 1)
+
+
+def stream_name(staging: Path, plan: PartitionPlan) -> str | None:
+    """The name of the stream a partition log belongs to (None: a kind's changelog,
+    or metadata that cannot be read)."""
     meta = staging / stream_directory(plan.relative) / STREAM_META
     try:
         name = json.loads(meta.read_text()).get("name")
     except (OSError, ValueError, AttributeError):
-        name = None  # not a stream's log (a kind's changelog)
-    return {OFFSETS_STREAM: 0, TXN_STATE_STREAM: 2}.get(name, 1)
+        return None
+    return name if isinstance(name, str) else None
+
+
+def settle_transactions(
+    source: Path, staging: Path, plans: list[PartitionPlan], report: BackupReport
+) -> None:
+    """Make every transaction whole in the copy. A transaction that ended while the
+    copy ran is open in the partitions copied before its marker, while the coordinator's
+    state, copied last, says it ended: each such partition is copied again and cut just
+    after the markers it lacked. They were all written before the state was copied, and
+    nothing after them is kept, so the copy stays one moment of each log with the
+    transactions whole: what recovery then finishes or aborts, it does so everywhere."""
+    tenants: dict[str, list[tuple[PartitionPlan, str, int]]] = {}
+    for plan in plans:
+        parts = plan.relative.parts
+        name = stream_name(staging, plan)
+        if len(parts) != 5 or parts[0] != "tenants" or parts[2] != "streams" or name is None:
+            continue  # a kind's changelog: never in a transaction
+        tenants.setdefault(parts[1], []).append((plan, name, int(parts[4].split("-")[1])))
+    for logs in tenants.values():
+        state = [plan for plan, name, _ in logs if name == TXN_STATE_STREAM]
+        if not state:
+            continue  # no transaction ever in this tenant
+        in_flight = transactions_in_flight(staging / state[0].relative)
+        for plan, name, partition in logs:
+            if name not in (TXN_STATE_STREAM, OFFSETS_STREAM):
+                settle_partition(source, staging, plan, (name, partition), in_flight, report)
+
+
+def transactions_in_flight(state_log: Path) -> dict[int, set[tuple[str, int]]]:
+    """From the copied coordinator state: each producer whose transaction is open or
+    prepared, with the partitions (stream name, partition) it has added."""
+    latest: dict[bytes, Any] = {}
+    with storage_quiet():
+        plog = PartitionLog.open(state_log, LogConfig(cleanup_policy="compact"), FileCache(4))
+    try:
+        for batch in plog.batches(plog.start_offset):
+            if batch.control:
+                continue
+            for event in batch.events(0):
+                if event.key is not None:
+                    with contextlib.suppress(ValueError):
+                        latest[event.key] = json.loads(event.value)
+    finally:
+        plog.close()
+    in_flight: dict[int, set[tuple[str, int]]] = {}
+    for record in latest.values():
+        txn = record.get("txn") if isinstance(record, dict) else None
+        if isinstance(txn, dict) and txn.get("state") in _IN_FLIGHT:
+            in_flight[int(txn["producer_id"])] = {
+                (str(name), int(p)) for name, p in txn.get("partition_names", [])
+            }
+    return in_flight
+
+
+_IN_FLIGHT = (TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT)
+
+
+def settle_partition(
+    source: Path,
+    staging: Path,
+    plan: PartitionPlan,
+    partition: tuple[str, int],
+    in_flight: dict[int, set[tuple[str, int]]],
+    report: BackupReport,
+) -> None:
+    """Copy ``plan``'s log again and cut it after the markers of the transactions the
+    copy holds open that the coordinator's state no longer does (see
+    :func:`settle_transactions`); the copy stays as it is when none is missing."""
+
+    def ended(producer_id: int) -> bool:
+        return partition not in in_flight.get(producer_id, ())
+
+    there = staging / plan.relative
+    with storage_quiet():
+        plog = PartitionLog.open(there, LogConfig(), FileCache(OPEN_FILES))
+    try:
+        missing = {pid for pid in plog.open_transactions() if ended(pid)}
+        copied_end = plog.end_offset
+    finally:
+        plog.close()
+    if not missing:
+        return
+    again = staging.with_name(staging.name + ".settle")
+    (again / plan.relative).mkdir(parents=True)
+    try:
+        copy_partition(source, again, plan_partition(source, plan.relative), BackupReport(again))
+        with storage_quiet():
+            plog = PartitionLog.open(again / plan.relative, LogConfig(), FileCache(OPEN_FILES))
+        try:
+            cut = None
+            for batch in plog.batches(copied_end):
+                if batch.producer is None:
+                    continue
+                producer_id = batch.producer[0]
+                if batch.control:
+                    missing.discard(producer_id)
+                    if not missing:
+                        cut = batch.next_offset
+                        break
+                elif batch.transactional and ended(producer_id):
+                    missing.add(producer_id)  # ended too, before the state was copied
+            if cut is not None:
+                cut = plog.truncate_to(cut)
+        finally:
+            plog.close()
+        if cut is None:
+            return  # the markers are gone (the stream deleted): recovery aborts them
+        shutil.rmtree(there)
+        os.replace(again / plan.relative, there)
+        report.settled.append(
+            f"{plan.relative}: copied again up to offset {cut}, the end of a transaction "
+            "that ended while the backup ran"
+        )
+    finally:
+        shutil.rmtree(again, ignore_errors=True)
 
 
 def copy_partition(source: Path, staging: Path, plan: PartitionPlan, report: BackupReport) -> None:

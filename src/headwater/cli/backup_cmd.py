@@ -27,7 +27,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
         # What it wrote is removed again (backup's staging directory).
         err.print(f"[red]error:[/] no backup taken: {escape(str(exc))}", soft_wrap=True)
         return 2
-    for note in report.vanished:
+    for note in report.vanished + report.settled:
         out.print(note, highlight=False, soft_wrap=True, markup=False)
     cut = f", {report.cut_bytes} bytes of writes under way left out" if report.cut_bytes else ""
     out.print(

@@ -244,6 +244,35 @@ def test_restart_finishes_prepared_and_aborts_open_transactions(tmp_path: Path) 
     run(tmp_path, after)
 
 
+def test_a_start_aborts_a_transaction_no_coordinator_record_ends(tmp_path: Path) -> None:
+    """A partition holding a transaction open whose coordinator state says it ended
+    (a copy taken as it ended, its marker not copied): nothing would ever end it, its
+    last stable offset stuck at the batch. The start aborts it there."""
+
+    async def before(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("t")
+        await txns.append("t", producer, sid, 0, [b"left open"])
+        txn = txns.transactions["t"]
+        txn.state = TxnState.COMPLETE_COMMIT  # the state as copied, the marker not
+        txn.partitions.clear()
+        await txns._store(txn)
+
+    async def after(engine: Engine) -> None:
+        sid = engine.stream_by_name(0, "s").stream_id
+        log = engine.stream(0, sid).log
+        assert log.last_stable_offset == 0  # stuck at the open batch
+        txns = await TenantTransactions.open(engine, 0)
+        assert txns.recovered == 1
+        assert log.last_stable_offset == log.end_offset
+        await engine.append(0, sid, [b"after"])
+        assert [v for _, v in await values(engine, sid)] == [b"after"]
+
+    run(tmp_path, before)
+    run(tmp_path, after)
+
+
 def test_the_aborted_index_survives_restart(tmp_path: Path) -> None:
     async def before(engine: Engine) -> None:
         sid = (await engine.create_stream(0, "s")).stream_id
