@@ -140,12 +140,17 @@ def test_a_group_offset_committed_during_the_backup_is_not_past_the_copied_log(
 
 
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "aborted"])
+@pytest.mark.parametrize("written", ["before", "during"])
 def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
     make_server: Callable[..., Server],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     commit: bool,
+    written: str,
 ) -> None:
+    """Its records written before the backup (TOPIC's copy holds them, open) or during
+    it, after TOPIC was copied (its copy holds nothing of it); either way it ends
+    before LATER_TOPIC is copied, whose copy holds it ended."""
     source = source_with_topic(make_server)
     admin = AdminClient({"bootstrap.servers": source.address_of("kafka")})
     for future in admin.create_topics([NewTopic(LATER_TOPIC, 1, 1)]).values():
@@ -160,11 +165,18 @@ def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
     )
     producer.init_transactions(30)
     producer.begin_transaction()
-    for topic in (TOPIC, LATER_TOPIC):
-        producer.produce(topic, value=b"in the transaction", partition=0)
-    assert producer.flush(30) == 0  # stored in both, the transaction open
+
+    def write() -> None:
+        for topic in (TOPIC, LATER_TOPIC):
+            producer.produce(topic, value=b"in the transaction", partition=0)
+        assert producer.flush(30) == 0  # stored in both, the transaction open
+
+    if written == "before":
+        write()
 
     def end() -> None:  # TOPIC is copied without its marker, LATER_TOPIC with it
+        if written == "during":
+            write()
         if commit:
             producer.commit_transaction(30)
         else:

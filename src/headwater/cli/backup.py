@@ -30,8 +30,8 @@ What makes a live copy consistent is the storage format (docs/storage-format.md)
 * Logs are copied in turn, so a transaction ending while they are is open in the logs
   copied before its marker: a tenant's group offsets (``hw_consumer_offsets``) are
   copied first, its transaction coordinator's state (``hw_transaction_state``) last,
-  and then each log holding a transaction open that the copied state says ended is
-  copied again and cut just after the markers it lacked (:func:`settle_transactions`):
+  and then each log lacking a marker that the copied state says an ended transaction
+  wrote there is copied again and cut just after it (:func:`settle_transactions`):
   every transaction in the copy is then whole, or left to recovery, which finishes or
   aborts it in every log alike.
 * Derived data is left out and rebuilt by the server that starts on the copy: the SQL
@@ -54,7 +54,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from headwater.engine.groups.offsets import OFFSETS_STREAM
 from headwater.engine.kinds.store import STORE_DIR as KIND_STORE_DIRECTORY
@@ -223,12 +222,13 @@ def stream_name(staging: Path, plan: PartitionPlan) -> str | None:
 def settle_transactions(
     source: Path, staging: Path, plans: list[PartitionPlan], report: BackupReport
 ) -> None:
-    """Make every transaction whole in the copy. A transaction that ended while the
-    copy ran is open in the partitions copied before its marker, while the coordinator's
-    state, copied last, says it ended: each such partition is copied again and cut just
-    after the markers it lacked. They were all written before the state was copied, and
-    nothing after them is kept, so the copy stays one moment of each log with the
-    transactions whole: what recovery then finishes or aborts, it does so everywhere."""
+    """Make every transaction whole in the copy. One that ended while the copy ran has
+    its markers in the logs copied after its end, not in those copied before; the
+    coordinator's state, copied last, records where each marker went. Each log lacking
+    one is copied again and cut just after the last it lacked: they were all written
+    before the state was copied, and nothing after them is kept, so the copy stays one
+    moment of each log with every ended transaction whole; one still open or being
+    decided then, recovery aborts or finishes in every log alike."""
     tenants: dict[str, list[tuple[PartitionPlan, str, int]]] = {}
     for plan in plans:
         parts = plan.relative.parts
@@ -240,16 +240,17 @@ def settle_transactions(
         state = [plan for plan, name, _ in logs if name == TXN_STATE_STREAM]
         if not state:
             continue  # no transaction ever in this tenant
-        in_flight = transactions_in_flight(staging / state[0].relative)
+        needed = markers_written(staging / state[0].relative)
         for plan, name, partition in logs:
-            if name not in (TXN_STATE_STREAM, OFFSETS_STREAM):
-                settle_partition(source, staging, plan, (name, partition), in_flight, report)
+            if (end := needed.get((name, partition))) is not None:
+                settle_partition(source, staging, plan, end, report)
 
 
-def transactions_in_flight(state_log: Path) -> dict[int, set[tuple[str, int]]]:
-    """From the copied coordinator state: each producer whose transaction is open or
-    prepared, with the partitions (stream name, partition) it has added."""
-    latest: dict[bytes, Any] = {}
+def markers_written(state_log: Path) -> dict[tuple[str, int], int]:
+    """From every record of the copied coordinator state (not only each transaction's
+    last: several may have ended while the copy ran), each log's offset just after the
+    last marker an ended transaction wrote there."""
+    needed: dict[tuple[str, int], int] = {}
     with storage_quiet():
         plog = PartitionLog.open(state_log, LogConfig(cleanup_policy="compact"), FileCache(4))
     try:
@@ -257,48 +258,36 @@ def transactions_in_flight(state_log: Path) -> dict[int, set[tuple[str, int]]]:
             if batch.control:
                 continue
             for event in batch.events(0):
-                if event.key is not None:
-                    with contextlib.suppress(ValueError):
-                        latest[event.key] = json.loads(event.value)
+                try:
+                    txn = json.loads(event.value)["txn"]
+                    if txn["state"] not in _ENDED:
+                        continue
+                    for name, partition, offset in txn.get("markers", ()):
+                        key = (str(name), int(partition))
+                        needed[key] = max(needed.get(key, 0), int(offset) + 1)
+                except (ValueError, KeyError, TypeError):
+                    continue  # the producer id counter's record, or not the coordinator's
     finally:
         plog.close()
-    in_flight: dict[int, set[tuple[str, int]]] = {}
-    for record in latest.values():
-        txn = record.get("txn") if isinstance(record, dict) else None
-        if isinstance(txn, dict) and txn.get("state") in _IN_FLIGHT:
-            in_flight[int(txn["producer_id"])] = {
-                (str(name), int(p)) for name, p in txn.get("partition_names", [])
-            }
-    return in_flight
+    return needed
 
 
-_IN_FLIGHT = (TxnState.ONGOING, TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT)
+_ENDED = (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)
 
 
 def settle_partition(
-    source: Path,
-    staging: Path,
-    plan: PartitionPlan,
-    partition: tuple[str, int],
-    in_flight: dict[int, set[tuple[str, int]]],
-    report: BackupReport,
+    source: Path, staging: Path, plan: PartitionPlan, needed_end: int, report: BackupReport
 ) -> None:
-    """Copy ``plan``'s log again and cut it after the markers of the transactions the
-    copy holds open that the coordinator's state no longer does (see
-    :func:`settle_transactions`); the copy stays as it is when none is missing."""
-
-    def ended(producer_id: int) -> bool:
-        return partition not in in_flight.get(producer_id, ())
-
+    """Copy ``plan``'s log again and cut it at ``needed_end`` (just after a marker the
+    copy lacks: see :func:`settle_transactions`) when its copy ends before that."""
     there = staging / plan.relative
     with storage_quiet():
         plog = PartitionLog.open(there, LogConfig(), FileCache(OPEN_FILES))
     try:
-        missing = {pid for pid in plog.open_transactions() if ended(pid)}
         copied_end = plog.end_offset
     finally:
         plog.close()
-    if not missing:
+    if copied_end >= needed_end:
         return
     again = staging.with_name(staging.name + ".settle")
     (again / plan.relative).mkdir(parents=True)
@@ -307,24 +296,14 @@ def settle_partition(
         with storage_quiet():
             plog = PartitionLog.open(again / plan.relative, LogConfig(), FileCache(OPEN_FILES))
         try:
-            cut = None
-            for batch in plog.batches(copied_end):
-                if batch.producer is None:
-                    continue
-                producer_id = batch.producer[0]
-                if batch.control:
-                    missing.discard(producer_id)
-                    if not missing:
-                        cut = batch.next_offset
-                        break
-                elif batch.transactional and ended(producer_id):
-                    missing.add(producer_id)  # ended too, before the state was copied
-            if cut is not None:
-                cut = plog.truncate_to(cut)
+            cut = plog.truncate_to(needed_end)
         finally:
             plog.close()
-        if cut is None:
-            return  # the markers are gone (the stream deleted): recovery aborts them
+        if cut < needed_end:
+            # The marker is gone (the stream deleted meanwhile) or shares a compressed
+            # frame with what came after it: the server that starts on the copy aborts
+            # the transaction there (a transaction no record ends).
+            return
         shutil.rmtree(there)
         os.replace(again / plan.relative, there)
         report.settled.append(

@@ -150,6 +150,9 @@ class TxnMetadata:
     # The partitions' stream names by id: stored by name, as a stream's id is each
     # node's own in a cluster.
     names: dict[int, str] = field(default_factory=dict)
+    # Once complete: where its markers went, (stream name, partition, offset) (a
+    # standalone server's; a backup makes sure its copy holds them all).
+    markers: list[tuple[str, int, int]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -164,6 +167,7 @@ class TxnMetadata:
                 for k, v in self.offsets.items()
             ],
             "started_ms": self.started_ms,
+            "markers": [list(marker) for marker in self.markers],
         }
 
     @classmethod
@@ -470,6 +474,7 @@ class TenantTransactions:
         if txn.state != TxnState.ONGOING:
             txn.state = TxnState.ONGOING
             txn.started_ms = self.clock_ms()
+            txn.markers = []  # the last transaction's
 
     async def append(
         self,
@@ -565,32 +570,40 @@ class TenantTransactions:
         """Markers to every partition, a commit's offsets, then Complete*: the second
         phase, the same after a crash as the first time."""
         commit = txn.state == TxnState.PREPARE_COMMIT
-        await asyncio.gather(
+        partitions = sorted(txn.partitions)
+        offsets = await asyncio.gather(
             *(
                 self._write_marker(stream_id, partition, txn, commit)
-                for stream_id, partition in sorted(txn.partitions)
+                for stream_id, partition in partitions
             )
         )
         if commit and txn.offsets:
             await self.offsets_sink(self.tenant_id, dict(txn.offsets))
         txn.state = TxnState.COMPLETE_COMMIT if commit else TxnState.COMPLETE_ABORT
+        txn.markers = [
+            (txn.names[stream_id], partition, offset)
+            for (stream_id, partition), offset in zip(partitions, offsets, strict=True)
+            if offset is not None and stream_id in txn.names
+        ]
         txn.partitions.clear()
         txn.offsets.clear()
         await self._store(txn)
 
     async def _write_marker(
         self, stream_id: int, partition: int, txn: TxnMetadata, commit: bool
-    ) -> None:
+    ) -> int | None:
+        """The marker's offset (None: none written here, or a cluster's leader wrote it)."""
         if self.cluster is not None:
             # The partition's leader writes it, checking its own producer table.
             name = txn.names.get(stream_id) or self.engine.stream(self.tenant_id, stream_id).name
             await self.cluster.write_marker(
                 self.tenant_id, name, partition, txn.producer_id, txn.epoch, commit
             )
-            return
-        await write_marker(
+            return None
+        written = await write_marker(
             self.engine, self.tenant_id, stream_id, partition, txn.producer_id, txn.epoch, commit
         )
+        return None if written is None else written.base_offset
 
     async def _abort_fencing(self, txn: TxnMetadata) -> None:
         """Abort an open transaction whose producer may still be alive (timed out, left
