@@ -27,13 +27,14 @@ What makes a live copy consistent is the storage format (docs/storage-format.md)
   deletes meanwhile is left out, as the server dropped it, and so are those copied
   before it (retention deletes the oldest first: they are gone too), so the copy is one
   run of offsets.
-* Logs are copied in turn, so a transaction ending while they are is open in the logs
-  copied before its marker: a tenant's group offsets (``hw_consumer_offsets``) are
-  copied first, its transaction coordinator's state (``hw_transaction_state``) last,
-  and then each log lacking a marker that the copied state says an ended transaction
-  wrote there is copied again and cut just after it (:func:`settle_transactions`):
-  every transaction in the copy is then whole, or left to recovery, which finishes or
-  aborts it in every log alike.
+* Logs are copied in turn, so what happens on two of them while they are is in the
+  copy of one and not the other: a tenant's group offsets (``hw_consumer_offsets``) are
+  copied after every other log, its transaction coordinator's state
+  (``hw_transaction_state``) last, and then each log lacking an offset committed on it
+  or a marker that the copied state says an ended transaction wrote there is copied
+  again and cut just after it (:func:`settle_logs`): a group's offset never points
+  past the copied events, and every transaction in the copy is whole, or left to
+  recovery, which finishes or aborts it in every log alike.
 * Derived data is left out and rebuilt by the server that starts on the copy: the SQL
   projection files (``projection-0/``), the kinds' LMDB entity stores (``store/``, a
   checkpoint of the changelog, which is copied), DuckDB's spill files, and the lock.
@@ -50,16 +51,18 @@ import json
 import logging
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headwater.engine.groups.offsets import OFFSETS_STREAM
+from headwater.engine.groups.offsets import OFFSETS_STREAM, OffsetKey, decode_key, decode_value
 from headwater.engine.kinds.store import STORE_DIR as KIND_STORE_DIRECTORY
 from headwater.engine.transactions.coordinator import TXN_STATE_STREAM, TxnState
 from headwater.sql.sealed import DIRECTORY as PROJECTION_DIRECTORY
 from headwater.sql.service import SPILL_DIRECTORY
+from headwater.storage.batch import Event
 from headwater.storage.check import (
     STREAM_META,
     MetadataProblem,
@@ -157,7 +160,10 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
         plans = copy_metadata_and_plan(source, staging, report)
         for plan in sorted(plans, key=lambda plan: copy_turn(staging, plan)):
             copy_partition(source, staging, plan, report)
-        settle_transactions(source, staging, plans, report)
+        late = plan_internal_logs_made_meanwhile(source, staging, report)
+        for plan in sorted(late, key=lambda plan: copy_turn(staging, plan)):
+            copy_partition(source, staging, plan, report)
+        settle_logs(source, staging, plans + late, report)
         # One sync of everything written (a file's fsync each would cost a disk flush
         # per segment, most of a backup's time), before the copy takes its name.
         os.sync()
@@ -172,13 +178,14 @@ def backup(data_dir: Path, destination: Path) -> BackupReport:
 
 
 def copy_metadata_and_plan(
-    source: Path, staging: Path, report: BackupReport
+    source: Path, staging: Path, report: BackupReport, under: Path | None = None
 ) -> list[PartitionPlan]:
     """The walk that fixes what the backup holds: every small file copied as it is now,
     and every partition's segments listed, a directory's files before the directories
-    under it (a stream's groups.json before its log, which is sized later)."""
+    under it (a stream's groups.json before its log, which is sized later). ``under``:
+    only that directory of ``source``."""
     plans: list[PartitionPlan] = []
-    for root, dirs, files in os.walk(source):
+    for root, dirs, files in os.walk(source if under is None else source / under):
         here = Path(root)
         relative = here.relative_to(source)
         top_level = here == source
@@ -198,14 +205,37 @@ def copy_metadata_and_plan(
     return plans
 
 
+def plan_internal_logs_made_meanwhile(
+    source: Path, staging: Path, report: BackupReport
+) -> list[PartitionPlan]:
+    """A tenant's group offsets and transaction state logs made while the copy ran (its
+    first committed offset, its first transaction): copied too, as they may be what
+    the events copied after them need (a transaction committed in them, its input's
+    offset). Streams made meanwhile by clients are not in the backup."""
+    plans: list[PartitionPlan] = []
+    for streams in sorted(source.glob("tenants/*/streams")):
+        relative = streams.relative_to(source)
+        if not (staging / relative).is_dir():
+            continue  # a tenant made meanwhile
+        for stream in sorted(streams.iterdir()):
+            if (staging / relative / stream.name).exists() or skipped(stream.name, top_level=False):
+                continue
+            try:
+                name = json.loads((stream / STREAM_META).read_text()).get("name")
+            except (OSError, ValueError, AttributeError):
+                continue  # not whole yet, or gone
+            if name in (OFFSETS_STREAM, TXN_STATE_STREAM):
+                plans += copy_metadata_and_plan(source, staging, report, relative / stream.name)
+    return plans
+
+
 def copy_turn(staging: Path, plan: PartitionPlan) -> int:
-    """When a partition log is copied: a tenant's committed group offsets first, so an
-    offset in the copy never points past the copied events it counts (a group resumes
-    from the copy at or before where it was, never after); its transaction coordinator's
-    state last, so every transaction with batches in the copied partitions has its
-    record (one that ended while the copy ran is open in the partitions copied before
-    its marker: the server that starts on the copy aborts it there)."""
-    return {OFFSETS_STREAM: 0, TXN_STATE_STREAM: 2}.get(stream_name(staging, plan) or "", 1)
+    """When a partition log is copied: a tenant's committed group offsets after every
+    other log, then its transaction coordinator's state, last; :func:`settle_logs` then
+    copies again each log that ends before an offset committed on it or a marker the
+    state says was written to it. So every transaction with batches in the copy has its
+    record, and offsets and transactions agree with the events copied."""
+    return {OFFSETS_STREAM: 1, TXN_STATE_STREAM: 2}.get(stream_name(staging, plan) or "", 0)
 
 
 def stream_name(staging: Path, plan: PartitionPlan) -> str | None:
@@ -219,31 +249,71 @@ def stream_name(staging: Path, plan: PartitionPlan) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def settle_transactions(
+def settle_logs(
     source: Path, staging: Path, plans: list[PartitionPlan], report: BackupReport
 ) -> None:
-    """Make every transaction whole in the copy. One that ended while the copy ran has
-    its markers in the logs copied after its end, not in those copied before; the
-    coordinator's state, copied last, records where each marker went. Each log lacking
-    one is copied again and cut just after the last it lacked: they were all written
-    before the state was copied, and nothing after them is kept, so the copy stays one
-    moment of each log with every ended transaction whole; one still open or being
-    decided then, recovery aborts or finishes in every log alike."""
+    """Make the copy agree with its group offsets and its transactions. Logs are copied
+    in turn, the offsets and the coordinator's state last: a group's offset committed
+    on a log after that log was copied points past its copy, and a transaction that
+    ended while the copy ran has its markers in the logs copied after its end, not in
+    those copied before (open there, or not there at all). Each such log is copied
+    again and cut just after the last offset or marker it lacked: all were written
+    before the offsets and the state were copied, and nothing after them is kept, so
+    the copy stays one moment of each log with every ended transaction whole; one
+    still open or being decided then, recovery aborts or finishes in every log alike."""
     tenants: dict[str, list[tuple[PartitionPlan, str, int]]] = {}
     for plan in plans:
         parts = plan.relative.parts
         name = stream_name(staging, plan)
         if len(parts) != 5 or parts[0] != "tenants" or parts[2] != "streams" or name is None:
-            continue  # a kind's changelog: never in a transaction
+            continue  # a kind's changelog: neither in a group nor in a transaction
         tenants.setdefault(parts[1], []).append((plan, name, int(parts[4].split("-")[1])))
     for logs in tenants.values():
-        state = [plan for plan, name, _ in logs if name == TXN_STATE_STREAM]
-        if not state:
-            continue  # no transaction ever in this tenant
-        needed = markers_written(staging / state[0].relative)
+        needed: dict[tuple[str, int], int] = {}
+        for plan, name, _ in logs:
+            if name == OFFSETS_STREAM:
+                needed = offsets_committed(staging / plan.relative)
+        for plan, name, _ in logs:
+            if name == TXN_STATE_STREAM:
+                for key, marked in markers_written(staging / plan.relative).items():
+                    needed[key] = max(needed.get(key, 0), marked)
         for plan, name, partition in logs:
             if (end := needed.get((name, partition))) is not None:
                 settle_partition(source, staging, plan, end, report)
+
+
+def internal_log_events(log: Path) -> Iterator[Event]:
+    """The events of a copied internal log (compacted; markers left out)."""
+    with storage_quiet():
+        plog = PartitionLog.open(log, LogConfig(cleanup_policy="compact"), FileCache(4))
+    try:
+        for batch in plog.batches(plog.start_offset):
+            if not batch.control:
+                yield from batch.events(0)
+    finally:
+        plog.close()
+
+
+def offsets_committed(offsets_log: Path) -> dict[tuple[str, int], int]:
+    """From the copied group offsets, each (stream, partition)'s highest offset any
+    group has committed (a group's latest commit; a deleted group's are gone)."""
+    latest: dict[OffsetKey, int] = {}
+    for event in internal_log_events(offsets_log):
+        if event.key is None:
+            continue
+        try:
+            key = decode_key(event.key)
+            if event.tombstone:
+                latest.pop(key, None)
+            else:
+                latest[key] = decode_value(event.value).offset
+        except (ValueError, UnicodeDecodeError, struct.error):
+            continue  # not a record of the store's
+    needed: dict[tuple[str, int], int] = {}
+    for key, offset in latest.items():
+        where = (key.stream, key.partition)
+        needed[where] = max(needed.get(where, 0), offset)
+    return needed
 
 
 def markers_written(state_log: Path) -> dict[tuple[str, int], int]:
@@ -251,24 +321,16 @@ def markers_written(state_log: Path) -> dict[tuple[str, int], int]:
     last: several may have ended while the copy ran), each log's offset just after the
     last marker an ended transaction wrote there."""
     needed: dict[tuple[str, int], int] = {}
-    with storage_quiet():
-        plog = PartitionLog.open(state_log, LogConfig(cleanup_policy="compact"), FileCache(4))
-    try:
-        for batch in plog.batches(plog.start_offset):
-            if batch.control:
+    for event in internal_log_events(state_log):
+        try:
+            txn = json.loads(event.value)["txn"]
+            if txn["state"] not in _ENDED:
                 continue
-            for event in batch.events(0):
-                try:
-                    txn = json.loads(event.value)["txn"]
-                    if txn["state"] not in _ENDED:
-                        continue
-                    for name, partition, offset in txn.get("markers", ()):
-                        key = (str(name), int(partition))
-                        needed[key] = max(needed.get(key, 0), int(offset) + 1)
-                except (ValueError, KeyError, TypeError):
-                    continue  # the producer id counter's record, or not the coordinator's
-    finally:
-        plog.close()
+            for name, partition, offset in txn.get("markers", ()):
+                key = (str(name), int(partition))
+                needed[key] = max(needed.get(key, 0), int(offset) + 1)
+        except (ValueError, KeyError, TypeError):
+            continue  # the producer id counter's record, or not the coordinator's
     return needed
 
 
@@ -278,8 +340,8 @@ _ENDED = (TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)
 def settle_partition(
     source: Path, staging: Path, plan: PartitionPlan, needed_end: int, report: BackupReport
 ) -> None:
-    """Copy ``plan``'s log again and cut it at ``needed_end`` (just after a marker the
-    copy lacks: see :func:`settle_transactions`) when its copy ends before that."""
+    """Copy ``plan``'s log again and cut it at ``needed_end`` (just after an offset or
+    a marker the copy lacks: see :func:`settle_logs`) when its copy ends before that."""
     there = staging / plan.relative
     with storage_quiet():
         plog = PartitionLog.open(there, LogConfig(), FileCache(OPEN_FILES))
@@ -300,15 +362,15 @@ def settle_partition(
         finally:
             plog.close()
         if cut < needed_end:
-            # The marker is gone (the stream deleted meanwhile) or shares a compressed
+            # Gone (the stream deleted meanwhile), or the marker shares a compressed
             # frame with what came after it: the server that starts on the copy aborts
             # the transaction there (a transaction no record ends).
             return
         shutil.rmtree(there)
         os.replace(again / plan.relative, there)
         report.settled.append(
-            f"{plan.relative}: copied again up to offset {cut}, the end of a transaction "
-            "that ended while the backup ran"
+            f"{plan.relative}: copied again up to offset {cut}, where a group's offset "
+            "or a transaction's marker written while the backup ran is"
         )
     finally:
         shutil.rmtree(again, ignore_errors=True)
