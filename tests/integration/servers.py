@@ -23,8 +23,11 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kimberlite_raw import RawClient
 
@@ -284,3 +287,28 @@ retention_bytes = 8192
 maintenance_interval_ms = 100
 """
 """Small segments and a byte limit: retention drops whole old segments within 100 ms."""
+
+
+def http_call(
+    server: Server, method: str, path: str, body: Any = None, *, tenant: int = 0
+) -> tuple[int, Any]:
+    """A JSON request to the server's HTTP API: its status and its decoded JSON answer
+    (error answers too)."""
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}{path}",
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers={"Content-Type": "application/json", "X-Headwater-Tenant": str(tenant)},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def http_json(server: Server, method: str, path: str, body: Any = None) -> Any:
+    """:func:`http_call`'s answer, which must be a success."""
+    status, answer = http_call(server, method, path, body)
+    assert 200 <= status < 300, f"{method} {path}: {status} {answer}"
+    return answer

@@ -17,7 +17,6 @@ with ``copy_partition`` wrapped to act once a data topic is copied:
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
-from servers import LOCAL, Server
+from servers import LOCAL, Server, http_json
 
 import headwater.cli.backup as backup_module
 from waiting import wait_until
@@ -35,22 +34,6 @@ LISTEN = {"http": LOCAL, "kafka": LOCAL}
 TOPIC = "orders"
 LATER_TOPIC = "payments"
 INPUT_TOPIC = "requests"
-
-
-def http_get(server: Server, path: str) -> Any:
-    with urllib.request.urlopen(f"http://{server.address_of('http')}{path}", timeout=30) as a:
-        return json.loads(a.read())
-
-
-def http_post(server: Server, path: str, body: Any) -> Any:
-    request = urllib.request.Request(
-        f"http://{server.address_of('http')}{path}",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=30) as answer:
-        return json.loads(answer.read())
 
 
 def source_with_topic(make_server: Callable[..., Server]) -> Server:
@@ -127,7 +110,7 @@ def test_a_group_offset_committed_during_the_backup_has_its_events_in_the_copy(
         for i in range(count):
             producer.produce(TOPIC, value=f"order {i}".encode(), partition=0)
         assert producer.flush(30) == 0
-        end = http_get(source, f"/api/streams/{TOPIC}")["next_offset"]
+        end = http_json(source, "GET", f"/api/streams/{TOPIC}")["next_offset"]
         consumer.commit(offsets=[TopicPartition(TOPIC, 0, end)], asynchronous=False)
 
     produce_and_commit(10)  # the offsets log exists (created after the topic)
@@ -138,8 +121,8 @@ def test_a_group_offset_committed_during_the_backup_has_its_events_in_the_copy(
     assert len(report.settled) == 1, report.settled
 
     with restored(tmp_path / "copy") as server:
-        end = http_get(server, f"/api/streams/{TOPIC}")["next_offset"]
-        groups = http_get(server, "/api/consumer-groups")["partition_groups"]
+        end = http_json(server, "GET", f"/api/streams/{TOPIC}")["next_offset"]
+        groups = http_json(server, "GET", "/api/consumer-groups")["partition_groups"]
         (billing,) = [g for g in groups if g["group"] == "billing"]
         assert billing["committed_offset"] == end == 15, (end, billing)
 
@@ -162,8 +145,8 @@ def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
     for future in admin.create_topics([NewTopic(LATER_TOPIC, 1, 1)]).values():
         future.result(30)  # copied after TOPIC (a higher stream id)
     # Consume-transform-produce: the transaction also commits the input it consumed.
-    http_post(source, "/api/streams", {"name": INPUT_TOPIC})
-    http_post(source, f"/api/streams/{INPUT_TOPIC}/events", ["input"])
+    http_json(source, "POST", "/api/streams", {"name": INPUT_TOPIC})
+    http_json(source, "POST", f"/api/streams/{INPUT_TOPIC}/events", ["input"])
     pipeline = Consumer(
         {"bootstrap.servers": bootstrap, "group.id": "pipeline", "enable.auto.commit": False}
     )
@@ -211,10 +194,10 @@ def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
             }
         )
         for topic in (TOPIC, LATER_TOPIC):
-            http_post(server, f"/api/streams/{topic}/events", ["after the restore"])
+            http_json(server, "POST", f"/api/streams/{topic}/events", ["after the restore"])
             # Whole at once: it once stayed open in TOPIC's copy for good, its last
             # stable offset at the batch (read_committed readers stuck there).
-            (partition,) = http_get(server, f"/api/streams/{topic}")["partition_offsets"]
+            (partition,) = http_json(server, "GET", f"/api/streams/{topic}")["partition_offsets"]
             assert partition["last_stable_offset"] == partition["next_offset"], partition
             values = read_up_to(consumer, topic, b"after the restore")
             # The same in both topics: committed in each, or in neither.
@@ -222,7 +205,7 @@ def test_a_transaction_ending_during_the_backup_is_whole_in_the_copy(
         consumer.close()
         assert "no coordinator record ends" not in server.log_text()
         # Its input consumed with it, or not at all.
-        groups = http_get(server, "/api/consumer-groups")["partition_groups"]
+        groups = http_json(server, "GET", "/api/consumer-groups")["partition_groups"]
         committed = [g["committed_offset"] for g in groups if g["group"] == "pipeline"]
         assert committed == ([1] if commit else []), groups
     pipeline.close()

@@ -13,44 +13,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from servers import LOCAL, Server
+from servers import LOCAL, Server, http_call
 
 CONFIG = "[storage]\nsegment_bytes = 4096\n"
 LISTEN = {"http": LOCAL}
-
-
-def http(server: Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        f"http://{server.address_of('http')}{path}",
-        data=None if body is None else json.dumps(body).encode(),
-        method=method,
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def stopped_server_with_segments(make_server: Callable[..., Server]) -> tuple[Server, Path]:
     """A stopped server whose stream "s" holds offsets 0..299 in batches of 10, in
     several sealed segments and a tail."""
     server = make_server(config=CONFIG, listen=dict(LISTEN))
-    assert http(server, "POST", "/api/streams", {"name": "s"})[0] == 201
+    assert http_call(server, "POST", "/api/streams", {"name": "s"})[0] == 201
     for b in range(30):
         values = [f"event-{b * 10 + j:05d}-" + "x" * (20 + (b * 10 + j) % 50) for j in range(10)]
-        assert http(server, "POST", "/api/streams/s/events", values)[0] == 200
+        assert http_call(server, "POST", "/api/streams/s/events", values)[0] == 200
     assert server.stop() == 0
     (partition,) = server.data_dir.glob("tenants/0/streams/*/partition-0")
     return server, partition
@@ -91,7 +73,7 @@ def test_a_sealed_segment_missing_from_the_middle_is_reported(
 
     server.start()
     assert f"{hole} are in no segment" in server.log_text(), server.log_tail()
-    status, answer = http(server, "GET", "/api/streams/s/events?from=0&limit=1000")
+    status, answer = http_call(server, "GET", "/api/streams/s/events?from=0&limit=1000")
     assert status == 200
     offsets = [e["offset"] for e in answer["events"]]
     assert lost_first - 1 in offsets and lost_first not in offsets
@@ -108,9 +90,9 @@ def test_a_read_reaching_a_damaged_batch_serves_the_intact_events_before_it(
     victim.write_bytes(bytes(data))
 
     server.start()
-    status, answer = http(server, "GET", "/api/streams/s/events?from=130&limit=1")
+    status, answer = http_call(server, "GET", "/api/streams/s/events?from=130&limit=1")
     assert status == 503 and answer["error"]["name"] == "StorageError"  # never served
-    status, answer = http(server, "GET", "/api/streams/s/events?from=100&limit=100")
+    status, answer = http_call(server, "GET", "/api/streams/s/events?from=100&limit=100")
     assert status == 200, f"the intact offsets 100..129 are not served: {status} {answer}"
     assert [e["offset"] for e in answer["events"]] == list(range(100, 130))
     assert answer["next_offset"] == 130
