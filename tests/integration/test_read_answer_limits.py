@@ -137,17 +137,10 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
             sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
         for sock in arrow_hogs:
             sock.sendall(f"GET /api/streams/{topic}/arrow HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
-        wait_until(
-            lambda: held_bytes(server) >= BUDGET_MIB * MIB,
-            message="the hogs' answers did not fill the budget",
-        )
         # A Fetch sent after all of theirs: once it is answered, the server has taken up
         # every request before it. Finding the budget taken, it waits its max_wait for
         # room, then answers nothing, as when no record is there yet.
-        probe = raw_socket(server, "kafka")
-        probe.sendall(encode_request(7, fetch_everything(topic, timedelta(milliseconds=200))))
-        answer = read_answer(probe, 7)
-        probe.close()
+        answer = fetch_once_the_budget_is_full(server, topic, "the hogs' answers")
     grown = sampler.peak_anon - baseline.rss_anon
     # The budget, the read chunks its answer pins and what the socket layer copies.
     assert grown < (BUDGET_MIB + 40) * MIB, sampler.report()
@@ -205,16 +198,9 @@ def test_fetches_queued_behind_a_long_poll_are_not_built_before_it_is_answered(
         hog.sendall(encode_request(1, long_poll) + whole * 24)
         first = read_answer(hog, 1)  # after its 3 s: the Fetches behind it had time
         assert [not p.records for t in first.responses for p in t.partitions] == [True], first
-        wait_until(
-            lambda: held_bytes(server) >= BUDGET_MIB * MIB,
-            message="the Fetches behind the long poll did not take the budget",
-        )
         # A Fetch on another connection, answered once the server has taken up every
         # request before it: nothing, as the budget is taken.
-        probe = raw_socket(server, "kafka")
-        probe.sendall(encode_request(7, fetch_everything(topic, timedelta(milliseconds=200))))
-        answer = read_answer(probe, 7)
-        probe.close()
+        answer = fetch_once_the_budget_is_full(server, topic, "the Fetches behind the poll")
     hog.close()
     grown = sampler.peak_anon - baseline.rss_anon
     assert grown < (BUDGET_MIB + 40) * MIB, sampler.report()
@@ -267,6 +253,20 @@ def test_a_server_stops_while_its_clients_leave_their_answers_unread(tmp_path: P
             consumer.close()
     finally:
         server.kill()
+
+
+def fetch_once_the_budget_is_full(server: Server, topic: str, holders: str) -> FetchResponse:
+    """Once ``holders`` hold the whole budget: a Fetch of ``topic`` on a connection of
+    its own, and its answer."""
+    wait_until(
+        lambda: held_bytes(server) >= BUDGET_MIB * MIB,
+        message=f"{holders} did not fill the budget",
+    )
+    probe = raw_socket(server, "kafka")
+    probe.sendall(encode_request(7, fetch_everything(topic, timedelta(milliseconds=200))))
+    answer = read_answer(probe, 7)
+    probe.close()
+    return answer
 
 
 def read_answer(sock: socket.socket, correlation: int) -> FetchResponse:
