@@ -342,6 +342,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except ClientGone as exc:  # nobody will read an answer: one line, no traceback
         log.warning("http: %s %s from %s: %s", request.method, request.path, _peer(request), exc)
         return web.Response(status=400)
+    except ConnectionResetError as exc:  # gone while its answer was written (or closed
+        # by a stop: it read nothing of it): nobody to answer, one line
+        log.warning(
+            "http: %s %s from %s: the connection closed while the answer was sent (%s)",
+            request.method,
+            request.path,
+            _peer(request),
+            exc,
+        )
+        return web.Response(status=400)
     except BodyTimeout as exc:
         metrics.record_limit(exc.limit, PROTOCOL)
         log.warning("http: %s %s from %s: %s", request.method, request.path, _peer(request), exc)

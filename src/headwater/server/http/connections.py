@@ -46,6 +46,9 @@ LISTENER = "http"
 # sends before it is closed: closing with unread bytes would reset the connection and
 # could destroy the 503 before the client read it.
 REFUSAL_LINGER_S = 1.0
+# At shutdown, a connection whose client has read nothing of its answer for this long
+# is closed instead of waited for (aiohttp would wait its shutdown timeout, twice).
+UNREAD_AT_STOP_S = 1.0
 
 
 def peer_address(transport: asyncio.BaseTransport | None) -> str:
@@ -194,6 +197,35 @@ class LimitedRequestHandler(web.RequestHandler):
         response.set_status(status)
         response.force_close()
         return response
+
+    # ---- shutdown -------------------------------------------------------------------
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """aiohttp's graceful end of the connection, but a client that reads nothing
+        of its answer is not waited for: its handler waits on a full write buffer, and
+        the stop would wait out the timeout for it (about 21 s with two such clients),
+        as the binary front ends let their unread answers go."""
+        watch = asyncio.ensure_future(self._close_if_unread())
+        try:
+            await super().shutdown(timeout)
+        finally:
+            watch.cancel()
+
+    async def _close_if_unread(self) -> None:
+        transport = self.transport
+        last = -1
+        while transport is not None and not transport.is_closing():
+            size = transport.get_write_buffer_size()
+            if self.writing_paused and size == last:
+                log.warning(
+                    "http: closed %s at shutdown: it read none of its answer for %gs",
+                    self.peer,
+                    UNREAD_AT_STOP_S,
+                )
+                transport.abort()
+                return
+            last = size
+            await asyncio.sleep(UNREAD_AT_STOP_S)
 
     # ---- slow headers and idle connections ----------------------------------------
 
