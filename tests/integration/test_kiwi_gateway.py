@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import struct
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,13 +18,15 @@ from typing import Any
 import pytest
 from convergedb_raw import CdbClient, eid
 from prometheus_client.parser import text_string_to_metric_families
-from servers import LOCAL, Server, serving
+from servers import LOCAL, Server, serving, stop_cleanly
 from websockets.asyncio.client import connect as async_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.fields import FieldType
+from headwater.server.http.listener import SHUTDOWN_SECONDS
+from waiting import wait_until
 
 TIMEOUT = 20.0
 TOKEN = "all"
@@ -570,6 +573,36 @@ def test_shutdown_closes_every_subscription(make_server: Callable[..., Server]) 
         assert closed == {"s", "forever"}
         assert close_code(ws) == 1001
     assert gw.server.stop() == 0
+
+
+def test_shutdown_with_subscribers_that_read_nothing(make_server: Callable[..., Server]) -> None:
+    """Two subscribers stop reading and the server sheds for them (their socket full),
+    then SIGTERM: the close frame's drain was once cancelled under it and the server
+    crashed at its stop (exit 1); it exits 0, its log clean, without waiting out
+    aiohttp's shutdown timeout for them (about 24 s)."""
+    gw = Gateway(make_server(config=CONFIG, listen=LISTEN))
+    gw.create_stream("s")
+    stalled = [StalledClient(gw.http, "s") for _ in range(2)]
+
+    def shed() -> float:
+        text = gw.rest("GET", "/metrics").decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "headwater_ws_lag_events_total"
+        )
+
+    def append_until_shed() -> bool:
+        gw.append("s", ["v" * 4000] * 100)
+        return shed() > 0
+
+    wait_until(append_until_shed, message="the stalled subscribers were never shed")
+    started = time.monotonic()
+    stop_cleanly(gw.server, clean_log=True)
+    assert time.monotonic() - started < SHUTDOWN_SECONDS, gw.server.log_tail()
+    for client in stalled:
+        client.sock.close()
 
 
 # ---- many subscribers and one that stalls ---------------------------------------------

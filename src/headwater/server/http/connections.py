@@ -212,13 +212,14 @@ class LimitedRequestHandler(web.RequestHandler):
             watch.cancel()
 
     async def _close_if_unread(self) -> None:
-        transport = self.transport
+        # Closing already (a WebSocket's close frame sent) does not end it either: a
+        # transport closes once its buffer is out, which needs the client to read.
         last = -1
-        while transport is not None and not transport.is_closing():
+        while (transport := self.transport) is not None:
             size = transport.get_write_buffer_size()
             if self.writing_paused and size == last:
                 log.warning(
-                    "http: closed %s at shutdown: it read none of its answer for %gs",
+                    "http: closed %s at shutdown: it read nothing sent to it for %gs",
                     self.peer,
                     UNREAD_AT_STOP_S,
                 )

@@ -8,6 +8,7 @@ share one namespace).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,8 @@ class Gateway:
         """SUBSCRIPTION_CLOSED to everyone, close every WebSocket (1001), stop counters."""
         for counter in self.counters.values():
             counter.stop()
-        for session in list(self.sessions):
-            await session.shutdown()
+        # Together: each may wait its close timeout for a client that does not read.
+        await asyncio.gather(*(session.shutdown() for session in list(self.sessions)))
 
     # ---- sources ----------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ engine and the other connections nothing but the bounded memory of its own queue
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -213,7 +212,9 @@ class KiwiSession:
 
     async def _drain(self) -> None:
         try:
-            await self.request.writer.drain()
+            # Shielded: aiohttp's writers share one drain waiter, and cancelling this
+            # task (release) would cancel it under the close frame's drain too.
+            await asyncio.shield(self.request.writer.drain())
         except (ConnectionError, asyncio.CancelledError):
             self._room.set()  # the command reader goes on, and finds the connection gone
             return
@@ -231,10 +232,18 @@ class KiwiSession:
         """Flush what is queued, then close the WebSocket with ``code``."""
         self.flush()
         self.release()
-        with contextlib.suppress(TimeoutError, ConnectionError):
+        try:
             await asyncio.wait_for(
                 self.ws.close(code=code, message=reason.encode()[:120]), CLOSE_TIMEOUT_SECONDS
             )
+        except (TimeoutError, ConnectionError):
+            pass  # a peer not reading, or gone: the connection ends anyway
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # aiohttp's shared drain waiter was cancelled under the close frame (an
+            # earlier close's timeout): the peer was not reading; the connection ends.
 
     async def shutdown(self) -> None:
         """Server shutdown: SUBSCRIPTION_CLOSED for every subscription, then close 1001."""
