@@ -18,6 +18,7 @@ configuration as ``yield from serving(tmp_path_factory.mktemp(...), ...)``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -312,3 +313,14 @@ def http_json(server: Server, method: str, path: str, body: Any = None) -> Any:
     status, answer = http_call(server, method, path, body)
     assert 200 <= status < 300, f"{method} {path}: {status} {answer}"
     return answer
+
+
+def headwater_cli(*args: str, columns: int = 250) -> subprocess.CompletedProcess[str]:
+    """The real ``headwater`` command (a wide terminal: rich cuts long cells to fit)."""
+    return subprocess.run(
+        [sys.executable, "-m", "headwater.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": str(columns), "NO_COLOR": "1"},
+    )

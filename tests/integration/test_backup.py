@@ -14,9 +14,6 @@ behind.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -25,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servers import LOCAL, Server
+from servers import LOCAL, Server, headwater_cli
 
 import headwater
 from headwater import entities
@@ -73,16 +70,6 @@ def http_post(server: Server, path: str, body: Any, tenant: int = 0) -> Any:
     )
     with urllib.request.urlopen(request, timeout=30) as answer:
         return json.loads(answer.read())
-
-
-def headwater_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "headwater.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"},
-    )
 
 
 class Writer(threading.Thread):

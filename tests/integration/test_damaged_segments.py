@@ -13,13 +13,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from servers import LOCAL, Server, http_call
+from servers import LOCAL, Server, headwater_cli, http_call
 
 CONFIG = "[storage]\nsegment_bytes = 4096\n"
 LISTEN = {"http": LOCAL}
@@ -42,16 +39,6 @@ def segments(partition: Path) -> list[Path]:
     return sorted(partition.glob("*.log"))
 
 
-def check(data_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "headwater.cli.main", "check", str(data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "250", "NO_COLOR": "1"},
-    )
-
-
 def test_a_sealed_segment_missing_from_the_middle_is_reported(
     make_server: Callable[..., Server],
 ) -> None:
@@ -63,7 +50,7 @@ def test_a_sealed_segment_missing_from_the_middle_is_reported(
     for suffix in (".log", ".index", ".timeindex"):
         lost.with_suffix(suffix).unlink()
 
-    result = check(server.data_dir)
+    result = headwater_cli("check", str(server.data_dir))
     assert result.returncode == 1, (
         f"headwater check passes a log with offsets from {lost_first} missing:\n"
         + result.stdout[-600:]
