@@ -68,3 +68,14 @@ async def wait_until_async(
             text = message() if callable(message) else message
             raise AssertionError(f"after {timeout:g}s: {text} (last: {value!r})")
         await asyncio.sleep(interval)  # the async twin's poll pace (see wait_until)
+
+
+async def scheduled_callbacks_run() -> None:
+    """Return once every callback the loop had scheduled to run soon has run (a task
+    just made has taken its first step, a ``call_soon`` callback has been called): a
+    future of its own is resolved by a callback queued after them, and the loop runs
+    its ready callbacks in order."""
+    loop = asyncio.get_running_loop()
+    ran: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(ran.set_result, None)
+    await ran

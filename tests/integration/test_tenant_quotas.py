@@ -448,6 +448,7 @@ def test_a_rivven_request_answered_throttled_is_not_served(wire_server: Server) 
                 answer = rivven.call(request)
                 if answer.HasField("throttled"):
                     told.append(answer.throttled)
+                    # What the contract asks of a throttled client: wait as told.
                     time.sleep(answer.throttled.throttle_time_ms / 1000)
                 else:
                     assert answer.HasField("publish") or answer.HasField("consume"), answer

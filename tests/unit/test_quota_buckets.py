@@ -18,6 +18,7 @@ from headwater.api.quotas import (
     TokenBucket,
     report_throttle,
 )
+from waiting import scheduled_callbacks_run
 
 
 class Clock:
@@ -215,7 +216,7 @@ def test_a_cancelled_request_gives_back_what_it_reserved() -> None:
     async def main() -> None:
         quotas.reserve(1, produce=200)  # 1 s owed
         waiting = asyncio.ensure_future(quotas.admit(1, produce=10_000))
-        await asyncio.sleep(0)  # it reserved its 100 s and waits its 1 s turn
+        await scheduled_callbacks_run()  # it reserved its 100 s and waits its 1 s turn
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -238,11 +239,11 @@ def test_waits_in_order_are_served_in_the_order_they_came() -> None:
             served.append(name)
 
         first = asyncio.ensure_future(request("first", 0.05))
-        await asyncio.sleep(0)  # it waits now
+        await scheduled_callbacks_run()  # it waits now
         cancelled = asyncio.ensure_future(request("cancelled", 0.0))
         second = asyncio.ensure_future(request("second", 0.001))
         third = asyncio.ensure_future(request("third", 0.0))
-        await asyncio.sleep(0)
+        await scheduled_callbacks_run()
         cancelled.cancel()
         await asyncio.gather(first, second, third)
         assert cancelled.cancelled() and not line.waiting()

@@ -18,7 +18,7 @@ from headwater.engine.engine import EngineConfig, PageRead
 from headwater.engine.kinds import KindsConfig
 from headwater.errors import HeadwaterError
 from headwater.storage.log import ReadResult
-from waiting import wait_until_async
+from waiting import scheduled_callbacks_run, wait_until_async
 
 
 def page(next_offset: int | None) -> ReadResult:
@@ -65,7 +65,7 @@ def test_a_page_that_reached_the_end_a_failed_one_and_an_old_one_are_not_served(
             return page(5)
 
         old.start(("old",), cut)
-        await asyncio.sleep(0)  # the read is done; only its age keeps it from a reader
+        await scheduled_callbacks_run()  # the read is done; only its age keeps it from a reader
         assert await old.take(("old",)) is None
         assert ahead.served == old.served == 0
 
@@ -91,7 +91,7 @@ def test_past_the_limit_the_oldest_page_is_dropped_and_its_read_cancelled() -> N
 
         for name in ("a", "b", "c"):
             ahead.start((name,), reader(name))
-            await asyncio.sleep(0)
+            await scheduled_callbacks_run()
         assert len(ahead) == 2
         gate.set()
         assert await ahead.take(("a",)) is None  # dropped for c

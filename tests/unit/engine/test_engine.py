@@ -18,7 +18,7 @@ from headwater.errors import (
 )
 from headwater.storage.log import SyncPolicy
 from rewrites import HeldRewrite
-from waiting import wait_until_async
+from waiting import scheduled_callbacks_run, wait_until_async
 
 CONFIG = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 42: "acme"})
 
@@ -189,7 +189,7 @@ def test_close_refuses_new_appends_and_finishes_inflight(tmp_path: Path) -> None
         pending = [asyncio.create_task(engine.append(0, sid, [b"v"] * 100)) for _ in range(20)]
         # One turn of the loop (not a wait for time): every append runs to its first await,
         # so all 20 are in flight when close begins.
-        await asyncio.sleep(0)
+        await scheduled_callbacks_run()
         await engine.close()
         results = await asyncio.gather(*pending, return_exceptions=True)
         ok = [r for r in results if not isinstance(r, BaseException)]

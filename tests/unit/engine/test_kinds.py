@@ -41,7 +41,7 @@ from headwater.errors import NotLeader, StorageError, StreamAlreadyExists
 from headwater.protocols.convergedb import messages as wire
 from headwater.protocols.convergedb.fields import FieldType, decode_record
 from headwater.protocols.convergedb.ops import from_wire
-from waiting import wait_until_async
+from waiting import scheduled_callbacks_run, wait_until_async
 
 ENGINE = EngineConfig(maintenance_interval_ms=0, tenants={0: "default", 7: "seven"})
 FIELDS = [("temp", FieldType.F64), ("label", FieldType.STRING)]
@@ -570,7 +570,7 @@ def test_a_kind_found_by_name_while_being_created_is_usable(tmp_path: Path) -> N
                 kind = tk.get_kind("sensor")
                 assert tk.entity_count(kind.kind_id) == 0  # KindNotFound before
                 seen += 1
-            await asyncio.sleep(0)
+            await scheduled_callbacks_run()
         await creating
         assert seen > 0  # the window was there to look into
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from headwater.server.answers import AnswerBudget, AnswerRoom
+from waiting import scheduled_callbacks_run
 
 
 def test_an_answer_takes_what_is_left_and_gives_it_back_once_written() -> None:
@@ -15,10 +16,10 @@ def test_an_answer_takes_what_is_left_and_gives_it_back_once_written() -> None:
         async with first.turn(70) as granted:
             assert granted == 70
         first.pause_writing()  # its answer sits in the write buffer
-        await asyncio.sleep(0)  # past the check made once it was handed over
+        await scheduled_callbacks_run()  # past the check made once it was handed over
         async with second.turn(70, wait_s=0) as granted:
             assert granted == 30  # what is left: it reads less
-        await asyncio.sleep(0)
+        await scheduled_callbacks_run()
         assert budget.held == 70  # the first answer is still unread
         first.resume_writing()  # the peer read it
         assert budget.held == 0
@@ -33,7 +34,7 @@ def test_with_no_room_a_read_waits_until_some_is_given_back_or_its_time_is_up() 
         async with hog.turn(10):
             pass
         hog.pause_writing()
-        await asyncio.sleep(0)
+        await scheduled_callbacks_run()
         async with reader.turn(5, wait_s=0.01) as granted:
             assert granted == 0  # none within its wait: it reads nothing
 
@@ -43,7 +44,7 @@ def test_with_no_room_a_read_waits_until_some_is_given_back_or_its_time_is_up() 
 
         waiting = asyncio.ensure_future(later())
         for _ in range(5):  # its turns on the loop: it is waiting, not done
-            await asyncio.sleep(0)
+            await scheduled_callbacks_run()
         assert not waiting.done()
         hog.lost()  # the hog's connection closed: its room is free
         assert await waiting == 5
@@ -63,7 +64,7 @@ def test_a_connections_next_answer_waits_for_the_peer_to_read_the_one_before() -
 
         tasks = [asyncio.ensure_future(answer(name)) for name in ("first", "second")]
         for _ in range(5):
-            await asyncio.sleep(0)
+            await scheduled_callbacks_run()
         assert built == ["first"]
         room.resume_writing()
         await asyncio.gather(*tasks)

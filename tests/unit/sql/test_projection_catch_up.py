@@ -19,7 +19,7 @@ from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder, StreamProjection
 from headwater.sql.values import QueryResult
 from headwater.storage.log import PartitionLog
-from waiting import wait_until_async
+from waiting import scheduled_callbacks_run, wait_until_async
 
 
 def count_rounds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -129,7 +129,7 @@ def test_rounds_wait_while_the_stream_is_written_hard_and_run_once_it_pauses(
             while len(fired) < 2:
                 await engine.append(0, s.stream_id, [js(i=appended)])
                 appended += 1
-                await asyncio.sleep(0)  # a loop turn: the timer runs when due
+                await scheduled_callbacks_run()  # a loop turn: the timer runs when due
             assert rounds == []
             projection = sql.streams.projection(0, "s")
             assert projection is not None
@@ -163,7 +163,7 @@ def test_a_stream_written_without_pause_is_projected_after_the_max_delay(
             while not rounds:  # the writer never pauses, yet a round comes
                 await engine.append(0, s.stream_id, [js(i=appended)])
                 appended += 1
-                await asyncio.sleep(0)  # a loop turn: the timer runs when due
+                await scheduled_callbacks_run()  # a loop turn: the timer runs when due
             # Not at CATCH_UP_DELAY: at the max delay from the first commit.
             assert loop.time() - started >= 0.3
             await wait_until_async(lambda: projection.next_offset > 0, 10, "round not installed")

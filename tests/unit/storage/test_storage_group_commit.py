@@ -15,7 +15,7 @@ import pytest
 from headwater.errors import HeadwaterError, NotLeader, StorageError
 from headwater.storage.group_commit import FsyncThreads, GroupCommitter
 from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
-from waiting import wait_until, wait_until_async
+from waiting import scheduled_callbacks_run, wait_until, wait_until_async
 
 
 def open_log(path: Path, policy: str) -> PartitionLog:
@@ -50,7 +50,7 @@ def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
             for r in range(rounds):
                 # One turn of the loop (not a wait for time): all writers append in the
                 # same turn, so their waits for an fsync overlap.
-                await asyncio.sleep(0)
+                await scheduled_callbacks_run()
                 info = plog.append([b"w%d-r%d" % (w, r)], first_position=0, timestamp_ms=0)
                 await committer.committed(info.next_offset)
                 # Acknowledged means durable and readable.

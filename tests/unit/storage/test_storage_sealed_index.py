@@ -367,7 +367,7 @@ def test_lookups_in_threads_survive_eviction_retention_and_close(
 
     def yield_first(frame: FrameType, event: str, arg: object) -> Callable[..., object] | None:
         if event == "call" and frame.f_code in lookups:
-            time.sleep(0)
+            time.sleep(0)  # gives up the GIL: another thread runs inside the lookup
             return count_races
         return None
 
