@@ -72,7 +72,7 @@ from headwater.storage.check import (
 )
 from headwater.storage.files import FileCache
 from headwater.storage.log import LogConfig, PartitionLog, fsync_directory
-from headwater.storage.metadata import LOCK_FILE, TMP_SUFFIX
+from headwater.storage.metadata import LOCK_FILE, TMP_SUFFIX, read_json
 
 # Directories of a data dir the copy leaves out, derived data the server rebuilds: a
 # stream's SQL projection files, a kind's LMDB entity store (a checkpoint of its
@@ -220,11 +220,8 @@ def plan_internal_logs_made_meanwhile(
         for stream in sorted(streams.iterdir()):
             if (staging / relative / stream.name).exists() or skipped(stream.name, top_level=False):
                 continue
-            try:
-                name = json.loads((stream / STREAM_META).read_text()).get("name")
-            except (OSError, ValueError, AttributeError):
-                continue  # not whole yet, or gone
-            if name in (OFFSETS_STREAM, TXN_STATE_STREAM):
+            # (no name: not whole yet, or gone)
+            if named_in(stream) in (OFFSETS_STREAM, TXN_STATE_STREAM):
                 plans += copy_metadata_and_plan(source, staging, report, relative / stream.name)
     return plans
 
@@ -239,11 +236,15 @@ def copy_turn(staging: Path, plan: PartitionPlan) -> int:
 
 
 def stream_name(staging: Path, plan: PartitionPlan) -> str | None:
-    """The name of the stream a partition log belongs to (None: a kind's changelog,
-    or metadata that cannot be read)."""
-    meta = staging / stream_directory(plan.relative) / STREAM_META
+    """The name of the stream a copied partition log belongs to (None: a kind's
+    changelog, or metadata that cannot be read)."""
+    return named_in(staging / stream_directory(plan.relative))
+
+
+def named_in(directory: Path) -> str | None:
+    """The name in ``directory``'s stream.json (None: none, or unreadable)."""
     try:
-        name = json.loads(meta.read_text()).get("name")
+        name = read_json(directory / STREAM_META).get("name")
     except (OSError, ValueError, AttributeError):
         return None
     return name if isinstance(name, str) else None
