@@ -411,6 +411,29 @@ def test_database_name_chooses_the_tenant(server: Server) -> None:
         psycopg.connect(dsn(server, password="only42", dbname="0"))
 
 
+def test_a_tenant_is_chosen_by_its_name_and_a_setting_naming_none_is_refused(
+    server: Server,
+) -> None:
+    stream = new_stream(server, tenant_id=42)
+    # [[tenants]] name = "acme": the database, or the setting, may name it.
+    with psycopg.connect(dsn(server, dbname="acme"), autocommit=True) as conn:
+        assert conn.execute("SHOW headwater.tenant").fetchone() == ("42",)
+        assert conn.execute(f"SELECT count(*) FROM {stream}").fetchone() == (0,)
+    options = "options='-c headwater.tenant=acme'"
+    with psycopg.connect(f"{dsn(server)} {options}", autocommit=True) as conn:
+        assert conn.execute("SHOW headwater.tenant").fetchone() == ("42",)
+    with psycopg.connect(dsn(server, dbname="default"), autocommit=True) as conn:
+        assert conn.execute("SHOW headwater.tenant").fetchone() == ("0",)
+    # Named, but not granted: refused, not the token's own tenant instead.
+    with pytest.raises(psycopg.OperationalError, match="does not grant tenant 0"):
+        psycopg.connect(dsn(server, password="only42", dbname="default"))
+    # A setting is asked for explicitly: one naming no tenant is an error, where it used
+    # to mean the token's lowest tenant without a word.
+    options = "options='-c headwater.tenant=acmee'"
+    with pytest.raises(psycopg.OperationalError, match="'acmee' names no tenant"):
+        psycopg.connect(f"{dsn(server)} {options}")
+
+
 # ---- trust and limits ------------------------------------------------------------------
 
 

@@ -409,6 +409,12 @@ class EngineAPI:
         """TenantNotFound unless ``tenant_id`` exists."""
         self._engine.tenant(tenant_id)
 
+    def tenant_named(self, name: str) -> int | None:
+        """The id of the tenant ``name`` names (``[[tenants]] name``), None when none
+        does (names are not required to be unique: the lowest id wins)."""
+        ids = [t.tenant_id for t in self._engine.tenants.values() if t.name == name]
+        return min(ids, default=None)
+
     def tenant_info(self, tenant_id: int) -> TenantInfo:
         tenant = self._engine.tenant(tenant_id)
         return TenantInfo(

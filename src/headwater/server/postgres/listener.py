@@ -15,6 +15,7 @@ import asyncio
 import logging
 import secrets
 import ssl
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from headwater.api import EngineAPI
@@ -108,16 +109,36 @@ def sqlstate_for(exc: HeadwaterError) -> str:
     return "XX000"  # internal_error
 
 
-def choose_tenant(principal: Principal, database: str, setting: str | None) -> int:
-    """The tenant a session acts for: ``options=-c headwater.tenant=N`` or a database
-    named ``N`` (or ``tenant_N``); otherwise the token's lowest tenant (0 when every
-    tenant is allowed). TenantForbidden when the token does not grant it."""
-    wanted = (setting or database or "").strip().lower()
-    if wanted.startswith("tenant_"):
-        wanted = wanted.removeprefix("tenant_")
-    tenant = int(wanted) if wanted.isdigit() and len(wanted) < 20 else principal.default_tenant
+def choose_tenant(
+    principal: Principal, database: str, setting: str | None, named: Callable[[str], int | None]
+) -> int:
+    """The tenant a session acts for: the one ``options=-c headwater.tenant=X`` names, else
+    the one its database names, where X is a tenant id, ``tenant_<id>`` or a tenant's name
+    (``named`` looks names up); a database naming no tenant means the token's lowest
+    tenant (0 when every tenant is allowed): psql's default database is the user name.
+    A setting naming no tenant is TenantNotFound, and TenantForbidden is a tenant the
+    token does not grant."""
+    if setting is not None and setting.strip():
+        tenant = _tenant_in(setting, named)
+        if tenant is None:
+            raise TenantNotFound(
+                f"headwater.tenant {setting!r} names no tenant: give a tenant id, "
+                "tenant_<id> or a tenant's name"
+            )
+    else:
+        tenant = _tenant_in(database, named)
+        if tenant is None:
+            tenant = principal.default_tenant
     principal.check_tenant(tenant)
     return tenant
+
+
+def _tenant_in(text: str, named: Callable[[str], int | None]) -> int | None:
+    wanted = text.strip()
+    number = wanted.lower().removeprefix("tenant_")
+    if number.isdigit() and len(number) < 20:
+        return int(number)
+    return named(wanted)
 
 
 class ListenerState:
@@ -308,6 +329,7 @@ class PostgresConnection(asyncio.Protocol):
                 principal,
                 event.parameters.get("database", ""),
                 self.protocol.settings.get(TENANT),
+                self.api.tenant_named,
             )
             self.api.check_tenant(self.tenant)
         except HeadwaterError as exc:
