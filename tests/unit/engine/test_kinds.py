@@ -116,6 +116,32 @@ def test_registry_rules(tmp_path: Path) -> None:
     run(tmp_path, reopened)
 
 
+def test_a_kind_and_a_stream_created_at_once_cannot_share_a_name(tmp_path: Path) -> None:
+    """Each create awaits its files in a worker thread: the one started second must see
+    the name taken by the one under way, whichever it is."""
+
+    async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
+        for first in ("stream", "kind"):
+            name = f"race_{first}_first"
+            stream = engine.create_stream(0, name)
+            kind = tk.create_kind(name, FIELDS)
+            both = (stream, kind) if first == "stream" else (kind, stream)
+            outcomes = await asyncio.gather(*both, return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, BaseException)]
+            assert len(refused) == 1, outcomes
+            streams = [s.name for s in engine.list_streams(0)]
+            if first == "stream":
+                assert isinstance(refused[0], SchemaConflict), outcomes
+                assert name in streams
+                with pytest.raises(KindNotFound):
+                    tk.get_kind(name)
+            else:
+                assert isinstance(refused[0], StreamAlreadyExists), outcomes
+                assert tk.get_kind(name).name == name and name not in streams
+
+    run(tmp_path, body)
+
+
 def test_multi_source_rules_and_versions(tmp_path: Path) -> None:
     async def body(engine: Engine, kinds: KindsEngine, tk: TenantKinds) -> None:
         kind = await sensor(tk)

@@ -125,7 +125,9 @@ class TenantKinds:
     async def _create_kind(
         self, name: str, fields: Sequence[tuple[str, int]], event_stream: bool, internal: bool
     ) -> KindInfo:
-        taken = set(self.engine_tenant.by_name)
+        tenant = self.engine_tenant
+        # Streams being created count: their names are taken before their create ends.
+        taken = set(tenant.by_name) | tenant.reserved_names
         kind, changed = self.registry.plan_create(
             name, fields, event_stream=event_stream, internal=internal, taken_names=taken
         )
@@ -134,7 +136,14 @@ class TenantKinds:
         loop = asyncio.get_running_loop()
         state = self.kinds.get(kind.kind_id)
         if state is None:
-            state = await loop.run_in_executor(self.owner.executor, self.owner.open_kind, kind)
+            # The name is the kind's from here: a stream created while the kind opens
+            # must not take it too (both would be the same SQL table).
+            tenant.kind_names.add(kind.name)
+            try:
+                state = await loop.run_in_executor(self.owner.executor, self.owner.open_kind, kind)
+            except BaseException:
+                tenant.kind_names.discard(kind.name)
+                raise
         # The registry and the kind's state change together, before the save is awaited:
         # a GET_KIND answered meanwhile (another client; in a cluster, a kind the tick
         # is making) must find a kind its reads and writes then find too.
@@ -143,7 +152,6 @@ class TenantKinds:
         if created:
             self.kinds[kind.kind_id] = state
             state.committer.start()
-            self.engine_tenant.kind_names.add(kind.name)
         else:
             state.migrate(kind)
             self.windows.migrated(state)
