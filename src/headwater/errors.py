@@ -187,6 +187,15 @@ class InvalidOffset(HeadwaterError):
     code, name = 11, ErrorName.INVALID_OFFSET
 
 
+class OffsetRemoved(InvalidOffset):
+    """Retention removed the offset a read started at: the log starts at ``start``."""
+
+    def __init__(self, offset: int, start: int, where: str = "the log") -> None:
+        super().__init__(f"offset {offset} was removed by retention; {where} starts at {start}")
+        self.offset = offset
+        self.start = start
+
+
 class StorageError(HeadwaterError):
     code, name, retryable = 12, ErrorName.STORAGE_ERROR, True
 

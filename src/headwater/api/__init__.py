@@ -71,7 +71,7 @@ from headwater.engine.transactions import (
     create_state_stream,
     write_marker,
 )
-from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.errors import InvalidOffset, InvalidRequest, OffsetRemoved
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
@@ -505,20 +505,20 @@ class EngineAPI:
         no hole (compaction's, aborted batches'), for an answer that carries no offsets;
         from inside a hole, no events and ``next_offset`` past it
         (:meth:`PartitionLog.read <headwater.storage.log.PartitionLog.read>`)."""
+        where = f"partition {partition}" if partition else "the stream"
         start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
         if from_offset < start:
-            where = f"partition {partition}" if partition else "the stream"
-            raise InvalidOffset(
-                f"offset {from_offset} was removed by retention; {where} starts at {start}"
-            )
+            raise OffsetRemoved(from_offset, start, where)
         throttled = self.quotas.enabled
         if throttled:
             # Its turn first (the consume debt of earlier reads too), then the bytes it
             # read hold its answer back (capped; the rest is waited by the next turn).
             await self.quotas.admit(tenant_id, requests=1, consume=True)
 
+        # Strict: a page whose start retention removed meanwhile is OffsetRemoved, never
+        # the events from the new start (a Kimberlite answer carries no offsets).
         page = PageRead(
-            tenant_id, stream_id, max_bytes, max_events, partition, isolation, contiguous
+            tenant_id, stream_id, max_bytes, max_events, partition, isolation, contiguous, True
         )
 
         def ahead(offset: int) -> Pages:
@@ -526,9 +526,12 @@ class EngineAPI:
 
         # A throttled reader waits its turn anyway: reading ahead would only hold memory.
         read_ahead = read_ahead and not throttled and not kafka
-        result = await self._read_ahead.take((page, from_offset)) if read_ahead else None
-        if result is None:
-            result = await self._engine.read_page(page, from_offset, kafka=kafka)
+        try:
+            result = await self._read_ahead.take((page, from_offset)) if read_ahead else None
+            if result is None:
+                result = await self._engine.read_page(page, from_offset, kafka=kafka)
+        except OffsetRemoved as exc:  # retention ran while it waited its turn or read
+            raise OffsetRemoved(exc.offset, exc.start, where) from None
         next_offset = result.next_offset
         if read_ahead and next_offset is not None:
             self._read_ahead.start((page, next_offset), follow=ahead)
@@ -568,9 +571,7 @@ class EngineAPI:
         plog = self._engine.stream(tenant_id, stream_id).partition_log(partition)
         if start < plog.start_offset:
             where = f"partition {partition}" if partition else "the stream"
-            raise InvalidOffset(
-                f"offset {start} was removed by retention; {where} starts at {plog.start_offset}"
-            )
+            raise OffsetRemoved(start, plog.start_offset, where)
         if self.quotas.enabled:
             await self.quotas.admit(tenant_id, requests=1, consume=True)
         return RecordsCursor(plog, start, end, committed_only=isolation == READ_COMMITTED)

@@ -106,7 +106,9 @@ class PageRead:
     ``read_committed`` (the default) stops at the partition's last stable offset and
     leaves out aborted transactions; ``read_uncommitted`` shows every stored event
     (transaction markers are never shown). ``contiguous``: the events' offsets have no
-    hole, for an answer that carries none (:meth:`PartitionLog.read`)."""
+    hole, for an answer that carries none. ``strict``: OffsetRemoved when retention
+    removed the offset a page starts at, not a page from the log's start
+    (:meth:`PartitionLog.read`)."""
 
     tenant_id: int
     stream_id: int
@@ -115,6 +117,7 @@ class PageRead:
     partition: int = 0
     isolation: str = READ_COMMITTED
     contiguous: bool = False
+    strict: bool = False
 
     def __post_init__(self) -> None:
         committed_only(self.isolation)  # refused here, not in the thread that reads
@@ -127,6 +130,7 @@ class PageRead:
             committed_only=committed_only(self.isolation),
             kafka=kafka,
             contiguous=self.contiguous,
+            strict=self.strict,
         )
 
 

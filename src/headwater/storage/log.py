@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Unpack
 
-from headwater.errors import CorruptBatchError, StorageError, UsageError
+from headwater.errors import CorruptBatchError, OffsetRemoved, StorageError, UsageError
 from headwater.storage.batch import (
     ATTR_CONTROL,
     ATTR_TRANSACTIONAL,
@@ -693,10 +693,18 @@ class PartitionLog:
         return False
 
     def _stored_batches(
-        self, from_offset: int, upto: int | None, chunk: int | Callable[[], int]
+        self,
+        from_offset: int,
+        upto: int | None,
+        chunk: int | Callable[[], int],
+        *,
+        strict: bool = False,
     ) -> Iterator[Batch]:
         end = self.committed_offset if upto is None else upto
         with self._lock:
+            # With the segments it reads: retention may have run since the caller looked.
+            if strict and from_offset < self.segments[0].base_offset:
+                raise OffsetRemoved(from_offset, self.segments[0].base_offset)
             if from_offset >= end:
                 return
             segments = list(self.segments)
@@ -731,6 +739,7 @@ class PartitionLog:
         committed_only: bool = True,
         kafka: bool = False,
         contiguous: bool = False,
+        strict: bool = False,
     ) -> ReadResult:
         """Committed events from ``from_offset``, stopping before the sum of value lengths
         would pass ``max_bytes`` (always at least one event when one exists). Whole
@@ -751,7 +760,11 @@ class PartitionLog:
         ReadEvents): it ends before the first hole (events removed by compaction, a
         hidden batch) and ``next_offset`` is the offset after its last event; when
         ``from_offset`` itself is in a hole, no events and ``next_offset`` the first
-        offset present after it."""
+        offset present after it.
+
+        ``strict``: OffsetRemoved when retention removed ``from_offset`` (checked with the
+        segments the read takes, so a removal racing it is seen), for a reader that must
+        not be answered from a later offset; otherwise the read starts at the log's start."""
         if from_offset < 0:
             raise UsageError("offsets are non-negative")
         limit = self.last_stable_offset if committed_only else self.readable_offset
@@ -764,7 +777,8 @@ class PartitionLog:
         count = value_bytes = 0
         next_offset: int | None = None
         budget_events = max_events if max_events is not None else 1 << 62
-        from_offset = max(from_offset, self.start_offset)
+        if not strict:
+            from_offset = max(from_offset, self.start_offset)
         # Read about as much as the answer needs, in one chunk: a small read must not
         # copy a megabyte, and a large one must not read a second chunk for its last batch.
         full_chunk = min(max(max_bytes + max_bytes // 8, 64 << 10), MAX_READ_CHUNK)
@@ -779,7 +793,7 @@ class PartitionLog:
 
         contiguous = contiguous and not kafka
         expected = from_offset  # with ``contiguous``: the offset the next event must have
-        stored = self._stored_batches(from_offset, limit, chunk)
+        stored = self._stored_batches(from_offset, limit, chunk, strict=strict)
         # The count as it is when a damaged batch is met (late binding wanted).
         for batch in _intact_prefix(stored, lambda: count > 0):  # noqa: B023
             # Only a marker or a transaction's batch may be hidden: most batches are

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from headwater.errors import OffsetRemoved
 from headwater.storage.batch import Batch, encode_values
 from headwater.storage.check import check_data_dir, check_partition, partition_dirs
 from headwater.storage.log import CompactionResult, LogConfig, PartitionLog, SyncPolicy
@@ -73,6 +74,20 @@ def test_retention_by_size_removes_oldest_whole_sealed_segments(tmp_path: Path) 
     plog = open_log(tmp_path, retention_bytes=5 * BATCH)
     assert (plog.start_offset, plog.end_offset) == (6, 11)
     assert offsets(plog) == list(range(6, 11))
+    plog.close()
+
+
+def test_a_strict_read_of_a_removed_offset_is_refused_not_answered_from_the_start(
+    tmp_path: Path,
+) -> None:
+    plog = open_log(tmp_path, retention_bytes=5 * BATCH)
+    fill(plog, 11)
+    assert plog.enforce_retention() == 3
+    for contiguous in (False, True):
+        with pytest.raises(OffsetRemoved, match="offset 4 was removed by retention") as refused:
+            plog.read(4, strict=True, contiguous=contiguous)
+        assert (refused.value.offset, refused.value.start) == (4, 6)
+    assert [e.offset for e in plog.read(6, strict=True).events()] == list(range(6, 11))
     plog.close()
 
 
