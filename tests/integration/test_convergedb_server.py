@@ -19,12 +19,14 @@ import pytest
 from convergedb_raw import CdbClient, Closed, connect_when_free, eid, query, query_many
 from kimberlite_raw import query as sql_query
 from kimberlite_raw import query_at, rows_of
+from memory_probe import MIB, RssSampler
 from servers import LOCAL, Server, serving
 
 from headwater.entities import entity_id
 from headwater.protocols.convergedb import messages as m
 from headwater.protocols.convergedb.codes import ErrorCode, Opcode
 from headwater.protocols.convergedb.fields import FieldType
+from headwater.server.memory import process_memory
 from waiting import wait_until
 
 LISTEN = {"convergedb": LOCAL}
@@ -952,3 +954,34 @@ def test_acks_arrive_after_the_client_half_closes(port: int) -> None:
         assert acked == set(streams)
     with CdbClient(port, read_only=True) as r:
         assert all(isinstance(query(r, kind.kind_id, eid(i)), m.State) for i in range(5))
+
+
+def test_queries_whose_answers_nobody_reads_are_not_answered_into_memory(
+    server: Server, port: int
+) -> None:
+    """A QUERY of 44 bytes can answer megabytes: a client that pipelined them and read
+    nothing grew the server by 4 MiB a query (600 MiB for 150), held until it left. A
+    client whose answers wait unread is no longer read from; it gets every answer as it
+    reads them."""
+    wide = [(f"f{i}", FieldType.STRING) for i in range(64)]
+    big = ["z" * 65_535] * 64  # 4 MiB, legal
+    with CdbClient(port, name="big-writer", source_id=40) as writer:
+        kind = writer.create_kind("wide_entities", wide).kind_id
+        assert writer.call(m.Assert.of(wide, kind, eid(1), big)) == m.Ack(Opcode.ASSERT)
+        baseline = process_memory(server.pid)
+        assert baseline is not None
+        count = 100
+        with (
+            CdbClient(port, name="hog", read_only=True, rcvbuf=4096) as hog,
+            RssSampler(server.pid) as sampler,
+        ):
+            streams = [hog.conn.send(m.Query(kind, eid(1)), ack=True) for _ in range(count)]
+            hog.sock.sendall(b"".join(data for _, data in streams))
+            first = hog.reply(streams[0][0], timeout=30).message  # it took the queries up
+            # A round trip on another connection: the server's loop has run past the
+            # hog's frames (without the limit, all of them answered into memory by now).
+            assert isinstance(query(writer, kind, eid(1)), m.State)
+            grown = sampler.peak_anon - baseline.rss_anon
+            answers = [first] + [hog.reply(s, timeout=30).message for s, _ in streams[1:]]
+        assert grown < 40 * MIB, sampler.report()
+        assert all(isinstance(a, m.State) and a.entity_id == eid(1) for a in answers)

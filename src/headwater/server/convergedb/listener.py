@@ -115,10 +115,20 @@ class ConvergeConnection(asyncio.Protocol):
             task.cancel()
 
     def pause_writing(self) -> None:
+        # A client that does not read its answers is not read from either: what it
+        # sends waits in the kernel, not here as answers (a 44-byte QUERY can answer
+        # megabytes). Frames already received wait in the decoder (one read's worth).
         self._writable.clear()
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._writable.set()
+        if self.closed or self.transport is None:
+            return
+        if not self._blocked:
+            self.transport.resume_reading()
+            self._process()
 
     def data_received(self, data: bytes) -> None:
         if self.source is not None:
@@ -147,7 +157,7 @@ class ConvergeConnection(asyncio.Protocol):
         return True
 
     def _process(self) -> None:
-        while not self._blocked and not self.closed:
+        while not self._blocked and not self.closed and self._writable.is_set():
             event = self.protocol.next_event()
             if event is None:
                 return
@@ -175,7 +185,8 @@ class ConvergeConnection(asyncio.Protocol):
                 await waiting
             finally:
                 self._blocked = False
-                if not self.closed and self.transport is not None:
+                # Writing paused meanwhile: resume_writing reads on.
+                if not self.closed and self.transport is not None and self._writable.is_set():
                     self.transport.resume_reading()
                     self._process()
 
