@@ -531,11 +531,16 @@ class PartitionLog:
     @property
     def last_stable_offset(self) -> int:
         """read_committed readers stop here: the first offset of the oldest open
-        transaction, or the committed offset when none is open (Kafka's LSO)."""
+        transaction, or the committed offset when none is open (Kafka's LSO); never below
+        the log's start (retention may remove an open transaction's first batches, and a
+        reader at the end must not be sent below what is kept)."""
         with self._lock:
             unstable = self.producers.first_unstable_offset()
             committed = self.committed_offset
-            stable = committed if unstable is None else min(unstable, committed)
+            if unstable is None:
+                stable = committed
+            else:
+                stable = min(max(unstable, self.segments[0].base_offset), committed)
         limit = self.readable_limit
         return stable if limit is None else min(stable, limit())
 

@@ -67,6 +67,33 @@ def test_the_seeds_read_committed_example(tmp_path: Path) -> None:
     run(tmp_path, body)
 
 
+def test_the_last_stable_offset_never_falls_below_the_start_retention_leaves(
+    tmp_path: Path,
+) -> None:
+    """Retention may remove an open transaction's first batch: read_committed's end
+    (ListOffsets latest) must not point below the kept start, as Kafka clamps it, or a
+    consumer starting at the end is sent to an offset that is gone."""
+
+    async def body(engine: Engine) -> None:
+        settings = StreamSettings(segment_bytes=1024, retention_bytes=2048, sync="none")
+        sid = (await engine.create_stream(0, "s", settings)).stream_id
+        log = engine.stream(0, sid).log
+        txns = await TenantTransactions.open(engine, 0)
+        producer = await txns.init_producer("open")
+        await txns.append("open", producer, sid, 0, [b"t0"])
+        for i in range(100):
+            await engine.append(0, sid, [b"plain-%03d" % i])
+        assert log.enforce_retention() > 0
+        start = log.start_offset
+        assert start > 0 and log.last_stable_offset == start
+        assert await values(engine, sid) == []  # nothing past it until the end
+        await txns.end_transaction("open", producer, commit=True)
+        assert log.last_stable_offset == log.end_offset
+        assert [o for o, _ in await values(engine, sid)] == list(range(start, 101))
+
+    run(tmp_path, body)
+
+
 def test_commit_spans_streams_and_partitions_and_abort_leaves_nothing(tmp_path: Path) -> None:
     async def body(engine: Engine) -> None:
         a = (await engine.create_stream(0, "a", StreamSettings(partitions=3))).stream_id
