@@ -372,6 +372,39 @@ def test_a_deleted_topics_offsets_go_with_it(make_server: Callable[..., Server])
     assert [m.value() for m in got] == [b"new-%d" % i for i in range(10)]
 
 
+def test_offsets_a_transaction_staged_for_a_deleted_topic_go_with_it(server: Server) -> None:
+    # send_offsets_to_transaction stages a group's offsets until the commit: a topic
+    # deleted meanwhile loses them too (as Kafka drops its pending offsets). They once
+    # landed on the topic made again under the name, whose first records the group
+    # then skipped.
+    topic, out = create_topic(server, partitions=1), create_topic(server, partitions=1)
+    produce(server, topic, [{"value": b"old-%d" % i} for i in range(10)])
+    consumer = group_consumer(server, "staged_" + uuid.uuid4().hex[:8])
+    producer = Producer(
+        {"bootstrap.servers": bootstrap(server), "transactional.id": uuid.uuid4().hex}
+    )
+    try:
+        producer.init_transactions(DEADLINE_S)
+        producer.begin_transaction()
+        producer.produce(out, b"transformed")
+        producer.send_offsets_to_transaction(
+            [TopicPartition(topic, 0, 7)], consumer.consumer_group_metadata(), DEADLINE_S
+        )
+        admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+        admin.delete_topics([topic])[topic].result(timeout=DEADLINE_S)
+        admin.create_topics([NewTopic(topic, num_partitions=1)])[topic].result(timeout=DEADLINE_S)
+        produce(server, topic, [{"value": b"new-%d" % i} for i in range(10)])
+        producer.commit_transaction(DEADLINE_S)
+        committed = consumer.committed([TopicPartition(topic, 0)], timeout=DEADLINE_S)
+        assert [tp.offset for tp in committed] == [OFFSET_INVALID]
+        consumer.subscribe([topic])
+        got: list[Message] = []
+        poll_until_messages(consumer, got, 10)
+    finally:
+        consumer.close()
+    assert [m.value() for m in got] == [b"new-%d" % i for i in range(10)]
+
+
 def poll_until_messages(consumer: Consumer, into: list[Message], count: int) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while len(into) < count:

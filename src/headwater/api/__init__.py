@@ -671,10 +671,12 @@ class EngineAPI:
         await self._transactions.reload(tenant_id, coordinates)
 
     async def _delete_stream(self, tenant_id: int, stream_id: int) -> None:
-        """The stream and its events, and every group's committed offsets of it (as Kafka
-        deletes a deleted topic's): a stream made again under its name starts afresh."""
+        """The stream and its events, and every group's committed offsets of it, those
+        staged in open transactions too (as Kafka deletes a deleted topic's): a stream
+        made again under its name starts afresh."""
         name = self._engine.stream(tenant_id, stream_id).name
         await self._engine.delete_stream(tenant_id, stream_id)
+        self._transactions.forget_stream(tenant_id, name)
         await self.groups.forget_stream(tenant_id, name)
 
     async def open_transaction_state(self, tenant_id: int) -> None:

@@ -640,6 +640,14 @@ class TenantTransactions:
         txn = self.transactions.get(transactional_id)
         return None if txn is None else txn.state
 
+    def forget_stream(self, name: str) -> None:
+        """The stream ``name`` was deleted: group offsets of it staged in open
+        transactions go (as Kafka drops a deleted topic's pending offsets), or a commit
+        would put them on a stream made again under the name."""
+        for txn in self.transactions.values():
+            for key in [key for key in txn.offsets if key.stream == name]:
+                del txn.offsets[key]
+
 
 class TransactionCoordinator:
     """Every tenant's coordinator, each opened on first use."""
@@ -691,6 +699,13 @@ class TransactionCoordinator:
         except HeadwaterError:
             return False
         return tenant_id in self._tenants
+
+    def forget_stream(self, tenant_id: int, name: str) -> None:
+        """A deleted stream's offsets staged in the tenant's open transactions go
+        (:meth:`TenantTransactions.forget_stream`), where they are coordinated here."""
+        txns = self._tenants.get(tenant_id)
+        if txns is not None:
+            txns.forget_stream(name)
 
     async def recover(self) -> None:
         """Open the coordinator of every tenant that has a state stream (finishing or
