@@ -137,6 +137,10 @@ class KindTable:
     def covered_position(self, head: int) -> int:
         return head
 
+    @property
+    def history_from(self) -> int:
+        return 0  # nothing removes a kind's history
+
     def request_catch_up(self) -> None:
         return None
 

@@ -661,6 +661,10 @@ class StreamProjection:
         self._first_commit_at = 0.0  # loop time of the first commit the timer waits for
         self._last_commit_at = 0.0
         self._loop = asyncio.get_running_loop()
+        # The log's start when last looked at, and where QueryAt is exact from: opened
+        # after retention removed rows, when is not known, so from now on.
+        self._seen_start = self.plog.start_offset
+        self.history_from = stream.tenant.committed_position + 1 if self._seen_start else 0
         self.committer.add_listener(self._on_commit)
         self.request_catch_up()
 
@@ -714,6 +718,11 @@ class StreamProjection:
         self._expire()
         chunks = self.chunks
         start = self.plog.start_offset
+        if start > self._seen_start:
+            # Rows retention removed were in answers at every position up to the head:
+            # those positions would now answer without them, so QueryAt refuses them.
+            self._seen_start = start
+            self.history_from = self.stream.tenant.committed_position + 1
         return lambda: table_at(chunks, position, start)
 
     def _expire(self) -> None:

@@ -361,7 +361,9 @@ class SqlService:
             for table in self.tables(tenant_id):
                 table.request_catch_up()
             raise ProjectionLag(self._lag_message(tenant_id, covered, position))
-        outcome = await self._run(tenant_id, sql, params, position, allow_insert=False)
+        outcome = await self._run(
+            tenant_id, sql, params, position, allow_insert=False, history=True
+        )
         assert isinstance(outcome, QueryResult)
         return outcome
 
@@ -373,10 +375,18 @@ class SqlService:
         position: int,
         *,
         allow_insert: bool,
+        history: bool = False,
     ) -> QueryResult | _Rows:
+        """``history``: a QueryAt, whose answer at a position never changes; a table
+        retention has removed rows of since is refused there, if the query reads it."""
         if self._closed or self._stopping:
             raise QueryExecutionError("the server is shutting down")
-        snapshots = {t.name: t.snapshot(position) for t in self.tables(tenant_id)}
+        tables = self.tables(tenant_id)
+        snapshots = {t.name: t.snapshot(position) for t in tables}
+        if history:
+            for table in tables:
+                if position < table.history_from:
+                    snapshots[table.name] = _history_removed(table, position)
         await self._admission.acquire(tenant_id)  # waits its tenant's turn
         loop = asyncio.get_running_loop()
         try:
@@ -635,3 +645,17 @@ class SqlService:
         if pc.any(result.column(1)).as_py():
             raise QueryExecutionError("json takes valid JSON text")
         return result.column(0).combine_chunks().cast(pa.binary())
+
+
+def _history_removed(table: SqlTable, position: int) -> Callable[[], pa.Table]:
+    """A table's snapshot at a position whose rows retention removed since: refused when
+    the query reads it."""
+    since = table.history_from
+
+    def refuse() -> pa.Table:
+        raise InvalidOffset(
+            f"table {table.name!r} as of position {position}: retention has removed rows"
+            f" it had; QueryAt over it answers positions from {since} on"
+        )
+
+    return refuse

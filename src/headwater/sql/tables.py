@@ -45,6 +45,12 @@ class SqlTable(Protocol):
         """Start projecting whatever is committed and not projected yet."""
         ...
 
+    @property
+    def history_from(self) -> int:
+        """QueryAt answers positions from here on as it always did; below it retention
+        has removed rows an answer had (0: every position)."""
+        ...
+
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         """Capture the table as of ``position`` (exclusive); the returned function builds
         the Arrow table (in a worker thread) and never sees later changes. A stream's
@@ -94,6 +100,10 @@ class StreamTable:
     def request_catch_up(self) -> None:
         for part in self.parts:
             part.request_catch_up()
+
+    @property
+    def history_from(self) -> int:
+        return max(part.history_from for part in self.parts)
 
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         if len(self.parts) == 1:

@@ -14,6 +14,7 @@ from sqlkit import CONFIG, js, running
 
 from headwater.engine.engine import Engine, StreamSettings
 from headwater.errors import (
+    InvalidOffset,
     PositionAhead,
     ProjectionLag,
     QueryExecutionError,
@@ -467,5 +468,52 @@ def test_retention_hides_and_frees_expired_rows(tmp_path: Path) -> None:
             projection = sql.streams.projection(0, "s")
             assert projection is not None
             assert all(c.last_offset >= start for c in projection.chunks)
+
+    asyncio.run(main())
+
+
+def test_query_at_refuses_a_position_whose_rows_retention_removed(tmp_path: Path) -> None:
+    """A position's answer never changes: one taken before retention removed rows of a
+    table the query reads is refused from then on, not answered without them; later
+    positions, and queries not reading that table, are answered."""
+
+    async def main() -> None:
+        async with running(tmp_path) as (engine, sql):
+            settings = StreamSettings(segment_bytes=1024, retention_bytes=2048)
+            s = await engine.create_stream(0, "s", settings)
+            await engine.create_stream(0, "kept")
+            await engine.append(0, (await engine.create_stream(0, "t")).stream_id, [js(i=0)])
+            for i in range(40):
+                await engine.append(0, s.stream_id, [js(i=i, pad="x" * 40)] * 2)
+            early = engine.tenant(0).committed_position
+            count = "SELECT count(*) FROM s"
+            assert (await sql.query(0, count)).rows == [[80]]  # caught up to the head
+            assert (await sql.query_at(0, count, [], early)).rows == [[80]]
+            await engine.run_maintenance()
+            assert engine.stream(0, s.stream_id).log.start_offset > 0
+            with pytest.raises(InvalidOffset, match="retention has removed rows"):
+                await sql.query_at(0, count, [], early)
+            assert (await sql.query_at(0, "SELECT count(*) FROM t", [], early)).rows == [[1]]
+            # The head query reads what is kept; a position from now on, as always.
+            kept = (await sql.query(0, count)).rows[0][0]
+            assert 0 < kept < 80
+            await engine.append(0, s.stream_id, [js(i=99)])
+            assert (await sql.query(0, count)).rows == [[kept + 1]]
+            later = engine.tenant(0).committed_position
+            assert (await sql.query_at(0, count, [], later)).rows == [[kept + 1]]
+
+        # Reopened: when retention ran is not known, so every position up to the head
+        # is refused over the table (and still answered over the others).
+        async with running(tmp_path) as (engine, sql):
+            head = engine.tenant(0).committed_position
+            assert (await sql.query(0, count)).rows == [[kept + 1]]
+            with pytest.raises(InvalidOffset, match="retention has removed rows"):
+                await sql.query_at(0, count, [], head)
+            assert (await sql.query_at(0, "SELECT count(*) FROM t", [], head)).rows == [[1]]
+            t = engine.stream_by_name(0, "t").stream_id
+            await engine.append(0, t, [js(i=1)])
+            assert (await sql.query(0, "SELECT count(*) FROM t")).rows == [[2]]
+            later = engine.tenant(0).committed_position
+            assert (await sql.query_at(0, count, [], later)).rows == [[kept + 1]]
 
     asyncio.run(main())
