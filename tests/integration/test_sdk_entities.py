@@ -14,13 +14,16 @@ from typing import Any
 
 import jsonschema
 import pytest
+from convergedb_raw import CdbClient
 from servers import LOCAL, Server, free_port, serving
 
 from headwater import entities
 from headwater.entities import Entity, ResubscribeMode
+from headwater.entities import aio as entities_aio
 from headwater.errors import UsageError
 
 LISTEN = {"convergedb": LOCAL, "http": LOCAL}
+WEEK_MS = 7 * 24 * 3600 * 1000
 WAIT_SECONDS = 30.0  # a bound for waiting on a live subscription, not a measurement
 
 
@@ -121,6 +124,36 @@ def test_epoch_retracts_what_was_not_reasserted(server: Server, kind_name: str) 
         # end_epoch waits for the retractions to be durable: visible at once.
         live = {e.key: e.value for e in src.scan(kind)}
         assert live == {"a": Sensor("a", 2.0), "b": Sensor("b", 0.0, 9)}
+
+
+def test_an_idle_source_with_a_long_deadline_outlives_the_servers_idle_timeout(
+    make_server: Callable[..., Server], kind_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server closes a connection silent for idle_timeout_s; a source heartbeats a
+    third of its deadline, so one of a week's (the README's) went silent 300 s, lost
+    its slot and its open epoch. It now heartbeats at least every HEARTBEAT_CEILING_S
+    (made short here, with the server's timeout, to fit a test)."""
+    monkeypatch.setattr(entities_aio, "HEARTBEAT_CEILING_S", 0.2)
+    server = make_server(config="[limits]\nidle_timeout_s = 1\n", listen=LISTEN)
+    with entities.connect(cdb(server), name="idle", liveness_ms=WEEK_MS) as src:
+        kind = src.create_kind(Sensor, kind_name)
+        for key in ("kept", "stale"):
+            src.assert_(kind, key, Sensor(key, 0.0))
+        src.flush()
+        with src.epoch() as epoch:
+            src.assert_(kind, "kept", Sensor("kept", 1.0))
+            src.flush()
+            # A connection silent after its CONNECT is closed once the timeout has passed:
+            # the source was as quiet, but for its heartbeats.
+            with CdbClient(server.ports["convergedb"], name="silent") as silent:
+                silent.until_closed()
+        assert epoch.retracted == 1
+        assert {e.key for e in src.scan(kind)} == {"kept"}
+
+
+def test_a_liveness_deadline_the_client_cannot_keep_is_refused() -> None:
+    with pytest.raises(UsageError, match=r"liveness_ms is 0 .* or 150"):
+        entities.connect("127.0.0.1:1", liveness_ms=30)
 
 
 def test_flush_is_a_barrier_for_buffered_batches(server: Server, kind_name: str) -> None:

@@ -86,6 +86,11 @@ _C = TypeVar("_C")
 _Q = TypeVar("_Q")
 _A = TypeVar("_A", bound=m.Ack | m.KindAck | m.EpochEndAck | m.State)
 
+HEARTBEAT_FLOOR_S = 0.05  # the quickest heartbeat (the server checks deadlines as often)
+HEARTBEAT_CEILING_S = 30.0  # the slowest: well inside the server's idle_timeout_s
+MIN_LIVENESS_MS = round(3 * HEARTBEAT_FLOOR_S * 1000)
+MAX_U32 = 0xFFFF_FFFF
+
 
 class ResubscribeMode(enum.Enum):
     """What a subscription does when its connection comes back after a break.
@@ -167,6 +172,12 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
             backoff_max,
             tls=client_context(tls, ca, cert, key),
         )
+        if liveness_ms and not MIN_LIVENESS_MS <= liveness_ms <= MAX_U32:
+            raise UsageError(
+                f"liveness_ms is 0 (the server's default) or {MIN_LIVENESS_MS}..{MAX_U32},"
+                f" not {liveness_ms}: the client heartbeats at most every"
+                f" {HEARTBEAT_FLOOR_S * 1000:g} ms, three times a deadline"
+            )
         self.token = token or ""
         self.name = name
         self.requested_source = source_id
@@ -222,8 +233,11 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
         conn.source_id = reply.source_id
         self.source_id = None if reply.source_id == NO_SOURCE else reply.source_id
         # Liveness: a HEARTBEAT whenever the connection was silent for a third of the
-        # deadline.
-        interval = max(0.05, (self.liveness_ms or DEFAULT_LIVENESS_MS) / 3000)
+        # deadline, and at least every HEARTBEAT_CEILING_S: the server closes a
+        # connection silent for [limits] idle_timeout_s (300 s by default), whatever
+        # its deadline (a week's would have lost its slot and open epoch after 300 s).
+        deadline_s = (self.liveness_ms or DEFAULT_LIVENESS_MS) / 1000
+        interval = min(max(HEARTBEAT_FLOOR_S, deadline_s / 3), HEARTBEAT_CEILING_S)
         self._keep_alive(conn, interval, lambda c: c.send(m.Heartbeat()), when_idle=True)
         return conn
 
