@@ -102,6 +102,38 @@ def test_stale_cached_stream_id_is_looked_up_again(
     assert [e.value for e in client.read(name).events] == [b"new"]
 
 
+def test_a_subscription_by_a_stale_cached_name_finds_the_stream_made_again(
+    client: Client, shared_server: object, sdk_stream_name: str
+) -> None:
+    name = sdk_stream_name
+    client.create_stream(name)
+    client.append(name, [b"old"])
+    with headwater.connect(shared_server.address) as other:  # type: ignore[attr-defined]
+        other.delete_stream(name)
+        other.create_stream(name)
+        other.append(name, [b"new"])
+    with client.subscribe(name, 0) as sub:  # it once failed: StreamNotFound of the old id
+        assert sub.next(timeout=30) == Event(0, b"new")
+
+
+def test_a_scan_ends_when_its_stream_is_deleted_and_made_again(
+    client: Client, shared_server: object, sdk_stream_name: str
+) -> None:
+    name = sdk_stream_name
+    client.create_stream(name)
+    client.append(name, [b"old-%d" % i for i in range(50)])
+    scan = client.scan(name, max_bytes=30)  # pages of a few events
+    seen = [next(scan) for _ in range(5)]
+    with headwater.connect(shared_server.address) as other:  # type: ignore[attr-defined]
+        other.delete_stream(name)
+        other.create_stream(name)
+        other.append(name, [b"new-%d" % i for i in range(50)])
+    # It once went on in the new stream: old-0..old-8, then new-9...
+    with pytest.raises(StreamNotFound):
+        seen += list(scan)
+    assert all(e.value.startswith(b"old-") for e in seen)
+
+
 def test_append_and_read(client: Client, sdk_stream_name: str) -> None:
     name = sdk_stream_name
     client.create_stream(name)

@@ -605,8 +605,14 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
     ) -> AsyncIterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
         scan = _Scan(from_offset, limit)
+        target = stream
         while scan.offset is not None:
-            for event in scan.take(await self.read(stream, scan.offset, max_bytes)):
+            page = await self.read(target, scan.offset, max_bytes)
+            # The later pages by the id the first was read from: a stream deleted and
+            # made again under its name meanwhile ends the scan (StreamNotFound) rather
+            # than going on in the new one.
+            target = await self.stream_id(target)
+            for event in scan.take(page):
                 yield event
 
     # ---- SQL ------------------------------------------------------------------------------
@@ -730,8 +736,8 @@ class AsyncSubscription(Resumable[Connection]):
             if self.group is not None and self._from == "latest":
                 info = await client.stream_info(self.stream)
                 self.stream_id, from_offset = info.stream_id, info.next_offset
+                await self._subscribe(from_offset, self.credits)
             else:
-                self.stream_id = await client.stream_id(self.stream)
                 if self._from == "earliest":
                     from_offset = 0
                 elif isinstance(self._from, str):
@@ -740,7 +746,13 @@ class AsyncSubscription(Resumable[Connection]):
                     from_offset = m.RESUME_GROUP_OFFSET
                 else:
                     from_offset = self._from
-            await self._subscribe(from_offset, self.credits)
+
+                async def subscribe(stream_id: int) -> None:
+                    self.stream_id = stream_id
+                    await self._subscribe(from_offset, self.credits)
+
+                # A name cached for a stream since deleted and made again: looked up again.
+                await client._with_stream(self.stream, subscribe)
         except BaseException as exc:
             if not self.closed:
                 self._state = "failed"

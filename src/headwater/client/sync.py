@@ -161,8 +161,11 @@ class Client(Blocking[AsyncClient]):
     ) -> Iterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
         scan = _Scan(from_offset, limit)
+        target = stream
         while scan.offset is not None:
-            yield from scan.take(self.read(stream, scan.offset, max_bytes))
+            page = self.read(target, scan.offset, max_bytes)
+            target = self.stream_id(target)  # as AsyncClient.scan: one stream throughout
+            yield from scan.take(page)
 
     # ---- subscriptions ----------------------------------------------------------------------
 
