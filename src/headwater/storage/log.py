@@ -175,6 +175,7 @@ class CompressionResult:
 @dataclass
 class CompactionResult:
     segments_rewritten: int = 0
+    segments_removed: int = 0  # emptied, and not the first (PartitionLog.compact)
     events_removed: int = 0
     bytes_before: int = 0
     bytes_after: int = 0
@@ -942,11 +943,14 @@ class PartitionLog:
             total = self.size_bytes
             while len(self.segments) > 1:
                 oldest = self.segments[0]
-                if oldest.next_offset > self.durable_offset and cfg.sync.kind == "fsync":
+                # Emptied by compaction (kept as the log's start): it holds no events and
+                # goes with the sealed segment after it.
+                judged = oldest if oldest.size or len(self.segments) < 3 else self.segments[1]
+                if judged.next_offset > self.durable_offset and cfg.sync.kind == "fsync":
                     break  # never drop what is not yet durable behind it
                 expired = cfg.retention_ms is not None and (
-                    oldest.max_timestamp_ms >= 0
-                    and now - oldest.max_timestamp_ms > cfg.retention_ms
+                    judged.max_timestamp_ms >= 0
+                    and now - judged.max_timestamp_ms > cfg.retention_ms
                 )
                 oversize = cfg.retention_bytes is not None and total > cfg.retention_bytes
                 if not (expired or oversize):
@@ -1014,7 +1018,25 @@ class PartitionLog:
                 rewritten = self._compact_segment(seg, latest, horizon, result)
                 if rewritten is not None:
                     self._swap(seg, rewritten)
+        result.segments_removed = self._remove_emptied()
         return result
+
+    def _remove_emptied(self) -> int:
+        """Remove the sealed segments compaction emptied, but the first, whose base
+        offset is the log's start: kept, an empty .log and two indexes a rewrite piled
+        up with every write (74 of 75 segments for 5 keys), and they held back time
+        retention. The offsets between segments become a compacted log's holes, as
+        those inside one are."""
+        with self._rewrite_lock, self._lock:
+            emptied = [s for s in self.segments[1:-1] if s.size == 0]
+            for seg in emptied:
+                self.segments.remove(seg)
+                seg.retire()  # readers holding it keep its bytes until it is buried
+                seg.delete_files()
+                self._graveyard.append((time.monotonic(), seg))
+            if emptied:
+                self._dir_changes += 1
+        return len(emptied)
 
     def _index_of(self, seg: Segment) -> int | None:
         """Where ``seg`` is in :attr:`segments`, None when it is gone (retention, a cut)."""

@@ -317,6 +317,47 @@ def test_compaction_that_empties_a_segment(tmp_path: Path) -> None:
     plog.close()
 
 
+def test_segments_compaction_empties_are_removed_but_the_first(tmp_path: Path) -> None:
+    """Five keys written over and over: each sealed segment but the last ends up empty.
+    They were kept (an empty .log and two indexes each, for ever); now only the first
+    stays, as the log's start, and reads find the same events."""
+    plog = compact_log(tmp_path)
+    lay_out(plog, *[[(b"k%d" % k, b"v%d" % r) for k in range(5)] for r in range(10)])
+    result = plog.compact(now_ms=0)
+    assert (result.segments_rewritten, result.segments_removed) == (9, 8)
+    assert [s.base_offset for s in plog.segments] == [0, 45]
+    assert sorted(p.name for p in tmp_path.glob("*.log")) == [
+        segment_name(0, ".log"),
+        segment_name(45, ".log"),
+    ]
+    latest = [(45 + k, b"k%d" % k, b"v9", False) for k in range(5)]
+    assert snapshot(plog) == latest and plog.start_offset == 0
+    # From inside the holes, a read goes on at the next event.
+    assert [e.offset for e in plog.read(7, contiguous=True).events()] == []
+    assert plog.read(7, contiguous=True).next_offset == 45
+    plog.close()
+    plog = compact_log(tmp_path)
+    assert snapshot(plog) == latest and plog.end_offset == 50
+    plog.close()
+
+
+def test_an_emptied_first_segment_does_not_hold_back_time_retention(tmp_path: Path) -> None:
+    plog = compact_log(tmp_path, retention_ms=1000)
+    put(plog, b"a", b"1", ts=0)
+    plog.roll()
+    put(plog, b"a", b"2", ts=0)
+    put(plog, b"b", b"1", ts=5000)  # keeps its segment from expiring until 6000
+    plog.roll()
+    put(plog, b"c", b"1", ts=9000)
+    plog.compact(now_ms=0)
+    assert [s.size == 0 for s in plog.segments] == [True, False, False]
+    assert plog.enforce_retention(now_ms=5500) == 0  # the next one is not expired yet
+    assert plog.enforce_retention(now_ms=6500) == 2  # the empty one goes with it
+    assert plog.start_offset == 3
+    assert snapshot(plog) == [(3, b"c", b"1", False)]
+    plog.close()
+
+
 def test_compaction_under_fsync_keeps_the_newest_value_of_unsynced_events(
     tmp_path: Path,
 ) -> None:
