@@ -66,12 +66,22 @@ ARROW_TYPES: dict[FieldType, pa.DataType] = {
 KIND_COLUMNS = ("entity_id", "version", "entity_key")
 
 
-def column_name(field_name: str, taken: tuple[str, ...] = KIND_COLUMNS) -> str:
-    """A field's column: its name, or ``field_<name>`` where it would clash with one of
-    the table's own columns (SQL names are case-insensitive)."""
-    if field_name.lower() in taken:
-        return f"field_{field_name}"
-    return field_name
+def column_names(fields: Sequence[FieldSpec], own: tuple[str, ...] = KIND_COLUMNS) -> list[str]:
+    """The fields' columns, in field order: a field's name, or ``field_`` before it (as
+    often as it takes) where it would clash with one of the table's ``own`` columns or an
+    earlier field's column (SQL names are case-insensitive: fields ``a`` and ``A`` are
+    ``a`` and ``field_A``; ``version`` and ``field_version``, ``field_version`` and
+    ``field_field_version``). In field order, so a migration's appended fields never
+    rename the columns before them."""
+    taken = set(own)
+    names = []
+    for field in fields:
+        name = field.name
+        while name.lower() in taken:
+            name = f"field_{name}"
+        taken.add(name.lower())
+        names.append(name)
+    return names
 
 
 CHANGES_COLUMNS = ("entity_id", "version", "deleted", "entity_key")
@@ -85,14 +95,20 @@ def changes_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
         pa.field("version", pa.int64()),
         pa.field("deleted", pa.bool_()),
     ]
-    columns += [pa.field(column_name(f.name, CHANGES_COLUMNS), ARROW_TYPES[f.type]) for f in fields]
+    columns += [
+        pa.field(name, ARROW_TYPES[f.type])
+        for name, f in zip(column_names(fields, CHANGES_COLUMNS), fields, strict=True)
+    ]
     return pa.schema([*columns, pa.field("entity_key", pa.string())])
 
 
 def kind_schema(fields: Sequence[FieldSpec]) -> pa.Schema:
     # PROTOCOLS.md §1: entity_id is VARCHAR, the 32-byte id in lowercase hex.
     columns = [pa.field("entity_id", pa.string()), pa.field("version", pa.int64())]
-    columns += [pa.field(column_name(f.name), ARROW_TYPES[f.type]) for f in fields]
+    columns += [
+        pa.field(name, ARROW_TYPES[f.type])
+        for name, f in zip(column_names(fields), fields, strict=True)
+    ]
     return pa.schema([*columns, pa.field("entity_key", pa.string())])
 
 

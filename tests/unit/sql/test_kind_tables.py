@@ -150,6 +150,44 @@ def test_entity_key_column_is_the_id_as_people_write_it(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_renamed_field_columns_never_take_another_fields_name(tmp_path: Path) -> None:
+    """``version`` is the table's column, so the field ``version`` is ``field_version``;
+    a field named ``field_version`` once lost that name to it (and became DuckDB's
+    ``field_version_1``): each field's column now comes in field order, a migration's
+    appended fields never renaming those before them."""
+
+    async def main() -> None:
+        async with kind_sql(tmp_path) as (kinds, sql):
+            tk = kinds.tenant(0)
+            fields = [("version", FieldType.I64), ("field_version", FieldType.STRING)]
+            kind = await tk.create_kind("vfv", [*fields, ("a", FieldType.I64)])
+            src = tk.connect("w")
+            src.apply([assert_op(kind, entity_id("k1"), [7, "seven", 1])])
+            await tk.flush()
+            wider = await tk.create_kind(
+                "vfv", [*fields, ("a", FieldType.I64), ("A", FieldType.I64)]
+            )
+            src.apply([assert_op(wider, entity_id("k1"), [7, "seven", 1, 2])])
+            await tk.flush()
+            for table in ("vfv", "hw_changes_vfv"):
+                rows = await sql.query(
+                    0, f"SELECT field_version, field_field_version, a, field_A FROM {table}"
+                )
+                assert [list(r) for r in rows.rows][-1] == [7, "seven", 1, 2]
+            columns = (await sql.query(0, "SELECT * FROM vfv")).columns
+            assert columns == [
+                "entity_id",
+                "version",
+                "field_version",
+                "field_field_version",
+                "a",
+                "field_A",
+                "entity_key",
+            ]
+
+    asyncio.run(main())
+
+
 def test_changes_table_follows_appends_compaction_and_migration(tmp_path: Path) -> None:
     """The decoded changelog is kept between queries: what is appended after a query,
     what compaction rewrites and fields a migration appends all show in the next one."""
