@@ -169,7 +169,10 @@ class EngineConfig:
     max_streams_per_tenant: int = 100_000
 
 
-_POSITIVE_SETTINGS = ("segment_ms", "retention_ms", "retention_bytes", "delete_retention_ms")
+# A segment's size and age must be positive; retention and tombstones' time may be 0, as
+# in Kafka (delete sealed segments, or tombstones, at the next maintenance run).
+_POSITIVE_SETTINGS = ("segment_bytes", "segment_ms")
+_NON_NEGATIVE_SETTINGS = ("retention_ms", "retention_bytes", "delete_retention_ms")
 
 
 @dataclass(frozen=True)
@@ -234,12 +237,14 @@ class StreamSettings:
                 check_compression(self.compression)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
-        for name in ("segment_bytes", *_POSITIVE_SETTINGS):
+        for name in (*_POSITIVE_SETTINGS, *_NON_NEGATIVE_SETTINGS):
             value = getattr(self, name)
+            low = 1 if name in _POSITIVE_SETTINGS else 0
             if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 63
+                not isinstance(value, int) or isinstance(value, bool) or not low <= value < 1 << 63
             ):
-                raise InvalidRequest(f"{name} must be a positive integer up to 2**63-1")
+                what = "a positive integer" if low else "an integer from 0"
+                raise InvalidRequest(f"{name} must be {what} up to 2**63-1")
         try:
             if self.sync is not None:
                 SyncPolicy.parse(self.sync)

@@ -170,13 +170,23 @@ def test_stream_sync_override_and_bad_settings(tmp_path: Path) -> None:
             StreamSettings(sync="sometimes"),
             StreamSettings(cleanup_policy="shred"),
             StreamSettings(retention_ms=-5),
+            StreamSettings(segment_ms=0),
         ):
             with pytest.raises(InvalidRequest):
                 await engine.create_stream(0, "bad", bad)
-        assert [s.name for s in engine.list_streams(0)] == ["fast"]
+        # 0 is Kafka's "at once" for retention and tombstones, and kept as 0 (not "unset").
+        zero = StreamSettings(retention_ms=0, retention_bytes=0, delete_retention_ms=0)
+        await engine.create_stream(0, "brief", zero)
+        assert sorted(s.name for s in engine.list_streams(0)) == ["brief", "fast"]
         await engine.close()
         engine = await Engine.open(tmp_path, CONFIG)
         assert engine.stream_by_name(0, "fast").info().sync == "none"
+        settings = engine.stream_by_name(0, "brief").info().settings
+        assert (settings.retention_ms, settings.retention_bytes, settings.delete_retention_ms) == (
+            0,
+            0,
+            0,
+        )
         await engine.close()
 
     asyncio.run(main())
