@@ -985,3 +985,19 @@ def test_queries_whose_answers_nobody_reads_are_not_answered_into_memory(
             answers = [first] + [hog.reply(s, timeout=30).message for s, _ in streams[1:]]
         assert grown < 40 * MIB, sampler.report()
         assert all(isinstance(a, m.State) and a.entity_id == eid(1) for a in answers)
+
+
+def test_a_client_that_stops_sending_gets_every_answer_held_back(port: int) -> None:
+    """Requests wait unread while the client reads nothing; one that then ends its side
+    of the connection (EOF) and reads still gets an answer to each, then the close."""
+    wide = [(f"f{i}", FieldType.STRING) for i in range(64)]
+    with CdbClient(port, name="eof-writer", source_id=41) as writer:
+        kind = writer.create_kind("wide_entities_eof", wide).kind_id
+        writer.call(m.Assert.of(wide, kind, eid(1), ["y" * 65_535] * 64))
+    with CdbClient(port, name="eof-reader", read_only=True, rcvbuf=4096) as reader:
+        streams = [reader.conn.send(m.Query(kind, eid(1)), ack=True) for _ in range(20)]
+        reader.sock.sendall(b"".join(data for _, data in streams))
+        reader.sock.shutdown(socket.SHUT_WR)
+        answers = [reader.reply(stream, timeout=30).message for stream, _ in streams]
+        assert all(isinstance(a, m.State) and a.entity_id == eid(1) for a in answers)
+        assert reader.until_closed() == []

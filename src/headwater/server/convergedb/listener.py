@@ -117,7 +117,8 @@ class ConvergeConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # A client that does not read its answers is not read from either: what it
         # sends waits in the kernel, not here as answers (a 44-byte QUERY can answer
-        # megabytes). Frames already received wait in the decoder (one read's worth).
+        # megabytes). Frames already received wait in the decoder (one read's worth);
+        # the peer's EOF is read after them, as reading resumes only to take them up.
         self._writable.clear()
         if self.transport is not None:
             self.transport.pause_reading()
