@@ -58,6 +58,7 @@ from headwater.cluster.view import ClusterView
 from headwater.tasks import cancel_and_wait
 
 log = logging.getLogger("headwater.cluster")
+REJOIN_ATTEMPTS = 5  # rounds of leaving the ISRs, each after the controller moved one
 
 TICK_S = 0.5  # how often a node reconciles with etcd (a failover takes lease_s + this)
 
@@ -154,6 +155,7 @@ class ClusterNode:
             # Meanwhile its Metadata names the members, so a client asking it keeps them.
             await self._read_nodes()
             await asyncio.sleep(TICK_S)
+        await self._rejoin_out_of_sync()
         await self.tick()
         self.joined = True
 
@@ -184,6 +186,39 @@ class ClusterNode:
             [put_json(self.keys.node(self.config.node_id), self.info.to_json(), self.lease)],
         )
 
+    async def _rejoin_out_of_sync(self) -> None:
+        """Registered anew (a start, or after its lease expired), this node first leaves
+        the ISR of every partition and the leadership of those it led, as the controller
+        does for a node it sees die. The controller reads the members each tick: a node
+        that died and registered again between two reads kept its seats, and restarted
+        with its data gone it led its empty log at the old epoch while the followers cut
+        theirs to it (every acknowledged record lost). It rejoins the ISR by catching up,
+        as any follower (Kafka's broker epoch, KIP-380, has a broker do the same)."""
+        me = self.config.node_id
+        for _ in range(REJOIN_ATTEMPTS):
+            others = {
+                NodeInfo.from_json(kv.json()).node_id
+                for kv in await self.etcd.get_prefix(self.keys.nodes)
+            } - {me}
+            raced = False
+            for kv in await self.etcd.get_prefix(self.keys.partitions):
+                state = PartitionState.from_json(kv.json())
+                if me not in state.isr and state.leader != me:
+                    continue
+                left = after_failures(state, others)
+                if left == state:
+                    continue
+                if await self.etcd.txn([unchanged(kv)], [put_json(kv.key, left.to_json())]):
+                    log.info(
+                        "left the ISR until caught up (joined anew)",
+                        extra={"partition": kv.key[len(self.keys.partitions) :], **left.to_json()},
+                    )
+                else:
+                    raced = True  # the controller moved it meanwhile: looked at again
+            if not raced:
+                return
+        log.warning("could not leave every ISR after joining: the controller kept moving them")
+
     async def _keep_alive_forever(self) -> None:
         interval = self.config.lease_s / 3
         while True:
@@ -198,7 +233,8 @@ class ClusterNode:
                 self.lease = 0
                 self._published_offsets = None
                 self.is_controller = False
-                await self._register()
+                if await self._register():
+                    await self._rejoin_out_of_sync()
             except EtcdError as exc:
                 if not self._etcd_down:
                     log.warning("cannot renew the node's lease: %s", exc)

@@ -6,8 +6,15 @@ and elects again once it is back."""
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import shutil
 import signal
+import threading
+import urllib.request
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from cluster_nodes import WAIT_S, Cluster
@@ -205,3 +212,118 @@ def test_the_cluster_serves_while_etcd_is_down_and_elects_again_after(
     values = read_all(cluster.nodes[new].address_of("kafka"), 110)
     assert values[100:] == [b"after%d" % i for i in range(10)]
     assert "etcd reachable again" in cluster.nodes[new].log_text()
+
+
+def _etcd_call(etcd: EtcdProcess, path: str, body: dict[str, object]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"http://{etcd.endpoint}{path}", json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return cast(dict[str, Any], json.loads(answer.read()))
+
+
+def _registration(etcd: EtcdProcess, node_id: int) -> str | None:
+    """The lease of node ``node_id``'s key, None while it has none."""
+    key = base64.b64encode(f"/headwater/nodes/{node_id}".encode()).decode()
+    kvs = _etcd_call(etcd, "/v3/kv/range", {"key": key}).get("kvs", [])
+    return str(kvs[0]["lease"]) if kvs else None
+
+
+def test_a_leader_back_with_its_data_gone_before_the_controller_looked_loses_nothing(
+    tmp_path: Path, etcd: EtcdProcess
+) -> None:
+    """The controller reads the members each tick: a leader killed, its disk replaced and
+    registered again between two reads kept its leadership and ISR seat, led its empty
+    log at the old epoch, and the followers cut their logs to it: every acknowledged
+    record gone. The controller is held (SIGSTOP, under its lease) from just before the
+    old registration expires until the new one is in. A node joining anew now leaves its
+    ISRs and leaderships first and catches up as a follower."""
+    cluster = Cluster(tmp_path, etcd, lease_s=6)
+    try:
+        cluster.add(1)
+        wait_until(lambda: cluster.status()["controller"] == 1, timeout=WAIT_S)
+        for node_id in (2, 3):
+            cluster.add(node_id)
+        create_topic(cluster.nodes[1].address_of("kafka"), "events", 3)
+        placed = cluster.wait_partitions(3)
+        key, state = next(
+            (k, s)
+            for k, s in sorted(placed.items())
+            if k.startswith("0/events/") and s["leader"] != 1
+        )
+        partition, victim = int(key.rsplit("/", 1)[1]), state["leader"]
+        values = [b"v%04d" % i for i in range(500)]
+        bootstrap = cluster.nodes[victim].address_of("kafka")
+
+        producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+
+        def known_to_the_producer() -> bool:  # its partitions and leaders (0.5 s ticks)
+            topic = producer.list_topics("events", timeout=5).topics["events"]
+            return len(topic.partitions) == 3 and not any(
+                p.error or p.leader < 0 for p in topic.partitions.values()
+            )
+
+        wait_until(known_to_the_producer, timeout=WAIT_S)
+        failures: list[object] = []
+        for value in values:
+            producer.produce(
+                "events",
+                value,
+                partition=partition,
+                on_delivery=lambda e, _m: e and failures.append(e),
+            )
+        assert producer.flush(30) == 0 and not failures, failures
+        wait_until(lambda: set(cluster.partitions()[key]["lag"].values()) == {0}, timeout=WAIT_S)
+
+        old = _registration(etcd, victim)
+        assert old is not None
+        node = cluster.nodes[victim]
+        node.kill()
+        shutil.rmtree(node.data_dir)
+        restart = threading.Thread(target=node.start, daemon=True)  # waits out the old key
+        restart.start()
+        wait_until(
+            lambda: int(_etcd_call(etcd, "/v3/lease/timetolive", {"ID": old})["TTL"]) <= 1,
+            interval=0.05,
+            timeout=WAIT_S,
+        )
+        controller = cluster.nodes[1]
+        os.kill(controller.pid, signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: _registration(etcd, victim) not in (None, old),
+                interval=0.05,
+                timeout=WAIT_S,
+                message=lambda: f"node {victim} did not register again: {node.log_tail()}",
+            )
+        finally:
+            os.kill(controller.pid, signal.SIGCONT)
+        restart.join(WAIT_S)
+
+        moved = wait_until(
+            lambda: (s := cluster.partitions()[key])["leader"] not in (victim, -1) and s,
+            message=lambda: str(cluster.partitions()[key]),
+            timeout=WAIT_S,
+        )
+        assert moved["epoch"] > state["epoch"]
+        wait_until(
+            lambda: sorted(cluster.partitions()[key]["isr"]) == [1, 2, 3],
+            message=lambda: str(cluster.partitions()[key]),
+            timeout=WAIT_S,
+        )
+        for node_id in (1, 2, 3):
+            consumer = Consumer(
+                {"bootstrap.servers": cluster.nodes[node_id].address_of("kafka"), "group.id": "c"}
+            )
+            try:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition("events", partition), timeout=30
+                )
+            finally:
+                consumer.close()
+            assert (low, high) == (0, len(values)), node_id
+        for node_id in (1, 2, 3):
+            assert "truncated a divergent tail" not in cluster.nodes[node_id].log_text()
+    finally:
+        for server in cluster.nodes.values():
+            server.kill()
