@@ -514,6 +514,26 @@ def test_a_read_larger_than_the_send_queue_reaches_a_subscriber_that_keeps_up(
         assert results_until(ws, 199) == list(range(200))
 
 
+def test_a_request_gets_every_buffered_event_beyond_the_send_queue(
+    make_server: Callable[..., Server],
+) -> None:
+    """A pull subscription's buffer (32) holding more than the send queue (8): one
+    REQUEST for more than both got the first send queue's worth, the rest waiting for
+    some later command or event (on a quiet stream, for ever)."""
+    config = "[kiwi.subscriber]\nbuffer_capacity = 32\nsend_queue = 8\n"
+    gw = Gateway(make_server(config=config, listen=LISTEN))
+    gw.create_stream("pulled")
+    with gw.connect(token=None) as ws, gw.connect(token=None) as pushed:
+        subscribe(ws, "pulled", "pull")
+        subscribe(pushed, "pulled")
+        gw.append("pulled", [str(i) for i in range(32)])
+        # The feed hands a read to every subscriber at once: pushed, they are buffered.
+        assert results_until(pushed, 31) == list(range(32))
+        send(ws, {"type": "REQUEST", "sourceId": "pulled", "n": 1000})
+        assert recv(ws)["type"] == "REQUEST_OK"
+        assert results_until(ws, 31) == list(range(32))
+
+
 def test_stream_deletion_closes_every_subscriber(gw: Gateway, name: str) -> None:
     gw.create_stream(name)
     with gw.connect() as a, gw.connect() as b, gw.connect() as c:

@@ -203,9 +203,13 @@ class KiwiSession:
             return
         transport = self._transport
         assert transport is not None
-        frames = self.core.take_outgoing()
-        if frames:
+        # Taken until nothing comes or the socket is full: a pull subscription's buffer
+        # refills the outbox one send_queue at a time, and what it still holds for a
+        # REQUEST would otherwise wait for the next command or event.
+        while frames := self.core.take_outgoing():
             transport.writelines(packed_frames(frames, PACK_MAX_BYTES) if self.packed else frames)
+            if self._protocol.writing_paused:
+                break
         if self._protocol.writing_paused:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         self._update_room()
