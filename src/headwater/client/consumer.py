@@ -348,26 +348,34 @@ class AsyncConsumer(RivvenClient):
             error = membership.exception() if not membership.cancelled() else None
             raise error or ClientClosed("the consumer's group membership ended")
         if self._rejoin_needed.is_set() and not self._revoked.is_set():
+            # An answer not carried out yet goes first: the coordinator has handed what
+            # it takes away to another member once every member had its answer (it was
+            # dropped here, and two members read the same partitions).
+            await self._carry_out_join()
             cooperative = "cooperative-sticky" in self.assignors[:1]
             if not cooperative:
                 await self._revoke(list(self._assignment))  # eager: give up everything
             elif self.enable_auto_commit:
                 await self._commit_positions()
-            self._joined = None
             self._revoked.set()
-        joined = self._joined
-        if joined is not None and joined.done():
-            self._joined = None
-            gained, lost = joined.result()
-            if lost:
-                await self._revoke(lost)
-            self.rebalances += 1
-            await self._assign(gained)
+        await self._carry_out_join()
         if (
             self.enable_auto_commit
             and time.monotonic() - self._last_auto_commit >= self.auto_commit_interval_ms / 1000
         ):
             await self._commit_positions()
+
+    async def _carry_out_join(self) -> None:
+        """The last JoinGroup's answer, once: its partitions revoked, then assigned."""
+        joined = self._joined
+        if joined is None or not joined.done():
+            return
+        self._joined = None
+        gained, lost = joined.result()
+        if lost:
+            await self._revoke(lost)
+        self.rebalances += 1
+        await self._assign(gained)
 
     async def _assign(self, gained: list[TopicPartition]) -> None:
         new = [tp for tp in gained if tp not in self._assignment]
