@@ -507,3 +507,35 @@ def test_a_throttled_kafka_producers_records_keep_the_order_it_sent(wire_server:
         stored.append(int(message.value()[:8]))
     consumer.close()
     assert stored == list(range(count))
+
+
+def test_a_rivven_publish_gets_its_turn_while_another_client_keeps_the_tenant_at_its_rate(
+    wire_server: Server,
+) -> None:
+    """A Kimberlite client appending 100 kB at a time waits its turns and keeps tenant 0
+    in debt the whole time. A Rivven publish was refused as long as any debt was left:
+    it was never stored while the other client wrote. Told its turn, it is served then."""
+    with headwater.connect(wire_server.address) as hw:  # type: ignore[attr-defined]
+        hw.create_stream("hog_turns")
+        hw.create_stream("riv_turns")
+    stop = threading.Event()
+    appended: list[int] = []
+
+    def hog() -> None:
+        with headwater.connect(wire_server.address, timeout=120) as hw:  # type: ignore[attr-defined]
+            while not stop.is_set():
+                hw.append("hog_turns", [WIRE_VALUE])
+                appended.append(1)
+
+    writer = threading.Thread(target=hog, daemon=True)
+    writer.start()
+    try:
+        wait_until(lambda: len(appended) >= 3, message="the hog never reached the rate")
+        before = len(appended)
+        with Producer(wire_server.address_of("rivven")) as producer:
+            stored = producer.send("riv_turns", b"small").result(60)
+        assert len(appended) > before  # the hog wrote on meanwhile: the tenant in debt
+    finally:
+        stop.set()
+        writer.join(60)
+    assert stored.offset == 0

@@ -245,6 +245,10 @@ class Quotas:
                 longest, owing = wait, kind
         return longest, owing
 
+    def now(self) -> float:
+        """The buckets' clock (seconds): when a turn told to a client comes."""
+        return self._clock()
+
     def told(self, tenant_id: int, kind: Quota, seconds: float) -> None:
         """A front end told a client to back off ``seconds`` (Kafka's throttle_time_ms
         after a deferred request): counted as throttle time like a wait."""

@@ -102,6 +102,9 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
             groups,
             answers=AnswerRoom(server.limits.answers),
         )
+        # When this connection's refused publish or consume (by the quotas it spends)
+        # may come back and be served: its turn, kept while other clients add debt.
+        self._turns: dict[tuple[Quota, ...], float] = {}
         self._connections = connections
         self.guard = ConnectionGuard(server.limits, LISTENER, self)
 
@@ -190,10 +193,17 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
         quotas = session.api.quotas
         tenant_id = session.tenant_id
         owed, kind = quotas.debt(tenant_id, kinds)
-        if kind is not None:
-            quotas.told(tenant_id, kind, owed)
+        now = quotas.now()
+        turn = self._turns.pop(kinds, None)
+        if kind is not None and (turn is None or now < turn):
+            # Its turn is when the debt it met is paid: sent again then, it is served
+            # whatever debt others added meanwhile (it was refused for ever while
+            # another client kept the tenant at its rate).
+            turn = now + owed if turn is None else turn
+            self._turns[kinds] = turn
+            quotas.told(tenant_id, kind, turn - now)
             return pb.ThrottledResponse(
-                throttle_time_ms=math.ceil(owed * 1000),
+                throttle_time_ms=math.ceil((turn - now) * 1000),
                 quota_type=QUOTA_TYPES[kind],
                 entity=f"tenant:{tenant_id}",
             )
