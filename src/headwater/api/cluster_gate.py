@@ -28,6 +28,13 @@ class ClusterGate:
         Rivven, HTTP, SQL INSERT, Kiwi and Kafka's and Kimberlite's appends alike."""
         self._engine.leader_check = check
 
+    def check_reads(self, check: Callable[[int, str, int], None]) -> None:
+        """Every client read of a (non-internal) stream partition (reads, Arrow ranges,
+        subscriptions, SQL over its table) first calls ``check(tenant, stream name,
+        partition)``, which raises NotLeader where this node holds no replica of it:
+        there it is empty, and its reads would say so without a word."""
+        self._engine.replica_check = check
+
     def wait_for_replicas(self, acks: ReplicaAcks) -> None:
         """Every append (acks=all, the default; Kafka's and Rivven's acks=1 excepted) to
         a (non-internal) stream partition is refused NotEnoughReplicas before it is

@@ -31,6 +31,7 @@ class FrontEndRules:
         """Appends are checked from now on (before the node has read etcd: none leads),
         and acknowledged once the in-sync replicas hold them."""
         self._gate.check_appends(self._node.view.check_leader)
+        self._gate.check_reads(self._node.view.check_replica)
         self._gate.wait_for_replicas(self._node.view)
 
     def reconcile(self) -> None:

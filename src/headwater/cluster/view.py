@@ -114,6 +114,15 @@ class ClusterView:
         state = self._node.partitions.get(key)
         raise not_leader(key, None if state is None else self._node.nodes.get(state.leader))
 
+    def check_replica(self, tenant_id: int, stream: str, partition: int) -> None:
+        """NotLeader naming the leader unless this node holds a replica of the partition
+        (or etcd has not placed it yet: it is this node's alone until then)."""
+        key = PartitionKey(tenant_id, stream, partition)
+        state = self._node.partitions.get(key)
+        if state is None or self.node_id in state.replicas:
+            return
+        raise not_leader(key, self._node.nodes.get(state.leader))
+
     def high_watermark(self, tenant_id: int, stream: str, partition: int, end: int) -> int:
         """Where consumers of the partition stop (never past the local ``end``); a
         partition etcd does not know yet (just created) is readable to its end here."""

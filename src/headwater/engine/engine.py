@@ -459,6 +459,9 @@ class Engine:
         # In a cluster (docs/cluster.md): raises NotLeader unless this node leads the
         # partition (tenant, stream name, partition) now; None on a single node.
         self.leader_check: Callable[[int, str, int], None] | None = None
+        # In a cluster: raises NotLeader (naming the leader) when this node holds no
+        # replica of the partition, whose reads would find it empty; None on one node.
+        self.replica_check: Callable[[int, str, int], None] | None = None
         # In a cluster: an ACKS_ALL append is refused below min ISR before it is written
         # and answered once the in-sync replicas hold it (one wait per stored batch, up
         # to replica_acks_timeout_s); None on a single node.

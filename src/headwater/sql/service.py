@@ -53,7 +53,7 @@ from headwater.sql.duck import Database
 from headwater.sql.limits import Deadline, FairQueue, SqlLimits
 from headwater.sql.projection import ChunkBuilder, range_batches
 from headwater.sql.statements import CATALOG_WORDS, InsertPlan, ParsedQuery, parse_query
-from headwater.sql.tables import SqlTable, StreamTables, TableSource
+from headwater.sql.tables import SqlTable, StreamTable, StreamTables, TableSource
 from headwater.sql.values import (
     QueryResult,
     QueryValue,
@@ -383,10 +383,20 @@ class SqlService:
             raise QueryExecutionError("the server is shutting down")
         tables = self.tables(tenant_id)
         snapshots = {t.name: t.snapshot(position) for t in tables}
-        if history:
-            for table in tables:
-                if position < table.history_from:
-                    snapshots[table.name] = _history_removed(table, position)
+        # Refused if the query reads them: a table whose rows retention has removed
+        # since a QueryAt's position, a stream with a partition this cluster node holds
+        # no replica of (empty here).
+        for table in tables:
+            if history and position < table.history_from:
+                snapshots[table.name] = _refusing(
+                    InvalidOffset(
+                        f"table {table.name!r} as of position {position}: retention has"
+                        f" removed rows it had; QueryAt over it answers positions from"
+                        f" {table.history_from} on"
+                    )
+                )
+            elif (missing := self._not_replicated(tenant_id, table)) is not None:
+                snapshots[table.name] = _refusing(missing)
         await self._admission.acquire(tenant_id)  # waits its tenant's turn
         loop = asyncio.get_running_loop()
         try:
@@ -447,6 +457,17 @@ class SqlService:
             f" {limits.concurrency} queries that may run at once, {limits.spill_mib} MiB"
             f" of disk to spill to): {reason}"
         )
+
+    def _not_replicated(self, tenant_id: int, table: SqlTable) -> HeadwaterError | None:
+        check = self.engine.replica_check
+        if check is None or not isinstance(table, StreamTable):
+            return None
+        try:
+            for partition in range(len(table.parts)):
+                check(tenant_id, table.name, partition)
+        except HeadwaterError as exc:
+            return exc
+        return None
 
     async def _append(self, tenant_id: int, rows: _Rows) -> QueryResult:
         try:
@@ -647,15 +668,10 @@ class SqlService:
         return result.column(0).combine_chunks().cast(pa.binary())
 
 
-def _history_removed(table: SqlTable, position: int) -> Callable[[], pa.Table]:
-    """A table's snapshot at a position whose rows retention removed since: refused when
-    the query reads it."""
-    since = table.history_from
+def _refusing(error: HeadwaterError) -> Callable[[], pa.Table]:
+    """A table's snapshot that raises ``error`` when a query reads the table."""
 
     def refuse() -> pa.Table:
-        raise InvalidOffset(
-            f"table {table.name!r} as of position {position}: retention has removed rows"
-            f" it had; QueryAt over it answers positions from {since} on"
-        )
+        raise error
 
     return refuse

@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from cluster_nodes import WAIT_S, Cluster
-from servers import AUTH_CONFIG, LOCAL, Server
+from servers import AUTH_CONFIG, LOCAL, Server, http_call, http_json
 
 from headwater.client.arrow import HttpApi
 from headwater.errors import StreamNotFound
@@ -236,3 +236,43 @@ def test_spark_sink_at_a_follower_stores_every_row_once(cluster: Cluster, spark:
         for node in cluster.nodes.values():  # every replica the same, once followers catch up
             wait_until(lambda n=node, p=p, want=on_leader: stored(n, p) == want, timeout=WAIT_S)
     assert sorted(written) == sorted(f"v{i}" for i in range(2000))  # each row once
+
+
+def test_a_node_without_a_replica_of_a_partition_refuses_its_reads(cluster: Cluster) -> None:
+    """With more nodes than replicas, a node holds no copy of some partitions: it made
+    the stream, but its copy of those is empty, and reads (and SQL) there answered
+    nothing, as if nothing was written. They are NotLeader now, naming the leader
+    (HTTP: 421 with its addresses); reads on a replica are answered as ever."""
+    extra = "replication_factor = 2\nmin_insync_replicas = 1\n"
+    for node_id in (1, 2, 3):
+        server = Server(
+            cluster.root / f"node{node_id}",
+            config=cluster.config(node_id, extra),
+            listen={"kafka": LOCAL, "http": LOCAL},
+        )
+        cluster.nodes[node_id] = server
+        server.start()
+    http_json(cluster.nodes[1], "POST", "/api/streams", {"name": "events"})
+    placed = cluster.wait_partitions(1)["0/events/0"]
+    outsider = next(n for n in (1, 2, 3) if n not in placed["replicas"])
+    replica, leader = placed["replicas"][-1], placed["leader"]
+    wait_until(  # the leader takes its epoch at its next tick (until then: 503)
+        lambda: (
+            http_call(cluster.nodes[leader], "POST", "/api/streams/events/events", ["a"])[0] == 200
+        ),
+        timeout=WAIT_S,
+    )
+    read = "/api/streams/events/events?partition=0"
+    wait_until(
+        lambda: (
+            [e["value"] for e in http_json(cluster.nodes[replica], "GET", read)["events"]] == ["a"]
+        ),
+        timeout=WAIT_S,
+    )
+    status, answer = http_call(cluster.nodes[outsider], "GET", read)
+    assert status == 421 and answer["error"]["name"] == "NotLeader", answer
+    assert answer["error"]["leader"]["node_id"] == leader
+    count = {"sql": "SELECT count(*) FROM events"}
+    status, answer = http_call(cluster.nodes[outsider], "POST", "/api/sql", count)
+    assert answer["error"]["name"] == "NotLeader", (status, answer)
+    assert http_json(cluster.nodes[replica], "POST", "/api/sql", count)["rows"] == [[1]]
