@@ -163,7 +163,12 @@ class StreamRegistry:
         """Register a stream made here; its key as written, None when the name was
         registered meanwhile."""
         key = self._keys.stream(*name)
-        value: dict[str, Any] = {"partitions": stream.partitions}
+        # Its settings too: each node makes its copy with them (LogAppendTime, compaction,
+        # retention), or a failover changes how the partition is kept and stamped.
+        value: dict[str, Any] = {
+            "partitions": stream.partitions,
+            "settings": stream.settings.to_dict(),
+        }
         if internal:
             value["internal"] = True  # the others create it as internal too
         if not await self._node.etcd.txn([absent(key)], [put_json(key, value)]):
@@ -187,7 +192,10 @@ class StreamRegistry:
                     return  # not here yet (a kind's changelog comes with the kind)
                 info = made[0]
             else:
-                settings = StreamSettings(partitions=int(kv.json()["partitions"]))
+                registered = kv.json()
+                settings = StreamSettings.from_dict(
+                    {**registered.get("settings", {}), "partitions": int(registered["partitions"])}
+                )
                 info = await self._api.create_stream(tenant_id, stream_name, settings)
         except HeadwaterError as exc:
             log.warning("cannot create stream %s of tenant %d: %s", stream_name, tenant_id, exc)

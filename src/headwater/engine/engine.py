@@ -222,6 +222,14 @@ class StreamSettings:
         settings.validate()
         return settings
 
+    def to_dict(self) -> dict[str, Any]:
+        """The settings set, as stream.json (and a cluster's registration) keeps them:
+        without the partition count (kept apart, where it changes with alter_partitions);
+        :meth:`from_dict` reads them back."""
+        stored = {k: v for k, v in asdict(self).items() if v is not None}
+        stored.pop("partitions", None)
+        return stored
+
     def validate(self) -> None:
         # Settings arrive as JSON or wire values: check types before anything parses them.
         if self.sync is not None and not isinstance(self.sync, str):
@@ -733,7 +741,7 @@ class Engine:
             "name": name,
             "created_ns": time.time_ns(),
             "partitions": partitions,
-            "settings": _stored_settings(settings),
+            "settings": settings.to_dict(),
         }
         path = tenant.directory / "streams" / str(stream_id)
 
@@ -1395,14 +1403,6 @@ def _timestamps_by_event(
         for i in run:
             out[i] = info.timestamp_ms
     return out
-
-
-def _stored_settings(settings: StreamSettings) -> dict[str, Any]:
-    """Settings as stream.json keeps them: those set, without the partition count (kept
-    at the top level, where it changes with alter_partitions)."""
-    stored = {k: v for k, v in asdict(settings).items() if v is not None}
-    stored.pop("partitions", None)
-    return stored
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

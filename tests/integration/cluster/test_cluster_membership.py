@@ -11,12 +11,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from cluster_nodes import LEASE_S, WAIT_S, Cluster
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
+from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, NewTopic
 from servers import free_port
 
 from headwater.cluster.local import EtcdProcess, node_config
@@ -271,3 +271,40 @@ def deletes_reach_every_node(cluster: Cluster) -> None:
     assert sorted(p for p in cluster.partitions() if "/gone/" in p or "/again/" in p) == [
         "0/again/0"
     ]
+
+
+def test_a_streams_settings_reach_every_node(cluster: Cluster) -> None:
+    """Made through one node with LogAppendTime, compaction and a retention: the other
+    nodes made their copies with defaults, so the partitions they led stamped the
+    producer's time and kept every value (and a failover changed a partition's rules)."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id)
+    configs = {
+        "message.timestamp.type": "LogAppendTime",
+        "cleanup.policy": "compact",
+        "retention.ms": "3600000",
+    }
+    admin = AdminClient({"bootstrap.servers": cluster.nodes[1].address_of("kafka")})
+    admin.create_topics([NewTopic("stamped", 3, 1, config=configs)])["stamped"].result(15)
+    cluster.wait_partitions(3)
+    for node_id in (2, 3):
+        other = AdminClient({"bootstrap.servers": cluster.nodes[node_id].address_of("kafka")})
+        wait_until(
+            lambda other=other: "stamped" in other.list_topics(timeout=5).topics, timeout=WAIT_S
+        )
+        resource = ConfigResource("topic", "stamped")
+        described = other.describe_configs([resource])[resource].result(15)
+        assert {name: described[name].value for name in configs} == configs, node_id
+        # How the node keeps its copy: its own stream.json, once its tick has made it.
+        streams = cluster.nodes[node_id].data_dir / "tenants/0/streams"
+
+        def made(streams: Path = streams) -> dict[str, Any] | None:
+            for meta in streams.glob("*/stream.json"):
+                stored = json.loads(meta.read_text())
+                if stored["name"] == "stamped":
+                    return cast(dict[str, Any], stored["settings"])
+            return None
+
+        settings = wait_until(made, timeout=WAIT_S)
+        assert settings["timestamp_type"] == "LogAppendTime", (node_id, settings)
+        assert (settings["cleanup_policy"], settings["retention_ms"]) == ("compact", 3_600_000)
