@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from headwater.engine.engine import Engine, ReplicaAcks
+from headwater.engine.engine import Engine, ReplicaAcks, StreamSettings
 from headwater.engine.kinds.model import kind_of_changelog
 from headwater.engine.kinds.replicated import KindChangelogs
 from headwater.errors import NotLeader, StreamNotFound
@@ -41,6 +41,15 @@ class ClusterGate:
         written when the ISR is below min_insync_replicas, and answered only once the
         in-sync replicas hold it: no acknowledged write is lost when the leader dies."""
         self._engine.replica_acks = acks
+
+    def register_before_create(
+        self, register: Callable[[int, str, StreamSettings], Awaitable[None]]
+    ) -> None:
+        """Every create of a (non-internal) stream by a client first awaits
+        ``register(tenant, stream name, settings)``, which puts it in the cluster's
+        registry or raises (StreamAlreadyExists: the name is the cluster's already):
+        two nodes never make two streams of one name, each with its own settings."""
+        self._engine.before_create = register
 
     def deregister_before_delete(self, deregister: Callable[[int, str], Awaitable[None]]) -> None:
         """Every delete of a (non-internal) stream first awaits ``deregister(tenant,

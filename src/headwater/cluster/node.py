@@ -111,6 +111,7 @@ class ClusterNode:
         server's stop then closes the client)."""
         self.front_ends.start()
         self.api.cluster_gate.deregister_before_delete(self.streams.deregister)
+        self.api.cluster_gate.register_before_create(self.streams.register_new)
         await self.replication.start(self.config.advertise_host, self.config.replication_port)
         # Offset commits are acknowledged once the offsets partition's ISR holds them.
         self.api.groups.replicated = self.coordinators.replicated

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from headwater.api import StreamInfo, StreamSettings
 from headwater.cluster.etcd import Delete, EtcdError, KeyValue, absent, put_json, same_key
-from headwater.errors import HeadwaterError, StorageError, StreamNotFound
+from headwater.errors import HeadwaterError, StorageError, StreamAlreadyExists, StreamNotFound
 from headwater.storage.metadata import read_json, write_json_atomic
 
 if TYPE_CHECKING:
@@ -157,18 +157,32 @@ class StreamRegistry:
                 await self._create(missing, registration)
         await self._save()
 
+    async def register_new(self, tenant_id: int, name: str, settings: StreamSettings) -> None:
+        """Before a client's create of a stream here: registered in etcd first, so a
+        name another node registered meanwhile (this node makes its copy at a tick) is
+        StreamAlreadyExists rather than a second stream of that name, with its own
+        settings and partitions, that this node would keep as the cluster's copy.
+        StorageError when etcd cannot be reached: nothing is created."""
+        key = self._keys.stream(tenant_id, name)
+        value = _registration(settings.partitions or 1, settings)
+        try:
+            if not await self._node.etcd.txn([absent(key)], [put_json(key, value)]):
+                raise StreamAlreadyExists(f"stream {name!r} already exists in the cluster")
+        except EtcdError as exc:
+            raise StorageError(
+                f"cannot create stream {name!r}: the cluster's registry (etcd) did not "
+                f"answer: {exc}"
+            ) from None
+        log.info("stream registered", extra={"tenant": tenant_id, "stream": name})
+
     async def _register(
         self, name: StreamName, stream: StreamInfo, internal: bool
     ) -> KeyValue | None:
-        """Register a stream made here; its key as written, None when the name was
-        registered meanwhile."""
+        """Register a stream made here (an internal one, or one made while this node was
+        not in the cluster); its key as written, None when the name was registered
+        meanwhile."""
         key = self._keys.stream(*name)
-        # Its settings too: each node makes its copy with them (LogAppendTime, compaction,
-        # retention), or a failover changes how the partition is kept and stamped.
-        value: dict[str, Any] = {
-            "partitions": stream.partitions,
-            "settings": stream.settings.to_dict(),
-        }
+        value = _registration(stream.partitions, stream.settings)
         if internal:
             value["internal"] = True  # the others create it as internal too
         if not await self._node.etcd.txn([absent(key)], [put_json(key, value)]):
@@ -196,7 +210,11 @@ class StreamRegistry:
                 settings = StreamSettings.from_dict(
                     {**registered.get("settings", {}), "partitions": int(registered["partitions"])}
                 )
-                info = await self._api.create_stream(tenant_id, stream_name, settings)
+                info = await self._api.create_stream(
+                    tenant_id, stream_name, settings, registered=True
+                )
+        except StreamAlreadyExists:
+            return  # a client's create of it here under way: recorded at the next tick
         except HeadwaterError as exc:
             log.warning("cannot create stream %s of tenant %d: %s", stream_name, tenant_id, exc)
             return
@@ -269,3 +287,10 @@ class StreamRegistry:
                 f"answer: {exc}"
             ) from None
         await self._forget((tenant_id, name))
+
+
+def _registration(partitions: int, settings: StreamSettings) -> dict[str, Any]:
+    """A stream's value in etcd: its partition count and its settings, with which every
+    node makes its copy (LogAppendTime, compaction, retention: or how a partition is
+    kept and stamped would change with its leader)."""
+    return {"partitions": partitions, "settings": settings.to_dict()}

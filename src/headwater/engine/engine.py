@@ -478,6 +478,9 @@ class Engine:
         # In a cluster: awaited before a (non-internal) stream is deleted, with (tenant,
         # name): the stream leaves the cluster's registry first; None on a single node.
         self.before_delete: Callable[[int, str], Awaitable[None]] | None = None
+        # In a cluster: a stream a client creates here is first registered in the
+        # cluster (StreamAlreadyExists when it is there already); None on one node.
+        self.before_create: Callable[[int, str, StreamSettings], Awaitable[None]] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -709,7 +712,10 @@ class Engine:
         settings: StreamSettings | None = None,
         *,
         internal: bool = False,
+        registered: bool = False,
     ) -> StreamInfo:
+        """A new stream. ``registered``: a cluster's copy of a stream its registry has
+        (the cluster makes it; :attr:`before_create` is for clients' creates)."""
         tenant = self.tenant(tenant_id)
         check_stream_name(name, internal=internal)
         settings = settings or StreamSettings()
@@ -770,6 +776,8 @@ class Engine:
                 raise
 
         try:
+            if self.before_create is not None and not internal and not registered:
+                await self.before_create(tenant_id, name, settings)
             stream = await asyncio.get_running_loop().run_in_executor(self.executor, create)
         finally:
             tenant.reserved_names.discard(name)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from servers import LOCAL, Server
 
@@ -94,6 +94,16 @@ class Cluster:
                 directory = meta.parent / f"partition-{partition}"
                 return {p.name: p.read_bytes() for p in sorted(directory.glob("*.log"))}
         return {}
+
+    def stream_meta(self, node_id: int, name: str) -> dict[str, Any] | None:
+        """The stream.json of node ``node_id``'s copy of stream ``name`` (tenant 0), None
+        while it has none."""
+        streams = self.nodes[node_id].data_dir / "tenants/0/streams"
+        for meta in streams.glob("*/stream.json"):
+            stored = json.loads(meta.read_text())
+            if stored.get("name") == name:
+                return cast(dict[str, Any], stored)
+        return None
 
     def wait_replicas_agree(self, node_ids: list[int], end: int) -> dict[str, bytes]:
         """Every listed replica holds the same bytes (and reports ``end``)."""

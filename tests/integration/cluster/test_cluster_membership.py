@@ -11,13 +11,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from cluster_nodes import LEASE_S, WAIT_S, Cluster
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, NewTopic
-from servers import free_port
+from servers import free_port, http_call
 
 from headwater.cluster.local import EtcdProcess, node_config
 from waiting import wait_until
@@ -296,15 +296,42 @@ def test_a_streams_settings_reach_every_node(cluster: Cluster) -> None:
         described = other.describe_configs([resource])[resource].result(15)
         assert {name: described[name].value for name in configs} == configs, node_id
         # How the node keeps its copy: its own stream.json, once its tick has made it.
-        streams = cluster.nodes[node_id].data_dir / "tenants/0/streams"
-
-        def made(streams: Path = streams) -> dict[str, Any] | None:
-            for meta in streams.glob("*/stream.json"):
-                stored = json.loads(meta.read_text())
-                if stored["name"] == "stamped":
-                    return cast(dict[str, Any], stored["settings"])
-            return None
-
-        settings = wait_until(made, timeout=WAIT_S)
+        meta = wait_until(lambda n=node_id: cluster.stream_meta(n, "stamped"), timeout=WAIT_S)
+        settings = meta["settings"]
         assert settings["timestamp_type"] == "LogAppendTime", (node_id, settings)
         assert (settings["cleanup_policy"], settings["retention_ms"]) == ("compact", 3_600_000)
+
+
+def test_one_name_created_on_two_nodes_at_once_is_one_stream(cluster: Cluster) -> None:
+    """Two clients create one stream name at once through two nodes (HTTP: Kafka's
+    CreateTopics all go to the controller), with different partitions and settings.
+    Each node made its own before either registered it: both were told it was created,
+    and the loser's node kept its copy (its partitions, its settings) as the cluster's.
+    Now one is 409 StreamAlreadyExists, and every node's copy is the winner's."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id, http=True)
+    asks = {
+        1: {"name": "twice", "settings": {"partitions": 3, "timestamp_type": "LogAppendTime"}},
+        2: {"name": "twice"},
+    }
+
+    def create(node_id: int) -> int:
+        return http_call(cluster.nodes[node_id], "POST", "/api/streams", asks[node_id])[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = dict(zip((1, 2), pool.map(create, (1, 2)), strict=True))
+    assert sorted(outcomes.values()) == [201, 409], outcomes
+    winner = next(n for n, status in outcomes.items() if status == 201)
+    settings: dict[str, Any] = asks[winner].get("settings", {})
+    partitions = settings.get("partitions", 1)
+    for node_id in (1, 2, 3):
+        stored = wait_until(
+            lambda n=node_id: (
+                (meta := cluster.stream_meta(n, "twice")) is not None
+                and meta["partitions"] == partitions
+                and meta
+            ),
+            timeout=WAIT_S,
+        )
+        stamped = stored["settings"].get("timestamp_type")
+        assert stamped == settings.get("timestamp_type", "CreateTime"), node_id
