@@ -335,3 +335,24 @@ def test_one_name_created_on_two_nodes_at_once_is_one_stream(cluster: Cluster) -
         )
         stamped = stored["settings"].get("timestamp_type")
         assert stamped == settings.get("timestamp_type", "CreateTime"), node_id
+
+
+def test_a_producers_metadata_on_another_node_does_not_make_its_own_copy(
+    cluster: Cluster,
+) -> None:
+    """A producer asking a node for a topic just created through another (Metadata with
+    auto-creation, librdkafka's producer's) made that node a copy of its own, one
+    partition and default settings, before its tick made the cluster's: the producer
+    saw one partition and no leader, and the copy kept CreateTime for good. The name is
+    registered first now, so that node answers "being created" and makes the cluster's."""
+    for node_id in (1, 2, 3):
+        cluster.add(node_id, http=True)
+    ask = {"name": "early", "settings": {"partitions": 3, "timestamp_type": "LogAppendTime"}}
+    assert http_call(cluster.nodes[1], "POST", "/api/streams", ask)[0] == 201
+    producer = Producer({"bootstrap.servers": cluster.nodes[2].address_of("kafka")})
+    producer.list_topics("early", timeout=15)  # at once: before node 2's next tick
+    meta = wait_until(
+        lambda: (m := cluster.stream_meta(2, "early")) is not None and m["partitions"] == 3 and m,
+        timeout=WAIT_S,
+    )
+    assert meta["settings"]["timestamp_type"] == "LogAppendTime", meta
