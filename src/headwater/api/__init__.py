@@ -506,8 +506,9 @@ class EngineAPI:
         from inside a hole, no events and ``next_offset`` past it
         (:meth:`PartitionLog.read <headwater.storage.log.PartitionLog.read>`)."""
         where = f"partition {partition}" if partition else "the stream"
-        self._check_replica(tenant_id, stream_id, partition)
-        start = self._engine.stream(tenant_id, stream_id).partition_log(partition).start_offset
+        stream = self._engine.stream(tenant_id, stream_id)
+        self._engine.check_replica(stream, partition)
+        start = stream.partition_log(partition).start_offset
         if from_offset < start:
             raise OffsetRemoved(from_offset, start, where)
         throttled = self.quotas.enabled
@@ -540,14 +541,6 @@ class EngineAPI:
             await self.quotas.throttle(tenant_id, consume=result.value_bytes)
         return result
 
-    def _check_replica(self, tenant_id: int, stream_id: int, partition: int) -> None:
-        """In a cluster: NotLeader where this node holds no replica of the partition."""
-        check = self._engine.replica_check
-        if check is not None:
-            stream = self._engine.stream(tenant_id, stream_id)
-            if not stream.internal:
-                check(tenant_id, stream.name, partition)
-
     def aborted_transactions(
         self, tenant_id: int, stream_id: int, partition: int, start: int, end: int
     ) -> list[AbortedTxn]:
@@ -577,8 +570,9 @@ class EngineAPI:
             )
         if start < 0 or end < start:
             raise InvalidRequest(f"bad range {start}..{end}: 0 <= from <= to")
-        self._check_replica(tenant_id, stream_id, partition)
-        plog = self._engine.stream(tenant_id, stream_id).partition_log(partition)
+        stream = self._engine.stream(tenant_id, stream_id)
+        self._engine.check_replica(stream, partition)
+        plog = stream.partition_log(partition)
         if start < plog.start_offset:
             where = f"partition {partition}" if partition else "the stream"
             raise OffsetRemoved(start, plog.start_offset, where)

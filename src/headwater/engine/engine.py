@@ -669,6 +669,13 @@ class Engine:
         except KeyError:
             raise TenantNotFound(f"tenant {tenant_id} does not exist") from None
 
+    def check_replica(self, stream: Stream, partition: int) -> None:
+        """In a cluster, NotLeader (naming the leader) where this node holds no replica
+        of a client stream's partition: every client read (reads, subscriptions, SQL)
+        asks here, so none answers from the empty copy."""
+        if self.replica_check is not None and not stream.internal:
+            self.replica_check(stream.tenant.tenant_id, stream.name, partition)
+
     # Every operation on a stream finds it here, so this is where internal streams are
     # hidden from front ends: without ``internal=True`` (which only headwater's own
     # components pass: the group offset store, the transaction coordinator) an internal

@@ -431,8 +431,7 @@ class Subscriptions:
         if group is not None and not group:
             raise InvalidRequest("a consumer group name must not be empty")
         plog = stream.partition_log(partition)
-        if self.engine.replica_check is not None and not stream.internal:
-            self.engine.replica_check(tenant_id, stream.name, partition)  # NotLeader
+        self.engine.check_replica(stream, partition)
         if group is not None and partition != 0:
             raise InvalidRequest(
                 "a consumer group subscription reads partition 0 (its offset is the "

@@ -395,7 +395,7 @@ class SqlService:
                         f" {table.history_from} on"
                     )
                 )
-            elif (missing := self._not_replicated(tenant_id, table)) is not None:
+            elif (missing := self._not_replicated(table)) is not None:
                 snapshots[table.name] = _refusing(missing)
         await self._admission.acquire(tenant_id)  # waits its tenant's turn
         loop = asyncio.get_running_loop()
@@ -458,13 +458,12 @@ class SqlService:
             f" of disk to spill to): {reason}"
         )
 
-    def _not_replicated(self, tenant_id: int, table: SqlTable) -> HeadwaterError | None:
-        check = self.engine.replica_check
-        if check is None or not isinstance(table, StreamTable):
+    def _not_replicated(self, table: SqlTable) -> HeadwaterError | None:
+        if not isinstance(table, StreamTable):
             return None
         try:
             for partition in range(len(table.parts)):
-                check(tenant_id, table.name, partition)
+                self.engine.check_replica(table.stream, partition)
         except HeadwaterError as exc:
             return exc
         return None
