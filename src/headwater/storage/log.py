@@ -955,16 +955,21 @@ class PartitionLog:
                 oversize = cfg.retention_bytes is not None and total > cfg.retention_bytes
                 if not (expired or oversize):
                     break
-                self.segments.pop(0)
+                self._remove(oldest)
                 total -= oldest.size
-                oldest.retire()  # readers holding it keep its bytes until it is buried
-                oldest.delete_files()
-                self._graveyard.append((time.monotonic(), oldest))
                 removed += 1
             if removed:
                 self._dir_changes += 1
             self._bury()
         return removed
+
+    def _remove(self, seg: Segment) -> None:
+        """Take a sealed segment out of the log and delete its files, under both locks
+        (retention, compaction). Readers holding it keep its bytes until it is buried."""
+        self.segments.remove(seg)
+        seg.retire()
+        seg.delete_files()
+        self._graveyard.append((time.monotonic(), seg))
 
     def _bury(self) -> None:
         # Readers may still hold a deleted segment for a moment; close its file later.
@@ -1030,10 +1035,7 @@ class PartitionLog:
         with self._rewrite_lock, self._lock:
             emptied = [s for s in self.segments[1:-1] if s.size == 0]
             for seg in emptied:
-                self.segments.remove(seg)
-                seg.retire()  # readers holding it keep its bytes until it is buried
-                seg.delete_files()
-                self._graveyard.append((time.monotonic(), seg))
+                self._remove(seg)
             if emptied:
                 self._dir_changes += 1
         return len(emptied)
