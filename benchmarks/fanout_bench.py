@@ -182,6 +182,10 @@ class CeilingServer(ServerProcess):
 
     name = "kiwi ceiling"
 
+    def __init__(self, writer_thread: bool = False) -> None:
+        super().__init__()
+        self.writer_thread = writer_thread
+
     def start(self, root: Path) -> None:
         self.port = free_port()
         self.control_port = free_port()
@@ -192,6 +196,7 @@ class CeilingServer(ServerProcess):
                 [
                     *(sys.executable, str(script)),
                     *("--port", str(self.port), "--control-port", str(self.control_port)),
+                    *(("--writer-thread",) if self.writer_thread else ()),
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -732,6 +737,11 @@ def main(argv: list[str] | None = None) -> int:
         default="websockets",
         help="the subscribers' WebSocket client (picows: in Cython, with orjson for JSON)",
     )
+    p.add_argument(
+        "--ceiling-writer-thread",
+        action="store_true",
+        help="the ceiling server writes half of each batch's sockets from a second thread",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args(argv)
@@ -745,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     root = default_root("headwater-fanout-bench-")
     hw = HeadwaterServer()
     nats = NatsServer(args.nats_server)
-    ceiling = CeilingServer()
+    ceiling = CeilingServer(args.ceiling_writer_thread)
     results: dict[str, Any] = {
         "config": vars(args) | {"out": str(args.out) if args.out else None},
         "environment": {"cpu": cpu_model(), "git": git_revision(), "loadavg_before": loadavg()},

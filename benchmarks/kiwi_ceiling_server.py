@@ -13,7 +13,12 @@ Control connection: ``u32 length | payload``; payload ``B`` + values (each
 ``u32 length | bytes``) is a batch, ``S`` a barrier answered with ``K`` once every
 earlier batch was handed to every subscriber's transport.
 
-    python benchmarks/kiwi_ceiling_server.py --port P --control-port C
+``--writer-thread``: half of the subscribers' sockets of each batch are written by a
+second thread (``os.write``, which releases the GIL) while the loop writes the other
+half, the next batch waiting for both: does a fan-out gain from the second core?
+(docs/benchmarks.md: it did not.)
+
+    python benchmarks/kiwi_ceiling_server.py --port P --control-port C [--writer-thread]
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import argparse
 import asyncio
 import base64
 import json
+import os
+import queue
+import select
 import struct
+import threading
 import time
 from json.encoder import encode_basestring  # type: ignore[attr-defined]
 
@@ -40,11 +49,40 @@ def frame_head(size: int) -> bytes:
     return bytes((0x81, 127)) + struct.pack(">Q", size)
 
 
-class Fanout:
+class SocketWriter:
+    """A thread writing one buffer to a list of sockets, whole, then telling the loop."""
+
     def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[
+            tuple[list[int], bytes, asyncio.Future[None], asyncio.AbstractEventLoop]
+        ] = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def write(self, fds: list[int], data: bytes) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.jobs.put((fds, data, done, loop))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            fds, data, done, loop = self.jobs.get()
+            for fd in fds:
+                view = memoryview(data)
+                while view:
+                    try:
+                        view = view[os.write(fd, view) :]
+                    except BlockingIOError:
+                        select.select([], [fd], [])
+            loop.call_soon_threadsafe(done.set_result, None)
+
+
+class Fanout:
+    def __init__(self, writer: SocketWriter | None = None) -> None:
         self.sockets: set[asyncio.Transport] = set()
         self.source = "fanout"
         self.offset = 0
+        self.writer = writer
 
     def frames(self, values: list[bytes]) -> bytes:
         head = (
@@ -95,9 +133,18 @@ class Fanout:
                 values.append(payload[pos + 4 : pos + 4 + n])
                 pos += 4 + n
             data = self.frames(values)
-            for transport in self.sockets:
-                if not transport.is_closing():  # a subscriber that left: not yet removed
+            # A subscriber that left is not yet removed: skipped.
+            live = [t for t in self.sockets if not t.is_closing()]
+            if self.writer is None or len(live) < 2:
+                for transport in live:
                     transport.write(data)
+                continue
+            half = len(live) // 2
+            theirs = [t.get_extra_info("socket").fileno() for t in live[half:]]
+            written = self.writer.write(theirs, data)
+            for transport in live[:half]:
+                transport.write(data)
+            await written
 
 
 async def main() -> None:
@@ -105,8 +152,13 @@ async def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--control-port", type=int, required=True)
+    p.add_argument(
+        "--writer-thread",
+        action="store_true",
+        help="write half of each batch's sockets from a second thread",
+    )
     args = p.parse_args()
-    fanout = Fanout()
+    fanout = Fanout(SocketWriter() if args.writer_thread else None)
     async with serve(
         fanout.subscriber,
         args.host,
