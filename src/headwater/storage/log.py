@@ -181,6 +181,27 @@ class CompactionResult:
     bytes_after: int = 0
 
 
+@dataclass(frozen=True)
+class SyncPlan:
+    """One sync of a log (:meth:`PartitionLog.plan_sync`): everything below ``target``
+    is durable once the segments ``sealed`` since the last sync, the active segment's
+    file ``fd`` (pinned open until the sync ends) and, when ``dir_changes``, the
+    directory are synced. ``cuts``: the log's count of cuts when planned (a cut since
+    makes the sync durable for nothing)."""
+
+    target: int
+    cuts: int
+    active: Segment
+    fd: int
+    sealed: list[Segment]
+    dir_changes: int
+
+    @property
+    def file_only(self) -> bool:
+        """Only the active segment's data to sync: one fdatasync of ``fd``."""
+        return not self.sealed and not self.dir_changes
+
+
 class PartitionLog:
     """One ordered log of batches in one directory."""
 
@@ -606,11 +627,16 @@ class PartitionLog:
         Safe to call from any thread, and several at once (a disk may flush several in
         parallel faster than one after another); writers keep writing meanwhile.
         """
+        return self.sync_planned(self.plan_sync())
+
+    def plan_sync(self) -> SyncPlan | None:
+        """What a sync of everything written so far has to do (None: nothing, the log is
+        closed or nothing was written since the last sync). The active segment's file
+        stays open for it until :meth:`end_sync`, whoever does the I/O."""
         with self._lock:
             if self.closed:
-                return self.durable_offset
+                return None
             target = self.end_offset
-            cuts = self._cuts
             active = self.active
             # Segments sealed since the last sync (after a roll): most syncs have none,
             # and skip the walk over every segment.
@@ -629,34 +655,53 @@ class PartitionLog:
                 # Nothing written since the last sync: spare an idle log's file a reopen
                 # (closing thousands of idle streams would reopen each to fsync nothing).
                 # Not before the first sync: what recovery found may still be unsynced.
-                return self.durable_offset
+                return None
             # Pinned under the lock: a truncation that replaces the active segment
             # meanwhile closes its file only once this sync lets go of it.
             fd = active.files.pin(active.file)  # no generator-based with: once per sync
+            return SyncPlan(
+                target,
+                self._cuts,
+                active,
+                fd,
+                sealed,
+                dir_changes if dir_changes > self._dir_synced else 0,
+            )
+
+    def sync_planned(self, plan: SyncPlan | None) -> int:
+        """``plan``'s I/O in this thread, then :meth:`end_sync`: the offset now durable."""
+        if plan is None:
+            return self.durable_offset
+        error: OSError | None = None
         try:
-            try:
-                for seg in sealed:
-                    with seg.pinned() as sealed_fd:
-                        os.fdatasync(sealed_fd)
-                    seg.sync_index_files()  # sealed: its index must survive as written
-                os.fdatasync(fd)
-            finally:
-                active.files.unpin(active.file)
-            if dir_changes > self._dir_synced:
+            for seg in plan.sealed:
+                with seg.pinned() as sealed_fd:
+                    os.fdatasync(sealed_fd)
+                seg.sync_index_files()  # sealed: its index must survive as written
+            os.fdatasync(plan.fd)
+            if plan.dir_changes:
                 fsync_directory(self.directory)
         except OSError as exc:
+            error = exc
+        return self.end_sync(plan, error)
+
+    def end_sync(self, plan: SyncPlan, error: OSError | None) -> int:
+        """``plan``'s I/O is done (``error``: it failed): the offset now durable. A
+        failure fails the log: StorageError now, and for every write after it."""
+        plan.active.files.unpin(plan.active.file)
+        if error is not None:
             # After a failed fsync the page cache state is unknown (fsyncgate): refuse
             # further writes rather than acknowledge data that may be gone.
             with self._lock:
-                self.failed = f"fsync failed: {exc}"
-            raise StorageError(self.failed) from exc
+                self.failed = f"fsync failed: {error}"
+            raise StorageError(self.failed) from error
         with self._lock:
             self._synced_once = True
-            for seg in sealed:
+            for seg in plan.sealed:
                 self._dirty.discard(seg.base_offset)
-            self._dir_synced = max(self._dir_synced, dir_changes)
-            if cuts == self._cuts:  # else the log was cut meanwhile: the next sync covers it
-                self.durable_offset = max(self.durable_offset, target)
+            self._dir_synced = max(self._dir_synced, plan.dir_changes)
+            if plan.cuts == self._cuts:  # else the log was cut meanwhile: the next sync covers it
+                self.durable_offset = max(self.durable_offset, plan.target)
             return self.durable_offset
 
     # ---- reads ----------------------------------------------------------------------

@@ -18,7 +18,8 @@ from headwater.errors import ProjectionLag
 from headwater.sql import projection as projection_module
 from headwater.sql.projection import ChunkBuilder, StreamProjection
 from headwater.sql.values import QueryResult
-from headwater.storage.log import PartitionLog
+from headwater.storage.aio_fsync import AioFsync
+from headwater.storage.log import PartitionLog, SyncPlan
 from waiting import scheduled_callbacks_run, wait_until_async
 
 
@@ -182,11 +183,14 @@ def test_rounds_wait_while_appends_wait_for_their_fsync(
     rounds = count_rounds(monkeypatch)
     fired = count_timer_firings(monkeypatch)
     gate = threading.Event()
-    sync = PartitionLog.sync
+    sync = PartitionLog.sync_planned
+    # The fsyncs go through the threads, where the test can hold one (through AIO the
+    # kernel runs it).
+    monkeypatch.setattr(AioFsync, "disabled", True)
 
-    def gated_sync(self: PartitionLog) -> int:
+    def gated_sync(self: PartitionLog, plan: SyncPlan | None) -> int:
         gate.wait(30)  # the fsync thread holds the append until the test lets it go
-        return sync(self)
+        return sync(self, plan)
 
     async def main() -> None:
         async with running(tmp_path, CONFIG) as (engine, sql):
@@ -194,7 +198,7 @@ def test_rounds_wait_while_appends_wait_for_their_fsync(
             projection = sql.streams.projection(0, "s")
             assert projection is not None
             await engine.append(0, s.stream_id, [js(i=0)])  # committed: arms the timer
-            monkeypatch.setattr(PartitionLog, "sync", gated_sync)
+            monkeypatch.setattr(PartitionLog, "sync_planned", gated_sync)
             pending = asyncio.create_task(engine.append(0, s.stream_id, [js(i=1)]))
             try:
                 # Three firings, the last ones long after the only commit, or a round.

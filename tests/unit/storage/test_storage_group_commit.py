@@ -1,9 +1,12 @@
 """GroupCommitter: shared fsyncs under ``fsync``, background syncs under ``interval``,
-none under ``none`` (plain asyncio.run; no pytest-asyncio)."""
+none under ``none`` (plain asyncio.run; no pytest-asyncio). Every test runs twice: with
+the active segment's fsyncs through Linux AIO (aio_fsync.py, the default where the
+kernel has it) and through the fsync threads (the fallback)."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -13,9 +16,21 @@ from typing import Any
 import pytest
 
 from headwater.errors import HeadwaterError, NotLeader, StorageError
+from headwater.storage import aio_fsync
+from headwater.storage.aio_fsync import AioFsync, SyncDone
 from headwater.storage.group_commit import FsyncThreads, GroupCommitter
-from headwater.storage.log import LogConfig, PartitionLog, SyncPolicy
+from headwater.storage.log import LogConfig, PartitionLog, SyncPlan, SyncPolicy
 from waiting import scheduled_callbacks_run, wait_until, wait_until_async
+
+
+@pytest.fixture(autouse=True, params=["aio", "threads"])
+def fsync_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which way the active segment's fsyncs go. AIO must be there on the machines
+    the suite runs on (Linux on x86-64 or arm64): its absence fails the run."""
+    if request.param == "aio":
+        assert aio_fsync._SYSCALL is not None, "no Linux AIO syscalls on this machine"
+    monkeypatch.setattr(AioFsync, "disabled", request.param == "threads")
+    return str(request.param)
 
 
 def open_log(path: Path, policy: str) -> PartitionLog:
@@ -23,16 +38,71 @@ def open_log(path: Path, policy: str) -> PartitionLog:
 
 
 def count_syncs(plog: PartitionLog) -> list[int]:
-    """Wrap ``plog.sync`` so every call (from any thread) is recorded."""
+    """Wrap ``plog.end_sync`` so every sync that ends (from any thread, by any path)
+    is recorded."""
     calls: list[int] = []
-    real: Callable[[], int] = plog.sync
+    real: Callable[[SyncPlan, OSError | None], int] = plog.end_sync
 
-    def counting() -> int:
+    def counting(plan: SyncPlan, error: OSError | None) -> int:
         calls.append(1)
-        return real()
+        return real(plan, error)
 
-    plog.sync = counting  # type: ignore[method-assign]
+    plog.end_sync = counting  # type: ignore[method-assign]
     return calls
+
+
+def break_fsyncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fsync from now on fails with EIO, a thread's and an AIO one."""
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    def broken_aio(aio: AioFsync, fd: int, done: SyncDone) -> bool:
+        aio.loop.call_soon(done, -errno.EIO)
+        return True
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+    monkeypatch.setattr(AioFsync, "fdatasync", broken_aio)
+
+
+class HeldFsyncs:
+    """The committer's fsyncs do not end until :meth:`release`: a thread's fdatasync
+    waits, an AIO one's completion is delivered only then (on the loop). ``entered``:
+    one has started."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self._released = threading.Event()
+        self._late: list[tuple[SyncDone, int]] = []
+        real = os.fdatasync
+        real_aio = AioFsync.fdatasync
+
+        def held(fd: int) -> None:
+            if threading.current_thread().name.startswith("hw-fsync"):
+                self.entered.set()
+                assert self._released.wait(30)
+            real(fd)
+
+        def held_aio(aio: AioFsync, fd: int, done: SyncDone) -> bool:
+            def late(res: int) -> None:
+                if self._released.is_set():
+                    done(res)
+                else:
+                    self._late.append((done, res))
+
+            started = real_aio(aio, fd, late)
+            self.entered.set()
+            return started
+
+        monkeypatch.setattr(os, "fdatasync", held)
+        monkeypatch.setattr(AioFsync, "fdatasync", held_aio)
+
+    def release(self) -> None:
+        """On the loop: let every held fsync end."""
+        self._released.set()
+        late, self._late = self._late, []
+        for done, res in late:
+            done(res)
 
 
 def test_concurrent_waiters_share_fsyncs(tmp_path: Path) -> None:
@@ -119,50 +189,59 @@ def test_one_appender_after_another_each_gets_an_fsync(tmp_path: Path) -> None:
     plog.close()
 
 
-def on_threads(plog: PartitionLog) -> list[bool]:
-    """Wrap ``plog.sync`` to record, per call, whether it ran on the main thread."""
-    main_thread: list[bool] = []
-    real: Callable[[], int] = plog.sync
-
-    def recording() -> int:
-        main_thread.append(threading.current_thread() is threading.main_thread())
-        return real()
-
-    plog.sync = recording  # type: ignore[method-assign]
-    return main_thread
-
-
-def test_no_fsync_runs_on_the_loop_thread_not_even_a_lone_writers(tmp_path: Path) -> None:
-    """ARCHITECTURE.md, principle 5: the loop keeps serving while the disk syncs. The
-    last fsync below waits for a callback it hands to the loop: run on the loop thread
-    it could never see it (the wait's deadline fails the test)."""
+def test_no_fsync_runs_on_the_loop_thread_not_even_a_lone_writers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync_path: str
+) -> None:
+    """ARCHITECTURE.md, principle 5: the loop keeps serving while the disk syncs. No
+    fdatasync is called on the loop thread: through AIO the loop only submits it and
+    the kernel runs it; through the threads, the last fsync below waits for a callback
+    it hands to the loop: run on the loop thread it could never see it (the wait's
+    deadline fails the test)."""
     plog = open_log(tmp_path, "fsync")
-    where = on_threads(plog)
-    recorded = plog.sync
+    on_loop: list[bool] = []  # per fdatasync call: on the main (the loop's) thread?
+    real = os.fdatasync
+
+    def recording(fd: int) -> None:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", recording)
+    submitted: list[int] = []  # AIO fdatasyncs submitted
+    real_aio = AioFsync.fdatasync
+
+    def submitting(aio: AioFsync, fd: int, done: SyncDone) -> bool:
+        submitted.append(fd)
+        return real_aio(aio, fd, done)
+
+    monkeypatch.setattr(AioFsync, "fdatasync", submitting)
+    recorded = plog.sync_planned
     loop_ran = threading.Event()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
 
-        def waits_for_the_loop() -> int:
+        def waits_for_the_loop(plan: SyncPlan | None) -> int:
             loop.call_soon_threadsafe(loop_ran.set)
             assert loop_ran.wait(timeout=30), "the loop did not run while the fsync ran"
-            return recorded()
+            return recorded(plan)
 
         committer = GroupCommitter(plog)
         for i in range(3):  # one writer at a time: always alone
             info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
             await committer.committed(info.next_offset)
             assert plog.durable_offset == i + 1
-        plog.sync = waits_for_the_loop  # type: ignore[method-assign]
+        plog.sync_planned = waits_for_the_loop  # type: ignore[method-assign]
         info = plog.append([b"3"], first_position=0, timestamp_ms=0)
         await committer.committed(info.next_offset)
-        assert loop_ran.is_set()
+        assert loop_ran.is_set() == (fsync_path == "threads")
         assert plog.durable_offset == 4 and committer.fsyncs == 4
-        plog.sync = recorded  # type: ignore[method-assign]
+        plog.sync_planned = recorded  # type: ignore[method-assign]
+        await committer.aclose()
 
     asyncio.run(main())
-    assert where == [False] * 4
+    assert not any(on_loop)
+    calls = (len(on_loop), len(submitted))
+    assert calls == ((4, 0) if fsync_path == "threads" else (0, 4))
     plog.close()
 
 
@@ -171,12 +250,9 @@ def test_failed_fsync_fails_every_waiter(tmp_path: Path, monkeypatch: pytest.Mon
     plog.append([b"ok"], first_position=0, timestamp_ms=0)
     plog.sync()
 
-    def broken(fd: int) -> None:
-        raise OSError(5, "Input/output error")
-
     async def main() -> None:
         committer = GroupCommitter(plog)
-        monkeypatch.setattr(os, "fdatasync", broken)
+        break_fsyncs(monkeypatch)
 
         async def writer(i: int) -> None:
             info = plog.append([b"%d" % i], first_position=0, timestamp_ms=0)
@@ -220,10 +296,7 @@ def test_commit_then_calls_back_once_the_fsync_covers_the_append(
         committer.commit_then(info.next_offset, done)  # durable already: at once
         assert calls[1:] == [(None, 1, True)] and committer.fsyncs == 1
 
-        def broken(fd: int) -> None:
-            raise OSError(5, "Input/output error")
-
-        monkeypatch.setattr(os, "fdatasync", broken)
+        break_fsyncs(monkeypatch)
         info = plog.append([b"b"], first_position=0, timestamp_ms=0)
         committer.commit_then(info.next_offset, done)
         await wait_until_async(lambda: len(calls) == 3, 30, "the failure was never reported")
@@ -300,16 +373,8 @@ def test_an_fsync_in_flight_across_a_cut_does_not_make_the_cut_durable(
     end (an append written there afterwards would be acknowledged without an fsync, and
     a follower would fetch from past its own end)."""
     plog = open_log(tmp_path, "fsync")
-    entered, release = threading.Event(), threading.Event()
-    real = os.fdatasync
-
-    def held(fd: int) -> None:
-        if threading.current_thread().name.startswith("hw-fsync"):
-            entered.set()
-            release.wait(30)
-        real(fd)
-
-    monkeypatch.setattr(os, "fdatasync", held)
+    plog.sync()  # the log's first (its directory too): the next are the file's alone
+    held = HeldFsyncs(monkeypatch)
     calls: list[tuple[int, HeadwaterError | None]] = []
 
     async def main() -> None:
@@ -318,9 +383,9 @@ def test_an_fsync_in_flight_across_a_cut_does_not_make_the_cut_durable(
         for target in (1, 2, 3):
             plog.append([b"e%d" % target], first_position=0, timestamp_ms=0)
             committer.commit_then(target, lambda error, t=target: calls.append((t, error)))
-        assert await loop.run_in_executor(None, entered.wait, 30)
+        assert await loop.run_in_executor(None, held.entered.wait, 30)
         end = await loop.run_in_executor(None, plog.truncate_to, 0)
-        release.set()  # the fsync returns before the truncater's cut(): the fallback
+        held.release()  # the fsync returns before the truncater's cut(): the fallback
         await wait_until_async(lambda: len(calls) == 3, 30, "the waiters were never answered")
         assert [(t, type(e)) for t, e in calls] == [(t, NotLeader) for t in (1, 2, 3)]
         committer.cut(end, NotLeader("moved"))  # late: nothing left to fail
@@ -484,42 +549,41 @@ def test_fsync_threads_run_at_most_their_cap_at_once_and_queue_the_rest() -> Non
     assert threads._threads == 2
 
 
-def test_closing_waits_for_the_fsync_in_flight(tmp_path: Path) -> None:
+def test_closing_waits_for_the_fsync_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """aclose returns only after the fsync running for a waiter has reported back."""
     plog = open_log(tmp_path, "fsync")
-    real: Callable[[], int] = plog.sync
-    started = threading.Event()
-    release = threading.Event()
+    plog.sync()  # the log's first (its directory too): the next are the file's alone
     order: list[str] = []
+    real_end: Callable[[SyncPlan, OSError | None], int] = plog.end_sync
 
-    def held() -> int:
-        # Only the append's fsync is held; closing's own last sync runs at once, so a
-        # close that did not wait would be heard before the held fsync.
-        if not started.is_set():
-            started.set()
-            assert release.wait(timeout=30)
-        durable = real()
+    def ended(plan: SyncPlan, error: OSError | None) -> int:
         order.append("fsync")
-        return durable
+        return real_end(plan, error)
 
-    plog.sync = held  # type: ignore[method-assign]
+    plog.end_sync = ended  # type: ignore[method-assign]
+    # Only the committer's fsync is held; closing's own last sync (an executor
+    # thread's) runs at once, so a close that did not wait would end before it.
+    held = HeldFsyncs(monkeypatch)
 
     async def main() -> None:
         committer = GroupCommitter(plog)
         info = plog.append([b"x"], first_position=0, timestamp_ms=0)
         append = asyncio.ensure_future(committer.committed(info.next_offset))
-        await wait_until_async(started.is_set)
+        await wait_until_async(held.entered.is_set)
         closing = asyncio.ensure_future(committer.aclose())
         # Released once closing waits for it (a close that did not wait never would).
         await wait_until_async(lambda: committer._syncs_ended is not None)
-        release.set()
+        held.release()
         await asyncio.wait_for(closing, timeout=30)
         order.append("closed")
         await asyncio.wait_for(append, timeout=30)
         assert plog.durable_offset == 1
 
     asyncio.run(main())
-    assert order == ["fsync", "fsync", "closed"]  # the held one, closing's, then closed
+    # The held one ended, then the close (whose own sync had nothing left to do).
+    assert order == ["fsync", "closed"]
     plog.close()
 
 
