@@ -13,6 +13,7 @@ projection's catch-up waits for the writes to pause, past these short runs). Wit
 not reported). Markdown on stdout.
 
     .venv/bin/python benchmarks/kafka_produce_threads.py --partitions 4 --strace
+    .venv/bin/python benchmarks/kafka_produce_threads.py --partitions 4 --sync none
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=1_600_000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--strace", action="store_true", help="one more round under strace -c")
+    parser.add_argument(
+        "--sync", default="", help='the server\'s [storage] sync ("none": no fsyncs); default fsync'
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "kafka_produce_threads.json")
     args = parser.parse_args()
     if args.strace and shutil.which("strace") is None:
@@ -76,7 +80,8 @@ def main() -> None:
     requests = args.messages // RECORDS_PER_REQUEST
     root = default_root("kafka-threads-")
     server = kb.HeadwaterServer()
-    server.start(root, listeners=("kafka", "kimberlite"))
+    extra = f'[storage]\nsync = "{args.sync}"\n' if args.sync else ""
+    server.start(root, extra_config=extra, listeners=("kafka", "kimberlite"))
     pid = server.pid
     rounds: list[dict[str, Any]] = []
     traced: dict[str, float] = {}
