@@ -75,7 +75,7 @@ RECORDS = [
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serving(
         tmp_path_factory.mktemp("kafka-stored"),
-        listen={"kafka": LOCAL, "http": LOCAL},
+        listen={"kafka": LOCAL, "http": LOCAL, "kimberlite": LOCAL},
         clean_log=True,
     )
 
@@ -436,6 +436,37 @@ def test_a_consumer_reads_a_long_http_batch_converted_batch_at_a_time(server: Se
         seen.append((message.offset(), message.key(), message.value(), message.timestamp()[1]))
     consumer.close()
     assert seen == [(i, key, value, stamp_ms) for i, (key, value) in enumerate(records)]
+
+
+def test_a_consumer_reads_past_another_protocols_producer_id_beyond_int64(
+    server: Server,
+) -> None:
+    # Kimberlite's producer ids are u64: one of 2**63 or more between two plain appends
+    # made every Fetch of the partition fail (the server dropped the connection), so
+    # librdkafka read nothing of the topic, not even the record before it.
+    topic = create_topic(server)
+    with headwater.connect(server.address_of("kimberlite")) as client:
+        client.append(topic, [b"before"])
+        client.append_idempotent(topic, (1 << 63) + 12_345, 0, [b"idempotent"])
+        client.append(topic, [b"after"])
+    consumer = Consumer(
+        {
+            "bootstrap.servers": server.address_of("kafka"),
+            "group.id": topic,
+            "enable.partition.eof": True,
+        }
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    seen: list[bytes] = []
+    while True:
+        message = consumer.poll(DEADLINE_S)
+        assert message is not None, f"no answer after {seen}"
+        if message.error() is not None:
+            assert message.error().code() == KafkaError._PARTITION_EOF, message.error()
+            break
+        seen.append(message.value())
+    consumer.close()
+    assert seen == [b"before", b"idempotent", b"after"]
 
 
 def test_one_produce_over_partitions_answers_each_partition_for_itself(server: Server) -> None:

@@ -64,6 +64,35 @@ def test_a_headwater_form_batch_keeps_its_producer_in_kafka_form(tmp_path: Path)
     assert tail.header.is_transactional and tail.records().values == [b"t1", b"t2"]
 
 
+def test_producer_ids_and_epochs_past_kafkas_fields_are_sent_as_their_bytes(
+    tmp_path: Path,
+) -> None:
+    """Other protocols store producer ids up to 2**64 - 1 (Kimberlite's, the Spark
+    sink's hashes) and epochs up to 65,535 (Rivven's). Kafka's fields are an int64 and
+    an int16: such a batch made every Fetch of its partition fail (the connection
+    dropped, the consumer read nothing, the other partitions of the Fetch included).
+    They go out as the same low bytes, whatever the batch's size (record by record
+    under 64 events, by columns from 64)."""
+    plog = PartitionLog.open(tmp_path, LogConfig(sync=SyncPolicy("none")))
+    big_id, big_epoch = (1 << 63) + 12_345, 40_000
+    plog.append([b"before"], first_position=0, timestamp_ms=1)
+    for sequence, count in enumerate((2, 70)):
+        plog.append(
+            [b"v%d" % i for i in range(count)],
+            first_position=plog.end_offset,
+            timestamp_ms=2,
+            producer=(big_id, sequence),
+            producer_epoch=big_epoch,
+        )
+    plog.append([b"after"], first_position=plog.end_offset, timestamp_ms=3)
+    batches = split_batches(b"".join(records_of(plog.read(0, committed_only=False, kafka=True))))
+    assert [len(b.records().values) for b in batches] == [1, 2, 70, 1]
+    for batch in batches[1:3]:
+        assert batch.header.producer_id == big_id - (1 << 64)  # the same 8 bytes
+        assert batch.header.producer_epoch == big_epoch - (1 << 16)  # the same 2 bytes
+    assert batches[3].records().values == [b"after"]
+
+
 def test_a_fetch_answer_sends_the_kafka_form_batches_as_read(tmp_path: Path) -> None:
     # Batches stored as produced go out as views of the read, not copied: records_of
     # gives them as the read's own memoryviews and the answer's frame holds those same

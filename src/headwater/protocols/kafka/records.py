@@ -86,6 +86,22 @@ NO_PRODUCER_ID = -1
 NO_PRODUCER_EPOCH = -1
 NO_SEQUENCE = -1
 
+
+def wire_producer_id(producer_id: int) -> int:
+    """A stored producer id (u64: other protocols' ids reach 2**64 - 1) as Kafka's
+    int64 field carries it: the same 8 bytes, so an id at or past 2**63 reads as
+    negative, and a read_committed client still matches a batch to its aborted
+    transaction. Kafka's own producers' ids are below 2**63 and pass unchanged."""
+    return producer_id - (1 << 64) if producer_id >= 1 << 63 else producer_id
+
+
+def wire_producer_epoch(epoch: int) -> int:
+    """A stored producer epoch (u32; Rivven's reach 65,535) as Kafka's int16 field
+    carries it: its low 16 bits. A consumer does not check the epoch of what it reads."""
+    epoch &= 0xFFFF
+    return epoch - (1 << 16) if epoch >= 1 << 15 else epoch
+
+
 MAX_DECOMPRESSED = kafka_batch.MAX_DECOMPRESSED
 """Default bound on one batch's decompressed records: past it the batch is refused
 (MESSAGE_TOO_LARGE) before more is inflated, so a small batch cannot claim gigabytes."""

@@ -75,6 +75,8 @@ from headwater.protocols.kafka.records import (
     batch_around,
     build_batch,
     control_batch,
+    wire_producer_epoch,
+    wire_producer_id,
 )
 from headwater.server.answers import AnswerBudget, AnswerRoom
 from headwater.storage import kafka_batch
@@ -882,8 +884,8 @@ def records_of(result: ReadResult) -> list[Buffer]:
             out.append(
                 control_batch(
                     ControlType.COMMIT if batch.marker_commits() else ControlType.ABORT,
-                    producer_id=batch.producer[0],
-                    producer_epoch=batch.producer_epoch or 0,
+                    producer_id=wire_producer_id(batch.producer[0]),
+                    producer_epoch=wire_producer_epoch(batch.producer_epoch or 0),
                     coordinator_epoch=0,
                     base_offset=batch.base_offset,
                     timestamp=batch.first_timestamp_ms,
@@ -951,8 +953,8 @@ def _producer_fields(batch: Batch) -> dict[str, Any]:
     if producer is None:
         return {}
     return {
-        "producer_id": producer[0],
-        "producer_epoch": batch.producer_epoch or 0,
+        "producer_id": wire_producer_id(producer[0]),
+        "producer_epoch": wire_producer_epoch(batch.producer_epoch or 0),
         # The stored sequence as it is (Rivven's counts batches, not records); a
         # consumer does not check it.
         "base_sequence": producer[1] % (1 << 31),
@@ -1085,7 +1087,10 @@ async def _fetch_once(
         size += length
         if isolation == READ_COMMITTED and result.spans:
             entry["aborted_transactions"] = [
-                {"producer_id": aborted.producer_id, "first_offset": aborted.first_offset}
+                {
+                    "producer_id": wire_producer_id(aborted.producer_id),
+                    "first_offset": aborted.first_offset,
+                }
                 for aborted in api.aborted_transactions(
                     tenant,
                     info.stream_id,
