@@ -75,7 +75,6 @@ PRODUCER_EPOCH = struct.Struct("<QQII")
 CONTROL = struct.Struct("<HH")  # a marker's value: version, type
 CONTROL_ABORT = 0
 CONTROL_COMMIT = 1
-MAX_EPOCH = 0xFFFF_FFFF
 KEY_PRESENT = 0x01
 KEY_TOMBSTONE = 0x02
 MAX_BATCH_BYTES = 0x7FFF_FFFF

@@ -175,6 +175,34 @@ def test_a_new_instance_fences_the_old_and_aborts_its_transaction(tmp_path: Path
     run(tmp_path, body)
 
 
+def test_a_producer_near_kafkas_last_epoch_gets_a_new_id(tmp_path: Path) -> None:
+    """Kafka's producer epoch is an int16: the epoch never passes 32,767. At 32,766 an
+    InitProducerId hands out a new producer id at epoch 0 (the last bump is fencing's),
+    and the old identity is fenced. Before, epochs went on to 2**32 - 1: past 32,767 a
+    Kafka client's InitProducerId got no answer (it could not be encoded), and every
+    Fetch of a partition holding the transaction's batches failed."""
+
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0)
+        first = await txns.init_producer("app")
+        txns.transactions["app"].epoch = 32_765  # as after 32,765 restarts
+        near = await txns.init_producer("app")
+        assert near == ProducerIdentity(first.producer_id, 32_766)
+        await txns.append("app", near, sid, 0, [b"open"])  # fencing bumps once more
+        new = await txns.init_producer("app")
+        assert new.producer_id != first.producer_id and new.epoch == 0
+        with pytest.raises(InvalidTxnState, match="not transactional id 'app''s"):
+            await txns.append("app", near, sid, 1, [b"late"])
+        await txns.append("app", new, sid, 0, [b"fresh"])
+        await txns.end_transaction("app", new, commit=True)
+        assert [v for _, v in await values(engine, sid)] == [b"fresh"]
+        everything = await values(engine, sid, isolation="read_uncommitted")
+        assert [v for _, v in everything] == [b"open", b"fresh"]
+
+    run(tmp_path, body)
+
+
 def test_retried_batches_are_stored_once_and_gaps_refused(tmp_path: Path) -> None:
     async def body(engine: Engine) -> None:
         sid = (await engine.create_stream(0, "s")).stream_id

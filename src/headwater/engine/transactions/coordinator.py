@@ -67,7 +67,7 @@ from headwater.errors import (
     StreamAlreadyExists,
     StreamNotFound,
 )
-from headwater.storage.batch import MAX_EPOCH, Headers, marker_value
+from headwater.storage.batch import Headers, marker_value
 from headwater.storage.kafka_batch import KafkaSection
 from headwater.storage.log import AppendInfo
 from headwater.tasks import cancel_and_wait
@@ -78,6 +78,10 @@ TXN_STATE_STREAM = "hw_transaction_state"
 FIRST_PRODUCER_ID = 1 << 48
 DEFAULT_TRANSACTION_TIMEOUT_MS = 60_000  # Kafka's transaction.timeout.ms
 MAX_TRANSACTION_TIMEOUT_MS = 900_000  # Kafka's transaction.max.timeout.ms
+# Kafka's epoch is an int16: a transactional id's producer gets a new id (epoch 0) when its
+# epoch would pass Short.MAX_VALUE - 1, keeping the last bump for fencing, as Kafka does.
+# Past 32,767 InitProducerId could not be answered and no Kafka client could read on.
+MAX_EPOCH = 0x7FFF
 MAX_TRANSACTIONAL_ID_BYTES = 0xFFFF
 _PRODUCER_IDS_KEY = b"\x00producer-ids"  # no transactional id is empty: never a clash
 
@@ -391,7 +395,7 @@ class TenantTransactions:
                     await self._abort_fencing(txn)
                 elif txn.state in (TxnState.PREPARE_COMMIT, TxnState.PREPARE_ABORT):
                     await self._complete(txn)
-                if txn.epoch >= MAX_EPOCH:
+                if txn.epoch >= MAX_EPOCH - 1:  # one bump left, for fencing: a new id
                     txn.producer_id, txn.epoch = await self._allocate(), 0
                 else:
                     txn.epoch += 1
