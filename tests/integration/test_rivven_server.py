@@ -345,6 +345,52 @@ def test_committed_transaction_visible_aborted_invisible(server: Server) -> None
         assert sorted(uncommitted) == sorted([b"a0", b"a1", b"a2", b"a3", b"c0", b"c1", b"open"])
 
 
+def test_an_older_instance_cannot_begin_the_transactional_id_again(server: Server) -> None:
+    # A began "job", then B (a newer InitProducerId) took it over. A zombie A beginning
+    # again was accepted: it aborted B's open transaction, committed its own, and B's
+    # commit was refused: the live instance fenced by the old one.
+    with client(server) as rivven:
+        create_topic(rivven, "jobs", partitions=1)
+        older, newer = (rivven.ok(pb.InitProducerIdRequest(), "init_producer_id") for _ in "ab")
+
+        def begin(producer: pb.InitProducerIdResponse) -> pb.Response:
+            return rivven.call(
+                pb.BeginTransactionRequest(
+                    txn_id="job",
+                    producer_id=producer.producer_id,
+                    producer_epoch=producer.producer_epoch,
+                )
+            )
+
+        def publish(producer: pb.InitProducerIdResponse, value: bytes) -> None:
+            rivven.ok(
+                pb.TransactionalPublishRequest(
+                    txn_id="job",
+                    topic="jobs",
+                    partition=0,
+                    record=make_record(value),
+                    producer_id=producer.producer_id,
+                    producer_epoch=producer.producer_epoch,
+                    sequence=0,
+                ),
+                "transactional_publish",
+            )
+
+        assert begin(older).WhichOneof("response_type") == "begin_transaction"
+        assert begin(newer).WhichOneof("response_type") == "begin_transaction"
+        publish(newer, b"newer's")
+        again = begin(older)
+        assert again.WhichOneof("response_type") == "error", again
+        assert "fenced" in again.error.message
+        rivven.ok(
+            pb.CommitTransactionRequest(
+                txn_id="job", producer_id=newer.producer_id, producer_epoch=newer.producer_epoch
+            ),
+            "commit_transaction",
+        )
+        assert [r.value for r in rivven.consume("jobs", 0, isolation=1).records] == [b"newer's"]
+
+
 # ---- errors: answered, the connection still serving ---------------------------------
 
 

@@ -94,6 +94,14 @@ class TransactionalIds:
                     f"producer {producer_id} epoch {client[1]} is fenced: transaction"
                     f" {txn_id!r} was begun by epoch {epoch}"
                 )
+            if client[0] < producer_id:
+                # InitProducerId hands out ids in increasing order: a lower one is an
+                # older instance, already fenced by the one that began last, and may
+                # not take the transactional id back (and abort the newer's work).
+                raise ProducerFenced(
+                    f"producer {client[0]} is fenced: transaction {txn_id!r} was begun by"
+                    f" a newer producer ({producer_id})"
+                )
         # A new producer (or this server's first sight of it): the engine bumps the
         # transactional id's epoch, aborting what an older instance left open.
         identity = await api.init_producer(tenant_id, txn_id, timeout or None)
