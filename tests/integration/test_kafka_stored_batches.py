@@ -591,6 +591,52 @@ def test_pipelined_produces_are_stored_in_the_order_they_were_sent(server: Serve
     assert stored == sent
 
 
+def test_an_idempotent_producers_sequence_wraps_past_int32_as_kafkas_does(
+    server: Server,
+) -> None:
+    # Kafka's sequence is an int32 its producer wraps to 0 after 2**31 - 1: the batch
+    # after the limit was refused for good (OUT_OF_ORDER_SEQUENCE_NUMBER, "older than
+    # the last 64 remembered"), so a producer that had sent 2**31 records to a partition
+    # could write no more. A retry from before the wrap is still answered as stored.
+    topic = create_topic(server)
+    producer = {"producer_id": 424_242, "producer_epoch": 0}
+
+    def batch(sequence: int, *values: bytes) -> bytes:
+        records = [Record(i, 0, None, value) for i, value in enumerate(values)]
+        return build_batch(
+            records, base_timestamp=1_700_000_000_000, base_sequence=sequence, **producer
+        )
+
+    def produce(records: bytes) -> tuple[int, int]:
+        request = ProduceRequest(
+            transactional_id=None,
+            acks=i16(-1),
+            timeout=timedelta(seconds=DEADLINE_S),
+            topic_data=(
+                TopicProduceData(
+                    name=TopicName(topic),
+                    partition_data=(PartitionProduceData(index=i32(0), records=records),),
+                ),
+            ),
+        )
+        [answer] = kafka.call(request, ApiKey.PRODUCE, 10).responses[0].partition_responses
+        return answer.error_code, answer.base_offset
+
+    last_before_the_wrap = batch((1 << 31) - 2, b"a", b"b")  # sequences 2**31 - 2, - 1
+    kafka = RawKafka(server)
+    try:
+        assert produce(last_before_the_wrap) == (ErrorCode.none, 0)
+        assert produce(batch(0, b"c")) == (ErrorCode.none, 2)
+        assert produce(batch(1, b"d", b"e")) == (ErrorCode.none, 3)
+        assert produce(last_before_the_wrap) == (ErrorCode.none, 0)  # a retry: stored once
+        assert produce(batch(5, b"gap")) == (ErrorCode.out_of_order_sequence_number, -1)
+        fetched = kafka.fetch(topic, 0, read_committed=False)
+    finally:
+        kafka.close()
+    stored = [v for b in split_batches(fetched.records or b"") for v in b.records().values]
+    assert stored == [b"a", b"b", b"c", b"d", b"e"]
+
+
 def test_refusals_carry_kafkas_codes_and_store_nothing(server: Server) -> None:
     # Each as Kafka answers it, nothing of it stored: acks other than -1/0/1; a record
     # without a key on a compacted topic; a batch larger than the topic's segments.

@@ -44,6 +44,10 @@ def now_ms() -> int:
 
 
 WINDOW = 64
+# Kafka's sequence is an int32 that wraps to 0 past 2**31 - 1 (its producer's
+# incrementSequence): the sequence after the limit is the wrapped one. Other protocols'
+# sequences are u64 and go on past it; both are the next.
+KAFKA_SEQUENCES = 1 << 31
 SNAPSHOT_SUFFIX = ".producers"
 
 
@@ -108,7 +112,8 @@ class ProducerTable:
                 )
             return None
         last = next(reversed(history))
-        if sequence == last + history[last].step:
+        expected = last + history[last].step
+        if sequence == expected or sequence == expected - KAFKA_SEQUENCES:
             return None
         entry = history.get(sequence)
         if entry is not None:
@@ -119,7 +124,7 @@ class ProducerTable:
                 f"{WINDOW} remembered (last applied {last})"
             )
         raise OutOfOrderSequence(
-            f"producer {producer_id} sequence {sequence} out of order: expected {last + 1}"
+            f"producer {producer_id} sequence {sequence} out of order: expected {expected}"
         )
 
     def _set_epoch(self, producer_id: int, epoch: int | None) -> None:
