@@ -425,6 +425,56 @@ def test_errors_are_answered_and_the_connection_keeps_serving(server: Server) ->
     assert "Traceback" not in server.log_text()
 
 
+def test_refused_values_are_answered_and_store_nothing(server: Server) -> None:
+    # A publish_batch with one partition's values over the append limit stored the other
+    # partitions' records, then answered INVALID_REQUEST (a client that fixed and sent
+    # it again stored them twice). Sequences below 0 and an offset commit past 2**63 - 1
+    # reached the storage layer and answered UNKNOWN "internal error" with a traceback.
+    with client(server) as rivven:
+        create_topic(rivven, "refusals", partitions=2)
+        producer = rivven.ok(pb.InitProducerIdRequest(), "init_producer_id")
+        over = rivven.error(
+            pb.BatchPublishRequest(
+                topic="refusals",
+                partition_records=[
+                    pb.PartitionRecords(partition=0, records=[make_record(b"small")] * 2),
+                    pb.PartitionRecords(partition=1, records=[make_record(b"x" * (1 << 20))] * 5),
+                ],
+            )
+        )
+        assert over.code == ErrorCode.INVALID_REQUEST and "bytes of values" in over.message
+        negative = [
+            pb.IdempotentPublishRequest(
+                topic="refusals",
+                partition=0,
+                record=make_record(b"n"),
+                producer_id=producer.producer_id,
+                producer_epoch=producer.producer_epoch,
+                sequence=-1,
+            ),
+            pb.BatchPublishRequest(
+                topic="refusals",
+                producer_id=producer.producer_id,
+                producer_epoch=producer.producer_epoch,
+                partition_records=[
+                    pb.PartitionRecords(partition=0, base_sequence=-5, records=[make_record(b"n")])
+                ],
+            ),
+        ]
+        for request in negative:
+            refused = rivven.error(request)
+            assert refused.code == ErrorCode.INVALID_REQUEST, refused
+            assert "sequences are 0..2**64 - 1" in refused.message
+        too_far = rivven.error(
+            pb.CommitOffsetRequest(
+                consumer_group="g", topic="refusals", partition=0, offset=1 << 63
+            )
+        )
+        assert "outside 0..2**63 - 1" in too_far.message
+        assert [rivven.consume("refusals", p).records for p in (0, 1)] == [[], []]
+    assert "Traceback" not in server.log_text()
+
+
 def read_frame(sock: socket.socket) -> tuple[int, int, bytes]:
     """One raw frame: (format, correlation id, payload)."""
     head = b""

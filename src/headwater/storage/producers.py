@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headwater.errors import OutOfOrderSequence, ProducerFenced
+from headwater.errors import InvalidRequest, OutOfOrderSequence, ProducerFenced
 from headwater.storage.batch import Batch
 
 
@@ -48,6 +48,8 @@ WINDOW = 64
 # incrementSequence): the sequence after the limit is the wrapped one. Other protocols'
 # sequences are u64 and go on past it; both are the next.
 KAFKA_SEQUENCES = 1 << 31
+_U64_MAX = (1 << 64) - 1
+_U32_MAX = (1 << 32) - 1
 SNAPSHOT_SUFFIX = ".producers"
 
 
@@ -88,7 +90,16 @@ class ProducerTable:
         ProducerFenced for an epoch older than the known one, OutOfOrderSequence for a
         sequence that is neither. A producer with an epoch that this partition has never
         heard of (or has forgotten, its batches removed) starts at any sequence, as in
-        Kafka: a topic deleted and made again under a live producer's feet, say."""
+        Kafka: a topic deleted and made again under a live producer's feet, say.
+        InvalidRequest for an id or sequence outside a u64, an epoch outside a u32 (what
+        a stored batch holds)."""
+        if not (0 <= producer_id <= _U64_MAX and 0 <= sequence <= _U64_MAX) or not (
+            epoch is None or 0 <= epoch <= _U32_MAX
+        ):
+            raise InvalidRequest(
+                f"producer {producer_id} epoch {epoch} sequence {sequence}: ids and sequences"
+                " are 0..2**64 - 1, epochs 0..2**32 - 1"
+            )
         if epoch is not None:
             known = self.epochs.get(producer_id)
             if known is not None and epoch < known:

@@ -37,6 +37,14 @@ _KEY_VERSION = 1
 _U16 = struct.Struct(">H")
 _PARTITION = struct.Struct(">I")
 _VALUE = struct.Struct(">BqQ")  # version, offset, commit time (ms)
+MAX_OFFSET = (1 << 63) - 1  # stored signed, as Kafka's
+
+
+def committable(offset: int) -> bool:
+    """Whether ``offset`` can be committed: 0 to 2**63 - 1 (Rivven's field is a u64;
+    past it the stored form could not hold it)."""
+    return 0 <= offset <= MAX_OFFSET
+
 
 # In a cluster: (tenant, stream name, end) returns once the in-sync replicas hold the
 # stream's partition 0 below ``end`` (acks=all), so a commit acknowledged survives the
@@ -280,8 +288,10 @@ class OffsetManager:
                 raise InvalidRequest(
                     f"stream {tp.stream!r} has no partition {tp.partition} (it has {count})"
                 )
-            if offset < 0:
-                raise InvalidOffset(f"offset {offset} of {tp.stream}/{tp.partition} is negative")
+            if not committable(offset):
+                raise InvalidOffset(
+                    f"offset {offset} of {tp.stream}/{tp.partition} is outside 0..2**63 - 1"
+                )
             if len(metadata.encode()) > MAX_METADATA_BYTES:
                 raise InvalidRequest(f"offset metadata is limited to {MAX_METADATA_BYTES} bytes")
             entries[OffsetKey(group, tp.stream, tp.partition)] = CommittedOffset(

@@ -57,6 +57,7 @@ from headwater.engine.groups.offsets import (
     CommittedOffset,
     LogOffsetStore,
     OffsetKey,
+    committable,
 )
 from headwater.engine.per_tenant import PerTenant
 from headwater.errors import (
@@ -533,8 +534,10 @@ class TenantTransactions:
         for (stream_name, partition), (offset, metadata) in offsets.items():
             stream = self.engine.stream_by_name(self.tenant_id, stream_name)
             stream.partition_log(partition)
-            if offset < 0:
-                raise InvalidRequest(f"offset {offset} of {stream_name}/{partition} is negative")
+            if not committable(offset):
+                raise InvalidRequest(
+                    f"offset {offset} of {stream_name}/{partition} is outside 0..2**63 - 1"
+                )
             staged[OffsetKey(group, stream_name, partition)] = CommittedOffset(
                 offset, metadata, now
             )

@@ -375,6 +375,12 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
             raise InvalidRequest(
                 f"partition {entry.partition}: a batch carries 1..{MAX_APPEND_EVENTS} records"
             )
+        # Checked before any partition is written: a refusal stores nothing.
+        if sum(len(record.value) for record in entry.records) > MAX_APPEND_BYTES:
+            raise InvalidRequest(
+                f"partition {entry.partition}: a batch carries at most {MAX_APPEND_BYTES}"
+                " bytes of values"
+            )
     # acks 1: the leader's alone; -1 every in-sync replica, and so 0 too: proto3 cannot
     # tell it from unset, and every publish is answered anyway (docs/protocols/rivven.md).
     acks = ACKS_LEADER if request.acks == 1 else ACKS_ALL
@@ -389,11 +395,6 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
     async def write(entry: pb.PartitionRecords) -> pb.PartitionPublishResult:
         records = entry.records
         values = [record.value for record in records]
-        if sum(map(len, values)) > MAX_APPEND_BYTES:
-            raise InvalidRequest(
-                f"partition {entry.partition}: a batch carries at most {MAX_APPEND_BYTES}"
-                " bytes of values"
-            )
         keys = [record_key(record) for record in records]
         headers = [_headers(record) for record in records]
         some_headers = headers if any(headers) else None
