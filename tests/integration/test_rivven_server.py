@@ -101,6 +101,14 @@ class Rivven:
         assert response.WhichOneof("response_type") == "error", response
         return response.error
 
+    def consume_waiting(self, topic: str, max_wait_ms: int) -> pb.ConsumeResponse:
+        """A long poll of partition 0 from offset 0 (answered empty after max_wait_ms
+        when nothing comes)."""
+        request = pb.ConsumeRequest(topic=topic, partition=0, offset=0, max_wait_ms=max_wait_ms)
+        answer = self.ok(request, "consume")
+        assert isinstance(answer, pb.ConsumeResponse)
+        return answer
+
     def consume(
         self, topic: str, partition: int, offset: int = 0, *, isolation: int = 0
     ) -> pb.ConsumeResponse:
@@ -134,10 +142,20 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # Bound on every interface: its metadata must name the address a client reached.
     yield from serving(
         tmp_path_factory.mktemp("rivven_limits"),
         config=LIMITS_CONFIG,
-        listen={"rivven": LOCAL, "http": LOCAL, "kimberlite": ""},
+        listen={"rivven": "0.0.0.0:0", "http": LOCAL, "kimberlite": ""},
+    )
+
+
+@pytest.fixture(scope="module")
+def secured_limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(
+        tmp_path_factory.mktemp("rivven_auth_limits"),
+        config=AUTH_CONFIG + LIMITS_CONFIG,
+        listen={"rivven": LOCAL, "kimberlite": ""},
     )
 
 
@@ -541,6 +559,58 @@ def test_handshake_timeout(limited: Server) -> None:
     assert counted(limited, before, "handshake_timeout_s", "rivven") == 1
     with client(limited) as rivven:  # the server still serves another client
         rivven.ok(pb.PingRequest(), "ping")
+
+
+def test_with_auth_required_a_handshake_alone_does_not_accept_the_connection(
+    secured_limited: Server,
+) -> None:
+    # A compatible Handshake lifted the limits of a connection not yet accepted: without
+    # ever presenting a token it could send 10 MiB frames and stay open for good. Now it
+    # has handshake_timeout_s to Authenticate, as without the Handshake.
+    with client(secured_limited) as rivven:
+        assert rivven.handshake().compatible
+        answers = ClientConnection().receive_data(read_to_end(rivven.sock))
+    [answer] = answers
+    assert answer.correlation_id == 0
+    assert "handshake_timeout_s" in answer.response.error.message
+    with client(secured_limited) as rivven:  # a token accepts it: it outlives the timeout
+        assert rivven.handshake().compatible
+        rivven.authenticate(TOKEN)
+        waited = rivven.call(
+            pb.ConsumeRequest(
+                topic="none-yet",
+                partition=0,
+                max_wait_ms=int(HANDSHAKE_TIMEOUT_S * 2000),
+            )
+        )
+        assert waited.error.code == ErrorCode.TOPIC_NOT_FOUND
+
+
+def test_without_auth_a_first_request_refused_or_long_polling_accepts_the_connection(
+    limited: Server,
+) -> None:
+    # A connection whose first request failed, or long-polled past handshake_timeout_s,
+    # was closed as never accepted (its long poll's answer never came).
+    with client(limited) as rivven:
+        create_topic(rivven, "quiet-limited", partitions=1)
+    with client(limited) as rivven:
+        missing = rivven.error(pb.ConsumeRequest(topic="no-such-topic", partition=0))
+        assert missing.code == ErrorCode.TOPIC_NOT_FOUND
+        polled = rivven.consume_waiting("quiet-limited", int(HANDSHAKE_TIMEOUT_S * 2000))
+        assert list(polled.records) == []
+        rivven.ok(pb.PingRequest(), "ping")
+    with client(limited) as rivven:  # a long poll first
+        polled = rivven.consume_waiting("quiet-limited", int(HANDSHAKE_TIMEOUT_S * 2000))
+        assert list(polled.records) == []
+
+
+def test_metadata_names_the_address_the_client_reached(limited: Server) -> None:
+    # The listener binds 0.0.0.0: metadata named that, which sends a client to its own
+    # host. It names the address this connection reached, as the Kafka listener does.
+    with client(limited) as rivven:
+        metadata = rivven.ok(pb.GetClusterMetadataRequest(), "get_cluster_metadata")
+        [broker] = metadata.brokers
+        assert (broker.host, broker.port) == ("127.0.0.1", limited.ports["rivven"])
 
 
 def test_a_long_poll_is_answered_when_the_server_stops(tmp_path: Path) -> None:

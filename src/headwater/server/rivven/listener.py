@@ -9,8 +9,9 @@ Auth: with ``[auth] required = true`` every request but Handshake, Ping and Auth
 is refused UNAUTHORIZED until a PLAIN Authenticate presents a known token (its password);
 the tenant is the token's (its lowest). Without required auth, a client may skip
 Authenticate and acts for tenant 0. ``[limits] handshake_timeout_s`` is the time allowed
-until the first accepted request (a compatible Handshake, a successful Authenticate, or,
-without required auth, any request answered).
+until the connection is accepted: with required auth by a successful Authenticate (the
+pre-auth limits hold until then, a Handshake or not), without it by any request
+decoded.
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
 
     # ---- transport callbacks --------------------------------------------------------
 
+    def _connected(self) -> None:
+        # Metadata names the address this client reached, as the Kafka listener's does:
+        # the bind address (0.0.0.0 on every interface) sent a client to its own host.
+        assert self.transport is not None
+        local = self.transport.get_extra_info("sockname")
+        if local:
+            self.session.host = local[0]
+
     def _disconnected(self) -> None:
         self.session.answers.lost()
 
@@ -121,7 +130,10 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
 
     def _replied(self, response: pb.Response) -> None:
         if response.WhichOneof("response_type") == "handshake_result":
-            self._accepted()
+            # With auth required only a token lifts the limits of a connection not yet
+            # accepted (a Handshake alone left a 10 MiB frame readable, for ever).
+            if not self.session.api.auth.required:
+                self._accepted()
         else:
             log.warning("rivven %s: %s", self.guard.peer, response.error.message)
 
@@ -146,7 +158,12 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
         session = self.session
         try:
             required = session.api.auth.required
-            if required and session.principal is None and operation not in OPEN_OPERATIONS:
+            if not required:
+                # Any request decoded accepts the connection, whatever its answer: a
+                # first request refused (or a long poll) was closed at the handshake
+                # timeout as never accepted.
+                self._accepted()
+            elif session.principal is None and operation not in OPEN_OPERATIONS:
                 raise AuthenticationFailed(
                     f"{operation} needs an accepted token first: Authenticate (PLAIN,"
                     " the token as password)"
@@ -163,7 +180,7 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
                 response = await self._throttled(handler, request, kinds)
             else:
                 response = await handler(session, request)
-            if session.principal is not None or not required:
+            if session.principal is not None:
                 self._accepted()
             data = self._answer(correlation_id, response)
         except HeadwaterError as exc:
