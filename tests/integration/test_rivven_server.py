@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from limits_clients import counted, read_to_end, refusals
-from servers import LOCAL, Server, serving
+from servers import LOCAL, Server, http_json, serving
 
 from headwater.engine.partitioner import keyed_partition
 from headwater.protocols.rivven import rivven_pb2 as pb
@@ -126,7 +126,7 @@ class Rivven:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     yield from serving(
         tmp_path_factory.mktemp("rivven"),
-        listen={"rivven": LOCAL, "kimberlite": ""},
+        listen={"rivven": LOCAL, "http": LOCAL, "kimberlite": ""},
         clean_log=True,
     )
 
@@ -441,6 +441,30 @@ def test_errors_are_answered_and_the_connection_keeps_serving(server: Server) ->
     with client(server) as rivven:  # the server still serves another client
         rivven.ok(pb.PingRequest(), "ping")
     assert "Traceback" not in server.log_text()
+
+
+def test_create_topic_reads_kafkas_topic_configs_as_the_kafka_front_end_does(
+    server: Server,
+) -> None:
+    # Rivven's CreateTopic takes Kafka's config names; it refused what Kafka's accepts:
+    # -1 retention (no limit) and cleanup.policy "compact,delete".
+    with client(server) as rivven:
+        config = {
+            "retention.ms": "-1",
+            "retention.bytes": "-1",
+            "cleanup.policy": "compact,delete",
+            "segment.bytes": "1048576",
+        }
+        rivven.ok(
+            pb.CreateTopicRequest(name="configured", partitions=1, config=config), "create_topic"
+        )
+        bad = rivven.error(
+            pb.CreateTopicRequest(name="badly", partitions=1, config={"retention.ms": "soon"})
+        )
+        assert bad.code == ErrorCode.INVALID_REQUEST and "must be an integer" in bad.message
+    settings = http_json(server, "GET", "/api/streams/configured")["settings"]
+    assert settings["cleanup_policy"] == "compact" and settings["segment_bytes"] == 1 << 20
+    assert "retention_ms" not in settings and "retention_bytes" not in settings
 
 
 def test_refused_values_are_answered_and_store_nothing(server: Server) -> None:

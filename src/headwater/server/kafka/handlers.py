@@ -79,6 +79,7 @@ from headwater.protocols.kafka.records import (
     wire_producer_id,
 )
 from headwater.server.answers import AnswerBudget, AnswerRoom
+from headwater.server.topic_configs import TOPIC_CONFIGS, topic_settings
 from headwater.storage import kafka_batch
 from headwater.storage.batch import Batch, Headers
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
@@ -96,20 +97,6 @@ SPLICED = "spliced"
 hold and the buffers each stands for (:func:`.frames.encode_response_chunks`); kio's
 classes have no such field, so :func:`.build.build` leaves it out."""
 MAX_FETCH_WAIT_S = 30.0  # a client asking to be held longer is held this long
-
-# Kafka's topic configs and the stream settings they are (DescribeConfigs, CreateTopics).
-TOPIC_CONFIGS: dict[str, str] = {
-    "cleanup.policy": "cleanup_policy",
-    "retention.ms": "retention_ms",
-    "retention.bytes": "retention_bytes",
-    "segment.bytes": "segment_bytes",
-    "segment.ms": "segment_ms",
-    "delete.retention.ms": "delete_retention_ms",
-    "message.timestamp.type": "timestamp_type",
-}
-_INT_SETTINGS = frozenset(
-    ("retention_ms", "retention_bytes", "segment_bytes", "segment_ms", "delete_retention_ms")
-)
 
 
 def error_code(exc: HeadwaterError) -> ErrorCode:
@@ -283,35 +270,6 @@ async def metadata(session: Session, request: Any, version: int) -> Mapping[str,
     }
 
 
-_UNLIMITED = frozenset(("retention_ms", "retention_bytes"))  # -1: no limit, as in Kafka
-_JAVA_LONG = range(-(2**63), 2**63)
-
-
-def _settings_from_configs(configs: Sequence[Any]) -> dict[str, Any]:
-    settings: dict[str, Any] = {}
-    for config in configs:
-        setting = TOPIC_CONFIGS.get(config.name)
-        if setting is None:
-            raise InvalidRequest(f"topic config {config.name!r} is not supported")
-        value = config.value
-        if value is not None and setting in _INT_SETTINGS:
-            try:
-                value = int(value)
-            except ValueError:
-                raise InvalidRequest(f"{config.name} must be an integer") from None
-            if value not in _JAVA_LONG:
-                raise InvalidRequest(f"{config.name} {value} is not a 64-bit integer")
-            if value == -1 and setting in _UNLIMITED:
-                value = None
-        if value is not None and setting == "cleanup_policy":
-            # Kafka's "compact,delete" (Kafka Streams' windowed changelogs): compaction,
-            # with retention as set; headwater applies retention to every policy.
-            policies = {part.strip() for part in value.split(",")}
-            value = "compact" if policies == {"compact", "delete"} else value
-        settings[setting] = value
-    return settings
-
-
 @dataclass
 class _Outcome:
     """A topic's answer to CreateTopics, DeleteTopics or CreatePartitions."""
@@ -366,7 +324,10 @@ async def create_topics(session: Session, request: Any, version: int) -> Mapping
             else:
                 check_topic_name(topic.name, (s.name for s in api.list_streams(tenant)))
                 settings = StreamSettings.from_dict(
-                    {**_settings_from_configs(topic.configs), "partitions": partitions}
+                    {
+                        **topic_settings((c.name, c.value) for c in topic.configs),
+                        "partitions": partitions,
+                    }
                 )
                 if not request.validate_only:
                     await api.create_stream(tenant, topic.name, settings)

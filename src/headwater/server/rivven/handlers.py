@@ -41,6 +41,7 @@ from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.messages import record_key
 from headwater.server.answers import AnswerBudget, AnswerRoom
 from headwater.server.groups import GroupShells
+from headwater.server.topic_configs import TOPIC_CONFIGS, topic_settings
 
 BROKER_ID = 0  # this server: the one broker of every topic's metadata
 DEFAULT_MAX_MESSAGES = 1000  # a Consume that names no count
@@ -48,20 +49,8 @@ MAX_CONSUME_BYTES = 8 << 20  # what one Consume reads, below the 10 MiB frame
 MAX_WAIT_MS = 30_000  # longest long poll a Consume may ask for
 SESSION_EXPIRES_S = 3600  # what Authenticate tells the client (the token does not expire)
 
-# CreateTopic's config keys (Kafka's names, as Rivven takes them) and StreamSettings'.
-TOPIC_CONFIG_KEYS = {
-    "retention.ms": "retention_ms",
-    "retention.bytes": "retention_bytes",
-    "segment.bytes": "segment_bytes",
-    "segment.ms": "segment_ms",
-    "cleanup.policy": "cleanup_policy",
-    "delete.retention.ms": "delete_retention_ms",
-    "compression.type": "compression",
-    "message.timestamp.type": "timestamp_type",
-}
-_INT_SETTINGS = frozenset(
-    {"retention_ms", "retention_bytes", "segment_bytes", "segment_ms", "delete_retention_ms"}
-)
+# CreateTopic's config keys: Kafka's names, as Rivven takes them, and compression.
+TOPIC_CONFIG_KEYS = {**TOPIC_CONFIGS, "compression.type": "compression"}
 
 
 class PartitionNotFound(InvalidRequest):
@@ -228,23 +217,8 @@ async def list_topics(session: Session, request: pb.ListTopicsRequest) -> Messag
 
 
 def _settings(partitions: int, config: dict[str, str]) -> StreamSettings:
-    values: dict[str, Any] = {"partitions": partitions or 1}
-    for key, value in config.items():
-        name = TOPIC_CONFIG_KEYS.get(key)
-        if name is None:
-            raise InvalidRequest(
-                f"topic config {key!r} is not supported (one of {', '.join(TOPIC_CONFIG_KEYS)})"
-            )
-        if name in _INT_SETTINGS:
-            try:
-                values[name] = int(value)
-            except ValueError:
-                raise InvalidRequest(f"topic config {key} must be an integer") from None
-        else:
-            values[name] = value
-    settings = StreamSettings(**values)
-    settings.validate()
-    return settings
+    values = topic_settings(config.items(), TOPIC_CONFIG_KEYS)
+    return StreamSettings.from_dict({**values, "partitions": partitions or 1})
 
 
 async def create_topic(session: Session, request: pb.CreateTopicRequest) -> Message:
