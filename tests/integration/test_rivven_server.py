@@ -467,6 +467,31 @@ def test_create_topic_reads_kafkas_topic_configs_as_the_kafka_front_end_does(
     assert "retention_ms" not in settings and "retention_bytes" not in settings
 
 
+def test_a_consume_asking_for_every_tiny_record_gets_a_frame_of_them(server: Server) -> None:
+    # 1-byte records cost protobuf more than their stored bytes: a Consume with no
+    # count limit read 8 MiB of them, and its answer (about 14 MiB) was over the frame:
+    # MESSAGE_TOO_LARGE, every time, so such a client never got past them.
+    total = 700_000
+    with client(server) as rivven:
+        create_topic(rivven, "tiny", partitions=1)
+        for _ in range(total // 10_000):
+            records = [make_record(b"t")] * 10_000
+            batch = [pb.PartitionRecords(partition=0, records=records)]
+            rivven.ok(
+                pb.BatchPublishRequest(topic="tiny", partition_records=batch), "publish_batch"
+            )
+        offset = 0
+        while offset < total:
+            answer = rivven.ok(
+                pb.ConsumeRequest(topic="tiny", partition=0, offset=offset, max_messages=2**32 - 1),
+                "consume",
+            )
+            offsets = [record.offset for record in answer.records]
+            assert offsets and offsets == list(range(offset, offset + len(offsets)))
+            offset += len(offsets)
+    assert offset == total
+
+
 def test_refused_values_are_answered_and_store_nothing(server: Server) -> None:
     # A publish_batch with one partition's values over the append limit stored the other
     # partitions' records, then answered INVALID_REQUEST (a client that fixed and sent

@@ -37,6 +37,7 @@ from headwater.errors import (
     InvalidTxnState,
     ProducerFenced,
 )
+from headwater.protocols.rivven import MAX_FRAME
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.protocols.rivven.messages import record_key
 from headwater.server.answers import AnswerBudget, AnswerRoom
@@ -46,6 +47,12 @@ from headwater.server.topic_configs import TOPIC_CONFIGS, topic_settings
 BROKER_ID = 0  # this server: the one broker of every topic's metadata
 DEFAULT_MAX_MESSAGES = 1000  # a Consume that names no count
 MAX_CONSUME_BYTES = 8 << 20  # what one Consume reads, below the 10 MiB frame
+# Each record of an answer costs protobuf up to this much beside its stored bytes (its
+# offset, partition, timestamp, flags and lengths): at most this many records a
+# Consume keeps the answer within the frame however small they are (a client asking for
+# "as many as fit" got MESSAGE_TOO_LARGE for ever over 1-byte records).
+RECORD_OVERHEAD = 64
+MAX_CONSUME_MESSAGES = (MAX_FRAME - MAX_CONSUME_BYTES) // RECORD_OVERHEAD
 MAX_WAIT_MS = 30_000  # longest long poll a Consume may ask for
 SESSION_EXPIRES_S = 3600  # what Authenticate tells the client (the token does not expire)
 
@@ -433,7 +440,7 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
     if offset > end:
         raise InvalidOffset(f"offset {offset} is past partition {partition}'s end ({end})")
     max_bytes = min(request.max_bytes or MAX_CONSUME_BYTES, MAX_CONSUME_BYTES)
-    max_events = request.max_messages or DEFAULT_MAX_MESSAGES
+    max_events = min(request.max_messages or DEFAULT_MAX_MESSAGES, MAX_CONSUME_MESSAGES)
     wait_s = min(request.max_wait_ms, MAX_WAIT_MS) / 1000 if request.HasField("max_wait_ms") else 0
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
