@@ -277,6 +277,30 @@ def test_append_json_and_ndjson_then_read(srv: HttpApi, spec: dict[str, Any]) ->
     assert page["events"] == []
 
 
+def test_appended_json_keeps_its_numbers_as_sent(srv: HttpApi) -> None:
+    # Array elements were parsed into Python floats and written back: 1e400 became
+    # Infinity (not JSON), 0.10000000000000000555 became 0.1, 1E2 became 100.0. An
+    # element is stored as its text as sent, without the whitespace between tokens
+    # (inside strings kept).
+    srv.request("POST", "/api/streams", {"name": "numbers"})
+    body = (
+        b'[1e400, {"p": 0.10000000000000000555, "s": "a  b \\" c"}, '
+        b"12345678901234567890.5 , 1E2, [1, -0.0 ,2]]"
+    )
+    status, res, _ = srv.request(
+        "POST", "/api/streams/numbers/events", raw=body, content_type="application/json"
+    )
+    assert status == 200, res
+    status, page, _ = srv.request("GET", "/api/streams/numbers/events")
+    assert [e["value"] for e in page["events"]] == [
+        "1e400",
+        '{"p":0.10000000000000000555,"s":"a  b \\" c"}',
+        "12345678901234567890.5",
+        "1E2",
+        "[1,-0.0,2]",
+    ]
+
+
 @pytest.mark.parametrize(
     "query", ["from=-1", "from=x", "limit=0", "limit=10001", "from=5&to=2", "tenant=abc"]
 )
@@ -322,6 +346,11 @@ def _next_offset(srv: HttpApi, name: str) -> int:
         # A time past a signed 64-bit ms count once failed inside as a retryable 500.
         (b'{"records": [{"value": "a", "timestamp_ms": 9223372036854775808}]}', "application/json"),
         (b'{"records": [{"value": "a", "timestamp_ms": -1}]}', "application/json"),
+        # NaN and Infinity are not JSON (Python's json reads them: they were stored).
+        (b'["ok", NaN]', "application/json"),
+        (b'[{"a": -Infinity}]', "application/json"),
+        (b'{"ok": 1}\n{"a": Infinity}\n', "application/x-ndjson"),
+        (b"NaN\n", "application/x-ndjson"),
     ],
 )
 def test_append_rejects_and_stores_nothing(srv: HttpApi, raw: bytes, content_type: str) -> None:

@@ -155,14 +155,32 @@ def parse_records(data: dict[str, Any]) -> Records:
     )
 
 
+class _NotJson(ValueError):
+    """NaN, Infinity or -Infinity: Python's json reads them, JSON (RFC 8259) has none."""
+
+
+def _not_json(name: str) -> Any:
+    raise _NotJson(name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
+_SPACE = re.compile(r"[ \t\n\r]*")
+# JSON text without its insignificant whitespace: strings are kept whole (escapes and
+# all), the whitespace between tokens dropped, every other character kept as sent.
+_STRING_OR_SPACE = re.compile(r'("(?:[^"\\]|\\.)*")|[ \t\n\r]+')
+
+
 def decode_json(data: bytes, what: str) -> Any:
     """``data`` parsed as JSON; InvalidRequest (400) saying why ``what`` (e.g. "the
-    body") is not valid JSON, or is nested too deeply to parse (``[[[...`` by the
-    ten thousand: Python's recursion limit, which must not become a 500)."""
+    body") is not valid JSON (NaN and Infinity, which Python reads, are not), or is
+    nested too deeply to parse (``[[[...`` by the ten thousand: Python's recursion
+    limit, which must not become a 500)."""
     try:
-        value = json.loads(data)
+        value = _DECODER.decode(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InvalidRequest(f"{what} is not valid JSON: {exc}") from None
+    except _NotJson as exc:
+        raise InvalidRequest(f"{what} is not valid JSON: {exc} is not a JSON value") from None
     except RecursionError:
         raise InvalidRequest(f"{what} is JSON nested too deeply to parse") from None
     if _SURROGATE_ESCAPE.search(data) is not None and _has_lone_surrogate(value):
@@ -171,6 +189,26 @@ def decode_json(data: bytes, what: str) -> Any:
             " not in a pair): not valid Unicode, which nothing could store or send on"
         )
     return value
+
+
+def _array_items(body: bytes) -> list[tuple[Any, str]]:
+    """Each element of a JSON array body, parsed and as its text was sent (a number's
+    digits as written: parsed, 0.10000000000000000555 became 0.1, 1e400 Infinity and
+    1E2 100.0). InvalidRequest as :func:`decode_json`."""
+    value = decode_json(body, "the body")
+    if not isinstance(value, list):
+        raise InvalidRequest("the body must be a JSON array of events (or NDJSON)")
+    # The array is valid JSON, so a walk from element to element cannot fail: after
+    # each one, whitespace, a comma (or the closing bracket), whitespace.
+    text = body.decode()
+    space = _SPACE.match
+    at = space(text, space(text).end() + 1).end()  # type: ignore[union-attr]
+    sent: list[str] = []
+    for _ in value:
+        end = _DECODER.raw_decode(text, at)[1]
+        sent.append(text[at:end])
+        at = space(text, space(text, end).end() + 1).end()  # type: ignore[union-attr]
+    return list(zip(value, sent, strict=True))
 
 
 # JSON's \uD800-\uDFFF escapes are the only way a parsed string can hold a surrogate.
@@ -218,7 +256,9 @@ def _check_limits(values: list[bytes]) -> list[bytes]:
     return values
 
 
-def _value_bytes(item: Any, index: int, base64_strings: bool) -> bytes:
+def _value_bytes(item: Any, sent: str, index: int, base64_strings: bool) -> bytes:
+    """An array element's stored bytes: a string's UTF-8 (or its base64's bytes), any
+    other value its JSON text as ``sent`` without the whitespace between tokens."""
     if isinstance(item, str):
         if base64_strings:
             decoded = _decode_base64(item)
@@ -228,16 +268,16 @@ def _value_bytes(item: Any, index: int, base64_strings: bool) -> bytes:
         return item.encode()
     if item is None:
         raise InvalidRequest(f"event {index} is null; send a string, number, object or array")
-    return json.dumps(item, separators=(",", ":"), ensure_ascii=False).encode()
+    return _STRING_OR_SPACE.sub(lambda m: m.group(1) or "", sent).encode()
 
 
 def parse_json_array(body: bytes, *, base64_strings: bool = False) -> list[bytes]:
     """A JSON array body: strings become their UTF-8 bytes (or base64-decoded bytes),
-    anything else its compact JSON text."""
-    data = decode_json(body, "the body")
-    if not isinstance(data, list):
-        raise InvalidRequest("the body must be a JSON array of events (or NDJSON)")
-    return _check_limits([_value_bytes(item, i, base64_strings) for i, item in enumerate(data)])
+    anything else its JSON text as sent, without the whitespace between tokens."""
+    items = _array_items(body)
+    return _check_limits(
+        [_value_bytes(item, sent, i, base64_strings) for i, (item, sent) in enumerate(items)]
+    )
 
 
 def parse_ndjson(body: bytes) -> list[bytes]:
