@@ -558,7 +558,17 @@ class SqlService:
             return QueryResult([], [])
         columns = list(rel.columns)
         type_ids = [str(t.id) for t in rel.types]
-        table = self._bounded_table(rel)
+        exported = rel
+        if "time with time zone" in type_ids:
+            # DuckDB exports TIME WITH TIME ZONE to Arrow as a time64: the UTC offset is
+            # lost (12:34:56+02 read back 12:34:56). Its text, DuckDB's, keeps it.
+            exported = rel.project(
+                ", ".join(
+                    f"CAST(#{i} AS VARCHAR)" if type_id == "time with time zone" else f"#{i}"
+                    for i, type_id in enumerate(type_ids, start=1)
+                )
+            )
+        table = self._bounded_table(exported)
 
         def text_cast(column: pa.ChunkedArray) -> list[Any]:
             cur.register("hw_text", pa.table({"c": column}))
