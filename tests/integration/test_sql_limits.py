@@ -220,6 +220,32 @@ def test_a_result_past_sql_result_mib_is_refused_and_the_server_stays_small(
     assert post_sql(server, "SELECT 1 AS one") == (200, {"columns": ["one"], "rows": [[1]]})
 
 
+def test_an_insert_past_the_append_limits_is_refused_before_its_source_is_read_whole(
+    make_server: Callable[..., Server],
+) -> None:
+    # The INSERT's whole source became Arrow before the 10,000-row check: a million
+    # rows of 1 KB took the server from 170 MiB to a peak of 2.3 GiB, then were refused.
+    server = make_server(config=limits(sql_concurrency=1), listen=HTTP)
+    assert post_sql(server, "SELECT 1 AS one")[0] == 200
+    with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
+        hw.create_stream("sink")
+        before = rss_mib(server, "VmRSS")
+        for source in (
+            "SELECT repeat('x', 1000) FROM range(1000000)",  # too many rows
+            # 10,000 rows of 400 MB: DuckDB still makes one vector (2048 rows) of them.
+            "SELECT repeat('x', 40000) FROM range(10000)",
+        ):
+            status, body = post_sql(server, f"INSERT INTO sink (data) {source}")
+            assert status == 422, body
+            assert "INSERT appends at most 10000 rows and 4 MiB" in body["error"]["message"]
+        peak = rss_mib(server, "VmHWM")
+        assert peak - before < 150, f"RSS grew from {before:.0f} to a peak of {peak:.0f} MiB"
+        assert hw.stream_info("sink").next_offset == 0  # nothing stored
+        status, body = post_sql(server, "INSERT INTO sink (data) SELECT 'x' FROM range(10000)")
+        assert status == 200, body
+        assert hw.stream_info("sink").next_offset == 10_000
+
+
 def test_one_tenants_backlog_of_scans_does_not_starve_another_tenant(
     make_server: Callable[..., Server],
 ) -> None:

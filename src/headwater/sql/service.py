@@ -36,7 +36,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from headwater.engine.engine import MAX_APPEND_EVENTS
+from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
 from headwater.engine.transactions import stable_position
 from headwater.errors import (
     HeadwaterError,
@@ -82,6 +82,7 @@ class _Rows:
 
 # Rows per Arrow batch taken from DuckDB while a result is measured against its bound.
 _RESULT_BATCH_ROWS = 2048  # DuckDB's vector: a wide row makes a batch no bigger than it must
+_INSERT_BATCH_ROWS = 256  # an INSERT's source is read this many rows at a time
 
 
 # A result value's cost past its Arrow bytes: the Python object, its slot in the row,
@@ -604,7 +605,7 @@ class SqlService:
         if rel is None:
             raise QueryExecutionError("the INSERT source produced no rows")
         names = [c.lower() for c in rel.columns]
-        table = rel.to_arrow_table()
+        table = self._insert_rows(rel)
         if plan.columns is not None:
             if len(plan.columns) != len(names):
                 raise QueryExecutionError(
@@ -619,10 +620,6 @@ class SqlService:
             raise QueryExecutionError("INSERT INTO a stream needs a column list: (data) or (json)")
         if "data" not in targets and "json" not in targets:
             raise QueryExecutionError("INSERT INTO a stream gives data or json")
-        if table.num_rows > MAX_APPEND_EVENTS:
-            raise QueryExecutionError(
-                f"INSERT appends at most {MAX_APPEND_EVENTS} rows at once, not {table.num_rows}"
-            )
         if table.num_rows == 0:
             return _Rows(target, [])
         event: pa.Array | None = None
@@ -635,6 +632,29 @@ class SqlService:
         if event.null_count:
             raise QueryExecutionError("every inserted row needs a non-NULL data or json value")
         return _Rows(target, event.to_pylist())
+
+    @staticmethod
+    def _insert_rows(rel: duckdb.DuckDBPyRelation) -> pa.Table:
+        """An INSERT's source rows, read no further than an append takes: past
+        MAX_APPEND_EVENTS rows, or twice MAX_APPEND_BYTES of Arrow (the events are made
+        of it; the margin is for offsets and columns they are not made of: the append
+        checks the events exactly), it is refused having read only that much (the whole
+        source was taken first: a million-row SELECT grew the server by a gigabyte
+        before its refusal)."""
+        reader = rel.limit(MAX_APPEND_EVENTS + 1).to_arrow_reader(_INSERT_BATCH_ROWS)
+        batches: list[pa.RecordBatch] = []
+        rows = size = 0
+        for batch in reader:
+            rows += batch.num_rows
+            size += batch.nbytes
+            if rows > MAX_APPEND_EVENTS or size > 2 * MAX_APPEND_BYTES:
+                reader.close()
+                raise QueryExecutionError(
+                    f"INSERT appends at most {MAX_APPEND_EVENTS} rows and"
+                    f" {MAX_APPEND_BYTES >> 20} MiB at once: split the source (LIMIT, WHERE)"
+                )
+            batches.append(batch)
+        return pa.Table.from_batches(batches, schema=reader.schema)
 
     @staticmethod
     def _data_bytes(column: pa.ChunkedArray) -> pa.Array:
