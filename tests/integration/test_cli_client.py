@@ -151,6 +151,30 @@ def test_numbers_past_the_wire_are_one_line_not_a_traceback(
     assert str(10**20 + 1) in out
 
 
+def test_values_that_look_like_markup_and_repeated_column_names_are_printed_as_they_are(
+    shared_server: Any, sdk_cli_env: dict[str, str]
+) -> None:
+    # The table was drawn as Rich markup: a value "[/x]" crashed the command (MarkupError,
+    # exit 1), "[bold]important[/bold]" lost its brackets and a column "[red]col" printed
+    # "col". And --format json made one object of the row: a repeated name kept only its
+    # last value.
+    sql = "SELECT '[/x]' AS v, '[bold]important[/bold]' AS \"[red]col\""
+    table = ok(cli("sql", sql, server=shared_server, env=sdk_cli_env))
+    for text in ("[/x]", "[bold]important[/bold]", "[red]col"):
+        assert text in table, table
+    rows = ok(
+        cli(
+            "sql",
+            "SELECT 'a' AS x, 'b' AS x, 'c' AS x_1",
+            "--format",
+            "json",
+            server=shared_server,
+            env=sdk_cli_env,
+        )
+    )
+    assert json.loads(rows) == {"x": "a", "x_2": "b", "x_1": "c"}
+
+
 def test_append_from_a_file(
     shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str], tmp_path: Path
 ) -> None:

@@ -17,12 +17,13 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     Progress,
@@ -56,9 +57,11 @@ UNCUT_WIDTH = 1 << 15
 
 
 def stdout_console() -> Console:
-    """A console on stdout: the terminal's width on a terminal, else uncut."""
+    """A console on stdout: the terminal's width on a terminal, else uncut. Nothing it
+    prints is read as markup (a line of ours that wants it says markup=True): it prints
+    data, where ``[/x]`` is a value, not a style (it crashed a table, or vanished)."""
     uncut = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-    return Console(highlight=False, width=UNCUT_WIDTH if uncut else None)
+    return Console(highlight=False, markup=False, width=UNCUT_WIDTH if uncut else None)
 
 
 out = stdout_console()
@@ -748,10 +751,11 @@ def cmd_sql(args: argparse.Namespace) -> int:
     else:
         import json
 
+        names = unique_names(result.columns)
         records = [
             {
                 c: (v if isinstance(v, int | str | bool) or v is None else format_cell(v))
-                for c, v in zip(result.columns, row, strict=True)
+                for c, v in zip(names, row, strict=True)
             }
             for row in result.rows
         ]
@@ -761,6 +765,23 @@ def cmd_sql(args: argparse.Namespace) -> int:
             for record in records:
                 sys.stdout.write(json.dumps(record) + "\n")
     return 0
+
+
+def unique_names(columns: Sequence[str]) -> list[str]:
+    """Column names as JSON object keys: a name already taken gets ``_1``, ``_2``... (the
+    first free), as DuckDB names them (``SELECT 'a' AS x, 'b' AS x`` printed only
+    ``{"x": "b"}``: the first value was lost)."""
+    taken = set(columns)  # a suffixed name must not take a later column's own
+    used: set[str] = set()
+    names: list[str] = []
+    for column in columns:
+        name, n = column, 0
+        while name in used or (name != column and name in taken):
+            n += 1
+            name = f"{column}_{n}"
+        used.add(name)
+        names.append(name)
+    return names
 
 
 def _print_result(result: QueryResult) -> None:
@@ -784,8 +805,9 @@ def _report(what: str, events: int, nbytes: int, seconds: float, extra: str = ""
     out.print(
         f"{what}: {events:,} events, {human_bytes(nbytes)} in {seconds:.2f} s: "
         f"[bold]{events / seconds:,.0f} events/s[/], "
-        f"[bold]{nbytes / seconds / 1e6:,.1f} MB/s[/]{extra}",
+        f"[bold]{nbytes / seconds / 1e6:,.1f} MB/s[/]{escape(extra)}",
         soft_wrap=True,
+        markup=True,
     )
 
 

@@ -206,7 +206,8 @@ def cmd_entity_watch(args: argparse.Namespace) -> int:
             sub.wait_bootstrapped()
         say(f"watching {kind.name} (Ctrl-C to stop)", err)
         if as_table:
-            console = Console(force_terminal=args.format == "table" or None)
+            # Keys and fields are data: not read as markup (a "[/k]" key crashed it).
+            console = Console(force_terminal=args.format == "table" or None, markup=False)
             with Live(
                 _watch_table(kind, sub, args.rows, changes),
                 console=console,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 import headwater
 from headwater.cli.admin_cmds import add_admin_commands
@@ -164,7 +165,9 @@ def _check(args: argparse.Namespace) -> int:
         rel = report.path.relative_to(args.data_dir)
         for seg in report.segments:
             status = (
-                "[green]ok[/]" if not seg.problems else "[red]" + "; ".join(seg.problems) + "[/]"
+                Text("ok", style="green")
+                if not seg.problems
+                else Text("; ".join(seg.problems), style="red")
             )
             damaged += bool(seg.problems)
             table.add_row(
@@ -201,20 +204,22 @@ def _check(args: argparse.Namespace) -> int:
         unrepaired += bool(projection.problems) and not projection.repaired
     if damaged or metadata_problems or unrepaired:
         if damaged:
-            out.print(f"[red]{damaged} of {segments} segments damaged[/]")
+            out.print(f"[red]{damaged} of {segments} segments damaged[/]", markup=True)
         if metadata_problems:
-            out.print(f"[red]{len(metadata_problems)} metadata problems[/]")
+            out.print(f"[red]{len(metadata_problems)} metadata problems[/]", markup=True)
         if unrepaired:
             out.print(
                 f"[red]{unrepaired} stream partitions' SQL projection files do not match the "
                 "log[/] "
-                "(stop the server and run with --repair to rebuild them)"
+                "(stop the server and run with --repair to rebuild them)",
+                markup=True,
             )
         return 1
     files = sum(r.files for r in projections)
     out.print(
         f"[green]{segments} segments in {len(reports)} partitions: all CRCs and indexes ok; "
-        f"metadata ok; {files} SQL projection files match the log[/]"
+        f"metadata ok; {files} SQL projection files match the log[/]",
+        markup=True,
     )
     return 0
 
