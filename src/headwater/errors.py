@@ -157,6 +157,12 @@ class StreamQuotaExceeded(InvalidRequest):
     limit: ClassVar[str] = "max_streams_per_tenant"
 
 
+class AppendTooLarge(InvalidRequest):
+    """An append carrying more than MAX_APPEND_BYTES (4 MiB) of events. InvalidRequest
+    on the wire; the Kafka and Rivven front ends answer MESSAGE_TOO_LARGE, as Kafka does
+    for a record over its limit."""
+
+
 class BatchTooLarge(InvalidRequest):
     """An append whose stored batch would not fit one segment of its stream
     (``segment_bytes``): a batch never spans segments. InvalidRequest on the wire;

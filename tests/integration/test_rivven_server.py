@@ -509,7 +509,12 @@ def test_refused_values_are_answered_and_store_nothing(server: Server) -> None:
                 ],
             )
         )
-        assert over.code == ErrorCode.INVALID_REQUEST and "bytes of values" in over.message
+        assert over.code == ErrorCode.MESSAGE_TOO_LARGE and "bytes of values" in over.message
+        # One record over the 4 MiB an append takes: as Kafka answers it (it was
+        # INVALID_REQUEST).
+        big = make_record(b"x" * ((4 << 20) + 1))
+        alone = rivven.error(pb.PublishRequest(topic="refusals", partition=0, record=big))
+        assert alone.code == ErrorCode.MESSAGE_TOO_LARGE, alone
         negative = [
             pb.IdempotentPublishRequest(
                 topic="refusals",

@@ -25,6 +25,7 @@ import numpy as np
 from headwater.engine.names import RESERVED_PREFIXES, check_stream_name
 from headwater.engine.partitioner import Partitioner
 from headwater.errors import (
+    AppendTooLarge,
     BatchTooLarge,
     HeadwaterError,
     InternalError,
@@ -954,7 +955,7 @@ class Engine:
         if not 1 <= count <= MAX_APPEND_EVENTS:
             raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
         if sum(map(len, values)) > MAX_APPEND_BYTES:
-            raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+            raise AppendTooLarge(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
         for name, column in (
             ("keys", keys),
             ("headers", headers),
@@ -1165,7 +1166,7 @@ class Engine:
             raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
         if payload > MAX_APPEND_BYTES:
-            raise InvalidRequest(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
+            raise AppendTooLarge(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")
         # A batch never spans segments: refuse before a position is claimed for it.
         segment_bytes = plog.config.segment_bytes
         if HEADER_SIZE + len(values_section) > segment_bytes:

@@ -26,7 +26,9 @@ from google.protobuf.message import Message
 
 from headwater.engine.kinds.reader import Buffer
 from headwater.errors import (
+    AppendTooLarge,
     AuthenticationFailed,
+    BatchTooLarge,
     HeadwaterError,
     InvalidOffset,
     InvalidRequest,
@@ -272,6 +274,9 @@ _ERROR_CODES: tuple[tuple[type[HeadwaterError], ErrorCode], ...] = (
     (NotEnoughReplicas, ErrorCode.REPLICA_NOT_AVAILABLE),
     (RateLimited, ErrorCode.QUOTA_EXCEEDED),
     (AuthenticationFailed, ErrorCode.UNAUTHORIZED),
+    # Over the 4 MiB an append takes, or a segment: as Kafka answers a record too large.
+    (AppendTooLarge, ErrorCode.MESSAGE_TOO_LARGE),
+    (BatchTooLarge, ErrorCode.MESSAGE_TOO_LARGE),
     (InvalidRequest, ErrorCode.INVALID_REQUEST),
 )
 

@@ -47,6 +47,7 @@ from headwater.engine.kinds.reader import Buffer
 from headwater.engine.names import InvalidName, check_topic_name
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
+    AppendTooLarge,
     BatchTooLarge,
     HeadwaterError,
     InvalidOffset,
@@ -117,6 +118,8 @@ def error_code(exc: HeadwaterError) -> ErrorCode:
         return ErrorCode.policy_violation
     if isinstance(exc, BatchTooLarge):
         return ErrorCode.record_list_too_large
+    if isinstance(exc, AppendTooLarge):
+        return ErrorCode.message_too_large
     if isinstance(exc, InvalidOffset):
         return ErrorCode.offset_out_of_range
     if isinstance(exc, InvalidName):

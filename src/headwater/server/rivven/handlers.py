@@ -31,6 +31,7 @@ from headwater.engine.groups.coordinator import NO_GENERATION
 from headwater.engine.partitioner import keyed_partition
 from headwater.engine.transactions import ProducerIdentity
 from headwater.errors import (
+    AppendTooLarge,
     AuthenticationFailed,
     InvalidOffset,
     InvalidRequest,
@@ -358,7 +359,7 @@ async def publish_batch(session: Session, request: pb.BatchPublishRequest) -> Me
             )
         # Checked before any partition is written: a refusal stores nothing.
         if sum(len(record.value) for record in entry.records) > MAX_APPEND_BYTES:
-            raise InvalidRequest(
+            raise AppendTooLarge(
                 f"partition {entry.partition}: a batch carries at most {MAX_APPEND_BYTES}"
                 " bytes of values"
             )
