@@ -610,12 +610,16 @@ def test_kcat_lists_produces_and_consumes(server: Server) -> None:
 # ---- SASL -----------------------------------------------------------------------------
 
 TOKEN = "s3cret"
+ORPHAN_TOKEN = "orphan"  # grants only a tenant the server does not have
 AUTH_CONFIG = f"""
 [auth]
 required = true
 [[auth.tokens]]
 token = "{TOKEN}"
 tenants = [0]
+[[auth.tokens]]
+token = "{ORPHAN_TOKEN}"
+tenants = [9]
 """
 
 
@@ -650,6 +654,29 @@ def test_sasl_plain_wrong_password_is_an_authentication_error(auth_server: Serve
     produce(auth_server, topic, [{"value": b"authed"}], **SASL, **{"sasl.password": TOKEN})
     got = consume(auth_server, topic, 1, partitions=1, **SASL, **{"sasl.password": TOKEN})
     assert got[0].value() == b"authed"
+
+
+def test_a_token_of_a_tenant_the_server_lacks_is_refused_at_authentication(
+    auth_server: Server,
+) -> None:
+    # It authenticated, then every request failed and the connection dropped:
+    # librdkafka said only "Broker transport failure". Now SASL refuses it, saying why.
+    errors: list[KafkaError] = []
+    orphan = Producer(
+        {
+            "bootstrap.servers": bootstrap(auth_server),
+            **SASL,
+            "sasl.password": ORPHAN_TOKEN,
+            "error_cb": errors.append,
+        }
+    )
+
+    def refused() -> bool:
+        orphan.poll(0.1)
+        return any(e.code() == KafkaError._AUTHENTICATION for e in errors)
+
+    wait_until(refused, DEADLINE_S, f"no authentication error: {errors}")
+    assert any("tenant 9 does not exist" in e.str() for e in errors), errors
 
 
 def test_without_sasl_an_auth_server_serves_nothing(auth_server: Server) -> None:

@@ -38,6 +38,9 @@ required = true
 [[auth.tokens]]
 token = "{TOKEN}"
 tenants = [0]
+[[auth.tokens]]
+token = "orphan"
+tenants = [9]
 """
 LIMITS_CONFIG = f"""
 [limits]
@@ -570,6 +573,13 @@ def test_required_auth_refuses_until_a_token_is_presented(secured: Server) -> No
             pb.AuthenticateRequest(plain=pb.PlainAuth(username="u", password="wrong"))
         )
         assert wrong.code == ErrorCode.UNAUTHORIZED
+        # A token granting only a tenant the server lacks: refused here, not every
+        # request after it (UNKNOWN "tenant 9 does not exist").
+        orphan = rivven.error(
+            pb.AuthenticateRequest(plain=pb.PlainAuth(username="u", password="orphan"))
+        )
+        assert orphan.code == ErrorCode.UNAUTHORIZED
+        assert "tenant 9 does not exist" in orphan.message
         rivven.authenticate(TOKEN)
         rivven.ok(pb.ListTopicsRequest(), "list_topics")
 

@@ -71,7 +71,13 @@ from headwater.engine.transactions import (
     create_state_stream,
     write_marker,
 )
-from headwater.errors import InvalidOffset, InvalidRequest, OffsetRemoved
+from headwater.errors import (
+    AuthenticationFailed,
+    InvalidOffset,
+    InvalidRequest,
+    OffsetRemoved,
+    TenantNotFound,
+)
 from headwater.sql.kinds import KindTables
 from headwater.sql.limits import SqlLimits
 from headwater.sql.records import RecordsCursor
@@ -408,6 +414,21 @@ class EngineAPI:
     def check_tenant(self, tenant_id: int) -> None:
         """TenantNotFound unless ``tenant_id`` exists."""
         self._engine.tenant(tenant_id)
+
+    def session_tenant(self, principal: Principal) -> int:
+        """The tenant a session whose wire names none acts for (Kafka's, Rivven's): the
+        principal's lowest. AuthenticationFailed when this server has no such tenant: a
+        token granting only tenants ``[[tenants]]`` does not declare authenticated, then
+        every request failed (Rivven: UNKNOWN; Kafka: the connection dropped)."""
+        tenant_id = principal.default_tenant
+        try:
+            self.check_tenant(tenant_id)
+        except TenantNotFound:
+            raise AuthenticationFailed(
+                f"the token's tenant {tenant_id} does not exist on this server"
+                " (no [[tenants]] entry declares it)"
+            ) from None
+        return tenant_id
 
     def tenant_named(self, name: str) -> int | None:
         """The id of the tenant ``name`` names (``[[tenants]] name``), None when none

@@ -297,6 +297,7 @@ class KafkaConnection(TaskPerRequestConnection):
                 raise AuthenticationFailed(
                     f"SaslHandshake with a mechanism of {', '.join(SASL_MECHANISMS)} first"
                 )
+            tenant_id = self.api.session_tenant(principal)
         except AuthenticationFailed as exc:
             log.warning("kafka %s: SASL authentication failed: %s", self.guard.peer, exc)
             answer["error_code"] = ErrorCode.sasl_authentication_failed
@@ -305,7 +306,7 @@ class KafkaConnection(TaskPerRequestConnection):
             self._sasl_failed = True
             self.session.authenticated = False
             return answer
-        self.session.tenant_id = principal.default_tenant
+        self.session.tenant_id = tenant_id
         self.session.authenticated = True
         self.guard.authenticated()
         return answer

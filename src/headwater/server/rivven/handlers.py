@@ -166,9 +166,11 @@ Handler = Callable[[Session, Any], Awaitable[Message]]
 async def authenticate(session: Session, request: pb.AuthenticateRequest) -> Message:
     if request.WhichOneof("mechanism") != "plain":
         raise AuthenticationFailed("headwater takes PLAIN authentication (the token as password)")
-    session.principal = session.api.authenticate(request.plain.password or None)
+    principal = session.api.authenticate(request.plain.password or None)
+    tenant_id = session.api.session_tenant(principal)
+    session.principal = principal
     return pb.AuthenticateResponse(
-        session_id=f"tenant-{session.principal.default_tenant}",
+        session_id=f"tenant-{tenant_id}",
         expires_in=SESSION_EXPIRES_S,
     )
 
