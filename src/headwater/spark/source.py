@@ -268,6 +268,12 @@ class HeadwaterBatchReader(DataSourceReader):
                         _resolve(offsets.at(partition), bounds.start, bounds.end, where, option)
                         for offsets, option in ends
                     )
+                    if start > end:
+                        # As Spark's Kafka source: a range backwards is the options'
+                        # mistake, not an empty read (it read nothing, silently).
+                        raise UsageError(
+                            f"{where}: startingOffsets {start} is past endingOffsets {end}"
+                        )
                     if start < bounds.start:
                         if options.fail_on_data_loss:
                             raise DataLossError(

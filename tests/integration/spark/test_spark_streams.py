@@ -551,6 +551,15 @@ def test_batch_read_offset_forms_latest_and_minus_one(
             sdk_stream_name,
             endingOffsets=json.dumps({sdk_stream_name: {"0": -2}}),
         ).collect()
+    # A range backwards: refused, as Spark's Kafka source does (it read nothing, silently).
+    with pytest.raises(Exception, match=r"startingOffsets 8 is past endingOffsets 5"):
+        _read(
+            spark,
+            shared_server.address,
+            sdk_stream_name,
+            startingOffsets=json.dumps({sdk_stream_name: {"0": 8}}),
+            endingOffsets=json.dumps({sdk_stream_name: {"0": 5}}),
+        ).collect()
 
 
 AUTH_CONFIG = """
