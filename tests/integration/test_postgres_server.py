@@ -591,6 +591,48 @@ def test_pandas_read_sql_through_sqlalchemy(server: Server) -> None:
     assert frame["qty"].dtype.kind == "i" and frame["ts"].dtype.kind == "M"
 
 
+def test_sqlalchemy_reflects_a_stream_and_pandas_reads_it_by_name(server: Server) -> None:
+    """SQLAlchemy's PostgreSQL reflection (Table(autoload_with=...), what
+    pandas.read_sql_table and read_sql of a table name run): its catalog queries use
+    CAST(... AS REGCLASS), pg_get_serial_sequence, json_build_object, pg_sequence,
+    pg_opclass, pg_tablespace and current_setting of a parameter."""
+    stream = new_stream(server)
+    done = psql(server, f"INSERT INTO {stream} (data) VALUES ('a'), ('b')")
+    assert done.returncode == 0, done.stderr
+    engine = sqlalchemy.create_engine(
+        f"postgresql+psycopg://analyst:{TOKEN}@127.0.0.1:{server.ports['postgres']}/0"
+    )
+    try:
+        inspector = sqlalchemy.inspect(engine)
+        columns = [(c["name"], str(c["type"])) for c in inspector.get_columns(stream)]
+        keys = inspector.get_pk_constraint(stream)
+        others = [
+            inspector.get_foreign_keys(stream),
+            inspector.get_indexes(stream),
+            inspector.get_unique_constraints(stream),
+            inspector.get_check_constraints(stream),
+        ]
+        table = sqlalchemy.Table(stream, sqlalchemy.MetaData(), autoload_with=engine)
+        by_table = pandas.read_sql_table(stream, engine)
+        by_name = pandas.read_sql(stream, engine)
+    finally:
+        engine.dispose()
+    assert columns == [
+        ("offset", "BIGINT"),
+        ("position", "BIGINT"),
+        ("ts", "TIMESTAMP"),
+        ("data", "BYTEA"),
+        ("json", "JSON"),
+    ]
+    assert keys == {"name": None, "constrained_columns": []}
+    assert others == [[], [], [], []]
+    assert [column.name for column in table.columns] == [name for name, _ in columns]
+    for frame in (by_table, by_name):
+        assert list(frame.columns) == [name for name, _ in columns]
+        assert frame["data"].tolist() == [b"a", b"b"]
+        assert frame["offset"].tolist() == [0, 1] and frame["ts"].dtype.kind == "M"
+
+
 def test_describe_a_prepared_statement_before_bind(server: Server) -> None:
     """libpq's PQprepare and PQdescribePrepared (what JDBC-style clients do): the
     parameter types and result columns of a statement never executed."""

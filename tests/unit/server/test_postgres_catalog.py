@@ -95,3 +95,19 @@ def test_text_beyond_ascii_before_the_catalog(cur: duckdb.DuckDBPyConnection) ->
     assert run(cur, "SELECT 'ünï' AS u, relname FROM pg_catalog.pg_class -- é") == [
         ("ünï", "trades")
     ]
+
+
+def test_sqlalchemy_spellings(cur: duckdb.DuckDBPyConnection) -> None:
+    """CAST(x AS REGCLASS) of a literal or a parameter (a name or an oid), a call
+    translated to a constant that keeps its parameters (DuckDB refuses unused ones) and
+    current_setting of a parameter, as SQLAlchemy's reflection sends them."""
+    sql = (
+        "SELECT CAST('trades' AS REGCLASS) = c.oid, CAST($1 AS REGCLASS) = c.oid,"
+        " CAST($2 AS REGCLASS), pg_catalog.pg_get_constraintdef(c.oid, $3),"
+        " current_setting($4::VARCHAR), CAST(c.relname AS pg_catalog.name)"
+        " FROM pg_catalog.pg_class c"
+    )
+    params = ["main.trades", 5, True, "search_path"]
+    assert cur.sql(rewrite(sql, DEFAULT_SETTINGS), params=params).fetchall() == [
+        (True, True, 5, None, "main", "trades")
+    ]

@@ -16,8 +16,9 @@ So a statement that names the catalog is rewritten before it runs:
   ``duckdb_views()`` / ``duckdb_columns()`` of the statement's own snapshot (the
   tenant's streams and kinds: each a table, ``relkind 'r'``, in schema ``main``), with
   the type OIDs and names of :mod:`headwater.protocols.postgres.types`;
-* casts to ``regclass`` / ``regtype`` / ``regnamespace`` of a literal look the name up
-  in those relations; other ``reg*`` casts are dropped (the value is the oid);
+* casts to ``regclass`` / ``regtype`` / ``regnamespace`` of a literal or a parameter
+  (``'t'::regclass``, ``CAST($1 AS REGCLASS)``) look the name up in those relations;
+  other ``reg*`` casts are dropped (the value is the oid);
 * the PostgreSQL functions in :data:`FUNCTIONS` become DuckDB expressions, a scalar
   function in a FROM list becomes a one-row ``unnest``, and ``current_setting('x')``
   of a session setting is the session's value.
@@ -28,6 +29,7 @@ runs in DuckDB. Statements that name none of it are passed through untouched.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -109,17 +111,29 @@ _TYPMOD = (
     "THEN ((c.numeric_precision << 16) | c.numeric_scale) + 4 ELSE -1 END"
 )
 
-# Nothing in headwater has a comment, a default, an index, a key, a policy, a statistics
-# object, a publication, a parent table, an access method or an extension, and it has no
-# roles: these relations are empty, with the columns PostgreSQL's tools read.
+# Nothing in headwater has a comment, a default, an index, a key, a sequence, a policy, a
+# statistics object, a publication, a parent table, an access method, an operator class,
+# a tablespace or an extension, and it has no roles: these relations are empty, with the
+# columns PostgreSQL's tools read.
 EMPTY = {
     "pg_description": "objoid BIGINT, classoid BIGINT, objsubid INTEGER, description VARCHAR",
     "pg_attrdef": "oid BIGINT, adrelid BIGINT, adnum SMALLINT, adbin VARCHAR",
-    "pg_index": "indexrelid BIGINT, indrelid BIGINT, indnatts SMALLINT, indkey SMALLINT[],"
-    " indisprimary BOOLEAN, indisunique BOOLEAN, indisvalid BOOLEAN, indisclustered BOOLEAN,"
-    " indpred VARCHAR, indexprs VARCHAR",
+    "pg_index": "indexrelid BIGINT, indrelid BIGINT, indnatts SMALLINT, indnkeyatts SMALLINT,"
+    " indkey SMALLINT[], indclass BIGINT[], indoption SMALLINT[], indcollation BIGINT[],"
+    " indisprimary BOOLEAN, indisunique BOOLEAN, indnullsnotdistinct BOOLEAN,"
+    " indisvalid BOOLEAN, indisclustered BOOLEAN, indisexclusion BOOLEAN,"
+    " indimmediate BOOLEAN, indisreplident BOOLEAN, indpred VARCHAR, indexprs VARCHAR",
     "pg_constraint": "oid BIGINT, conname VARCHAR, connamespace BIGINT, contype VARCHAR,"
-    " conrelid BIGINT, confrelid BIGINT, conkey SMALLINT[], confkey SMALLINT[]",
+    " condeferrable BOOLEAN, condeferred BOOLEAN, convalidated BOOLEAN, conrelid BIGINT,"
+    " contypid BIGINT, conindid BIGINT, conparentid BIGINT, confrelid BIGINT,"
+    " confupdtype VARCHAR, confdeltype VARCHAR, confmatchtype VARCHAR, conislocal BOOLEAN,"
+    " coninhcount INTEGER, connoinherit BOOLEAN, conkey SMALLINT[], confkey SMALLINT[]",
+    "pg_sequence": "seqrelid BIGINT, seqtypid BIGINT, seqstart BIGINT, seqincrement BIGINT,"
+    " seqmax BIGINT, seqmin BIGINT, seqcache BIGINT, seqcycle BOOLEAN",
+    "pg_opclass": "oid BIGINT, opcmethod BIGINT, opcname VARCHAR, opcnamespace BIGINT,"
+    " opcowner BIGINT, opcfamily BIGINT, opcintype BIGINT, opcdefault BOOLEAN,"
+    " opckeytype BIGINT",
+    "pg_tablespace": "oid BIGINT, spcname VARCHAR, spcowner BIGINT, spcoptions VARCHAR[]",
     "pg_collation": "oid BIGINT, collname VARCHAR, collnamespace BIGINT",
     "pg_policy": "polname VARCHAR, polrelid BIGINT, polpermissive BOOLEAN, polroles BIGINT[],"
     " polcmd VARCHAR, polqual VARCHAR, polwithcheck VARCHAR",
@@ -261,6 +275,9 @@ FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
         ),
         lambda a: "NULL::VARCHAR",
     ),
+    # No column takes its values from a sequence (serial, identity).
+    "pg_get_serial_sequence": lambda a: "NULL::VARCHAR",
+    "json_build_object": lambda a: f"json_object({', '.join(a)})",
     "format_type": lambda a: _format_type(a[0], a[1]),
     "pg_relation_is_publishable": lambda a: "false",
     "pg_encoding_to_char": lambda a: "'UTF8'",
@@ -391,17 +408,15 @@ class _Rewriter:
                 function = FUNCTIONS.get(name) or FUNCTIONS.get(bare)
                 if calls and function is not None:
                     close = min(self.closing(after), j)
-                    out.append(function(self.arguments(after + 1, close)) + self._gap(close))
+                    value = function(self.arguments(after + 1, close))
+                    out.append(self._keep_parameters(value, after + 1, close) + self._gap(close))
                     previous, k = ")", close + 1
                     continue
                 if calls and bare == "current_setting":
                     close = min(self.closing(after), j)
-                    arg = toks[after + 1] if after + 2 == close else None
-                    value = None
-                    if arg is not None and arg.kind == "string_const":
-                        value = self.settings.get(arg.word.strip("'"))
-                    if value is not None:
-                        out.append(_quote(value) + self._gap(close))
+                    setting = self._current_setting(after + 1, close)
+                    if setting is not None:
+                        out.append(setting + self._gap(close))
                         previous, k = ")", close + 1
                         continue
                 if calls and bare in SCALARS_IN_FROM and _in_from(clause.get(depth), previous):
@@ -440,19 +455,37 @@ class _Rewriter:
                 cast, after = self.qualified_name(k + 1)
                 cast = cast.removeprefix("pg_catalog.")
                 if cast in REG_TYPES:
-                    out.append(self._reg_cast(cast, out, toks[k - 1] if k > i else None))
+                    first = self._operand_start(i, k)
+                    lookup = self._reg_cast(cast, first, k)
+                    if lookup is not None:
+                        del out[len(out) - (k - first) :]  # the operand, now inside it
+                        out.append(lookup)
                     out.append(self._gap(after - 1))
                     previous, k = "cast", after
                     continue
-                if cast == "name" or cast == '"char"':
-                    out.append("::VARCHAR" + self._gap(after - 1))
+                target = self._cast_type(k + 1, after)
+                if target is not None:
+                    out.append(f"::{target}" + self._gap(after - 1))
                     previous, k = "cast", after
                     continue
-                if self.text(k + 1, after).lower().startswith("pg_catalog."):
-                    # DuckDB knows PostgreSQL's type names (text, int4 ...), unqualified.
-                    out.append(f"::{self.text(after - 1, after)}" + self._gap(after - 1))
-                    previous, k = "cast", after
-                    continue
+            if tok.word == "cast" and k + 1 < j and toks[k + 1].word == "(":
+                # CAST(x AS regclass) as x::regclass (SQLAlchemy's spelling).
+                close = min(self.closing(k + 1), j)
+                as_at = self._top_level(k + 2, close, "as")
+                if as_at is not None:
+                    cast, after = self.qualified_name(as_at + 1)
+                    cast = cast.removeprefix("pg_catalog.")
+                    target = self._cast_type(as_at + 1, after)
+                    if after == close and (cast in REG_TYPES or target is not None):
+                        operand = self.rewrite(k + 2, as_at)
+                        if cast in REG_TYPES:
+                            reg = self._reg_cast(cast, k + 2, as_at)
+                            out.append(f"({operand})" if reg is None else reg)
+                        else:
+                            out.append(f"CAST({operand} AS {target})")
+                        out.append(self._gap(close))
+                        previous, k = ")", close + 1
+                        continue
             if tok.word == "(":
                 depth += 1
             elif tok.word == ")":
@@ -469,15 +502,89 @@ class _Rewriter:
         piece = self.data[self.toks[k].start : self.toks[k].end].decode()
         return piece[len(piece.rstrip()) :]
 
-    def _reg_cast(self, cast: str, out: list[str], operand: _Token | None) -> str:
-        """``'name'::regclass`` looks the name up; any other operand keeps its value."""
-        if cast in REG_LOOKUPS and operand is not None and operand.kind == "string_const":
-            relation, column = REG_LOOKUPS[cast]
-            name = operand.word.strip("'").rsplit(".", 1)[-1].strip('"')
-            out[-1] = ""  # the literal, now inside the lookup
-            table = self.relation(relation)
-            return f"(SELECT oid FROM {table} WHERE {column} = {_quote(name)})"
-        return ""
+    def _current_setting(self, i: int, j: int) -> str | None:
+        """current_setting() of the arguments ``i``..``j``: a session setting named by a
+        literal is its value; a name known when the statement runs (a parameter) is
+        looked up among the session's settings (NULL for any other); None (DuckDB's
+        current_setting) for a literal naming no session setting."""
+        arg = self.toks[i] if i + 1 == j else None
+        if arg is not None and arg.kind == "string_const":
+            value = self.settings.get(arg.word.strip("'"))
+            return None if value is None else _quote(value)
+        if i == j or not self.settings:
+            return None
+        names = self.arguments(i, j)
+        table = _values(
+            sorted(self.settings.items()), "setting_name, setting_value", "headwater_settings"
+        )
+        lookup = f"(SELECT setting_value FROM {table} WHERE setting_name = lower({names[0]}))"
+        return self._keep_parameters(lookup, i, j)
+
+    def _keep_parameters(self, value: str, i: int, j: int) -> str:
+        """``value``, the translation of a call whose arguments are the tokens ``i``..``j``,
+        still naming each parameter (``$1``) they name: DuckDB refuses parameters a
+        statement does not use (pg_get_constraintdef(oid, $1) is NULL)."""
+        toks = self.toks
+        dropped = [
+            f"${toks[k + 1].word}"
+            for k in range(i, j - 1)
+            if toks[k].word == "$"
+            and toks[k + 1].kind == "numeric_const"
+            and not re.search(rf"\${toks[k + 1].word}(?!\d)", value)
+        ]
+        if not dropped:
+            return value
+        return f"(CASE WHEN row({', '.join(dropped)}) IS NULL AND false THEN NULL ELSE {value} END)"
+
+    def _top_level(self, i: int, j: int, word: str) -> int | None:
+        """Index of the last ``word`` between ``i`` and ``j`` outside any parentheses."""
+        depth, found = 0, None
+        for k in range(i, j):
+            here = self.toks[k].word
+            depth += (here in ("(", "[")) - (here in (")", "]"))
+            if depth == 0 and here == word:
+                found = k
+        return found
+
+    def _cast_type(self, i: int, j: int) -> str | None:
+        """The DuckDB type for PostgreSQL's type name at ``i``..``j`` when it differs."""
+        cast = self.text(i, j).lower()
+        if cast.removeprefix("pg_catalog.") in ("name", '"char"'):
+            return "VARCHAR"
+        if cast.startswith("pg_catalog."):
+            # DuckDB knows PostgreSQL's type names (text, int4 ...), unqualified.
+            return self.text(j - 1, j)
+        return None
+
+    def _operand_start(self, i: int, k: int) -> int:
+        """Where the operand of the ``::`` at ``k`` starts when it is a literal or a
+        parameter (``$1``): the cast looks those up; ``k`` for anything else."""
+        toks = self.toks
+        if k - 1 >= i and toks[k - 1].kind == "string_const":
+            return k - 1
+        if k - 2 >= i and toks[k - 2].word == "$" and toks[k - 1].kind == "numeric_const":
+            return k - 2
+        return k
+
+    def _reg_cast(self, cast: str, first: int, last: int) -> str | None:
+        """A ``reg*`` cast of the tokens ``first``..``last``: the lookup of a name literal
+        or of a parameter (a name, or an oid kept as it is); None for anything else,
+        which keeps its value (the oid)."""
+        if cast not in REG_LOOKUPS:
+            return None
+        relation, column = REG_LOOKUPS[cast]
+        operand = self.toks[first:last]
+        if len(operand) == 1 and operand[0].kind == "string_const":
+            name = operand[0].word.strip("'").rsplit(".", 1)[-1].strip('"')
+            return f"(SELECT oid FROM {self.relation(relation)} WHERE {column} = {_quote(name)})"
+        if [tok.word for tok in operand[:1]] == ["$"] and len(operand) == 2:
+            value = f"{self.text(first, last)}::VARCHAR"
+            name = f"trim(string_split({value}, '.')[-1], '\"')"
+            return (
+                f"coalesce(TRY_CAST({value} AS BIGINT), "
+                f"(SELECT oid FROM {self.relation(relation)} WHERE {column} = {name}))"
+            )
+        return None
 
 
 def rewrite(sql: str, settings: Mapping[str, str]) -> str:
