@@ -218,6 +218,30 @@ def test_psql_describe_commands(server: Server) -> None:
     ]
 
 
+def test_psql_describe_plus_functions_roles_and_pg_tables(server: Server) -> None:
+    """psql's \\d+ <table> (storage, compression, statistics target), \\df (no
+    functions), \\du (the one role, the tables' owner), and pg_tables listing the
+    tables \\dt lists."""
+    stream = new_stream(server)
+    done = psql(
+        server,
+        f"\\d+ {stream}",
+        "\\df",
+        "\\du",
+        f"SELECT schemaname, tablename, tableowner FROM pg_tables WHERE tablename = '{stream}'",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "offset,bigint,,,,plain,,,",
+        "position,bigint,,,,plain,,,",
+        "ts,timestamp without time zone,,,,plain,,,",
+        "data,bytea,,,,extended,,,",
+        "json,json,,,,extended,,,",
+        "headwater,Cannot login,[]",
+        f"main,{stream},headwater",
+    ]
+
+
 # ---- psycopg ---------------------------------------------------------------------------
 
 

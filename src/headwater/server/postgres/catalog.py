@@ -113,8 +113,8 @@ _TYPMOD = (
 
 # Nothing in headwater has a comment, a default, an index, a key, a sequence, a policy, a
 # statistics object, a publication, a parent table, an access method, an operator class,
-# a tablespace or an extension, and it has no roles: these relations are empty, with the
-# columns PostgreSQL's tools read.
+# a tablespace, an extension, a view, a role membership or a function: these relations
+# are empty, with the columns PostgreSQL's tools read.
 EMPTY = {
     "pg_description": "objoid BIGINT, classoid BIGINT, objsubid INTEGER, description VARCHAR",
     "pg_attrdef": "oid BIGINT, adrelid BIGINT, adnum SMALLINT, adbin VARCHAR",
@@ -137,7 +137,8 @@ EMPTY = {
     "pg_collation": "oid BIGINT, collname VARCHAR, collnamespace BIGINT",
     "pg_policy": "polname VARCHAR, polrelid BIGINT, polpermissive BOOLEAN, polroles BIGINT[],"
     " polcmd VARCHAR, polqual VARCHAR, polwithcheck VARCHAR",
-    "pg_roles": "oid BIGINT, rolname VARCHAR",
+    "pg_auth_members": "oid BIGINT, roleid BIGINT, member BIGINT, grantor BIGINT,"
+    " admin_option BOOLEAN",
     "pg_statistic_ext": "oid BIGINT, stxrelid BIGINT, stxnamespace BIGINT, stxname VARCHAR,"
     " stxkind VARCHAR[], stxstattarget INTEGER",
     "pg_publication": "oid BIGINT, pubname VARCHAR, puballtables BOOLEAN, pubviaroot BOOLEAN",
@@ -147,6 +148,17 @@ EMPTY = {
     "pg_inherits": "inhrelid BIGINT, inhparent BIGINT, inhseqno INTEGER, inhdetachpending BOOLEAN",
     "pg_am": "oid BIGINT, amname VARCHAR, amtype VARCHAR",
     "pg_extension": "oid BIGINT, extname VARCHAR, extversion VARCHAR, extnamespace BIGINT",
+    # DuckDB's own functions (its pg_proc) are not PostgreSQL's: \df lists none.
+    "pg_proc": "oid BIGINT, proname VARCHAR, pronamespace BIGINT, proowner BIGINT,"
+    " prolang BIGINT, procost FLOAT, prorows FLOAT, provariadic BIGINT, prosupport BIGINT,"
+    " prokind VARCHAR, prosecdef BOOLEAN, proleakproof BOOLEAN, proisstrict BOOLEAN,"
+    " proretset BOOLEAN, provolatile VARCHAR, proparallel VARCHAR, pronargs SMALLINT,"
+    " pronargdefaults SMALLINT, prorettype BIGINT, proargtypes BIGINT[],"
+    " proallargtypes BIGINT[], proargmodes VARCHAR[], proargnames VARCHAR[],"
+    " prosrc VARCHAR, probin VARCHAR, proconfig VARCHAR[], proacl VARCHAR[]",
+    "pg_language": "oid BIGINT, lanname VARCHAR, lanowner BIGINT, lanispl BOOLEAN,"
+    " lanpltrusted BOOLEAN",
+    "pg_views": "schemaname VARCHAR, viewname VARCHAR, viewowner VARCHAR, definition VARCHAR",
 }
 
 
@@ -185,7 +197,28 @@ RELATIONS: dict[str, tuple[str, str]] = {
         " coalesce(v.len, -1)::SMALLINT AS attlen, false AS attisdropped,"
         " '' AS attidentity, '' AS attgenerated, false AS atthasdef, 0 AS attndims,"
         " 0::BIGINT AS attcollation, true AS attislocal, 0 AS attinhcount,"
-        f" NULL::VARCHAR AS attacl FROM {_COLUMNS}",
+        " coalesce(v.len, -1) > 0 AS attbyval, -1 AS attcacheoff, false AS atthasmissing,"
+        f" CASE WHEN coalesce(v.len, -1) > 0 THEN 'p' WHEN {_TYPE_OID} = {t.NUMERIC}"
+        " THEN 'm' ELSE 'x' END AS attstorage, 'i' AS attalign, '' AS attcompression,"
+        " -1::SMALLINT AS attstattarget, NULL::VARCHAR[] AS attoptions,"
+        f" NULL::VARCHAR[] AS attfdwoptions, NULL::VARCHAR AS attacl FROM {_COLUMNS}",
+    ),
+    # Every table is owned by one role (pg_get_userbyid's): the only one there is.
+    # Connections are not roles: any user name is taken, the token is what counts.
+    "pg_catalog.pg_roles": (
+        "pg_roles",
+        f"SELECT 10::BIGINT AS oid, {_quote(OWNER)} AS rolname, false AS rolsuper,"
+        " true AS rolinherit, false AS rolcreaterole, false AS rolcreatedb,"
+        " false AS rolcanlogin, false AS rolreplication, -1 AS rolconnlimit,"
+        " NULL::VARCHAR AS rolpassword, NULL::TIMESTAMPTZ AS rolvaliduntil,"
+        " false AS rolbypassrls, NULL::VARCHAR[] AS rolconfig",
+    ),
+    "pg_catalog.pg_tables": (
+        "pg_tables",
+        f"SELECT {_quote(SCHEMA)} AS schemaname, view_name AS tablename,"
+        f" {_quote(OWNER)} AS tableowner, NULL::VARCHAR AS tablespace,"
+        " false AS hasindexes, false AS hasrules, false AS hastriggers,"
+        f" false AS rowsecurity FROM {_TABLES}",
     ),
     "pg_catalog.pg_type": (
         "pg_type",
@@ -195,7 +228,8 @@ RELATIONS: dict[str, tuple[str, str]] = {
         " 0::BIGINT AS typrelid, 0::BIGINT AS typelem, 0::BIGINT AS typarray,"
         " NULL::VARCHAR AS typinput, NULL::VARCHAR AS typoutput, false AS typnotnull,"
         " 0::BIGINT AS typbasetype, -1 AS typtypmod, 0 AS typndims,"
-        " 0::BIGINT AS typcollation, NULL::VARCHAR AS typdefault FROM "
+        " 0::BIGINT AS typcollation, NULL::VARCHAR AS typdefault, NULL::VARCHAR[] AS typacl"
+        " FROM "
         + _values(
             [(oid, name, size, cat) for oid, name, _, size, cat in PG_TYPES],
             "oid, typname, typlen, typcategory",
@@ -277,6 +311,17 @@ FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
     ),
     # No column takes its values from a sequence (serial, identity).
     "pg_get_serial_sequence": lambda a: "NULL::VARCHAR",
+    # No function to describe (pg_proc is empty).
+    **dict.fromkeys(
+        (
+            "pg_get_function_result",
+            "pg_get_function_arguments",
+            "pg_get_function_identity_arguments",
+            "pg_get_functiondef",
+            "pg_get_function_sqlbody",
+        ),
+        lambda a: "NULL::VARCHAR",
+    ),
     "json_build_object": lambda a: f"json_object({', '.join(a)})",
     "format_type": lambda a: _format_type(a[0], a[1]),
     "pg_relation_is_publishable": lambda a: "false",
