@@ -242,6 +242,19 @@ def test_psql_describe_plus_functions_roles_and_pg_tables(server: Server) -> Non
     ]
 
 
+def test_current_database_and_user_are_the_ones_connected_with(server: Server) -> None:
+    """As PostgreSQL answers: the database and user names of the connection, not
+    DuckDB's ("memory", "duckdb"); information_schema's catalog is that database."""
+    sql = (
+        "SELECT current_database(), current_user, session_user, current_catalog,"
+        " (SELECT DISTINCT catalog_name FROM information_schema.schemata)"
+    )
+    for dbname in ("0", "acme"):
+        done = psql(server, sql, dbname=dbname)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [f"{dbname},analyst,analyst,{dbname},{dbname}"]
+
+
 # ---- psycopg ---------------------------------------------------------------------------
 
 

@@ -111,3 +111,12 @@ def test_sqlalchemy_spellings(cur: duckdb.DuckDBPyConnection) -> None:
     assert cur.sql(rewrite(sql, DEFAULT_SETTINGS), params=params).fetchall() == [
         (True, True, 5, None, "main", "trades")
     ]
+
+
+def test_session_names(cur: duckdb.DuckDBPyConnection) -> None:
+    """current_database() and current_user are the names given, each column named as
+    PostgreSQL names it; a column label that is one of these words is left alone."""
+    sql = "SELECT current_database(), current_user AS u, 1 AS current_user, session_user"
+    rel = cur.sql(rewrite(sql, DEFAULT_SETTINGS, user="me", database="acme"))
+    assert rel.columns == ["current_database", "u", "current_user", "session_user"]
+    assert rel.fetchall() == [("acme", "me", 1, "me")]

@@ -21,7 +21,9 @@ So a statement that names the catalog is rewritten before it runs:
   other ``reg*`` casts are dropped (the value is the oid);
 * the PostgreSQL functions in :data:`FUNCTIONS` become DuckDB expressions, a scalar
   function in a FROM list becomes a one-row ``unnest``, and ``current_setting('x')``
-  of a session setting is the session's value.
+  of a session setting is the session's value;
+* ``current_user`` and ``current_database()`` are the user and database names the
+  client connected with.
 
 Nothing is answered from a list of known queries: any statement over these relations
 runs in DuckDB. Statements that name none of it are passed through untouched.
@@ -79,6 +81,8 @@ def _values(rows: list[tuple[object, ...]], names: str, alias: str = "v") -> str
     return f"(VALUES {body}) AS {alias}({names})"
 
 
+# The database's name in the relations' bodies (the one the client named, when known).
+_DATABASE = "current_database()"
 _TYPE_OID = "coalesce(v.oid, CASE WHEN c.data_type LIKE 'DECIMAL%' THEN 1700 ELSE 25 END)"
 
 
@@ -237,19 +241,19 @@ RELATIONS: dict[str, tuple[str, str]] = {
     ),
     "information_schema.schemata": (
         "information_schema_schemata",
-        f"SELECT current_database() AS catalog_name, nspname AS schema_name,"
+        f"SELECT {_DATABASE} AS catalog_name, nspname AS schema_name,"
         f" {_quote(OWNER)} AS schema_owner FROM {_values(list(NAMESPACES), 'oid, nspname')}",
     ),
     "information_schema.tables": (
         "information_schema_tables",
-        f"SELECT current_database() AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
+        f"SELECT {_DATABASE} AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
         " view_name AS table_name, 'BASE TABLE' AS table_type,"
         " 'YES' AS is_insertable_into, 'NO' AS is_typed, NULL::VARCHAR AS commit_action"
         f" FROM {_TABLES}",
     ),
     "information_schema.columns": (
         "information_schema_columns",
-        f"SELECT current_database() AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
+        f"SELECT {_DATABASE} AS table_catalog, {_quote(SCHEMA)} AS table_schema,"
         " c.table_name, c.column_name, c.column_index AS ordinal_position,"
         " NULL::VARCHAR AS column_default,"
         " CASE WHEN c.is_nullable THEN 'YES' ELSE 'NO' END AS is_nullable,"
@@ -335,6 +339,10 @@ FUNCTIONS: dict[str, Callable[[list[str]], str]] = {
         f"{{'x': unnest({a[0]}), 'n': unnest(generate_series(1, len({a[0]})))}}"
     ),
 }
+# The session's names: the user and the database the client connected with.
+USER_NAMES = ("current_user", "session_user", "current_role", "getpgusername")
+DATABASE_NAMES = ("current_database", "current_catalog")
+SELECT_ITEM_START = frozenset({"select", ",", "distinct", "all"})
 # Scalar functions PostgreSQL takes as a FROM item (one row, the alias names the column).
 SCALARS_IN_FROM = frozenset({"string_to_array", "current_schemas", "regexp_split_to_array"})
 # reg* casts of a literal: the relation and column to look the name up in.
@@ -358,6 +366,8 @@ TRIGGERS = (
     "parse_ident",
     "string_to_array",
     "current_schemas",
+    *USER_NAMES,
+    *DATABASE_NAMES,
 )
 
 
@@ -386,14 +396,25 @@ def _tokens(sql: str, data: bytes) -> list[_Token]:
 
 
 class _Rewriter:
-    def __init__(self, sql: str, settings: Mapping[str, str]) -> None:
+    def __init__(
+        self, sql: str, settings: Mapping[str, str], user: str | None, database: str | None
+    ) -> None:
         self.data = sql.encode()  # token offsets count bytes
         self.settings = {k.lower(): v for k, v in settings.items()}
         self.toks = _tokens(sql, self.data)
         self.used: dict[str, str] = {}  # CTE name -> body, in first-use order
+        self.database = database
+        # The session's names, as PostgreSQL answers them (DuckDB's are its own).
+        self.names: dict[str, str] = {}
+        if user is not None:
+            self.names.update(dict.fromkeys(USER_NAMES, user))
+        if database is not None:
+            self.names.update(dict.fromkeys(DATABASE_NAMES, database))
 
     def relation(self, qualified: str) -> str:
         name, body = RELATIONS[qualified]
+        if self.database is not None:
+            body = body.replace(_DATABASE, _quote(self.database))
         self.used.setdefault(name, body)
         return name
 
@@ -451,6 +472,15 @@ class _Rewriter:
                 bare = name.removeprefix("pg_catalog.")
                 calls = after < j and toks[after].word == "("
                 function = FUNCTIONS.get(name) or FUNCTIONS.get(bare)
+                end = self._session_name(bare, calls, after, j)
+                if end is not None and previous != "as":
+                    out.append(_quote(self.names[bare]))
+                    alone = end >= j or toks[end].word in (",", "from", ")", ";")
+                    if clause.get(depth) == "select" and previous in SELECT_ITEM_START and alone:
+                        out.append(f' AS "{bare}"')  # the column's name, as PostgreSQL's
+                    out.append(self._gap(end - 1))
+                    previous, k = ")", end
+                    continue
                 if calls and function is not None:
                     close = min(self.closing(after), j)
                     value = function(self.arguments(after + 1, close))
@@ -547,6 +577,16 @@ class _Rewriter:
         piece = self.data[self.toks[k].start : self.toks[k].end].decode()
         return piece[len(piece.rstrip()) :]
 
+    def _session_name(self, bare: str, calls: bool, after: int, j: int) -> int | None:
+        """Where ``current_database()`` or ``current_user`` (unqualified, or
+        ``pg_catalog.current_database()``) ends when the name at ``after`` is one."""
+        if bare not in self.names:
+            return None
+        if bare in ("current_database", "getpgusername"):
+            closed = calls and after + 1 < j and self.toks[after + 1].word == ")"
+            return after + 2 if closed else None
+        return None if calls else after
+
     def _current_setting(self, i: int, j: int) -> str | None:
         """current_setting() of the arguments ``i``..``j``: a session setting named by a
         literal is its value; a name known when the statement runs (a parameter) is
@@ -632,15 +672,23 @@ class _Rewriter:
         return None
 
 
-def rewrite(sql: str, settings: Mapping[str, str]) -> str:
+def rewrite(
+    sql: str,
+    settings: Mapping[str, str],
+    *,
+    user: str | None = None,
+    database: str | None = None,
+) -> str:
     """``sql`` as DuckDB runs it: the catalog relations it names prepended as CTEs, the
     PostgreSQL functions and casts it uses translated (see the module's docstring).
+    ``current_user`` (``session_user`` ...) is ``user`` and ``current_database()`` is
+    ``database``, the names the client connected with, when given.
     Returned unchanged when it names none of them."""
     lowered = sql.lower()
     if not any(trigger in lowered for trigger in TRIGGERS):
         return sql
     try:
-        rewriter = _Rewriter(sql, settings)
+        rewriter = _Rewriter(sql, settings, user, database)
     except duckdb.Error:
         return sql  # DuckDB will say what is wrong with it
     if not rewriter.toks:

@@ -363,7 +363,11 @@ class PostgresConnection(asyncio.Protocol):
         self, sql: str, parameters: list[object], as_of: int | None
     ) -> pg.QueryOutcome:
         # PostgreSQL's catalog and functions, as browsing tools use them (catalog.py).
-        sql = catalog.rewrite(sql, self.protocol.settings)
+        # current_user and current_database() are the names the client connected with
+        # (PostgreSQL's database defaults to the user's name).
+        user = self.protocol.user
+        database = self.protocol.startup_parameters.get("database") or user
+        sql = catalog.rewrite(sql, self.protocol.settings, user=user, database=database)
         if as_of is None:
             result = await self.api.query(self.tenant, sql, parameters)
         else:
