@@ -302,7 +302,18 @@ def test_appended_json_keeps_its_numbers_as_sent(srv: HttpApi) -> None:
 
 
 @pytest.mark.parametrize(
-    "query", ["from=-1", "from=x", "limit=0", "limit=10001", "from=5&to=2", "tenant=abc"]
+    "query",
+    [
+        "from=-1",
+        "from=x",
+        "limit=0",
+        "limit=10001",
+        "from=5&to=2",
+        "tenant=abc",
+        # Past a signed 64-bit number: it was read, and echoed back as next_offset.
+        "from=100000000000000000000000",
+        "to=9223372036854775808",
+    ],
 )
 def test_read_rejects(srv: HttpApi, query: str) -> None:
     srv.request("POST", "/api/streams", {"name": "rd"})

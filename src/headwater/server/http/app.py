@@ -182,9 +182,17 @@ def principal_of(request: web.Request, *, query_token: bool = False) -> Principa
         ) from None
 
 
+MAX_QUERY_INT = (1 << 63) - 1
+
+
 @overload
 def int_param(
-    request: web.Request, name: str, default: int, *, at_least: int = 0, at_most: int | None = None
+    request: web.Request,
+    name: str,
+    default: int,
+    *,
+    at_least: int = 0,
+    at_most: int = MAX_QUERY_INT,
 ) -> int: ...
 @overload
 def int_param(
@@ -193,7 +201,7 @@ def int_param(
     default: None,
     *,
     at_least: int = 0,
-    at_most: int | None = None,
+    at_most: int = MAX_QUERY_INT,
 ) -> int | None: ...
 def int_param(
     request: web.Request,
@@ -201,10 +209,12 @@ def int_param(
     default: int | None,
     *,
     at_least: int = 0,
-    at_most: int | None = None,
+    at_most: int = MAX_QUERY_INT,
 ) -> int | None:
     """Query parameter ``name`` as an integer in ``at_least..at_most`` (``default`` when
-    absent or empty); InvalidRequest otherwise."""
+    absent or empty); InvalidRequest otherwise. Every one is an offset, a count, a
+    position or an id: none is past a signed 64-bit number (``from=10**23`` was echoed
+    back as a next_offset no client could hold)."""
     text = request.query.get(name)
     if text is None or text == "":
         return default
@@ -212,10 +222,9 @@ def int_param(
         value = int(text)
     except ValueError:
         raise InvalidRequest(f"{name} must be an integer, not {text!r}") from None
-    if at_most is not None and not at_least <= value <= at_most:
-        raise InvalidRequest(f"{name} must be {at_least}..{at_most}, not {value}")
-    if value < at_least:
-        raise InvalidRequest(f"{name} must be at least {at_least}, not {value}")
+    if not at_least <= value <= at_most:
+        upper = "2**63-1" if at_most == MAX_QUERY_INT else str(at_most)
+        raise InvalidRequest(f"{name} must be {at_least}..{upper}, not {value}")
     return value
 
 
