@@ -704,6 +704,12 @@ class EngineAPI:
         self._transactions.forget_stream(tenant_id, name)
         await self.groups.forget_stream(tenant_id, name)
 
+    def on_transactional_id_expired(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(tenant_id, transactional_id)`` as an idle transactional id
+        expires (TRANSACTIONAL_ID_EXPIRATION_MS, as Kafka's): whatever a front end
+        keeps for it can go."""
+        self._transactions.expiry_listeners.append(listener)
+
     async def open_transaction_state(self, tenant_id: int) -> None:
         """The tenant's transaction state stream, created if missing (as Kafka creates
         __transaction_state on the first FindCoordinator for a transactional id)."""

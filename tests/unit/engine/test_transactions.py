@@ -12,8 +12,10 @@ from headwater.engine.engine import Engine, EngineConfig, StreamSettings
 from headwater.engine.groups.offsets import CommittedOffset, LogOffsetStore, OffsetKey
 from headwater.engine.transactions import (
     FIRST_PRODUCER_ID,
+    TRANSACTIONAL_ID_EXPIRATION_MS,
     ProducerIdentity,
     TenantTransactions,
+    TransactionCoordinator,
     TxnState,
 )
 from headwater.errors import InvalidTxnState, OutOfOrderSequence, ProducerFenced
@@ -199,6 +201,58 @@ def test_a_producer_near_kafkas_last_epoch_gets_a_new_id(tmp_path: Path) -> None
         assert [v for _, v in await values(engine, sid)] == [b"fresh"]
         everything = await values(engine, sid, isolation="read_uncommitted")
         assert [v for _, v in everything] == [b"open", b"fresh"]
+
+    run(tmp_path, body)
+
+
+def test_an_idle_transactional_id_expires_and_stays_forgotten(tmp_path: Path) -> None:
+    """As Kafka's transactional.id.expiration.ms: an id idle for 7 days is forgotten (a
+    producer taking a fresh id per run grew the coordinator for good), durably (its
+    record tombstoned: a restart does not bring it back), and its next InitProducerId
+    starts anew. An id in use, or used within the 7 days, is kept."""
+    now = [1_000_000]
+
+    async def body(engine: Engine) -> None:
+        sid = (await engine.create_stream(0, "s")).stream_id
+        txns = await TenantTransactions.open(engine, 0, clock_ms=lambda: now[0])
+        old = await txns.init_producer("old-job")
+        await txns.append("old-job", old, sid, 0, [b"done"])
+        await txns.end_transaction("old-job", old, commit=True)
+        now[0] += TRANSACTIONAL_ID_EXPIRATION_MS // 2
+        recent = await txns.init_producer("recent-job")
+        busy = await txns.init_producer("busy-job")
+        await txns.append("busy-job", busy, sid, 0, [b"open"])  # open: never expired
+        assert await txns.expire_idle() == []
+        now[0] += TRANSACTIONAL_ID_EXPIRATION_MS // 2 + 1
+        assert await txns.expire_idle() == ["old-job"]
+        assert txns.state("old-job") is None
+        assert txns.state("recent-job") is not None and txns.state("busy-job") is not None
+        reopened = await TenantTransactions.open(engine, 0, clock_ms=lambda: now[0])
+        assert reopened.state("old-job") is None
+        assert reopened.state("recent-job") is not None
+        again = await reopened.init_producer("old-job")
+        assert again.producer_id not in (old.producer_id, recent.producer_id, busy.producer_id)
+        assert again.epoch == 0
+        assert [v for _, v in await values(engine, sid)] == [b"done"]
+
+    run(tmp_path, body)
+
+
+def test_the_coordinators_expiry_tells_the_front_ends_which_ids_went(tmp_path: Path) -> None:
+    # What a front end keeps per transactional id (Rivven's binding) is let go with it.
+    now = [5_000]
+
+    async def body(engine: Engine) -> None:
+        coordinator = TransactionCoordinator(engine, clock_ms=lambda: now[0])
+        heard: list[tuple[int, str]] = []
+        coordinator.expiry_listeners.append(lambda t, tid: heard.append((t, tid)))
+        txns = await coordinator.tenant(0)
+        await txns.init_producer("nightly-1")
+        await coordinator.expire()
+        assert heard == []
+        now[0] += TRANSACTIONAL_ID_EXPIRATION_MS + 1
+        await coordinator.expire()
+        assert heard == [(0, "nightly-1")] and txns.state("nightly-1") is None
 
     run(tmp_path, body)
 

@@ -3,6 +3,7 @@
 from headwater.engine.transactions.coordinator import (
     DEFAULT_TRANSACTION_TIMEOUT_MS,
     FIRST_PRODUCER_ID,
+    TRANSACTIONAL_ID_EXPIRATION_MS,
     TXN_STATE_STREAM,
     ClusterHooks,
     ProducerIdentity,
@@ -19,6 +20,7 @@ from headwater.engine.transactions.stable import stable_position
 __all__ = [
     "DEFAULT_TRANSACTION_TIMEOUT_MS",
     "FIRST_PRODUCER_ID",
+    "TRANSACTIONAL_ID_EXPIRATION_MS",
     "TXN_STATE_STREAM",
     "ClusterHooks",
     "ProducerIdentity",

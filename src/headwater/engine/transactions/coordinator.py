@@ -83,6 +83,11 @@ MAX_TRANSACTION_TIMEOUT_MS = 900_000  # Kafka's transaction.max.timeout.ms
 # epoch would pass Short.MAX_VALUE - 1, keeping the last bump for fencing, as Kafka does.
 # Past 32,767 InitProducerId could not be answered and no Kafka client could read on.
 MAX_EPOCH = 0x7FFF
+# Kafka's transactional.id.expiration.ms: a transactional id idle this long (no
+# transaction open, nothing written for it) is forgotten, its record tombstoned. Without
+# it, a producer that took a fresh id per run (a job's UUID) grew the coordinator's
+# memory and state stream for good.
+TRANSACTIONAL_ID_EXPIRATION_MS = 7 * 24 * 3600 * 1000
 MAX_TRANSACTIONAL_ID_BYTES = 0xFFFF
 _PRODUCER_IDS_KEY = b"\x00producer-ids"  # no transactional id is empty: never a clash
 
@@ -158,6 +163,7 @@ class TxnMetadata:
     # Once complete: where its markers went, (stream name, partition, offset) (a
     # standalone server's; a backup makes sure its copy holds them all).
     markers: list[tuple[str, int, int]] = field(default_factory=list)
+    updated_ms: int = 0  # when its record was last written (expiry counts from it)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -173,6 +179,7 @@ class TxnMetadata:
             ],
             "started_ms": self.started_ms,
             "markers": [list(marker) for marker in self.markers],
+            "updated_ms": self.updated_ms,
         }
 
     @classmethod
@@ -189,6 +196,7 @@ class TxnMetadata:
                 for g, s, p, o, m, t in data["offsets"]
             },
             int(data["started_ms"]),
+            updated_ms=int(data.get("updated_ms", 0)),
         )
 
 
@@ -239,6 +247,9 @@ class TenantTransactions:
             for event in result.events():
                 if event.key is None:
                     continue
+                if event.tombstone:  # an expired transactional id
+                    self.transactions.pop(event.key.decode(errors="replace"), None)
+                    continue
                 try:
                     data = json.loads(event.value)
                     next_id = int(data["next_producer_id"])
@@ -264,6 +275,8 @@ class TenantTransactions:
                     continue
                 self.next_producer_id = max(self.next_producer_id, next_id)
                 if txn is not None:
+                    # A record from before updated_ms was kept: its expiry counts from now.
+                    txn.updated_ms = txn.updated_ms or self.clock_ms()
                     self.transactions[txn.transactional_id] = txn
             at = result.end_offset
 
@@ -345,18 +358,21 @@ class TenantTransactions:
 
     # ---- the state stream ---------------------------------------------------------
 
-    async def _write(self, key: bytes, txn: TxnMetadata | None) -> None:
-        """One keyed record, durable (fsync policy) before this returns."""
+    async def _write(self, key: bytes, txn: TxnMetadata | None, *, forget: bool = False) -> None:
+        """One keyed record, durable (fsync policy) before this returns (``forget``: a
+        tombstone, the key's transactional id expired)."""
         record: dict[str, Any] = {"next_producer_id": self.next_producer_id}
         if txn is not None:
+            txn.updated_ms = self.clock_ms()
             record["txn"] = txn.to_json()
         if self.cluster is not None:
             self.cluster.check_leads(self.tenant_id)
         stored = await self.engine.append(
             self.tenant_id,
             self.stream_id,
-            [json.dumps(record).encode()],
+            [b"" if forget else json.dumps(record).encode()],
             keys=[key],
+            tombstones=[True] if forget else None,
             internal=True,
         )
         if self.cluster is not None:  # acks=all: the next coordinator's replica has it
@@ -643,6 +659,41 @@ class TenantTransactions:
                     aborted.append(txn.transactional_id)
         return aborted
 
+    def writes_state(self) -> bool:
+        """Whether this node writes the tenant's state records now (a standalone
+        server always; in a cluster the state partition's leader)."""
+        if self.cluster is None:
+            return True
+        try:
+            self.cluster.check_leads(self.tenant_id)
+        except HeadwaterError:
+            return False
+        return True
+
+    async def expire_idle(self) -> list[str]:
+        """Forget every transactional id idle for TRANSACTIONAL_ID_EXPIRATION_MS (no
+        transaction open or ending), as Kafka does: its record is tombstoned, and a
+        later InitProducerId for it starts anew (a new producer id). Their ids."""
+        now = self.clock_ms()
+        idle = (TxnState.EMPTY, TxnState.COMPLETE_COMMIT, TxnState.COMPLETE_ABORT)
+        expired = []
+        for txn in list(self.transactions.values()):
+            if txn.state not in idle or now - txn.updated_ms <= TRANSACTIONAL_ID_EXPIRATION_MS:
+                continue
+            tid = txn.transactional_id
+            async with self._lock(tid):
+                if self.transactions.get(tid) is not txn or txn.state not in idle:
+                    continue  # taken up again meanwhile
+                if now - txn.updated_ms <= TRANSACTIONAL_ID_EXPIRATION_MS:
+                    continue
+                await self._write(tid.encode(), None, forget=True)
+                del self.transactions[tid]
+                expired.append(tid)
+            self._locks.pop(tid, None)
+        if expired:
+            log.info("tenant %d: %d idle transactional ids expired", self.tenant_id, len(expired))
+        return expired
+
     def state(self, transactional_id: str) -> TxnState | None:
         txn = self.transactions.get(transactional_id)
         return None if txn is None else txn.state
@@ -671,6 +722,9 @@ class TransactionCoordinator:
         self._tenants: PerTenant[TenantTransactions] = PerTenant(engine)
         self._expiry: asyncio.Task[None] | None = None
         self.cluster: ClusterHooks | None = None
+        # Called with (tenant id, transactional id) as an idle id expires: front ends
+        # that keep something per id (Rivven's binding) forget it too.
+        self.expiry_listeners: list[Callable[[int, str], None]] = []
 
     def join_cluster(self, hooks: ClusterHooks) -> None:
         """From now on this node coordinates a tenant's transactions only while the
@@ -746,10 +800,21 @@ class TransactionCoordinator:
             aborted += [(tenant_id, tid) for tid in await coordinator.abort_expired()]
         return aborted
 
+    async def expire(self) -> None:
+        """Transactions past their timeout aborted, then idle transactional ids
+        forgotten (a cluster's coordinator node does both: its followers' copies wait)."""
+        await self.abort_expired()
+        for tenant_id, coordinator in list(self._tenants.items()):
+            if coordinator.writes_state():
+                for tid in await coordinator.expire_idle():
+                    for listener in self.expiry_listeners:
+                        listener(tenant_id, tid)
+
     def start_expiry(self, interval_s: float = 1.0) -> None:
-        """Check transaction timeouts every ``interval_s`` seconds."""
+        """Check transaction timeouts and idle transactional ids every ``interval_s``
+        seconds."""
         self._expiry = asyncio.get_running_loop().create_task(
-            run_every(interval_s, self.abort_expired, "transaction timeouts", log)
+            run_every(interval_s, self.expire, "transaction timeouts", log)
         )
 
     async def close(self) -> None:

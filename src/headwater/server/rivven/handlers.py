@@ -104,6 +104,11 @@ class TransactionalIds:
         identity = await api.init_producer(tenant_id, txn_id, timeout or None)
         self.bound[(tenant_id, txn_id)] = (client, identity)
 
+    def forget(self, tenant_id: int, txn_id: str) -> None:
+        """The engine forgot the transactional id (idle past its expiry): so does this
+        map, which otherwise grew with every id ever begun."""
+        self.bound.pop((tenant_id, txn_id), None)
+
     def identity(self, tenant_id: int, txn_id: str, client: tuple[int, int]) -> ProducerIdentity:
         found = self.bound.get((tenant_id, txn_id))
         if found is None:

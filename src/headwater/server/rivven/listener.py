@@ -262,6 +262,7 @@ class UnsupportedOperation(InvalidRequest):
 async def start_rivven(server: Server, host: str, port: int) -> Listener:
     connections: set[RivvenConnection] = set()
     transactions = TransactionalIds()
+    server.api.on_transactional_id_expired(transactions.forget)
     groups = GroupShells(server.api)
     stopping = asyncio.Event()
     bound = {"port": port}
