@@ -18,6 +18,7 @@ import struct
 import subprocess
 import threading
 import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
@@ -469,6 +470,132 @@ def test_a_tenant_is_chosen_by_its_name_and_a_setting_naming_none_is_refused(
     options = "options='-c headwater.tenant=acmee'"
     with pytest.raises(psycopg.OperationalError, match="'acmee' names no tenant"):
         psycopg.connect(f"{dsn(server)} {options}")
+
+
+# ---- what a Describe and a failed block run ---------------------------------------------
+
+
+def open_stream(server: Server) -> str:
+    """A new stream on ``open_server`` (no Kimberlite there: through HTTP)."""
+    name = f"trades_{uuid.uuid4().hex[:8]}"
+    request = urllib.request.Request(
+        f"http://{server.address_of('http')}/api/streams",
+        data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=15) as answer:
+        assert answer.status in (200, 201)
+    return name
+
+
+class RawSession:
+    """A trusted session on ``open_server`` speaking the protocol's messages as given,
+    where a client library would add or reorder some (a Bind without an Execute)."""
+
+    def __init__(self, server: Server) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.ports["postgres"]), timeout=15)
+        self.buffer = b""
+        self.sock.sendall(m.encode_startup({"user": "raw", "database": "0"}))
+        self.until_ready()
+
+    def send(self, *messages: m.FrontendMessage) -> list[m.BackendMessage]:
+        """Send ``messages`` (end them with Sync): the answers up to ReadyForQuery."""
+        self.sock.sendall(b"".join(m.encode_frontend(message) for message in messages))
+        return self.until_ready()
+
+    def until_ready(self) -> list[m.BackendMessage]:
+        answers: list[m.BackendMessage] = []
+        while not answers or answers[-1].type != "Z":
+            while len(self.buffer) < 5 or len(self.buffer) < 1 + int.from_bytes(
+                self.buffer[1:5], "big"
+            ):
+                chunk = self.sock.recv(1 << 16)
+                assert chunk, f"the server closed the connection after {answers}"
+                self.buffer += chunk
+            end = 1 + int.from_bytes(self.buffer[1:5], "big")
+            answers.append(m.decode_backend(self.buffer[:1], self.buffer[5:end]))
+            self.buffer = self.buffer[end:]
+        return answers
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def kinds(answers: list[m.BackendMessage]) -> list[str]:
+    """Each answer's type, an ErrorResponse with its SQLSTATE (``E:25P02``)."""
+    return [f"E:{a.fields['C']}" if a.type == "E" else a.type for a in answers]
+
+
+def test_an_insert_in_a_failed_block_is_refused_and_stores_nothing(server: Server) -> None:
+    """psycopg outside autocommit: after an error in its block, an INSERT (Parse, Bind,
+    Describe of the portal, Execute, Sync) is refused 25P02, as PostgreSQL refuses it,
+    and nothing is stored: a client that retries it after ROLLBACK writes it once. (The
+    Describe ran it, and stored it, while the answer said it was ignored.)"""
+    stream = new_stream(server)
+    with psycopg.connect(dsn(server)) as conn:
+        with pytest.raises(pgerrors.UndefinedColumn):
+            conn.execute(f"SELECT no_such_column FROM {stream}")
+        with pytest.raises(pgerrors.InFailedSqlTransaction):
+            conn.execute(f"INSERT INTO {stream} (data) VALUES (%s)", ["ghost"])
+        conn.rollback()
+        inserted = conn.execute(f"INSERT INTO {stream} (data) VALUES (%s)", ["retried"])
+        assert inserted.rowcount == 1
+        conn.commit()
+        rows = conn.execute(f'SELECT data::VARCHAR FROM {stream} ORDER BY "offset"').fetchall()
+    assert rows == [("retried",)]
+
+
+def test_a_described_insert_runs_at_execute_only(open_server: Server) -> None:
+    """A Describe of an INSERT's portal is NoData (PostgreSQL's answer for an INSERT
+    without RETURNING) and runs nothing: a portal closed without an Execute appends
+    nothing, one executed appends once. Bind and Describe in a failed block are 25P02."""
+    stream = open_stream(open_server)
+    insert = f"INSERT INTO {stream} (data) VALUES ($1)"
+    session = RawSession(open_server)
+    try:
+        described = session.send(
+            m.Parse("", insert, ()),
+            m.Bind("", "", (), (b"described",), ()),
+            m.Describe("P", ""),
+            m.Close("P", ""),
+            m.Sync(),
+        )
+        assert kinds(described) == ["1", "2", "n", "3", "Z"]
+        executed = session.send(
+            m.Parse("", insert, ()),
+            m.Bind("", "", (), (b"executed",), ()),
+            m.Describe("P", ""),
+            m.Execute("", 0),
+            m.Sync(),
+        )
+        assert kinds(executed) == ["1", "2", "n", "C", "Z"]
+        assert executed[3].fields["tag"] == "INSERT 0 1"
+        assert stored(open_server, stream) == ["executed"]
+        # A failed block: Bind, and a Describe of a portal bound before the error, are
+        # refused; neither stores anything.
+        session.send(m.Parse("ins", insert, ()), m.Sync())
+        assert kinds(session.send(m.Query("BEGIN; SELECT no_such_column"))) == [
+            "C",
+            "E:42703",
+            "Z",
+        ]
+        refused = session.send(m.Bind("", "ins", (), (b"bound in E",), ()), m.Sync())
+        assert kinds(refused) == ["E:25P02", "Z"]
+        assert refused[-1].fields["status"] == "E"
+        refused = session.send(m.Describe("S", "ins"), m.Sync())
+        assert kinds(refused) == ["E:25P02", "Z"]
+        assert kinds(session.send(m.Query("ROLLBACK"))) == ["C", "Z"]
+    finally:
+        session.close()
+    assert stored(open_server, stream) == ["executed"]
+
+
+def stored(server: Server, stream: str) -> list[str]:
+    """The values of ``stream`` on ``open_server``, in order."""
+    with psycopg.connect(dsn(server, password=None), autocommit=True) as conn:
+        rows = conn.execute(f'SELECT data::VARCHAR FROM {stream} ORDER BY "offset"').fetchall()
+    return [value for (value,) in rows]
 
 
 # ---- trust and limits ------------------------------------------------------------------

@@ -160,6 +160,18 @@ def parse_query(sql: str, *, allow_insert: bool = True) -> ParsedQuery:
     )
 
 
+def statement_kind(sql: str) -> Literal["read", "insert"] | None:
+    """What :func:`parse_query` makes of ``sql``, without raising: ``"read"``,
+    ``"insert"``, or None for a statement it refuses or cannot parse (running it fails,
+    nothing stored). A front end that must know before running a statement whether it
+    writes (a PostgreSQL Describe, an INSERT's command tag) asks this, so comments and
+    case are read as the engine reads them."""
+    try:
+        return parse_query(sql).kind
+    except (QueryParseError, QueryExecutionError):
+        return None
+
+
 def _parse_insert(text: str, toks: list[Token]) -> InsertPlan:
     def fail(why: str) -> QueryExecutionError:
         return QueryExecutionError(f"unsupported INSERT: {why}")

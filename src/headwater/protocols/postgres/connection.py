@@ -682,6 +682,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                 self._error("42601", "cannot insert multiple commands into a prepared statement"),
             )
         statement = self._resolve(st.classify(texts[0])) if texts else st.Empty()
+        if self._refused_in_failed_block(statement):
+            return Reply("error", self._aborted())
         count = max(len(message.parameter_oids), st.parameter_count(message.sql))
         oids = message.parameter_oids + (0,) * (count - len(message.parameter_oids))
         self.statements[message.statement] = Prepared(message.sql, statement, oids)
@@ -694,6 +696,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                 "error",
                 self._error("26000", f'prepared statement "{message.statement}" does not exist'),
             )
+        if self._refused_in_failed_block(prepared.statement):
+            return Reply("error", self._aborted())
         values = message.parameters
         oids = prepared.parameter_oids
         if len(values) != len(oids):
@@ -726,6 +730,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                     "error",
                     self._error("26000", f'prepared statement "{message.name}" does not exist'),
                 )
+            if self._refused_in_failed_block(prepared.statement, describing=True):
+                return Reply("error", self._aborted())
             head = m.encode_parameter_description(
                 [oid or t.TEXT for oid in prepared.parameter_oids]
             )
@@ -737,6 +743,8 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if portal is None:
             return Reply("error", self._error("34000", f'portal "{message.name}" does not exist'))
         statement = portal.prepared.statement
+        if self._refused_in_failed_block(statement, describing=True):
+            return Reply("error", self._aborted())
         if isinstance(statement, st.Engine):
             if portal.columns is not None:
                 return Reply("RowDescription", self._row_description(portal))
@@ -744,6 +752,19 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
                 statement.sql, portal.parameters, self.as_of, portal, describe_only=True
             )
         return Reply("description", self._session_description(statement, portal.result_formats))
+
+    def _refused_in_failed_block(
+        self, statement: st.Statement, *, describing: bool = False
+    ) -> bool:
+        """In a failed block (status E) PostgreSQL refuses (25P02) a Parse or Bind of
+        anything but the statements that end the block, and a Describe of a statement
+        that returns rows: nothing of the block may run, or be prepared to run, until it
+        ends."""
+        if self.status != "E" or isinstance(statement, st.Transaction):
+            return False
+        if describing:
+            return isinstance(statement, st.Engine | st.Show | st.NoTypes)
+        return True
 
     def _session_description(self, statement: st.Statement, formats: Sequence[int]) -> bytes:
         if isinstance(statement, st.Show) and self._known_setting(statement.name):
@@ -807,6 +828,15 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if query.describe_only:
             return self._row_description(portal)
         return self._portal_rows(portal, query.max_rows)
+
+    def describe_later(self, query: RunQuery) -> bytes:
+        """The answer to a Describe of a portal (``query.describe_only``) whose statement
+        writes (an INSERT): NoData, as PostgreSQL answers for an INSERT without
+        RETURNING. Nothing runs: the portal's Execute runs it, and a portal closed
+        without one appends nothing."""
+        if not query.describe_only:
+            raise UsageError("describe_later() answers a Describe of a portal")
+        return m.NO_DATA
 
     @staticmethod
     def _row_description(portal: Portal) -> bytes:

@@ -48,6 +48,7 @@ from headwater.server.tcp import (
     without_nagle,
 )
 from headwater.server.tls import context_for, failure_reason
+from headwater.sql.statements import statement_kind
 from headwater.sql.values import Timestamp
 
 if TYPE_CHECKING:
@@ -359,15 +360,17 @@ class PostgresConnection(asyncio.Protocol):
 
     # ---- queries ------------------------------------------------------------------------
 
+    def _for_duckdb(self, sql: str) -> str:
+        """PostgreSQL's catalog and functions, as browsing tools use them (catalog.py).
+        current_user and current_database() are the names the client connected with
+        (PostgreSQL's database defaults to the user's name)."""
+        user = self.protocol.user
+        database = self.protocol.startup_parameters.get("database") or user
+        return catalog.rewrite(sql, self.protocol.settings, user=user, database=database)
+
     async def _query(
         self, sql: str, parameters: list[object], as_of: int | None
     ) -> pg.QueryOutcome:
-        # PostgreSQL's catalog and functions, as browsing tools use them (catalog.py).
-        # current_user and current_database() are the names the client connected with
-        # (PostgreSQL's database defaults to the user's name).
-        user = self.protocol.user
-        database = self.protocol.startup_parameters.get("database") or user
-        sql = catalog.rewrite(sql, self.protocol.settings, user=user, database=database)
         if as_of is None:
             result = await self.api.query(self.tenant, sql, parameters)
         else:
@@ -395,8 +398,12 @@ class PostgresConnection(asyncio.Protocol):
             self.running = None
 
     async def _run(self, event: pg.RunQuery) -> bytes:
+        sql = self._for_duckdb(event.sql)
+        if event.describe_only and statement_kind(sql) == "insert":
+            # A Describe never runs what writes: the INSERT runs at Execute.
+            return self.protocol.describe_later(event)
         try:
-            outcome = await self._outcome(event.sql, event.parameters, event.as_of)
+            outcome = await self._outcome(sql, event.parameters, event.as_of)
         except HeadwaterError as exc:
             return self._failed(exc)
         except CancelledByClient:
@@ -415,7 +422,7 @@ class PostgresConnection(asyncio.Protocol):
             sql = f"SELECT * FROM ({sql}\n) AS headwater_describe LIMIT 0"
         parameters: list[object] = [None] * len(event.prepared.parameter_oids)
         try:
-            outcome = await self._outcome(sql, parameters, self.protocol.as_of)
+            outcome = await self._outcome(self._for_duckdb(sql), parameters, self.protocol.as_of)
         except HeadwaterError as exc:
             return self._failed(exc)
         except CancelledByClient:
