@@ -546,6 +546,47 @@ def test_an_insert_in_a_failed_block_is_refused_and_stores_nothing(server: Serve
     assert rows == [("retried",)]
 
 
+def test_a_comment_before_insert_is_read_as_the_engine_reads_it(server: Server) -> None:
+    """A statement is what the SQL layer's parser says it is, comments and all: psql's
+    \\gdesc (a Describe, which PostgreSQL never runs) of an INSERT after a comment
+    appended its rows, and its execution was answered ``SELECT 1`` and a row (its
+    rows_affected, log_offset) instead of ``INSERT 0 n``."""
+    stream = new_stream(server)
+    binary = shutil.which("psql")
+    assert binary
+    described = subprocess.run(
+        [binary, "-X", "-v", "ON_ERROR_STOP=1", dsn(server, password=None)],
+        input=f"/* audit */ INSERT INTO {stream} (data) VALUES ('gdesc') \\gdesc\n",
+        env={**os.environ, "PGPASSWORD": TOKEN, "PGCONNECT_TIMEOUT": "15"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert described.returncode == 0, described.stderr
+    assert "has no result" in described.stdout, described.stdout
+    done = psql(server, f"-- audit\nINSERT INTO {stream} (data) VALUES ('psql')")
+    assert (done.returncode, done.stdout.strip()) == (0, "INSERT 0 1"), done.stderr
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
+        pgconn = conn.pgconn
+        for name, sql in [
+            (b"audit", f"/* audit */ INSERT INTO {stream} (data) VALUES ('prepared')"),
+            (b"line", f"-- x\nINSERT INTO {stream} (data) VALUES ('prepared')"),
+        ]:
+            assert pgconn.prepare(name, sql.encode()).status == psycopg.pq.ExecStatus.COMMAND_OK
+            described_statement = pgconn.describe_prepared(name)
+            assert described_statement.status == psycopg.pq.ExecStatus.COMMAND_OK
+            assert described_statement.nfields == 0
+            done_prepared = pgconn.exec_prepared(name, [])
+            assert done_prepared.command_status == b"INSERT 0 1", done_prepared.error_message
+            assert done_prepared.ntuples == 0
+        for cursor in (conn.cursor(), psycopg.ClientCursor(conn)):  # extended, simple
+            cursor.execute(f"/* c */ INSERT INTO {stream} (data) VALUES (%s), (%s)", ["a", "b"])
+            assert (cursor.statusmessage, cursor.rowcount) == ("INSERT 0 2", 2)
+            assert cursor.description is None
+        rows = conn.execute(f'SELECT data::VARCHAR FROM {stream} ORDER BY "offset"').fetchall()
+    assert [value for (value,) in rows] == ["psql", "prepared", "prepared", "a", "b", "a", "b"]
+
+
 def test_a_described_insert_runs_at_execute_only(open_server: Server) -> None:
     """A Describe of an INSERT's portal is NoData (PostgreSQL's answer for an INSERT
     without RETURNING) and runs nothing: a portal closed without an Execute appends

@@ -240,11 +240,14 @@ Event = (
 @dataclass(frozen=True, slots=True)
 class QueryOutcome:
     """An engine result for :meth:`ServerConnection.complete`: column names, DuckDB type
-    names (empty: inferred from the values) and rows of SQL-layer values."""
+    names (empty: inferred from the values) and rows of SQL-layer values. ``insert``: the
+    statement was an INSERT (as the SQL layer's parser reads it, comments and all), whose
+    answer is ``rows_affected, log_offset``."""
 
     columns: list[str]
     types: list[str]
     rows: list[list[object]]
+    insert: bool = False
 
 
 def _oids(outcome: QueryOutcome) -> list[int]:
@@ -798,7 +801,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
 
     def complete(self, query: RunQuery, outcome: QueryOutcome) -> bytes:
         """The answer to a :class:`RunQuery`: its rows (or row description)."""
-        if query.sql.lstrip()[:6].lower() == "insert":
+        if outcome.insert:
             # As PostgreSQL's INSERT without RETURNING: no rows, the count in the tag
             # (the engine answers rows_affected and log_offset).
             count = outcome.rows[0][0] if outcome.rows else 0

@@ -48,7 +48,7 @@ from headwater.server.tcp import (
     without_nagle,
 )
 from headwater.server.tls import context_for, failure_reason
-from headwater.sql.statements import statement_kind
+from headwater.sql.statements import statement_kind, tokens
 from headwater.sql.values import Timestamp
 
 if TYPE_CHECKING:
@@ -399,7 +399,9 @@ class PostgresConnection(asyncio.Protocol):
 
     async def _run(self, event: pg.RunQuery) -> bytes:
         sql = self._for_duckdb(event.sql)
-        if event.describe_only and statement_kind(sql) == "insert":
+        # One reading of what the statement is, the SQL layer's (comments and all).
+        insert = statement_kind(sql) == "insert"
+        if event.describe_only and insert:
             # A Describe never runs what writes: the INSERT runs at Execute.
             return self.protocol.describe_later(event)
         try:
@@ -408,16 +410,26 @@ class PostgresConnection(asyncio.Protocol):
             return self._failed(exc)
         except CancelledByClient:
             return self.protocol.fail("57014", "canceling statement due to user request")
+        if insert:
+            outcome = pg.QueryOutcome(outcome.columns, outcome.types, outcome.rows, insert=True)
         return self.protocol.complete(event, outcome)
 
     async def _describe(self, event: pg.DescribeStatement) -> bytes:
         """Columns of a statement before any Bind: a read runs as ``LIMIT 0`` with NULL
-        parameters; an INSERT returns no rows."""
+        parameters; an INSERT returns no rows and runs nothing. What the statement is,
+        is the SQL layer's reading (a comment before INSERT is no read)."""
         sql = event.sql.strip().rstrip(";")
-        first = sql.split(None, 1)[0].lower() if sql else ""
-        if first == "insert":
+        kind = statement_kind(self._for_duckdb(sql))
+        if kind == "insert":
             return self.protocol.describe_statement(event.prepared, None)
-        if first in ("select", "with", "values", "from", "table") or first.startswith("("):
+        if kind == "read" and _first_word(sql) in (
+            "select",
+            "with",
+            "values",
+            "from",
+            "table",
+            "(",
+        ):
             # The newline ends a trailing -- comment before the closing parenthesis.
             sql = f"SELECT * FROM ({sql}\n) AS headwater_describe LIMIT 0"
         parameters: list[object] = [None] * len(event.prepared.parameter_oids)
@@ -450,6 +462,15 @@ class PostgresConnection(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
+
+
+def _first_word(sql: str) -> str:
+    """The first token of ``sql``, lower-cased, comments skipped ("" if none)."""
+    try:
+        found = tokens(sql)
+    except HeadwaterError:
+        return ""
+    return found[0].word if found else ""
 
 
 async def start_postgres(server: Server, host: str, port: int) -> Listener:
