@@ -27,10 +27,10 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import duckdb
 import pyarrow as pa
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from headwater.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INSERT_COLUMNS = ["rows_affected", "log_offset"]
 POLL_SECONDS = 0.05
@@ -345,7 +346,12 @@ class SqlService:
         outcome = await self._run(tenant_id, sql, params, position, allow_insert=True)
         if isinstance(outcome, QueryResult):
             return outcome
-        return await self._append(tenant_id, outcome)
+        # A cancel (a client's CancelRequest, its connection gone) stops the evaluation
+        # above, before anything is stored. Once the append has started it is the
+        # statement's outcome, stored whoever stops waiting for it: it is finished and
+        # answered, never reported cancelled (PostgreSQL never reports a committed INSERT
+        # as cancelled: a client retrying a "cancelled" INSERT would store it twice).
+        return await _despite_cancel(self._append(tenant_id, outcome))
 
     async def query_at(
         self, tenant_id: int, sql: str, params: Sequence[object], position: int
@@ -695,6 +701,27 @@ class SqlService:
         if pc.any(result.column(1)).as_py():
             raise QueryExecutionError("json takes valid JSON text")
         return result.column(0).combine_chunks().cast(pa.binary())
+
+
+async def _despite_cancel(work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s outcome, awaited to its end even if the awaiting task is cancelled
+    meanwhile: that cancel is taken back (``uncancel``). A cancel of ``work`` itself
+    (the loop closing) still ends it."""
+    task = asyncio.ensure_future(work)
+    current = asyncio.current_task()
+    cancels = 0
+    try:
+        while True:
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if task.cancelled():
+                    raise
+                cancels += 1
+    finally:
+        if current is not None:
+            for _ in range(cancels):
+                current.uncancel()
 
 
 def _refusing(error: HeadwaterError) -> Callable[[], pa.Table]:
