@@ -632,6 +632,29 @@ def test_a_described_insert_runs_at_execute_only(open_server: Server) -> None:
     assert stored(open_server, stream) == ["executed"]
 
 
+def test_a_parameter_number_past_postgresqls_limit_is_refused(open_server: Server) -> None:
+    """``SELECT $30000000`` in one ~30-byte Parse held a type per parameter (30 million:
+    450 MiB), and its Describe broke the connection (a count of 16 bits packed signed,
+    a traceback in the log). A number past 65,535, what Bind and ParameterDescription can
+    count (PostgreSQL's limit), is an ERROR; up to it, it is described."""
+    session = RawSession(open_server)
+    try:
+        refused = session.send(m.Parse("big", "SELECT $30000000", ()), m.Sync())
+        assert kinds(refused) == ["E:54000", "Z"]
+        assert "at most 65535 parameters" in refused[0].fields["M"]
+        missing = session.send(m.Describe("S", "big"), m.Sync())
+        assert kinds(missing) == ["E:26000", "Z"]  # nothing was kept
+        # Past 32,767 (a signed count's end) and within the limit: described.
+        described = session.send(
+            m.Parse("wide", "SELECT $40000::INTEGER AS n", ()), m.Describe("S", "wide"), m.Sync()
+        )
+        assert kinds(described)[:2] == ["1", "t"]
+        assert len(described[1].fields["oids"]) == 40000
+        assert kinds(session.send(m.Query("SELECT 1"))) == ["T", "D", "C", "Z"]
+    finally:
+        session.close()
+
+
 def stored(server: Server, stream: str) -> list[str]:
     """The values of ``stream`` on ``open_server``, in order."""
     with psycopg.connect(dsn(server, password=None), autocommit=True) as conn:

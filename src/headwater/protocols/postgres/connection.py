@@ -688,6 +688,18 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if self._refused_in_failed_block(statement):
             return Reply("error", self._aborted())
         count = max(len(message.parameter_oids), st.parameter_count(message.sql))
+        if count > st.MAX_PARAMETERS:
+            # Refused before a type is kept per parameter: one short Parse naming
+            # $30000000 would hold 30 million of them, and no Bind or
+            # ParameterDescription could carry that many.
+            return Reply(
+                "error",
+                self._error(
+                    "54000",
+                    f"a prepared statement takes at most {st.MAX_PARAMETERS} parameters,"
+                    f" not ${count}",
+                ),
+            )
         oids = message.parameter_oids + (0,) * (count - len(message.parameter_oids))
         self.statements[message.statement] = Prepared(message.sql, statement, oids)
         return Reply("ParseComplete", m.PARSE_COMPLETE)

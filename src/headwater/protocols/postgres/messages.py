@@ -27,6 +27,7 @@ GSSENC_REQUEST_CODE = 80877104
 CANCEL_REQUEST_CODE = 80877102
 
 _I16 = struct.Struct(">h")
+_U16 = struct.Struct(">H")  # a count, read as PostgreSQL reads one (pq_getmsgint(msg, 2))
 _I32 = struct.Struct(">i")
 _U32 = struct.Struct(">I")
 _HEAD = struct.Struct(">ci")
@@ -68,9 +69,8 @@ class _Reader(BoundedReader):
         return text
 
     def count(self, what: str, item_bytes: int) -> int:
-        n = self.int16(what)
-        if n < 0:
-            raise self.fail(f"{what}: negative count {n}", self.pos - 2)
+        """A 16-bit count (0 to 65,535, as PostgreSQL reads it) of items that fit."""
+        n: int = _U16.unpack_from(self.buf, self.need(2, what))[0]
         return self.fits(n, item_bytes, what)
 
 
@@ -335,15 +335,15 @@ def encode_frontend(msg: FrontendMessage) -> bytes:
     if isinstance(msg, Parse):
         oids = b"".join(_U32.pack(oid) for oid in msg.parameter_oids)
         body = _cstring(msg.statement) + _cstring(msg.sql)
-        return message(b"P", body + _I16.pack(len(msg.parameter_oids)) + oids)
+        return message(b"P", body + _U16.pack(len(msg.parameter_oids)) + oids)
     if isinstance(msg, Bind):
         parts = [_cstring(msg.portal), _cstring(msg.statement)]
-        parts.append(_I16.pack(len(msg.parameter_formats)))
+        parts.append(_U16.pack(len(msg.parameter_formats)))
         parts += [_I16.pack(f) for f in msg.parameter_formats]
-        parts.append(_I16.pack(len(msg.parameters)))
+        parts.append(_U16.pack(len(msg.parameters)))
         for value in msg.parameters:
             parts.append(_I32.pack(-1) if value is None else _I32.pack(len(value)) + value)
-        parts.append(_I16.pack(len(msg.result_formats)))
+        parts.append(_U16.pack(len(msg.result_formats)))
         parts += [_I16.pack(f) for f in msg.result_formats]
         return message(b"B", b"".join(parts))
     if isinstance(msg, Describe):
@@ -475,7 +475,7 @@ def encode_command_complete(tag: str) -> bytes:
 
 
 def encode_parameter_description(oids: Sequence[int]) -> bytes:
-    return message(b"t", _I16.pack(len(oids)) + b"".join(_U32.pack(o) for o in oids))
+    return message(b"t", _U16.pack(len(oids)) + b"".join(_U32.pack(o) for o in oids))
 
 
 PARSE_COMPLETE = message(b"1")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 _DOLLAR_TAG = re.compile(r"\$([A-Za-z_][A-Za-z_0-9]*)?\$")
 _PARAMETER = re.compile(r"\$([0-9]+)")
+# PostgreSQL's most parameters: Bind and ParameterDescription count them in 16 bits.
+MAX_PARAMETERS = 65_535
 
 
 def _scan(sql: str) -> list[tuple[int, int]]:
@@ -85,9 +87,13 @@ def _code(sql: str) -> str:
 
 
 def parameter_count(sql: str) -> int:
-    """The highest ``$n`` placeholder in ``sql`` outside quotes and comments."""
-    found = [int(m.group(1)) for m in _PARAMETER.finditer(_code(sql))]
-    return max(found, default=0)
+    """The highest ``$n`` placeholder in ``sql`` outside quotes and comments (a number
+    of more than 18 digits counts as 10**18: past :data:`MAX_PARAMETERS` either way)."""
+    highest = 0
+    for match in _PARAMETER.finditer(_code(sql)):
+        digits = match.group(1).lstrip("0")
+        highest = max(highest, int(digits) if len(digits) <= 18 else 10**18)
+    return highest
 
 
 # ---- what a statement is -------------------------------------------------------------
