@@ -200,6 +200,16 @@ def test_psql_session_statements(server: Server) -> None:
     assert lines[1:] == ["16.0", "SET", "mine", "BEGIN", "42", "COMMIT"]
 
 
+def test_escape_strings_in_a_simple_query(server: Server) -> None:
+    """An E'...' string's backslash escapes (``E'it\\'s; fine'``, which DuckDB runs) are
+    one string when a simple Query is cut into statements: the quote after the
+    backslash ended it, so its ``;`` cut the statement ("unterminated string
+    literal")."""
+    done = psql(server, "SELECT E'it\\'s; fine' AS v, e'\\\\' AS w; SELECT 'x\\' AS y")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["it's; fine,\\", "x\\"]
+
+
 def test_psql_describe_commands(server: Server) -> None:
     """psql's \\dt, \\dn and \\d <table>: its catalog queries, each several statements
     that look a table up by the oid an earlier one answered."""

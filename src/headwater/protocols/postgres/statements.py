@@ -27,8 +27,14 @@ def _scan(sql: str) -> list[tuple[int, int]]:
         c = sql[i]
         end = -1
         if c == "'" or c == '"':
+            # E'...' (an escape string): a backslash takes the next character, as
+            # PostgreSQL's lexer reads it, so E'it\'s' is one string.
+            escapes = c == "'" and i > 0 and sql[i - 1] in "Ee" and not _word_char(sql, i - 2)
             j = i + 1
             while j < n:
+                if escapes and sql[j] == "\\":
+                    j += 2
+                    continue
                 if sql[j] == c:
                     if j + 1 < n and sql[j + 1] == c:
                         j += 2
@@ -49,7 +55,7 @@ def _scan(sql: str) -> list[tuple[int, int]]:
                 else:
                     j += 1
             end = j
-        elif c == "$" and (i == 0 or not (sql[i - 1].isalnum() or sql[i - 1] == "_")):
+        elif c == "$" and not _word_char(sql, i - 1):
             match = _DOLLAR_TAG.match(sql, i)
             if match:
                 close = sql.find(match.group(0), match.end())
@@ -61,6 +67,11 @@ def _scan(sql: str) -> list[tuple[int, int]]:
             i += 1
     spans.append((start, n))
     return spans
+
+
+def _word_char(sql: str, i: int) -> bool:
+    """``sql[i]`` continues an identifier (False before the start)."""
+    return i >= 0 and (sql[i].isalnum() or sql[i] == "_")
 
 
 def split_statements(sql: str) -> list[str]:
