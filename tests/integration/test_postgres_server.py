@@ -162,6 +162,61 @@ def test_psql_as_of(server: Server) -> None:
     assert done.stdout.split() == ["5", "SET", "2,ab", str(position), "RESET", "5"]
 
 
+def test_reset_all_and_discard_all_reset_every_setting(server: Server) -> None:
+    """RESET ALL (a pooler's reset) kept ``headwater.as_of``, so the next client of the
+    connection read the past; RESET and DISCARD ALL go back to the settings the session
+    started with, the tenant included: RESET headwater.tenant left SHOW saying '' while
+    every statement still ran for the connect-time tenant."""
+    stream = new_stream(server, tenant_id=42)
+    first = psql(
+        server,
+        f"INSERT INTO {stream} (data) VALUES ('a')",
+        f"SELECT max(position) + 1 FROM {stream}",
+        f"INSERT INTO {stream} (data) VALUES ('b')",
+        dbname="acme",
+    )
+    assert first.returncode == 0, first.stderr
+    position = first.stdout.split()[-4]
+    count = f"SELECT count(*) FROM {stream}"
+    done = psql(
+        server,
+        f"SET headwater.as_of = {position}",
+        "SET application_name = 'pooled'",
+        count,
+        "RESET ALL",
+        "SHOW headwater.as_of",
+        "SHOW application_name",
+        count,
+        f"SET headwater.as_of = {position}",
+        "DISCARD ALL",
+        count,
+        "RESET headwater.tenant",
+        "SHOW headwater.tenant",
+        count,
+        "RESET ALL",
+        "SHOW headwater.tenant",
+        dbname="acme",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [
+        *("SET", "SET", "1"),
+        *("RESET", "latest", "psql", "2"),  # psql's application_name at start-up
+        *("SET", "DISCARD", "ALL", "2"),
+        *("RESET", "42", "2"),
+        *("RESET", "42"),
+    ]
+    # A setting given at connect time is that session's default, as in PostgreSQL.
+    options = f"options='-c headwater.as_of={position}'"
+    with psycopg.connect(f"{dsn(server, dbname='acme')} {options}", autocommit=True) as conn:
+        conn.execute("SET headwater.as_of = latest")
+        assert conn.execute(count).fetchone() == (2,)
+        conn.execute("RESET ALL")
+        assert conn.execute("SHOW headwater.as_of").fetchone() == (position,)
+        assert conn.execute(count).fetchone() == (1,)
+        with pytest.raises(pgerrors.UndefinedObject):
+            conn.execute("RESET headwater.nothing")
+
+
 def test_psql_wrong_password_then_right_one(server: Server) -> None:
     wrong = psql(server, "SELECT 1", password="not-a-token")
     assert wrong.returncode == 2

@@ -299,6 +299,9 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         self.user = ""
         self.startup_parameters: dict[str, str] = {}
         self.settings = dict(DEFAULT_SETTINGS)
+        # What RESET goes back to: the settings as the session started (the defaults,
+        # the start-up packet's, the tenant chosen), as PostgreSQL's RESET does.
+        self._session_defaults = dict(DEFAULT_SETTINGS)
         self.status = "I"  # ReadyForQuery: I idle, T in a block, E failed block
         self._pending: deque[Callable[[], Event | None]] = deque()
         self._in_simple = False  # the pending steps belong to a simple Query
@@ -480,6 +483,7 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         if self._state != "auth":
             raise UsageError("accept() answers an Authenticate event")
         self._state = "ready"
+        self._session_defaults = dict(self.settings)
         self._decoder.max_payload = self._max_message
         parts = [self._negotiate, m.encode_authentication(m.AUTH_OK)]
         for name in _REPORTED:
@@ -603,14 +607,13 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             return self._aborted()
         if isinstance(statement, st.Empty):
             return m.EMPTY_QUERY_RESPONSE
-        if isinstance(statement, st.Discard):
-            tenant = self.settings.get(TENANT)
-            self.settings = dict(DEFAULT_SETTINGS)
-            if tenant is not None:
-                self.settings[TENANT] = tenant
+        if isinstance(statement, st.Discard | st.ResetAll):
+            out = self._reset_all()
+            if isinstance(statement, st.ResetAll):
+                return m.encode_command_complete("RESET") + out
             self.statements.clear()
             self.portals.clear()
-            return m.encode_command_complete("DISCARD ALL")
+            return m.encode_command_complete("DISCARD ALL") + out
         if isinstance(statement, st.SetVariable):
             try:
                 self._set(statement.name, statement.value)
@@ -645,9 +648,22 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             return columns, rows, "SHOW"
         return [m.Column(name, t.TEXT)], [[self.settings[name]]], "SHOW"
 
+    def _reset_all(self) -> bytes:
+        """Every setting back to its session default (the tenant to the connect-time
+        one, which every statement still uses); a ParameterStatus for each reported one
+        that changed."""
+        before, self.settings = self.settings, dict(self._session_defaults)
+        return b"".join(
+            m.encode_parameter_status(reported, self.settings[name])
+            for name, reported in _STATUS_NAMES.items()
+            if before.get(name) != self.settings[name]
+        )
+
     def _set(self, name: str, value: str | None) -> None:
-        if value is None:
-            self.settings[name] = DEFAULT_SETTINGS.get(name, "")
+        if value is None:  # RESET: the session's default (the tenant: connect time's)
+            if name.startswith("headwater.") and name not in self._session_defaults:
+                raise m.MessageError(f'unrecognized configuration parameter "{name}"', "42704")
+            self.settings[name] = self._session_defaults.get(name, "")
             return
         if name == "client_encoding":
             return  # every string is UTF-8 here; reported as UTF8 whatever was asked

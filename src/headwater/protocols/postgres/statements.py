@@ -140,7 +140,13 @@ class Empty:
 
 @dataclass(frozen=True, slots=True)
 class Discard:
-    """DISCARD ALL (connection poolers send it): every setting back to its default."""
+    """DISCARD ALL (connection poolers send it): every setting back to its session
+    default, as RESET ALL, and every prepared statement and portal closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResetAll:
+    """RESET ALL (what some poolers send): every setting back to its session default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +156,7 @@ class NoTypes:
     so it finds none (DuckDB has no ``to_regtype`` to run the query itself)."""
 
 
-Statement = Engine | Transaction | SetVariable | Show | Empty | Discard | NoTypes
+Statement = Engine | Transaction | SetVariable | Show | Empty | Discard | ResetAll | NoTypes
 
 _TRANSACTION = {
     "begin": "BEGIN",
@@ -199,6 +205,8 @@ def classify(statement: str) -> Statement:
             return SetVariable("timezone", _setting_value(match.group(1)))
         if match := _SET.fullmatch(text):
             return SetVariable(match.group(1).lower(), _setting_value(match.group(2)))
+    if first == "reset" and code.lower() == "reset all":
+        return ResetAll()
     if first == "reset" and (match := _RESET.fullmatch(text)):
         return SetVariable(match.group(1).lower(), None)
     if first == "discard" and code.lower() in ("discard all", "discard all;"):
