@@ -156,6 +156,32 @@ class RawKafka:
         return partition
 
 
+def produce_request(topic: str, *batches: tuple[int, bytes], acks: int = -1) -> ProduceRequest:
+    """A Produce v10 of each (partition, record batch) to ``topic``."""
+    return ProduceRequest(
+        transactional_id=None,
+        acks=i16(acks),
+        timeout=timedelta(seconds=DEADLINE_S),
+        topic_data=(
+            TopicProduceData(
+                name=TopicName(topic),
+                partition_data=tuple(
+                    PartitionProduceData(index=i32(partition), records=records)
+                    for partition, records in batches
+                ),
+            ),
+        ),
+    )
+
+
+def produced(kafka: RawKafka, request: ProduceRequest) -> list[tuple[int, int]]:
+    """``request``'s answer: (error code, base offset) of each partition, in order."""
+    response = kafka.call(request, ApiKey.PRODUCE, 10)
+    assert isinstance(response, ProduceResponse)
+    [answers] = response.responses
+    return [(a.error_code, a.base_offset) for a in answers.partition_responses]
+
+
 def captured_produce(codec: str, topic: str) -> tuple[ProduceRequest, bytes]:
     """librdkafka's Produce v10 of RECORDS with ``codec``, sent to ``topic`` instead,
     and the batch in it."""
@@ -488,25 +514,8 @@ def test_one_produce_over_partitions_answers_each_partition_for_itself(server: S
     damaged = sound[:-1] + bytes([sound[-1] ^ 0xFF])  # a value byte: the CRC no longer fits
 
     def produce(kafka: RawKafka, third: bytes) -> list[tuple[int, int]]:
-        request = ProduceRequest(
-            transactional_id=None,
-            acks=i16(-1),
-            timeout=timedelta(seconds=DEADLINE_S),
-            topic_data=(
-                TopicProduceData(
-                    name=TopicName(name),
-                    partition_data=(
-                        PartitionProduceData(index=i32(0), records=idempotent),
-                        PartitionProduceData(index=i32(1), records=plain),
-                        PartitionProduceData(index=i32(2), records=third),
-                    ),
-                ),
-            ),
-        )
-        response = kafka.call(request, ApiKey.PRODUCE, 10)
-        assert isinstance(response, ProduceResponse)
-        [answers] = response.responses
-        return [(a.error_code, a.base_offset) for a in answers.partition_responses]
+        request = produce_request(name, (0, idempotent), (1, plain), (2, third))
+        return produced(kafka, request)
 
     kafka = RawKafka(server)
     try:
@@ -546,23 +555,8 @@ def test_pipelined_produces_are_stored_in_the_order_they_were_sent(server: Serve
     admin.create_topics([NewTopic(name, num_partitions=2)])[name].result(timeout=DEADLINE_S)
 
     def produce(*parts: tuple[int, bytes]) -> ProduceRequest:
-        return ProduceRequest(
-            transactional_id=None,
-            acks=i16(1),
-            timeout=timedelta(seconds=DEADLINE_S),
-            topic_data=(
-                TopicProduceData(
-                    name=TopicName(name),
-                    partition_data=tuple(
-                        PartitionProduceData(
-                            index=i32(p),
-                            records=build_batch([Record(0, 0, None, value)], base_timestamp=1),
-                        )
-                        for p, value in parts
-                    ),
-                ),
-            ),
-        )
+        batches = [(p, build_batch([Record(0, 0, None, v)], base_timestamp=1)) for p, v in parts]
+        return produce_request(name, *batches, acks=1)
 
     sent: list[bytes] = []
     wire = bytearray()
@@ -608,19 +602,8 @@ def test_an_idempotent_producers_sequence_wraps_past_int32_as_kafkas_does(
         )
 
     def produce(records: bytes) -> tuple[int, int]:
-        request = ProduceRequest(
-            transactional_id=None,
-            acks=i16(-1),
-            timeout=timedelta(seconds=DEADLINE_S),
-            topic_data=(
-                TopicProduceData(
-                    name=TopicName(topic),
-                    partition_data=(PartitionProduceData(index=i32(0), records=records),),
-                ),
-            ),
-        )
-        [answer] = kafka.call(request, ApiKey.PRODUCE, 10).responses[0].partition_responses
-        return answer.error_code, answer.base_offset
+        [answer] = produced(kafka, produce_request(topic, (0, records)))
+        return answer
 
     last_before_the_wrap = batch((1 << 31) - 2, b"a", b"b")  # sequences 2**31 - 2, - 1
     kafka = RawKafka(server)
@@ -654,19 +637,8 @@ def test_refusals_carry_kafkas_codes_and_store_nothing(server: Server) -> None:
         future.result(timeout=DEADLINE_S)
 
     def produce(kind: str, records: bytes, acks: int = -1) -> tuple[int, int]:
-        request = ProduceRequest(
-            transactional_id=None,
-            acks=i16(acks),
-            timeout=timedelta(seconds=DEADLINE_S),
-            topic_data=(
-                TopicProduceData(
-                    name=TopicName(names[kind]),
-                    partition_data=(PartitionProduceData(index=i32(0), records=records),),
-                ),
-            ),
-        )
-        [answer] = kafka.call(request, ApiKey.PRODUCE, 10).responses[0].partition_responses
-        return answer.error_code, answer.base_offset
+        [answer] = produced(kafka, produce_request(names[kind], (0, records), acks=acks))
+        return answer
 
     def one(key: bytes | None, value: bytes = b"v") -> bytes:
         return build_batch([Record(0, 0, key, value)], base_timestamp=1_700_000_000_000)
