@@ -217,6 +217,41 @@ def test_reset_all_and_discard_all_reset_every_setting(server: Server) -> None:
             conn.execute("RESET headwater.nothing")
 
 
+def test_a_setting_changed_in_a_rolled_back_block_is_undone(server: Server) -> None:
+    """PostgreSQL's SET is transactional: a ROLLBACK undoes it, and SET LOCAL lasts to
+    the end of its block. Both were kept for the session: an as_of set in a rolled-back
+    block (or SET LOCAL for one transaction) went on answering later queries from the
+    past, silently stale."""
+    stream = new_stream(server, tenant_id=42)
+    with psycopg.connect(dsn(server, dbname="acme"), autocommit=True) as conn:
+        conn.execute(f"INSERT INTO {stream} (data) VALUES ('a')")
+        row = conn.execute(f"SELECT max(position) + 1 FROM {stream}").fetchone()
+        assert row is not None
+        position = row[0]
+        conn.execute(f"INSERT INTO {stream} (data) VALUES ('b')")
+        count = f"SELECT count(*) FROM {stream}"
+        for ending in ("ROLLBACK", "COMMIT"):
+            name = conn.execute("SHOW application_name").fetchone()
+            conn.execute("BEGIN")
+            conn.execute(f"SET LOCAL headwater.as_of = {position}")
+            conn.execute("SET application_name = 'in-block'")
+            assert conn.execute(count).fetchone() == (1,)  # as of the position, in it
+            conn.execute(ending)
+            assert conn.execute("SHOW headwater.as_of").fetchone() == ("latest",)
+            assert conn.execute(count).fetchone() == (2,)
+            # A plain SET: a COMMIT keeps it, a ROLLBACK undoes it.
+            kept = ("in-block",) if ending == "COMMIT" else name
+            assert conn.execute("SHOW application_name").fetchone() == kept
+        conn.execute("BEGIN")
+        conn.execute(f"SET headwater.as_of = {position}")
+        with pytest.raises(pgerrors.UndefinedTable):
+            conn.execute("SELECT * FROM no_such_table")  # the block fails
+        conn.execute("ROLLBACK")
+        assert conn.execute(count).fetchone() == (2,)
+        conn.execute(f"SET LOCAL headwater.as_of = {position}")  # outside a block: nothing
+        assert conn.execute(count).fetchone() == (2,)
+
+
 def test_psql_wrong_password_then_right_one(server: Server) -> None:
     wrong = psql(server, "SELECT 1", password="not-a-token")
     assert wrong.returncode == 2

@@ -303,6 +303,11 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         # the start-up packet's, the tenant chosen), as PostgreSQL's RESET does.
         self._session_defaults = dict(DEFAULT_SETTINGS)
         self.status = "I"  # ReadyForQuery: I idle, T in a block, E failed block
+        # In a transaction block: the settings at its BEGIN (a ROLLBACK puts them back,
+        # as PostgreSQL's SET is transactional) and the names SET LOCAL changed (their
+        # BEGIN value comes back at its end, whichever).
+        self._block_settings: dict[str, str] | None = None
+        self._local_names: set[str] = set()
         self._pending: deque[Callable[[], Event | None]] = deque()
         self._in_simple = False  # the pending steps belong to a simple Query
         self._skipping = False  # an extended-protocol error: ignore until Sync
@@ -587,13 +592,15 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
         """Run a statement the session owns; its whole answer (rows and tag)."""
         if isinstance(statement, st.Transaction):
             tag = statement.action
+            changed = b""
             if statement.action in ("BEGIN", "SAVEPOINT", "RELEASE"):
                 # Savepoints mark nothing (no statement is undone): accepted so clients
                 # that nest transactions (psycopg's conn.transaction()) work.
                 if self.status == "E":
                     return self._aborted()
-                if statement.action == "BEGIN":
+                if statement.action == "BEGIN" and self.status == "I":
                     self.status = "T"
+                    self._block_settings, self._local_names = dict(self.settings), set()
             elif statement.action == "ROLLBACK TO":
                 if self.status == "E":
                     self.status = "T"
@@ -601,8 +608,9 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             else:
                 if self.status == "E":
                     tag = "ROLLBACK"
+                changed = self._end_block(commit=tag == "COMMIT")
                 self.status = "I"
-            return m.encode_command_complete(tag)
+            return m.encode_command_complete(tag) + changed
         if self.status == "E":
             return self._aborted()
         if isinstance(statement, st.Empty):
@@ -615,10 +623,16 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             self.portals.clear()
             return m.encode_command_complete("DISCARD ALL") + out
         if isinstance(statement, st.SetVariable):
+            if statement.local and self._block_settings is None:
+                # PostgreSQL: "SET LOCAL can only be used in transaction blocks" (a
+                # warning), and it changes nothing.
+                return m.encode_command_complete("SET")
             try:
                 self._set(statement.name, statement.value)
             except m.MessageError as exc:
                 return self._error(exc.sqlstate, exc.message)
+            if statement.local:
+                self._local_names.add(statement.name)
             out = m.encode_command_complete("RESET" if statement.value is None else "SET")
             reported = _STATUS_NAMES.get(statement.name)
             if reported is not None:
@@ -647,6 +661,28 @@ class ServerConnection(_connection.ServerConnection[Item, Event]):
             columns = [m.Column(c, t.TEXT) for c in ("name", "setting", "description")]
             return columns, rows, "SHOW"
         return [m.Column(name, t.TEXT)], [[self.settings[name]]], "SHOW"
+
+    def _end_block(self, *, commit: bool) -> bytes:
+        """The transaction block ended: a ROLLBACK puts back every setting as it was at
+        BEGIN (a SET in a block is undone with it, as in PostgreSQL: an as_of set in a
+        rolled-back block went on serving later queries stale reads), a COMMIT those SET
+        LOCAL changed. A ParameterStatus for each reported one that changed."""
+        before, block = self.settings, self._block_settings
+        self._block_settings = None
+        if block is None:
+            return b""
+        names = self._local_names if commit else set(self.settings) | set(block)
+        self.settings = dict(before)
+        for name in names:
+            if name in block:
+                self.settings[name] = block[name]
+            else:
+                self.settings.pop(name, None)
+        return b"".join(
+            m.encode_parameter_status(reported, self.settings[name])
+            for name, reported in _STATUS_NAMES.items()
+            if before.get(name) != self.settings.get(name) and name in self.settings
+        )
 
     def _reset_all(self) -> bytes:
         """Every setting back to its session default (the tenant to the connect-time

@@ -126,6 +126,7 @@ class Transaction:
 class SetVariable:
     name: str  # lower-cased
     value: str | None  # None: RESET (back to the default)
+    local: bool = False  # SET LOCAL: until the end of the transaction block
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,14 +170,17 @@ _TRANSACTION = {
     "release": "RELEASE",
 }
 _NAME = r"([A-Za-z_][A-Za-z_0-9]*(?:\.[A-Za-z_][A-Za-z_0-9]*)?)"
-_SET = re.compile(
-    rf"set\s+(?:session\s+|local\s+)?{_NAME}\s*(?:=|\s+to\s+|\s+)\s*(.+)", re.I | re.S
-)
-_SET_TIME_ZONE = re.compile(r"set\s+(?:session\s+|local\s+)?time\s+zone\s+(.+)", re.I | re.S)
+_SET = re.compile(rf"set\s+(session\s+|local\s+)?{_NAME}\s*(?:=|\s+to\s+|\s+)\s*(.+)", re.I | re.S)
+_SET_TIME_ZONE = re.compile(r"set\s+(session\s+|local\s+)?time\s+zone\s+(.+)", re.I | re.S)
 _RESET = re.compile(rf"reset\s+{_NAME}", re.I)
 _SHOW = re.compile(rf"show\s+{_NAME}", re.I)
 _VERSION = re.compile(r"select\s+(?:pg_catalog\s*\.\s*)?version\s*\(\s*\)", re.I)
 _SHOW_SPECIAL = {"transaction isolation level": "transaction_isolation"}
+
+
+def _local(match: re.Match[str]) -> bool:
+    """Whether a SET said LOCAL (its first group: SESSION, LOCAL or nothing)."""
+    return (match.group(1) or "").strip().lower() == "local"
 
 
 def _setting_value(text: str) -> str | None:
@@ -202,9 +206,10 @@ def classify(statement: str) -> Statement:
     text = statement.strip().rstrip(";").strip()
     if first == "set":
         if match := _SET_TIME_ZONE.fullmatch(text):
-            return SetVariable("timezone", _setting_value(match.group(1)))
+            return SetVariable("timezone", _setting_value(match.group(2)), _local(match))
         if match := _SET.fullmatch(text):
-            return SetVariable(match.group(1).lower(), _setting_value(match.group(2)))
+            name, value = match.group(2).lower(), _setting_value(match.group(3))
+            return SetVariable(name, value, _local(match))
     if first == "reset" and code.lower() == "reset all":
         return ResetAll()
     if first == "reset" and (match := _RESET.fullmatch(text)):
