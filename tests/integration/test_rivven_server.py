@@ -580,6 +580,14 @@ def test_required_auth_refuses_until_a_token_is_presented(secured: Server) -> No
         )
         assert orphan.code == ErrorCode.UNAUTHORIZED
         assert "tenant 9 does not exist" in orphan.message
+        # The client asks to be refused on a cleartext link: it was accepted (and its
+        # token used) anyway. Over TLS it is accepted (test_tls.py's Rivven clients).
+        cleartext = rivven.error(
+            pb.AuthenticateRequest(
+                plain=pb.PlainAuth(username="u", password=TOKEN, require_tls=True)
+            )
+        )
+        assert cleartext.code == ErrorCode.UNAUTHORIZED and "require_tls" in cleartext.message
         rivven.authenticate(TOKEN)
         rivven.ok(pb.ListTopicsRequest(), "list_topics")
 

@@ -181,7 +181,11 @@ class RivvenSession(Session[RivvenLink, Resumable[Any]]):
             conn.close()
             raise ServerUnavailable(f"{self._where}: {hello.message}")
         if self.token is not None:
-            plain = pb.PlainAuth(username=self.client_id, password=self.token)
+            # Over TLS, ask the server to refuse a cleartext link (the token must not
+            # cross one if a proxy or a misconfiguration stripped the TLS).
+            plain = pb.PlainAuth(
+                username=self.client_id, password=self.token, require_tls=self.tls is not None
+            )
             await self._greet(
                 conn,
                 lambda c: c.send(pb.AuthenticateRequest(plain=plain)),

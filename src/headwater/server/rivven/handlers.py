@@ -134,6 +134,7 @@ class Session:
     stopping: asyncio.Event
     groups: GroupShells  # the listener's group membership (headwater's additions)
     principal: Principal | None = None  # set by Authenticate, or on first use without auth
+    tls: bool = False  # the connection is TLS (the listener's [tls])
     client_id: str = ""  # the client's name (its Header's, else its Handshake's)
     # Where this connection's Consume answers take their bytes (server/answers.py).
     answers: AnswerRoom = field(default_factory=lambda: AnswerRoom(AnswerBudget(1 << 62)))
@@ -171,6 +172,11 @@ Handler = Callable[[Session, Any], Awaitable[Message]]
 async def authenticate(session: Session, request: pb.AuthenticateRequest) -> Message:
     if request.WhichOneof("mechanism") != "plain":
         raise AuthenticationFailed("headwater takes PLAIN authentication (the token as password)")
+    if request.plain.require_tls and not session.tls:
+        # The client asked to be refused on a cleartext link: its token is not looked at.
+        raise AuthenticationFailed(
+            "require_tls: this connection is not TLS (the server has no [tls] section)"
+        )
     principal = session.api.authenticate(request.plain.password or None)
     tenant_id = session.api.session_tenant(principal)
     session.principal = principal

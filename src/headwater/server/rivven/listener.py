@@ -118,6 +118,7 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
         local = self.transport.get_extra_info("sockname")
         if local:
             self.session.host = local[0]
+        self.session.tls = self.transport.get_extra_info("ssl_object") is not None
 
     def _disconnected(self) -> None:
         self.session.answers.lost()
