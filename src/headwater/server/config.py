@@ -6,6 +6,7 @@ the same tables (docs/operations.md lists them all).
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 from headwater.api.auth import AuthConfig
 from headwater.api.quotas import TenantQuota
 from headwater.cluster.config import ClusterConfig
-from headwater.engine.engine import EngineConfig
+from headwater.engine.engine import EngineConfig, StreamSettings
 from headwater.engine.kinds.model import KindsConfig
 from headwater.engine.names import check_name
 from headwater.errors import InvalidRequest
@@ -149,13 +150,37 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _positive_int(section: dict[str, Any], key: str, where: str) -> int | None:
+# Past these a value is no setting anyone means, and breaks later, not at start-up:
+# DuckDB refuses a memory limit of 2**63 MiB, a socket buffer must fit a C int.
+MAX_SETTING = (1 << 63) - 1
+MAX_MIB = 1 << 30  # a PiB
+MAX_SOCKET_BUFFER = (1 << 31) - 1
+
+
+def _positive_int(
+    section: dict[str, Any], key: str, where: str, at_most: int | None = None
+) -> int | None:
     value = section.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{where}.{key} must be a positive integer, got {value!r}")
+    if at_most is None:
+        at_most = MAX_MIB if key.endswith("_mib") else MAX_SETTING
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= at_most:
+        raise ConfigError(f"{where}.{key} must be an integer from 1 to {at_most}, got {value!r}")
     return value
+
+
+def _seconds(value: object, name: str) -> float:
+    """A positive, finite number of seconds (TOML's nan and inf are not: a NaN timeout
+    left every connection of every listener hanging)."""
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def load_config(path: Path | None) -> ServerConfig:
@@ -226,9 +251,18 @@ def _compression(value: object) -> str:
 
 
 def config_from_dict(data: dict[str, Any]) -> ServerConfig:
+    """The server's config from a parsed TOML document; ConfigError naming what is
+    wrong (a setting's own check, a segment size say, too: one line, not a traceback)."""
+    try:
+        return _config_from_dict(data)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _config_from_dict(data: dict[str, Any]) -> ServerConfig:
     check_known_keys(data)
     listen = dict(DEFAULT_LISTEN)
-    for name, value in data.get("listen", {}).items():
+    for name, value in _table(data.get("listen", {}), "[listen]").items():
         if name not in DEFAULT_LISTEN:
             raise ConfigError(f"listen.{name}: unknown listener (one of {', '.join(listen)})")
         if not isinstance(value, str):
@@ -245,8 +279,11 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
     defaults = EngineConfig()
     tenants = {0: "default"}
     quotas: dict[int, TenantQuota] = {}
-    for entry in data.get("tenants", []):
-        tenant_id = entry.get("id")
+    entries = data.get("tenants", [])
+    if not isinstance(entries, list):
+        raise ConfigError("[[tenants]] is an array of tables: write [[tenants]], not [tenants]")
+    for entry in entries:
+        tenant_id = _table(entry, "[[tenants]]").get("id")
         if not isinstance(tenant_id, int) or tenant_id < 0:
             raise ConfigError(f"tenants: id must be a non-negative integer, got {tenant_id!r}")
         tenants[tenant_id] = str(entry.get("name", f"tenant{tenant_id}"))
@@ -274,6 +311,9 @@ def config_from_dict(data: dict[str, Any]) -> ServerConfig:
         tenants=tenants,
     )
 
+    # Every stream's log is made of these defaults: what the log refuses (a segment
+    # size out of range) stops start-up here, not the first stream's open.
+    StreamSettings().log_config(engine)
     auth = _auth_config(data.get("auth", {}))
 
     convergedb = _table(data.get("convergedb", {}), "[convergedb]")
@@ -352,9 +392,7 @@ def _limits_config(data: Any) -> LimitsConfig:
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key in LIMIT_SECONDS:
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"limits.{key} must be a positive number of seconds")
-            values[key] = float(value)
+            values[key] = _seconds(value, f"limits.{key}")
         else:
             values[key] = _positive_int(data, key, "limits")
     return LimitsConfig(**values)
@@ -386,9 +424,7 @@ def _cluster_config(data: Any) -> ClusterConfig | None:
             options[key] = size
     lag = data.get("replica_lag_s")
     if lag is not None:
-        if not isinstance(lag, int | float) or isinstance(lag, bool) or lag <= 0:
-            raise ConfigError("cluster.replica_lag_s must be a positive number of seconds")
-        options["replica_lag_s"] = float(lag)
+        options["replica_lag_s"] = _seconds(lag, "cluster.replica_lag_s")
     port = data.get("replication_port")
     if port is not None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
@@ -486,7 +522,9 @@ def _kiwi_config(data: Any) -> KiwiConfig:
         counters.append(_counter_source(entry, seen))
     return KiwiConfig(
         **sized,
-        socket_send_buffer=_positive_int(subscriber, "socket_send_buffer", "kiwi.subscriber"),
+        socket_send_buffer=_positive_int(
+            subscriber, "socket_send_buffer", "kiwi.subscriber", MAX_SOCKET_BUFFER
+        ),
         counters=tuple(counters),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,19 @@ def test_defaults_without_a_file() -> None:
         ({"auth": {"tokens": [{"token": "t", "admin": "yes"}]}}, "admin"),
         ({"limit": {}}, "unknown key in the top level: limit"),
         ({"tls": {"cert": "/nonexistent.pem", "key": "/nonexistent.key"}}, "tls.cert"),
+        # Each of these started a server that broke later, or stopped with a traceback.
+        ({"listen": "x"}, r"\[listen\] must be a table"),
+        ({"tenants": {"id": 1}}, r"write \[\[tenants\]\], not \[tenants\]"),
+        ({"tenants": ["acme"]}, r"\[tenants\] must be a table"),
+        ({"storage": {"segment_bytes": 1}}, "segment_bytes must be between"),
+        ({"limits": {"sql_memory_mib": 2**62}}, "limits.sql_memory_mib must be an integer from"),
+        ({"limits": {"handshake_timeout_s": math.nan}}, "limits.handshake_timeout_s"),
+        ({"limits": {"idle_timeout_s": math.inf}}, "limits.idle_timeout_s"),
+        ({"kiwi": {"subscriber": {"socket_send_buffer": 2**32}}}, "socket_send_buffer"),
+        (
+            {"cluster": {"node_id": 1, "etcd": ["127.0.0.1:2379"], "replica_lag_s": math.nan}},
+            "cluster.replica_lag_s",
+        ),
     ],
 )
 def test_bad_values_are_named(data: dict[str, object], message: str) -> None:
