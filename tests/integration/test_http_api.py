@@ -579,6 +579,30 @@ def test_metrics(srv: HttpApi) -> None:
         assert required in names, required
 
 
+def test_a_deleted_streams_series_leave_metrics(srv: HttpApi) -> None:
+    # They stayed for good (a stream churned through names grew /metrics without
+    # bound), and a stream made again under the name went on from the old one's bytes
+    # while its event count started again from 0.
+    def series() -> dict[str, float]:
+        text = srv.request("GET", "/metrics")[1]
+        found = metric_samples(text)
+        return {n: v for (n, labels), v in found.items() if ("stream", "churn") in labels}
+
+    srv.request("POST", "/api/streams", {"name": "churn"})
+    srv.request("POST", "/api/streams/churn/events", ["abcde"])
+    srv.request("GET", "/api/streams/churn/events")
+    assert series()["headwater_bytes_appended_total"] == 5
+    assert series()["headwater_bytes_read_total"] == 5
+    assert srv.request("DELETE", "/api/streams/churn")[0] == 204
+    assert series() == {}
+    srv.request("POST", "/api/streams", {"name": "churn"})
+    srv.request("POST", "/api/streams/churn/events", ["xy"])
+    again = series()
+    assert again["headwater_bytes_appended_total"] == 2
+    assert again["headwater_events_appended_total"] == 1
+    assert "headwater_bytes_read_total" not in again
+
+
 def test_graceful_stop(tmp_path: Path) -> None:
     server = Server(tmp_path / "stop", listen=LISTEN).start()
     try:

@@ -704,6 +704,14 @@ class EngineAPI:
         self._transactions.forget_stream(tenant_id, name)
         await self.groups.forget_stream(tenant_id, name)
 
+    def on_stream_deleted(self, listener: Callable[[int, str], None]) -> None:
+        """Call ``listener(tenant_id, stream name)`` as a stream is deleted (here or, in a
+        cluster, as this node drops its copy): what a front end keeps per stream (its
+        metrics' series) can go."""
+        self._engine.stream_deleted_listeners.append(
+            lambda stream: listener(stream.tenant.tenant_id, stream.name)
+        )
+
     def on_transactional_id_expired(self, listener: Callable[[int, str], None]) -> None:
         """Call ``listener(tenant_id, transactional_id)`` as an idle transactional id
         expires (TRANSACTIONAL_ID_EXPIRATION_MS, as Kafka's): whatever a front end

@@ -118,6 +118,8 @@ class Server:
             quotas=self.config.quotas,
             clustered=self.config.cluster is not None,
         )
+        # A deleted stream's series leave /metrics (they grew with every stream made).
+        self._api.on_stream_deleted(metrics_for(self).forget_stream)
         if self.config.cluster is not None:
             # Nor is anything stored before the node knows what it leads (docs/cluster.md).
             self._api.cluster_gate.refuse_appends("this node is joining its cluster")

@@ -18,6 +18,7 @@ is counted by the front ends once per batch through :class:`Metrics`:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -153,6 +154,17 @@ class Metrics:
         stream_bytes.inc(value_bytes)
         appends.inc()
         append_seconds.observe(seconds)
+
+    def forget_stream(self, tenant: int, stream: str) -> None:
+        """The stream was deleted: its series go (they grew with every stream ever made,
+        and a stream made again under the name went on from the old one's bytes while
+        its event count, the engine's, started again from 0)."""
+        labels = (str(tenant), stream)
+        for family in (self.bytes_appended, self.events_read, self.bytes_read):
+            with contextlib.suppress(KeyError):  # never appended to, or never read
+                family.remove(*labels)
+        for key in [k for k in self._append_series if k[1:] == (tenant, stream)]:
+            del self._append_series[key]
 
     def record_read(
         self, protocol: str, tenant: int, stream: str, events: int, value_bytes: int
