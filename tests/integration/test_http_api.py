@@ -603,6 +603,25 @@ def test_a_deleted_streams_series_leave_metrics(srv: HttpApi) -> None:
     assert "headwater_bytes_read_total" not in again
 
 
+def test_fsyncs_of_every_partition_count_and_a_delete_takes_none_back(srv: HttpApi) -> None:
+    # headwater_fsync_seconds counted partition 0's committers only, and a stream's
+    # delete took its fsyncs back out: a counter going down reads as a reset to rate()
+    # and the slow-fsync alert.
+    def fsyncs() -> float:
+        text = srv.request("GET", "/metrics")[1]
+        return metric_samples(text)[("headwater_fsync_seconds_count", ())]
+
+    srv.request("POST", "/api/streams", {"name": "fsp", "settings": {"partitions": 4}})
+    before = fsyncs()
+    for _ in range(5):
+        status, _, _ = srv.request("POST", "/api/streams/fsp/events?partition=3", ["x"])
+        assert status == 200
+    after = fsyncs()
+    assert after >= before + 5  # each lone append waited for its own fsync
+    assert srv.request("DELETE", "/api/streams/fsp")[0] == 204
+    assert fsyncs() >= after
+
+
 def test_graceful_stop(tmp_path: Path) -> None:
     server = Server(tmp_path / "stop", listen=LISTEN).start()
     try:

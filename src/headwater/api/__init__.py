@@ -318,6 +318,10 @@ class EngineAPI:
         self.offset_for_timestamp = engine.offset_for_timestamp
         self.offset_of_max_timestamp = engine.offset_of_max_timestamp
         self.sync_tenant = engine.sync_tenant
+        # The fsyncs of deleted streams, kept in the server's totals (a counter that
+        # fell with each delete read as a reset to rate() and the slow-fsync alert).
+        self._retired_fsync_count, self._retired_fsync_seconds = 0, 0.0
+        engine.stream_deleted_listeners.append(self._retire_fsyncs)
         # consumer groups (engine/groups): membership, committed offsets per partition
         self.groups = ConsumerGroups(engine)
         # replication (docs/cluster.md): stored batches out and in, divergent tails cut
@@ -741,15 +745,23 @@ class EngineAPI:
         return None if stored is None else stored.next_offset
 
     def fsync_stats(self) -> FsyncStats:
-        """The group committers' fsyncs over every live stream (internal ones too: the
-        totals are the server's, they name no stream)."""
-        count, seconds, last = 0, 0.0, 0.0
+        """The group committers' fsyncs, every partition of every stream (internal ones
+        too: the totals are the server's, they name no stream) and of the streams deleted
+        since the start (only partition 0's were counted, and a delete took its stream's
+        share back)."""
+        count, seconds = self._retired_fsync_count, self._retired_fsync_seconds
+        last = 0.0
         for stream in self._engine.all_streams(internal=True):
-            committer = stream.committer
-            count += committer.fsyncs
-            seconds += committer.fsync_seconds_total
-            last = max(last, committer.last_fsync_seconds)
+            for committer in stream.committers:
+                count += committer.fsyncs
+                seconds += committer.fsync_seconds_total
+                last = max(last, committer.last_fsync_seconds)
         return FsyncStats(count, seconds, last)
+
+    def _retire_fsyncs(self, stream: Stream) -> None:
+        for committer in stream.committers:
+            self._retired_fsync_count += committer.fsyncs
+            self._retired_fsync_seconds += committer.fsync_seconds_total
 
     @property
     def events_appended(self) -> int:
