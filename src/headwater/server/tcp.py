@@ -266,6 +266,7 @@ class TaskPerRequestConnection(asyncio.Protocol):
         self.inline = 0  # requests in flight without a task: a callback answers them
         self._inline_answered: asyncio.Future[None] | None = None
         self._reading_paused = False
+        self._stopping = False  # the listener stops: reading stays paused
         self._eof = False
         self.closed = False
 
@@ -307,6 +308,15 @@ class TaskPerRequestConnection(asyncio.Protocol):
             self._inline_answered = asyncio.get_running_loop().create_future()
         return self._inline_answered
 
+    def stop_reading(self) -> None:
+        """The listener stops: nothing more is read, so a request arriving during its
+        drain is not started (a Kimberlite append was stored, then its connection closed
+        before its answer: the client was told it may or may not have been applied)."""
+        self._stopping = True
+        if self.transport is not None and not self.closed and not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
     def _pause_if_full(self) -> None:
         in_flight = len(self.tasks) + self.inline
         if in_flight >= self.max_inflight and not self._reading_paused and self.transport:
@@ -322,7 +332,12 @@ class TaskPerRequestConnection(asyncio.Protocol):
         if self._eof and not in_flight:
             self.close()
             return
-        if self._reading_paused and in_flight <= self.max_inflight // 2 and self.transport:
+        if (
+            self._reading_paused
+            and not self._stopping
+            and in_flight <= self.max_inflight // 2
+            and self.transport
+        ):
             self._reading_paused = False
             if not self.closed:
                 self.transport.resume_reading()
@@ -485,6 +500,9 @@ async def start_tcp_listener(
 
     async def stop() -> None:
         tcp.close()  # stop accepting
+        for conn in list(connections):  # and start no request the drain would not wait for
+            if isinstance(conn, TaskPerRequestConnection):
+                conn.stop_reading()
         if drain is not None:
             await drain()
         for conn in list(connections):

@@ -91,3 +91,28 @@ def test_drain_waits_for_inline_requests() -> None:
         conn._answered_inline()
 
     asyncio.run(main())
+
+
+def test_a_stopping_listeners_connections_read_no_more_until_they_close() -> None:
+    """Reading stops as the listener's drain begins: a request arriving then was started
+    (a Kimberlite append stored) and its connection closed before its answer. A request
+    in flight that ends does not resume reading, as it would at half the cap."""
+
+    async def main() -> None:
+        conn, transport = connected()
+        release = asyncio.Event()
+
+        async def waits() -> None:
+            await release.wait()
+
+        for _ in range(4):  # at the cap: paused
+            conn._start(waits())
+        conn.stop_reading()
+        release.set()
+        await asyncio.gather(*conn.tasks)
+        assert transport.paused and not conn.busy()  # drained, still not reading
+        idle, idle_transport = connected()
+        idle.stop_reading()  # not paused before: paused now
+        assert idle_transport.paused
+
+    asyncio.run(main())
