@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -48,7 +49,12 @@ class ListenError(Exception):
     def __init__(self, listener: str, host: str, port: int, cause: OSError) -> None:
         # uvloop and asyncio wrap the OS error in their own sentence; the errno's own
         # text ("address already in use") is the part a user needs.
-        reason = os.strerror(cause.errno) if cause.errno else str(cause)
+        # A name lookup's failure carries a getaddrinfo code, not an errno: its own text
+        # ("Name or service not known"; os.strerror(-2) said "unknown error -2").
+        if isinstance(cause, socket.gaierror):
+            reason = cause.strerror or str(cause)
+        else:
+            reason = os.strerror(cause.errno) if cause.errno else str(cause)
         reason = reason[:1].lower() + reason[1:]
         shown = f"[{host}]" if ":" in host else host
         super().__init__(

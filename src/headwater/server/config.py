@@ -145,7 +145,8 @@ MAX_LIVENESS_MS = 2**32 - 1  # a source's deadline is a u32 on the wire (presenc
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    # ASCII digits only: str.isdigit() takes any script's ("١٢" was port 12).
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"listen.{what}: expected host:port, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
@@ -279,6 +280,7 @@ def _config_from_dict(data: dict[str, Any]) -> ServerConfig:
     defaults = EngineConfig()
     tenants = {0: "default"}
     quotas: dict[int, TenantQuota] = {}
+    declared: set[int] = set()
     entries = data.get("tenants", [])
     if not isinstance(entries, list):
         raise ConfigError("[[tenants]] is an array of tables: write [[tenants]], not [tenants]")
@@ -286,6 +288,9 @@ def _config_from_dict(data: dict[str, Any]) -> ServerConfig:
         tenant_id = _table(entry, "[[tenants]]").get("id")
         if not isinstance(tenant_id, int) or tenant_id < 0:
             raise ConfigError(f"tenants: id must be a non-negative integer, got {tenant_id!r}")
+        if tenant_id in declared:  # the later entry silently replaced the earlier
+            raise ConfigError(f"tenants: id {tenant_id} is declared twice")
+        declared.add(tenant_id)
         tenants[tenant_id] = str(entry.get("name", f"tenant{tenant_id}"))
         rates = {key: _positive_int(entry, key, f"tenants[{tenant_id}]") for key in QUOTA_KEYS}
         if any(rate is not None for rate in rates.values()):
@@ -354,8 +359,13 @@ def _auth_config(data: Any) -> AuthConfig:
     tokens: dict[str, frozenset[int]] = {}
     admins: set[str] = set()
     cert_cns: dict[str, frozenset[int]] = {}
-    for entry in data.get("tokens", []):
-        token = entry.get("token")
+    entries = data.get("tokens", [])
+    if not isinstance(entries, list):
+        raise ConfigError(
+            "[[auth.tokens]] is an array of tables: write [[auth.tokens]], not [auth.tokens]"
+        )
+    for entry in entries:
+        token = _table(entry, "[[auth.tokens]]").get("token")
         cert_cn = entry.get("cert_cn")
         granted = entry.get("tenants", [0])
         if not isinstance(granted, list) or not all(
@@ -372,10 +382,14 @@ def _auth_config(data: Any) -> AuthConfig:
         if cert_cn is not None:
             if not isinstance(cert_cn, str) or not cert_cn:
                 raise ConfigError("auth.tokens: cert_cn must be a non-empty string")
+            if cert_cn in cert_cns:
+                raise ConfigError(f"auth.tokens: cert_cn {cert_cn!r} is given twice")
             cert_cns[cert_cn] = frozenset(granted)
             continue
         if not isinstance(token, str) or not token:
             raise ConfigError("auth.tokens: every entry needs a non-empty token string")
+        if token in tokens:  # the later entry's grant silently replaced the earlier's
+            raise ConfigError("auth.tokens: a token is given twice (one entry each)")
         tokens[token] = frozenset(granted)
         if admin:
             admins.add(token)

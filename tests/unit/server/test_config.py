@@ -86,7 +86,13 @@ def test_defaults_without_a_file() -> None:
         ({"auth": {"tokens": [{"token": "t", "admin": "yes"}]}}, "admin"),
         ({"limit": {}}, "unknown key in the top level: limit"),
         ({"tls": {"cert": "/nonexistent.pem", "key": "/nonexistent.key"}}, "tls.cert"),
-        # Each of these started a server that broke later, or stopped with a traceback.
+        # Each of these started a server that broke later, or stopped with a traceback,
+        # or a later entry silently replaced an earlier one.
+        ({"listen": {"http": "127.0.0.1:\u0661\u0662"}}, "listen.http"),
+        ({"auth": {"tokens": {"token": "t"}}}, r"write \[\[auth.tokens\]\]"),
+        ({"auth": {"tokens": [{"token": "t"}, {"token": "t", "tenants": [1]}]}}, "twice"),
+        ({"auth": {"tokens": [{"cert_cn": "w"}, {"cert_cn": "w"}]}}, "cert_cn 'w'"),
+        ({"tenants": [{"id": 1}, {"id": 1, "name": "again"}]}, "id 1 is declared twice"),
         ({"listen": "x"}, r"\[listen\] must be a table"),
         ({"tenants": {"id": 1}}, r"write \[\[tenants\]\], not \[tenants\]"),
         ({"tenants": ["acme"]}, r"\[tenants\] must be a table"),
