@@ -167,6 +167,29 @@ def test_a_data_dir_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
     assert f"cannot use {blocker / 'data'} as the data directory" in proc.stderr
 
 
+def test_a_ports_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    # A ports file in a missing directory (or on a full disk) stopped serve with a
+    # Python traceback after every listener was bound.
+    command = serve_command(tmp_path)
+    command[command.index("--ports-file") + 1] = str(tmp_path / "missing" / "ports.json")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert "error: No such file or directory" in proc.stderr
+    assert str(tmp_path / "missing") in proc.stderr
+
+
+def test_check_refuses_a_directory_that_is_no_data_directory(tmp_path: Path) -> None:
+    # It walked any directory and said "all ok" (an empty one, or /tmp), and --repair
+    # left its lock file there.
+    for flags in ((), ("--repair",)):
+        command = [sys.executable, "-m", "headwater.cli.main", "check", str(tmp_path), *flags]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2, proc.stdout
+        assert "is not a headwater data directory (no tenants/)" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_names_every_listener() -> None:
     """--listen's help lists the listener names a user may give (it had left kafka out)."""
     done = subprocess.run(

@@ -98,6 +98,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # one line that names the way out.
         sys.stderr.write(f"headwater: {exc}\n")
         return 2
+    except OSError as exc:
+        # The disk: a data directory not writable or full, a ports file's directory
+        # missing. One line naming the file, not a traceback.
+        where = f" ({exc.filename})" if exc.filename else ""
+        err.print(
+            f"[red]error:[/] {escape(exc.strerror or str(exc))}{escape(where)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return 1
 
 
 def parse_listen(text: str) -> tuple[str, str]:
@@ -134,7 +144,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     from headwater.storage.metadata import DataDirLock
 
     if not args.data_dir.is_dir():
-        err.print(f"[red]error:[/] {args.data_dir} is not a directory")
+        err.print(f"[red]error:[/] {escape(str(args.data_dir))} is not a directory", soft_wrap=True)
+        return 2
+    if not (args.data_dir / "tenants").is_dir():
+        # As backup says it: "all ok" of an empty or unrelated directory (and --repair's
+        # lock file left in it) would be a lie.
+        err.print(
+            f"[red]error:[/] {escape(str(args.data_dir))} is not a headwater data directory"
+            " (no tenants/)",
+            soft_wrap=True,
+        )
         return 2
     lock = DataDirLock(args.data_dir)
     if args.repair:  # rebuilding files under a running server would race it

@@ -55,7 +55,7 @@ def check_partition(
     report = PartitionReport(directory)
     bases = sorted(int(p.name[:-4]) for p in directory.glob("*.log") if p.name[:-4].isdigit())
     prev_next: int | None = None
-    files = FileCache(1)  # one segment at a time, read-only use of a read-write open
+    files = FileCache(1, read_only=True)  # one segment at a time; a read-only dir is checked
     for base in bases:
         seg = Segment(directory, base, index_interval_bytes, files)
         try:

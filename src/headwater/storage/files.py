@@ -61,10 +61,14 @@ class FileCache:
     """At most ``capacity`` segment files open at once (None: no bound), least recently
     used closed first. Thread-safe; one per engine (all its streams share it)."""
 
-    def __init__(self, capacity: int | None = DEFAULT_OPEN_FILES) -> None:
+    def __init__(
+        self, capacity: int | None = DEFAULT_OPEN_FILES, *, read_only: bool = False
+    ) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError("open_files must be at least 1")
         self.capacity = capacity
+        # Files opened for reading only (headwater check: a snapshot, a read-only mount).
+        self._mode = os.O_RDONLY if read_only else os.O_RDWR
         self._lock = threading.Lock()
         # Open files, least recently used first.
         self._open: OrderedDict[SegmentFile, None] = OrderedDict()
@@ -111,7 +115,7 @@ class FileCache:
             if handle.retired:
                 raise StorageError(f"{handle.path.name} was removed (retention or compaction)")
             self._make_room()
-            handle.fd = os.open(handle.path, os.O_RDWR)
+            handle.fd = os.open(handle.path, self._mode)
             handle.pins += 1
             self._added(handle)
             return handle.fd

@@ -687,6 +687,27 @@ def test_check_reports_a_stale_index(tmp_path: Path) -> None:
     assert report.damaged
 
 
+def test_check_opens_nothing_for_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """headwater check verifies without changing anything, so a snapshot or a read-only
+    mount can be checked: it opened every segment read-write (EROFS on such a mount, a
+    traceback and exit 1, which means "damage found")."""
+    part = tmp_path / "tenants" / "0" / "streams" / "1" / "partition-0"
+    part.mkdir(parents=True)
+    make_checked_log(part, interval=4096)
+    opened: list[int] = []
+    real_open = os.open
+
+    def recording(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording)
+    [report] = check_data_dir(tmp_path)
+    assert len(report.segments) == 4 and not report.damaged
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    assert opened and not [flags for flags in opened if flags & writing]
+
+
 def test_check_data_dir_finds_nested_partitions(tmp_path: Path) -> None:
     a = tmp_path / "tenants" / "0" / "streams" / "1" / "partition-0"
     b = tmp_path / "tenants" / "0" / "streams" / "2" / "partition-0"
