@@ -179,6 +179,29 @@ def test_a_ports_file_that_cannot_be_written_is_one_line(tmp_path: Path) -> None
     assert str(tmp_path / "missing") in proc.stderr
 
 
+def test_no_ports_file_is_left_naming_ports_no_server_listens_on(
+    tmp_path: Path, occupied_port: int, serve_process: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    # The file stayed after a stop, and a start that failed left the previous run's:
+    # a script waiting for it to appear connected to dead ports.
+    stale = tmp_path / "ports.json"
+    stale.write_text(json.dumps({"kimberlite": 1}))
+    failed = subprocess.run(
+        serve_command(tmp_path, "--listen", f"kimberlite=127.0.0.1:{occupied_port}"),
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS + STOP_SECONDS,
+        check=False,
+    )
+    assert failed.returncode == 2, failed.stderr
+    assert not stale.exists()
+    proc = serve_process("--listen", "kimberlite=127.0.0.1:0")
+    assert ports_of(tmp_path, proc)["kimberlite"] != 1
+    proc.terminate()
+    assert proc.wait(STOP_SECONDS) == 0
+    assert not stale.exists()
+
+
 def test_check_refuses_a_directory_that_is_no_data_directory(tmp_path: Path) -> None:
     # It walked any directory and said "all ok" (an empty one, or /tmp), and --repair
     # left its lock file there.

@@ -8,6 +8,7 @@ stop accepting, let in-flight appends finish, fsync, exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -101,7 +102,15 @@ class Server:
     def started(self) -> bool:
         return self._api is not None
 
+    def _forget_ports(self) -> None:
+        """No ports file while the server is not serving: one left by the previous run
+        named its dead ports to whatever waited for the file to appear."""
+        if self.ports_file is not None:
+            self.ports_file.unlink(missing_ok=True)
+            self.ports_file.with_name(self.ports_file.name + ".tmp").unlink(missing_ok=True)
+
     async def start(self) -> None:
+        self._forget_ports()
         limits = self.config.limits
         warn_if_over_budget(self.config)  # before opening: a log line even if that fails
         self._api = await EngineAPI.open(
@@ -166,6 +175,8 @@ class Server:
 
     async def stop(self) -> None:
         log.info("shutting down")
+        with contextlib.suppress(OSError):  # its directory gone: nothing to take back
+            self._forget_ports()
         if self.cluster is not None:
             # First: leadership moves to the other nodes while this one drains.
             await self.cluster.stop()
