@@ -73,8 +73,12 @@ async def start_http(server: Server, host: str, port: int) -> Listener:
     bound = int(listening.sockets[0].getsockname()[1])
 
     def open_connections() -> int:
+        # A /ws connection is counted once, as Kiwi's (max_connections counts it once;
+        # Grafana's connections panel sums every protocol).
         web_server = runner.server
-        return 0 if web_server is None else len(web_server.connections)
+        if web_server is None:
+            return 0
+        return len(web_server.connections) - len(app[ws.GATEWAY_KEY].sessions)
 
     metrics_for(server).add_connections_source(PROTOCOL, open_connections)
 
