@@ -174,6 +174,18 @@ class Metrics:
             self.events_read.labels(str(tenant), stream).inc(events)
             self.bytes_read.labels(str(tenant), stream).inc(value_bytes)
 
+    def read_counter(self, tenant: int, stream: str) -> Callable[[int, int], None]:
+        """:meth:`record_read` for one stream, its series looked up once: for a
+        subscription's pushes, counted on every delivery."""
+        events_read = self.events_read.labels(str(tenant), stream)
+        bytes_read = self.bytes_read.labels(str(tenant), stream)
+
+        def count(events: int, value_bytes: int) -> None:
+            events_read.inc(events)
+            bytes_read.inc(value_bytes)
+
+        return count
+
     def record_error(self, protocol: str, exc: HeadwaterError) -> None:
         self.errors.labels(protocol, str(exc.code), exc.name).inc()
         if isinstance(exc, StreamQuotaExceeded):  # the engine's refusal of a [limits] key

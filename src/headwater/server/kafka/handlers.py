@@ -157,6 +157,10 @@ class Session:
     cluster: ClusterView | None = None
     # Counts a request refused by a [limits] key (headwater_limit_refusals_total).
     refused: Callable[[str], None] = field(default=lambda limit: None)
+    # Counts what a Fetch gave the client: (tenant, stream, events, bytes), as
+    # headwater_events_read_total and _bytes_read_total (stored batches' bytes, as a
+    # produce counts them).
+    counted: Callable[[int, str, int, int], None] = field(default=lambda *read: None)
     # Produce requests of this connection appending through tasks now (see produce).
     spread_produces: int = 0
     # Where this connection's Fetch answers take their bytes (server/answers.py).
@@ -1038,10 +1042,14 @@ async def _fetch_once(
         except HeadwaterError as exc:
             entry["error_code"] = error_code(exc)
             continue
+        events = result.count
         if readable < end:  # whole batches: those from the high watermark on wait
             result.spans = [s for s in result.spans if s.batch.base_offset < limit]
+            events = sum(s.stop - s.start for s in result.spans if not s.batch.control)
         records = records_of(result)
         length = sum(memoryview(r).nbytes for r in records)
+        if events:
+            session.counted(tenant, info.name, events, length)
         if length:
             # The batches are put into the answer's frame as they were read, not
             # copied into it (frames.encode_response_chunks).

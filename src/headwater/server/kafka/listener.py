@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kio.schema.errors import ErrorCode
@@ -26,6 +27,7 @@ from headwater.server.kafka.groups import KafkaGroups
 from headwater.server.kafka.handlers import HANDLERS, SPLICED, Handler, Session
 from headwater.server.kafka.scram import MECHANISM as SCRAM
 from headwater.server.kafka.scram import ScramServer
+from headwater.server.metrics import metrics_for
 from headwater.server.tcp import (
     ConnectionGuard,
     TaskPerRequestConnection,
@@ -94,6 +96,7 @@ class KafkaConnection(TaskPerRequestConnection):
             stopping=self.stopping,
             cluster=cluster,
             refused=lambda limit: limits.refused(limit, "kafka"),
+            counted=partial(metrics_for(self.server).record_read, "kafka"),
             answers=AnswerRoom(limits.answers),
         )
         try:

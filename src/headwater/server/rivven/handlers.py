@@ -138,6 +138,9 @@ class Session:
     client_id: str = ""  # the client's name (its Header's, else its Handshake's)
     # Where this connection's Consume answers take their bytes (server/answers.py).
     answers: AnswerRoom = field(default_factory=lambda: AnswerRoom(AnswerBudget(1 << 62)))
+    # Counts what a Consume gave the client: (tenant, stream, events, value bytes), as
+    # headwater_events_read_total and _bytes_read_total.
+    counted: Callable[[int, str, int, int], None] = field(default=lambda *read: None)
 
     @property
     def tenant_id(self) -> int:
@@ -474,6 +477,7 @@ async def consume(session: Session, request: pb.ConsumeRequest) -> Message:
                 isolation=isolation,
             )
             if result.count:
+                session.counted(tenant_id, info.name, result.count, result.value_bytes)
                 return _consumed(api, tenant_id, info.stream_id, partition, result)
         # Nothing to give (yet): a long poll waits for the partition to pass its end,
         # then reads again (under read_committed the new events may still be open).

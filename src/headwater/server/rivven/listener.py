@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
@@ -102,6 +103,7 @@ class RivvenConnection(ServerConnectionShell[ServerConnection]):
             stopping,
             groups,
             answers=AnswerRoom(server.limits.answers),
+            counted=partial(self.metrics.record_read, LISTENER),
         )
         # When this connection's refused publish or consume (by the quotas it spends)
         # may come back and be served: its turn, kept while other clients add debt.

@@ -8,6 +8,8 @@ from headwater.api import CloseReason, Subscription
 from headwater.errors import InvalidRequest
 from headwater.protocols.kimberlite import messages as m
 
+VALUE_LENGTH_BYTES = 8  # a push's value records are u64 length | bytes (a Push's chunks)
+
 if TYPE_CHECKING:
     from headwater.engine.subscriptions import Push
     from headwater.server.kimberlite.listener import KimberliteConnection
@@ -25,12 +27,20 @@ async def subscribe(
             " limits.max_subscriptions_per_connection allows: unsubscribe one first"
         )
 
+    # Pushes are reads too (headwater_events_read_total): a subscriber's were not counted.
+    counted = conn.metrics.read_counter(
+        request.tenant_id, conn.api.stream_name(request.tenant_id, payload.stream_id)
+    )
+
     async def deliver(sub: Subscription, pushes: list[Push]) -> None:
         # A whole read: every push framed, handed to the transport in one writelines,
         # then one wait for the transport to take more.
         conn.write_chunks(
             conn.protocol.send_subscription_pushes(subscribe_id, sub.subscription_id, pushes)
         )
+        events = sum(push.event_count for push in pushes)
+        stored = sum(len(chunk) for push in pushes for chunk in push.chunks)
+        counted(events, stored - VALUE_LENGTH_BYTES * events)  # values without their u64
         await conn.drained()
 
     def on_close(sub: Subscription, reason: CloseReason) -> None:
