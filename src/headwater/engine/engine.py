@@ -1393,7 +1393,12 @@ class Engine:
                 for plog in list(stream.partition_logs):
                     if stream.deleted or plog.closed:
                         continue
-                    removed += await loop.run_in_executor(self.executor, plog.enforce_retention)
+                    if not stream.internal:
+                        # Not the server's own state (group offsets, transactions): the
+                        # default retention took a group's committed offset once it was a
+                        # retention period old, lost at the next restart. Compaction
+                        # alone keeps those logs bounded, as Kafka's __consumer_offsets.
+                        removed += await loop.run_in_executor(self.executor, plog.enforce_retention)
                     if plog.config.cleanup_policy == "compact":  # per key, per partition
                         result = await loop.run_in_executor(self.executor, plog.compact)
                         compacted += result.events_removed

@@ -238,6 +238,36 @@ def test_retention_and_compaction_through_maintenance(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_the_servers_state_streams_are_never_cut_by_the_default_retention(
+    tmp_path: Path,
+) -> None:
+    """[storage] retention_bytes / retention_ms (the server's defaults) applied to the
+    internal state streams too: a consumer group's committed offset went once it was a
+    retention period old, gone at the next restart. Only compaction bounds them."""
+
+    async def main() -> None:
+        config = EngineConfig(
+            maintenance_interval_ms=0, segment_bytes=4096, retention_bytes=10_000, retention_ms=1
+        )
+        engine = await Engine.open(tmp_path, config)
+        user = await engine.create_stream(0, "user")
+        state = await engine.create_stream(
+            0, "hw_consumer_offsets", StreamSettings(cleanup_policy="compact"), internal=True
+        )
+        for i in range(100):
+            await engine.append(0, user.stream_id, [b"x" * 200])
+            await engine.append(
+                0, state.stream_id, [b"y" * 200], keys=[b"group-%d" % i], internal=True
+            )
+        assert (await engine.run_maintenance())["segments_removed"] > 0
+        assert engine.stream(0, user.stream_id).info().start_offset > 0  # retention ran
+        kept = engine.stream(0, state.stream_id, internal=True).info()
+        assert (kept.start_offset, kept.next_offset) == (0, 100)
+        await engine.close()
+
+    asyncio.run(main())
+
+
 def test_offset_for_timestamp(tmp_path: Path) -> None:
     async def main() -> None:
         engine = await Engine.open(tmp_path, CONFIG)
