@@ -34,6 +34,7 @@ from headwater.errors import (
     CorruptBatchError,
     InvalidOffset,
     InvalidRequest,
+    StorageError,
     StreamNotFound,
     UsageError,
 )
@@ -211,6 +212,7 @@ class GroupOffsets:
         self.waiting: dict[str, list[Subscription]] = {}
         self._flush: asyncio.Task[None] | None = None
         self._dirty = False
+        self.failure: OSError | None = None  # the last write's, while it is not done
 
     def commit(self, group: str, offset: int) -> None:
         if self.offsets.get(group, -1) >= offset:
@@ -234,17 +236,31 @@ class GroupOffsets:
             while self._dirty:
                 self._dirty = False
                 snapshot = dict(self.offsets)
-                await loop.run_in_executor(
-                    self.engine.executor, write_json_atomic, self.path, snapshot
-                )
-        except OSError:
-            log.exception("writing %s failed", self.path)
+                try:
+                    await loop.run_in_executor(
+                        self.engine.executor, write_json_atomic, self.path, snapshot
+                    )
+                except OSError as exc:
+                    # Still to write: the next store, flush or close tries again (it was
+                    # given up for good, and a restart went back to the last positions
+                    # written).
+                    self._dirty = True
+                    self.failure = exc
+                    log.error("writing %s failed: %s", self.path, exc)
+                    return
+                self.failure = None
         finally:
             self._flush = None
 
     async def flush(self) -> None:
+        """Every position stored so far on disk; StorageError when it cannot be
+        written (a full disk): what is not written is tried again later."""
+        if self._flush is None and self._dirty:
+            self._flush = asyncio.get_running_loop().create_task(self._flush_loop())
         if self._flush is not None:
             await asyncio.wait([self._flush])
+        if self._dirty and self.failure is not None:
+            raise StorageError(f"writing {self.path.name} failed: {self.failure}")
 
 
 @dataclass(eq=False, repr=False)  # compared and hashed by identity: held in sets
@@ -539,4 +555,7 @@ class Subscriptions:
             for sub in list(subs):
                 self.close(sub, reason)
         for groups in self.groups.values():
-            await groups.flush()
+            try:
+                await groups.flush()
+            except StorageError as exc:  # logged; the other streams' groups still go
+                log.error("consumer group positions not written at close: %s", exc)

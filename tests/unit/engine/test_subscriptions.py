@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from headwater.engine import subscriptions as subscriptions_module
 from headwater.engine.engine import Engine, EngineConfig
 from headwater.engine.subscriptions import (
     PUSH_MAX_EVENTS,
     RESUME,
     CloseReason,
+    GroupOffsets,
     Push,
     Subscription,
     Subscriptions,
 )
-from headwater.errors import InvalidOffset, InvalidRequest
+from headwater.errors import InvalidOffset, InvalidRequest, StorageError
 from headwater.storage.batch import value_spans
 from waiting import wait_until_async
 
@@ -228,6 +230,36 @@ def test_an_append_wakes_only_the_subscriptions_waiting_for_it(
         await idle[7].wait_for(1)
         assert idle[7].events == [(0, b"e0")]
         await subs.close_all()
+        await engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_group_position_not_written_is_tried_again_and_its_flush_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed write of groups.json (a full disk) was given up for good: its positions
+    never reached the disk, not even at close, and a restart went back to the last ones
+    written; and an operator's reset awaiting the flush was told it was done."""
+    real_write = subscriptions_module.write_json_atomic
+
+    def full_disk(path: Path, data: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    async def main() -> None:
+        engine = await Engine.open(tmp_path, CONFIG)
+        stream = engine.stream(0, (await engine.create_stream(0, "s")).stream_id)
+        offsets = GroupOffsets(stream.directory, engine)
+        offsets.commit("rg", 20)
+        await offsets.flush()
+        monkeypatch.setattr(subscriptions_module, "write_json_atomic", full_disk)
+        offsets.commit("rg", 50)
+        with pytest.raises(StorageError, match="No space left"):
+            await offsets.flush()
+        assert GroupOffsets(stream.directory, engine).offsets == {"rg": 20}
+        monkeypatch.setattr(subscriptions_module, "write_json_atomic", real_write)
+        await offsets.flush()  # room again: written now, nothing stored since needed
+        assert GroupOffsets(stream.directory, engine).offsets == {"rg": 50}
         await engine.close()
 
     asyncio.run(main())
