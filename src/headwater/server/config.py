@@ -188,9 +188,11 @@ def load_config(path: Path | None) -> ServerConfig:
     if path is None:
         return ServerConfig()
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"config {path} is not UTF-8: {exc.reason} at byte {exc.start}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
     return config_from_dict(data)
@@ -286,12 +288,18 @@ def _config_from_dict(data: dict[str, Any]) -> ServerConfig:
         raise ConfigError("[[tenants]] is an array of tables: write [[tenants]], not [tenants]")
     for entry in entries:
         tenant_id = _table(entry, "[[tenants]]").get("id")
-        if not isinstance(tenant_id, int) or tenant_id < 0:
+        if not isinstance(tenant_id, int) or isinstance(tenant_id, bool) or tenant_id < 0:
             raise ConfigError(f"tenants: id must be a non-negative integer, got {tenant_id!r}")
         if tenant_id in declared:  # the later entry silently replaced the earlier
             raise ConfigError(f"tenants: id {tenant_id} is declared twice")
         declared.add(tenant_id)
-        tenants[tenant_id] = str(entry.get("name", f"tenant{tenant_id}"))
+        name = entry.get("name", f"tenant{tenant_id}")
+        # A name chooses its tenant (PostgreSQL's dbname): text, and not another's id.
+        if not isinstance(name, str) or not name or name.isdigit():
+            raise ConfigError(f"tenants[{tenant_id}].name must be a name, not {name!r}")
+        if any(other == name and t != tenant_id for t, other in tenants.items()):
+            raise ConfigError(f"tenants[{tenant_id}].name {name!r} is another tenant's")
+        tenants[tenant_id] = name
         rates = {key: _positive_int(entry, key, f"tenants[{tenant_id}]") for key in QUOTA_KEYS}
         if any(rate is not None for rate in rates.values()):
             quotas[tenant_id] = TenantQuota(**rates)

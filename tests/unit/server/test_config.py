@@ -93,6 +93,10 @@ def test_defaults_without_a_file() -> None:
         ({"auth": {"tokens": [{"token": "t"}, {"token": "t", "tenants": [1]}]}}, "twice"),
         ({"auth": {"tokens": [{"cert_cn": "w"}, {"cert_cn": "w"}]}}, "cert_cn 'w'"),
         ({"tenants": [{"id": 1}, {"id": 1, "name": "again"}]}, "id 1 is declared twice"),
+        ({"tenants": [{"id": True}]}, "tenants: id must be a non-negative integer"),
+        ({"tenants": [{"id": 1, "name": ["x"]}]}, r"tenants\[1\].name must be a name"),
+        ({"tenants": [{"id": 1, "name": "2"}]}, r"tenants\[1\].name must be a name"),
+        ({"tenants": [{"id": 1, "name": "default"}]}, "another tenant's"),
         ({"listen": "x"}, r"\[listen\] must be a table"),
         ({"tenants": {"id": 1}}, r"write \[\[tenants\]\], not \[tenants\]"),
         ({"tenants": ["acme"]}, r"\[tenants\] must be a table"),
@@ -122,6 +126,10 @@ def test_ripple_liveness() -> None:
 def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml")
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes('[[tenants]]\nid = 1\nname = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8"):  # it was a traceback
+        load_config(latin)
     bad = tmp_path / "bad.toml"
     bad.write_text("[listen\nhttp=")
     with pytest.raises(ConfigError, match="not valid TOML"):
