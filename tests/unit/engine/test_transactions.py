@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -226,6 +227,13 @@ def test_an_idle_transactional_id_expires_and_stays_forgotten(tmp_path: Path) ->
         now[0] += TRANSACTIONAL_ID_EXPIRATION_MS // 2 + 1
         assert await txns.expire_idle() == ["old-job"]
         assert txns.state("old-job") is None
+        # After the tombstone, a record of the producer id counter: compaction may take
+        # the expired ids' records, which were the only ones holding it (a restart then
+        # handed their producer ids out again).
+        state = await engine.read(0, txns.stream_id, 0, 1 << 30, internal=True)
+        last = list(state.events())[-1]
+        counter = json.loads(last.value)["next_producer_id"]
+        assert not last.tombstone and counter > max(old.producer_id, busy.producer_id)
         assert txns.state("recent-job") is not None and txns.state("busy-job") is not None
         reopened = await TenantTransactions.open(engine, 0, clock_ms=lambda: now[0])
         assert reopened.state("old-job") is None

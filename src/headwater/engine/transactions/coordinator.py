@@ -689,7 +689,16 @@ class TenantTransactions:
                 await self._write(tid.encode(), None, forget=True)
                 del self.transactions[tid]
                 expired.append(tid)
-            self._locks.pop(tid, None)
+            lock = self._locks.get(tid)
+            # Dropped only when nobody holds or awaits it: a caller already waiting would
+            # otherwise hold the old lock while a new caller made another.
+            if lock is not None and not lock.locked() and not getattr(lock, "_waiters", None):
+                del self._locks[tid]
+        if expired and self.cluster is None:
+            # A tombstone carries no counter: the expired ids' records may have been the
+            # only ones holding it, and compaction takes them (a restart would hand out
+            # their producer ids again). A cluster's ids are etcd's to keep.
+            await self._write(_PRODUCER_IDS_KEY, None)
         if expired:
             log.info("tenant %d: %d idle transactional ids expired", self.tenant_id, len(expired))
         return expired
