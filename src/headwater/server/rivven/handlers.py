@@ -65,6 +65,9 @@ class PartitionNotFound(InvalidRequest):
     """A partition the topic does not have (answered PARTITION_NOT_FOUND)."""
 
 
+SUPERSEDED_KEPT = 16  # replaced instances remembered per transactional id
+
+
 @dataclass
 class TransactionalIds:
     """Rivven names a transaction's producer by the id and epoch InitProducerId gave it,
@@ -77,6 +80,10 @@ class TransactionalIds:
     bound: dict[tuple[int, str], tuple[tuple[int, int], ProducerIdentity]] = field(
         default_factory=dict
     )
+    # The client pairs each binding replaced, most recent first: a superseded instance
+    # may not begin again (producer ids are not ordered by age in a cluster, where each
+    # node hands out its own block, so "lower is older" cannot tell).
+    superseded: dict[tuple[int, str], tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     async def begin(
         self, api: EngineAPI, tenant_id: int, txn_id: str, client: tuple[int, int], timeout: int
@@ -91,23 +98,27 @@ class TransactionalIds:
                     f"producer {producer_id} epoch {client[1]} is fenced: transaction"
                     f" {txn_id!r} was begun by epoch {epoch}"
                 )
-            if client[0] < producer_id:
-                # InitProducerId hands out ids in increasing order: a lower one is an
-                # older instance, already fenced by the one that began last, and may
+            if client in self.superseded.get((tenant_id, txn_id), ()):
+                # An older instance, already fenced by one that began after it: it may
                 # not take the transactional id back (and abort the newer's work).
                 raise ProducerFenced(
-                    f"producer {client[0]} is fenced: transaction {txn_id!r} was begun by"
-                    f" a newer producer ({producer_id})"
+                    f"producer {client[0]} epoch {client[1]} is fenced: transaction"
+                    f" {txn_id!r} was begun by a newer producer ({producer_id})"
                 )
         # A new producer (or this server's first sight of it): the engine bumps the
         # transactional id's epoch, aborting what an older instance left open.
         identity = await api.init_producer(tenant_id, txn_id, timeout or None)
-        self.bound[(tenant_id, txn_id)] = (client, identity)
+        key = (tenant_id, txn_id)
+        if found is not None:
+            earlier = self.superseded.get(key, ())
+            self.superseded[key] = (found[0], *earlier)[:SUPERSEDED_KEPT]
+        self.bound[key] = (client, identity)
 
     def forget(self, tenant_id: int, txn_id: str) -> None:
-        """The engine forgot the transactional id (idle past its expiry): so does this
-        map, which otherwise grew with every id ever begun."""
+        """The engine forgot the transactional id (idle past its expiry): so do these
+        maps, which otherwise grew with every id ever begun."""
         self.bound.pop((tenant_id, txn_id), None)
+        self.superseded.pop((tenant_id, txn_id), None)
 
     def identity(self, tenant_id: int, txn_id: str, client: tuple[int, int]) -> ProducerIdentity:
         found = self.bound.get((tenant_id, txn_id))
