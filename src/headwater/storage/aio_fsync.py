@@ -173,7 +173,11 @@ class AioFsync:
             if count <= 0:
                 break
             for event in self._events[:count]:
-                _, done = self._pending.pop(event.data)
+                found = self._pending.pop(event.data, None)
+                if found is None:  # not ours (never expected): the others still end
+                    log.error("an AIO completion for no pending fsync (%d)", event.data)
+                    continue
+                _, done = found
                 try:
                     done(event.res)
                 except Exception:  # one committer's bug must not keep the others waiting

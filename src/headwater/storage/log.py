@@ -696,6 +696,10 @@ class PartitionLog:
                 self.failed = f"fsync failed: {error}"
             raise StorageError(self.failed) from error
         with self._lock:
+            if self.failed is not None:
+                # Another sync failed meanwhile: the kernel reports an fsync error once,
+                # so this one's success says nothing of the data it did not keep.
+                raise StorageError(self.failed)
             self._synced_once = True
             for seg in plan.sealed:
                 self._dirty.discard(seg.base_offset)

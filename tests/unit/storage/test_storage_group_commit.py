@@ -612,3 +612,20 @@ def test_a_forked_child_gets_fsync_threads_of_its_own(tmp_path: Path) -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_sync_ending_after_another_failed_makes_nothing_durable(tmp_path: Path) -> None:
+    """The kernel reports an fsync error once: a second sync planned beside a failed one
+    may return success for data the first lost. Once the log is failed, no sync's end
+    moves the durable offset."""
+    plog = open_log(tmp_path, "fsync")
+    plog.sync()
+    plog.append([b"a"], first_position=0, timestamp_ms=0)
+    first, second = plog.plan_sync(), plog.plan_sync()
+    assert first is not None and second is not None
+    with pytest.raises(StorageError):
+        plog.end_sync(first, OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(StorageError):
+        plog.end_sync(second, None)
+    assert plog.durable_offset == 0
+    plog.close()
