@@ -202,6 +202,24 @@ def test_no_ports_file_is_left_naming_ports_no_server_listens_on(
     assert not stale.exists()
 
 
+def test_a_second_server_refused_the_data_directory_leaves_the_ports_file(
+    tmp_path: Path, serve_process: Callable[..., subprocess.Popen[bytes]]
+) -> None:
+    # The ports file was removed before the data directory's lock was taken: a mistaken
+    # second serve on a live directory deleted the live server's file.
+    live = serve_process("--listen", "kimberlite=127.0.0.1:0")
+    ports = ports_of(tmp_path, live)
+    second = subprocess.run(
+        serve_command(tmp_path, "--listen", "kimberlite=127.0.0.1:0"),
+        capture_output=True,
+        text=True,
+        timeout=START_SECONDS + STOP_SECONDS,
+        check=False,
+    )
+    assert second.returncode == 1, second.stderr
+    assert json.loads((tmp_path / "ports.json").read_text()) == ports
+
+
 def test_check_refuses_a_directory_that_is_no_data_directory(tmp_path: Path) -> None:
     # It walked any directory and said "all ok" (an empty one, or /tmp), and --repair
     # left its lock file there.

@@ -110,7 +110,6 @@ class Server:
             self.ports_file.with_name(self.ports_file.name + ".tmp").unlink(missing_ok=True)
 
     async def start(self) -> None:
-        self._forget_ports()
         limits = self.config.limits
         warn_if_over_budget(self.config)  # before opening: a log line even if that fails
         self._api = await EngineAPI.open(
@@ -133,6 +132,9 @@ class Server:
             quotas=self.config.quotas,
             clustered=self.config.cluster is not None,
         )
+        # The data directory is this server's now (its lock held): so is its ports file.
+        # Before the lock, a second server refused the directory took the live one's.
+        self._forget_ports()
         # A deleted stream's series leave /metrics (they grew with every stream made).
         self._api.on_stream_deleted(metrics_for(self).forget_stream)
         if self.config.cluster is not None:
@@ -175,8 +177,9 @@ class Server:
 
     async def stop(self) -> None:
         log.info("shutting down")
-        with contextlib.suppress(OSError):  # its directory gone: nothing to take back
-            self._forget_ports()
+        if self._api is not None:  # it took the data directory: the ports file is its
+            with contextlib.suppress(OSError):  # its directory gone: nothing to take back
+                self._forget_ports()
         if self.cluster is not None:
             # First: leadership moves to the other nodes while this one drains.
             await self.cluster.stop()
