@@ -227,7 +227,7 @@ def test_check_refuses_a_directory_that_is_no_data_directory(tmp_path: Path) -> 
         command = [sys.executable, "-m", "headwater.cli.main", "check", str(tmp_path), *flags]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2, proc.stdout
-        assert "is not a headwater data directory (no tenants/)" in proc.stderr
+        assert "is not a headwater data directory (no tenants/, no segment files)" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 

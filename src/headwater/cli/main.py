@@ -141,21 +141,24 @@ def with_listen_overrides(
 
 def cmd_check(args: argparse.Namespace) -> int:
     from headwater.errors import StorageError
+    from headwater.storage.check import partition_dirs
     from headwater.storage.metadata import DataDirLock
 
     if not args.data_dir.is_dir():
         err.print(f"[red]error:[/] {escape(str(args.data_dir))} is not a directory", soft_wrap=True)
         return 2
-    if not (args.data_dir / "tenants").is_dir():
-        # As backup says it: "all ok" of an empty or unrelated directory (and --repair's
-        # lock file left in it) would be a lie.
+    lock = DataDirLock(args.data_dir)
+    marked = (args.data_dir / "tenants").is_dir() or lock.path.exists()
+    if not marked and next(partition_dirs(args.data_dir), None) is None:
+        # Neither a data directory nor a log's directory (check takes one alone): "all
+        # ok" of an empty or unrelated directory (and --repair's lock file left in it)
+        # would be a lie.
         err.print(
             f"[red]error:[/] {escape(str(args.data_dir))} is not a headwater data directory"
-            " (no tenants/)",
+            " (no tenants/, no segment files)",
             soft_wrap=True,
         )
         return 2
-    lock = DataDirLock(args.data_dir)
     if args.repair:  # rebuilding files under a running server would race it
         try:
             lock.acquire()
