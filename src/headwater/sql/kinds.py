@@ -157,6 +157,14 @@ class KindTable:
     def history_from(self) -> int:
         return 0  # nothing removes a kind's history
 
+    @property
+    def error(self) -> str | None:
+        return None
+
+    @property
+    def damage(self) -> str | None:
+        return None  # a kind's table is its state in memory, not a projection of a log
+
     def request_catch_up(self) -> None:
         return None
 

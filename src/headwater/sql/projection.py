@@ -209,6 +209,17 @@ class _Piece:
     start: int
     stop: int
 
+    @property
+    def end_offset(self) -> int:
+        """The offset after the piece's last event."""
+        if self.stop == self.batch.count:
+            return self.batch.last_offset + 1
+        return (
+            self.batch.base_offset + self.stop
+            if self.batch.dense
+            else int(self.batch.offsets()[self.stop])
+        )
+
 
 def _int(value: int) -> pa.Scalar:
     """An int64 scalar: a bare Python int makes pyarrow try (and fail, without numpy) an
@@ -228,7 +239,18 @@ def read_round(
     pieces: list[_Piece] = []
     rows = size = 0
     upto = min(upto, plog.last_stable_offset if committed_only else plog.readable_offset)
-    for batch in plog.batches(from_offset, upto, ROUND_READ, committed_only=committed_only):
+    batches = plog.batches(from_offset, upto, ROUND_READ, committed_only=committed_only)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return pieces, upto
+        except CorruptBatchError:
+            if not pieces:
+                raise
+            # The intact batches before a damaged one are projected (range reads serve
+            # them); the next round, starting at the damaged batch, fails.
+            return pieces, pieces[-1].end_offset
         if batch.control:
             continue
         start = batch.index_of(from_offset) if batch.base_offset < from_offset else 0
@@ -255,7 +277,6 @@ def read_round(
         pieces.append(_Piece(batch, start, stop))
         rows += n
         size += section
-    return pieces, upto
 
 
 _I64_MAX = (1 << 63) - 1
@@ -650,6 +671,7 @@ class StreamProjection:
         self.paused = False
         self.closed = False
         self.error: str | None = None
+        self.damage: str | None = None  # the last round met a batch that does not read
         self._builder = builder
         self._executor = executor
         self._on_progress = on_progress
@@ -846,7 +868,7 @@ class StreamProjection:
                 if self.closed:
                     return
                 self._install(result)
-            self.error = None
+            self.error = self.damage = None
             if self.next_offset >= self._target:
                 self._urgent = False
         except Exception as exc:
@@ -856,6 +878,9 @@ class StreamProjection:
             if error != self.error:
                 log.exception("projecting stream %s (tenant %d) failed", self.name, self.tenant_id)
             self.error = error
+            if isinstance(exc, CorruptBatchError):
+                self.damage = f"stream {self.name}: {exc}"
+                self._on_progress()  # the tenant's waiting queries stop waiting for it
             self._retry_at = self._loop.time() + RETRY_SECONDS
             self._loop.call_later(RETRY_SECONDS, self._kick)
         finally:

@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 from headwater.engine.engine import MAX_APPEND_BYTES, MAX_APPEND_EVENTS
 from headwater.engine.transactions import stable_position
 from headwater.errors import (
+    CorruptBatchError,
     HeadwaterError,
     InvalidOffset,
     InvalidRequest,
@@ -225,15 +226,14 @@ class SqlService:
         head = tenant.committed_position
         covered = head
         for table in self.tables(tenant_id):
-            covered = min(covered, table.covered_position(head))
+            if table.damage is None:  # a damaged table is refused, not waited for
+                covered = min(covered, table.covered_position(head))
         return covered
 
     def _lag_message(self, tenant_id: int, covered: int, position: int) -> str:
         message = f"SQL projections reached position {covered}, not yet {position}"
         errors = [
-            f"{t.name}: {error}"
-            for t in self.tables(tenant_id)
-            if (error := getattr(t, "error", None)) is not None
+            f"{t.name}: {error}" for t in self.tables(tenant_id) if (error := t.error) is not None
         ]
         return message + (f" (failing: {'; '.join(errors)})" if errors else "")
 
@@ -313,10 +313,15 @@ class SqlService:
             reached = projection.next_offset
             return f"stream {name} is projected up to offset {reached}, not {end}{error}"
 
+        def kick() -> None:
+            if projection.damage is not None:  # the range reaches a batch that does not read
+                raise CorruptBatchError(projection.damage)
+            projection.request_catch_up()
+
         await self._wait(
             lambda: projection.next_offset,
             end,
-            projection.request_catch_up,
+            kick,
             lag,
             self.read_timeout,
         )
@@ -404,6 +409,8 @@ class SqlService:
                 )
             elif (missing := self._not_replicated(table)) is not None:
                 snapshots[table.name] = _refusing(missing)
+            elif table.damage is not None:
+                snapshots[table.name] = _refusing(CorruptBatchError(table.damage))
         await self._admission.acquire(tenant_id)  # waits its tenant's turn
         loop = asyncio.get_running_loop()
         try:

@@ -51,6 +51,19 @@ class SqlTable(Protocol):
         has removed rows an answer had (0: every position)."""
         ...
 
+    @property
+    def error(self) -> str | None:
+        """Why the last projection round failed, for a lag message (None: it did not)."""
+        ...
+
+    @property
+    def damage(self) -> str | None:
+        """Why the table cannot be projected past some point: its log holds a batch
+        that does not read (a flipped bit on disk). Retrying cannot mend that, so the
+        tenant's other tables do not wait for this one, and a query reading it is
+        refused with a CorruptBatchError saying this (None: the table is sound)."""
+        ...
+
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         """Capture the table as of ``position`` (exclusive); the returned function builds
         the Arrow table (in a worker thread) and never sees later changes. A stream's
@@ -104,6 +117,19 @@ class StreamTable:
     @property
     def history_from(self) -> int:
         return max(part.history_from for part in self.parts)
+
+    @property
+    def error(self) -> str | None:
+        return next((part.error for part in self.parts if part.error is not None), None)
+
+    @property
+    def damage(self) -> str | None:
+        for part in self.parts:
+            if part.damage is not None:
+                if len(self.parts) == 1:
+                    return part.damage
+                return f"partition {part.partition}: {part.damage}"
+        return None
 
     def snapshot(self, position: int) -> Callable[[], pa.Table]:
         if len(self.parts) == 1:
