@@ -19,10 +19,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from memory_probe import MIB, RssSampler
 from servers import LOCAL, Server
 
 import headwater
 from headwater.errors import QueryExecutionError
+from headwater.server.memory import process_memory
 from waiting import wait_until
 
 HTTP = {"http": LOCAL}
@@ -218,6 +220,38 @@ def test_a_result_past_sql_result_mib_is_refused_and_the_server_stays_small(
     peak = rss_mib(server, "VmHWM")
     assert peak - before < 150, f"RSS grew from {before:.0f} to a peak of {peak:.0f} MiB"
     assert post_sql(server, "SELECT 1 AS one") == (200, {"columns": ["one"], "rows": [[1]]})
+
+
+def test_a_select_of_wide_events_is_refused_without_copying_them_whole(
+    make_server: Callable[..., Server],
+) -> None:
+    # DuckDB copies a whole vector (2048 rows) of a scanned batch before any limit sees
+    # a row: 2048 events of the 4 MiB an append allows would be 8 GiB. A projection's
+    # chunks hold at most SEAL_BYTES (16 MiB) of values, which bounds that copy.
+    server = make_server(config=limits(sql_concurrency=1), listen=HTTP)
+    with headwater.connect(server.address, timeout=60) as hw:  # type: ignore[attr-defined]
+        hw.create_stream("wide")
+        for n in range(64):
+            hw.append("wide", [bytes([65 + n % 26]) * (1 << 20) for _ in range(4)])
+        assert hw.query("SELECT count(*), sum(octet_length(data)) FROM wide").rows == [
+            (256, 256 << 20)
+        ]
+        baseline = process_memory(server.pid)
+        assert baseline is not None
+        with RssSampler(server.pid) as sampler:
+            sampler.phase = "select"
+            with pytest.raises(QueryExecutionError, match=r"limits\.sql_result_mib"):
+                hw.query("SELECT data FROM wide")
+            sampler.phase = "after"
+            # What fits is answered in full; the server serves the next query.
+            rows = hw.query(
+                'SELECT "offset", data FROM wide WHERE "offset" BETWEEN 100 AND 104'
+            ).rows
+            # A BLOB column answers as hex text over Kimberlite.
+            expected = [(n, (bytes([65 + n // 4 % 26]) * (1 << 20)).hex()) for n in range(100, 105)]
+            assert [tuple(r) for r in rows] == expected
+    grown = (sampler.peaks["select"] - baseline.rss_anon) / MIB
+    assert grown < 100, f"RssAnon grew {grown:.0f} MiB in the refused SELECT: {sampler.report()}"
 
 
 def test_an_insert_past_the_append_limits_is_refused_before_its_source_is_read_whole(
