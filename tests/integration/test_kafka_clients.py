@@ -1090,3 +1090,50 @@ def test_transactional_offsets_for_a_missing_partition_are_unknown(server: Serve
     producer.commit_transaction(DEADLINE_S)
     assert consumer.committed([TopicPartition(source, 0)], DEADLINE_S)[0].offset == 4
     consumer.close()
+
+
+def test_offset_metadata_past_kafkas_limit_is_refused_for_its_partition_alone(
+    server: Server,
+) -> None:
+    """As Kafka (offset.metadata.max.bytes = 4096): a commit whose metadata is longer is
+    answered OFFSET_METADATA_TOO_LARGE for that partition, and the request's other
+    partitions are committed. It was UNKNOWN_TOPIC_OR_PARTITION for every partition,
+    which aiokafka retries for ever (a commit() that never returned)."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka import TopicPartition as AioPartition
+    from aiokafka.errors import OffsetMetadataTooLargeError
+    from aiokafka.structs import OffsetAndMetadata
+
+    topic, group = create_topic(server, 2), "meta_" + uuid.uuid4().hex[:8]
+
+    async def run() -> dict[int, int | None]:
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap(server), group_id=group, enable_auto_commit=False
+        )
+        await consumer.start()
+        try:
+            first, second = AioPartition(topic, 0), AioPartition(topic, 1)
+            consumer.assign([first, second])
+            await consumer.commit({first: OffsetAndMetadata(2, "m" * 4096)})  # at the limit
+            async with asyncio.timeout(DEADLINE_S):  # raised at once, not retried
+                with pytest.raises(OffsetMetadataTooLargeError):
+                    await consumer.commit({first: OffsetAndMetadata(3, "m" * 4097)})
+            return {p.partition: await consumer.committed(p) for p in (first, second)}
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(run()) == {0: 2, 1: None}
+    # One request for two partitions, one with too much metadata: the other is committed.
+    consumer = group_consumer(server, group)
+    with pytest.raises(KafkaException) as refused:
+        consumer.commit(
+            offsets=[
+                TopicPartition(topic, 0, 5, metadata="m" * 5000),
+                TopicPartition(topic, 1, 7, metadata="fine"),
+            ],
+            asynchronous=False,
+        )
+    assert refused.value.args[0].code() == KafkaError.OFFSET_METADATA_TOO_LARGE
+    committed = consumer.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], 10)
+    assert [(p.offset, p.metadata) for p in committed] == [(2, "m" * 4096), (7, "fine")]
+    consumer.close()

@@ -18,7 +18,12 @@ from headwater.engine.groups import (
     OffsetManager,
     TopicPartition,
 )
-from headwater.engine.groups.errors import IllegalGeneration, UnknownMemberId
+from headwater.engine.groups.errors import (
+    IllegalGeneration,
+    InvalidGroupId,
+    OffsetMetadataTooLarge,
+    UnknownMemberId,
+)
 from headwater.engine.groups.offsets import (
     OFFSETS_STREAM,
     decode_key,
@@ -147,8 +152,12 @@ def test_refused_commits_store_nothing(tmp_path: Path) -> None:
             await manager.commit(
                 "g", {TopicPartition("nope", 0): (1, "")}, member_id=a, generation=2
             )
-        with pytest.raises(InvalidRequest, match="metadata"):
+        with pytest.raises(OffsetMetadataTooLarge):  # Kafka's code for it, not a generic one
             await manager.commit("g", {P0: (1, "x" * 4097)}, member_id=a, generation=2)
+        with pytest.raises(OffsetMetadataTooLarge):  # counted in UTF-8 bytes
+            await manager.commit("g", {P0: (1, "é" * 2049)}, member_id=a, generation=2)
+        with pytest.raises(InvalidGroupId):
+            await manager.commit("g" * 0x10000, {P0: (1, "")})
         stream = engine.stream_by_name(0, OFFSETS_STREAM, internal=True)
         assert stream.info().next_offset == 1  # only the first commit was written
         # The same member at the current generation is accepted.

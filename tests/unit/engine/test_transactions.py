@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from headwater.engine.engine import Engine, EngineConfig, StreamSettings
+from headwater.engine.groups.errors import OffsetMetadataTooLarge
 from headwater.engine.groups.offsets import CommittedOffset, LogOffsetStore, OffsetKey
 from headwater.engine.transactions import (
     FIRST_PRODUCER_ID,
@@ -420,6 +421,10 @@ def test_group_offsets_sink_is_pluggable(tmp_path: Path) -> None:
         txns = await TenantTransactions.open(engine, 0, offsets_sink=sink)
         producer = await txns.init_producer("t")
         await txns.append("t", producer, sid, 0, [b"x"])
+        # Metadata past Kafka's offset.metadata.max.bytes is refused here too, and the
+        # transaction's offsets are as they were (TxnOffsetCommit had no such check).
+        with pytest.raises(OffsetMetadataTooLarge):
+            await txns.add_offsets("t", producer, "g", {("s", 0): (4, "m" * 4097)})
         await txns.add_offsets("t", producer, "g", {("s", 0): (5, "")})
         await txns.end_transaction("t", producer, commit=True)
         assert [{k: v.offset for k, v in batch.items()} for batch in got] == [

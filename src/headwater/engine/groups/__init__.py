@@ -31,6 +31,7 @@ from headwater.engine.groups.errors import (
     IllegalGeneration,
     InconsistentGroupProtocol,
     NotCoordinator,
+    OffsetMetadataTooLarge,
     RebalanceInProgress,
     UnknownMemberId,
 )
@@ -41,6 +42,7 @@ from headwater.engine.groups.offsets import (
     OffsetKey,
     OffsetManager,
     OffsetStore,
+    metadata_fits,
 )
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "NotCoordinator",
     "OffsetKey",
     "OffsetManager",
+    "OffsetMetadataTooLarge",
     "OffsetStore",
     "RebalanceInProgress",
     "Reply",
@@ -71,4 +74,5 @@ __all__ = [
     "SyncResult",
     "TopicPartition",
     "UnknownMemberId",
+    "metadata_fits",
 ]

@@ -36,6 +36,13 @@ class InvalidGroupId(GroupError):
     kafka_name, kafka_code = "INVALID_GROUP_ID", 24
 
 
+class OffsetMetadataTooLarge(GroupError):
+    """An offset's metadata is over Kafka's offset.metadata.max.bytes: that partition's
+    offset is not committed (the request's others are, on the Kafka wire)."""
+
+    kafka_name, kafka_code = "OFFSET_METADATA_TOO_LARGE", 12
+
+
 class UnknownMemberId(GroupError):
     """The member id is not (or no longer: left, timed out) a member of the group."""
 

@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 from headwater.engine.engine import MAX_APPEND_EVENTS, Engine, StreamSettings
 from headwater.engine.groups.assignors import TopicPartition
 from headwater.engine.groups.coordinator import NO_GENERATION, GroupCoordinator
+from headwater.engine.groups.errors import InvalidGroupId, OffsetMetadataTooLarge
 from headwater.errors import InvalidOffset, InvalidRequest, StreamNotFound
 
 OFFSETS_STREAM = "hw_consumer_offsets"
@@ -44,6 +45,16 @@ def committable(offset: int) -> bool:
     """Whether ``offset`` can be committed: 0 to 2**63 - 1 (Rivven's field is a u64;
     past it the stored form could not hold it)."""
     return 0 <= offset <= MAX_OFFSET
+
+
+def metadata_fits(metadata: str) -> bool:
+    """Whether an offset's ``metadata`` is within Kafka's offset.metadata.max.bytes."""
+    return len(metadata.encode()) <= MAX_METADATA_BYTES
+
+
+def check_metadata(metadata: str) -> None:
+    if not metadata_fits(metadata):
+        raise OffsetMetadataTooLarge(f"offset metadata is limited to {MAX_METADATA_BYTES} bytes")
 
 
 # In a cluster: (tenant, stream name, end) returns once the in-sync replicas hold the
@@ -277,7 +288,7 @@ class OffsetManager:
         """OffsetCommit: ``offsets`` maps each partition to (next offset, metadata)."""
         self.coordinator.validate_commit(group, member_id, generation, instance_id)
         if len(group.encode()) > MAX_NAME_BYTES:
-            raise InvalidRequest(f"a consumer group id is limited to {MAX_NAME_BYTES} bytes")
+            raise InvalidGroupId(f"a consumer group id is limited to {MAX_NAME_BYTES} bytes")
         now = self.clock_ms()
         entries: dict[OffsetKey, CommittedOffset] = {}
         for tp, (offset, metadata) in offsets.items():
@@ -292,8 +303,7 @@ class OffsetManager:
                 raise InvalidOffset(
                     f"offset {offset} of {tp.stream}/{tp.partition} is outside 0..2**63 - 1"
                 )
-            if len(metadata.encode()) > MAX_METADATA_BYTES:
-                raise InvalidRequest(f"offset metadata is limited to {MAX_METADATA_BYTES} bytes")
+            check_metadata(metadata)
             entries[OffsetKey(group, tp.stream, tp.partition)] = CommittedOffset(
                 offset, metadata, now
             )

@@ -57,6 +57,7 @@ from headwater.engine.groups.offsets import (
     CommittedOffset,
     LogOffsetStore,
     OffsetKey,
+    check_metadata,
     committable,
 )
 from headwater.engine.per_tenant import PerTenant
@@ -554,6 +555,7 @@ class TenantTransactions:
                 raise InvalidRequest(
                     f"offset {offset} of {stream_name}/{partition} is outside 0..2**63 - 1"
                 )
+            check_metadata(metadata)
             staged[OffsetKey(group, stream_name, partition)] = CommittedOffset(
                 offset, metadata, now
             )

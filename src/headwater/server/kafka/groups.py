@@ -35,8 +35,8 @@ from headwater.server.groups import GroupShells, TenantGroups
 from headwater.server.kafka.handlers import (
     Session,
     error_code,
-    partition_exists,
     partitions_answered,
+    refused_offsets,
 )
 
 log = logging.getLogger("headwater.kafka")
@@ -331,11 +331,7 @@ class KafkaGroups:
             for topic in request.topics
             for p in topic.partitions
         }
-        # As Kafka: a partition of no topic is answered UNKNOWN_TOPIC_OR_PARTITION on its
-        # own, and the others are committed.
-        missing = {key for key in offsets if not partition_exists(session, *key)}
-        for key in missing:
-            del offsets[key]
+        refused = refused_offsets(session, offsets)  # the others are committed
         code = ErrorCode.none
         try:
             _check_coordinator(session)
@@ -360,7 +356,7 @@ class KafkaGroups:
             )
         return {
             "throttle_time": 0,
-            "topics": partitions_answered(request.topics, code, missing),
+            "topics": partitions_answered(request.topics, code, refused),
         }
 
     async def _fetch_group(

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Container, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -42,7 +42,7 @@ from headwater.engine.engine import (
     StreamInfo,
     StreamSettings,
 )
-from headwater.engine.groups import GroupError
+from headwater.engine.groups import GroupError, metadata_fits
 from headwater.engine.kinds.reader import Buffer
 from headwater.engine.names import InvalidName, check_topic_name
 from headwater.engine.transactions import ProducerIdentity
@@ -1153,21 +1153,37 @@ def partition_exists(session: Session, stream: str, partition: int) -> bool:
         return False
 
 
+def refused_offsets(
+    session: Session, offsets: dict[tuple[str, int], tuple[int, str]]
+) -> dict[tuple[str, int], ErrorCode]:
+    """The partitions of an OffsetCommit or TxnOffsetCommit that Kafka refuses on their
+    own, the others being committed: no such topic or partition
+    (UNKNOWN_TOPIC_OR_PARTITION) and metadata over offset.metadata.max.bytes
+    (OFFSET_METADATA_TOO_LARGE). They are taken out of ``offsets``."""
+    refused = {}
+    for key, (_, metadata) in offsets.items():
+        if not partition_exists(session, *key):
+            refused[key] = ErrorCode.unknown_topic_or_partition
+        elif not metadata_fits(metadata):
+            refused[key] = ErrorCode.offset_metadata_too_large
+    for key in refused:
+        del offsets[key]
+    return refused
+
+
 def partitions_answered(
-    topics: Sequence[Any], code: ErrorCode, missing: Container[tuple[str, int]] = ()
+    topics: Sequence[Any], code: ErrorCode, refused: Mapping[tuple[str, int], ErrorCode] = {}
 ) -> list[dict[str, Any]]:
     """The answer's topics for an OffsetCommit or TxnOffsetCommit: every partition
     asked of each topic answered ``code`` (the commit stands or falls together), but
-    those ``missing`` (no such topic or partition: UNKNOWN_TOPIC_OR_PARTITION)."""
+    those ``refused`` on their own (:func:`refused_offsets`)."""
     return [
         {
             "name": topic.name,
             "partitions": [
                 {
                     "partition_index": p.partition_index,
-                    "error_code": ErrorCode.unknown_topic_or_partition
-                    if (topic.name, p.partition_index) in missing
-                    else code,
+                    "error_code": refused.get((topic.name, p.partition_index), code),
                 }
                 for p in topic.partitions
             ],
@@ -1297,15 +1313,11 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
         for topic in request.topics
         for partition in topic.partitions
     }
-    # As Kafka: a partition of no topic is answered UNKNOWN_TOPIC_OR_PARTITION on its
-    # own, and the others join the transaction.
-    missing = {key for key in offsets if not partition_exists(session, *key)}
-    for key in missing:
-        del offsets[key]
+    refused = refused_offsets(session, offsets)  # the others join the transaction
     if not offsets:
         return {
             "throttle_time": 0,
-            "topics": partitions_answered(request.topics, ErrorCode.none, missing),
+            "topics": partitions_answered(request.topics, ErrorCode.none, refused),
         }
     code = await _txn_code(
         session.api.add_offsets_to_txn(
@@ -1318,7 +1330,7 @@ async def txn_offset_commit(session: Session, request: Any, version: int) -> Map
         ApiKey.TXN_OFFSET_COMMIT,
         version,
     )
-    return {"throttle_time": 0, "topics": partitions_answered(request.topics, code, missing)}
+    return {"throttle_time": 0, "topics": partitions_answered(request.topics, code, refused)}
 
 
 async def end_txn(session: Session, request: Any, version: int) -> Mapping[str, Any]:
