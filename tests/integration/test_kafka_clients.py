@@ -1137,3 +1137,64 @@ def test_offset_metadata_past_kafkas_limit_is_refused_for_its_partition_alone(
     committed = consumer.committed([TopicPartition(topic, 0), TopicPartition(topic, 1)], 10)
     assert [(p.offset, p.metadata) for p in committed] == [(2, "m" * 4096), (7, "fine")]
     consumer.close()
+
+
+def read_partition(server: Server, topic: str) -> list[tuple[bytes | None, bytes | None]]:
+    """Every record of partition 0, up to its end when read: (key, value) each."""
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap(server), "group.id": "r", "enable.partition.eof": True}
+    )
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    got: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            error = message.error()
+            if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                return got
+            assert error is None, error
+            got.append((message.key(), message.value()))
+        raise AssertionError(f"no end of {topic} within {DEADLINE_S} s: {len(got)} read")
+    finally:
+        consumer.close()
+
+
+def test_compaction_keeps_a_tombstone_with_an_old_create_time(
+    make_server: Callable[..., Server],
+) -> None:
+    """delete.retention.ms counts from when the tombstone entered the log, not from the
+    producer's timestamp: a mirrored or backfilled delete, two days old by its
+    CreateTime, was dropped at the first compaction, and a consumer behind it kept the
+    deleted key's value."""
+    server = make_server(
+        config="[storage]\nmaintenance_interval_ms = 100\n", listen={"kafka": LOCAL}
+    )
+    topic = topic_name()
+    admin = AdminClient({"bootstrap.servers": bootstrap(server)})
+    config = {"cleanup.policy": "compact", "segment.bytes": "1024"}
+    admin.create_topics([NewTopic(topic, 1, 1, config=config)])[topic].result(DEADLINE_S)
+    two_days_ago = int(time.time() * 1000) - 2 * 86_400_000
+    pad = b"x" * 300
+    produce(
+        server,
+        topic,
+        [
+            {"key": b"gone", "value": b"old " + pad},
+            {"key": b"deleted", "value": b"value " + pad},
+            {"key": b"deleted", "value": None, "timestamp": two_days_ago},
+            {"key": b"gone", "value": b"new " + pad},
+            *({"key": b"filler%d" % i, "value": pad} for i in range(8)),  # seals the above
+        ],
+        **{"linger.ms": 0, "batch.num.messages": 1},
+    )
+    # Compaction has run once the superseded value is gone; the old delete stays.
+
+    def compacted() -> list[tuple[bytes | None, bytes | None]] | None:
+        records = read_partition(server, topic)
+        return records if (b"gone", b"old " + pad) not in records else None
+
+    records = wait_until(compacted, message="compaction never removed a superseded value")
+    assert (b"deleted", None) in records and (b"deleted", b"value " + pad) not in records

@@ -3,8 +3,11 @@ and no single corrupted byte of a batch goes unnoticed."""
 
 from __future__ import annotations
 
+import bisect
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -225,18 +228,35 @@ class LogModel(RuleBasedStateMachine):
         self.start = self.plog.start_offset
         self.events = [e for e in self.events if e[0] >= self.start]
 
+    @precondition(lambda self: len(self.plog.segments) > 1)
+    @rule(data=st.data())
+    def backdate_a_segment(self, data: st.DataObject) -> None:
+        """A sealed segment last written up to 400 ms ago (its tombstones' age)."""
+        segment = data.draw(st.sampled_from(self.plog.segments[:-1]))
+        written = (time.time_ns() // 1_000_000 - data.draw(st.integers(0, 400))) * 1_000_000
+        os.utime(segment.log_path, ns=(written, written))
+
     @precondition(lambda self: self.committed == self.end)
-    @rule(now=st.integers(min_value=0, max_value=400))
-    def compact(self, now: int) -> None:
-        active_base = self.plog.active.base_offset
+    @rule(ahead=st.integers(min_value=-200, max_value=200))
+    def compact(self, ahead: int) -> None:
+        now = time.time_ns() // 1_000_000 + ahead
+        segments = self.plog.segments
+        active_base = segments[-1].base_offset
+        written = {s.base_offset: s.log_path.stat().st_mtime_ns // 1_000_000 for s in segments}
+        bases = sorted(written)
+
+        def tombstone_due(offset: int) -> bool:
+            """Its segment was last written delete_retention_ms before ``now``."""
+            base = bases[bisect.bisect_right(bases, offset) - 1]
+            return written[base] < now - self.config.delete_retention_ms
+
         latest = {e[2]: e[0] for e in self.events if e[2] is not None}
-        horizon = now - self.config.delete_retention_ms
         before = len(self.events)
         self.events = [
             e
             for e in self.events
             if e[0] >= active_base
-            or ((e[2] is None or latest[e[2]] == e[0]) and not (e[4] and e[3] < horizon))
+            or ((e[2] is None or latest[e[2]] == e[0]) and not (e[4] and tombstone_due(e[0])))
         ]
         result = self.plog.compact(now_ms=now)
         assert result.events_removed == before - len(self.events)

@@ -1032,9 +1032,13 @@ class PartitionLog:
         self._graveyard = keep
 
     def compact(self, now_ms: int | None = None) -> CompactionResult:
-        """Keep only the latest event per key in sealed segments; tombstones older than
-        ``delete_retention_ms`` go too. Each segment is rewritten to a temporary file,
-        fsynced and renamed over the original, so a crash at any point loses nothing."""
+        """Keep only the latest event per key in sealed segments; tombstones go too once
+        they have been in the log ``delete_retention_ms``: their segment was last
+        written before that, whatever time their producer gave them (Kafka's rule
+        before KIP-534: a consumer that read a key's value has that long to see its
+        delete). Each segment is rewritten to a temporary file, fsynced and renamed
+        over the original, so a crash at any point loses nothing; the rewrite keeps
+        the segment's modification time, so a rewrite does not restart the wait."""
         now = int(time.time() * 1000) if now_ms is None else now_ms
         result = CompactionResult()
         with self._lock:
@@ -1110,13 +1114,15 @@ class PartitionLog:
         horizon_ms: int,
         result: CompactionResult,
     ) -> Segment | None:
+        written = seg.log_path.stat()
+        tombstones_due = written.st_mtime_ns // 1_000_000 < horizon_ms
         removed = 0
         for batch in seg.batches_from(0, seg.size):
             removed += sum(
                 1
                 for event in batch.events()
                 if (event.key is not None and latest.get(event.key) != event.offset)
-                or (event.tombstone and batch.max_timestamp_ms < horizon_ms)
+                or (event.tombstone and tombstones_due)
             )
         if removed == 0:
             return None
@@ -1124,10 +1130,11 @@ class PartitionLog:
         # Written batch by batch as the segment is read: compaction holds one read chunk,
         # never the whole rewritten segment.
         with open(cleaned, "wb") as f:
-            for data in self._compacted_batches(seg, latest, horizon_ms):
+            for data in self._compacted_batches(seg, latest, tombstones_due):
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.utime(cleaned, ns=(written.st_atime_ns, written.st_mtime_ns))
         result.segments_rewritten += 1
         result.events_removed += removed
         result.bytes_before += seg.size
@@ -1138,14 +1145,14 @@ class PartitionLog:
         return new
 
     def _compacted_batches(
-        self, seg: Segment, latest: dict[bytes, int], horizon_ms: int
+        self, seg: Segment, latest: dict[bytes, int], tombstones_due: bool
     ) -> Iterator[bytes]:
         for batch in seg.batches_from(0, seg.size):
             kept: list[Event] = []
             for event in batch.events():
                 if event.key is not None and latest.get(event.key) != event.offset:
                     continue
-                if event.tombstone and batch.max_timestamp_ms < horizon_ms:
+                if event.tombstone and tombstones_due:
                     continue
                 kept.append(event)
             if len(kept) == batch.count:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -263,25 +264,42 @@ def test_compaction_within_one_batch_keeps_sparse_offsets(tmp_path: Path) -> Non
     plog.close()
 
 
-def test_compaction_drops_old_tombstones_and_keeps_recent_ones(tmp_path: Path) -> None:
+def written_at(plog: PartitionLog, segment: int, ms: int) -> None:
+    """Backdate the ``segment``-th segment's last write to ``ms``."""
+    path = plog.segments[segment].log_path
+    os.utime(path, ns=(ms * 1_000_000, ms * 1_000_000))
+
+
+def test_compaction_drops_tombstones_their_segment_has_held_delete_retention_ms(
+    tmp_path: Path,
+) -> None:
+    """A tombstone goes once it has been in the log delete_retention_ms: its segment was
+    last written before that. The producer's timestamp does not count: a tombstone
+    carrying a CreateTime two days old (a mirror, a backfill) was dropped at the first
+    compaction, and a consumer behind it never saw the delete."""
+    now = int(time.time() * 1000)
     plog = compact_log(tmp_path, delete_retention_ms=1000)
-    put(plog, b"old", b"v", ts=100)  # 0
-    put(plog, b"old", b"", ts=200, tombstone=True)  # 1: old tombstone
-    put(plog, b"new", b"v", ts=100)  # 2
-    put(plog, b"new", b"", ts=5000, tombstone=True)  # 3: recent tombstone
-    put(plog, b"back", b"", ts=100, tombstone=True)  # 4: old tombstone ...
-    put(plog, b"back", b"again", ts=150)  # 5: ... then a newer value
+    put(plog, b"old", b"v")  # 0
+    put(plog, b"old", b"", tombstone=True)  # 1: tombstone, in the log long enough
+    put(plog, b"back", b"", tombstone=True)  # 2: tombstone ...
+    put(plog, b"back", b"again")  # 3: ... then a newer value
     plog.roll()
-    put(plog, b"other", b"o", ts=5000)  # 6 active
-    plog.compact(now_ms=5500)  # horizon 4500
+    put(plog, b"new", b"v")  # 4
+    put(plog, b"new", b"", ts=now - 2 * 86_400_000, tombstone=True)  # 5: old CreateTime
+    plog.roll()
+    put(plog, b"other", b"o")  # 6 active
+    written_at(plog, 0, now - 5000)
+    plog.compact(now_ms=now)
     assert snapshot(plog) == [
-        (3, b"new", b"", True),
-        (5, b"back", b"again", False),
+        (3, b"back", b"again", False),
+        (5, b"new", b"", True),  # written just now: a lagging reader still sees it
         (6, b"other", b"o", False),
     ]
-    # Once the recent tombstone is old enough it goes too.
-    plog.compact(now_ms=6001)
-    assert snapshot(plog) == [(5, b"back", b"again", False), (6, b"other", b"o", False)]
+    # The rewrite kept the segment's time: compacting again does not restart its wait.
+    assert plog.segments[0].log_path.stat().st_mtime_ns // 1_000_000 == now - 5000
+    # Once its segment has been written delete_retention_ms ago the tombstone goes too.
+    plog.compact(now_ms=now + 2000)
+    assert snapshot(plog) == [(3, b"back", b"again", False), (6, b"other", b"o", False)]
     plog.close()
 
 
