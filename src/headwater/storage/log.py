@@ -1134,7 +1134,6 @@ class PartitionLog:
                 f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.utime(cleaned, ns=(written.st_atime_ns, written.st_mtime_ns))
         result.segments_rewritten += 1
         result.events_removed += removed
         result.bytes_before += seg.size
@@ -1176,7 +1175,11 @@ class PartitionLog:
                 )
 
     def _rename_over(self, seg: Segment, rewritten: Path) -> None:
-        """Rename the fsynced file ``rewritten`` over ``seg``'s ``.log``, durably."""
+        """Rename the fsynced file ``rewritten`` over ``seg``'s ``.log``, durably. It
+        keeps the segment's modification time: when it was last appended to, which
+        compaction reads as its tombstones' age."""
+        written = seg.log_path.stat()
+        os.utime(rewritten, ns=(written.st_atime_ns, written.st_mtime_ns))
         # Readers holding it keep the old bytes and index (retired before the files go:
         # its paths are the new segment's next).
         seg.retire()
