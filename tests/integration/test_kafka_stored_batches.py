@@ -668,3 +668,36 @@ def test_refusals_carry_kafkas_codes_and_store_nothing(server: Server) -> None:
         assert committed.offset == 1
     finally:
         consumer.close()
+
+
+def test_an_idempotent_batch_of_more_records_than_one_append_is_stored_once(
+    server: Server,
+) -> None:
+    # Stored as parts (10,000 records an append), each with its records' sequences: a
+    # retry of the whole batch finds every part stored, and the next batch follows on.
+    topic = create_topic(server)
+    producer = {"producer_id": 515_151, "producer_epoch": 0}
+
+    def batch(sequence: int, values: list[bytes]) -> bytes:
+        records = [Record(i, i, b"k", value) for i, value in enumerate(values)]
+        return build_batch(
+            records, base_timestamp=1_700_000_000_000, base_sequence=sequence, **producer
+        )
+
+    big = batch(0, [b"v%d" % i for i in range(25_000)])
+    kafka = RawKafka(server)
+    try:
+        [first] = produced(kafka, produce_request(topic, (0, big)))
+        [retry] = produced(kafka, produce_request(topic, (0, big)))
+        [after] = produced(kafka, produce_request(topic, (0, batch(25_000, [b"next"]))))
+        stored: list[bytes] = []
+        while len(stored) < 25_001:
+            fetched = kafka.fetch(topic, len(stored), read_committed=False)
+            page = [v for b in split_batches(fetched.records or b"") for v in b.records().values]
+            assert page, f"nothing fetched from offset {len(stored)}"
+            stored += page
+    finally:
+        kafka.close()
+    assert first == retry == (ErrorCode.none, 0)
+    assert after == (ErrorCode.none, 25_000)
+    assert stored == [b"v%d" % i for i in range(25_000)] + [b"next"]

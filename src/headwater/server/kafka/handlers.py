@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -76,6 +75,7 @@ from headwater.protocols.kafka.records import (
     batch_around,
     build_batch,
     control_batch,
+    parse_header,
     wire_producer_epoch,
     wire_producer_id,
 )
@@ -85,6 +85,7 @@ from headwater.storage import kafka_batch
 from headwater.storage.batch import Batch, Headers
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
 from headwater.storage.log import ReadResult
+from headwater.storage.producers import KAFKA_SEQUENCES
 
 log = logging.getLogger("headwater.kafka")
 
@@ -678,8 +679,8 @@ async def _append_batch(
         # Markers are the broker's to write (Kafka: INVALID_RECORD for a client's).
         raise RecordBatchError(ErrorCode.invalid_record, "a client may not produce control batches")
     if header.records_count > MAX_APPEND_EVENTS:
-        # More records than one stored batch holds: decoded and stored as several.
-        return await _append_decoded(session, info, index, batch, transactional_id)
+        # More records than one stored batch holds: stored as several batches.
+        return await _append_split(session, info, index, batch, transactional_id)
     if not checked:
         batch.check_for_append()
     if info.settings.cleanup_policy == "compact" and batch.keyless():
@@ -736,83 +737,75 @@ async def _append_transactional(
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-async def _append_decoded(
+async def _append_split(
     session: Session,
     info: StreamInfo,
     index: int,
     batch: RecordBatch,
     transactional_id: str | None,
 ) -> tuple[int, int]:
-    """Store a produced batch of more records than one stored batch holds: decoded,
-    as several appends of headwater's form. The time returned is the clock just before
-    the first append (what a LogAppendTime topic stamps, to the millisecond or so)."""
-    api, tenant = session.api, session.tenant_id
-    now_ms = int(time.time() * 1000)
+    """Store a produced batch of more records than one stored batch holds as several
+    Kafka batches of its records, in order, each stored as :func:`_append_batch` stores
+    a batch as it came: keys, headers (null values too), timestamps and codec kept. An
+    idempotent or transactional batch's parts carry its producer and epoch with the
+    sequences its records had (Kafka numbers records), so the partition's producer
+    table takes them as the batch's records in order, and a retry of the whole batch
+    finds each part stored once. Its first offset and first stored timestamp."""
     header = batch.header
     columns = batch.validate_for_append()
     if info.settings.cleanup_policy == "compact" and None in columns.keys:
         raise _keyless()
-    values = [b"" if value is None else value for value in columns.values]
-    tombstones = [value is None for value in columns.values]
-    keys = columns.keys if any(key is not None for key in columns.keys) else None
-    headers = (
-        [tuple((name.encode(), value or b"") for name, value in row) for row in columns.headers]
-        if any(columns.headers)
-        else None
-    )
-    # Transactional and idempotent batches keep their producer fields: the partition's
-    # producer table stores a retry once and fences an old epoch.
-    if header.is_transactional:
-        base_offset, _ = await _append_transactional(
-            session, info, index, header, transactional_id, values, keys=keys, headers=headers
-        )
-        return base_offset, now_ms
-    if header.producer_id >= 0:
-        stored = await api.append(
-            tenant,
-            info.stream_id,
-            values,
-            timestamp_ms=header.max_timestamp,
-            partition=index,
-            keys=keys,
-            headers=headers,
-            tombstones=tombstones if any(tombstones) else None,
-            producer=(header.producer_id, header.base_sequence),
+    records = columns.rows()
+    first: tuple[int, int] | None = None
+    for start, stop in _parts(records):
+        base_timestamp = header.base_timestamp + records[start].timestamp_delta
+        part = build_batch(
+            [
+                Record(
+                    offset_delta=k,
+                    timestamp_delta=header.base_timestamp + r.timestamp_delta - base_timestamp,
+                    key=r.key,
+                    value=r.value,
+                    headers=r.headers,
+                )
+                for k, r in enumerate(records[start:stop])
+            ],
+            base_timestamp=base_timestamp,
+            compression=Compression(header.compression),
+            timestamp_type=header.timestamp_type,
+            producer_id=header.producer_id,
             producer_epoch=header.producer_epoch,
-            acks=ACKS_LEADER,
+            base_sequence=(header.base_sequence + start) % KAFKA_SEQUENCES
+            if header.producer_id >= 0
+            else header.base_sequence,
+            transactional=header.is_transactional,
         )
-        return stored.base_offset, now_ms
-    timestamps = [header.base_timestamp + delta for delta in columns.timestamp_deltas]
-    first = -1
-    # A batch within max.message.bytes may still hold more records or (decompressed)
-    # bytes than one engine append takes: stored in order as several appends.
-    for start, stop in _chunks(values):
-        placed = await api.append_partitioned(
-            tenant,
-            info.stream_id,
-            values[start:stop],
-            keys=keys[start:stop] if keys is not None else None,
-            headers=headers[start:stop] if headers is not None else None,
-            partitions=[index] * (stop - start),
-            timestamps=timestamps[start:stop],
-            tombstones=tombstones[start:stop] if any(tombstones) else None,
-            acks=ACKS_LEADER,
+        stored = await _append_batch(
+            session,
+            info,
+            index,
+            RecordBatch(parse_header(part), part),
+            transactional_id,
+            checked=True,  # built here from checked records
         )
-        if first < 0:
-            first = placed.offsets[0]
-    return first, now_ms
+        first = first or stored
+    assert first is not None
+    return first
 
 
-def _chunks(values: Sequence[bytes]) -> list[tuple[int, int]]:
-    """[start, stop) runs of ``values`` within one append's event and byte limits."""
+def _parts(records: Sequence[Record]) -> list[tuple[int, int]]:
+    """[start, stop) runs of ``records`` within one append's event and byte limits."""
     runs: list[tuple[int, int]] = []
     start, size = 0, 0
-    for i, value in enumerate(values):
-        if i > start and (i - start >= MAX_APPEND_EVENTS or size + len(value) > MAX_APPEND_BYTES):
+    for i, record in enumerate(records):
+        # What the record takes in a batch, at most: its fields and their lengths.
+        length = 32 + len(record.key or b"") + len(record.value or b"")
+        length += sum(len(name) + len(value or b"") + 10 for name, value in record.headers)
+        if i > start and (i - start >= MAX_APPEND_EVENTS or size + length > MAX_APPEND_BYTES):
             runs.append((start, i))
             start, size = i, 0
-        size += len(value)
-    runs.append((start, len(values)))
+        size += length
+    runs.append((start, len(records)))
     return runs
 
 
