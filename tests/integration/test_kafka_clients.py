@@ -883,8 +883,12 @@ def test_admin_client_topics_configs_and_groups(server: Server) -> None:
 
     resource = ConfigResource(ResourceType.TOPIC, topic)
     configs = admin.describe_configs([resource])[resource].result(timeout=DEADLINE_S)
-    assert configs["cleanup.policy"].value == "delete"
-    assert configs["message.timestamp.type"].value == "CreateTime"
+    # Not set at creation: told as defaults, not as the topic's overrides (they were
+    # DYNAMIC_TOPIC_CONFIG, so kafka-configs --describe listed them as set).
+    for name, value in (("cleanup.policy", "delete"), ("message.timestamp.type", "CreateTime")):
+        assert configs[name].value == value
+        assert configs[name].source == ConfigSource.DEFAULT_CONFIG.value, name
+        assert configs[name].is_default, name
     # What the topic does not set is the server's [storage] default as it runs (it
     # was once answered null): 128 MiB segments, kept forever (Kafka's -1).
     assert configs["segment.bytes"].value == str(128 << 20)

@@ -382,6 +382,9 @@ async def create_partitions(session: Session, request: Any, version: int) -> Map
 RESOURCE_TOPIC = 2
 
 
+UNSET = StreamSettings()  # what a topic created without configs has
+
+
 async def describe_configs(session: Session, request: Any, version: int) -> Mapping[str, Any]:
     api, tenant = session.api, session.tenant_id
     results = []
@@ -408,9 +411,14 @@ async def describe_configs(session: Session, request: Any, version: int) -> Mapp
                 for name, setting in TOPIC_CONFIGS.items():
                     if wanted is not None and name not in wanted:
                         continue
-                    own = getattr(info.settings, setting)
+                    own, default = getattr(info.settings, setting), getattr(UNSET, setting)
+                    if own == default:
+                        # cleanup.policy and message.timestamp.type are always stored: at
+                        # their defaults they are told as defaults, as a topic created
+                        # without them is (kafka-configs lists overrides).
+                        own = None
                     # A setting the topic does not set is the server's, as it runs.
-                    value = own if own is not None else getattr(in_effect, setting)
+                    value = own if own is not None else getattr(in_effect, setting, default)
                     entry["configs"].append(
                         {
                             "name": name,
