@@ -167,10 +167,18 @@ async def wait_for_log(
     stream: Stream, partition: int, reached: Callable[[PartitionLog], bool], timeout_s: float
 ) -> bool:
     """Wait until ``reached(log)`` holds for the partition's log, checked now and at each
-    commit (or high watermark move) its committer announces, at most ``timeout_s``. False
-    when the time ran out first. The one long poll under follower and client fetches."""
+    commit (or high watermark move) its committer announces, or until the stream is
+    deleted (the waiter asks again and hears it is gone, as Kafka completes a delayed
+    fetch of a deleted topic at once), at most ``timeout_s``. False when the time ran out
+    first. The one long poll under follower and client fetches."""
+    if stream.deleted:
+        return True
     return await wait_for_log_of(
-        stream.partition_log(partition), stream.committers[partition], reached, timeout_s
+        stream.partition_log(partition),
+        stream.committers[partition],
+        reached,
+        timeout_s,
+        woken_by=stream.delete_listeners,
     )
 
 
@@ -179,8 +187,11 @@ async def wait_for_log_of(
     committer: GroupCommitter,
     reached: Callable[[PartitionLog], bool],
     timeout_s: float,
+    *,
+    woken_by: list[Callable[[], None]] | None = None,
 ) -> bool:
-    """:func:`wait_for_log` for a log and its committer (a kind's changelog too)."""
+    """:func:`wait_for_log` for a log and its committer (a kind's changelog too);
+    ``woken_by``: listeners of another event that ends the wait (True)."""
     if reached(plog):
         return True
     arrived = asyncio.Event()
@@ -190,6 +201,8 @@ async def wait_for_log_of(
             arrived.set()
 
     committer.add_listener(on_move)
+    if woken_by is not None:
+        woken_by.append(arrived.set)
     try:
         async with asyncio.timeout(timeout_s):
             await arrived.wait()
@@ -197,4 +210,6 @@ async def wait_for_log_of(
         return False
     finally:
         committer.remove_listener(on_move)
+        if woken_by is not None:
+            woken_by.remove(arrived.set)
     return True

@@ -84,3 +84,28 @@ def test_a_read_whose_offset_retention_removes_before_it_reads_is_refused(
             await api.close()
 
     asyncio.run(main())
+
+
+def test_a_long_poll_ends_when_its_stream_is_deleted(tmp_path: Path) -> None:
+    """A Kafka Fetch parked on min_bytes waited its whole max_wait (up to 30 s) after its
+    topic was deleted; Kafka completes a delayed fetch of a deleted topic at once."""
+
+    async def main() -> None:
+        api = await EngineAPI.open(
+            tmp_path, EngineConfig(maintenance_interval_ms=0), KindsConfig(), AuthConfig()
+        )
+        try:
+            info = await api.create_stream(0, "gone")
+            stream = api._engine.stream(0, info.stream_id)
+            listening = len(stream.delete_listeners)
+            parked = asyncio.ensure_future(api.wait_readable(0, info.stream_id, 0, 0, 60.0))
+            await asyncio.sleep(0)  # one loop turn: the task runs to its wait (no await before)
+            assert not parked.done()
+            await api.delete_stream(0, info.stream_id)
+            async with asyncio.timeout(10):  # the wait's own timeout is 60 s
+                assert await parked  # woken: the caller asks again and hears it is gone
+            assert len(stream.delete_listeners) == listening
+        finally:
+            await api.close()
+
+    asyncio.run(main())
