@@ -559,21 +559,10 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         stream's offsets (compaction, an aborted transaction); from inside a hole the
         answer is no events and ``next_offset`` the first offset after it, ``at_end``
         only when no event follows (docs/protocols/kimberlite.md)."""
-
-        async def op(stream_id: int) -> ReadResult:
-            reply = await self._request(
-                m.ReadEventsRequest(stream_id, from_offset, max_bytes),
-                m.ReadEventsResponse,
-                safe=True,
-            )
-            values = reply.events.values()
-            events = [Event(from_offset + i, value) for i, value in enumerate(values)]
-            at_end = reply.next_offset is None
-            next_offset = from_offset + len(values) if at_end else reply.next_offset
-            assert next_offset is not None
-            return ReadResult(events, next_offset, at_end)
-
-        return await self._with_stream(stream, op)
+        raw = await self.read_batch(stream, from_offset, max_bytes)
+        values = raw.events.values()
+        events = [Event(from_offset + i, value) for i, value in enumerate(values)]
+        return ReadResult(events, raw.next_offset, raw.at_end)
 
     async def read_batch(
         self, stream: StreamRef, from_offset: int = 0, max_bytes: int = DEFAULT_READ_BYTES

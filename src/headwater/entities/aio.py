@@ -63,6 +63,7 @@ from .errors import (
 from .schema import (
     Entity,
     EntityEvent,
+    FieldInfo,
     KeyLike,
     Kind,
     dataclass_fields,
@@ -299,9 +300,7 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
         """Create the kind the dataclass ``cls`` declares (a no-op when it exists with the
         same fields; fields appended to the dataclass migrate it). The name is ``name``,
         else ``cls.__kind__``, else the class name."""
-        fields = dataclass_fields(cls)
-        kind_name = name or kind_name_of(cls)
-        specs = [FieldSpec(f.name, f.type) for f in fields]
+        kind_name, fields, specs = _declared(cls, name)
         reply = await self._call(
             m.CreateKind(kind_name, specs, event_stream), m.KindAck, safe=False
         )
@@ -310,9 +309,7 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
     async def get_kind(self, cls: type[T], name: str | None = None) -> Kind[T]:
         """The existing kind ``cls`` reads and writes: its fields must be a prefix of the
         kind's (SchemaIncompatible otherwise; KindNotFound when there is no such kind)."""
-        fields = dataclass_fields(cls)
-        kind_name = name or kind_name_of(cls)
-        specs = [FieldSpec(f.name, f.type) for f in fields]
+        kind_name, fields, specs = _declared(cls, name)
         reply = await self._call(m.GetKind(kind_name, specs), m.KindAck, safe=True)
         return self._bind(kind_name, cls, fields, reply, False)
 
@@ -621,6 +618,15 @@ class AsyncEntityClient(Session[CdbConnection, "AsyncEntitySubscription[Any]"]):
         return AsyncEntitySubscription(
             self, kind, bootstrap, resubscribe, include_previous=include_previous, events=events
         )
+
+
+def _declared(
+    cls: type[Any], name: str | None
+) -> tuple[str, tuple[FieldInfo, ...], list[FieldSpec]]:
+    """What the dataclass ``cls`` declares as a kind: its name (``name``, else
+    ``cls.__kind__``, else the class name), its fields and their wire specs."""
+    fields = dataclass_fields(cls)
+    return name or kind_name_of(cls), fields, [FieldSpec(f.name, f.type) for f in fields]
 
 
 def _chunks(ops: list[m.WriteOp], max_ops: int) -> list[list[m.WriteOp]]:
