@@ -147,15 +147,27 @@ def to_query_param(value: object) -> m.QueryParam:
 
 
 class _Scan:
-    """Where a scan is: the offset it reads next (None once it is done) and how many
-    events it may still yield (None: no limit). The blocking and asyncio clients page
-    through a stream with it."""
+    """Where a scan is: the stream it reads (by name until the first page, then by
+    id), the offset it reads next (None once it is done) and how many events it may
+    still yield (None: no limit). The blocking and asyncio clients page through a
+    stream with it."""
 
-    __slots__ = ("left", "offset")
+    __slots__ = ("left", "offset", "target")
 
-    def __init__(self, from_offset: int, limit: int | None) -> None:
+    def __init__(self, stream: StreamRef, from_offset: int, limit: int | None) -> None:
+        self.target = stream
         self.left = limit
         self.offset: int | None = from_offset if limit is None or limit > 0 else None
+
+    async def next_page(self, client: AsyncClient, max_bytes: int) -> list[Event]:
+        """Read the page at :attr:`offset` (not None) and :meth:`take` it."""
+        assert self.offset is not None
+        page = await client.read(self.target, self.offset, max_bytes)
+        # The later pages by the id the first was read from: a stream deleted and made
+        # again under its name meanwhile ends the scan (StreamNotFound) rather than
+        # going on in the new one.
+        self.target = await client.stream_id(self.target)
+        return self.take(page)
 
     def take(self, page: ReadResult) -> list[Event]:
         """The events of ``page`` to yield; moves on to the next page (or the end). A
@@ -593,15 +605,9 @@ class AsyncClient(Session[Connection, "AsyncSubscription"]):
         max_bytes: int = DEFAULT_READ_BYTES,
     ) -> AsyncIterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
-        scan = _Scan(from_offset, limit)
-        target = stream
+        scan = _Scan(stream, from_offset, limit)
         while scan.offset is not None:
-            page = await self.read(target, scan.offset, max_bytes)
-            # The later pages by the id the first was read from: a stream deleted and
-            # made again under its name meanwhile ends the scan (StreamNotFound) rather
-            # than going on in the new one.
-            target = await self.stream_id(target)
-            for event in scan.take(page):
+            for event in await scan.next_page(self, max_bytes):
                 yield event
 
     # ---- SQL ------------------------------------------------------------------------------

@@ -160,12 +160,9 @@ class Client(Blocking[AsyncClient]):
         max_bytes: int = DEFAULT_READ_BYTES,
     ) -> Iterator[Event]:
         """Every event from ``from_offset`` to the current end (or ``limit`` events)."""
-        scan = _Scan(from_offset, limit)
-        target = stream
+        scan = _Scan(stream, from_offset, limit)
         while scan.offset is not None:
-            page = self.read(target, scan.offset, max_bytes)
-            target = self.stream_id(target)  # as AsyncClient.scan: one stream throughout
-            yield from scan.take(page)
+            yield from self._run(scan.next_page(self._inner, max_bytes))
 
     # ---- subscriptions ----------------------------------------------------------------------
 
