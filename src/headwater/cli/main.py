@@ -293,13 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if hasattr(args, "connection"):
-        try:
-            resolve_connection(args)
-        except ProfileError as exc:
-            return fail(str(exc), 2)
     try:
+        if hasattr(args, "connection"):
+            resolve_connection(args)
         return int(args.func(args))
+    except ProfileError as exc:
+        # The profile file cannot be read, or has no such profile: for any command.
+        return fail(str(exc), 2)
     except KeyboardInterrupt:
         return 130
 

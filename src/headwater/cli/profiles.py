@@ -15,7 +15,6 @@ from rich.table import Table
 from headwater.cli.client_cmds import fail, out, say
 from headwater.cli.connection import (
     PROFILE_KEYS,
-    ProfileError,
     load_profiles,
     non_negative,
     profiles_path,
@@ -23,13 +22,11 @@ from headwater.cli.connection import (
 )
 
 # ---- headwater profile -------------------------------------------------------------------
+# A profile file that cannot be read raises ProfileError, which main() reports (status 2).
 
 
 def cmd_profile_add(args: argparse.Namespace) -> int:
-    try:
-        profiles = load_profiles()
-    except ProfileError as exc:
-        return fail(str(exc), 2)
+    profiles = load_profiles()
     if args.name in profiles and not args.replace:
         return fail(f"profile {args.name!r} exists (--replace to overwrite it)", 1)
     profile = {key: getattr(args, key) for key in PROFILE_KEYS}
@@ -46,10 +43,7 @@ def _shown(key: str, value: object) -> str:
 
 
 def cmd_profile_list(args: argparse.Namespace) -> int:
-    try:
-        profiles = load_profiles()
-    except ProfileError as exc:
-        return fail(str(exc), 2)
+    profiles = load_profiles()
     if args.json:
         shown = {n: {k: _shown(k, v) for k, v in p.items()} for n, p in profiles.items()}
         sys.stdout.write(json.dumps(shown) + "\n")
@@ -67,10 +61,7 @@ def cmd_profile_list(args: argparse.Namespace) -> int:
 
 
 def cmd_profile_remove(args: argparse.Namespace) -> int:
-    try:
-        profiles = load_profiles()
-    except ProfileError as exc:
-        return fail(str(exc), 2)
+    profiles = load_profiles()
     if args.name not in profiles:
         return fail(f"no profile {args.name!r} in {profiles_path()}", 1)
     del profiles[args.name]
