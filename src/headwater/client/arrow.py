@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 from headwater.errors import NotLeader
 from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES, MAX_EVENTS
 
-from ._core.session import backoff_delay, parse_server
+from ._core.session import backoff_delay, http_headers, parse_server
 from .errors import ServerUnavailable, http_api_error
 
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
@@ -60,9 +60,7 @@ def read_arrow(
     if records:
         query += "&records=true" + ("" if isolation is None else f"&isolation={isolation}")
     path = f"/api/streams/{quote(stream, safe='')}/arrow?{query}"
-    headers = {"X-Headwater-Tenant": str(tenant)}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = http_headers(token, tenant)
     conn = (
         http.client.HTTPConnection(host, port, timeout=timeout)
         if tls is None
@@ -121,9 +119,7 @@ class HttpApi:
         self.leader_wait_s = leader_wait_s
         self.redirects = 0
         self._conn: http.client.HTTPConnection | None = None
-        self._headers = {"X-Headwater-Tenant": str(tenant)}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        self._headers = http_headers(token, tenant)
 
     @property
     def address(self) -> str:

@@ -12,6 +12,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
+from headwater.client._core.session import http_headers
 from headwater.client._core.tls import PathLike, client_context
 from headwater.client.aio import parse_server
 from headwater.client.errors import ServerUnavailable, http_api_error
@@ -66,9 +67,7 @@ async def _get(
     import aiohttp
 
     host, port = parse_server(http, 7400)
-    headers = {"X-Headwater-Tenant": str(tenant)}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
+    headers = http_headers(token, tenant)
     url = f"{'http' if context is None else 'https'}://{host}:{port}{path}"
     try:
         async with (

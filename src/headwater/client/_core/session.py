@@ -212,6 +212,14 @@ def parse_server(server: str, default_port: int = 7401) -> tuple[str, int]:
     return host or "127.0.0.1", int(port_text)
 
 
+def http_headers(token: str | None, tenant: int) -> dict[str, str]:
+    """Who asks the HTTP API: the tenant, and the token when there is one."""
+    headers = {"X-Headwater-Tenant": str(tenant)}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
 class Session(Generic[L, S]):
     """Connecting, reconnecting and requests for one SDK client (see the module)."""
 
