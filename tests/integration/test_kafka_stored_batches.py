@@ -49,6 +49,7 @@ from headwater.protocols.kafka import ApiKey, ErrorCode
 from headwater.protocols.kafka.connection import Request, ServerConnection
 from headwater.protocols.kafka.frames import decode_response, encode_request
 from headwater.protocols.kafka.records import (
+    Compression,
     ControlType,
     Record,
     build_batch,
@@ -670,34 +671,75 @@ def test_refusals_carry_kafkas_codes_and_store_nothing(server: Server) -> None:
         consumer.close()
 
 
-def test_an_idempotent_batch_of_more_records_than_one_append_is_stored_once(
-    server: Server,
-) -> None:
-    # Stored as parts (10,000 records an append), each with its records' sequences: a
-    # retry of the whole batch finds every part stored, and the next batch follows on.
+def test_a_batch_of_tens_of_thousands_of_records_is_stored_whole(server: Server) -> None:
+    # Over the 10,000 events of one append, a produced batch is still stored as it
+    # came (it was cut into parts that another append could land between, and an
+    # idempotent producer's next batch was then out of order): a retry is stored once,
+    # the next batch follows on, every view reads it; past 65,536 records it is
+    # refused whole (RECORD_LIST_TOO_LARGE), nothing stored.
     topic = create_topic(server)
     producer = {"producer_id": 515_151, "producer_epoch": 0}
 
-    def batch(sequence: int, values: list[bytes]) -> bytes:
+    def batch(sequence: int, values: list[bytes], codec: Compression = Compression.NONE) -> bytes:
         records = [Record(i, i, b"k", value) for i, value in enumerate(values)]
         return build_batch(
-            records, base_timestamp=1_700_000_000_000, base_sequence=sequence, **producer
+            records,
+            base_timestamp=1_700_000_000_000,
+            base_sequence=sequence,
+            compression=codec,
+            **producer,
         )
 
-    big = batch(0, [b"v%d" % i for i in range(25_000)])
+    big = batch(0, [b"v%d" % i for i in range(40_000)])
     kafka = RawKafka(server)
     try:
         [first] = produced(kafka, produce_request(topic, (0, big)))
         [retry] = produced(kafka, produce_request(topic, (0, big)))
-        [after] = produced(kafka, produce_request(topic, (0, batch(25_000, [b"next"]))))
-        stored: list[bytes] = []
-        while len(stored) < 25_001:
-            fetched = kafka.fetch(topic, len(stored), read_committed=False)
-            page = [v for b in split_batches(fetched.records or b"") for v in b.records().values]
-            assert page, f"nothing fetched from offset {len(stored)}"
-            stored += page
+        [after] = produced(kafka, produce_request(topic, (0, batch(40_000, [b"next"]))))
+        too_many = batch(40_001, [b"x"] * 65_537, Compression.ZSTD)  # within max.message.bytes
+        [refused] = produced(kafka, produce_request(topic, (0, too_many)))
+        fetched = kafka.fetch(topic, 0, read_committed=False)
     finally:
         kafka.close()
     assert first == retry == (ErrorCode.none, 0)
-    assert after == (ErrorCode.none, 25_000)
-    assert stored == [b"v%d" % i for i in range(25_000)] + [b"next"]
+    assert after == (ErrorCode.none, 40_000)
+    assert refused == (ErrorCode.record_list_too_large, -1)
+    [stored] = split_batches(fetched.records or b"")[:1]
+    assert stored.header.records_count == 40_000  # the batch as it came
+    # The other views: HTTP pages cut inside it, SQL, the SDK's scan over Kimberlite.
+    page = http(server, f"/api/streams/{topic}/events?from=39990&limit=100")
+    assert [e["offset"] for e in page["events"]] == list(range(39_990, 40_001))
+    counted = http(server, "/api/sql", {"sql": f'SELECT count(*), max("offset") FROM {topic}'})
+    assert counted["rows"] == [[40_001, 40_000]]
+    with headwater.connect(server.address) as hw:  # type: ignore[attr-defined]
+        values = [e.value for e in hw.scan(topic, 0)]
+    assert values == [b"v%d" % i for i in range(40_000)] + [b"next"]
+
+
+def test_a_retried_batch_of_a_log_append_time_topic_is_answered_its_stamp(
+    server: Server,
+) -> None:
+    # A retry (stored once) was answered log_append_time 0: 1970 to the producer.
+    name = "t_" + uuid.uuid4().hex[:12]
+    admin = AdminClient({"bootstrap.servers": server.address_of("kafka")})
+    topic = NewTopic(name, num_partitions=1, config={"message.timestamp.type": "LogAppendTime"})
+    admin.create_topics([topic])[name].result(timeout=DEADLINE_S)
+    records = [Record(0, 0, b"k", b"v")]
+    batch = build_batch(
+        records,
+        base_timestamp=1_600_000_000_000,
+        producer_id=616_161,
+        producer_epoch=0,
+        base_sequence=0,
+    )
+    kafka = RawKafka(server)
+    try:
+        answers = [kafka.call(produce_request(name, (0, batch)), ApiKey.PRODUCE, 10) for _ in "ab"]
+    finally:
+        kafka.close()
+    stamps = []
+    for answer in answers:
+        [partition] = answer.responses[0].partition_responses
+        assert (partition.error_code, partition.base_offset) == (ErrorCode.none, 0)
+        stamps.append(partition.log_append_time)
+    assert stamps[0] == stamps[1] and stamps[0].year >= 2026, stamps

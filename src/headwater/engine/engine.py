@@ -80,6 +80,10 @@ class ReplicaAcks(Protocol):
 log = logging.getLogger(__name__)
 
 MAX_APPEND_EVENTS = 10_000
+# A produced Kafka batch is stored whole, as Kafka stores it: librdkafka sends up to
+# batch.num.messages (10,000 by default), a compressed Java batch of small records more.
+# Readers cut inside a batch; the SQL projection takes one whole in a round of this size.
+MAX_KAFKA_BATCH_RECORDS = 65_536
 MAX_APPEND_BYTES = 4 << 20
 MAX_PARTITIONS = 1024
 TIMESTAMP_TYPES = ("CreateTime", "LogAppendTime")
@@ -1093,7 +1097,8 @@ class Engine:
         if replicated is not None:
             replicated.check_min_isr(tenant_id, stream.name, partition)
         committer = stream.committers[partition]
-        payload = self._check_encoded(stream, plog, values_section, count, value_bytes)
+        at_most = MAX_KAFKA_BATCH_RECORDS if columns.get("kafka") else MAX_APPEND_EVENTS
+        payload = self._check_encoded(stream, plog, values_section, count, value_bytes, at_most)
         if stream.settings.timestamp_type == "LogAppendTime":
             timestamp_ms = None
         if producer is not None and not columns.get("control"):
@@ -1103,7 +1108,9 @@ class Engine:
                 if replicated is not None:  # its first answer may have been lost unconfirmed
                     end = {partition: stored.base_offset + stored.count}
                     await self._replicas_hold(replicated, tenant_id, stream, end)
-                return AppendInfo(stored.base_offset, stored.count, -1, 0)
+                # Its stored first timestamp: a LogAppendTime topic's retry is answered
+                # the stamp it was given (it was 0: 1970 to a Kafka client).
+                return AppendInfo(stored.base_offset, stored.count, -1, stored.timestamp_ms)
         first_position, info = self._write_encoded(
             stream, plog, values_section, count, timestamp_ms, columns
         )
@@ -1158,12 +1165,13 @@ class Engine:
         values_section: bytes | memoryview,
         count: int,
         value_bytes: int | None,
+        max_events: int = MAX_APPEND_EVENTS,
     ) -> int:
         """An encoded append's checks before anything is written; returns its payload
         bytes (the events' values without their length prefixes)."""
         self._check_open()
-        if not 1 <= count <= MAX_APPEND_EVENTS:
-            raise InvalidRequest(f"an append carries 1..{MAX_APPEND_EVENTS} events, not {count}")
+        if not 1 <= count <= max_events:
+            raise InvalidRequest(f"an append carries 1..{max_events} events, not {count}")
         payload = len(values_section) - 8 * count if value_bytes is None else value_bytes
         if payload > MAX_APPEND_BYTES:
             raise AppendTooLarge(f"an append carries at most {MAX_APPEND_BYTES} bytes of events")

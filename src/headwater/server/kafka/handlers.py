@@ -33,8 +33,7 @@ from headwater.cluster.view import (
 )
 from headwater.engine.engine import (
     ACKS_LEADER,
-    MAX_APPEND_BYTES,
-    MAX_APPEND_EVENTS,
+    MAX_KAFKA_BATCH_RECORDS,
     MAX_PARTITIONS,
     READ_COMMITTED,
     READ_UNCOMMITTED,
@@ -75,7 +74,6 @@ from headwater.protocols.kafka.records import (
     batch_around,
     build_batch,
     control_batch,
-    parse_header,
     wire_producer_epoch,
     wire_producer_id,
 )
@@ -85,7 +83,6 @@ from headwater.storage import kafka_batch
 from headwater.storage.batch import Batch, Headers
 from headwater.storage.kafka_batch import KafkaSection, fetch_prefix
 from headwater.storage.log import ReadResult
-from headwater.storage.producers import KAFKA_SEQUENCES
 
 log = logging.getLogger("headwater.kafka")
 
@@ -686,9 +683,15 @@ async def _append_batch(
     if header.is_control:
         # Markers are the broker's to write (Kafka: INVALID_RECORD for a client's).
         raise RecordBatchError(ErrorCode.invalid_record, "a client may not produce control batches")
-    if header.records_count > MAX_APPEND_EVENTS:
-        # More records than one stored batch holds: stored as several batches.
-        return await _append_split(session, info, index, batch, transactional_id)
+    if header.records_count > MAX_KAFKA_BATCH_RECORDS:
+        # Stored whole or not at all, as Kafka stores a batch: cut into several it could
+        # be interleaved with other appends, which an idempotent producer's next batch
+        # finds out of order.
+        raise RecordBatchError(
+            ErrorCode.record_list_too_large,
+            f"a record batch holds at most {MAX_KAFKA_BATCH_RECORDS} records here, not"
+            f" {header.records_count}: lower the producer's batch.num.messages or batch.size",
+        )
     if not checked:
         batch.check_for_append()
     if info.settings.cleanup_policy == "compact" and batch.keyless():
@@ -743,78 +746,6 @@ async def _append_transactional(
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-
-
-async def _append_split(
-    session: Session,
-    info: StreamInfo,
-    index: int,
-    batch: RecordBatch,
-    transactional_id: str | None,
-) -> tuple[int, int]:
-    """Store a produced batch of more records than one stored batch holds as several
-    Kafka batches of its records, in order, each stored as :func:`_append_batch` stores
-    a batch as it came: keys, headers (null values too), timestamps and codec kept. An
-    idempotent or transactional batch's parts carry its producer and epoch with the
-    sequences its records had (Kafka numbers records), so the partition's producer
-    table takes them as the batch's records in order, and a retry of the whole batch
-    finds each part stored once. Its first offset and first stored timestamp."""
-    header = batch.header
-    columns = batch.validate_for_append()
-    if info.settings.cleanup_policy == "compact" and None in columns.keys:
-        raise _keyless()
-    records = columns.rows()
-    first: tuple[int, int] | None = None
-    for start, stop in _parts(records):
-        base_timestamp = header.base_timestamp + records[start].timestamp_delta
-        part = build_batch(
-            [
-                Record(
-                    offset_delta=k,
-                    timestamp_delta=header.base_timestamp + r.timestamp_delta - base_timestamp,
-                    key=r.key,
-                    value=r.value,
-                    headers=r.headers,
-                )
-                for k, r in enumerate(records[start:stop])
-            ],
-            base_timestamp=base_timestamp,
-            compression=Compression(header.compression),
-            timestamp_type=header.timestamp_type,
-            producer_id=header.producer_id,
-            producer_epoch=header.producer_epoch,
-            base_sequence=(header.base_sequence + start) % KAFKA_SEQUENCES
-            if header.producer_id >= 0
-            else header.base_sequence,
-            transactional=header.is_transactional,
-        )
-        stored = await _append_batch(
-            session,
-            info,
-            index,
-            RecordBatch(parse_header(part), part),
-            transactional_id,
-            checked=True,  # built here from checked records
-        )
-        first = first or stored
-    assert first is not None
-    return first
-
-
-def _parts(records: Sequence[Record]) -> list[tuple[int, int]]:
-    """[start, stop) runs of ``records`` within one append's event and byte limits."""
-    runs: list[tuple[int, int]] = []
-    start, size = 0, 0
-    for i, record in enumerate(records):
-        # What the record takes in a batch, at most: its fields and their lengths.
-        length = 32 + len(record.key or b"") + len(record.value or b"")
-        length += sum(len(name) + len(value or b"") + 10 for name, value in record.headers)
-        if i > start and (i - start >= MAX_APPEND_EVENTS or size + length > MAX_APPEND_BYTES):
-            runs.append((start, i))
-            start, size = i, 0
-        size += length
-    runs.append((start, len(records)))
-    return runs
 
 
 # ---- fetch and offsets -----------------------------------------------------------------
