@@ -156,11 +156,15 @@ def test_etcd_unreachable_at_start_is_one_line(tmp_path: Path) -> None:
 def stream_copies(cluster: Cluster, node_id: int, name: str) -> list[Path]:
     """The directories of node ``node_id``'s streams named ``name`` (tenant 0)."""
     streams = cluster.nodes[node_id].data_dir / "tenants/0/streams"
-    return [
-        meta.parent
-        for meta in streams.glob("*/stream.json")
-        if json.loads(meta.read_text()).get("name") == name
-    ]
+    found = []
+    for meta in streams.glob("*/stream.json"):
+        try:
+            text = meta.read_text()
+        except FileNotFoundError:  # deleted (renamed away) between the listing and now
+            continue
+        if json.loads(text).get("name") == name:
+            found.append(meta.parent)
+    return found
 
 
 def created(cluster: Cluster, name: str, partitions: int) -> None:
