@@ -194,6 +194,40 @@ def test_append_from_a_file(
     assert missing.returncode == 2 and "cannot read" in missing.stderr
 
 
+def test_append_stopped_part_way_says_what_it_stored(
+    shared_server: Any, sdk_stream_name: str, sdk_cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A line over 4 MiB after 60,000 others (a second chunk of the input): the message
+    # said "event 0 ... Nothing was appended." with 60,000 events stored, so a rerun of
+    # the fixed input stored them twice. And CR: only a CRLF line end's one is taken.
+    name = sdk_stream_name
+    ok(cli("stream", "create", name, server=shared_server, env=sdk_cli_env))
+    path = tmp_path / "events.txt"
+    path.write_bytes(
+        b"".join(b"e%d\r\n" % i for i in range(60_000)) + b"x" * (5 << 20) + b"\nlast\n"
+    )
+    refused = cli("append", name, "--file", str(path), server=shared_server, env=sdk_cli_env)
+    assert refused.returncode == 2
+    [message] = [line for line in refused.stderr.splitlines() if "error:" in line]
+    assert message == (
+        "headwater: error: the input's event 60,001 (counting non-empty lines) is 5,242,880"
+        " bytes; one event may be at most 4,194,304 bytes (4 MiB). The 60,000 events before"
+        f" it were appended to {name} (offsets 0..59999); none from there on."
+    ), message
+    # The same from a pipe, the line in the chunk of the events before it: those go.
+    piped = b"a\nb\n" + b"y" * (5 << 20) + b"\nc\n"
+    refused = cli("append", name, server=shared_server, env=sdk_cli_env, stdin=piped)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith(
+        f"The 2 events before it were appended to {name} (offsets 60000..60001); none from"
+        " there on."
+    ), refused.stderr
+    ok(cli("append", name, server=shared_server, env=sdk_cli_env, stdin=b"cr\r\r\n\r\n"))
+    with headwater.connect(shared_server.address) as hw:
+        values = [e.value for e in hw.scan(name, 0)]
+    assert values == [b"e%d" % i for i in range(60_000)] + [b"a", b"b", b"cr\r"]
+
+
 @pytest.mark.parametrize(
     "args",
     [

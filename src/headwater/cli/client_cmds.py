@@ -420,14 +420,14 @@ def _chunks(source: IO[bytes], *, live: bool) -> Iterator[tuple[list[bytes], int
         lines = (partial + data).split(b"\n")
         partial = lines.pop()
         for line in lines:
-            event = line.rstrip(b"\r")
+            event = line[:-1] if line.endswith(b"\r") else line  # a CRLF line end
             if event:
                 chunk.append(event)
                 size += len(event)
         if chunk and (live or len(chunk) >= APPEND_CHUNK_EVENTS or size >= APPEND_CHUNK_BYTES):
             yield chunk, consumed
             chunk, size, consumed = [], 0, 0
-    event = partial.rstrip(b"\r")
+    event = partial[:-1] if partial.endswith(b"\r") else partial
     if event:
         chunk.append(event)
     if chunk or consumed:
@@ -505,6 +505,7 @@ def parse_header(text: str) -> tuple[str, str]:
 
 @client_command
 def cmd_append(args: argparse.Namespace) -> int:
+    from headwater.protocols.kimberlite.messages import MAX_APPEND_BYTES as MAX_EVENT_BYTES
 
     source: IO[bytes]
     total = None
@@ -533,15 +534,37 @@ def cmd_append(args: argparse.Namespace) -> int:
                 closing.callback(api[0].close)
         progress = _progress("bytes") if total is not None else None
         task = progress.add_task("appending", total=total) if progress else None
+        sent = 0  # the input's events in the chunks appended before this one
         try:
             if progress is not None:
                 progress.start()
             for chunk, consumed in _chunks(source, live=total is None):
-                if chunk and api is not None:
-                    _append_placed(api[0], args, chunk, api[1], wrote)
-                elif chunk:
-                    result = _append_chunk(hw, args, chunk)
-                    wrote(0, result.first_offset, result.last_offset)
+                too_large = next((i for i, e in enumerate(chunk) if len(e) > MAX_EVENT_BYTES), None)
+                lines = chunk if too_large is None else chunk[:too_large]
+                try:
+                    if lines and api is not None:
+                        _append_placed(api[0], args, lines, api[1], wrote)
+                    elif lines:
+                        result = _append_chunk(hw, args, lines)
+                        wrote(0, result.first_offset, result.last_offset)
+                except Exception as exc:
+                    if not written:
+                        raise  # nothing stored: the command's usual error
+                    # What was stored must be told, or a rerun of the whole input would
+                    # store it twice.
+                    return fail(
+                        f"{_error_text(exc)} (appending the input's events {sent + 1:,}.."
+                        f"{sent + len(lines):,}). {_appended(args, written)}",
+                        EXIT_SERVER_ERROR,
+                    )
+                if too_large is not None:  # every event before it is stored, none after
+                    return fail(
+                        f"the input's event {sent + too_large + 1:,} (counting non-empty lines)"
+                        f" is {len(chunk[too_large]):,} bytes; one event may be at most"
+                        f" {MAX_EVENT_BYTES:,} bytes (4 MiB). {_appended(args, written)}",
+                        EXIT_USAGE,
+                    )
+                sent += len(chunk)
                 if progress is not None and task is not None:
                     progress.update(task, advance=consumed)
         finally:
@@ -551,14 +574,34 @@ def cmd_append(args: argparse.Namespace) -> int:
     if count == 0:
         say(f"no events appended to {args.stream} (the input had no lines)")
         return 0
-    if list(written) == [0]:
-        where = "offsets {}..{}".format(*written[0])
-    else:
-        where = ", ".join(
-            f"partition {p} offsets {first}..{last}" for p, (first, last) in sorted(written.items())
-        )
-    say(f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: {where}")
+    say(f"appended {count:,} event{'s' if count != 1 else ''} to {args.stream}: {_where(written)}")
     return 0
+
+
+def _where(written: dict[int, tuple[int, int]]) -> str:
+    """The offsets an append command stored, per partition."""
+    if list(written) == [0]:
+        return "offsets {}..{}".format(*written[0])
+    return ", ".join(
+        f"partition {p} offsets {first}..{last}" for p, (first, last) in sorted(written.items())
+    )
+
+
+def _appended(args: argparse.Namespace, written: dict[int, tuple[int, int]]) -> str:
+    """What an append command that stopped part-way had stored."""
+    count = sum(last - first + 1 for first, last in written.values())
+    if count == 0:
+        return "Nothing was appended."
+    return (
+        f"The {count:,} events before it were appended to {args.stream} ({_where(written)});"
+        " none from there on."
+    )
+
+
+def _error_text(exc: BaseException) -> str:
+    from headwater.errors import HeadwaterError
+
+    return f"{exc.name}: {exc.message}" if isinstance(exc, HeadwaterError) else str(exc)
 
 
 def _http_partitions(hw: Client, stream: str) -> tuple[ArrowApi, int] | str:
