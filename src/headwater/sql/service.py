@@ -398,13 +398,17 @@ class SqlService:
         # Refused if the query reads them: a table whose rows retention has removed
         # since a QueryAt's position, a stream with a partition this cluster node holds
         # no replica of (empty here).
+        head = self.engine.tenant(tenant_id).committed_position
         for table in tables:
             if history and position < table.history_from:
+                # Its first answerable position may not be written yet: say so, and what
+                # answers now (it named a position QueryAt then refused as ahead).
+                when = " once the log reaches it (Query answers now)" * (table.history_from > head)
                 snapshots[table.name] = _refusing(
                     InvalidOffset(
                         f"table {table.name!r} as of position {position}: retention has"
                         f" removed rows it had; QueryAt over it answers positions from"
-                        f" {table.history_from} on"
+                        f" {table.history_from} on{when}"
                     )
                 )
             elif (missing := self._not_replicated(table)) is not None:

@@ -491,8 +491,13 @@ def test_query_at_refuses_a_position_whose_rows_retention_removed(tmp_path: Path
             assert (await sql.query_at(0, count, [], early)).rows == [[80]]
             await engine.run_maintenance()
             assert engine.stream(0, s.stream_id).log.start_offset > 0
-            with pytest.raises(InvalidOffset, match="retention has removed rows"):
+            with pytest.raises(InvalidOffset, match="retention has removed rows") as refused:
                 await sql.query_at(0, count, [], early)
+            # Its first answerable position is not written yet: said, with what answers
+            # now (it named a position QueryAt then refused as ahead of the head).
+            assert refused.value.message.endswith(
+                f"answers positions from {early + 1} on once the log reaches it (Query answers now)"
+            ), refused.value.message
             assert (await sql.query_at(0, "SELECT count(*) FROM t", [], early)).rows == [[1]]
             # The head query reads what is kept; a position from now on, as always.
             kept = (await sql.query(0, count)).rows[0][0]
