@@ -110,6 +110,9 @@ def test_stream_append_read_sql_delete(
     bad = cli("sql", "SELEKT", server=shared_server, env=env)
     assert bad.returncode == 1 and "QueryParseError" in bad.stderr
     assert "Traceback" not in bad.stderr
+    # One line, as docs/cli.md says (DuckDB's parser error has three, with a caret).
+    [line] = bad.stderr.splitlines()
+    assert line.startswith("headwater: error: QueryParseError:") and "LINE 1: SELEKT" in line
 
     ok(cli("stream", "delete", name, server=shared_server, env=env))
     listed = ok(cli("stream", "list", server=shared_server, env=env))

@@ -101,7 +101,9 @@ def print_counted(table: Table, count: int, noun: str) -> None:
 
 
 def fail(message: str, status: int) -> int:
-    """One plain line on stderr (never wrapped, no markup), and the exit status."""
+    """One plain line on stderr (never wrapped, no markup), and the exit status. A
+    message of several lines (DuckDB's parser errors point at the text) is joined."""
+    message = " ".join(line.strip() for line in message.splitlines() if line.strip())
     sys.stderr.write(f"headwater: error: {message}\n")
     sys.stderr.flush()
     return status
