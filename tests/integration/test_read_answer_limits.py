@@ -1,7 +1,7 @@
 """Read answers that their peers do not read are held within ``[limits]
 read_answers_mib`` (docs/operations.md): clients that pipeline Kafka Fetches and
-Kimberlite ReadEvents or Rivven Consumes of a whole stream, or ask HTTP for pages and
-Arrow range reads,
+Kimberlite ReadEvents or Rivven Consumes of a whole stream, subscribe to it many times
+over Kimberlite, or ask HTTP for pages and Arrow range reads,
 and never read the answers once took the
 server's anonymous memory to 1.4 GiB with four Fetches of a 300 MB topic. Now a
 connection builds one large answer at a time, once the one before is read, and all
@@ -34,7 +34,7 @@ from test_rivven_server import Rivven
 
 from headwater.protocols.kafka import ApiKey
 from headwater.protocols.kafka.frames import decode_response, encode_request
-from headwater.protocols.kimberlite.messages import ReadEventsRequest
+from headwater.protocols.kimberlite.messages import ReadEventsRequest, SubscribeRequest
 from headwater.protocols.rivven import rivven_pb2 as pb
 from headwater.server.http.listener import SHUTDOWN_SECONDS
 from headwater.server.memory import process_memory
@@ -113,6 +113,7 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
 
     kafka_hogs = [raw_socket(server, "kafka") for _ in range(4)]
     kimberlite_hogs = [RawClient(server.port) for _ in range(2)]
+    subscriber_hog = RawClient(server.port)  # 40 subscriptions with credit, never read
     http_hogs = [raw_socket(server, "http") for _ in range(8)]
     arrow_hogs = [raw_socket(server, "http") for _ in range(2)]
     rivven_hogs = [Rivven(server.ports["rivven"]) for _ in range(2)]
@@ -134,6 +135,9 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
                 hog.send(
                     pb.ConsumeRequest(topic=topic, partition=0, offset=0, max_messages=100_000)
                 )
+        # Each subscription read 4 MiB at once whatever its peer took (+335 MB for 80).
+        for _ in range(40):
+            subscriber_hog.send(SubscribeRequest(stream_id, 0, 4096, None))
         # Pages of 10,000 events (10 MB, and their JSON) and Arrow range reads over HTTP.
         for sock in http_hogs:
             sock.sendall(f"GET {HTTP_PAGE.format(topic)} HTTP/1.1\r\nHost: hw\r\n\r\n".encode())
@@ -150,7 +154,7 @@ def test_answers_nobody_reads_are_held_within_read_answers_mib(server: Server) -
 
     for sock in kafka_hogs:
         sock.close()
-    for hog in kimberlite_hogs:
+    for hog in [*kimberlite_hogs, subscriber_hog]:
         hog.sock.close()
     for sock in http_hogs + arrow_hogs:
         sock.close()

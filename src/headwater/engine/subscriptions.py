@@ -23,6 +23,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -74,6 +75,9 @@ class Push(NamedTuple):
 Deliver = Callable[["Subscription", list[Push]], Awaitable[None]]
 DeliverRead = Callable[["Subscription", ReadResult], Awaitable[None]]
 OnClose = Callable[["Subscription", CloseReason], None]
+# Up to this many bytes of the next read, granted by the front end for a read and its
+# delivery (held until the context ends).
+ReadRoom = Callable[[int], AbstractAsyncContextManager[int]]
 
 
 def _span_bounds(chunk: memoryview, count: int) -> np.ndarray:
@@ -275,6 +279,10 @@ class Subscription:
     on_close: OnClose
     deliver_read: DeliverRead | None = None
     partition: int = 0
+    # The front end's room for a read and its delivery (the connection's turn and the
+    # server's read-answer budget): without it a connection's subscriptions each read
+    # READ_MAX_BYTES at once, however little its peer takes.
+    read_room: ReadRoom | None = None
     closed: bool = field(default=False, init=False)
     active: bool = field(init=False)  # False while another member of its group reads
     delivered_events: int = field(default=0, init=False)
@@ -291,9 +299,7 @@ class Subscription:
         self._task = asyncio.get_running_loop().create_task(self._pump())
 
     async def _pump(self) -> None:
-        engine = self.manager.engine
         plog = self.stream.partition_logs[self.partition]
-        timeout = self.manager.backpressure_timeout
         try:
             while not self.closed:
                 if (
@@ -308,47 +314,13 @@ class Subscription:
                     await self._wake.wait()
                     self._wake.clear()
                     continue
-                if self.next_offset < plog.start_offset:
-                    self.next_offset = plog.start_offset  # retention removed what we wanted
-                # One read covers many pushes: the disk (or page cache) is visited once
-                # per READ_MAX_EVENTS, while each push still keeps to the wire limits.
-                result = await engine.read(
-                    self.stream.tenant.tenant_id,
-                    self.stream.stream_id,
-                    self.next_offset,
-                    READ_MAX_BYTES,
-                    max_events=min(READ_MAX_EVENTS, self.credits),
-                    partition=self.partition,
-                )
-                if self.closed:
+                if self.read_room is None:
+                    more = await self._read_and_deliver(READ_MAX_BYTES)
+                else:
+                    async with self.read_room(READ_MAX_BYTES) as room:
+                        more = await self._read_and_deliver(room)
+                if not more:
                     return
-                if result.count == 0:
-                    # Only markers or aborted transactions were there: move past them.
-                    self.next_offset = max(self.next_offset, result.end_offset)
-                    continue
-                # The whole read goes to the front end at once: one call, one timeout.
-                # The cursor moves first: the front end hands every push to the
-                # transport before it awaits, so a group's grant arriving during that
-                # wait acknowledges only what the transport already has.
-                pushes = None
-                if self.deliver_read is None:
-                    pushes = plan_pushes(result, self.credits)
-                self.next_offset = max(self.next_offset, result.end_offset)
-                self.credits -= result.count
-                self.delivered_events += result.count
-                try:
-                    async with asyncio.timeout(timeout):
-                        if pushes is None:
-                            assert self.deliver_read is not None
-                            await self.deliver_read(self, result)
-                        else:
-                            assert self.deliver is not None
-                            await self.deliver(self, pushes)
-                except TimeoutError:
-                    self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
-                    return
-                if (pace := self.manager.pace) is not None:
-                    await pace(self.stream.tenant.tenant_id, result.value_bytes)
         except asyncio.CancelledError:
             raise
         except (StreamNotFound, ConnectionError):
@@ -356,6 +328,54 @@ class Subscription:
         except Exception:
             log.exception("subscription %d failed", self.subscription_id)
             self.manager.close(self, CloseReason.PROTOCOL_ERROR)
+
+    async def _read_and_deliver(self, max_bytes: int) -> bool:
+        """One read of up to ``max_bytes`` from the cursor, delivered; False once the
+        subscription is over."""
+        engine = self.manager.engine
+        plog = self.stream.partition_logs[self.partition]
+        if self.next_offset < plog.start_offset:
+            self.next_offset = plog.start_offset  # retention removed what we wanted
+        # One read covers many pushes: the disk (or page cache) is visited once
+        # per READ_MAX_EVENTS, while each push still keeps to the wire limits.
+        result = await engine.read(
+            self.stream.tenant.tenant_id,
+            self.stream.stream_id,
+            self.next_offset,
+            max(max_bytes, 1),
+            max_events=min(READ_MAX_EVENTS, self.credits),
+            partition=self.partition,
+        )
+        if self.closed:
+            return False
+        if result.count == 0:
+            # Only markers or aborted transactions were there: move past them.
+            self.next_offset = max(self.next_offset, result.end_offset)
+            return True
+        # The whole read goes to the front end at once: one call, one timeout.
+        # The cursor moves first: the front end hands every push to the
+        # transport before it awaits, so a group's grant arriving during that
+        # wait acknowledges only what the transport already has.
+        pushes = None
+        if self.deliver_read is None:
+            pushes = plan_pushes(result, self.credits)
+        self.next_offset = max(self.next_offset, result.end_offset)
+        self.credits -= result.count
+        self.delivered_events += result.count
+        try:
+            async with asyncio.timeout(self.manager.backpressure_timeout):
+                if pushes is None:
+                    assert self.deliver_read is not None
+                    await self.deliver_read(self, result)
+                else:
+                    assert self.deliver is not None
+                    await self.deliver(self, pushes)
+        except TimeoutError:
+            self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
+            return False
+        if (pace := self.manager.pace) is not None:
+            await pace(self.stream.tenant.tenant_id, result.value_bytes)
+        return True
 
 
 def commit_key(tenant_id: int, stream_id: int, partition: int) -> tuple[int, ...]:
@@ -434,6 +454,7 @@ class Subscriptions:
         *,
         deliver_read: DeliverRead | None = None,
         partition: int = 0,
+        read_room: ReadRoom | None = None,
     ) -> Subscription:
         """Start a subscription to one partition (0 unless named); its start offset is
         ``next_offset`` on return. Exactly one of ``deliver`` (pushes of values) and
@@ -477,6 +498,7 @@ class Subscriptions:
             on_close,
             deliver_read,
             partition,
+            read_room,
         )
         self._next_id += 1
         self._listen(stream, partition)
