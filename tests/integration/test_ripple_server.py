@@ -418,6 +418,28 @@ def test_a_gone_workers_entities_last_its_liveness_deadline(
     assert len(table(proc, "held")) == 7  # well within the long deadline
 
 
+def test_a_worker_back_after_its_liveness_deadline_replays_what_was_retracted(
+    make_server: Callable[..., Server],
+) -> None:
+    """Past its liveness deadline a gone worker's entities are retracted. Its replay
+    from the checkpoint, with the same sequence numbers, was then dropped as
+    redeliveries of state that no longer existed: its data was lost for good. Now the
+    replay is applied again (within the deadline a replay is still a redelivery:
+    test_a_resuming_worker_numbers_after_what_the_server_applied)."""
+    proc = make_server(config=f"[ripple]\nliveness_ms = {SHORT_MS}\n", listen=LISTEN)
+    address = proc.address_of("ripple")
+    with Worker_("job", {"gone": Quote}, address) as worker:
+        run(worker, "gone", range(1, 8))
+        assert worker.checkpoint() == 7
+    written = table(proc, "gone")
+    assert len(written) == 7
+    wait_until(lambda: not table(proc, "gone"), message="the entities outlived 200 ms")
+    with Worker_("job", {"gone": Quote}, address) as replaying:
+        run(replaying, "gone", range(1, 8))  # deterministic: the same numbers
+        assert replaying.checkpoint() == 7
+    assert table(proc, "gone") == written
+
+
 TENANT_TOKEN = """
 [[auth.tokens]]
 token = "acme-token"

@@ -190,6 +190,12 @@ class TenantKinds:
         entities), or the lowest free slot (NoFreeSource when all 64 are taken)."""
         return self.writers.connect(name, source_id, read_only, deadline_ms, on_dead)
 
+    def holds(self, source_id: int) -> bool:
+        """Whether a source holds the slot: connected, or gone and within its liveness
+        deadline (after a restart: any slot whose bit entities carry). Not once its
+        source was declared dead and its entities retracted."""
+        return source_id in self.writers.by_slot
+
     def disconnect(self, source: Source) -> None:
         """The source's connection ended: its epoch is abandoned, its presence entity
         goes, and its entities stay until its liveness deadline passes."""

@@ -158,6 +158,15 @@ class RippleState:
             )
         return result
 
+    def forget(self, worker: str) -> None:
+        """Forget the sequence numbers ``worker`` had applied (to be saved): what they
+        made is gone, so its deltas are to be applied again when they come back."""
+        for known in [k for k in self.durable if k[0] == worker]:
+            del self.durable[known]
+        for received, _ in self.tracker.items():
+            if isinstance(received, tuple) and received[0] == worker:
+                self.tracker.rewind(received, None)
+
     async def save(self) -> None:
         """Write the table (temp file, fsync, rename) in a worker thread: an fsync on the
         event loop would stall every connection. Saves run one at a time, each writing
@@ -400,6 +409,14 @@ class RippleConnection(asyncio.Protocol):
                 and other.protocol.worker_id == worker
             ):
                 other.fence()
+        slot = self.state.slots.get(worker)
+        if slot is not None and not kinds.holds(slot):
+            # Its source was declared dead past its liveness deadline and what it wrote
+            # retracted: a replay from its checkpoint must be applied again, not dropped
+            # as a redelivery of state that is gone (deltas give the same state twice).
+            log.info("Ripple worker %r comes back after its liveness deadline", worker)
+            self.state.forget(worker)
+            await self.state.save()
         try:
             # A worker keeps its slot across reconnections and restarts, so its Removes
             # clear the bits its earlier connections set.
