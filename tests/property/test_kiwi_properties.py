@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from headwater.protocols.kiwi import messages as m
@@ -102,6 +102,7 @@ class Model:
             else:
                 self.lose(source_id, sub)
             return
+        self.release(sub)  # what waits in the ring goes first while credit and room allow
         if sub.requested and not sub.ring and self.room():
             sub.requested -= 1
             self.send(sub, event)
@@ -173,6 +174,21 @@ ops = st.one_of(
     st.integers(1, 4),
     st.integers(1, 8),
     st.lists(ops, max_size=60),
+)
+# Found by a CI run: a pull subscription with credit left and an event waiting in its
+# ring (a take's room was used up) got a batch that filled the ring: the waiting event
+# was dropped (a LAG) where the room and credit could send it.
+@example(
+    2,
+    1,
+    1,
+    [
+        ("sub", "c", Mode.PULL),
+        ("req", "c", 2),
+        ("deliver", "c", 2),
+        ("take",),
+        ("deliver", "c", 2),
+    ],
 )
 def test_connection_matches_model(
     buffer_capacity: int, threshold: int, send_capacity: int, script: list[tuple[object, ...]]

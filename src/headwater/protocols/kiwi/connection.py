@@ -147,6 +147,10 @@ class KiwiConnection:
                 self._lose(sub, len(results) - taken)
             return
         ring = sub.ring
+        # What already waits goes first, as far as credit and room allow: a full ring
+        # took the new events over its oldest, which the room could have sent (lost).
+        self._release(sub)
+        room = self._room()
         rest: Sequence[bytes] = results
         if sub.requested and not ring and room:
             taken = min(sub.requested, room, len(results))
