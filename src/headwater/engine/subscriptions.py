@@ -315,12 +315,15 @@ class Subscription:
                     self._wake.clear()
                     continue
                 if self.read_room is None:
-                    more = await self._read_and_deliver(READ_MAX_BYTES)
+                    delivered = await self._read_and_deliver(READ_MAX_BYTES)
                 else:
                     async with self.read_room(READ_MAX_BYTES) as room:
-                        more = await self._read_and_deliver(room)
-                if not more:
+                        delivered = await self._read_and_deliver(room)
+                if delivered is None:
                     return
+                if delivered and (pace := self.manager.pace) is not None:
+                    # Out of the room: a throttled tenant's wait holds no read.
+                    await pace(self.stream.tenant.tenant_id, delivered)
         except asyncio.CancelledError:
             raise
         except (StreamNotFound, ConnectionError):
@@ -329,9 +332,9 @@ class Subscription:
             log.exception("subscription %d failed", self.subscription_id)
             self.manager.close(self, CloseReason.PROTOCOL_ERROR)
 
-    async def _read_and_deliver(self, max_bytes: int) -> bool:
-        """One read of up to ``max_bytes`` from the cursor, delivered; False once the
-        subscription is over."""
+    async def _read_and_deliver(self, max_bytes: int) -> int | None:
+        """One read of up to ``max_bytes`` from the cursor, delivered: its value bytes
+        (for the tenant's quota), None once the subscription is over."""
         engine = self.manager.engine
         plog = self.stream.partition_logs[self.partition]
         if self.next_offset < plog.start_offset:
@@ -347,11 +350,11 @@ class Subscription:
             partition=self.partition,
         )
         if self.closed:
-            return False
+            return None
         if result.count == 0:
             # Only markers or aborted transactions were there: move past them.
             self.next_offset = max(self.next_offset, result.end_offset)
-            return True
+            return 0
         # The whole read goes to the front end at once: one call, one timeout.
         # The cursor moves first: the front end hands every push to the
         # transport before it awaits, so a group's grant arriving during that
@@ -372,10 +375,8 @@ class Subscription:
                     await self.deliver(self, pushes)
         except TimeoutError:
             self.manager.close(self, CloseReason.BACKPRESSURE_TIMEOUT)
-            return False
-        if (pace := self.manager.pace) is not None:
-            await pace(self.stream.tenant.tenant_id, result.value_bytes)
-        return True
+            return None
+        return result.value_bytes
 
 
 def commit_key(tenant_id: int, stream_id: int, partition: int) -> tuple[int, ...]:
