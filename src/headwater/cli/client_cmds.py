@@ -124,7 +124,7 @@ def client_command(
         except ClientError as exc:  # ServerUnavailable, ConnectionLost, RequestTimeout ...
             return fail(str(exc), EXIT_UNREACHABLE)
         except HeadwaterError as exc:  # what the server answered
-            return fail(f"{exc.name}: {exc.message}", EXIT_SERVER_ERROR)
+            return fail(_error_text(exc), EXIT_SERVER_ERROR)
         except UsageError as exc:  # a value the SDK could not send
             return fail(str(exc), EXIT_USAGE)
         except BrokenPipeError:
@@ -541,7 +541,9 @@ def cmd_append(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.start()
             for chunk, consumed in _chunks(source, live=total is None):
-                too_large = next((i for i, e in enumerate(chunk) if len(e) > MAX_EVENT_BYTES), None)
+                too_large = None
+                if chunk and max(map(len, chunk)) > MAX_EVENT_BYTES:  # found in C; rare
+                    too_large = next(i for i, e in enumerate(chunk) if len(e) > MAX_EVENT_BYTES)
                 lines = chunk if too_large is None else chunk[:too_large]
                 try:
                     if lines and api is not None:
@@ -601,6 +603,7 @@ def _appended(args: argparse.Namespace, written: dict[int, tuple[int, int]]) -> 
 
 
 def _error_text(exc: BaseException) -> str:
+    """An error as a command reports it: a server's answer with its name."""
     from headwater.errors import HeadwaterError
 
     return f"{exc.name}: {exc.message}" if isinstance(exc, HeadwaterError) else str(exc)
