@@ -9,8 +9,8 @@ context switches over the produce, per request. The event loop thread is the pro
 main thread; the others, busy during a produce, are the fsync threads (the SQL
 projection's catch-up waits for the writes to pause, past these short runs). With
 ``--strace``, one more round under ``strace -c -f`` counts the server's ``futex``,
-``fdatasync``, ``pwrite64``, ``io_submit``/``io_getevents`` (the active segments'
-fsyncs through Linux AIO) and ``epoll_wait`` calls per request (strace slows the round:
+``fdatasync``, ``pwrite64`` and ``io_submit``/``io_getevents`` (the active segments'
+fsyncs through Linux AIO) calls per request (strace slows the round:
 its rate is not reported). Markdown on stdout.
 
     .venv/bin/python benchmarks/kafka_produce_threads.py --partitions 4 --strace
@@ -35,7 +35,7 @@ from headwater.protocols.kafka.apis import ApiKey
 
 RESULTS = Path(__file__).parent / "results"
 RECORDS_PER_REQUEST = 2_000
-STRACED = ("futex", "fdatasync", "pwrite64", "io_submit", "io_getevents", "epoll_wait")
+STRACED = ("futex", "fdatasync", "pwrite64", "io_submit", "io_getevents")
 
 
 def switches(pid: int, tid: str) -> tuple[int, int]:
